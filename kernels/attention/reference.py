@@ -1,0 +1,90 @@
+"""Reference attention over compressed-cache segments (pure PyTorch).
+
+This is the CPU implementation used by the registered attention of kvcompress
+and the oracle GPU kernels are tested against.  It computes exactly::
+
+    softmax(scale * [qmap_s(q) . K_s^T for each segment s], masked) . [V_s]
+
+with one joint softmax across segments, in float32.  A key of a segment is
+visible to a query when its row is valid and its logical position is not
+after the query's position; kv heads a segment does not cover see ``-inf``.
+Fully masked query rows return zeros (never NaN).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kvcompress.state import Segment
+
+
+def segment_mask(seg: Segment, q_positions: torch.Tensor) -> torch.Tensor:
+    """Boolean visibility ``[batch or 1, 1, q_len, tokens]`` of one segment."""
+    pos = seg.positions if seg.positions.dim() == 2 else seg.positions.unsqueeze(0)
+    mask = pos.unsqueeze(1) <= q_positions.view(1, -1, 1)  # [b|1, q, t]
+    if seg.valid is not None:
+        mask = mask & seg.valid.unsqueeze(1)
+    return mask.unsqueeze(1)
+
+
+def segment_attention(
+    query: torch.Tensor,
+    segments: Sequence[Segment],
+    q_positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of ``query`` over ``segments``.
+
+    Args:
+        query: ``[batch, q_heads, q_len, head_dim]``.
+        segments: regions to read; kv heads = ``q_heads / group``.
+        q_positions: ``[q_len]`` logical positions of the queries.
+        scale: softmax scale (``1/sqrt(head_dim)`` of the full head, also for pruned keys).
+
+    Returns:
+        ``[batch, q_heads, q_len, v_dim]`` in the query's dtype.
+    """
+    b, hq, q_len, d = query.shape
+    kv_heads = next(s.k.shape[1] for s in segments if s.heads is None) if any(
+        s.heads is None for s in segments) else None
+    if kv_heads is None:
+        kv_heads = max(int(s.heads.max()) + 1 for s in segments)
+    group = hq // kv_heads
+    qg = query.float().view(b, kv_heads, group, q_len, d)
+    scores, masks = [], []
+    for seg in segments:
+        heads = seg.heads
+        qs = qg if heads is None else qg.index_select(1, heads)
+        if seg.qmap is not None:
+            qs = seg.qmap(qs)
+        s = torch.einsum("bhgqd,bhtd->bhgqt", qs, seg.k.float()) * scale
+        if heads is not None:
+            full = s.new_full((b, kv_heads, group, q_len, s.shape[-1]), float("-inf"))
+            full[:, heads] = s
+            s = full
+        m = segment_mask(seg, q_positions).unsqueeze(1)  # [b|1, 1, 1, q, t]
+        scores.append(s)
+        masks.append(m.expand(b, 1, 1, q_len, s.shape[-1]))
+    s = torch.cat(scores, dim=-1)
+    m = torch.cat(masks, dim=-1)
+    s = s.masked_fill(~m, float("-inf"))
+    mx = s.amax(dim=-1, keepdim=True)
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    p = torch.exp(s - mx)
+    denom = p.sum(dim=-1, keepdim=True)
+    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
+    dv = max(seg.v.shape[-1] for seg in segments)
+    out = qg.new_zeros(b, kv_heads, group, q_len, dv)
+    start = 0
+    for seg in segments:
+        t = seg.k.shape[-2]
+        ps = p[..., start:start + t]
+        start += t
+        if seg.heads is None:
+            out = out + torch.einsum("bhgqt,bhtd->bhgqd", ps, seg.v.float())
+        else:
+            part = torch.einsum("bhgqt,bhtd->bhgqd", ps.index_select(1, seg.heads), seg.v.float())
+            out.index_add_(1, seg.heads, part)
+    return out.view(b, hq, q_len, dv).to(query.dtype)

@@ -1,0 +1,1 @@
+"""Adapters to model libraries.  ``hf`` is the only module that touches transformers."""

@@ -1,0 +1,185 @@
+"""Every touchpoint between kvcompress and Hugging Face transformers.
+
+Nothing else in kvcompress imports transformers.  This module provides:
+
+* the base classes a kvcompress cache builds on (``CacheBase``, ``CacheLayerMixin``)
+  and transformers' own layers for layer types kvcompress does not compress
+  (sliding-window, chunked, linear-attention layers of hybrid models);
+* the registered attention implementation ``"kvcompress"`` and its mask
+  function (registered under a unique name, which is additive: no existing
+  implementation is replaced);
+* :func:`attach`, the reversible switch of one model to that implementation;
+* model capability checks (latent/MLA caches are refused with a clear error);
+* the cache keyword of ``generate``/``forward`` across transformers 5.17 - 5.x;
+* loading of models and tokenizers (:func:`load_pretrained`).
+
+Works with transformers 5.17 (``past_key_values=``) through 5.24 (``cache=``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Iterator
+
+import torch
+from transformers import cache_utils
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..errors import UnsupportedModelError
+
+CacheBase = cache_utils.Cache
+CacheLayerMixin = cache_utils.CacheLayerMixin
+
+#: Name of kvcompress' attention implementation in transformers' registries.
+ATTN_NAME = "kvcompress"
+
+#: Layer types kvcompress compresses; every other type keeps transformers' own layer.
+COMPRESSED_LAYER_TYPES = ("full_attention",)
+
+#: Model types whose cache holds latents or split keys rather than plain K/V.
+LATENT_CACHE_MODEL_TYPES = frozenset({
+    "deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_linear", "glm_moe_dsa", "minicpm3", "mistral4",
+    "longcat_flash",
+})
+
+
+# ----------------------------------------------------------------------------- model facts
+
+
+def text_config(model_or_config: Any) -> Any:
+    config = getattr(model_or_config, "config", model_or_config)
+    return config.get_text_config(decoder=True)
+
+
+def check_model_supported(model: Any) -> None:
+    """Refuse models whose cache does not hold post-RoPE keys and values."""
+    config = text_config(model)
+    model_type = getattr(config, "model_type", "")
+    if model_type in LATENT_CACHE_MODEL_TYPES or getattr(config, "kv_lora_rank", None):
+        raise UnsupportedModelError(
+            f"model type {model_type!r} caches latent/split keys (MLA), not plain K and V; "
+            "kvcompress cannot compress it. Supported: models whose attention calls cache.update(K, V) "
+            "with post-RoPE keys (llama, mistral, qwen2/3, gemma, phi3, ...)"
+        )
+    if not getattr(model, "_can_set_attn_implementation", lambda: True)():
+        raise UnsupportedModelError(
+            f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface; "
+            "kvcompress cannot read a compressed cache in it"
+        )
+
+
+def layer_layout(config: Any) -> list[tuple[str, dict]]:
+    """(layer type, kwargs for transformers' own layer class) for every decoder layer."""
+    types, kwargs = cache_utils.get_layer_types_and_kwargs(config)
+    if isinstance(kwargs, dict):  # transformers 5.17 returns one dict shared by all layers
+        kwargs = [dict(kwargs) for _ in types]
+    return list(zip(types, kwargs))
+
+
+def native_layer(layer_type: str, kwargs: dict) -> Any:
+    """transformers' own dynamic layer for a layer type kvcompress leaves alone."""
+    mapping = cache_utils.DYNAMIC_LAYER_TYPE_MAPPING
+    if layer_type not in mapping:
+        raise UnsupportedModelError(f"unknown cache layer type {layer_type!r} (known: {sorted(mapping)})")
+    return mapping[layer_type](**kwargs)
+
+
+def head_counts(config: Any) -> tuple[int, int, int]:
+    """(query heads, kv heads, head_dim)."""
+    q_heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // q_heads
+    return q_heads, kv_heads, head_dim
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def _dense_attention(module: Any, **extra: Any):
+    def run(query, key, value, mask, scaling):
+        out, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **extra)
+        return out
+
+    return run
+
+
+def kvcompress_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention interface entry: read a kvcompress layer, else plain SDPA."""
+    from ..layer import claim_pending
+
+    layer = claim_pending(getattr(module, "layer_idx", -1))
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if layer is None:  # a layer kvcompress does not own (sliding layers, no cache, other caches)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    if kwargs.get("softcap") is not None or kwargs.get("sinks") is not None or kwargs.get("s_aux") is not None:
+        raise UnsupportedModelError("kvcompress attention does not support logit soft-capping or learned sinks yet")
+    extra = {k: kwargs[k] for k in ("is_causal",) if k in kwargs}
+    out = layer.attend(query, attention_mask, scaling, _dense_attention(module, **extra))
+    return out, None
+
+
+def register_attention() -> None:
+    """Register ``"kvcompress"`` in both attention registries (idempotent, additive)."""
+    if ATTN_NAME not in ALL_ATTENTION_FUNCTIONS:
+        ALL_ATTENTION_FUNCTIONS.register(ATTN_NAME, kvcompress_attention)
+    if ATTN_NAME not in ALL_MASK_ATTENTION_FUNCTIONS:
+        ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, sdpa_mask)
+
+
+def uses_kvcompress_attention(config: Any) -> bool:
+    return getattr(config, "_attn_implementation", None) == ATTN_NAME
+
+
+@contextlib.contextmanager
+def attach(model: Any) -> Iterator[None]:
+    """Switch ``model`` to kvcompress attention; restore the previous implementation on exit."""
+    register_attention()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_NAME)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+# ----------------------------------------------------------------------------- generate / forward
+
+
+def cache_kwarg(model: Any) -> str:
+    """``"cache"`` on transformers >= 5.24-style signatures, ``"past_key_values"`` before."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def output_cache(outputs: Any) -> Any:
+    return getattr(outputs, "cache", None) or getattr(outputs, "past_key_values", None)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_pretrained(path: str, *, gguf_file: str | None = None, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) from a local folder or hub id, optionally from a GGUF file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(path, **kw)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
+    model.eval()
+    return model, tokenizer
+
+
+def save_dequantized(model: Any, tokenizer: Any, out_dir: str) -> None:
+    """Save a model loaded from GGUF as plain safetensors (transformers refuses GGUF re-serialization)."""
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if hasattr(model, "is_quantized"):
+        model.is_quantized = False
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)

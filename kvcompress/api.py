@@ -1,0 +1,29 @@
+"""The scoped entry point: ``with kvcompress.compress(model, stack) as cache``."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+from .adapters import hf
+from .cache import Cache
+from .stack import as_stack
+
+
+@contextlib.contextmanager
+def compress(model: Any, stack: Any = None) -> Iterator[Cache]:
+    """Compress ``model``'s KV cache with ``stack`` inside the ``with`` block.
+
+    Yields a fresh :class:`kvcompress.Cache`; pass it to ``model.generate(..., cache=cache)``
+    or to direct forward calls (``model(ids, cache=cache)``).  The model reads the
+    compressed storage through kvcompress' registered attention; on exit the model's
+    previous attention implementation is restored.  Nothing else is changed.
+
+    Args:
+        model: a transformers causal LM.
+        stack: a :class:`kvcompress.Stack`, a YAML path, a mapping, or ``None`` (no compression).
+    """
+    stack = as_stack(stack)
+    cache = Cache(stack, model)
+    with hf.attach(model):
+        yield cache

@@ -1,0 +1,214 @@
+"""The ``CacheCompressor`` hook specification: the plugin API of kvcompress.
+
+This module *is* the reference documentation of the plugin API (``docs/hooks.md``
+is generated from it, and a meta-test checks that every hook here is documented
+there and exercised by a test).
+
+Two kinds of hooks exist:
+
+* **Registration hooks** (:class:`RegistrationSpec`) are implemented by plugin
+  *modules* found through the ``kvcompress`` entry-point group.  Built-in
+  compressors are registered through exactly the same group.
+* **Compressor hooks** (:class:`CacheCompressor`) are implemented by compressor
+  *objects*.  Each built stack owns a private :class:`pluggy.PluginManager` in
+  which only that stack's compressors are registered, so a hook call never
+  reaches a compressor of another stack.  Hook implementations are resolved
+  once, when the cache is built, into plain bound-method lists: per-layer
+  work at a lifecycle event (a block of tokens leaving the full-precision
+  window, read planning) is a direct method call, not a pluggy dispatch.
+
+Pipeline order
+--------------
+Every stack runs the same fixed pipeline over shared per-layer state::
+
+    write full-precision K/V into the recent window (ring buffer)
+      -> tokens leave the window in blocks of ``Layout.flush`` tokens:
+         score -> evict -> prune | low-rank -> regroup -> quantize/store
+      -> attention reads sinks + middle store + recent window (+ selection)
+
+The YAML order of a stack must respect it (``evict`` before ``prune`` before
+``regroup`` before ``quantize``); ``kvcompress.stack`` rejects stacks that do
+not, and stacks with two compressors on one exclusive axis.
+
+All tensors follow transformers' layout: ``[batch, kv_heads, tokens, head_dim]``
+for keys and values, keys *after* RoPE.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
+    from .registry import CompressorSpec
+    from .state import KVBlock, LayerInfo, Layout, MiddleStore
+    from .layer import CompressedLayer
+
+PROJECT = "kvcompress"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+class RegistrationSpec:
+    """Hooks implemented by plugin modules (entry points of group ``kvcompress``)."""
+
+    @hookspec
+    def kvcompress_register_compressors(self, register: Callable[["CompressorSpec"], None]) -> None:
+        """Register the compressors a plugin provides.
+
+        Called once per plugin manager (``kvcompress.manager.get_plugin_manager``),
+        never at import time.
+
+        Args:
+            register: call it once per compressor with a
+                :class:`kvcompress.registry.CompressorSpec` (name, axis, config class,
+                factory).  Registering a name twice raises ``PluginError``.
+
+        Returns:
+            Nothing; use ``register``.
+
+        Example::
+
+            @hookimpl
+            def kvcompress_register_compressors(register):
+                register(CompressorSpec(name="window", axis="evict",
+                                        config=WindowConfig, factory=WindowCompressor))
+        """
+
+
+class CacheCompressor:
+    """Hooks implemented by compressor objects of one stack.
+
+    A compressor implements only the hooks of its axis (plus, optionally,
+    :meth:`kvcompress_layer_layout` and :meth:`kvcompress_validate_stack`).
+    Every hook receives the per-layer :class:`~kvcompress.layer.CompressedLayer`
+    it acts on; compressors keep per-layer state in ``layer.state[<name>]``,
+    never in module globals.
+    """
+
+    @hookspec
+    def kvcompress_validate_stack(self, entries: list[tuple[str, object]]) -> None:
+        """Check rules that involve several compressors of one stack.
+
+        Called once when a stack is loaded, before any model is touched.
+
+        Args:
+            entries: ``(name, config)`` pairs in stack order.
+
+        Raises:
+            kvcompress.errors.ConfigError: naming the key path (``compressors[i].name.key``),
+                the allowed values and the value given.
+        """
+
+    @hookspec
+    def kvcompress_layer_layout(self, layer: "LayerInfo") -> "Layout | None":
+        """Declare the region sizes this compressor needs on one layer.
+
+        Called once per compressed layer when the cache is built.  The pipeline
+        combines the answers of every compressor: ``sinks`` and ``recent`` take the
+        maximum, ``flush`` the least common multiple.
+
+        Args:
+            layer: static facts of the layer (index, kv heads, head_dim, model config).
+
+        Returns:
+            A :class:`~kvcompress.state.Layout` or ``None`` for no requirement.
+        """
+
+    @hookspec
+    def kvcompress_score_tokens(self, layer: "CompressedLayer", block: "KVBlock") -> None:
+        """Score stage: compute per-token metadata from full-precision K/V.
+
+        Called for every block of tokens leaving the full-precision recent window
+        (at the end of prefill, then every ``Layout.flush`` tokens), before any
+        eviction or quantization, so scores are always computed from exact values.
+        Store results in ``block.meta[<key>]`` (tensors of shape ``[batch, tokens]``
+        or ``[batch, kv_heads, tokens, ...]``); later stages and stores keep them.
+
+        Args:
+            layer: the layer the block belongs to.
+            block: the tokens leaving the window, full precision.
+        """
+
+    @hookspec
+    def kvcompress_evict_tokens(self, layer: "CompressedLayer", block: "KVBlock") -> "torch.Tensor | bool | None":
+        """Evict stage (token-eviction axis): decide which tokens survive.
+
+        Called after scoring for every block leaving the recent window.  The hook
+        may also drop tokens that are already in the middle store through
+        ``layer.middle`` (for example the oldest ones, to hold a token budget).
+
+        Args:
+            layer: the layer.
+            block: the scored, full-precision block.
+
+        Returns:
+            ``None`` to keep every token, ``False`` to drop the whole block, or a
+            boolean tensor ``[batch, tokens]`` (True = keep).
+        """
+
+    @hookspec
+    def kvcompress_prune_channels(self, layer: "CompressedLayer", block: "KVBlock") -> "KVBlock | None":
+        """Prune stage (channel-pruning axis): remove key (or value) channels.
+
+        Called on every surviving block.  Return a new block whose head groups
+        carry fewer channels and a query map telling attention which query
+        channels to use (the softmax scale stays ``1/sqrt(head_dim)``).
+
+        Returns:
+            The transformed block, or ``None`` to leave it unchanged.
+        """
+
+    @hookspec
+    def kvcompress_lowrank_transform(self, layer: "CompressedLayer", block: "KVBlock") -> "KVBlock | None":
+        """Low-rank stage: project keys (and optionally values) onto a basis.
+
+        Exclusive with channel pruning on the same keys.  Return a block whose
+        head groups store coordinates and whose query map projects the query
+        into the same basis.
+
+        Returns:
+            The transformed block, or ``None`` to leave it unchanged.
+        """
+
+    @hookspec
+    def kvcompress_regroup_heads(self, layer: "CompressedLayer", block: "KVBlock") -> "KVBlock | None":
+        """Regroup stage: reorganise heads into dense groups of equal shape.
+
+        Called after pruning / low-rank.  Heads that keep the same number of
+        channels become one dense group; heads that keep nothing are dropped
+        (no K and no V stored for them).
+
+        Returns:
+            The regrouped block, or ``None`` to leave it unchanged.
+        """
+
+    @hookspec(firstresult=True)
+    def kvcompress_quantize_store(self, layer: "CompressedLayer") -> "MiddleStore | None":
+        """Quantize stage: provide the store that encodes and holds the middle.
+
+        Called once per layer when the cache is built (first non-``None`` result
+        wins; at most one quantizer per stack).  The store's ``append(block)``
+        encodes each surviving, transformed block, append-only; its
+        ``segments()`` are what attention reads.  Without a quantizer the middle is
+        kept in full precision by :class:`~kvcompress.state.DenseStore`.
+
+        Returns:
+            A :class:`~kvcompress.state.MiddleStore`, or ``None``.
+        """
+
+    @hookspec(firstresult=True)
+    def kvcompress_select_tokens(self, layer: "CompressedLayer", query: "torch.Tensor") -> "torch.Tensor | None":
+        """Read-time selection: choose which middle tokens attention reads this step.
+
+        Called at read planning, once per layer per forward step, with the query
+        ``[batch, q_heads, q_len, head_dim]``.  Sinks and the recent window are
+        always read.
+
+        Returns:
+            A boolean mask ``[batch, kv_heads or q_heads, q_len, middle_tokens]`` of middle
+            tokens to read, or ``None`` to read all of them.
+        """

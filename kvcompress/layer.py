@@ -1,0 +1,285 @@
+"""The compressed cache layer: one per full-attention layer of the model.
+
+Storage policy lives here; the *decisions* come from the stack's compressors
+through :class:`~kvcompress.pipeline.StackPipeline`.  Two read paths exist:
+
+* **compressed read** (inside ``kvcompress.compress(model, stack)``): ``update``
+  stashes the new K/V and returns them unchanged; kvcompress' registered
+  attention then calls :meth:`CompressedLayer.attend`, which reads sinks, the
+  middle store, the recent ring and the new tokens directly and commits the new
+  tokens afterwards.  Masks are built per row from logical positions, so left
+  padding and sinks are exact.
+* **materialized read** (a ``kvcompress.Cache`` passed to a model that uses
+  another attention implementation): ``update`` returns a transient
+  full-precision copy of what is kept plus the new tokens, sized for
+  transformers' own masks.  Exact without padding; padded batches need the
+  compressed-read path and raise a clear error.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from .adapters import hf
+from .errors import UnsupportedOperationError
+from .state import KVBlock, LayerInfo, Layout, RingBuffer, Segment, SinkBuffer
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .cache import Cache
+
+_ACTIVE = threading.local()
+
+
+def claim_pending(layer_idx: int) -> "CompressedLayer | None":
+    """The compressed layer whose ``update`` just ran for ``layer_idx`` (consumed once)."""
+    layer = getattr(_ACTIVE, "layer", None)
+    if layer is None or layer.info.index != layer_idx:
+        return None
+    _ACTIVE.layer = None
+    return layer
+
+
+def _cat_blocks(a: KVBlock | None, b: KVBlock | None) -> KVBlock:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return KVBlock(torch.cat([a.k, b.k], 2), torch.cat([a.v, b.v], 2), torch.cat([a.valid, b.valid], 1),
+                   torch.cat([a.positions, b.positions], 0))
+
+
+class CompressedLayer(hf.CacheLayerMixin):
+    """Sinks + compressed middle + full-precision recent ring for one attention layer."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+    supports_early_init = False
+
+    def __init__(self, owner: "Cache", info: LayerInfo):
+        super().__init__()
+        self.owner = owner
+        self.info = info
+        self.pipeline = owner.pipeline
+        self.layout: Layout = self.pipeline.layout(info)
+        self.state: dict[str, Any] = {}  # per-layer state of compressors, keyed by compressor name
+        self.seen = 0
+        self.sinks: SinkBuffer | None = None
+        self.recent: RingBuffer | None = None
+        self.middle = self.pipeline.make_store(self)
+        self._pending: tuple[torch.Tensor, torch.Tensor, int] | None = None
+
+    # -- transformers' CacheLayerMixin contract ---------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.sinks = SinkBuffer(self.layout.sinks or 0, key_states, value_states)
+        cap = None if self.layout.recent is None else self.layout.recent + self.layout.flush - 1
+        self.recent = RingBuffer(cap, key_states, value_states, initial=key_states.shape[2])
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        seen_before = self.seen
+        self.seen += key_states.shape[2]
+        if self.owner.reads_compressed():
+            self._pending = (key_states, value_states, seen_before)
+            _ACTIVE.layer = self
+            return key_states, value_states
+        keys, values = self._materialize(key_states, value_states)
+        self.commit(key_states, value_states, None, seen_before)
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.owner.reads_compressed():
+            # Masks in logical coordinates: column j is logical position j.
+            return self.seen + query_length, 0
+        stored = self.stored_tokens()
+        return stored + query_length, self.seen - stored
+
+    def get_max_length(self) -> int:
+        return -1
+
+    @property
+    def batch_size(self) -> int:
+        if self.sinks is None:
+            raise AttributeError("batch_size")
+        return self.sinks.k.shape[0]
+
+    def reset(self) -> None:
+        self.seen = 0
+        self.sinks = self.recent = None
+        self.state.clear()
+        self.middle = self.pipeline.make_store(self)
+        self._pending = None
+        self.is_initialized = False
+
+    def offload(self):  # storage is not plain keys/values; offloading is not supported
+        return None
+
+    def prefetch(self):
+        return None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise UnsupportedOperationError(
+            "a compressed kvcompress cache cannot be cropped (assisted/speculative decoding): evicted or "
+            "quantized tokens cannot be restored; use plain generation"
+        )
+
+    def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if not self.is_initialized:
+            return
+        self.sinks.map_batch(fn)
+        self.recent.map_batch(fn)
+        self.middle.map_batch(fn)
+        for key, value in list(self.state.items()):
+            if hasattr(value, "map_batch"):
+                value.map_batch(fn)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        idx = beam_idx.to(self.device) if self.is_initialized else beam_idx
+        self._map_batch(lambda t: t.index_select(0, idx))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices])
+
+    # -- storage --------------------------------------------------------------------------
+    def stored_segments(self) -> list[Segment]:
+        segs = []
+        sink = self.sinks.segment()
+        if sink is not None:
+            segs.append(sink)
+        segs.extend(self.middle.segments())
+        rec = self.recent.segment()
+        if rec is not None:
+            segs.append(rec)
+        return segs
+
+    def stored_tokens(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return self.sinks.num_tokens + self.middle.num_tokens + self.recent.size
+
+    def commit(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, seen_before: int) -> None:
+        """Store new tokens after their attention: sinks, then the ring; flush what leaves it."""
+        b, q = k.shape[0], k.shape[2]
+        pos = torch.arange(seen_before, seen_before + q, device=k.device)
+        valid_given = valid is not None
+        if valid is None:
+            valid = torch.ones(b, q, dtype=torch.bool, device=k.device)
+        sinks_were_full = self.sinks.full
+        valid = self.sinks.take(k, v, valid, pos)
+        if not sinks_were_full or valid_given:
+            # Columns that are padding (or a sink) in every row are not stored in the ring.
+            cols = valid.any(dim=0)
+            if not bool(cols.all()):
+                idx = cols.nonzero().flatten()
+                k, v, valid, pos = k.index_select(2, idx), v.index_select(2, idx), valid[:, idx], pos[idx]
+                q = idx.numel()
+        ring, window, flush = self.recent, self.layout.recent, self.layout.flush
+        total = ring.size + q
+        m = ((total - window) // flush) * flush if window is not None and total >= window + flush else 0
+        if m == 0:
+            ring.push(k, v, valid, pos)
+            return
+        m_old = min(m, ring.size)
+        m_new = m - m_old
+        old = ring.pop_oldest(m_old) if m_old else None
+        new = KVBlock(k[:, :, :m_new], v[:, :, :m_new], valid[:, :m_new], pos[:m_new]) if m_new else None
+        ring.push(k[:, :, m_new:], v[:, :, m_new:], valid[:, m_new:], pos[m_new:])
+        self.pipeline.flush(self, _cat_blocks(old, new))
+
+    # -- reads ----------------------------------------------------------------------------
+    def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float,
+               dense_attention: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """Attention of ``query`` over this layer's storage plus the pending new tokens.
+
+        Returns ``[batch, q_len, q_heads, head_dim]`` (transformers' attention output layout).
+        """
+        k, v, seen_before = self._pending
+        self._pending = None
+        q = k.shape[2]
+        valid_new = None
+        if attention_mask is not None:
+            if attention_mask.dtype != torch.bool:
+                raise UnsupportedOperationError("kvcompress attention expects boolean masks")
+            rows = torch.arange(q, device=k.device)
+            valid_new = attention_mask[:, 0, rows, seen_before + rows]
+            if bool(valid_new.all()):
+                valid_new = None
+        segs = self.stored_segments()
+        if not segs:
+            out = dense_attention(query, k, v, attention_mask, scaling)
+        else:
+            q_pos = torch.arange(seen_before, seen_before + q, device=k.device)
+            new = Segment(k, v, valid_new, q_pos)
+            selection = self.pipeline.select(self, query)
+            if selection is None and all(s.is_dense for s in segs):
+                out = self._dense_read(query, segs + [new], q_pos, scaling, dense_attention)
+            else:
+                from kvcompress.kernels.attention import segment_attention
+
+                out = segment_attention(query, segs + [new], q_pos, scaling).transpose(1, 2)
+        self.commit(k, v, valid_new, seen_before)
+        return out
+
+    @staticmethod
+    def _dense_read(query, segs, q_pos, scaling, dense_attention):
+        from kvcompress.kernels.attention.reference import segment_mask
+
+        keys = torch.cat([s.k for s in segs], dim=2)
+        values = torch.cat([s.v for s in segs], dim=2)
+        mask = None
+        if query.shape[2] > 1 or any(s.valid is not None for s in segs):
+            b = query.shape[0]
+            parts = [segment_mask(s, q_pos).expand(b, 1, q_pos.numel(), s.num_tokens) for s in segs]
+            mask = torch.cat(parts, dim=-1)
+        return dense_attention(query, keys, values, mask, scaling)
+
+    def _materialize(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        segs = self.stored_segments()
+        if not segs:
+            return k, v
+        keys, values = [], []
+        for s in segs:
+            if not s.is_dense:
+                raise UnsupportedOperationError(
+                    "this stack stores compressed keys that only kvcompress attention can read: "
+                    "use `with kvcompress.compress(model, stack) as cache:`"
+                )
+            if s.valid is not None:
+                cols = s.valid.all(dim=0)
+                if bool((s.valid != cols.unsqueeze(0)).any()):
+                    raise UnsupportedOperationError(
+                        "padded batches need kvcompress attention for per-row masks: use "
+                        "`with kvcompress.compress(model, stack) as cache: model.generate(..., cache=cache)`"
+                    )
+                idx = cols.nonzero().flatten()
+                keys.append(s.k.index_select(2, idx))
+                values.append(s.v.index_select(2, idx))
+            else:
+                keys.append(s.k)
+                values.append(s.v)
+        return torch.cat(keys + [k], dim=2), torch.cat(values + [v], dim=2)
+
+    # -- accounting -------------------------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        """Bytes this layer allocates, by region."""
+        if not self.is_initialized:
+            return {"sinks": 0, "recent": 0, "middle": 0}
+        out = {"sinks": self.sinks.nbytes(), "recent": self.recent.nbytes()}
+        for key, n in self.middle.nbytes().items():
+            out[key] = out.get(key, 0) + n
+        for key, value in self.state.items():
+            if hasattr(value, "nbytes"):
+                out[f"state:{key}"] = value.nbytes()
+        return out

@@ -1,0 +1,111 @@
+"""A built stack: compressor objects plus their hook implementations, resolved once.
+
+Each :class:`StackPipeline` owns a private :class:`pluggy.PluginManager` holding
+only the stack's compressors, checked against :class:`~kvcompress.hookspecs.CacheCompressor`
+(misspelled hook names fail with ``check_pending``).  The implementations of each
+hook are resolved once, in stack order, into plain callables: the per-layer
+lifecycle events below call them directly, without a pluggy dispatch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import pluggy
+import torch
+
+from .errors import PluginError
+from .hookspecs import PROJECT, CacheCompressor
+from .state import DenseStore, KVBlock, LayerInfo, Layout, MiddleStore
+
+_STAGES = (
+    "kvcompress_layer_layout",
+    "kvcompress_score_tokens",
+    "kvcompress_evict_tokens",
+    "kvcompress_prune_channels",
+    "kvcompress_lowrank_transform",
+    "kvcompress_regroup_heads",
+    "kvcompress_quantize_store",
+    "kvcompress_select_tokens",
+)
+
+
+def _bind(impl: pluggy.HookImpl) -> Callable[..., Any]:
+    fn, names = impl.function, tuple(impl.argnames)
+
+    def call(**kwargs: Any) -> Any:
+        return fn(*[kwargs[n] for n in names])
+
+    call.__name__ = getattr(fn, "__qualname__", "hook")
+    return call
+
+
+class StackPipeline:
+    """Compressor objects of one stack and their resolved hook implementations."""
+
+    def __init__(self, compressors: Sequence[tuple[str, Any]]):
+        self.compressors = list(compressors)
+        self.pm = pluggy.PluginManager(PROJECT)
+        self.pm.add_hookspecs(CacheCompressor)
+        order: dict[int, int] = {}
+        for i, (name, obj) in enumerate(self.compressors):
+            try:
+                self.pm.register(obj, name=f"{i}:{name}")
+            except (ValueError, pluggy.PluginValidationError) as exc:
+                raise PluginError(f"compressor {name!r} breaks the hook specification: {exc}") from exc
+            order[id(obj)] = i
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(f"unknown hook implemented by a compressor: {exc}") from exc
+        self.stages: dict[str, list[Callable[..., Any]]] = {}
+        for stage in _STAGES:
+            impls = getattr(self.pm.hook, stage).get_hookimpls()
+            impls = sorted(impls, key=lambda im: order[id(im.plugin)])
+            self.stages[stage] = [_bind(im) for im in impls]
+        self._transforms = (self.stages["kvcompress_prune_channels"] + self.stages["kvcompress_lowrank_transform"]
+                            + self.stages["kvcompress_regroup_heads"])
+
+    @property
+    def empty(self) -> bool:
+        return not self.compressors
+
+    # -- build time ---------------------------------------------------------------------
+    def layout(self, info: LayerInfo) -> Layout:
+        return Layout.combine(fn(layer=info) for fn in self.stages["kvcompress_layer_layout"])
+
+    def make_store(self, layer: Any) -> MiddleStore:
+        for fn in self.stages["kvcompress_quantize_store"]:
+            store = fn(layer=layer)
+            if store is not None:
+                return store
+        return DenseStore()
+
+    # -- lifecycle events ---------------------------------------------------------------
+    def flush(self, layer: Any, block: KVBlock) -> None:
+        """Run score -> evict -> prune/low-rank -> regroup -> store on a block leaving the window."""
+        for fn in self.stages["kvcompress_score_tokens"]:
+            fn(layer=layer, block=block)
+        for fn in self.stages["kvcompress_evict_tokens"]:
+            keep = fn(layer=layer, block=block)
+            if keep is False:
+                return
+            if keep is not None and keep is not True:
+                block.valid = block.valid & keep
+        columns = block.valid.any(dim=0)
+        if not bool(columns.any()):
+            return
+        if not bool(columns.all()):
+            block = block.select(columns.nonzero().flatten())
+        for fn in self._transforms:
+            out = fn(layer=layer, block=block)
+            if out is not None:
+                block = out
+        layer.middle.append(block)
+
+    def select(self, layer: Any, query: torch.Tensor) -> torch.Tensor | None:
+        for fn in self.stages["kvcompress_select_tokens"]:
+            sel = fn(layer=layer, query=query)
+            if sel is not None:
+                return sel
+        return None

@@ -1,0 +1,380 @@
+"""Per-layer cache state shared by every compressor of a stack.
+
+A compressed layer holds three regions, all ``[batch, kv_heads, tokens, dim]``:
+
+* **sinks** - the first ``Layout.sinks`` *real* tokens of each row (pad tokens
+  never become sinks), full precision (:class:`SinkBuffer`);
+* **middle** - tokens that left the recent window and survived eviction, in
+  whatever representation the stack's store keeps them (:class:`MiddleStore`;
+  :class:`DenseStore` keeps full precision);
+* **recent** - the newest tokens, full precision, in a preallocated ring buffer
+  (:class:`RingBuffer`; O(1) per appended token, no ``torch.cat`` of the cache).
+
+Rows of a batch share logical positions (left padding keeps them aligned), so
+ring and store slots carry one position per slot and a per-row ``valid`` flag.
+Every buffer reports the bytes it really allocates (:meth:`nbytes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+
+# ----------------------------------------------------------------------------- layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Region sizes a compressor asks for on one layer (``None`` = no requirement).
+
+    Attributes:
+        sinks: full-precision attention sinks kept per row (first real tokens).
+        recent: full-precision recent tokens kept between steps.
+        flush: tokens leave the recent window in multiples of this many.
+    """
+
+    sinks: int | None = None
+    recent: int | None = None
+    flush: int | None = None
+
+    @staticmethod
+    def combine(layouts: Iterable["Layout | None"]) -> "Layout":
+        sinks = recent = None
+        flush = 1
+        for lay in layouts:
+            if lay is None:
+                continue
+            if lay.sinks is not None:
+                sinks = max(sinks or 0, lay.sinks)
+            if lay.recent is not None:
+                recent = max(recent or 0, lay.recent)
+            if lay.flush is not None:
+                flush = flush * lay.flush // math.gcd(flush, lay.flush)
+        return Layout(sinks=sinks or 0, recent=recent, flush=flush)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerInfo:
+    """Static facts about one attention layer, known before any token arrives."""
+
+    index: int
+    num_layers: int
+    num_kv_heads: int
+    num_q_heads: int
+    head_dim: int
+    model_config: Any = None
+
+
+# ----------------------------------------------------------------------------- blocks and segments
+
+
+@dataclasses.dataclass
+class KVBlock:
+    """Tokens travelling through the pipeline (leaving the recent window).
+
+    Attributes:
+        k, v: ``[batch, kv_heads, tokens, head_dim]`` (full precision until a store encodes them).
+        valid: ``[batch, tokens]`` bool, False for padding (and a row's own sinks).
+        positions: ``[tokens]`` logical positions (shared by all rows).
+        meta: per-token metadata written by the score stage.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    valid: torch.Tensor
+    positions: torch.Tensor
+    meta: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.k.shape[-2]
+
+    def select(self, index: torch.Tensor) -> "KVBlock":
+        """Keep token columns ``index`` (1-D) for every row."""
+        meta = {key: t.index_select(_token_dim(t, self), index) for key, t in self.meta.items()}
+        return KVBlock(self.k.index_select(2, index), self.v.index_select(2, index),
+                       self.valid.index_select(1, index), self.positions.index_select(0, index), meta)
+
+
+def _token_dim(t: torch.Tensor, block: KVBlock) -> int:
+    return 1 if t.dim() == 2 else 2
+
+
+@dataclasses.dataclass
+class Segment:
+    """A region attention reads.
+
+    Scores of a query against this segment are ``qmap(q) @ k^T`` for the kv heads
+    in ``heads`` (all heads when ``None``); the softmax scale is the model's.
+
+    Attributes:
+        k, v: ``[batch, len(heads) or kv_heads, tokens, dk / dv]``.
+        valid: ``[batch, tokens]`` bool, or ``None`` when every slot is valid.
+        positions: ``[batch, tokens]`` or ``[tokens]`` logical positions.
+        heads: kv-head indices this segment covers, or ``None`` for all.
+        qmap: maps the grouped query ``[batch, heads, group, q, head_dim]`` to ``dk`` dims.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    valid: torch.Tensor | None
+    positions: torch.Tensor
+    heads: torch.Tensor | None = None
+    qmap: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def is_dense(self) -> bool:
+        return self.heads is None and self.qmap is None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.k.shape[-2]
+
+
+# ----------------------------------------------------------------------------- buffers
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class SinkBuffer:
+    """First ``capacity`` real tokens of each row, full precision."""
+
+    def __init__(self, capacity: int, like_k: torch.Tensor, like_v: torch.Tensor):
+        b, h = like_k.shape[0], like_k.shape[1]
+        self.capacity = capacity
+        self.k = like_k.new_zeros(b, h, capacity, like_k.shape[-1])
+        self.v = like_v.new_zeros(b, h, capacity, like_v.shape[-1])
+        self.valid = torch.zeros(b, capacity, dtype=torch.bool, device=like_k.device)
+        self.positions = torch.zeros(b, capacity, dtype=torch.long, device=like_k.device)
+        self.count = [0] * b
+        self.full = capacity == 0
+
+    def take(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Move the first real tokens of each row into the sinks; return the updated ``valid``."""
+        if self.full:
+            return valid
+        valid = valid.clone()
+        for b in range(k.shape[0]):
+            room = self.capacity - self.count[b]
+            if room == 0:
+                continue
+            idx = valid[b].nonzero().flatten()[:room]
+            n = idx.numel()
+            if n == 0:
+                continue
+            dst = slice(self.count[b], self.count[b] + n)
+            self.k[b, :, dst] = k[b].index_select(1, idx)
+            self.v[b, :, dst] = v[b].index_select(1, idx)
+            self.valid[b, dst] = True
+            self.positions[b, dst] = positions.index_select(0, idx)
+            self.count[b] += n
+            valid[b, idx] = False
+        self.full = all(c == self.capacity for c in self.count)
+        return valid
+
+    def segment(self) -> Segment | None:
+        used = max(self.count) if self.count else 0
+        if used == 0:
+            return None
+        valid = None if all(c == used for c in self.count) else self.valid[:, :used]
+        return Segment(self.k[:, :, :used], self.v[:, :, :used], valid, self.positions[:, :used])
+
+    @property
+    def num_tokens(self) -> int:
+        return max(self.count) if self.count else 0
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.k, self.v, self.valid, self.positions = fn(self.k), fn(self.v), fn(self.valid), fn(self.positions)
+        idx = fn(torch.arange(len(self.count), device=self.k.device)).tolist()
+        self.count = [self.count[i] for i in idx]
+        self.full = all(c == self.capacity for c in self.count)
+
+    def nbytes(self) -> int:
+        return _nbytes(self.k, self.v, self.valid, self.positions)
+
+
+class RingBuffer:
+    """Preallocated full-precision ring of the most recent tokens.
+
+    ``capacity=None`` makes it an append-only buffer that grows by doubling
+    (amortised O(1) per token) and never wraps.
+    """
+
+    def __init__(self, capacity: int | None, like_k: torch.Tensor, like_v: torch.Tensor, initial: int = 0):
+        self.growable = capacity is None
+        cap = max(initial, 16) if capacity is None else capacity
+        b, h = like_k.shape[0], like_k.shape[1]
+        self.k = like_k.new_zeros(b, h, cap, like_k.shape[-1])
+        self.v = like_v.new_zeros(b, h, cap, like_v.shape[-1])
+        self.valid = torch.zeros(b, cap, dtype=torch.bool, device=like_k.device)
+        self.positions = torch.zeros(cap, dtype=torch.long, device=like_k.device)
+        self.start = 0
+        self.size = 0
+        self.all_valid = True
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def _slots(self, first: int, n: int) -> torch.Tensor | slice:
+        cap = self.capacity
+        lo = (self.start + first) % cap
+        if lo + n <= cap:
+            return slice(lo, lo + n)
+        return (torch.arange(n, device=self.k.device) + lo) % cap
+
+    def _grow(self, needed: int) -> None:
+        new_cap = max(needed, 2 * self.capacity)
+        order = self._slots(0, self.size)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[0], old.shape[1], new_cap, old.shape[3])
+            new[:, :, : self.size] = old[:, :, order]
+            setattr(self, name, new)
+        valid = self.valid.new_zeros(self.valid.shape[0], new_cap)
+        valid[:, : self.size] = self.valid[:, order]
+        positions = self.positions.new_zeros(new_cap)
+        positions[: self.size] = self.positions[order]
+        self.valid, self.positions, self.start = valid, positions, 0
+
+    def push(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> None:
+        n = k.shape[2]
+        if n == 0:
+            return
+        if self.size + n > self.capacity:
+            if not self.growable:
+                raise RuntimeError(f"ring buffer overflow: {self.size} + {n} > {self.capacity}")
+            self._grow(self.size + n)
+        slots = self._slots(self.size, n)
+        self.k[:, :, slots] = k
+        self.v[:, :, slots] = v
+        self.valid[:, slots] = valid
+        self.positions[slots] = positions
+        self.size += n
+        if self.all_valid and not bool(valid.all()):
+            self.all_valid = False
+
+    def ordered(self) -> torch.Tensor | slice:
+        """Slot indices of the stored tokens, oldest first."""
+        return self._slots(0, self.size)
+
+    def discard_oldest(self, n: int) -> None:
+        """Forget the ``n`` oldest tokens without reading them (O(1))."""
+        if n <= 0:
+            return
+        self.start = (self.start + n) % self.capacity
+        self.size -= n
+
+    def pop_oldest(self, n: int) -> KVBlock:
+        slots = self._slots(0, n)
+        block = KVBlock(self.k[:, :, slots], self.v[:, :, slots], self.valid[:, slots], self.positions[slots])
+        if isinstance(slots, slice):  # views would be overwritten by later pushes
+            block = KVBlock(block.k.clone(), block.v.clone(), block.valid.clone(), block.positions.clone())
+        self.start = (self.start + n) % self.capacity
+        self.size -= n
+        return block
+
+    def segment(self) -> Segment | None:
+        if self.size == 0:
+            return None
+        cap = self.capacity
+        if self.start + self.size <= cap:
+            sl = slice(self.start, self.start + self.size)
+            valid = None if self.all_valid else self.valid[:, sl]
+            return Segment(self.k[:, :, sl], self.v[:, :, sl], valid, self.positions[sl])
+        if self.size == cap:
+            return Segment(self.k, self.v, None if self.all_valid else self.valid, self.positions)
+        occupied = torch.zeros(cap, dtype=torch.bool, device=self.k.device)
+        occupied[self._slots(0, self.size)] = True
+        return Segment(self.k, self.v, self.valid & occupied, self.positions)
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.k, self.v, self.valid = fn(self.k), fn(self.v), fn(self.valid)
+
+    def nbytes(self) -> int:
+        return _nbytes(self.k, self.v, self.valid, self.positions)
+
+
+class MiddleStore:
+    """Interface of the store that holds the middle region of one layer.
+
+    Implementations: :class:`DenseStore` (full precision) and the stores that
+    quantizing compressors return from ``kvcompress_quantize_store``.
+    """
+
+    def append(self, block: KVBlock) -> None:  # pragma: no cover - interface
+        """Encode and append a block (append-only: stored tokens are never re-encoded)."""
+        raise NotImplementedError
+
+    def segments(self) -> list[Segment]:  # pragma: no cover - interface
+        """Regions attention reads, in any order."""
+        raise NotImplementedError
+
+    @property
+    def num_tokens(self) -> int:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def drop_oldest(self, n: int) -> None:  # pragma: no cover - interface
+        """Evict the ``n`` oldest stored tokens (stores may require alignment)."""
+        raise NotImplementedError
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:  # pragma: no cover
+        """Apply ``fn`` (index_select / repeat_interleave along dim 0) to every batch-major tensor."""
+        raise NotImplementedError
+
+    def nbytes(self) -> dict[str, int]:  # pragma: no cover - interface
+        """Bytes allocated, by component (e.g. ``{"codes": ..., "scales": ...}``)."""
+        raise NotImplementedError
+
+
+class DenseStore(MiddleStore):
+    """Full-precision middle: append-only buffer with amortised growth."""
+
+    def __init__(self) -> None:
+        self.buf: RingBuffer | None = None
+
+    def append(self, block: KVBlock) -> None:
+        if self.buf is None:
+            self.buf = RingBuffer(None, block.k, block.v, initial=block.num_tokens)
+        self.buf.push(block.k, block.v, block.valid, block.positions)
+
+    def segments(self) -> list[Segment]:
+        seg = self.buf.segment() if self.buf is not None else None
+        return [seg] if seg is not None else []
+
+    @property
+    def num_tokens(self) -> int:
+        return self.buf.size if self.buf is not None else 0
+
+    def drop_oldest(self, n: int) -> None:
+        if n > 0 and self.buf is not None:
+            self.buf.discard_oldest(min(n, self.buf.size))
+
+    def valid_mask(self) -> torch.Tensor | None:
+        """Per-row validity ``[batch, tokens]`` of the stored tokens, oldest first."""
+        if self.buf is None or self.buf.size == 0:
+            return None
+        return self.buf.valid[:, self.buf.ordered()]
+
+    def retain(self, keep: torch.Tensor) -> None:
+        """Evict per row: ``keep`` is ``[batch, tokens]`` (oldest first); leading all-evicted columns are freed."""
+        buf = self.buf
+        slots = buf.ordered()
+        buf.valid[:, slots] = buf.valid[:, slots] & keep
+        if not bool(keep.all()):
+            buf.all_valid = False
+        alive = keep.any(dim=0)
+        first = int(alive.long().argmax()) if bool(alive.any()) else keep.shape[1]
+        buf.discard_oldest(first)
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.buf is not None:
+            self.buf.map_batch(fn)
+
+    def nbytes(self) -> dict[str, int]:
+        return {"middle": self.buf.nbytes() if self.buf is not None else 0}

@@ -1,0 +1,70 @@
+"""Ring-buffer window with attention sinks (StreamingLLM).
+
+Xiao, Tian, Chen, Han, Lewis. *Efficient Streaming Language Models with
+Attention Sinks.* ICLR 2024, arXiv:2309.17453.
+
+Keeps the first ``sinks`` real tokens of each row and its ``recent`` most
+recent tokens; everything in between is evicted, one token at a time, so the
+cache never holds more than ``sinks + recent`` tokens per row (attention also
+sees the token being processed).  Keys are stored after RoPE at their original
+positions and never re-rotated (re-rotation only matters beyond the model's
+trained length).
+
+Stacked with a quantizer or a pruner, ``recent`` is the token budget of the
+whole window: the compressors downstream may keep their own full-precision
+recent tokens (e.g. KIVI's residual) and compress the rest of the budget.
+
+Parameters: ``sinks`` (default 4, the paper's choice), ``recent`` (default 1024;
+the paper's streaming default is 4 + 1020 for Llama-2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvcompress import Compressor, CompressorSpec, Layout, hookimpl, param
+from kvcompress.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowConfig:
+    sinks: int = param(4, "attention-sink tokens kept at the start of each row", min=0, max=1 << 20)
+    recent: int = param(1024, "most recent tokens kept (the window's token budget)", min=1, max=1 << 24)
+
+    def check(self, path: str) -> None:
+        if self.sinks + self.recent < 1:  # pragma: no cover - bounds already forbid it
+            raise ConfigError(f"{path}.recent", "sinks + recent >= 1", self.recent)
+
+
+class WindowCompressor(Compressor):
+    name = "window"
+
+    @hookimpl
+    def kvcompress_layer_layout(self, layer):
+        # The window itself needs no full-precision ring: its tokens live in the middle
+        # store (full precision unless a quantizer is stacked after it).
+        return Layout(sinks=self.config.sinks, recent=0, flush=1)
+
+    @hookimpl
+    def kvcompress_evict_tokens(self, layer, block):
+        budget = self.config.recent - (layer.layout.recent or 0)
+        if budget <= 0:
+            return False
+        stored = layer.middle.valid_mask()
+        combined = block.valid if stored is None else torch.cat([stored, block.valid], dim=1)
+        # Rank tokens of each row from the newest; keep the `budget` newest real ones.
+        rank = combined.flip(1).long().cumsum(1).flip(1)
+        keep = combined & (rank <= budget)
+        if stored is not None:
+            layer.middle.retain(keep[:, : stored.shape[1]])
+        return keep[:, combined.shape[1] - block.num_tokens:]
+
+
+@hookimpl
+def kvcompress_register_compressors(register):
+    register(CompressorSpec(
+        name="window", axis="evict", config=WindowConfig, factory=WindowCompressor,
+        summary="StreamingLLM ring window: keep sinks + most recent tokens (arXiv:2309.17453)",
+    ))
