@@ -24,6 +24,8 @@ class MemoryReport:
     dense_fp16_bytes: int
     tokens: int
     batch: int
+    dense_native_bytes: int = 0
+    native_dtype: str = "float16"
 
     @property
     def cache_bytes(self) -> int:
@@ -42,8 +44,12 @@ class MemoryReport:
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         lines = [f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}" for r in rows]
         lines.insert(1, "-" * len(lines[0]))
-        lines.append(f"compression ratio (dense / held): {self.ratio:.2f}x  "
+        lines.append(f"compression ratio (dense fp16 / held): {self.ratio:.2f}x  "
                      f"({self.tokens} tokens x {self.batch} rows)")
+        if self.native_dtype != "float16" and self.cache_bytes:
+            lines.append(f"the model runs in {self.native_dtype}: its dense cache would hold "
+                         f"{self.dense_native_bytes:,} bytes, {self.dense_native_bytes / self.cache_bytes:.2f}x "
+                         "what this cache holds")
         return "\n".join(lines)
 
 
@@ -89,18 +95,24 @@ class Cache(hf.CacheBase):
         segments: dict[str, int] = {}
         dense = 0
         batch = 0
+        elem = 2
         for layer in self.layers:
             if isinstance(layer, CompressedLayer):
                 for name, n in layer.memory().items():
                     segments[name] = segments.get(name, 0) + n
                 if layer.is_initialized:
                     batch = layer.batch_size
+                    elem = layer.sinks.k.element_size()
+                    dtype = str(layer.sinks.k.dtype).replace("torch.", "")
                     dense += batch * layer.seen * layer.info.num_kv_heads * layer.info.head_dim * 2 * 2
             elif getattr(layer, "keys", None) is not None and getattr(layer, "is_initialized", False):
                 n = sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
                 segments["native layers"] = segments.get("native layers", 0) + n
                 dense += sum(t.numel() * 2 for t in (layer.keys, layer.values))
-        return MemoryReport(segments, dense, self.get_seq_length(self._first_compressed()), batch)
+        report = MemoryReport(segments, dense, self.get_seq_length(self._first_compressed()), batch)
+        report.dense_native_bytes = dense * elem // 2
+        report.native_dtype = dtype if batch else "float16"
+        return report
 
     def _first_compressed(self) -> int:
         return next(i for i, layer in enumerate(self.layers) if isinstance(layer, CompressedLayer))

@@ -56,7 +56,7 @@ class RegistrationSpec:
     """Hooks implemented by plugin modules (entry points of group ``kvcompress``)."""
 
     @hookspec
-    def kvcompress_register_compressors(self, register: Callable[["CompressorSpec"], None]) -> None:
+    def kvcompress_register_compressors(self, register: Callable[[CompressorSpec], None]) -> None:
         """Register the compressors a plugin provides.
 
         Called once per plugin manager (``kvcompress.manager.get_plugin_manager``),
@@ -104,7 +104,7 @@ class CacheCompressor:
         """
 
     @hookspec
-    def kvcompress_layer_layout(self, layer: "LayerInfo") -> "Layout | None":
+    def kvcompress_layer_layout(self, layer: LayerInfo) -> Layout | None:
         """Declare the region sizes this compressor needs on one layer.
 
         Called once per compressed layer when the cache is built.  The pipeline
@@ -119,7 +119,7 @@ class CacheCompressor:
         """
 
     @hookspec
-    def kvcompress_score_tokens(self, layer: "CompressedLayer", block: "KVBlock") -> None:
+    def kvcompress_score_tokens(self, layer: CompressedLayer, block: KVBlock) -> None:
         """Score stage: compute per-token metadata from full-precision K/V.
 
         Called for every block of tokens leaving the full-precision recent window
@@ -131,10 +131,13 @@ class CacheCompressor:
         Args:
             layer: the layer the block belongs to.
             block: the tokens leaving the window, full precision.
+
+        Returns:
+            Nothing; write into ``block.meta``.
         """
 
     @hookspec
-    def kvcompress_evict_tokens(self, layer: "CompressedLayer", block: "KVBlock") -> "torch.Tensor | bool | None":
+    def kvcompress_evict_tokens(self, layer: CompressedLayer, block: KVBlock) -> torch.Tensor | bool | None:
         """Evict stage (token-eviction axis): decide which tokens survive.
 
         Called after scoring for every block leaving the recent window.  The hook
@@ -151,43 +154,55 @@ class CacheCompressor:
         """
 
     @hookspec
-    def kvcompress_prune_channels(self, layer: "CompressedLayer", block: "KVBlock") -> "KVBlock | None":
+    def kvcompress_prune_channels(self, layer: CompressedLayer, block: KVBlock) -> KVBlock | None:
         """Prune stage (channel-pruning axis): remove key (or value) channels.
 
         Called on every surviving block.  Return a new block whose head groups
         carry fewer channels and a query map telling attention which query
         channels to use (the softmax scale stays ``1/sqrt(head_dim)``).
 
+        Args:
+            layer: the layer.
+            block: the block after eviction.
+
         Returns:
             The transformed block, or ``None`` to leave it unchanged.
         """
 
     @hookspec
-    def kvcompress_lowrank_transform(self, layer: "CompressedLayer", block: "KVBlock") -> "KVBlock | None":
+    def kvcompress_lowrank_transform(self, layer: CompressedLayer, block: KVBlock) -> KVBlock | None:
         """Low-rank stage: project keys (and optionally values) onto a basis.
 
-        Exclusive with channel pruning on the same keys.  Return a block whose
-        head groups store coordinates and whose query map projects the query
-        into the same basis.
+        Called on every surviving block, in place of channel pruning (the two
+        are exclusive on the same keys).  Return a block whose head groups store
+        coordinates and whose query map projects the query into the same basis.
+
+        Args:
+            layer: the layer.
+            block: the block after eviction.
 
         Returns:
             The transformed block, or ``None`` to leave it unchanged.
         """
 
     @hookspec
-    def kvcompress_regroup_heads(self, layer: "CompressedLayer", block: "KVBlock") -> "KVBlock | None":
+    def kvcompress_regroup_heads(self, layer: CompressedLayer, block: KVBlock) -> KVBlock | None:
         """Regroup stage: reorganise heads into dense groups of equal shape.
 
         Called after pruning / low-rank.  Heads that keep the same number of
         channels become one dense group; heads that keep nothing are dropped
         (no K and no V stored for them).
 
+        Args:
+            layer: the layer.
+            block: the block after pruning / low-rank.
+
         Returns:
             The regrouped block, or ``None`` to leave it unchanged.
         """
 
     @hookspec(firstresult=True)
-    def kvcompress_quantize_store(self, layer: "CompressedLayer") -> "MiddleStore | None":
+    def kvcompress_quantize_store(self, layer: CompressedLayer) -> MiddleStore | None:
         """Quantize stage: provide the store that encodes and holds the middle.
 
         Called once per layer when the cache is built (first non-``None`` result
@@ -196,17 +211,24 @@ class CacheCompressor:
         ``segments()`` are what attention reads.  Without a quantizer the middle is
         kept in full precision by :class:`~kvcompress.state.DenseStore`.
 
+        Args:
+            layer: the layer the store will serve.
+
         Returns:
             A :class:`~kvcompress.state.MiddleStore`, or ``None``.
         """
 
     @hookspec(firstresult=True)
-    def kvcompress_select_tokens(self, layer: "CompressedLayer", query: "torch.Tensor") -> "torch.Tensor | None":
+    def kvcompress_select_tokens(self, layer: CompressedLayer, query: torch.Tensor) -> torch.Tensor | None:
         """Read-time selection: choose which middle tokens attention reads this step.
 
         Called at read planning, once per layer per forward step, with the query
         ``[batch, q_heads, q_len, head_dim]``.  Sinks and the recent window are
         always read.
+
+        Args:
+            layer: the layer being read.
+            query: the step's query, full precision.
 
         Returns:
             A boolean mask ``[batch, kv_heads or q_heads, q_len, middle_tokens]`` of middle

@@ -18,6 +18,7 @@ through :class:`~kvcompress.pipeline.StackPipeline`.  Two read paths exist:
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -153,16 +154,14 @@ class CompressedLayer(hf.CacheLayerMixin):
         self._map_batch(lambda t: t[indices])
 
     # -- storage --------------------------------------------------------------------------
+    def regions(self) -> tuple[list[Segment], list[Segment], list[Segment]]:
+        """(sink segments, middle segments, recent segments) attention reads."""
+        sink, rec = self.sinks.segment(), self.recent.segment()
+        return ([sink] if sink is not None else []), self.middle.segments(), ([rec] if rec is not None else [])
+
     def stored_segments(self) -> list[Segment]:
-        segs = []
-        sink = self.sinks.segment()
-        if sink is not None:
-            segs.append(sink)
-        segs.extend(self.middle.segments())
-        rec = self.recent.segment()
-        if rec is not None:
-            segs.append(rec)
-        return segs
+        sinks, middle, recent = self.regions()
+        return sinks + middle + recent
 
     def stored_tokens(self) -> int:
         if not self.is_initialized:
@@ -216,20 +215,35 @@ class CompressedLayer(hf.CacheLayerMixin):
             valid_new = attention_mask[:, 0, rows, seen_before + rows]
             if bool(valid_new.all()):
                 valid_new = None
-        segs = self.stored_segments()
+        sinks, middle, recent = self.regions()
+        segs = sinks + middle + recent
         if not segs:
             out = dense_attention(query, k, v, attention_mask, scaling)
         else:
             q_pos = torch.arange(seen_before, seen_before + q, device=k.device)
             new = Segment(k, v, valid_new, q_pos)
             selection = self.pipeline.select(self, query)
-            if selection is None and all(s.is_dense for s in segs):
+            if selection is not None:
+                segs = sinks + self._apply_selection(middle, selection) + recent
+            if all(s.is_dense for s in segs):
                 out = self._dense_read(query, segs + [new], q_pos, scaling, dense_attention)
             else:
                 from kvcompress.kernels.attention import segment_attention
 
                 out = segment_attention(query, segs + [new], q_pos, scaling).transpose(1, 2)
         self.commit(k, v, valid_new, seen_before)
+        return out
+
+    @staticmethod
+    def _apply_selection(middle: list[Segment], selection: torch.Tensor) -> list[Segment]:
+        """Attach a read-time selection ``[batch, kv_heads, q_len, middle tokens]`` to the middle segments."""
+        total = sum(s.num_tokens for s in middle)
+        if selection.shape[-1] != total:
+            raise ValueError(f"selection covers {selection.shape[-1]} middle tokens, the middle holds {total}")
+        out, start = [], 0
+        for s in middle:
+            out.append(dataclasses.replace(s, select=selection[..., start:start + s.num_tokens]))
+            start += s.num_tokens
         return out
 
     @staticmethod

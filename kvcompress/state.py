@@ -116,6 +116,7 @@ class Segment:
         positions: ``[batch, tokens]`` or ``[tokens]`` logical positions.
         heads: kv-head indices this segment covers, or ``None`` for all.
         qmap: maps the grouped query ``[batch, heads, group, q, head_dim]`` to ``dk`` dims.
+        select: optional read-time selection ``[batch, kv_heads, q_len, tokens]`` (True = read).
     """
 
     k: torch.Tensor
@@ -124,10 +125,11 @@ class Segment:
     positions: torch.Tensor
     heads: torch.Tensor | None = None
     qmap: Callable[[torch.Tensor], torch.Tensor] | None = None
+    select: torch.Tensor | None = None  # read-time selection [batch, kv_heads, q_len, tokens]
 
     @property
     def is_dense(self) -> bool:
-        return self.heads is None and self.qmap is None
+        return self.heads is None and self.qmap is None and self.select is None
 
     @property
     def num_tokens(self) -> int:

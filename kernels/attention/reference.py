@@ -64,9 +64,11 @@ def segment_attention(
             full = s.new_full((b, kv_heads, group, q_len, s.shape[-1]), float("-inf"))
             full[:, heads] = s
             s = full
-        m = segment_mask(seg, q_positions).unsqueeze(1)  # [b|1, 1, 1, q, t]
+        m = segment_mask(seg, q_positions).unsqueeze(1).expand(b, 1, 1, q_len, s.shape[-1])
+        if seg.select is not None:  # per kv head: [b, h, q, t] -> [b, h, 1, q, t]
+            m = m & seg.select.unsqueeze(2)
         scores.append(s)
-        masks.append(m.expand(b, 1, 1, q_len, s.shape[-1]))
+        masks.append(m.expand(b, kv_heads, 1, q_len, s.shape[-1]))
     s = torch.cat(scores, dim=-1)
     m = torch.cat(masks, dim=-1)
     s = s.masked_fill(~m, float("-inf"))

@@ -1,0 +1,91 @@
+"""An empty stack must behave exactly like transformers' own cache."""
+
+import pytest
+import torch
+
+import kvcompress
+from models import ARCHS, tiny_model
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_empty_stack_generates_like_plain_generate(arch):
+    model = tiny_model(arch)
+    ids = torch.randint(1, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    ref = model.generate(ids, max_new_tokens=32, do_sample=False)
+    with kvcompress.compress(model, None) as cache:
+        out = model.generate(ids, max_new_tokens=32, do_sample=False, cache=cache)
+    assert torch.equal(out, ref)
+    assert cache.get_seq_length() == ids.shape[1] + 31  # the last token is never fed back
+
+
+def test_cache_without_context_matches_plain_generate():
+    model = tiny_model("llama")
+    ids = torch.randint(1, 256, (1, 20), generator=torch.Generator().manual_seed(2))
+    ref = model.generate(ids, max_new_tokens=24, do_sample=False)
+    out = model.generate(ids, max_new_tokens=24, do_sample=False, cache=kvcompress.Cache(None, model))
+    assert torch.equal(out, ref)
+
+
+def test_sampling_matches_plain_generate_with_same_seed():
+    model = tiny_model("qwen2")
+    ids = torch.randint(1, 256, (1, 16), generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(7)
+    ref = model.generate(ids, max_new_tokens=20, do_sample=True, top_k=20)
+    torch.manual_seed(7)
+    with kvcompress.compress(model, None) as cache:
+        out = model.generate(ids, max_new_tokens=20, do_sample=True, top_k=20, cache=cache)
+    assert torch.equal(out, ref)
+
+
+def test_beam_search_matches_plain_generate():
+    model = tiny_model("llama")
+    ids = torch.randint(1, 256, (1, 16), generator=torch.Generator().manual_seed(4))
+    ref = model.generate(ids, max_new_tokens=12, num_beams=3, do_sample=False)
+    with kvcompress.compress(model, None) as cache:
+        out = model.generate(ids, max_new_tokens=12, num_beams=3, do_sample=False, cache=cache)
+    assert torch.equal(out, ref)
+
+
+def test_context_restores_the_model_exactly():
+    model = tiny_model("llama")
+    before_impl = model.config._attn_implementation
+    before_state = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(1, 256, (1, 12))
+    with torch.no_grad():
+        ref = model(ids).logits
+    stack = {"compressors": [{"window": {"sinks": 1, "recent": 4}}]}
+    with kvcompress.compress(model, stack) as cache:
+        assert model.config._attn_implementation == "kvcompress"
+        model.generate(ids, max_new_tokens=8, do_sample=False, cache=cache)
+    assert model.config._attn_implementation == before_impl
+    assert all(torch.equal(before_state[k], v) for k, v in model.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref)
+
+
+def test_context_restores_on_exception():
+    model = tiny_model("llama")
+    before = model.config._attn_implementation
+    with pytest.raises(RuntimeError, match="boom"):
+        with kvcompress.compress(model, None):
+            raise RuntimeError("boom")
+    assert model.config._attn_implementation == before
+
+
+def test_continuing_a_filled_cache_feeds_only_new_tokens():
+    """A second generate() on the returned sequence continues the cache (logical positions)."""
+    model = tiny_model("llama")
+    ids = torch.randint(1, 256, (1, 20), generator=torch.Generator().manual_seed(5))
+    ref = model.generate(ids, max_new_tokens=20, do_sample=False)
+    with kvcompress.compress(model, None) as cache:
+        first = model.generate(ids, max_new_tokens=10, do_sample=False, cache=cache)
+        second = model.generate(first, max_new_tokens=10, do_sample=False, cache=cache)
+    assert torch.equal(second, ref)
+
+
+def test_crop_is_refused_clearly():
+    model = tiny_model("llama")
+    with kvcompress.compress(model, None) as cache:
+        model.generate(torch.randint(1, 256, (1, 8)), max_new_tokens=2, do_sample=False, cache=cache)
+        with pytest.raises(kvcompress.UnsupportedOperationError, match="cannot be cropped"):
+            cache.crop(-1)

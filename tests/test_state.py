@@ -1,0 +1,125 @@
+"""Buffers and the reference segment attention against brute-force computations."""
+
+import pytest
+import torch
+
+from kvcompress.kernels.attention import segment_attention
+from kvcompress.state import DenseStore, KVBlock, Layout, RingBuffer, Segment
+
+
+def _kv(b=2, h=2, t=5, d=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, h, t, d, generator=g), torch.randn(b, h, t, d, generator=g)
+
+
+def test_ring_buffer_keeps_order_across_wraparound():
+    k, v = _kv(t=1)
+    ring = RingBuffer(5, k, v)
+    for step in range(13):
+        if ring.size == 5:
+            ring.discard_oldest(1)
+        kk = torch.full((2, 2, 1, 4), float(step))
+        ring.push(kk, kk, torch.ones(2, 1, dtype=torch.bool), torch.tensor([step]))
+    order = ring.ordered()
+    assert ring.positions[order].tolist() == [8, 9, 10, 11, 12]
+    assert ring.k[0, 0, order, 0].tolist() == [8.0, 9.0, 10.0, 11.0, 12.0]
+    seg = ring.segment()
+    assert sorted(seg.positions.tolist()) == [8, 9, 10, 11, 12]
+
+
+def test_ring_buffer_pop_returns_a_copy():
+    k, v = _kv(t=4)
+    ring = RingBuffer(4, k, v)
+    ring.push(k, v, torch.ones(2, 4, dtype=torch.bool), torch.arange(4))
+    block = ring.pop_oldest(2)
+    ring.push(k[:, :, :2] * 0, v[:, :, :2] * 0, torch.ones(2, 2, dtype=torch.bool), torch.arange(4, 6))
+    assert torch.equal(block.k, k[:, :, :2])
+
+
+def test_growable_buffer_amortises_growth():
+    k, v = _kv(t=1)
+    ring = RingBuffer(None, k, v)
+    caps = set()
+    for step in range(200):
+        ring.push(k, v, torch.ones(2, 1, dtype=torch.bool), torch.tensor([step]))
+        caps.add(ring.capacity)
+    assert ring.size == 200 and len(caps) <= 5 and ring.capacity < 400
+
+
+def test_dense_store_retain_frees_leading_columns():
+    store = DenseStore()
+    k, v = _kv(t=6)
+    store.append(KVBlock(k, v, torch.ones(2, 6, dtype=torch.bool), torch.arange(6)))
+    keep = torch.tensor([[0, 0, 1, 1, 1, 1], [0, 1, 0, 1, 1, 1]], dtype=torch.bool)
+    store.retain(keep)
+    assert store.num_tokens == 5
+    assert store.valid_mask().tolist() == keep[:, 1:].tolist()
+
+
+def test_layout_combination():
+    lay = Layout.combine([Layout(sinks=4, recent=0, flush=1), Layout(recent=128, flush=32), None,
+                          Layout(flush=3)])
+    assert lay == Layout(sinks=4, recent=128, flush=96)
+    assert Layout.combine([]) == Layout(sinks=0, recent=None, flush=1)
+
+
+def _brute(query, keys, values, allowed, scale):
+    b, hq, q, d = query.shape
+    hk = keys.shape[1]
+    kr = keys.repeat_interleave(hq // hk, 1)
+    vr = values.repeat_interleave(hq // hk, 1)
+    s = (query @ kr.transpose(-1, -2)) * scale
+    s = s.masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return p @ vr
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_segment_attention_equals_brute_force(q_len):
+    g = torch.Generator().manual_seed(1)
+    b, hq, hk, d = 2, 6, 2, 8
+    query = torch.randn(b, hq, q_len, d, generator=g)
+    lens = [3, 7, q_len]
+    ks = [torch.randn(b, hk, n, d, generator=g) for n in lens]
+    vs = [torch.randn(b, hk, n, d, generator=g) for n in lens]
+    pos = [torch.tensor([0, 1, 2]), torch.arange(10, 17), torch.arange(20, 20 + q_len)]
+    valid1 = torch.rand(b, 7, generator=g) > 0.3
+    segs = [Segment(ks[0], vs[0], None, pos[0]), Segment(ks[1], vs[1], valid1, pos[1]),
+            Segment(ks[2], vs[2], None, pos[2])]
+    qpos = pos[2]
+    out = segment_attention(query, segs, qpos, 0.3)
+    keys, values = torch.cat(ks, 2), torch.cat(vs, 2)
+    allpos = torch.cat(pos)
+    valid = torch.cat([torch.ones(b, 3, dtype=torch.bool), valid1, torch.ones(b, q_len, dtype=torch.bool)], 1)
+    allowed = (allpos[None, :] <= qpos[:, None])[None, None] & valid[:, None, None, :]
+    ref = _brute(query, keys, values, allowed, 0.3)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_segment_attention_head_subsets_and_query_maps():
+    """A segment covering some kv heads with pruned channels equals masked, zero-padded attention."""
+    g = torch.Generator().manual_seed(2)
+    b, hq, hk, d, t = 1, 4, 2, 8, 5
+    query = torch.randn(b, hq, 1, d, generator=g)
+    k_full, v_full = torch.randn(b, hk, t, d, generator=g), torch.randn(b, hk, t, d, generator=g)
+    keep = torch.tensor([0, 2, 5])
+    pruned = Segment(k_full[:, 1:2][..., keep], v_full[:, 1:2], None, torch.arange(t),
+                     heads=torch.tensor([1]), qmap=lambda q: q[..., keep])
+    recent = Segment(k_full, v_full, None, torch.arange(t, 2 * t))  # second region, all heads
+    out = segment_attention(query, [pruned, recent], torch.tensor([2 * t]), 0.25)
+    k_zero = torch.zeros_like(k_full)
+    k_zero[:, 1, :, keep] = k_full[:, 1][..., keep]
+    keys = torch.cat([k_zero, k_full], 2)
+    values = torch.cat([v_full, v_full], 2)
+    allowed = torch.ones(b, hq, 1, 2 * t, dtype=torch.bool)
+    allowed[:, :2, :, :t] = False  # kv head 0 (query heads 0,1) has no middle
+    ref = _brute(query, keys, values, allowed, 0.25)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_fully_masked_rows_give_zeros_not_nan():
+    q = torch.randn(1, 2, 1, 4)
+    seg = Segment(torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4), torch.zeros(1, 3, dtype=torch.bool),
+                  torch.arange(3))
+    out = segment_attention(q, [seg], torch.tensor([5]), 0.5)
+    assert torch.equal(out, torch.zeros_like(out))
