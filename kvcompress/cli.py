@@ -45,7 +45,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .stack import as_stack, load_stack
 
     stack = load_stack(args.stack) if args.stack else as_stack(None)  # validate before loading the model
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     if args.raw or not getattr(tokenizer, "chat_template", None):
         inputs = tokenizer(args.prompt, return_tensors="pt")
     else:
@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
+    gen.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                     help="model and cache dtype (default bfloat16, SmolLM2's training dtype)")
     gen.set_defaults(func=_cmd_generate)
 
     val = sub.add_parser("validate", help="validate a stack file without loading a model")

@@ -218,6 +218,7 @@ class RingBuffer:
         self.start = 0
         self.size = 0
         self.all_valid = True
+        self.max_capacity: int | None = None  # growth cap for a growable buffer (e.g. a token budget)
 
     @property
     def capacity(self) -> int:
@@ -232,6 +233,8 @@ class RingBuffer:
 
     def _grow(self, needed: int) -> None:
         new_cap = max(needed, 2 * self.capacity)
+        if self.max_capacity is not None:
+            new_cap = max(needed, min(new_cap, self.max_capacity))
         order = self._slots(0, self.size)
         for name in ("k", "v"):
             old = getattr(self, name)
@@ -321,6 +324,9 @@ class MiddleStore:
     def num_tokens(self) -> int:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def limit(self, max_tokens: int) -> None:
+        """Hint: the store will never hold more than ``max_tokens`` (lets it stop over-allocating)."""
+
     def drop_oldest(self, n: int) -> None:  # pragma: no cover - interface
         """Evict the ``n`` oldest stored tokens (stores may require alignment)."""
         raise NotImplementedError
@@ -339,10 +345,17 @@ class DenseStore(MiddleStore):
 
     def __init__(self) -> None:
         self.buf: RingBuffer | None = None
+        self.max_tokens: int | None = None
+
+    def limit(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        if self.buf is not None:
+            self.buf.max_capacity = max_tokens
 
     def append(self, block: KVBlock) -> None:
         if self.buf is None:
             self.buf = RingBuffer(None, block.k, block.v, initial=block.num_tokens)
+            self.buf.max_capacity = self.max_tokens
         self.buf.push(block.k, block.v, block.valid, block.positions)
 
     def segments(self) -> list[Segment]:

@@ -52,6 +52,7 @@ class WindowCompressor(Compressor):
         budget = self.config.recent - (layer.layout.recent or 0)
         if budget <= 0:
             return False
+        layer.middle.limit(budget)
         stored = layer.middle.valid_mask()
         combined = block.valid if stored is None else torch.cat([stored, block.valid], dim=1)
         # Rank tokens of each row from the newest; keep the `budget` newest real ones.

@@ -123,3 +123,15 @@ def test_fully_masked_rows_give_zeros_not_nan():
                   torch.arange(3))
     out = segment_attention(q, [seg], torch.tensor([5]), 0.5)
     assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_growth_respects_a_token_limit():
+    k, v = _kv(t=1)
+    store = DenseStore()
+    store.limit(40)
+    for step in range(60):
+        if store.num_tokens == 40:
+            store.drop_oldest(1)
+        store.append(KVBlock(k, v, torch.ones(2, 1, dtype=torch.bool), torch.tensor([step])))
+    assert store.buf.capacity == 40 and store.num_tokens == 40
+    assert sorted(store.segments()[0].positions.tolist()) == list(range(20, 60))
