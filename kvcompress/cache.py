@@ -117,8 +117,5 @@ class Cache(hf.CacheBase):
     def _first_compressed(self) -> int:
         return next(i for i, layer in enumerate(self.layers) if isinstance(layer, CompressedLayer))
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return super().get_seq_length(layer_idx)
-
     def __repr__(self) -> str:
         return f"kvcompress.Cache(stack={self.stack.label!r}, layers={len(self.layers)})"

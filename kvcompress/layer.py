@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .adapters import hf
-from .errors import UnsupportedOperationError
+from .errors import UnsupportedModelError, UnsupportedOperationError
 from .state import KVBlock, LayerInfo, Layout, RingBuffer, Segment, SinkBuffer
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -34,13 +34,27 @@ if TYPE_CHECKING:  # pragma: no cover
 _ACTIVE = threading.local()
 
 
-def claim_pending(layer_idx: int) -> "CompressedLayer | None":
-    """The compressed layer whose ``update`` just ran for ``layer_idx`` (consumed once)."""
+def claim_pending(layer_idx: int, key: torch.Tensor) -> "CompressedLayer | None":
+    """The compressed layer whose ``update`` just ran for ``layer_idx`` (consumed once).
+
+    ``key`` must be the very tensor ``update`` returned: a model that transforms keys
+    between ``cache.update`` and attention cannot be read compressed.
+    """
     layer = getattr(_ACTIVE, "layer", None)
-    if layer is None or layer.info.index != layer_idx:
+    if layer is None or layer.info.index != layer_idx or layer._pending is None:
         return None
     _ACTIVE.layer = None
+    if layer._pending[0] is not key:
+        layer._pending = None
+        raise UnsupportedModelError(
+            "the model changes the keys between cache.update() and attention; kvcompress cannot read its "
+            "compressed cache (use transformers' own cache for this model)")
     return layer
+
+
+def clear_pending() -> None:
+    """Forget any unconsumed pending layer (called when a compress() scope ends)."""
+    _ACTIVE.layer = None
 
 
 def _cat_blocks(a: KVBlock | None, b: KVBlock | None) -> KVBlock:

@@ -94,13 +94,9 @@ class KVBlock:
 
     def select(self, index: torch.Tensor) -> "KVBlock":
         """Keep token columns ``index`` (1-D) for every row."""
-        meta = {key: t.index_select(_token_dim(t, self), index) for key, t in self.meta.items()}
+        meta = {key: t.index_select(1 if t.dim() == 2 else 2, index) for key, t in self.meta.items()}
         return KVBlock(self.k.index_select(2, index), self.v.index_select(2, index),
                        self.valid.index_select(1, index), self.positions.index_select(0, index), meta)
-
-
-def _token_dim(t: torch.Tensor, block: KVBlock) -> int:
-    return 1 if t.dim() == 2 else 2
 
 
 @dataclasses.dataclass

@@ -110,7 +110,7 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     """transformers attention interface entry: read a kvcompress layer, else plain SDPA."""
     from ..layer import claim_pending
 
-    layer = claim_pending(getattr(module, "layer_idx", -1))
+    layer = claim_pending(getattr(module, "layer_idx", -1), key)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if layer is None:  # a layer kvcompress does not own (sliding layers, no cache, other caches)
@@ -144,6 +144,9 @@ def attach(model: Any) -> Iterator[None]:
     try:
         yield
     finally:
+        from ..layer import clear_pending
+
+        clear_pending()
         model.set_attn_implementation(previous)
 
 
