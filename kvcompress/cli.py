@@ -40,6 +40,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
+    from .adapters import hf
     from .api import compress
     from .models import load_model
     from .stack import as_stack, load_stack
@@ -53,7 +54,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                                                return_tensors="pt", return_dict=True)
     torch.manual_seed(args.seed)
     with compress(model, stack) as cache, torch.no_grad():
-        out = model.generate(**inputs, cache=cache, max_new_tokens=args.max_new_tokens,
+        out = model.generate(**inputs, **{hf.cache_kwarg(model): cache}, max_new_tokens=args.max_new_tokens,
                              do_sample=args.sample, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
     prompt_len = inputs["input_ids"].shape[1]
     print(tokenizer.decode(out[0, prompt_len:], skip_special_tokens=True))
