@@ -89,3 +89,19 @@ def test_crop_is_refused_clearly():
         model.generate(torch.randint(1, 256, (1, 8)), max_new_tokens=2, do_sample=False, cache=cache)
         with pytest.raises(kvcompress.UnsupportedOperationError, match="cannot be cropped"):
             cache.crop(-1)
+
+
+def test_keys_changed_between_update_and_attention_are_refused():
+    """The hand-off from cache.update to kvcompress attention checks it gets the very keys update returned."""
+    from kvcompress.adapters import hf
+
+    model = tiny_model("llama", layers=1)
+    with kvcompress.compress(model, None) as cache:
+        k = torch.randn(1, 2, 3, 16)
+        cache.update(k, torch.randn(1, 2, 3, 16), 0)
+        attn = model.model.layers[0].self_attn
+        with pytest.raises(kvcompress.UnsupportedModelError, match="changes the keys"):
+            hf.kvcompress_attention(attn, torch.randn(1, 4, 3, 16), k.clone(), torch.randn(1, 2, 3, 16), None)
+        # nothing pending any more: a later call falls back to plain SDPA
+        out, _ = hf.kvcompress_attention(attn, torch.randn(1, 4, 3, 16), k, torch.randn(1, 2, 3, 16), None)
+        assert out.shape == (1, 3, 4, 16)
