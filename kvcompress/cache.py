@@ -95,7 +95,7 @@ class Cache(hf.CacheBase):
         segments: dict[str, int] = {}
         dense = 0
         batch = 0
-        elem = 2
+        elem, dtype = 2, "float16"
         for layer in self.layers:
             if isinstance(layer, CompressedLayer):
                 for name, n in layer.memory().items():
@@ -111,7 +111,7 @@ class Cache(hf.CacheBase):
                 dense += sum(t.numel() * 2 for t in (layer.keys, layer.values))
         report = MemoryReport(segments, dense, self.get_seq_length(self._first_compressed()), batch)
         report.dense_native_bytes = dense * elem // 2
-        report.native_dtype = dtype if batch else "float16"
+        report.native_dtype = dtype
         return report
 
     def _first_compressed(self) -> int:

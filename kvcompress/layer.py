@@ -153,13 +153,12 @@ class CompressedLayer(hf.CacheLayerMixin):
         self.sinks.map_batch(fn)
         self.recent.map_batch(fn)
         self.middle.map_batch(fn)
-        for key, value in list(self.state.items()):
+        for value in self.state.values():
             if hasattr(value, "map_batch"):
                 value.map_batch(fn)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        idx = beam_idx.to(self.device) if self.is_initialized else beam_idx
-        self._map_batch(lambda t: t.index_select(0, idx))
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
@@ -193,11 +192,10 @@ class CompressedLayer(hf.CacheLayerMixin):
         valid = self.sinks.take(k, v, valid, pos)
         if not sinks_were_full or valid_given:
             # Columns that are padding (or a sink) in every row are not stored in the ring.
-            cols = valid.any(dim=0)
-            if not bool(cols.all()):
-                idx = cols.nonzero().flatten()
-                k, v, valid, pos = k.index_select(2, idx), v.index_select(2, idx), valid[:, idx], pos[idx]
-                q = idx.numel()
+            block = KVBlock(k, v, valid, pos).compact()
+            if block is None:
+                return
+            k, v, valid, pos, q = block.k, block.v, block.valid, block.positions, block.num_tokens
         ring, window, flush = self.recent, self.layout.recent, self.layout.flush
         total = ring.size + q
         m = ((total - window) // flush) * flush if window is not None and total >= window + flush else 0

@@ -66,10 +66,6 @@ class StackPipeline:
         self._transforms = (self.stages["kvcompress_prune_channels"] + self.stages["kvcompress_lowrank_transform"]
                             + self.stages["kvcompress_regroup_heads"])
 
-    @property
-    def empty(self) -> bool:
-        return not self.compressors
-
     # -- build time ---------------------------------------------------------------------
     def layout(self, info: LayerInfo) -> Layout:
         return Layout.combine(fn(layer=info) for fn in self.stages["kvcompress_layer_layout"])
@@ -92,11 +88,9 @@ class StackPipeline:
                 return
             if keep is not None and keep is not True:
                 block.valid = block.valid & keep
-        columns = block.valid.any(dim=0)
-        if not bool(columns.any()):
+        block = block.compact()
+        if block is None:
             return
-        if not bool(columns.all()):
-            block = block.select(columns.nonzero().flatten())
         for fn in self._transforms:
             out = fn(layer=layer, block=block)
             if out is not None:

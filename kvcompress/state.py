@@ -98,6 +98,15 @@ class KVBlock:
         return KVBlock(self.k.index_select(2, index), self.v.index_select(2, index),
                        self.valid.index_select(1, index), self.positions.index_select(0, index), meta)
 
+    def compact(self) -> "KVBlock | None":
+        """Drop token columns that are invalid in every row; ``None`` when nothing is left."""
+        columns = self.valid.any(dim=0)
+        if bool(columns.all()):
+            return self
+        if not bool(columns.any()):
+            return None
+        return self.select(columns.nonzero().flatten())
+
 
 @dataclasses.dataclass
 class Segment:

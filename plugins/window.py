@@ -25,17 +25,12 @@ import dataclasses
 import torch
 
 from kvcompress import Compressor, CompressorSpec, Layout, hookimpl, param
-from kvcompress.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
 class WindowConfig:
     sinks: int = param(4, "attention-sink tokens kept at the start of each row", min=0, max=1 << 20)
     recent: int = param(1024, "most recent tokens kept (the window's token budget)", min=1, max=1 << 24)
-
-    def check(self, path: str) -> None:
-        if self.sinks + self.recent < 1:  # pragma: no cover - bounds already forbid it
-            raise ConfigError(f"{path}.recent", "sinks + recent >= 1", self.recent)
 
 
 class WindowCompressor(Compressor):
