@@ -240,9 +240,9 @@ class CompressedLayer(hf.CacheLayerMixin):
             if all(s.is_dense for s in segs):
                 out = self._dense_read(query, segs + [new], q_pos, scaling, dense_attention)
             else:
-                from kvcompress.kernels.attention import segment_attention
+                from kvcompress.kernels.attention import attend_segments
 
-                out = segment_attention(query, segs + [new], q_pos, scaling).transpose(1, 2)
+                out = attend_segments(query, segs + [new], q_pos, scaling).transpose(1, 2)
         self.commit(k, v, valid_new, seen_before)
         return out
 

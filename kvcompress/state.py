@@ -122,23 +122,33 @@ class Segment:
         heads: kv-head indices this segment covers, or ``None`` for all.
         qmap: maps the grouped query ``[batch, heads, group, q, head_dim]`` to ``dk`` dims.
         select: optional read-time selection ``[batch, kv_heads, q_len, tokens]`` (True = read).
+        packed: an encoded region (e.g. :class:`kvcompress.kernels.kivi.PackedKV`) read in place by
+            attention; ``k`` and ``v`` are then ``None`` and the encoding's own ``valid`` is ``valid``.
+            An encoded region must hold only tokens older than every query (the middle always does).
     """
 
-    k: torch.Tensor
-    v: torch.Tensor
+    k: torch.Tensor | None
+    v: torch.Tensor | None
     valid: torch.Tensor | None
     positions: torch.Tensor
     heads: torch.Tensor | None = None
     qmap: Callable[[torch.Tensor], torch.Tensor] | None = None
     select: torch.Tensor | None = None  # read-time selection [batch, kv_heads, q_len, tokens]
+    packed: Any = None
 
     @property
     def is_dense(self) -> bool:
-        return self.heads is None and self.qmap is None and self.select is None
+        return self.heads is None and self.qmap is None and self.select is None and self.packed is None
 
     @property
     def num_tokens(self) -> int:
-        return self.k.shape[-2]
+        return self.packed.num_tokens if self.packed is not None else self.k.shape[-2]
+
+    def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full-precision ``(k, v)`` of this segment (decoded, transient, when it is packed)."""
+        if self.packed is not None:
+            return self.packed.dequantize()
+        return self.k, self.v
 
 
 # ----------------------------------------------------------------------------- buffers
@@ -334,6 +344,18 @@ class MiddleStore:
 
     def drop_oldest(self, n: int) -> None:  # pragma: no cover - interface
         """Evict the ``n`` oldest stored tokens (stores may require alignment)."""
+        raise NotImplementedError
+
+    def valid_mask(self) -> torch.Tensor | None:  # pragma: no cover - interface
+        """Per-row validity ``[batch, tokens]`` of the stored tokens, oldest first (``None`` when empty)."""
+        raise NotImplementedError
+
+    def retain(self, keep: torch.Tensor) -> None:  # pragma: no cover - interface
+        """Evict per row: ``keep`` is ``[batch, tokens]`` over :meth:`valid_mask`'s columns.
+
+        Evicted tokens are never read again; a store frees their memory as soon as its
+        storage unit (a token, a quantization group, a page) holds no kept token of any row.
+        """
         raise NotImplementedError
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:  # pragma: no cover

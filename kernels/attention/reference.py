@@ -47,19 +47,20 @@ def segment_attention(
         ``[batch, q_heads, q_len, v_dim]`` in the query's dtype.
     """
     b, hq, q_len, d = query.shape
-    kv_heads = next(s.k.shape[1] for s in segments if s.heads is None) if any(
+    kvs = [seg.keys_values() for seg in segments]  # packed segments are decoded here, transiently
+    kv_heads = next(kv[0].shape[1] for kv, s in zip(kvs, segments) if s.heads is None) if any(
         s.heads is None for s in segments) else None
     if kv_heads is None:
         kv_heads = max(int(s.heads.max()) + 1 for s in segments)
     group = hq // kv_heads
     qg = query.float().view(b, kv_heads, group, q_len, d)
     scores, masks = [], []
-    for seg in segments:
+    for seg, (seg_k, _) in zip(segments, kvs):
         heads = seg.heads
         qs = qg if heads is None else qg.index_select(1, heads)
         if seg.qmap is not None:
             qs = seg.qmap(qs)
-        s = torch.einsum("bhgqd,bhtd->bhgqt", qs, seg.k.float()) * scale
+        s = torch.einsum("bhgqd,bhtd->bhgqt", qs, seg_k.float()) * scale
         if heads is not None:
             full = s.new_full((b, kv_heads, group, q_len, s.shape[-1]), float("-inf"))
             full[:, heads] = s
@@ -77,16 +78,50 @@ def segment_attention(
     p = torch.exp(s - mx)
     denom = p.sum(dim=-1, keepdim=True)
     p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
-    dv = max(seg.v.shape[-1] for seg in segments)
+    dv = max(v.shape[-1] for _, v in kvs)
     out = qg.new_zeros(b, kv_heads, group, q_len, dv)
     start = 0
-    for seg in segments:
-        t = seg.k.shape[-2]
+    for seg, (seg_k, seg_v) in zip(segments, kvs):
+        t = seg_k.shape[-2]
         ps = p[..., start:start + t]
         start += t
         if seg.heads is None:
-            out = out + torch.einsum("bhgqt,bhtd->bhgqd", ps, seg.v.float())
+            out = out + torch.einsum("bhgqt,bhtd->bhgqd", ps, seg_v.float())
         else:
-            part = torch.einsum("bhgqt,bhtd->bhgqd", ps.index_select(1, seg.heads), seg.v.float())
+            part = torch.einsum("bhgqt,bhtd->bhgqd", ps.index_select(1, seg.heads), seg_v.float())
             out.index_add_(1, seg.heads, part)
     return out.view(b, hq, q_len, dv).to(query.dtype)
+
+
+def partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over one full-precision region, returned as a mergeable partial.
+
+    Args:
+        query: ``[B, Hkv, M, D]`` grouped query rows.
+        k, v: ``[B, Hkv, T, D]`` / ``[B, Hkv, T, Dv]``.
+        mask: boolean, broadcastable to ``[B, Hkv, M, T]`` (True = visible), or ``None``.
+        scale: softmax scale.
+
+    Returns:
+        ``(out [B, Hkv, M, Dv] float32, lse [B, Hkv, M] float32)``; rows with no visible key get
+        ``lse = -inf`` and a zero output.
+    """
+    s = torch.einsum("bhmd,bhtd->bhmt", query.float(), k.float()) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    finite = torch.isfinite(lse)
+    p = torch.exp(s - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
+    return torch.einsum("bhmt,bhtd->bhmd", p, v.float()), lse
+
+
+def merge_partials(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Combine ``(out, lse)`` partials of disjoint key regions into the joint softmax output (float32)."""
+    lses = torch.stack([lse for _, lse in parts])  # [R, ...]
+    top = lses.amax(dim=0)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weights = torch.exp(lses - top)  # exp(-inf) = 0 for empty regions
+    total = weights.sum(dim=0)
+    out = sum(w.unsqueeze(-1) * o for w, (o, _) in zip(weights, parts))
+    return out / torch.where(total > 0, total, torch.ones_like(total)).unsqueeze(-1)

@@ -1,0 +1,64 @@
+"""Production read path: one attention partial per segment, merged by log-sum-exp.
+
+Each segment is read in its own format - full-precision regions by
+:func:`~.reference.partial_attention`, encoded regions (``Segment.packed``) by
+their own op (e.g. the KIVI kernel, which reads packed codes in place) - and
+the partials ``(out, lse)`` are merged into the joint softmax.  Mathematically
+equal to :func:`~.reference.segment_attention`, the oracle it is tested against.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kvcompress.state import Segment
+
+from .reference import merge_partials, partial_attention, segment_mask
+
+
+def _kv_heads(segments: Sequence[Segment]) -> int:
+    for seg in segments:
+        if seg.heads is None:
+            return seg.packed.k_codes.shape[1] if seg.packed is not None else seg.k.shape[1]
+    return max(int(s.heads.max()) + 1 for s in segments)
+
+
+def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_positions: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Same contract as :func:`~.reference.segment_attention`: ``[batch, q_heads, q_len, v_dim]``."""
+    b, hq, q_len, d = query.shape
+    kv_heads = _kv_heads(segments)
+    group = hq // kv_heads
+    m_rows = group * q_len
+    q5 = query.view(b, kv_heads, group, q_len, d)
+    parts = []
+    for seg in segments:
+        qs = q5 if seg.heads is None else q5.index_select(1, seg.heads)
+        if seg.qmap is not None:
+            qs = seg.qmap(qs)
+        qs = qs.reshape(qs.shape[0], qs.shape[1], m_rows, qs.shape[-1])
+        if seg.packed is not None and seg.select is None:
+            out, lse = seg.packed.attention_partial(qs, scale)
+        else:
+            k, v = seg.keys_values()
+            mask = segment_mask(seg, q_positions)  # [b|1, 1, q, t]
+            if seg.packed is not None:
+                mask = mask & seg.packed.valid[:, None, None, :]
+            mask = mask.unsqueeze(2).expand(mask.shape[0], 1, group, q_len, mask.shape[-1])
+            if seg.select is not None:  # [b, h, q, t]
+                mask = mask & seg.select.unsqueeze(2)
+            mask = mask.reshape(mask.shape[0], mask.shape[1], m_rows, mask.shape[-1])
+            out, lse = partial_attention(qs, k, v, mask, scale)
+        if seg.heads is not None:
+            full_out = out.new_zeros(b, kv_heads, m_rows, out.shape[-1])
+            full_lse = lse.new_full((b, kv_heads, m_rows), float("-inf"))
+            full_out[:, seg.heads] = out
+            full_lse[:, seg.heads] = lse
+            out, lse = full_out, full_lse
+        parts.append((out, lse))
+    dv = max(o.shape[-1] for o, _ in parts)
+    parts = [(o if o.shape[-1] == dv else torch.nn.functional.pad(o, (0, dv - o.shape[-1])), lse) for o, lse in parts]
+    out = merge_partials(parts)
+    return out.view(b, kv_heads, group, q_len, dv).reshape(b, hq, q_len, dv).to(query.dtype)

@@ -1,0 +1,28 @@
+"""KIVI quantization ops: packed format, quantizers, attention over packed codes.
+
+``kivi_attention_partial`` dispatches to the Triton kernel for CUDA tensors when
+Triton is installed, otherwise to the PyTorch reference (same signature).  Set
+``KVCOMPRESS_KERNELS=reference`` to force the reference everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .reference import (BITS, PackedKV, bits_per_element, dequantize_keys, dequantize_values,
+                        fake_quantize_keys, fake_quantize_values, pack, quantize_keys, quantize_values, unpack)
+from .reference import kivi_attention_partial as kivi_attention_partial_reference
+
+
+def kivi_attention_partial(query, packed, scale):
+    """Attention over a packed KIVI region; see :func:`.reference.kivi_attention_partial`."""
+    if query.is_cuda and os.environ.get("KVCOMPRESS_KERNELS", "auto") != "reference":
+        from .triton_kernel import kivi_attention_partial as fused  # compiled lazily, on first use
+
+        return fused(query, packed, scale)
+    return kivi_attention_partial_reference(query, packed, scale)
+
+
+__all__ = ["BITS", "PackedKV", "bits_per_element", "dequantize_keys", "dequantize_values", "fake_quantize_keys",
+           "fake_quantize_values", "kivi_attention_partial", "kivi_attention_partial_reference", "pack",
+           "quantize_keys", "quantize_values", "unpack"]

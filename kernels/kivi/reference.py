@@ -1,0 +1,234 @@
+"""KIVI packed format, quantizers and reference attention (pure PyTorch).
+
+KIVI (Liu et al., ICML 2024, arXiv:2402.02750) quantizes keys **per channel**
+(a group is ``G`` consecutive tokens of one channel) and values **per token**
+(a group is ``Gv`` consecutive channels of one token), asymmetric min-max with
+an fp16 scale and zero point::
+
+    s = (max - min) / (2**bits - 1)      (s := 1 when the group is constant)
+    code = clamp(round((x - z) / s), 0, 2**bits - 1),   z = min
+    x_hat = code * s + z
+
+Packed layout (``PER = 32 // bits`` codes per int32 word; code ``j`` of a word
+sits at bits ``[bits*j, bits*(j+1))``):
+
+* keys ``k_codes``: int32 ``[B, H, NG, Dk, G // PER]`` - for token group ``g``
+  and channel ``c``, the codes of its ``G`` tokens packed along tokens (token
+  ``t`` of the group is code ``t % PER`` of word ``t // PER``).  So one group
+  unpacks straight into a ``[Dk, G]`` tile of ``K^T``.
+  ``k_scale``, ``k_zero``: fp16 ``[B, H, NG, Dk]``.
+* values ``v_codes``: int32 ``[B, H, NG*G, Dv // PER]`` packed along channels
+  (channel ``c`` is code ``c % PER`` of word ``c // PER``);
+  ``v_scale``, ``v_zero``: fp16 ``[B, H, NG*G, Dv // Gv]``.
+* ``valid``: bool ``[B, NG*G]`` - slots attention may read (False for padding,
+  evicted tokens and unused capacity).
+
+Size: ``bits + 32/G`` bits per key element and ``bits + 32/Gv`` per value
+element: 3.0 bits at 2 bits, G = Gv = 32.
+
+The GPU kernel (``triton_kernel.py``) has the same signature as
+:func:`kivi_attention_partial`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+BITS = (2, 4)
+
+
+def codes_per_word(bits: int) -> int:
+    if bits not in BITS:
+        raise ValueError(f"KIVI supports bits in {BITS}, got {bits}")
+    return 32 // bits
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integer codes along the last axis into int32 words (``n`` divisible by ``32 // bits``)."""
+    per = codes_per_word(bits)
+    n = codes.shape[-1]
+    if n % per:
+        raise ValueError(f"cannot pack {n} codes into words of {per}")
+    c = codes.to(torch.int32).reshape(*codes.shape[:-1], n // per, per)
+    shifts = torch.arange(per, device=codes.device, dtype=torch.int32) * bits
+    # Disjoint bit fields: the sum is the bitwise OR (int32 wraps into the sign bit as intended).
+    return (c << shifts).sum(dim=-1, dtype=torch.int32)
+
+
+def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: int32 words ``[..., W]`` -> codes ``[..., W * 32 // bits]`` (int32)."""
+    per = codes_per_word(bits)
+    shifts = torch.arange(per, device=words.device, dtype=torch.int32) * bits
+    codes = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*words.shape[:-1], words.shape[-1] * per)
+
+
+# ----------------------------------------------------------------------------- quantizers
+
+
+def quantize_groups(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min-max quantization of ``x`` with one group along ``dim``.
+
+    Returns ``(codes int32 like x, scale fp16, zero fp16)`` with ``dim`` reduced (kept as size 1).
+    A constant group (zero range, or a range that underflows fp16) gets scale 1, so it
+    dequantizes to its (fp16-rounded) value and never produces NaN or inf.
+    """
+    x = x.float()
+    lo = x.amin(dim=dim, keepdim=True)
+    hi = x.amax(dim=dim, keepdim=True)
+    qmax = (1 << bits) - 1
+    scale = ((hi - lo) / qmax).to(torch.float16)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero = lo.to(torch.float16)
+    codes = torch.round((x - zero.float()) / scale.float()).clamp_(0, qmax).to(torch.int32)
+    return codes, scale, zero
+
+
+def quantize_keys(k: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-channel key quantization: ``k [B, H, T, Dk]`` (T divisible by ``group``).
+
+    Returns ``k_codes [B, H, T/G, Dk, G/PER]`` int32, ``k_scale``, ``k_zero`` ``[B, H, T/G, Dk]`` fp16.
+    """
+    b, h, t, d = k.shape
+    if t % group:
+        raise ValueError(f"{t} key tokens are not a multiple of the group size {group}")
+    x = k.reshape(b, h, t // group, group, d).transpose(-1, -2)  # [B, H, NG, Dk, G]
+    codes, scale, zero = quantize_groups(x, bits, dim=-1)
+    return pack(codes, bits), scale.squeeze(-1), zero.squeeze(-1)
+
+
+def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """``k_codes [B, H, NG, Dk, W]`` -> keys ``[B, H, NG*G, Dk]`` (float32)."""
+    c = unpack(codes, bits).float()  # [B, H, NG, Dk, G]
+    x = c * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+    b, h, ng, d, g = x.shape
+    return x.transpose(-1, -2).reshape(b, h, ng * g, d)
+
+
+def quantize_values(v: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token value quantization: ``v [B, H, T, Dv]`` (Dv divisible by ``group``).
+
+    Returns ``v_codes [B, H, T, Dv/PER]`` int32, ``v_scale``, ``v_zero`` ``[B, H, T, Dv/Gv]`` fp16.
+    """
+    b, h, t, d = v.shape
+    if d % group:
+        raise ValueError(f"value dim {d} is not a multiple of the value group size {group}")
+    x = v.reshape(b, h, t, d // group, group)
+    codes, scale, zero = quantize_groups(x, bits, dim=-1)
+    return pack(codes.reshape(b, h, t, d), bits), scale.squeeze(-1), zero.squeeze(-1)
+
+
+def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """``v_codes [B, H, T, W]`` -> values ``[B, H, T, Dv]`` (float32)."""
+    c = unpack(codes, bits).float()
+    b, h, t, d = c.shape
+    groups = scale.shape[-1]
+    x = c.view(b, h, t, groups, d // groups) * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+    return x.view(b, h, t, d)
+
+
+def fake_quantize_keys(k: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """Quantize then dequantize keys (an oracle for tests and emulation)."""
+    return dequantize_keys(*quantize_keys(k, bits, group), bits).to(k.dtype)
+
+
+def fake_quantize_values(v: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    return dequantize_values(*quantize_values(v, bits, group), bits).to(v.dtype)
+
+
+# ----------------------------------------------------------------------------- packed view
+
+
+@dataclasses.dataclass
+class PackedKV:
+    """A view of quantized keys/values (see the module docstring for the layout).
+
+    ``group`` is the key token-group size ``G``; ``v_group`` the value channel-group size.
+    Tensors may be longer than the live data: ``valid`` masks every slot that must not be read.
+    """
+
+    bits: int
+    group: int
+    k_codes: torch.Tensor
+    k_scale: torch.Tensor
+    k_zero: torch.Tensor
+    v_codes: torch.Tensor
+    v_scale: torch.Tensor
+    v_zero: torch.Tensor
+    valid: torch.Tensor
+    k_per_token: bool = False  # ablation only: keys in the *values'* per-token layout (KIVI's wrong axis)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.valid.shape[-1]
+
+    @property
+    def v_group(self) -> int:
+        return self.v_codes.shape[-1] * (32 // self.bits) // self.v_scale.shape[-1]
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full keys ``[B, H, T, Dk]`` and values ``[B, H, T, Dv]`` in float32 (read-time, transient)."""
+        if self.k_per_token:
+            k = dequantize_values(self.k_codes, self.k_scale, self.k_zero, self.bits)
+        else:
+            k = dequantize_keys(self.k_codes, self.k_scale, self.k_zero, self.bits)
+        v = dequantize_values(self.v_codes, self.v_scale, self.v_zero, self.bits)
+        return k, v
+
+    def attention_partial(self, query: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` of ``query [B, H, M, Dk]`` over this region (fused kernel on CUDA)."""
+        if self.k_per_token:
+            return kivi_attention_partial(query, self, scale)
+        from . import kivi_attention_partial as dispatch
+
+        return dispatch(query, self, scale)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def kivi_attention_partial(query: torch.Tensor, packed: PackedKV, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of grouped queries over a quantized region, unnormalised across regions.
+
+    Every stored token precedes every query (the quantized middle is older than the
+    recent window), so only ``packed.valid`` masks keys.
+
+    Args:
+        query: ``[B, Hkv, M, Dk]`` - the ``M = group * q_len`` query rows that share each kv head
+            (already mapped to the stored key channels).
+        packed: the quantized keys and values.
+        scale: softmax scale.
+
+    Returns:
+        ``(out [B, Hkv, M, Dv] float32, lse [B, Hkv, M] float32)``: the softmax-normalised output over
+        this region and the natural-log sum of ``exp(scale * q.k)`` over its valid keys (``-inf`` and a
+        zero output where no key is valid).  Merge regions with
+        :func:`kvcompress.kernels.attention.reference.merge_partials`.
+    """
+    k, v = packed.dequantize()
+    s = torch.einsum("bhmd,bhtd->bhmt", query.float(), k) * scale
+    s = s.masked_fill(~packed.valid[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    finite = torch.isfinite(lse)
+    p = torch.exp(s - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
+    out = torch.einsum("bhmt,bhtd->bhmd", p, v)
+    return out, lse
+
+
+def bits_per_element(bits: int, group: int) -> float:
+    """Storage cost of one quantized element including its share of the fp16 scale and zero."""
+    return bits + 32 / group
+
+
+def packed_bytes(tokens: int, heads: int, dk: int, dv: int, bits: int, group: int, v_group: int) -> int:
+    """Bytes of codes + scales + zeros for ``tokens`` (one row), without the valid mask."""
+    ng = math.ceil(tokens / group)
+    k = heads * ng * dk * (group * bits // 8 + 4)
+    v = heads * ng * group * (dv * bits // 8 + 4 * (dv // v_group))
+    return k + v

@@ -1,0 +1,245 @@
+"""KIVI: tuning-free asymmetric 2-bit / 4-bit KV-cache quantization.
+
+Liu, Yuan, Jin, Zhong, Xu, Braverman, Chen, Hu. *KIVI: A Tuning-Free Asymmetric
+2bit Quantization for KV Cache.* ICML 2024, arXiv:2402.02750.
+
+Keys (after RoPE) are quantized **per channel** - a group is ``group`` (G)
+consecutive tokens of one channel, since key outliers live in fixed channels -
+and values **per token** (a group is G consecutive channels of one token).
+Asymmetric min-max with an fp16 scale and zero point, ``bits`` = 2 or 4.
+
+The newest ``residual`` (R) tokens stay in full precision in the layer's recent
+ring; every time G more tokens arrive, the oldest G leave the residual and are
+quantized as one key group (their values token by token) and **appended** to a
+packed store: stored codes are never dequantized or re-quantized (transformers'
+``QuantizedCache`` re-quantizes its whole cache on every flush).  The store packs
+``32 / bits`` codes per int32 word, preallocates with amortised (doubling) growth
+and, under an upstream token budget, reuses freed groups as a ring.  A 2-bit,
+G = 32 store costs ``2 + 32/32 = 3`` bits per element.
+
+Values leave the residual in the same G-token blocks as keys (so a token is
+either fully precise or fully quantized); the official code quantizes values
+one token at a time as soon as they pass R, so ours keeps up to G - 1 more
+full-precision values.  Optional full-precision attention ``sinks`` (the first
+real tokens) roughly halve the 2-bit penalty on small models.
+
+KIVI is the last stage of a stack: it quantizes whatever an evictor, pruner or
+regrouper upstream hands it.  Evictors free memory in whole G-token groups:
+evicted tokens are masked at once and their group is released when no row keeps
+any of its tokens.
+
+Attention: the PyTorch reference dequantizes at read time; on CUDA a Triton
+kernel reads the packed codes in place (``kvcompress.kernels.kivi``), merged with
+the full-precision regions by log-sum-exp.
+
+Parameters: ``bits`` (2), ``group`` (32), ``residual`` (128), ``sinks`` (0),
+``key_axis`` ("channel"; "token" is the paper's ablation of the wrong axis).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import torch
+
+from kvcompress import Compressor, CompressorSpec, Layout, hookimpl, param
+from kvcompress.errors import ConfigError
+from kvcompress.kernels.kivi import PackedKV, quantize_keys, quantize_values
+from kvcompress.state import KVBlock, MiddleStore, Segment
+
+
+@dataclasses.dataclass(frozen=True)
+class KiviConfig:
+    bits: int = param(2, "bits per quantized element", choices=(2, 4))
+    group: int = param(32, "tokens per key group and channels per value group (G)", choices=(16, 32, 64, 128))
+    residual: int = param(128, "most recent tokens kept in full precision (R, a multiple of group)", min=0,
+                          max=1 << 20)
+    sinks: int = param(0, "first real tokens of each row kept in full precision (attention sinks)", min=0,
+                       max=1 << 20)
+    key_axis: str = param("channel", "key quantization axis: 'channel' is KIVI; 'token' is the paper's ablation "
+                          "(quantizing keys per token, known to be much worse)", choices=("channel", "token"))
+
+    def check(self, path: str) -> None:
+        if self.residual % self.group:
+            raise ConfigError(f"{path}.residual", f"a multiple of group ({self.group})", self.residual,
+                              hint="KIVI quantizes keys one group of G tokens at a time")
+
+
+class KiviStore(MiddleStore):
+    """Packed, append-only store of quantized middle tokens: a growable ring of G-token groups."""
+
+    def __init__(self, config: KiviConfig, head_dim: int):
+        self.bits, self.group = config.bits, config.group
+        self.per_token_keys = config.key_axis == "token"
+        self.v_group = math.gcd(config.group, head_dim)
+        self.start = 0  # first live group slot
+        self.groups = 0  # live groups
+        self.max_groups: int | None = None
+        self.buffers: dict[str, torch.Tensor] | None = None
+
+    # -- capacity ---------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.buffers["valid"].shape[1] // self.group if self.buffers else 0
+
+    def limit(self, max_tokens: int) -> None:
+        # +1: the oldest group may still hold a kept token while the newest fills.
+        self.max_groups = math.ceil(max_tokens / self.group) + 1
+
+    def _token_dim(self, name: str) -> bool:
+        return name.startswith("v_") or name == "valid" or (self.per_token_keys and name.startswith("k_"))
+
+    def _allocate(self, like: dict[str, torch.Tensor], groups: int) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in like.items():
+            size = groups * self.group if self._token_dim(name) else groups
+            dim = 1 if name == "valid" else 2
+            shape = list(t.shape)
+            shape[dim] = size
+            out[name] = t.new_zeros(shape)
+        return out
+
+    def _group_slots(self, first: int, n: int) -> torch.Tensor:
+        device = self.buffers["valid"].device
+        return (torch.arange(n, device=device) + self.start + first) % self.capacity
+
+    def _token_slots(self, group_slots: torch.Tensor) -> torch.Tensor:
+        offs = torch.arange(self.group, device=group_slots.device)
+        return (group_slots.unsqueeze(1) * self.group + offs).flatten()
+
+    def _ensure(self, new_groups: int, like: dict[str, torch.Tensor]) -> None:
+        needed = self.groups + new_groups
+        if self.buffers is None:
+            self.buffers = self._allocate(like, max(needed, 1))
+            return
+        if needed <= self.capacity:
+            return
+        cap = max(needed, 2 * self.capacity)
+        if self.max_groups is not None:
+            cap = max(needed, min(cap, self.max_groups))
+        new = self._allocate(self.buffers, cap)
+        gs = self._group_slots(0, self.groups)
+        ts = self._token_slots(gs)
+        for name, t in self.buffers.items():
+            dim = 1 if name == "valid" else 2
+            idx = ts if self._token_dim(name) else gs
+            new[name].narrow(dim, 0, idx.numel()).copy_(t.index_select(dim, idx))
+        self.buffers, self.start = new, 0
+
+    # -- MiddleStore -------------------------------------------------------------------
+    def append(self, block: KVBlock) -> None:
+        k, v, valid = block.k, block.v, block.valid
+        t = block.num_tokens
+        pad = (-t) % self.group
+        if pad:  # a block cut by eviction: fill the last group with masked slots
+            k = torch.cat([k, k[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
+            v = torch.cat([v, v[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
+            valid = torch.cat([valid, valid.new_zeros(valid.shape[0], pad)], dim=1)
+        if not bool(valid.all()):
+            # Masked slots (padding, evicted) must not widen a group's range: give them the row's mean.
+            w = valid[:, None, :, None].to(k.dtype)
+            count = w.sum(dim=2, keepdim=True).clamp(min=1)
+            k = torch.where(valid[:, None, :, None], k, (k * w).sum(dim=2, keepdim=True) / count)
+            v = torch.where(valid[:, None, :, None], v, (v * w).sum(dim=2, keepdim=True) / count)
+        if self.per_token_keys:
+            kc, ks, kz = quantize_values(k, self.bits, self.v_group)
+        else:
+            kc, ks, kz = quantize_keys(k, self.bits, self.group)
+        vc, vs, vz = quantize_values(v, self.bits, self.v_group)
+        data = {"k_codes": kc, "k_scale": ks, "k_zero": kz, "v_codes": vc, "v_scale": vs, "v_zero": vz,
+                "valid": valid}
+        n = k.shape[2] // self.group
+        self._ensure(n, data)
+        gs = self._group_slots(self.groups, n)
+        ts = self._token_slots(gs)
+        for name, src in data.items():
+            dim = 1 if name == "valid" else 2
+            self.buffers[name].index_copy_(dim, ts if self._token_dim(name) else gs, src)
+        self.groups += n
+
+    def _extent(self) -> int:
+        """Group slots attention must scan: the live ones, plus freed ones when the ring wraps."""
+        return self.capacity if self.start + self.groups > self.capacity else self.start + self.groups
+
+    def segments(self) -> list[Segment]:
+        if self.groups == 0:
+            return []
+        e = self._extent()
+        b = self.buffers
+
+        def groups(name: str) -> torch.Tensor:
+            return b[name][:, :, : e * self.group] if self._token_dim(name) else b[name][:, :, :e]
+
+        valid = b["valid"][:, : e * self.group]
+        packed = PackedKV(self.bits, self.group, groups("k_codes"), groups("k_scale"), groups("k_zero"),
+                          groups("v_codes"), groups("v_scale"), groups("v_zero"), valid,
+                          k_per_token=self.per_token_keys)
+        # Middle tokens precede every query: their positions never mask anything.
+        positions = torch.zeros((), dtype=torch.long, device=valid.device).expand(valid.shape[1])
+        return [Segment(None, None, valid, positions, packed=packed)]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.groups * self.group
+
+    def valid_mask(self) -> torch.Tensor | None:
+        if self.groups == 0:
+            return None
+        return self.buffers["valid"][:, self._token_slots(self._group_slots(0, self.groups))]
+
+    def retain(self, keep: torch.Tensor) -> None:
+        ts = self._token_slots(self._group_slots(0, self.groups))
+        valid = self.buffers["valid"]
+        valid[:, ts] = valid[:, ts] & keep
+        alive = keep.view(keep.shape[0], self.groups, self.group).any(dim=2).any(dim=0)
+        dead = int(alive.long().argmax()) if bool(alive.any()) else self.groups
+        self._free(dead)
+
+    def drop_oldest(self, n: int) -> None:
+        if n % self.group:
+            raise ValueError(f"KIVI evicts whole groups of {self.group} tokens; cannot drop {n}")
+        self._free(min(n // self.group, self.groups))
+
+    def _free(self, groups: int) -> None:
+        if groups <= 0:
+            return
+        self.buffers["valid"][:, self._token_slots(self._group_slots(0, groups))] = False
+        self.start = (self.start + groups) % self.capacity
+        self.groups -= groups
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.buffers is not None:
+            self.buffers = {name: fn(t) for name, t in self.buffers.items()}
+
+    def nbytes(self) -> dict[str, int]:
+        if self.buffers is None:
+            return {"middle: kivi codes": 0, "middle: kivi scales": 0, "middle: mask": 0}
+
+        def size(*names: str) -> int:
+            return sum(self.buffers[n].numel() * self.buffers[n].element_size() for n in names)
+
+        return {"middle: kivi codes": size("k_codes", "v_codes"),
+                "middle: kivi scales": size("k_scale", "k_zero", "v_scale", "v_zero"),
+                "middle: mask": size("valid")}
+
+
+class KiviCompressor(Compressor):
+    name = "kivi"
+
+    @hookimpl
+    def kvcompress_layer_layout(self, layer):
+        return Layout(sinks=self.config.sinks or None, recent=self.config.residual, flush=self.config.group)
+
+    @hookimpl
+    def kvcompress_quantize_store(self, layer):
+        return KiviStore(self.config, layer.info.head_dim)
+
+
+@hookimpl
+def kvcompress_register_compressors(register):
+    register(CompressorSpec(
+        name="kivi", axis="quantize", config=KiviConfig, factory=KiviCompressor,
+        summary="KIVI 2/4-bit KV quantization, keys per channel, values per token (arXiv:2402.02750)",
+    ))
