@@ -72,6 +72,46 @@ class LayerInfo:
 
 
 @dataclasses.dataclass
+class HeadGroup:
+    """Heads of a block that share one dense shape after pruning / regrouping.
+
+    Attributes:
+        heads: ``[h]`` kv-head indices (``None`` = every head, in order).
+        k: ``[batch, h, tokens, kept]`` keys on the kept channels (or coordinates, for low-rank).
+        v: ``[batch, h, tokens, v_dim]`` values.
+        channels: ``[h, kept]`` key channels each head keeps (``None`` = all, unmapped).
+        qmap: custom query map (e.g. a projection); overrides ``channels`` when given.
+    """
+
+    heads: torch.Tensor | None
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    channels: torch.Tensor | None = None
+    qmap: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def layout(self) -> "HeadGroup":
+        """The static part (heads, channels, query map) without token data."""
+        return HeadGroup(self.heads, None, None, self.channels, self.qmap)
+
+    def query_map(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        if self.qmap is not None or self.channels is None:
+            return self.qmap
+        h, kept = self.channels.shape
+        index = self.channels.view(1, h, 1, 1, kept)
+
+        def gather(q: torch.Tensor) -> torch.Tensor:  # [b, h, group, q_len, d] -> [..., kept]
+            return q.gather(-1, index.expand(*q.shape[:-1], kept))
+
+        return gather
+
+    def attach(self, seg: "Segment") -> "Segment":
+        """``seg`` read as this group (heads and query map set)."""
+        if self.heads is None and self.channels is None and self.qmap is None:
+            return seg
+        return dataclasses.replace(seg, heads=self.heads, qmap=self.query_map())
+
+
+@dataclasses.dataclass
 class KVBlock:
     """Tokens travelling through the pipeline (leaving the recent window).
 
@@ -80,23 +120,35 @@ class KVBlock:
         valid: ``[batch, tokens]`` bool, False for padding (and a row's own sinks).
         positions: ``[tokens]`` logical positions (shared by all rows).
         meta: per-token metadata written by the score stage.
+        groups: after pruning / regrouping, the head groups that replace ``k`` and ``v``
+            (which are then ``None``); an empty list means no head keeps anything.
     """
 
-    k: torch.Tensor
-    v: torch.Tensor
+    k: torch.Tensor | None
+    v: torch.Tensor | None
     valid: torch.Tensor
     positions: torch.Tensor
     meta: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    groups: list[HeadGroup] | None = None
 
     @property
     def num_tokens(self) -> int:
-        return self.k.shape[-2]
+        return self.positions.shape[0]
+
+    def parts(self) -> list[HeadGroup]:
+        """The block as head groups (one group of every head when not regrouped)."""
+        if self.groups is not None:
+            return self.groups
+        return [HeadGroup(None, self.k, self.v)]
 
     def select(self, index: torch.Tensor) -> "KVBlock":
         """Keep token columns ``index`` (1-D) for every row."""
         meta = {key: t.index_select(1 if t.dim() == 2 else 2, index) for key, t in self.meta.items()}
-        return KVBlock(self.k.index_select(2, index), self.v.index_select(2, index),
-                       self.valid.index_select(1, index), self.positions.index_select(0, index), meta)
+        groups = None if self.groups is None else [
+            dataclasses.replace(g, k=g.k.index_select(2, index), v=g.v.index_select(2, index)) for g in self.groups]
+        pick = (lambda t: None if t is None else t.index_select(2, index))
+        return KVBlock(pick(self.k), pick(self.v), self.valid.index_select(1, index),
+                       self.positions.index_select(0, index), meta, groups)
 
     def compact(self) -> "KVBlock | None":
         """Drop token columns that are invalid in every row; ``None`` when nothing is left."""
@@ -368,55 +420,77 @@ class MiddleStore:
 
 
 class DenseStore(MiddleStore):
-    """Full-precision middle: append-only buffer with amortised growth."""
+    """Full-precision middle: append-only buffers with amortised growth, one lane per head group.
+
+    An ungrouped block is stored in one lane covering every kv head; a block
+    regrouped by a pruner (``block.groups``) gets one lane per group, each a dense
+    ``[batch, heads_in_group, tokens, kept_channels]`` buffer read with the
+    group's query map.
+    """
 
     def __init__(self) -> None:
-        self.buf: RingBuffer | None = None
+        self.lanes: list[tuple[HeadGroup, RingBuffer]] | None = None
         self.max_tokens: int | None = None
+
+    @property
+    def buf(self) -> RingBuffer | None:
+        """The first lane's buffer (the only one for ungrouped stacks)."""
+        return self.lanes[0][1] if self.lanes else None
 
     def limit(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
-        if self.buf is not None:
-            self.buf.max_capacity = max_tokens
+        for _, buf in self.lanes or []:
+            buf.max_capacity = max_tokens
 
     def append(self, block: KVBlock) -> None:
-        if self.buf is None:
-            self.buf = RingBuffer(None, block.k, block.v, initial=block.num_tokens)
-            self.buf.max_capacity = self.max_tokens
-        self.buf.push(block.k, block.v, block.valid, block.positions)
+        parts = block.parts()
+        if self.lanes is None:
+            self.lanes = []
+            for part in parts:
+                buf = RingBuffer(None, part.k, part.v, initial=block.num_tokens)
+                buf.max_capacity = self.max_tokens
+                self.lanes.append((part.layout(), buf))
+        for (_, buf), part in zip(self.lanes, parts):
+            buf.push(part.k, part.v, block.valid, block.positions)
 
     def segments(self) -> list[Segment]:
-        seg = self.buf.segment() if self.buf is not None else None
-        return [seg] if seg is not None else []
+        out = []
+        for group, buf in self.lanes or []:
+            seg = buf.segment()
+            if seg is not None:
+                out.append(group.attach(seg))
+        return out
 
     @property
     def num_tokens(self) -> int:
         return self.buf.size if self.buf is not None else 0
 
     def drop_oldest(self, n: int) -> None:
-        if n > 0 and self.buf is not None:
-            self.buf.discard_oldest(min(n, self.buf.size))
+        for _, buf in self.lanes or []:
+            if n > 0:
+                buf.discard_oldest(min(n, buf.size))
 
     def valid_mask(self) -> torch.Tensor | None:
         """Per-row validity ``[batch, tokens]`` of the stored tokens, oldest first."""
-        if self.buf is None or self.buf.size == 0:
+        buf = self.buf
+        if buf is None or buf.size == 0:
             return None
-        return self.buf.valid[:, self.buf.ordered()]
+        return buf.valid[:, buf.ordered()]
 
     def retain(self, keep: torch.Tensor) -> None:
         """Evict per row: ``keep`` is ``[batch, tokens]`` (oldest first); leading all-evicted columns are freed."""
-        buf = self.buf
-        slots = buf.ordered()
-        buf.valid[:, slots] = buf.valid[:, slots] & keep
-        if not bool(keep.all()):
-            buf.all_valid = False
         alive = keep.any(dim=0)
         first = int(alive.long().argmax()) if bool(alive.any()) else keep.shape[1]
-        buf.discard_oldest(first)
+        for _, buf in self.lanes or []:
+            slots = buf.ordered()
+            buf.valid[:, slots] = buf.valid[:, slots] & keep
+            if not bool(keep.all()):
+                buf.all_valid = False
+            buf.discard_oldest(first)
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        if self.buf is not None:
-            self.buf.map_batch(fn)
+        for _, buf in self.lanes or []:
+            buf.map_batch(fn)
 
     def nbytes(self) -> dict[str, int]:
-        return {"middle": self.buf.nbytes() if self.buf is not None else 0}
+        return {"middle": sum(buf.nbytes() for _, buf in self.lanes or [])}

@@ -47,7 +47,7 @@ import torch
 from kvcompress import Compressor, CompressorSpec, Layout, hookimpl, param
 from kvcompress.errors import ConfigError
 from kvcompress.kernels.kivi import PackedKV, quantize_keys, quantize_values
-from kvcompress.state import KVBlock, MiddleStore, Segment
+from kvcompress.state import HeadGroup, KVBlock, MiddleStore, Segment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +68,12 @@ class KiviConfig:
 
 
 class KiviStore(MiddleStore):
-    """Packed, append-only store of quantized middle tokens: a growable ring of G-token groups."""
+    """Packed, append-only store of quantized middle tokens: a growable ring of G-token groups.
+
+    One lane of packed tensors per head group of the incoming blocks (one lane for
+    all heads unless a pruner regrouped them); the ring indices and the per-row
+    ``valid`` mask are shared by every lane.
+    """
 
     def __init__(self, config: KiviConfig, head_dim: int):
         self.bits, self.group = config.bits, config.group
@@ -77,86 +82,102 @@ class KiviStore(MiddleStore):
         self.start = 0  # first live group slot
         self.groups = 0  # live groups
         self.max_groups: int | None = None
-        self.buffers: dict[str, torch.Tensor] | None = None
+        self.lanes: list[tuple[HeadGroup, dict[str, torch.Tensor]]] | None = None
+        self.valid: torch.Tensor | None = None  # [batch, capacity * G]
 
     # -- capacity ---------------------------------------------------------------------
     @property
     def capacity(self) -> int:
-        return self.buffers["valid"].shape[1] // self.group if self.buffers else 0
+        return self.valid.shape[1] // self.group if self.valid is not None else 0
 
     def limit(self, max_tokens: int) -> None:
         # +1: the oldest group may still hold a kept token while the newest fills.
         self.max_groups = math.ceil(max_tokens / self.group) + 1
 
     def _token_dim(self, name: str) -> bool:
-        return name.startswith("v_") or name == "valid" or (self.per_token_keys and name.startswith("k_"))
+        return name.startswith("v_") or (self.per_token_keys and name.startswith("k_"))
 
-    def _allocate(self, like: dict[str, torch.Tensor], groups: int) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, t in like.items():
-            size = groups * self.group if self._token_dim(name) else groups
-            dim = 1 if name == "valid" else 2
-            shape = list(t.shape)
-            shape[dim] = size
-            out[name] = t.new_zeros(shape)
-        return out
+    def _resized(self, t: torch.Tensor, name: str, groups: int) -> torch.Tensor:
+        shape = list(t.shape)
+        dim = 1 if name == "valid" else 2
+        shape[dim] = groups * self.group if (name == "valid" or self._token_dim(name)) else groups
+        return t.new_zeros(shape)
 
     def _group_slots(self, first: int, n: int) -> torch.Tensor:
-        device = self.buffers["valid"].device
-        return (torch.arange(n, device=device) + self.start + first) % self.capacity
+        return (torch.arange(n, device=self.valid.device) + self.start + first) % self.capacity
 
     def _token_slots(self, group_slots: torch.Tensor) -> torch.Tensor:
         offs = torch.arange(self.group, device=group_slots.device)
         return (group_slots.unsqueeze(1) * self.group + offs).flatten()
 
-    def _ensure(self, new_groups: int, like: dict[str, torch.Tensor]) -> None:
+    def _tensors(self):
+        """(name, lane dict or None for the shared mask) of every buffer."""
+        yield "valid", None
+        for _, bufs in self.lanes:
+            for name in bufs:
+                yield name, bufs
+
+    def _ensure(self, new_groups: int) -> None:
         needed = self.groups + new_groups
-        if self.buffers is None:
-            self.buffers = self._allocate(like, max(needed, 1))
-            return
         if needed <= self.capacity:
             return
         cap = max(needed, 2 * self.capacity)
         if self.max_groups is not None:
             cap = max(needed, min(cap, self.max_groups))
-        new = self._allocate(self.buffers, cap)
         gs = self._group_slots(0, self.groups)
         ts = self._token_slots(gs)
-        for name, t in self.buffers.items():
+        for name, bufs in list(self._tensors()):
+            old = self.valid if bufs is None else bufs[name]
+            new = self._resized(old, name, cap)
             dim = 1 if name == "valid" else 2
-            idx = ts if self._token_dim(name) else gs
-            new[name].narrow(dim, 0, idx.numel()).copy_(t.index_select(dim, idx))
-        self.buffers, self.start = new, 0
+            idx = ts if (name == "valid" or self._token_dim(name)) else gs
+            new.narrow(dim, 0, idx.numel()).copy_(old.index_select(dim, idx))
+            if bufs is None:
+                self.valid = new
+            else:
+                bufs[name] = new
+        self.start = 0
 
-    # -- MiddleStore -------------------------------------------------------------------
-    def append(self, block: KVBlock) -> None:
-        k, v, valid = block.k, block.v, block.valid
-        t = block.num_tokens
-        pad = (-t) % self.group
-        if pad:  # a block cut by eviction: fill the last group with masked slots
-            k = torch.cat([k, k[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
-            v = torch.cat([v, v[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
-            valid = torch.cat([valid, valid.new_zeros(valid.shape[0], pad)], dim=1)
-        if not bool(valid.all()):
-            # Masked slots (padding, evicted) must not widen a group's range: give them the row's mean.
-            w = valid[:, None, :, None].to(k.dtype)
-            count = w.sum(dim=2, keepdim=True).clamp(min=1)
-            k = torch.where(valid[:, None, :, None], k, (k * w).sum(dim=2, keepdim=True) / count)
-            v = torch.where(valid[:, None, :, None], v, (v * w).sum(dim=2, keepdim=True) / count)
+    def _encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
         if self.per_token_keys:
             kc, ks, kz = quantize_values(k, self.bits, self.v_group)
         else:
             kc, ks, kz = quantize_keys(k, self.bits, self.group)
         vc, vs, vz = quantize_values(v, self.bits, self.v_group)
-        data = {"k_codes": kc, "k_scale": ks, "k_zero": kz, "v_codes": vc, "v_scale": vs, "v_zero": vz,
-                "valid": valid}
-        n = k.shape[2] // self.group
-        self._ensure(n, data)
+        return {"k_codes": kc, "k_scale": ks, "k_zero": kz, "v_codes": vc, "v_scale": vs, "v_zero": vz}
+
+    # -- MiddleStore -------------------------------------------------------------------
+    def append(self, block: KVBlock) -> None:
+        valid = block.valid
+        pad = (-block.num_tokens) % self.group
+        if pad:  # a block cut by eviction: fill the last group with masked slots
+            valid = torch.cat([valid, valid.new_zeros(valid.shape[0], pad)], dim=1)
+        masked = not bool(valid.all())
+        encoded = []
+        for part in block.parts():
+            k, v = part.k, part.v
+            if pad:
+                k = torch.cat([k, k[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
+                v = torch.cat([v, v[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
+            if masked:
+                # Masked slots (padding, evicted) must not widen a group's range: give them the row's mean.
+                w = valid[:, None, :, None]
+                count = w.sum(dim=2, keepdim=True).clamp(min=1)
+                k = torch.where(w, k, (k * w).sum(dim=2, keepdim=True) / count)
+                v = torch.where(w, v, (v * w).sum(dim=2, keepdim=True) / count)
+            encoded.append((part, self._encode(k, v)))
+        n = valid.shape[1] // self.group
+        if self.lanes is None:
+            self.lanes = [(part.layout(), {name: self._resized(t, name, n) for name, t in data.items()})
+                          for part, data in encoded]
+            self.valid = self._resized(valid, "valid", n)
+        self._ensure(n)
         gs = self._group_slots(self.groups, n)
         ts = self._token_slots(gs)
-        for name, src in data.items():
-            dim = 1 if name == "valid" else 2
-            self.buffers[name].index_copy_(dim, ts if self._token_dim(name) else gs, src)
+        self.valid.index_copy_(1, ts, valid)
+        for (_, bufs), (_, data) in zip(self.lanes, encoded):
+            for name, src in data.items():
+                bufs[name].index_copy_(2, ts if self._token_dim(name) else gs, src)
         self.groups += n
 
     def _extent(self) -> int:
@@ -167,18 +188,19 @@ class KiviStore(MiddleStore):
         if self.groups == 0:
             return []
         e = self._extent()
-        b = self.buffers
-
-        def groups(name: str) -> torch.Tensor:
-            return b[name][:, :, : e * self.group] if self._token_dim(name) else b[name][:, :, :e]
-
-        valid = b["valid"][:, : e * self.group]
-        packed = PackedKV(self.bits, self.group, groups("k_codes"), groups("k_scale"), groups("k_zero"),
-                          groups("v_codes"), groups("v_scale"), groups("v_zero"), valid,
-                          k_per_token=self.per_token_keys)
+        valid = self.valid[:, : e * self.group]
         # Middle tokens precede every query: their positions never mask anything.
         positions = torch.zeros((), dtype=torch.long, device=valid.device).expand(valid.shape[1])
-        return [Segment(None, None, valid, positions, packed=packed)]
+        out = []
+        for group, b in self.lanes:
+            def cut(name: str) -> torch.Tensor:
+                return b[name][:, :, : e * self.group] if self._token_dim(name) else b[name][:, :, :e]
+
+            packed = PackedKV(self.bits, self.group, cut("k_codes"), cut("k_scale"), cut("k_zero"),
+                              cut("v_codes"), cut("v_scale"), cut("v_zero"), valid,
+                              k_per_token=self.per_token_keys)
+            out.append(group.attach(Segment(None, None, valid, positions, packed=packed)))
+        return out
 
     @property
     def num_tokens(self) -> int:
@@ -187,12 +209,11 @@ class KiviStore(MiddleStore):
     def valid_mask(self) -> torch.Tensor | None:
         if self.groups == 0:
             return None
-        return self.buffers["valid"][:, self._token_slots(self._group_slots(0, self.groups))]
+        return self.valid[:, self._token_slots(self._group_slots(0, self.groups))]
 
     def retain(self, keep: torch.Tensor) -> None:
         ts = self._token_slots(self._group_slots(0, self.groups))
-        valid = self.buffers["valid"]
-        valid[:, ts] = valid[:, ts] & keep
+        self.valid[:, ts] = self.valid[:, ts] & keep
         alive = keep.view(keep.shape[0], self.groups, self.group).any(dim=2).any(dim=0)
         dead = int(alive.long().argmax()) if bool(alive.any()) else self.groups
         self._free(dead)
@@ -205,24 +226,23 @@ class KiviStore(MiddleStore):
     def _free(self, groups: int) -> None:
         if groups <= 0:
             return
-        self.buffers["valid"][:, self._token_slots(self._group_slots(0, groups))] = False
+        self.valid[:, self._token_slots(self._group_slots(0, groups))] = False
         self.start = (self.start + groups) % self.capacity
         self.groups -= groups
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        if self.buffers is not None:
-            self.buffers = {name: fn(t) for name, t in self.buffers.items()}
+        if self.lanes is not None:
+            self.valid = fn(self.valid)
+            self.lanes = [(group, {name: fn(t) for name, t in bufs.items()}) for group, bufs in self.lanes]
 
     def nbytes(self) -> dict[str, int]:
-        if self.buffers is None:
-            return {"middle: kivi codes": 0, "middle: kivi scales": 0, "middle: mask": 0}
-
         def size(*names: str) -> int:
-            return sum(self.buffers[n].numel() * self.buffers[n].element_size() for n in names)
+            return sum(b[n].numel() * b[n].element_size() for _, b in self.lanes or [] for n in names)
 
+        mask = self.valid.numel() if self.valid is not None else 0
         return {"middle: kivi codes": size("k_codes", "v_codes"),
                 "middle: kivi scales": size("k_scale", "k_zero", "v_scale", "v_zero"),
-                "middle: mask": size("valid")}
+                "middle: mask": mask}
 
 
 class KiviCompressor(Compressor):

@@ -84,3 +84,87 @@ def decode_chunks(prefill: int, length: int, extra: list[int] | None = None) -> 
         chunks.append((t, min(length, t + step)))
         t += step
     return chunks
+
+
+# ----------------------------------------------------------------------------- compressed-middle oracle
+
+
+def fake_quant(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Min-max asymmetric fake quantization along ``dim`` with fp16 scale/zero (no packing involved)."""
+    x = x.float()
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    s = ((hi - lo) / (2 ** bits - 1)).half().float()
+    s[s == 0] = 1.0
+    z = lo.half().float()
+    return torch.clamp(torch.round((x - z) / s), 0, 2 ** bits - 1) * s + z
+
+
+def middle_oracle_logits(model, ids, chunks, *, sinks=0, recent, flush, bits=None, group=None,
+                         key_axis="channel", keep=None, budget=None):
+    """One teacher-forced forward in which every (query, key) pair reads the key as the cache holds it.
+
+    A query of the chunk starting at c reads a cache of c tokens whose middle is
+    ``[sinks, sinks + M(c))`` with ``M(n) = flush * floor((n - sinks - recent) / flush)`` (0 during
+    the first prefill). Middle keys are, independently of kvcompress:
+
+    * channel-masked by ``keep`` (bool ``[layers, kv_heads, head_dim]``; a head keeping nothing
+      does not see the middle at all, neither K nor V),
+    * fake-quantized (``bits``): keys per channel over token groups ``[sinks + iG, sinks + (i+1)G)``
+      (or per token for ``key_axis="token"``), values per token over channel groups of gcd(G, d),
+    * hidden beyond the newest ``budget`` middle tokens (a window stacked before).
+    """
+    import math
+
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    length = ids.shape[1]
+    cache_len = torch.zeros(length, dtype=torch.long)
+    for c0, c1 in chunks:
+        cache_len[c0:c1] = c0
+    m_count = torch.div(cache_len - sinks - recent, flush, rounding_mode="floor").clamp(min=0) * flush
+    m_count[: chunks[0][1]] = 0
+    j = torch.arange(length)
+    middle = (j[None, :] >= sinks) & (j[None, :] < sinks + m_count[:, None])  # [query, key]
+    visible = causal_visibility(length)
+    if budget is not None:
+        visible = visible & ~(middle & (j[None, :] < sinks + m_count[:, None] - budget))
+
+    def attn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        b, hq, L, d = query.shape
+        hkv = key.shape[1]
+        rep = hq // hkv
+        key, value = key.float(), value.float()
+        km, vm = key.clone(), value.clone()
+        see_middle = torch.ones(hq, dtype=torch.bool)
+        if keep is not None:
+            mask = keep[module.layer_idx].to(key.dtype)  # [hkv, d]
+            km = km * mask[None, :, None, :]
+            see_middle = keep[module.layer_idx].any(-1).repeat_interleave(rep)
+        if bits is not None:
+            if key_axis == "channel":
+                for i in range((L - sinks) // group):
+                    sl = slice(sinks + i * group, sinks + (i + 1) * group)
+                    km[:, :, sl] = fake_quant(km[:, :, sl], bits, dim=2)
+            gv = math.gcd(group, d)
+            if key_axis == "token":
+                km = fake_quant(km.view(b, hkv, L, d // gv, gv), bits, -1).view(b, hkv, L, d)
+            vm = fake_quant(vm.view(b, hkv, L, d // gv, gv), bits, -1).view(b, hkv, L, d)
+        key, value, km, vm = (t.repeat_interleave(rep, 1) for t in (key, value, km, vm))
+        q = query.float()
+        use_middle = middle[None, None] & torch.ones(1, hq, 1, 1, dtype=torch.bool)
+        s = torch.where(use_middle, q @ km.transpose(-1, -2), q @ key.transpose(-1, -2)) * scaling
+        vis = visible[None, None] & ~(middle[None, None] & ~see_middle.view(1, hq, 1, 1))
+        p = torch.softmax(s.masked_fill(~vis, float("-inf")), dim=-1)
+        out = (p * middle) @ vm + (p * ~middle) @ value
+        return out.transpose(1, 2).to(query.dtype), None
+
+    ALL_ATTENTION_FUNCTIONS.register("kvcompress_test_middle_oracle", attn)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("kvcompress_test_middle_oracle", sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("kvcompress_test_middle_oracle")
+    try:
+        with torch.no_grad():
+            return model(ids, position_ids=torch.arange(length)[None]).logits[0]
+    finally:
+        model.set_attn_implementation(previous)

@@ -12,72 +12,12 @@ from kvcompress.kernels.kivi import (PackedKV, dequantize_keys, dequantize_value
                                      quantize_values, unpack)
 from kvcompress.state import KVBlock, Segment
 from models import tiny_model
-from reference import causal_visibility, decode_chunks, masked_logits, streamed_logits
+from reference import causal_visibility, decode_chunks, fake_quant, masked_logits, streamed_logits
+from reference import middle_oracle_logits
 
-# ----------------------------------------------------------------------------- independent oracle
-
-
-def fake_quant(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Min-max asymmetric fake quantization along ``dim`` with fp16 scale/zero (no packing involved)."""
-    x = x.float()
-    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
-    s = ((hi - lo) / (2 ** bits - 1)).half().float()
-    s[s == 0] = 1.0
-    z = lo.half().float()
-    return torch.clamp(torch.round((x - z) / s), 0, 2 ** bits - 1) * s + z
-
-
-def oracle_logits(model, ids, chunks, *, bits, group, residual, sinks=0, key_axis="channel", budget=None):
-    """One teacher-forced forward where each (query, key) pair reads the exact or fake-quantized K/V.
-
-    A query of the chunk starting at c reads a cache of c tokens: keys [sinks, sinks + Q(c)) are
-    quantized, Q(n) = G * floor((n - sinks - R) / G) (0 while n - sinks < R, and during the first
-    prefill). With ``budget`` (a window stacked before KIVI), only the newest ``budget`` quantized
-    tokens stay visible.
-    """
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    length = ids.shape[1]
-    cache_len = torch.zeros(length, dtype=torch.long)
-    for c0, c1 in chunks:
-        cache_len[c0:c1] = c0
-    q_count = torch.div(cache_len - sinks - residual, group, rounding_mode="floor").clamp(min=0) * group
-    q_count[: chunks[0][1]] = 0
-    j = torch.arange(length)
-    quant = (j[None, :] >= sinks) & (j[None, :] < sinks + q_count[:, None])  # [query, key]
-    visible = causal_visibility(length)
-    if budget is not None:
-        visible = visible & ~(quant & (j[None, :] < sinks + q_count[:, None] - budget))
-
-    def attn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        b, hq, L, d = query.shape
-        rep = hq // key.shape[1]
-        key, value = key.repeat_interleave(rep, 1).float(), value.repeat_interleave(rep, 1).float()
-        kq = key.clone()
-        for i in range((L - sinks) // group):
-            sl = slice(sinks + i * group, sinks + (i + 1) * group)
-            if key_axis == "channel":
-                kq[:, :, sl] = fake_quant(key[:, :, sl], bits, dim=2)
-        gv = math.gcd(group, d)
-        if key_axis == "token":
-            kq = fake_quant(key.view(b, hq, L, d // gv, gv), bits, -1).view(b, hq, L, d)
-        vq = fake_quant(value.view(b, hq, L, d // gv, gv), bits, -1).view(b, hq, L, d)
-        q = query.float()
-        s = torch.where(quant, q @ kq.transpose(-1, -2), q @ key.transpose(-1, -2)) * scaling
-        p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
-        out = (p * quant) @ vq + (p * ~quant) @ value
-        return out.transpose(1, 2).to(query.dtype), None
-
-    ALL_ATTENTION_FUNCTIONS.register("kvcompress_test_kivi_oracle", attn)
-    ALL_MASK_ATTENTION_FUNCTIONS.register("kvcompress_test_kivi_oracle", sdpa_mask)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("kvcompress_test_kivi_oracle")
-    try:
-        with torch.no_grad():
-            return model(ids, position_ids=torch.arange(length)[None]).logits[0]
-    finally:
-        model.set_attn_implementation(previous)
+def _oracle(model, ids, chunks, *, bits, group, residual, sinks=0, key_axis="channel", budget=None):
+    return middle_oracle_logits(model, ids, chunks, sinks=sinks, recent=residual, flush=group, bits=bits,
+                                group=group, key_axis=key_axis, budget=budget)
 
 
 def _kivi(**kw):
@@ -149,7 +89,7 @@ def test_decode_logits_match_fake_quant_oracle(bits, sinks):
     cfg = dict(bits=bits, group=16, residual=32, sinks=sinks)
     with kvcompress.compress(model, _kivi(**cfg)) as cache:
         got = streamed_logits(model, ids, cache, chunks)
-    ref = oracle_logits(model, ids, chunks, **cfg)
+    ref = _oracle(model, ids, chunks, **cfg)
     assert (got - ref).abs().max().item() < 1e-4
     full = masked_logits(model, ids, causal_visibility(length))
     assert (got - full).abs().max().item() > 1e-3  # quantization is really applied
@@ -163,7 +103,7 @@ def test_chunked_continuation_over_quantized_middle_matches_oracle():
     cfg = dict(bits=2, group=16, residual=16)
     with kvcompress.compress(model, _kivi(**cfg)) as cache:
         got = streamed_logits(model, ids, cache, chunks)
-    assert (got - oracle_logits(model, ids, chunks, **cfg)).abs().max().item() < 1e-4
+    assert (got - _oracle(model, ids, chunks, **cfg)).abs().max().item() < 1e-4
 
 
 def test_wrong_axis_ablation_matches_its_oracle():
@@ -174,7 +114,7 @@ def test_wrong_axis_ablation_matches_its_oracle():
     cfg = dict(bits=2, group=16, residual=16, key_axis="token")
     with kvcompress.compress(model, _kivi(**cfg)) as cache:
         got = streamed_logits(model, ids, cache, chunks)
-    assert (got - oracle_logits(model, ids, chunks, **cfg)).abs().max().item() < 1e-4
+    assert (got - _oracle(model, ids, chunks, **cfg)).abs().max().item() < 1e-4
 
 
 def test_window_then_kivi_matches_oracle_and_memory_stays_bounded():
@@ -191,8 +131,8 @@ def test_window_then_kivi_matches_oracle_and_memory_stays_bounded():
             out.append(model(ids[:, c0:c1], cache=cache).logits[0])
             sizes.append(cache.memory_report().cache_bytes)
         got = torch.cat(out)
-    ref = oracle_logits(model, ids, chunks, bits=2, group=group, residual=residual, sinks=sinks,
-                        budget=recent - residual)
+    ref = _oracle(model, ids, chunks, bits=2, group=group, residual=residual, sinks=sinks,
+                  budget=recent - residual)
     assert (got - ref).abs().max().item() < 1e-4
     assert max(sizes[len(sizes) // 2:]) == sizes[len(sizes) // 2]  # the group ring is reused, never grows
 
@@ -227,12 +167,12 @@ def test_store_is_append_only():
                        torch.ones(1, n, dtype=torch.bool), torch.arange(start, start + n))
 
     store.append(block(32, 0))
-    before = {k: v[:, :, :2].clone() if k != "valid" else v[:, :32].clone() for k, v in store.buffers.items()
+    before = {k: v[:, :, :2].clone() for k, v in store.lanes[0][1].items()
               if k.startswith("k_")}
     for i in range(6):
         store.append(block(16, 32 + 16 * i))
     for name, t in before.items():
-        assert torch.equal(store.buffers[name][:, :, :2], t)
+        assert torch.equal(store.lanes[0][1][name][:, :, :2], t)
     assert store.num_tokens == 128
 
 
