@@ -1,4 +1,4 @@
-"""Command line: ``kvcompress generate | validate | plugins``."""
+"""Command line: ``kvcompress generate | validate | plugins | eval | bench``."""
 
 from __future__ import annotations
 
@@ -65,6 +65,111 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resolve_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        from .errors import ConfigError
+
+        raise ConfigError("--device", "'cpu', or 'cuda' on a machine with a CUDA GPU", name,
+                          hint="no CUDA device is available")
+    return name
+
+
+def _model_name(name: str | None) -> str:
+    from .models import DEFAULT_ALIASES, DEFAULT_MODEL
+
+    return DEFAULT_MODEL if name is None or name in DEFAULT_ALIASES else name
+
+
+def _write_json(path: str, obj: object) -> None:
+    import json
+
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh, indent=2)
+        fh.write("\n")
+    print(f"wrote {path}")
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from .errors import ConfigError
+    from .evaluation.runner import EvalSettings
+    from .stack import load_stack
+
+    # Everything is validated before the model is loaded.
+    settings = EvalSettings.for_task(args.task, args.context, args.samples, args.tokens, args.seed)
+    files = args.sweep if args.sweep else [args.stack]
+    if args.plot and not args.sweep:
+        raise ConfigError("--plot", "used together with --sweep FILE...", args.plot)
+    stacks = [load_stack(f) for f in files]
+    device = _resolve_device(args.device)
+
+    import torch
+
+    from .evaluation.runner import Evaluator
+    from .models import load_model
+
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
+    evaluator = Evaluator(model, tokenizer, _model_name(args.model), progress=not args.quiet)
+    evaluator.check(settings)
+    if not args.sweep:
+        result = evaluator.run(stacks[0], settings)
+        print(result.table())
+        if args.json:
+            _write_json(args.json, result.to_dict())
+        return 0
+    from .evaluation import sweep
+
+    results = sweep.run_sweep(evaluator, stacks, settings)
+    print(sweep.sweep_table(results))
+    plot = args.plot or f"kvcompress-sweep-{settings.task}.png"
+    print(f"wrote {sweep.plot_sweep(results, plot)}")
+    if args.json:
+        _write_json(args.json, sweep.sweep_dict(results))
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .errors import ConfigError
+    from .stack import load_stack
+
+    for option, value, lo in (("--context", args.context, 1), ("--steps", args.steps, 1), ("--rounds", args.rounds, 1)):
+        if not lo <= value <= (1 << 17):
+            raise ConfigError(option, f"an integer in [{lo}, {1 << 17}]", value)
+    stacks = [load_stack(f) for f in args.stack]
+    device = _resolve_device(args.device)
+    if args.kernels:
+        from .evaluation.bench import run_kernel_benchmarks
+
+        available, result = run_kernel_benchmarks(device=device, out=args.kernels_out)
+        if not available:
+            print(f"kvcompress: {result}", file=sys.stderr)
+            return 1
+        if isinstance(result, str):
+            print(result)
+        return 0
+
+    import torch
+
+    from .evaluation.bench import bench_decode
+    from .evaluation.data import document_tokens
+    from .models import load_model
+
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
+    tokens = document_tokens(tokenizer)
+    if args.context + args.steps > len(tokens):
+        raise ConfigError("--context", f"context + steps <= {len(tokens)} (tokens in the document text)",
+                          args.context)
+    result = bench_decode(model, tokens, stacks, context=args.context, steps=args.steps, rounds=args.rounds,
+                          model_name=_model_name(args.model), progress=not args.quiet)
+    print(result.table())
+    if args.json:
+        _write_json(args.json, result.to_dict())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcompress", description="Composable KV-cache compression for "
                                      "Hugging Face causal language models.")
@@ -90,6 +195,49 @@ def build_parser() -> argparse.ArgumentParser:
     plg = sub.add_parser("plugins", help="list registered compressors")
     plg.add_argument("--all", action="store_true", help="also list every parameter")
     plg.set_defaults(func=_cmd_plugins)
+
+    ev = sub.add_parser("eval", help="measure a stack's quality against the uncompressed model",
+                        description="Run a quality task through the compressed cache (prefill, then one decode "
+                                    "step at a time) and against plain transformers on the same tokens. "
+                                    "Tasks: ppl, passkey, agreement (docs/evaluation.md).")
+    which = ev.add_mutually_exclusive_group(required=True)
+    which.add_argument("--stack", metavar="FILE", help="YAML stack file to evaluate")
+    which.add_argument("--sweep", metavar="FILE", nargs="+", help="several stack files: a table and a PNG plot")
+    ev.add_argument("--task", metavar="TASK", help="ppl | passkey | agreement")
+    ev.add_argument("--model", default=None, help="local folder or hub id (default: embedded SmolLM2-135M-Instruct)")
+    ev.add_argument("--context", type=int, default=None, metavar="N",
+                    help="prompt tokens (defaults: ppl 2048, passkey 4096, agreement 1024)")
+    ev.add_argument("--samples", type=int, default=None, metavar="K",
+                    help="text windows / passkey prompts / agreement prompts (defaults: 1, 5, 4)")
+    ev.add_argument("--tokens", type=int, default=None, metavar="M",
+                    help="scored tokens (ppl, default 256) or generated tokens (passkey 8, agreement 64) per sample")
+    ev.add_argument("--seed", type=int, default=0, help="seed of the passkey keys (default 0)")
+    ev.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                    help="model and cache dtype (default bfloat16, SmolLM2's training dtype)")
+    ev.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ev.add_argument("--json", metavar="OUT", help="write the result (one JSON object) to OUT")
+    ev.add_argument("--plot", metavar="OUT.png", help="with --sweep: where to write the plot "
+                    "(default kvcompress-sweep-TASK.png)")
+    ev.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    ev.set_defaults(func=_cmd_eval)
+
+    bn = sub.add_parser("bench", help="decode latency, cache memory and kvcompress overhead per decode step",
+                        description="Time teacher-forced decode steps of the full model with plain transformers "
+                                    "and each stack; report cache memory and kvcompress' own work per step.")
+    bn.add_argument("--stack", metavar="FILE", nargs="*", default=[], help="YAML stack files to compare "
+                    "(plain transformers is always measured)")
+    bn.add_argument("--model", default=None, help="local folder or hub id (default: embedded SmolLM2-135M-Instruct)")
+    bn.add_argument("--context", type=int, default=1024, metavar="N", help="prefilled tokens (default 1024)")
+    bn.add_argument("--steps", type=int, default=32, help="timed decode steps per round (default 32)")
+    bn.add_argument("--rounds", type=int, default=3, help="timed rounds per cache (default 3)")
+    bn.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    bn.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    bn.add_argument("--json", metavar="OUT", help="write the result (one JSON object) to OUT")
+    bn.add_argument("--kernels", action="store_true", help="run the per-kernel benchmarks "
+                    "(kvcompress.kernels.benchutil) instead of the model-level ones")
+    bn.add_argument("--kernels-out", metavar="OUT", default=None, help="with --kernels: where they write results")
+    bn.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    bn.set_defaults(func=_cmd_bench)
     return parser
 
 

@@ -1,0 +1,448 @@
+"""The quality tasks: ``ppl``, ``passkey`` and ``agreement``, each against the uncompressed model.
+
+Every task runs the real compressed cache (``kvcompress.compress(model, stack)``): a prefill,
+then **one decode step at a time**, so every scored or generated token is predicted by a decode
+step that reads the compressed cache (prefill attention itself is exact in kvcompress).  The
+baseline is plain transformers (the model's own ``DynamicCache``, no kvcompress code involved)
+on the same tokens, computed once per (task, context, samples, tokens, seed) and reused by every
+stack an :class:`Evaluator` runs.
+
+* ``ppl``: ``samples`` windows of the document at evenly spread offsets.  Each prefills
+  ``context`` tokens, then feeds the next ``tokens`` tokens one step at a time (teacher forcing);
+  the logits of step *t* score token *t + 1*.  Reports perplexity, relative Δppl, mean
+  KL(baseline‖stack) over scored positions and top-1 agreement with the baseline.
+* ``passkey``: ``samples`` prompts (see :mod:`~kvcompress.evaluation.data`) with the needle at
+  evenly spread depths.  The haystack is prefilled, the question is fed one token at a time,
+  then ``tokens`` tokens are decoded greedily.  Correct iff the first number generated is the key.
+* ``agreement``: ``samples`` document windows of ``context`` tokens as prompts; all but the last
+  prompt token are prefilled, the last is a decode step, then ``tokens`` tokens are decoded
+  greedily (no stop at end-of-sequence).  ``agreement`` = fraction of generated positions whose
+  token equals the baseline's at the same position (over all prompts); ``prefix`` = mean length
+  of the common prefix as a fraction of ``tokens`` (stricter: nothing after the first difference).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..errors import ConfigError
+from . import data, metrics
+from .report import Progress, environment
+
+TASKS = ("ppl", "passkey", "agreement")
+
+#: Per task: default context, samples and tokens (scored / generated tokens per sample).
+DEFAULTS = {
+    "ppl": {"context": 2048, "samples": 1, "tokens": 256},
+    "passkey": {"context": 4096, "samples": 5, "tokens": 8},
+    "agreement": {"context": 1024, "samples": 4, "tokens": 64},
+}
+
+#: The headline metric of each task (plotted by sweeps) and whether higher is better.
+HEADLINE = {"ppl": ("ppl", False), "passkey": ("accuracy", True), "agreement": ("agreement", True)}
+
+MIN_CONTEXT = 16
+MAX_CONTEXT = 1 << 17
+MAX_SAMPLES = 10_000
+MAX_TOKENS = 1 << 16
+SCHEMA = "kvcompress.eval/1"
+_TOKEN_WORD = {"ppl": "scored", "passkey": "generated", "agreement": "generated"}
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """What to run: the task and its sizes (validated by :func:`check_settings`)."""
+
+    task: str
+    context: int
+    samples: int
+    tokens: int
+    seed: int = 0
+
+    @classmethod
+    def for_task(cls, task: str, context: int | None = None, samples: int | None = None,
+                 tokens: int | None = None, seed: int = 0) -> "EvalSettings":
+        """Settings with the task's defaults for every size left as ``None``; validated."""
+        check_settings(task, context, samples, tokens)
+        d = DEFAULTS[task]
+        return cls(task, d["context"] if context is None else context, d["samples"] if samples is None else samples,
+                   d["tokens"] if tokens is None else tokens, seed)
+
+
+def check_settings(task: Any, context: Any = None, samples: Any = None, tokens: Any = None) -> None:
+    """Validate task and sizes before any model is loaded; ``ConfigError`` names the CLI option."""
+    if task not in TASKS:
+        raise ConfigError("--task", "one of " + ", ".join(TASKS), task,
+                          hint="the option is required" if task is None else None)
+    for option, value, lo, hi in (("--context", context, MIN_CONTEXT, MAX_CONTEXT),
+                                  ("--samples", samples, 1, MAX_SAMPLES),
+                                  ("--tokens", tokens, 1, MAX_TOKENS)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise ConfigError(option, f"an integer in [{lo}, {hi}] (tokens)" if option != "--samples"
+                              else f"an integer in [{lo}, {hi}]", value)
+
+
+@dataclasses.dataclass
+class EvalResult:
+    """One stack on one task, with the baseline's metrics; :meth:`to_dict` is the JSON object."""
+
+    settings: EvalSettings
+    stack: dict[str, Any]
+    stack_label: str
+    stack_source: str
+    model: str
+    dtype: str
+    metrics: dict[str, float]
+    baseline: dict[str, float]
+    cache_bytes: int
+    dense_bytes: int
+    baseline_cache_bytes: int
+    wall_s: float
+    baseline_wall_s: float
+    baseline_reused: bool
+    details: list[dict[str, Any]]
+    notes: list[str]
+    env: dict[str, Any]
+
+    @property
+    def compression(self) -> float:
+        return self.dense_bytes / self.cache_bytes if self.cache_bytes else float("inf")
+
+    @property
+    def baseline_compression(self) -> float:
+        return self.dense_bytes / self.baseline_cache_bytes if self.baseline_cache_bytes else float("inf")
+
+    def settings_line(self) -> str:
+        s = self.settings
+        return (f"task {s.task} | {self.model} {self.dtype} | context {s.context} | "
+                f"{s.samples} sample(s) x {s.tokens} {_TOKEN_WORD[s.task]} tokens")
+
+    def title(self) -> str:
+        return f"stack {self.stack_label} ({self.stack_source}) | " + self.settings_line()
+
+    def table(self) -> str:
+        """Human-readable table: the stack against the uncompressed baseline."""
+        from .report import format_table, mib
+
+        m, b = self.metrics, self.baseline
+        rows: list[tuple[str, str, str]] = [("metric", self.stack_label, "uncompressed")]
+        if self.settings.task == "ppl":
+            rows += [("perplexity", f"{m['ppl']:.4f}", f"{b['ppl']:.4f}"),
+                     ("relative delta ppl", f"{m['delta_ppl']:+.2%}", ""),
+                     ("mean KL(baseline||stack), nats", f"{m['kl']:.5f}", "0"),
+                     ("top-1 agreement", f"{m['top1']:.2%}", "100%")]
+        elif self.settings.task == "passkey":
+            rows += [("passkey accuracy", f"{m['accuracy']:.0%}", f"{b['accuracy']:.0%}")]
+            for d in self.details:
+                rows.append((f"  depth {d['depth']:.2f} (key {d['key']})",
+                             f"{'ok' if d['correct'] else 'FAIL'} {d['answer'].strip()!r}",
+                             f"{'ok' if d['baseline_correct'] else 'FAIL'} {d['baseline_answer'].strip()!r}"))
+        else:
+            rows += [("token agreement (position-wise)", f"{m['agreement']:.2%}", "100%"),
+                     ("common prefix / tokens", f"{m['prefix']:.2%}", "100%")]
+        rows += [("cache bytes at end of prefill", f"{self.cache_bytes:,}", f"{self.baseline_cache_bytes:,}"),
+                 ("  MiB", mib(self.cache_bytes), mib(self.baseline_cache_bytes)),
+                 ("compression (dense fp16 / held)", f"{self.compression:.2f}x", f"{self.baseline_compression:.2f}x"),
+                 ("wall time", f"{self.wall_s:.1f} s",
+                  f"{self.baseline_wall_s:.1f} s" + (" (reused)" if self.baseline_reused else ""))]
+        text = self.title() + "\n" + format_table(rows, "lrr")
+        for note in self.notes:
+            text += f"\nnote: {note}"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "schema": SCHEMA,
+            "task": s.task,
+            "stack": self.stack,
+            "stack_label": self.stack_label,
+            "stack_source": self.stack_source,
+            "model": self.model,
+            "dtype": self.dtype,
+            "context": s.context,
+            "samples": s.samples,
+            "tokens": s.tokens,
+            "seed": s.seed,
+            "metrics": self.metrics,
+            "baseline": self.baseline,
+            "cache_bytes": self.cache_bytes,
+            "dense_bytes": self.dense_bytes,
+            "compression": self.compression,
+            "baseline_cache_bytes": self.baseline_cache_bytes,
+            "baseline_compression": self.baseline_compression,
+            "wall_s": self.wall_s,
+            "baseline_wall_s": self.baseline_wall_s,
+            "baseline_reused": self.baseline_reused,
+            "details": self.details,
+            "notes": self.notes,
+            "environment": self.env,
+        }
+
+
+# --------------------------------------------------------------------------------------- sessions
+
+
+class DecodeSession:
+    """One sequence through one cache: plain transformers (``stack=None``) or a kvcompress stack.
+
+    ``forward(ids)`` runs the model on the next tokens and returns the last position's
+    logits (float32, on the CPU; ``fetch=False`` returns None and leaves the device alone).
+    """
+
+    def __init__(self, model: Any, stack: Any):
+        from ..adapters import hf
+
+        self.model, self.stack, self.hf = model, stack, hf
+        self.kw = hf.cache_kwarg(model)
+        self.device = next(model.parameters()).device
+        self.cache: Any = None
+        self._scope = contextlib.ExitStack()
+        params = inspect.signature(model.forward).parameters
+        self._extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+    def __enter__(self) -> "DecodeSession":
+        if self.stack is not None:
+            from ..api import compress
+
+            self.cache = self._scope.enter_context(compress(self.model, self.stack))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._scope.close()
+
+    def forward(self, ids: Sequence[int], fetch: bool = True) -> torch.Tensor | None:
+        x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        with torch.no_grad():
+            if self.cache is None:  # plain transformers: the model creates its own DynamicCache
+                out = self.model(x, use_cache=True, **self._extra)
+                self.cache = self.hf.output_cache(out)
+            else:
+                out = self.model(x, **{self.kw: self.cache}, **self._extra)
+        return out.logits[0, -1].float().cpu() if fetch else None
+
+    def memory(self) -> tuple[int, int]:
+        """(bytes held by the cache, fp16 bytes of the dense cache of the same tokens)."""
+        if self.stack is not None:
+            report = self.cache.memory_report()
+            return report.cache_bytes, report.dense_fp16_bytes
+        held = dense = 0
+        for layer in self.cache.layers:
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(t, torch.Tensor):
+                    held += t.numel() * t.element_size()
+                    dense += t.numel() * 2
+        return held, dense
+
+
+@dataclasses.dataclass
+class _Run:
+    """Raw outputs of one cache (baseline or stack) on every sample of a task."""
+
+    samples: list[dict[str, Any]]
+    cache_bytes: int
+    dense_bytes: int
+    wall_s: float
+
+
+# --------------------------------------------------------------------------------------- evaluator
+
+
+class Evaluator:
+    """Runs tasks for one loaded model; caches the uncompressed baseline per settings.
+
+    Args:
+        model, tokenizer: a transformers causal LM and its tokenizer (any dtype / device).
+        model_name: the name recorded in results.
+        progress: show progress bars on stderr.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, model_name: str = "model", progress: bool = True):
+        self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
+        self.progress = progress
+        self.device = next(model.parameters()).device
+        self.dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+        self._baselines: dict[EvalSettings, _Run] = {}
+        self.baseline_runs = 0  #: how many baselines were computed (a sweep computes one)
+
+    # -- public ---------------------------------------------------------------------------
+    def run(self, stack: Any, settings: EvalSettings) -> EvalResult:
+        """Run ``stack`` (a :class:`~kvcompress.Stack`, path, mapping or None) on ``settings``' task."""
+        from ..stack import as_stack
+
+        stack = as_stack(stack)
+        notes = self.check(settings)
+        reused = settings in self._baselines
+        base = self.baseline(settings)
+        run = self._execute(stack, settings, stack.label)
+        metric, base_metric, details = getattr(self, f"_score_{settings.task}")(run, base)
+        if settings.task == "passkey":
+            notes += self._passkey_notes(base_metric["accuracy"], settings)
+        return EvalResult(
+            settings=settings, stack=stack.to_dict(), stack_label=stack.label, stack_source=stack.source,
+            model=self.model_name, dtype=self.dtype, metrics=metric, baseline=base_metric,
+            cache_bytes=run.cache_bytes, dense_bytes=run.dense_bytes, baseline_cache_bytes=base.cache_bytes,
+            wall_s=run.wall_s, baseline_wall_s=base.wall_s, baseline_reused=reused, details=details,
+            notes=notes, env=environment(self.device))
+
+    def baseline(self, settings: EvalSettings) -> _Run:
+        """The uncompressed run (plain transformers) for ``settings``, computed once."""
+        if settings not in self._baselines:
+            self._baselines[settings] = self._execute(None, settings, "uncompressed (transformers)")
+            self.baseline_runs += 1
+        return self._baselines[settings]
+
+    def check(self, settings: EvalSettings) -> list[str]:
+        """Checks that need the tokenizer or model; returns notes for the output."""
+        notes = []
+        doc = len(data.document_tokens(self.tokenizer))
+        if settings.task == "ppl" and settings.context + settings.tokens + 1 > doc:
+            raise ConfigError("--context", f"context + tokens + 1 <= {doc} (tokens in the document text)",
+                              settings.context, hint=f"--tokens is {settings.tokens}")
+        if settings.task == "agreement" and settings.context > doc:
+            raise ConfigError("--context", f"at most {doc} (tokens in the document text)", settings.context)
+        if settings.task == "passkey":
+            low = data.min_passkey_context(self.tokenizer)
+            if settings.context < low:
+                raise ConfigError("--context", f"at least {low} tokens for a passkey prompt", settings.context)
+        trained = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        if trained and settings.context + settings.tokens > trained:
+            notes.append(f"context + tokens ({settings.context + settings.tokens}) exceeds the model's "
+                         f"{trained} trained positions")
+        return notes
+
+    # -- execution --------------------------------------------------------------------------
+    def _execute(self, stack: Any, settings: EvalSettings, desc: str) -> _Run:
+        task = settings.task
+        if task == "ppl":
+            doc = data.document_tokens(self.tokenizer)
+            span = settings.context + settings.tokens + 1
+            jobs = [doc[o:o + span] for o in data.spread_offsets(len(doc), span, settings.samples)]
+            steps = settings.tokens
+        elif task == "passkey":
+            jobs = data.passkey_samples(self.tokenizer, settings.context, settings.samples, settings.seed)
+            steps = len(jobs[0].question) + settings.tokens - 1
+        else:
+            doc = data.document_tokens(self.tokenizer)
+            jobs = [doc[o:o + settings.context]
+                    for o in data.spread_offsets(len(doc), settings.context, settings.samples)]
+            steps = settings.tokens
+        bar = Progress(len(jobs) * (1 + steps), f"{task} {desc}", enabled=self.progress)
+        held = dense = 0
+        outputs = []
+        start = time.perf_counter()
+        with bar:
+            for job in jobs:
+                with DecodeSession(self.model, stack) as session:
+                    if task == "ppl":
+                        out = self._ppl_sample(session, job, settings, bar.update)
+                    elif task == "passkey":
+                        out = self._generate(session, job.ids, job.question_start, settings.tokens, bar.update)
+                        out.update(key=job.key, depth=job.depth, needle_token=job.needle_start,
+                                   prompt_tokens=len(job.ids))
+                    else:
+                        out = self._generate(session, job, len(job) - 1, settings.tokens, bar.update)
+                held, dense = max(held, out.pop("cache_bytes")), max(dense, out.pop("dense_bytes"))
+                outputs.append(out)
+        return _Run(outputs, held, dense, time.perf_counter() - start)
+
+    @staticmethod
+    def _ppl_sample(session: DecodeSession, ids: Sequence[int], settings: EvalSettings,
+                    tick: Callable[[], None]) -> dict[str, Any]:
+        n, m = settings.context, settings.tokens
+        session.forward(ids[:n])
+        tick()
+        held, dense = session.memory()
+        logits = []
+        for t in range(n, n + m):
+            logits.append(session.forward(ids[t:t + 1]))
+            tick()
+        logits = torch.stack(logits)
+        targets = torch.tensor(ids[n + 1:n + m + 1])
+        return {"logits": logits, "nll": metrics.token_nll(logits, targets), "cache_bytes": held,
+                "dense_bytes": dense}
+
+    @staticmethod
+    def _generate(session: DecodeSession, ids: Sequence[int], prefill: int, new: int,
+                  tick: Callable[[], None]) -> dict[str, Any]:
+        """Prefill ``ids[:prefill]``, feed the rest one token at a time, then decode ``new`` tokens greedily."""
+        session.forward(ids[:prefill])
+        tick()
+        held, dense = session.memory()
+        logits = None
+        for t in range(prefill, len(ids)):
+            logits = session.forward(ids[t:t + 1])
+            tick()
+        generated: list[int] = []
+        while True:
+            token = int(logits.argmax())
+            generated.append(token)
+            if len(generated) == new:
+                break
+            logits = session.forward([token])
+            tick()
+        return {"generated": generated, "cache_bytes": held, "dense_bytes": dense}
+
+    # -- scoring ----------------------------------------------------------------------------
+    def _score_ppl(self, run: _Run, base: _Run):
+        nll = torch.cat([s["nll"] for s in run.samples])
+        base_nll = torch.cat([s["nll"] for s in base.samples])
+        logits = torch.cat([s["logits"] for s in run.samples])
+        base_logits = torch.cat([s["logits"] for s in base.samples])
+        ppl, base_ppl = metrics.perplexity(nll), metrics.perplexity(base_nll)
+        kl = metrics.kl_divergence(base_logits, logits)
+        result = {"ppl": ppl, "delta_ppl": metrics.relative_change(ppl, base_ppl), "kl": kl.mean().item(),
+                  "kl_max": kl.max().item(), "top1": metrics.top1_agreement(base_logits, logits),
+                  "scored_tokens": int(nll.numel())}
+        details = []
+        for s, b in zip(run.samples, base.samples):
+            details.append({"ppl": metrics.perplexity(s["nll"]), "baseline_ppl": metrics.perplexity(b["nll"]),
+                            "kl": metrics.kl_divergence(b["logits"], s["logits"]).mean().item(),
+                            "top1": metrics.top1_agreement(b["logits"], s["logits"])})
+        base_result = {"ppl": base_ppl, "delta_ppl": 0.0, "kl": 0.0, "kl_max": 0.0, "top1": 1.0,
+                       "scored_tokens": int(base_nll.numel())}
+        return result, base_result, details
+
+    def _decode(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    def _score_passkey(self, run: _Run, base: _Run):
+        details = []
+        for s, b in zip(run.samples, base.samples):
+            text, base_text = self._decode(s["generated"]), self._decode(b["generated"])
+            details.append({"depth": s["depth"], "key": s["key"], "needle_token": s["needle_token"],
+                            "prompt_tokens": s["prompt_tokens"], "answer": text,
+                            "correct": metrics.passkey_correct(text, s["key"]), "baseline_answer": base_text,
+                            "baseline_correct": metrics.passkey_correct(base_text, s["key"])})
+        acc = sum(d["correct"] for d in details) / len(details)
+        base_acc = sum(d["baseline_correct"] for d in details) / len(details)
+        return {"accuracy": acc}, {"accuracy": base_acc}, details
+
+    def _score_agreement(self, run: _Run, base: _Run):
+        details = []
+        for s, b in zip(run.samples, base.samples):
+            details.append({"agreement": metrics.token_agreement(b["generated"], s["generated"]),
+                            "prefix": metrics.prefix_agreement(b["generated"], s["generated"]),
+                            "text": self._decode(s["generated"]), "baseline_text": self._decode(b["generated"])})
+        n = len(details)
+        result = {"agreement": sum(d["agreement"] for d in details) / n,
+                  "prefix": sum(d["prefix"] for d in details) / n}
+        return result, {"agreement": 1.0, "prefix": 1.0}, details
+
+    @staticmethod
+    def _passkey_notes(base_acc: float, settings: EvalSettings) -> list[str]:
+        if base_acc == 1.0:
+            return []
+        if base_acc == 0.0:
+            return [f"the uncompressed baseline itself fails every sample at context {settings.context}: "
+                    "the task is beyond the model here, so this result says nothing about the stack"]
+        return [f"the uncompressed baseline itself fails {1 - base_acc:.0%} of the samples at context "
+                f"{settings.context}; compare the stack with the baseline, not with 100%"]
