@@ -333,7 +333,7 @@ def markdown_table(rows: Sequence[dict]) -> str:
     lines = [head]
 
     def f(x, fmt):
-        return format(x, fmt) if isinstance(x, (int, float)) else "n/a"
+        return format(x, fmt) + "x" if isinstance(x, (int, float)) else "n/a"
 
     for r in rows:
         if "latency_us" not in r:
@@ -343,7 +343,7 @@ def markdown_table(rows: Sequence[dict]) -> str:
         lines.append(
             f"| {r['op']} | {r['model']} | {r['batch']} | {r['ctx'] // 1024}k | {r['latency_us']:.1f} | "
             f"{r['bytes'] / 1e6:.1f} | {r['bandwidth_tbps']:.2f} | {r['pct_of_4p3']:.0f}% | "
-            f"{f(r.get('speedup_vs_sdpa'), '.2f')}x | {f(r.get('speedup_vs_ref'), '.1f')}x |")
+            f"{f(r.get('speedup_vs_sdpa'), '.2f')} | {f(r.get('speedup_vs_ref'), '.1f')} |")
     return "\n".join(lines)
 
 
