@@ -127,6 +127,7 @@ CONFIGS = {
     "waves2": {"waves": 2},
     "waves8": {"waves": 8},
     "rows8": {"min_rows": 8},
+    "sbc-alt": {"SBC": 2},
 }
 
 

@@ -132,7 +132,7 @@ def _kivi_split_kernel(
     sl_s, sl_b, sl_h,
     DK: tl.constexpr, DK_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
     G: tl.constexpr, GV: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
-    VMODE: tl.constexpr, TRANS: tl.constexpr,
+    VMODE: tl.constexpr, TRANS: tl.constexpr, SBC: tl.constexpr = 0,
 ):
     """One (split, batch*kv-head, row block): flash-decoding over ``groups_per_split`` key groups.
 
@@ -175,8 +175,10 @@ def _kivi_split_kernel(
     # key words of a block [DK_PAD, NB*W] (column = group-in-block * W + word); scale/zero per word
     kcol = tl.arange(0, BW)
     kw_off = offs_dk[:, None] * W + ((kcol // W) * skc_g + kcol % W)[None, :]
-    ks_off = offs_dk[:, None] + ((kcol // W) * sks_g)[None, :]
-    kz_off = offs_dk[:, None] + ((kcol // W) * skz_g)[None, :]
+    ks_off = offs_dk[:, None] + (tl.arange(0, NB) * sks_g)[None, :]
+    kz_off = offs_dk[:, None] + (tl.arange(0, NB) * skz_g)[None, :]
+    ksw_off = offs_dk[:, None] + ((kcol // W) * sks_g)[None, :]
+    kzw_off = offs_dk[:, None] + ((kcol // W) * skz_g)[None, :]
     tok = _perm(tl.arange(0, BN), PER)  # token (in block) of each unpacked key column
     offs_vw = tl.arange(0, WV_PAD)
     vw_ok = offs_vw < WV
@@ -198,9 +200,17 @@ def _kivi_split_kernel(
     for g0 in range(g_start, g_end, NB):
         # ---- keys: dequantized in registers (packed fp16 FMA per two codes), scores on tensor cores
         k_ok = dk_ok[:, None] & ((g0 + kcol // W) < g_end)[None, :]
+        kg_ok = dk_ok[:, None] & ((g0 + tl.arange(0, NB)) < g_end)[None, :]
         kw = tl.load(kc_base + g0 * skc_g + kw_off, mask=k_ok, other=0)
-        ks = tl.load(ks_base + g0 * sks_g + ks_off, mask=k_ok, other=0.0)
-        kz = tl.load(kz_base + g0 * skz_g + kz_off, mask=k_ok, other=0.0)
+        # one scale / zero per (channel, group), broadcast in registers to the group's W words
+        if SBC % 2 == 1:
+            ks = tl.load(ks_base + g0 * sks_g + ks_off, mask=kg_ok, other=0.0)
+            kz = tl.load(kz_base + g0 * skz_g + kz_off, mask=kg_ok, other=0.0)
+            ks = tl.broadcast_to(ks[:, :, None], (DK_PAD, NB, W)).reshape(DK_PAD, BW)
+            kz = tl.broadcast_to(kz[:, :, None], (DK_PAD, NB, W)).reshape(DK_PAD, BW)
+        else:
+            ks = tl.load(ks_base + g0 * sks_g + ksw_off, mask=k_ok, other=0.0)
+            kz = tl.load(kz_base + g0 * skz_g + kzw_off, mask=k_ok, other=0.0)
         kt = _dequant(kw, cmask, ks, kz, BITS, True)  # [DK_PAD, BN]
         t_abs = g0 * G + tok
         t_ok = t_abs < g_end * G
@@ -225,8 +235,18 @@ def _kivi_split_kernel(
         v_ok = t_ok[:, None] & vw_ok[None, :]
         vw = tl.load(vc_base + t_abs[:, None] * svc_t + offs_vw[None, :], mask=v_ok, other=0)
         if VMODE == 0:
-            vs = tl.load(vs_base + t_abs[:, None] * svs_t + vgrp[None, :], mask=v_ok, other=0.0)
-            vz = tl.load(vz_base + t_abs[:, None] * svz_t + vgrp[None, :], mask=v_ok, other=0.0)
+            if (SBC // 2 == 1) and ((GV & (GV - 1)) == 0):  # one load per (token, group), broadcast to the group's words
+                NGV_PAD: tl.constexpr = DV_PAD // GV
+                vg_ok = t_ok[:, None] & (tl.arange(0, NGV_PAD) < NGV)[None, :]
+                vg_off = t_abs[:, None] * svs_t + tl.arange(0, NGV_PAD)[None, :]
+                vs = tl.load(vs_base + vg_off, mask=vg_ok, other=0.0)
+                vg_off = t_abs[:, None] * svz_t + tl.arange(0, NGV_PAD)[None, :]
+                vz = tl.load(vz_base + vg_off, mask=vg_ok, other=0.0)
+                vs = tl.broadcast_to(vs[:, :, None], (BN, NGV_PAD, GV // PER)).reshape(BN, WV_PAD)
+                vz = tl.broadcast_to(vz[:, :, None], (BN, NGV_PAD, GV // PER)).reshape(BN, WV_PAD)
+            else:  # gathered per word
+                vs = tl.load(vs_base + t_abs[:, None] * svs_t + vgrp[None, :], mask=v_ok, other=0.0)
+                vz = tl.load(vz_base + t_abs[:, None] * svz_t + vgrp[None, :], mask=v_ok, other=0.0)
             vt = _dequant(vw, cmask, vs, vz, BITS, True)
         elif VMODE == 1:  # one group per token: scale into p, zero into a per-row bias
             vt = _dequant(vw, cmask, vw, vw, BITS, False)
@@ -323,7 +343,7 @@ def _config(bits: int, group: int, dk: int, dv: int, v_group: int) -> dict:
     """Kernel constexprs and launch options for one problem class."""
     per = 32 // bits
     vmode = 1 if v_group == dv else (0 if v_group % per == 0 else 2)
-    return dict(NB=max(1, 128 // group), VMODE=vmode, TRANS=True, num_warps=4, num_stages=2, waves=4, min_rows=16)
+    return dict(NB=max(1, 128 // group), VMODE=vmode, TRANS=True, num_warps=4, num_stages=2, waves=4, min_rows=16, SBC=3 if bits == 4 else 1)
 
 
 def _validate(query: torch.Tensor, packed: PackedKV) -> None:
@@ -401,7 +421,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, splits: int
         valid.stride(0),
         *po_strides, *pl_strides,
         DK=dk, DK_PAD=max(16, _pow2(dk)), DV=dv, DV_PAD=max(16, _pow2(dv)), G=g, GV=gv, BITS=bits,
-        BLOCK_M=block_m, NB=cfg["NB"], VMODE=cfg["VMODE"], TRANS=cfg["TRANS"],
+        BLOCK_M=block_m, NB=cfg["NB"], VMODE=cfg["VMODE"], TRANS=cfg["TRANS"], SBC=cfg["SBC"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:
