@@ -186,3 +186,47 @@ def save_dequantized(model: Any, tokenizer: Any, out_dir: str) -> None:
         model.is_quantized = False
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+
+
+# ----------------------------------------------------------------------------- other named attention functions
+
+
+@contextlib.contextmanager
+def use_attention(model: Any, name: str, fn: Any) -> Iterator[None]:
+    """Run ``model`` with the attention function ``fn``, registered under ``name``; restore on exit.
+
+    ``name`` must start with ``"kvcompress"`` (a unique, additive registration: transformers' own
+    implementations are never replaced).  ``fn`` has transformers' attention signature
+    ``fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs)`` and
+    returns ``(output [batch, q_len, heads, head_dim], weights or None)``.  The name gets
+    transformers' SDPA mask builder.  Used by LeanK calibration (kvcompress.calibration).
+    """
+    if not name.startswith(ATTN_NAME) or name == ATTN_NAME:
+        raise ValueError(f"attention name {name!r}: use a unique name starting with {ATTN_NAME!r}")
+    check_model_supported(model)
+    ALL_ATTENTION_FUNCTIONS.register(name, fn)
+    if name not in ALL_MASK_ATTENTION_FUNCTIONS:
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def layer_types(model_or_config: Any) -> list[str]:
+    """Attention type of every decoder layer (``"full_attention"``, ``"sliding_attention"``, ...)."""
+    return [t for t, _ in layer_layout(text_config(model_or_config))]
+
+
+def final_hidden_states(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+    """Last hidden states (after the final norm, before the LM head) of one uncached forward."""
+    out = model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    return out.last_hidden_state
+
+
+def logits(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logits of one uncached forward over ``input_ids``."""
+    return model(input_ids=input_ids, use_cache=False).logits
