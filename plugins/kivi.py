@@ -67,6 +67,54 @@ class KiviConfig:
                               hint="KIVI quantizes keys one group of G tokens at a time")
 
 
+class KiviCodec:
+    """Encodes blocks of ``G``-aligned tokens into KIVI payload tensors (no storage policy).
+
+    Every payload tensor is ``[batch, heads, n, ...]`` where ``n`` counts tokens
+    (:meth:`token_axis` is True: values, and keys in the per-token ablation) or
+    G-token groups (per-channel keys).  Stores (the ring below, a paged pool) decide
+    where payloads live; :meth:`packed` turns views of them back into a
+    :class:`~kvcompress.kernels.kivi.PackedKV` that attention reads in place.
+    """
+
+    names = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
+
+    def __init__(self, config: KiviConfig, head_dim: int):
+        self.bits, self.group = config.bits, config.group
+        self.per_token_keys = config.key_axis == "token"
+        self.v_group = math.gcd(config.group, head_dim)
+
+    @property
+    def unit(self) -> int:
+        """Tokens per encoding unit (blocks must be a multiple of it)."""
+        return self.group
+
+    def token_axis(self, name: str) -> bool:
+        return name.startswith("v_") or (self.per_token_keys and name.startswith("k_"))
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Quantize ``k``/``v`` ``[batch, heads, T, d]`` (T a multiple of G); masked slots never widen a range."""
+        if not bool(valid.all()):
+            w = valid[:, None, :, None]
+            count = w.sum(dim=2, keepdim=True).clamp(min=1)
+            k = torch.where(w, k, (k * w).sum(dim=2, keepdim=True) / count)
+            v = torch.where(w, v, (v * w).sum(dim=2, keepdim=True) / count)
+        if self.per_token_keys:
+            kc, ks, kz = quantize_values(k, self.bits, self.v_group)
+        else:
+            kc, ks, kz = quantize_keys(k, self.bits, self.group)
+        vc, vs, vz = quantize_values(v, self.bits, self.v_group)
+        return dict(zip(self.names, (kc, ks, kz, vc, vs, vz)))
+
+    def packed(self, payload: dict[str, torch.Tensor], valid: torch.Tensor) -> PackedKV:
+        return PackedKV(self.bits, self.group, *(payload[n] for n in self.names), valid,
+                        k_per_token=self.per_token_keys)
+
+    @staticmethod
+    def report_key(name: str) -> str:
+        return "middle: kivi codes" if name.endswith("codes") else "middle: kivi scales"
+
+
 class KiviStore(MiddleStore):
     """Packed, append-only store of quantized middle tokens: a growable ring of G-token groups.
 
@@ -76,9 +124,8 @@ class KiviStore(MiddleStore):
     """
 
     def __init__(self, config: KiviConfig, head_dim: int):
-        self.bits, self.group = config.bits, config.group
-        self.per_token_keys = config.key_axis == "token"
-        self.v_group = math.gcd(config.group, head_dim)
+        self.codec = KiviCodec(config, head_dim)
+        self.group = self.codec.group
         self.start = 0  # first live group slot
         self.groups = 0  # live groups
         self.max_groups: int | None = None
@@ -95,7 +142,7 @@ class KiviStore(MiddleStore):
         self.max_groups = math.ceil(max_tokens / self.group) + 1
 
     def _token_dim(self, name: str) -> bool:
-        return name.startswith("v_") or (self.per_token_keys and name.startswith("k_"))
+        return self.codec.token_axis(name)
 
     def _resized(self, t: torch.Tensor, name: str, groups: int) -> torch.Tensor:
         shape = list(t.shape)
@@ -138,34 +185,19 @@ class KiviStore(MiddleStore):
                 bufs[name] = new
         self.start = 0
 
-    def _encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
-        if self.per_token_keys:
-            kc, ks, kz = quantize_values(k, self.bits, self.v_group)
-        else:
-            kc, ks, kz = quantize_keys(k, self.bits, self.group)
-        vc, vs, vz = quantize_values(v, self.bits, self.v_group)
-        return {"k_codes": kc, "k_scale": ks, "k_zero": kz, "v_codes": vc, "v_scale": vs, "v_zero": vz}
-
     # -- MiddleStore -------------------------------------------------------------------
     def append(self, block: KVBlock) -> None:
         valid = block.valid
         pad = (-block.num_tokens) % self.group
         if pad:  # a block cut by eviction: fill the last group with masked slots
             valid = torch.cat([valid, valid.new_zeros(valid.shape[0], pad)], dim=1)
-        masked = not bool(valid.all())
         encoded = []
         for part in block.parts():
             k, v = part.k, part.v
             if pad:
                 k = torch.cat([k, k[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
                 v = torch.cat([v, v[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
-            if masked:
-                # Masked slots (padding, evicted) must not widen a group's range: give them the row's mean.
-                w = valid[:, None, :, None]
-                count = w.sum(dim=2, keepdim=True).clamp(min=1)
-                k = torch.where(w, k, (k * w).sum(dim=2, keepdim=True) / count)
-                v = torch.where(w, v, (v * w).sum(dim=2, keepdim=True) / count)
-            encoded.append((part, self._encode(k, v)))
+            encoded.append((part, self.codec.encode(k, v, valid)))
         n = valid.shape[1] // self.group
         if self.lanes is None:
             self.lanes = [(part.layout(), {name: self._resized(t, name, n) for name, t in data.items()})
@@ -196,9 +228,7 @@ class KiviStore(MiddleStore):
             def cut(name: str) -> torch.Tensor:
                 return b[name][:, :, : e * self.group] if self._token_dim(name) else b[name][:, :, :e]
 
-            packed = PackedKV(self.bits, self.group, cut("k_codes"), cut("k_scale"), cut("k_zero"),
-                              cut("v_codes"), cut("v_scale"), cut("v_zero"), valid,
-                              k_per_token=self.per_token_keys)
+            packed = self.codec.packed({name: cut(name) for name in self.codec.names}, valid)
             out.append(group.attach(Segment(None, None, valid, positions, packed=packed)))
         return out
 
@@ -236,13 +266,12 @@ class KiviStore(MiddleStore):
             self.lanes = [(group, {name: fn(t) for name, t in bufs.items()}) for group, bufs in self.lanes]
 
     def nbytes(self) -> dict[str, int]:
-        def size(*names: str) -> int:
-            return sum(b[n].numel() * b[n].element_size() for _, b in self.lanes or [] for n in names)
-
-        mask = self.valid.numel() if self.valid is not None else 0
-        return {"middle: kivi codes": size("k_codes", "v_codes"),
-                "middle: kivi scales": size("k_scale", "k_zero", "v_scale", "v_zero"),
-                "middle: mask": mask}
+        out = {"middle: kivi codes": 0, "middle: kivi scales": 0,
+               "middle: mask": self.valid.numel() if self.valid is not None else 0}
+        for _, bufs in self.lanes or []:
+            for name, t in bufs.items():
+                out[self.codec.report_key(name)] += t.numel() * t.element_size()
+        return out
 
 
 class KiviCompressor(Compressor):
