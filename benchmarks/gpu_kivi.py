@@ -120,15 +120,34 @@ def sweep(configs: dict[str, dict], shapes, dev: str = "cuda") -> list[dict]:
 
 CONFIGS = {
     "default": {},
-    "mma-v2": {"TRANS": False},
+    "no-prefetch": {"PREFETCH": False},
     "nb2": {"NB": 2},
-    "stages3": {"num_stages": 3},
-    "w8": {"num_warps": 8},
     "waves2": {"waves": 2},
     "waves8": {"waves": 8},
     "rows8": {"min_rows": 8},
-    "sbc-alt": {"SBC": 2},
+    "mma-v2": {"TRANS": False},
+    "stages3": {"num_stages": 3},
 }
+
+
+def pick_best(rows: list[dict]) -> dict[str, dict]:
+    """Per bit width, the config with the best geometric-mean time relative to ``default``."""
+    import math
+
+    best = {}
+    for bits in (2, 4):
+        ref = {tuple(r["shape"]): r["us"] for r in rows if r["config"] == "default" and r["shape"][3] == bits
+               and "us" in r}
+        scores = {}
+        for name in CONFIGS:
+            ratios = [r["us"] / ref[tuple(r["shape"])] for r in rows
+                      if r["config"] == name and "us" in r and tuple(r["shape"]) in ref]
+            if ratios and len(ratios) == len(ref):
+                scores[name] = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        if scores:
+            name = min(scores, key=scores.get)
+            best[str(bits)] = {"name": name, "score": scores[name], "config": CONFIGS[name]}
+    return best
 
 
 def main() -> int:
@@ -138,6 +157,7 @@ def main() -> int:
     ap.add_argument("--table", action="store_true")
     ap.add_argument("--quick-table", action="store_true")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--pytest", action="store_true", help="also run pytest -m gpu tests/test_kivi_kernel.py")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -151,7 +171,21 @@ def main() -> int:
     print(info, flush=True)
     configs = {k: CONFIGS[k] for k in args.configs.split(",")}
     t0 = time.time()
-    corr = correctness({k: configs[k] for k in list(configs)[:2]}, dev, args.smoke)
+    if args.sweep:
+        shapes = [("llama3-8b", 32, 8, 128, 16, 32768, 2, 32), ("llama3-8b", 32, 8, 128, 1, 32768, 2, 32),
+                  ("smollm2-135m", 9, 3, 64, 16, 32768, 2, 32), ("llama3-8b", 32, 8, 128, 16, 32768, 4, 32),
+                  ("llama3-8b", 32, 8, 128, 1, 32768, 4, 32)]
+        if args.smoke:
+            shapes = [("tiny", 8, 2, 64, 1, 256, 2, 32), ("tiny", 8, 2, 64, 1, 256, 4, 64)]
+        rows = sweep(configs, shapes, dev)
+        best = pick_best(rows)
+        print("best per bit width:", best, flush=True)
+        with open(os.path.join(args.out, "sweep.json"), "w") as fh:
+            json.dump({"info": info, "rows": rows, "best": best}, fh, indent=1)
+        os.environ["KVCOMPRESS_KIVI_CONFIG"] = json.dumps({k: v["config"] for k, v in best.items()})
+        print(f"sweep done ({time.time() - t0:.0f}s); KVCOMPRESS_KIVI_CONFIG={os.environ['KVCOMPRESS_KIVI_CONFIG']}",
+              flush=True)
+    corr = correctness({"chosen": {}, "mma-v2": {"TRANS": False}}, dev, args.smoke)
     worst = max((r.get("rel_err", 1.0) for r in corr), default=0)
     print(f"correctness: {len(corr)} runs, worst rel err {worst:.2e}, "
           f"errors {[r for r in corr if 'error' in r or not r.get('inf_match', True) or r.get('nan')]} "
@@ -160,17 +194,12 @@ def main() -> int:
         print("  ", r.get("case"), r.get("config"), {k: (f"{v:.2e}" if isinstance(v, float) else v)
                                                       for k, v in r.items() if k not in ("case", "config")})
     with open(os.path.join(args.out, "correctness.json"), "w") as fh:
-        json.dump({"info": info, "rows": corr}, fh, indent=1)
-    if args.sweep:
-        shapes = [("llama3-8b", 32, 8, 128, 16, 32768, 2, 32), ("llama3-8b", 32, 8, 128, 1, 32768, 2, 32),
-                  ("llama3-8b", 32, 8, 128, 16, 32768, 4, 32), ("llama3-8b", 32, 8, 128, 16, 32768, 2, 128),
-                  ("smollm2-135m", 9, 3, 64, 16, 32768, 2, 32)]
-        if args.smoke:
-            shapes = [("tiny", 8, 2, 64, 1, 256, 2, 32), ("tiny", 8, 2, 64, 1, 256, 4, 64)]
-        rows = sweep(configs, shapes, dev)
-        with open(os.path.join(args.out, "sweep.json"), "w") as fh:
-            json.dump({"info": info, "rows": rows}, fh, indent=1)
-        print(f"sweep done ({time.time() - t0:.0f}s)", flush=True)
+        json.dump({"info": info, "config": os.environ.get("KVCOMPRESS_KIVI_CONFIG"), "rows": corr}, fh, indent=1)
+    if args.pytest:
+        # from another directory, so that ./kvcompress (without kernels/) does not shadow the installed package
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", os.path.abspath("tests/test_kivi_kernel.py")],
+                           capture_output=True, text=True, cwd="/tmp")
+        print("pytest -m gpu:", r.stdout.strip().splitlines()[-1:], flush=True)
     if args.table or args.quick_table:
         benchutil.run_kernel_benchmarks(dev, os.path.join(args.out, "kernels.json"), quick=args.quick_table)
         print(f"table done ({time.time() - t0:.0f}s)", flush=True)

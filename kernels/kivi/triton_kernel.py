@@ -39,7 +39,9 @@ routes them to the reference).
 from __future__ import annotations
 
 import functools
+import json
 import math
+import os
 
 import torch
 import triton
@@ -117,6 +119,48 @@ def _perm(f, PER: tl.constexpr):
 
 
 @triton.jit
+def _aux_loads(ks_base, kz_base, vs_base, vz_base, va_base, g0, g_end, sks_g, skz_g, svs_t, svz_t,
+               dk_ok, kcol, ks_off, kz_off, ksw_off, kzw_off, tok, vw_ok, vgrp, chan,
+               DK_PAD: tl.constexpr, NB: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BN: tl.constexpr,
+               G: tl.constexpr, GV: tl.constexpr, NGV: tl.constexpr, PER: tl.constexpr, WV_PAD: tl.constexpr,
+               DV: tl.constexpr, DV_PAD: tl.constexpr, VMODE: tl.constexpr, SBC: tl.constexpr):
+    """Scales, zero points and valid flags of the key-group block starting at ``g0`` (all masked past ``g_end``)."""
+    if SBC % 2 == 1:  # one scale / zero per (channel, group), broadcast in registers to the group's W words
+        kg_ok = dk_ok[:, None] & ((g0 + tl.arange(0, NB)) < g_end)[None, :]
+        ks = tl.load(ks_base + g0 * sks_g + ks_off, mask=kg_ok, other=0.0)
+        kz = tl.load(kz_base + g0 * skz_g + kz_off, mask=kg_ok, other=0.0)
+        ks = tl.broadcast_to(ks[:, :, None], (DK_PAD, NB, W)).reshape(DK_PAD, BW)
+        kz = tl.broadcast_to(kz[:, :, None], (DK_PAD, NB, W)).reshape(DK_PAD, BW)
+    else:  # gathered per word
+        k_ok = dk_ok[:, None] & ((g0 + kcol // W) < g_end)[None, :]
+        ks = tl.load(ks_base + g0 * sks_g + ksw_off, mask=k_ok, other=0.0)
+        kz = tl.load(kz_base + g0 * skz_g + kzw_off, mask=k_ok, other=0.0)
+    t_abs = g0 * G + tok
+    t_ok = t_abs < g_end * G
+    ok = tl.load(va_base + t_abs, mask=t_ok, other=0) != 0
+    if VMODE == 0:
+        if (SBC // 2 == 1) and ((GV & (GV - 1)) == 0):  # one load per (token, group), broadcast to its words
+            NGV_PAD: tl.constexpr = DV_PAD // GV
+            vg_ok = t_ok[:, None] & (tl.arange(0, NGV_PAD) < NGV)[None, :]
+            vs = tl.load(vs_base + t_abs[:, None] * svs_t + tl.arange(0, NGV_PAD)[None, :], mask=vg_ok, other=0.0)
+            vz = tl.load(vz_base + t_abs[:, None] * svz_t + tl.arange(0, NGV_PAD)[None, :], mask=vg_ok, other=0.0)
+            vs = tl.broadcast_to(vs[:, :, None], (BN, NGV_PAD, GV // PER)).reshape(BN, WV_PAD)
+            vz = tl.broadcast_to(vz[:, :, None], (BN, NGV_PAD, GV // PER)).reshape(BN, WV_PAD)
+        else:  # gathered per word
+            v_ok = t_ok[:, None] & vw_ok[None, :]
+            vs = tl.load(vs_base + t_abs[:, None] * svs_t + vgrp[None, :], mask=v_ok, other=0.0)
+            vz = tl.load(vz_base + t_abs[:, None] * svz_t + vgrp[None, :], mask=v_ok, other=0.0)
+    elif VMODE == 1:
+        vs = tl.load(vs_base + t_abs * svs_t, mask=t_ok, other=0.0).to(tl.float32)
+        vz = tl.load(vz_base + t_abs * svz_t, mask=t_ok, other=0.0).to(tl.float32)
+    else:
+        e_ok = t_ok[:, None] & (chan < DV)[None, :]
+        vs = tl.load(vs_base + t_abs[:, None] * svs_t + (chan // GV)[None, :], mask=e_ok, other=0.0)
+        vz = tl.load(vz_base + t_abs[:, None] * svz_t + (chan // GV)[None, :], mask=e_ok, other=0.0)
+    return ks, kz, vs, vz, ok
+
+
+@triton.jit
 def _kivi_split_kernel(
     Q, KC, KS, KZ, VC, VS, VZ, VALID, OUT, LSE,
     qk_scale, cmask, M, H, NG, groups_per_split,
@@ -132,7 +176,7 @@ def _kivi_split_kernel(
     sl_s, sl_b, sl_h,
     DK: tl.constexpr, DK_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
     G: tl.constexpr, GV: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
-    VMODE: tl.constexpr, TRANS: tl.constexpr, SBC: tl.constexpr = 0,
+    VMODE: tl.constexpr, TRANS: tl.constexpr, SBC: tl.constexpr = 0, PREFETCH: tl.constexpr = True,
 ):
     """One (split, batch*kv-head, row block): flash-decoding over ``groups_per_split`` key groups.
 
@@ -197,24 +241,28 @@ def _kivi_split_kernel(
 
     g_start = pid_s * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, NG)
+    if PREFETCH:  # the small loads of block i + 1 are issued while block i computes (registers, not smem)
+        ks, kz, vs, vz, ok = _aux_loads(
+            ks_base, kz_base, vs_base, vz_base, va_base, g_start, g_end, sks_g, skz_g, svs_t, svz_t, dk_ok, kcol,
+            ks_off, kz_off, ksw_off, kzw_off, tok, vw_ok, vgrp, chan, DK_PAD, NB, W, BW, BN, G, GV, NGV, PER,
+            WV_PAD, DV, DV_PAD, VMODE, SBC)
     for g0 in range(g_start, g_end, NB):
+        if PREFETCH:
+            ks_n, kz_n, vs_n, vz_n, ok_n = _aux_loads(
+                ks_base, kz_base, vs_base, vz_base, va_base, g0 + NB, g_end, sks_g, skz_g, svs_t, svz_t, dk_ok,
+                kcol, ks_off, kz_off, ksw_off, kzw_off, tok, vw_ok, vgrp, chan, DK_PAD, NB, W, BW, BN, G, GV, NGV,
+                PER, WV_PAD, DV, DV_PAD, VMODE, SBC)
+        else:
+            ks, kz, vs, vz, ok = _aux_loads(
+                ks_base, kz_base, vs_base, vz_base, va_base, g0, g_end, sks_g, skz_g, svs_t, svz_t, dk_ok, kcol,
+                ks_off, kz_off, ksw_off, kzw_off, tok, vw_ok, vgrp, chan, DK_PAD, NB, W, BW, BN, G, GV, NGV, PER,
+                WV_PAD, DV, DV_PAD, VMODE, SBC)
         # ---- keys: dequantized in registers (packed fp16 FMA per two codes), scores on tensor cores
         k_ok = dk_ok[:, None] & ((g0 + kcol // W) < g_end)[None, :]
-        kg_ok = dk_ok[:, None] & ((g0 + tl.arange(0, NB)) < g_end)[None, :]
         kw = tl.load(kc_base + g0 * skc_g + kw_off, mask=k_ok, other=0)
-        # one scale / zero per (channel, group), broadcast in registers to the group's W words
-        if SBC % 2 == 1:
-            ks = tl.load(ks_base + g0 * sks_g + ks_off, mask=kg_ok, other=0.0)
-            kz = tl.load(kz_base + g0 * skz_g + kz_off, mask=kg_ok, other=0.0)
-            ks = tl.broadcast_to(ks[:, :, None], (DK_PAD, NB, W)).reshape(DK_PAD, BW)
-            kz = tl.broadcast_to(kz[:, :, None], (DK_PAD, NB, W)).reshape(DK_PAD, BW)
-        else:
-            ks = tl.load(ks_base + g0 * sks_g + ksw_off, mask=k_ok, other=0.0)
-            kz = tl.load(kz_base + g0 * skz_g + kzw_off, mask=k_ok, other=0.0)
         kt = _dequant(kw, cmask, ks, kz, BITS, True)  # [DK_PAD, BN]
         t_abs = g0 * G + tok
         t_ok = t_abs < g_end * G
-        ok = tl.load(va_base + t_abs, mask=t_ok, other=0).to(tl.int1)
         if TRANS:
             s = tl.where(ok[:, None], tl.dot(tl.trans(kt), qt), float("-inf"))  # [BN, BLOCK_M]
             RED: tl.constexpr = 0
@@ -235,23 +283,9 @@ def _kivi_split_kernel(
         v_ok = t_ok[:, None] & vw_ok[None, :]
         vw = tl.load(vc_base + t_abs[:, None] * svc_t + offs_vw[None, :], mask=v_ok, other=0)
         if VMODE == 0:
-            if (SBC // 2 == 1) and ((GV & (GV - 1)) == 0):  # one load per (token, group), broadcast to the group's words
-                NGV_PAD: tl.constexpr = DV_PAD // GV
-                vg_ok = t_ok[:, None] & (tl.arange(0, NGV_PAD) < NGV)[None, :]
-                vg_off = t_abs[:, None] * svs_t + tl.arange(0, NGV_PAD)[None, :]
-                vs = tl.load(vs_base + vg_off, mask=vg_ok, other=0.0)
-                vg_off = t_abs[:, None] * svz_t + tl.arange(0, NGV_PAD)[None, :]
-                vz = tl.load(vz_base + vg_off, mask=vg_ok, other=0.0)
-                vs = tl.broadcast_to(vs[:, :, None], (BN, NGV_PAD, GV // PER)).reshape(BN, WV_PAD)
-                vz = tl.broadcast_to(vz[:, :, None], (BN, NGV_PAD, GV // PER)).reshape(BN, WV_PAD)
-            else:  # gathered per word
-                vs = tl.load(vs_base + t_abs[:, None] * svs_t + vgrp[None, :], mask=v_ok, other=0.0)
-                vz = tl.load(vz_base + t_abs[:, None] * svz_t + vgrp[None, :], mask=v_ok, other=0.0)
             vt = _dequant(vw, cmask, vs, vz, BITS, True)
         elif VMODE == 1:  # one group per token: scale into p, zero into a per-row bias
             vt = _dequant(vw, cmask, vw, vw, BITS, False)
-            vs = tl.load(vs_base + t_abs * svs_t, mask=t_ok, other=0.0).to(tl.float32)
-            vz = tl.load(vz_base + t_abs * svz_t, mask=t_ok, other=0.0).to(tl.float32)
             if TRANS:
                 acc += tl.sum(p * vz[:, None], axis=0, keep_dims=True)
                 p = p * vs[:, None]
@@ -259,15 +293,13 @@ def _kivi_split_kernel(
                 acc += tl.sum(p * vz[None, :], axis=1, keep_dims=True)
                 p = p * vs[None, :]
         else:
-            vt = _dequant(vw, cmask, vw, vw, BITS, False)
-            e_ok = t_ok[:, None] & (chan < DV)[None, :]
-            vs = tl.load(vs_base + t_abs[:, None] * svs_t + (chan // GV)[None, :], mask=e_ok, other=0.0)
-            vz = tl.load(vz_base + t_abs[:, None] * svz_t + (chan // GV)[None, :], mask=e_ok, other=0.0)
-            vt = vt * vs + vz
+            vt = _dequant(vw, cmask, vw, vw, BITS, False) * vs + vz
         if TRANS:
             acc = tl.dot(tl.trans(vt), p.to(tl.float16), acc)  # [DV_PAD, BLOCK_M]
         else:
             acc = tl.dot(p.to(tl.float16), vt, acc)  # [BLOCK_M, DV_PAD]
+        if PREFETCH:
+            ks, kz, vs, vz, ok = ks_n, kz_n, vs_n, vz_n, ok_n
 
     if TRANS:
         acc = tl.trans(acc)
@@ -340,10 +372,20 @@ def _inner_contiguous(t: torch.Tensor, inner: int) -> torch.Tensor:
 
 
 def _config(bits: int, group: int, dk: int, dv: int, v_group: int) -> dict:
-    """Kernel constexprs and launch options for one problem class."""
+    """Kernel constexprs and launch options for one problem class (tuned on an H200, Triton 3.6).
+
+    ``KVCOMPRESS_KIVI_CONFIG`` (JSON) overrides entries, either flat (``{"NB": 2}``) or per bit width
+    (``{"2": {...}, "4": {...}}``) - a tuning knob for benchmarks, not needed for correctness.
+    """
     per = 32 // bits
     vmode = 1 if v_group == dv else (0 if v_group % per == 0 else 2)
-    return dict(NB=max(1, 128 // group), VMODE=vmode, TRANS=True, num_warps=4, num_stages=2, waves=4, min_rows=16, SBC=3 if bits == 4 else 1)
+    cfg = dict(NB=max(1, 128 // group), VMODE=vmode, TRANS=True, num_warps=4, num_stages=2, waves=4, min_rows=16,
+               SBC=3 if bits == 4 else 1, PREFETCH=True)
+    env = os.environ.get("KVCOMPRESS_KIVI_CONFIG")
+    if env:
+        over = json.loads(env)
+        cfg.update(over.get(str(bits), {}) if any(k in over for k in ("2", "4")) else over)
+    return cfg
 
 
 def _validate(query: torch.Tensor, packed: PackedKV) -> None:
@@ -421,7 +463,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, splits: int
         valid.stride(0),
         *po_strides, *pl_strides,
         DK=dk, DK_PAD=max(16, _pow2(dk)), DV=dv, DV_PAD=max(16, _pow2(dv)), G=g, GV=gv, BITS=bits,
-        BLOCK_M=block_m, NB=cfg["NB"], VMODE=cfg["VMODE"], TRANS=cfg["TRANS"], SBC=cfg["SBC"],
+        BLOCK_M=block_m, NB=cfg["NB"], VMODE=cfg["VMODE"], TRANS=cfg["TRANS"], SBC=cfg["SBC"], PREFETCH=cfg["PREFETCH"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:
