@@ -121,3 +121,13 @@ def test_tables():
     text = format_table(rows).splitlines()
     assert text[0].startswith("stack") and set(text[1]) <= {"-", " "} and text[3].endswith("12.5")
     assert markdown_table(rows).splitlines()[1] == "|---|---|"
+
+
+def test_importing_the_harness_loads_neither_transformers_nor_matplotlib():
+    import subprocess
+    import sys
+
+    code = ("import sys, kvcompress.evaluation, kvcompress.evaluation.sweep, kvcompress.evaluation.bench; "
+            "print('transformers' in sys.modules, 'matplotlib' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]

@@ -90,9 +90,15 @@ def plot_sweep(results: Sequence[EvalResult], path: str | os.PathLike, title: st
         ax.annotate(r.stack_label, (x, y), textcoords="offset points", xytext=(6, 5), fontsize=8)
     ax.scatter([bx], [by], marker="*", s=180, color="tab:red", zorder=4, label="uncompressed (transformers)")
     ax.axhline(by, color="tab:red", linestyle="--", linewidth=0.8, zorder=1)
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
     allx = xs + [bx]
     if max(allx) / max(min(allx), 1e-9) > 8:
         ax.set_xscale("log")
+        ticks = [2.0 ** k for k in range(-4, 13) if min(allx) / 1.5 <= 2.0 ** k <= max(allx) * 1.5]
+        ax.xaxis.set_major_locator(FixedLocator(ticks))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
     ax.set_xlabel("compression: dense fp16 bytes / bytes held by the cache (end of prefill)")
     ax.set_ylabel(labels[key])
     if task == "ppl" and max(ys + [by]) / max(min(ys + [by]), 1e-9) > 4:
