@@ -4,38 +4,52 @@ Same signature and semantics as :func:`.reference.kivi_attention_partial`
 (``(out fp32 [B, Hkv, M, Dv], lse fp32 [B, Hkv, M])``).  Nothing is compiled at
 import; each configuration is JIT-compiled by Triton on first use.
 
-How one program works (split-KV flash decoding, one kv head, a range of token
-groups):
+How one program works (split-KV flash decoding: one kv head, one block of query
+rows, a range of key groups, ``NB`` groups per loop iteration):
 
-* The ``M`` grouped query rows (GQA group x q_len) are padded to ``BLOCK_M >= 16``
-  so both products run on tensor cores (``tl.dot``, fp16 in, fp32 accumulate).
-* Codes are loaded as int32 words and unpacked in registers with shifts and masks;
-  int -> fp16 uses the exponent trick (``code | 0x6400`` reinterpreted as fp16 is
-  ``1024 + code``, exact), so no int->float conversion instruction is issued.
-* Keys: the per-channel scale of each token group is folded into the query
-  (``q * s_g``) and the zero point into a per-row bias (``q . z_g``), so the key
-  tile is the raw code tile: ``scores = (q*s_g) @ codes + q.z_g`` (``FOLD_K``).
-  The alternative (``FOLD_K=False``) dequantizes the tile with one fp16 FMA.
-* Values: with one scale per token (``Gv == Dv``) the scale goes into the
-  probabilities and the zero into a per-row bias (``FOLD_V``); with several
-  channel groups per token the tile is dequantized with one fp16 FMA.
-* Online softmax in base 2; each split writes a normalised partial and its LSE;
-  a second small kernel merges splits (skipped when there is one split).
+* Codes are loaded as int32 words (no dequantized copy exists in memory) and
+  turned into exact fp16 numbers in registers without int->float conversions: a
+  code sitting in the mantissa of a 16-bit half becomes ``E + code`` when the
+  exponent of ``E`` is OR-ed onto it, one LOP3 for the two halves of a word
+  (:func:`_field`), then ``- E`` and ``* scale + zero`` as packed fp16 ops.  Inside a
+  word the unpacked order is permuted (:func:`_perm`); key columns are tokens, so
+  the value rows, the valid mask and the output columns follow that permutation.
+* Keys: the tile is dequantized with one packed fp16 FMA per two codes (scale and
+  zero per channel and group).  Folding the scale into the query instead costs a
+  new ``q * s_g`` operand per 32-token group over all padded query rows, which
+  counted more instructions than the FMA on the tile at G = 32.
+* Values: with one value group per token (``Gv == Dv``, ``VMODE=1``) the scale goes
+  into the probabilities and the zero into a per-row bias; otherwise the tile is
+  dequantized with one packed FMA (``VMODE=0``; ``VMODE=2`` when a word spans
+  several value groups).
+* Both products run on tensor cores (``tl.dot``, fp16 operands, fp32 accumulate).
+  ``TRANS`` (default) computes ``S^T = K^T q^T`` and ``O^T = V^T P^T`` so the big
+  tiles are the M operand (Hopper wgmma under Triton 3.6); the GQA rows are padded to
+  ``min_rows`` (16) as the N operand.  ``TRANS=False`` computes ``q K`` / ``P V``
+  (mma.sync, rows padded to 16).
+* Online softmax in base 2; each split writes a normalised partial and its LSE, and
+  a second small kernel merges the splits (skipped when there is one split).
 
-Inputs: the query may be any float dtype and any strides (it is tiny; it is read
-once).  Packed tensors may be strided views (e.g. the first ``n`` groups of a
-preallocated buffer) as long as their innermost dimensions are contiguous
-(``[Dk, G/PER]`` words per key group, ``[Dv/PER]`` words and ``[Dv/Gv]`` scales
-per value token, tokens of ``valid``); otherwise they are copied with
-``.contiguous()`` (a full copy of the region: avoid it on the hot path).
+Performance (H200, Triton 3.6; docs/results.md "KIVI decode kernel"): correct to
+fp16 level, but 0.6-0.95x torch SDPA on the uncompressed fp16 cache at large
+shapes, far from the bandwidth the compressed bytes would allow: the loop is
+latency-bound (2 CTAs per SM at ~220 registers, barriers around every product).
 
-Limits: ``group`` (key tokens per group) a power of two in 16..128, ``Dk`` any
-width (padded to a power of two >= 16 in registers), ``Dv`` a multiple of the
-value group, value group a power of two.  ``k_per_token`` packs (an ablation) are
-not supported here (:func:`kvcompress.kernels.kivi.kivi_attention_partial`
-routes them to the reference).
+Inputs: the query may be any float dtype and any strides (it is tiny).  Packed
+tensors may be strided views, e.g. the first ``n`` groups of a preallocated
+buffer, as long as their innermost dimensions are contiguous (``[Dk, G/PER]`` words
+per key group, ``[Dv/PER]`` words and ``[Dv/Gv]`` scales per value token, the
+tokens of ``valid``); otherwise they are copied with ``.contiguous()``, a full copy
+of the region (avoid it on the hot path).
+
+Limits: ``group`` (key tokens per group) a power of two in 16..128; any ``Dk``
+(padded in registers to a power of two >= 16); ``Dv`` a multiple of the value group.
+``k_per_token`` packs (an ablation) are rejected; the dispatcher in
+:mod:`kvcompress.kernels.kivi` routes them to the reference.
+
+Tuning: :func:`_config` holds the measured defaults; ``KVCOMPRESS_KIVI_CONFIG`` (JSON)
+overrides them for experiments (``benchmarks/gpu_kivi.py`` sweeps it).
 """
-
 from __future__ import annotations
 
 import functools
