@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from .registry import CompressorSpec
     from .state import KVBlock, LayerInfo, Layout, MiddleStore
     from .layer import CompressedLayer
+    from .paged import MiddleCodec
 
 PROJECT = "kvcompress"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -209,13 +210,63 @@ class CacheCompressor:
         wins; at most one quantizer per stack).  The store's ``append(block)``
         encodes each surviving, transformed block, append-only; its
         ``segments()`` are what attention reads.  Without a quantizer the middle is
-        kept in full precision by :class:`~kvcompress.state.DenseStore`.
+        kept in full precision by :class:`~kvcompress.state.DenseStore`.  Not called when an
+        evictor builds the store (:meth:`kvcompress_middle_store`).
 
         Args:
             layer: the layer the store will serve.
 
         Returns:
             A :class:`~kvcompress.state.MiddleStore`, or ``None``.
+        """
+
+    @hookspec(firstresult=True)
+    def kvcompress_middle_codec(self, layer: CompressedLayer) -> MiddleCodec | None:
+        """Quantize stage: the quantizer's encoding of token blocks, for a store it does not own.
+
+        Called once per layer when the cache is built, and only when an evictor of the
+        stack builds the middle store itself (:meth:`kvcompress_middle_store`), e.g. a
+        paged pool.  The quantizer then hands over its *encoding* instead of its own
+        store; the evictor's store decides where the encoded payloads live.  A quantizer
+        that implements :meth:`kvcompress_quantize_store` but not this hook cannot be
+        stacked with such an evictor (the cache refuses to build, naming both).
+
+        A codec provides (see :class:`kvcompress.paged.DenseCodec` for the full-precision one):
+
+        * ``unit``: tokens per encoding unit (stores encode whole multiples of it; KIVI: ``G``);
+        * ``names`` and ``encode(k, v, valid) -> {name: tensor [batch, heads, n, ...]}`` for
+          ``k``/``v`` ``[batch, heads, T, d]`` (``T`` a multiple of ``unit``; masked slots must not
+          change the encoding of the valid ones);
+        * ``token_axis(name)``: whether dim 2 of that payload counts tokens (else units);
+        * ``packed(payload, valid)``: a packed region (``attention_partial``, ``dequantize``) over
+          payload tensors laid out like ``encode``'s output;
+        * ``report_key(name)``: the memory-report component of a payload.
+
+        Args:
+            layer: the layer the store will serve (``layer.info`` gives heads and head_dim).
+
+        Returns:
+            A codec object, or ``None`` (first non-``None`` result wins; at most one quantizer
+            per stack).
+        """
+
+    @hookspec(firstresult=True)
+    def kvcompress_middle_store(self, layer: CompressedLayer, codec: MiddleCodec | None) -> MiddleStore | None:
+        """Evict stage: build the middle store when the evictor needs its own storage layout.
+
+        Called once per layer when the cache is built (and again on ``reset``), before
+        :meth:`kvcompress_quantize_store`, which is then not called.  An evictor whose
+        decisions depend on how tokens are laid out (a paged pool with per-sequence block
+        tables that frees whole pages) builds the store here; the stack's quantizer
+        contributes only its encoding through :meth:`kvcompress_middle_codec`.
+
+        Args:
+            layer: the layer the store will serve (``layer.layout`` is already known).
+            codec: the quantizer's codec, or ``None`` to keep the middle in full precision.
+
+        Returns:
+            A :class:`~kvcompress.state.MiddleStore` holding payloads encoded by ``codec``, or
+            ``None`` to leave the store to the quantizer (or the dense default).
         """
 
     @hookspec(firstresult=True)

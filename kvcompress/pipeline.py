@@ -26,6 +26,8 @@ _STAGES = (
     "kvcompress_lowrank_transform",
     "kvcompress_regroup_heads",
     "kvcompress_quantize_store",
+    "kvcompress_middle_codec",
+    "kvcompress_middle_store",
     "kvcompress_select_tokens",
 )
 
@@ -71,6 +73,24 @@ class StackPipeline:
         return Layout.combine(fn(layer=info) for fn in self.stages["kvcompress_layer_layout"])
 
     def make_store(self, layer: Any) -> MiddleStore:
+        """The layer's middle store: an evictor's own store (holding the quantizer's codec), else the
+        quantizer's store, else full precision."""
+        builders = self.stages["kvcompress_middle_store"]
+        if builders:
+            codec = None
+            for fn in self.stages["kvcompress_middle_codec"]:
+                codec = fn(layer=layer)
+                if codec is not None:
+                    break
+            if codec is None and self.stages["kvcompress_quantize_store"]:
+                owners = ", ".join(fn.__name__ for fn in builders + self.stages["kvcompress_quantize_store"])
+                raise PluginError(
+                    f"an evictor builds the middle store but the stack's quantizer provides no codec "
+                    f"(kvcompress_middle_codec); hooks involved: {owners}")
+            for fn in builders:
+                store = fn(layer=layer, codec=codec)
+                if store is not None:
+                    return store
         for fn in self.stages["kvcompress_quantize_store"]:
             store = fn(layer=layer)
             if store is not None:

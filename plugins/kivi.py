@@ -285,6 +285,10 @@ class KiviCompressor(Compressor):
     def kvcompress_quantize_store(self, layer):
         return KiviStore(self.config, layer.info.head_dim)
 
+    @hookimpl
+    def kvcompress_middle_codec(self, layer):
+        return KiviCodec(self.config, layer.info.head_dim)
+
 
 @hookimpl
 def kvcompress_register_compressors(register):

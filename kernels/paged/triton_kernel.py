@@ -1,0 +1,241 @@
+"""Paged split-KV decode attention in Triton: the block table is read inside the kernel.
+
+Same signature and semantics as :func:`.reference.paged_attention_partial`
+(``(out fp32 [B, H, M, Dv], lse fp32 [B, H, M])``).  Nothing is compiled at import;
+each configuration is JIT-compiled by Triton on first use.
+
+One program handles one (split, batch row x kv head, row block):
+
+* the ``M`` grouped query rows (GQA group x q_len) are padded to ``BLOCK_M >= 16`` so both
+  products run on tensor cores (``tl.dot``);
+* it walks a contiguous range of the row's block-table entries, ``NBP`` pages per step: the
+  page ids are loaded from the table, and the ``NBP * P`` key/value rows are gathered from
+  the pool with per-token base offsets (``page * stride + slot * stride``); table entries of
+  ``-1`` and invalid slots are masked, so no dense copy of the sequence is ever built;
+* online softmax in base 2 (scale x log2(e) folded into the query), fp32 accumulation; each
+  split writes a normalised partial and its natural-log LSE, and a small second kernel merges
+  the splits (skipped with one split).
+
+Dtypes: pages in fp16 / bf16 feed ``tl.dot`` natively (the query is cast to the pages'
+dtype); fp32 pages use ``input_precision="ieee"``.  Limits: ``P`` a power of two in 16..128
+(other page sizes use the reference), head dims of any width (padded to a power of two
+>= 16 in registers).  The Triton interpreter on CPU computes bf16 ``tl.dot`` wrongly
+(triton#11584): CPU tests use fp16 and fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_split_kernel(
+    Q, K, V, VALID, TABLE, OUT, LSE,
+    qk_scale, M, H, W, pages_per_split,
+    sq_b, sq_h, sq_m,
+    sk_p, sk_h, sk_t,
+    sv_p, sv_h, sv_t,
+    sva_p, st_b,
+    so_s, so_b, so_h, so_m,
+    sl_s, sl_b, sl_h,
+    DK: tl.constexpr, DK_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
+    P: tl.constexpr, NBP: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr,
+):
+    BN: tl.constexpr = NBP * P
+    pid_s = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dk = tl.arange(0, DK_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    m_ok = offs_m < M
+    dk_ok = offs_dk < DK
+    dv_ok = offs_dv < DV
+
+    q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_dk[None, :],
+                mask=m_ok[:, None] & dk_ok[None, :], other=0.0).to(tl.float32)
+    q = (q * qk_scale).to(K.dtype.element_ty)
+
+    tok = tl.arange(0, BN)
+    page_local = tok // P
+    slot = tok % P
+    k_head = K + h * sk_h
+    v_head = V + h * sv_h
+    table_row = TABLE + b * st_b
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
+
+    w_start = pid_s * pages_per_split
+    w_end = tl.minimum(w_start + pages_per_split, W)
+    for w0 in range(w_start, w_end, NBP):
+        wi = w0 + page_local
+        page = tl.load(table_row + wi, mask=wi < w_end, other=-1)
+        p_ok = page >= 0
+        page = tl.where(p_ok, page, 0).to(tl.int64)
+        ok = p_ok & (tl.load(VALID + page * sva_p + slot, mask=p_ok, other=0) != 0)
+        k = tl.load(k_head + page[:, None] * sk_p + slot[:, None] * sk_t + offs_dk[None, :],
+                    mask=ok[:, None] & dk_ok[None, :], other=0.0)  # [BN, DK_PAD]
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(ok[None, :], s, float("-inf"))  # [BLOCK_M, BN]
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+
+        v = tl.load(v_head + page[:, None] * sv_p + slot[:, None] * sv_t + offs_dv[None, :],
+                    mask=ok[:, None] & dv_ok[None, :], other=0.0)  # [BN, DV_PAD]
+        if IEEE:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+
+    l_ok = l_i > 0.0
+    out = acc / tl.where(l_ok, l_i, 1.0)[:, None]
+    lse = tl.where(l_ok, (m_i + tl.log2(tl.where(l_ok, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(OUT + pid_s * so_s + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_dv[None, :], out,
+             mask=m_ok[:, None] & dv_ok[None, :])
+    tl.store(LSE + pid_s * sl_s + b * sl_b + h * sl_h + offs_m, lse, mask=m_ok)
+
+
+@triton.jit
+def _combine_kernel(PO, PL, OUT, LSE, S, M, spo_s, spl_s,
+                    DV: tl.constexpr, DV_PAD: tl.constexpr, S_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Merge ``S`` split partials (contiguous ``[S, B*H, M, Dv]`` / ``[S, B*H, M]``) by log-sum-exp."""
+    pid_bh = tl.program_id(0).to(tl.int64)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, DV_PAD)
+    m_ok = offs_m < M
+    lse = tl.load(PL + offs_s[:, None] * spl_s + pid_bh * M + offs_m[None, :],
+                  mask=(offs_s < S)[:, None] & m_ok[None, :], other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.sum(tl.exp(lse - top[None, :]), axis=0)
+    acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
+    row = pid_bh * M * DV + offs_m[:, None] * DV + offs_d[None, :]
+    ok = m_ok[:, None] & (offs_d < DV)[None, :]
+    for s in range(S):
+        w = tl.exp(tl.load(PL + s * spl_s + pid_bh * M + offs_m, mask=m_ok, other=float("-inf")) - top)
+        acc += w[:, None] * tl.load(PO + s * spo_s + row, mask=ok, other=0.0)
+    t_ok = total > 0.0
+    tl.store(OUT + row, acc / tl.where(t_ok, total, 1.0)[:, None], mask=ok)
+    tl.store(LSE + pid_bh * M + offs_m, tl.where(t_ok, top + tl.log(tl.where(t_ok, total, 1.0)), float("-inf")),
+             mask=m_ok)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _target_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 4 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return 8  # interpreter: a few splits, so tests exercise the combine
+
+
+def _validate(query, k_pages, v_pages, page_valid, block_table) -> None:
+    b, h, m, dk = query.shape
+    if k_pages.dim() != 4 or k_pages.shape[1] != h or k_pages.shape[3] != dk:
+        raise ValueError(f"k_pages {tuple(k_pages.shape)} does not match query {tuple(query.shape)}")
+    n, _, p, _ = k_pages.shape
+    if v_pages.shape[:3] != (n, h, p):
+        raise ValueError(f"v_pages {tuple(v_pages.shape)} does not match k_pages {tuple(k_pages.shape)}")
+    if p < 16 or p > 128 or p & (p - 1):
+        raise ValueError(f"page size must be a power of two in 16..128, got {p}")
+    if page_valid.shape != (n, p):
+        raise ValueError(f"page_valid {tuple(page_valid.shape)} should be {(n, p)}")
+    if block_table.dim() != 2 or block_table.shape[0] != b:
+        raise ValueError(f"block_table {tuple(block_table.shape)} should be [{b}, pages]")
+    if k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"k_pages {k_pages.dtype} and v_pages {v_pages.dtype} differ")
+
+
+def _forward(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_valid: torch.Tensor,
+             block_table: torch.Tensor, scale: float, *, splits: int | None = None,
+             pages_per_step: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    _validate(query, k_pages, v_pages, page_valid, block_table)
+    b, h, m, dk = query.shape
+    p = k_pages.shape[2]
+    dv = v_pages.shape[3]
+    w = block_table.shape[1]
+    dev = query.device
+    out = torch.empty(b, h, m, dv, device=dev, dtype=torch.float32)
+    lse = torch.empty(b, h, m, device=dev, dtype=torch.float32)
+    if b * h * m == 0:
+        return out, lse
+    if w == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+
+    q = query if query.stride(-1) == 1 else query.contiguous()
+    k = k_pages if k_pages.stride(-1) == 1 else k_pages.contiguous()
+    v = v_pages if v_pages.stride(-1) == 1 else v_pages.contiguous()
+    valid = page_valid if page_valid.stride(-1) == 1 else page_valid.contiguous()
+    if valid.dtype == torch.bool:
+        valid = valid.view(torch.uint8)
+    table = block_table.to(torch.int32)
+    table = table if table.stride(-1) == 1 else table.contiguous()
+
+    nbp = pages_per_step or max(1, 64 // p)
+    block_m = min(64, max(16, _pow2(m)))
+    m_blocks = triton.cdiv(m, block_m)
+    if splits is None:  # enough programs for a few waves, each split a whole number of NBP-page steps
+        splits = max(1, min(-(-w // nbp), -(-_target_programs(dev) // (b * h * m_blocks))))
+    pps = -(-w // splits)
+    pps = -(-pps // nbp) * nbp if splits > 1 else pps
+    splits = -(-w // pps)
+
+    if splits == 1:
+        po, pl = out, lse
+        po_strides, pl_strides = (0, *out.stride()[:3]), (0, *lse.stride()[:2])
+    else:
+        po = torch.empty(splits, b, h, m, dv, device=dev, dtype=torch.float32)
+        pl = torch.empty(splits, b, h, m, device=dev, dtype=torch.float32)
+        po_strides, pl_strides = po.stride()[:4], pl.stride()[:3]
+
+    _paged_split_kernel[(splits, b * h, m_blocks)](
+        q, k, v, valid, table, po, pl,
+        float(scale) * LOG2E, m, h, w, pps,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        valid.stride(0), table.stride(0),
+        *po_strides, *pl_strides,
+        DK=dk, DK_PAD=max(16, _pow2(dk)), DV=dv, DV_PAD=max(16, _pow2(dv)), P=p, NBP=nbp, BLOCK_M=block_m,
+        IEEE=k.dtype == torch.float32, num_warps=4, num_stages=2,
+    )
+    if splits > 1:
+        _combine_kernel[(b * h, m_blocks)](
+            po, pl, out, lse, splits, m, po.stride(0), pl.stride(0),
+            DV=dv, DV_PAD=max(16, _pow2(dv)), S_PAD=max(2, _pow2(splits)), BLOCK_M=block_m, num_warps=4)
+    return out, lse
+
+
+def paged_attention_partial(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                            page_valid: torch.Tensor, block_table: torch.Tensor,
+                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged decode attention; see :func:`.reference.paged_attention_partial`."""
+    return _forward(query, k_pages, v_pages, page_valid, block_table, scale)
