@@ -404,3 +404,31 @@ def test_example_stacks_load():
     for name in ("paged_eviction.yaml", "paged_eviction_kivi2.yaml"):
         stack = kvcompress.load_stack(root / name)
         assert stack.entries[0].name == "paged_eviction"
+
+
+def test_quantizer_without_a_codec_cannot_hand_its_store_to_the_pool():
+    import dataclasses
+
+    from kvcompress import CompressorSpec, hookimpl
+    from kvcompress.errors import PluginError
+    from kvcompress.manager import get_registry
+    from kvcompress.registry import Registry
+    from kvcompress.state import DenseStore
+
+    @dataclasses.dataclass(frozen=True)
+    class NoParams:
+        pass
+
+    class StoreOnly(kvcompress.Compressor):
+        @hookimpl
+        def kvcompress_quantize_store(self, layer):
+            return DenseStore()
+
+    registry = Registry()
+    registry.add(get_registry().get("paged_eviction"), "built-in")
+    registry.add(CompressorSpec(name="storeonly", axis="quantize", config=NoParams, factory=StoreOnly), "test")
+    stack = kvcompress.parse_stack({"compressors": [{"paged_eviction": {"budget": 64}}, {"storeonly": {}}]},
+                                   registry=registry)
+    with pytest.raises(PluginError, match="no codec") as err:
+        kvcompress.Cache(stack, tiny_model("llama", layers=1))
+    assert "StoreOnly.kvcompress_quantize_store" in str(err.value)
