@@ -116,14 +116,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     evaluator.check(settings)
     if not args.sweep:
         result = evaluator.run(stacks[0], settings)
-        print(result.table())
+        print(result.table(markdown=args.markdown))
         if args.json:
             _write_json(args.json, result.to_dict())
         return 0
     from .evaluation import sweep
 
     results = sweep.run_sweep(evaluator, stacks, settings)
-    print(sweep.sweep_table(results))
+    print(sweep.sweep_table(results, markdown=args.markdown))
     plot = args.plot or f"kvcompress-sweep-{settings.task}.png"
     print(f"wrote {sweep.plot_sweep(results, plot)}")
     if args.json:
@@ -164,7 +164,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                           args.context)
     result = bench_decode(model, tokens, stacks, context=args.context, steps=args.steps, rounds=args.rounds,
                           model_name=_model_name(args.model), progress=not args.quiet)
-    print(result.table())
+    print(result.table(markdown=args.markdown))
     if args.json:
         _write_json(args.json, result.to_dict())
     return 0
@@ -218,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", metavar="OUT", help="write the result (one JSON object) to OUT")
     ev.add_argument("--plot", metavar="OUT.png", help="with --sweep: where to write the plot "
                     "(default kvcompress-sweep-TASK.png)")
+    ev.add_argument("--markdown", action="store_true", help="print the tables as Markdown (for docs/results.md)")
     ev.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     ev.set_defaults(func=_cmd_eval)
 
@@ -236,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--kernels", action="store_true", help="run the per-kernel benchmarks "
                     "(kvcompress.kernels.benchutil) instead of the model-level ones")
     bn.add_argument("--kernels-out", metavar="OUT", default=None, help="with --kernels: where they write results")
+    bn.add_argument("--markdown", action="store_true", help="print the tables as Markdown (for docs/results.md)")
     bn.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     bn.set_defaults(func=_cmd_bench)
     return parser

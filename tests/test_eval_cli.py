@@ -75,7 +75,7 @@ def test_invalid_stack_is_reported_before_the_model_loads(no_model, tmp_path, ca
 @pytest.mark.model
 def test_eval_json_schema(fixture_model, tmp_path, capsys):
     out = tmp_path / "ppl.json"
-    rc = main(["eval", "--stack", WINDOW, "--task", "ppl", "--context", "128", "--tokens", "8", "--json", str(out),
+    rc = main(["eval", "--stack", WINDOW, "--task", "ppl", "--context", "128", "--tokens", "4", "--json", str(out),
                "--quiet"])
     assert rc == 0
     stdout = capsys.readouterr().out
@@ -91,7 +91,7 @@ def test_eval_json_schema(fixture_model, tmp_path, capsys):
     for key, typ in required.items():
         assert isinstance(obj[key], typ), key
     assert obj["schema"] == "kvcompress.eval/1" and obj["task"] == "ppl" and obj["model"] == "SmolLM2-135M-Instruct"
-    assert (obj["context"], obj["samples"], obj["tokens"]) == (128, 1, 8)
+    assert (obj["context"], obj["samples"], obj["tokens"]) == (128, 1, 4)
     assert obj["stack"] == kvcompress.load_stack(WINDOW).to_dict()
     assert set(obj["metrics"]) >= {"ppl", "delta_ppl", "kl", "top1"} and set(obj["baseline"]) >= {"ppl"}
     assert obj["compression"] == pytest.approx(obj["dense_bytes"] / obj["cache_bytes"])
@@ -104,7 +104,7 @@ def test_eval_json_schema(fixture_model, tmp_path, capsys):
 def test_sweep_table_plot_and_json(fixture_model, tmp_path, tiny_window, capsys):
     plot, out = tmp_path / "sweep.png", tmp_path / "sweep.json"
     rc = main(["eval", "--sweep", NONE, tiny_window, "--task", "agreement", "--context", "64", "--samples", "1",
-               "--tokens", "8", "--plot", str(plot), "--json", str(out), "--quiet"])
+               "--tokens", "4", "--plot", str(plot), "--json", str(out), "--quiet"])
     assert rc == 0
     stdout = capsys.readouterr().out
     lines = stdout.splitlines()
@@ -115,6 +115,11 @@ def test_sweep_table_plot_and_json(fixture_model, tmp_path, tiny_window, capsys)
     assert obj["schema"] == "kvcompress.sweep/1" and [r["stack_label"] for r in obj["runs"]] == ["none", "window-4+16"]
     assert [r["baseline_reused"] for r in obj["runs"]] == [False, True]  # the baseline ran once
     assert obj["runs"][0]["metrics"]["agreement"] == 1.0
+    from kvcompress.evaluation.sweep import load_sweep, plot_sweep
+
+    again = load_sweep(out)  # the JSON round-trips into results that can be re-plotted
+    assert [r.to_dict()["metrics"] for r in again] == [r["metrics"] for r in obj["runs"]]
+    assert plot_sweep(again, tmp_path / "again.png")
 
 
 def test_plot_from_results_without_a_model(tmp_path):
@@ -140,10 +145,10 @@ def test_plot_from_results_without_a_model(tmp_path):
 def test_bench_reports_latency_memory_and_overhead(fixture_model, tmp_path, tiny_window, capsys):
     out = tmp_path / "bench.json"
     rc = main(["bench", "--stack", NONE, tiny_window, "--context", "64", "--steps", "3", "--rounds", "1",
-               "--json", str(out), "--quiet"])
+               "--json", str(out), "--quiet", "--markdown"])
     assert rc == 0
     stdout = capsys.readouterr().out
-    assert "transformers DynamicCache" in stdout and "overhead = attend - SDPA" in stdout
+    assert "| transformers DynamicCache |" in stdout and "overhead = attend - SDPA" in stdout
     obj = json.loads(out.read_text())
     plain, none, window = obj["rows"]
     assert plain["stack"] is None and plain["overhead_ms_per_step"] is None

@@ -128,9 +128,9 @@ class EvalResult:
     def title(self) -> str:
         return f"stack {self.stack_label} ({self.stack_source}) | " + self.settings_line()
 
-    def table(self) -> str:
-        """Human-readable table: the stack against the uncompressed baseline."""
-        from .report import format_table, mib
+    def table(self, markdown: bool = False) -> str:
+        """Human-readable table: the stack against the uncompressed baseline (or as Markdown)."""
+        from .report import format_table, markdown_table, mib
 
         m, b = self.metrics, self.baseline
         rows: list[tuple[str, str, str]] = [("metric", self.stack_label, "uncompressed")]
@@ -153,7 +153,7 @@ class EvalResult:
                  ("compression (dense fp16 / held)", f"{self.compression:.2f}x", f"{self.baseline_compression:.2f}x"),
                  ("wall time", f"{self.wall_s:.1f} s",
                   f"{self.baseline_wall_s:.1f} s" + (" (reused)" if self.baseline_reused else ""))]
-        text = self.title() + "\n" + format_table(rows, "lrr")
+        text = self.title() + "\n" + (markdown_table(rows) if markdown else format_table(rows, "lrr"))
         for note in self.notes:
             text += f"\nnote: {note}"
         return text
@@ -186,6 +186,16 @@ class EvalResult:
             "notes": self.notes,
             "environment": self.env,
         }
+
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> "EvalResult":
+        """Inverse of :meth:`to_dict` (e.g. to re-plot a sweep from its JSON file)."""
+        settings = EvalSettings(obj["task"], obj["context"], obj["samples"], obj["tokens"], obj.get("seed", 0))
+        return cls(settings, obj["stack"], obj["stack_label"], obj["stack_source"], obj["model"], obj["dtype"],
+                   obj["metrics"], obj["baseline"], obj["cache_bytes"], obj["dense_bytes"],
+                   obj["baseline_cache_bytes"], obj["wall_s"], obj["baseline_wall_s"], obj["baseline_reused"],
+                   obj["details"], obj["notes"], obj["environment"])
 
 
 # --------------------------------------------------------------------------------------- sessions

@@ -46,9 +46,7 @@ def sweep_rows(results: Sequence[EvalResult]) -> list[list[str]]:
 
 def sweep_table(results: Sequence[EvalResult], markdown: bool = False) -> str:
     rows = sweep_rows(results)
-    if markdown:
-        return markdown_table(rows)
-    text = results[0].settings_line() + "\n" + format_table(rows)
+    text = results[0].settings_line() + "\n" + (markdown_table(rows) if markdown else format_table(rows))
     notes = sorted({n for r in results for n in r.notes})
     for note in notes:
         text += f"\nnote: {note}"
@@ -63,6 +61,15 @@ def sweep_dict(results: Sequence[EvalResult]) -> dict[str, Any]:
             "context": s.context, "samples": s.samples, "tokens": s.tokens, "seed": s.seed,
             "baseline": first.baseline, "baseline_cache_bytes": first.baseline_cache_bytes,
             "runs": [r.to_dict() for r in results], "environment": environment(first.env.get("device", "cpu"))}
+
+
+def load_sweep(path: str | os.PathLike) -> list[EvalResult]:
+    """The results of a sweep's JSON file (``--json`` of ``kvcompress eval --sweep``)."""
+    import json
+
+    with open(path, encoding="utf-8") as fh:
+        obj = json.load(fh)
+    return [EvalResult.from_dict(r) for r in obj["runs"]]
 
 
 def plot_sweep(results: Sequence[EvalResult], path: str | os.PathLike, title: str | None = None) -> str:
