@@ -170,7 +170,7 @@ def kivi_inputs(batch: int, kv_heads: int, tokens: int, head_dim: int, bits: int
 
     per = 32 // bits
     ng = tokens // group
-    kw = (batch, kv_heads, ng, head_dim, group // per)
+    kw = (batch, kv_heads, ng, head_dim // per, group)
     vw = (batch, kv_heads, tokens, head_dim // per)
 
     def words(shape):
@@ -182,7 +182,8 @@ def kivi_inputs(batch: int, kv_heads: int, tokens: int, head_dim: int, bits: int
     def zero(shape):
         return (torch.randn(shape, device=device, generator=gen) * 0.5).to(torch.float16)
 
-    packed = PackedKV(bits, group, words(kw), scale(kw[:4]), zero(kw[:4]), words(vw),
+    ks = (batch, kv_heads, ng, head_dim)
+    packed = PackedKV(bits, group, words(kw), scale(ks), zero(ks), words(vw),
                       scale(vw[:3] + (head_dim // v_group,)), zero(vw[:3] + (head_dim // v_group,)),
                       torch.ones(batch, tokens, dtype=torch.bool, device=device))
     q = torch.randn(batch, kv_heads, m, head_dim, device=device, dtype=torch.float16, generator=gen)

@@ -108,7 +108,8 @@ class HeadGroup:
         """``seg`` read as this group (heads and query map set)."""
         if self.heads is None and self.channels is None and self.qmap is None:
             return seg
-        return dataclasses.replace(seg, heads=self.heads, qmap=self.query_map())
+        channels = self.channels if self.qmap is None else None
+        return dataclasses.replace(seg, heads=self.heads, qmap=self.query_map(), channels=channels)
 
 
 @dataclasses.dataclass
@@ -177,6 +178,9 @@ class Segment:
         packed: an encoded region (e.g. :class:`kvcompress.kernels.kivi.PackedKV`) read in place by
             attention; ``k`` and ``v`` are then ``None`` and the encoding's own ``valid`` is ``valid``.
             An encoded region must hold only tokens older than every query (the middle always does).
+        channels: ``[len(heads), dk]`` key channels each head kept (set with the matching gather
+            ``qmap`` by :meth:`HeadGroup.attach`), so kernels can gather the query themselves;
+            ``None`` when the keys are not a channel subset.
     """
 
     k: torch.Tensor | None
@@ -187,6 +191,7 @@ class Segment:
     qmap: Callable[[torch.Tensor], torch.Tensor] | None = None
     select: torch.Tensor | None = None  # read-time selection [batch, kv_heads, q_len, tokens]
     packed: Any = None
+    channels: torch.Tensor | None = None
 
     @property
     def is_dense(self) -> bool:

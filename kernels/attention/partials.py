@@ -5,10 +5,18 @@ Each segment is read in its own format - full-precision regions by
 their own op (e.g. the KIVI kernel, which reads packed codes in place) - and
 the partials ``(out, lse)`` are merged into the joint softmax.  Mathematically
 equal to :func:`~.reference.segment_attention`, the oracle it is tested against.
+
+On CUDA, for a single query position (decode: every stored token precedes the
+query, so only ``valid`` masks keys), every full-precision segment without a
+read-time selection - sinks, window, new tokens and LeanK lanes (``Segment.channels``:
+the query is gathered to each head's kept channels) - is read by ONE launch of the
+grouped split-KV kernel (:mod:`kvcompress.kernels.leank`), when its capability check
+accepts them.  CPU behaviour is the reference path below, unchanged.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
@@ -25,6 +33,37 @@ def _kv_heads(segments: Sequence[Segment]) -> int:
     return max(int(s.heads.max()) + 1 for s in segments)
 
 
+def _lane_of(seg: Segment):
+    """The segment as a grouped-kernel lane ``(heads, channels, k, v, valid)``, or ``None`` if it is not one."""
+    if seg.packed is not None or seg.select is not None or seg.k is None:
+        return None
+    if seg.qmap is not None and seg.channels is None:  # a custom query map (e.g. a projection)
+        return None
+    return (seg.heads, seg.channels, seg.k, seg.v, seg.valid)
+
+
+def _fused_dense(query4: torch.Tensor, segments: Sequence[Segment], q_len: int, scale: float):
+    """CUDA decode: ``(partial, remaining segments)`` with the full-precision lanes read in one launch."""
+    mode = os.environ.get("KVCOMPRESS_KERNELS", "auto")  # "triton" forces it (CPU: under TRITON_INTERPRET=1)
+    if q_len != 1 or mode == "reference" or not (query4.is_cuda or mode == "triton"):
+        return None, segments
+    lanes, rest = [], []
+    for seg in segments:
+        lane = _lane_of(seg)
+        (rest if lane is None else lanes).append(seg if lane is None else lane)
+    if not lanes:
+        return None, segments
+    from kvcompress.kernels import leank
+
+    if not leank.triton_available():
+        return None, segments
+    from kvcompress.kernels.leank import triton_kernel
+
+    if not triton_kernel.supports(query4, lanes):
+        return None, segments
+    return triton_kernel.grouped_partial_attention(query4, lanes, scale), rest
+
+
 def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_positions: torch.Tensor,
                     scale: float) -> torch.Tensor:
     """Same contract as :func:`~.reference.segment_attention`: ``[batch, q_heads, q_len, v_dim]``."""
@@ -34,6 +73,9 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
     m_rows = group * q_len
     q5 = query.view(b, kv_heads, group, q_len, d)
     parts = []
+    fused, segments = _fused_dense(q5.reshape(b, kv_heads, m_rows, d), segments, q_len, scale)
+    if fused is not None:
+        parts.append(fused)
     for seg in segments:
         qs = q5 if seg.heads is None else q5.index_select(1, seg.heads)
         if seg.qmap is not None:

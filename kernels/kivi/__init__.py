@@ -1,7 +1,9 @@
 """KIVI quantization ops: packed format, quantizers, attention over packed codes.
 
 ``kivi_attention_partial`` dispatches to the Triton kernel for CUDA tensors when
-Triton is installed, otherwise to the PyTorch reference (same signature).  Set
+Triton is installed and the kernel's capability check (:func:`.triton_kernel.supports`:
+per-channel keys, a key group of 16..128, head dims up to 256, ...) accepts the call;
+everything else goes to the PyTorch reference (same signature).  Set
 ``KVCOMPRESS_KERNELS=reference`` to force the reference everywhere.
 """
 
@@ -14,12 +16,21 @@ from .reference import (BITS, PackedKV, bits_per_element, dequantize_keys, dequa
 from .reference import kivi_attention_partial as kivi_attention_partial_reference
 
 
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def kivi_attention_partial(query, packed, scale):
     """Attention over a packed KIVI region; see :func:`.reference.kivi_attention_partial`."""
-    if query.is_cuda and os.environ.get("KVCOMPRESS_KERNELS", "auto") != "reference":
-        from .triton_kernel import kivi_attention_partial as fused  # compiled lazily, on first use
+    if query.is_cuda and os.environ.get("KVCOMPRESS_KERNELS", "auto") != "reference" and _triton_available():
+        from . import triton_kernel  # compiled lazily, on first use
 
-        return fused(query, packed, scale)
+        if triton_kernel.supports(query, packed):
+            return triton_kernel.kivi_attention_partial(query, packed, scale)
     return kivi_attention_partial_reference(query, packed, scale)
 
 

@@ -9,16 +9,22 @@ an fp16 scale and zero point::
     code = clamp(round((x - z) / s), 0, 2**bits - 1),   z = min
     x_hat = code * s + z
 
-Packed layout (``PER = 32 // bits`` codes per int32 word; code ``j`` of a word
-sits at bits ``[bits*j, bits*(j+1))``):
+Packed layout (``PER = 32 // bits`` codes per int32 word).  Inside a word the codes are
+**interleaved by 16-bit half**: code ``j`` of a word sits at bits ``[bits*slot(j), bits*(slot(j)+1))``
+with ``slot(j) = j // 2 + (j % 2) * PER // 2`` - even codes fill the low half, odd codes the high
+half, so the two codes of one 16-bit pair ``(2i, 2i+1)`` sit at the same place in each half and one
+AND/OR of a word yields them as one packed fp16 pair (see ``triton_kernel.py``).  :func:`pack` and
+:func:`unpack` convert; codes are always unpacked in their logical order.
 
-* keys ``k_codes``: int32 ``[B, H, NG, Dk, G // PER]`` - for token group ``g``
-  and channel ``c``, the codes of its ``G`` tokens packed along tokens (token
-  ``t`` of the group is code ``t % PER`` of word ``t // PER``).  So one group
-  unpacks straight into a ``[Dk, G]`` tile of ``K^T``.
-  ``k_scale``, ``k_zero``: fp16 ``[B, H, NG, Dk]``.
-* values ``v_codes``: int32 ``[B, H, NG*G, Dv // PER]`` packed along channels
-  (channel ``c`` is code ``c % PER`` of word ``c // PER``);
+* keys ``k_codes``: int32 ``[B, H, NG, ceil(Dk / PER), G]`` - **packed along channels**: for token group
+  ``g``, word ``w`` of token ``t`` (``t`` = position in the group) holds the codes of channels
+  ``w*PER .. w*PER + PER - 1`` of that token, and the ``G`` tokens of one word index are contiguous
+  (word-major inside a group).  Dim 2 counts G-token groups (the stores rely on it).  A tile of
+  tokens unpacks straight into ``K`` ``[tokens, Dk]``, the operand of the score product whose
+  reduction axis (channels) is the packed one.
+  ``k_scale``, ``k_zero``: fp16 ``[B, H, NG, Dk]`` (per channel and group).
+* values ``v_codes``: int32 ``[B, H, NG*G, Dv // PER]`` packed along channels (channel ``c`` is
+  code ``c % PER`` of word ``c // PER``); dim 2 counts tokens.
   ``v_scale``, ``v_zero``: fp16 ``[B, H, NG*G, Dv // Gv]``.
 * ``valid``: bool ``[B, NG*G]`` - slots attention may read (False for padding,
   evicted tokens and unused capacity).
@@ -49,14 +55,24 @@ def codes_per_word(bits: int) -> int:
 # ----------------------------------------------------------------------------- packing
 
 
+def slots(bits: int, device=None) -> torch.Tensor:
+    """``slot[j]``: the bit field (in units of ``bits``) that holds code ``j`` of a word (see the module docstring)."""
+    per = codes_per_word(bits)
+    j = torch.arange(per, device=device, dtype=torch.int32)
+    return j // 2 + (j % 2) * (per // 2)
+
+
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack integer codes along the last axis into int32 words (``n`` divisible by ``32 // bits``)."""
+    """Pack integer codes along the last axis into int32 words (``n`` divisible by ``32 // bits``).
+
+    Code ``j`` of each run of ``PER`` codes goes to bit field ``slots(bits)[j]`` of its word.
+    """
     per = codes_per_word(bits)
     n = codes.shape[-1]
     if n % per:
         raise ValueError(f"cannot pack {n} codes into words of {per}")
     c = codes.to(torch.int32).reshape(*codes.shape[:-1], n // per, per)
-    shifts = torch.arange(per, device=codes.device, dtype=torch.int32) * bits
+    shifts = slots(bits, codes.device) * bits
     # Disjoint bit fields: the sum is the bitwise OR (int32 wraps into the sign bit as intended).
     return (c << shifts).sum(dim=-1, dtype=torch.int32)
 
@@ -64,7 +80,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack`: int32 words ``[..., W]`` -> codes ``[..., W * 32 // bits]`` (int32)."""
     per = codes_per_word(bits)
-    shifts = torch.arange(per, device=words.device, dtype=torch.int32) * bits
+    shifts = slots(bits, words.device) * bits
     codes = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     return codes.reshape(*words.shape[:-1], words.shape[-1] * per)
 
@@ -93,22 +109,28 @@ def quantize_groups(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor,
 def quantize_keys(k: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-channel key quantization: ``k [B, H, T, Dk]`` (T divisible by ``group``).
 
-    Returns ``k_codes [B, H, T/G, Dk, G/PER]`` int32, ``k_scale``, ``k_zero`` ``[B, H, T/G, Dk]`` fp16.
+    Returns ``k_codes [B, H, T/G, ceil(Dk/PER), G]`` int32 (packed along channels, word-major inside a
+    group; a last partial word is padded with zero codes),
+    ``k_scale``, ``k_zero`` ``[B, H, T/G, Dk]`` fp16.
     """
     b, h, t, d = k.shape
     if t % group:
         raise ValueError(f"{t} key tokens are not a multiple of the group size {group}")
-    x = k.reshape(b, h, t // group, group, d).transpose(-1, -2)  # [B, H, NG, Dk, G]
-    codes, scale, zero = quantize_groups(x, bits, dim=-1)
-    return pack(codes, bits), scale.squeeze(-1), zero.squeeze(-1)
+    per = codes_per_word(bits)
+    x = k.reshape(b, h, t // group, group, d)  # [B, H, NG, G, Dk]
+    codes, scale, zero = quantize_groups(x, bits, dim=3)  # one scale per (group, channel)
+    if d % per:  # the last word of a token is padded with zero codes
+        codes = torch.nn.functional.pad(codes, (0, per - d % per))
+    words = pack(codes, bits)  # [B, H, NG, G, ceil(Dk/PER)]
+    return words.transpose(-1, -2).contiguous(), scale.squeeze(3), zero.squeeze(3)
 
 
 def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    """``k_codes [B, H, NG, Dk, W]`` -> keys ``[B, H, NG*G, Dk]`` (float32)."""
-    c = unpack(codes, bits).float()  # [B, H, NG, Dk, G]
-    x = c * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
-    b, h, ng, d, g = x.shape
-    return x.transpose(-1, -2).reshape(b, h, ng * g, d)
+    """``k_codes [B, H, NG, ceil(Dk/PER), G]`` -> keys ``[B, H, NG*G, Dk]`` (``Dk`` from the scales; float32)."""
+    c = unpack(codes.transpose(-1, -2), bits)[..., :scale.shape[-1]].float()  # [B, H, NG, G, Dk]
+    x = c * scale.float().unsqueeze(3) + zero.float().unsqueeze(3)
+    b, h, ng, g, d = x.shape
+    return x.reshape(b, h, ng * g, d)
 
 
 def quantize_values(v: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

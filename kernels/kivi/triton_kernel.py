@@ -1,51 +1,42 @@
-"""Fused KIVI decode attention in Triton: reads packed 2/4-bit codes in place.
+"""Fused KIVI decode attention in Triton (v2): reads packed 2/4-bit codes in place.
 
 Same signature and semantics as :func:`.reference.kivi_attention_partial`
 (``(out fp32 [B, Hkv, M, Dv], lse fp32 [B, Hkv, M])``).  Nothing is compiled at
 import; each configuration is JIT-compiled by Triton on first use.
 
 How one program works (split-KV flash decoding: one kv head, one block of query
-rows, a range of key groups, ``NB`` groups per loop iteration):
+rows, a range of tokens, ``BN`` tokens per loop iteration):
 
-* Codes are loaded as int32 words (no dequantized copy exists in memory) and
-  turned into exact fp16 numbers in registers without int->float conversions: a
-  code sitting in the mantissa of a 16-bit half becomes ``E + code`` when the
-  exponent of ``E`` is OR-ed onto it, one LOP3 for the two halves of a word
-  (:func:`_field`), then ``- E`` and ``* scale + zero`` as packed fp16 ops.  Inside a
-  word the unpacked order is permuted (:func:`_perm`); key columns are tokens, so
-  the value rows, the valid mask and the output columns follow that permutation.
-* Keys: the tile is dequantized with one packed fp16 FMA per two codes (scale and
-  zero per channel and group).  Folding the scale into the query instead costs a
-  new ``q * s_g`` operand per 32-token group over all padded query rows, which
-  counted more instructions than the FMA on the tile at G = 32.
-* Values: with one value group per token (``Gv == Dv``, ``VMODE=1``) the scale goes
-  into the probabilities and the zero into a per-row bias; otherwise the tile is
-  dequantized with one packed FMA (``VMODE=0``; ``VMODE=2`` when a word spans
-  several value groups).
-* Both products run on tensor cores (``tl.dot``, fp16 operands, fp32 accumulate).
-  ``TRANS`` (default) computes ``S^T = K^T q^T`` and ``O^T = V^T P^T`` so the big
-  tiles are the M operand (Hopper wgmma under Triton 3.6); the GQA rows are padded to
-  ``min_rows`` (16) as the N operand.  ``TRANS=False`` computes ``q K`` / ``P V``
-  (mma.sync, rows padded to 16).
-* Online softmax in base 2; each split writes a normalised partial and its LSE, and
-  a second small kernel merges the splits (skipped when there is one split).
-
-Performance (H200, Triton 3.6; docs/results.md "KIVI decode kernel"): correct to
-fp16 level, but 0.6-0.95x torch SDPA on the uncompressed fp16 cache at large
-shapes, far from the bandwidth the compressed bytes would allow: the loop is
-latency-bound (2 CTAs per SM at ~220 registers, barriers around every product).
+* Both code tensors are packed along **channels** (``reference.py``: keys
+  ``[B, H, NG, Dk/PER, G]``, word-major inside a token group, values ``[B, H, T, Dv/PER]``),
+  and inside a word even codes fill the low 16-bit half and odd codes the high half.
+  A word therefore unpacks into packed fp16 pairs of *adjacent channels of one token*:
+  ``(w & mask) | exponent`` is one LOP3 giving ``E + code`` in both halves (a code in the
+  mantissa of a half with a fixed exponent is an exact fp16 number, no int->float
+  conversion), ``- E`` one HSUB2, and ``* scale + zero`` one HFMA2 - 1.5 instructions per
+  two codes.  The unpacked tiles come out in natural channel order (no permutation
+  bookkeeping for the query, the output or the scales).
+* The key tile ``[BN, Dk]`` and value tile ``[BN, Dv]`` feed ``tl.dot`` (fp16 operands,
+  fp32 accumulation, tensor cores).  ``TRANS`` (default) computes ``S^T = K q^T`` and
+  ``O^T = V^T P^T``: the GQA rows are the small N operand (padded to ``min_rows``, 8 by
+  default - half the padding of the 16-row M operand), the token and channel tiles are M.
+* Online softmax in base 2; ``LAZY`` rescales the accumulator only in the iterations
+  where a row maximum grows (a warp-uniform branch; rare after the first blocks).
+* Default launch: small CTAs (``num_warps`` from :func:`_config`), so the softmax
+  reductions stay inside a warp or two and many CTAs per SM hide memory latency;
+  ``num_stages`` software-pipelines the code loads.  Each split writes a normalised
+  partial and its LSE; a second small kernel merges the splits (skipped for one split).
 
 Inputs: the query may be any float dtype and any strides (it is tiny).  Packed
-tensors may be strided views, e.g. the first ``n`` groups of a preallocated
-buffer, as long as their innermost dimensions are contiguous (``[Dk, G/PER]`` words
-per key group, ``[Dv/PER]`` words and ``[Dv/Gv]`` scales per value token, the
-tokens of ``valid``); otherwise they are copied with ``.contiguous()``, a full copy
-of the region (avoid it on the hot path).
+tensors may be strided views (the first ``n`` groups of a preallocated buffer) as
+long as their innermost dimensions are contiguous (``[Dk/PER, G]`` words per key
+group, ``[Dv/PER]`` words and ``[Dv/Gv]`` scales per value token, ``[Dk]`` scales per key
+group, the tokens of ``valid``); otherwise they are copied with ``.contiguous()``.
 
-Limits: ``group`` (key tokens per group) a power of two in 16..128; any ``Dk``
-(padded in registers to a power of two >= 16); ``Dv`` a multiple of the value group.
-``k_per_token`` packs (an ablation) are rejected; the dispatcher in
-:mod:`kvcompress.kernels.kivi` routes them to the reference.
+Limits (:func:`supports`, the dispatcher's capability check): key group ``G`` a power of
+two in 16..128; ``Dk`` up to 256 (padded in registers to a power of two); ``Dv`` a multiple
+of ``PER`` and of the value group ``Gv`` (a power of two), up to 256; per-channel keys
+(the ``k_per_token`` ablation goes to the reference).
 
 Tuning: :func:`_config` holds the measured defaults; ``KVCOMPRESS_KIVI_CONFIG`` (JSON)
 overrides them for experiments (``benchmarks/gpu_kivi.py`` sweeps it).
@@ -54,7 +45,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 
 import torch
@@ -64,120 +54,95 @@ import triton.language as tl
 from .reference import PackedKV, codes_per_word
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+MAX_DIM = 256
 
 
 # ----------------------------------------------------------------------------- device helpers
 
 
 @triton.jit
-def _field(w, cmask, s: tl.constexpr, BITS: tl.constexpr):
-    """Codes ``s`` and ``s + PER/2`` of each int32 word as exact fp16 ``E + code``, and ``E``.
-
-    A code whose bits lie inside the 10-bit mantissa of a 16-bit half becomes a number without an
-    int->float conversion: OR-ing in the exponent of ``E = 2**(10 - BITS*s')`` (``s'`` the field's
-    slot counted from bit 0) gives exactly ``E + code``, and one AND/OR does both halves of the word.
-    Fields above bit 9 of a half are shifted down once per word.
-    """
-    DIRECT: tl.constexpr = 10 // BITS
-    if s < DIRECT:
-        src = w
-        SP: tl.constexpr = s
-    else:
-        src = w >> (BITS * DIRECT)
-        SP: tl.constexpr = s - DIRECT
-    EXP: tl.constexpr = ((25 - BITS * SP) << 10) * 0x10001
-    # cmask is ((1 << BITS) - 1) * 0x10001 passed at run time: the shifted masks are loop-invariant
-    # registers, so the AND and the OR fuse into one LOP3 with the exponent as its immediate
-    x = (src & (cmask << (BITS * SP))) | EXP
+def _halves(x):
+    """int32 ``[...]`` holding two fp16 -> (low, high) fp16 ``[...]`` (bit casts, no arithmetic)."""
     lo = x.to(tl.int16).to(tl.float16, bitcast=True)
     hi = (x >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-    return tl.join(lo, hi), 1 << (10 - BITS * SP)
+    return lo, hi
 
 
 @triton.jit
-def _pair(w, cmask, sc, zc, s: tl.constexpr, BITS: tl.constexpr, APPLY: tl.constexpr):
-    x, e = _field(w, cmask, s, BITS)
-    if APPLY:  # (code) * scale + zero: one packed fp16 FMA per two codes
-        return (x - e) * sc[:, :, None] + zc[:, :, None]
-    else:
-        return x - e
+def _pair(lo, hi):
+    """Two fp16 ``[...]`` -> one int32 ``[...]`` holding them (low, high)."""
+    return (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
 
 
 @triton.jit
-def _dequant(w, cmask, sc, zc, BITS: tl.constexpr, APPLY: tl.constexpr):
-    """int32 words ``[R, C]`` -> fp16 ``[R, C * PER]`` (``code * sc + zc`` per word if ``APPLY``).
+def _deq(src, s: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """Field ``s`` of both 16-bit halves of each word as exact codes: int32 holding fp16 ``(low, high)``.
 
-    Inside a word the order is permuted: position ``f`` holds code ``_perm(f)`` (the two codes
-    sharing a 32-bit register come from the two 16-bit halves of the word, so no bytes move).
+    ``src`` is the word (or the word shifted down, for the fields above bit 9 of a half).  A code inside
+    the 10-bit mantissa of a half becomes a number without an int->float conversion: OR-ing in the
+    exponent of ``E = 2**(10 - BITS*s')`` gives exactly ``E + code`` (``s'`` the field's slot counted
+    from bit 0; one LOP3 for both halves), then ``- E`` is one exact HSUB2.
     """
+    DIRECT: tl.constexpr = 10 // BITS
+    SP: tl.constexpr = s if s < DIRECT else s - DIRECT
+    EXP: tl.constexpr = ((25 - BITS * SP) << 10) * 0x10001
+    E: tl.constexpr = 1 << (10 - BITS * SP)
+    MASK: tl.constexpr = (((1 << BITS) - 1) * 0x10001) << (BITS * SP)
+    if ASM:  # EXP read as an fp16 pair is exactly (E, E): the same constant serves the OR and the subtraction
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; lop3.b32 t, $1, $2, $3, 0xea; sub.f16x2 $0, t, $3; }",
+            "=r,r,r,r", [src, tl.full(src.shape, MASK, tl.int32), tl.full(src.shape, EXP, tl.int32)],
+            dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        xl, xh = _halves((src & MASK) | EXP)
+        return _pair(xl - E, xh - E)
+
+
+@triton.jit
+def _fma(y, sc, zc, ASM: tl.constexpr):
+    """``y * sc + zc`` on int32 tensors each holding an fp16 pair: one ``fma.rn.f16x2`` per element."""
+    if ASM:
+        return tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [y, sc, zc],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        yl, yh = _halves(y)
+        sl, sh = _halves(sc)
+        zl, zh = _halves(zc)
+        return _pair(yl * sl + zl, yh * sh + zh)
+
+
+@triton.jit
+def _codes(w, BITS: tl.constexpr, ASM: tl.constexpr):
+    """int32 words ``[...]`` -> exact codes as int32 fp16 pairs ``[..., 2, 2, 2]`` (2-bit) / ``[..., 2, 2]``.
+
+    Element ``[..., b2, b1, b0]`` holds codes ``2f`` and ``2f + 1`` of the word, ``f = 4*b2 + 2*b1 + b0``.
+    Each ``tl.join`` appends the fastest-varying register dimension, so the highest field bit is joined
+    first: the fields of a word end up in registers in natural order.
+    """
+    DIRECT: tl.constexpr = 10 // BITS
+    hi = w >> (BITS * DIRECT)  # fields above bit 9 of a half, shifted once per word
     if BITS == 2:
-        t = tl.join(tl.join(tl.join(_pair(w, cmask, sc, zc, 0, BITS, APPLY), _pair(w, cmask, sc, zc, 4, BITS, APPLY)),
-                            tl.join(_pair(w, cmask, sc, zc, 2, BITS, APPLY), _pair(w, cmask, sc, zc, 6, BITS, APPLY))),
-                    tl.join(tl.join(_pair(w, cmask, sc, zc, 1, BITS, APPLY), _pair(w, cmask, sc, zc, 5, BITS, APPLY)),
-                            tl.join(_pair(w, cmask, sc, zc, 3, BITS, APPLY), _pair(w, cmask, sc, zc, 7, BITS, APPLY))))
-        t = tl.permute(t, (0, 1, 3, 4, 5, 2))  # [R, C, s bit0, s bit1, s bit2, half]
-        return t.reshape(w.shape[0], w.shape[1] * 16)
+        a = tl.join(_deq(w, 0, BITS, ASM), _deq(w, 4, BITS, ASM))
+        b = tl.join(_deq(w, 1, BITS, ASM), _deq(hi, 5, BITS, ASM))
+        c = tl.join(_deq(w, 2, BITS, ASM), _deq(hi, 6, BITS, ASM))
+        d = tl.join(_deq(w, 3, BITS, ASM), _deq(hi, 7, BITS, ASM))
+        return tl.join(tl.join(a, c), tl.join(b, d))
     else:
-        t = tl.join(tl.join(_pair(w, cmask, sc, zc, 0, BITS, APPLY), _pair(w, cmask, sc, zc, 2, BITS, APPLY)),
-                    tl.join(_pair(w, cmask, sc, zc, 1, BITS, APPLY), _pair(w, cmask, sc, zc, 3, BITS, APPLY)))
-        t = tl.permute(t, (0, 1, 3, 4, 2))
-        return t.reshape(w.shape[0], w.shape[1] * 8)
+        return tl.join(tl.join(_deq(w, 0, BITS, ASM), _deq(hi, 2, BITS, ASM)),
+                       tl.join(_deq(w, 1, BITS, ASM), _deq(hi, 3, BITS, ASM)))
 
 
 @triton.jit
-def _perm(f, PER: tl.constexpr):
-    """Logical index inside a word (token of a key word, channel of a value word) of position ``f``."""
-    r = f % PER
-    return f - r + r // 2 + (r % 2) * (PER // 2)
-
-
-@triton.jit
-def _aux_loads(ks_base, kz_base, vs_base, vz_base, va_base, g0, g_end, sks_g, skz_g, svs_t, svz_t,
-               dk_ok, kcol, ks_off, kz_off, ksw_off, kzw_off, tok, vw_ok, vgrp, chan,
-               DK_PAD: tl.constexpr, NB: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BN: tl.constexpr,
-               G: tl.constexpr, GV: tl.constexpr, NGV: tl.constexpr, PER: tl.constexpr, WV_PAD: tl.constexpr,
-               DV: tl.constexpr, DV_PAD: tl.constexpr, VMODE: tl.constexpr, SBC: tl.constexpr):
-    """Scales, zero points and valid flags of the key-group block starting at ``g0`` (all masked past ``g_end``)."""
-    if SBC % 2 == 1:  # one scale / zero per (channel, group), broadcast in registers to the group's W words
-        kg_ok = dk_ok[:, None] & ((g0 + tl.arange(0, NB)) < g_end)[None, :]
-        ks = tl.load(ks_base + g0 * sks_g + ks_off, mask=kg_ok, other=0.0)
-        kz = tl.load(kz_base + g0 * skz_g + kz_off, mask=kg_ok, other=0.0)
-        ks = tl.broadcast_to(ks[:, :, None], (DK_PAD, NB, W)).reshape(DK_PAD, BW)
-        kz = tl.broadcast_to(kz[:, :, None], (DK_PAD, NB, W)).reshape(DK_PAD, BW)
-    else:  # gathered per word
-        k_ok = dk_ok[:, None] & ((g0 + kcol // W) < g_end)[None, :]
-        ks = tl.load(ks_base + g0 * sks_g + ksw_off, mask=k_ok, other=0.0)
-        kz = tl.load(kz_base + g0 * skz_g + kzw_off, mask=k_ok, other=0.0)
-    t_abs = g0 * G + tok
-    t_ok = t_abs < g_end * G
-    ok = tl.load(va_base + t_abs, mask=t_ok, other=0) != 0
-    if VMODE == 0:
-        if (SBC // 2 == 1) and ((GV & (GV - 1)) == 0):  # one load per (token, group), broadcast to its words
-            NGV_PAD: tl.constexpr = DV_PAD // GV
-            vg_ok = t_ok[:, None] & (tl.arange(0, NGV_PAD) < NGV)[None, :]
-            vs = tl.load(vs_base + t_abs[:, None] * svs_t + tl.arange(0, NGV_PAD)[None, :], mask=vg_ok, other=0.0)
-            vz = tl.load(vz_base + t_abs[:, None] * svz_t + tl.arange(0, NGV_PAD)[None, :], mask=vg_ok, other=0.0)
-            vs = tl.broadcast_to(vs[:, :, None], (BN, NGV_PAD, GV // PER)).reshape(BN, WV_PAD)
-            vz = tl.broadcast_to(vz[:, :, None], (BN, NGV_PAD, GV // PER)).reshape(BN, WV_PAD)
-        else:  # gathered per word
-            v_ok = t_ok[:, None] & vw_ok[None, :]
-            vs = tl.load(vs_base + t_abs[:, None] * svs_t + vgrp[None, :], mask=v_ok, other=0.0)
-            vz = tl.load(vz_base + t_abs[:, None] * svz_t + vgrp[None, :], mask=v_ok, other=0.0)
-    elif VMODE == 1:
-        vs = tl.load(vs_base + t_abs * svs_t, mask=t_ok, other=0.0).to(tl.float32)
-        vz = tl.load(vz_base + t_abs * svz_t, mask=t_ok, other=0.0).to(tl.float32)
-    else:
-        e_ok = t_ok[:, None] & (chan < DV)[None, :]
-        vs = tl.load(vs_base + t_abs[:, None] * svs_t + (chan // GV)[None, :], mask=e_ok, other=0.0)
-        vz = tl.load(vz_base + t_abs[:, None] * svz_t + (chan // GV)[None, :], mask=e_ok, other=0.0)
-    return ks, kz, vs, vz, ok
+def _to_f16(y):
+    """int32 fp16 pairs ``[...]`` -> fp16 ``[..., 2]`` (the half is the fastest register dim: no data movement)."""
+    lo, hi = _halves(y)
+    return tl.join(lo, hi)
 
 
 @triton.jit
 def _kivi_split_kernel(
     Q, KC, KS, KZ, VC, VS, VZ, VALID, OUT, LSE,
-    qk_scale, cmask, M, H, NG, groups_per_split,
+    qk_scale, M, H, NT, tokens_per_split,
     sq_b, sq_h, sq_m,
     skc_b, skc_h, skc_g,
     sks_b, sks_h, sks_g,
@@ -188,24 +153,20 @@ def _kivi_split_kernel(
     sva_b,
     so_s, so_b, so_h, so_m,
     sl_s, sl_b, sl_h,
-    DK: tl.constexpr, DK_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
-    G: tl.constexpr, GV: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
-    VMODE: tl.constexpr, TRANS: tl.constexpr, SBC: tl.constexpr = 0, PREFETCH: tl.constexpr = True,
+    DK: tl.constexpr, KW: tl.constexpr, KW_PAD: tl.constexpr, DV: tl.constexpr, VW_PAD: tl.constexpr,
+    G: tl.constexpr, GV: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
+    TRANS: tl.constexpr, LAZY: tl.constexpr, ASM: tl.constexpr,
 ):
-    """One (split, batch*kv-head, row block): flash-decoding over ``groups_per_split`` key groups.
+    """One (split, batch*kv-head, row block): flash-decoding over ``tokens_per_split`` tokens.
 
-    VMODE: 0 = value scale/zero applied per word (GV >= PER), 1 = folded into p (GV == DV),
-    2 = gathered per element (GV < PER).  TRANS: compute ``S^T = K^T q^T`` and ``O^T = V^T P^T`` so the
-    big tiles are the M operand (Hopper wgmma, GQA rows padded to 8) instead of ``q K`` / ``P V``
-    (mma.sync, rows padded to 16).
+    ``KS`` / ``KZ`` are the key scales / zeros viewed as int32 pairs of adjacent channels (strides in pairs).
     """
     PER: tl.constexpr = 32 // BITS
-    W: tl.constexpr = G // PER  # key words per channel per group
-    BW: tl.constexpr = NB * W  # key words per channel per block
-    BN: tl.constexpr = NB * G  # tokens per block
-    WV: tl.constexpr = DV // PER  # value words per token
-    WV_PAD: tl.constexpr = DV_PAD // PER
-    NGV: tl.constexpr = DV // GV  # value groups per token
+    HP: tl.constexpr = PER // 2  # fields (code pairs) per word
+    DK_PAD: tl.constexpr = KW_PAD * PER
+    DV_PAD: tl.constexpr = VW_PAD * PER
+    NB: tl.constexpr = BN // G if BN > G else 1  # key groups per tile
+    GT: tl.constexpr = BN // NB  # tokens of one group in a tile
 
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -214,12 +175,11 @@ def _kivi_split_kernel(
     h = (pid_bh % H).to(tl.int64)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_dk = tl.arange(0, DK_PAD)
     m_ok = offs_m < M
-    dk_ok = offs_dk < DK
-
-    q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_dk[None, :],
-                mask=m_ok[:, None] & dk_ok[None, :], other=0.0).to(tl.float32)
+    offs_c = tl.arange(0, DK_PAD)
+    c_ok = offs_c < DK
+    q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_c[None, :],
+                mask=m_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
     q = (q * qk_scale).to(tl.float16)  # softmax scale * log2(e) folded in: exp2 below
 
     kc_base = KC + b * skc_b + h * skc_h
@@ -230,90 +190,123 @@ def _kivi_split_kernel(
     vz_base = VZ + b * svz_b + h * svz_h
     va_base = VALID + b * sva_b
 
-    # key words of a block [DK_PAD, NB*W] (column = group-in-block * W + word); scale/zero per word
-    kcol = tl.arange(0, BW)
-    kw_off = offs_dk[:, None] * W + ((kcol // W) * skc_g + kcol % W)[None, :]
-    ks_off = offs_dk[:, None] + (tl.arange(0, NB) * sks_g)[None, :]
-    kz_off = offs_dk[:, None] + (tl.arange(0, NB) * skz_g)[None, :]
-    ksw_off = offs_dk[:, None] + ((kcol // W) * sks_g)[None, :]
-    kzw_off = offs_dk[:, None] + ((kcol // W) * skz_g)[None, :]
-    tok = _perm(tl.arange(0, BN), PER)  # token (in block) of each unpacked key column
-    offs_vw = tl.arange(0, WV_PAD)
-    vw_ok = offs_vw < WV
-    vgrp = (offs_vw * PER) // GV  # value group of each word (VMODE 0)
-    chan = _perm(tl.arange(0, DV_PAD), PER)  # channel of each unpacked value column
+    j = tl.arange(0, BN)
+    # key words of a tile [KW_PAD, NB, GT]: word-major inside a group, tokens contiguous
+    offs_kw = tl.arange(0, KW_PAD)
+    kw_ok = offs_kw < KW
+    offs_nb = tl.arange(0, NB)
+    offs_gt = tl.arange(0, GT)
+    kw_off = offs_kw[:, None, None] * G + offs_nb[None, :, None] * skc_g + offs_gt[None, None, :]
+    # scale / zero pairs of a tile, shaped like the unpacked fields: [KW_PAD, NB, 1, 2, 2(, 2)]
+    f2 = tl.arange(0, 2)
+    if BITS == 2:
+        fld3 = f2[:, None, None] * 4 + f2[None, :, None] * 2 + f2[None, None, :]
+        fld = fld3[None, None, None, :, :, :]
+        kp_off = offs_kw[:, None, None, None, None, None] * HP + fld
+        nb_x = offs_nb[None, :, None, None, None, None]
+        kp_ok = kw_ok[:, None, None, None, None, None] & (fld < HP)
+    else:
+        fld3 = f2[:, None] * 2 + f2[None, :]
+        fld = fld3[None, None, None, :, :]
+        kp_off = offs_kw[:, None, None, None, None] * HP + fld
+        nb_x = offs_nb[None, :, None, None, None]
+        kp_ok = kw_ok[:, None, None, None, None] & (fld < HP)
+    offs_vw = tl.arange(0, VW_PAD)
+    offs_d = tl.arange(0, DV_PAD)
+    d_ok = offs_d < DV
+    vw_ok = offs_vw * PER < DV
+    if GV >= PER:  # one value group per word
+        vgrp = ((offs_vw * PER) // GV)[None, :]
+    elif BITS == 2:  # per field
+        vgrp = ((offs_vw[:, None, None, None] * PER + 2 * fld3[None, :, :, :]) // GV)[None, :, :, :, :]
+    else:
+        vgrp = ((offs_vw[:, None, None] * PER + 2 * fld3[None, :, :]) // GV)[None, :, :, :]
 
     if TRANS:
         m_i = tl.full([1, BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([1, BLOCK_M], tl.float32)
         acc = tl.zeros([DV_PAD, BLOCK_M], tl.float32)
         qt = tl.trans(q)
+        RED: tl.constexpr = 0
     else:
         m_i = tl.full([BLOCK_M, 1], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M, 1], tl.float32)
         acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
+        RED: tl.constexpr = 1
 
-    g_start = pid_s * groups_per_split
-    g_end = tl.minimum(g_start + groups_per_split, NG)
-    if PREFETCH:  # the small loads of block i + 1 are issued while block i computes (registers, not smem)
-        ks, kz, vs, vz, ok = _aux_loads(
-            ks_base, kz_base, vs_base, vz_base, va_base, g_start, g_end, sks_g, skz_g, svs_t, svz_t, dk_ok, kcol,
-            ks_off, kz_off, ksw_off, kzw_off, tok, vw_ok, vgrp, chan, DK_PAD, NB, W, BW, BN, G, GV, NGV, PER,
-            WV_PAD, DV, DV_PAD, VMODE, SBC)
-    for g0 in range(g_start, g_end, NB):
-        if PREFETCH:
-            ks_n, kz_n, vs_n, vz_n, ok_n = _aux_loads(
-                ks_base, kz_base, vs_base, vz_base, va_base, g0 + NB, g_end, sks_g, skz_g, svs_t, svz_t, dk_ok,
-                kcol, ks_off, kz_off, ksw_off, kzw_off, tok, vw_ok, vgrp, chan, DK_PAD, NB, W, BW, BN, G, GV, NGV,
-                PER, WV_PAD, DV, DV_PAD, VMODE, SBC)
+    t_start = pid_s * tokens_per_split
+    t_end = tl.minimum(t_start + tokens_per_split, NT)
+    for t0 in range(t_start, t_end, BN):
+        t = t0 + j
+        t_ok = t < t_end
+        g0 = t0 // G
+        # ---- keys: [BN, DK_PAD] dequantized in registers
+        tk_ok = ((t0 + offs_nb * GT)[None, :, None] + offs_gt[None, None, :]) < t_end
+        kw = tl.load(kc_base + g0 * skc_g + (t0 % G) + kw_off, mask=kw_ok[:, None, None] & tk_ok, other=0)
+        ks = tl.load(ks_base + (g0 + nb_x) * sks_g + kp_off, mask=kp_ok, other=0)
+        kz = tl.load(kz_base + (g0 + nb_x) * skz_g + kp_off, mask=kp_ok, other=0)
+        kt = _to_f16(_fma(_codes(kw, BITS, ASM), ks, kz, ASM))  # [KW_PAD, NB, GT, 2, .., 2]
+        if BITS == 2:
+            kt = tl.permute(kt, (1, 2, 0, 3, 4, 5, 6))
         else:
-            ks, kz, vs, vz, ok = _aux_loads(
-                ks_base, kz_base, vs_base, vz_base, va_base, g0, g_end, sks_g, skz_g, svs_t, svz_t, dk_ok, kcol,
-                ks_off, kz_off, ksw_off, kzw_off, tok, vw_ok, vgrp, chan, DK_PAD, NB, W, BW, BN, G, GV, NGV, PER,
-                WV_PAD, DV, DV_PAD, VMODE, SBC)
-        # ---- keys: dequantized in registers (packed fp16 FMA per two codes), scores on tensor cores
-        k_ok = dk_ok[:, None] & ((g0 + kcol // W) < g_end)[None, :]
-        kw = tl.load(kc_base + g0 * skc_g + kw_off, mask=k_ok, other=0)
-        kt = _dequant(kw, cmask, ks, kz, BITS, True)  # [DK_PAD, BN]
-        t_abs = g0 * G + tok
-        t_ok = t_abs < g_end * G
+            kt = tl.permute(kt, (1, 2, 0, 3, 4, 5))
+        k = tl.reshape(kt, (BN, DK_PAD))
+        ok = t_ok & (tl.load(va_base + t, mask=t_ok, other=0) != 0)
         if TRANS:
-            s = tl.where(ok[:, None], tl.dot(tl.trans(kt), qt), float("-inf"))  # [BN, BLOCK_M]
-            RED: tl.constexpr = 0
+            s = tl.where(ok[:, None], tl.dot(k, qt), float("-inf"))  # [BN, BLOCK_M]
         else:
-            s = tl.where(ok[None, :], tl.dot(q, kt), float("-inf"))  # [BLOCK_M, BN]
-            RED: tl.constexpr = 1
+            s = tl.where(ok[None, :], tl.dot(q, tl.trans(k)), float("-inf"))  # [BLOCK_M, BN]
 
         # ---- online softmax (base 2)
-        m_new = tl.maximum(m_i, tl.max(s, axis=RED, keep_dims=True))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe)
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=RED, keep_dims=True)
-        acc = acc * alpha
-        m_i = m_new
+        m_blk = tl.max(s, axis=RED, keep_dims=True)
+        if LAZY:
+            if tl.max(m_blk - m_i) > 0:  # some row maximum grew: rescale (block-uniform branch)
+                m_new = tl.maximum(m_i, m_blk)
+                alpha = tl.exp2(m_i - m_new)
+                acc = acc * alpha
+                l_i = l_i * alpha
+                m_i = m_new
+            m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+            p = tl.exp2(s - m_safe)
+            l_i = l_i + tl.sum(p, axis=RED, keep_dims=True)
+        else:
+            m_new = tl.maximum(m_i, m_blk)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe)
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=RED, keep_dims=True)
+            acc = acc * alpha
+            m_i = m_new
 
-        # ---- values: rows follow the key columns' token order; columns permuted inside words
+        # ---- values: [BN, DV_PAD] dequantized in registers
         v_ok = t_ok[:, None] & vw_ok[None, :]
-        vw = tl.load(vc_base + t_abs[:, None] * svc_t + offs_vw[None, :], mask=v_ok, other=0)
-        if VMODE == 0:
-            vt = _dequant(vw, cmask, vs, vz, BITS, True)
-        elif VMODE == 1:  # one group per token: scale into p, zero into a per-row bias
-            vt = _dequant(vw, cmask, vw, vw, BITS, False)
-            if TRANS:
-                acc += tl.sum(p * vz[:, None], axis=0, keep_dims=True)
-                p = p * vs[:, None]
+        vw = tl.load(vc_base + t[:, None] * svc_t + offs_vw[None, :], mask=v_ok, other=0)
+        if GV >= PER:
+            vs = tl.load(vs_base + t[:, None] * svs_t + vgrp, mask=v_ok, other=0.0)
+            vz = tl.load(vz_base + t[:, None] * svz_t + vgrp, mask=v_ok, other=0.0)
+            if BITS == 2:
+                vs = _pair(vs, vs)[:, :, None, None, None]
+                vz = _pair(vz, vz)[:, :, None, None, None]
             else:
-                acc += tl.sum(p * vz[None, :], axis=1, keep_dims=True)
-                p = p * vs[None, :]
+                vs = _pair(vs, vs)[:, :, None, None]
+                vz = _pair(vz, vz)[:, :, None, None]
         else:
-            vt = _dequant(vw, cmask, vw, vw, BITS, False) * vs + vz
+            if BITS == 2:
+                vf_ok = t_ok[:, None, None, None, None] & vw_ok[None, :, None, None, None]
+                tv = t[:, None, None, None, None]
+            else:
+                vf_ok = t_ok[:, None, None, None] & vw_ok[None, :, None, None]
+                tv = t[:, None, None, None]
+            vs = tl.load(vs_base + tv * svs_t + vgrp, mask=vf_ok, other=0.0)
+            vz = tl.load(vz_base + tv * svz_t + vgrp, mask=vf_ok, other=0.0)
+            vs = _pair(vs, vs)
+            vz = _pair(vz, vz)
+        vt = _to_f16(_fma(_codes(vw, BITS, ASM), vs, vz, ASM))  # [BN, VW_PAD, 2, .., 2]
+        v = tl.reshape(vt, (BN, DV_PAD))
         if TRANS:
-            acc = tl.dot(tl.trans(vt), p.to(tl.float16), acc)  # [DV_PAD, BLOCK_M]
+            acc = tl.dot(tl.trans(v), p.to(tl.float16), acc)  # [DV_PAD, BLOCK_M]
         else:
-            acc = tl.dot(p.to(tl.float16), vt, acc)  # [BLOCK_M, DV_PAD]
-        if PREFETCH:
-            ks, kz, vs, vz, ok = ks_n, kz_n, vs_n, vz_n, ok_n
+            acc = tl.dot(p.to(tl.float16), v, acc)  # [BLOCK_M, DV_PAD]
 
     if TRANS:
         acc = tl.trans(acc)
@@ -324,8 +317,8 @@ def _kivi_split_kernel(
     l_ok = l_i > 0.0
     out = acc / tl.where(l_ok, l_i, 1.0)
     lse = tl.where(l_ok, (m_i + tl.log2(tl.where(l_ok, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    o_ptr = OUT + pid_s * so_s + b * so_b + h * so_h + offs_m[:, None] * so_m + chan[None, :]
-    tl.store(o_ptr, out, mask=m_ok[:, None] & (chan < DV)[None, :])
+    o_ptr = OUT + pid_s * so_s + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :]
+    tl.store(o_ptr, out, mask=m_ok[:, None] & d_ok[None, :])
     tl.store(LSE + pid_s * sl_s + b * sl_b + h * sl_h + offs_m[:, None], lse, mask=m_ok[:, None])
 
 
@@ -385,18 +378,26 @@ def _inner_contiguous(t: torch.Tensor, inner: int) -> torch.Tensor:
     return t
 
 
+def _pairs(t: torch.Tensor) -> torch.Tensor:
+    """fp16 ``[..., Dk]`` (Dk even) viewed as int32 pairs of adjacent channels ``[..., Dk/2]`` (no copy if possible)."""
+    t = _inner_contiguous(t, 1)
+    if t.storage_offset() % 2 or any(st % 2 for st in t.stride()[:-1]):
+        t = t.contiguous()
+    return t.view(torch.int32)
+
+
+def _asm_ok(device: torch.device) -> bool:
+    """Inline PTX only on a real GPU (the interpreter cannot run it: the pure-Triton path is used there)."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
 def _config(bits: int, group: int, dk: int, dv: int, v_group: int) -> dict:
     """Kernel constexprs and launch options for one problem class (tuned on an H200, Triton 3.6).
 
-    ``KVCOMPRESS_KIVI_CONFIG`` (JSON) overrides entries, either flat (``{"NB": 2}``) or per bit width
+    ``KVCOMPRESS_KIVI_CONFIG`` (JSON) overrides entries, either flat (``{"BN": 64}``) or per bit width
     (``{"2": {...}, "4": {...}}``) - a tuning knob for benchmarks, not needed for correctness.
     """
-    per = 32 // bits
-    vmode = 1 if v_group == dv else (0 if v_group % per == 0 else 2)
-    cfg = dict(NB=max(1, 128 // group), VMODE=vmode, TRANS=True, num_warps=4, num_stages=2, waves=4, min_rows=16,
-               SBC=3 if bits == 4 else 1, PREFETCH=True)
-    if bits == 4:
-        cfg["waves"] = 2  # the 4-bit setting the H200 table was measured with (sweep: better at B = 1)
+    cfg = dict(BN=64, TRANS=True, LAZY=True, ASM=True, num_warps=4, num_stages=2, waves=4, min_rows=8)
     env = os.environ.get("KVCOMPRESS_KIVI_CONFIG")
     if env:
         over = json.loads(env)
@@ -404,17 +405,36 @@ def _config(bits: int, group: int, dk: int, dv: int, v_group: int) -> dict:
     return cfg
 
 
+def supports(query: torch.Tensor, packed: PackedKV) -> bool:
+    """Whether the kernel handles this call: the dispatcher's explicit capability check."""
+    try:
+        _validate(query, packed)
+    except ValueError:
+        return False
+    return True
+
+
 def _validate(query: torch.Tensor, packed: PackedKV) -> None:
     if getattr(packed, "k_per_token", False):
         raise ValueError("the Triton KIVI kernel reads per-channel keys only (k_per_token is an ablation)")
     codes_per_word(packed.bits)
+    per = 32 // packed.bits
     g = packed.group
     if g < 16 or g > 128 or g & (g - 1):
         raise ValueError(f"key group must be a power of two in 16..128, got {g}")
+    if query.dim() != 4:
+        raise ValueError(f"query must be [B, Hkv, M, Dk], got {tuple(query.shape)}")
     b, h, m, dk = query.shape
     kc = packed.k_codes
-    if kc.dim() != 5 or kc.shape[:2] != (b, h) or kc.shape[3] != dk or kc.shape[4] * (32 // packed.bits) != g:
+    if kc.dim() != 5 or kc.shape[:2] != (b, h) or kc.shape[3] != -(-dk // per) or kc.shape[4] != g \
+            or packed.k_scale.shape[-1] != dk:
         raise ValueError(f"k_codes {tuple(kc.shape)} does not match query {tuple(query.shape)} / group {g}")
+    if dk > MAX_DIM or dk % 2:
+        raise ValueError(f"key dim {dk}: the kernel needs an even key dim up to {MAX_DIM}")
+    dv = packed.v_codes.shape[-1] * per
+    gv = packed.v_group
+    if dv > MAX_DIM or gv < 2 or gv & (gv - 1) or dv % gv or packed.v_codes.shape[:3] != (b, h, kc.shape[2] * g):
+        raise ValueError(f"value codes {tuple(packed.v_codes.shape)} / group {gv} not supported")
     if packed.valid.shape != (b, kc.shape[2] * g):
         raise ValueError(f"valid {tuple(packed.valid.shape)} should be {(b, kc.shape[2] * g)}")
 
@@ -424,8 +444,10 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, splits: int
     _validate(query, packed)
     b, h, m, dk = query.shape
     bits, g = packed.bits, packed.group
+    per = 32 // bits
     ng = packed.k_codes.shape[2]
-    dv = packed.v_codes.shape[-1] * (32 // bits)
+    nt = ng * g
+    dv = packed.v_codes.shape[-1] * per
     gv = packed.v_group
     dev = query.device
     out = torch.empty(b, h, m, dv, device=dev, dtype=torch.float32)
@@ -437,8 +459,8 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, splits: int
 
     q = query if query.stride(-1) == 1 else query.contiguous()
     kc = _inner_contiguous(packed.k_codes, 2)
-    ks = _inner_contiguous(packed.k_scale, 1)
-    kz = _inner_contiguous(packed.k_zero, 1)
+    ks = _pairs(packed.k_scale)
+    kz = _pairs(packed.k_zero)
     vc = _inner_contiguous(packed.v_codes, 1)
     vs = _inner_contiguous(packed.v_scale, 1)
     vz = _inner_contiguous(packed.v_zero, 1)
@@ -449,14 +471,16 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, splits: int
     cfg = dict(_config(bits, g, dk, dv, gv))
     if config:
         cfg.update(config)
+    bn = int(cfg["BN"])
+    if bn > g and bn % g:
+        bn = g
     block_m = min(64, max(cfg["min_rows"] if cfg["TRANS"] else 16, _pow2(m)))
     m_blocks = triton.cdiv(m, block_m)
-    nb = cfg["NB"]
-    if splits is None:  # enough programs for a few waves, each split a whole number of NB-group blocks
-        splits = max(1, min(-(-ng // nb), -(-_target_programs(dev, cfg["waves"]) // (b * h * m_blocks))))
-    gps = -(-ng // splits)
-    gps = -(-gps // nb) * nb if splits > 1 else gps
-    splits = -(-ng // gps)
+    if splits is None:  # enough programs for a few waves, each split a whole number of tiles
+        splits = max(1, min(-(-nt // bn), -(-_target_programs(dev, cfg["waves"]) // (b * h * m_blocks))))
+    tps = -(-nt // splits)
+    tps = -(-tps // bn) * bn
+    splits = -(-nt // tps)
 
     if splits == 1:
         po, pl = out, lse
@@ -466,9 +490,11 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, splits: int
         pl = torch.empty(splits, b, h, m, device=dev, dtype=torch.float32)
         po_strides, pl_strides = po.stride()[:4], pl.stride()[:3]
 
+    kw = kc.shape[3]
+    vw = vc.shape[-1]
     _kivi_split_kernel[(splits, b * h, m_blocks)](
         q, kc, ks, kz, vc, vs, vz, valid, po, pl,
-        float(scale) * LOG2E, ((1 << bits) - 1) * 0x10001, m, h, ng, gps,
+        float(scale) * LOG2E, m, h, nt, tps,
         q.stride(0), q.stride(1), q.stride(2),
         kc.stride(0), kc.stride(1), kc.stride(2),
         ks.stride(0), ks.stride(1), ks.stride(2),
@@ -478,8 +504,9 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, splits: int
         vz.stride(0), vz.stride(1), vz.stride(2),
         valid.stride(0),
         *po_strides, *pl_strides,
-        DK=dk, DK_PAD=max(16, _pow2(dk)), DV=dv, DV_PAD=max(16, _pow2(dv)), G=g, GV=gv, BITS=bits,
-        BLOCK_M=block_m, NB=cfg["NB"], VMODE=cfg["VMODE"], TRANS=cfg["TRANS"], SBC=cfg["SBC"], PREFETCH=cfg["PREFETCH"],
+        DK=dk, KW=kw, KW_PAD=max(_pow2(kw), -(-16 // per)), DV=dv, VW_PAD=max(_pow2(vw), -(-16 // per)),
+        G=g, GV=gv, BITS=bits, BLOCK_M=block_m, BN=bn, TRANS=cfg["TRANS"], LAZY=cfg["LAZY"],
+        ASM=bool(cfg["ASM"]) and _asm_ok(dev),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:

@@ -1,0 +1,108 @@
+"""LeanK grouped decode attention: reference (pure PyTorch).
+
+LeanK (Zhang et al., EMNLP 2025, arXiv:2508.02215) keeps, per kv head, only some
+key channels of the cache middle and regroups heads with the same kept count into
+one dense tensor (a *lane*).  One decode step attends every lane with the query
+gathered to the lane's kept channels; the softmax scale stays the full head's
+``1/sqrt(D)``.  Heads that keep no channel have no lane (no middle K and no
+middle V): their rows get ``lse = -inf`` and a zero output here and are served by
+the full-precision sinks and local window, merged by log-sum-exp.
+
+A lane is ``(heads, channels, k, v, valid)`` (:class:`Lane`):
+
+* ``heads`` - LongTensor ``[h]``: the kv heads the lane holds (``None`` = every head, in order);
+* ``channels`` - LongTensor ``[h, c]``: the key channels each of those heads kept
+  (``None`` = all ``D`` channels, i.e. an unpruned dense region such as the sinks or the window);
+* ``k`` ``[B, h, T, c]`` and ``v`` ``[B, h, T, Dv]``;
+* ``valid`` - bool ``[B, T]`` (``None`` = every slot valid).
+
+Every stored token precedes the query (decode), so only ``valid`` masks keys.
+A head that appears in several lanes gets the joint softmax over all of them.
+The GPU kernels (``triton_kernel.py``, ``tilelang_kernel.py``) have the same signature.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+
+class Lane(NamedTuple):
+    heads: torch.Tensor | None
+    channels: torch.Tensor | None
+    k: torch.Tensor
+    v: torch.Tensor
+    valid: torch.Tensor | None = None
+
+
+def gather_query(query: torch.Tensor, heads: torch.Tensor | None, channels: torch.Tensor | None) -> torch.Tensor:
+    """``query [B, Hkv, M, D]`` -> the lane's rows ``[B, h, M, c]`` (its heads, its kept channels)."""
+    q = query if heads is None else query.index_select(1, heads)
+    if channels is None:
+        return q
+    h, c = channels.shape
+    return q.gather(-1, channels.view(1, h, 1, c).expand(q.shape[0], h, q.shape[2], c))
+
+
+def merge_with_lse(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge partials ``(out, lse)`` of disjoint key regions: the joint output and its LSE (float32)."""
+    lses = torch.stack([lse.float() for _, lse in parts])
+    top = lses.amax(dim=0)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w = torch.exp(lses - top)
+    total = w.sum(dim=0)
+    out = sum(wi.unsqueeze(-1) * o.float() for wi, (o, _) in zip(w, parts))
+    ok = total > 0
+    out = out / torch.where(ok, total, torch.ones_like(total)).unsqueeze(-1)
+    lse = torch.where(ok, top + torch.log(torch.where(ok, total, torch.ones_like(total))),
+                      torch.full_like(total, float("-inf")))
+    return out, lse
+
+
+def lane_partial(query: torch.Tensor, lane: Lane, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, h, M, Dv], lse [B, h, M])`` of one lane's heads (float32)."""
+    heads, channels, k, v, valid = lane
+    q = gather_query(query, heads, channels).float()
+    s = torch.einsum("bhmd,bhtd->bhmt", q, k.float()) * scale
+    if valid is not None:
+        s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    finite = torch.isfinite(lse)
+    p = torch.exp(s - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
+    return torch.einsum("bhmt,bhtd->bhmd", p, v.float()), lse
+
+
+def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple], scale: float
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of grouped queries over LeanK lanes, unnormalised across regions.
+
+    Args:
+        query: ``[B, Hkv, M, D]`` - the ``M = group * q_len`` query rows that share each kv head,
+            over the full head dimension (each lane gathers its kept channels itself).
+        lanes: ``(heads, channels, k, v, valid)`` per lane (see the module docstring); at least one.
+        scale: softmax scale of the full head (``1/sqrt(D)``), also for pruned keys.
+
+    Returns:
+        ``(out [B, Hkv, M, Dv] float32, lse [B, Hkv, M] float32)``; heads no lane covers get
+        ``lse = -inf`` and a zero output.  Merge with other regions by log-sum-exp
+        (:func:`merge_with_lse`, :func:`kvcompress.kernels.attention.reference.merge_partials`).
+    """
+    lanes = [Lane(*lane) for lane in lanes]
+    if not lanes:
+        raise ValueError("grouped_partial_attention needs at least one lane")
+    b, hkv, m, _ = query.shape
+    dv = lanes[0].v.shape[-1]
+    parts = []
+    for lane in lanes:
+        out, lse = lane_partial(query, lane, scale)
+        if lane.heads is not None:
+            full_out = out.new_zeros(b, hkv, m, dv)
+            full_lse = lse.new_full((b, hkv, m), float("-inf"))
+            full_out.index_copy_(1, lane.heads, out)
+            full_lse.index_copy_(1, lane.heads, lse)
+            out, lse = full_out, full_lse
+        parts.append((out, lse))
+    if len(parts) == 1:
+        return parts[0]
+    return merge_with_lse(parts)

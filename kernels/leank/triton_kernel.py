@@ -1,0 +1,313 @@
+"""LeanK grouped decode attention in Triton: one split-KV launch over every lane.
+
+Same signature and semantics as :func:`.reference.grouped_partial_attention`
+(``(out fp32 [B, Hkv, M, Dv], lse fp32 [B, Hkv, M])``).  Nothing is compiled at
+import; each configuration is JIT-compiled by Triton on first use.
+
+How it works:
+
+* The lanes (up to :data:`MAX_LANES` per launch; more lanes take more launches into
+  the same partial buffers) are passed as tuples of tensors and strides.  Every
+  (lane, head) pair is one *row* of a flat row space; program ``(split, batch * row,
+  row block)`` finds its lane by a static loop over the lanes (one specialised copy
+  of the inner loop per lane, with that lane's kept-channel count padded to a power
+  of two as a compile-time constant: no wasted lanes of a 128-wide tile on a
+  32-channel lane).
+* Inner loop (flash decoding): the query rows of the head, gathered to the lane's
+  kept channels and pre-scaled by ``scale * log2(e)``, are loaded once;
+  per block of ``BN`` tokens, ``S = q K^T`` and ``acc += P V`` run on tensor cores
+  (``tl.dot``, rows padded to 16), with an online base-2 softmax.
+* Every program writes a normalised partial and its LSE; a second small kernel
+  merges, for each kv head, the partials of all splits of every lane row that holds
+  that head (heads no lane covers get ``-inf`` and zeros).
+
+Limits: ``k`` and ``v`` of a lane may be strided views (e.g. a ring buffer's live
+slots), but their last dimension must be contiguous; channel counts and ``Dv`` up to
+256; the same ``Dv`` and the same K/V dtype in every lane (fp16, bf16 or fp32; fp32
+products run in IEEE fp32).  :func:`supports` checks all of this; the dispatcher in
+:mod:`kvcompress.kernels.leank` falls back to the reference otherwise.
+
+Tuning: :func:`_config` holds the defaults; ``KVCOMPRESS_LEANK_CONFIG`` (JSON)
+overrides them (``benchmarks/gpu_leank.py`` sweeps it).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import Lane
+
+LOG2E = 1.4426950408889634
+MAX_LANES = 8
+MAX_DIM = 256
+
+
+@triton.jit
+def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_off, C, start, end, qk_scale, M, pid_m,
+            HAS_CHAN: tl.constexpr, HAS_VALID: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
+            DVP: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+    """Flash-decoding over tokens ``[start, end)`` of one head of one lane: ``(acc, m, l)`` (base 2)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    offs_c = tl.arange(0, DKP)
+    c_ok = offs_c < C
+    if HAS_CHAN:
+        ch = tl.load(CH + ch_off + offs_c, mask=c_ok, other=0)
+    else:
+        ch = offs_c
+    q = tl.load(Q + q_off + offs_m[:, None] * sq_m + ch[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0)
+    q = (q.to(tl.float32) * qk_scale).to(K.dtype.element_ty)
+    offs_d = tl.arange(0, DVP)
+    d_ok = offs_d < DV
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DVP], tl.float32)
+    for t0 in range(start, end, BN):
+        t = t0 + tl.arange(0, BN)
+        t_ok = t < end
+        k = tl.load(K + k_off + t[:, None] * sk_t + offs_c[None, :], mask=t_ok[:, None] & c_ok[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        ok = t_ok
+        if HAS_VALID:
+            ok = ok & (tl.load(VA + va_off + t, mask=t_ok, other=0) != 0)
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(V + v_off + t[:, None] * sv_t + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _lanes_kernel(
+    Q, sq_b, sq_h, sq_m,
+    KS, VS, VAS, CHS, HDS,
+    SKB, SKH, SKT, SVB, SVH, SVT, SVAB, SCH, TS, NHS, CS, ROW0,
+    PO, PL, qk_scale, M, R, RLO, RN, NBATCH,
+    HAS_VALID: tl.constexpr, HAS_CHAN: tl.constexpr, HAS_HEADS: tl.constexpr, DKP: tl.constexpr,
+    NL: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One (split, batch * lane row, row block): the partial of one head of one lane over one token range."""
+    pid_s = tl.program_id(0)
+    pid_br = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    n_split = tl.num_programs(0)
+    b = pid_br // RN
+    r = RLO + pid_br % RN
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    offs_d = tl.arange(0, DVP)
+    for i in tl.static_range(NL):
+        if (r >= ROW0[i]) & (r < ROW0[i] + NHS[i]):
+            j = r - ROW0[i]
+            if HAS_HEADS[i]:
+                head = tl.load(HDS[i] + j).to(tl.int64)
+            else:
+                head = j.to(tl.int64)
+            b64 = b.to(tl.int64)
+            j64 = j.to(tl.int64)
+            tps = tl.cdiv(tl.cdiv(TS[i], n_split), BN) * BN
+            start = pid_s * tps
+            end = tl.minimum(start + tps, TS[i])
+            acc, m_i, l_i = _attend(
+                Q, b64 * sq_b + head * sq_h, sq_m, CHS[i], j64 * SCH[i], KS[i], b64 * SKB[i] + j64 * SKH[i], SKT[i],
+                VS[i], b64 * SVB[i] + j64 * SVH[i], SVT[i], VAS[i], b64 * SVAB[i], CS[i], start, end, qk_scale, M,
+                pid_m, HAS_CHAN[i], HAS_VALID[i], DKP[i], DV, DVP, BLOCK_M, BN, IEEE)
+            l_ok = l_i > 0.0
+            out = acc / tl.where(l_ok, l_i, 1.0)[:, None]
+            lse = tl.where(l_ok, (m_i + tl.log2(tl.where(l_ok, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+            row = (pid_s.to(tl.int64) * NBATCH + b64) * R + r
+            tl.store(PO + (row * M + offs_m[:, None]) * DV + offs_d[None, :], out,
+                     mask=m_ok[:, None] & (offs_d < DV)[None, :])
+            tl.store(PL + row * M + offs_m, lse, mask=m_ok)
+
+
+@triton.jit
+def _combine_kernel(PO, PL, OUT, LSE, HDS, NHS, ROW0, S, R, M, H, NBATCH,
+                    HAS_HEADS: tl.constexpr, NL: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+                    BLOCK_M: tl.constexpr):
+    """Per (batch, kv head): log-sum-exp merge of every split of every lane row holding that head."""
+    pid = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    b = (pid // H).to(tl.int64)
+    h = pid % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    offs_d = tl.arange(0, DVP)
+    ok = m_ok[:, None] & (offs_d < DV)[None, :]
+    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    tot = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DVP], tl.float32)
+    for i in tl.static_range(NL):
+        for j in range(NHS[i]):
+            if HAS_HEADS[i]:
+                hh = tl.load(HDS[i] + j).to(tl.int32)
+            else:
+                hh = j
+            if hh == h:
+                for s in range(S):
+                    row = (s * NBATCH + b) * R + ROW0[i] + j
+                    lse = tl.load(PL + row * M + offs_m, mask=m_ok, other=float("-inf"))
+                    o = tl.load(PO + (row * M + offs_m[:, None]) * DV + offs_d[None, :], mask=ok, other=0.0)
+                    new = tl.maximum(top, lse)
+                    safe = tl.where(new == float("-inf"), 0.0, new)
+                    a = tl.exp(top - safe)
+                    w = tl.exp(lse - safe)
+                    acc = acc * a[:, None] + w[:, None] * o
+                    tot = tot * a + w
+                    top = new
+    t_ok = tot > 0.0
+    dst = (b * H + h) * M + offs_m
+    tl.store(OUT + dst[:, None] * DV + offs_d[None, :], acc / tl.where(t_ok, tot, 1.0)[:, None], mask=ok)
+    tl.store(LSE + dst, tl.where(t_ok, top + tl.log(tl.where(t_ok, tot, 1.0)), float("-inf")), mask=m_ok)
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _config() -> dict:
+    """Launch defaults (H200, Triton 3.6); ``KVCOMPRESS_LEANK_CONFIG`` (JSON) overrides entries."""
+    cfg = dict(BN=64, num_warps=4, num_stages=2, waves=2, min_split_tokens=256)
+    env = os.environ.get("KVCOMPRESS_LEANK_CONFIG")
+    if env:
+        cfg.update(json.loads(env))
+    return cfg
+
+
+def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def supports(query: torch.Tensor, lanes: Sequence[Lane | tuple]) -> bool:
+    """Whether the kernel handles this call (shapes, dtypes, sizes); the dispatcher's capability check."""
+    lanes = [Lane(*lane) for lane in lanes]
+    if not lanes or query.dim() != 4 or query.shape[-1] > MAX_DIM:
+        return False
+    dtype, dv = lanes[0].k.dtype, lanes[0].v.shape[-1]
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32) or dv > MAX_DIM:
+        return False
+    b, hkv, m, d = query.shape
+    for heads, channels, k, v, valid in lanes:
+        if k.dtype != dtype or v.dtype != dtype or v.shape[-1] != dv or k.dim() != 4 or v.dim() != 4:
+            return False
+        if k.shape[0] != b or v.shape[:3] != k.shape[:3] or k.shape[-1] > MAX_DIM:
+            return False
+        h = hkv if heads is None else heads.shape[0]
+        if k.shape[1] != h:
+            return False
+        c = d if channels is None else channels.shape[-1]
+        if k.shape[-1] != c or (channels is not None and channels.shape[0] != h):
+            return False
+        if channels is None and c != d:
+            return False
+        if valid is not None and tuple(valid.shape) != (b, k.shape[2]):
+            return False
+    return True
+
+
+def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple], scale: float, *,
+                              splits: int | None = None, config: dict | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused grouped partial attention; see :func:`.reference.grouped_partial_attention`."""
+    lanes = [Lane(*lane) for lane in lanes]
+    if not supports(query, lanes):
+        raise ValueError("unsupported lanes for the Triton LeanK kernel (see supports())")
+    cfg = dict(_config())
+    if config:
+        cfg.update(config)
+    b, hkv, m, d = query.shape
+    dv = lanes[0].v.shape[-1]
+    dev = query.device
+    out = torch.empty(b, hkv, m, dv, device=dev, dtype=torch.float32)
+    lse = torch.empty(b, hkv, m, device=dev, dtype=torch.float32)
+    if b * hkv * m == 0:
+        return out, lse
+    q = query if query.stride(-1) == 1 else query.contiguous()
+    dummy = torch.zeros(1, device=dev, dtype=torch.int64)
+    rows = []  # per lane: tensors and strides
+    r0 = 0
+    for heads, channels, k, v, valid in lanes:
+        k, v = _last_contiguous(k), _last_contiguous(v)
+        h, t, c = k.shape[1], k.shape[2], k.shape[3]
+        if valid is not None:
+            valid = valid if valid.stride(-1) == 1 else valid.contiguous()
+            valid = valid.view(torch.uint8) if valid.dtype == torch.bool else valid
+        if channels is not None:
+            channels = _last_contiguous(channels)
+        rows.append(dict(k=k, v=v, va=valid if valid is not None else dummy, ch=channels if channels is not None
+                         else dummy, hd=heads if heads is not None else dummy, h=h, t=t, c=c, r0=r0,
+                         has_valid=valid is not None, has_chan=channels is not None, has_heads=heads is not None))
+        r0 += h
+    n_rows = r0
+    block_m = min(64, max(16, _pow2(m)))
+    m_blocks = triton.cdiv(m, block_m)
+    bn = cfg["BN"]
+    t_max = max(r["t"] for r in rows)
+    if splits is None:
+        if dev.type == "cuda":
+            target = cfg["waves"] * _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+        else:
+            target = 4  # interpreter: a few splits, so tests exercise the merge
+        splits = -(-target // max(1, b * n_rows * m_blocks))
+        splits = max(1, min(splits, -(-t_max // max(bn, cfg["min_split_tokens"])) if dev.type == "cuda" else splits,
+                            -(-max(t_max, 1) // bn)))
+    po = torch.empty(splits, b, n_rows, m, dv, device=dev, dtype=torch.float32)
+    pl = torch.empty(splits, b, n_rows, m, device=dev, dtype=torch.float32)
+    ieee = lanes[0].k.dtype == torch.float32
+    for first in range(0, len(rows), MAX_LANES):
+        chunk = rows[first:first + MAX_LANES]
+        n_chunk = sum(r["h"] for r in chunk)
+        if n_chunk == 0:
+            continue
+
+        def tup(key, rs=chunk):
+            return tuple(r[key] for r in rs)
+
+        _lanes_kernel[(splits, b * n_chunk, m_blocks)](
+            q, q.stride(0), q.stride(1), q.stride(2),
+            tup("k"), tup("v"), tup("va"), tup("ch"), tup("hd"),
+            tuple(r["k"].stride(0) for r in chunk), tuple(r["k"].stride(1) for r in chunk),
+            tuple(r["k"].stride(2) for r in chunk), tuple(r["v"].stride(0) for r in chunk),
+            tuple(r["v"].stride(1) for r in chunk), tuple(r["v"].stride(2) for r in chunk),
+            tuple(r["va"].stride(0) if r["has_valid"] else 0 for r in chunk),
+            tuple(r["ch"].stride(0) if r["has_chan"] else 0 for r in chunk),
+            tup("t"), tup("h"), tup("c"), tup("r0"),
+            po, pl, float(scale) * LOG2E, m, n_rows, chunk[0]["r0"], n_chunk, b,
+            HAS_VALID=tup("has_valid"), HAS_CHAN=tup("has_chan"), HAS_HEADS=tup("has_heads"),
+            DKP=tuple(max(16, _pow2(r["c"])) for r in chunk), NL=len(chunk), DV=dv, DVP=max(16, _pow2(dv)),
+            BLOCK_M=block_m, BN=bn, IEEE=ieee, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+
+    def tup_all(key):
+        return tuple(r[key] for r in rows)
+
+    _combine_kernel[(b * hkv, m_blocks)](
+        po, pl, out, lse, tup_all("hd"), tup_all("h"), tup_all("r0"), splits, n_rows, m, hkv, b,
+        HAS_HEADS=tup_all("has_heads"), NL=len(rows), DV=dv, DVP=max(16, _pow2(dv)), BLOCK_M=block_m, num_warps=4)
+    return out, lse

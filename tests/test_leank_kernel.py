@@ -1,0 +1,293 @@
+"""LeanK grouped decode attention: the reference against an independent oracle, the Triton kernel
+against the reference (Triton interpreter on the CPU, natively with CUDA), the read path's fused
+branch, and the TileLang kernel (GPU only).
+
+The Triton cases run in ONE worker subprocess with ``TRITON_INTERPRET=1`` (it must be set before
+Triton's ``@jit`` decorators run; nothing leaks into the other tests' process).  Inputs are fp16 and
+small (the interpreter computes bf16 ``tl.dot`` wrongly and is slow).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name -> (batch, kv heads, rows M, D, Dv, lanes [(heads or None, kept count or None, tokens, valid?)], extras)
+CASES = {
+    "mixed-counts-uncovered-head": (2, 4, 4, 64, 64, [([0, 2], 32, 70, True), ([1], 16, 37, False)], {}),
+    "dense-plus-lanes-gqa3": (2, 3, 3, 32, 32, [(None, None, 20, False), ([2, 0], 16, 50, True), ([1], 32, 9, True)],
+                              {}),
+    "head-in-two-lanes-joint-softmax": (1, 2, 4, 32, 64, [([0, 1], 16, 40, False), ([1], 32, 24, True)], {}),
+    "qlen3-rows12-dv-ne-d": (1, 2, 12, 64, 32, [([1, 0], 48, 33, True)], {}),
+    "strided-ring-views": (2, 2, 4, 32, 32, [(None, None, 30, True), ([1], 16, 45, False)], {"views": True}),
+    "all-invalid-lane": (1, 2, 4, 32, 32, [([0, 1], 16, 20, True)], {"all_invalid": True}),
+    "nine-lanes-two-launches": (1, 9, 2, 32, 32, [([h], 16 if h % 2 else 32, 17 + h, h % 3 == 0) for h in range(9)],
+                                {}),
+    "fp32-inputs": (1, 2, 4, 32, 32, [([0], 16, 30, True), (None, None, 12, False)], {"dtype": "float32"}),
+}
+ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3
+
+
+def make_case(name: str, device: str = "cpu"):
+    from kvcompress.kernels.leank.reference import Lane
+
+    b, hkv, m, d, dv, spec, extra = CASES[name]
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    dtype = getattr(torch, extra.get("dtype", "float16"))
+    q = torch.randn(b, hkv, m, d, generator=gen)
+    lanes = []
+    for heads, count, t, has_valid in spec:
+        h = hkv if heads is None else len(heads)
+        c = d if count is None else count
+        channels = None if count is None else torch.stack([torch.randperm(d, generator=gen)[:c].sort().values
+                                                          for _ in range(h)])
+        k = torch.randn(b, h, t, c, generator=gen) * 1.3
+        v = torch.randn(b, h, t, dv, generator=gen)
+        valid = None
+        if has_valid:
+            valid = torch.rand(b, t, generator=gen) > 0.2
+            valid[0, :3] = False
+            if extra.get("all_invalid"):
+                valid[:] = False
+        if extra.get("views"):  # live slots of larger (ring) buffers: strided batch/head/token dims
+            def widen(x):
+                big = torch.zeros(x.shape[0], x.shape[1] + 1, x.shape[2] + 5, x.shape[3])
+                return big[:, 1:, 2:2 + x.shape[2]].copy_(x)
+            k, v = widen(k), widen(v)
+            if valid is not None:
+                valid = torch.zeros(b, t + 4, dtype=torch.bool)[:, 1:1 + t].copy_(valid)
+        lanes.append(Lane(None if heads is None else torch.tensor(heads, device=device),
+                          None if channels is None else channels.to(device), k.to(dtype).to(device),
+                          v.to(dtype).to(device), None if valid is None else valid.to(device)))
+    return q.to(dtype).to(device), lanes
+
+
+def oracle(query, lanes, scale):
+    """Independent float64 oracle: full-width keys with pruned channels zeroed, one joint softmax per head."""
+    b, hkv, m, d = query.shape
+    q = query.double()
+    scores = [[[] for _ in range(hkv)] for _ in range(b)]
+    values = [[[] for _ in range(hkv)] for _ in range(b)]
+    for heads, channels, k, v, valid in lanes:
+        hs = list(range(hkv)) if heads is None else heads.tolist()
+        for i, hd in enumerate(hs):
+            kf = torch.zeros(b, k.shape[2], d, dtype=torch.float64)
+            idx = torch.arange(d) if channels is None else channels[i].cpu()
+            kf[:, :, idx] = k[:, i].double().cpu()
+            for bb in range(b):
+                s = (q[bb, hd].cpu() @ kf[bb].T) * scale  # [m, t]
+                if valid is not None:
+                    s = s.masked_fill(~valid[bb].cpu(), float("-inf"))
+                scores[bb][hd].append(s)
+                values[bb][hd].append(v[bb, i].double().cpu())
+    dv = lanes[0][3].shape[-1]
+    out = torch.zeros(b, hkv, m, dv, dtype=torch.float64)
+    lse = torch.full((b, hkv, m), float("-inf"), dtype=torch.float64)
+    for bb in range(b):
+        for hd in range(hkv):
+            if not scores[bb][hd]:
+                continue
+            s = torch.cat(scores[bb][hd], dim=-1)
+            vv = torch.cat(values[bb][hd], dim=0)
+            l = torch.logsumexp(s, dim=-1)
+            fin = torch.isfinite(l)
+            p = torch.exp(s - torch.where(fin, l, torch.zeros_like(l))[:, None])
+            out[bb, hd] = p @ vv
+            lse[bb, hd] = l
+    return out, lse
+
+
+def _compare(out, lse, ref_out, ref_lse) -> dict:
+    finite = torch.isfinite(ref_lse)
+    out, lse, ref_out, ref_lse = out.double().cpu(), lse.double().cpu(), ref_out.double().cpu(), ref_lse.double().cpu()
+    return {
+        "same_inf": bool(torch.equal(torch.isfinite(lse), finite.cpu())),
+        "out_err": float((out - ref_out).abs().max()),
+        "out_tol_ok": bool(torch.allclose(out, ref_out, atol=ATOL, rtol=RTOL)),
+        "lse_err": float((lse[finite] - ref_lse[finite]).abs().max()) if bool(finite.any()) else 0.0,
+        "dead_rows_zero": bool((out[~finite.cpu()] == 0).all()),
+        "any_nan": bool(torch.isnan(out).any() or torch.isnan(lse).any()),
+        "shape": list(out.shape),
+    }
+
+
+def run_case(name: str, device: str = "cpu") -> dict:
+    from kvcompress.kernels.leank import reference, triton_kernel
+
+    q, lanes = make_case(name, device)
+    scale = q.shape[-1] ** -0.5
+    assert triton_kernel.supports(q, lanes)
+    out, lse = triton_kernel.grouped_partial_attention(q, lanes, scale)
+    ref_out, ref_lse = reference.grouped_partial_attention(q, lanes, scale)
+    res = _compare(out, lse, ref_out, ref_lse)
+    res["dtypes"] = [str(out.dtype), str(lse.dtype)]
+    return res
+
+
+def read_path_case(device: str = "cpu") -> dict:
+    """``attend_segments`` with the fused branch forced (``KVCOMPRESS_KERNELS=triton``) vs the joint-softmax oracle."""
+    from kvcompress.kernels.attention import attend_segments, segment_attention
+    from kvcompress.state import HeadGroup, Segment
+
+    gen = torch.Generator().manual_seed(5)
+    b, hkv, group, d = 2, 3, 2, 32
+    q = torch.randn(b, hkv * group, 1, d, generator=gen).half().to(device)
+    pos_q = torch.tensor([100], device=device)
+    segs = []
+    sink = Segment(torch.randn(b, hkv, 4, d, generator=gen).half().to(device),
+                   torch.randn(b, hkv, 4, d, generator=gen).half().to(device), None,
+                   torch.arange(4, device=device))
+    segs.append(sink)
+    for heads, count in (([0, 2], 16), ([1], 8)):
+        ch = torch.stack([torch.randperm(d, generator=gen)[:count].sort().values for _ in heads]).to(device)
+        grp = HeadGroup(torch.tensor(heads, device=device), None, None, ch)
+        valid = (torch.rand(b, 40, generator=gen) > 0.1).to(device)
+        seg = Segment(torch.randn(b, len(heads), 40, count, generator=gen).half().to(device),
+                      torch.randn(b, len(heads), 40, d, generator=gen).half().to(device), valid,
+                      torch.zeros(40, dtype=torch.long, device=device))
+        segs.append(grp.attach(seg))
+    window = Segment(torch.randn(b, hkv, 9, d, generator=gen).half().to(device),
+                     torch.randn(b, hkv, 9, d, generator=gen).half().to(device), None,
+                     torch.arange(91, 100, device=device))
+    new = Segment(torch.randn(b, hkv, 1, d, generator=gen).half().to(device),
+                  torch.randn(b, hkv, 1, d, generator=gen).half().to(device), None, pos_q)
+    segs += [window, new]
+    assert all(s.channels is not None for s in segs[1:3])
+    got = attend_segments(q, segs, pos_q, d ** -0.5)
+    ref = segment_attention(q, segs, pos_q, d ** -0.5)
+    return {"err": float((got.float() - ref.float()).abs().max()), "shape": list(got.shape)}
+
+
+def _worker(path: str) -> None:
+    results = {}
+    for name in CASES:
+        try:
+            results[name] = run_case(name)
+        except Exception as exc:  # reported per case by the parent
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    try:
+        os.environ["KVCOMPRESS_KERNELS"] = "triton"
+        results["read-path"] = read_path_case()
+    except Exception as exc:
+        results["read-path"] = {"error": f"{type(exc).__name__}: {exc}"}
+    Path(path).write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("leank") / "results.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, __file__, "--worker", str(out)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def _check(res: dict, name: str) -> None:
+    assert "error" not in res, res.get("error")
+    b, hkv, m, d, dv, *_ = CASES[name]
+    assert res["shape"] == [b, hkv, m, dv]
+    assert not res["any_nan"]
+    assert res["same_inf"], "-inf LSE exactly where no key is visible"
+    assert res["dead_rows_zero"]
+    assert res["out_tol_ok"], f"max |out - ref| = {res['out_err']:.2e}"
+    assert res["lse_err"] <= LSE_ATOL, f"max |lse - ref| = {res['lse_err']:.2e}"
+
+
+# ----------------------------------------------------------------------------- reference (CPU, fast)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_reference_matches_independent_oracle(name):
+    from kvcompress.kernels.leank import grouped_partial_attention_reference
+
+    q, lanes = make_case(name)
+    q = q.float()
+    lanes = [lane._replace(k=lane.k.float(), v=lane.v.float()) for lane in lanes]
+    out, lse = grouped_partial_attention_reference(q, lanes, q.shape[-1] ** -0.5)
+    ref_out, ref_lse = oracle(q, lanes, q.shape[-1] ** -0.5)
+    res = _compare(out, lse, ref_out, ref_lse)
+    assert res["same_inf"] and res["dead_rows_zero"] and not res["any_nan"]
+    assert res["out_err"] < 1e-5 and res["lse_err"] < 1e-5
+
+
+def test_dispatch_falls_back_to_reference_on_cpu_and_on_unsupported_lanes():
+    from kvcompress.kernels import leank
+    from kvcompress.kernels.leank import triton_kernel
+
+    q, lanes = make_case("mixed-counts-uncovered-head")
+    out, lse = leank.grouped_partial_attention(q, lanes, 0.125)  # CPU tensors: the reference
+    ref_out, ref_lse = leank.grouped_partial_attention_reference(q, lanes, 0.125)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    bad = [lanes[0]._replace(v=lanes[0].v[..., :32]), lanes[1]]  # two value widths in one call
+    assert not triton_kernel.supports(q, bad)
+    assert not triton_kernel.supports(q, [lanes[0]._replace(k=lanes[0].k[..., :8])])  # k width != kept count
+    assert not triton_kernel.supports(q, [])
+
+
+def test_import_compiles_nothing():
+    code = ("import kvcompress.kernels.leank as l, kvcompress.kernels.leank.triton_kernel as t, sys; "
+            "print(len(t._lanes_kernel.device_caches), 'tilelang' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["0", "False"]
+
+
+# ----------------------------------------------------------------------------- Triton (interpreter)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_interpreted(interpreted, name):
+    _check(interpreted[name], name)
+
+
+def test_read_path_fused_branch_interpreted(interpreted):
+    res = interpreted["read-path"]
+    assert "error" not in res, res.get("error")
+    assert res["err"] < 3e-3
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_on_gpu(name):
+    _check(run_case(name, "cuda"), name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_read_path_on_gpu():
+    assert read_path_case("cuda")["err"] < 3e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["mixed-counts-uncovered-head", "dense-plus-lanes-gqa3", "qlen3-rows12-dv-ne-d",
+                                  "head-in-two-lanes-joint-softmax"])
+def test_tilelang_on_gpu(name):
+    pytest.importorskip("tilelang")
+    from kvcompress.kernels.leank import reference, tilelang_kernel
+
+    q, lanes = make_case(name, "cuda")
+    scale = q.shape[-1] ** -0.5
+    out, lse = tilelang_kernel.grouped_partial_attention(q, lanes, scale)
+    ref_out, ref_lse = reference.grouped_partial_attention(q, lanes, scale)
+    res = _compare(out, lse, ref_out, ref_lse)
+    res["dtypes"] = [str(out.dtype), str(lse.dtype)]
+    _check(res, name)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        sys.path.insert(0, str(ROOT))
+        _worker(sys.argv[2])
