@@ -22,7 +22,7 @@ def evaluator(default_model):
 
 
 def test_ppl_empty_stack_equals_baseline_and_window_degrades(evaluator):
-    settings = EvalSettings.for_task("ppl", context=128, tokens=8)
+    settings = EvalSettings.for_task("ppl", context=128, samples=2, tokens=4)
     none = evaluator.run(NONE, settings)
     assert none.metrics["scored_tokens"] == 8
     assert none.metrics["kl"] < 1e-6 and none.metrics["top1"] == 1.0
@@ -34,6 +34,10 @@ def test_ppl_empty_stack_equals_baseline_and_window_degrades(evaluator):
     assert window.baseline == none.baseline
     assert window.metrics["kl"] > 1e-3 and window.metrics["delta_ppl"] == pytest.approx(
         window.metrics["ppl"] / window.baseline["ppl"] - 1)
+    # two samples of 4 scored tokens each, pooled
+    assert len(window.details) == 2 and window.metrics["scored_tokens"] == 8
+    assert window.metrics["top1"] == pytest.approx(sum(d["top1"] for d in window.details) / 2)
+    assert window.metrics["kl"] == pytest.approx(sum(d["kl"] for d in window.details) / 2)
     assert window.cache_bytes < none.cache_bytes and window.compression > none.compression
     # memory at the end of prefill: the dense fp16 cache of 128 tokens of 30 layers x 3 heads x 64 dims
     assert window.dense_bytes == 128 * 30 * 3 * 64 * 2 * 2

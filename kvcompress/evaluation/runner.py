@@ -403,20 +403,21 @@ class Evaluator:
 
     # -- scoring ----------------------------------------------------------------------------
     def _score_ppl(self, run: _Run, base: _Run):
+        # Per sample (bounded memory: the float64 softmaxes of one sample at a time), then pooled.
+        kls, same, details = [], 0, []
+        for s, b in zip(run.samples, base.samples):
+            kl = metrics.kl_divergence(b["logits"], s["logits"])
+            top1 = metrics.top1_agreement(b["logits"], s["logits"])
+            kls.append(kl)
+            same += round(top1 * kl.numel())
+            details.append({"ppl": metrics.perplexity(s["nll"]), "baseline_ppl": metrics.perplexity(b["nll"]),
+                            "kl": kl.mean().item(), "top1": top1})
+        kl = torch.cat(kls)
         nll = torch.cat([s["nll"] for s in run.samples])
         base_nll = torch.cat([s["nll"] for s in base.samples])
-        logits = torch.cat([s["logits"] for s in run.samples])
-        base_logits = torch.cat([s["logits"] for s in base.samples])
         ppl, base_ppl = metrics.perplexity(nll), metrics.perplexity(base_nll)
-        kl = metrics.kl_divergence(base_logits, logits)
         result = {"ppl": ppl, "delta_ppl": metrics.relative_change(ppl, base_ppl), "kl": kl.mean().item(),
-                  "kl_max": kl.max().item(), "top1": metrics.top1_agreement(base_logits, logits),
-                  "scored_tokens": int(nll.numel())}
-        details = []
-        for s, b in zip(run.samples, base.samples):
-            details.append({"ppl": metrics.perplexity(s["nll"]), "baseline_ppl": metrics.perplexity(b["nll"]),
-                            "kl": metrics.kl_divergence(b["logits"], s["logits"]).mean().item(),
-                            "top1": metrics.top1_agreement(b["logits"], s["logits"])})
+                  "kl_max": kl.max().item(), "top1": same / kl.numel(), "scored_tokens": int(nll.numel())}
         base_result = {"ppl": base_ppl, "delta_ppl": 0.0, "kl": 0.0, "kl_max": 0.0, "top1": 1.0,
                        "scored_tokens": int(base_nll.numel())}
         return result, base_result, details
