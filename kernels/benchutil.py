@@ -190,6 +190,52 @@ def kivi_inputs(batch: int, kv_heads: int, tokens: int, head_dim: int, bits: int
     return q, packed
 
 
+# LeanK kept-channel counts per kv head (head_dim 128; scaled by head_dim / 128), a paper-like mix of
+# 0/32/64/96/128: the count-0 head keeps neither middle K nor middle V.
+LEANK_COUNTS = {50: (0, 32, 64, 64, 64, 96, 96, 96), 70: (0, 32, 32, 32, 32, 32, 64, 96)}
+LEANK_FP_TOKENS = 1024  # sinks 128 + local window 896 (full precision, all channels)
+
+
+def leank_counts(ratio: int, kv_heads: int, head_dim: int) -> list[int]:
+    """Kept channels per kv head for a pruning ``ratio`` (50 or 70 %), cycling the mix over the heads."""
+    mix = LEANK_COUNTS[ratio]
+    return [mix[i % len(mix)] * head_dim // 128 for i in range(kv_heads)]
+
+
+def leank_inputs(batch: int, kv_heads: int, middle: int, head_dim: int, m: int, ratio: int, device: torch.device,
+                 gen: torch.Generator | None = None, fp_tokens: int = LEANK_FP_TOKENS, dtype=torch.float16):
+    """Grouped query and LeanK lanes: one dense lane per kept count (the middle) plus the full-precision region."""
+    from .leank.reference import Lane
+
+    counts = leank_counts(ratio, kv_heads, head_dim)
+    lanes = []
+    for c in sorted(set(counts) - {0}, reverse=True):
+        heads = [h for h, n in enumerate(counts) if n == c]
+        channels = torch.stack([torch.randperm(head_dim, device=device, generator=gen)[:c].sort().values
+                                for _ in heads])
+        lanes.append(Lane(torch.tensor(heads, device=device), channels,
+                          torch.randn(batch, len(heads), middle, c, device=device, dtype=dtype, generator=gen),
+                          torch.randn(batch, len(heads), middle, head_dim, device=device, dtype=dtype, generator=gen),
+                          None))
+    if fp_tokens:
+        lanes.append(Lane(None, None, torch.randn(batch, kv_heads, fp_tokens, head_dim, device=device, dtype=dtype,
+                                                  generator=gen),
+                          torch.randn(batch, kv_heads, fp_tokens, head_dim, device=device, dtype=dtype, generator=gen),
+                          None))
+    q = torch.randn(batch, kv_heads, m, head_dim, device=device, dtype=dtype, generator=gen)
+    return q, lanes
+
+
+def leank_bytes(q: torch.Tensor, lanes) -> int:
+    """Bytes the LeanK kernel reads: every lane's K and V (plus valid masks and channel lists) and the query."""
+    n = q.numel() * q.element_size()
+    for heads, channels, k, v, valid in lanes:
+        n += k.numel() * k.element_size() + v.numel() * v.element_size()
+        n += 0 if valid is None else valid.numel() * k.shape[1]
+        n += 0 if channels is None else channels.numel() * channels.element_size()
+    return n
+
+
 def kivi_bytes(q: torch.Tensor, packed) -> int:
     """Bytes the KIVI kernel reads: codes, scales, zeros, the valid mask once per kv head, the query."""
     t = [packed.k_codes, packed.k_scale, packed.k_zero, packed.v_codes, packed.v_scale, packed.v_zero]
@@ -319,13 +365,40 @@ def _bench_case(shape: Shape, batch: int, ctx: int, device: torch.device, rows: 
         del data
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    _bench_leank(shape, batch, ctx, device, rows, ops, base, dense_bytes, m, scale, free, reps, gen)
     for row in rows:
         if row["op"] == "dense-ref" and row["model"] == shape.model and row["batch"] == batch and \
                 row["ctx"] == ctx and "sdpa" in base and "latency_us" in row:
             row["speedup_vs_sdpa"] = base["sdpa"] / (row["latency_us"] * 1e-6)
 
 
-ALL_OPS = ("sdpa", "dense-ref", "kivi2", "kivi4", "kivi2-ref", "kivi4-ref")
+def _bench_leank(shape, batch, ctx, device, rows, ops, base, dense_bytes, m, scale, free, reps, gen) -> None:
+    """LeanK rows: the grouped Triton kernel; the middle is ``ctx - 1024`` tokens, pruned per LEANK_COUNTS."""
+    for ratio in (50, 70):
+        name = f"leank{ratio}"
+        if name not in ops or device.type != "cuda" or ctx <= LEANK_FP_TOKENS:
+            continue
+        middle = ctx - LEANK_FP_TOKENS
+        est = int(dense_bytes * 0.8)
+        n = copies_for(est)
+        if est * n > free:
+            n = max(1, int(free // max(est, 1)))
+        if est > free:
+            rows.append(_result(name, shape, batch, ctx, None, est, skipped="does not fit in device memory"))
+            continue
+        data = [leank_inputs(batch, shape.kv_heads, middle, shape.head_dim, m, ratio, device, gen) for _ in range(n)]
+        nbytes = leank_bytes(*data[0])
+        from .leank.triton_kernel import grouped_partial_attention as grouped
+
+        t = time_op(lambda q, lanes: grouped(q, lanes, scale), data, reps=reps)
+        rows.append(_result(name, shape, batch, ctx, t, nbytes,
+                            speedup_vs_sdpa=base["sdpa"] / t.seconds if "sdpa" in base else None,
+                            bytes_vs_fp16=dense_bytes / nbytes))
+        del data
+        torch.cuda.empty_cache()
+
+
+ALL_OPS = ("sdpa", "dense-ref", "kivi2", "kivi4", "kivi2-ref", "kivi4-ref", "leank50", "leank70")
 
 
 def markdown_table(rows: Sequence[dict]) -> str:

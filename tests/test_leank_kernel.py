@@ -254,6 +254,32 @@ def test_read_path_fused_branch_interpreted(interpreted):
     assert res["err"] < 3e-3
 
 
+# ----------------------------------------------------------------------------- TileLang (code generation only)
+
+
+def test_tilelang_lowers_for_sm90a_without_a_gpu():
+    """Lower the TileLang lane kernel for an explicit sm_90a target (no GPU needed) and, where nvcc is on the
+    PATH, build its cubin.  Skipped where TileLang is not installed (CI does not install it: ~80 MB of wheels,
+    ~250 MB installed, and its Python 3.12 builds are what the GPU machine takes)."""
+    tilelang = pytest.importorskip("tilelang")
+    import shutil
+
+    from tilelang import tvm
+
+    from kvcompress.kernels.leank import tilelang_kernel
+
+    func = tilelang_kernel.build(2, 3, 4, 1000, 32, 128, 4)
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    with target:
+        src = tilelang.lower(func, target=target).kernel_source
+    assert "lane_decode" in src and ("wgmma" in src or "mma" in src)
+    if shutil.which("nvcc"):
+        from tilelang.contrib import nvcc
+
+        cubin = nvcc.compile_cuda(src, target_format="cubin", arch="sm_90a", options=nvcc.default_compile_options())
+        assert len(cubin) > 1000
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
@@ -272,8 +298,7 @@ def test_read_path_on_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["mixed-counts-uncovered-head", "dense-plus-lanes-gqa3", "qlen3-rows12-dv-ne-d",
-                                  "head-in-two-lanes-joint-softmax"])
+@pytest.mark.parametrize("name", ["mixed-counts-uncovered-head", "dense-plus-lanes-gqa3"])
 def test_tilelang_on_gpu(name):
     pytest.importorskip("tilelang")
     from kvcompress.kernels.leank import reference, tilelang_kernel

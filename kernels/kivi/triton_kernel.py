@@ -140,6 +140,33 @@ def _to_f16(y):
 
 
 @triton.jit
+def _small_loads(va_base, vs_base, vz_base, t0, t_end, j, svs_t, svz_t, vgrp, vw_ok,
+                 BITS: tl.constexpr, PER: tl.constexpr, GV: tl.constexpr):
+    """Valid flags and value scales / zeros of the tile at ``t0``: the loads too small for async copies.
+
+    They are issued one iteration ahead (register prefetch), so their latency hides behind a tile of work.
+    """
+    t = t0 + j
+    t_ok = t < t_end
+    ok = tl.load(va_base + t, mask=t_ok, other=0) != 0
+    if GV >= PER:
+        v_ok = t_ok[:, None] & vw_ok[None, :]
+        vs = tl.load(vs_base + t[:, None] * svs_t + vgrp, mask=v_ok, other=0.0)
+        vz = tl.load(vz_base + t[:, None] * svz_t + vgrp, mask=v_ok, other=0.0)
+    elif BITS == 2:
+        vf_ok = t_ok[:, None, None, None, None] & vw_ok[None, :, None, None, None]
+        tv = t[:, None, None, None, None]
+        vs = tl.load(vs_base + tv * svs_t + vgrp, mask=vf_ok, other=0.0)
+        vz = tl.load(vz_base + tv * svz_t + vgrp, mask=vf_ok, other=0.0)
+    else:
+        vf_ok = t_ok[:, None, None, None] & vw_ok[None, :, None, None]
+        tv = t[:, None, None, None]
+        vs = tl.load(vs_base + tv * svs_t + vgrp, mask=vf_ok, other=0.0)
+        vz = tl.load(vz_base + tv * svz_t + vgrp, mask=vf_ok, other=0.0)
+    return ok & t_ok, vs, vz
+
+
+@triton.jit
 def _kivi_split_kernel(
     Q, KC, KS, KZ, VC, VS, VZ, VALID, OUT, LSE,
     qk_scale, M, H, NT, tokens_per_split,
@@ -155,7 +182,7 @@ def _kivi_split_kernel(
     sl_s, sl_b, sl_h,
     DK: tl.constexpr, KW: tl.constexpr, KW_PAD: tl.constexpr, DV: tl.constexpr, VW_PAD: tl.constexpr,
     G: tl.constexpr, GV: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
-    TRANS: tl.constexpr, LAZY: tl.constexpr, ASM: tl.constexpr,
+    TRANS: tl.constexpr, LAZY: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """One (split, batch*kv-head, row block): flash-decoding over ``tokens_per_split`` tokens.
 
@@ -236,10 +263,19 @@ def _kivi_split_kernel(
 
     t_start = pid_s * tokens_per_split
     t_end = tl.minimum(t_start + tokens_per_split, NT)
+    if PREFETCH:
+        ok, vs, vz = _small_loads(va_base, vs_base, vz_base, t_start, t_end, j, svs_t, svz_t, vgrp, vw_ok, BITS,
+                                  PER, GV)
     for t0 in range(t_start, t_end, BN):
         t = t0 + j
         t_ok = t < t_end
         g0 = t0 // G
+        if PREFETCH:
+            ok_n, vs_n, vz_n = _small_loads(va_base, vs_base, vz_base, t0 + BN, t_end, j, svs_t, svz_t, vgrp, vw_ok,
+                                            BITS, PER, GV)
+        else:
+            ok, vs, vz = _small_loads(va_base, vs_base, vz_base, t0, t_end, j, svs_t, svz_t, vgrp, vw_ok, BITS,
+                                      PER, GV)
         # ---- keys: [BN, DK_PAD] dequantized in registers
         tk_ok = ((t0 + offs_nb * GT)[None, :, None] + offs_gt[None, None, :]) < t_end
         kw = tl.load(kc_base + g0 * skc_g + (t0 % G) + kw_off, mask=kw_ok[:, None, None] & tk_ok, other=0)
@@ -251,7 +287,6 @@ def _kivi_split_kernel(
         else:
             kt = tl.permute(kt, (1, 2, 0, 3, 4, 5))
         k = tl.reshape(kt, (BN, DK_PAD))
-        ok = t_ok & (tl.load(va_base + t, mask=t_ok, other=0) != 0)
         if TRANS:
             s = tl.where(ok[:, None], tl.dot(k, qt), float("-inf"))  # [BN, BLOCK_M]
         else:
@@ -281,32 +316,23 @@ def _kivi_split_kernel(
         # ---- values: [BN, DV_PAD] dequantized in registers
         v_ok = t_ok[:, None] & vw_ok[None, :]
         vw = tl.load(vc_base + t[:, None] * svc_t + offs_vw[None, :], mask=v_ok, other=0)
+        vsp = _pair(vs, vs)
+        vzp = _pair(vz, vz)
         if GV >= PER:
-            vs = tl.load(vs_base + t[:, None] * svs_t + vgrp, mask=v_ok, other=0.0)
-            vz = tl.load(vz_base + t[:, None] * svz_t + vgrp, mask=v_ok, other=0.0)
             if BITS == 2:
-                vs = _pair(vs, vs)[:, :, None, None, None]
-                vz = _pair(vz, vz)[:, :, None, None, None]
+                vsp = vsp[:, :, None, None, None]
+                vzp = vzp[:, :, None, None, None]
             else:
-                vs = _pair(vs, vs)[:, :, None, None]
-                vz = _pair(vz, vz)[:, :, None, None]
-        else:
-            if BITS == 2:
-                vf_ok = t_ok[:, None, None, None, None] & vw_ok[None, :, None, None, None]
-                tv = t[:, None, None, None, None]
-            else:
-                vf_ok = t_ok[:, None, None, None] & vw_ok[None, :, None, None]
-                tv = t[:, None, None, None]
-            vs = tl.load(vs_base + tv * svs_t + vgrp, mask=vf_ok, other=0.0)
-            vz = tl.load(vz_base + tv * svz_t + vgrp, mask=vf_ok, other=0.0)
-            vs = _pair(vs, vs)
-            vz = _pair(vz, vz)
-        vt = _to_f16(_fma(_codes(vw, BITS, ASM), vs, vz, ASM))  # [BN, VW_PAD, 2, .., 2]
+                vsp = vsp[:, :, None, None]
+                vzp = vzp[:, :, None, None]
+        vt = _to_f16(_fma(_codes(vw, BITS, ASM), vsp, vzp, ASM))  # [BN, VW_PAD, 2, .., 2]
         v = tl.reshape(vt, (BN, DV_PAD))
         if TRANS:
             acc = tl.dot(tl.trans(v), p.to(tl.float16), acc)  # [DV_PAD, BLOCK_M]
         else:
             acc = tl.dot(p.to(tl.float16), v, acc)  # [BLOCK_M, DV_PAD]
+        if PREFETCH:
+            ok, vs, vz = ok_n, vs_n, vz_n
 
     if TRANS:
         acc = tl.trans(acc)
@@ -362,9 +388,11 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _target_programs(device: torch.device, waves: int) -> int:
+def _target_programs(device: torch.device, waves: float, num_warps: int) -> int:
+    """Programs for ``waves`` full waves: an SM holds about 16 warps of this kernel (~128 registers per thread)."""
     if device.type == "cuda":
-        return waves * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+        return int(waves * sms * max(1, 16 // num_warps))
     return 8  # interpreter / CPU: a few splits, so tests exercise the combine
 
 
@@ -397,7 +425,8 @@ def _config(bits: int, group: int, dk: int, dv: int, v_group: int) -> dict:
     ``KVCOMPRESS_KIVI_CONFIG`` (JSON) overrides entries, either flat (``{"BN": 64}``) or per bit width
     (``{"2": {...}, "4": {...}}``) - a tuning knob for benchmarks, not needed for correctness.
     """
-    cfg = dict(BN=64, TRANS=True, LAZY=True, ASM=True, num_warps=4, num_stages=2, waves=4, min_rows=8)
+    cfg = dict(BN=16, TRANS=True, LAZY=True, ASM=True, PREFETCH=True, num_warps=1, num_stages=2, waves=2, min_rows=8,
+               maxnreg=128, min_split_tokens=512)
     env = os.environ.get("KVCOMPRESS_KIVI_CONFIG")
     if env:
         over = json.loads(env)
@@ -476,8 +505,10 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, splits: int
         bn = g
     block_m = min(64, max(cfg["min_rows"] if cfg["TRANS"] else 16, _pow2(m)))
     m_blocks = triton.cdiv(m, block_m)
-    if splits is None:  # enough programs for a few waves, each split a whole number of tiles
-        splits = max(1, min(-(-nt // bn), -(-_target_programs(dev, cfg["waves"]) // (b * h * m_blocks))))
+    if splits is None:  # enough programs for a few full waves, each split a whole number of tiles
+        most = -(-nt // max(bn, cfg["min_split_tokens"])) if dev.type == "cuda" else -(-nt // bn)
+        want = -(-_target_programs(dev, cfg["waves"], cfg["num_warps"]) // (b * h * m_blocks))
+        splits = max(1, min(most, want))
     tps = -(-nt // splits)
     tps = -(-tps // bn) * bn
     splits = -(-nt // tps)
@@ -506,8 +537,9 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, splits: int
         *po_strides, *pl_strides,
         DK=dk, KW=kw, KW_PAD=max(_pow2(kw), -(-16 // per)), DV=dv, VW_PAD=max(_pow2(vw), -(-16 // per)),
         G=g, GV=gv, BITS=bits, BLOCK_M=block_m, BN=bn, TRANS=cfg["TRANS"], LAZY=cfg["LAZY"],
-        ASM=bool(cfg["ASM"]) and _asm_ok(dev),
+        ASM=bool(cfg["ASM"]) and _asm_ok(dev), PREFETCH=bool(cfg["PREFETCH"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),
     )
     if splits > 1:
         _combine_kernel[(b * h, m_blocks)](

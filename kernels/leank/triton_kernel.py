@@ -193,7 +193,7 @@ def _num_sms(device_index: int) -> int:
 
 def _config() -> dict:
     """Launch defaults (H200, Triton 3.6); ``KVCOMPRESS_LEANK_CONFIG`` (JSON) overrides entries."""
-    cfg = dict(BN=64, num_warps=4, num_stages=2, waves=2, min_split_tokens=256)
+    cfg = dict(BN=64, num_warps=4, num_stages=4, waves=2, min_split_tokens=256)
     env = os.environ.get("KVCOMPRESS_LEANK_CONFIG")
     if env:
         cfg.update(json.loads(env))

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One GPU session (H200 image: torch 2.11, triton 3.6; `pip install -e .` fails silently there, so the
+# package is assembled under /tmp/site).  Usage on the device machine, from the repository root:
+#   bash benchmarks/gpu_session.sh OUTDIR PHASE      (PHASE: sweep | final)
+set -o pipefail
+OUT=${1:-out}; PHASE=${2:-final}
+mkdir -p /tmp/site "$OUT" && rm -rf /tmp/site/kvcompress && cp -r kvcompress /tmp/site/ \
+  && ln -s "$PWD/kernels" /tmp/site/kvcompress/kernels && ln -s "$PWD/plugins" /tmp/site/kvcompress/plugins
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+date -u | tee "$OUT/date.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.limit --format=csv | tee "$OUT/gpu.txt"
+best() {  # best config (JSON) from a sweep file: kivi -> {"2": {...}, "4": {...}}, leank -> {...}
+  python - "$@" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))["best"]
+print(json.dumps({k: v["config"] for k, v in d.items()} if sys.argv[2] == "kivi" else d["config"]))
+PY
+}
+case "$PHASE" in
+  sweep)  # first session: correctness + quick sweeps (B = 16, 32k)
+    python benchmarks/gpu_kivi.py --out "$OUT" --correctness 2>&1 | tee "$OUT/kivi_correctness.log"
+    python benchmarks/gpu_kivi.py --out "$OUT" --sweep --v1 --shapes q2 2>&1 | tee "$OUT/kivi_sweep_q2.log"
+    python benchmarks/gpu_leank.py --out "$OUT" --sweep --shapes q70 2>&1 | tee "$OUT/leank_sweep_q70.log"
+    ;;
+  tables)  # GPU tests and the kernel tables with the code's defaults
+    # from outside the checkout: its kvcompress/ (without kernels/) must not shadow /tmp/site's
+    (cd /tmp/site && python -m pytest -q -m gpu "$OLDPWD/tests/test_kivi_kernel.py" "$OLDPWD/tests/test_leank_kernel.py" \
+      -p no:cacheprovider 2>&1 | tail -15) | tee "$OUT/pytest_gpu.log"
+    (cd /tmp/site && python -m kvcompress.kernels.benchutil --device cuda --out "$OUT/kernels.json" \
+      --ops sdpa,kivi2,kivi4,leank50,leank70 2>&1) | tee "$OUT/kernels.log"
+    ;;
+  tilelang)  # TileLang 0.1.15 from .tl/tlsite.tar.xz (its wheels unpacked: tilelang, apache-tvm-ffi 0.1.12,
+             # torch-c-dlpack-ext, z3-solver 4.15.4; xz-packed to fit one 64 MiB transfer), then its GPU tests and timing
+    mkdir -p /tmp/tl && tar xJf .tl/tlsite.tar.xz -C /tmp/tl && export PYTHONPATH=/tmp/tl/tlsite:$PYTHONPATH
+    export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PATH=/usr/local/cuda/bin:$PATH
+    (cd /tmp/site && python -m pytest -q -m gpu "$OLDPWD/tests/test_leank_kernel.py" -k tilelang \
+      -p no:cacheprovider 2>&1 | tail -15) | tee "$OUT/pytest_tilelang.log"
+    python benchmarks/gpu_leank.py --out "$OUT" --sweep --tilelang --shapes q70 --configs default 2>&1 \
+      | tee "$OUT/leank_tilelang.log"
+    ;;
+  final)  # sweeps over several shapes with v1 before/after, GPU tests, then the kernel tables with the best configs
+    python benchmarks/gpu_kivi.py --out "$OUT" --sweep --v1 --shapes wide \
+      --configs default,noprefetch,nocap,r96,waves1,waves4,w1bn16,w1bn32,w2bn32s3,w2bn64,w4bn64,eager \
+      2>&1 | tee "$OUT/kivi_sweep.log"
+    python benchmarks/gpu_leank.py --out "$OUT" --sweep --shapes wide 2>&1 | tee "$OUT/leank_sweep.log"
+    export KVCOMPRESS_KIVI_CONFIG=$(best "$OUT/kivi_sweep_wide.json" kivi)
+    export KVCOMPRESS_LEANK_CONFIG=$(best "$OUT/leank_sweep_wide.json" leank)
+    echo "KIVI $KVCOMPRESS_KIVI_CONFIG LEANK $KVCOMPRESS_LEANK_CONFIG" | tee "$OUT/picked.txt"
+    # from outside the checkout: its kvcompress/ (without kernels/) must not shadow /tmp/site's
+    (cd /tmp/site && python -m pytest -q -m gpu "$OLDPWD/tests/test_kivi_kernel.py" "$OLDPWD/tests/test_leank_kernel.py" \
+      -p no:cacheprovider 2>&1 | tail -15) | tee "$OUT/pytest_gpu.log"
+    (cd /tmp/site && python -m kvcompress.kernels.benchutil --device cuda --out "$OUT/kernels.json" \
+      --ops sdpa,kivi2,kivi4,leank50,leank70 2>&1) | tee "$OUT/kernels.log"
+    ;;
+esac
