@@ -4,11 +4,14 @@ For a query at position ``t`` the keys split into three regions:
 
 * sinks ``j < sinks`` and the local window ``t - local <= j <= t``: exact scores;
 * the middle ``sinks <= j < t - local``: scores against keys scaled channel-wise by
-  ``alpha[layer, kv_head]`` (a binary ``alpha`` is exactly LeanK's channel pruning).
+  ``alpha[layer, kv_head]`` (a binary ``alpha`` is exactly LeanK's channel pruning).  A head whose
+  alpha is zero on every channel does not read the middle at all (LeanK stores no middle K and V
+  for it), rather than scoring every middle key 0.
 
 Both score matrices are computed and selected per (query, key) by the region mask; since
 ``q . (alpha * k) = (alpha * q) . k`` the scaled scores scale the query.  With ``alpha = 1`` the
-result is bit-identical to transformers' eager attention.
+result is bit-identical to transformers' eager attention.  ``alpha=None`` means exact attention
+through torch's fused SDPA (prefill of contexts, targets).
 
 The same function also serves calibration passes:
 
@@ -120,6 +123,9 @@ def scaled_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor
         a = alpha.to(query.dtype).repeat_interleave(groups, dim=0)[None, :, None, :]
         scaled = torch.matmul(query * a, keys_t) * scaling
         scores = torch.where(region, scaled, scores)
+        empty = (alpha == 0).all(-1).repeat_interleave(groups)  # heads keeping no channel: no middle at all
+        if bool(empty.any()):
+            scores = scores.masked_fill(region & empty[None, :, None, None], torch.finfo(scores.dtype).min)
     causal = torch.zeros(q_len, kv_len, dtype=scores.dtype, device=scores.device)
     causal.masked_fill_(k_pos[None, :] > q_pos[:, None], torch.finfo(scores.dtype).min)
     scores = scores + causal

@@ -70,8 +70,8 @@ def evaluate_masks(model: Any, texts: list[torch.Tensor], masks: dict[str, torch
 def main(argv: Sequence[str] | None = None) -> int:
     from ..models import load_model
     from . import data
-    from .masks import load_mask, rope_mask
-    from .qk import qk_mask
+    from .masks import binarize, geometry, load_mask, rope_mask
+    from .qk import qk_scores
 
     ap = argparse.ArgumentParser(prog="python -m kvcompress.calibration.emulate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -87,9 +87,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--sinks", type=int, default=64)
     ap.add_argument("--local", type=int, default=256)
     ap.add_argument("--qk-texts", type=int, default=4, help="calibration windows (training split) of --qk")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = ap.parse_args(argv)
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
     model.requires_grad_(False)
     masks: dict[str, torch.Tensor] = {}
@@ -99,16 +101,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         masks[f"rope {r}"] = rope_mask(model.config, r, args.align)
     if args.qk:
         calib = data.windows(data.split_tokens(tokenizer, "train"), args.length, args.qk_texts)
-        from .qk import qk_scores
-        from .masks import binarize
-
         scores = qk_scores(model, torch.tensor(calib))
         for r in args.qk:
             masks[f"qk {r}"] = binarize(scores, r, args.align)
     for r in args.random:
         g = torch.Generator().manual_seed(0)
-        from .masks import binarize, geometry
-
         masks[f"random {r}"] = binarize(torch.rand(geometry(model.config), generator=g), r, args.align)
     texts = [torch.tensor(w) for w in data.windows(data.split_tokens(tokenizer, "heldout"), args.length, args.texts)]
     results = evaluate_masks(model, texts, masks, args.sinks, args.local, args.start)

@@ -17,7 +17,9 @@ a fifth of the steps each, floor 0.1x).
 Stage 2 binarizes alpha (:func:`~kvcompress.calibration.masks.binarize`: global threshold at the
 ratio, per-head counts rounded half-up to ``align``), then fine-tunes with the L1 term off: the
 forward uses the hard mask recomputed from alpha every step, the backward passes the gradient
-straight through to alpha.  The final mask is the binarization of the final alpha.
+straight through to alpha.  The binary mask is scored on every training sample (tail MSE) before
+stage 2, every ``checkpoint_every`` steps and at the end; the best-scoring alpha gives the final
+mask (so a noisy fine-tune can never make the result worse than plain binarization).
 
 Progress and losses go to stderr; alpha and the optimizer state are checkpointed to a safetensors
 sidecar so an interrupted run continues with ``resume=True``.
@@ -69,8 +71,8 @@ class LeanKSettings:
     tail: int = 32
     samples: int = 16
     batch: int = 2
-    steps: int = 120
-    ft_steps: int = 30
+    steps: int = 200
+    ft_steps: int = 40
     lr: float = 0.02
     ft_lr: float = 0.01
     reg: float = 0.06
@@ -150,6 +152,7 @@ class LeanKTrainer:
         self.config_hash = config_hash(model.config)
         self.history: dict[str, Any] = {}
         self.checkpoint_every = 10
+        self.best: dict[str, Any] | None = None  # stage 2: lowest pool MSE so far (alpha, mse, step)
         self.pool_k: list[torch.Tensor] = []
         self.pool_v: list[torch.Tensor] = []
         self.tails = torch.empty(0)
@@ -212,6 +215,17 @@ class LeanKTrainer:
             hidden = hf.final_hidden_states(self.model, tail, positions)
         return (hidden.float() - self.targets[idx]).pow(2).mean(-1).mean()
 
+    @torch.no_grad()
+    def pool_mse(self, keep: torch.Tensor) -> float:
+        """Mean tail MSE of the binary mask ``keep`` over every training sample."""
+        alpha = keep.to(torch.float32)
+        n, b = len(self.samples), self.settings.batch
+        total = 0.0
+        for i in range(0, n, b):
+            idx = torch.arange(i, min(n, i + b))
+            total += self.tail_mse(alpha, idx).item() * len(idx)
+        return total / n
+
     # ------------------------------------------------------------------ checkpoints
 
     def _save_checkpoint(self, stage: int, step: int, alpha: torch.Tensor, opt: torch.optim.Optimizer) -> None:
@@ -221,12 +235,15 @@ class LeanKTrainer:
 
         state = opt.state.get(alpha, {})
         tensors = {"alpha": alpha.detach().clone()}
+        if self.best is not None:
+            tensors["best_alpha"] = self.best["alpha"].clone()
         if state:
             tensors["exp_avg"] = state["exp_avg"].clone()
             tensors["exp_avg_sq"] = state["exp_avg_sq"].clone()
         meta = {"format": CHECKPOINT_FORMAT, "settings": json.dumps(self.settings.to_dict(), sort_keys=True),
                 "model_config_hash": self.config_hash, "stage": str(stage), "step": str(step),
                 "adam_step": str(float(state["step"])) if state else "0", "history": json.dumps(self.history)}
+        os.makedirs(os.path.dirname(os.path.abspath(self.checkpoint)), exist_ok=True)
         tmp = self.checkpoint + ".tmp"
         save_file(tensors, tmp, metadata=meta)
         os.replace(tmp, self.checkpoint)
@@ -248,6 +265,9 @@ class LeanKTrainer:
                               self.checkpoint, hint="delete it, or rerun with the settings it was made with: "
                               f"{meta.get('settings')}")
         self.history = json.loads(meta.get("history", "{}"))
+        if "best_alpha" in tensors:
+            self.best = {"alpha": tensors["best_alpha"], "mse": self.history["stage2_best_mse"],
+                         "step": self.history["stage2_best_step"]}
         tensors["adam_step"] = torch.tensor(float(meta.get("adam_step", "0")))
         return int(meta["stage"]), int(meta["step"]), tensors
 
@@ -262,7 +282,8 @@ class LeanKTrainer:
     # ------------------------------------------------------------------ training
 
     def _loop(self, stage: int, alpha: torch.Tensor, opt: torch.optim.Optimizer, start: int, steps: int,
-              base_lr: float, loss_fn: Callable[[int], tuple[torch.Tensor, str]]) -> None:
+              base_lr: float, loss_fn: Callable[[int], tuple[torch.Tensor, str]],
+              evaluate: Callable[[int], None] | None = None) -> None:
         t0, ckpt_every = time.monotonic(), self.checkpoint_every
         first = None
         for step in range(start, steps):
@@ -286,6 +307,8 @@ class LeanKTrainer:
                      f"at1 {float((a == 1).float().mean()):.2f} | {per_step:.1f} s/step, "
                      f"eta {per_step * (steps - done):.0f} s")
             if done % ckpt_every == 0 or done == steps:
+                if evaluate is not None:
+                    evaluate(done)
                 self._save_checkpoint(stage, done, alpha, opt)
 
     def train(self, resume: bool = False, init_alpha: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -337,15 +360,21 @@ class LeanKTrainer:
             mse = self.tail_mse(hard + alpha - alpha.detach(), self.batch_indices(step, 2))
             return mse, f"mse {mse.detach().item():.5f}, keep {hard.mean().item():.3f}"
 
-        self._loop(2, alpha, opt, done, s.ft_steps, s.ft_lr, stage2_loss)
-        alpha = alpha.detach()
-        return binarize(alpha, s.ratio, s.align), alpha
+        def evaluate(step: int) -> None:
+            keep = binarize(alpha.detach(), s.ratio, s.align)
+            mse = self.pool_mse(keep)
+            self.history[f"stage2_pool_mse_step{step}"] = mse
+            if self.best is None or mse < self.best["mse"]:
+                self.best = {"alpha": alpha.detach().clone(), "mse": mse, "step": step}
+                self.history["stage2_best_mse"], self.history["stage2_best_step"] = mse, step
+            self.log(f"stage 2 after step {step}: mask MSE over all {len(self.samples)} samples {mse:.5f} "
+                     f"(best {self.best['mse']:.5f} after step {self.best['step']})")
 
-
-def settings_for_meta(settings: LeanKSettings, extra: dict | None = None) -> dict:
-    out = settings.to_dict()
-    out.update(extra or {})
-    return out
+        if self.best is None:
+            evaluate(0)
+        self._loop(2, alpha, opt, done, s.ft_steps, s.ft_lr, stage2_loss, evaluate)
+        best = self.best["alpha"] if self.best is not None else alpha.detach()
+        return binarize(best, s.ratio, s.align), best
 
 
 def _histogram(keep: torch.Tensor) -> dict[str, int]:

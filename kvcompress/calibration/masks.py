@@ -306,6 +306,9 @@ def save_mask(path: str | os.PathLike, keep: torch.Tensor, meta: dict, alpha: to
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp"
     save_file(tensors, tmp, metadata=strings)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # safetensors writes through a private (0600) temporary file
     os.replace(tmp, path)
 
 
