@@ -1,8 +1,8 @@
 """Per-kernel latency with pytest-benchmark (small shapes; nothing asserts a wall time).
 
 Run:  .venv/bin/python -m pytest benchmarks/test_kernels.py --benchmark-only -q
-On the CPU this times the PyTorch references (the Triton kernel needs a GPU); on a CUDA
-machine it adds the fused KIVI kernel.  For cold-L2 GPU numbers over the full grid of
+On the CPU this times the PyTorch references (the Triton kernels need a GPU); on a CUDA
+machine it adds the fused KIVI kernel and the grouped LeanK kernel.  For cold-L2 GPU numbers over the full grid of
 shapes use ``python -m kvcompress.kernels.benchutil`` (or ``kvcompress bench --kernels``).
 """
 
@@ -64,3 +64,29 @@ def test_kivi_triton(benchmark, packed):
     fused(q, p, SCALE)
     benchmark.group = GROUP_NAME
     benchmark(lambda: (fused(q, p, SCALE), _sync()))
+
+
+@pytest.fixture(scope="module", params=[50, 70], ids=["leank50", "leank70"])
+def leank(request):
+    # SmolLM2 shape: 1024 full-precision tokens + a pruned middle of CTX - 1024 tokens (benchutil.LEANK_COUNTS)
+    return benchutil.leank_inputs(BATCH, KV_HEADS, CTX - benchutil.LEANK_FP_TOKENS, HEAD_DIM, GROUP, request.param,
+                                  torch.device(DEVICE))
+
+
+def test_leank_reference(benchmark, leank):
+    from kvcompress.kernels.leank.reference import grouped_partial_attention
+
+    q, lanes = leank
+    benchmark.group = GROUP_NAME
+    benchmark(lambda: (grouped_partial_attention(q, lanes, SCALE), _sync()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the grouped kernel needs CUDA (the interpreter is not timed)")
+def test_leank_triton(benchmark, leank):
+    from kvcompress.kernels.leank.triton_kernel import grouped_partial_attention
+
+    q, lanes = leank
+    grouped_partial_attention(q, lanes, SCALE)
+    benchmark.group = GROUP_NAME
+    benchmark(lambda: (grouped_partial_attention(q, lanes, SCALE), _sync()))

@@ -34,6 +34,12 @@ CASES = {
     "b2-all-invalid-region": (1, 2, 4, 64, 64, 2, 2, 32, 32, {"all_invalid": True}),
     "b2-bf16-query": (1, 1, 4, 64, 64, 3, 2, 32, 32, {"dtype": "bfloat16"}),
     "b4-fp32-query-g16": (1, 1, 3, 64, 64, 9, 4, 16, 16, {"dtype": "float32"}),
+    # non-default configurations (tile of several key groups, mma.sync formulation, eager rescale, no prefetch)
+    "b2-bn64-multi-group-tiles-4warps": (1, 2, 4, 64, 64, 6, 2, 16, 16, {"config": {"BN": 64, "num_warps": 4}}),
+    "b4-qk-form-eager-no-prefetch": (2, 1, 4, 32, 32, 5, 4, 32, 32,
+                                     {"config": {"TRANS": False, "LAZY": False, "PREFETCH": False}, "pad": 9}),
+    "b2-bn32-g64-partial-split": (1, 1, 3, 64, 64, 3, 2, 64, 32, {"config": {"BN": 32}, "splits": 2}),
+    "b2-dk8-padded-key-word": (1, 2, 4, 8, 32, 3, 2, 32, 32, {}),
 }
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3
 
@@ -75,7 +81,7 @@ def run_case(name: str, device: str = "cpu") -> dict:
 
     q, packed, extra = make_case(name, device)
     scale = q.shape[-1] ** -0.5
-    out, lse = triton_kernel._forward(q, packed, scale, splits=extra.get("splits"))
+    out, lse = triton_kernel._forward(q, packed, scale, splits=extra.get("splits"), config=extra.get("config"))
     ref_out, ref_lse = kivi_attention_partial(q, packed, scale)
     finite = torch.isfinite(ref_lse)
     res = {
@@ -139,6 +145,25 @@ def test_invalid_arguments_raise():
         triton_kernel._forward(q, PackedKV(**{**packed.__dict__, "k_per_token": True}), 0.1)
     with pytest.raises(ValueError, match="k_codes"):
         triton_kernel._forward(q[..., :32], packed, 0.1)
+
+
+def test_dispatch_is_an_explicit_capability_check():
+    """Unsupported packs go to the reference through ``supports()``, not by catching kernel errors."""
+    from kvcompress.kernels import kivi
+    from kvcompress.kernels.kivi import triton_kernel
+    from kvcompress.kernels.kivi.reference import PackedKV
+
+    q, packed, _ = make_case("b2-gqa4-padding-allinvalid-row")
+    assert triton_kernel.supports(q, packed)
+    assert not triton_kernel.supports(q, PackedKV(**{**packed.__dict__, "group": 48}))
+    assert not triton_kernel.supports(q, PackedKV(**{**packed.__dict__, "k_per_token": True}))
+    assert not triton_kernel.supports(q[..., :32], packed)
+    out, lse = kivi.kivi_attention_partial(q, packed, 0.1)  # CPU tensors: the reference
+    ref_out, ref_lse = kivi.kivi_attention_partial_reference(q, packed, 0.1)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    import inspect
+
+    assert "except" not in inspect.getsource(kivi.kivi_attention_partial)
 
 
 def test_import_compiles_nothing():

@@ -106,14 +106,14 @@ def oracle(query, lanes, scale):
 
 
 def _compare(out, lse, ref_out, ref_lse) -> dict:
-    finite = torch.isfinite(ref_lse)
     out, lse, ref_out, ref_lse = out.double().cpu(), lse.double().cpu(), ref_out.double().cpu(), ref_lse.double().cpu()
+    finite = torch.isfinite(ref_lse)
     return {
-        "same_inf": bool(torch.equal(torch.isfinite(lse), finite.cpu())),
+        "same_inf": bool(torch.equal(torch.isfinite(lse), finite)),
         "out_err": float((out - ref_out).abs().max()),
         "out_tol_ok": bool(torch.allclose(out, ref_out, atol=ATOL, rtol=RTOL)),
         "lse_err": float((lse[finite] - ref_lse[finite]).abs().max()) if bool(finite.any()) else 0.0,
-        "dead_rows_zero": bool((out[~finite.cpu()] == 0).all()),
+        "dead_rows_zero": bool((out[~finite] == 0).all()),
         "any_nan": bool(torch.isnan(out).any() or torch.isnan(lse).any()),
         "shape": list(out.shape),
     }

@@ -22,10 +22,16 @@ rows, a range of tokens, ``BN`` tokens per loop iteration):
   default - half the padding of the 16-row M operand), the token and channel tiles are M.
 * Online softmax in base 2; ``LAZY`` rescales the accumulator only in the iterations
   where a row maximum grows (a warp-uniform branch; rare after the first blocks).
-* Default launch: small CTAs (``num_warps`` from :func:`_config`), so the softmax
-  reductions stay inside a warp or two and many CTAs per SM hide memory latency;
-  ``num_stages`` software-pipelines the code loads.  Each split writes a normalised
-  partial and its LSE; a second small kernel merges the splits (skipped for one split).
+* Default launch (measured on an H200): 1-warp CTAs, 16-token tiles, registers capped at 128, so the
+  softmax reductions stay inside a warp and ~16 CTAs per SM hide latency; the split count targets two
+  waves of them.  The valid flags and value scales (too small for async copies) are prefetched one tile
+  ahead in registers; ``num_stages`` software-pipelines the code and key-scale loads.  Each split writes a
+  normalised partial and its LSE; a second small kernel merges the splits (skipped for one split).
+
+Performance (H200, Triton 3.6; docs/results.md "KIVI decode kernel", v2): correct to fp16 level;
+Llama B = 16, 32k: 552 us for KIVI-2 (0.88x torch SDPA on the fp16 cache, 1.22x the v1 kernel), 0.74
+TB/s on the compressed bytes.  Still latency-bound (~4.8 SASS instructions per code, issued at about a
+quarter of the SMs' rate); slower than v1 at B = 1.
 
 Inputs: the query may be any float dtype and any strides (it is tiny).  Packed
 tensors may be strided views (the first ``n`` groups of a preallocated buffer) as
@@ -34,9 +40,9 @@ group, ``[Dv/PER]`` words and ``[Dv/Gv]`` scales per value token, ``[Dk]`` scale
 group, the tokens of ``valid``); otherwise they are copied with ``.contiguous()``.
 
 Limits (:func:`supports`, the dispatcher's capability check): key group ``G`` a power of
-two in 16..128; ``Dk`` up to 256 (padded in registers to a power of two); ``Dv`` a multiple
-of ``PER`` and of the value group ``Gv`` (a power of two), up to 256; per-channel keys
-(the ``k_per_token`` ablation goes to the reference).
+two in 16..128; an even ``Dk`` up to 256 (padded in registers to a power of two); ``Dv`` a
+multiple of ``PER`` and of the value group ``Gv`` (a power of two >= 2), up to 256; per-channel
+keys (the ``k_per_token`` ablation goes to the reference).
 
 Tuning: :func:`_config` holds the measured defaults; ``KVCOMPRESS_KIVI_CONFIG`` (JSON)
 overrides them for experiments (``benchmarks/gpu_kivi.py`` sweeps it).
@@ -420,7 +426,8 @@ def _asm_ok(device: torch.device) -> bool:
 
 
 def _config(bits: int, group: int, dk: int, dv: int, v_group: int) -> dict:
-    """Kernel constexprs and launch options for one problem class (tuned on an H200, Triton 3.6).
+    """Kernel constexprs and launch options for one problem class (measured on an H200, Triton 3.6:
+    ``benchmarks/gpu_kivi.py --sweep``; the 1-warp, 16-token configuration won at B >= 16 for both widths).
 
     ``KVCOMPRESS_KIVI_CONFIG`` (JSON) overrides entries, either flat (``{"BN": 64}``) or per bit width
     (``{"2": {...}, "4": {...}}``) - a tuning knob for benchmarks, not needed for correctness.
