@@ -240,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--markdown", action="store_true", help="print the tables as Markdown (for docs/results.md)")
     bn.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     bn.set_defaults(func=_cmd_bench)
+
+    from .calibration.cli import add_parser as add_calibrate  # argparse only; nothing heavy is imported
+
+    add_calibrate(sub)
     return parser
 
 
