@@ -95,16 +95,23 @@ class KiviCodec:
     def encode(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
         """Quantize ``k``/``v`` ``[batch, heads, T, d]`` (T a multiple of G); masked slots never widen a range."""
         if not bool(valid.all()):
-            w = valid[:, None, :, None]
-            count = w.sum(dim=2, keepdim=True).clamp(min=1)
-            k = torch.where(w, k, (k * w).sum(dim=2, keepdim=True) / count)
-            v = torch.where(w, v, (v * w).sum(dim=2, keepdim=True) / count)
+            k, v = self._fill_masked(k, valid), self._fill_masked(v, valid)
         if self.per_token_keys:
             kc, ks, kz = quantize_values(k, self.bits, self.v_group)
         else:
             kc, ks, kz = quantize_keys(k, self.bits, self.group)
         vc, vs, vz = quantize_values(v, self.bits, self.v_group)
         return dict(zip(self.names, (kc, ks, kz, vc, vs, vz)))
+
+    def _fill_masked(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Give masked slots the mean of the valid tokens of their own G-group (0 if none), so a
+        group's min/max - hence its scale - is exactly that of its valid tokens."""
+        b, h, t, d = x.shape
+        g = self.group
+        w = valid.view(b, 1, t // g, g, 1)
+        xg = x.view(b, h, t // g, g, d)
+        mean = (xg * w).sum(dim=3, keepdim=True) / w.sum(dim=3, keepdim=True).clamp(min=1)
+        return torch.where(w, xg, mean.to(x.dtype)).view(b, h, t, d)
 
     def packed(self, payload: dict[str, torch.Tensor], valid: torch.Tensor) -> PackedKV:
         return PackedKV(self.bits, self.group, *(payload[n] for n in self.names), valid,

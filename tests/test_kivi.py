@@ -242,3 +242,18 @@ def test_merged_partials_equal_joint_reference_on_mixed_segments():
     got = attend_segments(query, segs, qpos, 0.2)
     ref = segment_attention(query, segs, qpos, 0.2)
     assert torch.allclose(got, ref, atol=1e-5)
+
+
+def test_masked_slots_never_widen_a_key_group():
+    """Evicted / padded slots are encoded with their group's valid mean: valid tokens quantize as if alone."""
+    from kvcompress.plugins.kivi import KiviCodec, KiviConfig
+
+    codec = KiviCodec(KiviConfig(bits=2, group=16, residual=0), head_dim=16)
+    gen = torch.Generator().manual_seed(21)
+    k, v = torch.randn(1, 2, 32, 16, generator=gen), torch.randn(1, 2, 32, 16, generator=gen)
+    k[:, :, 20] = 100.0  # a huge masked key in the second group
+    valid = torch.ones(1, 32, dtype=torch.bool)
+    valid[0, 20] = False
+    got = dequantize_keys(*(codec.encode(k, v, valid)[n] for n in ("k_codes", "k_scale", "k_zero")), 2)
+    alone = fake_quant(k[:, :, 16:32][:, :, valid[0, 16:]], 2, dim=2)
+    assert torch.allclose(got[:, :, 16:32][:, :, valid[0, 16:]], alone, atol=1e-5)

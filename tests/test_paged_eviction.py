@@ -120,8 +120,9 @@ def oracle_logits(model, ids, chunks, *, budget, block, sinks, recent=0, flush=N
             for page in log:  # each page is encoded once, from its own kept tokens
                 idx = torch.tensor(page)
                 slots = km[:, :, idx]
-                if len(page) % group:  # a partial page: empty slots hold the page's mean (the codec's fill)
-                    fill = slots.mean(dim=2, keepdim=True).expand(b, hkv, group - len(page) % group, d)
+                if len(page) % group:  # a partial group: empty slots hold the mean of its valid tokens
+                    last = slots[:, :, len(page) // group * group:]
+                    fill = last.mean(dim=2, keepdim=True).expand(b, hkv, group - len(page) % group, d)
                     slots = torch.cat([slots, fill], dim=2)
                 for g0 in range(0, slots.shape[2], group):
                     slots[:, :, g0:g0 + group] = fake_quant(slots[:, :, g0:g0 + group], bits, dim=2)
