@@ -228,7 +228,7 @@ def test_shipped_masks_are_valid_files():
 # ----------------------------------------------------------------------------- scaled attention
 
 
-def _loop_reference(query, key, value, alpha, sinks, local, scaling):
+def _loop_reference(query, key, value, alpha, sinks, local, scaling, drop=True):
     """Per (batch, head, query) loops: middle keys scaled channel-wise by alpha, others exact."""
     b, hq, q_len, d = query.shape
     hkv, kv_len = key.shape[1], key.shape[2]
@@ -236,7 +236,7 @@ def _loop_reference(query, key, value, alpha, sinks, local, scaling):
     for bi in range(b):
         for h in range(hq):
             g = h // (hq // hkv)
-            drop_middle = not alpha[g].any()  # a head keeping no channel reads sinks + local only
+            drop_middle = drop and not alpha[g].any()  # a head keeping no channel reads sinks + local only
             for i in range(q_len):
                 t = kv_len - q_len + i
                 keys, rows = [], []
@@ -261,16 +261,16 @@ def test_scaled_attention_matches_an_independent_masked_computation():
     one_empty = (alpha > 0.5).float()
     one_empty[1, 0] = 0
     module = types.SimpleNamespace(layer_idx=1)
-    for a, sinks, local in ((alpha, 2, 3), ((alpha > 0.5).float(), 1, 0), (one_empty, 2, 1),
-                            (torch.zeros_like(alpha), 0, 2)):
+    for a, sinks, local, drop in ((alpha, 2, 3, True), ((alpha > 0.5).float(), 1, 0, True), (one_empty, 2, 1, True),
+                                  (one_empty, 2, 1, False), (torch.zeros_like(alpha), 0, 2, True)):
         prefix = [(k[:, :, :7], v[:, :, :7])] * 3
-        state = attn.ScaledKeys(alpha=a, sinks=sinks, local=local, prefix=prefix)
+        state = attn.ScaledKeys(alpha=a, sinks=sinks, local=local, prefix=prefix, drop_empty_heads=drop)
         attn._ACTIVE.append(state)
         try:
             got, _ = attn.scaled_attention_forward(module, q, k[:, :, 7:], v[:, :, 7:], None, scaling=0.3)
         finally:
             attn._ACTIVE.remove(state)
-        ref = _loop_reference(q, k, v, a[1], sinks, local, 0.3)
+        ref = _loop_reference(q, k, v, a[1], sinks, local, 0.3, drop)
         torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
 
 
@@ -372,11 +372,11 @@ def test_training_resumes_from_the_checkpoint(tmp_path, monkeypatch):
     real = trainer.tail_mse
     calls = {"n": 0}
 
-    def flaky(alpha, idx):
+    def flaky(alpha, idx, **kw):
         calls["n"] += 1
         if calls["n"] == 8:  # interrupted in stage 1, after the checkpoint of step 6
             raise KeyboardInterrupt
-        return real(alpha, idx)
+        return real(alpha, idx, **kw)
 
     monkeypatch.setattr(trainer, "tail_mse", flaky)
     with pytest.raises(KeyboardInterrupt):
@@ -398,6 +398,8 @@ def test_settings_are_validated_before_anything_runs():
         LeanKSettings(ratio=0.5, align=16, sinks=64, local=512, context=512).validate()
     with pytest.raises(ConfigError, match="--align"):
         LeanKSettings(ratio=0.5, align=24).validate(64)
+    with pytest.raises(ConfigError, match="--data"):
+        LeanKSettings(ratio=0.5, align=16, data=("passkey", "essay")).validate()
     assert checkpoint_path("masks/a.safetensors") == "masks/a.ckpt.safetensors"
 
 
@@ -416,6 +418,12 @@ def test_retrieval_samples_have_the_fixed_layout():
         for start in s.needle_starts:
             assert raw[start + 1:start + 4] == b"The"
     assert samples == data.retrieval_samples(Tok(), tokens, 4, context=1500, tail=60, seed=3)
+    mixed = data.retrieval_samples(Tok(), tokens, 3, context=1500, tail=60, seed=3,
+                                   kinds=("passkey", "key-value", "text"))
+    text = mixed[2]
+    assert text.kind == "text" and len(text.ids) == 1560 and bytes(text.ids) in bytes(tokens)
+    with pytest.raises(ValueError, match="kinds"):
+        data.retrieval_samples(Tok(), tokens, 3, context=1500, tail=60, kinds=("essay",))
     train, held = data.split_text("train"), data.split_text("heldout")
     assert held[:200] not in train and 3 * len(held) < len(train)
 
@@ -461,3 +469,25 @@ def test_calibrate_writes_trained_rope_and_qk_masks_for_a_loaded_model(tmp_path)
     mask = load_mask(tmp_path / "r.safetensors", model.config)
     assert mask.meta["model"] == "tiny" and mask.meta["sinks"] == 2 and mask.meta["local"] == 6
     assert math.isclose(mask.kept_fraction, 0.5)
+
+
+# ----------------------------------------------------------------------------- the compressor consumes the files
+
+
+def test_leank_compressor_reads_a_mask_file_and_refuses_another_models(tmp_path):
+    import kvcompress
+
+    model = tiny_model("llama")
+    alpha = torch.rand(2, 2, 16, generator=torch.Generator().manual_seed(4))
+    keep = binarize(alpha, 0.5, 4)
+    path = tmp_path / "tiny.safetensors"
+    save_mask(path, keep, _meta(model.config), alpha=alpha)
+    stack = kvcompress.parse_stack({"compressors": [{"leank": {"mask": str(path), "sinks": 2, "local": 8, "flush": 4}}]})
+    ids = torch.randint(1, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), kvcompress.compress(model, stack) as cache:
+        model(ids, cache=cache)
+        model(ids[:, :1], cache=cache)
+    other = tiny_model("llama", layers=3)
+    with pytest.raises(MaskFileError, match="made for"):
+        with torch.no_grad(), kvcompress.compress(other, stack) as cache:
+            other(ids, cache=cache)

@@ -6,7 +6,7 @@ For a query at position ``t`` the keys split into three regions:
 * the middle ``sinks <= j < t - local``: scores against keys scaled channel-wise by
   ``alpha[layer, kv_head]`` (a binary ``alpha`` is exactly LeanK's channel pruning).  A head whose
   alpha is zero on every channel does not read the middle at all (LeanK stores no middle K and V
-  for it), rather than scoring every middle key 0.
+  for it), rather than scoring every middle key 0 (``drop_empty_heads=False`` scores them 0).
 
 Both score matrices are computed and selected per (query, key) by the region mask; since
 ``q . (alpha * k) = (alpha * q) . k`` the scaled scores scale the query.  With ``alpha = 1`` the
@@ -51,6 +51,9 @@ class ScaledKeys:
         capture: if a dict, receives ``layer -> (K, V)`` of this forward (detached, after ``prefix``
             is prepended).
         observer: ``fn(layer, query, key)``, called with the full keys.
+        drop_empty_heads: a head whose alpha is 0 on every channel skips the middle (LeanK's
+            deployment: no middle K/V for it).  False: its middle keys all score 0 (the plain
+            continuous relaxation, whose gradient never vanishes; used by training stage 1).
     """
 
     alpha: Any = None
@@ -59,6 +62,7 @@ class ScaledKeys:
     prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     capture: dict | None = None
     observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+    drop_empty_heads: bool = True
 
     def alpha_for(self, layer: int) -> torch.Tensor | None:
         if self.alpha is None:
@@ -124,7 +128,7 @@ def scaled_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor
         scaled = torch.matmul(query * a, keys_t) * scaling
         scores = torch.where(region, scaled, scores)
         empty = (alpha == 0).all(-1).repeat_interleave(groups)  # heads keeping no channel: no middle at all
-        if bool(empty.any()):
+        if state.drop_empty_heads and bool(empty.any()):
             scores = scores.masked_fill(region & empty[None, :, None, None], torch.finfo(scores.dtype).min)
     causal = torch.zeros(q_len, kv_len, dtype=scores.dtype, device=scores.device)
     causal.masked_fill_(k_pos[None, :] > q_pos[:, None], torch.finfo(scores.dtype).min)

@@ -60,6 +60,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--ft-lr", type=float, default=_DEFAULTS.ft_lr,
                    help=f"stage-2 learning rate (default {_DEFAULTS.ft_lr})")
     p.add_argument("--reg", type=float, default=_DEFAULTS.reg, help=f"L1 weight of stage 1 (default {_DEFAULTS.reg})")
+    p.add_argument("--data", default=",".join(_DEFAULTS.data), metavar="KINDS",
+                   help="training sample kinds, comma-separated: passkey, key-value, text "
+                        f"(default {','.join(_DEFAULTS.data)})")
     p.add_argument("--seed", type=int, default=0, help="seed of the samples and their order (default 0)")
     p.add_argument("--resume", action="store_true", help="continue from FILE.ckpt.safetensors if present")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -77,7 +80,8 @@ def _model_name(name: str | None) -> str:
 def _settings(args: argparse.Namespace) -> LeanKSettings:
     return LeanKSettings(ratio=args.ratio, align=args.align, sinks=args.sinks, local=args.local, context=args.context,
                          tail=args.tail, samples=args.samples, batch=args.batch, steps=args.steps,
-                         ft_steps=args.ft_steps, lr=args.lr, ft_lr=args.ft_lr, reg=args.reg, seed=args.seed)
+                         ft_steps=args.ft_steps, lr=args.lr, ft_lr=args.ft_lr, reg=args.reg, seed=args.seed,
+                         data=tuple(k.strip() for k in args.data.split(",") if k.strip()))
 
 
 def run(args: argparse.Namespace) -> int:

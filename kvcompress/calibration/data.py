@@ -10,7 +10,8 @@ exactly ``context`` context tokens followed by exactly ``tail`` question/answer 
 * **passkey**: 1-3 sentences "The first pass key is 48213. Remember it." hidden at random depths
   of a window of documentation text; the tail asks for them and answers;
 * **key-value**: 3-6 sentences "The value of lima-tango is 583920." scattered the same way; the
-  tail asks for several of them and answers.
+  tail asks for several of them and answers;
+* **text** (optional): a plain window of documentation; the tail is its next tokens.
 
 Pieces are tokenized separately and concatenated, so every needle's position is exact, and all
 samples have the same length (they batch without padding).
@@ -101,20 +102,32 @@ def _key_value(rng: random.Random) -> tuple[str, list[tuple[str, str]]]:
     return KV_INTRO, pairs
 
 
+KINDS = ("passkey", "key-value", "text")
+
+
 def retrieval_samples(tokenizer: Any, tokens: list[int], count: int, context: int, tail: int,
-                      seed: int = 0) -> list[Sample]:
-    """``count`` samples (alternating passkey / key-value) of exactly ``context + tail`` tokens.
+                      seed: int = 0, kinds: tuple[str, ...] = ("passkey", "key-value")) -> list[Sample]:
+    """``count`` samples of exactly ``context + tail`` tokens, cycling through ``kinds``.
 
     Args:
         tokenizer: a Hugging Face tokenizer (only ``tokenizer(text).input_ids`` is used).
         tokens: haystack token stream (normally ``split_tokens(tokenizer, "train")``).
         count, context, tail: number of samples, context tokens and tail tokens per sample.
         seed: everything (offsets, keys, depths, question order) follows ``random.Random(seed)``.
+        kinds: ``passkey``, ``key-value`` (retrieval, see the module docstring) and ``text`` (a
+            window of documentation whose tail is simply the next ``tail`` tokens).
     """
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"sample kinds must be some of {KINDS}, got {kinds}")
     rng = random.Random(seed)
     out = []
     for i in range(count):
-        kind = "passkey" if i % 2 == 0 else "key-value"
+        kind = kinds[i % len(kinds)]
+        if kind == "text":
+            start = rng.randrange(0, len(tokens) - context - tail)
+            out.append(Sample(tuple(tokens[start: start + context + tail]), context, kind, ()))
+            continue
         intro, pairs = (_passkey if kind == "passkey" else _key_value)(rng)
         intro_ids = encode(tokenizer, intro)
         needle_ids = [encode(tokenizer, n) for n, _ in pairs]

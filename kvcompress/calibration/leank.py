@@ -7,12 +7,16 @@ step; AdamW, weight decay 0) minimising
 
 where ``h`` are the final hidden states (after the final norm) at the *tail* (question and answer)
 tokens of retrieval samples, and ``h_alpha`` comes from the model whose middle keys
-(``sinks <= j < t - local`` for a query at ``t``) are scaled by alpha.  As in the authors' code and
+(``sinks <= j < t - local`` for a query at ``t``) are scaled by alpha (plain scaling, as the
+authors do: a head whose alpha reaches 0 scores its middle keys 0 and still gets gradients).  As in the authors' code and
 in kvcompress' deployment (prefill is exact, pruning applies to what later queries read), context
 tokens attend exactly: each sample's context is prefilled **once** (its per-layer K/V kept in
 memory) and every step runs only the tail tokens, with gradients into alpha alone (the model's
 weights are frozen).  The learning rate follows the authors' trapezoid (warm-up and cool-down over
 a fifth of the steps each, floor 0.1x).
+
+Stage 2 (and every score of a binary mask) uses the deployment semantics instead: a head keeping
+no channel does not read the middle at all, since the compressor stores no middle K/V for it.
 
 Stage 2 binarizes alpha (:func:`~kvcompress.calibration.masks.binarize`: global threshold at the
 ratio, per-head counts rounded half-up to ``align``), then fine-tunes with the L1 term off: the
@@ -61,6 +65,7 @@ class LeanKSettings:
         lr, ft_lr: AdamW learning rates of stage 1 and stage 2.
         reg: weight of the L1 term mean|alpha| in stage 1.
         seed: samples, their order, and everything random.
+        data: sample kinds, cycled through (see :func:`kvcompress.calibration.data.retrieval_samples`).
     """
 
     ratio: float
@@ -77,6 +82,7 @@ class LeanKSettings:
     ft_lr: float = 0.01
     reg: float = 0.06
     seed: int = 0
+    data: tuple[str, ...] = ("passkey", "key-value", "text")
 
     def validate(self, head_dim: int | None = None) -> "LeanKSettings":
         """Check every value (``align`` against ``head_dim`` when given); raise ConfigError naming the option."""
@@ -97,12 +103,16 @@ class LeanKSettings:
         if self.sinks + self.local + 1 >= self.context:
             raise ConfigError("--context", f"more than sinks + local + 1 = {self.sinks + self.local + 1} tokens "
                               "(the middle region must be non-empty)", self.context)
+        if not self.data or any(k not in data.KINDS for k in self.data) or len(set(self.data)) != len(self.data):
+            raise ConfigError("--data", f"a comma-separated subset of {','.join(data.KINDS)}", ",".join(self.data))
         if self.batch > self.samples:
             raise ConfigError("--batch", f"at most --samples ({self.samples})", self.batch)
         return self
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out["data"] = list(self.data)
+        return out
 
 
 def lr_factor(step: int, steps: int) -> float:
@@ -166,7 +176,8 @@ class LeanKTrainer:
         s = self.settings
         if samples is None:
             tokens = data.split_tokens(self.tokenizer, "train")
-            samples = data.retrieval_samples(self.tokenizer, tokens, s.samples, s.context, s.tail, seed=s.seed)
+            samples = data.retrieval_samples(self.tokenizer, tokens, s.samples, s.context, s.tail, seed=s.seed,
+                                             kinds=tuple(s.data))
         self.samples = samples
         layers = self.shape[0]
         ks: list[list[torch.Tensor]] = [[] for _ in range(layers)]
@@ -205,13 +216,17 @@ class LeanKTrainer:
             out.append(int(torch.randperm(n, generator=g)[k]))
         return torch.tensor(out)
 
-    def tail_mse(self, alpha: Any, idx: torch.Tensor) -> torch.Tensor:
-        """MSE of the tail hidden states of samples ``idx`` with middle keys scaled by ``alpha``."""
+    def tail_mse(self, alpha: Any, idx: torch.Tensor, drop_empty_heads: bool = True) -> torch.Tensor:
+        """MSE of the tail hidden states of samples ``idx`` with middle keys scaled by ``alpha``.
+
+        ``drop_empty_heads``: see :class:`~kvcompress.calibration.attention.ScaledKeys`.
+        """
         s = self.settings
         prefix = [(k[idx], v[idx]) for k, v in zip(self.pool_k, self.pool_v)]
         tail = self.tails[idx]
         positions = torch.arange(self.context, self.context + tail.shape[1])[None].expand(len(idx), -1)
-        with scaled_keys(self.model, ScaledKeys(alpha=alpha, sinks=s.sinks, local=s.local, prefix=prefix)):
+        state = ScaledKeys(alpha=alpha, sinks=s.sinks, local=s.local, prefix=prefix, drop_empty_heads=drop_empty_heads)
+        with scaled_keys(self.model, state):
             hidden = hf.final_hidden_states(self.model, tail, positions)
         return (hidden.float() - self.targets[idx]).pow(2).mean(-1).mean()
 
@@ -337,7 +352,7 @@ class LeanKTrainer:
                 self._restore(alpha, opt, restored[2])
 
             def stage1_loss(step: int) -> tuple[torch.Tensor, str]:
-                mse = self.tail_mse(alpha, self.batch_indices(step, 1))
+                mse = self.tail_mse(alpha, self.batch_indices(step, 1), drop_empty_heads=False)
                 l1 = alpha.abs().mean()
                 return mse + s.reg * l1, f"mse {mse.detach().item():.5f} + {s.reg}*l1 {l1.detach().item():.3f}"
 
@@ -421,7 +436,7 @@ def calibrate(method: str, settings: LeanKSettings, *, model: Any = None, tokeni
         trainer = LeanKTrainer(model, tokenizer, settings, checkpoint=checkpoint_path(out) if out else None, log=log)
         keep, alpha = trainer.train(resume=resume)
         details = settings.to_dict()
-        details["data"] = "passkey + key-value retrieval over pydoc_data.topics (training split)"
+        details["text"] = "pydoc_data.topics (training split)"
         extra["history"] = trainer.history
     elif method == "rope":
         keep = rope_mask(model.config, settings.ratio, settings.align)
