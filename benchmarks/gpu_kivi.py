@@ -123,6 +123,8 @@ def sweep(configs: dict[str, dict], shapes, dev: str = "cuda", v1: bool = False)
             t0 = time.time()
             try:
                 if cfg is None:
+                    # v1 lives in git history (kernels/kivi/triton_kernel.py at commit b3d01f2):
+                    #   git show b3d01f2:kernels/kivi/triton_kernel.py > benchmarks/kivi_v1_kernel.py
                     sys.path.insert(0, os.path.dirname(__file__))
                     import kivi_v1_kernel as v1k
 

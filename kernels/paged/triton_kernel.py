@@ -25,11 +25,14 @@ dtype); fp32 pages use ``input_precision="ieee"``.  Limits: ``P`` a power of two
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
+
+from kvcompress.kernels.attention.triton_shared import combine_splits
+from kvcompress.kernels.attention.triton_shared import num_sms as _num_sms
+from kvcompress.kernels.attention.triton_shared import pow2 as _pow2
 
 LOG2E = 1.4426950408889634
 
@@ -115,42 +118,6 @@ def _paged_split_kernel(
     tl.store(LSE + pid_s * sl_s + b * sl_b + h * sl_h + offs_m, lse, mask=m_ok)
 
 
-@triton.jit
-def _combine_kernel(PO, PL, OUT, LSE, S, M, spo_s, spl_s,
-                    DV: tl.constexpr, DV_PAD: tl.constexpr, S_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Merge ``S`` split partials (contiguous ``[S, B*H, M, Dv]`` / ``[S, B*H, M]``) by log-sum-exp."""
-    pid_bh = tl.program_id(0).to(tl.int64)
-    pid_m = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_s = tl.arange(0, S_PAD)
-    offs_d = tl.arange(0, DV_PAD)
-    m_ok = offs_m < M
-    lse = tl.load(PL + offs_s[:, None] * spl_s + pid_bh * M + offs_m[None, :],
-                  mask=(offs_s < S)[:, None] & m_ok[None, :], other=float("-inf"))
-    top = tl.max(lse, axis=0)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.sum(tl.exp(lse - top[None, :]), axis=0)
-    acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
-    row = pid_bh * M * DV + offs_m[:, None] * DV + offs_d[None, :]
-    ok = m_ok[:, None] & (offs_d < DV)[None, :]
-    for s in range(S):
-        w = tl.exp(tl.load(PL + s * spl_s + pid_bh * M + offs_m, mask=m_ok, other=float("-inf")) - top)
-        acc += w[:, None] * tl.load(PO + s * spo_s + row, mask=ok, other=0.0)
-    t_ok = total > 0.0
-    tl.store(OUT + row, acc / tl.where(t_ok, total, 1.0)[:, None], mask=ok)
-    tl.store(LSE + pid_bh * M + offs_m, tl.where(t_ok, top + tl.log(tl.where(t_ok, total, 1.0)), float("-inf")),
-             mask=m_ok)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _target_programs(device: torch.device) -> int:
     if device.type == "cuda":
         return 4 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
@@ -228,9 +195,7 @@ def _forward(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
         IEEE=k.dtype == torch.float32, num_warps=4, num_stages=2,
     )
     if splits > 1:
-        _combine_kernel[(b * h, m_blocks)](
-            po, pl, out, lse, splits, m, po.stride(0), pl.stride(0),
-            DV=dv, DV_PAD=max(16, _pow2(dv)), S_PAD=max(2, _pow2(splits)), BLOCK_M=block_m, num_warps=4)
+        combine_splits(po, pl, out, lse, splits, m, b * h, dv, block_m)
     return out, lse
 
 
