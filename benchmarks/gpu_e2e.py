@@ -27,11 +27,24 @@ STACKS = {
 }
 
 
+def registry():
+    """The built-ins registered directly (the device image runs the package from a copied tree,
+    without installed entry points)."""
+    from kvcompress.plugins import kivi, leank, paged_eviction, window
+    from kvcompress.registry import Registry
+
+    reg = Registry()
+    for module in (kivi, leank, paged_eviction, window):
+        module.kvcompress_register_compressors(lambda spec: reg.add(spec, "built-in"))
+    return reg
+
+
 def run(model, ids, stack):
     from kvcompress.adapters import hf
 
     out = []
-    with kvcompress.compress(model, {"compressors": stack}) as cache, torch.no_grad():
+    stack = kvcompress.parse_stack({"compressors": stack}, registry=registry())
+    with kvcompress.compress(model, stack) as cache, torch.no_grad():
         kw = {hf.cache_kwarg(model): cache}  # transformers 5.17 (device image) vs 5.24
         model(ids[:, :100], **kw)
         for t in range(100, ids.shape[1]):
