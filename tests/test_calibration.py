@@ -491,3 +491,13 @@ def test_leank_compressor_reads_a_mask_file_and_refuses_another_models(tmp_path)
     with pytest.raises(MaskFileError, match="made for"):
         with torch.no_grad(), kvcompress.compress(other, stack) as cache:
             other(ids, cache=cache)
+
+
+def test_mask_and_cli_modules_do_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = ("import sys, kvcompress.calibration.cli, kvcompress.calibration.masks; "
+            "print('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False"]

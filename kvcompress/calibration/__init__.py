@@ -2,11 +2,12 @@
 
 * :mod:`.masks`: ``binarize``, ``rope_mask``, ``save_mask`` / ``load_mask`` (``MaskFile``),
   ``config_hash`` - light (torch + safetensors only); this is what a compressor imports.
-* :mod:`.leank`: two-stage training (``LeanKSettings``, ``LeanKTrainer``, ``calibrate``).
+* :mod:`.leank`: two-stage training (``LeanKTrainer``, ``calibrate``; settings in :mod:`.settings`).
 * :mod:`.qk`: the calibrated mean |q.k| baseline (``qk_scores``, ``qk_mask``).
 * :mod:`.attention`: the alpha-scaled attention, registered through ``kvcompress.adapters.hf``.
 * :mod:`.emulate`: a one-pass quality check of a mask (KL, perplexity, top-1).
-* :mod:`.cli`: ``kvcompress calibrate leank ...``.
+* :mod:`.data`: offline text (``pydoc_data.topics``, train / held-out split) and training samples.
+* :mod:`.cli`: ``kvcompress calibrate leank ...`` (importing it loads neither transformers nor a model).
 
 The training parts import transformers; they load on first use.
 """
@@ -19,7 +20,7 @@ from typing import Any
 from .masks import FORMAT, MaskFile, MaskFileError, binarize, config_hash, load_mask, rope_mask, save_mask
 
 _LAZY = {
-    "LeanKSettings": "leank", "LeanKTrainer": "leank", "calibrate": "leank",
+    "LeanKSettings": "settings", "LeanKTrainer": "leank", "calibrate": "leank",
     "qk_mask": "qk", "qk_scores": "qk",
 }
 

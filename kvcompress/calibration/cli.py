@@ -12,7 +12,7 @@ import sys
 import time
 
 from ..errors import ConfigError, KVCompressError
-from .leank import LeanKSettings
+from .settings import LeanKSettings
 
 _DEFAULTS = LeanKSettings(ratio=0.5, align=16)
 
@@ -21,8 +21,9 @@ Make a LeanK key-channel mask (arXiv 2508.02215) for a model and save it as a sa
 
 methods:
   trained  two-stage training (default): learn per-channel scaling factors of the middle keys on
-           retrieval samples built from the standard library's documentation, binarize at the
-           ratio with per-head counts rounded to --align, fine-tune with a straight-through mask
+           retrieval and plain-text samples built from the standard library's documentation,
+           binarize at the ratio with per-head counts rounded to --align, fine-tune with a
+           straight-through mask
   rope     training-free: every head keeps its lowest-frequency RoPE channel pairs
   qk       calibrated baseline: channels ranked by mean |q_c k_c| over documentation text
 

@@ -142,7 +142,7 @@ def check_align(align: int, head_dim: int, path: str = "align") -> int:
     if isinstance(align, bool) or not isinstance(align, int) or not 1 <= align <= head_dim or head_dim % align:
         allowed = [a for a in range(1, head_dim + 1) if head_dim % a == 0]
         raise ConfigError(path, f"a divisor of head_dim {head_dim} (one of {allowed})", align,
-                          hint="every head keeps a multiple of align channels")
+                          hint="Every head keeps a multiple of align channels")
     return align
 
 
