@@ -32,6 +32,8 @@ FORMAT = "kvcompress.leank-mask/1"
 METHODS = ("trained", "rope", "qk")
 REQUIRED_META = ("model", "model_config_hash", "ratio", "align", "sinks", "local", "method", "settings")
 _INT_META = ("align", "sinks", "local")
+_JSON_META = ("model_geometry", "history", "count_histogram")
+_FLOAT_META = ("kept_fraction", "seconds")
 
 
 class MaskFileError(ConfigError):
@@ -238,8 +240,9 @@ def rope_mask(model_config: Any, ratio: float, align: int) -> torch.Tensor:
 class MaskFile:
     """A loaded mask: ``keep`` (bool ``[layers, kv_heads, head_dim]``), ``alpha`` or None, metadata.
 
-    ``meta`` holds the file's metadata with ``ratio`` as float, ``align``/``sinks``/``local`` as
-    int and ``settings``/``model_geometry`` decoded from JSON; everything else stays a string.
+    ``meta`` holds the file's metadata with ``ratio``/``kept_fraction``/``seconds`` as float,
+    ``align``/``sinks``/``local`` as int and ``settings``/``model_geometry``/``history``/
+    ``count_histogram`` decoded from JSON; everything else stays a string.
     """
 
     keep: torch.Tensor
@@ -319,8 +322,12 @@ def _parse_meta(path: str, raw: dict) -> dict:
         for key in _INT_META:
             meta[key] = int(raw[key])
         meta["settings"] = json.loads(raw["settings"])
-        if "model_geometry" in raw:
-            meta["model_geometry"] = json.loads(raw["model_geometry"])
+        for key in _JSON_META:
+            if key in raw:
+                meta[key] = json.loads(raw[key])
+        for key in _FLOAT_META:
+            if key in raw:
+                meta[key] = float(raw[key])
     except (KeyError, ValueError) as exc:
         raise MaskFileError(path, f"a {FORMAT} file with the metadata {list(REQUIRED_META)}",
                             f"unreadable metadata ({exc})", hint=_make_hint()) from None
