@@ -13,14 +13,15 @@ the interpreter computes bf16 ``tl.dot`` wrongly, and the kernel never issues on
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from interpreter import collect
+from interpreter import interpreted as run_interpreted
 
 # name -> (batch, kv_heads, rows M, Dk, Dv, groups NG, bits, key group G, value group Gv, extras)
 CASES = {
@@ -97,23 +98,12 @@ def run_case(name: str, device: str = "cpu") -> dict:
 
 
 def _worker(path: str) -> None:
-    results = {}
-    for name in CASES:
-        try:
-            results[name] = run_case(name)
-        except Exception as exc:  # reported per case by the parent
-            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
-    Path(path).write_text(json.dumps(results))
+    collect({name: (lambda n=name: run_case(n)) for name in CASES}, path)
 
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("kivi") / "results.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, __file__, "--worker", str(out)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return run_interpreted(__file__, tmp_path_factory.mktemp("kivi"))
 
 
 def _check(res: dict, name: str) -> None:

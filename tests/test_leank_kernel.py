@@ -9,7 +9,6 @@ small (the interpreter computes bf16 ``tl.dot`` wrongly and is slow).
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -17,6 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from interpreter import collect
+from interpreter import interpreted as run_interpreted
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -167,28 +169,16 @@ def read_path_case(device: str = "cpu") -> dict:
 
 
 def _worker(path: str) -> None:
-    results = {}
-    for name in CASES:
-        try:
-            results[name] = run_case(name)
-        except Exception as exc:  # reported per case by the parent
-            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
-    try:
+    def read_path() -> dict:
         os.environ["KVCOMPRESS_KERNELS"] = "triton"
-        results["read-path"] = read_path_case()
-    except Exception as exc:
-        results["read-path"] = {"error": f"{type(exc).__name__}: {exc}"}
-    Path(path).write_text(json.dumps(results))
+        return read_path_case()
+
+    collect({**{name: (lambda n=name: run_case(n)) for name in CASES}, "read-path": read_path}, path)
 
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("leank") / "results.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, __file__, "--worker", str(out)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return run_interpreted(__file__, tmp_path_factory.mktemp("leank"))
 
 
 def _check(res: dict, name: str) -> None:

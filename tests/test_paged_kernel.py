@@ -10,14 +10,15 @@ Pages are fp16 (the interpreter computes bf16 ``tl.dot`` wrongly, triton#11584) 
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from interpreter import collect
+from interpreter import interpreted as run_interpreted
 
 # name -> (batch, kv_heads, rows M, Dk, Dv, page size P, pool pages, table width, dtype, extras)
 CASES = {
@@ -102,23 +103,12 @@ def run_case(name: str, device: str = "cpu") -> dict:
 
 
 def _worker(path: str) -> None:
-    results = {}
-    for name in CASES:
-        try:
-            results[name] = run_case(name)
-        except Exception as exc:  # reported per case by the parent
-            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
-    Path(path).write_text(json.dumps(results))
+    collect({name: (lambda n=name: run_case(n)) for name in CASES}, path)
 
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("paged") / "results.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, __file__, "--worker", str(out)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return run_interpreted(__file__, tmp_path_factory.mktemp("paged"), OMP_NUM_THREADS="1")
 
 
 def _check(res: dict, name: str) -> None:
