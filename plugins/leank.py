@@ -78,19 +78,20 @@ class LeanKCompressor(Compressor):
         self.load(layer.model_config)  # fail at cache build, not at the first flush
         return Layout(sinks=self.config.sinks or None, recent=self.config.local, flush=self.config.flush)
 
-    def _plan(self, layer, device) -> list[tuple[int, torch.Tensor]]:
+    def _plan(self, layer, device) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Per kv head: (index, ``[1]`` head tensor, kept channels) on ``device``, built once per layer."""
         plan = layer.state.get("leank")
         if plan is None:
             keep = self.keep[layer.info.index]
-            plan = [(h, keep[h].nonzero().flatten().to(device)) for h in range(keep.shape[0])]
+            plan = [(h, torch.tensor([h], device=device), keep[h].nonzero().flatten().to(device))
+                    for h in range(keep.shape[0])]
             layer.state["leank"] = plan
         return plan
 
     @hookimpl
     def kvcompress_prune_channels(self, layer, block):
         groups = []
-        for h, channels in self._plan(layer, block.k.device):
-            heads = torch.tensor([h], device=block.k.device)
+        for h, heads, channels in self._plan(layer, block.k.device):
             groups.append(HeadGroup(heads, block.k[:, h:h + 1].index_select(-1, channels), block.v[:, h:h + 1],
                                     channels.unsqueeze(0)))
         return KVBlock(None, None, block.valid, block.positions, block.meta, groups)
