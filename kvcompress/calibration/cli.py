@@ -1,7 +1,10 @@
-"""``kvcompress calibrate leank ...``: make a LeanK mask file.
+"""``kvcompress calibrate ALGORITHM ...``: make a calibration file (LeanK mask, ...).
 
-Wire into the main parser with ``kvcompress.calibration.cli.add_parser(subparsers)``; the
-subcommand's handler (``args.func``) returns the exit code (0 ok, 2 invalid input, 130 interrupted).
+Wire into the main parser with ``kvcompress.calibration.cli.add_parser(subparsers)``; each
+algorithm is a sub-command whose handler (``args.func``) returns the exit code (0 ok, 2 invalid
+input, 130 interrupted).  An algorithm lives in its own module exposing ``add_parser(subparsers)``
+(argparse only: nothing heavy is imported until its handler runs) and is listed in
+:data:`ALGORITHMS`.
 """
 
 from __future__ import annotations
@@ -32,11 +35,28 @@ Training progress and the loss go to stderr; the state is checkpointed next to -
 """
 
 
+# Modules (relative to this package) whose ``add_parser(subparsers)`` adds one algorithm's sub-command.
+ALGORITHMS: tuple[str, ...] = ()
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``calibrate`` subcommand to ``subparsers``; returns its parser."""
-    p = subparsers.add_parser("calibrate", help="make a LeanK K-channel mask file (training or heuristics)",
+    """Add the ``calibrate`` subcommand (one sub-command per algorithm) to ``subparsers``."""
+    import importlib
+
+    p = subparsers.add_parser("calibrate", help="make a calibration file (LeanK mask, ...)",
+                              description="Make the calibration file an algorithm needs; "
+                                          "`kvcompress calibrate ALGORITHM --help` for its options.")
+    algos = p.add_subparsers(dest="algorithm", metavar="ALGORITHM", required=True)
+    add_leank_parser(algos)
+    for name in ALGORITHMS:
+        importlib.import_module(name, __package__).add_parser(algos)
+    return p
+
+
+def add_leank_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``leank`` (``kvcompress calibrate leank ...``) to ``subparsers``; returns its parser."""
+    p = subparsers.add_parser("leank", help="LeanK K-channel mask (training or heuristics)",
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("algorithm", choices=("leank",), help="what to calibrate (only 'leank')")
     p.add_argument("--ratio", type=float, required=True, help="fraction of K channels to prune, e.g. 0.5 or 0.7")
     p.add_argument("--align", type=int, required=True,
                    help="every head keeps a multiple of ALIGN channels (a divisor of head_dim, e.g. 16)")
