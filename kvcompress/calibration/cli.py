@@ -36,7 +36,7 @@ Training progress and the loss go to stderr; the state is checkpointed next to -
 
 
 # Modules (relative to this package) whose ``add_parser(subparsers)`` adds one algorithm's sub-command.
-ALGORITHMS: tuple[str, ...] = ()
+ALGORITHMS: tuple[str, ...] = (".lowrank_cli", ".doublesparse_cli")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -1,0 +1,312 @@
+"""Low-rank key bases: PCA of post-RoPE keys per (layer, KV head), rank choice, and the basis file.
+
+Keys of a head live close to a low-dimensional subspace (Loki, arXiv 2406.02542; Palu, arXiv
+2407.21118; Eigen Attention, arXiv 2408.05646).  Calibration runs the model over offline text
+(:mod:`.data`, training split), collects every layer's post-RoPE keys through the calibration
+attention (:mod:`.attention`, exact SDPA with an observer) and accumulates, per (layer, KV head),
+the *uncentred* second moment ``M = sum_t k_t k_t^T`` (the keys' mean direction is kept in the basis,
+so ``q . k ~ (q U) . (k U)`` needs no offset term).  Its eigenvectors, by decreasing eigenvalue, are
+the basis; the energy fraction of the top ``r`` is ``sum_{i<r} lambda_i / sum_i lambda_i``.
+
+File format ``kvcompress.lowrank-basis/1`` (safetensors, never pickle):
+
+* ``basis``: float16 ``[layers, kv_heads, head_dim, R]``, orthonormal columns by decreasing
+  eigenvalue (R = the largest per-head rank; columns beyond a head's rank are zero);
+* ``rank``: int32 ``[layers, kv_heads]``, the rank each head keeps (a multiple of ``align``);
+* ``eigenvalues``: float32 ``[layers, kv_heads, head_dim]``, the full spectrum (mean per key);
+* string metadata: ``format``, ``model``, ``model_config_hash``, ``model_geometry`` (JSON),
+  ``target`` (``rank=r`` or ``energy=e``), ``align``, ``settings`` (JSON), ``created``.
+
+Light at import (torch + safetensors); the collection pass imports transformers on first use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Iterable, TextIO
+
+import torch
+
+from ..errors import ConfigError
+from .masks import _text_config, config_hash, describe_model, geometry
+
+FORMAT = "kvcompress.lowrank-basis/1"
+
+
+class BasisFileError(ConfigError):
+    """A basis file is missing, malformed, or was made for another model (``path`` is the file)."""
+
+    def __init__(self, path: str, allowed: str, got: Any = None, hint: str | None = None):
+        self.path, self.allowed, self.got, self.hint = path, allowed, got, hint
+        hint = hint or "make one with: kvcompress calibrate lowrank --rank R --out FILE.safetensors"
+        Exception.__init__(self, f"basis file {path}: expected {allowed}, got {got}. {hint[0].upper()}{hint[1:]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LowRankSettings:
+    """Calibration settings (recorded in the file's ``settings`` metadata)."""
+
+    rank: int | None = None
+    energy: float | None = None
+    align: int = 8
+    context: int = 1024
+    samples: int = 8
+    skip: int = 16
+    seed: int = 0
+
+    def validate(self, head_dim: int | None = None) -> "LowRankSettings":
+        """Raise ConfigError naming the option; ``rank``/``align`` against ``head_dim`` when given."""
+        if (self.rank is None) == (self.energy is None):
+            raise ConfigError("--rank/--energy", "exactly one of --rank R or --energy E",
+                              f"rank={self.rank}, energy={self.energy}")
+        top = head_dim or 1 << 16
+        if self.rank is not None and (isinstance(self.rank, bool) or not isinstance(self.rank, int)
+                                      or not 1 <= self.rank <= top):
+            raise ConfigError("--rank", f"an integer in [1, {top}] (head_dim)", self.rank)
+        if self.energy is not None and (not isinstance(self.energy, (int, float)) or math.isnan(self.energy)
+                                        or not 0.0 < self.energy <= 1.0):
+            raise ConfigError("--energy", "a fraction of key energy in (0, 1]", self.energy)
+        if isinstance(self.align, bool) or not isinstance(self.align, int) or not 1 <= self.align <= top \
+                or (head_dim and head_dim % self.align):
+            raise ConfigError("--align", f"a positive divisor of head_dim{f' {head_dim}' if head_dim else ''}",
+                              self.align)
+        if self.rank is not None and self.rank % self.align:
+            raise ConfigError("--rank", f"a multiple of --align ({self.align})", self.rank)
+        for name, lo in (("context", 2), ("samples", 1), ("skip", 0), ("seed", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise ConfigError(f"--{name}", f"an integer >= {lo}", value)
+        if self.skip >= self.context:
+            raise ConfigError("--skip", f"fewer than --context ({self.context}) tokens", self.skip)
+        return self
+
+
+# ----------------------------------------------------------------------------- PCA
+
+
+class KeyMoments:
+    """Observer accumulating ``sum_t k_t k_t^T`` (float64) per (layer, KV head), skipping leading keys."""
+
+    def __init__(self, shape: tuple[int, int, int], skip: int = 0):
+        layers, kv_heads, d = shape
+        self.sums = torch.zeros(layers, kv_heads, d, d, dtype=torch.float64)
+        self.counts = torch.zeros(layers, dtype=torch.long)
+        self.skip = skip
+
+    def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
+        k = key.detach()[:, :, self.skip:].double()  # [B, Hkv, T, d]
+        self.sums[layer] += torch.einsum("bhtc,bhte->hce", k, k)
+        self.counts[layer] += k.shape[0] * k.shape[2]
+
+    def spectrum(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(eigenvalues ``[L, H, d]`` descending, mean per key; eigenvectors ``[L, H, d, d]`` as columns)."""
+        mean = self.sums / self.counts.clamp(min=1).view(-1, 1, 1, 1)
+        values, vectors = torch.linalg.eigh(mean)  # ascending
+        return values.flip(-1).clamp(min=0).float(), vectors.flip(-1).float()
+
+
+@torch.no_grad()
+def key_spectrum(model: Any, tokens: Iterable[torch.Tensor] | torch.Tensor, skip: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """PCA (uncentred) of the post-RoPE keys of ``model`` over ``tokens`` (``[n, length]`` or windows).
+
+    The first ``skip`` keys of every window (attention sinks, kept full precision) are left out.
+    Returns :meth:`KeyMoments.spectrum`.
+    """
+    from ..adapters import hf
+    from .attention import ScaledKeys, check_calibratable, scaled_keys
+
+    check_calibratable(model)
+    stats = KeyMoments(geometry(model.config), skip)
+    if isinstance(tokens, torch.Tensor) and tokens.dim() == 2:
+        tokens = list(tokens.split(1))
+    with scaled_keys(model, ScaledKeys(observer=stats)):
+        for ids in tokens:
+            hf.final_hidden_states(model, torch.as_tensor(ids).reshape(1, -1))
+    return stats.spectrum()
+
+
+def choose_ranks(eigenvalues: torch.Tensor, rank: int | None = None, energy: float | None = None,
+                 align: int = 1) -> torch.Tensor:
+    """Per-head ranks ``[L, H]``: ``rank`` everywhere, or the smallest rank keeping ``energy`` of the
+    spectrum, rounded up to a multiple of ``align`` (at most head_dim)."""
+    d = eigenvalues.shape[-1]
+    if rank is not None:
+        return torch.full(eigenvalues.shape[:-1], rank, dtype=torch.int32)
+    total = eigenvalues.sum(-1, keepdim=True).clamp(min=1e-30)
+    kept = eigenvalues.cumsum(-1) / total  # energy of the top 1..d
+    need = (kept < energy - 1e-9).sum(-1) + 1  # smallest r with kept[r-1] >= energy
+    return (torch.div(need + align - 1, align, rounding_mode="floor") * align).clamp(max=d).to(torch.int32)
+
+
+def energy_kept(eigenvalues: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+    """Fraction of each head's key energy its rank keeps, ``[L, H]``."""
+    idx = torch.arange(eigenvalues.shape[-1])
+    kept = (eigenvalues * (idx < ranks.unsqueeze(-1))).sum(-1)
+    return kept / eigenvalues.sum(-1).clamp(min=1e-30)
+
+
+def truncate(vectors: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+    """The top ``ranks[l, h]`` columns of ``vectors`` ``[L, H, d, d]`` as ``[L, H, d, max rank]`` (rest zero)."""
+    width = int(ranks.max())
+    return vectors[..., :width] * (torch.arange(width) < ranks.unsqueeze(-1)).unsqueeze(-2)
+
+
+def orthonormalize(basis: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+    """Re-orthonormalize each head's first ``rank`` columns (float64 QR, signs kept), so a basis stored
+    in float16 spans nearly the same subspace with ``U^T U = I`` to float32 precision."""
+    out = torch.zeros_like(basis, dtype=torch.float32)
+    for l in range(basis.shape[0]):
+        for h in range(basis.shape[1]):
+            r = int(ranks[l, h])
+            q, upper = torch.linalg.qr(basis[l, h, :, :r].double())
+            out[l, h, :, :r] = (q * torch.where(torch.diagonal(upper) < 0, -1.0, 1.0)).float()
+    return out
+
+
+# ----------------------------------------------------------------------------- files
+
+
+@dataclasses.dataclass
+class BasisFile:
+    """A loaded basis: ``basis`` float32 ``[L, H, d, R]``, ``rank`` ``[L, H]``, ``eigenvalues``, ``meta``."""
+
+    basis: torch.Tensor
+    rank: torch.Tensor
+    eigenvalues: torch.Tensor
+    meta: dict
+
+
+def save_basis(path: str | os.PathLike, vectors: torch.Tensor, ranks: torch.Tensor, eigenvalues: torch.Tensor,
+               meta: dict) -> None:
+    """Write a basis file: the top ``ranks[l, h]`` columns of ``vectors`` ``[L, H, d, d]`` in float16."""
+    from safetensors.torch import save_file
+
+    basis = truncate(vectors, ranks)
+    layers, kv_heads, d, _ = vectors.shape
+    strings = {k: json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else str(v) for k, v in meta.items()}
+    strings.setdefault("model_geometry", json.dumps({"layers": layers, "kv_heads": kv_heads, "head_dim": d}))
+    strings["format"] = FORMAT
+    strings.setdefault("created", datetime.date.today().isoformat())
+    tensors = {"basis": basis.to(torch.float16).contiguous(), "rank": ranks.to(torch.int32).contiguous(),
+               "eigenvalues": eigenvalues.float().contiguous()}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    save_file(tensors, f"{path}.tmp", metadata=strings)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(f"{path}.tmp", 0o666 & ~umask)  # safetensors writes through a private (0600) temporary file
+    os.replace(f"{path}.tmp", path)
+
+
+def load_basis(path: str | os.PathLike, model_config: Any = None) -> BasisFile:
+    """Read a basis file (safetensors only); with ``model_config``, refuse one made for another model."""
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise BasisFileError(path, "an existing low-rank basis file", "no such file")
+    try:
+        with safe_open(path, framework="pt") as fh:
+            meta = dict(fh.metadata() or {})
+            tensors = {name: fh.get_tensor(name) for name in fh.keys()}
+    except Exception as exc:  # safetensors raises its own error types for other input
+        raise BasisFileError(path, f"a safetensors file of format {FORMAT!r}", f"unreadable ({exc})") from None
+    if meta.get("format") != FORMAT:
+        raise BasisFileError(path, f"a basis file of format {FORMAT!r}", meta.get("format", "no format tag"))
+    missing = [n for n in ("basis", "rank", "eigenvalues") if n not in tensors]
+    if missing or tensors["basis"].dim() != 4 or tuple(tensors["rank"].shape) != tuple(tensors["basis"].shape[:2]) \
+            or int(tensors["rank"].min()) < 1 or int(tensors["rank"].max()) != tensors["basis"].shape[-1]:
+        raise BasisFileError(path, "tensors basis [L, H, d, R], rank [L, H] (1..R) and eigenvalues",
+                             {n: tuple(t.shape) for n, t in tensors.items()})
+    try:
+        for key, parse in (("model_geometry", json.loads), ("settings", json.loads), ("align", int),
+                           ("mean_rank", float), ("mean_energy_kept", float), ("min_energy_kept", float),
+                           ("seconds", float)):
+            if key in meta:
+                meta[key] = parse(meta[key])
+    except ValueError as exc:
+        raise BasisFileError(path, "readable metadata", f"{exc}") from None
+    ranks = tensors["rank"].long()
+    out = BasisFile(orthonormalize(tensors["basis"], ranks), ranks, tensors["eigenvalues"].float(), meta)
+    if model_config is not None:
+        check_basis_for_model(path, out, model_config)
+    return out
+
+
+def check_basis_for_model(path: str, basis: BasisFile, model_config: Any) -> None:
+    """Refuse a basis whose geometry or model config hash differs from ``model_config``'s."""
+    from .masks import config_fields
+
+    layers, kv_heads, d, _ = basis.basis.shape
+    same_shape = (layers, kv_heads, d) == geometry(model_config)
+    if same_shape and basis.meta.get("model_config_hash") == config_hash(model_config):
+        return
+    c = _text_config(model_config)
+    given = getattr(c, "_name_or_path", None) or None
+    geo = basis.meta.get("model_geometry") or {}
+    made_for = describe_model(basis.meta.get("model"), {"model_type": geo.get("model_type", "?"),
+                                                        "num_hidden_layers": layers, "num_key_value_heads": kv_heads,
+                                                        "head_dim": d}, basis.meta.get("model_config_hash"))
+    why = "its shape differs" if not same_shape else "the model config hash differs"
+    model_opt = f" --model {given}" if given else ""
+    raise BasisFileError(path, f"a basis made for the model given, "
+                               f"{describe_model(given, config_fields(model_config), config_hash(model_config))}",
+                         f"a basis made for {made_for}; {why}",
+                         hint=f"make one with: kvcompress calibrate lowrank{model_opt} --rank R --out FILE.safetensors")
+
+
+# ----------------------------------------------------------------------------- calibration
+
+
+def calibrate(settings: LowRankSettings, *, model: Any = None, tokenizer: Any = None, model_name: str | None = None,
+              out: str | None = None, log: TextIO | None = sys.stderr) -> BasisFile:
+    """PCA of post-RoPE keys over ``settings.samples`` windows of training-split documentation text.
+
+    Args:
+        settings: rank or energy target, alignment and the calibration text sizes.
+        model: a loaded transformers model (with ``tokenizer``), or a name / path for
+            :func:`kvcompress.models.load_model` (None: the default model).
+        model_name: recorded in the file (default: the model's ``name_or_path``).
+        out: the ``.safetensors`` file to write (None: don't write).
+        log: progress stream (None: silent).
+    """
+    from . import data
+
+    settings.validate()
+    if model is None or isinstance(model, (str, os.PathLike)):
+        from ..models import load_model
+
+        model, tokenizer = load_model(None if model is None else os.fspath(model))
+    layers, kv_heads, head_dim = geometry(model.config)
+    settings = settings.validate(head_dim)
+    t0 = time.monotonic()
+    windows = data.windows(data.split_tokens(tokenizer, "train"), settings.context, settings.samples,
+                           seed=settings.seed)
+    if log is not None:
+        print(f"[lowrank] PCA of post-RoPE keys: {len(windows)} windows x {settings.context} tokens "
+              f"(first {settings.skip} of each skipped)", file=log, flush=True)
+    eigenvalues, vectors = key_spectrum(model, torch.tensor(windows), skip=settings.skip)
+    ranks = choose_ranks(eigenvalues, settings.rank, settings.energy, settings.align)
+    kept = energy_kept(eigenvalues, ranks)
+    c = _text_config(model.config)
+    target = f"rank={settings.rank}" if settings.rank is not None else f"energy={settings.energy}"
+    meta = {"model": model_name or getattr(c, "_name_or_path", "") or "unknown",
+            "model_config_hash": config_hash(model.config),
+            "model_geometry": {"model_type": getattr(c, "model_type", "?"), "layers": layers, "kv_heads": kv_heads,
+                               "head_dim": head_dim},
+            "target": target, "align": settings.align,
+            "settings": {**dataclasses.asdict(settings), "text": "pydoc_data.topics (training split)",
+                         "pca": "uncentred second moment of post-RoPE keys per (layer, kv head)"},
+            "mean_rank": round(float(ranks.float().mean()), 3),
+            "mean_energy_kept": round(float(kept.mean()), 6), "min_energy_kept": round(float(kept.min()), 6),
+            "seconds": round(time.monotonic() - t0, 1)}
+    if out:
+        save_basis(out, vectors, ranks, eigenvalues, meta)
+        return load_basis(out, model.config)
+    return BasisFile(truncate(vectors, ranks), ranks.long(), eigenvalues, meta)

@@ -1,0 +1,130 @@
+"""Low-rank keys: the cache middle stores each key as its coordinates in a calibrated PCA basis.
+
+Keys of an attention head live close to a low-dimensional subspace: Loki (Singhania et al.,
+*Loki: Low-rank Keys for Efficient Sparse Attention*, arXiv:2406.02542) observes it for post-RoPE
+keys and scores in a PCA basis; Palu (Chang et al., *Palu: Compressing KV-Cache with Low-Rank
+Projection*, arXiv:2407.21118) and Eigen Attention (Saxena et al., *Eigen Attention: Attention in
+Low-Rank Space for KV Cache Compression*, arXiv:2408.05646) store the cache in such a basis.
+
+``kvcompress calibrate lowrank --rank r | --energy e`` computes, per layer and KV head, the PCA
+basis ``U`` (``[head_dim, r]``, orthonormal columns) of post-RoPE keys over offline text.  On the
+transform stage (after eviction, before quantization), every block of ``flush`` tokens leaving
+the recent window stores its keys as ``c = k U`` (``r`` numbers instead of ``head_dim``); values
+are unchanged.  The attention sinks and the recent window stay full precision.  Attention maps
+the query into the same basis, ``q U``, scores ``(q U) . c = q . (k U U^T)`` - the exact score
+against the key's projection - with the softmax scale of the full head dimension, and merges
+sinks, middle lanes and window by log-sum-exp.  Heads with equal rank share one dense lane
+``[batch, heads, tokens, r]`` (a file made with ``--energy`` gives heads different ranks).
+
+Memory: the middle K costs ``r / head_dim`` of its dense size (the memory report shows it).  At
+``r = head_dim`` the projection is a rotation and attention equals the uncompressed model's.
+
+Stacking: token eviction upstream is free (it runs before the transform); KIVI downstream
+receives the coordinates and quantizes them per channel (a channel is a basis direction, and its
+groups of G tokens get their own scale), so low-rank + KIVI-2 stores ``r / head_dim`` of the key
+codes.  LeanK prunes the same key channels and is rejected in the same stack (the
+"key channels" axis is exclusive: the projection already chooses the channels worth keeping).
+
+Parameters: ``basis`` (file), ``rank`` (use the first ``rank`` directions of every head; null =
+the file's ranks), ``sinks`` (128), ``recent`` (768), ``flush`` (128): LeanK's deployment regions,
+so the two compare at equal key bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from kvcompress import Compressor, CompressorSpec, Layout, hookimpl, param
+from kvcompress.errors import ConfigError
+from kvcompress.state import HeadGroup, KVBlock
+
+_HINT = "make one with `kvcompress calibrate lowrank --rank 32 --out FILE.safetensors`"
+
+
+@dataclasses.dataclass(frozen=True)
+class LowRankConfig:
+    basis: str = param("", "path of a basis file made by `kvcompress calibrate lowrank`")
+    rank: int | None = param(None, "keep the first `rank` basis directions of every head (at most the file's "
+                             "smallest rank); null: the file's per-head ranks", type=int, min=1, max=1024,
+                             nullable=True)
+    sinks: int = param(128, "first real tokens kept full precision (attention sinks)", min=0, max=1 << 20)
+    recent: int = param(768, "most recent tokens kept full precision", min=0, max=1 << 20)
+    flush: int = param(128, "tokens leave the recent window in blocks of this many", min=1, max=1 << 16)
+
+    def check(self, path: str) -> None:
+        if not self.basis or not os.path.isfile(self.basis):
+            raise ConfigError(f"{path}.basis", "an existing basis file (.safetensors)", self.basis, hint=_HINT)
+        if self.rank is not None:
+            from kvcompress.calibration.lowrank import load_basis
+
+            smallest = int(load_basis(self.basis).rank.min())
+            if self.rank > smallest:
+                raise ConfigError(f"{path}.rank", f"an integer in [1, {smallest}] (the smallest rank in "
+                                  f"{self.basis}) or null", self.rank, hint=_HINT.replace("32", str(self.rank)))
+
+
+class LowRankCompressor(Compressor):
+    name = "lowrank"
+
+    def __init__(self, config: LowRankConfig):
+        super().__init__(config)
+        self.groups: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None  # per layer: (heads, U [h, d, r])
+
+    def load(self, model_config) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Per layer, heads grouped by rank with their bases (a basis made for another model is refused)."""
+        if self.groups is None:
+            from kvcompress.calibration.lowrank import load_basis
+
+            f = load_basis(self.config.basis, model_config)
+            ranks = f.rank if self.config.rank is None else torch.full_like(f.rank, self.config.rank)
+            self.groups = []
+            for basis, rank in zip(f.basis, ranks):
+                by_rank = [(r, (rank == r).nonzero().flatten()) for r in sorted(set(rank.tolist()), reverse=True)]
+                self.groups.append([(heads, basis[heads, :, :r].contiguous()) for r, heads in by_rank])
+        return self.groups
+
+    @hookimpl
+    def kvcompress_layer_layout(self, layer):
+        self.load(layer.model_config)  # fail at cache build, not at the first flush
+        return Layout(sinks=self.config.sinks or None, recent=self.config.recent, flush=self.config.flush)
+
+    def _plan(self, layer, device) -> list[tuple[torch.Tensor, torch.Tensor, object]]:
+        """Per rank group: (heads, U [h, d, r], query map q -> q U) on ``device``, built once per layer."""
+        plan = layer.state.get("lowrank")
+        if plan is None:
+            plan = []
+            for heads, basis in self.groups[layer.info.index]:
+                heads, basis = heads.to(device), basis.to(device)
+
+                def project(q: torch.Tensor, basis: torch.Tensor = basis) -> torch.Tensor:
+                    return torch.einsum("bhgqd,hdr->bhgqr", q.float(), basis).to(q.dtype)
+
+                plan.append((heads, basis, project))
+            layer.state["lowrank"] = plan
+        return plan
+
+    @hookimpl
+    def kvcompress_lowrank_transform(self, layer, block):
+        groups = []
+        for heads, basis, project in self._plan(layer, block.k.device):
+            coords = torch.einsum("bhtd,hdr->bhtr", block.k.index_select(1, heads).float(), basis)
+            groups.append(HeadGroup(heads, coords.to(block.k.dtype), block.v.index_select(1, heads), qmap=project))
+        return KVBlock(None, None, block.valid, block.positions, block.meta, groups)
+
+    @hookimpl
+    def kvcompress_validate_stack(self, entries):
+        for i, (name, config) in enumerate(entries):
+            if name == "kivi" and getattr(config, "key_axis", "channel") != "channel":
+                raise ConfigError(f"compressors[{i}].kivi.key_axis", "'channel' after lowrank (the stored "
+                                  "coordinates are quantized per basis direction)", config.key_axis)
+
+
+@hookimpl
+def kvcompress_register_compressors(register):
+    register(CompressorSpec(
+        name="lowrank", axis="lowrank", config=LowRankConfig, factory=LowRankCompressor,
+        summary="low-rank keys: middle K stored as PCA coordinates, query projected (arXiv:2406.02542)",
+    ))
