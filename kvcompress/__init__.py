@@ -19,7 +19,7 @@ from .config import param
 from .errors import ConfigError, KVCompressError, PluginError, UnsupportedModelError, UnsupportedOperationError
 from .hookspecs import hookimpl
 from .registry import CompressorSpec
-from .state import KVBlock, LayerInfo, Layout, MiddleStore, Segment
+from .state import KVBlock, LayerInfo, Layout, MiddleStore, Segment, TokenSelection
 from .stack import Stack, load_stack, parse_stack
 
 __version__ = "0.1.0"
@@ -43,6 +43,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Cache", "Compressor", "CompressorSpec", "ConfigError", "KVBlock", "KVCompressError", "LayerInfo",
-    "Layout", "MiddleStore", "PluginError", "Segment", "Stack", "UnsupportedModelError",
+    "Layout", "MiddleStore", "PluginError", "Segment", "Stack", "TokenSelection", "UnsupportedModelError",
     "UnsupportedOperationError", "compress", "hookimpl", "load_stack", "param", "parse_stack",
 ]

@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
     from .registry import CompressorSpec
-    from .state import KVBlock, LayerInfo, Layout, MiddleStore
+    from .state import KVBlock, LayerInfo, Layout, MiddleStore, TokenSelection
     from .layer import CompressedLayer
     from .paged import MiddleCodec
 
@@ -270,18 +270,27 @@ class CacheCompressor:
         """
 
     @hookspec(firstresult=True)
-    def kvcompress_select_tokens(self, layer: CompressedLayer, query: torch.Tensor) -> torch.Tensor | None:
+    def kvcompress_select_tokens(self, layer: CompressedLayer, query: torch.Tensor) -> torch.Tensor | TokenSelection | None:
         """Read-time selection: choose which middle tokens attention reads this step.
 
         Called at read planning, once per layer per forward step, with the query
-        ``[batch, q_heads, q_len, head_dim]``.  Sinks and the recent window are
-        always read.
+        ``[batch, q_heads, q_len, head_dim]`` (first non-``None`` result wins; at most one
+        selector per stack).  Sinks, the recent window and the step's new tokens are always
+        read; the selection covers only the middle store (``layer.middle``).
 
         Args:
             layer: the layer being read.
             query: the step's query, full precision.
 
         Returns:
-            A boolean mask ``[batch, kv_heads or q_heads, q_len, middle_tokens]`` of middle
-            tokens to read, or ``None`` to read all of them.
+            ``None`` to read every middle token, or either
+
+            * a :class:`~kvcompress.state.TokenSelection`: int64 indices
+              ``[batch, q_heads, q_len, k]`` of the middle-token columns each *query head* reads
+              (every middle segment covers the same tokens).  Decode steps (``q_len == 1``) read
+              exactly those tokens with a gather kernel
+              (:func:`kvcompress.kernels.doublesparse.gather_partial_attention`), so no mask over
+              the whole middle is built; or
+            * a boolean mask ``[batch, kv_heads, q_len, middle_tokens]`` (True = read), one per kv
+              head, covering the middle segments one after the other.
         """

@@ -26,7 +26,7 @@ import torch
 
 from .adapters import hf
 from .errors import UnsupportedModelError, UnsupportedOperationError
-from .state import KVBlock, LayerInfo, Layout, RingBuffer, Segment, SinkBuffer
+from .state import KVBlock, LayerInfo, Layout, RingBuffer, Segment, SinkBuffer, TokenSelection
 
 if TYPE_CHECKING:  # pragma: no cover
     from .cache import Cache
@@ -247,8 +247,18 @@ class CompressedLayer(hf.CacheLayerMixin):
         return out
 
     @staticmethod
-    def _apply_selection(middle: list[Segment], selection: torch.Tensor) -> list[Segment]:
-        """Attach a read-time selection ``[batch, kv_heads, q_len, middle tokens]`` to the middle segments."""
+    def _apply_selection(middle: list[Segment], selection) -> list[Segment]:
+        """Attach a read-time selection to the middle segments.
+
+        A boolean mask ``[batch, kv_heads, q_len, middle tokens]`` covers the segments' tokens one
+        after the other; a :class:`~kvcompress.state.TokenSelection` indexes the token columns every
+        middle segment shares (head-group lanes of one store cover the same tokens).
+        """
+        if isinstance(selection, TokenSelection):
+            counts = {s.num_tokens for s in middle}
+            if len(counts) > 1:
+                raise ValueError(f"a token selection needs middle segments over the same tokens, got {sorted(counts)}")
+            return [dataclasses.replace(s, select=selection) for s in middle]
         total = sum(s.num_tokens for s in middle)
         if selection.shape[-1] != total:
             raise ValueError(f"selection covers {selection.shape[-1]} middle tokens, the middle holds {total}")

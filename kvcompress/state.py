@@ -162,6 +162,29 @@ class KVBlock:
 
 
 @dataclasses.dataclass
+class TokenSelection:
+    """A read-time selection of middle tokens per query head, as indices (read by a gather kernel).
+
+    Attributes:
+        index: int64 ``[batch, q_heads, q_len, k]``: for every query head and position, the ``k``
+            middle-token columns it reads (columns of each middle segment, oldest first; every
+            middle segment of a layer covers the same tokens).  No duplicates within a row.
+    """
+
+    index: torch.Tensor
+
+    def grouped(self, kv_heads: int) -> torch.Tensor:
+        """``index`` as grouped query rows ``[batch, kv_heads, group * q_len, k]`` (row ``g * q_len + i``)."""
+        b, hq, q_len, k = self.index.shape
+        return self.index.reshape(b, kv_heads, (hq // kv_heads) * q_len, k)
+
+    def mask(self, tokens: int) -> torch.Tensor:
+        """Boolean ``[batch, q_heads, q_len, tokens]`` (True = read)."""
+        out = torch.zeros(*self.index.shape[:-1], tokens, dtype=torch.bool, device=self.index.device)
+        return out.scatter_(-1, self.index, True)
+
+
+@dataclasses.dataclass
 class Segment:
     """A region attention reads.
 
@@ -174,7 +197,8 @@ class Segment:
         positions: ``[batch, tokens]`` or ``[tokens]`` logical positions.
         heads: kv-head indices this segment covers, or ``None`` for all.
         qmap: maps the grouped query ``[batch, heads, group, q, head_dim]`` to ``dk`` dims.
-        select: optional read-time selection ``[batch, kv_heads, q_len, tokens]`` (True = read).
+        select: optional read-time selection: a boolean mask ``[batch, kv_heads, q_len, tokens]`` (True =
+            read) or a :class:`TokenSelection` (per query head indices).
         packed: an encoded region (e.g. :class:`kvcompress.kernels.kivi.PackedKV`) read in place by
             attention; ``k`` and ``v`` are then ``None`` and the encoding's own ``valid`` is ``valid``.
             An encoded region must hold only tokens older than every query (the middle always does).
@@ -189,7 +213,7 @@ class Segment:
     positions: torch.Tensor
     heads: torch.Tensor | None = None
     qmap: Callable[[torch.Tensor], torch.Tensor] | None = None
-    select: torch.Tensor | None = None  # read-time selection [batch, kv_heads, q_len, tokens]
+    select: "torch.Tensor | TokenSelection | None" = None  # read-time selection
     packed: Any = None
     channels: torch.Tensor | None = None
 

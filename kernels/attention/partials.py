@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from kvcompress.state import Segment
+from kvcompress.state import Segment, TokenSelection
 
 from .reference import merge_partials, partial_attention, segment_mask
 
@@ -83,13 +83,25 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
         qs = qs.reshape(qs.shape[0], qs.shape[1], m_rows, qs.shape[-1])
         if seg.packed is not None and seg.select is None:
             out, lse = seg.packed.attention_partial(qs, scale)
+        elif isinstance(seg.select, TokenSelection) and seg.packed is None and q_len == 1:
+            # per-query-head indices (DoubleSparse): gather exactly the selected tokens (decode:
+            # every stored token precedes the query, so only ``valid`` masks keys)
+            from kvcompress.kernels import doublesparse
+
+            index = seg.select.grouped(kv_heads)
+            if seg.heads is not None:
+                index = index.index_select(1, seg.heads)
+            out, lse = doublesparse.gather_partial_attention(qs, seg.k, seg.v, seg.valid, index, scale)
         else:
             k, v = seg.keys_values()
             mask = segment_mask(seg, q_positions)  # [b|1, 1, q, t]
             if seg.packed is not None:
                 mask = mask & seg.packed.valid[:, None, None, :]
             mask = mask.unsqueeze(2).expand(mask.shape[0], 1, group, q_len, mask.shape[-1])
-            if seg.select is not None:  # [b, h, q, t]
+            if isinstance(seg.select, TokenSelection):  # [b, hq, q, t] -> [b, h, g, q, t]
+                sel = seg.select.mask(mask.shape[-1]).view(b, kv_heads, group, q_len, -1)
+                mask = mask & (sel if seg.heads is None else sel.index_select(1, seg.heads))
+            elif seg.select is not None:  # [b, h, q, t]
                 mask = mask & seg.select.unsqueeze(2)
             mask = mask.reshape(mask.shape[0], mask.shape[1], m_rows, mask.shape[-1])
             out, lse = partial_attention(qs, k, v, mask, scale)

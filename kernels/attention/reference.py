@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from kvcompress.state import Segment
+from kvcompress.state import Segment, TokenSelection
 
 
 def segment_mask(seg: Segment, q_positions: torch.Tensor) -> torch.Tensor:
@@ -66,10 +66,12 @@ def segment_attention(
             full[:, heads] = s
             s = full
         m = segment_mask(seg, q_positions).unsqueeze(1).expand(b, 1, 1, q_len, s.shape[-1])
-        if seg.select is not None:  # per kv head: [b, h, q, t] -> [b, h, 1, q, t]
+        if isinstance(seg.select, TokenSelection):  # per query head: [b, hq, q, t] -> [b, h, g, q, t]
+            m = m & seg.select.mask(s.shape[-1]).view(b, kv_heads, group, q_len, s.shape[-1])
+        elif seg.select is not None:  # per kv head: [b, h, q, t] -> [b, h, 1, q, t]
             m = m & seg.select.unsqueeze(2)
         scores.append(s)
-        masks.append(m.expand(b, kv_heads, 1, q_len, s.shape[-1]))
+        masks.append(m.expand(b, kv_heads, group, q_len, s.shape[-1]))
     s = torch.cat(scores, dim=-1)
     m = torch.cat(masks, dim=-1)
     s = s.masked_fill(~m, float("-inf"))

@@ -1,0 +1,146 @@
+"""DoubleSparse read-time ops in PyTorch: label quantization, label scores + top-k, gather attention.
+
+DoubleSparse (Yang et al., arXiv 2408.07092) scores every cached token from a few *label*
+channels of its post-RoPE key, keeps the top-k tokens per query head and attends exactly to
+them.  These functions are the CPU path, the oracle of the Triton kernels
+(:mod:`.triton_kernel`, same signatures) and the benchmark baseline.
+
+Shapes (``Hkv`` kv heads, ``G`` query heads per kv head, ``r`` label channels):
+
+* label cache :class:`Labels`: ``bits == 16``: ``data [B, Hkv, T, r]`` in the key dtype;
+  ``bits in (4, 2)``: ``data`` uint8 codes packed per token ``[B, Hkv, T, r*bits/8]`` (the code of
+  channel ``c`` sits in byte ``c % nb`` at bit ``bits * (c // nb)``, ``nb = r*bits/8``) and
+  ``scale``/``zero`` fp16 ``[B, Hkv, T]`` (asymmetric min-max per token and head);
+* ``channels`` int64 ``[Hkv, r]``: the label channels of each kv head (the query is gathered to them);
+* ``valid`` bool ``[B, T]`` or ``None``; invalid tokens score ``-inf`` and are never read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+LABEL_BITS = (16, 4, 2)
+
+
+@dataclasses.dataclass
+class Labels:
+    """A label cache view: ``data`` (+ ``scale``/``zero`` when quantized), ``bits`` in (16, 4, 2)."""
+
+    data: torch.Tensor
+    bits: int = 16
+    scale: torch.Tensor | None = None
+    zero: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.data.shape[2]
+
+    def narrow(self, start: int, length: int) -> "Labels":
+        cut = (lambda t: None if t is None else t.narrow(2, start, length))
+        return Labels(cut(self.data), self.bits, cut(self.scale), cut(self.zero))
+
+
+def quantize_labels(x: torch.Tensor, bits: int) -> Labels:
+    """Per-token asymmetric min-max quantization of labels ``x [B, H, T, r]`` (``r * bits`` divisible by 8)."""
+    if bits == 16:
+        return Labels(x, 16)
+    if bits not in LABEL_BITS:
+        raise ValueError(f"label bits must be one of {LABEL_BITS}, got {bits}")
+    r = x.shape[-1]
+    per = 8 // bits
+    if r % per:
+        raise ValueError(f"{r} label channels do not pack into bytes at {bits} bits (need a multiple of {per})")
+    xf = x.float()
+    lo, hi = xf.amin(-1), xf.amax(-1)
+    scale = ((hi - lo) / (2 ** bits - 1)).half()
+    zero = lo.half()
+    s = scale.float()
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    codes = torch.clamp(torch.round((xf - zero.float()[..., None]) / s[..., None]), 0, 2 ** bits - 1).to(torch.uint8)
+    nb = r // per
+    packed = torch.zeros(*x.shape[:-1], nb, dtype=torch.uint8, device=x.device)
+    for j in range(per):
+        packed |= codes[..., j * nb:(j + 1) * nb] << (bits * j)
+    return Labels(packed, bits, scale, zero)
+
+
+def dequantize_labels(labels: Labels) -> torch.Tensor:
+    """Labels as float32 ``[B, H, T, r]``."""
+    if labels.bits == 16:
+        return labels.data.float()
+    per, mask = 8 // labels.bits, 2 ** labels.bits - 1
+    parts = [((labels.data >> (labels.bits * j)) & mask) for j in range(per)]
+    codes = torch.cat(parts, dim=-1).float()
+    s = labels.scale.float()
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    return codes * s[..., None] + labels.zero.float()[..., None]
+
+
+def label_scores(query: torch.Tensor, labels: Labels, channels: torch.Tensor,
+                 valid: torch.Tensor | None) -> torch.Tensor:
+    """Approximate scores ``q[channels] . label`` for every token and query head.
+
+    Args:
+        query: ``[B, Hq, D]`` (one decode position).
+        labels: label cache of ``T`` tokens.
+        channels: ``[Hkv, r]`` label channels per kv head.
+        valid: ``[B, T]`` or ``None``.
+
+    Returns:
+        float32 ``[B, Hq, T]``, ``-inf`` on invalid tokens.
+    """
+    b, hq, d = query.shape
+    hkv, r = channels.shape
+    g = hq // hkv
+    qg = query.float().view(b, hkv, g, d).gather(-1, channels.view(1, hkv, 1, r).expand(b, hkv, g, r))
+    s = torch.einsum("bhgr,bhtr->bhgt", qg, dequantize_labels(labels)).reshape(b, hq, -1)
+    if valid is not None:
+        s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    return s
+
+
+def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None,
+                k: int) -> torch.Tensor:
+    """Indices ``[B, Hq, k]`` (int64, unordered) of the ``k`` best-scoring tokens per query head.
+
+    ``k`` must be at most the number of tokens; rows with fewer than ``k`` valid tokens also get
+    invalid ones (their score is ``-inf``; attention masks them).
+    """
+    return torch.topk(label_scores(query, labels, channels, valid), k, dim=-1, sorted=False).indices
+
+
+def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
+                             index: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of every query row over its own selected tokens, as a mergeable partial.
+
+    Args:
+        query: ``[B, Hkv, M, D]`` grouped query rows (``M = G * q_len``, row ``g * q_len + i``).
+        k, v: ``[B, Hkv, T, D]`` / ``[B, Hkv, T, Dv]``.
+        valid: ``[B, T]`` or ``None``.
+        index: ``[B, Hkv, M, K]`` token indices per row (duplicates are not allowed).
+        scale: softmax scale.
+
+    Returns:
+        ``(out [B, Hkv, M, Dv] float32, lse [B, Hkv, M] float32)``; a row without a valid selected
+        token gets ``lse = -inf`` and zeros.
+    """
+    b, h, m, kk = index.shape
+    flat = index.reshape(b, h, m * kk, 1)
+    ks = k.gather(2, flat.expand(b, h, m * kk, k.shape[-1])).view(b, h, m, kk, -1).float()
+    vs = v.gather(2, flat.expand(b, h, m * kk, v.shape[-1])).view(b, h, m, kk, -1).float()
+    s = torch.einsum("bhmd,bhmkd->bhmk", query.float(), ks) * scale
+    if valid is not None:
+        ok = valid.gather(1, index.reshape(b, -1)).view(b, h, m, kk)
+        s = s.masked_fill(~ok, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    finite = torch.isfinite(lse)
+    p = torch.exp(s - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
+    return torch.einsum("bhmk,bhmkd->bhmd", p, vs), lse
+
+
+def selection_mask(index: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Boolean ``[..., tokens]`` mask with True at ``index [..., K]``."""
+    mask = torch.zeros(*index.shape[:-1], tokens, dtype=torch.bool, device=index.device)
+    return mask.scatter_(-1, index, True)

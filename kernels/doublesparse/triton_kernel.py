@@ -1,0 +1,230 @@
+"""DoubleSparse in Triton: fused label scoring (+ top-k) and gather attention over selected tokens.
+
+Same signatures and semantics as :mod:`.reference`.  Nothing is compiled at import.
+
+* :func:`label_scores` - one program per (batch, kv head, block of ``BT`` tokens) reads the block's
+  labels **once for all query heads of the GQA group** (the group's gathered query rows stay in
+  registers), unpacks 4/2-bit codes in place (the per-token scale and zero point are folded out:
+  ``s = scale * (q . codes) + zero * sum(q)``) and writes fp32 scores, ``-inf`` on invalid tokens.
+* :func:`select_topk` - the scores above, then ``torch.topk``.  Top-k is not fused into the
+  scoring kernel: an exact global top-k needs either all scores or a multi-pass radix select;
+  the scores written are ``4 * Hq`` bytes per token (the labels read are ``2 * Hkv * r``).
+* :func:`gather_partial_attention` - split-K flash decoding per query row over its own selected
+  indices: per block of ``BK`` indices the kernel gathers K and V rows of the row's kv head (each
+  row contiguous, ``D`` elements), computes the scores on CUDA cores in fp32, runs an online
+  softmax and writes a normalised partial + LSE per split; the shared combine kernel
+  (:mod:`kvcompress.kernels.attention.triton_shared`) merges the splits.
+
+Limits (:func:`supports_*`): last dims contiguous; ``D``, ``Dv``, ``r`` up to 256; query fp16, bf16 or
+fp32; K/V fp16, bf16 or fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcompress.kernels.attention.triton_shared import combine_splits, num_sms, pow2
+
+from .reference import Labels
+
+MAX_DIM = 256
+
+
+@triton.jit
+def _scores_kernel(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_t, SC, ZE, sz_b, sz_h, VA, sva_b,
+                   OUT, so_b, so_h, T, HKV,
+                   G: tl.constexpr, GP: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
+                   PER: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr, HAS_VALID: tl.constexpr,
+                   BT: tl.constexpr):
+    """Scores of the ``G`` query heads of one kv head over ``BT`` tokens (labels read once)."""
+    pid_bh = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    b = (pid_bh // HKV).to(tl.int64)
+    h = (pid_bh % HKV).to(tl.int64)
+    offs_g = tl.arange(0, GP)
+    offs_c = tl.arange(0, NBP)
+    offs_t = pid_t * BT + tl.arange(0, BT)
+    t_ok = offs_t < T
+    g_ok = offs_g < G
+    c_ok = offs_c < NB
+    lab = tl.load(L + b * sl_b + h * sl_h + offs_t[:, None].to(tl.int64) * sl_t + offs_c[None, :],
+                  mask=t_ok[:, None] & c_ok[None, :], other=0)
+    q_rows = Q + b * sq_b + (h * G + offs_g)[:, None].to(tl.int64) * sq_h
+    acc = tl.zeros([GP, BT], tl.float32)
+    qsum = tl.zeros([GP], tl.float32)
+    for j in tl.static_range(PER):
+        ch = tl.load(CH + h * sch_h + j * NB + offs_c, mask=c_ok, other=0)
+        qj = tl.load(q_rows + ch[None, :], mask=g_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+        if QUANT:
+            part = ((lab >> (BITS * j)) & ((1 << BITS) - 1)).to(tl.float32)
+            qsum += tl.sum(qj, axis=1)
+        else:
+            part = lab.to(tl.float32)
+        acc += tl.sum(qj[:, None, :] * part[None, :, :], axis=2)
+    if QUANT:
+        s = tl.load(SC + b * sz_b + h * sz_h + offs_t, mask=t_ok, other=1.0).to(tl.float32)
+        s = tl.where(s == 0.0, 1.0, s)
+        z = tl.load(ZE + b * sz_b + h * sz_h + offs_t, mask=t_ok, other=0.0).to(tl.float32)
+        acc = acc * s[None, :] + qsum[:, None] * z[None, :]
+    ok = t_ok
+    if HAS_VALID:
+        ok = ok & (tl.load(VA + b * sva_b + offs_t, mask=t_ok, other=0) != 0)
+    acc = tl.where(ok[None, :], acc, float("-inf"))
+    tl.store(OUT + b * so_b + (h * G + offs_g)[:, None].to(tl.int64) * so_h + offs_t[None, :], acc,
+             mask=g_ok[:, None] & t_ok[None, :])
+
+
+def supports_scores(query: torch.Tensor, labels: Labels, channels: torch.Tensor) -> bool:
+    """Whether :func:`label_scores` handles these arguments (else use the reference)."""
+    if query.dim() != 3 or labels.data.dim() != 4 or channels.dim() != 2:
+        return False
+    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32) or query.stride(-1) != 1:
+        return False
+    if labels.data.stride(-1) != 1 or channels.shape[1] > MAX_DIM or query.shape[1] % channels.shape[0]:
+        return False
+    if labels.bits == 16:
+        return labels.data.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    return labels.bits in (4, 2) and labels.data.dtype == torch.uint8 and labels.scale is not None
+
+
+def label_scores(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None,
+                 block_t: int = 128) -> torch.Tensor:
+    """See :func:`.reference.label_scores`."""
+    if not supports_scores(query, labels, channels):
+        raise ValueError("label_scores: unsupported arguments (see supports_scores)")
+    b, hq, _ = query.shape
+    hkv, r = channels.shape
+    g = hq // hkv
+    t = labels.num_tokens
+    quant = labels.bits != 16
+    per = 8 // labels.bits if quant else 1
+    nb = labels.data.shape[-1]
+    out = torch.empty(b, hq, t, device=query.device, dtype=torch.float32)
+    if t == 0 or b == 0:
+        return out
+    channels = channels.to(device=query.device, dtype=torch.int32).contiguous()
+    sc = labels.scale if quant else out
+    ze = labels.zero if quant else out
+    va = valid.view(torch.uint8) if valid is not None else out
+    lab = labels.data
+    _scores_kernel[(b * hkv, triton.cdiv(t, block_t))](
+        query, query.stride(0), query.stride(1), channels, channels.stride(0),
+        lab, lab.stride(0), lab.stride(1), lab.stride(2),
+        sc, ze, sc.stride(0) if quant else 0, sc.stride(1) if quant else 0,
+        va, va.stride(0) if valid is not None else 0,
+        out, out.stride(0), out.stride(1), t, hkv,
+        G=g, GP=max(2, pow2(g)), NB=nb, NBP=max(2, pow2(nb)), PER=per, BITS=labels.bits if quant else 16,
+        QUANT=quant, HAS_VALID=valid is not None, BT=block_t, num_warps=4)
+    return out
+
+
+def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None,
+                k: int) -> torch.Tensor:
+    """See :func:`.reference.select_topk` (Triton scores, then ``torch.topk``)."""
+    return torch.topk(label_scores(query, labels, channels, valid), k, dim=-1, sorted=False).indices
+
+
+@triton.jit
+def _gather_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_h, sv_t, VA, sva_b,
+                   IDX, si_b, si_h, si_m, PO, PL, HKV, M, NK, per_split, qk_scale,
+                   D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+                   HAS_VALID: tl.constexpr, BK: tl.constexpr):
+    """One query row, one split of its selected indices: normalised partial + LSE (base e)."""
+    pid_row = tl.program_id(0)  # b * HKV * M + h * M + m
+    pid_s = tl.program_id(1)
+    rows = tl.num_programs(0)
+    m = (pid_row % M).to(tl.int64)
+    h = ((pid_row // M) % HKV).to(tl.int64)
+    b = (pid_row // (M * HKV)).to(tl.int64)
+    offs_d = tl.arange(0, DP)
+    offs_v = tl.arange(0, DVP)
+    d_ok = offs_d < D
+    v_ok = offs_v < DV
+    q = tl.load(Q + b * sq_b + h * sq_h + m * sq_m + offs_d, mask=d_ok, other=0.0).to(tl.float32) * qk_scale
+    k_base = K + b * sk_b + h * sk_h
+    v_base = V + b * sv_b + h * sv_h
+    i_base = IDX + b * si_b + h * si_h + m * si_m
+    start = pid_s * per_split
+    end = tl.minimum(start + per_split, NK)
+    m_i = float("-inf")
+    l_i = 0.0
+    acc = tl.zeros([DVP], tl.float32)
+    for k0 in range(start, end, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        k_ok = offs_k < end
+        idx = tl.load(i_base + offs_k, mask=k_ok, other=0).to(tl.int64)
+        ok = k_ok
+        if HAS_VALID:
+            ok = ok & (tl.load(VA + b * sva_b + idx, mask=k_ok, other=0) != 0)
+        kt = tl.load(k_base + idx[:, None] * sk_t + offs_d[None, :], mask=ok[:, None] & d_ok[None, :],
+                     other=0.0).to(tl.float32)
+        s = tl.sum(kt * q[None, :], axis=1)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe)
+        vt = tl.load(v_base + idx[:, None] * sv_t + offs_v[None, :], mask=ok[:, None] & v_ok[None, :],
+                     other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * vt, axis=0)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(PO + pid_s * rows * DV + pid_row.to(tl.int64) * DV + offs_v, out, mask=v_ok)
+    tl.store(PL + pid_s * rows + pid_row, lse)
+
+
+def supports_gather(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> bool:
+    """Whether :func:`gather_partial_attention` handles these arguments (else use the reference)."""
+    if query.dim() != 4 or k.dim() != 4 or v.dim() != 4 or index.dim() != 4:
+        return False
+    dt = (torch.float16, torch.bfloat16, torch.float32)
+    if query.dtype not in dt or k.dtype not in dt or v.dtype not in dt:
+        return False
+    if k.shape[-1] > MAX_DIM or v.shape[-1] > MAX_DIM or query.shape[-1] != k.shape[-1]:
+        return False
+    return all(x.stride(-1) == 1 for x in (query, k, v, index))
+
+
+def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
+                             index: torch.Tensor, scale: float, *, splits: int | None = None,
+                             block_k: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`.reference.gather_partial_attention`."""
+    if not supports_gather(query, k, v, index):
+        raise ValueError("gather_partial_attention: unsupported arguments (see supports_gather)")
+    b, h, m, d = query.shape
+    nk = index.shape[-1]
+    dv = v.shape[-1]
+    rows = b * h * m
+    out = torch.empty(b, h, m, dv, device=query.device, dtype=torch.float32)
+    lse = torch.empty(b, h, m, device=query.device, dtype=torch.float32)
+    if rows == 0:
+        return out, lse
+    if nk == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    if splits is None:
+        target = 4 * (num_sms(query.device.index or 0) if query.is_cuda else 4)
+        splits = max(1, min(triton.cdiv(nk, block_k), triton.cdiv(target, rows)))
+    per_split = triton.cdiv(triton.cdiv(nk, splits), block_k) * block_k
+    splits = triton.cdiv(nk, per_split)
+    po = torch.empty(splits, rows, dv, device=query.device, dtype=torch.float32)
+    pl = torch.empty(splits, rows, device=query.device, dtype=torch.float32)
+    va = valid.view(torch.uint8) if valid is not None else pl
+    _gather_kernel[(rows, splits)](
+        query, query.stride(0), query.stride(1), query.stride(2),
+        k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1), v.stride(2),
+        va, va.stride(0) if valid is not None else 0,
+        index, index.stride(0), index.stride(1), index.stride(2), po, pl, h, m, nk, per_split,
+        scale * 1.4426950408889634,
+        D=d, DP=max(16, pow2(d)), DV=dv, DVP=max(16, pow2(dv)), HAS_VALID=valid is not None, BK=block_k,
+        num_warps=4)
+    if splits == 1:
+        return po.view(b, h, m, dv), pl.view(b, h, m)
+    combine_splits(po, pl, out, lse, splits, m, b * h, dv, max(2, min(16, pow2(m))))
+    return out, lse

@@ -1,0 +1,209 @@
+"""DoubleSparse: read-time top-k token selection from a label cache of a few key channels.
+
+Yang, Hou, Li, Chen, Dong, Zhao, Gao. *Post-Training Sparse Attention with Double Sparsity.*
+arXiv:2408.07092.
+
+Each decode step scores every middle token from its **label** - its post-RoPE key restricted to
+``r`` label channels per KV head (ranked offline by mean ``|q_c k_c|``:
+``kvcompress calibrate doublesparse``) - as ``q[channels] . label``, keeps the ``k`` best tokens
+**per query head** (GQA: each query head picks its own tokens and reads them from its KV head)
+and attends exactly to those, to the attention sinks, to the recent window (a ring buffer) and
+to the step's own token.  It cuts bytes read, not bytes stored: the label cache is extra.
+
+The label cache lives in ``layer.state["double_sparse"]``, separate from the main cache: labels
+are computed from full-precision keys when tokens leave the recent window (the score stage,
+before any quantizer or pruner touches them), optionally quantized to 4 or 2 bits per token
+(asymmetric min-max, fp16 scale and zero per token and head), so they stay valid when LeanK or
+KIVI compress the main cache.  An evictor in the same stack is not supported (the selection
+indexes the middle store, which must keep every token that left the window).
+
+DoubleSparse++ (project-defined): layers below ``dense_layers`` stay dense; layer ``l`` selects
+``k_l = max(k_min, round(k * gamma ** (l - dense_layers)))`` middle tokens; prefill and multi-token
+chunks read densely.  Reductions: ``gamma = 1, sinks = window = 0`` is plain DoubleSparse (top-k over
+all previous tokens; the current token is always read); ``k`` at least the middle size is dense
+attention; ``channels: all`` with 16-bit labels is oracle top-k on the exact scores.
+
+Parameters: ``channels`` ("all", "random" or a channel file), ``r``, ``label_bits`` (16/4/2), ``k``,
+``k_min``, ``gamma``, ``dense_layers`` (2), ``sinks`` (4), ``window`` (64), ``seed``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from kvcompress import Compressor, CompressorSpec, Layout, TokenSelection, hookimpl, param
+from kvcompress.errors import ConfigError, UnsupportedOperationError
+from kvcompress.state import RingBuffer
+
+CHANNEL_SOURCES = ("all", "random")
+
+
+@dataclasses.dataclass(frozen=True)
+class DoubleSparseConfig:
+    channels: str = param("all", "label channels: 'all' (oracle top-k), 'random', or a channel file made by "
+                          "`kvcompress calibrate doublesparse`")
+    r: int = param(None, "label channels per KV head (default: all of the file's; required for 'random')",
+                   type=int, min=1, max=1024, nullable=True)
+    label_bits: int = param(16, "bits per label element: 16 (the key dtype) or 4 / 2 (per-token min-max)",
+                            choices=(16, 4, 2))
+    k: int = param(128, "middle tokens read by the first sparse layer (k0)", min=1, max=1 << 24)
+    k_min: int = param(1, "smallest per-layer budget", min=1, max=1 << 24)
+    gamma: float = param(1.0, "per-layer budget decay: k_l = max(k_min, round(k * gamma^(l - dense_layers)))",
+                         type=float, min=0.0, max=1.0)
+    dense_layers: int = param(2, "first layers read densely (l0)", min=0, max=1 << 16)
+    sinks: int = param(4, "first real tokens always read (attention sinks)", min=0, max=1 << 20)
+    window: int = param(64, "most recent tokens always read (ring buffer)", min=0, max=1 << 20)
+    seed: int = param(0, "seed of the 'random' channels", min=0, max=2**31 - 1)
+
+    def check(self, path: str) -> None:
+        if self.gamma <= 0.0:
+            raise ConfigError(f"{path}.gamma", "a number in (0, 1]", self.gamma)
+        if self.k_min > self.k:
+            raise ConfigError(f"{path}.k_min", f"an integer <= k ({self.k})", self.k_min)
+        if self.channels == "random" and self.r is None:
+            raise ConfigError(f"{path}.r", "the number of random label channels per KV head", None)
+        if self.channels not in CHANNEL_SOURCES and not os.path.isfile(self.channels):
+            raise ConfigError(f"{path}.channels", "'all', 'random' or an existing channel file (.safetensors)",
+                              self.channels, hint="make one with `kvcompress calibrate doublesparse --channels 16 "
+                                                  "--out FILE`")
+        if self.r is not None and self.label_bits != 16 and (self.r * self.label_bits) % 8:
+            raise ConfigError(f"{path}.r", f"a multiple of {8 // self.label_bits} at label_bits "
+                              f"{self.label_bits} (codes are packed into bytes)", self.r)
+
+    def budget(self, layer: int) -> int | None:
+        """Middle tokens layer ``layer`` reads, or ``None`` for a dense layer."""
+        if layer < self.dense_layers:
+            return None
+        return max(self.k_min, int(round(self.k * self.gamma ** (layer - self.dense_layers))))
+
+
+class LabelCache:
+    """One layer's labels of the middle tokens, in arrival order (a growable ring that never wraps)."""
+
+    def __init__(self, channels: torch.Tensor, bits: int):
+        self.channels = channels  # [kv_heads, r] on the cache's device
+        self.bits = bits
+        self.buf: RingBuffer | None = None
+
+    @property
+    def size(self) -> int:
+        return 0 if self.buf is None else self.buf.size
+
+    def append(self, k: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> None:
+        from kvcompress.kernels.doublesparse import quantize_labels
+
+        b, h, n, _ = k.shape
+        r = self.channels.shape[1]
+        lab = k.gather(-1, self.channels.view(1, h, 1, r).expand(b, h, n, r))
+        if self.bits == 16:
+            data, aux = lab, lab.new_zeros(b, h, n, 0)
+        else:
+            q = quantize_labels(lab, self.bits)
+            data, aux = q.data, torch.stack([q.scale, q.zero], dim=-1)
+        if self.buf is None:
+            self.buf = RingBuffer(None, data, aux, initial=n)
+        self.buf.push(data, aux, valid, positions)
+
+    def labels(self):
+        from kvcompress.kernels.doublesparse import Labels
+
+        buf, n = self.buf, self.size
+        data = buf.k[:, :, :n]
+        if self.bits == 16:
+            return Labels(data, 16)
+        return Labels(data, self.bits, buf.v[:, :, :n, 0], buf.v[:, :, :n, 1])
+
+    def valid(self) -> torch.Tensor | None:
+        return None if self.buf.all_valid else self.buf.valid[:, :self.size]
+
+    def map_batch(self, fn) -> None:
+        if self.buf is not None:
+            self.buf.map_batch(fn)
+
+    def nbytes(self) -> int:
+        return 0 if self.buf is None else self.buf.nbytes()
+
+
+class DoubleSparseCompressor(Compressor):
+    name = "double_sparse"
+
+    def __init__(self, config: DoubleSparseConfig):
+        super().__init__(config)
+        self.table: torch.Tensor | None = None  # int64 [layers, kv_heads, r]
+
+    def load(self, model_config) -> torch.Tensor:
+        """Label channels ``[layers, kv_heads, r]`` for ``model_config`` (a file for another model is refused)."""
+        if self.table is None:
+            from kvcompress.calibration.masks import geometry
+
+            c = self.config
+            layers, kv, d = geometry(model_config)
+            if c.channels == "all":
+                if c.r not in (None, d):
+                    raise ConfigError("double_sparse.r", f"null or head_dim ({d}) with channels 'all'", c.r)
+                table = torch.arange(d).expand(layers, kv, d)
+            elif c.channels == "random":
+                if c.r > d:
+                    raise ConfigError("double_sparse.r", f"an integer in [1, head_dim = {d}]", c.r)
+                gen = torch.Generator().manual_seed(c.seed)
+                table = torch.stack([torch.randperm(d, generator=gen)[:c.r] for _ in range(layers * kv)])
+                table = table.view(layers, kv, c.r)
+            else:
+                from kvcompress.calibration.doublesparse import load_channels
+
+                ranked = load_channels(c.channels, model_config).channels
+                if c.r is not None and c.r > ranked.shape[-1]:
+                    raise ConfigError("double_sparse.r", f"at most the file's {ranked.shape[-1]} channels", c.r)
+                table = ranked[..., :c.r] if c.r is not None else ranked
+            r = table.shape[-1]
+            if c.label_bits != 16 and (r * c.label_bits) % 8:
+                raise ConfigError("double_sparse.r", f"a multiple of {8 // c.label_bits} at label_bits "
+                                  f"{c.label_bits}", r)
+            self.table = table.sort(-1).values.contiguous()
+        return self.table
+
+    @hookimpl
+    def kvcompress_layer_layout(self, layer):
+        self.load(layer.model_config)  # fail at cache build, not at the first decode step
+        return Layout(sinks=self.config.sinks or None, recent=self.config.window, flush=1)
+
+    def _cache(self, layer, device) -> LabelCache:
+        cache = layer.state.get("double_sparse")
+        if cache is None:
+            cache = LabelCache(self.table[layer.info.index].to(device), self.config.label_bits)
+            layer.state["double_sparse"] = cache
+        return cache
+
+    @hookimpl
+    def kvcompress_score_tokens(self, layer, block):
+        if self.config.budget(layer.info.index) is None:
+            return
+        kept = block.compact()  # the columns the middle store will receive (no evictor in the stack)
+        if kept is not None:
+            self._cache(layer, block.k.device).append(kept.k, kept.valid, kept.positions)
+
+    @hookimpl
+    def kvcompress_select_tokens(self, layer, query):
+        budget = self.config.budget(layer.info.index)
+        cache = layer.state.get("double_sparse")
+        if query.shape[2] != 1 or budget is None or cache is None or cache.size <= budget:
+            return None  # prefill / chunks, dense layers, or k >= middle tokens: read everything
+        if cache.size != layer.middle.num_tokens:
+            raise UnsupportedOperationError(
+                f"double_sparse: the middle store holds {layer.middle.num_tokens} tokens but {cache.size} left the "
+                "window; DoubleSparse cannot be stacked with an evictor (its selection indexes every middle token)")
+        from kvcompress.kernels.doublesparse import select_topk
+
+        index = select_topk(query[:, :, 0], cache.labels(), cache.channels, cache.valid(), budget)
+        return TokenSelection(index.unsqueeze(2))
+
+
+@hookimpl
+def kvcompress_register_compressors(register):
+    register(CompressorSpec(
+        name="double_sparse", axis="select", config=DoubleSparseConfig, factory=DoubleSparseCompressor,
+        summary="DoubleSparse label-channel top-k selection with sinks, window, layer budgets (arXiv:2408.07092)",
+    ))

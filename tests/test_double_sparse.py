@@ -1,0 +1,284 @@
+"""DoubleSparse (plugins/double_sparse.py): reductions, layer budgets, label cache, decode logits.
+
+The oracle (:func:`ds_oracle_logits`) never uses kvcompress: one teacher-forced forward whose
+registered attention recomputes, per layer, query head and decode position, the label scores
+``q[C] . K[C]`` from the model's own post-RoPE keys (fake-quantized per token for 4/2-bit labels),
+the top-k middle tokens, and attention over sinks + window + the selected tokens + the token itself.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import kvcompress  # noqa: E402
+from kvcompress import ConfigError, parse_stack  # noqa: E402
+from models import tiny_model  # noqa: E402
+from reference import decode_chunks, fake_quant, streamed_logits  # noqa: E402
+
+TOL = 1e-4
+
+
+def ds_oracle_logits(model, ids, chunks, *, channels, k, k_min=1, gamma=1.0, dense_layers=2, sinks=0, window=0,
+                     bits=16, exact_scores=False):
+    """Logits of one forward where decode query t of layer l reads sinks, window, itself and its top-k_l middle."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    length = ids.shape[1]
+    decode = torch.zeros(length, dtype=torch.bool)
+    for c0, c1 in chunks[1:]:
+        if c1 - c0 == 1:
+            decode[c0] = True
+
+    def attn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        layer = module.layer_idx
+        b, hq, L, d = query.shape
+        hkv = key.shape[1]
+        rep = hq // hkv
+        q, kf, vf = query.float(), key.float().repeat_interleave(rep, 1), value.float().repeat_interleave(rep, 1)
+        s = q @ kf.transpose(-1, -2) * scaling  # [b, hq, L, L]
+        ch = channels[layer].repeat_interleave(rep, 0)  # [hq, r]
+        qc = q.gather(-1, ch[None, :, None, :].expand(b, hq, L, ch.shape[-1]))
+        kc = kf.gather(-1, ch[None, :, None, :].expand(b, hq, L, ch.shape[-1]))
+        if bits != 16:
+            kc = fake_quant(kc, bits, dim=-1)
+        ls = s if exact_scores else qc @ kc.transpose(-1, -2)
+        allowed = torch.ones(b, hq, L, L, dtype=torch.bool).tril()
+        budget = None if layer < dense_layers else max(k_min, round(k * gamma ** (layer - dense_layers)))
+        for t in range(L):
+            if not decode[t] or budget is None:
+                continue
+            lo, hi = sinks, t - window  # middle: [sinks, t - window)
+            if hi - lo <= budget:
+                continue
+            top = ls[:, :, t, lo:hi].topk(budget, dim=-1).indices + lo
+            row = torch.zeros(b, hq, L, dtype=torch.bool)
+            row[..., :t + 1] = True
+            row[..., lo:hi] = False
+            row.scatter_(-1, top, True)
+            allowed[:, :, t] = row
+        p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
+        return (p @ vf).transpose(1, 2).to(query.dtype), None
+
+    ALL_ATTENTION_FUNCTIONS.register("kvcompress_test_ds_oracle", attn)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("kvcompress_test_ds_oracle", sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("kvcompress_test_ds_oracle")
+    try:
+        with torch.no_grad():
+            return model(ids, position_ids=torch.arange(length)[None]).logits[0]
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def _stack(**cfg):
+    return parse_stack({"compressors": [{"double_sparse": cfg}]})
+
+
+def _run(model, ids, chunks, **cfg):
+    with kvcompress.compress(model, _stack(**cfg)) as cache:
+        with torch.no_grad():
+            return streamed_logits(model, ids, cache, chunks), cache
+
+
+def _table(cache):
+    comp = cache.pipeline.compressors[0][1]
+    return comp.table
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", layers=3)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(1, 256, (1, 96), generator=torch.Generator().manual_seed(5))
+
+
+def test_plain_double_sparse_reduction(model, ids):
+    """gamma = 1, no sinks, no window: top-k over every previous token (random label channels, r = 4)."""
+    chunks = decode_chunks(40, 96)
+    cfg = dict(channels="random", r=4, k=12, gamma=1.0, sinks=0, window=0, dense_layers=1)
+    got, cache = _run(model, ids, chunks, **cfg)
+    ref = ds_oracle_logits(model, ids, chunks, channels=_table(cache), k=12, dense_layers=1)
+    assert (got - ref).abs().max().item() < TOL
+    dense = model(ids).logits[0].detach()
+    assert (got - dense).abs().max().item() > 1e-2  # the selection really changes the result
+
+
+def test_k_at_least_the_tokens_is_dense(model, ids):
+    chunks = decode_chunks(30, 96, extra=[(50, 5)])
+    got, _ = _run(model, ids, chunks, channels="random", r=4, k=96, sinks=0, window=0, dense_layers=0)
+    with torch.no_grad():
+        dense = model(ids).logits[0]
+    assert (got - dense).abs().max().item() < TOL
+
+
+def test_all_channels_fp_labels_is_oracle_top_k(model, ids):
+    """r = head_dim with full-precision labels selects by the exact attention scores."""
+    chunks = decode_chunks(40, 96)
+    got, cache = _run(model, ids, chunks, channels="all", k=10, sinks=0, window=0, dense_layers=0)
+    ref = ds_oracle_logits(model, ids, chunks, channels=_table(cache), k=10, dense_layers=0, exact_scores=True)
+    assert (got - ref).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("bits", [16, 4, 2])
+def test_double_sparse_pp_decode_matches_oracle(model, ids, bits):
+    """Sinks + window + decaying per-layer budgets + dense first layer, chunked prefill, quantized labels."""
+    chunks = decode_chunks(24, 96, extra=[(30, 7), (60, 3)])
+    cfg = dict(channels="random", r=8, k=16, k_min=6, gamma=0.5, sinks=3, window=5, dense_layers=1,
+               label_bits=bits, seed=3)
+    got, cache = _run(model, ids, chunks, **cfg)
+    ref = ds_oracle_logits(model, ids, chunks, channels=_table(cache), k=16, k_min=6, gamma=0.5,
+                           dense_layers=1, sinks=3, window=5, bits=bits)
+    assert (got - ref).abs().max().item() < TOL
+
+
+
+def test_budget_values():
+    from kvcompress.plugins.double_sparse import DoubleSparseConfig
+
+    c = DoubleSparseConfig(k=128, k_min=16, gamma=0.5, dense_layers=2)
+    assert [c.budget(i) for i in range(7)] == [None, None, 128, 64, 32, 16, 16]
+    c = DoubleSparseConfig(k=100, k_min=1, gamma=0.9, dense_layers=0)
+    assert [c.budget(i) for i in range(4)] == [100, 90, 81, 73]  # round(72.9) = 73
+    assert DoubleSparseConfig(k=7, gamma=1.0).budget(29) == 7
+
+
+def test_budget_is_applied_per_layer(model, ids):
+    """The selection each layer returns has exactly k_l indices per query head."""
+    seen = {}
+    from kvcompress.layer import CompressedLayer
+
+    orig = CompressedLayer._apply_selection
+
+    def spy(middle, selection):
+        seen.setdefault(middle[0].num_tokens, []).append(selection.index.shape[-1])
+        return orig(middle, selection)
+
+    CompressedLayer._apply_selection = staticmethod(spy)
+    try:
+        _run(model, ids[:, :60], decode_chunks(50, 60), channels="random", r=4, k=20, k_min=3, gamma=0.25,
+             sinks=0, window=0, dense_layers=0)
+    finally:
+        CompressedLayer._apply_selection = staticmethod(orig)
+    for counts in seen.values():
+        assert counts == [20, 5, 3]  # layers 0, 1, 2: max(3, round(20 * 0.25^l))
+
+
+@pytest.mark.parametrize("bits", [16, 4])
+def test_label_cache_matches_middle_keys_across_steps(model, ids, bits):
+    """After chunked prefill and decode steps, labels are the middle keys on the label channels."""
+    from kvcompress.kernels.doublesparse import dequantize_labels
+
+    chunks = decode_chunks(20, 80, extra=[(25, 6), (40, 9)])
+    _, cache = _run(model, ids[:, :80], chunks, channels="random", r=8, k=4, sinks=2, window=6, dense_layers=1,
+                     label_bits=bits)
+    layers = cache.compressed_layers
+    assert "double_sparse" not in layers[0].state  # dense layers keep no labels
+    for layer in layers[1:]:
+        lab = layer.state["double_sparse"]
+        (seg,) = layer.middle.segments()
+        assert lab.size == seg.num_tokens == 80 - 2 - 6
+        assert torch.equal(lab.buf.positions[:lab.size], seg.positions)
+        ch = lab.channels
+        expect = seg.k.gather(-1, ch.view(1, -1, 1, ch.shape[1]).expand(*seg.k.shape[:3], ch.shape[1]))
+        got = dequantize_labels(lab.labels())
+        if bits == 16:
+            assert torch.equal(got, expect)
+        else:
+            assert torch.allclose(got, fake_quant(expect, bits, dim=-1), atol=1e-5)
+            assert lab.labels().data.shape[-1] == ch.shape[1] * bits // 8  # packed codes
+
+
+def test_reads_only_selected_tokens_with_padding_batch(model):
+    """A left-padded batch of two equals each row alone (per-row validity in scores and gather)."""
+    gen = torch.Generator().manual_seed(9)
+    a = torch.randint(1, 256, (1, 70), generator=gen)
+    b = torch.randint(1, 256, (1, 62), generator=gen)
+    cfg = _stack(channels="random", r=4, k=9, sinks=2, window=4, dense_layers=1, label_bits=4)
+    outs = []
+    for row in (a, b):
+        with kvcompress.compress(model, cfg) as cache, torch.no_grad():
+            outs.append(model.generate(row, attention_mask=torch.ones_like(row), cache=cache, max_new_tokens=12,
+                                       do_sample=False)[0, row.shape[1]:])
+    pad = torch.cat([torch.zeros(1, 8, dtype=torch.long), b], 1)
+    batch = torch.cat([a, pad], 0)
+    mask = torch.cat([torch.ones(1, 70, dtype=torch.long), torch.cat([torch.zeros(1, 8), torch.ones(1, 62)], 1).long()])
+    with kvcompress.compress(model, cfg) as cache, torch.no_grad():
+        got = model.generate(batch, attention_mask=mask, cache=cache, max_new_tokens=12, do_sample=False)[:, 70:]
+    assert torch.equal(got[0], outs[0]) and torch.equal(got[1], outs[1])
+
+
+@pytest.mark.parametrize("cfg,path,allowed", [
+    ({"gamma": 0.0}, "compressors[0].double_sparse.gamma", "(0, 1]"),
+    ({"gamma": 1.5}, "compressors[0].double_sparse.gamma", "1"),
+    ({"k": 8, "k_min": 9}, "compressors[0].double_sparse.k_min", "<= k (8)"),
+    ({"channels": "random"}, "compressors[0].double_sparse.r", "number of random label channels"),
+    ({"channels": "nope.safetensors"}, "compressors[0].double_sparse.channels", "existing channel file"),
+    ({"label_bits": 8}, "compressors[0].double_sparse.label_bits", "16"),
+    ({"channels": "random", "r": 3, "label_bits": 2}, "compressors[0].double_sparse.r", "multiple of 4"),
+    ({"window": -1}, "compressors[0].double_sparse.window", "0"),
+    ({"topk": 3}, "compressors[0].double_sparse", "topk"),
+])
+def test_config_errors_name_the_key(cfg, path, allowed):
+    with pytest.raises(ConfigError) as exc:
+        _stack(**cfg)
+    assert str(exc.value).startswith(path) and allowed in str(exc.value)
+
+
+def test_channels_all_with_wrong_r_is_refused(model):
+    with pytest.raises(ConfigError, match="r: expected null or head_dim"):
+        with kvcompress.compress(model, _stack(channels="all", r=4)):
+            pass
+
+
+def test_channel_file_roundtrip_subset_and_model_refusal(model, tmp_path):
+    from kvcompress.calibration.doublesparse import load_channels, rank_channels, save_channels
+    from kvcompress.calibration.masks import MaskFileError
+
+    scores = torch.rand(3, 2, 16, generator=torch.Generator().manual_seed(0))
+    ranked = rank_channels(scores, 8)
+    assert torch.equal(ranked, scores.argsort(-1, descending=True)[..., :8])
+    path = tmp_path / "ch.safetensors"
+    save_channels(path, ranked, scores, model.config, "tiny", {"windows": 1})
+    f = load_channels(path, model.config)
+    assert torch.equal(f.channels, ranked) and f.meta["settings"] == {"windows": 1}
+    with kvcompress.compress(model, _stack(channels=str(path), r=4)) as cache:
+        table = _table(cache)
+    assert torch.equal(table, ranked[..., :4].sort(-1).values)  # the 4 best, as a set
+    other = tiny_model("llama", layers=2)
+    with pytest.raises(MaskFileError, match="channel file made for the model given"):
+        load_channels(path, other.config)
+    with pytest.raises(ConfigError, match="at most the file's 8"):
+        with kvcompress.compress(model, _stack(channels=str(path), r=12)):
+            pass
+
+
+def test_calibrate_cli_validates_before_loading_a_model(capsys):
+    from kvcompress.cli import main
+
+    assert main(["calibrate", "doublesparse", "--channels", "0", "--out", "x.safetensors"]) == 2
+    assert "--channels: expected an integer >= 1, got 0" in capsys.readouterr().err
+    assert main(["calibrate", "doublesparse", "--channels", "16", "--out", "x.bin"]) == 2
+
+
+def test_calibration_ranks_by_mean_abs_qk(model):
+    """calibrate_channels ranks with qk_scores (the shared |q_c k_c| statistic)."""
+    from kvcompress.calibration.doublesparse import rank_channels
+    from kvcompress.calibration.qk import qk_scores
+
+    toks = torch.randint(1, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    scores = qk_scores(model, toks)
+    ch = rank_channels(scores, 4)
+    assert ch.shape == (3, 2, 4)
+    top = scores.gather(-1, ch)
+    rest_max = scores.scatter(-1, ch, float("-inf")).amax(-1)
+    assert bool((top.amin(-1) >= rest_max).all())
