@@ -366,6 +366,7 @@ def _bench_case(shape: Shape, batch: int, ctx: int, device: torch.device, rows: 
         if device.type == "cuda":
             torch.cuda.empty_cache()
     _bench_leank(shape, batch, ctx, device, rows, ops, base, dense_bytes, m, scale, free, reps, gen)
+    _bench_doublesparse(shape, batch, ctx, device, rows, ops, base, dense_bytes, scale, free, reps, gen)
     for row in rows:
         if row["op"] == "dense-ref" and row["model"] == shape.model and row["batch"] == batch and \
                 row["ctx"] == ctx and "sdpa" in base and "latency_us" in row:
@@ -398,7 +399,33 @@ def _bench_leank(shape, batch, ctx, device, rows, ops, base, dense_bytes, m, sca
         torch.cuda.empty_cache()
 
 
-ALL_OPS = ("sdpa", "dense-ref", "kivi2", "kivi4", "kivi2-ref", "kivi4-ref", "leank50", "leank70")
+def _bench_doublesparse(shape, batch, ctx, device, rows, ops, base, dense_bytes, scale, free, reps, gen) -> None:
+    """DoubleSparse rows (``ds8`` / ``ds16``): label scores (16 fp16 label channels) + top-k (ctx/8 or ctx/16
+    tokens per query head) + gather attention, vs SDPA on the full fp16 cache."""
+    from .doublesparse.bench import ds_decode, ds_inputs, ds_read_bytes
+
+    for frac in (8, 16):
+        name = f"ds{frac}"
+        if name not in ops or device.type != "cuda":
+            continue
+        est = int(dense_bytes * 1.2)
+        n = min(copies_for(est), max(1, int(free // max(est, 1))))
+        if est > free:
+            rows.append(_result(name, shape, batch, ctx, None, est, skipped="does not fit in device memory"))
+            continue
+        data = [ds_inputs(batch, shape.q_heads, shape.kv_heads, ctx, shape.head_dim, 16, 16, device, gen)
+                for _ in range(n)]
+        kk = ctx // frac
+        t = time_op(lambda q, lab, ch, k, v: ds_decode(q, lab, ch, k, v, kk, scale), data, reps=reps)
+        nbytes = ds_read_bytes(data[0][0], data[0][1], data[0][3], kk)
+        rows.append(_result(name, shape, batch, ctx, t, nbytes, k=kk,
+                            speedup_vs_sdpa=base["sdpa"] / t.seconds if "sdpa" in base else None,
+                            bytes_vs_fp16=dense_bytes / nbytes))
+        del data
+        torch.cuda.empty_cache()
+
+
+ALL_OPS = ("sdpa", "dense-ref", "kivi2", "kivi4", "kivi2-ref", "kivi4-ref", "leank50", "leank70", "ds8", "ds16")
 
 
 def markdown_table(rows: Sequence[dict]) -> str:

@@ -66,6 +66,9 @@ def save_channels(path: str | os.PathLike, channels: torch.Tensor, scores: torch
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     save_file({"channels": channels.to(torch.int32).contiguous().cpu(),
                "scores": scores.to(torch.float32).contiguous().cpu()}, os.fspath(path), metadata=meta)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)  # safetensors writes through a private (0600) temporary file
 
 
 def load_channels(path: str | os.PathLike, model_config: Any = None) -> ChannelFile:
