@@ -94,7 +94,9 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
     return acc, m_i, l_i
 
 
-@triton.jit
+# Runtime sizes are not specialised (``== 1`` / ``% 16`` variants would compile a copy per layer
+# and per cache length); strides stay specialised (they are stable and enable vector loads).
+@triton.jit(do_not_specialize=["TS", "NHS", "CS", "ROW0", "M", "R", "RLO", "RN", "NBATCH"])
 def _lanes_kernel(
     Q, sq_b, sq_h, sq_m,
     KS, VS, VAS, CHS, HDS,
@@ -139,7 +141,7 @@ def _lanes_kernel(
             tl.store(PL + row * M + offs_m, lse, mask=m_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NHS", "ROW0", "S", "R", "M", "H", "NBATCH"])
 def _combine_kernel(PO, PL, OUT, LSE, HDS, NHS, ROW0, S, R, M, H, NBATCH,
                     HAS_HEADS: tl.constexpr, NL: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
                     BLOCK_M: tl.constexpr):
