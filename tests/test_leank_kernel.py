@@ -34,6 +34,8 @@ CASES = {
     "nine-lanes-two-launches": (1, 9, 2, 32, 32, [([h], 16 if h % 2 else 32, 17 + h, h % 3 == 0) for h in range(9)],
                                 {}),
     "fp32-inputs": (1, 2, 4, 32, 32, [([0], 16, 30, True), (None, None, 12, False)], {"dtype": "float32"}),
+    # canonical slots (counts 16 and 64 of d = 64; slots 32 and 48 empty; heads/channels None padded)
+    "canonical-slots-empty": (2, 3, 2, 64, 64, [([2], 16, 40, True), (None, None, 25, True)], {}),
 }
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3
 
@@ -221,6 +223,30 @@ def test_dispatch_falls_back_to_reference_on_cpu_and_on_unsupported_lanes():
     assert not triton_kernel.supports(q, bad)
     assert not triton_kernel.supports(q, [lanes[0]._replace(k=lanes[0].k[..., :8])])  # k width != kept count
     assert not triton_kernel.supports(q, [])
+
+
+def test_layer_layouts_share_one_compiled_kernel():
+    """Layers keep different sets of channel counts; with counts in multiples of 16 every layer of
+    a head_dim-64 model maps to the same compile-time layout (one compile per model, not per layer)."""
+    from kvcompress.kernels.leank.reference import Lane
+    from kvcompress.kernels.leank.triton_kernel import launch_layout
+
+    def lanes(spec, hkv=3, d=64, t=20, valid=True):
+        out = []
+        for heads, c in spec:
+            h = hkv if heads is None else len(heads)
+            out.append(Lane(None if heads is None else torch.tensor(heads), None if c is None else
+                            torch.arange(c).expand(h, c), torch.zeros(1, h, t, c if c else d),
+                            torch.zeros(1, h, t, d), torch.ones(1, t, dtype=torch.bool) if valid else None))
+        return out
+
+    layouts = {launch_layout(lanes(spec), 64) for spec in (
+        [([0], 16), ([1, 2], 48)], [(None, 32)], [([0], 32), ([2], 48), ([1], 64)], [(None, None)])}
+    assert len(layouts) == 1 and len(next(iter(layouts))) == 4  # slots 16, 32, 48, 64
+    assert launch_layout(lanes([(None, 32)], valid=False), 64) != next(iter(layouts))  # valid flag is compiled in
+    # counts off the 16-grid keep their own layout (no padding scheme applies)
+    odd = {launch_layout(lanes(spec), 64) for spec in ([([0], 8), ([1, 2], 24)], [(None, 24)])}
+    assert len(odd) == 2
 
 
 def test_import_compiles_nothing():

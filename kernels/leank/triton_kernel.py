@@ -13,6 +13,10 @@ How it works:
   of the inner loop per lane, with that lane's kept-channel count padded to a power
   of two as a compile-time constant: no wasted lanes of a 128-wide tile on a
   32-channel lane).
+* Compile once per model: lanes whose kept counts are multiples of 16 are placed in fixed
+  slots (16, 32, ..., head_dim; empty slots hold no rows), so every layer of a model shares one
+  compiled layout whatever counts it keeps (:func:`_canonical_slots`, :func:`launch_layout`);
+  runtime sizes (token counts, heads per lane, query rows) are not specialised.
 * Inner loop (flash decoding): the query rows of the head, gathered to the lane's
   kept channels and pre-scaled by ``scale * log2(e)``, are loaded once;
   per block of ``BN`` tokens, ``S = q K^T`` and ``acc += P V`` run on tensor cores
@@ -233,6 +237,83 @@ def supports(query: torch.Tensor, lanes: Sequence[Lane | tuple]) -> bool:
     return True
 
 
+SLOT = 16  # kept counts that are multiples of SLOT map to fixed slots (one compiled layout per head_dim)
+
+
+@functools.lru_cache(maxsize=64)
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(n, device=device, dtype=torch.int64)
+
+
+def _canonical_slots(rows: list[dict], d: int, dev: torch.device) -> list[dict]:
+    """One slot per kept count ``SLOT, 2*SLOT, ..., ceil(d / SLOT) * SLOT``, empty slots padded.
+
+    The compile-time layout of a launch (lane count, per-lane tile widths and flags) then depends
+    on ``d`` alone, not on which kept counts a layer happens to have: a LeanK model compiles the
+    kernel once instead of once per distinct layer layout (16 layouts on SmolLM2 at 50%, about
+    3 s of compiling each).  Empty slots hold no rows and are never read.  Rows are returned
+    unchanged when they do not fit the scheme (counts not multiples of ``SLOT``, two lanes of
+    one count, more slots than :data:`MAX_LANES`, or mixed valid-mask presence).
+    """
+    n_slots = -(-d // SLOT)
+    counts = [r["c"] for r in rows]
+    if (n_slots > MAX_LANES or any(c % SLOT for c in counts) or len(set(counts)) != len(counts)
+            or len({r["has_valid"] for r in rows}) != 1):
+        return rows
+    by_count = {r["c"]: r for r in rows}
+    ref = rows[0]
+    out, r0 = [], 0
+    for i in range(1, n_slots + 1):
+        c = i * SLOT
+        r = by_count.get(c)
+        if r is None:  # empty slot: zero heads, never indexed
+            r = dict(k=ref["k"], v=ref["v"], va=ref["va"], ch=_arange(1, dev), hd=_arange(1, dev), h=0, t=0, c=c,
+                     has_valid=ref["has_valid"], has_chan=True, has_heads=True, empty=True)
+        else:
+            r = dict(r)
+            if not r["has_heads"]:
+                r.update(hd=_arange(r["h"], dev), has_heads=True)
+            if not r["has_chan"]:  # a full-width lane (c == d): channel i is channel i
+                r.update(ch=_arange(c, dev).expand(r["h"], c), has_chan=True)
+            r.update(hd=r["hd"].long(), ch=r["ch"].long())  # one pointer type per slot
+        r["r0"] = r0
+        r0 += r["h"]
+        out.append(r)
+    return out
+
+
+def _stride(r: dict, key: str, dim: int) -> int:
+    return 0 if r.get("empty") else r[key].stride(dim)
+
+
+def _lane_rows(lanes: Sequence[Lane], d: int, dev: torch.device) -> list[dict]:
+    """Per lane (or canonical slot): the tensors, sizes and flags one launch takes."""
+    dummy = torch.zeros(1, device=dev, dtype=torch.int64)
+    rows = []  # per lane: tensors and strides
+    r0 = 0
+    for heads, channels, k, v, valid in lanes:
+        k, v = _last_contiguous(k), _last_contiguous(v)
+        h, t, c = k.shape[1], k.shape[2], k.shape[3]
+        if valid is not None:
+            valid = valid if valid.stride(-1) == 1 else valid.contiguous()
+            valid = valid.view(torch.uint8) if valid.dtype == torch.bool else valid
+        if channels is not None:
+            channels = _last_contiguous(channels)
+        rows.append(dict(k=k, v=v, va=valid if valid is not None else dummy, ch=channels if channels is not None
+                         else dummy, hd=heads if heads is not None else dummy, h=h, t=t, c=c, r0=r0,
+                         has_valid=valid is not None, has_chan=channels is not None, has_heads=heads is not None))
+        r0 += h
+    return _canonical_slots(rows, d, dev)
+
+
+def launch_layout(lanes: Sequence[Lane | tuple], d: int) -> tuple:
+    """The compile-time part of a launch over ``lanes`` (lane count, tile widths, flags): calls with
+    equal layouts share one compiled kernel."""
+    lanes = [Lane(*lane) for lane in lanes]
+    rows = _lane_rows(lanes, d, lanes[0].k.device)
+    return tuple((max(16, _pow2(r["c"])), r["has_valid"], r["has_chan"], r["has_heads"]) for r in rows)
+
+
 def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple], scale: float, *,
                               splits: int | None = None, config: dict | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,22 +332,8 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     if b * hkv * m == 0:
         return out, lse
     q = query if query.stride(-1) == 1 else query.contiguous()
-    dummy = torch.zeros(1, device=dev, dtype=torch.int64)
-    rows = []  # per lane: tensors and strides
-    r0 = 0
-    for heads, channels, k, v, valid in lanes:
-        k, v = _last_contiguous(k), _last_contiguous(v)
-        h, t, c = k.shape[1], k.shape[2], k.shape[3]
-        if valid is not None:
-            valid = valid if valid.stride(-1) == 1 else valid.contiguous()
-            valid = valid.view(torch.uint8) if valid.dtype == torch.bool else valid
-        if channels is not None:
-            channels = _last_contiguous(channels)
-        rows.append(dict(k=k, v=v, va=valid if valid is not None else dummy, ch=channels if channels is not None
-                         else dummy, hd=heads if heads is not None else dummy, h=h, t=t, c=c, r0=r0,
-                         has_valid=valid is not None, has_chan=channels is not None, has_heads=heads is not None))
-        r0 += h
-    n_rows = r0
+    rows = _lane_rows(lanes, d, dev)
+    n_rows = sum(r["h"] for r in rows)
     block_m = min(64, max(16, _pow2(m)))
     m_blocks = triton.cdiv(m, block_m)
     bn = cfg["BN"]
@@ -294,11 +361,11 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
         _lanes_kernel[(splits, b * n_chunk, m_blocks)](
             q, q.stride(0), q.stride(1), q.stride(2),
             tup("k"), tup("v"), tup("va"), tup("ch"), tup("hd"),
-            tuple(r["k"].stride(0) for r in chunk), tuple(r["k"].stride(1) for r in chunk),
-            tuple(r["k"].stride(2) for r in chunk), tuple(r["v"].stride(0) for r in chunk),
-            tuple(r["v"].stride(1) for r in chunk), tuple(r["v"].stride(2) for r in chunk),
-            tuple(r["va"].stride(0) if r["has_valid"] else 0 for r in chunk),
-            tuple(r["ch"].stride(0) if r["has_chan"] else 0 for r in chunk),
+            tuple(_stride(r, "k", 0) for r in chunk), tuple(_stride(r, "k", 1) for r in chunk),
+            tuple(_stride(r, "k", 2) for r in chunk), tuple(_stride(r, "v", 0) for r in chunk),
+            tuple(_stride(r, "v", 1) for r in chunk), tuple(_stride(r, "v", 2) for r in chunk),
+            tuple(_stride(r, "va", 0) if r["has_valid"] else 0 for r in chunk),
+            tuple(_stride(r, "ch", 0) if r["has_chan"] else 0 for r in chunk),
             tup("t"), tup("h"), tup("c"), tup("r0"),
             po, pl, float(scale) * LOG2E, m, n_rows, chunk[0]["r0"], n_chunk, b,
             HAS_VALID=tup("has_valid"), HAS_CHAN=tup("has_chan"), HAS_HEADS=tup("has_heads"),
