@@ -81,6 +81,7 @@ class HeadGroup:
         v: ``[batch, h, tokens, v_dim]`` values.
         channels: ``[h, kept]`` key channels each head keeps (``None`` = all, unmapped).
         qmap: custom query map (e.g. a projection); overrides ``channels`` when given.
+        vmap: output map when ``v`` holds value coordinates (``[batch, h, n, v_dim] -> [..., head_dim]``).
     """
 
     heads: torch.Tensor | None
@@ -88,10 +89,11 @@ class HeadGroup:
     v: torch.Tensor | None
     channels: torch.Tensor | None = None
     qmap: Callable[[torch.Tensor], torch.Tensor] | None = None
+    vmap: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def layout(self) -> "HeadGroup":
-        """The static part (heads, channels, query map) without token data."""
-        return HeadGroup(self.heads, None, None, self.channels, self.qmap)
+        """The static part (heads, channels, query and output maps) without token data."""
+        return HeadGroup(self.heads, None, None, self.channels, self.qmap, self.vmap)
 
     def query_map(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         if self.qmap is not None or self.channels is None:
@@ -106,10 +108,10 @@ class HeadGroup:
 
     def attach(self, seg: "Segment") -> "Segment":
         """``seg`` read as this group (heads and query map set)."""
-        if self.heads is None and self.channels is None and self.qmap is None:
+        if self.heads is None and self.channels is None and self.qmap is None and self.vmap is None:
             return seg
         channels = self.channels if self.qmap is None else None
-        return dataclasses.replace(seg, heads=self.heads, qmap=self.query_map(), channels=channels)
+        return dataclasses.replace(seg, heads=self.heads, qmap=self.query_map(), channels=channels, vmap=self.vmap)
 
 
 @dataclasses.dataclass
@@ -205,6 +207,8 @@ class Segment:
         channels: ``[len(heads), dk]`` key channels each head kept (set with the matching gather
             ``qmap`` by :meth:`HeadGroup.attach`), so kernels can gather the query themselves;
             ``None`` when the keys are not a channel subset.
+        vmap: maps attention outputs over ``v`` (value coordinates, ``[batch, heads, n, v_dim]``) back to
+            the head dimension; linear, so it applies equally to ``v`` or to the output (``None``: identity).
     """
 
     k: torch.Tensor | None
@@ -216,10 +220,12 @@ class Segment:
     select: "torch.Tensor | TokenSelection | None" = None  # read-time selection
     packed: Any = None
     channels: torch.Tensor | None = None
+    vmap: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def is_dense(self) -> bool:
-        return self.heads is None and self.qmap is None and self.select is None and self.packed is None
+        return (self.heads is None and self.qmap is None and self.select is None and self.packed is None
+                and self.vmap is None)
 
     @property
     def num_tokens(self) -> int:

@@ -16,6 +16,10 @@ against the key's projection - with the softmax scale of the full head dimension
 sinks, middle lanes and window by log-sum-exp.  Heads with equal rank share one dense lane
 ``[batch, heads, tokens, r]`` (a file made with ``--energy`` gives heads different ranks).
 
+Optional value basis (``value_rank``, a file made with ``--value-rank``): middle values are stored
+as ``c_v = v U_v`` too; attention over them yields coordinates, mapped back by ``U_v^T`` (exact,
+since attention is linear in the values: ``P (C_v U_v^T) = (P C_v) U_v^T``).
+
 Memory: the middle K costs ``r / head_dim`` of its dense size (the memory report shows it).  At
 ``r = head_dim`` the projection is a rotation and attention equals the uncompressed model's.
 
@@ -26,7 +30,7 @@ codes.  LeanK prunes the same key channels and is rejected in the same stack (th
 "key channels" axis is exclusive: the projection already chooses the channels worth keeping).
 
 Parameters: ``basis`` (file), ``rank`` (use the first ``rank`` directions of every head; null =
-the file's ranks), ``sinks`` (128), ``recent`` (768), ``flush`` (128): LeanK's deployment regions,
+the file's ranks), ``value_rank`` (null: values unchanged), ``sinks`` (128), ``recent`` (768), ``flush`` (128): LeanK's deployment regions,
 so the two compare at equal key bytes.
 """
 
@@ -50,6 +54,9 @@ class LowRankConfig:
     rank: int | None = param(None, "keep the first `rank` basis directions of every head (at most the file's "
                              "smallest rank); null: the file's per-head ranks", type=int, min=1, max=1024,
                              nullable=True)
+    value_rank: int | None = param(None, "store middle values as their first `value_rank` coordinates in the "
+                                   "file's value basis (made with --value-rank); null: values unchanged", type=int,
+                                   min=1, max=1024, nullable=True)
     sinks: int = param(128, "first real tokens kept full precision (attention sinks)", min=0, max=1 << 20)
     recent: int = param(768, "most recent tokens kept full precision", min=0, max=1 << 20)
     flush: int = param(128, "tokens leave the recent window in blocks of this many", min=1, max=1 << 16)
@@ -57,13 +64,21 @@ class LowRankConfig:
     def check(self, path: str) -> None:
         if not self.basis or not os.path.isfile(self.basis):
             raise ConfigError(f"{path}.basis", "an existing basis file (.safetensors)", self.basis, hint=_HINT)
-        if self.rank is not None:
-            from kvcompress.calibration.lowrank import load_basis
+        if self.rank is None and self.value_rank is None:
+            return
+        from kvcompress.calibration.lowrank import load_basis
 
-            smallest = int(load_basis(self.basis).rank.min())
-            if self.rank > smallest:
-                raise ConfigError(f"{path}.rank", f"an integer in [1, {smallest}] (the smallest rank in "
-                                  f"{self.basis}) or null", self.rank, hint=_HINT.replace("32", str(self.rank)))
+        f = load_basis(self.basis)
+        for key, ranks in (("rank", f.rank), ("value_rank", f.value_rank)):
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if ranks is None:
+                raise ConfigError(f"{path}.{key}", f"null ({self.basis} holds no value basis)", value,
+                                  hint=_HINT.replace("--out", f"--value-rank {value} --out"))
+            if value > int(ranks.min()):
+                raise ConfigError(f"{path}.{key}", f"an integer in [1, {int(ranks.min())}] (the smallest {key} "
+                                  f"in {self.basis}) or null", value)
 
 
 class LowRankCompressor(Compressor):
@@ -71,19 +86,26 @@ class LowRankCompressor(Compressor):
 
     def __init__(self, config: LowRankConfig):
         super().__init__(config)
-        self.groups: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None  # per layer: (heads, U [h, d, r])
+        self.groups: list[list[tuple]] | None = None  # per layer: (heads, U [h, d, r], U_v [h, d, r_v] or None)
 
-    def load(self, model_config) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Per layer, heads grouped by rank with their bases (a basis made for another model is refused)."""
+    def load(self, model_config) -> list[list[tuple]]:
+        """Per layer, heads grouped by (key rank, value rank) with their bases (refused for another model)."""
         if self.groups is None:
             from kvcompress.calibration.lowrank import load_basis
 
             f = load_basis(self.config.basis, model_config)
             ranks = f.rank if self.config.rank is None else torch.full_like(f.rank, self.config.rank)
+            v_ranks = torch.zeros_like(ranks) if self.config.value_rank is None else torch.full_like(
+                ranks, self.config.value_rank)
             self.groups = []
-            for basis, rank in zip(f.basis, ranks):
-                by_rank = [(r, (rank == r).nonzero().flatten()) for r in sorted(set(rank.tolist()), reverse=True)]
-                self.groups.append([(heads, basis[heads, :, :r].contiguous()) for r, heads in by_rank])
+            for layer, (rank, v_rank) in enumerate(zip(ranks, v_ranks)):
+                pairs = sorted(set(zip(rank.tolist(), v_rank.tolist())), reverse=True)
+                groups = []
+                for r, rv in pairs:
+                    heads = ((rank == r) & (v_rank == rv)).nonzero().flatten()
+                    u_v = f.value_basis[layer, heads, :, :rv].contiguous() if rv else None
+                    groups.append((heads, f.basis[layer, heads, :, :r].contiguous(), u_v))
+                self.groups.append(groups)
         return self.groups
 
     @hookimpl
@@ -91,35 +113,52 @@ class LowRankCompressor(Compressor):
         self.load(layer.model_config)  # fail at cache build, not at the first flush
         return Layout(sinks=self.config.sinks or None, recent=self.config.recent, flush=self.config.flush)
 
-    def _plan(self, layer, device) -> list[tuple[torch.Tensor, torch.Tensor, object]]:
-        """Per rank group: (heads, U [h, d, r], query map q -> q U) on ``device``, built once per layer."""
+    def _plan(self, layer, device) -> list[tuple]:
+        """Per group: (heads, U, U_v, query map q -> q U, output map o -> o U_v^T) on ``device``, built once."""
         plan = layer.state.get("lowrank")
         if plan is None:
             plan = []
-            for heads, basis in self.groups[layer.info.index]:
+            for heads, basis, v_basis in self.groups[layer.info.index]:
                 heads, basis = heads.to(device), basis.to(device)
 
                 def project(q: torch.Tensor, basis: torch.Tensor = basis) -> torch.Tensor:
                     return torch.einsum("bhgqd,hdr->bhgqr", q.float(), basis).to(q.dtype)
 
-                plan.append((heads, basis, project))
+                unproject = None
+                if v_basis is not None:
+                    v_basis = v_basis.to(device)
+
+                    def unproject(o: torch.Tensor, v_basis: torch.Tensor = v_basis) -> torch.Tensor:
+                        return torch.einsum("bhnr,hdr->bhnd", o.float(), v_basis).to(o.dtype)
+
+                plan.append((heads, basis, v_basis, project, unproject))
             layer.state["lowrank"] = plan
         return plan
 
     @hookimpl
     def kvcompress_lowrank_transform(self, layer, block):
         groups = []
-        for heads, basis, project in self._plan(layer, block.k.device):
-            coords = torch.einsum("bhtd,hdr->bhtr", block.k.index_select(1, heads).float(), basis)
-            groups.append(HeadGroup(heads, coords.to(block.k.dtype), block.v.index_select(1, heads), qmap=project))
+        for heads, basis, v_basis, project, unproject in self._plan(layer, block.k.device):
+            k = torch.einsum("bhtd,hdr->bhtr", block.k.index_select(1, heads).float(), basis).to(block.k.dtype)
+            v = block.v.index_select(1, heads)
+            if v_basis is not None:
+                v = torch.einsum("bhtd,hdr->bhtr", v.float(), v_basis).to(block.v.dtype)
+            groups.append(HeadGroup(heads, k, v, qmap=project, vmap=unproject))
         return KVBlock(None, None, block.valid, block.positions, block.meta, groups)
 
     @hookimpl
     def kvcompress_validate_stack(self, entries):
+        mine = next((i for i, (_, config) in enumerate(entries) if config is self.config), 0)
         for i, (name, config) in enumerate(entries):
-            if name == "kivi" and getattr(config, "key_axis", "channel") != "channel":
+            if name != "kivi":
+                continue
+            if config.key_axis != "channel":
                 raise ConfigError(f"compressors[{i}].kivi.key_axis", "'channel' after lowrank (the stored "
                                   "coordinates are quantized per basis direction)", config.key_axis)
+            if self.config.value_rank is not None and self.config.value_rank % config.group:
+                raise ConfigError(f"compressors[{mine}].lowrank.value_rank", f"a multiple of kivi's group "
+                                  f"({config.group}: KIVI quantizes values in groups of channels) or null",
+                                  self.config.value_rank)
 
 
 @hookimpl

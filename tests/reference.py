@@ -100,7 +100,8 @@ def fake_quant(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 
 def middle_oracle_logits(model, ids, chunks, *, sinks=0, recent, flush, bits=None, group=None,
-                         key_axis="channel", keep=None, budget=None):
+                         key_axis="channel", keep=None, budget=None, basis=None,
+                         value_basis=None):
     """One teacher-forced forward in which every (query, key) pair reads the key as the cache holds it.
 
     A query of the chunk starting at c reads a cache of c tokens whose middle is
@@ -111,7 +112,11 @@ def middle_oracle_logits(model, ids, chunks, *, sinks=0, recent, flush, bits=Non
       does not see the middle at all, neither K nor V),
     * fake-quantized (``bits``): keys per channel over token groups ``[sinks + iG, sinks + (i+1)G)``
       (or per token for ``key_axis="token"``), values per token over channel groups of gcd(G, d),
-    * hidden beyond the newest ``budget`` middle tokens (a window stacked before).
+    * hidden beyond the newest ``budget`` middle tokens (a window stacked before),
+    * replaced by their projection ``k U U^T`` onto ``basis`` (float ``[layers, kv_heads, head_dim, r]``,
+      zero columns allowed); with ``bits``, the coordinates ``k U`` are what gets fake-quantized per channel;
+    * middle values likewise replaced by ``v U_v U_v^T`` (``value_basis``; with ``bits``, the coordinates are
+      fake-quantized per token over channel groups).
     """
     import math
 
@@ -141,6 +146,12 @@ def middle_oracle_logits(model, ids, chunks, *, sinks=0, recent, flush, bits=Non
             mask = keep[module.layer_idx].to(key.dtype)  # [hkv, d]
             km = km * mask[None, :, None, :]
             see_middle = keep[module.layer_idx].any(-1).repeat_interleave(rep)
+        if basis is not None:
+            u = basis[module.layer_idx].to(key.dtype)[None]  # [1, hkv, d, r]
+            km = km @ u
+        if value_basis is not None:
+            uv = value_basis[module.layer_idx].to(value.dtype)[None]
+            vm = vm @ uv
         if bits is not None:
             if key_axis == "channel":
                 for i in range((L - sinks) // group):
@@ -149,7 +160,12 @@ def middle_oracle_logits(model, ids, chunks, *, sinks=0, recent, flush, bits=Non
             gv = math.gcd(group, d)
             if key_axis == "token":
                 km = fake_quant(km.view(b, hkv, L, d // gv, gv), bits, -1).view(b, hkv, L, d)
-            vm = fake_quant(vm.view(b, hkv, L, d // gv, gv), bits, -1).view(b, hkv, L, d)
+            dv = vm.shape[-1]
+            vm = fake_quant(vm.view(b, hkv, L, dv // gv, gv), bits, -1).view(b, hkv, L, dv)
+        if basis is not None:
+            km = km @ u.transpose(-1, -2)
+        if value_basis is not None:
+            vm = vm @ uv.transpose(-1, -2)
         key, value, km, vm = (t.repeat_interleave(rep, 1) for t in (key, value, km, vm))
         q = query.float()
         use_middle = middle[None, None] & torch.ones(1, hq, 1, 1, dtype=torch.bool)

@@ -37,7 +37,7 @@ def _lane_of(seg: Segment):
     """The segment as a grouped-kernel lane ``(heads, channels, k, v, valid)``, or ``None`` if it is not one."""
     if seg.packed is not None or seg.select is not None or seg.k is None:
         return None
-    if seg.qmap is not None and seg.channels is None:  # a custom query map (e.g. a projection)
+    if (seg.qmap is not None and seg.channels is None) or seg.vmap is not None:  # a projection
         return None
     return (seg.heads, seg.channels, seg.k, seg.v, seg.valid)
 
@@ -105,6 +105,8 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
                 mask = mask & seg.select.unsqueeze(2)
             mask = mask.reshape(mask.shape[0], mask.shape[1], m_rows, mask.shape[-1])
             out, lse = partial_attention(qs, k, v, mask, scale)
+        if seg.vmap is not None:  # value coordinates: the output is mapped back to the head dimension
+            out = seg.vmap(out)
         if seg.heads is not None:
             full_out = out.new_zeros(b, kv_heads, m_rows, out.shape[-1])
             full_lse = lse.new_full((b, kv_heads, m_rows), float("-inf"))

@@ -48,6 +48,7 @@ def segment_attention(
     """
     b, hq, q_len, d = query.shape
     kvs = [seg.keys_values() for seg in segments]  # packed segments are decoded here, transiently
+    kvs = [(k, v if seg.vmap is None else seg.vmap(v)) for seg, (k, v) in zip(segments, kvs)]  # value coordinates
     kv_heads = next(kv[0].shape[1] for kv, s in zip(kvs, segments) if s.heads is None) if any(
         s.heads is None for s in segments) else None
     if kv_heads is None:

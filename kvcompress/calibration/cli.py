@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Callable
 
 from ..errors import ConfigError, KVCompressError
 from .settings import LeanKSettings
@@ -105,13 +106,32 @@ def _settings(args: argparse.Namespace) -> LeanKSettings:
                          data=tuple(k.strip() for k in args.data.split(",") if k.strip()))
 
 
+def guarded(body: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A sub-command handler running ``body``: a KVCompressError is printed and gives exit code 2."""
+
+    def handler(args: argparse.Namespace) -> int:
+        try:
+            return body(args)
+        except KVCompressError as exc:
+            print(f"kvcompress: error: {exc}", file=sys.stderr)
+            return 2
+
+    return handler
+
+
+def set_threads(threads: int | None) -> None:
+    """Apply ``--threads`` (None: torch's choice)."""
+    if threads is not None:
+        if threads < 1:
+            raise ConfigError("--threads", "a positive integer", threads)
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Handler of ``kvcompress calibrate``; returns the exit code."""
-    try:
-        return _run(args)
-    except KVCompressError as exc:
-        print(f"kvcompress: error: {exc}", file=sys.stderr)
-        return 2
+    """Handler of ``kvcompress calibrate leank``; returns the exit code."""
+    return guarded(_run)(args)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -121,12 +141,7 @@ def _run(args: argparse.Namespace) -> int:
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if os.path.exists(out_dir) and not os.access(out_dir, os.W_OK):
         raise ConfigError("--out", "a path in a writable folder", args.out)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ConfigError("--threads", "a positive integer", args.threads)
-        import torch
-
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     log = None if args.quiet else sys.stderr
     from . import calibrate
 

@@ -14,6 +14,8 @@ File format ``kvcompress.lowrank-basis/1`` (safetensors, never pickle):
   eigenvalue (R = the largest per-head rank; columns beyond a head's rank are zero);
 * ``rank``: int32 ``[layers, kv_heads]``, the rank each head keeps (a multiple of ``align``);
 * ``eigenvalues``: float32 ``[layers, kv_heads, head_dim]``, the full spectrum (mean per key);
+* optional ``value_basis`` / ``value_rank`` / ``value_eigenvalues``: the same for values (made with
+  ``--value-rank``; the compressor then stores middle values as coordinates too);
 * string metadata: ``format``, ``model``, ``model_config_hash``, ``model_geometry`` (JSON),
   ``target`` (``rank=r`` or ``energy=e``), ``align``, ``settings`` (JSON), ``created``.
 
@@ -59,6 +61,7 @@ class LowRankSettings:
     samples: int = 8
     skip: int = 16
     seed: int = 0
+    value_rank: int | None = None
 
     def validate(self, head_dim: int | None = None) -> "LowRankSettings":
         """Raise ConfigError naming the option; ``rank``/``align`` against ``head_dim`` when given."""
@@ -66,9 +69,6 @@ class LowRankSettings:
             raise ConfigError("--rank/--energy", "exactly one of --rank R or --energy E",
                               f"rank={self.rank}, energy={self.energy}")
         top = head_dim or 1 << 16
-        if self.rank is not None and (isinstance(self.rank, bool) or not isinstance(self.rank, int)
-                                      or not 1 <= self.rank <= top):
-            raise ConfigError("--rank", f"an integer in [1, {top}] (head_dim)", self.rank)
         if self.energy is not None and (not isinstance(self.energy, (int, float)) or math.isnan(self.energy)
                                         or not 0.0 < self.energy <= 1.0):
             raise ConfigError("--energy", "a fraction of key energy in (0, 1]", self.energy)
@@ -76,8 +76,12 @@ class LowRankSettings:
                 or (head_dim and head_dim % self.align):
             raise ConfigError("--align", f"a positive divisor of head_dim{f' {head_dim}' if head_dim else ''}",
                               self.align)
-        if self.rank is not None and self.rank % self.align:
-            raise ConfigError("--rank", f"a multiple of --align ({self.align})", self.rank)
+        for name in ("rank", "value_rank"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top
+                                      or value % self.align):
+                raise ConfigError(f"--{name.replace('_', '-')}", f"a multiple of --align ({self.align}) in "
+                                  f"[1, {top}]", value)
         for name, lo in (("context", 2), ("samples", 1), ("skip", 0), ("seed", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
@@ -90,8 +94,8 @@ class LowRankSettings:
 # ----------------------------------------------------------------------------- PCA
 
 
-class KeyMoments:
-    """Observer accumulating ``sum_t k_t k_t^T`` (float64) per (layer, KV head), skipping leading keys."""
+class Moments:
+    """``sum_t x_t x_t^T`` (float64) per (layer, KV head) of keys or values, leading tokens skipped."""
 
     def __init__(self, shape: tuple[int, int, int], skip: int = 0):
         layers, kv_heads, d = shape
@@ -99,37 +103,40 @@ class KeyMoments:
         self.counts = torch.zeros(layers, dtype=torch.long)
         self.skip = skip
 
-    def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
-        k = key.detach()[:, :, self.skip:].double()  # [B, Hkv, T, d]
-        self.sums[layer] += torch.einsum("bhtc,bhte->hce", k, k)
-        self.counts[layer] += k.shape[0] * k.shape[2]
+    def add(self, layer: int, x: torch.Tensor) -> None:
+        x = x.detach()[:, :, self.skip:].double()  # [B, Hkv, T, d]
+        self.sums[layer] += torch.einsum("bhtc,bhte->hce", x, x)
+        self.counts[layer] += x.shape[0] * x.shape[2]
 
     def spectrum(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(eigenvalues ``[L, H, d]`` descending, mean per key; eigenvectors ``[L, H, d, d]`` as columns)."""
+        """(eigenvalues ``[L, H, d]`` descending, mean per token; eigenvectors ``[L, H, d, d]`` as columns)."""
         mean = self.sums / self.counts.clamp(min=1).view(-1, 1, 1, 1)
         values, vectors = torch.linalg.eigh(mean)  # ascending
         return values.flip(-1).clamp(min=0).float(), vectors.flip(-1).float()
 
 
 @torch.no_grad()
-def key_spectrum(model: Any, tokens: Iterable[torch.Tensor] | torch.Tensor, skip: int = 0
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PCA (uncentred) of the post-RoPE keys of ``model`` over ``tokens`` (``[n, length]`` or windows).
+def kv_spectra(model: Any, tokens: Iterable[torch.Tensor] | torch.Tensor, skip: int = 0):
+    """Uncentred PCA of ``model``'s post-RoPE keys and of its values over ``tokens`` (``[n, length]`` or
+    windows), the first ``skip`` tokens of every window (attention sinks, kept full precision) left out.
 
-    The first ``skip`` keys of every window (attention sinks, kept full precision) are left out.
-    Returns :meth:`KeyMoments.spectrum`.
+    Returns ``(key spectrum, value spectrum)``, each :meth:`Moments.spectrum`.
     """
     from ..adapters import hf
     from .attention import ScaledKeys, check_calibratable, scaled_keys
 
     check_calibratable(model)
-    stats = KeyMoments(geometry(model.config), skip)
+    keys, values = Moments(geometry(model.config), skip), Moments(geometry(model.config), skip)
     if isinstance(tokens, torch.Tensor) and tokens.dim() == 2:
         tokens = list(tokens.split(1))
-    with scaled_keys(model, ScaledKeys(observer=stats)):
-        for ids in tokens:
+    for ids in tokens:
+        state = ScaledKeys(capture={})
+        with scaled_keys(model, state):
             hf.final_hidden_states(model, torch.as_tensor(ids).reshape(1, -1))
-    return stats.spectrum()
+        for layer, (k, v) in state.capture.items():
+            keys.add(layer, k)
+            values.add(layer, v)
+    return keys.spectrum(), values.spectrum()
 
 
 def choose_ranks(eigenvalues: torch.Tensor, rank: int | None = None, energy: float | None = None,
@@ -181,11 +188,15 @@ class BasisFile:
     rank: torch.Tensor
     eigenvalues: torch.Tensor
     meta: dict
+    value_basis: torch.Tensor | None = None
+    value_rank: torch.Tensor | None = None
+    value_eigenvalues: torch.Tensor | None = None
 
 
 def save_basis(path: str | os.PathLike, vectors: torch.Tensor, ranks: torch.Tensor, eigenvalues: torch.Tensor,
-               meta: dict) -> None:
-    """Write a basis file: the top ``ranks[l, h]`` columns of ``vectors`` ``[L, H, d, d]`` in float16."""
+               meta: dict, values: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Write a basis file: the top ``ranks[l, h]`` columns of ``vectors`` ``[L, H, d, d]`` in float16
+    (``values``: optional ``(vectors, ranks, eigenvalues)`` of the value basis, stored the same way)."""
     from safetensors.torch import save_file
 
     basis = truncate(vectors, ranks)
@@ -194,8 +205,13 @@ def save_basis(path: str | os.PathLike, vectors: torch.Tensor, ranks: torch.Tens
     strings.setdefault("model_geometry", json.dumps({"layers": layers, "kv_heads": kv_heads, "head_dim": d}))
     strings["format"] = FORMAT
     strings.setdefault("created", datetime.date.today().isoformat())
-    tensors = {"basis": basis.to(torch.float16).contiguous(), "rank": ranks.to(torch.int32).contiguous(),
+    tensors = {"basis": basis.to(torch.float16).contiguous(), "rank": ranks.to(torch.int32).clone(),
                "eigenvalues": eigenvalues.float().contiguous()}
+    if values is not None:
+        v_vectors, v_ranks, v_eigenvalues = values
+        tensors.update({"value_basis": truncate(v_vectors, v_ranks).to(torch.float16).contiguous(),
+                        "value_rank": v_ranks.to(torch.int32).clone(),
+                        "value_eigenvalues": v_eigenvalues.float().contiguous()})
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     save_file(tensors, f"{path}.tmp", metadata=strings)
     umask = os.umask(0)
@@ -219,11 +235,14 @@ def load_basis(path: str | os.PathLike, model_config: Any = None) -> BasisFile:
         raise BasisFileError(path, f"a safetensors file of format {FORMAT!r}", f"unreadable ({exc})") from None
     if meta.get("format") != FORMAT:
         raise BasisFileError(path, f"a basis file of format {FORMAT!r}", meta.get("format", "no format tag"))
-    missing = [n for n in ("basis", "rank", "eigenvalues") if n not in tensors]
-    if missing or tensors["basis"].dim() != 4 or tuple(tensors["rank"].shape) != tuple(tensors["basis"].shape[:2]) \
-            or int(tensors["rank"].min()) < 1 or int(tensors["rank"].max()) != tensors["basis"].shape[-1]:
-        raise BasisFileError(path, "tensors basis [L, H, d, R], rank [L, H] (1..R) and eigenvalues",
-                             {n: tuple(t.shape) for n, t in tensors.items()})
+    prefixes = ("", "value_") if "value_basis" in tensors else ("",)
+    for pre in prefixes:
+        basis, rank = tensors.get(f"{pre}basis"), tensors.get(f"{pre}rank")
+        if basis is None or rank is None or f"{pre}eigenvalues" not in tensors or basis.dim() != 4 \
+                or tuple(rank.shape) != tuple(basis.shape[:2]) or int(rank.min()) < 1 \
+                or int(rank.max()) != basis.shape[-1] or basis.shape[:3] != tensors["basis"].shape[:3]:
+            raise BasisFileError(path, f"tensors {pre}basis [L, H, d, R], {pre}rank [L, H] (1..R) and "
+                                 f"{pre}eigenvalues", {n: tuple(t.shape) for n, t in tensors.items()})
     try:
         for key, parse in (("model_geometry", json.loads), ("settings", json.loads), ("align", int),
                            ("mean_rank", float), ("mean_energy_kept", float), ("min_energy_kept", float),
@@ -232,8 +251,12 @@ def load_basis(path: str | os.PathLike, model_config: Any = None) -> BasisFile:
                 meta[key] = parse(meta[key])
     except ValueError as exc:
         raise BasisFileError(path, "readable metadata", f"{exc}") from None
-    ranks = tensors["rank"].long()
-    out = BasisFile(orthonormalize(tensors["basis"], ranks), ranks, tensors["eigenvalues"].float(), meta)
+    parts = {}
+    for pre in prefixes:
+        rank = tensors[f"{pre}rank"].long()
+        parts.update({f"{pre}basis": orthonormalize(tensors[f"{pre}basis"], rank), f"{pre}rank": rank,
+                      f"{pre}eigenvalues": tensors[f"{pre}eigenvalues"].float()})
+    out = BasisFile(meta=meta, **parts)
     if model_config is not None:
         check_basis_for_model(path, out, model_config)
     return out
@@ -289,9 +312,9 @@ def calibrate(settings: LowRankSettings, *, model: Any = None, tokenizer: Any = 
     windows = data.windows(data.split_tokens(tokenizer, "train"), settings.context, settings.samples,
                            seed=settings.seed)
     if log is not None:
-        print(f"[lowrank] PCA of post-RoPE keys: {len(windows)} windows x {settings.context} tokens "
+        print(f"[lowrank] PCA of post-RoPE keys and values: {len(windows)} windows x {settings.context} tokens "
               f"(first {settings.skip} of each skipped)", file=log, flush=True)
-    eigenvalues, vectors = key_spectrum(model, torch.tensor(windows), skip=settings.skip)
+    (eigenvalues, vectors), (v_eigenvalues, v_vectors) = kv_spectra(model, torch.tensor(windows), skip=settings.skip)
     ranks = choose_ranks(eigenvalues, settings.rank, settings.energy, settings.align)
     kept = energy_kept(eigenvalues, ranks)
     c = _text_config(model.config)
@@ -306,7 +329,15 @@ def calibrate(settings: LowRankSettings, *, model: Any = None, tokenizer: Any = 
             "mean_rank": round(float(ranks.float().mean()), 3),
             "mean_energy_kept": round(float(kept.mean()), 6), "min_energy_kept": round(float(kept.min()), 6),
             "seconds": round(time.monotonic() - t0, 1)}
+    values = None
+    if settings.value_rank is not None:
+        v_ranks = choose_ranks(v_eigenvalues, settings.value_rank)
+        values = (v_vectors, v_ranks, v_eigenvalues)
+        meta["value_energy_kept"] = round(float(energy_kept(v_eigenvalues, v_ranks).mean()), 6)
     if out:
-        save_basis(out, vectors, ranks, eigenvalues, meta)
+        save_basis(out, vectors, ranks, eigenvalues, meta, values)
         return load_basis(out, model.config)
-    return BasisFile(truncate(vectors, ranks), ranks.long(), eigenvalues, meta)
+    f = BasisFile(truncate(vectors, ranks), ranks.long(), eigenvalues, meta)
+    if values is not None:
+        f.value_basis, f.value_rank, f.value_eigenvalues = truncate(v_vectors, v_ranks), v_ranks.long(), v_eigenvalues
+    return f

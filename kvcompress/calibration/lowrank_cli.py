@@ -9,14 +9,15 @@ import argparse
 import os
 import sys
 
-from ..errors import ConfigError, KVCompressError
+from ..errors import ConfigError
 
 DESCRIPTION = """\
 Make the key basis of the `lowrank` compressor (Loki arXiv 2406.02542, Palu arXiv 2407.21118,
 Eigen Attention arXiv 2408.05646): per layer and KV head, the PCA (uncentred) of post-RoPE keys over
 --samples windows of --context tokens of offline documentation text (pydoc_data, training split),
 the first --skip keys of each window (attention sinks) left out.  Keep the top --rank directions
-of every head, or per head the fewest keeping --energy of the key energy, rounded up to --align.
+of every head, or per head the fewest keeping --energy of the key energy, rounded up to --align;
+--value-rank adds a value basis (PCA of values, same text) for the compressor's value_rank option.
 Written as safetensors with the model's identity; the compressor refuses it for another model.
 """
 
@@ -31,6 +32,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--rank", type=int, help="directions kept per head (a multiple of --align)")
     target.add_argument("--energy", type=float, help="per head, the fewest directions keeping this fraction, e.g. 0.9")
+    p.add_argument("--value-rank", type=int, default=None,
+                   help="also store a value basis of this rank per head (optional; values are unchanged without it)")
     p.add_argument("--align", type=int, default=d.align, help=f"ranks are multiples of this (default {d.align})")
     p.add_argument("--out", required=True, metavar="FILE.safetensors", help="where to write the basis")
     p.add_argument("--model", default=None, help="local folder or hub id (default: embedded SmolLM2-135M-Instruct)")
@@ -46,27 +49,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     """Handler; returns the exit code (0 ok, 2 invalid input)."""
-    try:
-        return _run(args)
-    except KVCompressError as exc:
-        print(f"kvcompress: error: {exc}", file=sys.stderr)
-        return 2
+    from .cli import guarded
+
+    return guarded(_run)(args)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .cli import _model_name
+    from .cli import _model_name, set_threads
     from .lowrank import LowRankSettings, calibrate
 
     settings = LowRankSettings(rank=args.rank, energy=args.energy, align=args.align, context=args.context,
-                               samples=args.samples, skip=args.skip, seed=args.seed).validate()
+                               samples=args.samples, skip=args.skip, seed=args.seed,
+                               value_rank=args.value_rank).validate()
     if not args.out.endswith(".safetensors"):
         raise ConfigError("--out", "a path ending in .safetensors", args.out)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ConfigError("--threads", "a positive integer", args.threads)
-        import torch
-
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     f = calibrate(settings, model=args.model, model_name=_model_name(args.model), out=args.out,
                   log=None if args.quiet else sys.stderr)
     m = f.meta
