@@ -1,0 +1,228 @@
+"""The DoubleSparse Triton kernels against their PyTorch references (kernels/doublesparse/reference.py).
+
+On a CPU-only machine the kernels run under the Triton interpreter in ONE worker subprocess
+(``tests/interpreter.py``); each case is one pytest test reading the worker's result.  With CUDA
+present, the ``gpu``-marked tests run the same cases natively.  Shapes are small, fp16 K/V.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from interpreter import collect
+from interpreter import interpreted as run_interpreted
+
+# label scoring + top-k: name -> (batch, kv_heads, group, tokens, head_dim, r, bits, extras)
+SCORE_CASES = {
+    "fp16-gqa4-r16-odd-t": (2, 2, 4, 203, 64, 16, 16, {}),
+    "fp16-gqa3-padding": (2, 1, 3, 150, 32, 8, 16, {"pad": 37}),
+    "4bit-gqa4-r16": (1, 2, 4, 300, 64, 16, 4, {}),
+    "2bit-gqa2-r8-padding": (2, 2, 2, 129, 32, 8, 2, {"pad": 20}),
+    "4bit-gqa1-r32-bf16-query": (1, 3, 1, 77, 64, 32, 4, {"dtype": "bfloat16"}),
+    "fp32-labels-gqa4": (1, 1, 4, 64, 16, 4, 16, {"labels_fp32": True}),
+}
+# gather attention: name -> (batch, kv_heads, rows M, tokens, D, Dv, selected K, extras)
+GATHER_CASES = {
+    "gqa4-k37-two-splits": (2, 2, 4, 120, 64, 64, 37, {"splits": 2}),
+    "gqa3-padding-dead-row": (2, 1, 3, 90, 32, 32, 20, {"pad": 90}),
+    "d128-auto-splits": (1, 2, 4, 300, 128, 128, 150, {}),
+    "dv-differs-one-split": (1, 1, 2, 50, 32, 64, 9, {"splits": 1}),
+    "strided-kv-views": (1, 2, 4, 100, 64, 64, 33, {"views": True, "splits": 3}),
+}
+ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3
+
+
+def score_case(name: str, device: str = "cpu"):
+    from kvcompress.kernels.doublesparse.reference import quantize_labels
+
+    b, h, g, t, d, r, bits, extra = SCORE_CASES[name]
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    keys = torch.randn(b, h, t, d, generator=gen) * 1.3 + 0.2
+    q = torch.randn(b, h * g, d, generator=gen).to(getattr(torch, extra.get("dtype", "float16")))
+    channels = torch.stack([torch.randperm(d, generator=gen)[:r] for _ in range(h)])
+    lab = keys.gather(-1, channels.view(1, h, 1, r).expand(b, h, t, r))
+    lab = lab if extra.get("labels_fp32") else lab.half()
+    labels = quantize_labels(lab, bits)
+    valid = None
+    if extra.get("pad"):
+        valid = torch.ones(b, t, dtype=torch.bool)
+        valid[0, : extra["pad"]] = False
+    mv = (lambda x: None if x is None else x.to(device))
+    from kvcompress.kernels.doublesparse.reference import Labels
+
+    labels = Labels(labels.data.to(device), labels.bits, mv(labels.scale), mv(labels.zero))
+    return q.to(device), labels, channels.to(device), mv(valid)
+
+
+def run_score_case(name: str, device: str = "cpu") -> dict:
+    from kvcompress.kernels.doublesparse import reference, triton_kernel
+
+    q, labels, channels, valid = score_case(name, device)
+    got = triton_kernel.label_scores(q, labels, channels, valid)
+    ref = reference.label_scores(q, labels, channels, valid)
+    fin = torch.isfinite(ref)
+    k = max(1, labels.num_tokens // 8)
+    idx = triton_kernel.select_topk(q, labels, channels, valid, k).sort(-1).values
+    ref_idx = reference.select_topk(q, labels, channels, valid, k).sort(-1).values
+    return {"shape": list(got.shape), "same_inf": bool(torch.equal(torch.isfinite(got), fin)),
+            "err": float((got[fin] - ref[fin]).abs().max()), "scale": float(ref[fin].abs().max()),
+            "topk_same": bool(torch.equal(idx, ref_idx)), "k": k}
+
+
+def gather_case(name: str, device: str = "cpu"):
+    b, h, m, t, d, dv, kk, extra = GATHER_CASES[name]
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    k = torch.randn(b, h, t, d, generator=gen).half()
+    v = torch.randn(b, h, t, dv, generator=gen).half()
+    q = torch.randn(b, h, m, d, generator=gen).half()
+    index = torch.stack([torch.randperm(t, generator=gen)[:kk] for _ in range(b * h * m)]).view(b, h, m, kk)
+    valid = None
+    if extra.get("pad"):
+        valid = torch.rand(b, t, generator=gen) > 0.2
+        valid[0, : extra["pad"]] = False  # row 0 fully padded when pad == t: a dead row
+    if extra.get("views"):
+        k = torch.zeros(b, h, t + 7, d).half().narrow(2, 3, t).copy_(k)
+        v = torch.zeros(b, h, t + 7, dv).half().narrow(2, 3, t).copy_(v)
+    mv = (lambda x: None if x is None else x.to(device))
+    return q.to(device), k.to(device), v.to(device), mv(valid), index.to(device), extra
+
+
+def run_gather_case(name: str, device: str = "cpu") -> dict:
+    from kvcompress.kernels.doublesparse import reference, triton_kernel
+
+    q, k, v, valid, index, extra = gather_case(name, device)
+    scale = q.shape[-1] ** -0.5
+    out, lse = triton_kernel.gather_partial_attention(q, k, v, valid, index, scale, splits=extra.get("splits"),
+                                                      block_k=16)
+    r_out, r_lse = reference.gather_partial_attention(q, k, v, valid, index, scale)
+    fin = torch.isfinite(r_lse)
+    return {"shape": list(out.shape), "same_inf": bool(torch.equal(torch.isfinite(lse), fin)),
+            "out_err": float((out - r_out).abs().max()),
+            "out_ok": bool(torch.allclose(out, r_out, atol=ATOL, rtol=RTOL)),
+            "lse_err": float((lse[fin] - r_lse[fin]).abs().max()) if bool(fin.any()) else 0.0,
+            "dead_zero": bool((out[~fin] == 0).all()), "any_dead": bool((~fin).any()),
+            "nan": bool(torch.isnan(out).any() or torch.isnan(lse).any())}
+
+
+def run_decode_case(device: str = "cpu") -> dict:
+    """The benchmark's sparse decode read (kernels/doublesparse/bench.py) vs the reference ops, 4-bit labels."""
+    from kvcompress.kernels.doublesparse import reference
+    from kvcompress.kernels.doublesparse.bench import ds_decode, ds_inputs
+
+    gen = torch.Generator().manual_seed(4)
+    q, lab, ch, k, v = ds_inputs(1, 8, 2, 256, 64, 16, 4, device, gen)
+    out, lse = ds_decode(q, lab, ch, k, v, 32, 0.125)
+    r_out, r_lse = ds_decode(q, lab, ch, k, v, 32, 0.125, ops=reference)
+    return {"out_err": float((out - r_out).abs().max()), "lse_err": float((lse - r_lse).abs().max())}
+
+
+def _worker(path: str) -> None:
+    cases = {"decode": run_decode_case}
+    cases.update({f"score:{n}": (lambda n=n: run_score_case(n)) for n in SCORE_CASES})
+    cases.update({f"gather:{n}": (lambda n=n: run_gather_case(n)) for n in GATHER_CASES})
+    collect(cases, path)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    return run_interpreted(__file__, tmp_path_factory.mktemp("doublesparse"))
+
+
+def _check_score(res: dict, name: str) -> None:
+    assert "error" not in res, res.get("error")
+    b, h, g, t, *_ = SCORE_CASES[name]
+    assert res["shape"] == [b, h * g, t]
+    assert res["same_inf"], "-inf exactly on invalid tokens"
+    assert res["err"] <= 1e-3 * max(1.0, res["scale"]), res
+    assert res["topk_same"], "the same top-k token sets"
+
+
+def _check_gather(res: dict, name: str) -> None:
+    assert "error" not in res, res.get("error")
+    b, h, m, _, _, dv, *_ = GATHER_CASES[name]
+    assert res["shape"] == [b, h, m, dv]
+    assert not res["nan"]
+    assert res["same_inf"] and res["dead_zero"]
+    assert res["out_ok"], f"max |out - ref| = {res['out_err']:.2e}"
+    assert res["lse_err"] <= LSE_ATOL
+    if GATHER_CASES[name][-1].get("pad") == GATHER_CASES[name][3]:
+        assert res["any_dead"]
+
+
+@pytest.mark.parametrize("name", list(SCORE_CASES))
+def test_scores_interpreted(interpreted, name):
+    _check_score(interpreted[f"score:{name}"], name)
+
+
+@pytest.mark.parametrize("name", list(GATHER_CASES))
+def test_gather_interpreted(interpreted, name):
+    _check_gather(interpreted[f"gather:{name}"], name)
+
+
+def test_sparse_decode_read_interpreted(interpreted):
+    res = interpreted["decode"]
+    assert "error" not in res, res.get("error")
+    assert res["out_err"] < ATOL and res["lse_err"] < LSE_ATOL
+
+
+def test_reference_gather_equals_masked_partial_attention():
+    """The gather reference is the dense partial attention with a mask built from the indices."""
+    from kvcompress.kernels.attention.reference import partial_attention
+    from kvcompress.kernels.doublesparse.reference import gather_partial_attention, selection_mask
+
+    q, k, v, valid, index, _ = gather_case("gqa3-padding-dead-row")
+    out, lse = gather_partial_attention(q, k, v, valid, index, 0.2)
+    mask = selection_mask(index, k.shape[2]) & valid[:, None, None, :]
+    r_out, r_lse = partial_attention(q, k, v, mask, 0.2)
+    assert torch.allclose(out, r_out, atol=1e-5) and torch.equal(lse.isfinite(), r_lse.isfinite())
+
+
+def test_label_quantization_roundtrip_error_is_within_half_a_step():
+    from kvcompress.kernels.doublesparse.reference import dequantize_labels, quantize_labels
+
+    x = torch.randn(2, 3, 40, 16, generator=torch.Generator().manual_seed(0))
+    for bits in (4, 2):
+        q = quantize_labels(x, bits)
+        assert q.data.shape[-1] == 16 * bits // 8 and q.data.dtype == torch.uint8
+        err = (dequantize_labels(q) - x).abs()
+        step = q.scale.float()[..., None]
+        assert bool((err <= step / 2 + 1e-3).all())
+    assert torch.equal(dequantize_labels(quantize_labels(x, 16)), x)
+
+
+def test_dispatch_uses_reference_on_cpu_and_import_compiles_nothing():
+    import subprocess
+
+    from kvcompress.kernels import doublesparse
+
+    q, labels, channels, valid = score_case("fp16-gqa4-r16-odd-t")
+    a = doublesparse.select_topk(q, labels, channels, valid, 9).sort(-1).values
+    b = doublesparse.reference.select_topk(q, labels, channels, valid, 9).sort(-1).values
+    assert torch.equal(a, b)
+    code = "import kvcompress.kernels.doublesparse.triton_kernel as t; print(len(t._gather_kernel.device_caches))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["0"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(SCORE_CASES))
+def test_scores_on_gpu(name):
+    _check_score(run_score_case(name, "cuda"), name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(GATHER_CASES))
+def test_gather_on_gpu(name):
+    _check_gather(run_gather_case(name, "cuda"), name)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        _worker(sys.argv[2])
