@@ -35,7 +35,8 @@ CASES = {
                                 {}),
     "fp32-inputs": (1, 2, 4, 32, 32, [([0], 16, 30, True), (None, None, 12, False)], {"dtype": "float32"}),
     # canonical slots (counts 16 and 64 of d = 64; slots 32 and 48 empty; heads/channels None padded)
-    "canonical-slots-empty": (2, 3, 2, 64, 64, [([2], 16, 40, True), (None, None, 25, True)], {}),
+    "canonical-slots-empty": (2, 3, 2, 64, 64, [([2], 16, 40, True), (None, None, 25, True)], {"canonical": True}),
+    "canonical-qlen3-one-lane": (1, 2, 12, 64, 32, [([1, 0], 48, 33, True)], {"canonical": True}),
 }
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3
 
@@ -129,7 +130,8 @@ def run_case(name: str, device: str = "cpu") -> dict:
     q, lanes = make_case(name, device)
     scale = q.shape[-1] ** -0.5
     assert triton_kernel.supports(q, lanes)
-    out, lse = triton_kernel.grouped_partial_attention(q, lanes, scale)
+    config = {"canonical": True} if CASES[name][-1].get("canonical") else None
+    out, lse = triton_kernel.grouped_partial_attention(q, lanes, scale, config=config)
     ref_out, ref_lse = reference.grouped_partial_attention(q, lanes, scale)
     res = _compare(out, lse, ref_out, ref_lse)
     res["dtypes"] = [str(out.dtype), str(lse.dtype)]

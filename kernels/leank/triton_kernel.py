@@ -13,10 +13,13 @@ How it works:
   of the inner loop per lane, with that lane's kept-channel count padded to a power
   of two as a compile-time constant: no wasted lanes of a 128-wide tile on a
   32-channel lane).
-* Compile once per model: lanes whose kept counts are multiples of 16 are placed in fixed
-  slots (16, 32, ..., head_dim; empty slots hold no rows), so every layer of a model shares one
-  compiled layout whatever counts it keeps (:func:`_canonical_slots`, :func:`launch_layout`);
-  runtime sizes (token counts, heads per lane, query rows) are not specialised.
+* Compiles: runtime sizes (token counts, heads per lane, query rows) are not specialised, so
+  a model compiles one kernel per distinct layer layout (set of kept counts; 16 on SmolLM2 at
+  50%).  ``canonical`` (off by default, ``KVCOMPRESS_LEANK_CONFIG='{"canonical": true}'``) places
+  lanes whose counts are multiples of 16 in fixed slots (16, 32, ..., head_dim; empty slots hold
+  no rows) so every layer shares one layout (:func:`_canonical_slots`, :func:`launch_layout`);
+  it is off because its one end-to-end H200 run was not faster to first token (see
+  docs/results.md, "LeanK decode kernel").
 * Inner loop (flash decoding): the query rows of the head, gathered to the lane's
   kept channels and pre-scaled by ``scale * log2(e)``, are loaded once;
   per block of ``BN`` tokens, ``S = q K^T`` and ``acc += P V`` run on tensor cores
@@ -199,7 +202,7 @@ def _num_sms(device_index: int) -> int:
 
 def _config() -> dict:
     """Launch defaults (H200, Triton 3.6); ``KVCOMPRESS_LEANK_CONFIG`` (JSON) overrides entries."""
-    cfg = dict(BN=64, num_warps=4, num_stages=4, waves=2, min_split_tokens=256)
+    cfg = dict(BN=64, num_warps=4, num_stages=4, waves=2, min_split_tokens=256, canonical=False)
     env = os.environ.get("KVCOMPRESS_LEANK_CONFIG")
     if env:
         cfg.update(json.loads(env))
@@ -286,7 +289,7 @@ def _stride(r: dict, key: str, dim: int) -> int:
     return 0 if r.get("empty") else r[key].stride(dim)
 
 
-def _lane_rows(lanes: Sequence[Lane], d: int, dev: torch.device) -> list[dict]:
+def _lane_rows(lanes: Sequence[Lane], d: int, dev: torch.device, canonical: bool = True) -> list[dict]:
     """Per lane (or canonical slot): the tensors, sizes and flags one launch takes."""
     dummy = torch.zeros(1, device=dev, dtype=torch.int64)
     rows = []  # per lane: tensors and strides
@@ -303,14 +306,14 @@ def _lane_rows(lanes: Sequence[Lane], d: int, dev: torch.device) -> list[dict]:
                          else dummy, hd=heads if heads is not None else dummy, h=h, t=t, c=c, r0=r0,
                          has_valid=valid is not None, has_chan=channels is not None, has_heads=heads is not None))
         r0 += h
-    return _canonical_slots(rows, d, dev)
+    return _canonical_slots(rows, d, dev) if canonical else rows
 
 
-def launch_layout(lanes: Sequence[Lane | tuple], d: int) -> tuple:
+def launch_layout(lanes: Sequence[Lane | tuple], d: int, canonical: bool = True) -> tuple:
     """The compile-time part of a launch over ``lanes`` (lane count, tile widths, flags): calls with
     equal layouts share one compiled kernel."""
     lanes = [Lane(*lane) for lane in lanes]
-    rows = _lane_rows(lanes, d, lanes[0].k.device)
+    rows = _lane_rows(lanes, d, lanes[0].k.device, canonical)
     return tuple((max(16, _pow2(r["c"])), r["has_valid"], r["has_chan"], r["has_heads"]) for r in rows)
 
 
@@ -332,7 +335,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     if b * hkv * m == 0:
         return out, lse
     q = query if query.stride(-1) == 1 else query.contiguous()
-    rows = _lane_rows(lanes, d, dev)
+    rows = _lane_rows(lanes, d, dev, cfg["canonical"])
     n_rows = sum(r["h"] for r in rows)
     block_m = min(64, max(16, _pow2(m)))
     m_blocks = triton.cdiv(m, block_m)
