@@ -39,7 +39,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from .state import HeadGroup, KVBlock, MiddleStore, Segment
+from .state import HeadGroup, KVBlock, MiddleStore, Segment, grown_capacity
 
 
 class MiddleCodec(Protocol):
@@ -272,10 +272,9 @@ class PagedStore(MiddleStore):
                 yield bufs, name
 
     def _grow(self, needed: int) -> None:
-        cap = max(needed, 2 * self.capacity)
         bound = self.bound()
+        cap = grown_capacity(self.capacity, needed, unit=self.page_size, limit=bound)
         if bound is not None:
-            cap = max(needed, min(cap, bound))
             if needed > bound:
                 self.stats["overflow"] += 1
         for bufs, name in list(self._tensors()):

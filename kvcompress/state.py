@@ -302,11 +302,27 @@ class SinkBuffer:
         return _nbytes(self.k, self.v, self.valid, self.positions)
 
 
+GROWTH_FRACTION = 4  # a growable buffer grows by 1/GROWTH_FRACTION of its capacity ...
+GROWTH_MIN_TOKENS = 256  # ... and by at least this many tokens
+
+
+def grown_capacity(current: int, needed: int, unit: int = 1, limit: int | None = None) -> int:
+    """New capacity of a growable buffer of ``current`` slots (each ``unit`` tokens) that must hold ``needed``.
+
+    Growth is geometric (by a quarter, so appends stay amortised O(1)) with a floor of
+    :data:`GROWTH_MIN_TOKENS` tokens: a buffer holds at most about 25% (or 256 tokens) more than
+    it uses, where doubling held up to 2x.  ``limit`` caps it (e.g. a token budget).
+    """
+    step = max(current // GROWTH_FRACTION, -(-GROWTH_MIN_TOKENS // unit), 1)
+    cap = max(needed, current + step)
+    return cap if limit is None else max(needed, min(cap, limit))
+
+
 class RingBuffer:
     """Preallocated full-precision ring of the most recent tokens.
 
-    ``capacity=None`` makes it an append-only buffer that grows by doubling
-    (amortised O(1) per token) and never wraps.
+    ``capacity=None`` makes it an append-only buffer that grows geometrically
+    (:func:`grown_capacity`; amortised O(1) per token) and never wraps.
     """
 
     def __init__(self, capacity: int | None, like_k: torch.Tensor, like_v: torch.Tensor, initial: int = 0):
@@ -334,9 +350,7 @@ class RingBuffer:
         return (torch.arange(n, device=self.k.device) + lo) % cap
 
     def _grow(self, needed: int) -> None:
-        new_cap = max(needed, 2 * self.capacity)
-        if self.max_capacity is not None:
-            new_cap = max(needed, min(new_cap, self.max_capacity))
+        new_cap = grown_capacity(self.capacity, needed, limit=self.max_capacity)
         order = self._slots(0, self.size)
         for name in ("k", "v"):
             old = getattr(self, name)

@@ -13,7 +13,7 @@ ring; every time G more tokens arrive, the oldest G leave the residual and are
 quantized as one key group (their values token by token) and **appended** to a
 packed store: stored codes are never dequantized or re-quantized (transformers'
 ``QuantizedCache`` re-quantizes its whole cache on every flush).  The store packs
-``32 / bits`` codes per int32 word, preallocates with amortised (doubling) growth
+``32 / bits`` codes per int32 word, preallocates with amortised (geometric) growth
 and, under an upstream token budget, reuses freed groups as a ring.  A 2-bit,
 G = 32 store costs ``2 + 32/32 = 3`` bits per element.
 
@@ -47,7 +47,7 @@ import torch
 from kvcompress import Compressor, CompressorSpec, Layout, hookimpl, param
 from kvcompress.errors import ConfigError
 from kvcompress.kernels.kivi import PackedKV, quantize_keys, quantize_values
-from kvcompress.state import HeadGroup, KVBlock, MiddleStore, Segment
+from kvcompress.state import HeadGroup, KVBlock, MiddleStore, Segment, grown_capacity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,9 +175,7 @@ class KiviStore(MiddleStore):
         needed = self.groups + new_groups
         if needed <= self.capacity:
             return
-        cap = max(needed, 2 * self.capacity)
-        if self.max_groups is not None:
-            cap = max(needed, min(cap, self.max_groups))
+        cap = grown_capacity(self.capacity, needed, unit=self.group, limit=self.max_groups)
         gs = self._group_slots(0, self.groups)
         ts = self._token_slots(gs)
         for name, bufs in list(self._tensors()):

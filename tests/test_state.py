@@ -135,3 +135,20 @@ def test_growth_respects_a_token_limit():
         store.append(KVBlock(k, v, torch.ones(2, 1, dtype=torch.bool), torch.tensor([step])))
     assert store.buf.capacity == 40 and store.num_tokens == 40
     assert sorted(store.segments()[0].positions.tolist()) == list(range(20, 60))
+
+
+def test_growable_ring_holds_at_most_a_quarter_more_than_it_uses():
+    from kvcompress.state import GROWTH_MIN_TOKENS, grown_capacity
+
+    like = torch.zeros(1, 2, 1, 8)
+    ring = RingBuffer(None, like, like)
+    grows = 0
+    for n in range(1, 5001):
+        cap = ring.capacity
+        ring.push(torch.full((1, 2, 1, 8), float(n)), torch.full((1, 2, 1, 8), float(n)),
+                  torch.ones(1, 1, dtype=torch.bool), torch.tensor([n]))
+        grows += ring.capacity != cap
+        assert ring.capacity <= max(n * 1.25 + 1, n + GROWTH_MIN_TOKENS)  # never the 2x of doubling
+    assert grows <= 12  # still geometric: O(log n) reallocations
+    assert torch.equal(ring.k[0, 0, ring.ordered(), 0], torch.arange(1, 5001, dtype=torch.float32))
+    assert grown_capacity(100, 101, unit=32, limit=120) == 120 and grown_capacity(100, 130, limit=120) == 130
