@@ -6,10 +6,9 @@ Argparse only at import; the model loads when the handler runs.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
-from ..errors import ConfigError, KVCompressError
+from ..errors import ConfigError
 
 DESCRIPTION = """\
 Rank post-RoPE key channels per layer and KV head by mean |q_c k_c| over offline calibration text
@@ -34,11 +33,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except KVCompressError as exc:
-        print(f"kvcompress: error: {exc}", file=sys.stderr)
-        return 2
+    """Handler of ``kvcompress calibrate doublesparse``; returns the exit code."""
+    from .cli import guarded
+
+    return guarded(_run)(args)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -48,14 +46,10 @@ def _run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name}", f"an integer >= {lo}", value)
     if not args.out.endswith(".safetensors"):
         raise ConfigError("--out", "a path ending in .safetensors", args.out)
-    import torch
-
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ConfigError("--threads", "a positive integer", args.threads)
-        torch.set_num_threads(args.threads)
     from ..models import load_model
-    from .cli import _model_name
+    from .cli import _model_name, set_threads
+
+    set_threads(args.threads)
     from .doublesparse import calibrate_channels, save_channels
     from .masks import geometry
 
