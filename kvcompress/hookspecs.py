@@ -91,13 +91,15 @@ class CacheCompressor:
     """
 
     @hookspec
-    def kvcompress_validate_stack(self, entries: list[tuple[str, object]]) -> None:
+    def kvcompress_validate_stack(self, entries: list[tuple[str, object]], axes: list[str]) -> None:
         """Check rules that involve several compressors of one stack.
 
-        Called once when a stack is loaded, before any model is touched.
+        Called once when a stack is loaded, before any model is touched.  An implementation may
+        declare only the arguments it needs (``entries`` alone, say).
 
         Args:
             entries: ``(name, config)`` pairs in stack order.
+            axes: each entry's axis (``"evict"``, ``"select"``, ...), in the same order.
 
         Raises:
             kvcompress.errors.ConfigError: naming the key path (``compressors[i].name.key``),

@@ -138,7 +138,8 @@ def parse_stack(data: Any, source: str = "<stack>", registry: Registry | None = 
     _check_order(entries)
     stack = Stack(tuple(entries), {k: data[k] for k in SETTINGS_KEYS if k in data}, source)
     if entries:
-        stack.build().pm.hook.kvcompress_validate_stack(entries=[(e.name, e.config) for e in entries])
+        stack.build().pm.hook.kvcompress_validate_stack(entries=[(e.name, e.config) for e in entries],
+                                                        axes=[e.spec.axis for e in entries])
     return stack
 
 

@@ -14,8 +14,8 @@ The label cache lives in ``layer.state["double_sparse"]``, separate from the mai
 are computed from full-precision keys when tokens leave the recent window (the score stage,
 before any quantizer or pruner touches them), optionally quantized to 4 or 2 bits per token
 (asymmetric min-max, fp16 scale and zero per token and head), so they stay valid when LeanK or
-KIVI compress the main cache.  An evictor in the same stack is not supported (the selection
-indexes the middle store, which must keep every token that left the window).
+KIVI compress the main cache.  An evictor in the same stack is refused when the stack is loaded
+(the selection indexes the middle store, which must keep every token that left the window).
 
 DoubleSparse++ (project-defined): layers below ``dense_layers`` stay dense; layer ``l`` selects
 ``k_l = max(k_min, round(k * gamma ** (l - dense_layers)))`` middle tokens; prefill and multi-token
@@ -176,6 +176,14 @@ class DoubleSparseCompressor(Compressor):
             cache = LabelCache(self.table[layer.info.index].to(device), self.config.label_bits)
             layer.state["double_sparse"] = cache
         return cache
+
+    @hookimpl
+    def kvcompress_validate_stack(self, entries, axes):
+        for i, ((name, _), axis) in enumerate(zip(entries, axes)):
+            if axis == "evict":
+                raise ConfigError(f"compressors[{i}].{name}", "no token-evicting compressor in a stack with "
+                                  "double_sparse (its selection indexes every middle token)", name,
+                                  hint="use double_sparse's own 'sinks' and 'window' instead of an evictor")
 
     @hookimpl
     def kvcompress_score_tokens(self, layer, block):

@@ -234,6 +234,16 @@ def test_config_errors_name_the_key(cfg, path, allowed):
     assert str(exc.value).startswith(path) and allowed in str(exc.value)
 
 
+@pytest.mark.parametrize("evictor", [{"window": {"sinks": 4, "recent": 64}}, {"paged_eviction": {"budget": 64}}])
+def test_an_evictor_in_the_stack_is_refused_at_load_time(evictor):
+    ds = {"double_sparse": {"channels": "all", "k": 16}}
+    with pytest.raises(ConfigError) as exc:  # before any model: parse_stack alone
+        parse_stack({"compressors": [evictor, ds]})
+    name = next(iter(evictor))
+    assert str(exc.value).startswith(f"compressors[0].{name}") and "double_sparse" in str(exc.value)
+    parse_stack({"compressors": [ds, {"kivi": {"bits": 4, "group": 16, "residual": 32}}]})  # quantizers are fine
+
+
 def test_channels_all_with_wrong_r_is_refused(model):
     with pytest.raises(ConfigError, match="r: expected null or head_dim"):
         with kvcompress.compress(model, _stack(channels="all", r=4)):
