@@ -31,6 +31,7 @@ import kvcompress
 from kvcompress.adapters import hf
 from kvcompress.evaluation.data import document_tokens, spread_offsets
 from kvcompress.evaluation.report import environment, markdown_table
+from kvcompress.evaluation.runner import cache_memory
 from kvcompress.models import load_model
 from kvcompress.stack import load_stack
 
@@ -56,16 +57,12 @@ def _generate(model, tokenizer, ids: torch.Tensor, new: int, stack) -> tuple[flo
             out = model.generate(ids, return_dict_in_generate=True, **kw)
             _sync(ids.device)
             dt = time.perf_counter() - t0
-            cache = hf.output_cache(out)
-            held = sum(t.numel() * t.element_size() for layer in cache.layers
-                       for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-                       if isinstance(t, torch.Tensor))
-            return dt, held
+            return dt, cache_memory(hf.output_cache(out))[0]
         with kvcompress.compress(model, stack) as cache:
             model.generate(ids, **{hf.cache_kwarg(model): cache}, **kw)
             _sync(ids.device)
             dt = time.perf_counter() - t0
-            return dt, cache.memory_report().cache_bytes
+            return dt, cache_memory(cache)[0]
 
 
 def measure(model, tokenizer, label: str, stack, args, device) -> dict:

@@ -23,7 +23,7 @@ The GPU kernels (``triton_kernel.py``, ``tilelang_kernel.py``) have the same sig
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -88,6 +88,14 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
         ``lse = -inf`` and a zero output.  Merge with other regions by log-sum-exp
         (:func:`merge_with_lse`, :func:`kvcompress.kernels.attention.reference.merge_partials`).
     """
+    return combine_lanes(query, lanes, lambda lane: lane_partial(query, lane, scale))
+
+
+def combine_lanes(query: torch.Tensor, lanes: Sequence[Lane | tuple],
+                  lane_fn: Callable[[Lane], tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-lane partials (``lane_fn(lane)`` over the lane's heads) scattered to every kv head and
+    merged by log-sum-exp; heads no lane covers get ``lse = -inf`` and zeros.  Shared by the
+    reference and the TileLang kernel (which differ only in how one lane is computed)."""
     lanes = [Lane(*lane) for lane in lanes]
     if not lanes:
         raise ValueError("grouped_partial_attention needs at least one lane")
@@ -95,7 +103,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     dv = lanes[0].v.shape[-1]
     parts = []
     for lane in lanes:
-        out, lse = lane_partial(query, lane, scale)
+        out, lse = lane_fn(lane)
         if lane.heads is not None:
             full_out = out.new_zeros(b, hkv, m, dv)
             full_lse = lse.new_full((b, hkv, m), float("-inf"))
@@ -103,6 +111,4 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
             full_lse.index_copy_(1, lane.heads, lse)
             out, lse = full_out, full_lse
         parts.append((out, lse))
-    if len(parts) == 1:
-        return parts[0]
-    return merge_with_lse(parts)
+    return parts[0] if len(parts) == 1 else merge_with_lse(parts)

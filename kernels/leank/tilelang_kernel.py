@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from .reference import Lane, gather_query, merge_with_lse
+from .reference import Lane, combine_lanes, gather_query, merge_with_lse
 
 LN2 = 0.6931471805599453
 LOG2E = 1.4426950408889634
@@ -147,22 +147,7 @@ def lane_partial(query: torch.Tensor, lane: Lane, scale: float, *, splits: int |
 def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple], scale: float, **kw
                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """TileLang grouped partial attention; see :func:`.reference.grouped_partial_attention`."""
-    lanes = [Lane(*lane) for lane in lanes]
-    if not lanes:
-        raise ValueError("grouped_partial_attention needs at least one lane")
-    b, hkv, m, _ = query.shape
-    dv = lanes[0].v.shape[-1]
-    parts = []
-    for lane in lanes:
-        out, lse = lane_partial(query, lane, scale, **kw)
-        if lane.heads is not None:
-            full_out = out.new_zeros(b, hkv, m, dv)
-            full_lse = lse.new_full((b, hkv, m), float("-inf"))
-            full_out.index_copy_(1, lane.heads, out)
-            full_lse.index_copy_(1, lane.heads, lse)
-            out, lse = full_out, full_lse
-        parts.append((out, lse))
-    return parts[0] if len(parts) == 1 else merge_with_lse(parts)
+    return combine_lanes(query, lanes, lambda lane: lane_partial(query, lane, scale, **kw))
 
 
 __all__ = ["build", "grouped_partial_attention", "lane_partial"]

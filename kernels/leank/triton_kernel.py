@@ -253,8 +253,7 @@ def _canonical_slots(rows: list[dict], d: int, dev: torch.device) -> list[dict]:
 
     The compile-time layout of a launch (lane count, per-lane tile widths and flags) then depends
     on ``d`` alone, not on which kept counts a layer happens to have: a LeanK model compiles the
-    kernel once instead of once per distinct layer layout (16 layouts on SmolLM2 at 50%, about
-    3 s of compiling each).  Empty slots hold no rows and are never read.  Rows are returned
+    kernel once instead of once per distinct layer layout (16 layouts on SmolLM2 at 50%).  Empty slots hold no rows and are never read.  Rows are returned
     unchanged when they do not fit the scheme (counts not multiples of ``SLOT``, two lanes of
     one count, more slots than :data:`MAX_LANES`, or mixed valid-mask presence).
     """
@@ -289,9 +288,9 @@ def _stride(r: dict, key: str, dim: int) -> int:
     return 0 if r.get("empty") else r[key].stride(dim)
 
 
-def _lane_rows(lanes: Sequence[Lane], d: int, dev: torch.device, canonical: bool = True) -> list[dict]:
+def _lane_rows(lanes: Sequence[Lane], d: int, dev: torch.device, canonical: bool) -> list[dict]:
     """Per lane (or canonical slot): the tensors, sizes and flags one launch takes."""
-    dummy = torch.zeros(1, device=dev, dtype=torch.int64)
+    dummy = _arange(1, dev)  # placeholder pointer of absent tensors (never read); cached, not allocated per call
     rows = []  # per lane: tensors and strides
     r0 = 0
     for heads, channels, k, v, valid in lanes:

@@ -241,16 +241,22 @@ class DecodeSession:
 
     def memory(self) -> tuple[int, int]:
         """(bytes held by the cache, fp16 bytes of the dense cache of the same tokens)."""
-        if self.stack is not None:
-            report = self.cache.memory_report()
-            return report.cache_bytes, report.dense_fp16_bytes
-        held = dense = 0
-        for layer in self.cache.layers:
-            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                if isinstance(t, torch.Tensor):
-                    held += t.numel() * t.element_size()
-                    dense += t.numel() * 2
-        return held, dense
+        return cache_memory(self.cache)
+
+
+def cache_memory(cache: Any) -> tuple[int, int]:
+    """(bytes held, fp16 bytes of the dense cache of the same tokens) of a kvcompress ``Cache``
+    (its memory report) or of a plain transformers cache (its layers' key and value tensors)."""
+    if hasattr(cache, "memory_report"):
+        report = cache.memory_report()
+        return report.cache_bytes, report.dense_fp16_bytes
+    held = dense = 0
+    for layer in cache.layers:
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                held += t.numel() * t.element_size()
+                dense += t.numel() * 2
+    return held, dense
 
 
 @dataclasses.dataclass
