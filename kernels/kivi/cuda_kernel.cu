@@ -26,7 +26,10 @@ namespace kivi_v3 {
 
 constexpr int TILE = 32;       // tokens per warp iteration (4 n8 score tiles, 2 k16 steps of P.V)
 constexpr int KROW = TILE * 4 + 16;  // bytes of one key word row of a tile in shared memory (padded: no conflicts)
-constexpr int MAX_NW = 8;
+constexpr int MAX_NW = 4;
+#ifndef KIVI_MIN_BLOCKS
+#define KIVI_MIN_BLOCKS 4  // 4 CTAs of 4 warps: caps registers at 128
+#endif
 
 struct Params {
   const __half* q;
@@ -47,7 +50,7 @@ struct Params {
   long long vs_sb, vs_sh;  // value scales / zeros: [T, NGV] rows dense
   long long vz_sb, vz_sh;
   long long va_sb;
-  int M, H, NT, G, tps, nsplit, ngv, gv, BH;
+  int M, H, NT, gshift, tps, nsplit, ngv, gv, BH;
   float qk_scale;  // softmax scale * log2(e)
 };
 
@@ -120,25 +123,14 @@ __device__ __forceinline__ uint32_t hi_fields(uint32_t w) {
   return w >> (BITS * (10 / BITS));
 }
 
-// D = A.B + C, m16n8k16, fp16 in, fp32 accumulate.  ROWS16=false: rows 8..15 of A are zero and the lower
-// half of C/D is not kept (the GQA rows fit in 8).
-template <bool ROWS16>
+// D = A.B + C, m16n8k16, fp16 in, fp32 accumulate, C and D in the same registers.  With 8 GQA rows
+// (ROWS16 off) rows 8..15 of A are copies of rows 0..7 (no zero registers to materialise around every HMMA)
+// and rows 8..15 of D are never read.
 __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                     uint32_t b1) {
-  if constexpr (ROWS16) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    float x2, x3;
-    const uint32_t zero = 0u;
-    const float fz = 0.f;
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%6,%5,%6}, {%7,%8}, {%0,%1,%9,%9};\n"
-        : "+f"(d[0]), "+f"(d[1]), "=f"(x2), "=f"(x3)
-        : "r"(a0), "r"(a2), "r"(zero), "r"(b0), "r"(b1), "f"(fz));
-    (void)x2;
-    (void)x3;
-  }
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
@@ -162,32 +154,31 @@ __device__ __forceinline__ void load_tile(uint8_t* stage, const Params& p, const
                                           const __half* kz, const int* vc, const __half* vs, const __half* vz,
                                           const uint8_t* va, int tok0, int lane) {
   using C = Cfg<BITS, DK, DV>;
-  const int grp = tok0 / p.G;
-  const int toff = tok0 - grp * p.G;
+  const int grp = tok0 >> p.gshift;
+  const int toff = tok0 & ((1 << p.gshift) - 1);
   const uint32_t base = smem_addr(stage);
   const int* kg = kc + grp * p.kc_sg + toff;
+  static_assert((C::KW * 8) % 32 == 0 && (TILE * C::VW / 4) % 32 == 0 && DK / 8 <= 32, "chunk counts");
 #pragma unroll
-  for (int c = lane; c < C::KW * 8; c += 32) {
+  for (int it = 0; it < C::KW * 8 / 32; ++it) {
+    const int c = lane + 32 * it;
     const int w = c >> 3, k = c & 7;
-    cp16(base + C::OFF_K + w * KROW + 16 * k, kg + (long long)w * p.G + 4 * k);
+    cp16(base + C::OFF_K + w * KROW + 16 * k, kg + ((long long)w << p.gshift) + 4 * k);
   }
-  const __half* ksg = ks + grp * p.ks_sg;
-  const __half* kzg = kz + grp * p.kz_sg;
-#pragma unroll
-  for (int c = lane; c < DK / 8; c += 32) {
-    cp16(base + C::OFF_KS + 16 * c, ksg + 8 * c);
-    cp16(base + C::OFF_KZ + 16 * c, kzg + 8 * c);
+  if (lane < DK / 8) {
+    cp16(base + C::OFF_KS + 16 * lane, ks + grp * p.ks_sg + 8 * lane);
+    cp16(base + C::OFF_KZ + 16 * lane, kz + grp * p.kz_sg + 8 * lane);
   }
   constexpr int VCH = C::VW / 4;  // 16-byte chunks per token row
 #pragma unroll
-  for (int c = lane; c < TILE * VCH; c += 32) {
-    const int tok = c / VCH, part = c - tok * VCH;
+  for (int it = 0; it < TILE * VCH / 32; ++it) {
+    const int c = lane + 32 * it;
+    const int tok = c / VCH, part = c % VCH;
     cp16(base + C::OFF_V + vrow(tok) * C::VROW + 16 * part, vc + (long long)(tok0 + tok) * p.vc_st + 4 * part);
   }
-  const int nvs = 4 * p.ngv;  // TILE * ngv halves / 8 per chunk
-  for (int c = lane; c < nvs; c += 32) {
-    cp16(base + C::OFF_VS + 16 * c, vs + (long long)tok0 * p.ngv + 8 * c);
-    cp16(base + C::OFF_VZ + 16 * c, vz + (long long)tok0 * p.ngv + 8 * c);
+  if (lane < 4 * p.ngv) {  // TILE * ngv halves, 8 per chunk
+    cp16(base + C::OFF_VS + 16 * lane, vs + (long long)tok0 * p.ngv + 8 * lane);
+    cp16(base + C::OFF_VZ + 16 * lane, vz + (long long)tok0 * p.ngv + 8 * lane);
   }
   if (lane < 2) cp16(base + C::OFF_VA + 16 * lane, va + tok0 + 16 * lane);
 }
@@ -196,7 +187,7 @@ __device__ __forceinline__ void load_tile(uint8_t* stage, const Params& p, const
 // (tiles w, w + NW, ...) through a ST-deep cp.async pipeline, keeps an online softmax in registers, and the
 // warps are merged through shared memory at the end.
 template <int BITS, int DK, int DV, bool ROWS16, int ST>
-__global__ void __launch_bounds__(MAX_NW * 32) kivi_v3_kernel(const Params p) {
+__global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(const Params p) {
   using C = Cfg<BITS, DK, DV>;
   constexpr int MT = ROWS16 ? 16 : 8;
   extern __shared__ __align__(16) uint8_t smem[];
@@ -233,7 +224,7 @@ __global__ void __launch_bounds__(MAX_NW * 32) kivi_v3_kernel(const Params p) {
         x1 = pack_f16x2(f.x * p.qk_scale, f.y * p.qk_scale);
       }
       qa[l >> 1][(l & 1) ? 2 : 0] = x0;
-      qa[l >> 1][(l & 1) ? 3 : 1] = x1;
+      qa[l >> 1][(l & 1) ? 3 : 1] = ROWS16 ? x1 : x0;
     }
   }
 
@@ -285,16 +276,18 @@ __global__ void __launch_bounds__(MAX_NW * 32) kivi_v3_kernel(const Params p) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
     {
-      uint32_t ksc[DK / 8], kzr[DK / 8];
-#pragma unroll
-      for (int c = 0; c < DK / 32; ++c) {
-        const uint4 a = *reinterpret_cast<const uint4*>(sb + C::OFF_KS + t * (DK / 2) + 16 * c);
-        const uint4 z = *reinterpret_cast<const uint4*>(sb + C::OFF_KZ + t * (DK / 2) + 16 * c);
-        ksc[4 * c] = a.x; ksc[4 * c + 1] = a.y; ksc[4 * c + 2] = a.z; ksc[4 * c + 3] = a.w;
-        kzr[4 * c] = z.x; kzr[4 * c + 1] = z.y; kzr[4 * c + 2] = z.z; kzr[4 * c + 3] = z.w;
-      }
 #pragma unroll
       for (int jw = 0; jw < C::KWT; ++jw) {
+        // scale / zero pairs of this word's HP channel pairs (local pairs jw*HP ..)
+        uint32_t ksc[C::HP], kzr[C::HP];
+#pragma unroll
+        for (int c = 0; c < C::HP / 4; ++c) {
+          const int off = t * (DK / 2) + jw * C::HP * 4 + 16 * c;
+          const uint4 a = *reinterpret_cast<const uint4*>(sb + C::OFF_KS + off);
+          const uint4 z = *reinterpret_cast<const uint4*>(sb + C::OFF_KZ + off);
+          ksc[4 * c] = a.x; ksc[4 * c + 1] = a.y; ksc[4 * c + 2] = a.z; ksc[4 * c + 3] = a.w;
+          kzr[4 * c] = z.x; kzr[4 * c + 1] = z.y; kzr[4 * c + 2] = z.z; kzr[4 * c + 3] = z.w;
+        }
         const uint4 wv = *reinterpret_cast<const uint4*>(sb + C::OFF_K + (t * C::KWT + jw) * KROW + 16 * g);
         const uint32_t wt[4] = {wv.x, wv.y, wv.z, wv.w};
 #pragma unroll
@@ -304,7 +297,7 @@ __global__ void __launch_bounds__(MAX_NW * 32) kivi_v3_kernel(const Params p) {
           uint32_t kb[C::HP];
 #pragma unroll
           for (int i = 0; i < C::HP; ++i) {
-            const int l = jw * C::HP + i;
+            const int l = i;
             // unrolled constant dispatch of the field index
             if constexpr (BITS == 2) {
               switch (i) {
@@ -330,7 +323,7 @@ __global__ void __launch_bounds__(MAX_NW * 32) kivi_v3_kernel(const Params p) {
 #pragma unroll
           for (int i = 0; i < C::HP; i += 2) {
             const int sl = (jw * C::HP + i) >> 1;
-            mma<ROWS16>(s[j], qa[sl][0], qa[sl][1], qa[sl][2], qa[sl][3], kb[i], kb[i + 1]);
+            mma(s[j], qa[sl][0], qa[sl][1], qa[sl][2], qa[sl][3], kb[i], kb[i + 1]);
           }
         }
       }
@@ -395,9 +388,9 @@ __global__ void __launch_bounds__(MAX_NW * 32) kivi_v3_kernel(const Params p) {
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
         pa[kk][0] = pack_f16x2(pr[2 * kk][0], pr[2 * kk][1]);
-        pa[kk][1] = ROWS16 ? pack_f16x2(pr[2 * kk][2], pr[2 * kk][3]) : 0u;
+        pa[kk][1] = ROWS16 ? pack_f16x2(pr[2 * kk][2], pr[2 * kk][3]) : pa[kk][0];
         pa[kk][2] = pack_f16x2(pr[2 * kk + 1][0], pr[2 * kk + 1][1]);
-        pa[kk][3] = ROWS16 ? pack_f16x2(pr[2 * kk + 1][2], pr[2 * kk + 1][3]) : 0u;
+        pa[kk][3] = ROWS16 ? pack_f16x2(pr[2 * kk + 1][2], pr[2 * kk + 1][3]) : pa[kk][2];
       }
     }
 
@@ -463,7 +456,7 @@ __global__ void __launch_bounds__(MAX_NW * 32) kivi_v3_kernel(const Params p) {
               }
             }
             const int nt = u * C::HP + i;
-            mma<ROWS16>(acc[nt], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b0, b1);
+            mma(acc[nt], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b0, b1);
           }
         }
       }
@@ -605,7 +598,7 @@ int kivi_v3_launch(const long long* a, double qk_scale, int rows16, int nw, int 
   p.vs_sb = a[i++]; p.vs_sh = a[i++];
   p.vz_sb = a[i++]; p.vz_sh = a[i++];
   p.va_sb = a[i++];
-  p.M = (int)a[i++]; p.H = (int)a[i++]; p.NT = (int)a[i++]; p.G = (int)a[i++]; p.tps = (int)a[i++];
+  p.M = (int)a[i++]; p.H = (int)a[i++]; p.NT = (int)a[i++]; p.gshift = (int)a[i++]; p.tps = (int)a[i++];
   p.nsplit = (int)a[i++]; p.ngv = (int)a[i++]; p.gv = (int)a[i++]; p.BH = (int)a[i++];
   p.qk_scale = (float)qk_scale;
   if (nw < 1 || nw > MAX_NW) return (int)cudaErrorInvalidValue;
