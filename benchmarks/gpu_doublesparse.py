@@ -11,9 +11,11 @@ tree):
 2. **Time** (CUDA graphs, cold L2 via rotating buffers, CUDA events; kvcompress.kernels.benchutil):
    Llama-like heads (32 q / 8 kv, d 128), B in {1, 4, 16}, ctx in {4k, 16k, 32k}, sparsity 1/8 and
    1/16 (k = ctx/8, ctx/16 tokens per query head), r = 16 label channels (fp16 and 4-bit):
-   ``score`` (label scores), ``topk`` (torch.topk on them), ``gather`` (attention over the selected
-   tokens), ``ds`` (the three together: one sparse decode read) and ``sdpa`` (best backend on the
-   full fp16 cache of ctx tokens).  Speed-up = sdpa / ds.
+   ``select`` (the fused score + top-k kernel on channel-major labels), ``score`` + ``topk`` (the
+   two-step path: Triton scores, torch.topk), ``gather`` (attention over the selected tokens),
+   ``ds`` (fused select + gather: one sparse decode read as the plugin runs it), the two-step sum
+   and ``sdpa`` (best backend on the full fp16 cache of ctx tokens).  Speed-up = sdpa / ds.
+   Then a sweep of the select and gather launch settings (B 1 and 16, 32k, 1/16).
 
 Writes DIR/doublesparse_check.json and DIR/doublesparse_bench.json and prints Markdown tables.
 Takes about 1-2 minutes on an H200 (``--quick``: B 1 and 16 at 32k only).
@@ -93,7 +95,39 @@ def check(device: str) -> list[dict]:
     return rows
 
 
-def bench(device: str, quick: bool) -> list[dict]:
+def _topk_ok(index, scores, k, tol=1e-3):
+    """``index`` is a top-k of ``scores``: k distinct tokens, all clearly above the k-th score, none clearly below."""
+    if index.shape[-1] != k or bool((index.sort(-1).values.diff(dim=-1) == 0).any()):
+        return False
+    kth = scores.topk(k, dim=-1).values[..., -1:]
+    tol = tol * max(1.0, float(scores[torch.isfinite(scores)].abs().max()))
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, index, True)
+    fin = torch.isfinite(kth)
+    must = torch.where(fin, scores > kth + tol, torch.isfinite(scores))
+    may = torch.where(fin, scores >= kth - tol, torch.ones_like(chosen))
+    return bool((chosen | ~must).all() and (~chosen | may).all())
+
+
+def check_fused(device: str) -> list[dict]:
+    """The fused select kernel on channel-major labels against exact scores (fp64 reference), large shapes."""
+    _, ref, tk = _imports()
+    from kvcompress.kernels.doublesparse.bench import ds_inputs
+
+    rows = []
+    gen = torch.Generator(device=device).manual_seed(1)
+    for (b, hq, hkv, t, d, r, bits, kk) in [(1, 32, 8, 32768, 128, 16, 16, 2048), (2, 32, 8, 20000, 128, 16, 4, 1250),
+                                            (3, 9, 3, 4097, 64, 16, 2, 256), (1, 4, 4, 32768, 64, 64, 16, 32768)]:
+        q, lab, ch, _, _ = ds_inputs(b, hq, hkv, t, d, r, bits, device, gen)
+        valid = torch.rand(b, t, device=device, generator=gen) > 0.05
+        idx = tk.select_topk(q, lab, ch, valid, kk)
+        s_ref = ref.label_scores(q.double(), ref.Labels(lab.data, lab.bits, lab.scale, lab.zero), ch, valid)
+        rows.append({"op": "fused-select", "shape": [b, hq, hkv, t, d, r], "bits": bits, "k": kk,
+                     "fused": bool(tk.supports_fused(q, lab, ch)), "topk_ok": _topk_ok(idx, s_ref.float(), kk),
+                     "same_inf": True, "rel_err": 0.0})
+    return rows
+
+
+def bench(device: str, quick: bool, sweep: bool = True) -> list[dict]:
     benchutil, ref, tk = _imports()
     from kvcompress.kernels.doublesparse.bench import ds_decode, ds_inputs, ds_read_bytes
 
@@ -112,6 +146,8 @@ def bench(device: str, quick: bool) -> list[dict]:
         base = None
         for bits in (16, 4):
             data = [ds_inputs(b, hq, hkv, ctx, d, r, bits, dev, gen) for _ in range(n)]
+            tmajor = [(q, ref.Labels(lab.data.contiguous(), lab.bits, lab.scale, lab.zero), ch)
+                      for q, lab, ch, _, _ in data]  # the two-step path's layout
             if bits == 16:  # SDPA on the same full fp16 caches
                 best = None
                 for be in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
@@ -129,11 +165,12 @@ def bench(device: str, quick: bool) -> list[dict]:
             for frac in (8, 16):
                 kk = ctx // frac
                 q0, lab0, ch0, k0, _ = data[0]
-                idx = torch.topk(tk.label_scores(q0, lab0, ch0, None), kk, -1).indices.view(b, hkv, g, kk)
+                idx = tk.select_topk(q0, lab0, ch0, None, kk).view(b, hkv, g, kk)
                 scores = tk.label_scores(q0, lab0, ch0, None)
                 timings = {
-                    "score": benchutil.time_op(lambda q, lab, ch, k, v: tk.label_scores(q, lab, ch, None), data,
-                                               reps=20),
+                    "select": benchutil.time_op(lambda q, lab, ch, k, v: tk.select_topk(q, lab, ch, None, kk), data,
+                                                reps=20),
+                    "score": benchutil.time_op(lambda q, lab, ch: tk.label_scores(q, lab, ch, None), tmajor, reps=20),
                     "topk": benchutil.time_op(lambda s: torch.topk(s, kk, -1, sorted=False), [(scores,)], reps=20),
                     "gather": benchutil.time_op(lambda q, lab, ch, k, v: tk.gather_partial_attention(
                         q.view(b, hkv, g, d), k, v, None, idx, scale), data, reps=20),
@@ -145,14 +182,51 @@ def bench(device: str, quick: bool) -> list[dict]:
                                  "latency_us": t.us, "method": t.method, "copies": t.calls,
                                  "speedup_vs_sdpa": base / t.seconds if base and op == "ds" else None,
                                  "bytes": ds_read_bytes(q0, lab0, k0, kk) if op == "ds" else None})
-            del data
+                unfused = timings["score"].seconds + timings["topk"].seconds + timings["gather"].seconds
+                rows.append({**row0, "op": "ds-two-step (score+topk+gather)", "label_bits": bits,
+                             "sparsity": f"1/{frac}", "k": kk, "latency_us": unfused * 1e6,
+                             "speedup_vs_sdpa": base / unfused if base else None})
+                if sweep and bits == 16 and frac == 16:
+                    rows += _sweep(benchutil, tk, data, idx, b, hkv, g, d, kk, scale, row0)
+            del data, tmajor
             torch.cuda.empty_cache()
+    return rows
+
+
+def _sweep(benchutil, tk, data, idx, b, hkv, g, d, kk, scale, row0) -> list[dict]:
+    """Launch settings of the gather and select kernels (same inputs; the defaults are the code's)."""
+    rows = []
+    for ept in (16, 32, 64, 128):
+        try:
+            t = benchutil.time_op(lambda q, lab, ch, k, v: tk.select_topk(q, lab, ch, None, kk,
+                                                                          config={"elems_per_thread": ept}),
+                                  data, reps=10)
+            rows.append({**row0, "op": "sweep-select", "config": {"elems_per_thread": ept}, "latency_us": t.us})
+        except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result too
+            rows.append({**row0, "op": "sweep-select", "config": {"elems_per_thread": ept}, "error": repr(exc)[:300]})
+    for bk in (32, 64, 128):
+        for pps in (4, 16, 64):
+            for warps in (2, 4, 8):
+                for stages in ((2, 3) if warps == 4 else (3,)):
+                    cfg = {"block_k": bk, "programs_per_sm": pps, "num_warps": warps, "num_stages": stages}
+                    try:
+                        t = benchutil.time_op(lambda q, lab, ch, k, v: tk.gather_partial_attention(
+                            q.view(b, hkv, g, d), k, v, None, idx, scale, config=cfg), data, reps=10)
+                        rows.append({**row0, "op": "sweep-gather", "config": cfg, "latency_us": t.us})
+                    except Exception as exc:  # noqa: BLE001
+                        rows.append({**row0, "op": "sweep-gather", "config": cfg, "error": repr(exc)[:300]})
+    best = min((r for r in rows if r["op"] == "sweep-gather" and "latency_us" in r), key=lambda r: r["latency_us"],
+               default=None)
+    if best:
+        print("best gather config", best["config"], f"{best['latency_us']:.1f} us", flush=True)
     return rows
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| B | ctx | op | label bits | sparsity | latency (µs) | vs SDPA |", "|---|---|---|---|---|---|---|"]
     for r in rows:
+        if r["op"].startswith("sweep") or "latency_us" not in r:
+            continue
         sp = r.get("speedup_vs_sdpa")
         lines.append(f"| {r['batch']} | {r['ctx'] // 1024}k | {r['op']} | {r.get('label_bits', '')} | "
                      f"{r.get('sparsity', '')} | {r['latency_us']:.1f} | {f'{sp:.2f}x' if sp else ''} |")
@@ -176,10 +250,10 @@ def main(argv=None) -> int:
     t0 = time.time()
     ok = True
     if not args.skip_check:
-        rows = check("cuda")
+        rows = check("cuda") + check_fused("cuda")
         for r in rows:
             print(json.dumps(r))
-            good = r["same_inf"] and (r.get("topk_same_sets", True)) and r["rel_err"] < 2e-3
+            good = r["same_inf"] and r.get("topk_same_sets", True) and r.get("topk_ok", True) and r["rel_err"] < 2e-3
             ok &= good
         with open(os.path.join(args.out, "doublesparse_check.json"), "w") as fh:
             json.dump({"conditions": info, "rows": rows, "all_ok": ok}, fh, indent=1)
@@ -188,6 +262,9 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "doublesparse_bench.json"), "w") as fh:
         json.dump({"conditions": info, "rows": rows}, fh, indent=1)
     print(table(rows))
+    for r in rows:
+        if r["op"].startswith("sweep"):
+            print(r["batch"], r["op"], r["config"], f"{r['latency_us']:.1f} us" if "latency_us" in r else r["error"])
     print(f"total {time.time() - t0:.0f} s")
     return 0 if ok else 1
 

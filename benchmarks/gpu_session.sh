@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session (H200 image: torch 2.11, triton 3.6; `pip install -e .` fails silently there, so the
 # package is assembled under /tmp/site).  Usage on the device machine, from the repository root:
-#   bash benchmarks/gpu_session.sh OUTDIR PHASE      (PHASE: sweep | final)
+#   bash benchmarks/gpu_session.sh OUTDIR PHASE      (PHASE: sweep | final | tables | tilelang | ds | kivicuda)
 set -o pipefail
 OUT=${1:-out}; PHASE=${2:-final}
 mkdir -p /tmp/site "$OUT" && rm -rf /tmp/site/kvcompress && cp -r kvcompress /tmp/site/ \
@@ -51,5 +51,15 @@ case "$PHASE" in
       -p no:cacheprovider 2>&1 | tail -15) | tee "$OUT/pytest_gpu.log"
     (cd /tmp/site && python -m kvcompress.kernels.benchutil --device cuda --out "$OUT/kernels.json" \
       --ops sdpa,kivi2,kivi4,leank50,leank70 2>&1) | tee "$OUT/kernels.log"
+    ;;
+  ds)  # DoubleSparse: GPU tests (fused select, gather), then correctness + timing + launch sweep (--quick)
+    (cd /tmp/site && timeout 200 python -m pytest -q -m gpu "$OLDPWD/tests/test_doublesparse_kernel.py" \
+      -p no:cacheprovider 2>&1 | tail -15) | tee "$OUT/pytest_ds.log"
+    timeout 300 python benchmarks/gpu_doublesparse.py --out "$OUT" --quick 2>&1 | tee "$OUT/ds.log"
+    ;;
+  kivicuda)  # the CUDA KIVI kernel (v3): its GPU tests and its benchmark script
+    (cd /tmp/site && timeout 200 python -m pytest -q -m gpu "$OLDPWD/tests/test_kivi_cuda.py" \
+      -p no:cacheprovider 2>&1 | tail -15) | tee "$OUT/pytest_kivi_cuda.log"
+    timeout 330 python benchmarks/gpu_kivi_cuda.py --out "$OUT" 2>&1 | tee "$OUT/kivi_cuda.log"
     ;;
 esac

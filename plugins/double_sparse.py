@@ -36,7 +36,6 @@ import torch
 
 from kvcompress import Compressor, CompressorSpec, Layout, TokenSelection, hookimpl, param
 from kvcompress.errors import ConfigError, UnsupportedOperationError
-from kvcompress.state import RingBuffer
 
 CHANNEL_SOURCES = ("all", "random")
 
@@ -81,50 +80,92 @@ class DoubleSparseConfig:
 
 
 class LabelCache:
-    """One layer's labels of the middle tokens, in arrival order (a growable ring that never wraps)."""
+    """One layer's labels of the middle tokens, in arrival order, stored **channel-major**.
+
+    ``data [B, kv_heads, W, capacity]`` (``W`` = ``r`` label channels in the key dtype, or the ``r * bits / 8``
+    packed code bytes of a token) keeps each label channel (or code byte) contiguous over tokens, so the
+    fused select kernel reads one channel of every token with coalesced loads; :meth:`labels` hands the
+    kernels a ``[B, kv_heads, T, W]`` view of it.  Quantized labels keep their fp16 scale and zero point in
+    ``aux [B, kv_heads, 2, capacity]``.  Appends are amortised O(1) (:func:`kvcompress.state.grown_capacity`).
+    """
 
     def __init__(self, channels: torch.Tensor, bits: int):
         self.channels = channels  # [kv_heads, r] on the cache's device
         self.bits = bits
-        self.buf: RingBuffer | None = None
+        self.size = 0
+        self.all_valid = True
+        self.data: torch.Tensor | None = None
+        self.aux: torch.Tensor | None = None
+        self.valid_mask: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None  # [capacity] int64, the middle store's token order
 
     @property
-    def size(self) -> int:
-        return 0 if self.buf is None else self.buf.size
+    def capacity(self) -> int:
+        return 0 if self.data is None else self.data.shape[-1]
+
+    def _grow(self, needed: int, like: torch.Tensor, aux_like: torch.Tensor | None) -> None:
+        from kvcompress.state import grown_capacity
+
+        cap = -(-grown_capacity(self.capacity, needed) // 16) * 16  # aligned rows: vector loads in the kernels
+        b, h, w = like.shape[0], like.shape[1], like.shape[-1]
+        data = like.new_zeros(b, h, w, cap)
+        valid = torch.zeros(b, cap, dtype=torch.bool, device=like.device)
+        aux = None if aux_like is None else aux_like.new_zeros(b, h, 2, cap)
+        positions = torch.zeros(cap, dtype=torch.long, device=like.device)
+        if self.size:
+            n = self.size
+            data[..., :n] = self.data[..., :n]
+            valid[:, :n] = self.valid_mask[:, :n]
+            positions[:n] = self.positions[:n]
+            if aux is not None:
+                aux[..., :n] = self.aux[..., :n]
+        self.data, self.valid_mask, self.aux, self.positions = data, valid, aux, positions
 
     def append(self, k: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> None:
         from kvcompress.kernels.doublesparse import quantize_labels
 
         b, h, n, _ = k.shape
+        if n == 0:
+            return
         r = self.channels.shape[1]
         lab = k.gather(-1, self.channels.view(1, h, 1, r).expand(b, h, n, r))
-        if self.bits == 16:
-            data, aux = lab, lab.new_zeros(b, h, n, 0)
-        else:
+        aux = None
+        if self.bits != 16:
             q = quantize_labels(lab, self.bits)
-            data, aux = q.data, torch.stack([q.scale, q.zero], dim=-1)
-        if self.buf is None:
-            self.buf = RingBuffer(None, data, aux, initial=n)
-        self.buf.push(data, aux, valid, positions)
+            lab, aux = q.data, torch.stack([q.scale, q.zero], dim=2)  # [B, H, 2, n]
+        if self.size + n > self.capacity:
+            self._grow(self.size + n, lab, aux)
+        sl = slice(self.size, self.size + n)
+        self.data[..., sl] = lab.transpose(-1, -2)
+        if aux is not None:
+            self.aux[..., sl] = aux
+        self.valid_mask[:, sl] = valid
+        self.positions[sl] = positions
+        self.size += n
+        if self.all_valid and not bool(valid.all()):
+            self.all_valid = False
 
     def labels(self):
         from kvcompress.kernels.doublesparse import Labels
 
-        buf, n = self.buf, self.size
-        data = buf.k[:, :, :n]
+        n = self.size
+        data = self.data[..., :n].transpose(-1, -2)  # [B, H, T, W], token stride 1
         if self.bits == 16:
             return Labels(data, 16)
-        return Labels(data, self.bits, buf.v[:, :, :n, 0], buf.v[:, :, :n, 1])
+        return Labels(data, self.bits, self.aux[:, :, 0, :n], self.aux[:, :, 1, :n])
 
     def valid(self) -> torch.Tensor | None:
-        return None if self.buf.all_valid else self.buf.valid[:, :self.size]
+        return None if self.all_valid else self.valid_mask[:, :self.size]
 
     def map_batch(self, fn) -> None:
-        if self.buf is not None:
-            self.buf.map_batch(fn)
+        if self.data is not None:
+            self.data, self.valid_mask = fn(self.data), fn(self.valid_mask)
+            if self.aux is not None:
+                self.aux = fn(self.aux)
 
     def nbytes(self) -> int:
-        return 0 if self.buf is None else self.buf.nbytes()
+        return sum(t.numel() * t.element_size() for t in (self.data, self.aux, self.valid_mask, self.positions)
+                   if t is not None)
 
 
 class DoubleSparseCompressor(Compressor):

@@ -187,7 +187,7 @@ def test_label_cache_matches_middle_keys_across_steps(model, ids, bits):
         lab = layer.state["double_sparse"]
         (seg,) = layer.middle.segments()
         assert lab.size == seg.num_tokens == 80 - 2 - 6
-        assert torch.equal(lab.buf.positions[:lab.size], seg.positions)
+        assert torch.equal(lab.positions[:lab.size], seg.positions)
         ch = lab.channels
         expect = seg.k.gather(-1, ch.view(1, -1, 1, ch.shape[1]).expand(*seg.k.shape[:3], ch.shape[1]))
         got = dequantize_labels(lab.labels())

@@ -33,7 +33,7 @@ MAX_DIM = 256
 
 
 @triton.jit
-def _scores_kernel(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_t, SC, ZE, sz_b, sz_h, VA, sva_b,
+def _scores_kernel(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_t, sl_c, SC, ZE, sz_b, sz_h, VA, sva_b,
                    OUT, so_b, so_h, T, HKV,
                    G: tl.constexpr, GP: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
                    PER: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr, HAS_VALID: tl.constexpr,
@@ -49,7 +49,7 @@ def _scores_kernel(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_t, SC, ZE, sz_b, 
     t_ok = offs_t < T
     g_ok = offs_g < G
     c_ok = offs_c < NB
-    lab = tl.load(L + b * sl_b + h * sl_h + offs_t[:, None].to(tl.int64) * sl_t + offs_c[None, :],
+    lab = tl.load(L + b * sl_b + h * sl_h + offs_t[:, None].to(tl.int64) * sl_t + offs_c[None, :] * sl_c,
                   mask=t_ok[:, None] & c_ok[None, :], other=0)
     q_rows = Q + b * sq_b + (h * G + offs_g)[:, None].to(tl.int64) * sq_h
     acc = tl.zeros([GP, BT], tl.float32)
@@ -82,7 +82,10 @@ def supports_scores(query: torch.Tensor, labels: Labels, channels: torch.Tensor)
         return False
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32) or query.stride(-1) != 1:
         return False
-    if labels.data.stride(-1) != 1 or channels.shape[1] > MAX_DIM or query.shape[1] % channels.shape[0]:
+    if channels.shape[1] > MAX_DIM or query.shape[1] % channels.shape[0]:
+        return False
+    if labels.bits != 16 and (labels.scale.stride(-1) != 1 or labels.zero.stride(-1) != 1
+                              or labels.scale.stride()[:2] != labels.zero.stride()[:2]):
         return False
     if labels.bits == 16:
         return labels.data.dtype in (torch.float16, torch.bfloat16, torch.float32)
@@ -111,7 +114,7 @@ def label_scores(query: torch.Tensor, labels: Labels, channels: torch.Tensor, va
     lab = labels.data
     _scores_kernel[(b * hkv, triton.cdiv(t, block_t))](
         query, query.stride(0), query.stride(1), channels, channels.stride(0),
-        lab, lab.stride(0), lab.stride(1), lab.stride(2),
+        lab, lab.stride(0), lab.stride(1), lab.stride(2), lab.stride(3),
         sc, ze, sc.stride(0) if quant else 0, sc.stride(1) if quant else 0,
         va, va.stride(0) if valid is not None else 0,
         out, out.stride(0), out.stride(1), t, hkv,
@@ -120,10 +123,193 @@ def label_scores(query: torch.Tensor, labels: Labels, channels: torch.Tensor, va
     return out
 
 
-def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None,
-                k: int) -> torch.Tensor:
-    """See :func:`.reference.select_topk` (Triton scores, then ``torch.topk``)."""
+def select_topk_unfused(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None,
+                        k: int) -> torch.Tensor:
+    """Two-step selection: :func:`label_scores` (fp32 scores of every head), then ``torch.topk``."""
     return torch.topk(label_scores(query, labels, channels, valid), k, dim=-1, sorted=False).indices
+
+
+@triton.jit
+def _orderable(x):
+    """fp32 -> uint32 key with the same order (``-inf`` lowest; NaN is not expected)."""
+    bits = x.to(tl.int32, bitcast=True)
+    flipped = tl.where(bits < 0, ~bits, bits | (-2147483648))
+    return flipped.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _label_keys(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, sz_h, VA, sva_b, b, hq, h, offs, ok,
+                W: tl.constexpr, PER: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                HAS_VALID: tl.constexpr, NP: tl.constexpr):
+    """Order-preserving keys of the label scores of tokens ``offs`` (token-contiguous labels); 0 where not ``ok``."""
+    q_row = Q + b * sq_b + hq * sq_h
+    acc = tl.zeros([NP], tl.float32)
+    qsum = 0.0
+    for w in range(W):  # one label channel (or packed code byte) of every token
+        # the scalar part of the address first: no NP-wide pointer tensor stays live across the loop
+        lab = tl.load(L + b * sl_b + h * sl_h + w * sl_c + offs, mask=ok, other=0)
+        if QUANT:
+            for j in tl.static_range(PER):
+                qv = tl.load(q_row + tl.load(CH + h * sch_h + j * W + w)).to(tl.float32)
+                acc += qv * ((lab >> (BITS * j)) & ((1 << BITS) - 1)).to(tl.float32)
+                qsum += qv
+        else:
+            qv = tl.load(q_row + tl.load(CH + h * sch_h + w)).to(tl.float32)
+            acc += qv * lab.to(tl.float32)
+    if QUANT:
+        sc = tl.load(SC + b * sz_b + h * sz_h + offs, mask=ok, other=1.0).to(tl.float32)
+        sc = tl.where(sc == 0.0, 1.0, sc)
+        ze = tl.load(ZE + b * sz_b + h * sz_h + offs, mask=ok, other=0.0).to(tl.float32)
+        acc = acc * sc + qsum * ze
+    if HAS_VALID:
+        acc = tl.where(tl.load(VA + b * sva_b + offs, mask=ok, other=0) != 0, acc, float("-inf"))
+    # padding lanes get key 0: every real token (even -inf) has a larger key, and _top_slots only tries
+    # candidates >= 1, so they are never counted or chosen (and no mask stays live)
+    return tl.where(ok, _orderable(acc), 0)
+
+
+@triton.jit
+def _top_slots(key, K):
+    """The ``K`` largest of ``key`` (uint32, 0 = absent; at least ``K`` present): ``(chosen, slot)`` with
+    ``slot`` the rank of a chosen lane in lane order.  The k-th largest key is found exactly by a bitwise
+    binary search (the largest t with #{key >= t} >= K); ties at it go to the lowest lanes."""
+    found = tl.zeros([], tl.uint32)
+    bit = tl.full([], 1, tl.uint32) << 31
+    for _ in range(32):  # a loop, not unrolled: 32 copies of an NP-wide reduction compile slowly
+        cand = found | bit
+        cnt = tl.sum((key >= cand).to(tl.int32), axis=0)
+        found = tl.where(cnt >= K, cand, found)
+        bit = bit >> 1
+    above = key > found
+    need = K - tl.sum(above.to(tl.int32), axis=0)
+    tie = key == found
+    chosen = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= need))
+    return chosen, tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+
+
+@triton.jit
+def _select_kernel(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, sz_h, VA, sva_b,
+                   IDX, CKEY, T, K, KC, CHUNK, HQ, G,
+                   W: tl.constexpr, PER: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                   HAS_VALID: tl.constexpr, CANDIDATES: tl.constexpr, NP: tl.constexpr):
+    """One query head and one chunk of ``CHUNK`` tokens: label scores in registers, then either the head's
+    ``K`` token indices (one chunk) or the chunk's ``KC`` best (key, token) candidates (``CANDIDATES``)."""
+    pid = tl.program_id(0)  # b * HQ + hq
+    chunk = tl.program_id(1)
+    hq = (pid % HQ).to(tl.int64)
+    b = (pid // HQ).to(tl.int64)
+    h = hq // G
+    if CANDIDATES:
+        offs = chunk * CHUNK + tl.arange(0, NP)
+        ok = (tl.arange(0, NP) < CHUNK) & (offs < T)
+    else:  # one chunk of every token
+        offs = tl.arange(0, NP)
+        ok = offs < T
+    key = _label_keys(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, sz_h, VA, sva_b, b, hq, h,
+                      offs, ok, W, PER, BITS, QUANT, HAS_VALID, NP)
+    if CANDIDATES:
+        n = tl.minimum(CHUNK, T - chunk * CHUNK)
+        chosen, slot = _top_slots(key, tl.minimum(KC, n))
+        row = (pid.to(tl.int64) * tl.num_programs(1) + chunk) * KC
+        tl.store(CKEY + row + slot, key.to(tl.int32, bitcast=True), mask=chosen)
+        tl.store(IDX + row + slot, offs, mask=chosen)
+    else:
+        chosen, slot = _top_slots(key, K)
+        tl.store(IDX + pid.to(tl.int64) * K + slot, offs.to(tl.int64), mask=chosen)
+
+
+@triton.jit
+def _merge_kernel(CKEY, CIDX, OUT, N, K, NP: tl.constexpr):
+    """The ``K`` best of one head's ``N`` candidates (keys, token indices): the head's token indices."""
+    pid = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, NP)
+    ok = offs < N
+    key = tl.load(CKEY + pid * N + offs, mask=ok, other=0).to(tl.uint32, bitcast=True)
+    chosen, slot = _top_slots(key, K)
+    tl.store(OUT + pid * K + slot, tl.load(CIDX + pid * N + offs, mask=chosen, other=0).to(tl.int64), mask=chosen)
+
+
+FUSED_MAX_TOKENS = 16384  # per program: the label scores stay in registers (~3 registers per token)
+# 16 warps for 16384 tokens: ~94 registers, no spills (sm_90); chunk_tokens < FUSED_MAX_TOKENS exercises
+# the chunk + merge path on small inputs (tests)
+SELECT_CONFIG = dict(elems_per_thread=32, chunk_tokens=FUSED_MAX_TOKENS)
+
+
+def fused_plan(tokens: int, k: int, chunk: int = FUSED_MAX_TOKENS) -> tuple[int, int, int] | None:
+    """``(chunks, tokens per chunk, candidates per chunk)`` of the fused selection, or ``None``.
+
+    One chunk (``tokens <= chunk``): one kernel, indices straight out.  More: chunks of ``chunk // 2``
+    tokens (a candidate program holds keys and token indices: half the tokens fit its registers) each keep
+    their ``min(k, chunk // 2)`` best - a superset of their share of the global top-k - and a merge kernel
+    picks the ``k`` best candidates; this needs the candidates to fit one program (at most ``chunk``).
+    """
+    chunk = min(chunk, FUSED_MAX_TOKENS)
+    if tokens <= chunk:
+        return 1, tokens, k
+    per = max(1, chunk // 2)
+    chunks = -(-tokens // per)
+    kc = min(k, per)
+    return (chunks, per, kc) if chunks * kc <= chunk else None
+
+
+def supports_fused(query: torch.Tensor, labels: Labels, channels: torch.Tensor, k: int = 1,
+                   chunk: int = FUSED_MAX_TOKENS) -> bool:
+    """Whether :func:`select_topk` runs the fused kernels: token-contiguous labels (the plugin's channel-major
+    label cache) and a :func:`fused_plan`."""
+    t = labels.num_tokens
+    return supports_scores(query, labels, channels) and t > 0 and (labels.data.stride(2) == 1 or t == 1) \
+        and fused_plan(t, k, chunk) is not None
+
+
+def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None,
+                k: int, *, config: dict | None = None) -> torch.Tensor:
+    """See :func:`.reference.select_topk`.
+
+    Fused (:func:`supports_fused`): one program per query head (and chunk of up to
+    :data:`FUSED_MAX_TOKENS` tokens) computes the label scores in registers and selects by an exact
+    radix (bitwise binary) search - no score tensor is written; longer contexts pass each chunk's best
+    ``k`` (key, token) pairs to a merge kernel (:func:`fused_plan`).  Otherwise
+    :func:`select_topk_unfused`.  Ties at the k-th score go to the lowest token index.  ``config``
+    overrides :data:`SELECT_CONFIG` (a benchmark knob).
+    """
+    t = labels.num_tokens
+    if not 0 < k <= t:
+        raise ValueError(f"k must be in [1, {t}], got {k}")
+    cfg = dict(SELECT_CONFIG, **(config or {}))
+    if not supports_fused(query, labels, channels, k, cfg["chunk_tokens"]):
+        return select_topk_unfused(query, labels, channels, valid, k)
+    chunks, chunk, kc = fused_plan(t, k, cfg["chunk_tokens"])
+    b, hq, _ = query.shape
+    hkv, r = channels.shape
+    quant = labels.bits != 16
+    lab = labels.data
+    dev = query.device
+    out = torch.empty(b, hq, k, device=dev, dtype=torch.int64)
+    channels = channels.to(device=dev, dtype=torch.int32).contiguous()
+    sc = labels.scale if quant else out
+    ze = labels.zero if quant else out
+    va = valid.view(torch.uint8) if valid is not None else out
+    np_ = max(16, pow2(chunk))
+    ept = int(cfg["elems_per_thread"])  # scores per thread (registers)
+    warps = max(1, min(16, np_ // (32 * ept)))
+    if chunks > 1:
+        ckey = torch.zeros(b * hq, chunks * kc, device=dev, dtype=torch.int32)  # 0 = no candidate
+        cidx = torch.empty(b * hq, chunks * kc, device=dev, dtype=torch.int32)
+    else:
+        ckey, cidx = out, out
+    _select_kernel[(b * hq, chunks)](
+        query, query.stride(0), query.stride(1), channels, channels.stride(0),
+        lab, lab.stride(0), lab.stride(1), lab.stride(3),
+        sc, ze, sc.stride(0) if quant else 0, sc.stride(1) if quant else 0,
+        va, va.stride(0) if valid is not None else 0,
+        cidx, ckey, t, k, kc, chunk, hq, hq // hkv,
+        W=lab.shape[-1], PER=8 // labels.bits if quant else 1, BITS=labels.bits if quant else 16, QUANT=quant,
+        HAS_VALID=valid is not None, CANDIDATES=chunks > 1, NP=np_, num_warps=warps)
+    if chunks > 1:
+        n = chunks * kc
+        np2 = max(16, pow2(n))
+        _merge_kernel[(b * hq,)](ckey, cidx, out, n, k, NP=np2, num_warps=max(1, min(16, np2 // (32 * ept))))
+    return out
 
 
 @triton.jit
@@ -190,10 +376,19 @@ def supports_gather(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
     return all(x.stride(-1) == 1 for x in (query, k, v, index))
 
 
+GATHER_CONFIG = dict(block_k=64, programs_per_sm=4, num_warps=4, num_stages=3)
+
+
 def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
                              index: torch.Tensor, scale: float, *, splits: int | None = None,
-                             block_k: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """See :func:`.reference.gather_partial_attention`."""
+                             block_k: int | None = None, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`.reference.gather_partial_attention`.
+
+    ``config`` overrides :data:`GATHER_CONFIG` (``block_k`` indices per step, ``programs_per_sm`` for the
+    split count, ``num_warps``, ``num_stages``): a benchmark knob, not needed for correctness.
+    """
+    cfg = dict(GATHER_CONFIG, **(config or {}))
+    block_k = int(block_k or cfg["block_k"])
     if not supports_gather(query, k, v, index):
         raise ValueError("gather_partial_attention: unsupported arguments (see supports_gather)")
     b, h, m, d = query.shape
@@ -209,7 +404,7 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
         lse.fill_(float("-inf"))
         return out, lse
     if splits is None:
-        target = 4 * (num_sms(query.device.index or 0) if query.is_cuda else 4)
+        target = int(cfg["programs_per_sm"] * (num_sms(query.device.index or 0) if query.is_cuda else 4))
         splits = max(1, min(triton.cdiv(nk, block_k), triton.cdiv(target, rows)))
     per_split = triton.cdiv(triton.cdiv(nk, splits), block_k) * block_k
     splits = triton.cdiv(nk, per_split)
@@ -223,7 +418,7 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
         index, index.stride(0), index.stride(1), index.stride(2), po, pl, h, m, nk, per_split,
         scale * 1.4426950408889634,
         D=d, DP=max(16, pow2(d)), DV=dv, DVP=max(16, pow2(dv)), HAS_VALID=valid is not None, BK=block_k,
-        num_warps=4)
+        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
     if splits == 1:
         return po.view(b, h, m, dv), pl.view(b, h, m)
     combine_splits(po, pl, out, lse, splits, m, b * h, dv, max(2, min(16, pow2(m))))
