@@ -28,7 +28,7 @@ constexpr int TILE = 32;       // tokens per warp iteration (4 n8 score tiles, 2
 constexpr int KROW = TILE * 4 + 16;  // bytes of one key word row of a tile in shared memory (padded: no conflicts)
 constexpr int MAX_NW = 4;
 #ifndef KIVI_MIN_BLOCKS
-#define KIVI_MIN_BLOCKS 4  // 4 CTAs of 4 warps: caps registers at 128
+#define KIVI_MIN_BLOCKS 1  // >1 caps registers (65536 / (128 * N)); a build option, swept by the benchmark
 #endif
 
 struct Params {

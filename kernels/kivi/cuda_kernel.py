@@ -68,11 +68,11 @@ DIMS = (64, 128)
 SOURCE = Path(__file__).with_name("cuda_kernel.cu")
 NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
               "-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_80,code=sm_80")
-DEFAULT_CONFIG = dict(nw=4, stages=3, waves=2.0, warps_per_sm=16, min_tiles=2)
+DEFAULT_CONFIG = dict(nw=4, stages=3, waves=2.0, warps_per_sm=8, min_tiles=2, min_blocks=1)
 
-_LIBS: dict[tuple[int, int, int], ctypes.CDLL] = {}
+_LIBS: dict[tuple[int, int, int, int], ctypes.CDLL] = {}
 _LOCK = threading.Lock()
-BUILD_SECONDS: dict[tuple[int, int, int], float] = {}
+BUILD_SECONDS: dict[tuple[int, int, int, int], float] = {}
 
 
 # ----------------------------------------------------------------------------- fragment mapping (also used by emulate)
@@ -202,21 +202,23 @@ def nvcc_command(bits: int, dk: int, dv: int, out: str, extra: tuple[str, ...] =
             "-o", out, str(SOURCE)]
 
 
-def build(bits: int, dk: int, dv: int) -> ctypes.CDLL:
-    """Compile (or load from the cache) the library for ``(bits, dk, dv)`` and bind its launchers."""
-    key = (bits, dk, dv)
+def build(bits: int, dk: int, dv: int, min_blocks: int = 1) -> ctypes.CDLL:
+    """Compile (or load from the cache) the library for ``(bits, dk, dv)`` and bind its launchers.
+
+    ``min_blocks`` > 1 caps the registers (``__launch_bounds__(128, min_blocks)``) - a tuning knob."""
+    key = (bits, dk, dv, min_blocks)
     with _LOCK:
         if key in _LIBS:
             return _LIBS[key]
     src = SOURCE.read_bytes()
     tag = hashlib.sha256(src + repr((NVCC_FLAGS, key)).encode()).hexdigest()[:16]
-    path = cache_dir() / f"libkivi_v3_b{bits}_k{dk}_v{dv}_{tag}.so"
+    path = cache_dir() / f"libkivi_v3_b{bits}_k{dk}_v{dv}_r{min_blocks}_{tag}.so"
     t0 = time.time()
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
-        cmd = nvcc_command(bits, dk, dv, tmp)
+        cmd = nvcc_command(bits, dk, dv, tmp, (f"-DKIVI_MIN_BLOCKS={min_blocks}",))
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode:
             os.unlink(tmp)
@@ -232,7 +234,7 @@ def build(bits: int, dk: int, dv: int) -> ctypes.CDLL:
     lib.kivi_v3_error_string.restype = ctypes.c_char_p
     lib.kivi_v3_error_string.argtypes = [ctypes.c_int]
     lib.kivi_v3_stage_bytes.restype = ctypes.c_int
-    if (lib.kivi_v3_bits(), lib.kivi_v3_dk(), lib.kivi_v3_dv()) != key:
+    if (lib.kivi_v3_bits(), lib.kivi_v3_dk(), lib.kivi_v3_dv()) != key[:3]:
         raise RuntimeError(f"{path} was built for another configuration")
     with _LOCK:
         _LIBS[key] = lib
@@ -295,7 +297,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
     c = dict(config(bits))
     if cfg:
         c.update(cfg)
-    lib = build(bits, dk, dv)
+    lib = build(bits, dk, dv, int(c.get("min_blocks", 1)))
 
     q = _aligned(query.to(torch.float16), 1, 4)
     kc = _aligned(packed.k_codes, 2, 16)
@@ -492,13 +494,12 @@ def _emulate_warp(query, packed, bi, hi, rb, mt, tiles, qk, bits, dk, dv, gv, nk
         l_run = l_run + P.sum(1)
         P16 = P.to(torch.float16).float()
         for kk in range(2):
-            # A of P.V: k index -> token through the score-tile columns
+            # A of P.V: k index -> token through the score-tile columns; B rows are the tokens the kernel loads
             Ap = torch.zeros(16, 16)
-            for g, t in lanes:
+            for g, t in lanes:  # register reuse: score C fragment of tiles 2kk, 2kk+1 (columns 2t, 2t+1)
                 for r in range(2):
-                    ta, tb = pv_tokens(t, kk, r)
-                    Ap[:, 2 * t + 8 * r] = P16[:, ta]
-                    Ap[:, 2 * t + 8 * r + 1] = P16[:, tb]
+                    Ap[:, 2 * t + 8 * r] = P16[:, score_token(2 * kk + r, 2 * t)]
+                    Ap[:, 2 * t + 8 * r + 1] = P16[:, score_token(2 * kk + r, 2 * t + 1)]
             for ntile in range(ntv):
                 Bv = torch.zeros(16, 8)
                 for g, t in lanes:

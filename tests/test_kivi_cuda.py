@@ -1,0 +1,263 @@
+"""The hand-written CUDA KIVI kernel (kernels/kivi/cuda_kernel.cu, "v3").
+
+Without a GPU: the ``.cu`` file is compiled with nvcc for sm_90a (and sm_80) and ptxas must report no
+spills (skipped where nvcc is missing); the lane / fragment mapping is checked as index algebra and by
+:func:`cuda_kernel.emulate` - a PyTorch model of the kernel's dataflow built from the same mapping helpers
+and the PTX m16n8k16 fragment layout - against the reference, including a deliberately wrong mapping that
+must fail.  On a GPU (marker ``gpu``) the kernel itself runs against the reference.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvcompress.kernels.kivi import cuda_kernel as ck
+from kvcompress.kernels.kivi.reference import PackedKV, kivi_attention_partial, quantize_keys, quantize_values
+
+ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3  # as tests/test_kivi_kernel.py for the Triton kernel
+
+# name -> (batch, kv_heads, rows M, Dk, Dv, groups NG, bits, G, Gv, extras)
+CASES = {
+    "b2-d128-gqa4-pad-dead-row": (2, 2, 4, 128, 128, 4, 2, 32, 32, {"pad": 40, "dead_row": 1}),
+    "b4-d128-gqa4": (2, 2, 4, 128, 128, 3, 4, 32, 32, {"pad": 7}),
+    "b2-d64-gqa3": (2, 3, 3, 64, 64, 5, 2, 32, 32, {}),
+    "b4-d64-gqa3-g64": (1, 3, 3, 64, 64, 3, 4, 64, 32, {"pad": 5}),
+    "b2-dk128-dv64-rows12": (1, 2, 12, 128, 64, 3, 2, 32, 32, {}),
+    "b4-dk64-dv128-gv16-rows20": (1, 1, 20, 64, 128, 2, 4, 32, 16, {}),
+    "b2-g128-gv64-m1": (2, 1, 1, 128, 128, 2, 2, 128, 64, {}),
+    "b2-all-invalid": (1, 2, 4, 64, 64, 2, 2, 32, 32, {"all_invalid": True}),
+}
+# the emulator is slow (Python loops over lanes): small subsets of the shapes above
+EMULATED = ["b2-d128-gqa4-pad-dead-row", "b4-d128-gqa4", "b2-d64-gqa3", "b4-d64-gqa3-g64", "b2-dk128-dv64-rows12",
+            "b4-dk64-dv128-gv16-rows20", "b2-all-invalid"]
+
+
+def make_case(name: str, device: str = "cpu", emulated: bool = False):
+    b, h, m, dk, dv, ng, bits, g, gv, extra = CASES[name]
+    if emulated:  # keep the emulator fast: one batch row (the one with the padding), one or two heads
+        b, h = 1, min(h, 2)
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    t = ng * g
+    k = torch.randn(b, h, t, dk, generator=gen) * 1.5 + 0.3
+    v = torch.randn(b, h, t, dv, generator=gen)
+    q = torch.randn(b, h, m, dk, generator=gen).half()
+    valid = torch.rand(b, t, generator=gen) > 0.1
+    if extra.get("pad"):
+        valid[0, : extra["pad"]] = False
+    if "dead_row" in extra and extra["dead_row"] < b:
+        valid[extra["dead_row"]] = False
+    if extra.get("all_invalid"):
+        valid[:] = False
+    parts = [*quantize_keys(k, bits, g), *quantize_values(v, bits, gv), valid]
+    return q.to(device), PackedKV(bits, g, *[x.to(device) for x in parts])
+
+
+def check(out, lse, ref_out, ref_lse, m, dv):
+    assert out.shape[-2:] == (m, dv) and out.dtype == lse.dtype == torch.float32
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), "-inf LSE exactly where no key is valid"
+    assert (out[~finite] == 0).all(), "zero output for rows without a valid key"
+    err = (out - ref_out).abs().max().item()
+    assert torch.allclose(out, ref_out, atol=ATOL, rtol=RTOL), f"max |out - ref| = {err:.2e}"
+    if finite.any():
+        lerr = (lse[finite] - ref_lse[finite]).abs().max().item()
+        assert lerr <= LSE_ATOL, f"max |lse - ref| = {lerr:.2e}"
+
+
+# ----------------------------------------------------------------------------- compile (no GPU needed)
+
+
+def _ptxas_report(bits: int, dk: int, dv: int, arch: str, tmp_path) -> str:
+    out = tmp_path / f"k{bits}_{dk}_{dv}_{arch}.cubin"
+    cmd = [ck.nvcc_path(), "-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-cubin",
+           f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v", f"-DKIVI_BITS={bits}",
+           f"-DKIVI_DK={dk}", f"-DKIVI_DV={dv}", "-o", str(out), str(ck.SOURCE)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert out.stat().st_size > 10000
+    return res.stderr
+
+
+@pytest.mark.parametrize("bits,dk,dv", [(2, 128, 128), (4, 128, 128), (2, 64, 64), (4, 64, 128)])
+def test_cuda_source_compiles_for_sm90a_without_spills(bits, dk, dv, tmp_path):
+    if not ck.nvcc_path():
+        pytest.skip("nvcc not on the PATH")
+    report = _ptxas_report(bits, dk, dv, "90a", tmp_path)
+    entries = re.findall(r"Compiling entry function '(\w+)' for 'sm_90a'", report)
+    kernels = [e for e in entries if "kivi_v3_kernel" in e]
+    assert len(kernels) == 6, entries  # rows 8 / 16 x pipeline depth 2, 3, 4
+    assert any("kivi_v3_combine" in e for e in entries)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert len(spills) == len(entries)
+    assert all(s == ("0", "0") for s in spills), report
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
+    assert regs and max(regs) <= 255
+
+
+def test_cuda_source_compiles_for_sm80(tmp_path):
+    if not ck.nvcc_path():
+        pytest.skip("nvcc not on the PATH")
+    _ptxas_report(2, 128, 128, "80", tmp_path)
+
+
+def test_build_flags_name_both_targets():
+    cmd = ck.nvcc_command(2, 128, 128, "x.so")
+    assert "-gencode=arch=compute_90a,code=sm_90a" in cmd and "-gencode=arch=compute_80,code=sm_80" in cmd
+    assert "-arch=sm_90a" not in cmd  # the shorthand fails with nvcc 13.0 (HOPPER.md)
+
+
+def test_import_compiles_nothing():
+    code = "import kvcompress.kernels.kivi.cuda_kernel as c; print(len(c._LIBS), len(c.BUILD_SECONDS))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["0", "0"]
+
+
+# ----------------------------------------------------------------------------- fragment mapping (pure PyTorch)
+
+
+@pytest.mark.parametrize("bits,dk,dv", [(2, 128, 128), (4, 128, 128), (2, 64, 64), (4, 64, 64), (2, 64, 128)])
+def test_mapping_is_a_permutation(bits, dk, dv):
+    # every key channel pair is fed exactly once per token, by one (quad lane, slice, register)
+    pairs = sorted(ck.key_pair(dk, t, s, r) for t in range(4) for s in range(dk // 16) for r in range(2))
+    assert pairs == list(range(dk // 2))
+    # and it is read from the word / field where reference.pack put it
+    per = 32 // bits
+    from kvcompress.kernels.kivi.reference import slots
+
+    sl = slots(bits).tolist()
+    for t in range(4):
+        for local in range(dk // 8):
+            word, shift, bit = ck.key_word_field(bits, dk, t, local)
+            p = t * (dk // 8) + local
+            assert word == (2 * p) // per
+            assert shift + bit == bits * sl[(2 * p) % per]  # even channel: low half
+            assert shift + bit + 16 == bits * sl[(2 * p + 1) % per]  # odd channel: same place, high half
+            assert bit + bits <= 10  # inside the mantissa after the shift
+    # every token of a 32-token tile is one score column
+    assert sorted(ck.score_token(j, c) for j in range(4) for c in range(8)) == list(range(32))
+    # FlashAttention-2 register reuse: the P.V A fragment is the score C fragment, token for token
+    for t in range(4):
+        for kk in range(2):
+            for r in range(2):
+                assert ck.pv_tokens(t, kk, r) == (ck.score_token(2 * kk + r, 2 * t), ck.score_token(2 * kk + r, 2 * t + 1))
+    chans = sorted(ck.value_channel(bits, dv, nt, c) for nt in range(dv // 8) for c in range(8))
+    assert chans == list(range(dv))
+
+
+@pytest.mark.parametrize("name", EMULATED)
+def test_emulated_kernel_matches_reference(name):
+    q, packed = make_case(name, emulated=True)
+    scale = q.shape[-1] ** -0.5
+    out, lse = ck.emulate(q, packed, scale)
+    ref_out, ref_lse = kivi_attention_partial(q, packed, scale)
+    check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
+
+
+def test_emulator_catches_a_wrong_mapping(monkeypatch):
+    """The emulator is sensitive to the mapping: swapping the two tokens of a P.V register breaks it."""
+    q, packed = make_case("b2-d64-gqa3", emulated=True)
+    scale = q.shape[-1] ** -0.5
+    ref_out, _ = kivi_attention_partial(q, packed, scale)
+    good, _ = ck.emulate(q, packed, scale, nw=1, splits=1)
+    assert torch.allclose(good, ref_out, atol=ATOL, rtol=RTOL)
+    monkeypatch.setattr(ck, "pv_tokens", lambda t, kk, r: (8 * t + 2 * kk + r + 4, 8 * t + 2 * kk + r))
+    bad, _ = ck.emulate(q, packed, scale, nw=1, splits=1)
+    assert not torch.allclose(bad, ref_out, atol=ATOL, rtol=RTOL)
+
+
+# ----------------------------------------------------------------------------- capability check
+
+
+def test_supports_is_an_explicit_check():
+    q, packed = make_case("b2-d64-gqa3")
+    assert ck._problem(q, packed) is None
+    assert not ck.supports(q, packed)  # CPU tensors
+    assert "ablation" in ck._problem(q, PackedKV(**{**packed.__dict__, "k_per_token": True}))
+    assert "group" in ck._problem(q, PackedKV(**{**packed.__dict__, "group": 16}))
+    assert "key dim" in ck._problem(q[..., :48], packed)
+    # value group 8 spans less than a lane column's channels
+    kq = quantize_values(torch.randn(2, 3, packed.num_tokens, 64), 2, 8)
+    assert "value group" in ck._problem(q, PackedKV(**{**packed.__dict__, "v_codes": kq[0], "v_scale": kq[1],
+                                                      "v_zero": kq[2]}))
+    with pytest.raises(ValueError, match="key dim"):
+        ck._forward(q[..., :48], packed, 0.1)
+
+
+def test_dispatch_is_opt_in(monkeypatch):
+    """kernels.kivi only routes to the CUDA kernel with KVCOMPRESS_KIVI_CUDA=1, and then only via supports()."""
+    import inspect
+
+    from kvcompress.kernels import kivi
+
+    src = inspect.getsource(kivi.kivi_attention_partial)
+    assert "KVCOMPRESS_KIVI_CUDA" in src and "cuda_kernel.supports" in src and "except" not in src
+    q, packed = make_case("b2-d64-gqa3")
+    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA", "1")
+    out, lse = kivi.kivi_attention_partial(q, packed, 0.1)  # CPU: the reference
+    ref_out, ref_lse = kivi.kivi_attention_partial_reference(q, packed, 0.1)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or ck.nvcc_path() is None, reason="needs CUDA and nvcc")
+def test_kernel_matches_reference_on_gpu(name):
+    q, packed = make_case(name, "cuda")
+    scale = q.shape[-1] ** -0.5
+    assert ck.supports(q, packed)
+    out, lse = ck.kivi_attention_partial(q, packed, scale)
+    ref_out, ref_lse = kivi_attention_partial(q, packed, scale)
+    check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
+
+
+@pytest.mark.parametrize("cfg,splits", [({"nw": 1, "stages": 2}, 1), ({"nw": 2, "stages": 4}, 3),
+                                        ({"nw": 4, "stages": 3}, 7), ({"nw": 4, "stages": 2}, None)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or ck.nvcc_path() is None, reason="needs CUDA and nvcc")
+def test_configs_and_splits_on_gpu(cfg, splits):
+    for name in ("b2-d128-gqa4-pad-dead-row", "b4-dk64-dv128-gv16-rows20"):
+        q, packed = make_case(name, "cuda")
+        scale = q.shape[-1] ** -0.5
+        out, lse = ck._forward(q, packed, scale, cfg=cfg, splits=splits)
+        ref_out, ref_lse = kivi_attention_partial(q, packed, scale)
+        check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or ck.nvcc_path() is None, reason="needs CUDA and nvcc")
+def test_strided_views_bf16_query_and_graph_capture_on_gpu():
+    q, packed = make_case("b2-d128-gqa4-pad-dead-row", "cuda")
+    scale = q.shape[-1] ** -0.5
+    ref_out, ref_lse = kivi_attention_partial(q, packed, scale)
+
+    def widen(x, dim):  # a slice of a larger preallocated buffer: strided outer dims
+        shape = list(x.shape)
+        shape[dim] += 32
+        return torch.zeros(shape, dtype=x.dtype, device=x.device).narrow(dim, 0, x.shape[dim]).copy_(x)
+
+    parts = [packed.k_codes, packed.k_scale, packed.k_zero, packed.v_codes, packed.v_scale, packed.v_zero]
+    views = PackedKV(packed.bits, packed.group, *[widen(x, 2) for x in parts], widen(packed.valid, 1))
+    qv = q.transpose(1, 2).contiguous().transpose(1, 2)
+    out, lse = ck.kivi_attention_partial(qv, views, scale)
+    check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
+    out, lse = ck.kivi_attention_partial(q.bfloat16(), packed, scale)
+    ref_b, ref_bl = kivi_attention_partial(q.bfloat16(), packed, scale)
+    check(out, lse, ref_b, ref_bl, q.shape[2], ref_out.shape[-1])
+    # CUDA graph capture (the benchmarks time graphs)
+    ck.kivi_attention_partial(q, packed, scale)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gout, glse = ck.kivi_attention_partial(q, packed, scale)
+    g.replay()
+    torch.cuda.synchronize()
+    check(gout, glse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
