@@ -92,7 +92,7 @@ def test_cuda_source_compiles_for_sm90a_without_spills(bits, dk, dv, tmp_path):
     report = _ptxas_report(bits, dk, dv, "90a", tmp_path)
     entries = re.findall(r"Compiling entry function '(\w+)' for 'sm_90a'", report)
     kernels = [e for e in entries if "kivi_v3_kernel" in e]
-    assert len(kernels) == 6, entries  # rows 8 / 16 x pipeline depth 2, 3, 4
+    assert len(kernels) == 3, entries  # pipeline depth 2, 3, 4
     assert any("kivi_v3_combine" in e for e in entries)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert len(spills) == len(entries)
@@ -140,13 +140,19 @@ def test_mapping_is_a_permutation(bits, dk, dv):
             assert shift + bit == bits * sl[(2 * p) % per]  # even channel: low half
             assert shift + bit + 16 == bits * sl[(2 * p + 1) % per]  # odd channel: same place, high half
             assert bit + bits <= 10  # inside the mantissa after the shift
-    # every token of a 32-token tile is one score column
-    assert sorted(ck.score_token(j, c) for j in range(4) for c in range(8)) == list(range(32))
-    # FlashAttention-2 register reuse: the P.V A fragment is the score C fragment, token for token
-    for t in range(4):
-        for kk in range(2):
-            for r in range(2):
-                assert ck.pv_tokens(t, kk, r) == (ck.score_token(2 * kk + r, 2 * t), ck.score_token(2 * kk + r, 2 * t + 1))
+    # every token of a 32-token tile is one row of one score m-tile
+    assert sorted(ck.score_token(mt, row) for mt in range(2) for row in range(16)) == list(range(32))
+    # lane g reads its four tokens as one 16-byte vector: tokens 4g..4g+3
+    for g in range(8):
+        assert sorted(ck.score_token(mt, g + 8 * hb) for mt in range(2) for hb in range(2)) == list(range(4 * g, 4 * g + 4))
+    # movmatrix of the S^T C fragment of m-tile kk delivers P for exactly the tokens the lane loads V for
+    for kk in range(2):
+        for hb in range(2):
+            held = {(g, t): ((kk, g + 8 * hb, 2 * t), (kk, g + 8 * hb, 2 * t + 1)) for g in range(8) for t in range(4)}
+            moved = ck._movmatrix_trans(held)
+            for (g, t), (lo, hi) in moved.items():
+                assert lo[2] == hi[2] == g  # query row g: column g of the P^T B fragment
+                assert (ck.score_token(*lo[:2]), ck.score_token(*hi[:2])) == ck.pv_tokens(t, kk, hb)
     chans = sorted(ck.value_channel(bits, dv, nt, c) for nt in range(dv // 8) for c in range(8))
     assert chans == list(range(dv))
 
@@ -161,7 +167,7 @@ def test_emulated_kernel_matches_reference(name):
 
 
 def test_emulator_catches_a_wrong_mapping(monkeypatch):
-    """The emulator is sensitive to the mapping: swapping the two tokens of a P.V register breaks it."""
+    """The emulator is sensitive to the mapping: loading V for the wrong token pair breaks it."""
     q, packed = make_case("b2-d64-gqa3", emulated=True)
     scale = q.shape[-1] ** -0.5
     ref_out, _ = kivi_attention_partial(q, packed, scale)

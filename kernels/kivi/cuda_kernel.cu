@@ -123,9 +123,49 @@ __device__ __forceinline__ uint32_t hi_fields(uint32_t w) {
   return w >> (BITS * (10 / BITS));
 }
 
-// D = A.B + C, m16n8k16, fp16 in, fp32 accumulate, C and D in the same registers.  With 8 GQA rows
-// (ROWS16 off) rows 8..15 of A are copies of rows 0..7 (no zero registers to materialise around every HMMA)
-// and rows 8..15 of D are never read.
+// keys: field I of two tokens' words (A rows g / g+8) with the same scale / zero pair
+template <int BITS>
+__device__ __forceinline__ void field2(int i, uint32_t w0, uint32_t h0, uint32_t w1, uint32_t h1, uint32_t s,
+                                       uint32_t z, uint32_t& r0, uint32_t& r1) {
+#define KIVI_F2(I)                               \
+  case I:                                        \
+    r0 = field<BITS, I>(w0, h0, s, z);           \
+    r1 = field<BITS, I>(w1, h1, s, z);           \
+    break;
+  if constexpr (BITS == 2) {
+    switch (i) { KIVI_F2(0) KIVI_F2(1) KIVI_F2(2) KIVI_F2(3) KIVI_F2(4) KIVI_F2(5) KIVI_F2(6) default: KIVI_F2(7) }
+  } else {
+    switch (i) { KIVI_F2(0) KIVI_F2(1) KIVI_F2(2) default: KIVI_F2(3) }
+  }
+#undef KIVI_F2
+}
+
+// values: fields I and I+1 of one merged (token a, token b) word (A rows g / g+8: n-indices I, I+1)
+template <int BITS>
+__device__ __forceinline__ void field2v(int i, uint32_t w, uint32_t hw, uint32_t s, uint32_t z, uint32_t& r0,
+                                        uint32_t& r1) {
+#define KIVI_F2V(I)                              \
+  case I:                                        \
+    r0 = field<BITS, I>(w, hw, s, z);            \
+    r1 = field<BITS, I + 1>(w, hw, s, z);        \
+    break;
+  if constexpr (BITS == 2) {
+    switch (i) { KIVI_F2V(0) KIVI_F2V(2) KIVI_F2V(4) default: KIVI_F2V(6) }
+  } else {
+    switch (i) { KIVI_F2V(0) default: KIVI_F2V(2) }
+  }
+#undef KIVI_F2V
+}
+
+// 8x8 b16 transpose across the warp: lane (g, t) gets elements (2t, g), (2t+1, g) of the matrix whose
+// (g, 2t..2t+1) it held
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t r;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+  return r;
+}
+
+// D = A.B + C, m16n8k16, fp16 in, fp32 accumulate, C and D in the same registers.
 __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                     uint32_t b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
@@ -148,48 +188,80 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
 // transposed (row = 4*(tok%8) + tok/8) to spread the four t's over the banks
 __device__ __forceinline__ int vrow(int tok) { return (tok & 7) * 4 + (tok >> 3); }
 
-// Issue the cp.async copies of one 32-token tile (keys, key scales / zeros, values, value scales / zeros, valid).
+// Issues the cp.async copies of one 32-token tile (keys, key scales / zeros, values, value scales / zeros,
+// valid flags) into one pipeline stage.  The per-lane parts of every source / destination offset are computed
+// once; a tile then costs one 64-bit base per tensor plus one add per 16-byte chunk.
 template <int BITS, int DK, int DV>
-__device__ __forceinline__ void load_tile(uint8_t* stage, const Params& p, const int* kc, const __half* ks,
-                                          const __half* kz, const int* vc, const __half* vs, const __half* vz,
-                                          const uint8_t* va, int tok0, int lane) {
+struct TileCopier {
   using C = Cfg<BITS, DK, DV>;
-  const int grp = tok0 >> p.gshift;
-  const int toff = tok0 & ((1 << p.gshift) - 1);
-  const uint32_t base = smem_addr(stage);
-  const int* kg = kc + grp * p.kc_sg + toff;
-  static_assert((C::KW * 8) % 32 == 0 && (TILE * C::VW / 4) % 32 == 0 && DK / 8 <= 32, "chunk counts");
-#pragma unroll
-  for (int it = 0; it < C::KW * 8 / 32; ++it) {
-    const int c = lane + 32 * it;
-    const int w = c >> 3, k = c & 7;
-    cp16(base + C::OFF_K + w * KROW + 16 * k, kg + ((long long)w << p.gshift) + 4 * k);
-  }
-  if (lane < DK / 8) {
-    cp16(base + C::OFF_KS + 16 * lane, ks + grp * p.ks_sg + 8 * lane);
-    cp16(base + C::OFF_KZ + 16 * lane, kz + grp * p.kz_sg + 8 * lane);
-  }
-  constexpr int VCH = C::VW / 4;  // 16-byte chunks per token row
-#pragma unroll
-  for (int it = 0; it < TILE * VCH / 32; ++it) {
-    const int c = lane + 32 * it;
-    const int tok = c / VCH, part = c % VCH;
-    cp16(base + C::OFF_V + vrow(tok) * C::VROW + 16 * part, vc + (long long)(tok0 + tok) * p.vc_st + 4 * part);
-  }
-  if (lane < 4 * p.ngv) {  // TILE * ngv halves, 8 per chunk
-    cp16(base + C::OFF_VS + 16 * lane, vs + (long long)tok0 * p.ngv + 8 * lane);
-    cp16(base + C::OFF_VZ + 16 * lane, vz + (long long)tok0 * p.ngv + 8 * lane);
-  }
-  if (lane < 2) cp16(base + C::OFF_VA + 16 * lane, va + tok0 + 16 * lane);
-}
+  static constexpr int NK = C::KW * 8 / 32;          // key chunks per lane (KW rows of 8 chunks)
+  static constexpr int VCH = C::VW / 4;              // value chunks per token row
+  static constexpr int NV = TILE * VCH / 32;          // value chunks per lane
+  static_assert((C::KW * 8) % 32 == 0 && (TILE * VCH) % 32 == 0 && DK / 8 <= 32, "chunk counts");
+  const int* kc;
+  const __half* ks;
+  const __half* kz;
+  const int* vc;
+  const __half* vs;
+  const __half* vz;
+  const uint8_t* va;
+  long long kc_sg, ks_sg, kz_sg, vc_st;
+  int gshift, ngv, lane;
+  int koff[NK], kdst[NK], voff[NV], vdst[NV];
 
-// grid (nsplit, B*H, row blocks), block NW warps.  Each warp walks its own 32-token tiles of the split
+  __device__ __forceinline__ TileCopier(const Params& p, const int* kc_, const __half* ks_, const __half* kz_,
+                                        const int* vc_, const __half* vs_, const __half* vz_, const uint8_t* va_,
+                                        int lane_)
+      : kc(kc_), ks(ks_), kz(kz_), vc(vc_), vs(vs_), vz(vz_), va(va_), kc_sg(p.kc_sg), ks_sg(p.ks_sg),
+        kz_sg(p.kz_sg), vc_st(p.vc_st), gshift(p.gshift), ngv(p.ngv), lane(lane_) {
+#pragma unroll
+    for (int it = 0; it < NK; ++it) {
+      const int c = lane + 32 * it, w = c >> 3, k = c & 7;
+      koff[it] = (w << gshift) + 4 * k;  // int32 words: word rows are G apart inside a group
+      kdst[it] = C::OFF_K + w * KROW + 16 * k;
+    }
+#pragma unroll
+    for (int it = 0; it < NV; ++it) {
+      const int c = lane + 32 * it, tok = c / VCH, part = c % VCH;
+      voff[it] = (int)(tok * vc_st) + 4 * part;
+      vdst[it] = C::OFF_V + vrow(tok) * C::VROW + 16 * part;
+    }
+  }
+
+  __device__ __forceinline__ void operator()(uint32_t stage, int tok0) const {
+    const int grp = tok0 >> gshift;
+    const int* kt = kc + grp * kc_sg + (tok0 & ((1 << gshift) - 1));
+#pragma unroll
+    for (int it = 0; it < NK; ++it) cp16(stage + kdst[it], kt + koff[it]);
+    if (lane < DK / 8) {
+      cp16(stage + C::OFF_KS + 16 * lane, ks + grp * ks_sg + 8 * lane);
+      cp16(stage + C::OFF_KZ + 16 * lane, kz + grp * kz_sg + 8 * lane);
+    }
+    const int* vt = vc + tok0 * vc_st;
+#pragma unroll
+    for (int it = 0; it < NV; ++it) cp16(stage + vdst[it], vt + voff[it]);
+    if (lane < 4 * ngv) {  // TILE * ngv halves, 8 per chunk
+      const int o = tok0 * ngv + 8 * lane;
+      cp16(stage + C::OFF_VS + 16 * lane, vs + o);
+      cp16(stage + C::OFF_VZ + 16 * lane, vz + o);
+    }
+    if (lane < 2) cp16(stage + C::OFF_VA + 16 * lane, va + tok0 + 16 * lane);
+  }
+};
+
+// grid (nsplit, B*H, row blocks of 8), block NW warps.  Each warp walks its own 32-token tiles of the split
 // (tiles w, w + NW, ...) through a ST-deep cp.async pipeline, keeps an online softmax in registers, and the
 // warps are merged through shared memory at the end.
-template <int BITS, int DK, int DV, bool ROWS16, int ST>
+//
+// Transposed products (the GQA rows are the N = 8 side of m16n8k16, tokens / channels the M = 16 side):
+//   S^T = K Q^T   A = K [16 tokens x 16 channels], B = Q^T [16 channels x 8 rows], C = S^T [16 tokens x 8 rows]
+//   O^T += V^T P^T  A = V^T [16 channels x 16 tokens], B = P^T [16 tokens x 8 rows] (movmatrix of the S^T C
+//                   fragment), C = O^T [16 channels x 8 rows]
+template <int BITS, int DK, int DV, int ST>
 __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(const Params p) {
   using C = Cfg<BITS, DK, DV>;
-  constexpr int MT = ROWS16 ? 16 : 8;
+  constexpr int MT = 8;
+  constexpr int NCT = DV / 16;  // output m16 tiles
   extern __shared__ __align__(16) uint8_t smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -204,35 +276,30 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
   const __half* vz = p.vz + b * p.vz_sb + h * p.vz_sh;
   const uint8_t* va = p.valid + b * p.va_sb;
 
-  // ---- query A fragments, pre-scaled by softmax scale * log2(e).  Lane (g, t) owns the channels
-  // [t*DK/4, (t+1)*DK/4): its local pair l = 2s + r is k-pair (2t, 2t+1) (r = 0) or (2t+8, 2t+9) (r = 1) of
-  // k16 slice s.  The same permutation of the channels is used for the keys below, so S is unchanged.
-  uint32_t qa[C::NKS][4];
+  // ---- Q^T B fragments (column g = query row rb*8 + g), pre-scaled by softmax scale * log2(e).  Lane (g, t)
+  // owns the channels [t*DK/4, (t+1)*DK/4): its local pair l = 2s + r is k-pair (2t, 2t+1) (r = 0) or
+  // (2t+8, 2t+9) (r = 1) of k16 slice s.  The keys use the same channel permutation, so S is unchanged.
+  uint32_t qb[C::NKS][2];
   {
-    const int r0 = rb * MT + g, r1 = r0 + 8;
+    const int r0 = rb * MT + g;
     const __half* q0 = p.q + b * p.q_sb + h * p.q_sh + (long long)r0 * p.q_sm + t * (DK / 4);
-    const __half* q1 = p.q + b * p.q_sb + h * p.q_sh + (long long)r1 * p.q_sm + t * (DK / 4);
 #pragma unroll
     for (int l = 0; l < DK / 8; ++l) {
-      uint32_t x0 = 0u, x1 = 0u;
+      uint32_t x0 = 0u;
       if (r0 < p.M) {
         const float2 f = __half22float2(*reinterpret_cast<const __half2*>(q0 + 2 * l));
         x0 = pack_f16x2(f.x * p.qk_scale, f.y * p.qk_scale);
       }
-      if (ROWS16 && r1 < p.M) {
-        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(q1 + 2 * l));
-        x1 = pack_f16x2(f.x * p.qk_scale, f.y * p.qk_scale);
-      }
-      qa[l >> 1][(l & 1) ? 2 : 0] = x0;
-      qa[l >> 1][(l & 1) ? 3 : 1] = ROWS16 ? x1 : x0;
+      qb[l >> 1][l & 1] = x0;
     }
   }
 
-  float acc[C::NTV][4];
+  // O^T accumulators: acc[ct][0/1] = (channel row g of m-tile ct, query rows 2t / 2t+1), [2/3] channel row g+8
+  float acc[NCT][4];
 #pragma unroll
-  for (int n = 0; n < C::NTV; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY};
-  float l_run[2] = {0.f, 0.f};
+  for (int n = 0; n < NCT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};  // query rows 2t, 2t+1 (log2 units)
+  float l_run[2] = {0.f, 0.f};              // lane-local partial sums, reduced over g at the end
 
   // tiles of this split owned by this warp
   const int t_begin = split * p.tps;
@@ -240,15 +307,19 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
   const int ntiles = (t_end - t_begin) / TILE;
   const int nmine = ntiles > warp ? (ntiles - warp + nw - 1) / nw : 0;
   uint8_t* wsm = smem + warp * (ST * C::STAGE);
+  const uint32_t wsm_addr = smem_addr(wsm);
+  const TileCopier<BITS, DK, DV> copy(p, kc, ks, kz, vc, vs, vz, va, lane);
+  const int tstride = nw * TILE;  // tokens between two tiles of this warp
+  int tok_next = t_begin + warp * TILE;
 
 #pragma unroll
   for (int i = 0; i < ST - 1; ++i) {
-    if (i < nmine) load_tile<BITS, DK, DV>(wsm + i * C::STAGE, p, kc, ks, kz, vc, vs, vz, va,
-                                           t_begin + (warp + i * nw) * TILE, lane);
+    if (i < nmine) copy(wsm_addr + i * C::STAGE, tok_next);
+    tok_next += tstride;
     cp_commit();
   }
 
-  // value column constants of this lane: (word, half) units, value group
+  // value constants of this lane column: value group, half selector when a token has 4 value words
   int vgrp;
   uint32_t vsel = 0x5410u;
   if constexpr (C::VW >= 8) {
@@ -258,157 +329,117 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
     vsel = (g & 1) ? 0x7632u : 0x5410u;
   }
 
+  int st_load = ST - 1, st_use = 0;  // ring positions of the stage being filled / consumed
   for (int it = 0; it < nmine; ++it) {
-    {
-      const int nx = it + ST - 1;
-      if (nx < nmine) load_tile<BITS, DK, DV>(wsm + (nx % ST) * C::STAGE, p, kc, ks, kz, vc, vs, vz, va,
-                                              t_begin + (warp + nx * nw) * TILE, lane);
-      cp_commit();
-    }
+    if (it + ST - 1 < nmine) copy(wsm_addr + st_load * C::STAGE, tok_next);
+    tok_next += tstride;
+    st_load = st_load == ST - 1 ? 0 : st_load + 1;
+    cp_commit();
     cp_wait<ST - 1>();
     __syncwarp();
-    const uint8_t* sb = wsm + (it % ST) * C::STAGE;
+    const uint8_t* sb = wsm + st_use * C::STAGE;
+    st_use = st_use == ST - 1 ? 0 : st_use + 1;
 
-    // ---- S = Q K^T over the tile: n8 tile j holds tokens 4*g' + j for column g' (lane g loads tokens
-    // 4g..4g+3 of each of its key words as one 16-byte vector), so lane (g, t)'s accumulators c0/c1 of tile j
-    // are tokens 8t + j and 8t + 4 + j.
-    float s[4][4];
+    // ---- S^T = K Q^T.  m-tile mt: A row g is token 4g + 2mt, row g+8 token 4g + 2mt + 1, so lane g reads
+    // tokens 4g..4g+3 of each of its key words as one 16-byte vector.  C: s[mt][0/1] = (token 4g+2mt, query
+    // rows 2t / 2t+1), s[mt][2/3] = (token 4g+2mt+1, rows 2t / 2t+1).
+    float s[2][4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-    {
+    for (int mt = 0; mt < 2; ++mt) s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.f;
 #pragma unroll
-      for (int jw = 0; jw < C::KWT; ++jw) {
-        // scale / zero pairs of this word's HP channel pairs (local pairs jw*HP ..)
-        uint32_t ksc[C::HP], kzr[C::HP];
+    for (int jw = 0; jw < C::KWT; ++jw) {
+      uint32_t ksc[C::HP], kzr[C::HP];  // scale / zero pairs of this word's channel pairs
 #pragma unroll
-        for (int c = 0; c < C::HP / 4; ++c) {
-          const int off = t * (DK / 2) + jw * C::HP * 4 + 16 * c;
-          const uint4 a = *reinterpret_cast<const uint4*>(sb + C::OFF_KS + off);
-          const uint4 z = *reinterpret_cast<const uint4*>(sb + C::OFF_KZ + off);
-          ksc[4 * c] = a.x; ksc[4 * c + 1] = a.y; ksc[4 * c + 2] = a.z; ksc[4 * c + 3] = a.w;
-          kzr[4 * c] = z.x; kzr[4 * c + 1] = z.y; kzr[4 * c + 2] = z.z; kzr[4 * c + 3] = z.w;
-        }
-        const uint4 wv = *reinterpret_cast<const uint4*>(sb + C::OFF_K + (t * C::KWT + jw) * KROW + 16 * g);
-        const uint32_t wt[4] = {wv.x, wv.y, wv.z, wv.w};
+      for (int c = 0; c < C::HP / 4; ++c) {
+        const int off = t * (DK / 2) + jw * C::HP * 4 + 16 * c;
+        const uint4 a = *reinterpret_cast<const uint4*>(sb + C::OFF_KS + off);
+        const uint4 z = *reinterpret_cast<const uint4*>(sb + C::OFF_KZ + off);
+        ksc[4 * c] = a.x; ksc[4 * c + 1] = a.y; ksc[4 * c + 2] = a.z; ksc[4 * c + 3] = a.w;
+        kzr[4 * c] = z.x; kzr[4 * c + 1] = z.y; kzr[4 * c + 2] = z.z; kzr[4 * c + 3] = z.w;
+      }
+      const uint4 wv = *reinterpret_cast<const uint4*>(sb + C::OFF_K + (t * C::KWT + jw) * KROW + 16 * g);
+      const uint32_t wt[4] = {wv.x, wv.y, wv.z, wv.w};
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const uint32_t w = wt[j];
-          const uint32_t hi = hi_fields<BITS>(w);
-          uint32_t kb[C::HP];
+      for (int mt = 0; mt < 2; ++mt) {
+        const uint32_t w0 = wt[2 * mt], w1 = wt[2 * mt + 1];
+        const uint32_t h0 = hi_fields<BITS>(w0), h1 = hi_fields<BITS>(w1);
 #pragma unroll
-          for (int i = 0; i < C::HP; ++i) {
-            const int l = i;
-            // unrolled constant dispatch of the field index
-            if constexpr (BITS == 2) {
-              switch (i) {
-                case 0: kb[i] = field<2, 0>(w, hi, ksc[l], kzr[l]); break;
-                case 1: kb[i] = field<2, 1>(w, hi, ksc[l], kzr[l]); break;
-                case 2: kb[i] = field<2, 2>(w, hi, ksc[l], kzr[l]); break;
-                case 3: kb[i] = field<2, 3>(w, hi, ksc[l], kzr[l]); break;
-                case 4: kb[i] = field<2, 4>(w, hi, ksc[l], kzr[l]); break;
-                case 5: kb[i] = field<2, 5>(w, hi, ksc[l], kzr[l]); break;
-                case 6: kb[i] = field<2, 6>(w, hi, ksc[l], kzr[l]); break;
-                default: kb[i] = field<2, 7>(w, hi, ksc[l], kzr[l]); break;
-              }
-            } else {
-              switch (i) {
-                case 0: kb[i] = field<4, 0>(w, hi, ksc[l], kzr[l]); break;
-                case 1: kb[i] = field<4, 1>(w, hi, ksc[l], kzr[l]); break;
-                case 2: kb[i] = field<4, 2>(w, hi, ksc[l], kzr[l]); break;
-                default: kb[i] = field<4, 3>(w, hi, ksc[l], kzr[l]); break;
-              }
-            }
-          }
-          // local pairs l = jw*HP + i; slice l/2, register l%2 (HP is even)
-#pragma unroll
-          for (int i = 0; i < C::HP; i += 2) {
-            const int sl = (jw * C::HP + i) >> 1;
-            mma(s[j], qa[sl][0], qa[sl][1], qa[sl][2], qa[sl][3], kb[i], kb[i + 1]);
-          }
+        for (int i = 0; i < C::HP; i += 2) {  // local pairs jw*HP + i (r = 0) and + i + 1 (r = 1) of one slice
+          const int sl = (jw * C::HP + i) >> 1;
+          uint32_t a0, a1, a2, a3;
+          field2<BITS>(i, w0, h0, w1, h1, ksc[i], kzr[i], a0, a1);
+          field2<BITS>(i + 1, w0, h0, w1, h1, ksc[i + 1], kzr[i + 1], a2, a3);
+          mma(s[mt], a0, a1, a2, a3, qb[sl][0], qb[sl][1]);
         }
       }
     }
 
-    // ---- mask + online softmax (base 2); lane-local row sums, reduced over the quad at the end
-    const uint2 vb = *reinterpret_cast<const uint2*>(sb + C::OFF_VA + 8 * t);
+    // ---- mask + online softmax (base 2) per query row (2t, 2t+1); lane-local sums
+    const uint32_t vb = *reinterpret_cast<const uint32_t*>(sb + C::OFF_VA + 4 * g);  // tokens 4g..4g+3
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const bool ok0 = ((j < 4 ? (vb.x >> (8 * j)) : 0u) & 0xffu) != 0u;  // token 8t + j
-      const bool ok1 = ((vb.y >> (8 * j)) & 0xffu) != 0u;                // token 8t + 4 + j
-      s[j][0] = ok0 ? s[j][0] : -INFINITY;
-      s[j][1] = ok1 ? s[j][1] : -INFINITY;
-      mx[0] = fmaxf(mx[0], fmaxf(s[j][0], s[j][1]));
-      if (ROWS16) {
-        s[j][2] = ok0 ? s[j][2] : -INFINITY;
-        s[j][3] = ok1 ? s[j][3] : -INFINITY;
-        mx[1] = fmaxf(mx[1], fmaxf(s[j][2], s[j][3]));
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {  // e: token 4g + 2mt + e
+        const bool ok = ((vb >> (8 * (2 * mt + e))) & 0xffu) != 0u;
+        s[mt][2 * e] = ok ? s[mt][2 * e] : -INFINITY;
+        s[mt][2 * e + 1] = ok ? s[mt][2 * e + 1] : -INFINITY;
+        mx[0] = fmaxf(mx[0], s[mt][2 * e]);
+        mx[1] = fmaxf(mx[1], s[mt][2 * e + 1]);
       }
     }
 #pragma unroll
-    for (int r = 0; r < (ROWS16 ? 2 : 1); ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 4));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 8));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 16));
     }
-    const bool grow = mx[0] > m_run[0] || (ROWS16 && mx[1] > m_run[1]);
-    if (__any_sync(0xffffffffu, grow)) {  // lazy rescale: only when some row maximum grew
+    if (__any_sync(0xffffffffu, mx[0] > m_run[0] || mx[1] > m_run[1])) {  // lazy rescale
 #pragma unroll
-      for (int r = 0; r < (ROWS16 ? 2 : 1); ++r) {
+      for (int r = 0; r < 2; ++r) {
         const float mn = fmaxf(m_run[r], mx[r]);
         const float alpha = mn == -INFINITY ? 1.f : exp2f(m_run[r] - mn);
         l_run[r] *= alpha;
 #pragma unroll
-        for (int n = 0; n < C::NTV; ++n) {
-          acc[n][2 * r] *= alpha;
-          acc[n][2 * r + 1] *= alpha;
+        for (int n = 0; n < NCT; ++n) {
+          acc[n][r] *= alpha;
+          acc[n][r + 2] *= alpha;
         }
         m_run[r] = mn;
       }
     }
-    uint32_t pa[2][4];
+    // P^T B fragments of P.V step kk (= score m-tile kk): movmatrix.trans of the two 8x8 blocks of the S^T C
+    // fragment gives lane (g, t): b0 = (tokens 8t+2kk, 8t+4+2kk; query row g), b1 = (8t+2kk+1, 8t+5+2kk; row g)
+    uint32_t pb[2][2];
     {
       const float ms0 = m_run[0] == -INFINITY ? 0.f : m_run[0];
       const float ms1 = m_run[1] == -INFINITY ? 0.f : m_run[1];
-      float pr[4][4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        pr[j][0] = exp2f(s[j][0] - ms0);
-        pr[j][1] = exp2f(s[j][1] - ms0);
-        l_run[0] += pr[j][0] + pr[j][1];
-        if (ROWS16) {
-          pr[j][2] = exp2f(s[j][2] - ms1);
-          pr[j][3] = exp2f(s[j][3] - ms1);
-          l_run[1] += pr[j][2] + pr[j][3];
-        } else {
-          pr[j][2] = pr[j][3] = 0.f;
+      for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float p0 = exp2f(s[mt][2 * e] - ms0), p1 = exp2f(s[mt][2 * e + 1] - ms1);
+          l_run[0] += p0;
+          l_run[1] += p1;
+          pb[mt][e] = movmatrix_trans(pack_f16x2(p0, p1));
         }
-      }
-      // A fragments of P.V (FlashAttention-2 register reuse): k16 step kk = score tiles 2kk, 2kk+1;
-      // a0 = row g, tokens (8t+2kk, 8t+4+2kk); a2 = row g, tokens (8t+2kk+1, 8t+5+2kk); a1/a3 rows g+8.
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        pa[kk][0] = pack_f16x2(pr[2 * kk][0], pr[2 * kk][1]);
-        pa[kk][1] = ROWS16 ? pack_f16x2(pr[2 * kk][2], pr[2 * kk][3]) : pa[kk][0];
-        pa[kk][2] = pack_f16x2(pr[2 * kk + 1][0], pr[2 * kk + 1][1]);
-        pa[kk][3] = ROWS16 ? pack_f16x2(pr[2 * kk + 1][2], pr[2 * kk + 1][3]) : pa[kk][2];
       }
     }
 
-    // ---- O += P V.  B fragment of k16 step kk, n8 tile nt: column g = one value channel of this lane,
-    // rows (tokens) as above.  A PRMT puts the same 16-bit half of two tokens' words into one register, so
-    // every field of it is a (token a, token b) pair of one channel: one LOP3 + HSUB2 + HFMA2 per pair, with the
-    // per-token value scale / zero pair built the same way.
+    // ---- O^T += V^T P^T.  A row g / g+8 of m-tile ct = value channels of n-index 2ct / 2ct+1 of this lane
+    // column; A k-pairs (2t, 2t+1) / (2t+8, 2t+9) = tokens (8t+2kk, 8t+4+2kk) / (8t+2kk+1, 8t+5+2kk).  A PRMT
+    // puts the same 16-bit half of two tokens' words into one register, so every field of it is a
+    // (token a, token b) pair of one channel: LOP3 + HSUB2 + HFMA2 with the per-token scale / zero pair.
     {
       const __half* vss = reinterpret_cast<const __half*>(sb + C::OFF_VS);
       const __half* vzs = reinterpret_cast<const __half*>(sb + C::OFF_VZ);
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
-        uint32_t bw[2][C::NU];   // [b0/b1][unit]: merged words
+        uint32_t bw[2][C::NU];  // [token pair r][unit]: merged words
         uint32_t bs[2], bz[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const int ia = 2 * kk + r, ib = ia + 4;  // tokens 8t + ia, 8t + ib
-          const int ta = 8 * t + ia, tb = 8 * t + ib;
+          const int ta = 8 * t + 2 * kk + r, tb = ta + 4;
           const __half sa = vss[ta * p.ngv + vgrp], sbv = vss[tb * p.ngv + vgrp];
           const __half za = vzs[ta * p.ngv + vgrp], zb = vzs[tb * p.ngv + vgrp];
           bs[r] = (uint32_t)__half_as_ushort(sa) | ((uint32_t)__half_as_ushort(sbv) << 16);
@@ -416,12 +447,22 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
           const uint8_t* ra = sb + C::OFF_V + vrow(ta) * C::VROW;
           const uint8_t* rbp = sb + C::OFF_V + vrow(tb) * C::VROW;
           if constexpr (C::VW >= 8) {
+            uint32_t wa[C::NVW], wb[C::NVW];
+            if constexpr (C::NVW == 2) {
+              const uint2 xa = *reinterpret_cast<const uint2*>(ra + 8 * g);
+              const uint2 xb = *reinterpret_cast<const uint2*>(rbp + 8 * g);
+              wa[0] = xa.x; wa[1] = xa.y; wb[0] = xb.x; wb[1] = xb.y;
+            } else {
+#pragma unroll
+              for (int w = 0; w < C::NVW; ++w) {
+                wa[w] = *reinterpret_cast<const uint32_t*>(ra + 4 * (g * C::NVW + w));
+                wb[w] = *reinterpret_cast<const uint32_t*>(rbp + 4 * (g * C::NVW + w));
+              }
+            }
 #pragma unroll
             for (int w = 0; w < C::NVW; ++w) {
-              const uint32_t wa = *reinterpret_cast<const uint32_t*>(ra + 4 * (g * C::NVW + w));
-              const uint32_t wb = *reinterpret_cast<const uint32_t*>(rbp + 4 * (g * C::NVW + w));
-              bw[r][2 * w] = prmt(wa, wb, 0x5410u);
-              bw[r][2 * w + 1] = prmt(wa, wb, 0x7632u);
+              bw[r][2 * w] = prmt(wa[w], wb[w], 0x5410u);
+              bw[r][2 * w + 1] = prmt(wa[w], wb[w], 0x7632u);
             }
           } else {
             const uint32_t wa = *reinterpret_cast<const uint32_t*>(ra + 4 * (g >> 1));
@@ -434,29 +475,11 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
           const uint32_t w0 = bw[0][u], w1 = bw[1][u];
           const uint32_t h0 = hi_fields<BITS>(w0), h1 = hi_fields<BITS>(w1);
 #pragma unroll
-          for (int i = 0; i < C::HP; ++i) {
-            uint32_t b0, b1;
-            if constexpr (BITS == 2) {
-              switch (i) {
-                case 0: b0 = field<2, 0>(w0, h0, bs[0], bz[0]); b1 = field<2, 0>(w1, h1, bs[1], bz[1]); break;
-                case 1: b0 = field<2, 1>(w0, h0, bs[0], bz[0]); b1 = field<2, 1>(w1, h1, bs[1], bz[1]); break;
-                case 2: b0 = field<2, 2>(w0, h0, bs[0], bz[0]); b1 = field<2, 2>(w1, h1, bs[1], bz[1]); break;
-                case 3: b0 = field<2, 3>(w0, h0, bs[0], bz[0]); b1 = field<2, 3>(w1, h1, bs[1], bz[1]); break;
-                case 4: b0 = field<2, 4>(w0, h0, bs[0], bz[0]); b1 = field<2, 4>(w1, h1, bs[1], bz[1]); break;
-                case 5: b0 = field<2, 5>(w0, h0, bs[0], bz[0]); b1 = field<2, 5>(w1, h1, bs[1], bz[1]); break;
-                case 6: b0 = field<2, 6>(w0, h0, bs[0], bz[0]); b1 = field<2, 6>(w1, h1, bs[1], bz[1]); break;
-                default: b0 = field<2, 7>(w0, h0, bs[0], bz[0]); b1 = field<2, 7>(w1, h1, bs[1], bz[1]); break;
-              }
-            } else {
-              switch (i) {
-                case 0: b0 = field<4, 0>(w0, h0, bs[0], bz[0]); b1 = field<4, 0>(w1, h1, bs[1], bz[1]); break;
-                case 1: b0 = field<4, 1>(w0, h0, bs[0], bz[0]); b1 = field<4, 1>(w1, h1, bs[1], bz[1]); break;
-                case 2: b0 = field<4, 2>(w0, h0, bs[0], bz[0]); b1 = field<4, 2>(w1, h1, bs[1], bz[1]); break;
-                default: b0 = field<4, 3>(w0, h0, bs[0], bz[0]); b1 = field<4, 3>(w1, h1, bs[1], bz[1]); break;
-              }
-            }
-            const int nt = u * C::HP + i;
-            mma(acc[nt], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b0, b1);
+          for (int i = 0; i < C::HP; i += 2) {  // n-index u*HP + i -> m-tile (u*HP + i) / 2, rows g / g+8
+            uint32_t a0, a1, a2, a3;
+            field2v<BITS>(i, w0, h0, bs[0], bz[0], a0, a1);  // token pair r = 0: n-index i (row g), i+1 (g+8)
+            field2v<BITS>(i, w1, h1, bs[1], bz[1], a2, a3);  // token pair r = 1
+            mma(acc[(u * C::HP + i) >> 1], a0, a1, a2, a3, pb[kk][0], pb[kk][1]);
           }
         }
       }
@@ -467,33 +490,32 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
 
   // ---- merge the warps (shared memory), normalise, write the split partial
   __syncthreads();
-  float* om = reinterpret_cast<float*>(smem);                 // [nw][MT][DV]
-  float* mm = om + nw * MT * DV;                                // [nw][MT]
-  float* lm = mm + nw * MT;                                     // [nw][MT]
+  float* om = reinterpret_cast<float*>(smem);  // [nw][MT][DV]
+  float* mm = om + nw * MT * DV;               // [nw][MT]
+  float* lm = mm + nw * MT;                    // [nw][MT]
 #pragma unroll
-  for (int r = 0; r < (ROWS16 ? 2 : 1); ++r) {
+  for (int r = 0; r < 2; ++r) {
     float l = l_run[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int row = g + 8 * r;
-    if (t == 0) {
+    l += __shfl_xor_sync(0xffffffffu, l, 4);
+    l += __shfl_xor_sync(0xffffffffu, l, 8);
+    l += __shfl_xor_sync(0xffffffffu, l, 16);
+    const int row = 2 * t + r;
+    if (g == 0) {
       mm[warp * MT + row] = m_run[r];
       lm[warp * MT + row] = l;
     }
-    // output column of n8 tile nt, lane column c: channel rho(nt, c)
 #pragma unroll
-    for (int nt = 0; nt < C::NTV; ++nt) {
-      const int u = nt / C::HP, i = nt % C::HP;
+    for (int ct = 0; ct < NCT; ++ct) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int c = 2 * t + e;
+      for (int hr = 0; hr < 2; ++hr) {  // channel row g (n-index 2ct) / g+8 (2ct+1)
+        const int nt = 2 * ct + hr, u = nt / C::HP, i = nt % C::HP;
         int ch;
         if constexpr (C::VW >= 8) {
-          ch = (c * C::NVW + (u >> 1)) * C::PER + 2 * i + (u & 1);
+          ch = (g * C::NVW + (u >> 1)) * C::PER + 2 * i + (u & 1);
         } else {
-          ch = (c >> 1) * C::PER + 2 * i + (c & 1);
+          ch = (g >> 1) * C::PER + 2 * i + (g & 1);
         }
-        om[(warp * MT + row) * DV + ch] = acc[nt][2 * r + e];
+        om[(warp * MT + row) * DV + ch] = acc[ct][2 * hr + r];
       }
     }
   }
@@ -549,9 +571,9 @@ constexpr int stage_bytes() {
   return Cfg<BITS, DK, DV>::STAGE;
 }
 
-template <bool ROWS16, int ST>
+template <int ST>
 int launch_variant(const Params& p, int nw, dim3 grid, size_t smem, cudaStream_t stream) {
-  auto kern = kivi_v3_kernel<KIVI_BITS, KIVI_DK, KIVI_DV, ROWS16, ST>;
+  auto kern = kivi_v3_kernel<KIVI_BITS, KIVI_DK, KIVI_DV, ST>;
   static size_t configured = 0;  // per instantiation: dynamic shared-memory limit raised once
   if (smem > 48 * 1024 && smem > configured) {
     cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
@@ -573,7 +595,7 @@ int kivi_v3_dk() { return KIVI_DK; }
 int kivi_v3_dv() { return KIVI_DV; }
 
 // a: pointers and int64 sizes/strides in the order of kivi_v3::Params (see cuda_kernel.py::_ARGS).
-int kivi_v3_launch(const long long* a, double qk_scale, int rows16, int nw, int stages, int row_blocks,
+int kivi_v3_launch(const long long* a, double qk_scale, int nw, int stages, int row_blocks,
                    int device, void* stream) {
   using namespace kivi_v3;
   cudaError_t e = cudaSetDevice(device);
@@ -602,21 +624,15 @@ int kivi_v3_launch(const long long* a, double qk_scale, int rows16, int nw, int 
   p.nsplit = (int)a[i++]; p.ngv = (int)a[i++]; p.gv = (int)a[i++]; p.BH = (int)a[i++];
   p.qk_scale = (float)qk_scale;
   if (nw < 1 || nw > MAX_NW) return (int)cudaErrorInvalidValue;
-  const int mt = rows16 ? 16 : 8;
+  const int mt = 8;
   size_t pipe = (size_t)nw * stages * stage_bytes<KIVI_BITS, KIVI_DK, KIVI_DV>();
   size_t merge = (size_t)nw * mt * (KIVI_DV + 2) * sizeof(float);
   size_t smem = pipe > merge ? pipe : merge;
   dim3 grid(p.nsplit, p.BH, row_blocks);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  if (rows16) {
-    if (stages == 2) return launch_variant<true, 2>(p, nw, grid, smem, s);
-    if (stages == 3) return launch_variant<true, 3>(p, nw, grid, smem, s);
-    if (stages == 4) return launch_variant<true, 4>(p, nw, grid, smem, s);
-  } else {
-    if (stages == 2) return launch_variant<false, 2>(p, nw, grid, smem, s);
-    if (stages == 3) return launch_variant<false, 3>(p, nw, grid, smem, s);
-    if (stages == 4) return launch_variant<false, 4>(p, nw, grid, smem, s);
-  }
+  if (stages == 2) return launch_variant<2>(p, nw, grid, smem, s);
+  if (stages == 3) return launch_variant<3>(p, nw, grid, smem, s);
+  if (stages == 4) return launch_variant<4>(p, nw, grid, smem, s);
   return (int)cudaErrorInvalidValue;
 }
 

@@ -15,31 +15,35 @@ tokens; every warp walks its own 32-token tiles of it (tiles ``w, w+nw, ...``) t
 in registers, and the warps are merged through shared memory at the end; a small CUDA kernel merges the
 splits by log-sum-exp.
 
-Both products run on tensor cores (``mma.sync.m16n8k16``, fp16 in, fp32 accumulate), and all operands come
-from registers (lane ``(g, t) = (lane // 4, lane % 4)``; PTX fragment layout: A ``a0 = (row g, k 2t..2t+1)``,
-``a1`` row ``g+8``, ``a2/a3`` k ``+8``; B ``b0 = (k 2t..2t+1, column g)``, ``b1`` k ``+8``; C ``(row g, columns
-2t, 2t+1)``, rows ``g+8`` in ``c2/c3``):
+Both products run on tensor cores (``mma.sync.m16n8k16``, fp16 in, fp32 accumulate), transposed so that
+the (up to 8) GQA query rows of a kv head are the N = 8 side and tokens / channels the M = 16 side (no
+padding of 4 rows to 16, half the MMAs of the Q-as-A form).  All operands come from registers.  Lane
+``(g, t) = (lane // 4, lane % 4)``; PTX fragment layout: A ``a0 = (row g, k 2t..2t+1)``, ``a1`` row ``g+8``,
+``a2/a3`` k ``+8``; B ``b0 = (k 2t..2t+1, column g)``, ``b1`` k ``+8``; C ``(row g, columns 2t, 2t+1)``, row ``g+8``
+in ``c2/c3``:
 
-* ``S = Q K^T``: A = the GQA query rows (padded to 8 - ``ROWS16`` off: the second half of A is a zero register
-  and the second half of C is discarded - or 16), loaded once, pre-multiplied by ``scale * log2(e)``.  The
-  channel order of the reduction is free, so lane quad ``t`` owns channels ``[t*Dk/4, (t+1)*Dk/4)`` = key words
-  ``[t*KWT, (t+1)*KWT)`` of a token (:func:`key_pair`): its local pair ``l = 2s + r`` is k-pair
-  ``(2t, 2t+1)`` (``r = 0``) or ``(2t+8, 2t+9)`` (``r = 1``) of k16 slice ``s``.  B column ``g`` of score tile
-  ``j`` (4 tiles per 32-token tile) is token ``4g + j`` (:func:`score_token`): the lane reads tokens ``4g..4g+3``
-  of one key word as one 16-byte vector (keys are word-major inside a group, tokens contiguous).  A word's
-  two halves hold the even / odd channel of each pair at the same bit place, so one LOP3 with the exponent of
-  ``2**(10-p)`` gives ``(2**(10-p) + code)`` for both channels, one HSUB2 the exact codes and one HFMA2 applies the
-  per-channel scale / zero *pair* (adjacent fp16 in ``k_scale``); fields above bit 9 are shifted down once per
-  word.  1.56 (2-bit) / 1.63 (4-bit) instructions per key code.
-* ``O += P V``: A = P straight from the score accumulators (FlashAttention-2 register reuse: k16 step ``kk``
-  is score tiles ``2kk, 2kk+1``, so lane ``(g, t)`` holds tokens ``8t+2kk (+1)`` and ``8t+4+2kk (+1)``,
-  :func:`pv_tokens`).  B column ``g`` is one value channel (:func:`value_channel`): lane column ``g`` owns value
-  words ``[g*NVW, (g+1)*NVW)`` (both halves) when a token has >= 8 words, else half ``g % 2`` of word ``g // 2``.
-  One PRMT puts the same 16-bit half of two tokens' words into one register, so every field of it is a
-  ``(token a, token b)`` pair of one channel: LOP3 + HSUB2 + HFMA2 with the per-token value scale / zero pair
-  (one value group per lane column: ``Gv`` must be a multiple of the channels it spans).
-* Masking: the valid flags of tokens ``8t..8t+7`` are one 8-byte shared-memory load; invalid slots get
-  ``-inf``; a row with no valid slot gets LSE ``-inf`` and a zero output, as in the reference.
+* ``S^T = K Q^T``: B = ``Q^T`` (column ``g`` = query row ``g``), loaded once, pre-multiplied by
+  ``scale * log2(e)``.  The channel order of the reduction is free, so lane quad ``t`` owns channels
+  ``[t*Dk/4, (t+1)*Dk/4)`` = key words ``[t*KWT, (t+1)*KWT)`` of a token (:func:`key_pair`): its local pair
+  ``l = 2s + r`` is k-pair ``(2t, 2t+1)`` (``r = 0``) or ``(2t+8, 2t+9)`` (``r = 1``) of k16 slice ``s``.  A row
+  ``i`` of score m-tile ``mt`` (2 per 32-token tile) is token :func:`score_token` (``4g + 2mt`` for row ``g``,
+  ``4g + 2mt + 1`` for ``g+8``): lane ``g`` reads tokens ``4g..4g+3`` of one key word as one 16-byte vector
+  (keys are word-major inside a group, tokens contiguous).  A word's two 16-bit halves hold the even / odd
+  channel of each pair at the same bit place, so one LOP3 with the exponent of ``2**(10-p)`` gives
+  ``(2**(10-p) + code)`` for both channels, one HSUB2 the exact codes and one HFMA2 applies the per-channel
+  scale / zero *pair* (adjacent fp16 in ``k_scale``); fields above bit 9 are shifted down once per word.
+* ``O^T += V^T P^T``: B = ``P^T`` from the score accumulators with one ``movmatrix.trans`` per 8x8 block (no
+  shared memory): P.V step ``kk`` is score m-tile ``kk``, and lane ``(g, t)`` receives tokens
+  ``8t+2kk (+1)``, ``8t+4+2kk (+1)`` (:func:`pv_tokens`) of query row ``g``.  A = ``V^T``: rows ``g`` / ``g+8`` of
+  output m-tile ``ct`` are value channels of n-index ``2ct`` / ``2ct+1`` of lane column ``g``
+  (:func:`value_channel`): lane column ``g`` owns value words ``[g*NVW, (g+1)*NVW)`` (both halves) when a token
+  has >= 8 words, else half ``g % 2`` of word ``g // 2``.  One PRMT puts the same 16-bit half of two tokens'
+  words into one register, so every field of it is a ``(token a, token b)`` pair of one channel: LOP3 + HSUB2 +
+  HFMA2 with the per-token value scale / zero pair (one value group per lane column: ``Gv`` must be a multiple
+  of the channels it spans).
+* Masking: the valid flags of tokens ``4g..4g+3`` are one 4-byte shared-memory load; invalid slots get
+  ``-inf``; a query row with no valid slot gets LSE ``-inf`` and a zero output, as in the reference.  More
+  than 8 query rows: one CTA row per 8 (grid z).
 
 :func:`emulate` is a pure-PyTorch model of exactly this dataflow (fragments, permutations, bit tricks) that
 the CPU tests compare with the reference; the GPU tests compare the kernel itself.
@@ -94,13 +98,14 @@ def key_word_field(bits: int, dk: int, t: int, local: int) -> tuple[int, int, in
     return (word, 0, bits * i) if i < direct else (word, bits * direct, bits * (i - direct))
 
 
-def score_token(j: int, col: int) -> int:
-    """Token (inside a 32-token tile) of column ``col`` of score tile ``j``."""
-    return 4 * col + j
+def score_token(mt: int, row: int) -> int:
+    """Token (inside a 32-token tile) of A row ``row`` (0..15) of score m-tile ``mt`` (0, 1)."""
+    return 4 * (row % 8) + 2 * mt + row // 8
 
 
 def pv_tokens(t: int, kk: int, r: int) -> tuple[int, int]:
-    """Tokens (low, high half) of B register ``r`` of P.V step ``kk`` for quad lane ``t``."""
+    """Tokens (low, high half) of k-pair ``r`` (0: k ``2t, 2t+1``; 1: ``2t+8, 2t+9``) of P.V step ``kk`` for quad
+    lane ``t``: what the lane loads for the ``V^T`` A fragment (``movmatrix`` must deliver P for the same)."""
     return 8 * t + 2 * kk + r, 8 * t + 2 * kk + r + 4
 
 
@@ -115,7 +120,8 @@ def value_units(bits: int, dv: int, g: int) -> list[tuple[int, int]]:
 
 
 def value_channel(bits: int, dv: int, nt: int, col: int) -> int:
-    """Value channel of column ``col`` of output n8 tile ``nt``."""
+    """Value channel of n-index ``nt`` of lane column ``col``: A row ``col + 8 * (nt % 2)`` of output m-tile
+    ``nt // 2``."""
     hp = codes_per_word(bits) // 2
     word, half = value_units(bits, dv, col)[nt // hp]
     return word * codes_per_word(bits) + 2 * (nt % hp) + half
@@ -227,7 +233,7 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.kivi_v3_launch.restype = ctypes.c_int
     lib.kivi_v3_launch.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_double, ctypes.c_int, ctypes.c_int,
-                                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+                                   ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.kivi_v3_combine_launch.restype = ctypes.c_int
     lib.kivi_v3_combine_launch.argtypes = [ctypes.c_longlong] * 4 + [ctypes.c_int, ctypes.c_longlong, ctypes.c_int,
                                                                        ctypes.c_int, ctypes.c_void_p]
@@ -309,8 +315,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
     valid = packed.valid.view(torch.uint8) if packed.valid.dtype == torch.bool else packed.valid.to(torch.uint8)
     valid = _aligned(valid, 1, 16)
 
-    rows16 = m > 8
-    row_blocks = -(-m // (16 if rows16 else 8))
+    row_blocks = -(-m // 8)
     ntiles = nt // TILE
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     s = splits or num_splits(ntiles, b * h * row_blocks, sms, c)
@@ -330,7 +335,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
     arr = (ctypes.c_longlong * len(args))(*args)
     stream = torch.cuda.current_stream(dev).cuda_stream
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    rc = lib.kivi_v3_launch(arr, float(scale) * LOG2E, int(rows16), int(c["nw"]), int(c["stages"]), row_blocks,
+    rc = lib.kivi_v3_launch(arr, float(scale) * LOG2E, int(c["nw"]), int(c["stages"]), row_blocks,
                             index, ctypes.c_void_p(stream))
     if rc:
         raise RuntimeError(f"KIVI CUDA kernel launch failed: {lib.kivi_v3_error_string(rc).decode()}")
@@ -368,10 +373,11 @@ def _pairs(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
 
 
-def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2, splits: int = 2,
-            rows16: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
+            splits: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's dataflow in PyTorch (CPU): the same lane/fragment mapping, token and channel permutations,
-    bit-field extraction, fp16 rounding points, online softmax per warp, warp merge and split combine.
+    bit-field extraction, ``movmatrix`` transposes, fp16 rounding points, online softmax per warp, warp merge and
+    split combine.
 
     Fragments are built lane by lane from :func:`key_pair` / :func:`key_word_field` / :func:`score_token` /
     :func:`pv_tokens` / :func:`value_channel` and multiplied as the PTX m16n8k16 layout defines them, so a wrong
@@ -380,36 +386,25 @@ def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
     why = _problem(query, packed)
     if why is not None:
         raise ValueError(why)
-    bits, gk = packed.bits, packed.group
     b, h, m, dk = query.shape
-    per = 32 // bits
-    nt = packed.k_codes.shape[2] * gk
-    dv = packed.v_codes.shape[-1] * per
-    ngv = packed.v_scale.shape[-1]
-    gv = dv // ngv
-    rows16 = m > 8 if rows16 is None else rows16
-    mt = 16 if rows16 else 8
-    nks, ntv = dk // 16, dv // 8
-    out = torch.zeros(b, h, m, dv)
+    nt = packed.k_codes.shape[2] * packed.group
+    out = torch.zeros(b, h, m, packed.v_codes.shape[-1] * 32 // packed.bits)
     lse = torch.full((b, h, m), float("-inf"))
     ntiles = nt // TILE
     tps = -(-ntiles // splits)
-    qk = float(scale) * LOG2E
     lanes = [(ln // 4, ln % 4) for ln in range(32)]
     for bi in range(b):
         for hi in range(h):
-            for rb in range(-(-m // mt)):
+            for rb in range(-(-m // 8)):
                 parts = []
                 for sp in range(-(-ntiles // tps)):
                     tiles = list(range(sp * tps, min((sp + 1) * tps, ntiles)))
-                    warps = []
-                    for w in range(nw):
-                        warps.append(_emulate_warp(query, packed, bi, hi, rb, mt, tiles[w::nw], qk, bits, dk, dv,
-                                                   gv, nks, ntv, lanes))
+                    warps = [_emulate_warp(query, packed, bi, hi, rb, tiles[w::nw], float(scale) * LOG2E, lanes)
+                             for w in range(nw)]
                     # warp merge (shared memory)
-                    mm = torch.stack([x[0] for x in warps])  # [nw, mt]
+                    mm = torch.stack([x[0] for x in warps])  # [nw, 8]
                     lm = torch.stack([x[1] for x in warps])
-                    om = torch.stack([x[2] for x in warps])  # [nw, mt, dv]
+                    om = torch.stack([x[2] for x in warps])  # [nw, 8, dv]
                     top = mm.max(0).values
                     f = torch.exp2(mm - torch.where(top == float("-inf"), 0.0, top))
                     f = torch.where(mm == float("-inf"), 0.0, f)
@@ -423,29 +418,39 @@ def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
                 f = torch.exp(pls - torch.where(top == float("-inf"), 0.0, top))
                 den = f.sum(0)
                 o = (f[..., None] * po).sum(0) / torch.where(den > 0, den, 1.0)[:, None]
-                rows = min(mt, m - rb * mt)
-                r0 = rb * mt
+                rows = min(8, m - rb * 8)
+                r0 = rb * 8
                 out[bi, hi, r0:r0 + rows] = torch.where((top == float("-inf"))[:, None], 0.0, o)[:rows]
                 lse[bi, hi, r0:r0 + rows] = torch.where(top == float("-inf"), float("-inf"), top + torch.log(den))[:rows]
     return out, lse
 
 
-def _emulate_warp(query, packed, bi, hi, rb, mt, tiles, qk, bits, dk, dv, gv, nks, ntv, lanes):
-    """One warp's loop: returns (row max [mt] (log2 units), row sum [mt], unnormalised output [mt, dv])."""
-    m = query.shape[2]
-    hp = 32 // bits // 2
-    # A fragments of Q: A[s][row, k] built lane by lane from the pair mapping
-    qrow = torch.zeros(16, dk)
-    rows = min(mt, m - rb * mt)
-    qrow[:rows] = query[bi, hi, rb * mt: rb * mt + rows].float()
+def _movmatrix_trans(held: dict) -> dict:
+    """``movmatrix.sync.aligned.m8n8.trans.b16``: ``held[(g, t)]`` = the two b16 elements ``(g, 2t), (g, 2t+1)``
+    of an 8x8 matrix; returns what each lane holds afterwards: elements ``(2t, g), (2t+1, g)``."""
+    elem = {(g, 2 * t + e): held[(g, t)][e] for (g, t) in held for e in range(2)}
+    return {(g, t): (elem[(2 * t, g)], elem[(2 * t + 1, g)]) for (g, t) in held}
+
+
+def _emulate_warp(query, packed, bi, hi, rb, tiles, qk, lanes):
+    """One warp's loop: returns (row max [8] (log2 units), row sum [8], unnormalised output [8, dv])."""
+    bits, gk = packed.bits, packed.group
+    m, dk = query.shape[2], query.shape[3]
+    per = 32 // bits
+    dv = packed.v_codes.shape[-1] * per
+    gv = dv // packed.v_scale.shape[-1]
+    hp = per // 2
+    nks, nct = dk // 16, dv // 16
+    qrow = torch.zeros(8, dk)
+    rows = min(8, m - rb * 8)
+    qrow[:rows] = query[bi, hi, rb * 8: rb * 8 + rows].float()
     qrow = (qrow * qk).to(torch.float16).float()
-    A = torch.zeros(nks, 16, 16)
+    Bq = torch.zeros(nks, 16, 8)  # Q^T B fragments, built lane by lane
     for g, t in lanes:
         for s in range(nks):
             for r in range(2):
                 p = key_pair(dk, t, s, r)
-                for row in (g, g + 8):
-                    A[s, row, 2 * t + 8 * r: 2 * t + 8 * r + 2] = qrow[row, 2 * p: 2 * p + 2]
+                Bq[s, 2 * t + 8 * r: 2 * t + 8 * r + 2, g] = qrow[g, 2 * p: 2 * p + 2]
     kc = packed.k_codes[bi, hi]
     ks = _pairs(packed.k_scale[bi, hi])
     kz = _pairs(packed.k_zero[bi, hi])
@@ -453,74 +458,82 @@ def _emulate_warp(query, packed, bi, hi, rb, mt, tiles, qk, bits, dk, dv, gv, nk
     vs = packed.v_scale[bi, hi]
     vz = packed.v_zero[bi, hi]
     valid = packed.valid[bi]
-    m_run = torch.full((16,), float("-inf"))
-    l_run = torch.zeros(16)
-    acc = torch.zeros(16, dv)  # indexed by output channel
-    gk = packed.group
+    m_run = torch.full((8,), float("-inf"))
+    l_run = torch.zeros(8)
+    acc = torch.zeros(8, dv)  # indexed by output channel
+    direct = 10 // bits
     for tile in tiles:
         tok0 = tile * TILE
         grp, toff = divmod(tok0, gk)
-        S = torch.zeros(16, TILE)  # [row, token]
-        for j in range(4):
-            Bm = torch.zeros(nks, 16, 8)
+        S = torch.zeros(8, TILE)  # [query row, token]
+        Cs = []
+        for mt in range(2):
+            A = torch.zeros(nks, 16, 16)
             for g, t in lanes:
-                tok = score_token(j, g)
                 for s in range(nks):
                     for r in range(2):
                         local = 2 * s + r
                         word, shift, bit = key_word_field(bits, dk, t, local)
                         p = t * (dk // 8) + local
                         assert p == key_pair(dk, t, s, r)
-                        w = kc[grp, word, toff + tok]
-                        pair = _deq_field(w, shift, bit, bits, ks[grp, p], kz[grp, p])
-                        Bm[s, 2 * t + 8 * r: 2 * t + 8 * r + 2, g] = pair.float()
-            C = sum(A[s] @ Bm[s] for s in range(nks))  # [16, 8]: column g' = token score_token(j, g')
-            for col in range(8):
-                S[:, score_token(j, col)] = C[:, col]
-        if mt == 8:
-            S[8:] = 0.0
+                        for row in (g, g + 8):
+                            w = kc[grp, word, toff + score_token(mt, row)]
+                            pair = _deq_field(w, shift, bit, bits, ks[grp, p], kz[grp, p])
+                            A[s, row, 2 * t + 8 * r: 2 * t + 8 * r + 2] = pair.float()
+            C = sum(A[s] @ Bq[s] for s in range(nks))  # [16 tokens, 8 query rows]
+            Cs.append(C)
+            for row in range(16):
+                S[:, score_token(mt, row)] = C[row]
         ok = valid[tok0: tok0 + TILE]
         S = torch.where(ok[None, :], S, float("-inf"))
         mx = S.max(1).values
-        grow = mx > m_run
-        if bool(grow.any()):
+        if bool((mx > m_run).any()):
             mn = torch.maximum(m_run, mx)
             alpha = torch.where(mn == float("-inf"), 1.0, torch.exp2(m_run - mn))
             l_run = l_run * alpha
             acc = acc * alpha[:, None]
             m_run = mn
         ms = torch.where(m_run == float("-inf"), 0.0, m_run)
-        P = torch.exp2(S - ms[:, None])
-        l_run = l_run + P.sum(1)
-        P16 = P.to(torch.float16).float()
+        l_run = l_run + torch.exp2(S - ms[:, None]).sum(1)
         for kk in range(2):
-            # A of P.V: k index -> token through the score-tile columns; B rows are the tokens the kernel loads
-            Ap = torch.zeros(16, 16)
-            for g, t in lanes:  # register reuse: score C fragment of tiles 2kk, 2kk+1 (columns 2t, 2t+1)
-                for r in range(2):
-                    Ap[:, 2 * t + 8 * r] = P16[:, score_token(2 * kk + r, 2 * t)]
-                    Ap[:, 2 * t + 8 * r + 1] = P16[:, score_token(2 * kk + r, 2 * t + 1)]
-            for ntile in range(ntv):
-                Bv = torch.zeros(16, 8)
+            # P^T B fragments: the S^T C fragment of m-tile kk (lane (g, t): token row g / g+8, query rows 2t, 2t+1)
+            # rounded to fp16, then one movmatrix.trans per 8x8 block
+            pk = {}
+            for hb in range(2):
+                held = {}
                 for g, t in lanes:
-                    ch = value_channel(bits, dv, ntile, g)
-                    word, half = value_units(bits, dv, g)[ntile // hp]
-                    i = ntile % hp
-                    direct = 10 // bits
-                    shift, bit = (0, bits * i) if i < direct else (bits * direct, bits * (i - direct))
-                    grp_v = (value_units(bits, dv, g)[0][0] * (32 // bits)) // gv
-                    assert ch // gv == grp_v
-                    for r in range(2):
-                        ta, tb = pv_tokens(t, kk, r)
-                        wa = int(vc[tok0 + ta, word]) & 0xFFFFFFFF
-                        wb = int(vc[tok0 + tb, word]) & 0xFFFFFFFF
-                        sh = 16 * half
-                        merged = ((wa >> sh) & 0xFFFF) | (((wb >> sh) & 0xFFFF) << 16)  # PRMT
-                        spair = torch.stack([vs[tok0 + ta, grp_v], vs[tok0 + tb, grp_v]])
-                        zpair = torch.stack([vz[tok0 + ta, grp_v], vz[tok0 + tb, grp_v]])
-                        pair = _deq_field(torch.tensor(merged, dtype=torch.int64), shift, bit, bits, spair, zpair)
-                        Bv[2 * t + 8 * r: 2 * t + 8 * r + 2, g] = pair.float()
-                C = Ap @ Bv  # [16, 8]
-                for col in range(8):
-                    acc[:, value_channel(bits, dv, ntile, col)] += C[:, col]
-    return m_run[:mt], l_run[:mt], acc[:mt]
+                    tok = score_token(kk, g + 8 * hb)
+                    held[(g, t)] = tuple(float(torch.exp2(torch.where(ok[tok], Cs[kk][g + 8 * hb, 2 * t + e], -float("inf"))
+                                                          - ms[2 * t + e]).half()) for e in range(2))
+                pk[hb] = _movmatrix_trans(held)
+            Bp = torch.zeros(16, 8)
+            for g, t in lanes:
+                for hb in range(2):
+                    Bp[2 * t + 8 * hb: 2 * t + 8 * hb + 2, g] = torch.tensor(pk[hb][(g, t)])
+            for ct in range(nct):
+                Av = torch.zeros(16, 16)
+                for g, t in lanes:
+                    units = value_units(bits, dv, g)
+                    grp_v = (units[0][0] * per) // gv
+                    for hr in range(2):
+                        nidx = 2 * ct + hr
+                        ch = value_channel(bits, dv, nidx, g)
+                        assert ch // gv == grp_v
+                        word, half = units[nidx // hp]
+                        i = nidx % hp
+                        shift, bit = (0, bits * i) if i < direct else (bits * direct, bits * (i - direct))
+                        for r in range(2):
+                            ta, tb = pv_tokens(t, kk, r)
+                            wa = int(vc[tok0 + ta, word]) & 0xFFFFFFFF
+                            wb = int(vc[tok0 + tb, word]) & 0xFFFFFFFF
+                            sh = 16 * half
+                            merged = ((wa >> sh) & 0xFFFF) | (((wb >> sh) & 0xFFFF) << 16)  # PRMT
+                            spair = torch.stack([vs[tok0 + ta, grp_v], vs[tok0 + tb, grp_v]])
+                            zpair = torch.stack([vz[tok0 + ta, grp_v], vz[tok0 + tb, grp_v]])
+                            pair = _deq_field(torch.tensor(merged, dtype=torch.int64), shift, bit, bits, spair, zpair)
+                            Av[g + 8 * hr, 2 * t + 8 * r: 2 * t + 8 * r + 2] = pair.float()
+                C = Av @ Bp  # [16 channels, 8 query rows]
+                for g in range(8):
+                    for hr in range(2):
+                        acc[:, value_channel(bits, dv, 2 * ct + hr, g)] += C[g + 8 * hr]
+    return m_run, l_run, acc
