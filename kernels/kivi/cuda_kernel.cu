@@ -189,15 +189,17 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
 __device__ __forceinline__ int vrow(int tok) { return (tok & 7) * 4 + (tok >> 3); }
 
 // Issues the cp.async copies of one 32-token tile (keys, key scales / zeros, values, value scales / zeros,
-// valid flags) into one pipeline stage.  The per-lane parts of every source / destination offset are computed
-// once; a tile then costs one 64-bit base per tensor plus one add per 16-byte chunk.
+// valid flags) into one pipeline stage.  Chunk `it` of a lane is chunk `lane + 32*it` of a region, so the
+// lane's part of every offset is computed once and the rest is a compile-time destination offset plus a
+// uniform source stride; all offsets inside one (batch, head) slice are 32-bit.
 template <int BITS, int DK, int DV>
 struct TileCopier {
   using C = Cfg<BITS, DK, DV>;
-  static constexpr int NK = C::KW * 8 / 32;          // key chunks per lane (KW rows of 8 chunks)
-  static constexpr int VCH = C::VW / 4;              // value chunks per token row
-  static constexpr int NV = TILE * VCH / 32;          // value chunks per lane
+  static constexpr int NK = C::KW * 8 / 32;  // key chunks per lane (KW word rows of 8 chunks)
+  static constexpr int VCH = C::VW / 4;      // value chunks per token row
+  static constexpr int NV = TILE * VCH / 32;  // value chunks per lane
   static_assert((C::KW * 8) % 32 == 0 && (TILE * VCH) % 32 == 0 && DK / 8 <= 32, "chunk counts");
+  static_assert((32 / VCH) % 8 == 0, "value chunk rows advance by whole vrow blocks");
   const int* kc;
   const __half* ks;
   const __half* kz;
@@ -205,52 +207,45 @@ struct TileCopier {
   const __half* vs;
   const __half* vz;
   const uint8_t* va;
-  long long kc_sg, ks_sg, kz_sg, vc_st;
-  int gshift, ngv, lane;
-  int koff[NK], kdst[NK], voff[NV], vdst[NV];
+  int kc_sg, ks_sg, kz_sg, vc_st, gshift, ngv, lane;
+  int k_src, k_step, k_dst, v_src, v_step, v_dst;
 
   __device__ __forceinline__ TileCopier(const Params& p, const int* kc_, const __half* ks_, const __half* kz_,
                                         const int* vc_, const __half* vs_, const __half* vz_, const uint8_t* va_,
                                         int lane_)
-      : kc(kc_), ks(ks_), kz(kz_), vc(vc_), vs(vs_), vz(vz_), va(va_), kc_sg(p.kc_sg), ks_sg(p.ks_sg),
-        kz_sg(p.kz_sg), vc_st(p.vc_st), gshift(p.gshift), ngv(p.ngv), lane(lane_) {
-#pragma unroll
-    for (int it = 0; it < NK; ++it) {
-      const int c = lane + 32 * it, w = c >> 3, k = c & 7;
-      koff[it] = (w << gshift) + 4 * k;  // int32 words: word rows are G apart inside a group
-      kdst[it] = C::OFF_K + w * KROW + 16 * k;
-    }
-#pragma unroll
-    for (int it = 0; it < NV; ++it) {
-      const int c = lane + 32 * it, tok = c / VCH, part = c % VCH;
-      voff[it] = (int)(tok * vc_st) + 4 * part;
-      vdst[it] = C::OFF_V + vrow(tok) * C::VROW + 16 * part;
-    }
+      : kc(kc_), ks(ks_), kz(kz_), vc(vc_), vs(vs_), vz(vz_), va(va_), kc_sg((int)p.kc_sg), ks_sg((int)p.ks_sg),
+        kz_sg((int)p.kz_sg), vc_st((int)p.vc_st), gshift(p.gshift), ngv(p.ngv), lane(lane_) {
+    k_src = ((lane >> 3) << gshift) + 4 * (lane & 7);  // word row lane/8 (rows are G ints apart), chunk lane%8
+    k_step = 4 << gshift;                              // + 4 word rows per chunk round
+    k_dst = C::OFF_K + (lane >> 3) * KROW + 16 * (lane & 7);
+    v_src = (lane / VCH) * vc_st + 4 * (lane % VCH);
+    v_step = (32 / VCH) * vc_st;
+    v_dst = C::OFF_V + vrow(lane / VCH) * C::VROW + 16 * (lane % VCH);
   }
 
   __device__ __forceinline__ void operator()(uint32_t stage, int tok0) const {
     const int grp = tok0 >> gshift;
-    const int* kt = kc + grp * kc_sg + (tok0 & ((1 << gshift) - 1));
+    const int* kt = kc + (grp * kc_sg + (tok0 & ((1 << gshift) - 1)) + k_src);
 #pragma unroll
-    for (int it = 0; it < NK; ++it) cp16(stage + kdst[it], kt + koff[it]);
+    for (int it = 0; it < NK; ++it) cp16(stage + k_dst + it * 4 * KROW, kt + it * k_step);
     if (lane < DK / 8) {
-      cp16(stage + C::OFF_KS + 16 * lane, ks + grp * ks_sg + 8 * lane);
-      cp16(stage + C::OFF_KZ + 16 * lane, kz + grp * kz_sg + 8 * lane);
+      cp16(stage + C::OFF_KS + 16 * lane, ks + (grp * ks_sg + 8 * lane));
+      cp16(stage + C::OFF_KZ + 16 * lane, kz + (grp * kz_sg + 8 * lane));
     }
-    const int* vt = vc + tok0 * vc_st;
+    const int* vt = vc + (tok0 * vc_st + v_src);
 #pragma unroll
-    for (int it = 0; it < NV; ++it) cp16(stage + vdst[it], vt + voff[it]);
+    for (int it = 0; it < NV; ++it) cp16(stage + v_dst + it * (4 / VCH) * C::VROW, vt + it * v_step);
     if (lane < 4 * ngv) {  // TILE * ngv halves, 8 per chunk
       const int o = tok0 * ngv + 8 * lane;
       cp16(stage + C::OFF_VS + 16 * lane, vs + o);
       cp16(stage + C::OFF_VZ + 16 * lane, vz + o);
     }
-    if (lane < 2) cp16(stage + C::OFF_VA + 16 * lane, va + tok0 + 16 * lane);
+    if (lane < 2) cp16(stage + C::OFF_VA + 16 * lane, va + (tok0 + 16 * lane));
   }
 };
 
-// grid (nsplit, B*H, row blocks of 8), block NW warps.  Each warp walks its own 32-token tiles of the split
-// (tiles w, w + NW, ...) through a ST-deep cp.async pipeline, keeps an online softmax in registers, and the
+// grid (nsplit, B*H, row blocks of 8), block NW warps.  Each warp walks its own contiguous run of 32-token
+// tiles of the split through a ST-deep cp.async pipeline, keeps an online softmax in registers, and the
 // warps are merged through shared memory at the end.
 //
 // Transposed products (the GQA rows are the N = 8 side of m16n8k16, tokens / channels the M = 16 side):
@@ -305,12 +300,13 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
   const int t_begin = split * p.tps;
   const int t_end = min(t_begin + p.tps, p.NT);
   const int ntiles = (t_end - t_begin) / TILE;
-  const int nmine = ntiles > warp ? (ntiles - warp + nw - 1) / nw : 0;
+  const int wbeg = (ntiles * warp) / nw;  // this warp's tiles: a contiguous run of the split
+  const int nmine = (ntiles * (warp + 1)) / nw - wbeg;
   uint8_t* wsm = smem + warp * (ST * C::STAGE);
   const uint32_t wsm_addr = smem_addr(wsm);
   const TileCopier<BITS, DK, DV> copy(p, kc, ks, kz, vc, vs, vz, va, lane);
-  const int tstride = nw * TILE;  // tokens between two tiles of this warp
-  int tok_next = t_begin + warp * TILE;
+  const int tstride = TILE;  // tokens between two tiles of this warp
+  int tok_next = t_begin + wbeg * TILE;
 
 #pragma unroll
   for (int i = 0; i < ST - 1; ++i) {

@@ -52,6 +52,7 @@ the CPU tests compare with the reference; the GPU tests compare the kernel itsel
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import os
@@ -72,7 +73,10 @@ DIMS = (64, 128)
 SOURCE = Path(__file__).with_name("cuda_kernel.cu")
 NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
               "-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_80,code=sm_80")
-DEFAULT_CONFIG = dict(nw=4, stages=3, waves=2.0, warps_per_sm=8, min_tiles=2, min_blocks=1)
+# nw warps per CTA, cp.async stages per warp, waves of warps_per_sm resident warps for the split count, at least
+# min_tiles 32-token tiles per warp, register cap __launch_bounds__(128, min_blocks) (4: <= 128 registers, no
+# spills for every (bits, Dk, Dv) with nvcc 13.0; 1: uncapped, about 150 at Dk = Dv = 128)
+DEFAULT_CONFIG = dict(nw=4, stages=3, waves=2.0, warps_per_sm=16, min_tiles=2, min_blocks=4)
 
 _LIBS: dict[tuple[int, int, int, int], ctypes.CDLL] = {}
 _LOCK = threading.Lock()
@@ -165,6 +169,8 @@ def _problem(query: torch.Tensor, packed: PackedKV) -> str | None:
     gv = dv // ngv
     if gv < 16 or gv % value_span(packed.bits, dv):
         return f"value group {gv} (needs >= 16 and a multiple of {value_span(packed.bits, dv)})"
+    if nt * max(dk, dv) >= 2**31:
+        return f"{nt} tokens: offsets inside one (batch, head) slice must fit in 32 bits"
     if tuple(packed.valid.shape) != (b, nt):
         return f"valid {tuple(packed.valid.shape)}"
     if packed.k_scale.dtype != torch.float16 or packed.v_scale.dtype != torch.float16:
@@ -274,12 +280,26 @@ def config(bits: int) -> dict:
     return cfg
 
 
-def num_splits(ntiles: int, rows: int, sms: int, cfg: dict) -> int:
-    """Splits for ``waves`` waves of ``warps_per_sm`` resident warps, each warp taking >= ``min_tiles`` tiles."""
+SMEM_PER_SM = 227 * 1024  # Hopper / Ampere (sm_80: 163 KB; the estimate only sizes the split count)
+
+
+def num_splits(ntiles: int, rows: int, sms: int, cfg: dict, cta_smem: int = 0) -> int:
+    """Splits (per (batch, kv head, row block)) for about ``waves`` full waves of resident CTAs, each warp taking
+    >= ``min_tiles`` tiles.  Resident CTAs per SM: ``warps_per_sm / nw``, fewer when shared memory is short.  The
+    count is rounded to the nearest whole number of waves' worth rather than up, so the last wave is not a
+    nearly empty tail."""
     nw = int(cfg["nw"])
-    want = -(-int(cfg["waves"] * sms * cfg["warps_per_sm"]) // (nw * rows))
+    per_sm = max(1, int(cfg["warps_per_sm"]) // nw)
+    if cta_smem:
+        per_sm = max(1, min(per_sm, SMEM_PER_SM // cta_smem))
+    want = max(1, round(cfg["waves"] * sms * per_sm / rows))
     most = max(1, ntiles // (nw * int(cfg["min_tiles"])))
     return max(1, min(want, most))
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict | None = None,
@@ -317,8 +337,10 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
 
     row_blocks = -(-m // 8)
     ntiles = nt // TILE
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    s = splits or num_splits(ntiles, b * h * row_blocks, sms, c)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    nw, stages = int(c["nw"]), int(c["stages"])
+    cta_smem = max(nw * stages * lib.kivi_v3_stage_bytes(), nw * 8 * (dv + 2) * 4)
+    s = splits or num_splits(ntiles, b * h * row_blocks, _sms(index), c, cta_smem)
     tiles_per_split = -(-ntiles // max(1, min(s, ntiles)))
     s = -(-ntiles // tiles_per_split)
     if s == 1:
@@ -334,7 +356,6 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
             m, h, nt, g.bit_length() - 1, tiles_per_split * TILE, s, ngv, gv, b * h]
     arr = (ctypes.c_longlong * len(args))(*args)
     stream = torch.cuda.current_stream(dev).cuda_stream
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
     rc = lib.kivi_v3_launch(arr, float(scale) * LOG2E, int(c["nw"]), int(c["stages"]), row_blocks,
                             index, ctypes.c_void_p(stream))
     if rc:
