@@ -76,7 +76,8 @@ VARIANTS = {
     "v3-st4": {"stages": 4},
     "v3-waves4": {"waves": 4.0},
     "v3-waves1": {"waves": 1.0},
-    "v3-mt1": {"min_tiles": 1},
+    "v3-mt2": {"min_tiles": 2},
+    "v3-mt8": {"min_tiles": 8},
     "v3-r1": {"min_blocks": 1},
     "v3-nw2-st4": {"nw": 2, "stages": 4},
 }

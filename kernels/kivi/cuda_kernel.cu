@@ -539,27 +539,64 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
 }
 
 // Merge nsplit partials [S, R, DV] / [S, R] (R = B*H*M rows) into out [R, DV] / lse [R] by log-sum-exp.
-__global__ void kivi_v3_combine(const float* __restrict__ po, const float* __restrict__ pl, float* __restrict__ out,
-                                float* __restrict__ lse, int nsplit, long long R, int DV) {
-  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (idx >= R * DV) return;
-  const long long row = idx / DV;
-  const int ch = (int)(idx - row * DV);
+// One CTA of 8 warps per row: the warps stride over the splits (one coalesced DV-float row per split and warp),
+// so a long split list is read with 8-way parallelism instead of one serial loop per output element.
+template <int DV>
+__global__ void __launch_bounds__(256) kivi_v3_combine(const float* __restrict__ po, const float* __restrict__ pl,
+                                                       float* __restrict__ out, float* __restrict__ lse, int nsplit,
+                                                       long long R) {
+  constexpr int NWC = 8, PERL = DV / 32;
+  static_assert(PERL == 2 || PERL == 4, "DV 64 or 128");
+  __shared__ float red[NWC];
+  __shared__ float part[NWC][DV];
+  const long long row = blockIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   float top = -INFINITY;
-  for (int s = 0; s < nsplit; ++s) top = fmaxf(top, pl[s * R + row]);
-  if (top == -INFINITY) {
-    out[idx] = 0.f;
-    if (ch == 0) lse[row] = -INFINITY;
+  for (int s = tid; s < nsplit; s += NWC * 32) top = fmaxf(top, pl[s * R + row]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+  if (lane == 0) red[warp] = top;
+  __syncthreads();
+  top = red[0];
+#pragma unroll
+  for (int w = 1; w < NWC; ++w) top = fmaxf(top, red[w]);
+  if (top == -INFINITY) {  // no valid key in any split
+    if (tid < DV) out[row * DV + tid] = 0.f;
+    if (tid == 0) lse[row] = -INFINITY;
     return;
   }
-  float num = 0.f, den = 0.f;
-  for (int s = 0; s < nsplit; ++s) {
-    const float f = __expf(pl[s * R + row] - top);
-    num += f * po[(s * R + row) * DV + ch];
-    den += f;
+  __syncthreads();  // everyone has read red[] before it is reused
+  float acc[PERL];
+#pragma unroll
+  for (int i = 0; i < PERL; ++i) acc[i] = 0.f;
+  float den = 0.f;
+#pragma unroll 4
+  for (int s = warp; s < nsplit; s += NWC) {
+    const float w = __expf(pl[s * R + row] - top);
+    den += w;
+    const float* src = po + (s * R + row) * DV + lane * PERL;
+    if constexpr (PERL == 4) {
+      const float4 v = *reinterpret_cast<const float4*>(src);
+      acc[0] += w * v.x; acc[1] += w * v.y; acc[2] += w * v.z; acc[3] += w * v.w;
+    } else {
+      const float2 v = *reinterpret_cast<const float2*>(src);
+      acc[0] += w * v.x; acc[1] += w * v.y;
+    }
   }
-  out[idx] = num / den;
-  if (ch == 0) lse[row] = top + __logf(den);
+#pragma unroll
+  for (int i = 0; i < PERL; ++i) part[warp][lane * PERL + i] = acc[i];
+  if (lane == 0) red[warp] = den;
+  __syncthreads();
+  float d = 0.f;
+#pragma unroll
+  for (int w = 0; w < NWC; ++w) d += red[w];
+  if (tid < DV) {
+    float num = 0.f;
+#pragma unroll
+    for (int w = 0; w < NWC; ++w) num += part[w][tid];
+    out[row * DV + tid] = num / d;
+  }
+  if (tid == 0) lse[row] = top + __logf(d);
 }
 
 template <int BITS, int DK, int DV>
@@ -636,12 +673,10 @@ int kivi_v3_combine_launch(long long po, long long pl, long long out, long long 
                            int dv, int device, void* stream) {
   cudaError_t e = cudaSetDevice(device);
   if (e != cudaSuccess) return (int)e;
-  const long long n = rows * dv;
-  const int threads = 256;
-  const unsigned blocks = (unsigned)((n + threads - 1) / threads);
-  kivi_v3::kivi_v3_combine<<<blocks, threads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+  if (dv != KIVI_DV || rows <= 0 || rows > 0x7fffffffLL) return (int)cudaErrorInvalidValue;
+  kivi_v3::kivi_v3_combine<KIVI_DV><<<(unsigned)rows, 256, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const float*>(po), reinterpret_cast<const float*>(pl), reinterpret_cast<float*>(out),
-      reinterpret_cast<float*>(lse), nsplit, rows, dv);
+      reinterpret_cast<float*>(lse), nsplit, rows);
   return (int)cudaGetLastError();
 }
 

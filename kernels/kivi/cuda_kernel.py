@@ -76,7 +76,7 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # nw warps per CTA, cp.async stages per warp, waves of warps_per_sm resident warps for the split count, at least
 # min_tiles 32-token tiles per warp, register cap __launch_bounds__(128, min_blocks) (4: <= 128 registers, no
 # spills for every (bits, Dk, Dv) with nvcc 13.0; 1: uncapped, about 150 at Dk = Dv = 128)
-DEFAULT_CONFIG = dict(nw=4, stages=3, waves=2.0, warps_per_sm=16, min_tiles=2, min_blocks=4)
+DEFAULT_CONFIG = dict(nw=4, stages=3, waves=2.0, warps_per_sm=16, min_tiles=4, min_blocks=4)
 
 _LIBS: dict[tuple[int, int, int, int], ctypes.CDLL] = {}
 _LOCK = threading.Lock()
