@@ -14,7 +14,7 @@ Stages (each in try/except: a failure prints its traceback and the next stage ru
      (kvcompress.kernels.benchutil.time_op), Llama B in {1, 16, 64} x ctx {4k, 32k} and SmolLM B in {1, 16}
      x 32k, bits 2 and 4,
   4. ``pytest -m gpu tests/test_kivi_cuda.py``.
-Writes $OUT/kivi_cuda.json and prints a Markdown table.  A time budget (--budget, default 270 s) skips the
+Writes $OUT/kivi_cuda.json and prints a Markdown table.  A time budget (--budget, default 200 s) skips the
 remaining timing variants when it runs out.
 """
 
@@ -290,7 +290,7 @@ def gpu_tests() -> dict:
     cwd = "/tmp/site" if os.path.isdir("/tmp/site/kvcompress") else ROOT  # the checkout's kvcompress/ has no kernels/
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", os.path.join(ROOT, "tests", "test_kivi_cuda.py"),
            "-p", "no:cacheprovider", "--rootdir", ROOT]
-    res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=240)
+    res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=150)
     tail = (res.stdout + res.stderr)[-6000:]
     print(tail, flush=True)
     return {"returncode": res.returncode, "tail": tail}
@@ -299,7 +299,7 @@ def gpu_tests() -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--budget", type=float, default=270.0, help="seconds after which timing variants are skipped")
+    ap.add_argument("--budget", type=float, default=200.0, help="seconds after which timing variants are skipped")
     ap.add_argument("--skip-tests", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
