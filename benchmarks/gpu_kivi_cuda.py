@@ -227,6 +227,19 @@ def timing(budget_s: float, results: dict) -> list[dict]:
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
                 continue
+            try:  # v3 against v2 on the timed inputs themselves (large shapes: offsets, split counts, combine)
+                o2, l2 = tk._forward(q0, p0, scale)
+                o3, l3 = ck._forward(q0, p0, scale)
+                agree = {"model": model, "batch": batch, "ctx": ctx, "bits": bits,
+                         "max_abs_out_v3_vs_v2": float((o3 - o2).abs().max()),
+                         "max_abs_lse_v3_vs_v2": float((l3 - l2).abs().max()),
+                         "nan": bool(torch.isnan(o3).any() or torch.isnan(l3).any())}
+                results.setdefault("agreement", []).append(agree)
+                log(f"  v3 vs v2 on the timed inputs: max |out| diff {agree['max_abs_out_v3_vs_v2']:.1e}, "
+                    f"max |lse| diff {agree['max_abs_lse_v3_vs_v2']:.1e}, nan {agree['nan']}")
+                del o2, l2, o3, l3
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
             names = ["v2-triton"] + (QUICK if batch * ctx >= 64 * 32768 else list(VARIANTS))
             for name in names:
                 if time.time() - T0 > budget_s and name not in ("v2-triton", "v3"):
