@@ -176,12 +176,19 @@ def bench(device: str, quick: bool, sweep: bool = True) -> list[dict]:
                         q.view(b, hkv, g, d), k, v, None, idx, scale), data, reps=20),
                     "ds": benchutil.time_op(lambda q, lab, ch, k, v: ds_decode(q, lab, ch, k, v, kk, scale), data,
                                             reps=20),
+                    "select-shared": benchutil.time_op(lambda q, lab, ch, k, v: tk.select_topk(
+                        q.float().view(b, hkv, g, d).sum(2), lab, ch, None, kk), data, reps=20),
+                    "gather-shared": benchutil.time_op(lambda q, lab, ch, k, v: tk.gather_partial_attention(
+                        q.view(b, hkv, g, d), k, v, None, idx[:, :, :1].expand(b, hkv, g, kk), scale), data, reps=20),
+                    "ds-shared": benchutil.time_op(lambda q, lab, ch, k, v: ds_decode(q, lab, ch, k, v, kk, scale,
+                                                                                      shared=True), data, reps=20),
                 }
                 for op, t in timings.items():
                     rows.append({**row0, "op": op, "label_bits": bits, "sparsity": f"1/{frac}", "k": kk,
                                  "latency_us": t.us, "method": t.method, "copies": t.calls,
-                                 "speedup_vs_sdpa": base / t.seconds if base and op == "ds" else None,
-                                 "bytes": ds_read_bytes(q0, lab0, k0, kk) if op == "ds" else None})
+                                 "speedup_vs_sdpa": base / t.seconds if base and op.startswith("ds") else None,
+                                 "bytes": ds_read_bytes(q0, lab0, k0, kk, shared=op == "ds-shared")
+                                 if op.startswith("ds") else None})
                 unfused = timings["score"].seconds + timings["topk"].seconds + timings["gather"].seconds
                 rows.append({**row0, "op": "ds-two-step (score+topk+gather)", "label_bits": bits,
                              "sparsity": f"1/{frac}", "k": kk, "latency_us": unfused * 1e6,
@@ -196,29 +203,41 @@ def bench(device: str, quick: bool, sweep: bool = True) -> list[dict]:
 def _sweep(benchutil, tk, data, idx, b, hkv, g, d, kk, scale, row0) -> list[dict]:
     """Launch settings of the gather and select kernels (same inputs; the defaults are the code's)."""
     rows = []
-    for ept in (16, 32, 64, 128):
-        try:
-            t = benchutil.time_op(lambda q, lab, ch, k, v: tk.select_topk(q, lab, ch, None, kk,
-                                                                          config={"elems_per_thread": ept}),
-                                  data, reps=10)
-            rows.append({**row0, "op": "sweep-select", "config": {"elems_per_thread": ept}, "latency_us": t.us})
-        except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result too
-            rows.append({**row0, "op": "sweep-select", "config": {"elems_per_thread": ept}, "error": repr(exc)[:300]})
+    for ept in (32, 64, 128):
+        for unroll in (2, 4):
+            cfg = {"elems_per_thread": ept, "unroll": unroll}
+            try:
+                t = benchutil.time_op(lambda q, lab, ch, k, v: tk.select_topk(q, lab, ch, None, kk, config=cfg),
+                                      data, reps=10)
+                rows.append({**row0, "op": "sweep-select", "config": cfg, "latency_us": t.us})
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result too
+                rows.append({**row0, "op": "sweep-select", "config": cfg, "error": repr(exc)[:300]})
+    shared_idx = idx[:, :, :1].expand(b, hkv, g, kk)
     for bk in (32, 64, 128):
-        for pps in (4, 16, 64):
+        for pps in (4, 8, 16):
             for warps in (2, 4, 8):
-                for stages in ((2, 3) if warps == 4 else (3,)):
-                    cfg = {"block_k": bk, "programs_per_sm": pps, "num_warps": warps, "num_stages": stages}
-                    try:
-                        t = benchutil.time_op(lambda q, lab, ch, k, v: tk.gather_partial_attention(
-                            q.view(b, hkv, g, d), k, v, None, idx, scale, config=cfg), data, reps=10)
-                        rows.append({**row0, "op": "sweep-gather", "config": cfg, "latency_us": t.us})
-                    except Exception as exc:  # noqa: BLE001
-                        rows.append({**row0, "op": "sweep-gather", "config": cfg, "error": repr(exc)[:300]})
-    best = min((r for r in rows if r["op"] == "sweep-gather" and "latency_us" in r), key=lambda r: r["latency_us"],
-               default=None)
-    if best:
-        print("best gather config", best["config"], f"{best['latency_us']:.1f} us", flush=True)
+                cfg = {"block_k": bk, "programs_per_sm": pps, "shared_warps": warps, "num_stages": 3}
+                try:
+                    t = benchutil.time_op(lambda q, lab, ch, k, v: tk.gather_partial_attention(
+                        q.view(b, hkv, g, d), k, v, None, shared_idx, scale, config=cfg), data, reps=10)
+                    rows.append({**row0, "op": "sweep-gather-shared", "config": cfg, "latency_us": t.us})
+                except Exception as exc:  # noqa: BLE001
+                    rows.append({**row0, "op": "sweep-gather-shared", "config": cfg, "error": repr(exc)[:300]})
+    for bk in (64, 128):
+        for pps in (4, 8, 16):
+            for warps in (2, 4):
+                cfg = {"block_k": bk, "programs_per_sm": pps, "num_warps": warps, "num_stages": 3}
+                try:
+                    t = benchutil.time_op(lambda q, lab, ch, k, v: tk.gather_partial_attention(
+                        q.view(b, hkv, g, d), k, v, None, idx, scale, config=cfg), data, reps=10)
+                    rows.append({**row0, "op": "sweep-gather", "config": cfg, "latency_us": t.us})
+                except Exception as exc:  # noqa: BLE001
+                    rows.append({**row0, "op": "sweep-gather", "config": cfg, "error": repr(exc)[:300]})
+    for op in ("sweep-gather", "sweep-gather-shared", "sweep-select"):
+        best = min((r for r in rows if r["op"] == op and "latency_us" in r), key=lambda r: r["latency_us"],
+                   default=None)
+        if best:
+            print("best", op, best["config"], f"{best['latency_us']:.1f} us", flush=True)
     return rows
 
 

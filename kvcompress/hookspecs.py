@@ -289,8 +289,9 @@ class CacheCompressor:
 
             * a :class:`~kvcompress.state.TokenSelection`: int64 indices
               ``[batch, q_heads, q_len, k]`` of the middle-token columns each *query head* reads
-              (every middle segment covers the same tokens).  Decode steps (``q_len == 1``) read
-              exactly those tokens with a gather kernel
+              (every middle segment covers the same tokens), or ``[batch, kv_heads, q_len, k]``
+              with ``group`` set: one selection shared by the query heads of each kv head.  Decode
+              steps (``q_len == 1``) read exactly those tokens with a gather kernel
               (:func:`kvcompress.kernels.doublesparse.gather_partial_attention`), so no mask over
               the whole middle is built; or
             * a boolean mask ``[batch, kv_heads, q_len, middle_tokens]`` (True = read), one per kv

@@ -171,19 +171,31 @@ class TokenSelection:
         index: int64 ``[batch, q_heads, q_len, k]``: for every query head and position, the ``k``
             middle-token columns it reads (columns of each middle segment, oldest first; every
             middle segment of a layer covers the same tokens).  No duplicates within a row.
+            With ``group`` set, ``[batch, kv_heads, q_len, k]`` instead: one selection per kv head,
+            shared by its ``group`` query heads (GQA), so each selected token is read once per group.
+        group: query heads per kv head when the selection is shared per kv head, else ``None``.
     """
 
     index: torch.Tensor
+    group: int | None = None
 
     def grouped(self, kv_heads: int) -> torch.Tensor:
-        """``index`` as grouped query rows ``[batch, kv_heads, group * q_len, k]`` (row ``g * q_len + i``)."""
-        b, hq, q_len, k = self.index.shape
-        return self.index.reshape(b, kv_heads, (hq // kv_heads) * q_len, k)
+        """``index`` as grouped query rows ``[batch, kv_heads, group * q_len, k]`` (row ``g * q_len + i``);
+        a shared selection is a view that repeats each kv head's indices for its query rows (stride 0)."""
+        b, h, q_len, k = self.index.shape
+        if self.group is not None:
+            rows = self.index.unsqueeze(2).expand(b, h, self.group, q_len, k)
+            return rows.reshape(b, h, self.group * q_len, k)
+        return self.index.reshape(b, kv_heads, (h // kv_heads) * q_len, k)
 
     def mask(self, tokens: int) -> torch.Tensor:
         """Boolean ``[batch, q_heads, q_len, tokens]`` (True = read)."""
         out = torch.zeros(*self.index.shape[:-1], tokens, dtype=torch.bool, device=self.index.device)
-        return out.scatter_(-1, self.index, True)
+        out.scatter_(-1, self.index, True)
+        if self.group is not None:
+            b, h, q_len, _ = out.shape
+            out = out.unsqueeze(2).expand(b, h, self.group, q_len, tokens).reshape(b, h * self.group, q_len, tokens)
+        return out
 
 
 @dataclasses.dataclass

@@ -24,7 +24,9 @@ all previous tokens; the current token is always read); ``k`` at least the middl
 attention; ``channels: all`` with 16-bit labels is oracle top-k on the exact scores.
 
 Parameters: ``channels`` ("all", "random" or a channel file), ``r``, ``label_bits`` (16/4/2), ``k``,
-``k_min``, ``gamma``, ``dense_layers`` (2), ``sinks`` (4), ``window`` (64), ``seed``.
+``k_min``, ``gamma``, ``dense_layers`` (2), ``sinks`` (4), ``window`` (64), ``seed``, ``group_shared``
+(project option, off by default: GQA models select once per KV head from the sum of its query heads'
+label scores, so each selected token is gathered once per group and both products run on tensor cores).
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ class DoubleSparseConfig:
     sinks: int = param(4, "first real tokens always read (attention sinks)", min=0, max=1 << 20)
     window: int = param(64, "most recent tokens always read (ring buffer)", min=0, max=1 << 20)
     seed: int = param(0, "seed of the 'random' channels", min=0, max=2**31 - 1)
+    group_shared: bool = param(False, "GQA: one selection per KV head from the summed label scores of its query "
+                               "heads, read once for the group (faster; not in the paper, which selects per "
+                               "query head)", type=bool)
 
     def check(self, path: str) -> None:
         if self.gamma <= 0.0:
@@ -246,7 +251,15 @@ class DoubleSparseCompressor(Compressor):
                 "window; DoubleSparse cannot be stacked with an evictor (its selection indexes every middle token)")
         from kvcompress.kernels.doublesparse import select_topk
 
-        index = select_topk(query[:, :, 0], cache.labels(), cache.channels, cache.valid(), budget)
+        q = query[:, :, 0]
+        hkv = cache.channels.shape[0]
+        group = q.shape[1] // hkv
+        if self.config.group_shared and group > 1:
+            # label scores are linear in q: the group's summed scores are those of its summed query
+            q = q.float().view(q.shape[0], hkv, group, q.shape[-1]).sum(2)
+            index = select_topk(q, cache.labels(), cache.channels, cache.valid(), budget)
+            return TokenSelection(index.unsqueeze(2), group=group)
+        index = select_topk(q, cache.labels(), cache.channels, cache.valid(), budget)
         return TokenSelection(index.unsqueeze(2))
 
 

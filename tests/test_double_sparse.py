@@ -25,7 +25,7 @@ TOL = 1e-4
 
 
 def ds_oracle_logits(model, ids, chunks, *, channels, k, k_min=1, gamma=1.0, dense_layers=2, sinks=0, window=0,
-                     bits=16, exact_scores=False):
+                     bits=16, exact_scores=False, group_shared=False):
     """Logits of one forward where decode query t of layer l reads sinks, window, itself and its top-k_l middle."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -57,7 +57,10 @@ def ds_oracle_logits(model, ids, chunks, *, channels, k, k_min=1, gamma=1.0, den
             lo, hi = sinks, t - window  # middle: [sinks, t - window)
             if hi - lo <= budget:
                 continue
-            top = ls[:, :, t, lo:hi].topk(budget, dim=-1).indices + lo
+            cand = ls[:, :, t, lo:hi]
+            if group_shared:  # one selection per kv head: the summed scores of its query heads, for all of them
+                cand = cand.view(b, hkv, rep, -1).sum(2).repeat_interleave(rep, 1)
+            top = cand.topk(budget, dim=-1).indices + lo
             row = torch.zeros(b, hq, L, dtype=torch.bool)
             row[..., :t + 1] = True
             row[..., lo:hi] = False
@@ -140,6 +143,24 @@ def test_double_sparse_pp_decode_matches_oracle(model, ids, bits):
                            dense_layers=1, sinks=3, window=5, bits=bits)
     assert (got - ref).abs().max().item() < TOL
 
+
+
+@pytest.mark.parametrize("bits", [16, 4])
+def test_group_shared_selection_matches_oracle(bits):
+    """GQA group-shared selection: every query head of a kv head reads the top-k of the group's summed scores."""
+    gqa = tiny_model("llama", layers=3)  # 4 query heads on 2 kv heads
+    assert gqa.config.num_attention_heads // gqa.config.num_key_value_heads == 2
+    ids = torch.randint(1, 256, (1, 90), generator=torch.Generator().manual_seed(8))
+    chunks = decode_chunks(30, 90, extra=[(40, 4)])
+    cfg = dict(channels="random", r=8, k=12, sinks=2, window=4, dense_layers=1, label_bits=bits, seed=1,
+               group_shared=True)
+    got, cache = _run(gqa, ids, chunks, **cfg)
+    ref = ds_oracle_logits(gqa, ids, chunks, channels=_table(cache), k=12, dense_layers=1, sinks=2, window=4,
+                           bits=bits, group_shared=True)
+    assert (got - ref).abs().max().item() < TOL
+    per_head = ds_oracle_logits(gqa, ids, chunks, channels=_table(cache), k=12, dense_layers=1, sinks=2, window=4,
+                                bits=bits)
+    assert (got - per_head).abs().max().item() > 1e-3  # a different selection from the per-query-head one
 
 
 def test_budget_values():

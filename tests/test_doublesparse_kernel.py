@@ -7,6 +7,7 @@ present, the ``gpu``-marked tests run the same cases natively.  Shapes are small
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -37,6 +38,9 @@ GATHER_CASES = {
     "d128-auto-splits": (1, 2, 4, 300, 128, 128, 150, {}),
     "dv-differs-one-split": (1, 1, 2, 50, 32, 64, 9, {"splits": 1}),
     "strided-kv-views": (1, 2, 4, 100, 64, 64, 33, {"views": True, "splits": 3}),
+    "shared-gqa4-padding-two-splits": (2, 2, 4, 120, 64, 64, 37, {"shared": True, "pad": 30, "splits": 2}),
+    "shared-gqa3-d128-auto-splits": (1, 2, 3, 300, 128, 128, 150, {"shared": True}),
+    "shared-dead-row-dv-differs": (2, 1, 2, 90, 32, 64, 20, {"shared": True, "pad": 90}),
 }
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3
 
@@ -98,6 +102,8 @@ def run_score_case(name: str, device: str = "cpu") -> dict:
     unfused = triton_kernel.select_topk(q, labels, channels, valid, k)  # token-major labels: two-step path
     cfg = {"chunk_tokens": extra["chunk"]} if "chunk" in extra else None
     fused = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k, config=cfg)
+    unrolled1 = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k,
+                                          config=dict(cfg or {}, unroll=1, elems_per_thread=16))
     return {"shape": list(got.shape), "same_inf": bool(torch.equal(torch.isfinite(got), fin)),
             "err": float((got[fin] - ref[fin]).abs().max()), "err_cm": float((got_cm[fin] - ref[fin]).abs().max()),
             "scale": float(ref[fin].abs().max()), "k": k,
@@ -105,6 +111,7 @@ def run_score_case(name: str, device: str = "cpu") -> dict:
                                                             extra.get("chunk", triton_kernel.FUSED_MAX_TOKENS))),
             "chunks": triton_kernel.fused_plan(labels.num_tokens, k, extra.get("chunk", 1 << 30))[0],
             "topk_unfused": topk_ok(unfused, ref, k, tol), "topk_fused": topk_ok(fused, ref, k, tol),
+            "topk_fused_other_launch": topk_ok(unrolled1, ref, k, tol),
             "topk_reference": topk_ok(reference.select_topk(q, labels, channels, valid, k), ref, k, tol)}
 
 
@@ -114,7 +121,11 @@ def gather_case(name: str, device: str = "cpu"):
     k = torch.randn(b, h, t, d, generator=gen).half()
     v = torch.randn(b, h, t, dv, generator=gen).half()
     q = torch.randn(b, h, m, d, generator=gen).half()
-    index = torch.stack([torch.randperm(t, generator=gen)[:kk] for _ in range(b * h * m)]).view(b, h, m, kk)
+    if extra.get("shared"):  # one selection per kv head, a stride-0 view over its rows (TokenSelection.grouped)
+        index = torch.stack([torch.randperm(t, generator=gen)[:kk] for _ in range(b * h)]).view(b, h, 1, kk)
+        index = index.to(device).expand(b, h, m, kk)  # (.to() of an expanded tensor would copy it)
+    else:
+        index = torch.stack([torch.randperm(t, generator=gen)[:kk] for _ in range(b * h * m)]).view(b, h, m, kk)
     valid = None
     if extra.get("pad"):
         valid = torch.rand(b, t, generator=gen) > 0.2
@@ -133,14 +144,15 @@ def run_gather_case(name: str, device: str = "cpu") -> dict:
     scale = q.shape[-1] ** -0.5
     out, lse = triton_kernel.gather_partial_attention(q, k, v, valid, index, scale, splits=extra.get("splits"),
                                                       block_k=16)
-    r_out, r_lse = reference.gather_partial_attention(q, k, v, valid, index, scale)
+    r_out, r_lse = reference.gather_partial_attention(q, k, v, valid, index.contiguous(), scale)
     fin = torch.isfinite(r_lse)
     return {"shape": list(out.shape), "same_inf": bool(torch.equal(torch.isfinite(lse), fin)),
             "out_err": float((out - r_out).abs().max()),
             "out_ok": bool(torch.allclose(out, r_out, atol=ATOL, rtol=RTOL)),
             "lse_err": float((lse[fin] - r_lse[fin]).abs().max()) if bool(fin.any()) else 0.0,
             "dead_zero": bool((out[~fin] == 0).all()), "any_dead": bool((~fin).any()),
-            "nan": bool(torch.isnan(out).any() or torch.isnan(lse).any())}
+            "nan": bool(torch.isnan(out).any() or torch.isnan(lse).any()),
+            "shared_kernel": triton_kernel.shared_rows(index)}
 
 
 def run_decode_case(device: str = "cpu") -> dict:
@@ -155,8 +167,35 @@ def run_decode_case(device: str = "cpu") -> dict:
     return {"out_err": float((out - r_out).abs().max()), "lse_err": float((lse - r_lse).abs().max())}
 
 
+def run_model_case(shared: bool) -> dict:
+    """A tiny GQA model decoding through the plugin with the Triton kernels (label cache -> fused select ->
+    gather, shared or per-row) against the same run on the PyTorch references, fp32."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import kvcompress
+    from models import tiny_model
+    from reference import decode_chunks, streamed_logits
+
+    model = tiny_model("llama", layers=3)
+    ids = torch.randint(1, 256, (1, 70), generator=torch.Generator().manual_seed(3))
+    stack = kvcompress.parse_stack({"compressors": [{"double_sparse": dict(
+        channels="random", r=8, k=12, sinks=2, window=4, dense_layers=1, label_bits=4, group_shared=shared)}]})
+    chunks = decode_chunks(40, 70, extra=[(50, 3)])
+
+    def run(mode):
+        os.environ["KVCOMPRESS_KERNELS"] = mode
+        try:
+            with kvcompress.compress(model, stack) as cache, torch.no_grad():
+                return streamed_logits(model, ids, cache, chunks)
+        finally:
+            os.environ.pop("KVCOMPRESS_KERNELS")
+
+    got, ref = run("triton"), run("reference")
+    return {"err": float((got - ref).abs().max())}
+
+
 def _worker(path: str) -> None:
-    cases = {"decode": run_decode_case}
+    cases = {"decode": run_decode_case, "model:per-query-head": lambda: run_model_case(False),
+             "model:group-shared": lambda: run_model_case(True)}
     cases.update({f"score:{n}": (lambda n=n: run_score_case(n)) for n in SCORE_CASES})
     cases.update({f"gather:{n}": (lambda n=n: run_gather_case(n)) for n in GATHER_CASES})
     collect(cases, path)
@@ -180,6 +219,7 @@ def _check_score(res: dict, name: str) -> None:
     assert res["topk_reference"], "the oracle check accepts torch.topk"
     assert res["topk_unfused"], "scores + torch.topk select a top-k"
     assert res["topk_fused"], "the fused kernel selects a top-k"
+    assert res["topk_fused_other_launch"], "the fused kernel with other launch settings selects a top-k"
 
 
 def _check_gather(res: dict, name: str) -> None:
@@ -192,6 +232,7 @@ def _check_gather(res: dict, name: str) -> None:
     assert res["lse_err"] <= LSE_ATOL
     if GATHER_CASES[name][-1].get("pad") == GATHER_CASES[name][3]:
         assert res["any_dead"]
+    assert res["shared_kernel"] == bool(GATHER_CASES[name][-1].get("shared"))
 
 
 @pytest.mark.parametrize("name", list(SCORE_CASES))
@@ -208,6 +249,13 @@ def test_sparse_decode_read_interpreted(interpreted):
     res = interpreted["decode"]
     assert "error" not in res, res.get("error")
     assert res["out_err"] < ATOL and res["lse_err"] < LSE_ATOL
+
+
+@pytest.mark.parametrize("name", ["model:per-query-head", "model:group-shared"])
+def test_plugin_decode_with_triton_kernels_interpreted(interpreted, name):
+    res = interpreted[name]
+    assert "error" not in res, res.get("error")
+    assert res["err"] < 1e-4
 
 
 def test_reference_gather_equals_masked_partial_attention():

@@ -31,21 +31,29 @@ def label_bytes(labels: Labels) -> int:
     return sum(x.numel() * x.element_size() for x in (labels.data, labels.scale, labels.zero) if x is not None)
 
 
-def ds_read_bytes(q, labels: Labels, k, kk: int, fused: bool = True) -> int:
+def ds_read_bytes(q, labels: Labels, k, kk: int, fused: bool = True, shared: bool = False) -> int:
     """Bytes one sparse read moves: labels, the gathered K/V rows, indices written and read, and (two-step
-    path only) the fp32 scores written and read."""
+    path only) the fp32 scores written and read; a group-shared selection reads each token once per kv head."""
     b, hq, d = q.shape
     t = k.shape[2]
-    scores = 0 if fused else 2 * 4 * b * hq * t
-    return label_bytes(labels) + 2 * b * hq * kk * d * k.element_size() + scores + 2 * 8 * b * hq * kk
+    heads = k.shape[1] if shared else hq
+    scores = 0 if fused else 2 * 4 * b * heads * t
+    return label_bytes(labels) + 2 * b * heads * kk * d * k.element_size() + scores + 2 * 8 * b * heads * kk
 
 
-def ds_decode(q, labels: Labels, channels, k, v, kk: int, scale: float, ops=None, gather_config=None):
-    """One sparse decode read with the Triton kernels (``ops``: the module, default ``triton_kernel``)."""
+def ds_decode(q, labels: Labels, channels, k, v, kk: int, scale: float, ops=None, gather_config=None,
+              shared: bool = False):
+    """One sparse decode read with the Triton kernels (``ops``: the module, default ``triton_kernel``);
+    ``shared``: one selection per kv head from the group's summed query (the plugin's ``group_shared``)."""
     if ops is None:
         from . import triton_kernel as ops
     b, hq, d = q.shape
     hkv = k.shape[1]
-    sel = ops.select_topk(q, labels, channels, None, kk).view(b, hkv, hq // hkv, kk)
+    g = hq // hkv
+    if shared:
+        qs = q.float().view(b, hkv, g, d).sum(2)
+        sel = ops.select_topk(qs, labels, channels, None, kk).view(b, hkv, 1, kk).expand(b, hkv, g, kk)
+    else:
+        sel = ops.select_topk(q, labels, channels, None, kk).view(b, hkv, g, kk)
     extra = {"config": gather_config} if gather_config else {}
     return ops.gather_partial_attention(q.view(b, hkv, hq // hkv, d), k, v, None, sel, scale, **extra)

@@ -1,19 +1,24 @@
-"""DoubleSparse in Triton: fused label scoring (+ top-k) and gather attention over selected tokens.
+"""DoubleSparse in Triton: label scoring fused with exact top-k, and gather attention over selected tokens.
 
 Same signatures and semantics as :mod:`.reference`.  Nothing is compiled at import.
 
-* :func:`label_scores` - one program per (batch, kv head, block of ``BT`` tokens) reads the block's
-  labels **once for all query heads of the GQA group** (the group's gathered query rows stay in
-  registers), unpacks 4/2-bit codes in place (the per-token scale and zero point are folded out:
-  ``s = scale * (q . codes) + zero * sum(q)``) and writes fp32 scores, ``-inf`` on invalid tokens.
-* :func:`select_topk` - the scores above, then ``torch.topk``.  Top-k is not fused into the
-  scoring kernel: an exact global top-k needs either all scores or a multi-pass radix select;
-  the scores written are ``4 * Hq`` bytes per token (the labels read are ``2 * Hkv * r``).
-* :func:`gather_partial_attention` - split-K flash decoding per query row over its own selected
-  indices: per block of ``BK`` indices the kernel gathers K and V rows of the row's kv head (each
-  row contiguous, ``D`` elements), computes the scores on CUDA cores in fp32, runs an online
-  softmax and writes a normalised partial + LSE per split; the shared combine kernel
-  (:mod:`kvcompress.kernels.attention.triton_shared`) merges the splits.
+* :func:`select_topk` (fused path, :func:`supports_fused`) - one program per query head and chunk of up
+  to :data:`FUSED_MAX_TOKENS` tokens reads the chunk's labels (token-contiguous: the plugin's label
+  cache is channel-major), computes the label scores **in registers** (4/2-bit codes unpacked in place,
+  ``s = scale * (q . codes) + zero * sum(q)``), maps them to order-preserving uint32 keys and finds the
+  k-th largest key exactly by a bitwise binary search (32 block-wide counts), then compacts the chosen
+  token indices with two prefix sums.  No score tensor is written.  Longer contexts: each chunk keeps
+  its ``min(k, chunk)`` best (key, token) pairs - a superset of its share of the global top-k - and a
+  merge kernel picks the k best of them (:func:`fused_plan`).  Beyond that, or for token-major labels:
+  :func:`select_topk_unfused` = :func:`label_scores` (fp32 scores of every head, labels read once per
+  GQA group) + ``torch.topk``.
+* :func:`gather_partial_attention` - split-K flash decoding over selected indices.  Per query row
+  (each row its own indices): per block of ``BK`` indices the kernel gathers K and V rows of the row's
+  kv head, computes the scores on CUDA cores in fp32 and runs an online softmax.  Group-shared
+  indices (every row of a kv head reads the same tokens, a stride-0 view:
+  ``TokenSelection(group=...)``): one program per kv head gathers each row once for the whole group
+  and runs both products on tensor cores.  Partials + LSE per split are merged by the shared combine
+  kernel (:mod:`kvcompress.kernels.attention.triton_shared`).
 
 Limits (:func:`supports_*`): last dims contiguous; ``D``, ``Dv``, ``r`` up to 256; query fp16, bf16 or
 fp32; K/V fp16, bf16 or fp32.
@@ -140,22 +145,24 @@ def _orderable(x):
 @triton.jit
 def _label_keys(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, sz_h, VA, sva_b, b, hq, h, offs, ok,
                 W: tl.constexpr, PER: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
-                HAS_VALID: tl.constexpr, NP: tl.constexpr):
+                HAS_VALID: tl.constexpr, UNROLL: tl.constexpr, NP: tl.constexpr):
     """Order-preserving keys of the label scores of tokens ``offs`` (token-contiguous labels); 0 where not ``ok``."""
     q_row = Q + b * sq_b + hq * sq_h
     acc = tl.zeros([NP], tl.float32)
     qsum = 0.0
-    for w in range(W):  # one label channel (or packed code byte) of every token
-        # the scalar part of the address first: no NP-wide pointer tensor stays live across the loop
-        lab = tl.load(L + b * sl_b + h * sl_h + w * sl_c + offs, mask=ok, other=0)
-        if QUANT:
-            for j in tl.static_range(PER):
-                qv = tl.load(q_row + tl.load(CH + h * sch_h + j * W + w)).to(tl.float32)
-                acc += qv * ((lab >> (BITS * j)) & ((1 << BITS) - 1)).to(tl.float32)
-                qsum += qv
-        else:
-            qv = tl.load(q_row + tl.load(CH + h * sch_h + w)).to(tl.float32)
-            acc += qv * lab.to(tl.float32)
+    for w0 in range(0, W, UNROLL):  # UNROLL (divides W) label channels or code bytes of every token in flight
+        for u in tl.static_range(UNROLL):
+            w = w0 + u
+            # the scalar part of the address first: no NP-wide pointer tensor stays live across the loop
+            lab = tl.load(L + b * sl_b + h * sl_h + w * sl_c + offs, mask=ok, other=0)
+            if QUANT:
+                for j in tl.static_range(PER):
+                    qv = tl.load(q_row + tl.load(CH + h * sch_h + j * W + w)).to(tl.float32)
+                    acc += qv * ((lab >> (BITS * j)) & ((1 << BITS) - 1)).to(tl.float32)
+                    qsum += qv
+            else:
+                qv = tl.load(q_row + tl.load(CH + h * sch_h + w)).to(tl.float32)
+                acc += qv * lab.to(tl.float32)
     if QUANT:
         sc = tl.load(SC + b * sz_b + h * sz_h + offs, mask=ok, other=1.0).to(tl.float32)
         sc = tl.where(sc == 0.0, 1.0, sc)
@@ -169,10 +176,8 @@ def _label_keys(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, sz_
 
 
 @triton.jit
-def _top_slots(key, K):
-    """The ``K`` largest of ``key`` (uint32, 0 = absent; at least ``K`` present): ``(chosen, slot)`` with
-    ``slot`` the rank of a chosen lane in lane order.  The k-th largest key is found exactly by a bitwise
-    binary search (the largest t with #{key >= t} >= K); ties at it go to the lowest lanes."""
+def _kth_key_bitwise(key, K):
+    """The k-th largest of ``key`` by a bitwise binary search: the largest t with #{key >= t} >= K (32 rounds)."""
     found = tl.zeros([], tl.uint32)
     bit = tl.full([], 1, tl.uint32) << 31
     for _ in range(32):  # a loop, not unrolled: 32 copies of an NP-wide reduction compile slowly
@@ -180,6 +185,16 @@ def _top_slots(key, K):
         cnt = tl.sum((key >= cand).to(tl.int32), axis=0)
         found = tl.where(cnt >= K, cand, found)
         bit = bit >> 1
+    return found
+
+
+@triton.jit
+def _top_slots(key, K):
+    """The ``K`` largest of ``key`` (uint32, 0 = absent; at least ``K`` present): ``(chosen, slot)`` with
+    ``slot`` the rank of a chosen lane in lane order.  The k-th largest key is found exactly by a bitwise
+    binary search; ties at it go to the lowest lanes.  (An 8-bit radix select over ``tl.histogram`` and a
+    2-bit-per-round search with packed counts were both slower on an H200: docs/results.md.)"""
+    found = _kth_key_bitwise(key, K)
     above = key > found
     need = K - tl.sum(above.to(tl.int32), axis=0)
     tie = key == found
@@ -191,7 +206,7 @@ def _top_slots(key, K):
 def _select_kernel(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, sz_h, VA, sva_b,
                    IDX, CKEY, T, K, KC, CHUNK, HQ, G,
                    W: tl.constexpr, PER: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
-                   HAS_VALID: tl.constexpr, CANDIDATES: tl.constexpr, NP: tl.constexpr):
+                   HAS_VALID: tl.constexpr, CANDIDATES: tl.constexpr, UNROLL: tl.constexpr, NP: tl.constexpr):
     """One query head and one chunk of ``CHUNK`` tokens: label scores in registers, then either the head's
     ``K`` token indices (one chunk) or the chunk's ``KC`` best (key, token) candidates (``CANDIDATES``)."""
     pid = tl.program_id(0)  # b * HQ + hq
@@ -206,7 +221,7 @@ def _select_kernel(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, 
         offs = tl.arange(0, NP)
         ok = offs < T
     key = _label_keys(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, sz_h, VA, sva_b, b, hq, h,
-                      offs, ok, W, PER, BITS, QUANT, HAS_VALID, NP)
+                      offs, ok, W, PER, BITS, QUANT, HAS_VALID, UNROLL, NP)
     if CANDIDATES:
         n = tl.minimum(CHUNK, T - chunk * CHUNK)
         chosen, slot = _top_slots(key, tl.minimum(KC, n))
@@ -232,7 +247,7 @@ def _merge_kernel(CKEY, CIDX, OUT, N, K, NP: tl.constexpr):
 FUSED_MAX_TOKENS = 16384  # per program: the label scores stay in registers (~3 registers per token)
 # 16 warps for 16384 tokens: ~94 registers, no spills (sm_90); chunk_tokens < FUSED_MAX_TOKENS exercises
 # the chunk + merge path on small inputs (tests)
-SELECT_CONFIG = dict(elems_per_thread=32, chunk_tokens=FUSED_MAX_TOKENS)
+SELECT_CONFIG = dict(elems_per_thread=None, chunk_tokens=FUSED_MAX_TOKENS, unroll=4)
 
 
 def fused_plan(tokens: int, k: int, chunk: int = FUSED_MAX_TOKENS) -> tuple[int, int, int] | None:
@@ -259,6 +274,14 @@ def supports_fused(query: torch.Tensor, labels: Labels, channels: torch.Tensor, 
     t = labels.num_tokens
     return supports_scores(query, labels, channels) and t > 0 and (labels.data.stride(2) == 1 or t == 1) \
         and fused_plan(t, k, chunk) is not None
+
+
+def _divisor(n: int, most: int) -> int:
+    """The largest power of two <= ``most`` that divides ``n``."""
+    d = 1
+    while d * 2 <= most and n % (d * 2) == 0:
+        d *= 2
+    return d
 
 
 def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None,
@@ -290,7 +313,11 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
     ze = labels.zero if quant else out
     va = valid.view(torch.uint8) if valid is not None else out
     np_ = max(16, pow2(chunk))
-    ept = int(cfg["elems_per_thread"])  # scores per thread (registers)
+    ept = cfg["elems_per_thread"]  # scores per thread (registers)
+    if ept is None:  # measured on an H200 (benchmarks/gpu_doublesparse.py): wide CTAs when few programs run
+        sms = num_sms(dev.index or 0) if dev.type == "cuda" else 4
+        ept = 32 if b * hq * chunks < 2 * sms else 64
+    ept = int(ept)
     warps = max(1, min(16, np_ // (32 * ept)))
     if chunks > 1:
         ckey = torch.zeros(b * hq, chunks * kc, device=dev, dtype=torch.int32)  # 0 = no candidate
@@ -304,7 +331,8 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
         va, va.stride(0) if valid is not None else 0,
         cidx, ckey, t, k, kc, chunk, hq, hq // hkv,
         W=lab.shape[-1], PER=8 // labels.bits if quant else 1, BITS=labels.bits if quant else 16, QUANT=quant,
-        HAS_VALID=valid is not None, CANDIDATES=chunks > 1, NP=np_, num_warps=warps)
+        HAS_VALID=valid is not None, CANDIDATES=chunks > 1,
+        UNROLL=_divisor(lab.shape[-1], int(cfg["unroll"])), NP=np_, num_warps=warps)
     if chunks > 1:
         n = chunks * kc
         np2 = max(16, pow2(n))
@@ -364,6 +392,72 @@ def _gather_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_h, sv_t
     tl.store(PL + pid_s * rows + pid_row, lse)
 
 
+@triton.jit
+def _gather_shared_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_h, sv_t, VA, sva_b,
+                          IDX, si_b, si_h, PO, PL, HKV, M, NK, per_split, qk_scale,
+                          MP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+                          HAS_VALID: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    """All ``M`` query rows of one kv head over one split of their *shared* selected indices: each K/V row
+    is gathered once for the group and both products run on tensor cores (rows padded to ``MP``)."""
+    pid_bh = tl.program_id(0)  # b * HKV + h
+    pid_s = tl.program_id(1)
+    h = (pid_bh % HKV).to(tl.int64)
+    b = (pid_bh // HKV).to(tl.int64)
+    offs_m = tl.arange(0, MP)
+    offs_d = tl.arange(0, DP)
+    offs_v = tl.arange(0, DVP)
+    m_ok = offs_m < M
+    d_ok = offs_d < D
+    v_ok = offs_v < DV
+    q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None].to(tl.int64) * sq_m + offs_d[None, :],
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    k_base = K + b * sk_b + h * sk_h
+    v_base = V + b * sv_b + h * sv_h
+    i_base = IDX + b * si_b + h * si_h
+    start = pid_s * per_split
+    end = tl.minimum(start + per_split, NK)
+    m_i = tl.full([MP], float("-inf"), tl.float32)
+    l_i = tl.zeros([MP], tl.float32)
+    acc = tl.zeros([MP, DVP], tl.float32)
+    for k0 in range(start, end, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        k_ok = offs_k < end
+        idx = tl.load(i_base + offs_k, mask=k_ok, other=0).to(tl.int64)
+        ok = k_ok
+        if HAS_VALID:
+            ok = ok & (tl.load(VA + b * sva_b + idx, mask=k_ok, other=0) != 0)
+        kt = tl.load(k_base + idx[:, None] * sk_t + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q.to(kt.dtype), tl.trans(kt), input_precision="ieee")
+        else:
+            s = tl.dot(q.to(kt.dtype), tl.trans(kt))
+        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        vt = tl.load(v_base + idx[:, None] * sv_t + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(vt.dtype), vt)
+        acc = acc * alpha[:, None] + pv
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    rows = tl.num_programs(0) * M
+    row = pid_bh.to(tl.int64) * M + offs_m
+    tl.store(PO + pid_s * rows * DV + row[:, None] * DV + offs_v[None, :], out, mask=m_ok[:, None] & v_ok[None, :])
+    tl.store(PL + pid_s * rows + row, lse, mask=m_ok)
+
+
+def shared_rows(index: torch.Tensor) -> bool:
+    """Whether every query row of a kv head reads the same indices (a group-shared selection's stride-0 view)."""
+    return index.shape[2] > 1 and index.stride(2) == 0
+
+
 def supports_gather(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> bool:
     """Whether :func:`gather_partial_attention` handles these arguments (else use the reference)."""
     if query.dim() != 4 or k.dim() != 4 or v.dim() != 4 or index.dim() != 4:
@@ -376,7 +470,7 @@ def supports_gather(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
     return all(x.stride(-1) == 1 for x in (query, k, v, index))
 
 
-GATHER_CONFIG = dict(block_k=64, programs_per_sm=4, num_warps=4, num_stages=3)
+GATHER_CONFIG = dict(block_k=64, programs_per_sm=8, num_warps=2, num_stages=3, shared_warps=4)
 
 
 def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
@@ -403,22 +497,34 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
+    shared = shared_rows(index) and m <= 64
+    programs = b * h if shared else rows
     if splits is None:
         target = int(cfg["programs_per_sm"] * (num_sms(query.device.index or 0) if query.is_cuda else 4))
-        splits = max(1, min(triton.cdiv(nk, block_k), triton.cdiv(target, rows)))
+        splits = max(1, min(triton.cdiv(nk, block_k), triton.cdiv(target, programs)))
     per_split = triton.cdiv(triton.cdiv(nk, splits), block_k) * block_k
     splits = triton.cdiv(nk, per_split)
     po = torch.empty(splits, rows, dv, device=query.device, dtype=torch.float32)
     pl = torch.empty(splits, rows, device=query.device, dtype=torch.float32)
     va = valid.view(torch.uint8) if valid is not None else pl
-    _gather_kernel[(rows, splits)](
-        query, query.stride(0), query.stride(1), query.stride(2),
-        k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1), v.stride(2),
-        va, va.stride(0) if valid is not None else 0,
-        index, index.stride(0), index.stride(1), index.stride(2), po, pl, h, m, nk, per_split,
-        scale * 1.4426950408889634,
-        D=d, DP=max(16, pow2(d)), DV=dv, DVP=max(16, pow2(dv)), HAS_VALID=valid is not None, BK=block_k,
-        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
+    if shared:
+        _gather_shared_kernel[(b * h, splits)](
+            query, query.stride(0), query.stride(1), query.stride(2),
+            k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1), v.stride(2),
+            va, va.stride(0) if valid is not None else 0,
+            index, index.stride(0), index.stride(1), po, pl, h, m, nk, per_split, scale * 1.4426950408889634,
+            MP=max(16, pow2(m)), D=d, DP=max(16, pow2(d)), DV=dv, DVP=max(16, pow2(dv)),
+            HAS_VALID=valid is not None, BK=block_k, IEEE=k.dtype == torch.float32,
+            num_warps=int(cfg["shared_warps"]), num_stages=int(cfg["num_stages"]))
+    else:
+        _gather_kernel[(rows, splits)](
+            query, query.stride(0), query.stride(1), query.stride(2),
+            k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1), v.stride(2),
+            va, va.stride(0) if valid is not None else 0,
+            index, index.stride(0), index.stride(1), index.stride(2), po, pl, h, m, nk, per_split,
+            scale * 1.4426950408889634,
+            D=d, DP=max(16, pow2(d)), DV=dv, DVP=max(16, pow2(dv)), HAS_VALID=valid is not None, BK=block_k,
+            num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
     if splits == 1:
         return po.view(b, h, m, dv), pl.view(b, h, m)
     combine_splits(po, pl, out, lse, splits, m, b * h, dv, max(2, min(16, pow2(m))))
