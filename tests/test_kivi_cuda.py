@@ -120,6 +120,75 @@ def test_import_compiles_nothing():
     assert out == ["0", "0"]
 
 
+# ----------------------------------------------------------------------------- tile copies + shared-memory reads (CPU)
+
+
+def _widen(x: torch.Tensor, dim: int, extra: int = 32) -> torch.Tensor:
+    """``x`` as a slice of a larger buffer along ``dim`` (strided outer dims, like a preallocated store)."""
+    shape = list(x.shape)
+    shape[dim] += extra
+    return torch.zeros(shape, dtype=x.dtype).narrow(dim, 0, x.shape[dim]).copy_(x)
+
+
+@pytest.mark.parametrize("bits,dk,dv,g,gv", [(2, 128, 128, 32, 32), (4, 128, 128, 32, 32), (2, 64, 64, 64, 32),
+                                             (4, 64, 64, 32, 16), (2, 64, 128, 32, 16), (4, 128, 64, 128, 64)])
+def test_tile_copies_and_shared_memory_reads(bits, dk, dv, g, gv):
+    """The kernel's own TileCopier / Layout code, replayed on the host (kivi_v3_layout_probe): every lane reads
+    the key words, scale pairs, valid flags and value words / scales its fragments need (by the mapping helpers
+    above), and no read touches shared memory that no copy wrote."""
+    if not ck.nvcc_path():
+        pytest.skip("nvcc not on the PATH")
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(bits * 1000 + dk + dv + g + gv)
+    b_, h_, t = 2, 3, 4 * max(g, 64)
+    per = 32 // bits
+    ng = t // g
+    kc = torch.randint(-2**31, 2**31 - 1, (b_, h_, ng, dk // per, g), dtype=torch.int32, generator=gen)
+    ks = torch.randn(b_, h_, ng, dk, generator=gen).half()
+    kz = torch.randn(b_, h_, ng, dk, generator=gen).half()
+    vc = torch.randint(-2**31, 2**31 - 1, (b_, h_, t, dv // per), dtype=torch.int32, generator=gen)
+    vs = torch.randn(b_, h_, t, dv // gv, generator=gen).half()
+    vz = torch.randn(b_, h_, t, dv // gv, generator=gen).half()
+    valid = torch.rand(b_, t, generator=gen) > 0.5
+    packed = PackedKV(bits, g, _widen(kc, 2, 2), _widen(ks, 2, 2), _widen(kz, 2, 2), _widen(vc, 2),
+                      _widen(vs, 2), _widen(vz, 2), _widen(valid, 1))
+    u32 = lambda x: x.contiguous().numpy().view(np.uint32)  # noqa: E731
+    kcw, vcw = u32(kc), u32(vc)
+    ksp, kzp = u32(ks.view(torch.int32)), u32(kz.view(torch.int32))
+    vsh = vs.view(torch.int16).numpy().view(np.uint16)
+    vzh = vz.view(torch.int16).numpy().view(np.uint16)
+    kwt, hp = dk // per // 4, per // 2
+    for b, h, tok0 in [(1, 2, 32), (0, 1, t - 32), (1, 0, 64), (0, 0, 0)]:
+        res = ck.layout_probe(packed, b, h, tok0)
+        assert res["missing"] == 0, "a lane read shared memory that no copy wrote"
+        grp, toff = divmod(tok0, g)
+        for lane in range(32):
+            gl, tl = lane // 4, lane % 4
+            for jw in range(kwt):
+                word = tl * kwt + jw
+                assert list(res["kwords"][lane, jw]) == [kcw[b, h, grp, word, toff + ck.score_token(mt, gl + 8 * e)]
+                                                         for mt in range(2) for e in range(2)]
+                pairs = [tl * (dk // 8) + jw * hp + i for i in range(hp)]
+                assert list(res["kscale"][lane, jw]) == [ksp[b, h, grp, p] for p in pairs]
+                assert list(res["kzero"][lane, jw]) == [kzp[b, h, grp, p] for p in pairs]
+                assert [ck.key_word_field(bits, dk, tl, jw * hp + i)[0] for i in range(hp)] == [word] * hp
+            flags = [int(valid[b, tok0 + 4 * gl + j]) for j in range(4)]
+            assert res["valid4"][lane] == sum(f << (8 * j) for j, f in enumerate(flags))
+            units = ck.value_units(bits, dv, gl)
+            first = units[0][0]
+            vgrp = first * per // gv
+            assert all(ck.value_channel(bits, dv, nt, gl) // gv == vgrp for nt in range(dv // 8))
+            for kk in range(2):
+                for r in range(2):
+                    for e, tok in enumerate(ck.pv_tokens(tl, kk, r)):
+                        words = list(res["vwords"][lane, kk, r, e])
+                        assert words == [vcw[b, h, tok0 + tok, first + w] for w in range(len(words))]
+                        assert sorted({w for w, _ in units}) == [first + w for w in range(len(words))]
+                        assert res["vscale"][lane, kk, r, e] == vsh[b, h, tok0 + tok, vgrp]
+                        assert res["vzero"][lane, kk, r, e] == vzh[b, h, tok0 + tok, vgrp]
+
+
 # ----------------------------------------------------------------------------- fragment mapping (pure PyTorch)
 
 

@@ -54,6 +54,21 @@ struct Params {
   float qk_scale;  // softmax scale * log2(e)
 };
 
+// Pointers of one (batch, kv head) slice.
+struct Slice {
+  const int* kc;
+  const __half* ks;
+  const __half* kz;
+  const int* vc;
+  const __half* vs;
+  const __half* vz;
+  const uint8_t* va;
+  __host__ __device__ __forceinline__ Slice(const Params& p, int b, int h)
+      : kc(p.kc + b * p.kc_sb + h * p.kc_sh), ks(p.ks + b * p.ks_sb + h * p.ks_sh),
+        kz(p.kz + b * p.kz_sb + h * p.kz_sh), vc(p.vc + b * p.vc_sb + h * p.vc_sh),
+        vs(p.vs + b * p.vs_sb + h * p.vs_sh), vz(p.vz + b * p.vz_sb + h * p.vz_sh), va(p.valid + b * p.va_sb) {}
+};
+
 template <int BITS, int DK, int DV>
 struct Cfg {
   static constexpr int PER = 32 / BITS;          // codes per int32 word
@@ -186,7 +201,29 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
 
 // smem row of token `tok` (0..31) of a value tile: lane (g, t) reads tokens 8t..8t+7, so rows are stored
 // transposed (row = 4*(tok%8) + tok/8) to spread the four t's over the banks
-__device__ __forceinline__ int vrow(int tok) { return (tok & 7) * 4 + (tok >> 3); }
+__host__ __device__ __forceinline__ int vrow(int tok) { return (tok & 7) * 4 + (tok >> 3); }
+
+// Where the compute loop reads a stage (byte offsets from the stage base).  Shared by the kernel and the host
+// probe kivi_v3_layout_probe, which replays the copies and these reads on the CPU for the tests.
+template <int BITS, int DK, int DV>
+struct Layout {
+  using C = Cfg<BITS, DK, DV>;
+  // 16 bytes: key word t*KWT + jw of tokens 4g .. 4g+3
+  __host__ __device__ static int k_words(int g, int t, int jw) { return C::OFF_K + (t * C::KWT + jw) * KROW + 16 * g; }
+  // 16 bytes: scale (or zero) pairs 4c .. 4c+3 of key word t*KWT + jw (channel pairs t*DK/8 + jw*HP + ..)
+  __host__ __device__ static int k_scales(int t, int jw, int c) { return C::OFF_KS + t * (DK / 2) + jw * C::HP * 4 + 16 * c; }
+  __host__ __device__ static int k_zeros(int t, int jw, int c) { return C::OFF_KZ + t * (DK / 2) + jw * C::HP * 4 + 16 * c; }
+  // 4 bytes: valid flags of tokens 4g .. 4g+3
+  __host__ __device__ static int valid4(int g) { return C::OFF_VA + 4 * g; }
+  // value word `word` of token `tok`
+  __host__ __device__ static int v_word(int tok, int word) { return C::OFF_V + vrow(tok) * C::VROW + 4 * word; }
+  // first value word of lane column g (NVW words when a token has >= 8, else word g/2 of which half g%2)
+  __host__ __device__ static int v_first_word(int g) { return C::VW >= 8 ? g * C::NVW : (g >> 1); }
+  __host__ __device__ static int v_group(int g, int gv) { return (v_first_word(g) * C::PER) / gv; }
+  // 2 bytes: value scale (zero) of token tok, value group grp
+  __host__ __device__ static int v_scale(int tok, int ngv, int grp) { return C::OFF_VS + 2 * (tok * ngv + grp); }
+  __host__ __device__ static int v_zero(int tok, int ngv, int grp) { return C::OFF_VZ + 2 * (tok * ngv + grp); }
+};
 
 // Issues the cp.async copies of one 32-token tile (keys, key scales / zeros, values, value scales / zeros,
 // valid flags) into one pipeline stage.  Chunk `it` of a lane is chunk `lane + 32*it` of a region, so the
@@ -210,9 +247,9 @@ struct TileCopier {
   int kc_sg, ks_sg, kz_sg, vc_st, gshift, ngv, lane;
   int k_src, k_step, k_dst, v_src, v_step, v_dst;
 
-  __device__ __forceinline__ TileCopier(const Params& p, const int* kc_, const __half* ks_, const __half* kz_,
-                                        const int* vc_, const __half* vs_, const __half* vz_, const uint8_t* va_,
-                                        int lane_)
+  __host__ __device__ __forceinline__ TileCopier(const Params& p, const int* kc_, const __half* ks_,
+                                                 const __half* kz_, const int* vc_, const __half* vs_,
+                                                 const __half* vz_, const uint8_t* va_, int lane_)
       : kc(kc_), ks(ks_), kz(kz_), vc(vc_), vs(vs_), vz(vz_), va(va_), kc_sg((int)p.kc_sg), ks_sg((int)p.ks_sg),
         kz_sg((int)p.kz_sg), vc_st((int)p.vc_st), gshift(p.gshift), ngv(p.ngv), lane(lane_) {
     k_src = ((lane >> 3) << gshift) + 4 * (lane & 7);  // word row lane/8 (rows are G ints apart), chunk lane%8
@@ -223,25 +260,33 @@ struct TileCopier {
     v_dst = C::OFF_V + vrow(lane / VCH) * C::VROW + 16 * (lane % VCH);
   }
 
-  __device__ __forceinline__ void operator()(uint32_t stage, int tok0) const {
+  // cp(dst byte offset in the stage, src pointer): one 16-byte copy
+  template <class CP>
+  __host__ __device__ __forceinline__ void issue(CP&& cp, int tok0) const {
     const int grp = tok0 >> gshift;
     const int* kt = kc + (grp * kc_sg + (tok0 & ((1 << gshift) - 1)) + k_src);
 #pragma unroll
-    for (int it = 0; it < NK; ++it) cp16(stage + k_dst + it * 4 * KROW, kt + it * k_step);
+    for (int it = 0; it < NK; ++it) cp(k_dst + it * 4 * KROW, kt + it * k_step);
     if (lane < DK / 8) {
-      cp16(stage + C::OFF_KS + 16 * lane, ks + (grp * ks_sg + 8 * lane));
-      cp16(stage + C::OFF_KZ + 16 * lane, kz + (grp * kz_sg + 8 * lane));
+      cp(C::OFF_KS + 16 * lane, ks + (grp * ks_sg + 8 * lane));
+      cp(C::OFF_KZ + 16 * lane, kz + (grp * kz_sg + 8 * lane));
     }
     const int* vt = vc + (tok0 * vc_st + v_src);
 #pragma unroll
-    for (int it = 0; it < NV; ++it) cp16(stage + v_dst + it * (4 / VCH) * C::VROW, vt + it * v_step);
+    for (int it = 0; it < NV; ++it) cp(v_dst + it * (4 / VCH) * C::VROW, vt + it * v_step);
     if (lane < 4 * ngv) {  // TILE * ngv halves, 8 per chunk
       const int o = tok0 * ngv + 8 * lane;
-      cp16(stage + C::OFF_VS + 16 * lane, vs + o);
-      cp16(stage + C::OFF_VZ + 16 * lane, vz + o);
+      cp(C::OFF_VS + 16 * lane, vs + o);
+      cp(C::OFF_VZ + 16 * lane, vz + o);
     }
-    if (lane < 2) cp16(stage + C::OFF_VA + 16 * lane, va + (tok0 + 16 * lane));
+    if (lane < 2) cp(C::OFF_VA + 16 * lane, va + (tok0 + 16 * lane));
   }
+
+#ifdef __CUDA_ARCH__
+  __device__ __forceinline__ void operator()(uint32_t stage, int tok0) const {
+    issue([stage](int dst, const void* src) { cp16(stage + dst, src); }, tok0);
+  }
+#endif
 };
 
 // grid (nsplit, B*H, row blocks of 8), block NW warps.  Each warp walks its own contiguous run of 32-token
@@ -255,6 +300,7 @@ struct TileCopier {
 template <int BITS, int DK, int DV, int ST>
 __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(const Params p) {
   using C = Cfg<BITS, DK, DV>;
+  using L = Layout<BITS, DK, DV>;
   constexpr int MT = 8;
   constexpr int NCT = DV / 16;  // output m16 tiles
   extern __shared__ __align__(16) uint8_t smem[];
@@ -263,13 +309,7 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
   const int split = blockIdx.x, bh = blockIdx.y, rb = blockIdx.z;
   const int b = bh / p.H, h = bh - b * p.H;
 
-  const int* kc = p.kc + b * p.kc_sb + h * p.kc_sh;
-  const __half* ks = p.ks + b * p.ks_sb + h * p.ks_sh;
-  const __half* kz = p.kz + b * p.kz_sb + h * p.kz_sh;
-  const int* vc = p.vc + b * p.vc_sb + h * p.vc_sh;
-  const __half* vs = p.vs + b * p.vs_sb + h * p.vs_sh;
-  const __half* vz = p.vz + b * p.vz_sb + h * p.vz_sh;
-  const uint8_t* va = p.valid + b * p.va_sb;
+  const Slice sl(p, b, h);
 
   // ---- Q^T B fragments (column g = query row rb*8 + g), pre-scaled by softmax scale * log2(e).  Lane (g, t)
   // owns the channels [t*DK/4, (t+1)*DK/4): its local pair l = 2s + r is k-pair (2t, 2t+1) (r = 0) or
@@ -304,7 +344,7 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
   const int nmine = (ntiles * (warp + 1)) / nw - wbeg;
   uint8_t* wsm = smem + warp * (ST * C::STAGE);
   const uint32_t wsm_addr = smem_addr(wsm);
-  const TileCopier<BITS, DK, DV> copy(p, kc, ks, kz, vc, vs, vz, va, lane);
+  const TileCopier<BITS, DK, DV> copy(p, sl.kc, sl.ks, sl.kz, sl.vc, sl.vs, sl.vz, sl.va, lane);
   const int tstride = TILE;  // tokens between two tiles of this warp
   int tok_next = t_begin + wbeg * TILE;
 
@@ -316,14 +356,8 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
   }
 
   // value constants of this lane column: value group, half selector when a token has 4 value words
-  int vgrp;
-  uint32_t vsel = 0x5410u;
-  if constexpr (C::VW >= 8) {
-    vgrp = (g * C::NVW * C::PER) / p.gv;
-  } else {
-    vgrp = ((g >> 1) * C::PER) / p.gv;
-    vsel = (g & 1) ? 0x7632u : 0x5410u;
-  }
+  const int vgrp = L::v_group(g, p.gv);
+  const uint32_t vsel = (C::VW >= 8 || (g & 1) == 0) ? 0x5410u : 0x7632u;
 
   int st_load = ST - 1, st_use = 0;  // ring positions of the stage being filled / consumed
   for (int it = 0; it < nmine; ++it) {
@@ -347,13 +381,12 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
       uint32_t ksc[C::HP], kzr[C::HP];  // scale / zero pairs of this word's channel pairs
 #pragma unroll
       for (int c = 0; c < C::HP / 4; ++c) {
-        const int off = t * (DK / 2) + jw * C::HP * 4 + 16 * c;
-        const uint4 a = *reinterpret_cast<const uint4*>(sb + C::OFF_KS + off);
-        const uint4 z = *reinterpret_cast<const uint4*>(sb + C::OFF_KZ + off);
+        const uint4 a = *reinterpret_cast<const uint4*>(sb + L::k_scales(t, jw, c));
+        const uint4 z = *reinterpret_cast<const uint4*>(sb + L::k_zeros(t, jw, c));
         ksc[4 * c] = a.x; ksc[4 * c + 1] = a.y; ksc[4 * c + 2] = a.z; ksc[4 * c + 3] = a.w;
         kzr[4 * c] = z.x; kzr[4 * c + 1] = z.y; kzr[4 * c + 2] = z.z; kzr[4 * c + 3] = z.w;
       }
-      const uint4 wv = *reinterpret_cast<const uint4*>(sb + C::OFF_K + (t * C::KWT + jw) * KROW + 16 * g);
+      const uint4 wv = *reinterpret_cast<const uint4*>(sb + L::k_words(g, t, jw));
       const uint32_t wt[4] = {wv.x, wv.y, wv.z, wv.w};
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
@@ -371,7 +404,7 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
     }
 
     // ---- mask + online softmax (base 2) per query row (2t, 2t+1); lane-local sums
-    const uint32_t vb = *reinterpret_cast<const uint32_t*>(sb + C::OFF_VA + 4 * g);  // tokens 4g..4g+3
+    const uint32_t vb = *reinterpret_cast<const uint32_t*>(sb + L::valid4(g));  // tokens 4g..4g+3
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
@@ -427,8 +460,6 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
     // puts the same 16-bit half of two tokens' words into one register, so every field of it is a
     // (token a, token b) pair of one channel: LOP3 + HSUB2 + HFMA2 with the per-token scale / zero pair.
     {
-      const __half* vss = reinterpret_cast<const __half*>(sb + C::OFF_VS);
-      const __half* vzs = reinterpret_cast<const __half*>(sb + C::OFF_VZ);
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
         uint32_t bw[2][C::NU];  // [token pair r][unit]: merged words
@@ -436,23 +467,24 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int ta = 8 * t + 2 * kk + r, tb = ta + 4;
-          const __half sa = vss[ta * p.ngv + vgrp], sbv = vss[tb * p.ngv + vgrp];
-          const __half za = vzs[ta * p.ngv + vgrp], zb = vzs[tb * p.ngv + vgrp];
-          bs[r] = (uint32_t)__half_as_ushort(sa) | ((uint32_t)__half_as_ushort(sbv) << 16);
-          bz[r] = (uint32_t)__half_as_ushort(za) | ((uint32_t)__half_as_ushort(zb) << 16);
-          const uint8_t* ra = sb + C::OFF_V + vrow(ta) * C::VROW;
-          const uint8_t* rbp = sb + C::OFF_V + vrow(tb) * C::VROW;
+          const uint32_t sa = *reinterpret_cast<const uint16_t*>(sb + L::v_scale(ta, p.ngv, vgrp));
+          const uint32_t sbv = *reinterpret_cast<const uint16_t*>(sb + L::v_scale(tb, p.ngv, vgrp));
+          const uint32_t za = *reinterpret_cast<const uint16_t*>(sb + L::v_zero(ta, p.ngv, vgrp));
+          const uint32_t zb = *reinterpret_cast<const uint16_t*>(sb + L::v_zero(tb, p.ngv, vgrp));
+          bs[r] = sa | (sbv << 16);
+          bz[r] = za | (zb << 16);
+          const int w0 = L::v_first_word(g);
           if constexpr (C::VW >= 8) {
             uint32_t wa[C::NVW], wb[C::NVW];
             if constexpr (C::NVW == 2) {
-              const uint2 xa = *reinterpret_cast<const uint2*>(ra + 8 * g);
-              const uint2 xb = *reinterpret_cast<const uint2*>(rbp + 8 * g);
+              const uint2 xa = *reinterpret_cast<const uint2*>(sb + L::v_word(ta, w0));
+              const uint2 xb = *reinterpret_cast<const uint2*>(sb + L::v_word(tb, w0));
               wa[0] = xa.x; wa[1] = xa.y; wb[0] = xb.x; wb[1] = xb.y;
             } else {
 #pragma unroll
               for (int w = 0; w < C::NVW; ++w) {
-                wa[w] = *reinterpret_cast<const uint32_t*>(ra + 4 * (g * C::NVW + w));
-                wb[w] = *reinterpret_cast<const uint32_t*>(rbp + 4 * (g * C::NVW + w));
+                wa[w] = *reinterpret_cast<const uint32_t*>(sb + L::v_word(ta, w0 + w));
+                wb[w] = *reinterpret_cast<const uint32_t*>(sb + L::v_word(tb, w0 + w));
               }
             }
 #pragma unroll
@@ -461,8 +493,8 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
               bw[r][2 * w + 1] = prmt(wa[w], wb[w], 0x7632u);
             }
           } else {
-            const uint32_t wa = *reinterpret_cast<const uint32_t*>(ra + 4 * (g >> 1));
-            const uint32_t wb = *reinterpret_cast<const uint32_t*>(rbp + 4 * (g >> 1));
+            const uint32_t wa = *reinterpret_cast<const uint32_t*>(sb + L::v_word(ta, w0));
+            const uint32_t wb = *reinterpret_cast<const uint32_t*>(sb + L::v_word(tb, w0));
             bw[r][0] = prmt(wa, wb, vsel);
           }
         }
@@ -619,20 +651,10 @@ int launch_variant(const Params& p, int nw, dim3 grid, size_t smem, cudaStream_t
 
 }  // namespace kivi_v3
 
-extern "C" {
+#include <string.h>
 
-// Shared-memory bytes of one pipeline stage of one warp (the Python side sizes launches with it).
-int kivi_v3_stage_bytes() { return kivi_v3::stage_bytes<KIVI_BITS, KIVI_DK, KIVI_DV>(); }
-int kivi_v3_bits() { return KIVI_BITS; }
-int kivi_v3_dk() { return KIVI_DK; }
-int kivi_v3_dv() { return KIVI_DV; }
-
-// a: pointers and int64 sizes/strides in the order of kivi_v3::Params (see cuda_kernel.py::_ARGS).
-int kivi_v3_launch(const long long* a, double qk_scale, int nw, int stages, int row_blocks,
-                   int device, void* stream) {
+static kivi_v3::Params parse_params(const long long* a, double qk_scale) {
   using namespace kivi_v3;
-  cudaError_t e = cudaSetDevice(device);
-  if (e != cudaSuccess) return (int)e;
   Params p;
   int i = 0;
   p.q = reinterpret_cast<const __half*>(a[i++]);
@@ -656,6 +678,24 @@ int kivi_v3_launch(const long long* a, double qk_scale, int nw, int stages, int 
   p.M = (int)a[i++]; p.H = (int)a[i++]; p.NT = (int)a[i++]; p.gshift = (int)a[i++]; p.tps = (int)a[i++];
   p.nsplit = (int)a[i++]; p.ngv = (int)a[i++]; p.gv = (int)a[i++]; p.BH = (int)a[i++];
   p.qk_scale = (float)qk_scale;
+  return p;
+}
+
+extern "C" {
+
+// Shared-memory bytes of one pipeline stage of one warp (the Python side sizes launches with it).
+int kivi_v3_stage_bytes() { return kivi_v3::stage_bytes<KIVI_BITS, KIVI_DK, KIVI_DV>(); }
+int kivi_v3_bits() { return KIVI_BITS; }
+int kivi_v3_dk() { return KIVI_DK; }
+int kivi_v3_dv() { return KIVI_DV; }
+
+// a: pointers and int64 sizes/strides in the order of kivi_v3::Params (see cuda_kernel.py::_ARGS).
+int kivi_v3_launch(const long long* a, double qk_scale, int nw, int stages, int row_blocks,
+                   int device, void* stream) {
+  using namespace kivi_v3;
+  cudaError_t e = cudaSetDevice(device);
+  if (e != cudaSuccess) return (int)e;
+  Params p = parse_params(a, qk_scale);
   if (nw < 1 || nw > MAX_NW) return (int)cudaErrorInvalidValue;
   const int mt = 8;
   size_t pipe = (size_t)nw * stages * stage_bytes<KIVI_BITS, KIVI_DK, KIVI_DV>();
@@ -667,6 +707,64 @@ int kivi_v3_launch(const long long* a, double qk_scale, int nw, int stages, int 
   if (stages == 3) return launch_variant<3>(p, nw, grid, smem, s);
   if (stages == 4) return launch_variant<4>(p, nw, grid, smem, s);
   return (int)cudaErrorInvalidValue;
+}
+
+// Host replay of one tile's copies and of the compute loop's shared-memory reads, for every lane, with the
+// same TileCopier / Layout code as the kernel (no GPU involved; `a` holds host pointers).  Outputs, per lane
+// (g, t) = (lane / 4, lane % 4):
+//   kwords [32][KWT][4]: key word t*KWT + jw of tokens 4g .. 4g+3
+//   kscale, kzero [32][KWT][HP]: scale / zero pairs of that word's channel pairs
+//   valid4 [32]: valid flags of tokens 4g .. 4g+3
+//   vwords [32][2 kk][2 r][2 (token a, b)][NVW]: value words of tokens (8t+2kk+r, +4) from the lane column's first
+//   vscale, vzero [32][2][2][2]: their value scale / zero (bits) for the lane column's value group
+// Returns 0, or 1 if a read touched a byte no copy wrote (the stage is pre-filled with a marker).
+int kivi_v3_layout_probe(const long long* a, int b, int h, int tok0, uint32_t* kwords, uint32_t* kscale,
+                         uint32_t* kzero, uint32_t* valid4, uint32_t* vwords, uint16_t* vscale, uint16_t* vzero) {
+  using namespace kivi_v3;
+  using C = Cfg<KIVI_BITS, KIVI_DK, KIVI_DV>;
+  using L = Layout<KIVI_BITS, KIVI_DK, KIVI_DV>;
+  const Params p = parse_params(a, 1.0);
+  const Slice sl(p, b, h);
+  static uint8_t stage[C::STAGE], written[C::STAGE];
+  memset(stage, 0xAB, sizeof(stage));
+  memset(written, 0, sizeof(written));
+  for (int lane = 0; lane < 32; ++lane) {
+    const TileCopier<KIVI_BITS, KIVI_DK, KIVI_DV> copy(p, sl.kc, sl.ks, sl.kz, sl.vc, sl.vs, sl.vz, sl.va, lane);
+    copy.issue([](int dst, const void* src) {
+      memcpy(stage + dst, src, 16);
+      memset(written + dst, 1, 16);
+    }, tok0);
+  }
+  int missing = 0;
+  auto rd = [&](int off, void* dst, int n) {
+    for (int k = 0; k < n; ++k) missing |= written[off + k] == 0;
+    memcpy(dst, stage + off, n);
+  };
+  constexpr int NVWR = C::VW >= 8 ? C::NVW : 1;
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane >> 2, t = lane & 3;
+    for (int jw = 0; jw < C::KWT; ++jw) {
+      rd(L::k_words(g, t, jw), kwords + (lane * C::KWT + jw) * 4, 16);
+      for (int c = 0; c < C::HP / 4; ++c) {
+        rd(L::k_scales(t, jw, c), kscale + (lane * C::KWT + jw) * C::HP + 4 * c, 16);
+        rd(L::k_zeros(t, jw, c), kzero + (lane * C::KWT + jw) * C::HP + 4 * c, 16);
+      }
+    }
+    rd(L::valid4(g), valid4 + lane, 4);
+    const int grp = L::v_group(g, p.gv), w0 = L::v_first_word(g);
+    for (int kk = 0; kk < 2; ++kk) {
+      for (int r = 0; r < 2; ++r) {
+        const int tok[2] = {8 * t + 2 * kk + r, 8 * t + 2 * kk + r + 4};
+        for (int e = 0; e < 2; ++e) {
+          const int o = ((lane * 2 + kk) * 2 + r) * 2 + e;
+          for (int w = 0; w < NVWR; ++w) rd(L::v_word(tok[e], w0 + w), vwords + o * NVWR + w, 4);
+          rd(L::v_scale(tok[e], p.ngv, grp), vscale + o, 2);
+          rd(L::v_zero(tok[e], p.ngv, grp), vzero + o, 2);
+        }
+      }
+    }
+  }
+  return missing;
 }
 
 int kivi_v3_combine_launch(long long po, long long pl, long long out, long long lse, int nsplit, long long rows,

@@ -310,6 +310,57 @@ def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _kv_tensors(packed: PackedKV) -> list[torch.Tensor]:
+    """The packed tensors as the kernel reads them: 16-byte aligned, inner dims dense (copied only if not)."""
+    valid = packed.valid.view(torch.uint8) if packed.valid.dtype == torch.bool else packed.valid.to(torch.uint8)
+    return [_aligned(packed.k_codes, 2, 16), _aligned(packed.k_scale, 1, 16), _aligned(packed.k_zero, 1, 16),
+            _aligned(packed.v_codes, 1, 16), _aligned(packed.v_scale, 2, 16), _aligned(packed.v_zero, 2, 16),
+            _aligned(valid, 1, 16)]
+
+
+def _args(packed: PackedKV, kv: list[torch.Tensor], q_ptr: int, q_strides, po_ptr: int, pl_ptr: int, m: int,
+          tps: int, splits: int):
+    """The launcher's int64 argument array, in the order of ``kivi_v3::Params``."""
+    kc, ks, kz, vc, vs, vz, valid = kv
+    b, h = kc.shape[:2]
+    nt = kc.shape[2] * packed.group
+    ngv = vs.shape[-1]
+    dv = vc.shape[-1] * 32 // packed.bits
+    args = [q_ptr, kc.data_ptr(), ks.data_ptr(), kz.data_ptr(), vc.data_ptr(), vs.data_ptr(), vz.data_ptr(),
+            valid.data_ptr(), po_ptr, pl_ptr,
+            *q_strides, *kc.stride()[:3], *ks.stride()[:3], *kz.stride()[:3], *vc.stride()[:3],
+            *vs.stride()[:2], *vz.stride()[:2], valid.stride(0),
+            m, h, nt, packed.group.bit_length() - 1, tps, splits, ngv, dv // ngv, b * h]
+    return (ctypes.c_longlong * len(args))(*args)
+
+
+def layout_probe(packed: PackedKV, b: int, h: int, tok0: int, min_blocks: int = 1) -> dict:
+    """Replay, on the CPU, one tile's ``cp.async`` copies and the compute loop's shared-memory reads for all 32
+    lanes with the kernel's own ``TileCopier`` / ``Layout`` code (the library's ``kivi_v3_layout_probe``; needs
+    nvcc to build, no GPU).  ``packed`` holds CPU tensors.  Returns what each lane reads (see the .cu)."""
+    import numpy as np
+
+    bits = packed.bits
+    dk = packed.k_scale.shape[-1]
+    dv = packed.v_codes.shape[-1] * 32 // bits
+    lib = build(bits, dk, dv, min_blocks)
+    kv = _kv_tensors(packed)
+    per = 32 // bits
+    kwt, hp, vw = dk // per // 4, per // 2, dv // per
+    nvwr = vw // 8 if vw >= 8 else 1
+    out = {"kwords": np.zeros((32, kwt, 4), np.uint32), "kscale": np.zeros((32, kwt, hp), np.uint32),
+           "kzero": np.zeros((32, kwt, hp), np.uint32), "valid4": np.zeros(32, np.uint32),
+           "vwords": np.zeros((32, 2, 2, 2, nvwr), np.uint32), "vscale": np.zeros((32, 2, 2, 2), np.uint16),
+           "vzero": np.zeros((32, 2, 2, 2), np.uint16)}
+    arr = _args(packed, kv, 0, (0, 0, 0), 0, 0, 1, TILE, 1)
+    fn = lib.kivi_v3_layout_probe
+    fn.restype = ctypes.c_int
+    ptrs = [out[k].ctypes.data_as(ctypes.c_void_p) for k in ("kwords", "kscale", "kzero", "valid4", "vwords",
+                                                              "vscale", "vzero")]
+    out["missing"] = fn(arr, ctypes.c_int(b), ctypes.c_int(h), ctypes.c_int(tok0), *ptrs)
+    return out
+
+
 def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict | None = None,
              splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     why = _problem(query, packed)
@@ -334,14 +385,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
     lib = build(bits, dk, dv, int(c.get("min_blocks", 1)))
 
     q = _aligned(query.to(torch.float16), 1, 4)
-    kc = _aligned(packed.k_codes, 2, 16)
-    ks = _aligned(packed.k_scale, 1, 16)
-    kz = _aligned(packed.k_zero, 1, 16)
-    vc = _aligned(packed.v_codes, 1, 16)
-    vs = _aligned(packed.v_scale, 2, 16)
-    vz = _aligned(packed.v_zero, 2, 16)
-    valid = packed.valid.view(torch.uint8) if packed.valid.dtype == torch.bool else packed.valid.to(torch.uint8)
-    valid = _aligned(valid, 1, 16)
+    kv = _kv_tensors(packed)
 
     row_blocks = -(-m // 8)
     ntiles = nt // TILE
@@ -356,13 +400,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
     else:
         po = torch.empty(s, b * h * m, dv, device=dev, dtype=torch.float32)
         pl = torch.empty(s, b * h * m, device=dev, dtype=torch.float32)
-    gv = dv // ngv
-    args = [q.data_ptr(), kc.data_ptr(), ks.data_ptr(), kz.data_ptr(), vc.data_ptr(), vs.data_ptr(), vz.data_ptr(),
-            valid.data_ptr(), po.data_ptr(), pl.data_ptr(),
-            *q.stride()[:3], *kc.stride()[:3], *ks.stride()[:3], *kz.stride()[:3], *vc.stride()[:3],
-            *vs.stride()[:2], *vz.stride()[:2], valid.stride(0),
-            m, h, nt, g.bit_length() - 1, tiles_per_split * TILE, s, ngv, gv, b * h]
-    arr = (ctypes.c_longlong * len(args))(*args)
+    arr = _args(packed, kv, q.data_ptr(), q.stride()[:3], po.data_ptr(), pl.data_ptr(), m, tiles_per_split * TILE, s)
     stream = torch.cuda.current_stream(dev).cuda_stream
     rc = lib.kivi_v3_launch(arr, float(scale) * LOG2E, int(c["nw"]), int(c["stages"]), row_blocks,
                             index, ctypes.c_void_p(stream))
