@@ -216,7 +216,7 @@ def _sweep(benchutil, tk, data, idx, b, hkv, g, d, kk, scale, row0) -> list[dict
     for bk in (32, 64, 128):
         for pps in (4, 8, 16):
             for warps in (2, 4, 8):
-                cfg = {"block_k": bk, "programs_per_sm": pps, "shared_warps": warps, "num_stages": 3}
+                cfg = {"shared_block_k": bk, "shared_programs_per_sm": pps, "shared_warps": warps, "num_stages": 3}
                 try:
                     t = benchutil.time_op(lambda q, lab, ch, k, v: tk.gather_partial_attention(
                         q.view(b, hkv, g, d), k, v, None, shared_idx, scale, config=cfg), data, reps=10)

@@ -470,7 +470,11 @@ def supports_gather(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
     return all(x.stride(-1) == 1 for x in (query, k, v, index))
 
 
-GATHER_CONFIG = dict(block_k=64, programs_per_sm=8, num_warps=2, num_stages=3, shared_warps=4)
+# measured on an H200 (benchmarks/gpu_doublesparse.py sweep, Llama heads, 32k tokens, B 1 and 16): per-row
+# programs want 2 warps, 64 indices per step and ~4 (few rows) to 8 (many rows) programs per SM; the shared
+# (tensor-core) kernel 4 warps, 128 indices per step, 4 programs per SM.  programs_per_sm None = that rule.
+GATHER_CONFIG = dict(block_k=64, programs_per_sm=None, num_warps=2, num_stages=3, shared_warps=4, shared_block_k=128,
+                     shared_programs_per_sm=4)
 
 
 def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
@@ -478,11 +482,10 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
                              block_k: int | None = None, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`.reference.gather_partial_attention`.
 
-    ``config`` overrides :data:`GATHER_CONFIG` (``block_k`` indices per step, ``programs_per_sm`` for the
-    split count, ``num_warps``, ``num_stages``): a benchmark knob, not needed for correctness.
+    ``config`` overrides :data:`GATHER_CONFIG` (indices per step, programs per SM for the split count, warps,
+    stages; ``shared_*`` for the group-shared kernel): a benchmark knob, not needed for correctness.
     """
     cfg = dict(GATHER_CONFIG, **(config or {}))
-    block_k = int(block_k or cfg["block_k"])
     if not supports_gather(query, k, v, index):
         raise ValueError("gather_partial_attention: unsupported arguments (see supports_gather)")
     b, h, m, d = query.shape
@@ -499,9 +502,13 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
         return out, lse
     shared = shared_rows(index) and m <= 64
     programs = b * h if shared else rows
+    block_k = int(block_k or (cfg["shared_block_k"] if shared else cfg["block_k"]))
     if splits is None:
-        target = int(cfg["programs_per_sm"] * (num_sms(query.device.index or 0) if query.is_cuda else 4))
-        splits = max(1, min(triton.cdiv(nk, block_k), triton.cdiv(target, programs)))
+        sms = num_sms(query.device.index or 0) if query.is_cuda else 4
+        per_sm = cfg["shared_programs_per_sm"] if shared else cfg["programs_per_sm"]
+        if per_sm is None:
+            per_sm = 4 if programs < 2 * sms else 8
+        splits = max(1, min(triton.cdiv(nk, block_k), triton.cdiv(int(per_sm * sms), programs)))
     per_split = triton.cdiv(triton.cdiv(nk, splits), block_k) * block_k
     splits = triton.cdiv(nk, per_split)
     po = torch.empty(splits, rows, dv, device=query.device, dtype=torch.float32)

@@ -1,6 +1,8 @@
 // Fused KIVI-2/4 decode attention, hand-written CUDA C++ ("v3").  See cuda_kernel.py for the design notes
-// (fragment mapping, pipeline); this file holds the device code and an extern "C" launcher that takes raw
-// pointers, so it builds with plain nvcc (no torch headers) and is bound from Python with ctypes.
+// (fragment mapping, pipeline); this file holds the device code and extern "C" launchers that take raw
+// pointers, so it builds with plain nvcc (no torch headers) and is bound from Python with ctypes.  The copy
+// and shared-memory addressing (TileCopier, Layout) is also compiled for the host: kivi_v3_layout_probe
+// replays it on the CPU for the tests.
 //
 // KIVI: Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", ICML 2024, arXiv 2402.02750.
 //
@@ -309,7 +311,7 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
   const int split = blockIdx.x, bh = blockIdx.y, rb = blockIdx.z;
   const int b = bh / p.H, h = bh - b * p.H;
 
-  const Slice sl(p, b, h);
+  const Slice sp(p, b, h);
 
   // ---- Q^T B fragments (column g = query row rb*8 + g), pre-scaled by softmax scale * log2(e).  Lane (g, t)
   // owns the channels [t*DK/4, (t+1)*DK/4): its local pair l = 2s + r is k-pair (2t, 2t+1) (r = 0) or
@@ -344,7 +346,7 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
   const int nmine = (ntiles * (warp + 1)) / nw - wbeg;
   uint8_t* wsm = smem + warp * (ST * C::STAGE);
   const uint32_t wsm_addr = smem_addr(wsm);
-  const TileCopier<BITS, DK, DV> copy(p, sl.kc, sl.ks, sl.kz, sl.vc, sl.vs, sl.vz, sl.va, lane);
+  const TileCopier<BITS, DK, DV> copy(p, sp.kc, sp.ks, sp.kz, sp.vc, sp.vs, sp.vz, sp.va, lane);
   const int tstride = TILE;  // tokens between two tiles of this warp
   int tok_next = t_begin + wbeg * TILE;
 
