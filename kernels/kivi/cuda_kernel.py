@@ -49,12 +49,12 @@ in ``c2/c3``:
 :func:`emulate` is a pure-PyTorch model of exactly this dataflow (fragments, permutations, bit tricks) that
 the CPU tests compare with the reference; the GPU tests compare the kernel itself.
 
-Compiled with nvcc 13.0 for sm_90a (default build, ``__launch_bounds__(128, 4)``: 122 registers, no spills),
-the main loop issues 697 SASS instructions per 32-token tile at 2 bits, Dk = Dv = 128 (2.72 per code; 392 of
-them the LOP3 / HSUB2 / HFMA2 dequantization, 32 HMMA) and 726 at 4 bits (2.84 per code); the Triton v2
+Compiled with nvcc 13.0 for sm_90a (default build, ``__launch_bounds__(128, 4)``: 123 registers, no spills),
+the main loop issues 689 SASS instructions per 32-token tile at 2 bits, Dk = Dv = 128 (2.69 per code; 390 of
+them the LOP3 / HSUB2 / HFMA2 dequantization, 32 HMMA) and 718 at 4 bits (2.80 per code); the Triton v2
 kernel issued about 4.8 per code.  Folding the key scale into the query (``q * s`` per group, the zero
 point as a bias MMA) was tried and measured by instruction count: it removes the 64 key HFMA2 per tile but
-the operand shuffles around the bias MMA cost more (708 per tile), so it is not used.
+the operand shuffles around the bias MMA cost more (708 against 697 per tile), so it is not used.
 """
 
 from __future__ import annotations
