@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session (H200 image: torch 2.11, triton 3.6; `pip install -e .` fails silently there, so the
 # package is assembled under /tmp/site).  Usage on the device machine, from the repository root:
-#   bash benchmarks/gpu_session.sh OUTDIR PHASE      (PHASE: sweep | final | tables | tilelang | ds | kivicuda)
+#   bash benchmarks/gpu_session.sh OUTDIR PHASE      (PHASE: sweep | final | tables | tilelang | ds | dsfinal | kivicuda)
 set -o pipefail
 OUT=${1:-out}; PHASE=${2:-final}
 mkdir -p /tmp/site "$OUT" && rm -rf /tmp/site/kvcompress && cp -r kvcompress /tmp/site/ \
@@ -55,7 +55,12 @@ case "$PHASE" in
   ds)  # DoubleSparse: GPU tests (fused select, gather), then correctness + timing + launch sweep (--quick)
     (cd /tmp/site && timeout 200 python -m pytest -q -m gpu "$OLDPWD/tests/test_doublesparse_kernel.py" \
       -p no:cacheprovider 2>&1 | tail -15) | tee "$OUT/pytest_ds.log"
-    timeout 300 python benchmarks/gpu_doublesparse.py --out "$OUT" --quick 2>&1 | tee "$OUT/ds.log"
+    timeout 300 python benchmarks/gpu_doublesparse.py --out "$OUT" --quick --sweep 2>&1 | tee "$OUT/ds.log"
+    ;;
+  dsfinal)  # DoubleSparse: GPU tests, correctness, the full timing table with the code's defaults (no sweep)
+    (cd /tmp/site && timeout 200 python -m pytest -q -m gpu "$OLDPWD/tests/test_doublesparse_kernel.py" \
+      -p no:cacheprovider 2>&1 | tail -15) | tee "$OUT/pytest_ds.log"
+    timeout 300 python benchmarks/gpu_doublesparse.py --out "$OUT" 2>&1 | tee "$OUT/ds.log"
     ;;
   kivicuda)  # the CUDA KIVI kernel (v3): build, fp64 correctness, timing sweep, then its GPU tests (one script)
     export PATH=/usr/local/cuda/bin:$PATH
