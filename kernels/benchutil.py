@@ -18,6 +18,8 @@ data fits in device memory):
   32, value group 32) over ``ctx`` packed tokens;
 * ``kivi2-ref`` / ``kivi4-ref``: its PyTorch reference (dequantize + einsum), small shapes only;
 * ``dense-ref``: the dense partial attention reference over an fp16 cache;
+* ``ds8`` / ``ds16`` (``-shared``): one DoubleSparse decode read (fused label scoring + exact top-k of
+  ctx/8 or ctx/16 tokens per query head, or per kv head when shared, + gather attention);
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on the same fp16 cache
   (GQA rows folded into the query length, so every backend applies), the baseline.
 
@@ -400,12 +402,13 @@ def _bench_leank(shape, batch, ctx, device, rows, ops, base, dense_bytes, m, sca
 
 
 def _bench_doublesparse(shape, batch, ctx, device, rows, ops, base, dense_bytes, scale, free, reps, gen) -> None:
-    """DoubleSparse rows (``ds8`` / ``ds16``): label scores (16 fp16 label channels) + top-k (ctx/8 or ctx/16
-    tokens per query head) + gather attention, vs SDPA on the full fp16 cache."""
+    """DoubleSparse rows (``ds8`` / ``ds16``, ``-shared``: group-shared selection): fused label scores + top-k
+    (16 fp16 label channels; ctx/8 or ctx/16 tokens per query head, or per kv head) + gather attention, vs SDPA
+    on the full fp16 cache."""
     from .doublesparse.bench import ds_decode, ds_inputs, ds_read_bytes
 
-    for frac in (8, 16):
-        name = f"ds{frac}"
+    for frac, shared in ((8, False), (16, False), (8, True), (16, True)):
+        name = f"ds{frac}" + ("-shared" if shared else "")
         if name not in ops or device.type != "cuda":
             continue
         est = int(dense_bytes * 1.2)
@@ -416,8 +419,8 @@ def _bench_doublesparse(shape, batch, ctx, device, rows, ops, base, dense_bytes,
         data = [ds_inputs(batch, shape.q_heads, shape.kv_heads, ctx, shape.head_dim, 16, 16, device, gen)
                 for _ in range(n)]
         kk = ctx // frac
-        t = time_op(lambda q, lab, ch, k, v: ds_decode(q, lab, ch, k, v, kk, scale), data, reps=reps)
-        nbytes = ds_read_bytes(data[0][0], data[0][1], data[0][3], kk)
+        t = time_op(lambda q, lab, ch, k, v: ds_decode(q, lab, ch, k, v, kk, scale, shared=shared), data, reps=reps)
+        nbytes = ds_read_bytes(data[0][0], data[0][1], data[0][3], kk, shared=shared)
         rows.append(_result(name, shape, batch, ctx, t, nbytes, k=kk,
                             speedup_vs_sdpa=base["sdpa"] / t.seconds if "sdpa" in base else None,
                             bytes_vs_fp16=dense_bytes / nbytes))
@@ -425,7 +428,8 @@ def _bench_doublesparse(shape, batch, ctx, device, rows, ops, base, dense_bytes,
         torch.cuda.empty_cache()
 
 
-ALL_OPS = ("sdpa", "dense-ref", "kivi2", "kivi4", "kivi2-ref", "kivi4-ref", "leank50", "leank70", "ds8", "ds16")
+ALL_OPS = ("sdpa", "dense-ref", "kivi2", "kivi4", "kivi2-ref", "kivi4-ref", "leank50", "leank70", "ds8", "ds16",
+           "ds8-shared", "ds16-shared")
 
 
 def markdown_table(rows: Sequence[dict]) -> str:
