@@ -9,10 +9,12 @@ must fail.  On a GPU (marker ``gpu``) the kernel itself runs against the referen
 
 from __future__ import annotations
 
+import inspect
 import re
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -30,6 +32,7 @@ CASES = {
     "b4-d64-gqa3-g64": (1, 3, 3, 64, 64, 3, 4, 64, 32, {"pad": 5}),
     "b2-dk128-dv64-rows12": (1, 2, 12, 128, 64, 3, 2, 32, 32, {}),
     "b4-dk64-dv128-gv16-rows20": (1, 1, 20, 64, 128, 2, 4, 32, 16, {}),
+    "b4-dk128-dv64-rows12": (2, 2, 12, 128, 64, 3, 4, 32, 32, {"pad": 3}),
     "b2-g128-gv64-m1": (2, 1, 1, 128, 128, 2, 2, 128, 64, {}),
     "b2-all-invalid": (1, 2, 4, 64, 64, 2, 2, 32, 32, {"all_invalid": True}),
 }
@@ -85,8 +88,10 @@ def _ptxas_report(bits: int, dk: int, dv: int, arch: str, tmp_path, min_blocks: 
     return res.stderr
 
 
-@pytest.mark.parametrize("min_blocks", [1, ck.DEFAULT_CONFIG["min_blocks"]])
-@pytest.mark.parametrize("bits,dk,dv", [(2, 128, 128), (4, 128, 128), (2, 64, 64), (4, 64, 128)])
+@pytest.mark.parametrize("bits,dk,dv,min_blocks", [(b, dk, dv, mb) for b, dk, dv in [(2, 128, 128), (4, 128, 128), (2, 64, 64),
+                                                                                   (4, 64, 128)]
+                                                   for mb in (1, ck.DEFAULT_CONFIG["min_blocks"])]
+                         + [(2, 128, 128, 5), (2, 64, 64, 5)])  # the r5 variant (<= 102 registers) at 2 bits
 def test_cuda_source_compiles_for_sm90a_without_spills(bits, dk, dv, min_blocks, tmp_path):
     if not ck.nvcc_path():
         pytest.skip("nvcc not on the PATH")
@@ -266,19 +271,204 @@ def test_supports_is_an_explicit_check():
         ck._forward(q[..., :48], packed, 0.1)
 
 
-def test_dispatch_is_opt_in(monkeypatch):
-    """kernels.kivi only routes to the CUDA kernel with KVCOMPRESS_KIVI_CUDA=1, and then only via supports()."""
-    import inspect
-
+def test_dispatch_on_cpu_is_the_reference(monkeypatch):
+    """CPU tensors never reach v3 (nor v2), whatever the environment says."""
     from kvcompress.kernels import kivi
 
     src = inspect.getsource(kivi.kivi_attention_partial)
-    assert "KVCOMPRESS_KIVI_CUDA" in src and "cuda_kernel.supports" in src and "except" not in src
+    assert "cuda_kernel.supports" in src and "cuda_kernel.nvcc_path" in src and "except" not in src
     q, packed = make_case("b2-d64-gqa3")
-    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA", "1")
-    out, lse = kivi.kivi_attention_partial(q, packed, 0.1)  # CPU: the reference
-    ref_out, ref_lse = kivi.kivi_attention_partial_reference(q, packed, 0.1)
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    for value in ("1", "0", None):
+        if value is None:
+            monkeypatch.delenv("KVCOMPRESS_KIVI_CUDA", raising=False)
+        else:
+            monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA", value)
+        out, lse = kivi.kivi_attention_partial(q, packed, 0.1)
+        ref_out, ref_lse = kivi.kivi_attention_partial_reference(q, packed, 0.1)
+        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+class _CudaQuery:
+    """Stands in for a CUDA query: the dispatcher only asks ``is_cuda`` and hands it to the (faked) kernels."""
+
+    is_cuda = True
+
+
+def _fake_paths(monkeypatch, *, v3_ok=True, nvcc=True, v2_ok=True):
+    """Fake v3 / v2 / reference implementations that report which one ran."""
+    from kvcompress.kernels import kivi
+
+    monkeypatch.setattr(ck, "supports", lambda q, p: v3_ok)
+    monkeypatch.setattr(ck, "nvcc_path", lambda: "/opt/cuda/bin/nvcc" if nvcc else None)
+    monkeypatch.setattr(ck, "kivi_attention_partial", lambda q, p, s: "v3")
+    tk = types.ModuleType(kivi.__name__ + ".triton_kernel")
+    tk.supports = lambda q, p: v2_ok
+    tk.kivi_attention_partial = lambda q, p, s: "v2"
+    monkeypatch.setitem(sys.modules, tk.__name__, tk)
+    monkeypatch.setattr(kivi, "triton_kernel", tk, raising=False)
+    monkeypatch.setattr(kivi, "_triton_available", lambda: True)
+    monkeypatch.setattr(kivi, "kivi_attention_partial_reference", lambda q, p, s: "reference")
+    return kivi
+
+
+@pytest.mark.parametrize("env,kw,expected", [
+    ({}, {}, "v3"),  # the default on CUDA
+    ({"KVCOMPRESS_KIVI_CUDA": "1"}, {}, "v3"),
+    ({"KVCOMPRESS_KIVI_CUDA": "0"}, {}, "v2"),  # disabled
+    ({}, {"nvcc": False}, "v2"),  # no nvcc: never tries to build
+    ({}, {"v3_ok": False}, "v2"),  # v3's capability check declines
+    ({}, {"v3_ok": False, "v2_ok": False}, "reference"),
+    ({"KVCOMPRESS_KIVI_CUDA": "0"}, {"v2_ok": False}, "reference"),
+    ({"KVCOMPRESS_KERNELS": "reference"}, {}, "reference"),
+])
+def test_dispatch_order_on_cuda(monkeypatch, env, kw, expected):
+    for name in ("KVCOMPRESS_KIVI_CUDA", "KVCOMPRESS_KERNELS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    kivi = _fake_paths(monkeypatch, **kw)
+    assert kivi.kivi_attention_partial(_CudaQuery(), None, 0.1) == expected
+
+
+def test_build_failure_says_how_to_disable_v3(monkeypatch, tmp_path):
+    """A failing nvcc raises (no silent fallback) with the switch that turns v3 off."""
+    false = shutil.which("false")
+    if false is None:
+        pytest.skip("no `false` binary")
+    monkeypatch.setattr(ck, "nvcc_path", lambda: false)
+    monkeypatch.setenv("KVCOMPRESS_CACHE", str(tmp_path))
+    with pytest.raises(RuntimeError, match="KVCOMPRESS_KIVI_CUDA=0"):
+        ck.build(2, 64, 64, 3)
+    assert not list(tmp_path.rglob("*.so"))
+
+
+# ----------------------------------------------------------------------------- launch parameters (CPU)
+
+ALL_DIMS = [(bits, dk, dv) for bits in (2, 4) for dk in (64, 128) for dv in (64, 128)]
+
+
+def test_stage_bytes_formula_matches_layout():
+    """stage_bytes() by hand for two builds (Cfg: padded key rows, key scales/zeros, values, value scales/zeros,
+    valid flags), and the three launch sizes of the H200 run's failed launches."""
+    # 4-bit Dk 128 Dv 64: keys 16 rows x 144 B, 2 x 256 B key scale/zero, 32 x 32 B values, 2 x 256 B, 32 B
+    assert ck.stage_bytes(4, 128, 64) == 16 * 144 + 512 + 32 * 32 + 512 + 32 == 4384
+    assert ck.stage_bytes(2, 128, 128) == 8 * 144 + 512 + 32 * 32 + 1024 + 32 == 3744  # 12 x: 44928 < 48 KB
+    assert ck.launch_smem(4, 128, 64, 4, 3) == 52608  # (2, 2, 12, 128, 64, 960, 4, 32, 32), default config
+    assert ck.launch_smem(4, 64, 128, 4, 3) == 54144  # b4-dk64-dv128-gv16-rows20 / cfg2-7
+    assert ck.launch_smem(4, 128, 128, 4, 3) == 71040  # 4-bit Llama (the build that ran first and worked)
+    assert ck.launch_smem(2, 64, 64, 1, 2) == 2 * ck.stage_bytes(2, 64, 64) > 8 * 66 * 4  # pipeline > merge buffers
+
+
+@pytest.mark.parametrize("bits,dk,dv", ALL_DIMS)
+def test_launch_plan_fits_the_device_and_opts_in_above_48k(bits, dk, dv):
+    for nw in (1, 2, 3, 4):
+        for stages in (2, 3, 4):
+            want = ck.launch_smem(bits, dk, dv, nw, stages)
+            pnw, pst, smem, optin = ck.plan_launch(bits, dk, dv, nw, stages, ck.SMEM_OPTIN_MAX)
+            assert smem <= ck.SMEM_OPTIN_MAX == 227 * 1024
+            assert (pnw, pst, smem) == (nw, stages, want)  # every config fits an H200 as asked
+            assert optin == (smem > 48 * 1024)
+            # a smaller device (e.g. sm_86: 99 KB, or an artificial 40 KB) gets a smaller config that fits
+            for limit in (99 * 1024, 40 * 1024, 20 * 1024):
+                pnw, pst, smem, optin = ck.plan_launch(bits, dk, dv, nw, stages, limit)
+                assert smem == ck.launch_smem(bits, dk, dv, pnw, pst) <= limit
+                assert 1 <= pnw <= nw and 2 <= pst <= stages and optin == (smem > 48 * 1024)
+                if want <= limit:
+                    assert (pnw, pst) == (nw, stages)
+    with pytest.raises(ValueError, match="shared memory"):
+        ck.plan_launch(bits, dk, dv, 4, 3, 1024)
+    with pytest.raises(ValueError):
+        ck.plan_launch(bits, dk, dv, 5, 3, ck.SMEM_OPTIN_MAX)  # the kernel's __launch_bounds__ is 4 warps
+
+
+def test_failed_launches_of_the_first_run_need_the_opt_in():
+    """The H200 run's failing launches all asked for 48..72 KB, i.e. the path that must raise the kernel's limit."""
+    for bits, dk, dv in [(4, 128, 64), (4, 64, 128), (4, 128, 128)]:
+        _, _, smem, optin = ck.plan_launch(bits, dk, dv, 4, 3, ck.SMEM_OPTIN_MAX)
+        assert 48 * 1024 < smem <= 72 * 1024 and optin
+
+
+def _lib_or_skip(bits, dk, dv, min_blocks, tmp_path, monkeypatch):
+    if not ck.nvcc_path():
+        pytest.skip("nvcc not on the PATH")
+    monkeypatch.setenv("KVCOMPRESS_CACHE", str(tmp_path))
+    monkeypatch.setattr(ck, "_LIBS", {})
+    return ck.build(bits, dk, dv, min_blocks)
+
+
+@pytest.mark.parametrize("bits,dk,dv", [(4, 128, 64), (2, 64, 128)])
+def test_library_launch_sizes_match_python(bits, dk, dv, tmp_path, monkeypatch):
+    """The launcher's own shared-memory size (kivi_v3_launch_smem) and opt-in decision agree with the planner."""
+    lib = _lib_or_skip(bits, dk, dv, 4, tmp_path, monkeypatch)
+    assert lib.kivi_v3_stage_bytes() == ck.stage_bytes(bits, dk, dv)
+    for nw in (1, 2, 3, 4):
+        for stages in (2, 3, 4):
+            smem = ck.launch_smem(bits, dk, dv, nw, stages)
+            assert lib.kivi_v3_launch_smem(nw, stages) == smem
+            assert lib.kivi_v3_needs_smem_optin(nw, stages) == int(smem > 48 * 1024)
+
+
+def test_library_exports_only_its_entry_points(tmp_path, monkeypatch):
+    """Root cause of the first run's "invalid argument" launches: the per-kernel "limit already raised" cache was a
+    function-local static of a template, which g++ emits as an STB_GNU_UNIQUE symbol; the dynamic linker binds
+    such a symbol to one instance across every library loaded (RTLD_LOCAL does not stop it), so one library's
+    cudaFuncSetAttribute suppressed the others'.  Every library must now define no UNIQUE symbol and export only
+    its kivi_v3_* entry points."""
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        pytest.skip("readelf missing")
+    lib = _lib_or_skip(4, 128, 64, 4, tmp_path, monkeypatch)
+    path = next(tmp_path.rglob("*.so"))
+    assert lib.kivi_v3_bits() == 4
+    syms = subprocess.run([readelf, "-W", "--dyn-syms", str(path)], capture_output=True, text=True, check=True).stdout
+    defined = []
+    for line in syms.splitlines():
+        f = line.split()
+        if len(f) >= 8 and f[0].rstrip(":").isdigit() and f[6] != "UND":
+            assert f[4] != "UNIQUE", line
+            if f[4] in ("GLOBAL", "WEAK"):
+                defined.append(f[7].split("@")[0])
+    assert "kivi_v3_launch" in defined and "kivi_v3_launch_smem" in defined
+    assert all(name.startswith("kivi_v3_") for name in defined), sorted(defined)
+
+
+@pytest.mark.parametrize("bits,dk,dv", [(4, 128, 128), (2, 128, 64)])
+def test_two_builds_keep_separate_launch_state(bits, dk, dv, tmp_path, monkeypatch):
+    """Two libraries with the same kernel names (another min_blocks) loaded side by side share no symbol: the
+    objects each defines are local to it (nm: no 'u' / exported data)."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm missing")
+    _lib_or_skip(bits, dk, dv, 4, tmp_path, monkeypatch)
+    ck.build(bits, dk, dv, 3)
+    libs = sorted(tmp_path.rglob("*.so"))
+    assert len(libs) == 2
+    for path in libs:
+        out = subprocess.run([nm, "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True).stdout
+        kinds = {line.split()[1] for line in out.splitlines() if len(line.split()) == 3}
+        assert "u" not in kinds and not kinds & {"B", "D", "V"}, out
+
+
+def test_split_rule_on_the_measured_h200_shapes():
+    """The default split count (waves 1, min_tiles "auto") on the first run's shapes (132 SMs), against the split
+    count of the fastest variant measured there."""
+    cfg = ck.config(2)
+    assert cfg["waves"] == 1.0 and cfg["min_tiles"] == "auto"
+
+    def splits(bits, d, b, hkv, ctx):
+        smem = ck.launch_smem(bits, d, d, cfg["nw"], cfg["stages"])
+        return ck.num_splits(ctx // 32, b * hkv, 132, cfg, smem)
+
+    assert splits(2, 128, 1, 8, 4096) == 16  # v3-mt2 (9.6 us) beat 8 splits (10.5) and 4 (13.7)
+    assert splits(2, 128, 1, 8, 32768) == 32  # v3-mt8: 20.8 us against 25.4 with 64 splits
+    assert splits(2, 128, 16, 8, 4096) == 4  # v3-waves1 / mt8: 34.1 / 33.6 against 40.3 with 8
+    assert splits(2, 128, 16, 8, 32768) == 4  # v3-waves1: 166.8 against 169.9 with 8
+    assert splits(4, 128, 16, 8, 32768) == 3  # v3-waves1: 192.7 against 196.5 with 6
+    assert splits(2, 128, 64, 8, 4096) == 1  # v3-waves1: 89.3 against 100.2 with 2
+    assert splits(2, 64, 1, 3, 32768) == 64  # default 10.5; mt2 (128) 10.9, mt8 (32) 11.1
+    assert splits(2, 64, 16, 3, 32768) == 11  # v3-waves1: 45.9 against 48.7 with 22
+    assert ck.auto_min_tiles(128, 8, 132, 4) == 2 and ck.auto_min_tiles(1024, 3, 132, 4) == 4
+    assert ck.auto_min_tiles(1024, 8, 132, 4) == 8
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -296,16 +486,38 @@ def test_kernel_matches_reference_on_gpu(name):
 
 
 @pytest.mark.parametrize("cfg,splits", [({"nw": 1, "stages": 2}, 1), ({"nw": 2, "stages": 4}, 3),
-                                        ({"nw": 4, "stages": 3}, 7), ({"nw": 4, "stages": 2}, None)])
+                                        ({"nw": 4, "stages": 3}, 7), ({"nw": 4, "stages": 2}, None),
+                                        ({"nw": 4, "stages": 4}, 2), ({"min_blocks": 5, "warps_per_sm": 20}, None),
+                                        ({"min_blocks": 1}, None), ({"waves": 2.0, "min_tiles": 4}, None)])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or ck.nvcc_path() is None, reason="needs CUDA and nvcc")
 def test_configs_and_splits_on_gpu(cfg, splits):
-    for name in ("b2-d128-gqa4-pad-dead-row", "b4-dk64-dv128-gv16-rows20"):
+    for name in ("b2-d128-gqa4-pad-dead-row", "b4-d128-gqa4", "b4-dk64-dv128-gv16-rows20", "b4-dk128-dv64-rows12"):
         q, packed = make_case(name, "cuda")
         scale = q.shape[-1] ** -0.5
         out, lse = ck._forward(q, packed, scale, cfg=cfg, splits=splits)
         ref_out, ref_lse = kivi_attention_partial(q, packed, scale)
         check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or ck.nvcc_path() is None, reason="needs CUDA and nvcc")
+def test_libraries_side_by_side_on_gpu():
+    """The first run's failing order: a library whose kernel needs 71040 B (4-bit, 128/128) launches first, then
+    other libraries ask for 48..71 KB (each must raise its own kernel's limit), then the uncapped build."""
+    from kvcompress.kernels import kivi
+
+    for name, cfg in [("b4-d128-gqa4", {}), ("b4-dk128-dv64-rows12", {}), ("b4-dk64-dv128-gv16-rows20", {}),
+                      ("b4-d128-gqa4", {"min_blocks": 1}), ("b4-dk128-dv64-rows12", {"min_blocks": 1}),
+                      ("b4-d128-gqa4", {"min_blocks": 5, "warps_per_sm": 20})]:
+        q, packed = make_case(name, "cuda")
+        scale = q.shape[-1] ** -0.5
+        out, lse = ck._forward(q, packed, scale, cfg=cfg)
+        ref_out, ref_lse = kivi_attention_partial(q, packed, scale)
+        check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
+        if not cfg:  # the dispatcher's default CUDA path is v3 itself
+            dout, dlse = kivi.kivi_attention_partial(q, packed, scale)
+            assert torch.equal(dout, out) and torch.equal(dlse, lse)
 
 
 @pytest.mark.gpu

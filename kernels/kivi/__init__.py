@@ -1,11 +1,18 @@
 """KIVI quantization ops: packed format, quantizers, attention over packed codes.
 
-``kivi_attention_partial`` dispatches to the Triton kernel for CUDA tensors when
-Triton is installed and the kernel's capability check (:func:`.triton_kernel.supports`:
-per-channel keys, a key group of 16..128, head dims up to 256, ...) accepts the call;
-everything else goes to the PyTorch reference (same signature).  Set
-``KVCOMPRESS_KERNELS=reference`` to force the reference everywhere.  ``KVCOMPRESS_KIVI_CUDA=1`` opts in to the
-hand-written CUDA kernel (:mod:`.cuda_kernel`, checked first through its own ``supports()``).
+``kivi_attention_partial`` picks one implementation per call, by explicit checks only (no exception is caught to
+choose a path):
+
+1. the hand-written CUDA kernel ("v3", :mod:`.cuda_kernel`) for CUDA tensors when its capability check
+   (:func:`.cuda_kernel.supports`: bits 2/4, head dims 64/128, fp16 scales, a CUDA GPU of compute capability >= 8)
+   accepts the call and an ``nvcc`` is available (:func:`.cuda_kernel.nvcc_path`).  It is built with nvcc at its
+   first use; a failing build raises (the message says to set ``KVCOMPRESS_KIVI_CUDA=0``) instead of silently
+   falling back.  ``KVCOMPRESS_KIVI_CUDA=0`` disables it;
+2. else the Triton kernel ("v2", :mod:`.triton_kernel`) when Triton is installed and its own ``supports()``
+   accepts the call;
+3. else the PyTorch reference (same signature).
+
+``KVCOMPRESS_KERNELS=reference`` forces the reference everywhere.
 """
 
 from __future__ import annotations
@@ -25,14 +32,20 @@ def _triton_available() -> bool:
     return True
 
 
+def _cuda_kernel_enabled() -> bool:
+    return os.environ.get("KVCOMPRESS_KIVI_CUDA", "1") != "0"
+
+
 def kivi_attention_partial(query, packed, scale):
     """Attention over a packed KIVI region; see :func:`.reference.kivi_attention_partial`."""
-    if query.is_cuda and os.environ.get("KVCOMPRESS_KIVI_CUDA") == "1" and os.environ.get("KVCOMPRESS_KERNELS", "auto") != "reference":
-        from . import cuda_kernel  # opt-in hand-written CUDA kernel (v3), built lazily on first use
+    if not query.is_cuda or os.environ.get("KVCOMPRESS_KERNELS", "auto") == "reference":
+        return kivi_attention_partial_reference(query, packed, scale)
+    if _cuda_kernel_enabled():
+        from . import cuda_kernel  # hand-written CUDA kernel (v3); nothing is compiled before its first launch
 
-        if cuda_kernel.supports(query, packed):
+        if cuda_kernel.nvcc_path() is not None and cuda_kernel.supports(query, packed):
             return cuda_kernel.kivi_attention_partial(query, packed, scale)
-    if query.is_cuda and os.environ.get("KVCOMPRESS_KERNELS", "auto") != "reference" and _triton_available():
+    if _triton_available():
         from . import triton_kernel  # compiled lazily, on first use
 
         if triton_kernel.supports(query, packed):

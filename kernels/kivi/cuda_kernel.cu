@@ -638,14 +638,38 @@ constexpr int stage_bytes() {
   return Cfg<BITS, DK, DV>::STAGE;
 }
 
+// Dynamic shared memory the launcher requests for nw warps x stages: the pipeline buffers, or the warp-merge
+// buffers reusing them at the end, whichever is larger (cuda_kernel.py::launch_smem mirrors this).
+inline size_t launch_smem(int nw, int stages) {
+  const size_t pipe = (size_t)nw * stages * stage_bytes<KIVI_BITS, KIVI_DK, KIVI_DV>();
+  const size_t merge = (size_t)nw * 8 * (KIVI_DV + 2) * sizeof(float);
+  return pipe > merge ? pipe : merge;
+}
+
+constexpr int MAX_DEVICES = 64;
+constexpr size_t DEFAULT_SMEM = 48 * 1024;  // above this a kernel needs cudaFuncAttributeMaxDynamicSharedMemorySize
+
+// Per (pipeline depth, device): the dynamic shared-memory limit already raised for this library's kernel.
+// Internal linkage on purpose.  The first version kept this in a function-local `static` of the template
+// launch_variant<ST>: g++ emits such a variable as an STB_GNU_UNIQUE symbol, which the dynamic linker binds
+// to ONE instance across every loaded library even with RTLD_LOCAL, so after the (4-bit, 128, 128) library
+// raised its kernel's limit to 71040 bytes every other library skipped cudaFuncSetAttribute for requests
+// below that and its launch failed with "invalid argument" (the H200 run's (4, 128, 64) M = 12, 4-bit
+// dk 64 / dv 128 and min_blocks = 1 failures).  The libraries are also built with -fvisibility=hidden.
+namespace {
+size_t g_smem_set[3][MAX_DEVICES];
+}
+
 template <int ST>
-int launch_variant(const Params& p, int nw, dim3 grid, size_t smem, cudaStream_t stream) {
+int launch_variant(const Params& p, int nw, dim3 grid, size_t smem, int device, cudaStream_t stream) {
   auto kern = kivi_v3_kernel<KIVI_BITS, KIVI_DK, KIVI_DV, ST>;
-  static size_t configured = 0;  // per instantiation: dynamic shared-memory limit raised once
-  if (smem > 48 * 1024 && smem > configured) {
-    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e != cudaSuccess) return (int)e;
-    configured = smem;
+  if (smem > DEFAULT_SMEM) {
+    size_t* done = device >= 0 && device < MAX_DEVICES ? &g_smem_set[ST - 2][device] : nullptr;
+    if (done == nullptr || smem > *done) {
+      cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+      if (e != cudaSuccess) return (int)e;
+      if (done) *done = smem;
+    }
   }
   kern<<<grid, nw * 32, smem, stream>>>(p);
   return (int)cudaGetLastError();
@@ -683,31 +707,41 @@ static kivi_v3::Params parse_params(const long long* a, double qk_scale) {
   return p;
 }
 
+// Only the extern "C" entry points are exported (built with -fvisibility=hidden).
+#define KIVI_EXPORT __attribute__((visibility("default")))
+
 extern "C" {
 
 // Shared-memory bytes of one pipeline stage of one warp (the Python side sizes launches with it).
-int kivi_v3_stage_bytes() { return kivi_v3::stage_bytes<KIVI_BITS, KIVI_DK, KIVI_DV>(); }
-int kivi_v3_bits() { return KIVI_BITS; }
-int kivi_v3_dk() { return KIVI_DK; }
-int kivi_v3_dv() { return KIVI_DV; }
+KIVI_EXPORT int kivi_v3_stage_bytes() { return kivi_v3::stage_bytes<KIVI_BITS, KIVI_DK, KIVI_DV>(); }
+KIVI_EXPORT int kivi_v3_bits() { return KIVI_BITS; }
+KIVI_EXPORT int kivi_v3_dk() { return KIVI_DK; }
+KIVI_EXPORT int kivi_v3_dv() { return KIVI_DV; }
+// Dynamic shared-memory bytes kivi_v3_launch requests for (nw, stages); whether it raises the kernel's limit
+// (> 48 KB) through cudaFuncSetAttribute.
+KIVI_EXPORT long long kivi_v3_launch_smem(int nw, int stages) { return (long long)kivi_v3::launch_smem(nw, stages); }
+KIVI_EXPORT int kivi_v3_needs_smem_optin(int nw, int stages) {
+  return kivi_v3::launch_smem(nw, stages) > kivi_v3::DEFAULT_SMEM ? 1 : 0;
+}
 
 // a: pointers and int64 sizes/strides in the order of kivi_v3::Params (see cuda_kernel.py::_ARGS).
-int kivi_v3_launch(const long long* a, double qk_scale, int nw, int stages, int row_blocks,
+KIVI_EXPORT int kivi_v3_launch(const long long* a, double qk_scale, int nw, int stages, int row_blocks,
                    int device, void* stream) {
   using namespace kivi_v3;
   cudaError_t e = cudaSetDevice(device);
   if (e != cudaSuccess) return (int)e;
   Params p = parse_params(a, qk_scale);
-  if (nw < 1 || nw > MAX_NW) return (int)cudaErrorInvalidValue;
-  const int mt = 8;
-  size_t pipe = (size_t)nw * stages * stage_bytes<KIVI_BITS, KIVI_DK, KIVI_DV>();
-  size_t merge = (size_t)nw * mt * (KIVI_DV + 2) * sizeof(float);
-  size_t smem = pipe > merge ? pipe : merge;
+  if (nw < 1 || nw > MAX_NW || stages < 2 || stages > 4) return (int)cudaErrorInvalidValue;
+  const size_t smem = launch_smem(nw, stages);
+  int limit = 0;
+  e = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (e != cudaSuccess) return (int)e;
+  if (smem > (size_t)limit) return (int)cudaErrorInvalidConfiguration;  // the Python side never asks for this
   dim3 grid(p.nsplit, p.BH, row_blocks);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  if (stages == 2) return launch_variant<2>(p, nw, grid, smem, s);
-  if (stages == 3) return launch_variant<3>(p, nw, grid, smem, s);
-  if (stages == 4) return launch_variant<4>(p, nw, grid, smem, s);
+  if (stages == 2) return launch_variant<2>(p, nw, grid, smem, device, s);
+  if (stages == 3) return launch_variant<3>(p, nw, grid, smem, device, s);
+  if (stages == 4) return launch_variant<4>(p, nw, grid, smem, device, s);
   return (int)cudaErrorInvalidValue;
 }
 
@@ -720,7 +754,7 @@ int kivi_v3_launch(const long long* a, double qk_scale, int nw, int stages, int 
 //   vwords [32][2 kk][2 r][2 (token a, b)][NVW]: value words of tokens (8t+2kk+r, +4) from the lane column's first
 //   vscale, vzero [32][2][2][2]: their value scale / zero (bits) for the lane column's value group
 // Returns 0, or 1 if a read touched a byte no copy wrote (the stage is pre-filled with a marker).
-int kivi_v3_layout_probe(const long long* a, int b, int h, int tok0, uint32_t* kwords, uint32_t* kscale,
+KIVI_EXPORT int kivi_v3_layout_probe(const long long* a, int b, int h, int tok0, uint32_t* kwords, uint32_t* kscale,
                          uint32_t* kzero, uint32_t* valid4, uint32_t* vwords, uint16_t* vscale, uint16_t* vzero) {
   using namespace kivi_v3;
   using C = Cfg<KIVI_BITS, KIVI_DK, KIVI_DV>;
@@ -769,7 +803,7 @@ int kivi_v3_layout_probe(const long long* a, int b, int h, int tok0, uint32_t* k
   return missing;
 }
 
-int kivi_v3_combine_launch(long long po, long long pl, long long out, long long lse, int nsplit, long long rows,
+KIVI_EXPORT int kivi_v3_combine_launch(long long po, long long pl, long long out, long long lse, int nsplit, long long rows,
                            int dv, int device, void* stream) {
   cudaError_t e = cudaSetDevice(device);
   if (e != cudaSuccess) return (int)e;
@@ -780,6 +814,6 @@ int kivi_v3_combine_launch(long long po, long long pl, long long out, long long 
   return (int)cudaGetLastError();
 }
 
-const char* kivi_v3_error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
+KIVI_EXPORT const char* kivi_v3_error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
 
 }  // extern "C"

@@ -79,12 +79,22 @@ LOG2E = 1.4426950408889634
 TILE = 32
 DIMS = (64, 128)
 SOURCE = Path(__file__).with_name("cuda_kernel.cu")
+# -fvisibility=hidden: only the extern "C" entry points are exported, so no symbol of one library (e.g. a template's
+# function-local static, which g++ makes STB_GNU_UNIQUE) is bound across the several libraries loaded side by side
 NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
+              "-Xcompiler", "-fvisibility=hidden",
               "-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_80,code=sm_80")
 # nw warps per CTA, cp.async stages per warp, waves of warps_per_sm resident warps for the split count, at least
-# min_tiles 32-token tiles per warp, register cap __launch_bounds__(128, min_blocks) (4: <= 128 registers, no
-# spills for every (bits, Dk, Dv) with nvcc 13.0; 1: uncapped, about 150 at Dk = Dv = 128)
-DEFAULT_CONFIG = dict(nw=4, stages=3, waves=2.0, warps_per_sm=16, min_tiles=4, min_blocks=4)
+# min_tiles 32-token tiles per warp ("auto": :func:`auto_min_tiles`), register cap __launch_bounds__(128, min_blocks)
+# (4: <= 128 registers, no spills for every (bits, Dk, Dv) with nvcc 13.0; 1: uncapped, about 150 at Dk = Dv = 128).
+# waves = 1 and min_tiles "auto" come from the first H200 sweep (docs/results.md, "KIVI decode kernel"): fewer,
+# longer splits won everywhere the old default (waves 2, min_tiles 4) had many CTAs - Llama-3-8B KIVI-2 B=16 32k
+# 166.8 us with waves 1 against 169.9, B=64 4k 89.3 against 100.2, SmolLM2 B=16 32k 45.9 against 48.7, B=1 32k
+# 20.8 us with 8 tiles per warp against 25.4 - while B=1 4k (128 tiles for 8 rows) was fastest with 2 tiles per
+# warp (9.6 against 10.5 us with 4, 13.7 with 8).
+DEFAULT_CONFIG = dict(nw=4, stages=3, waves=1.0, warps_per_sm=16, min_tiles="auto", min_blocks=4)
+SMEM_DEFAULT = 48 * 1024  # dynamic shared memory a kernel gets without cudaFuncAttributeMaxDynamicSharedMemorySize
+SMEM_OPTIN_MAX = 227 * 1024  # the largest opt-in limit of any supported GPU (sm_90); the device's own limit is used
 
 _LIBS: dict[tuple[int, int, int, int], ctypes.CDLL] = {}
 _LOCK = threading.Lock()
@@ -242,7 +252,9 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1) -> ctypes.CDLL:
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode:
             os.unlink(tmp)
-            raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{res.stderr[-4000:]}")
+            raise RuntimeError(f"building the KIVI CUDA kernel (v3, the default KIVI decode path on CUDA) failed; "
+                               f"set KVCOMPRESS_KIVI_CUDA=0 to use the Triton kernel instead.\nnvcc failed "
+                               f"({' '.join(cmd)}):\n{res.stderr[-4000:]}")
         os.replace(tmp, path)
     lib = ctypes.CDLL(str(path))
     lib.kivi_v3_launch.restype = ctypes.c_int
@@ -254,6 +266,10 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1) -> ctypes.CDLL:
     lib.kivi_v3_error_string.restype = ctypes.c_char_p
     lib.kivi_v3_error_string.argtypes = [ctypes.c_int]
     lib.kivi_v3_stage_bytes.restype = ctypes.c_int
+    lib.kivi_v3_launch_smem.restype = ctypes.c_longlong
+    lib.kivi_v3_launch_smem.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.kivi_v3_needs_smem_optin.restype = ctypes.c_int
+    lib.kivi_v3_needs_smem_optin.argtypes = [ctypes.c_int, ctypes.c_int]
     if (lib.kivi_v3_bits(), lib.kivi_v3_dk(), lib.kivi_v3_dv()) != key[:3]:
         raise RuntimeError(f"{path} was built for another configuration")
     with _LOCK:
@@ -291,6 +307,58 @@ def config(bits: int) -> dict:
 SMEM_PER_SM = 227 * 1024  # Hopper / Ampere (sm_80: 163 KB; the estimate only sizes the split count)
 
 
+def stage_bytes(bits: int, dk: int, dv: int) -> int:
+    """Shared-memory bytes of one warp's pipeline stage: ``kivi_v3::Cfg::STAGE`` (the library's
+    ``kivi_v3_stage_bytes``; a test checks the two agree)."""
+    per = 32 // bits
+    kw, vw = dk // per, dv // per
+    off_v = kw * (TILE * 4 + 16) + 2 * dk * 2  # key word rows (padded), key scales, key zeros
+    return off_v + TILE * vw * 4 + 2 * TILE * (dv // 16) * 2 + TILE  # values, value scales / zeros, valid flags
+
+
+def launch_smem(bits: int, dk: int, dv: int, nw: int, stages: int) -> int:
+    """Dynamic shared memory ``kivi_v3_launch`` requests: the pipeline buffers, or the warp-merge buffers reusing
+    them, whichever is larger (``kivi_v3::launch_smem``)."""
+    return max(nw * stages * stage_bytes(bits, dk, dv), nw * 8 * (dv + 2) * 4)
+
+
+def plan_launch(bits: int, dk: int, dv: int, nw: int, stages: int, limit: int) -> tuple[int, int, int, bool]:
+    """``(nw, stages, smem bytes, needs the opt-in attribute)`` of a launch that fits the device's opt-in
+    shared-memory limit ``limit``: the requested config when it fits, else fewer stages (down to 2), then fewer
+    warps.  The launcher raises the kernel's limit (``cudaFuncSetAttribute``) exactly when smem > 48 KB."""
+    if not (1 <= nw <= 4 and 2 <= stages <= 4):
+        raise ValueError(f"KIVI CUDA kernel: nw {nw} (1..4), stages {stages} (2..4)")
+    while launch_smem(bits, dk, dv, nw, stages) > limit:
+        if stages > 2:
+            stages -= 1
+        elif nw > 1:
+            nw -= 1
+        else:
+            raise ValueError(f"KIVI CUDA kernel: one warp with 2 stages needs {launch_smem(bits, dk, dv, 1, 2)} "
+                             f"bytes of shared memory, the device allows {limit}")
+    smem = launch_smem(bits, dk, dv, nw, stages)
+    return nw, stages, smem, smem > SMEM_DEFAULT
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_limit(index: int) -> int:
+    """Opt-in dynamic shared memory per block of device ``index``."""
+    props = torch.cuda.get_device_properties(index)
+    got = getattr(props, "shared_memory_per_block_optin", None)
+    if got:
+        return int(got)
+    major, minor = props.major, props.minor  # the CUDA programming guide's table
+    return {(8, 0): 163 * 1024, (8, 7): 163 * 1024, (9, 0): 227 * 1024}.get((major, minor), 99 * 1024)
+
+
+def auto_min_tiles(ntiles: int, rows: int, sms: int, nw: int) -> int:
+    """Smallest per-warp work: 8 tiles when that still gives every SM a CTA, else 4, else 2 (see DEFAULT_CONFIG)."""
+    for mt in (8, 4):
+        if rows * (ntiles // (nw * mt)) >= sms:
+            return mt
+    return 2
+
+
 def num_splits(ntiles: int, rows: int, sms: int, cfg: dict, cta_smem: int = 0) -> int:
     """Splits (per (batch, kv head, row block)) for about ``waves`` full waves of resident CTAs, each warp taking
     >= ``min_tiles`` tiles.  Resident CTAs per SM: ``warps_per_sm / nw``, fewer when shared memory is short.  The
@@ -301,7 +369,9 @@ def num_splits(ntiles: int, rows: int, sms: int, cfg: dict, cta_smem: int = 0) -
     if cta_smem:
         per_sm = max(1, min(per_sm, SMEM_PER_SM // cta_smem))
     want = max(1, round(cfg["waves"] * sms * per_sm / rows))
-    most = max(1, ntiles // (nw * int(cfg["min_tiles"])))
+    mt = cfg["min_tiles"]
+    mt = auto_min_tiles(ntiles, rows, sms, nw) if mt == "auto" else int(mt)
+    most = max(1, ntiles // (nw * mt))
     return max(1, min(want, most))
 
 
@@ -390,8 +460,10 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
     row_blocks = -(-m // 8)
     ntiles = nt // TILE
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    nw, stages = int(c["nw"]), int(c["stages"])
-    cta_smem = max(nw * stages * lib.kivi_v3_stage_bytes(), nw * 8 * (dv + 2) * 4)
+    nw, stages, cta_smem, _ = plan_launch(bits, dk, dv, int(c["nw"]), int(c["stages"]), _smem_limit(index))
+    if cta_smem != lib.kivi_v3_launch_smem(nw, stages):
+        raise RuntimeError("KIVI CUDA kernel: the library's shared-memory size disagrees with launch_smem()")
+    c.update(nw=nw, stages=stages)
     s = splits or num_splits(ntiles, b * h * row_blocks, _sms(index), c, cta_smem)
     tiles_per_split = -(-ntiles // max(1, min(s, ntiles)))
     s = -(-ntiles // tiles_per_split)
@@ -402,7 +474,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
         pl = torch.empty(s, b * h * m, device=dev, dtype=torch.float32)
     arr = _args(packed, kv, q.data_ptr(), q.stride()[:3], po.data_ptr(), pl.data_ptr(), m, tiles_per_split * TILE, s)
     stream = torch.cuda.current_stream(dev).cuda_stream
-    rc = lib.kivi_v3_launch(arr, float(scale) * LOG2E, int(c["nw"]), int(c["stages"]), row_blocks,
+    rc = lib.kivi_v3_launch(arr, float(scale) * LOG2E, nw, stages, row_blocks,
                             index, ctypes.c_void_p(stream))
     if rc:
         raise RuntimeError(f"KIVI CUDA kernel launch failed: {lib.kivi_v3_error_string(rc).decode()}")
