@@ -88,9 +88,11 @@ def _ptxas_report(bits: int, dk: int, dv: int, arch: str, tmp_path, min_blocks: 
     return res.stderr
 
 
-@pytest.mark.parametrize("bits,dk,dv,min_blocks", [(b, dk, dv, mb) for b, dk, dv in [(2, 128, 128), (4, 128, 128), (2, 64, 64),
-                                                                                   (4, 64, 128)]
-                                                   for mb in (1, ck.DEFAULT_CONFIG["min_blocks"])]
+_COMPILED = [(2, 128, 128), (4, 128, 128), (2, 64, 64), (4, 64, 128)]
+
+
+@pytest.mark.parametrize("bits,dk,dv,min_blocks",
+                         [(*d, mb) for d in _COMPILED for mb in (1, ck.DEFAULT_CONFIG["min_blocks"])]
                          + [(2, 128, 128, 5), (2, 64, 64, 5)])  # the r5 variant (<= 102 registers) at 2 bits
 def test_cuda_source_compiles_for_sm90a_without_spills(bits, dk, dv, min_blocks, tmp_path):
     if not ck.nvcc_path():

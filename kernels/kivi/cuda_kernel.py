@@ -9,6 +9,13 @@ shared library with ``nvcc`` (one per ``(bits, Dk, Dv)``, cached under ``$KVCOMP
 ``~/.cache/kvcompress``) and binds its ``extern "C"`` launcher with :mod:`ctypes` (the device code needs no
 torch headers, so the same file compiles on a machine without a CUDA build of torch).
 
+This is the default KIVI decode path on CUDA (``kernels.kivi.kivi_attention_partial``: CUDA tensors, :func:`supports`
+and an nvcc; ``KVCOMPRESS_KIVI_CUDA=0`` disables it).  Every launch is sized by :func:`plan_launch` against the device's
+opt-in shared-memory limit (fewer stages / warps when a config would not fit); the launcher raises the kernel's
+dynamic shared-memory limit above 48 KB, remembering that per library and device in internal-linkage state (a
+function-local static of a template was an ``STB_GNU_UNIQUE`` symbol shared by all loaded libraries: the first H200
+run's "invalid argument" launches).
+
 Work split (flash decoding): grid ``(splits, B*Hkv, row blocks)``; a CTA of ``nw`` warps takes a range of
 tokens; every warp walks its own contiguous run of 32-token tiles of it through a ``stages``-deep ``cp.async``
 pipeline into its own shared-memory buffers (16-byte copies, per-lane offsets computed once), keeps an
@@ -50,9 +57,11 @@ in ``c2/c3``:
 the CPU tests compare with the reference; the GPU tests compare the kernel itself.
 
 Compiled with nvcc 13.0 for sm_90a (default build, ``__launch_bounds__(128, 4)``: 123 registers, no spills),
-the main loop issues 689 SASS instructions per 32-token tile at 2 bits, Dk = Dv = 128 (2.69 per code; 390 of
-them the LOP3 / HSUB2 / HFMA2 dequantization, 32 HMMA) and 718 at 4 bits (2.80 per code); the Triton v2
-kernel issued about 4.8 per code.  Folding the key scale into the query (``q * s`` per group, the zero
+the main loop issues 689 SASS instructions per 32-token tile (735 counting the lazy-rescale block) at 2 bits,
+Dk = Dv = 128 (2.69 per code; 390 of them the LOP3 / HSUB2 / HFMA2 dequantization, 32 HMMA) and 718 at 4 bits
+(2.80 per code); the Triton v2 kernel issued about 4.8 per code.  ``min_blocks = 5`` (variant "r5"): 96
+registers, no spills at 2 bits, 778 per tile with the rescale block, for 5 resident CTAs per SM instead of 4.
+Folding the key scale into the query (``q * s`` per group, the zero
 point as a bias MMA) was tried and measured by instruction count: it removes the 64 key HFMA2 per tile but
 the operand shuffles around the bias MMA cost more (708 against 697 per tile), so it is not used.
 """
