@@ -455,7 +455,7 @@ def test_split_rule_on_the_measured_h200_shapes():
     """The default split count (waves 1, min_tiles "auto") on the first run's shapes (132 SMs), against the split
     count of the fastest variant measured there."""
     cfg = ck.config(2)
-    assert cfg["waves"] == 1.0 and cfg["min_tiles"] == "auto"
+    assert cfg["waves"] == 1.0 and cfg["min_tiles"] == "auto" and cfg["stages"] == 2
 
     def splits(bits, d, b, hkv, ctx):
         smem = ck.launch_smem(bits, d, d, cfg["nw"], cfg["stages"])
@@ -465,7 +465,9 @@ def test_split_rule_on_the_measured_h200_shapes():
     assert splits(2, 128, 1, 8, 32768) == 32  # v3-mt8: 20.8 us against 25.4 with 64 splits
     assert splits(2, 128, 16, 8, 4096) == 4  # v3-waves1 / mt8: 34.1 / 33.6 against 40.3 with 8
     assert splits(2, 128, 16, 8, 32768) == 4  # v3-waves1: 166.8 against 169.9 with 8
-    assert splits(4, 128, 16, 8, 32768) == 3  # v3-waves1: 192.7 against 196.5 with 6
+    assert splits(4, 128, 16, 8, 32768) == 4  # 2 stages: 47360 B, 4 CTAs per SM (3 stages: 3 per SM, 3 splits)
+    cfg3 = {**cfg, "stages": 3}
+    assert ck.num_splits(1024, 128, 132, cfg3, ck.launch_smem(4, 128, 128, 4, 3)) == 3  # v3-waves1: 192.7 vs 196.5
     assert splits(2, 128, 64, 8, 4096) == 1  # v3-waves1: 89.3 against 100.2 with 2
     assert splits(2, 64, 1, 3, 32768) == 64  # default 10.5; mt2 (128) 10.9, mt8 (32) 11.1
     assert splits(2, 64, 16, 3, 32768) == 11  # v3-waves1: 45.9 against 48.7 with 22
@@ -509,9 +511,11 @@ def test_libraries_side_by_side_on_gpu():
     other libraries ask for 48..71 KB (each must raise its own kernel's limit), then the uncapped build."""
     from kvcompress.kernels import kivi
 
-    for name, cfg in [("b4-d128-gqa4", {}), ("b4-dk128-dv64-rows12", {}), ("b4-dk64-dv128-gv16-rows20", {}),
-                      ("b4-d128-gqa4", {"min_blocks": 1}), ("b4-dk128-dv64-rows12", {"min_blocks": 1}),
-                      ("b4-d128-gqa4", {"min_blocks": 5, "warps_per_sm": 20})]:
+    st3 = {"stages": 3}  # the first run's default pipeline depth: 71040 / 52608 / 54144 B (2 stages stay < 48 KB)
+    for name, cfg in [("b4-d128-gqa4", st3), ("b4-dk128-dv64-rows12", st3), ("b4-dk64-dv128-gv16-rows20", st3),
+                      ("b4-d128-gqa4", {"min_blocks": 1, **st3}), ("b4-dk128-dv64-rows12", {"min_blocks": 1, **st3}),
+                      ("b4-d128-gqa4", {"min_blocks": 5, "warps_per_sm": 20, **st3}), ("b4-dk128-dv64-rows12", {}),
+                      ("b4-d128-gqa4", {"nw": 4, "stages": 4})]:
         q, packed = make_case(name, "cuda")
         scale = q.shape[-1] ** -0.5
         out, lse = ck._forward(q, packed, scale, cfg=cfg)

@@ -100,8 +100,10 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # longer splits won everywhere the old default (waves 2, min_tiles 4) had many CTAs - Llama-3-8B KIVI-2 B=16 32k
 # 166.8 us with waves 1 against 169.9, B=64 4k 89.3 against 100.2, SmolLM2 B=16 32k 45.9 against 48.7, B=1 32k
 # 20.8 us with 8 tiles per warp against 25.4 - while B=1 4k (128 tiles for 8 rows) was fastest with 2 tiles per
-# warp (9.6 against 10.5 us with 4, 13.7 with 8).
-DEFAULT_CONFIG = dict(nw=4, stages=3, waves=1.0, warps_per_sm=16, min_tiles="auto", min_blocks=4)
+# warp (9.6 against 10.5 us with 4, 13.7 with 8).  stages = 2: at 2 bits (same split counts) 2 stages were as fast as
+# or faster than 3 on all 7 shapes measured (e.g. B=1 32k 23.9 against 25.4 us, B=64 4k 98.1 against 100.2), and at
+# 4 bits, Dk = Dv = 128 they need 47360 B instead of 71040 B of shared memory: 4 CTAs per SM instead of 3.
+DEFAULT_CONFIG = dict(nw=4, stages=2, waves=1.0, warps_per_sm=16, min_tiles="auto", min_blocks=4)
 SMEM_DEFAULT = 48 * 1024  # dynamic shared memory a kernel gets without cudaFuncAttributeMaxDynamicSharedMemorySize
 SMEM_OPTIN_MAX = 227 * 1024  # the largest opt-in limit of any supported GPU (sm_90); the device's own limit is used
 
