@@ -123,7 +123,7 @@ def check_fused(device: str) -> list[dict]:
         idx = tk.select_topk(q, lab, ch, valid, kk)
         s_ref = ref.label_scores(q.double(), ref.Labels(lab.data, lab.bits, lab.scale, lab.zero), ch, valid)
         rows.append({"op": "fused-select", "shape": [b, hq, hkv, t, d, r], "bits": bits, "k": kk,
-                     "fused": bool(tk.supports_fused(q, lab, ch)), "topk_ok": _topk_ok(idx, s_ref.float(), kk),
+                     "fused": bool(tk.supports_fused(q, lab, ch, kk)), "topk_ok": _topk_ok(idx, s_ref.float(), kk),
                      "same_inf": True, "rel_err": 0.0})
     return rows
 
