@@ -7,18 +7,20 @@ this script assembles /tmp/site itself):
     PYTHONPATH=/tmp/site python benchmarks/gpu_kivi_cuda.py --out $OUT
 
 Stages (each in try/except: a failure prints its traceback and the next stage runs):
-  1. build the v3 libraries with nvcc (every (bits, Dk, Dv) x register cap 1 / 4 (default) / 5, in parallel),
-  2. correctness against a float64 evaluation of the reference on 8 shapes x 9 configs (the default, the
+  1. build the v3 libraries with nvcc (every (bits, Dk, Dv) x register cap 1 / 4 (default) / 5, and the
+     key-scale-fold builds kfold 1 / 2 x register cap 1 / 4, in parallel),
+  2. correctness against a float64 evaluation of the reference on 8 shapes x 13 configs (the default, the
      configs / builds that failed to launch in the first H200 run, the largest shared-memory request, the
-     variants timed below) and one check that the dispatcher (kernels.kivi.kivi_attention_partial) takes v3,
+     variants timed below, the key-scale-fold builds) and one check that the dispatcher
+     (kernels.kivi.kivi_attention_partial) takes v3,
   3. timing: the v3 default and variants vs the Triton v2 kernel vs SDPA (best of cuDNN / FlashAttention on
      the fp16 cache), CUDA graphs over >= 400 MB of rotating inputs (cold L2), median of 20 replays
      (kvcompress.kernels.benchutil.time_op), Llama B in {1, 16, 64} x ctx {4k, 32k} and SmolLM B in {1, 16}
      x 32k, bits 2 and 4,
   4. ``pytest -m gpu tests/test_kivi_cuda.py tests/test_kivi_kernel.py``.
 Writes $OUT/kivi_cuda.json, prints a Markdown table and ends with the line ``correctness N/N ok``.  A time
-budget (--budget, default 170 s) skips the remaining timing variants when it runs out (the whole run must stay
-well under the session's 540 s; the first one took 37 s).
+budget (--budget, default 120 s) skips the remaining timing variants when it runs out (the whole run must stay
+under 3 minutes; the first run took 37 s, the second 52 s).
 """
 
 from __future__ import annotations
@@ -86,8 +88,13 @@ VARIANTS = {
     "v3-mt2": {"min_tiles": 2},
     "v3-mt8": {"min_tiles": 8},
     "v3-waves2": {"waves": 2.0},
+    # key-scale fold (cuda_kernel.py docstring, "Key-scale fold"): 706 (kf1) / 722 (kf2) SASS per tile against 733
+    "v3-kf1": {"kfold": 1},
+    "v3-kf2": {"kfold": 2},
+    "v3-kf1-r1": {"kfold": 1, "min_blocks": 1},
+    "v3-kf2-r1": {"kfold": 2, "min_blocks": 1},
 }
-QUICK = ["v3", "v3-old", "v3-st3", "v3-r5", "v3-r5-st3"]  # the variants kept at the biggest shapes
+QUICK = ["v3", "v3-old", "v3-st3", "v3-r5", "v3-kf1", "v3-kf2", "v3-kf2-r1"]  # the variants kept at the biggest shapes
 
 CORRECTNESS = [  # b, h, m, dk, dv, tokens, bits, g, gv
     (2, 8, 4, 128, 128, 4096, 2, 32, 32), (2, 8, 4, 128, 128, 4096, 4, 32, 32),
@@ -115,7 +122,8 @@ def stage(name, fn, *a, **k):
 
 
 def build_all() -> dict:
-    keys = sorted((bits, dk, dv, mb) for bits in (2, 4) for dk in (64, 128) for dv in (64, 128) for mb in (1, 4, 5))
+    dims = [(bits, dk, dv) for bits in (2, 4) for dk in (64, 128) for dv in (64, 128)]
+    keys = sorted([(*d, mb) for d in dims for mb in (1, 4, 5)] + [(*d, mb, kf) for d in dims for mb in (1, 4) for kf in (1, 2)])
     res = subprocess.run([ck.nvcc_path() or "nvcc", "--version"], capture_output=True, text=True)
     log("nvcc:", res.stdout.strip().splitlines()[-1] if res.stdout else res.stderr[-200:])
     t0 = time.time()
@@ -156,7 +164,10 @@ def correctness() -> list[dict]:
                "v3-nw4-st3-7splits": ({"nw": 4, "stages": 3}, 7),  # the failed test_configs_and_splits_on_gpu[cfg2-7]
                "v3-nw4-st4-3splits": ({"nw": 4, "stages": 4}, 3),  # the largest shared-memory request (94720 B)
                "v3-r5": (VARIANTS["v3-r5"], None), "v3-r5-st3": (VARIANTS["v3-r5-st3"], None),
-               "v3-old": (VARIANTS["v3-old"], None)}
+               "v3-old": (VARIANTS["v3-old"], None),
+               "v3-kf1": (VARIANTS["v3-kf1"], None), "v3-kf2": (VARIANTS["v3-kf2"], None),
+               "v3-kf2-r1": (VARIANTS["v3-kf2-r1"], None),
+               "v3-kf2-nw2-st4-5splits": ({"kfold": 2, "nw": 2, "stages": 4}, 5)}
     from kvcompress.kernels import kivi
     for case in CORRECTNESS:
         b, h, m, dk, dv, t, bits, g, gv = case
@@ -283,8 +294,9 @@ def timing(budget_s: float, results: dict) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     out = ["| model | B | ctx | bits | SDPA µs | v2 Triton µs (x SDPA) | v3 first-run default µs (x SDPA) | "
-           "v3 default µs (x SDPA, TB/s) | best v3 | best v3 µs (x SDPA) | v3 / v2 |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "v3 default µs (x SDPA, TB/s) | v3-kf1 µs (x SDPA) | v3-kf2 µs (x SDPA) | best v3 | best v3 µs (x SDPA) | "
+           "v3 / v2 |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     keys = []
     for r in rows:
         k = (r["model"], r["batch"], r["ctx"], r["bits"])
@@ -308,7 +320,7 @@ def table(rows: list[dict]) -> str:
         bname = "-" if best is None else best["impl"]
         ratio = "-" if best is None or v2 is None else "%.2fx" % (v2["us"] / best["us"])
         out.append(f"| {k[0]} | {k[1]} | {k[2] // 1024}k | {k[3]} | {sdpa:.1f} | {f(v2)} | {f(by.get('v3-old'))} | "
-                   f"{dflt} | {bname} | "
+                   f"{dflt} | {f(by.get('v3-kf1'))} | {f(by.get('v3-kf2'))} | {bname} | "
                    f"{f(best)} | {ratio} |")
     return "\n".join(out)
 
@@ -326,7 +338,7 @@ def gpu_tests() -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--budget", type=float, default=170.0, help="seconds after which timing variants are skipped")
+    ap.add_argument("--budget", type=float, default=120.0, help="seconds after which timing variants are skipped")
     ap.add_argument("--skip-tests", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)

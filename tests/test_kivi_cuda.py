@@ -77,11 +77,11 @@ def check(out, lse, ref_out, ref_lse, m, dv):
 # ----------------------------------------------------------------------------- compile (no GPU needed)
 
 
-def _ptxas_report(bits: int, dk: int, dv: int, arch: str, tmp_path, min_blocks: int = 1) -> str:
-    out = tmp_path / f"k{bits}_{dk}_{dv}_{arch}_{min_blocks}.cubin"
+def _ptxas_report(bits: int, dk: int, dv: int, arch: str, tmp_path, min_blocks: int = 1, kfold: int = 0) -> str:
+    out = tmp_path / f"k{bits}_{dk}_{dv}_{arch}_{min_blocks}_{kfold}.cubin"
     cmd = [ck.nvcc_path(), "-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-cubin",
            f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v", f"-DKIVI_BITS={bits}",
-           f"-DKIVI_DK={dk}", f"-DKIVI_DV={dv}", f"-DKIVI_MIN_BLOCKS={min_blocks}", "-o", str(out), str(ck.SOURCE)]
+           f"-DKIVI_DK={dk}", f"-DKIVI_DV={dv}", f"-DKIVI_MIN_BLOCKS={min_blocks}", f"-DKIVI_KFOLD={kfold}", "-o", str(out), str(ck.SOURCE)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     assert out.stat().st_size > 10000
@@ -113,6 +113,22 @@ def test_cuda_source_compiles_for_sm80(tmp_path):
     if not ck.nvcc_path():
         pytest.skip("nvcc not on the PATH")
     _ptxas_report(2, 128, 128, "80", tmp_path)
+    _ptxas_report(4, 64, 128, "80", tmp_path, kfold=1)
+    _ptxas_report(2, 128, 64, "80", tmp_path, kfold=2)
+
+
+@pytest.mark.parametrize("bits,dk,dv,min_blocks,kfold",
+                         [(b, k, v, ck.DEFAULT_CONFIG["min_blocks"], kf) for b in (2, 4) for k in (64, 128)
+                          for v in (64, 128) for kf in (1, 2)] + [(2, 128, 128, 1, 1), (2, 128, 128, 1, 2)])
+def test_kfold_source_compiles_for_sm90a_without_spills(bits, dk, dv, min_blocks, kfold, tmp_path):
+    """The key-scale-fold builds (-DKIVI_KFOLD=1 / 2) for every (bits, Dk, Dv): no spills within the register cap."""
+    if not ck.nvcc_path():
+        pytest.skip("nvcc not on the PATH")
+    report = _ptxas_report(bits, dk, dv, "90a", tmp_path, min_blocks, kfold=kfold)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert spills and all(s == ("0", "0") for s in spills), report
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
+    assert regs and max(regs) <= (255 if min_blocks == 1 else 65536 // (128 * min_blocks))
 
 
 def test_build_flags_name_both_targets():
@@ -241,6 +257,60 @@ def test_emulated_kernel_matches_reference(name):
     out, lse = ck.emulate(q, packed, scale)
     ref_out, ref_lse = kivi_attention_partial(q, packed, scale)
     check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
+
+
+@pytest.mark.parametrize("kfold", [1, 2])
+@pytest.mark.parametrize("name", EMULATED)
+def test_emulated_kfold_kernel_matches_reference(name, kfold):
+    """The key-scale-fold builds' dataflow (q' = q * s, A = E + code, -sum q' E + sum q z correction; 2: centred)."""
+    q, packed = make_case(name, emulated=True)
+    scale = q.shape[-1] ** -0.5
+    out, lse = ck.emulate(q, packed, scale, kfold=kfold)
+    ref_out, ref_lse = kivi_attention_partial(q, packed, scale)
+    check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
+
+
+@pytest.mark.parametrize("bits,dk", [(2, 64), (2, 128), (4, 64), (4, 128)])
+def test_kfold_mapping(bits, dk):
+    """Key-scale fold: every channel pair once per quad lane; every field lands inside the 10-bit mantissa with
+    E = 2**(10 - bit) <= 64 (the part the fp32 correction cancels); the zero pairs 4c .. 4c+3 of one 16-byte load
+    are the correction MMA's A quad: row g (a0, a2) = pairs of slice 2c (r = 0, 1), row g+8 (a1, a3) = slice 2c+1."""
+    per = 32 // bits
+    hp = per // 2
+    for i in range(hp):
+        bit = ck.kfold_pos(bits, i)
+        assert 4 <= bit and bit + bits <= 10 and (1 << (10 - bit)) <= 64
+        assert bits * i - ck.kfold_shift(bits, i) == bit
+    for t in range(4):
+        pairs = sorted(ck.key_pair_kfold(dk, t, s, r) for s in range(dk // 16) for r in range(2))
+        assert pairs == list(range(t * dk // 8, (t + 1) * dk // 8))
+        for s in range(0, dk // 16, 2):
+            quad = [ck.key_pair_kfold(dk, t, s, 0), ck.key_pair_kfold(dk, t, s + 1, 0),
+                    ck.key_pair_kfold(dk, t, s, 1), ck.key_pair_kfold(dk, t, s + 1, 1)]
+            assert quad == list(range(quad[0], quad[0] + 4)) and quad[0] % 4 == 0
+        for local in range(dk // 8):
+            word, shift, bit = ck.key_word_field_kfold(bits, dk, t, local)
+            assert word == t * (dk // per // 4) + local // hp  # the lane's own key words
+    # the fold's field values are exact: E + code for every code
+    for i in range(hp):
+        for code in range(1 << bits):
+            w = torch.tensor([(code << (bits * i)) | (code << (bits * i + 16))], dtype=torch.int64)
+            x = ck._kfold_field(w, ck.kfold_shift(bits, i), ck.kfold_pos(bits, i), bits)
+            assert x.float().tolist() == [[2.0 ** (10 - ck.kfold_pos(bits, i)) + code] * 2]
+
+
+def test_kfold_is_an_opt_in_config_switch(monkeypatch):
+    """The measured default stays; KVCOMPRESS_KIVI_CUDA_CONFIG='{"kfold": 1}' switches the build."""
+    monkeypatch.delenv("KVCOMPRESS_KIVI_CUDA_CONFIG", raising=False)
+    assert ck.config(2)["kfold"] == 0 and ck.DEFAULT_CONFIG["kfold"] == 0
+    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"kfold": 1}')
+    assert ck.config(2)["kfold"] == 1 and ck.config(4)["kfold"] == 1
+    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"2": {"kfold": 1}}')
+    assert ck.config(2)["kfold"] == 1 and ck.config(4)["kfold"] == 0
+    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"kfold": 2}')
+    assert ck.config(2)["kfold"] == 2
+    with pytest.raises(ValueError):
+        ck.build(2, 128, 128, 4, 3)
 
 
 def test_emulator_catches_a_wrong_mapping(monkeypatch):
@@ -502,6 +572,33 @@ def test_configs_and_splits_on_gpu(cfg, splits):
         out, lse = ck._forward(q, packed, scale, cfg=cfg, splits=splits)
         ref_out, ref_lse = kivi_attention_partial(q, packed, scale)
         check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("cfg", [{"kfold": 1}, {"kfold": 2}, {"kfold": 2, "min_blocks": 1}], ids=["kf1", "kf2", "kf2-r1"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or ck.nvcc_path() is None, reason="needs CUDA and nvcc")
+def test_kfold_kernel_matches_reference_on_gpu(name, cfg):
+    """The key-scale-fold build against the reference on every case (default and uncapped registers)."""
+    q, packed = make_case(name, "cuda")
+    scale = q.shape[-1] ** -0.5
+    out, lse = ck._forward(q, packed, scale, cfg=cfg)
+    ref_out, ref_lse = kivi_attention_partial(q, packed, scale)
+    check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or ck.nvcc_path() is None, reason="needs CUDA and nvcc")
+def test_kfold_configs_and_splits_on_gpu():
+    """Key-scale fold with other launch shapes: 1 warp / 2 stages / 1 split, 2 warps / 4 stages / 3 splits."""
+    for cfg, splits in [({"kfold": 1, "nw": 1, "stages": 2}, 1), ({"kfold": 2, "nw": 2, "stages": 4}, 3),
+                        ({"kfold": 2, "nw": 4, "stages": 3}, 7)]:
+        for name in ("b2-d128-gqa4-pad-dead-row", "b4-d128-gqa4", "b4-dk64-dv128-gv16-rows20"):
+            q, packed = make_case(name, "cuda")
+            scale = q.shape[-1] ** -0.5
+            out, lse = ck._forward(q, packed, scale, cfg=cfg, splits=splits)
+            ref_out, ref_lse = kivi_attention_partial(q, packed, scale)
+            check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
 
 
 @pytest.mark.gpu

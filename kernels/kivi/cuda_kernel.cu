@@ -32,6 +32,10 @@ constexpr int MAX_NW = 4;
 #ifndef KIVI_MIN_BLOCKS
 #define KIVI_MIN_BLOCKS 1  // >1 caps registers (65536 / (128 * N)); a build option, swept by the benchmark
 #endif
+#ifndef KIVI_KFOLD
+#define KIVI_KFOLD 0  // 1: key scale folded into the query, offsets / zero points through 2 correction MMAs per slice;
+                      // 2: the same, codes centred on the middle code (error like the default, 16 HFMA2 per tile more)
+#endif
 
 struct Params {
   const __half* q;
@@ -133,6 +137,129 @@ __device__ __forceinline__ uint32_t field(uint32_t w, uint32_t hi, uint32_t s, u
   } else {
     return deq<BITS, BITS * (I - DIRECT)>(hi, s, z);
   }
+}
+
+// ---- key-scale fold (KIVI_KFOLD = 1).  A key code field is brought (at most one shift per word and "version") to
+// bit KPOS(I) in {4, 6, 8} (2 bits: versions w << 4, w, w >> 6) / 4 (4 bits: w << 4, w, w >> 4, w >> 8), and one LOP3
+// (mask | exponent) makes it the exact fp16 E + code with E = 2^(10 - KPOS) <= 64: no HSUB2, no HFMA2.  The
+// per-channel scale moves into the B operand (q' = q * s, one HMUL2 per channel pair and tile, the exact product
+// rounded once), and
+//   S = sum_c q'_c (E_c + code_c) - sum_c q'_c E_c + sum_c q_c z_c,
+// the two last terms (the same for every token of the tile) come from 2 MMAs per k16 slice with A = -E constants /
+// the zero pairs and B = q' / q, added once to the score accumulators.  E <= 64 keeps the cancelled part small for
+// the fp32 accumulation.
+template <int BITS>
+struct KFold {
+  // right shift (negative: left) of field I's version; bit of field I in it
+  __host__ __device__ static constexpr int shift(int i) {
+    return BITS == 2 ? (i < 2 ? -4 : (i < 5 ? 0 : 6)) : 4 * i - 4;
+  }
+  __host__ __device__ static constexpr int pos(int i) { return BITS * i - shift(i); }
+  // fp16 bits of -E_I = -2^(10 - pos) in both halves
+  __host__ __device__ static constexpr uint32_t neg_e2(int i) { return (0x8000u | ((uint32_t)(25 - pos(i)) << 10)) * 0x10001u; }
+  // KIVI_KFOLD = 2: -(E_I + MID) with MID = (2^BITS - 1) / 2 (65.5, 17.5, 5.5 / 71.5: exact in fp16), and the zero
+  // pairs become z + MID * s, so the rounding of q' multiplies code - MID instead of code (as large as the
+  // default's rounding of code * s + z, at 16 HFMA2 per tile)
+  static constexpr float MID = ((1 << BITS) - 1) * 0.5f;
+  __host__ __device__ static constexpr uint32_t f16_exact(float v) {  // fp16 bits of an exactly representable normal v
+    uint32_t sign = v < 0.f ? 0x8000u : 0u;
+    float a = v < 0.f ? -v : v;
+    int e = 0;
+    while (a >= 2.f) { a *= 0.5f; ++e; }
+    while (a < 1.f) { a *= 2.f; --e; }
+    return sign | ((uint32_t)(e + 15) << 10) | (uint32_t)((a - 1.f) * 1024.f);
+  }
+  __host__ __device__ static constexpr uint32_t neg_e2_mid(int i) {
+    return f16_exact(-((float)(1 << (10 - pos(i))) + MID)) * 0x10001u;
+  }
+};
+
+template <int S>
+__device__ __forceinline__ uint32_t shifted(uint32_t w) {
+  if constexpr (S >= 0) {
+    return w >> S;
+  } else {
+    return w << (-S);
+  }
+}
+
+// E + code of field I (both halves) in one LOP3
+template <int BITS, int I>
+__device__ __forceinline__ uint32_t kfield(uint32_t w) {
+  using K = KFold<BITS>;
+  constexpr int P = K::pos(I);
+  constexpr uint32_t MASK = ((((1u << BITS) - 1u) << P) * 0x10001u);
+  constexpr uint32_t EXPB = ((uint32_t)(25 - P) << 10) * 0x10001u;
+  const uint32_t x = shifted<K::shift(I)>(w);
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(r) : "r"(x), "n"(MASK), "n"(EXPB));
+  return r;
+}
+
+template <int BITS>
+__device__ __forceinline__ void kfield2(int i, uint32_t w0, uint32_t w1, uint32_t& r0, uint32_t& r1) {
+#define KIVI_KF2(I)              \
+  case I:                        \
+    r0 = kfield<BITS, I>(w0);    \
+    r1 = kfield<BITS, I>(w1);    \
+    break;
+  if constexpr (BITS == 2) {
+    switch (i) { KIVI_KF2(0) KIVI_KF2(1) KIVI_KF2(2) KIVI_KF2(3) KIVI_KF2(4) KIVI_KF2(5) KIVI_KF2(6) default: KIVI_KF2(7) }
+  } else {
+    switch (i) { KIVI_KF2(0) KIVI_KF2(1) KIVI_KF2(2) default: KIVI_KF2(3) }
+  }
+#undef KIVI_KF2
+}
+
+template <int BITS>
+__device__ __forceinline__ uint32_t kneg_e1(int i) {
+  using K = KFold<BITS>;
+  if constexpr (BITS == 2) {
+    switch (i) {
+      case 0: return K::neg_e2(0); case 1: return K::neg_e2(1); case 2: return K::neg_e2(2);
+      case 3: return K::neg_e2(3); case 4: return K::neg_e2(4); case 5: return K::neg_e2(5);
+      case 6: return K::neg_e2(6); default: return K::neg_e2(7);
+    }
+  } else {
+    switch (i) {
+      case 0: return K::neg_e2(0); case 1: return K::neg_e2(1); case 2: return K::neg_e2(2);
+      default: return K::neg_e2(3);
+    }
+  }
+}
+
+template <int BITS>
+__device__ __forceinline__ uint32_t kneg_e2m(int i) {
+  using K = KFold<BITS>;
+  if constexpr (BITS == 2) {
+    switch (i) {
+      case 0: return K::neg_e2_mid(0); case 1: return K::neg_e2_mid(1); case 2: return K::neg_e2_mid(2);
+      case 3: return K::neg_e2_mid(3); case 4: return K::neg_e2_mid(4); case 5: return K::neg_e2_mid(5);
+      case 6: return K::neg_e2_mid(6); default: return K::neg_e2_mid(7);
+    }
+  } else {
+    switch (i) {
+      case 0: return K::neg_e2_mid(0); case 1: return K::neg_e2_mid(1); case 2: return K::neg_e2_mid(2);
+      default: return K::neg_e2_mid(3);
+    }
+  }
+}
+
+template <int BITS>
+__device__ __forceinline__ uint32_t kneg_e(int i) {
+  return KIVI_KFOLD == 2 ? kneg_e2m<BITS>(i) : kneg_e1<BITS>(i);
+}
+
+__device__ __forceinline__ uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t r;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
+  return r;
 }
 
 template <int BITS>
@@ -327,7 +454,11 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
         const float2 f = __half22float2(*reinterpret_cast<const __half2*>(q0 + 2 * l));
         x0 = pack_f16x2(f.x * p.qk_scale, f.y * p.qk_scale);
       }
+#if KIVI_KFOLD
+      qb[2 * (l >> 2) + (l & 1)][(l >> 1) & 1] = x0;  // slice 2c + j, r: local pair 4c + 2r + j
+#else
       qb[l >> 1][l & 1] = x0;
+#endif
     }
   }
 
@@ -361,6 +492,19 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
   const int vgrp = L::v_group(g, p.gv);
   const uint32_t vsel = (C::VW >= 8 || (g & 1) == 0) ? 0x5410u : 0x7632u;
 
+#if KIVI_KFOLD
+  // -E constants of fields 4c .. 4c+3 (the A quads of the correction MMAs).  Equal constants in one quad (e.g.
+  // -64, -16, -4, -64) would be one register that ptxas copies into a fresh aligned quad before every MMA (4 MOVs);
+  // OR-ing in a different value it cannot prove zero per slot (BH, M, H, NT >= 1, so x >> 31 is 0) makes 8 distinct
+  // registers that stay in place
+  uint32_t nequad[C::HP / 4][4];
+  const uint32_t oz[4] = {(uint32_t)p.BH >> 31, (uint32_t)p.M >> 31, (uint32_t)p.H >> 31, (uint32_t)p.NT >> 31};
+#pragma unroll
+  for (int c = 0; c < C::HP / 4; ++c) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) nequad[c][j] = kneg_e<BITS>(4 * c + j) | oz[j];
+  }
+#endif
   int st_load = ST - 1, st_use = 0;  // ring positions of the stage being filled / consumed
   for (int it = 0; it < nmine; ++it) {
     if (it + ST - 1 < nmine) copy(wsm_addr + st_load * C::STAGE, tok_next);
@@ -378,6 +522,53 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
     float s[2][4];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.f;
+#if KIVI_KFOLD
+    // corrections: rows g of ca (slices j = 0) / rows g+8 of cb (j = 1) hold -sum q' E + sum q z over the lane's
+    // slices of that parity (the other rows: unused cross terms); query rows 2t / 2t+1
+    float ca[4] = {0.f, 0.f, 0.f, 0.f}, cb[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int jw = 0; jw < C::KWT; ++jw) {
+      const uint4 wv = *reinterpret_cast<const uint4*>(sb + L::k_words(g, t, jw));
+      const uint32_t wt[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+      for (int c = 0; c < C::HP / 4; ++c) {  // scale / zero pairs 4c .. 4c+3 of word jw: slices 2c, 2c+1 of it
+        const uint4 ks4 = *reinterpret_cast<const uint4*>(sb + L::k_scales(t, jw, c));
+        const uint4 kz4 = *reinterpret_cast<const uint4*>(sb + L::k_zeros(t, jw, c));
+        const uint32_t ksc[4] = {ks4.x, ks4.y, ks4.z, ks4.w};
+#if KIVI_KFOLD == 2
+        constexpr uint32_t MID2 = KFold<BITS>::f16_exact(KFold<BITS>::MID) * 0x10001u;
+        const uint32_t zq[4] = {hfma2(ks4.x, MID2, kz4.x), hfma2(ks4.y, MID2, kz4.y), hfma2(ks4.z, MID2, kz4.z),
+                                hfma2(ks4.w, MID2, kz4.w)};
+#endif
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {  // slice sl: fields i0 = 4c + j (r = 0), i1 = 4c + 2 + j (r = 1)
+          const int sl = (jw * C::HP) / 2 + 2 * c + j, i0 = 4 * c + j, i1 = i0 + 2;
+          const uint32_t q0 = hmul2(qb[sl][0], ksc[j]), q1 = hmul2(qb[sl][1], ksc[2 + j]);
+          float(&cx)[4] = j == 0 ? ca : cb;
+          mma(cx, nequad[c][0], nequad[c][1], nequad[c][2], nequad[c][3], q0, q1);  // - sum q' E
+#if KIVI_KFOLD == 2
+          mma(cx, zq[0], zq[1], zq[2], zq[3], qb[sl][0], qb[sl][1]);  // + sum q (z + MID s)
+#else
+          mma(cx, kz4.x, kz4.y, kz4.z, kz4.w, qb[sl][0], qb[sl][1]);  // + sum q z
+#endif
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            uint32_t a0, a1, a2, a3;
+            kfield2<BITS>(i0, wt[2 * mt], wt[2 * mt + 1], a0, a1);
+            kfield2<BITS>(i1, wt[2 * mt], wt[2 * mt + 1], a2, a3);
+            mma(s[mt], a0, a1, a2, a3, q0, q1);
+          }
+        }
+      }
+    }
+    {
+      const float c0 = ca[0] + cb[2], c1 = ca[1] + cb[3];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        s[mt][0] += c0; s[mt][1] += c1; s[mt][2] += c0; s[mt][3] += c1;
+      }
+    }
+#else
 #pragma unroll
     for (int jw = 0; jw < C::KWT; ++jw) {
       uint32_t ksc[C::HP], kzr[C::HP];  // scale / zero pairs of this word's channel pairs
@@ -404,6 +595,7 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
         }
       }
     }
+#endif
 
     // ---- mask + online softmax (base 2) per query row (2t, 2t+1); lane-local sums
     const uint32_t vb = *reinterpret_cast<const uint32_t*>(sb + L::valid4(g));  // tokens 4g..4g+3

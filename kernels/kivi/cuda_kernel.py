@@ -64,6 +64,21 @@ registers, no spills at 2 bits, 778 per tile with the rescale block, for 5 resid
 Folding the key scale into the query (``q * s`` per group, the zero
 point as a bias MMA) was tried and measured by instruction count: it removes the 64 key HFMA2 per tile but
 the operand shuffles around the bias MMA cost more (708 against 697 per tile), so it is not used.
+
+Key-scale fold (build option ``KIVI_KFOLD``, config ``kfold``; 0 = default, not yet timed on a GPU).  Each key field is
+moved (one shift per word and "version": ``w << 4``, ``w``, ``w >> 6`` at 2 bits) to bit 4, 6 or 8 of its 16-bit half
+and one LOP3 (mask | exponent) makes it the exact fp16 ``E + code`` with ``E = 2**(10 - bit) <= 64``: no HSUB2 and no
+HFMA2 per register.  The channel scale goes into the B operand (``q' = q * s``, one HMUL2 per channel pair and tile,
+rounded once) and ``S = sum q' (E + code) - sum q' E + sum q z``; the two per-tile terms come from 2 extra MMAs per
+k16 slice (A = the ``-E`` constants / the zero pairs, B = ``q'`` / ``q``) added once to the score accumulators.  The
+slice order of the channel pairs changes (:func:`key_pair_kfold`: slices ``2c, 2c+1`` take pairs ``4c, 4c+2`` /
+``4c+1, 4c+3``) so that a 16-byte load of zero pairs ``4c .. 4c+3`` is the zero MMA's A quad as loaded (row ``g`` sums
+slice ``2c``, row ``g+8`` slice ``2c+1``: two accumulators), and the ``-E`` quads are 8 distinct registers (equal
+constants in one quad cost 4 MOVs per MMA).  ``kfold = 1``: the rounding of ``q'`` multiplies the code (about twice
+the default's error against the reference, still inside the tests' tolerances); ``kfold = 2``: centred on the middle
+code (``-(E + mid)`` constants, zero pairs ``z + mid * s`` by 16 HFMA2 per tile), the default's error.  SASS per 32-token
+tile (main loop with the rescale block, nvcc 13.0, sm_90a, 2 bits, Dk = Dv = 128, min_blocks 4): default 733
+instructions (123 registers), kfold 1 706 (124), kfold 2 722 (126); uncapped (min_blocks 1): 728 / 689 / 706.
 """
 
 from __future__ import annotations
@@ -103,13 +118,15 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # warp (9.6 against 10.5 us with 4, 13.7 with 8).  stages = 2: at 2 bits (same split counts) 2 stages were as fast as
 # or faster than 3 on all 7 shapes measured (e.g. B=1 32k 23.9 against 25.4 us, B=64 4k 98.1 against 100.2), and at
 # 4 bits, Dk = Dv = 128 they need 47360 B instead of 71040 B of shared memory: 4 CTAs per SM instead of 3.
-DEFAULT_CONFIG = dict(nw=4, stages=2, waves=1.0, warps_per_sm=16, min_tiles="auto", min_blocks=4)
+# kfold: 0 = the measured default; 1 / 2 = the key-scale-fold builds (KIVI_KFOLD, see "Key-scale fold" above), not
+# yet timed on a GPU - flip with KVCOMPRESS_KIVI_CUDA_CONFIG='{"kfold": 2}' (or 1) once a GPU run shows it faster.
+DEFAULT_CONFIG = dict(nw=4, stages=2, waves=1.0, warps_per_sm=16, min_tiles="auto", min_blocks=4, kfold=0)
 SMEM_DEFAULT = 48 * 1024  # dynamic shared memory a kernel gets without cudaFuncAttributeMaxDynamicSharedMemorySize
 SMEM_OPTIN_MAX = 227 * 1024  # the largest opt-in limit of any supported GPU (sm_90); the device's own limit is used
 
-_LIBS: dict[tuple[int, int, int, int], ctypes.CDLL] = {}
+_LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
 _LOCK = threading.Lock()
-BUILD_SECONDS: dict[tuple[int, int, int, int], float] = {}
+BUILD_SECONDS: dict[tuple[int, ...], float] = {}
 
 
 # ----------------------------------------------------------------------------- fragment mapping (also used by emulate)
@@ -129,6 +146,36 @@ def key_word_field(bits: int, dk: int, t: int, local: int) -> tuple[int, int, in
     word, i = t * kwt + local // hp, local % hp
     direct = 10 // bits
     return (word, 0, bits * i) if i < direct else (word, bits * direct, bits * (i - direct))
+
+
+def kfold_shift(bits: int, i: int) -> int:
+    """Key-scale fold: right shift (negative: left) of the word version that holds field ``i`` (0 .. per/2-1) of
+    a 16-bit half at bit :func:`kfold_pos` (``KFold::shift`` in the .cu)."""
+    if bits == 2:
+        return -4 if i < 2 else (0 if i < 5 else 6)
+    return 4 * i - 4
+
+
+def kfold_pos(bits: int, i: int) -> int:
+    """Bit of field ``i`` in its shifted word version (4, 6 or 8 at 2 bits, 4 at 4 bits): the LOP3 gives the exact
+    fp16 ``2**(10 - pos) + code``."""
+    return bits * i - kfold_shift(bits, i)
+
+
+def key_pair_kfold(dk: int, t: int, s: int, r: int) -> int:
+    """Key-scale fold: channel pair of register ``r`` of k16 slice ``s`` for quad lane ``t``.  Slices ``2c``, ``2c+1``
+    take local pairs ``4c, 4c+2`` / ``4c+1, 4c+3``, so the zero pairs ``4c .. 4c+3`` (one 16-byte load) are the A
+    quad of the zero-point correction MMA as loaded (row ``g``: slice ``2c``, row ``g+8``: slice ``2c+1``)."""
+    return t * (dk // 8) + 4 * (s // 2) + 2 * r + s % 2
+
+
+def key_word_field_kfold(bits: int, dk: int, t: int, local: int) -> tuple[int, int, int]:
+    """``(word, shift, bit)`` of local pair ``local`` of quad lane ``t`` in the key-scale-fold build: the pair sits
+    at ``bit`` of the word shifted right by ``shift`` (left when negative)."""
+    hp = codes_per_word(bits) // 2
+    kwt = dk // codes_per_word(bits) // 4
+    i = local % hp
+    return t * kwt + local // hp, kfold_shift(bits, i), kfold_pos(bits, i)
 
 
 def score_token(mt: int, row: int) -> int:
@@ -243,23 +290,26 @@ def nvcc_command(bits: int, dk: int, dv: int, out: str, extra: tuple[str, ...] =
             "-o", out, str(SOURCE)]
 
 
-def build(bits: int, dk: int, dv: int, min_blocks: int = 1) -> ctypes.CDLL:
+def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0) -> ctypes.CDLL:
     """Compile (or load from the cache) the library for ``(bits, dk, dv)`` and bind its launchers.
 
-    ``min_blocks`` > 1 caps the registers (``__launch_bounds__(128, min_blocks)``) - a tuning knob."""
-    key = (bits, dk, dv, min_blocks)
+    ``min_blocks`` > 1 caps the registers (``__launch_bounds__(128, min_blocks)``) - a tuning knob.  ``kfold`` 1 / 2
+    builds a key-scale-fold variant (``-DKIVI_KFOLD=1`` / ``2``, see "Key-scale fold" in the module docstring)."""
+    if kfold not in (0, 1, 2):
+        raise ValueError(f"kfold {kfold} (0, 1 or 2)")
+    key = (bits, dk, dv, min_blocks) if not kfold else (bits, dk, dv, min_blocks, kfold)
     with _LOCK:
         if key in _LIBS:
             return _LIBS[key]
     src = SOURCE.read_bytes()
     tag = hashlib.sha256(src + repr((NVCC_FLAGS, key)).encode()).hexdigest()[:16]
-    path = cache_dir() / f"libkivi_v3_b{bits}_k{dk}_v{dv}_r{min_blocks}_{tag}.so"
+    path = cache_dir() / f"libkivi_v3_b{bits}_k{dk}_v{dv}_r{min_blocks}{f'_kf{kfold}' if kfold else ''}_{tag}.so"
     t0 = time.time()
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
-        cmd = nvcc_command(bits, dk, dv, tmp, (f"-DKIVI_MIN_BLOCKS={min_blocks}",))
+        cmd = nvcc_command(bits, dk, dv, tmp, (f"-DKIVI_MIN_BLOCKS={min_blocks}", f"-DKIVI_KFOLD={kfold}"))
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode:
             os.unlink(tmp)
@@ -463,7 +513,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
     c = dict(config(bits))
     if cfg:
         c.update(cfg)
-    lib = build(bits, dk, dv, int(c.get("min_blocks", 1)))
+    lib = build(bits, dk, dv, int(c.get("min_blocks", 1)), int(c.get("kfold", 0)))
 
     q = _aligned(query.to(torch.float16), 1, 4)
     kv = _kv_tensors(packed)
@@ -524,14 +574,17 @@ def _pairs(x: torch.Tensor) -> torch.Tensor:
 
 
 def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
-            splits: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+            splits: int = 2, kfold: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's dataflow in PyTorch (CPU): the same lane/fragment mapping, token and channel permutations,
     bit-field extraction, ``movmatrix`` transposes, fp16 rounding points, online softmax per warp, warp merge and
     split combine.
 
     Fragments are built lane by lane from :func:`key_pair` / :func:`key_word_field` / :func:`score_token` /
     :func:`pv_tokens` / :func:`value_channel` and multiplied as the PTX m16n8k16 layout defines them, so a wrong
-    mapping shows up as a wrong result against the reference.  Slow; for tests on small shapes.
+    mapping shows up as a wrong result against the reference.  Slow; for tests on small shapes.  ``kfold`` 1 / 2: the
+    key-scale-fold builds (:func:`key_pair_kfold`, :func:`key_word_field_kfold`, ``q' = q * s`` rounded once, A =
+    ``E + code``, the ``-sum q' E + sum q z`` correction added to every token's score in fp32; 2: centred,
+    ``-sum q' (E + mid) + sum q fp16(z + mid * s)`` with ``mid = (2**bits - 1) / 2``).
     """
     why = _problem(query, packed)
     if why is not None:
@@ -551,7 +604,7 @@ def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
                     tiles = list(range(sp * tps, min((sp + 1) * tps, ntiles)))
                     n = len(tiles)  # each warp: a contiguous run of the split's tiles, as in the kernel
                     warps = [_emulate_warp(query, packed, bi, hi, rb, tiles[n * w // nw: n * (w + 1) // nw],
-                                           float(scale) * LOG2E, lanes) for w in range(nw)]
+                                           float(scale) * LOG2E, lanes, kfold) for w in range(nw)]
                     # warp merge (shared memory)
                     mm = torch.stack([x[0] for x in warps])  # [nw, 8]
                     lm = torch.stack([x[1] for x in warps])
@@ -583,7 +636,19 @@ def _movmatrix_trans(held: dict) -> dict:
     return {(g, t): (elem[(2 * t, g)], elem[(2 * t + 1, g)]) for (g, t) in held}
 
 
-def _emulate_warp(query, packed, bi, hi, rb, tiles, qk, lanes):
+def _kfold_field(words: torch.Tensor, shift: int, bit: int, bits: int) -> torch.Tensor:
+    """Key-scale fold: shift + one LOP3 (mask | exponent of ``2**(10 - bit)``) -> fp16 ``[..., 2]`` = E + code
+    (exact)."""
+    mask = (((1 << bits) - 1) << bit) * 0x10001
+    expb = ((25 - bit) << 10) * 0x10001
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    w = (w >> shift) if shift >= 0 else ((w << -shift) & 0xFFFFFFFF)
+    x = w & mask | expb
+    halves = torch.stack([x & 0xFFFF, x >> 16], dim=-1)
+    return torch.where(halves >= 0x8000, halves - 0x10000, halves).to(torch.int16).view(torch.float16)
+
+
+def _emulate_warp(query, packed, bi, hi, rb, tiles, qk, lanes, kfold=False):
     """One warp's loop: returns (row max [8] (log2 units), row sum [8], unnormalised output [8, dv])."""
     bits, gk = packed.bits, packed.group
     m, dk = query.shape[2], query.shape[3]
@@ -597,10 +662,11 @@ def _emulate_warp(query, packed, bi, hi, rb, tiles, qk, lanes):
     qrow[:rows] = query[bi, hi, rb * 8: rb * 8 + rows].float()
     qrow = (qrow * qk).to(torch.float16).float()
     Bq = torch.zeros(nks, 16, 8)  # Q^T B fragments, built lane by lane
+    kpair = key_pair_kfold if kfold else key_pair
     for g, t in lanes:
         for s in range(nks):
             for r in range(2):
-                p = key_pair(dk, t, s, r)
+                p = kpair(dk, t, s, r)
                 Bq[s, 2 * t + 8 * r: 2 * t + 8 * r + 2, g] = qrow[g, 2 * p: 2 * p + 2]
     kc = packed.k_codes[bi, hi]
     ks = _pairs(packed.k_scale[bi, hi])
@@ -618,20 +684,50 @@ def _emulate_warp(query, packed, bi, hi, rb, tiles, qk, lanes):
         grp, toff = divmod(tok0, gk)
         S = torch.zeros(8, TILE)  # [query row, token]
         Cs = []
+        mid = ((1 << bits) - 1) / 2
+        if kfold:  # q' = q * s per channel pair (HMUL2, rounded once); correction -sum q' E + sum q z (fp32 MMAs)
+            Bs = torch.zeros(nks, 16, 8)
+            Be = torch.zeros(nks, 16, 8)  # -E per k row
+            Bz = torch.zeros(nks, 16, 8)
+            for g, t in lanes:
+                for s in range(nks):
+                    for r in range(2):
+                        p = key_pair_kfold(dk, t, s, r)
+                        _, _, bit = key_word_field_kfold(bits, dk, t, (p - t * (dk // 8)))
+                        rows = slice(2 * t + 8 * r, 2 * t + 8 * r + 2)
+                        Bs[s, rows, g] = ks[grp, p].float()
+                        if kfold == 2:
+                            Be[s, rows, g] = -(float(1 << (10 - bit)) + mid)
+                            Bz[s, rows, g] = (ks[grp, p].float() * mid + kz[grp, p].float()).half().float()
+                        else:
+                            Be[s, rows, g] = -float(1 << (10 - bit))
+                            Bz[s, rows, g] = kz[grp, p].float()
+            Bqs = (Bq * Bs).half().float()
+            corr = ((Be * Bqs).sum(1) + (Bz * Bq).sum(1)).sum(0)  # [8 query rows]
         for mt in range(2):
             A = torch.zeros(nks, 16, 16)
             for g, t in lanes:
                 for s in range(nks):
                     for r in range(2):
-                        local = 2 * s + r
-                        word, shift, bit = key_word_field(bits, dk, t, local)
+                        if kfold:
+                            local = key_pair_kfold(dk, t, s, r) - t * (dk // 8)
+                            word, shift, bit = key_word_field_kfold(bits, dk, t, local)
+                        else:
+                            local = 2 * s + r
+                            word, shift, bit = key_word_field(bits, dk, t, local)
                         p = t * (dk // 8) + local
-                        assert p == key_pair(dk, t, s, r)
+                        assert p == kpair(dk, t, s, r)
                         for row in (g, g + 8):
                             w = kc[grp, word, toff + score_token(mt, row)]
-                            pair = _deq_field(w, shift, bit, bits, ks[grp, p], kz[grp, p])
+                            if kfold:
+                                pair = _kfold_field(w, shift, bit, bits)
+                            else:
+                                pair = _deq_field(w, shift, bit, bits, ks[grp, p], kz[grp, p])
                             A[s, row, 2 * t + 8 * r: 2 * t + 8 * r + 2] = pair.float()
-            C = sum(A[s] @ Bq[s] for s in range(nks))  # [16 tokens, 8 query rows]
+            if kfold:
+                C = sum(A[s] @ Bqs[s] for s in range(nks)) + corr[None, :]
+            else:
+                C = sum(A[s] @ Bq[s] for s in range(nks))  # [16 tokens, 8 query rows]
             Cs.append(C)
             for row in range(16):
                 S[:, score_token(mt, row)] = C[row]
