@@ -83,5 +83,19 @@ case "$PHASE" in
       $S/leank70.yaml $S/sweeps/leank-rope-70.yaml $S/sweeps/leank-qk-70.yaml $S/leank_kivi.yaml \
       --task ppl --samples 2 --json /tmp/res/leank_ppl.json --plot /tmp/res/leank_ppl.png
     ;;
+  e2e)  # session 4: the new GPU paths inside the real model - KIVI through the CUDA v3 kernel vs the Triton v2
+         # kernel (KVCOMPRESS_KIVI_CUDA=0), DoubleSparse (fused select + gather, per head and group-shared),
+         # and decode step time at 8k context
+    model; install
+    run kivi_v3 240 $E --sweep $S/kivi2.yaml $S/kivi4.yaml --task ppl --samples 2 --json /tmp/res/kivi_v3.json
+    run kivi_v2 240 env KVCOMPRESS_KIVI_CUDA=0 $E --sweep $S/kivi2.yaml $S/kivi4.yaml --task ppl --samples 2 \
+      --json /tmp/res/kivi_v2.json
+    run ds 240 $E --sweep $S/sweeps/ds-calibrated-128.yaml $S/sweeps/ds-shared-calibrated-384.yaml --task ppl \
+      --samples 1 --json /tmp/res/ds.json
+    run bench_v3 200 $K bench --device cuda --context 8192 --steps 32 --markdown --quiet \
+      --stack $S/kivi2.yaml $S/sweeps/ds-calibrated-128.yaml $S/sweeps/ds-shared-calibrated-384.yaml
+    run bench_v2 120 env KVCOMPRESS_KIVI_CUDA=0 $K bench --device cuda --context 8192 --steps 32 --markdown --quiet \
+      --stack $S/kivi2.yaml
+    ;;
 esac
 tar czf "$OUT/res-$PHASE.tgz" -C /tmp/res . && date -u | tee -a "$OUT/log.txt"
