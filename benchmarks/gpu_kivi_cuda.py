@@ -8,10 +8,10 @@ this script assembles /tmp/site itself):
 
 Stages (each in try/except: a failure prints its traceback and the next stage runs):
   1. build the v3 libraries with nvcc (every (bits, Dk, Dv) x register cap 1 / 4 (default) / 5, and the
-     key-scale-fold builds kfold 1 / 2 x register cap 1 / 4, in parallel),
-  2. correctness against a float64 evaluation of the reference on 8 shapes x 13 configs (the default, the
+     key-scale-fold / value-fold builds (kfold, vfold) in (1, 0) (2, 0) (0, 1) (1, 1) (2, 1) at cap 4, in parallel),
+  2. correctness against a float64 evaluation of the reference on 8 shapes x 15 configs (the default, the
      configs / builds that failed to launch in the first H200 run, the largest shared-memory request, the
-     variants timed below, the key-scale-fold builds) and one check that the dispatcher
+     variants timed below, the key-scale-fold / value-fold builds) and one check that the dispatcher
      (kernels.kivi.kivi_attention_partial) takes v3,
   3. timing: the v3 default and variants vs the Triton v2 kernel vs SDPA (best of cuDNN / FlashAttention on
      the fp16 cache), CUDA graphs over >= 400 MB of rotating inputs (cold L2), median of 20 replays
@@ -88,13 +88,16 @@ VARIANTS = {
     "v3-mt2": {"min_tiles": 2},
     "v3-mt8": {"min_tiles": 8},
     "v3-waves2": {"waves": 2.0},
-    # key-scale fold (cuda_kernel.py docstring, "Key-scale fold"): 706 (kf1) / 722 (kf2) SASS per tile against 733
+    # key-scale fold / value fold (cuda_kernel.py docstring, "Key-scale fold", "Value fold"); SASS per tile at 2 bits,
+    # Dk = Dv = 128: default 733, kf1 706, kf2 722, vf 718, kf2-vf 687, kf1-vf 671
     "v3-kf1": {"kfold": 1},
     "v3-kf2": {"kfold": 2},
-    "v3-kf1-r1": {"kfold": 1, "min_blocks": 1},
-    "v3-kf2-r1": {"kfold": 2, "min_blocks": 1},
+    "v3-vf": {"vfold": 1},
+    "v3-kf1-vf": {"kfold": 1, "vfold": 1},
+    "v3-kf2-vf": {"kfold": 2, "vfold": 1},
+    "v3-kf1-vf-r1": {"kfold": 1, "vfold": 1, "min_blocks": 1},
 }
-QUICK = ["v3", "v3-old", "v3-st3", "v3-r5", "v3-kf1", "v3-kf2", "v3-kf2-r1"]  # the variants kept at the biggest shapes
+QUICK = ["v3", "v3-old", "v3-r5", "v3-kf1", "v3-kf2", "v3-vf", "v3-kf1-vf", "v3-kf2-vf"]  # kept at the biggest shapes
 
 CORRECTNESS = [  # b, h, m, dk, dv, tokens, bits, g, gv
     (2, 8, 4, 128, 128, 4096, 2, 32, 32), (2, 8, 4, 128, 128, 4096, 4, 32, 32),
@@ -123,7 +126,9 @@ def stage(name, fn, *a, **k):
 
 def build_all() -> dict:
     dims = [(bits, dk, dv) for bits in (2, 4) for dk in (64, 128) for dv in (64, 128)]
-    keys = sorted([(*d, mb) for d in dims for mb in (1, 4, 5)] + [(*d, mb, kf) for d in dims for mb in (1, 4) for kf in (1, 2)])
+    folds = [(1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+    keys = sorted([(*d, mb) for d in dims for mb in (1, 4, 5)] + [(*d, 4, kf, vf) for d in dims for kf, vf in folds]
+                  + [(b, d, d, 1, 1, 1) for b in (2, 4) for d in (64, 128)])  # v3-kf1-vf-r1 at the timed shapes
     res = subprocess.run([ck.nvcc_path() or "nvcc", "--version"], capture_output=True, text=True)
     log("nvcc:", res.stdout.strip().splitlines()[-1] if res.stdout else res.stderr[-200:])
     t0 = time.time()
@@ -166,8 +171,9 @@ def correctness() -> list[dict]:
                "v3-r5": (VARIANTS["v3-r5"], None), "v3-r5-st3": (VARIANTS["v3-r5-st3"], None),
                "v3-old": (VARIANTS["v3-old"], None),
                "v3-kf1": (VARIANTS["v3-kf1"], None), "v3-kf2": (VARIANTS["v3-kf2"], None),
-               "v3-kf2-r1": (VARIANTS["v3-kf2-r1"], None),
-               "v3-kf2-nw2-st4-5splits": ({"kfold": 2, "nw": 2, "stages": 4}, 5)}
+               "v3-vf": (VARIANTS["v3-vf"], None), "v3-kf1-vf": (VARIANTS["v3-kf1-vf"], None),
+               "v3-kf2-vf": (VARIANTS["v3-kf2-vf"], None),
+               "v3-kf1-vf-nw2-st4-5splits": ({"kfold": 1, "vfold": 1, "nw": 2, "stages": 4}, 5)}
     from kvcompress.kernels import kivi
     for case in CORRECTNESS:
         b, h, m, dk, dv, t, bits, g, gv = case
@@ -294,9 +300,9 @@ def timing(budget_s: float, results: dict) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     out = ["| model | B | ctx | bits | SDPA µs | v2 Triton µs (x SDPA) | v3 first-run default µs (x SDPA) | "
-           "v3 default µs (x SDPA, TB/s) | v3-kf1 µs (x SDPA) | v3-kf2 µs (x SDPA) | best v3 | best v3 µs (x SDPA) | "
-           "v3 / v2 |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "v3 default µs (x SDPA, TB/s) | v3-kf1 µs (x SDPA) | v3-kf2-vf µs (x SDPA) | v3-kf1-vf µs (x SDPA) | "
+           "best v3 | best v3 µs (x SDPA) | v3 / v2 |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     keys = []
     for r in rows:
         k = (r["model"], r["batch"], r["ctx"], r["bits"])
@@ -320,7 +326,7 @@ def table(rows: list[dict]) -> str:
         bname = "-" if best is None else best["impl"]
         ratio = "-" if best is None or v2 is None else "%.2fx" % (v2["us"] / best["us"])
         out.append(f"| {k[0]} | {k[1]} | {k[2] // 1024}k | {k[3]} | {sdpa:.1f} | {f(v2)} | {f(by.get('v3-old'))} | "
-                   f"{dflt} | {f(by.get('v3-kf1'))} | {f(by.get('v3-kf2'))} | {bname} | "
+                   f"{dflt} | {f(by.get('v3-kf1'))} | {f(by.get('v3-kf2-vf'))} | {f(by.get('v3-kf1-vf'))} | {bname} | "
                    f"{f(best)} | {ratio} |")
     return "\n".join(out)
 

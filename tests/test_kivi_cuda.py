@@ -77,11 +77,12 @@ def check(out, lse, ref_out, ref_lse, m, dv):
 # ----------------------------------------------------------------------------- compile (no GPU needed)
 
 
-def _ptxas_report(bits: int, dk: int, dv: int, arch: str, tmp_path, min_blocks: int = 1, kfold: int = 0) -> str:
-    out = tmp_path / f"k{bits}_{dk}_{dv}_{arch}_{min_blocks}_{kfold}.cubin"
+def _ptxas_report(bits: int, dk: int, dv: int, arch: str, tmp_path, min_blocks: int = 1, kfold: int = 0,
+                  vfold: int = 0) -> str:
+    out = tmp_path / f"k{bits}_{dk}_{dv}_{arch}_{min_blocks}_{kfold}_{vfold}.cubin"
     cmd = [ck.nvcc_path(), "-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-cubin",
            f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v", f"-DKIVI_BITS={bits}",
-           f"-DKIVI_DK={dk}", f"-DKIVI_DV={dv}", f"-DKIVI_MIN_BLOCKS={min_blocks}", f"-DKIVI_KFOLD={kfold}", "-o", str(out), str(ck.SOURCE)]
+           f"-DKIVI_DK={dk}", f"-DKIVI_DV={dv}", f"-DKIVI_MIN_BLOCKS={min_blocks}", f"-DKIVI_KFOLD={kfold}", f"-DKIVI_VFOLD={vfold}", "-o", str(out), str(ck.SOURCE)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     assert out.stat().st_size > 10000
@@ -114,17 +115,19 @@ def test_cuda_source_compiles_for_sm80(tmp_path):
         pytest.skip("nvcc not on the PATH")
     _ptxas_report(2, 128, 128, "80", tmp_path)
     _ptxas_report(4, 64, 128, "80", tmp_path, kfold=1)
-    _ptxas_report(2, 128, 64, "80", tmp_path, kfold=2)
+    _ptxas_report(2, 128, 64, "80", tmp_path, kfold=2, vfold=1)
 
 
-@pytest.mark.parametrize("bits,dk,dv,min_blocks,kfold",
-                         [(b, k, v, ck.DEFAULT_CONFIG["min_blocks"], kf) for b in (2, 4) for k in (64, 128)
-                          for v in (64, 128) for kf in (1, 2)] + [(2, 128, 128, 1, 1), (2, 128, 128, 1, 2)])
-def test_kfold_source_compiles_for_sm90a_without_spills(bits, dk, dv, min_blocks, kfold, tmp_path):
-    """The key-scale-fold builds (-DKIVI_KFOLD=1 / 2) for every (bits, Dk, Dv): no spills within the register cap."""
+@pytest.mark.parametrize("bits,dk,dv,min_blocks,kfold,vfold",
+                         [(b, k, v, ck.DEFAULT_CONFIG["min_blocks"], kf, vf) for b in (2, 4) for k in (64, 128)
+                          for v in (64, 128) for kf, vf in ((1, 0), (2, 0), (0, 1), (1, 1), (2, 1))]
+                         + [(2, 128, 128, 1, 1, 0), (2, 128, 128, 1, 2, 0), (2, 128, 128, 1, 1, 1)])
+def test_kfold_source_compiles_for_sm90a_without_spills(bits, dk, dv, min_blocks, kfold, vfold, tmp_path):
+    """The key-scale-fold / value-fold builds (-DKIVI_KFOLD=1 / 2, -DKIVI_VFOLD=1) for every (bits, Dk, Dv): no
+    spills within the register cap."""
     if not ck.nvcc_path():
         pytest.skip("nvcc not on the PATH")
-    report = _ptxas_report(bits, dk, dv, "90a", tmp_path, min_blocks, kfold=kfold)
+    report = _ptxas_report(bits, dk, dv, "90a", tmp_path, min_blocks, kfold=kfold, vfold=vfold)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), report
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
@@ -259,13 +262,14 @@ def test_emulated_kernel_matches_reference(name):
     check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
 
 
-@pytest.mark.parametrize("kfold", [1, 2])
+@pytest.mark.parametrize("kfold,vfold", [(1, 0), (2, 0), (0, 1), (1, 1)])
 @pytest.mark.parametrize("name", EMULATED)
-def test_emulated_kfold_kernel_matches_reference(name, kfold):
-    """The key-scale-fold builds' dataflow (q' = q * s, A = E + code, -sum q' E + sum q z correction; 2: centred)."""
+def test_emulated_kfold_kernel_matches_reference(name, kfold, vfold):
+    """The key-scale-fold builds' dataflow (q' = q * s, A = E + code, -sum q' E + sum q z correction; 2: centred)
+    and the value fold's (A = fp16(code * s), zero points through their own MMA)."""
     q, packed = make_case(name, emulated=True)
     scale = q.shape[-1] ** -0.5
-    out, lse = ck.emulate(q, packed, scale, kfold=kfold)
+    out, lse = ck.emulate(q, packed, scale, kfold=kfold, vfold=vfold)
     ref_out, ref_lse = kivi_attention_partial(q, packed, scale)
     check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
 
@@ -309,6 +313,12 @@ def test_kfold_is_an_opt_in_config_switch(monkeypatch):
     assert ck.config(2)["kfold"] == 1 and ck.config(4)["kfold"] == 0
     monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"kfold": 2}')
     assert ck.config(2)["kfold"] == 2
+    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"kfold": 1, "vfold": 1}')
+    assert ck.config(2)["kfold"] == 1 and ck.config(2)["vfold"] == 1
+    monkeypatch.delenv("KVCOMPRESS_KIVI_CUDA_CONFIG")
+    assert ck.config(2)["vfold"] == 0
+    with pytest.raises(ValueError):
+        ck.build(2, 128, 128, 4, 0, 2)
     with pytest.raises(ValueError):
         ck.build(2, 128, 128, 4, 3)
 
@@ -575,11 +585,13 @@ def test_configs_and_splits_on_gpu(cfg, splits):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("cfg", [{"kfold": 1}, {"kfold": 2}, {"kfold": 2, "min_blocks": 1}], ids=["kf1", "kf2", "kf2-r1"])
+@pytest.mark.parametrize("cfg", [{"kfold": 1}, {"kfold": 2}, {"vfold": 1}, {"kfold": 1, "vfold": 1},
+                                 {"kfold": 2, "vfold": 1}, {"kfold": 1, "vfold": 1, "min_blocks": 1}],
+                         ids=["kf1", "kf2", "vf", "kf1-vf", "kf2-vf", "kf1-vf-r1"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or ck.nvcc_path() is None, reason="needs CUDA and nvcc")
 def test_kfold_kernel_matches_reference_on_gpu(name, cfg):
-    """The key-scale-fold build against the reference on every case (default and uncapped registers)."""
+    """The key-scale-fold / value-fold builds against the reference on every case."""
     q, packed = make_case(name, "cuda")
     scale = q.shape[-1] ** -0.5
     out, lse = ck._forward(q, packed, scale, cfg=cfg)
@@ -590,9 +602,9 @@ def test_kfold_kernel_matches_reference_on_gpu(name, cfg):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or ck.nvcc_path() is None, reason="needs CUDA and nvcc")
 def test_kfold_configs_and_splits_on_gpu():
-    """Key-scale fold with other launch shapes: 1 warp / 2 stages / 1 split, 2 warps / 4 stages / 3 splits."""
+    """Key-scale / value fold with other launch shapes (warps, stages, explicit split counts)."""
     for cfg, splits in [({"kfold": 1, "nw": 1, "stages": 2}, 1), ({"kfold": 2, "nw": 2, "stages": 4}, 3),
-                        ({"kfold": 2, "nw": 4, "stages": 3}, 7)]:
+                        ({"kfold": 2, "nw": 4, "stages": 3}, 7), ({"kfold": 1, "vfold": 1, "nw": 2, "stages": 3}, 5)]:
         for name in ("b2-d128-gqa4-pad-dead-row", "b4-d128-gqa4", "b4-dk64-dv128-gv16-rows20"):
             q, packed = make_case(name, "cuda")
             scale = q.shape[-1] ** -0.5

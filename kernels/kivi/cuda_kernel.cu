@@ -32,6 +32,9 @@ constexpr int MAX_NW = 4;
 #ifndef KIVI_MIN_BLOCKS
 #define KIVI_MIN_BLOCKS 1  // >1 caps registers (65536 / (128 * N)); a build option, swept by the benchmark
 #endif
+#ifndef KIVI_VFOLD
+#define KIVI_VFOLD 0  // 1: value fields as code * s in one HFMA2 (x * s - E * s), the zero point through 1 MMA per k-step
+#endif
 #ifndef KIVI_KFOLD
 #define KIVI_KFOLD 0  // 1: key scale folded into the query, offsets / zero points through 2 correction MMAs per slice;
                       // 2: the same, codes centred on the middle code (error like the default, 16 HFMA2 per tile more)
@@ -262,6 +265,26 @@ __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
   return r;
 }
 
+// ---- value fold (KIVI_VFOLD = 1).  A value field at its KFold bit gives x = E + code (one LOP3); one HFMA2 with the
+// per-token scale pair s and c = -E * s (exact: E is a power of two) gives fp16(code * s) rounded once, so the HSUB2
+// goes away.  The zero points are summed by one MMA per P.V k-step (A row g = the lane column's zero pairs, B = P^T)
+// into a per-lane accumulator that is added to the output channels of the lane column at the end.
+template <int BITS>
+__device__ __forceinline__ void vfield2v(int i, uint32_t w, uint32_t s, const uint32_t (&ne)[3], uint32_t& r0,
+                                         uint32_t& r1) {
+#define KIVI_VF2(I)                                                      \
+  case I:                                                                \
+    r0 = hfma2(kfield<BITS, I>(w), s, ne[(KFold<BITS>::pos(I) - 4) / 2]);       \
+    r1 = hfma2(kfield<BITS, I + 1>(w), s, ne[(KFold<BITS>::pos(I + 1) - 4) / 2]); \
+    break;
+  if constexpr (BITS == 2) {
+    switch (i) { KIVI_VF2(0) KIVI_VF2(2) KIVI_VF2(4) default: KIVI_VF2(6) }
+  } else {
+    switch (i) { KIVI_VF2(0) default: KIVI_VF2(2) }
+  }
+#undef KIVI_VF2
+}
+
 template <int BITS>
 __device__ __forceinline__ uint32_t hi_fields(uint32_t w) {
   return w >> (BITS * (10 / BITS));
@@ -466,6 +489,9 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
   float acc[NCT][4];
 #pragma unroll
   for (int n = 0; n < NCT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+#if KIVI_VFOLD
+  float zacc[4] = {0.f, 0.f, 0.f, 0.f};  // [0/1]: sum_t P z (lane column g's value group), query rows 2t / 2t+1
+#endif
   float m_run[2] = {-INFINITY, -INFINITY};  // query rows 2t, 2t+1 (log2 units)
   float l_run[2] = {0.f, 0.f};              // lane-local partial sums, reduced over g at the end
 
@@ -628,6 +654,9 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
           acc[n][r] *= alpha;
           acc[n][r + 2] *= alpha;
         }
+#if KIVI_VFOLD
+        zacc[r] *= alpha;
+#endif
         m_run[r] = mn;
       }
     }
@@ -692,6 +721,30 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
             bw[r][0] = prmt(wa, wb, vsel);
           }
         }
+#if KIVI_VFOLD
+        // -E * s per distinct field position (2 bits: E = 64, 16, 4; 4 bits: 64) and token pair
+        uint32_t ne[2][3];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+#pragma unroll
+          for (int k = 0; k < (BITS == 2 ? 3 : 1); ++k) {  // fp16 -2^(10 - pos), pos = 4 + 2k, in both halves
+            ne[r][k] = hmul2(bs[r], (0x8000u | ((uint32_t)(25 - (4 + 2 * k)) << 10)) * 0x10001u);
+          }
+          if constexpr (BITS != 2) ne[r][1] = ne[r][2] = ne[r][0];
+        }
+        mma(zacc, bz[0], bs[0], bz[1], bs[1], pb[kk][0], pb[kk][1]);  // row g: sum_t P z; row g+8 (unused): sum P s
+#pragma unroll
+        for (int u = 0; u < C::NU; ++u) {
+          const uint32_t w0 = bw[0][u], w1 = bw[1][u];
+#pragma unroll
+          for (int i = 0; i < C::HP; i += 2) {  // n-index u*HP + i -> m-tile (u*HP + i) / 2, rows g / g+8
+            uint32_t a0, a1, a2, a3;
+            vfield2v<BITS>(i, w0, bs[0], ne[0], a0, a1);
+            vfield2v<BITS>(i, w1, bs[1], ne[1], a2, a3);
+            mma(acc[(u * C::HP + i) >> 1], a0, a1, a2, a3, pb[kk][0], pb[kk][1]);
+          }
+        }
+#else
 #pragma unroll
         for (int u = 0; u < C::NU; ++u) {
           const uint32_t w0 = bw[0][u], w1 = bw[1][u];
@@ -704,12 +757,20 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
             mma(acc[(u * C::HP + i) >> 1], a0, a1, a2, a3, pb[kk][0], pb[kk][1]);
           }
         }
+#endif
       }
     }
     __syncwarp();  // every lane is done with this stage before it is refilled
   }
   cp_wait<0>();
 
+#if KIVI_VFOLD
+#pragma unroll
+  for (int n = 0; n < NCT; ++n) {  // rows g and g+8 of every output m-tile are channels of lane column g's group
+    acc[n][0] += zacc[0]; acc[n][2] += zacc[0];
+    acc[n][1] += zacc[1]; acc[n][3] += zacc[1];
+  }
+#endif
   // ---- merge the warps (shared memory), normalise, write the split partial
   __syncthreads();
   float* om = reinterpret_cast<float*>(smem);  // [nw][MT][DV]

@@ -79,6 +79,15 @@ the default's error against the reference, still inside the tests' tolerances); 
 code (``-(E + mid)`` constants, zero pairs ``z + mid * s`` by 16 HFMA2 per tile), the default's error.  SASS per 32-token
 tile (main loop with the rescale block, nvcc 13.0, sm_90a, 2 bits, Dk = Dv = 128, min_blocks 4): default 733
 instructions (123 registers), kfold 1 706 (124), kfold 2 722 (126); uncapped (min_blocks 1): 728 / 689 / 706.
+
+Value fold (build option ``KIVI_VFOLD``, config ``vfold``; 0 = default).  A value field is taken at its key-fold bit
+(one more shift per merged word) as ``x = E + code`` (one LOP3), and one HFMA2 ``x * s + (-E * s)`` (``-E * s`` exact:
+E is a power of two; 3 HMUL2 per token pair and k-step) gives ``fp16(code * s)`` rounded once: no HSUB2.  The zero
+points are summed by one MMA per P.V k-step (A row ``g`` = the lane column's zero pairs, B = ``P^T``; row ``g+8``
+unused) into a per-lane accumulator (rescaled with the output) that is added to the lane column's output channels
+once at the end: every output channel of lane column ``g`` is in its value group.  The rounding multiplies
+``code * s`` instead of ``code * s + z`` (emulator: output error up to 1.1e-3 against 7.6e-4).  SASS per tile as
+above: vfold 718 (127 registers), kfold 2 + vfold 687 (127), kfold 1 + vfold 671 (127), no spills.
 """
 
 from __future__ import annotations
@@ -118,9 +127,10 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # warp (9.6 against 10.5 us with 4, 13.7 with 8).  stages = 2: at 2 bits (same split counts) 2 stages were as fast as
 # or faster than 3 on all 7 shapes measured (e.g. B=1 32k 23.9 against 25.4 us, B=64 4k 98.1 against 100.2), and at
 # 4 bits, Dk = Dv = 128 they need 47360 B instead of 71040 B of shared memory: 4 CTAs per SM instead of 3.
-# kfold: 0 = the measured default; 1 / 2 = the key-scale-fold builds (KIVI_KFOLD, see "Key-scale fold" above), not
-# yet timed on a GPU - flip with KVCOMPRESS_KIVI_CUDA_CONFIG='{"kfold": 2}' (or 1) once a GPU run shows it faster.
-DEFAULT_CONFIG = dict(nw=4, stages=2, waves=1.0, warps_per_sm=16, min_tiles="auto", min_blocks=4, kfold=0)
+# kfold / vfold: 0 = the measured default; kfold 1 / 2 = the key-scale-fold builds, vfold 1 = the value-fold build
+# (KIVI_KFOLD / KIVI_VFOLD, see "Key-scale fold" above), not yet timed on a GPU - flip with
+# KVCOMPRESS_KIVI_CUDA_CONFIG='{"kfold": 1, "vfold": 1}' (or another combination) once a GPU run shows it faster.
+DEFAULT_CONFIG = dict(nw=4, stages=2, waves=1.0, warps_per_sm=16, min_tiles="auto", min_blocks=4, kfold=0, vfold=0)
 SMEM_DEFAULT = 48 * 1024  # dynamic shared memory a kernel gets without cudaFuncAttributeMaxDynamicSharedMemorySize
 SMEM_OPTIN_MAX = 227 * 1024  # the largest opt-in limit of any supported GPU (sm_90); the device's own limit is used
 
@@ -290,26 +300,28 @@ def nvcc_command(bits: int, dk: int, dv: int, out: str, extra: tuple[str, ...] =
             "-o", out, str(SOURCE)]
 
 
-def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0) -> ctypes.CDLL:
+def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfold: int = 0) -> ctypes.CDLL:
     """Compile (or load from the cache) the library for ``(bits, dk, dv)`` and bind its launchers.
 
     ``min_blocks`` > 1 caps the registers (``__launch_bounds__(128, min_blocks)``) - a tuning knob.  ``kfold`` 1 / 2
-    builds a key-scale-fold variant (``-DKIVI_KFOLD=1`` / ``2``, see "Key-scale fold" in the module docstring)."""
-    if kfold not in (0, 1, 2):
-        raise ValueError(f"kfold {kfold} (0, 1 or 2)")
-    key = (bits, dk, dv, min_blocks) if not kfold else (bits, dk, dv, min_blocks, kfold)
+    builds a key-scale-fold variant (``-DKIVI_KFOLD=1`` / ``2``, see "Key-scale fold" in the module docstring),
+    ``vfold`` = 1 the value-fold variant (``-DKIVI_VFOLD=1``)."""
+    if kfold not in (0, 1, 2) or vfold not in (0, 1):
+        raise ValueError(f"kfold {kfold} (0, 1 or 2), vfold {vfold} (0 or 1)")
+    key = (bits, dk, dv, min_blocks) if not (kfold or vfold) else (bits, dk, dv, min_blocks, kfold, vfold)
     with _LOCK:
         if key in _LIBS:
             return _LIBS[key]
     src = SOURCE.read_bytes()
     tag = hashlib.sha256(src + repr((NVCC_FLAGS, key)).encode()).hexdigest()[:16]
-    path = cache_dir() / f"libkivi_v3_b{bits}_k{dk}_v{dv}_r{min_blocks}{f'_kf{kfold}' if kfold else ''}_{tag}.so"
+    path = cache_dir() / f"libkivi_v3_b{bits}_k{dk}_v{dv}_r{min_blocks}{f'_kf{kfold}' if kfold else ''}{'_vf' if vfold else ''}_{tag}.so"
     t0 = time.time()
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
-        cmd = nvcc_command(bits, dk, dv, tmp, (f"-DKIVI_MIN_BLOCKS={min_blocks}", f"-DKIVI_KFOLD={kfold}"))
+        cmd = nvcc_command(bits, dk, dv, tmp, (f"-DKIVI_MIN_BLOCKS={min_blocks}", f"-DKIVI_KFOLD={kfold}",
+                                                       f"-DKIVI_VFOLD={vfold}"))
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode:
             os.unlink(tmp)
@@ -513,7 +525,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
     c = dict(config(bits))
     if cfg:
         c.update(cfg)
-    lib = build(bits, dk, dv, int(c.get("min_blocks", 1)), int(c.get("kfold", 0)))
+    lib = build(bits, dk, dv, int(c.get("min_blocks", 1)), int(c.get("kfold", 0)), int(c.get("vfold", 0)))
 
     q = _aligned(query.to(torch.float16), 1, 4)
     kv = _kv_tensors(packed)
@@ -574,7 +586,7 @@ def _pairs(x: torch.Tensor) -> torch.Tensor:
 
 
 def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
-            splits: int = 2, kfold: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+            splits: int = 2, kfold: int = 0, vfold: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's dataflow in PyTorch (CPU): the same lane/fragment mapping, token and channel permutations,
     bit-field extraction, ``movmatrix`` transposes, fp16 rounding points, online softmax per warp, warp merge and
     split combine.
@@ -584,7 +596,9 @@ def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
     mapping shows up as a wrong result against the reference.  Slow; for tests on small shapes.  ``kfold`` 1 / 2: the
     key-scale-fold builds (:func:`key_pair_kfold`, :func:`key_word_field_kfold`, ``q' = q * s`` rounded once, A =
     ``E + code``, the ``-sum q' E + sum q z`` correction added to every token's score in fp32; 2: centred,
-    ``-sum q' (E + mid) + sum q fp16(z + mid * s)`` with ``mid = (2**bits - 1) / 2``).
+    ``-sum q' (E + mid) + sum q fp16(z + mid * s)`` with ``mid = (2**bits - 1) / 2``).  ``vfold``: the value-fold
+    build (V^T A = fp16(code * s) rounded once, the zero points summed by a separate MMA per k-step, A row ``g`` = the
+    lane column's zero pairs, and added to that lane column's output channels).
     """
     why = _problem(query, packed)
     if why is not None:
@@ -604,7 +618,7 @@ def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
                     tiles = list(range(sp * tps, min((sp + 1) * tps, ntiles)))
                     n = len(tiles)  # each warp: a contiguous run of the split's tiles, as in the kernel
                     warps = [_emulate_warp(query, packed, bi, hi, rb, tiles[n * w // nw: n * (w + 1) // nw],
-                                           float(scale) * LOG2E, lanes, kfold) for w in range(nw)]
+                                           float(scale) * LOG2E, lanes, kfold, vfold) for w in range(nw)]
                     # warp merge (shared memory)
                     mm = torch.stack([x[0] for x in warps])  # [nw, 8]
                     lm = torch.stack([x[1] for x in warps])
@@ -648,7 +662,7 @@ def _kfold_field(words: torch.Tensor, shift: int, bit: int, bits: int) -> torch.
     return torch.where(halves >= 0x8000, halves - 0x10000, halves).to(torch.int16).view(torch.float16)
 
 
-def _emulate_warp(query, packed, bi, hi, rb, tiles, qk, lanes, kfold=False):
+def _emulate_warp(query, packed, bi, hi, rb, tiles, qk, lanes, kfold=0, vfold=0):
     """One warp's loop: returns (row max [8] (log2 units), row sum [8], unnormalised output [8, dv])."""
     bits, gk = packed.bits, packed.group
     m, dk = query.shape[2], query.shape[3]
@@ -777,10 +791,24 @@ def _emulate_warp(query, packed, bi, hi, rb, tiles, qk, lanes, kfold=False):
                             merged = ((wa >> sh) & 0xFFFF) | (((wb >> sh) & 0xFFFF) << 16)  # PRMT
                             spair = torch.stack([vs[tok0 + ta, grp_v], vs[tok0 + tb, grp_v]])
                             zpair = torch.stack([vz[tok0 + ta, grp_v], vz[tok0 + tb, grp_v]])
+                            if vfold:  # HFMA2(E + code, s, -E * s) = fp16(code * s); z through the zero MMA
+                                zpair = torch.zeros_like(zpair)
                             pair = _deq_field(torch.tensor(merged, dtype=torch.int64), shift, bit, bits, spair, zpair)
                             Av[g + 8 * hr, 2 * t + 8 * r: 2 * t + 8 * r + 2] = pair.float()
                 C = Av @ Bp  # [16 channels, 8 query rows]
                 for g in range(8):
                     for hr in range(2):
                         acc[:, value_channel(bits, dv, 2 * ct + hr, g)] += C[g + 8 * hr]
+            if vfold:  # zero MMA: A row g = lane column g's zero pairs of the k-step's tokens, B = P^T
+                for g in range(8):
+                    grp_v = (value_units(bits, dv, g)[0][0] * per) // gv
+                    az = torch.zeros(16)
+                    for t in range(4):
+                        for r in range(2):
+                            ta, tb = pv_tokens(t, kk, r)
+                            az[2 * t + 8 * r] = vz[tok0 + ta, grp_v].float()
+                            az[2 * t + 8 * r + 1] = vz[tok0 + tb, grp_v].float()
+                    zs = az @ Bp  # [8 query rows]
+                    for nt in range(dv // 8):
+                        acc[:, value_channel(bits, dv, nt, g)] += zs
     return m_run, l_run, acc
