@@ -70,3 +70,22 @@ def test_no_bare_plugins_or_kernels_imports():
     for path in list(ROOT.glob("kvcompress/**/*.py")) + list(ROOT.glob("plugins/**/*.py")) + list(
             ROOT.glob("kernels/**/*.py")):
         assert not pattern.search(path.read_text()), path
+
+
+def test_non_python_kernel_sources_ship_in_the_package():
+    """Every non-Python file a kernel package reads at run time (e.g. a .cu source built at first use) is
+    declared as package data, so a pip install has it (the KIVI v3 source was once missing from wheels)."""
+    import fnmatch
+
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = {pkg: ROOT / path for pkg, path in cfg["package-dir"].items()}
+    data = cfg.get("package-data", {})
+    missing = []
+    for pkg in cfg["packages"]:
+        root = next(k for k in sorted(dirs, key=len, reverse=True) if pkg == k or pkg.startswith(k + "."))
+        folder = dirs[root].joinpath(*pkg[len(root):].strip(".").split(".")) if pkg != root else dirs[root]
+        for f in folder.iterdir():
+            if f.is_file() and f.suffix in (".cu", ".cuh", ".cpp", ".h") and \
+                    not any(fnmatch.fnmatch(f.name, pat) for pat in data.get(pkg, [])):
+                missing.append(f"{pkg}: {f.name}")
+    assert not missing, f"declare these in [tool.setuptools.package-data]: {missing}"
