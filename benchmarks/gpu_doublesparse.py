@@ -96,19 +96,6 @@ def check(device: str) -> list[dict]:
     return rows
 
 
-def _topk_ok(index, scores, k, tol=1e-3):
-    """``index`` is a top-k of ``scores``: k distinct tokens, all clearly above the k-th score, none clearly below."""
-    if index.shape[-1] != k or bool((index.sort(-1).values.diff(dim=-1) == 0).any()):
-        return False
-    kth = scores.topk(k, dim=-1).values[..., -1:]
-    tol = tol * max(1.0, float(scores[torch.isfinite(scores)].abs().max()))
-    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, index, True)
-    fin = torch.isfinite(kth)
-    must = torch.where(fin, scores > kth + tol, torch.isfinite(scores))
-    may = torch.where(fin, scores >= kth - tol, torch.ones_like(chosen))
-    return bool((chosen | ~must).all() and (~chosen | may).all())
-
-
 def check_fused(device: str) -> list[dict]:
     """The fused select kernel on channel-major labels against exact scores (fp64 reference), large shapes."""
     _, ref, tk = _imports()
@@ -121,9 +108,10 @@ def check_fused(device: str) -> list[dict]:
         q, lab, ch, _, _ = ds_inputs(b, hq, hkv, t, d, r, bits, device, gen)
         valid = torch.rand(b, t, device=device, generator=gen) > 0.05
         idx = tk.select_topk(q, lab, ch, valid, kk)
-        s_ref = ref.label_scores(q.double(), ref.Labels(lab.data, lab.bits, lab.scale, lab.zero), ch, valid)
+        s_ref = ref.label_scores(q.double(), ref.Labels(lab.data, lab.bits, lab.scale, lab.zero), ch, valid).float()
+        tol = 1e-3 * max(1.0, float(s_ref[s_ref.isfinite()].abs().max()))
         rows.append({"op": "fused-select", "shape": [b, hq, hkv, t, d, r], "bits": bits, "k": kk,
-                     "fused": bool(tk.supports_fused(q, lab, ch, kk)), "topk_ok": _topk_ok(idx, s_ref.float(), kk),
+                     "fused": bool(tk.supports_fused(q, lab, ch, kk)), "topk_ok": ref.is_topk(idx, s_ref, kk, tol),
                      "same_inf": True, "rel_err": 0.0})
     return rows
 
@@ -204,36 +192,32 @@ def bench(device: str, quick: bool, sweep: bool = False) -> list[dict]:
 def _sweep(benchutil, tk, data, idx, b, hkv, g, d, kk, scale, row0) -> list[dict]:
     """Launch settings of the gather and select kernels (same inputs; the defaults are the code's)."""
     rows = []
+
+    def trial(op, cfg, fn):  # a config that does not compile is a result too
+        try:
+            rows.append({**row0, "op": op, "config": cfg, "latency_us": benchutil.time_op(fn, data, reps=10).us})
+        except Exception as exc:  # noqa: BLE001
+            rows.append({**row0, "op": op, "config": cfg, "error": repr(exc)[:300]})
+
+    def gather(index, cfg):
+        return lambda q, lab, ch, k, v: tk.gather_partial_attention(q.view(b, hkv, g, d), k, v, None, index, scale,
+                                                                    config=cfg)
+
     for ept in (32, 64, 128):
         for unroll in (2, 4):
             cfg = {"elems_per_thread": ept, "unroll": unroll}
-            try:
-                t = benchutil.time_op(lambda q, lab, ch, k, v: tk.select_topk(q, lab, ch, None, kk, config=cfg),
-                                      data, reps=10)
-                rows.append({**row0, "op": "sweep-select", "config": cfg, "latency_us": t.us})
-            except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result too
-                rows.append({**row0, "op": "sweep-select", "config": cfg, "error": repr(exc)[:300]})
+            trial("sweep-select", cfg, lambda q, lab, ch, k, v, cfg=cfg: tk.select_topk(q, lab, ch, None, kk, config=cfg))
     shared_idx = idx[:, :, :1].expand(b, hkv, g, kk)
     for bk in (32, 64, 128):
         for pps in (4, 8, 16):
             for warps in (2, 4, 8):
                 cfg = {"shared_block_k": bk, "shared_programs_per_sm": pps, "shared_warps": warps, "num_stages": 3}
-                try:
-                    t = benchutil.time_op(lambda q, lab, ch, k, v: tk.gather_partial_attention(
-                        q.view(b, hkv, g, d), k, v, None, shared_idx, scale, config=cfg), data, reps=10)
-                    rows.append({**row0, "op": "sweep-gather-shared", "config": cfg, "latency_us": t.us})
-                except Exception as exc:  # noqa: BLE001
-                    rows.append({**row0, "op": "sweep-gather-shared", "config": cfg, "error": repr(exc)[:300]})
+                trial("sweep-gather-shared", cfg, gather(shared_idx, cfg))
     for bk in (64, 128):
         for pps in (4, 8, 16):
             for warps in (2, 4):
                 cfg = {"block_k": bk, "programs_per_sm": pps, "num_warps": warps, "num_stages": 3}
-                try:
-                    t = benchutil.time_op(lambda q, lab, ch, k, v: tk.gather_partial_attention(
-                        q.view(b, hkv, g, d), k, v, None, idx, scale, config=cfg), data, reps=10)
-                    rows.append({**row0, "op": "sweep-gather", "config": cfg, "latency_us": t.us})
-                except Exception as exc:  # noqa: BLE001
-                    rows.append({**row0, "op": "sweep-gather", "config": cfg, "error": repr(exc)[:300]})
+                trial("sweep-gather", cfg, gather(idx, cfg))
     for op in ("sweep-gather", "sweep-gather-shared", "sweep-select"):
         best = min((r for r in rows if r["op"] == op and "latency_us" in r), key=lambda r: r["latency_us"],
                    default=None)

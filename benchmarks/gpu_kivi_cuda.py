@@ -150,16 +150,6 @@ def build_all() -> dict:
     return out
 
 
-def fp64_reference(q, packed, scale):
-    k, v = packed.dequantize()
-    s = torch.einsum("bhmd,bhtd->bhmt", q.double(), k.double()) * scale
-    s = s.masked_fill(~packed.valid[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    fin = torch.isfinite(lse)
-    p = torch.exp(s - torch.where(fin, lse, torch.zeros_like(lse)).unsqueeze(-1))
-    return torch.einsum("bhmt,bhtd->bhmd", p, v.double()), lse
-
-
 def correctness() -> list[dict]:
     rows = []
     dev = "cuda"
@@ -174,6 +164,8 @@ def correctness() -> list[dict]:
                "v3-vf": (VARIANTS["v3-vf"], None), "v3-kf1-vf": (VARIANTS["v3-kf1-vf"], None),
                "v3-kf2-vf": (VARIANTS["v3-kf2-vf"], None),
                "v3-kf1-vf-nw2-st4-5splits": ({"kfold": 1, "vfold": 1, "nw": 2, "stages": 4}, 5)}
+    from gpu_kivi import fp64_reference  # the v2 session script's reference (imports kvcompress: after ensure_package)
+
     from kvcompress.kernels import kivi
     for case in CORRECTNESS:
         b, h, m, dk, dv, t, bits, g, gv = case
@@ -217,23 +209,9 @@ def correctness() -> list[dict]:
     return rows
 
 
-def sdpa_time(batch, hkv, ctx, d, m):
-    dense = 2 * batch * hkv * ctx * d * 2
-    n = benchutil.copies_for(dense)
-    data = [benchutil.dense_inputs(batch, hkv, ctx, d, m, torch.device("cuda")) for _ in range(n)]
-    base = {}
-    for be in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
-        try:
-            base[be] = benchutil.time_op(benchutil._sdpa_fn(be), data).us
-        except Exception as exc:  # noqa: BLE001
-            base[be] = str(exc)[:80]
-    del data
-    torch.cuda.empty_cache()
-    good = [x for x in base.values() if isinstance(x, float)]
-    return (min(good) if good else float("nan")), base
-
-
 def timing(budget_s: float, results: dict) -> list[dict]:
+    from gpu_kivi import sdpa_time  # best of cuDNN / FlashAttention on the fp16 cache, as for v2
+
     from kvcompress.kernels.kivi import triton_kernel as tk
 
     rows = results.setdefault("timing", [])
@@ -241,7 +219,7 @@ def timing(budget_s: float, results: dict) -> list[dict]:
         m = hq // hkv
         scale = d ** -0.5
         try:
-            sdpa, base = sdpa_time(batch, hkv, ctx, d, m)
+            sdpa, base = sdpa_time(batch, hkv, ctx, d, m, "cuda")
         except Exception:  # noqa: BLE001
             traceback.print_exc()
             sdpa, base = float("nan"), {}

@@ -75,19 +75,6 @@ def channel_major(labels):
     return Labels(data, labels.bits, labels.scale, labels.zero)
 
 
-def topk_ok(index: torch.Tensor, scores: torch.Tensor, k: int, tol: float) -> bool:
-    """``index`` is a top-k of ``scores`` (the reference's): k distinct tokens, every token scoring clearly above
-    the k-th best score chosen, none clearly below it (ties and near-ties at the k-th score may go either way)."""
-    if index.shape[-1] != k or bool((index.sort(-1).values.diff(dim=-1) == 0).any()):
-        return False
-    kth = scores.topk(k, dim=-1).values[..., -1:]
-    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, index, True)
-    finite_kth = torch.isfinite(kth)
-    must = torch.where(finite_kth, scores > kth + tol, torch.isfinite(scores))  # fewer valid than k: all of them
-    may = torch.where(finite_kth, scores >= kth - tol, torch.ones_like(chosen))
-    return bool((chosen | ~must).all() and (~chosen | may).all())
-
-
 def run_score_case(name: str, device: str = "cpu") -> dict:
     from kvcompress.kernels.doublesparse import reference, triton_kernel
 
@@ -110,9 +97,9 @@ def run_score_case(name: str, device: str = "cpu") -> dict:
             "fused_used": bool(triton_kernel.supports_fused(q, channel_major(labels), channels, k,
                                                             extra.get("chunk", triton_kernel.FUSED_MAX_TOKENS))),
             "chunks": triton_kernel.fused_plan(labels.num_tokens, k, extra.get("chunk", 1 << 30))[0],
-            "topk_unfused": topk_ok(unfused, ref, k, tol), "topk_fused": topk_ok(fused, ref, k, tol),
-            "topk_fused_other_launch": topk_ok(unrolled1, ref, k, tol),
-            "topk_reference": topk_ok(reference.select_topk(q, labels, channels, valid, k), ref, k, tol)}
+            "topk_unfused": reference.is_topk(unfused, ref, k, tol), "topk_fused": reference.is_topk(fused, ref, k, tol),
+            "topk_fused_other_launch": reference.is_topk(unrolled1, ref, k, tol),
+            "topk_reference": reference.is_topk(reference.select_topk(q, labels, channels, valid, k), ref, k, tol)}
 
 
 def gather_case(name: str, device: str = "cpu"):

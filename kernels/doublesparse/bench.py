@@ -31,14 +31,12 @@ def label_bytes(labels: Labels) -> int:
     return sum(x.numel() * x.element_size() for x in (labels.data, labels.scale, labels.zero) if x is not None)
 
 
-def ds_read_bytes(q, labels: Labels, k, kk: int, fused: bool = True, shared: bool = False) -> int:
-    """Bytes one sparse read moves: labels, the gathered K/V rows, indices written and read, and (two-step
-    path only) the fp32 scores written and read; a group-shared selection reads each token once per kv head."""
+def ds_read_bytes(q, labels: Labels, k, kk: int, shared: bool = False) -> int:
+    """Bytes one sparse read (fused select + gather) moves: labels, the gathered K/V rows, indices written and
+    read; a group-shared selection reads each token once per kv head."""
     b, hq, d = q.shape
-    t = k.shape[2]
     heads = k.shape[1] if shared else hq
-    scores = 0 if fused else 2 * 4 * b * heads * t
-    return label_bytes(labels) + 2 * b * heads * kk * d * k.element_size() + scores + 2 * 8 * b * heads * kk
+    return label_bytes(labels) + 2 * b * heads * kk * d * k.element_size() + 2 * 8 * b * heads * kk
 
 
 def ds_decode(q, labels: Labels, channels, k, v, kk: int, scale: float, ops=None, gather_config=None,

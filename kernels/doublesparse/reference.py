@@ -111,6 +111,21 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
     return torch.topk(label_scores(query, labels, channels, valid), k, dim=-1, sorted=False).indices
 
 
+def is_topk(index: torch.Tensor, scores: torch.Tensor, k: int, tol: float) -> bool:
+    """Whether ``index [..., k]`` is a top-``k`` of ``scores [..., T]``: ``k`` distinct tokens, every token scoring
+    more than ``tol`` above the k-th best score chosen, none more than ``tol`` below it (ties and near-ties at the
+    k-th score may go either way; with fewer than ``k`` finite scores every finite one is chosen).  The check the
+    tests and the GPU benchmark apply to any selection kernel, since tie-breaking is not specified."""
+    if index.shape[-1] != k or bool((index.sort(-1).values.diff(dim=-1) == 0).any()):
+        return False
+    kth = scores.topk(k, dim=-1).values[..., -1:]
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, index, True)
+    finite_kth = torch.isfinite(kth)
+    must = torch.where(finite_kth, scores > kth + tol, torch.isfinite(scores))
+    may = torch.where(finite_kth, scores >= kth - tol, torch.ones_like(chosen))
+    return bool((chosen | ~must).all() and (~chosen | may).all())
+
+
 def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
                              index: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of every query row over its own selected tokens, as a mergeable partial.

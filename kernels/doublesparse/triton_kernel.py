@@ -112,7 +112,7 @@ def label_scores(query: torch.Tensor, labels: Labels, channels: torch.Tensor, va
     out = torch.empty(b, hq, t, device=query.device, dtype=torch.float32)
     if t == 0 or b == 0:
         return out
-    channels = channels.to(device=query.device, dtype=torch.int32).contiguous()
+    channels = channels.to(device=query.device).contiguous()  # int64 as the plugin keeps it: no per-step cast
     sc = labels.scale if quant else out
     ze = labels.zero if quant else out
     va = valid.view(torch.uint8) if valid is not None else out
@@ -308,7 +308,7 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
     lab = labels.data
     dev = query.device
     out = torch.empty(b, hq, k, device=dev, dtype=torch.int64)
-    channels = channels.to(device=dev, dtype=torch.int32).contiguous()
+    channels = channels.to(device=dev).contiguous()  # int64 as the plugin keeps it: no per-step cast
     sc = labels.scale if quant else out
     ze = labels.zero if quant else out
     va = valid.view(torch.uint8) if valid is not None else out
@@ -341,6 +341,18 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
 
 
 @triton.jit
+def _selected(i_base, VA, b, sva_b, k0, end, BK: tl.constexpr, HAS_VALID: tl.constexpr):
+    """Token indices ``k0 .. k0 + BK`` of a selection (int64) and which of them attention may read."""
+    offs_k = k0 + tl.arange(0, BK)
+    k_ok = offs_k < end
+    idx = tl.load(i_base + offs_k, mask=k_ok, other=0).to(tl.int64)
+    ok = k_ok
+    if HAS_VALID:
+        ok = ok & (tl.load(VA + b * sva_b + idx, mask=k_ok, other=0) != 0)
+    return idx, ok
+
+
+@triton.jit
 def _gather_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_h, sv_t, VA, sva_b,
                    IDX, si_b, si_h, si_m, PO, PL, HKV, M, NK, per_split, qk_scale,
                    D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
@@ -366,12 +378,7 @@ def _gather_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_h, sv_t
     l_i = 0.0
     acc = tl.zeros([DVP], tl.float32)
     for k0 in range(start, end, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        k_ok = offs_k < end
-        idx = tl.load(i_base + offs_k, mask=k_ok, other=0).to(tl.int64)
-        ok = k_ok
-        if HAS_VALID:
-            ok = ok & (tl.load(VA + b * sva_b + idx, mask=k_ok, other=0) != 0)
+        idx, ok = _selected(i_base, VA, b, sva_b, k0, end, BK, HAS_VALID)
         kt = tl.load(k_base + idx[:, None] * sk_t + offs_d[None, :], mask=ok[:, None] & d_ok[None, :],
                      other=0.0).to(tl.float32)
         s = tl.sum(kt * q[None, :], axis=1)
@@ -420,12 +427,7 @@ def _gather_shared_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_
     l_i = tl.zeros([MP], tl.float32)
     acc = tl.zeros([MP, DVP], tl.float32)
     for k0 in range(start, end, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        k_ok = offs_k < end
-        idx = tl.load(i_base + offs_k, mask=k_ok, other=0).to(tl.int64)
-        ok = k_ok
-        if HAS_VALID:
-            ok = ok & (tl.load(VA + b * sva_b + idx, mask=k_ok, other=0) != 0)
+        idx, ok = _selected(i_base, VA, b, sva_b, k0, end, BK, HAS_VALID)
         kt = tl.load(k_base + idx[:, None] * sk_t + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
         if IEEE:
             s = tl.dot(q.to(kt.dtype), tl.trans(kt), input_precision="ieee")
