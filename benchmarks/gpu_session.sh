@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session (H200 image: torch 2.11, triton 3.6; `pip install -e .` fails silently there, so the
 # package is assembled under /tmp/site).  Usage on the device machine, from the repository root:
-#   bash benchmarks/gpu_session.sh OUTDIR PHASE      (PHASE: sweep | final | tables | tilelang | ds | dsfinal | kivicuda)
+#   bash benchmarks/gpu_session.sh OUTDIR PHASE      (PHASE: sweep | final | tables | tilelang | ds | dsfinal | kivicuda | kiviprof)
 set -o pipefail
 OUT=${1:-out}; PHASE=${2:-final}
 mkdir -p /tmp/site "$OUT" && rm -rf /tmp/site/kvcompress && cp -r kvcompress /tmp/site/ \
@@ -65,5 +65,22 @@ case "$PHASE" in
   kivicuda)  # the CUDA KIVI kernel (v3): build, fp64 correctness, timing sweep, then its GPU tests (one script)
     export PATH=/usr/local/cuda/bin:$PATH
     timeout 540 python benchmarks/gpu_kivi_cuda.py --out "$OUT" 2>&1 | tee "$OUT/kivi_cuda.log"
+    ;;
+  kiviprof)  # where the v3 kernel's time goes: timing probes, then Nsight Compute (full set, SASS stall samples)
+    export PATH=/usr/local/cuda/bin:$PATH
+    timeout 300 python benchmarks/gpu_kivi_profile.py --out "$OUT" --time 2>&1 | tee "$OUT/kivi_profile.log"
+    mkdir -p /tmp/prof
+    for v in ${KIVI_PROF_VARIANTS:-v3 kf1-vf}; do
+      timeout 150 ncu --clock-control none --set full --import-source yes -k regex:kivi_v3_kernel --launch-skip 2 \
+        --launch-count 1 -f -o /tmp/prof/$v python benchmarks/gpu_kivi_profile.py --run $v > /tmp/prof/$v.ncu.log 2>&1
+      tail -5 /tmp/prof/$v.ncu.log
+      ncu -i /tmp/prof/$v.ncu-rep --page details --print-details all > /tmp/prof/$v.details.txt 2>&1
+      ncu -i /tmp/prof/$v.ncu-rep --page raw --csv > /tmp/prof/$v.raw.csv 2>&1
+      ncu -i /tmp/prof/$v.ncu-rep --page source --csv --print-source sass > /tmp/prof/$v.sass.csv 2>&1
+      head -c 300 /tmp/prof/$v.sass.csv; echo
+    done
+    grep -h -E "Warp Cycles Per Issued|Issued Ipc|Stall|Memory Throughput|DRAM Throughput|Achieved Occupancy|No Eligible|L2 Hit|Bank" \
+      /tmp/prof/*.details.txt | head -80
+    tar czf "$OUT/prof.tgz" -C /tmp prof
     ;;
 esac

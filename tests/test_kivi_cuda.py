@@ -78,11 +78,11 @@ def check(out, lse, ref_out, ref_lse, m, dv):
 
 
 def _ptxas_report(bits: int, dk: int, dv: int, arch: str, tmp_path, min_blocks: int = 1, kfold: int = 0,
-                  vfold: int = 0) -> str:
-    out = tmp_path / f"k{bits}_{dk}_{dv}_{arch}_{min_blocks}_{kfold}_{vfold}.cubin"
+                  vfold: int = 0, probe: int = 0) -> str:
+    out = tmp_path / f"k{bits}_{dk}_{dv}_{arch}_{min_blocks}_{kfold}_{vfold}_{probe}.cubin"
     cmd = [ck.nvcc_path(), "-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-cubin",
            f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v", f"-DKIVI_BITS={bits}",
-           f"-DKIVI_DK={dk}", f"-DKIVI_DV={dv}", f"-DKIVI_MIN_BLOCKS={min_blocks}", f"-DKIVI_KFOLD={kfold}", f"-DKIVI_VFOLD={vfold}", "-o", str(out), str(ck.SOURCE)]
+           f"-DKIVI_DK={dk}", f"-DKIVI_DV={dv}", f"-DKIVI_MIN_BLOCKS={min_blocks}", f"-DKIVI_KFOLD={kfold}", f"-DKIVI_VFOLD={vfold}", f"-DKIVI_PROBE={probe}", "-o", str(out), str(ck.SOURCE)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     assert out.stat().st_size > 10000
@@ -108,6 +108,24 @@ def test_cuda_source_compiles_for_sm90a_without_spills(bits, dk, dv, min_blocks,
     assert all(s == ("0", "0") for s in spills), report
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
     assert regs and max(regs) <= (255 if min_blocks == 1 else 65536 // (128 * min_blocks))
+
+
+@pytest.mark.parametrize("probe", [1, 2, 3])
+def test_timing_probe_builds_compile(probe, tmp_path):
+    """benchmarks/gpu_kivi_profile.py's leave-one-stage-out builds (-DKIVI_PROBE) compile for sm_90a, and a probe
+    build uses fewer registers than the real kernel (it does strictly less work)."""
+    if not ck.nvcc_path():
+        pytest.skip("nvcc not on the PATH")
+    real = max(int(r) for r in re.findall(r"Used (\d+) registers", _ptxas_report(2, 128, 128, "90a", tmp_path, 4)))
+    report = _ptxas_report(2, 128, 128, "90a", tmp_path, 4, probe=probe)
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
+    assert regs and max(regs) < real
+
+
+def test_probe_is_never_a_default_and_is_validated():
+    assert "probe" not in ck.DEFAULT_CONFIG
+    with pytest.raises(ValueError, match="probe"):
+        ck.build(2, 128, 128, 4, probe=4)
 
 
 def test_cuda_source_compiles_for_sm80(tmp_path):

@@ -35,6 +35,10 @@ constexpr int MAX_NW = 4;
 #ifndef KIVI_VFOLD
 #define KIVI_VFOLD 0  // 1: value fields as code * s in one HFMA2 (x * s - E * s), the zero point through 1 MMA per k-step
 #endif
+#ifndef KIVI_PROBE
+#define KIVI_PROBE 0  // timing probes (benchmarks/gpu_kivi_profile.py), wrong results: 1 copies only, 2 no P.V,
+                      // 3 dequantization as the LOP3 alone
+#endif
 #ifndef KIVI_KFOLD
 #define KIVI_KFOLD 0  // 1: key scale folded into the query, offsets / zero points through 2 correction MMAs per slice;
                       // 2: the same, codes centred on the middle code (error like the default, 16 HFMA2 per tile more)
@@ -125,9 +129,14 @@ __device__ __forceinline__ uint32_t deq(uint32_t src, uint32_t s, uint32_t z) {
   constexpr uint32_t MASK = ((((1u << BITS) - 1u) << P) * 0x10001u);
   constexpr uint32_t EXPB = ((uint32_t)(25 - P) << 10) * 0x10001u;
   uint32_t r, m = MASK, e = EXPB;
+#if KIVI_PROBE == 3
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(r) : "r"(src), "r"(m), "r"(e));
+  (void)s; (void)z;
+#else
   asm("{\n .reg .b32 t;\n lop3.b32 t, %1, %2, %3, 0xea;\n sub.f16x2 t, t, %3;\n fma.rn.f16x2 %0, t, %4, %5;\n}\n"
       : "=r"(r)
       : "r"(src), "r"(m), "r"(e), "r"(s), "r"(z));
+#endif
   return r;
 }
 
@@ -541,6 +550,10 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
     __syncwarp();
     const uint8_t* sb = wsm + st_use * C::STAGE;
     st_use = st_use == ST - 1 ? 0 : st_use + 1;
+#if KIVI_PROBE == 1
+    __syncwarp();
+    continue;
+#endif
 
     // ---- S^T = K Q^T.  m-tile mt: A row g is token 4g + 2mt, row g+8 token 4g + 2mt + 1, so lane g reads
     // tokens 4g..4g+3 of each of its key words as one 16-byte vector.  C: s[mt][0/1] = (token 4g+2mt, query
@@ -682,6 +695,7 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
     // column; A k-pairs (2t, 2t+1) / (2t+8, 2t+9) = tokens (8t+2kk, 8t+4+2kk) / (8t+2kk+1, 8t+5+2kk).  A PRMT
     // puts the same 16-bit half of two tokens' words into one register, so every field of it is a
     // (token a, token b) pair of one channel: LOP3 + HSUB2 + HFMA2 with the per-token scale / zero pair.
+#if KIVI_PROBE != 2
     {
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
@@ -760,6 +774,9 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
 #endif
       }
     }
+#else
+    acc[0][0] += __uint_as_float(pb[0][0] ^ pb[1][1]);
+#endif
     __syncwarp();  // every lane is done with this stage before it is refilled
   }
   cp_wait<0>();

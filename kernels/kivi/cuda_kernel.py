@@ -300,28 +300,33 @@ def nvcc_command(bits: int, dk: int, dv: int, out: str, extra: tuple[str, ...] =
             "-o", out, str(SOURCE)]
 
 
-def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfold: int = 0) -> ctypes.CDLL:
+def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfold: int = 0,
+          probe: int = 0) -> ctypes.CDLL:
     """Compile (or load from the cache) the library for ``(bits, dk, dv)`` and bind its launchers.
 
     ``min_blocks`` > 1 caps the registers (``__launch_bounds__(128, min_blocks)``) - a tuning knob.  ``kfold`` 1 / 2
     builds a key-scale-fold variant (``-DKIVI_KFOLD=1`` / ``2``, see "Key-scale fold" in the module docstring),
-    ``vfold`` = 1 the value-fold variant (``-DKIVI_VFOLD=1``)."""
-    if kfold not in (0, 1, 2) or vfold not in (0, 1):
-        raise ValueError(f"kfold {kfold} (0, 1 or 2), vfold {vfold} (0 or 1)")
+    ``vfold`` = 1 the value-fold variant (``-DKIVI_VFOLD=1``).  ``probe`` 1 / 2 / 3 builds a timing probe that gives
+    WRONG results (``-DKIVI_PROBE``: copies only / no P.V / dequantization as the LOP3 alone), for
+    benchmarks/gpu_kivi_profile.py only."""
+    if kfold not in (0, 1, 2) or vfold not in (0, 1) or probe not in (0, 1, 2, 3):
+        raise ValueError(f"kfold {kfold} (0, 1 or 2), vfold {vfold} (0 or 1), probe {probe} (0..3)")
     key = (bits, dk, dv, min_blocks) if not (kfold or vfold) else (bits, dk, dv, min_blocks, kfold, vfold)
+    if probe:
+        key = (*key, "probe", probe)
     with _LOCK:
         if key in _LIBS:
             return _LIBS[key]
     src = SOURCE.read_bytes()
     tag = hashlib.sha256(src + repr((NVCC_FLAGS, key)).encode()).hexdigest()[:16]
-    path = cache_dir() / f"libkivi_v3_b{bits}_k{dk}_v{dv}_r{min_blocks}{f'_kf{kfold}' if kfold else ''}{'_vf' if vfold else ''}_{tag}.so"
+    path = cache_dir() / f"libkivi_v3_b{bits}_k{dk}_v{dv}_r{min_blocks}{f'_kf{kfold}' if kfold else ''}{'_vf' if vfold else ''}{f'_p{probe}' if probe else ''}_{tag}.so"
     t0 = time.time()
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
         cmd = nvcc_command(bits, dk, dv, tmp, (f"-DKIVI_MIN_BLOCKS={min_blocks}", f"-DKIVI_KFOLD={kfold}",
-                                                       f"-DKIVI_VFOLD={vfold}"))
+                                                       f"-DKIVI_VFOLD={vfold}", f"-DKIVI_PROBE={probe}"))
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode:
             os.unlink(tmp)
@@ -525,7 +530,8 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
     c = dict(config(bits))
     if cfg:
         c.update(cfg)
-    lib = build(bits, dk, dv, int(c.get("min_blocks", 1)), int(c.get("kfold", 0)), int(c.get("vfold", 0)))
+    lib = build(bits, dk, dv, int(c.get("min_blocks", 1)), int(c.get("kfold", 0)), int(c.get("vfold", 0)),
+                int(c.get("probe", 0)))
 
     q = _aligned(query.to(torch.float16), 1, 4)
     kv = _kv_tensors(packed)
