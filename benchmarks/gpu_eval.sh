@@ -61,6 +61,11 @@ case "$PHASE" in
     run kivi_ppl 300 $E --sweep $S/kivi4.yaml $S/kivi2_sinks.yaml $S/kivi2.yaml $S/ablation/kivi2_keys_per_token.yaml \
       --task ppl --samples 4 --json /tmp/res/kivi_ppl.json --plot /tmp/res/kivi_ppl.png
     ;;
+  stepprof)  # where a decode step's time goes on the GPU (plain transformers vs KIVI-2): host work vs kernels
+    model; install
+    export PATH=/usr/local/cuda/bin:$PATH
+    run stepprof 400 python benchmarks/gpu_step_profile.py --out /tmp/res --context ${CONTEXT:-8192} ${STEPPROF_ARGS}
+    ;;
   throughput)  # issue 6: decode throughput at a fixed KV memory budget
     model; install
     run throughput 540 python benchmarks/throughput.py --device cuda --kv-gib ${KV_GIB:-8} --context 4096 --new 256 \

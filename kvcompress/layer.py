@@ -189,6 +189,7 @@ class CompressedLayer(hf.CacheLayerMixin):
         if valid is None:
             valid = torch.ones(b, q, dtype=torch.bool, device=k.device)
         sinks_were_full = self.sinks.full
+        known_all_valid = sinks_were_full and not valid_given  # made by torch.ones above, untouched by the sinks
         valid = self.sinks.take(k, v, valid, pos)
         if not sinks_were_full or valid_given:
             # Columns that are padding (or a sink) in every row are not stored in the ring.
@@ -200,13 +201,13 @@ class CompressedLayer(hf.CacheLayerMixin):
         total = ring.size + q
         m = ((total - window) // flush) * flush if window is not None and total >= window + flush else 0
         if m == 0:
-            ring.push(k, v, valid, pos)
+            ring.push(k, v, valid, pos, all_valid=known_all_valid)
             return
         m_old = min(m, ring.size)
         m_new = m - m_old
         old = ring.pop_oldest(m_old) if m_old else None
         new = KVBlock(k[:, :, :m_new], v[:, :, :m_new], valid[:, :m_new], pos[:m_new]) if m_new else None
-        ring.push(k[:, :, m_new:], v[:, :, m_new:], valid[:, m_new:], pos[m_new:])
+        ring.push(k[:, :, m_new:], v[:, :, m_new:], valid[:, m_new:], pos[m_new:], all_valid=known_all_valid)
         self.pipeline.flush(self, _cat_blocks(old, new))
 
     # -- reads ----------------------------------------------------------------------------

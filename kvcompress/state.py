@@ -375,7 +375,10 @@ class RingBuffer:
         positions[: self.size] = self.positions[order]
         self.valid, self.positions, self.start = valid, positions, 0
 
-    def push(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> None:
+    def push(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
+             all_valid: bool = False) -> None:
+        """Append tokens.  ``all_valid=True`` says the caller knows every entry of ``valid`` is True (e.g. it made it
+        with ``torch.ones``), which skips the device-to-host check (one sync per layer and decode step on a GPU)."""
         n = k.shape[2]
         if n == 0:
             return
@@ -389,7 +392,7 @@ class RingBuffer:
         self.valid[:, slots] = valid
         self.positions[slots] = positions
         self.size += n
-        if self.all_valid and not bool(valid.all()):
+        if self.all_valid and not all_valid and not bool(valid.all()):
             self.all_valid = False
 
     def ordered(self) -> torch.Tensor | slice:

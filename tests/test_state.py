@@ -152,3 +152,42 @@ def test_growable_ring_holds_at_most_a_quarter_more_than_it_uses():
     assert grows <= 12  # still geometric: O(log n) reallocations
     assert torch.equal(ring.k[0, 0, ring.ordered(), 0], torch.arange(1, 5001, dtype=torch.float32))
     assert grown_capacity(100, 101, unit=32, limit=120) == 120 and grown_capacity(100, 130, limit=120) == 130
+
+
+def test_ring_push_all_valid_hint_skips_the_check_and_a_false_column_is_still_seen():
+    k, v = _kv(t=2)
+    ring = RingBuffer(8, k, v)
+    calls = []
+    real_all = torch.Tensor.all
+
+    def counting_all(self, *a, **kw):
+        calls.append(1)
+        return real_all(self, *a, **kw)
+
+    ones = torch.ones(2, 2, dtype=torch.bool)
+    torch.Tensor.all = counting_all
+    try:
+        ring.push(k, v, ones, torch.arange(2), all_valid=True)  # caller-known: no device-to-host check
+        assert calls == [] and ring.all_valid
+        pad = ones.clone()
+        pad[1, 0] = False
+        ring.push(k, v, pad, torch.arange(2, 4))  # not known: checked, and the padding is recorded
+        assert calls and not ring.all_valid
+    finally:
+        torch.Tensor.all = real_all
+    assert ring.segment().valid[1].tolist() == [True, True, False, True]
+
+
+def test_merge_partials_equals_joint_softmax():
+    from kvcompress.kernels.attention import merge_partials, partial_attention
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 2, 3, 4, generator=g)
+    k, v = torch.randn(2, 2, 9, 4, generator=g), torch.randn(2, 2, 9, 5, generator=g)
+    mask = torch.rand(2, 2, 3, 9, generator=g) > 0.4
+    mask[0, 0, 1] = False  # a row with no visible key at all: zero output
+    joint, _ = partial_attention(q, k, v, mask, 0.5)
+    parts = [partial_attention(q, k[:, :, a:b], v[:, :, a:b], mask[..., a:b], 0.5) for a, b in ((0, 2), (2, 7), (7, 9))]
+    torch.testing.assert_close(merge_partials(parts), joint, rtol=1e-5, atol=1e-6)
+    assert torch.equal(merge_partials(parts)[0, 0, 1], torch.zeros(5))
+    assert merge_partials(parts[:1]) is parts[0][0]

@@ -121,10 +121,12 @@ def partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
 
 def merge_partials(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Combine ``(out, lse)`` partials of disjoint key regions into the joint softmax output (float32)."""
+    if len(parts) == 1:
+        return parts[0][0]  # an empty region's output is already zero
     lses = torch.stack([lse for _, lse in parts])  # [R, ...]
-    top = lses.amax(dim=0)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    top = lses.amax(dim=0).nan_to_num(neginf=0.0)  # rows where every region is empty: any finite shift
     weights = torch.exp(lses - top)  # exp(-inf) = 0 for empty regions
-    total = weights.sum(dim=0)
-    out = sum(w.unsqueeze(-1) * o for w, (o, _) in zip(weights, parts))
-    return out / torch.where(total > 0, total, torch.ones_like(total)).unsqueeze(-1)
+    out = (weights.unsqueeze(-1) * torch.stack([o for o, _ in parts])).sum(dim=0)
+    # the largest weight of a row with a visible key is exp(0) = 1, so total >= 1 there; rows with none have
+    # total = 0 and out = 0, which clamp_min(1) leaves at 0
+    return out / weights.sum(dim=0).clamp_min(1.0).unsqueeze(-1)

@@ -281,10 +281,17 @@ def supports(query: torch.Tensor, packed: PackedKV) -> bool:
 
 
 def nvcc_path() -> str | None:
-    found = shutil.which("nvcc")
+    """nvcc on the PATH, else under $CUDA_HOME / $CUDA_PATH / /usr/local/cuda; looked up once per environment (the
+    dispatcher asks on every decode call, and a PATH search costs tens of microseconds)."""
+    return _nvcc_lookup(os.environ.get("PATH"), os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"))
+
+
+@functools.lru_cache(maxsize=8)
+def _nvcc_lookup(path_env: str | None, cuda_home: str | None, cuda_path: str | None) -> str | None:
+    found = shutil.which("nvcc", path=path_env)
     if found:
         return found
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+    for root in (cuda_home, cuda_path, "/usr/local/cuda"):
         if root and os.path.exists(os.path.join(root, "bin", "nvcc")):
             return os.path.join(root, "bin", "nvcc")
     return None
@@ -374,8 +381,12 @@ def _aligned(t: torch.Tensor, dense: int, align: int) -> torch.Tensor:
 
 def config(bits: int) -> dict:
     """Launch configuration; ``KVCOMPRESS_KIVI_CUDA_CONFIG`` (JSON, flat or per bit width) overrides entries."""
+    return dict(_config(bits, os.environ.get("KVCOMPRESS_KIVI_CUDA_CONFIG")))
+
+
+@functools.lru_cache(maxsize=16)
+def _config(bits: int, env: str | None) -> dict:  # parsed once per (bits, variable value); callers get a copy
     cfg = dict(DEFAULT_CONFIG)
-    env = os.environ.get("KVCOMPRESS_KIVI_CUDA_CONFIG")
     if env:
         over = json.loads(env)
         cfg.update(over.get(str(bits), {}) if any(k in over for k in ("2", "4")) else over)
