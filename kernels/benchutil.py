@@ -14,8 +14,10 @@ Timing (:func:`time_op`):
 d = 128; SmolLM2-135M: 9 / 3, d = 64; B in {1, 16, 64}, ctx in {4k, 32k, 128k} where the
 data fits in device memory):
 
-* ``kivi2`` / ``kivi4``: the fused Triton KIVI partial attention (2 / 4 bits, key group
-  32, value group 32) over ``ctx`` packed tokens;
+* ``kivi2`` / ``kivi4``: the KIVI partial attention the compressor runs (2 / 4 bits, key group 32, value
+  group 32) over ``ctx`` packed tokens: ``kernels.kivi.kivi_attention_partial``, i.e. the CUDA kernel (v3) when
+  nvcc is available, else the Triton kernel (v2); the row's ``impl`` names it.  ``kivi2-triton`` /
+  ``kivi4-triton``: the Triton kernel (v2) itself;
 * ``kivi2-ref`` / ``kivi4-ref``: its PyTorch reference (dequantize + einsum), small shapes only;
 * ``dense-ref``: the dense partial attention reference over an fp16 cache;
 * ``ds8`` / ``ds16`` (``-shared``): one DoubleSparse decode read (fused label scoring + exact top-k of
@@ -335,7 +337,7 @@ def _bench_case(shape: Shape, batch: int, ctx: int, device: torch.device, rows: 
     # ---- KIVI (fused kernel and its reference)
     for bits in (2, 4):
         name = f"kivi{bits}"
-        if not {name, name + "-ref"} & set(ops):
+        if not {name, name + "-ref", name + "-triton"} & set(ops):
             continue
         q0, p0 = kivi_inputs(1, 1, KEY_GROUP, shape.head_dim, bits, KEY_GROUP, VALUE_GROUP, m, device, gen)
         per_token = kivi_bytes(q0, p0) / KEY_GROUP  # ~bytes per token per (batch, kv head)
@@ -355,12 +357,19 @@ def _bench_case(shape: Shape, batch: int, ctx: int, device: torch.device, rows: 
                             reps=max(3, reps // 4))
             rows.append(_result(name + "-ref", shape, batch, ctx, ref_t, nbytes,
                                 speedup_vs_sdpa=base["sdpa"] / ref_t.seconds if "sdpa" in base else None))
-        if name in ops and device.type == "cuda":
-            from .kivi.triton_kernel import kivi_attention_partial as fused
+        # ``kivi2`` / ``kivi4``: what the KIVI compressor runs (the dispatcher: CUDA v3 when nvcc is there, else
+        # Triton v2), named in the row's ``impl``; ``kivi2-triton`` / ``kivi4-triton``: the Triton kernel itself
+        from . import kivi as kivi_ops
+        from .kivi import triton_kernel as kivi_triton
 
-            t = time_op(lambda q, p: fused(q, p, scale), data, reps=reps)
+        timed = [(name, kivi_ops.kivi_attention_partial, kivi_ops.implementation(*data[0])),
+                 (name + "-triton", kivi_triton.kivi_attention_partial, "triton-v2")]
+        for op_name, fn, impl in timed:
+            if op_name not in ops or device.type != "cuda":
+                continue
+            t = time_op(lambda q, p, fn=fn: fn(q, p, scale), data, reps=reps)
             rows.append(_result(
-                name, shape, batch, ctx, t, nbytes,
+                op_name, shape, batch, ctx, t, nbytes, impl=impl,
                 speedup_vs_sdpa=base["sdpa"] / t.seconds if "sdpa" in base else None,
                 speedup_vs_ref=ref_t.seconds / t.seconds if ref_t is not None else None,
                 bytes_vs_fp16=dense_bytes / nbytes))
@@ -428,7 +437,7 @@ def _bench_doublesparse(shape, batch, ctx, device, rows, ops, base, dense_bytes,
         torch.cuda.empty_cache()
 
 
-ALL_OPS = ("sdpa", "dense-ref", "kivi2", "kivi4", "kivi2-ref", "kivi4-ref", "leank50", "leank70", "ds8", "ds16",
+ALL_OPS = ("sdpa", "dense-ref", "kivi2", "kivi4", "kivi2-ref", "kivi4-ref", "kivi2-triton", "kivi4-triton", "leank50", "leank70", "ds8", "ds16",
            "ds8-shared", "ds16-shared")
 
 
@@ -445,8 +454,9 @@ def markdown_table(rows: Sequence[dict]) -> str:
             lines.append(f"| {r['op']} | {r['model']} | {r['batch']} | {r['ctx'] // 1024}k | {r.get('skipped', 'n/a')} "
                          f"| {r['bytes'] / 1e6:.0f} | | | | |")
             continue
+        op = f"{r['op']} ({r['impl']})" if r.get("impl") and not r["op"].endswith("-triton") else r["op"]
         lines.append(
-            f"| {r['op']} | {r['model']} | {r['batch']} | {r['ctx'] // 1024}k | {r['latency_us']:.1f} | "
+            f"| {op} | {r['model']} | {r['batch']} | {r['ctx'] // 1024}k | {r['latency_us']:.1f} | "
             f"{r['bytes'] / 1e6:.1f} | {r['bandwidth_tbps']:.2f} | {r['pct_of_4p3']:.0f}% | "
             f"{f(r.get('speedup_vs_sdpa'), '.2f')} | {f(r.get('speedup_vs_ref'), '.1f')} |")
     return "\n".join(lines)

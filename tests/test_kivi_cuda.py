@@ -375,7 +375,7 @@ def test_dispatch_on_cpu_is_the_reference(monkeypatch):
     """CPU tensors never reach v3 (nor v2), whatever the environment says."""
     from kvcompress.kernels import kivi
 
-    src = inspect.getsource(kivi.kivi_attention_partial)
+    src = inspect.getsource(kivi.implementation) + inspect.getsource(kivi.kivi_attention_partial)
     assert "cuda_kernel.supports" in src and "cuda_kernel.nvcc_path" in src and "except" not in src
     q, packed = make_case("b2-d64-gqa3")
     for value in ("1", "0", None):
@@ -428,6 +428,8 @@ def test_dispatch_order_on_cuda(monkeypatch, env, kw, expected):
         monkeypatch.setenv(name, value)
     kivi = _fake_paths(monkeypatch, **kw)
     assert kivi.kivi_attention_partial(_CudaQuery(), None, 0.1) == expected
+    # the name the kernel benchmark records for the same call
+    assert kivi.implementation(_CudaQuery(), None) == {"v3": "cuda-v3", "v2": "triton-v2"}.get(expected, expected)
 
 
 def test_build_failure_says_how_to_disable_v3(monkeypatch, tmp_path):

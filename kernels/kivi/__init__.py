@@ -36,23 +36,38 @@ def _cuda_kernel_enabled() -> bool:
     return os.environ.get("KVCOMPRESS_KIVI_CUDA", "1") != "0"
 
 
-def kivi_attention_partial(query, packed, scale):
-    """Attention over a packed KIVI region; see :func:`.reference.kivi_attention_partial`."""
+def implementation(query, packed) -> str:
+    """Which implementation :func:`kivi_attention_partial` runs for this call: ``"cuda-v3"``, ``"triton-v2"`` or
+    ``"reference"`` (the checks above, in order; nothing is compiled here)."""
     if not query.is_cuda or os.environ.get("KVCOMPRESS_KERNELS", "auto") == "reference":
-        return kivi_attention_partial_reference(query, packed, scale)
+        return "reference"
     if _cuda_kernel_enabled():
         from . import cuda_kernel  # hand-written CUDA kernel (v3); nothing is compiled before its first launch
 
         if cuda_kernel.nvcc_path() is not None and cuda_kernel.supports(query, packed):
-            return cuda_kernel.kivi_attention_partial(query, packed, scale)
+            return "cuda-v3"
     if _triton_available():
         from . import triton_kernel  # compiled lazily, on first use
 
         if triton_kernel.supports(query, packed):
-            return triton_kernel.kivi_attention_partial(query, packed, scale)
+            return "triton-v2"
+    return "reference"
+
+
+def kivi_attention_partial(query, packed, scale):
+    """Attention over a packed KIVI region; see :func:`.reference.kivi_attention_partial`."""
+    impl = implementation(query, packed)
+    if impl == "cuda-v3":
+        from . import cuda_kernel
+
+        return cuda_kernel.kivi_attention_partial(query, packed, scale)
+    if impl == "triton-v2":
+        from . import triton_kernel
+
+        return triton_kernel.kivi_attention_partial(query, packed, scale)
     return kivi_attention_partial_reference(query, packed, scale)
 
 
 __all__ = ["BITS", "PackedKV", "bits_per_element", "dequantize_keys", "dequantize_values", "fake_quantize_keys",
-           "fake_quantize_values", "kivi_attention_partial", "kivi_attention_partial_reference", "pack",
+           "fake_quantize_values", "implementation", "kivi_attention_partial", "kivi_attention_partial_reference", "pack",
            "quantize_keys", "quantize_values", "unpack"]
