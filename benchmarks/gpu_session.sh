@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session (H200 image: torch 2.11, triton 3.6; `pip install -e .` fails silently there, so the
 # package is assembled under /tmp/site).  Usage on the device machine, from the repository root:
-#   bash benchmarks/gpu_session.sh OUTDIR PHASE      (PHASE: sweep | final | tables | tilelang | ds | dsfinal | kivicuda | kiviprof)
+#   bash benchmarks/gpu_session.sh OUTDIR PHASE      (PHASE: sweep | final | tables | tilelang | ds | dsfinal | kivicuda | kiviprof | kernels)
 set -o pipefail
 OUT=${1:-out}; PHASE=${2:-final}
 mkdir -p /tmp/site "$OUT" && rm -rf /tmp/site/kvcompress && cp -r kvcompress /tmp/site/ \
@@ -65,6 +65,13 @@ case "$PHASE" in
   kivicuda)  # the CUDA KIVI kernel (v3): build, fp64 correctness, timing sweep, then its GPU tests (one script)
     export PATH=/usr/local/cuda/bin:$PATH
     timeout 540 python benchmarks/gpu_kivi_cuda.py --out "$OUT" 2>&1 | tee "$OUT/kivi_cuda.log"
+    ;;
+  kernels)  # the evaluation harness's kernel benchmark (kvcompress bench --kernels) for KIVI, then the KIVI GPU tests
+    export PATH=/usr/local/cuda/bin:$PATH
+    (cd /tmp/site && timeout 330 python -m kvcompress.kernels.benchutil --device cuda --out "$OUT/kernels.json" \
+      --ops ${KERNEL_OPS:-sdpa,kivi2,kivi4,kivi2-triton} 2>&1) | tee "$OUT/kernels.log"
+    (cd /tmp/site && timeout 200 python -m pytest -q -m gpu -n 8 "$OLDPWD/tests/test_kivi_cuda.py" \
+      "$OLDPWD/tests/test_kivi_kernel.py" -p no:cacheprovider 2>&1 | tail -6) | tee "$OUT/pytest_kivi.log"
     ;;
   kiviprof)  # where the v3 kernel's time goes: timing probes, then Nsight Compute (full set, SASS stall samples)
     export PATH=/usr/local/cuda/bin:$PATH
