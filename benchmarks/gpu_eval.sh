@@ -88,6 +88,10 @@ case "$PHASE" in
       $S/leank70.yaml $S/sweeps/leank-rope-70.yaml $S/sweeps/leank-qk-70.yaml $S/leank_kivi.yaml \
       --task ppl --samples 2 --json /tmp/res/leank_ppl.json --plot /tmp/res/leank_ppl.png
     ;;
+  kivicheck)  # KIVI-2 / KIVI-4 perplexity through the production GPU path (v3 + the grouped dense kernel + merge)
+    model; install
+    run kivi_check 240 $E --sweep $S/kivi2.yaml $S/kivi4.yaml --task ppl --samples 2 --json /tmp/res/kivi_check.json
+    ;;
   e2e)  # session 4: the new GPU paths inside the real model - KIVI through the CUDA v3 kernel vs the Triton v2
          # kernel (KVCOMPRESS_KIVI_CUDA=0), DoubleSparse (fused select + gather, per head and group-shared),
          # and decode step time at 8k context
