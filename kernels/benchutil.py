@@ -359,13 +359,15 @@ def _bench_case(shape: Shape, batch: int, ctx: int, device: torch.device, rows: 
                                 speedup_vs_sdpa=base["sdpa"] / ref_t.seconds if "sdpa" in base else None))
         # ``kivi2`` / ``kivi4``: what the KIVI compressor runs (the dispatcher: CUDA v3 when nvcc is there, else
         # Triton v2), named in the row's ``impl``; ``kivi2-triton`` / ``kivi4-triton``: the Triton kernel itself
-        from . import kivi as kivi_ops
-        from .kivi import triton_kernel as kivi_triton
+        timed = []
+        if device.type == "cuda":  # GPU kernels only: no Triton import on a CPU run
+            from . import kivi as kivi_ops
+            from .kivi import triton_kernel as kivi_triton
 
-        timed = [(name, kivi_ops.kivi_attention_partial, kivi_ops.implementation(*data[0])),
-                 (name + "-triton", kivi_triton.kivi_attention_partial, "triton-v2")]
+            timed = [(name, kivi_ops.kivi_attention_partial, kivi_ops.implementation(*data[0])),
+                     (name + "-triton", kivi_triton.kivi_attention_partial, "triton-v2")]
         for op_name, fn, impl in timed:
-            if op_name not in ops or device.type != "cuda":
+            if op_name not in ops:
                 continue
             t = time_op(lambda q, p, fn=fn: fn(q, p, scale), data, reps=reps)
             rows.append(_result(
@@ -437,8 +439,8 @@ def _bench_doublesparse(shape, batch, ctx, device, rows, ops, base, dense_bytes,
         torch.cuda.empty_cache()
 
 
-ALL_OPS = ("sdpa", "dense-ref", "kivi2", "kivi4", "kivi2-ref", "kivi4-ref", "kivi2-triton", "kivi4-triton", "leank50", "leank70", "ds8", "ds16",
-           "ds8-shared", "ds16-shared")
+ALL_OPS = ("sdpa", "dense-ref", "kivi2", "kivi4", "kivi2-ref", "kivi4-ref", "kivi2-triton", "kivi4-triton",
+           "leank50", "leank70", "ds8", "ds16", "ds8-shared", "ds16-shared")
 
 
 def markdown_table(rows: Sequence[dict]) -> str:

@@ -154,7 +154,7 @@ def test_growable_ring_holds_at_most_a_quarter_more_than_it_uses():
     assert grown_capacity(100, 101, unit=32, limit=120) == 120 and grown_capacity(100, 130, limit=120) == 130
 
 
-def test_ring_push_all_valid_hint_skips_the_check_and_a_false_column_is_still_seen():
+def test_ring_push_all_valid_hint_skips_the_check_and_a_false_column_is_still_seen(monkeypatch):
     k, v = _kv(t=2)
     ring = RingBuffer(8, k, v)
     calls = []
@@ -165,16 +165,14 @@ def test_ring_push_all_valid_hint_skips_the_check_and_a_false_column_is_still_se
         return real_all(self, *a, **kw)
 
     ones = torch.ones(2, 2, dtype=torch.bool)
-    torch.Tensor.all = counting_all
-    try:
-        ring.push(k, v, ones, torch.arange(2), all_valid=True)  # caller-known: no device-to-host check
-        assert calls == [] and ring.all_valid
-        pad = ones.clone()
-        pad[1, 0] = False
-        ring.push(k, v, pad, torch.arange(2, 4))  # not known: checked, and the padding is recorded
-        assert calls and not ring.all_valid
-    finally:
-        torch.Tensor.all = real_all
+    pad = ones.clone()
+    pad[1, 0] = False
+    monkeypatch.setattr(torch.Tensor, "all", counting_all)
+    ring.push(k, v, ones, torch.arange(2), all_valid=True)  # caller-known: no device-to-host check
+    assert calls == [] and ring.all_valid
+    ring.push(k, v, pad, torch.arange(2, 4))  # not known: checked, and the padding is recorded
+    assert calls and not ring.all_valid
+    monkeypatch.undo()
     assert ring.segment().valid[1].tolist() == [True, True, False, True]
 
 
