@@ -39,8 +39,54 @@ VARIANTS = {
     "kf1-vf": {"kfold": 1, "vfold": 1},
     "st3": {"stages": 3},
     "copies-st3": {"probe": 1, "stages": 3},
+    # value fold 2 (scale folded into P, one LOP3 per value register) with and without the key-scale fold
+    "vf2": {"vfold": 2},
+    "kf1-vf2": {"kfold": 1, "vfold": 2},
+    "kf2-vf2": {"kfold": 2, "vfold": 2},
+    "kf1-vf2-r3": {"kfold": 1, "vfold": 2, "min_blocks": 3},
+    "kf1-vf2-r1": {"kfold": 1, "vfold": 2, "min_blocks": 1},
+    "kf1-vf2-st3": {"kfold": 1, "vfold": 2, "stages": 3},
 }
 SHAPES = [(16, 8, 32768, 128, 4), (64, 8, 32768, 128, 4), (1, 8, 32768, 128, 4)]  # batch, kv heads, ctx, d, GQA
+SHAPES_BY_NAME = {"b16": (16, 8, 32768, 128, 4), "b64": (64, 8, 32768, 128, 4), "b1": (1, 8, 32768, 128, 4),
+                  "b64-128k": (64, 8, 131072, 128, 4), "b16-128k": (16, 8, 131072, 128, 4)}
+
+
+def prebuild(names: list[str], dk: int = 128, dv: int = 128) -> None:
+    """Compile every variant's library in parallel (nvcc runs minutes when serial)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = []
+    for bits in (2, 4):
+        for name in names:
+            c = dict(ck.config(bits))
+            c.update(VARIANTS[name])
+            jobs.append((bits, dk, dv, int(c.get("min_blocks", 1)), int(c.get("kfold", 0)), int(c.get("vfold", 0)),
+                         int(c.get("probe", 0))))
+    t0 = time.time()
+    with ThreadPoolExecutor(max_workers=12) as ex:
+        list(ex.map(lambda j: ck.build(*j), sorted(set(jobs))))
+    log(f"built {len(set(jobs))} libraries in {time.time() - t0:.0f} s")
+
+
+def check_variants(names: list[str]) -> list[dict]:
+    """Each variant against the reference on a small case (the probes are wrong on purpose and skipped)."""
+    from kvcompress.kernels.kivi.reference import kivi_attention_partial
+
+    rows = []
+    for bits in (2, 4):
+        q, p = benchutil.kivi_inputs(2, 4, 4096, 128, bits, 32, 32, 4, torch.device("cuda"))
+        ref_o, ref_l = kivi_attention_partial(q, p, 128 ** -0.5)
+        for name in names:
+            if "probe" in VARIANTS[name]:
+                continue
+            o, lse = ck._forward(q, p, 128 ** -0.5, cfg=VARIANTS[name])
+            err = (o - ref_o).abs().max().item()
+            lerr = (lse - ref_l).abs().max().item()
+            ok = bool(torch.allclose(o, ref_o, atol=3e-3, rtol=1e-2) and lerr <= 2e-3)
+            rows.append({"bits": bits, "variant": name, "max_abs_err": err, "lse_err": lerr, "ok": ok})
+            log(f"  check bits={bits} {name:12s} max|o-ref| {err:.2e} max|lse-ref| {lerr:.2e} {'ok' if ok else 'FAIL'}")
+    return rows
 
 
 def run_one(name: str, bits: int) -> None:
@@ -50,11 +96,16 @@ def run_one(name: str, bits: int) -> None:
     torch.cuda.synchronize()
 
 
-def timing(out: str) -> None:
+def timing(out: str, names: list[str] | None = None, shapes: list[str] | None = None) -> None:
     from gpu_kivi import sdpa_time
 
     rows = []
-    for batch, hkv, ctx, d, m in SHAPES:
+    checks = []
+    variants = VARIANTS if names is None else {n: VARIANTS[n] for n in names}
+    if names is not None:
+        prebuild(names)
+        checks = check_variants(names)
+    for batch, hkv, ctx, d, m in (SHAPES if shapes is None else [SHAPES_BY_NAME[x] for x in shapes]):
         sdpa, base = sdpa_time(batch, hkv, ctx, d, m, "cuda")
         log(f"B={batch} ctx={ctx}: SDPA {sdpa:.1f} us {base}")
         for bits in (2, 4):
@@ -62,8 +113,8 @@ def timing(out: str) -> None:
             nbytes = benchutil.kivi_bytes(q0, p0)
             data = [(q0, p0)] + [benchutil.kivi_inputs(batch, hkv, ctx, d, bits, 32, 32, m, torch.device("cuda"))
                                  for _ in range(benchutil.copies_for(nbytes) - 1)]
-            for name, cfg in VARIANTS.items():
-                if batch != 16 and name not in ("v3", "copies"):
+            for name, cfg in variants.items():
+                if names is None and batch != 16 and name not in ("v3", "copies"):
                     continue
                 try:
                     t = benchutil.time_op(lambda q, p, cfg=cfg: ck._forward(q, p, d ** -0.5, cfg=cfg), data)
@@ -80,7 +131,7 @@ def timing(out: str) -> None:
             torch.cuda.empty_cache()
     with open(os.path.join(out, "kivi_profile.json"), "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                   "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+                   "device": torch.cuda.get_device_name(), "rows": rows, "checks": checks}, f, indent=1)
     print("| B | bits | variant | µs | TB/s | x SDPA |\n|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['bits']} | {r['variant']} | {r['us']:.1f} | {r['tbps']:.2f} | {r['x_sdpa']:.2f} |")
@@ -92,12 +143,15 @@ def main() -> int:
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--run", choices=sorted(VARIANTS))
     ap.add_argument("--bits", type=int, default=2, choices=(2, 4))
+    ap.add_argument("--variants", help="comma-separated VARIANTS names (default: all, probes at B = 16 only); "
+                    "builds them in parallel and checks each against the reference first")
+    ap.add_argument("--shapes", help=f"comma-separated of {sorted(SHAPES_BY_NAME)}")
     a = ap.parse_args()
     if a.run:
         run_one(a.run, a.bits)
     if a.time:
         os.makedirs(a.out, exist_ok=True)
-        timing(a.out)
+        timing(a.out, a.variants.split(",") if a.variants else None, a.shapes.split(",") if a.shapes else None)
     return 0
 
 
