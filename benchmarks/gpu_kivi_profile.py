@@ -46,6 +46,11 @@ VARIANTS = {
     "kf1-vf2-r3": {"kfold": 1, "vfold": 2, "min_blocks": 3},
     "kf1-vf2-r1": {"kfold": 1, "vfold": 2, "min_blocks": 1},
     "kf1-vf2-st3": {"kfold": 1, "vfold": 2, "stages": 3},
+    "kf1-vf2-st4": {"kfold": 1, "vfold": 2, "stages": 4},
+    "vf2-st3": {"vfold": 2, "stages": 3},
+    "st4": {"stages": 4},
+    "copies-st4": {"probe": 1, "stages": 4},
+    "kf1-vf2-w8": {"kfold": 1, "vfold": 2, "warps_per_sm": 8},
 }
 SHAPES = [(16, 8, 32768, 128, 4), (64, 8, 32768, 128, 4), (1, 8, 32768, 128, 4)]  # batch, kv heads, ctx, d, GQA
 SHAPES_BY_NAME = {"b16": (16, 8, 32768, 128, 4), "b64": (64, 8, 32768, 128, 4), "b1": (1, 8, 32768, 128, 4),
