@@ -425,6 +425,12 @@ struct VFold2 {
   static constexpr int WPB = 32 / PER;      // words per block: 2 (2 bits), 4 (4 bits)
   static constexpr int LPW = 8 / WPB;       // lane columns per word: 4 (a byte each), 2 (a half each)
   static constexpr int VW = DV / PER;
+  static constexpr int R = 32 / VW;         // tokens per 4-byte copy round (one word of each per lane)
+  // token of shared-memory row rho (vrow inverted): row rho holds token (rho >> 2) + 8 * (rho & 3)
+  __host__ __device__ static constexpr int row_token(int rho) { return (rho >> 2) + 8 * (rho & 3); }
+  // token that copy round `it` of lane row q (= lane / VW) moves: row it * R + q.  The lane part and the round part
+  // add (row_token(it * R + q) = copy_token(q, 0) + copy_token(0, it) for q < R), so the rounds are immediates.
+  __host__ __device__ static constexpr int copy_token(int q, int it) { return row_token(it * R + q); }
   // shared-memory word slot (within a token row) of value word w
   __host__ __device__ static constexpr int pos(int w) { return (w % WPB) * NB + w / WPB; }
   // PRMT selector: sub-word x of token a (low half) and of token b (high half); `hi` (4 bits): the upper byte of
@@ -433,8 +439,8 @@ struct VFold2 {
     return BITS == 2 ? (uint32_t)(x | x << 4 | (4 + x) << 8 | (4 + x) << 12)
                      : (uint32_t)((2 * x + hi) | (2 * x + 1) << 4 | (4 + 2 * x + hi) << 8 | (5 + 2 * x) << 12);
   }
-  // bit of field f (0..3) of a merged register (of the `hi` one for f >= 2 at 4 bits), and its E = 2^(10 - bit)
-  __host__ __device__ static constexpr int bit(int f) { return BITS == 2 ? 2 * f : 4 * (f & 1); }
+  // bit at which field f (0..3) is taken (after the x << 4 of the low fields), E = 2^(10 - bit) <= 64
+  __host__ __device__ static constexpr int bit(int f) { return BITS == 2 ? (f == 3 ? 6 : 4 + 2 * f) : 4; }
   // value channel of field f of lane column g in block b
   __host__ __device__ static constexpr int channel(int b, int g, int f) {
     return BITS == 2 ? (b * WPB + g / 4) * PER + 8 * (g & 1) + 2 * f + ((g >> 1) & 1)
@@ -476,8 +482,8 @@ struct TileCopier {
     v_src = (lane / VCH) * vc_st + 4 * (lane % VCH);
     v_step = (32 / VCH) * vc_st;
     v_dst = C::OFF_V + vrow(lane / VCH) * C::VROW + 16 * (lane % VCH);
-    v4_src = (lane / C::VW) * vc_st + lane % C::VW;
-    v4_dst = C::OFF_V + vrow(lane / C::VW) * C::VROW + 4 * VFold2<BITS, DV>::pos(lane % C::VW);
+    v4_src = VFold2<BITS, DV>::copy_token(lane / C::VW, 0) * vc_st + lane % C::VW;
+    v4_dst = C::OFF_V + (lane / C::VW) * C::VROW + 4 * VFold2<BITS, DV>::pos(lane % C::VW);
   }
 
   // cp(dst byte offset in the stage, src pointer): one 16-byte copy; cp4: one 4-byte copy (KIVI_VFOLD = 2 values)
@@ -492,11 +498,11 @@ struct TileCopier {
       cp(C::OFF_KZ + 16 * lane, kz + (grp * kz_sg + 8 * lane));
     }
 #if KIVI_VFOLD == 2
-    {  // token lane / VW + it * 32 / VW: the row of `it` adds (the bits are disjoint and vrow is linear over them)
+    {  // copy `it` fills shared-memory rows it * R .. it * R + R - 1 (R = 32 / VW tokens): one 128-byte bank sweep
       const int* vt = vc + (tok0 * vc_st + v4_src);
-      constexpr int TSTEP = 32 / C::VW;
+      using V = VFold2<BITS, DV>;
 #pragma unroll
-      for (int it = 0; it < C::VW; ++it) cp4(v4_dst + vrow(it * TSTEP) * C::VROW, vt + it * TSTEP * vc_st);
+      for (int it = 0; it < C::VW; ++it) cp4(v4_dst + it * V::R * C::VROW, vt + V::copy_token(0, it) * vc_st);
     }
     (void)v_src; (void)v_step; (void)v_dst;
 #else
@@ -575,9 +581,9 @@ struct TileStream {
       cp16(stage + C::OFF_KZ + l16, kz);
     }
 #if KIVI_VFOLD == 2
-    constexpr int TSTEP = 32 / C::VW;
+    using V = VFold2<BITS, DV>;
 #pragma unroll
-    for (int it = 0; it < C::VW; ++it) cp4(stage + v_dst + vrow(it * TSTEP) * C::VROW, v + it * TSTEP * C::VW);
+    for (int it = 0; it < C::VW; ++it) cp4(stage + v_dst + it * V::R * C::VROW, v + V::copy_token(0, it) * C::VW);
 #else
 #pragma unroll
     for (int it = 0; it < T::NV; ++it) cp16(stage + v_dst + it * (4 / T::VCH) * C::VROW, v + it * v_step);
@@ -923,15 +929,18 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
           const uint32_t hs = (b & 1) ? 0x7632u : 0x5410u;
           const uint32_t b0 = hmul2(pb[kk][0], prmt(sa[i0], sbb[i0], hs));
           const uint32_t b1 = hmul2(pb[kk][1], prmt(sa[i1], sbb[i1], hs));
-          if constexpr (BITS == 2) {
+          // fields at bit >= 4 (E <= 64): the accumulator carries E * sum p s, cancelled after the loop in fp32, so a
+          // large E (1024 at bit 0) would cost accuracy; one shift (x << 4) per merged register moves the low fields
+          if constexpr (BITS == 2) {  // x << 4: fields 0, 1, 2 at bits 4, 6, 8; x: field 3 at bit 6
             const uint32_t r0 = prmt(w[0][b], w[1][b], vsel0), r1 = prmt(w[2][b], w[3][b], vsel0);
-            mma(acc[2 * b], vfield2<0>(r0), vfield2<1>(r0), vfield2<0>(r1), vfield2<1>(r1), b0, b1);
-            mma(acc[2 * b + 1], vfield2<2>(r0), vfield2<3>(r0), vfield2<2>(r1), vfield2<3>(r1), b0, b1);
-          } else {
+            const uint32_t u0 = r0 << 4, u1 = r1 << 4;
+            mma(acc[2 * b], vfield2<2>(u0), vfield2<3>(u0), vfield2<2>(u1), vfield2<3>(u1), b0, b1);
+            mma(acc[2 * b + 1], vfield2<4>(u0), vfield2<3>(r0), vfield2<4>(u1), vfield2<3>(r1), b0, b1);
+          } else {  // x << 4: field 0 (2) at bit 4; x: field 1 (3) at bit 4
             const uint32_t r0 = prmt(w[0][b], w[1][b], vsel0), r1 = prmt(w[2][b], w[3][b], vsel0);
             const uint32_t q0 = prmt(w[0][b], w[1][b], vsel1), q1 = prmt(w[2][b], w[3][b], vsel1);
-            mma(acc[2 * b], vfield4<0>(r0), vfield4<1>(r0), vfield4<0>(r1), vfield4<1>(r1), b0, b1);
-            mma(acc[2 * b + 1], vfield4<0>(q0), vfield4<1>(q0), vfield4<0>(q1), vfield4<1>(q1), b0, b1);
+            mma(acc[2 * b], vfield4<1>(r0 << 4), vfield4<1>(r0), vfield4<1>(r1 << 4), vfield4<1>(r1), b0, b1);
+            mma(acc[2 * b + 1], vfield4<1>(q0 << 4), vfield4<1>(q0), vfield4<1>(q1 << 4), vfield4<1>(q1), b0, b1);
           }
         }
       }
@@ -1045,7 +1054,7 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int f = 2 * h + e;
-        const float E = (float)(1 << (10 - (BITS == 2 ? 2 * f : 4 * (f & 1))));
+        const float E = (float)(1 << (10 - VFold2<BITS, DV>::bit(f)));
 #pragma unroll
         for (int r = 0; r < 2; ++r) acc[2 * b + h][2 * e + r] += zs[r] - E * ss[r];
       }
