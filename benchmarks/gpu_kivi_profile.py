@@ -39,22 +39,14 @@ VARIANTS = {
     "kf1-vf": {"kfold": 1, "vfold": 1},
     "st3": {"stages": 3},
     "copies-st3": {"probe": 1, "stages": 3},
-    # value fold 2 (scale folded into P, one LOP3 per value register) with and without the key-scale fold
-    "vf2": {"vfold": 2},
-    "kf1-vf2": {"kfold": 1, "vfold": 2},
-    "kf2-vf2": {"kfold": 2, "vfold": 2},
-    "kf1-vf2-r3": {"kfold": 1, "vfold": 2, "min_blocks": 3},
-    "kf1-vf2-r1": {"kfold": 1, "vfold": 2, "min_blocks": 1},
-    "kf1-vf2-st3": {"kfold": 1, "vfold": 2, "stages": 3},
-    "kf1-vf2-st4": {"kfold": 1, "vfold": 2, "stages": 4},
-    "vf2-st3": {"vfold": 2, "stages": 3},
     "st4": {"stages": 4},
     "copies-st4": {"probe": 1, "stages": 4},
-    "kf1-vf2-w8": {"kfold": 1, "vfold": 2, "warps_per_sm": 8},
 }
 SHAPES = [(16, 8, 32768, 128, 4), (64, 8, 32768, 128, 4), (1, 8, 32768, 128, 4)]  # batch, kv heads, ctx, d, GQA
 SHAPES_BY_NAME = {"b16": (16, 8, 32768, 128, 4), "b64": (64, 8, 32768, 128, 4), "b1": (1, 8, 32768, 128, 4),
                   "b64-128k": (64, 8, 131072, 128, 4), "b16-128k": (16, 8, 131072, 128, 4)}
+# The value-fold-2 variants (vfold = 2 with kf1 / kf2, stages 3 / 4, min_blocks 1 / 3) were timed with this script and
+# --variants / --shapes in session 6 and reverted (docs/results.md, "Value fold 2"; docs/data/kivi_fold2_h200.json).
 
 
 def prebuild(names: list[str], dk: int = 128, dv: int = 128) -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session (H200 image: torch 2.11, triton 3.6; `pip install -e .` fails silently there, so the
 # package is assembled under /tmp/site).  Usage on the device machine, from the repository root:
-#   bash benchmarks/gpu_session.sh OUTDIR PHASE      (PHASE: sweep | final | tables | tilelang | ds | dsfinal | kivicuda | kiviprof | fold | foldprof | kernels)
+#   bash benchmarks/gpu_session.sh OUTDIR PHASE      (PHASE: sweep | final | tables | tilelang | ds | dsfinal | kivicuda | kiviprof | kernels)
 set -o pipefail
 OUT=${1:-out}; PHASE=${2:-final}
 mkdir -p /tmp/site "$OUT" && rm -rf /tmp/site/kvcompress && cp -r kvcompress /tmp/site/ \
@@ -72,25 +72,6 @@ case "$PHASE" in
       --ops ${KERNEL_OPS:-sdpa,kivi2,kivi4,kivi2-triton} 2>&1) | tee "$OUT/kernels.log"
     (cd /tmp/site && timeout 200 python -m pytest -q -m gpu -n 8 "$OLDPWD/tests/test_kivi_cuda.py" \
       "$OLDPWD/tests/test_kivi_kernel.py" -p no:cacheprovider 2>&1 | tail -6) | tee "$OUT/pytest_kivi.log"
-    ;;
-  fold)  # value fold 2 (+ key fold): GPU tests of the fold builds, then timing of the variants against the default
-    export PATH=/usr/local/cuda/bin:$PATH
-    (cd /tmp/site && timeout 300 python -m pytest -q -m gpu -n 8 "$OLDPWD/tests/test_kivi_cuda.py" -k "vf2 or kfold_configs" \
-      -p no:cacheprovider 2>&1 | tail -15) | tee "$OUT/pytest_fold.log"
-    timeout 420 python benchmarks/gpu_kivi_profile.py --out "$OUT" --time --variants ${KIVI_FOLD_VARIANTS:-v3,vf2,kf1-vf2,kf2-vf2,kf1-vf2-r3,kf1-vf2-r1} \
-      --shapes ${KIVI_FOLD_SHAPES:-b16,b64,b64-128k} 2>&1 | tee "$OUT/kivi_fold.log"
-    ;;
-  foldprof)  # fold builds: pipeline depth / occupancy variants, then Nsight Compute of the default and kf1-vf2
-    export PATH=/usr/local/cuda/bin:$PATH
-    timeout 300 python benchmarks/gpu_kivi_profile.py --out "$OUT" --time \
-      --variants ${KIVI_FOLD_VARIANTS:-v3,st3,st4,kf1-vf2,kf1-vf2-st3,kf1-vf2-st4,vf2-st3,kf1-vf2-w8,copies,copies-st3,copies-st4} \
-      --shapes ${KIVI_FOLD_SHAPES:-b16,b64} 2>&1 | tee "$OUT/kivi_foldprof.log"
-    mkdir -p /tmp/prof
-    for v in ${KIVI_PROF_VARIANTS:-v3 kf1-vf2}; do
-      timeout 150 ncu --clock-control none --set full -k regex:kivi_v3_kernel --launch-skip 2 \
-        --launch-count 1 -f -o /tmp/prof/$v python benchmarks/gpu_kivi_profile.py --run $v > /tmp/prof/$v.ncu.log 2>&1
-      ncu -i /tmp/prof/$v.ncu-rep --page details --print-details all > "$OUT/ncu_$v.txt" 2>&1
-    done
     ;;
   kiviprof)  # where the v3 kernel's time goes: timing probes, then Nsight Compute (full set, SASS stall samples)
     export PATH=/usr/local/cuda/bin:$PATH

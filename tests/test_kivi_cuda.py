@@ -336,9 +336,7 @@ def test_kfold_is_an_opt_in_config_switch(monkeypatch):
     monkeypatch.delenv("KVCOMPRESS_KIVI_CUDA_CONFIG")
     assert ck.config(2)["vfold"] == 0
     with pytest.raises(ValueError):
-        ck.build(2, 128, 128, 4, 0, 3)
-    with pytest.raises(ValueError):  # the timing probes are built on the default value path only
-        ck.build(2, 128, 128, 4, 0, 2, probe=1)
+        ck.build(2, 128, 128, 4, 0, 2)
     with pytest.raises(ValueError):
         ck.build(2, 128, 128, 4, 3)
 
@@ -608,11 +606,8 @@ def test_configs_and_splits_on_gpu(cfg, splits):
 
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("cfg", [{"kfold": 1}, {"kfold": 2}, {"vfold": 1}, {"kfold": 1, "vfold": 1},
-                                 {"kfold": 2, "vfold": 1}, {"kfold": 1, "vfold": 1, "min_blocks": 1},
-                                 {"vfold": 2}, {"kfold": 1, "vfold": 2}, {"kfold": 2, "vfold": 2},
-                                 {"kfold": 1, "vfold": 2, "min_blocks": 1}],
-                         ids=["kf1", "kf2", "vf", "kf1-vf", "kf2-vf", "kf1-vf-r1", "vf2", "kf1-vf2", "kf2-vf2",
-                              "kf1-vf2-r1"])
+                                 {"kfold": 2, "vfold": 1}, {"kfold": 1, "vfold": 1, "min_blocks": 1}],
+                         ids=["kf1", "kf2", "vf", "kf1-vf", "kf2-vf", "kf1-vf-r1"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or ck.nvcc_path() is None, reason="needs CUDA and nvcc")
 def test_kfold_kernel_matches_reference_on_gpu(name, cfg):
@@ -629,9 +624,7 @@ def test_kfold_kernel_matches_reference_on_gpu(name, cfg):
 def test_kfold_configs_and_splits_on_gpu():
     """Key-scale / value fold with other launch shapes (warps, stages, explicit split counts)."""
     for cfg, splits in [({"kfold": 1, "nw": 1, "stages": 2}, 1), ({"kfold": 2, "nw": 2, "stages": 4}, 3),
-                        ({"kfold": 2, "nw": 4, "stages": 3}, 7), ({"kfold": 1, "vfold": 1, "nw": 2, "stages": 3}, 5),
-                        ({"vfold": 2, "nw": 1, "stages": 2}, 1), ({"kfold": 1, "vfold": 2, "nw": 2, "stages": 4}, 3),
-                        ({"kfold": 1, "vfold": 2, "nw": 4, "stages": 3}, 7)]:
+                        ({"kfold": 2, "nw": 4, "stages": 3}, 7), ({"kfold": 1, "vfold": 1, "nw": 2, "stages": 3}, 5)]:
         for name in ("b2-d128-gqa4-pad-dead-row", "b4-d128-gqa4", "b4-dk64-dv128-gv16-rows20"):
             q, packed = make_case(name, "cuda")
             scale = q.shape[-1] ** -0.5

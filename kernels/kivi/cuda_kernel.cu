@@ -33,11 +33,7 @@ constexpr int MAX_NW = 4;
 #define KIVI_MIN_BLOCKS 1  // >1 caps registers (65536 / (128 * N)); a build option, swept by the benchmark
 #endif
 #ifndef KIVI_VFOLD
-#define KIVI_VFOLD 0  // 1: value fields as code * s in one HFMA2 (x * s - E * s), the zero point through 1 MMA per k-step;
-                      // 2: value scale folded into P (one LOP3 per value register, see VFold2), value groups of 32
-#endif
-#if KIVI_VFOLD == 2 && KIVI_PROBE != 0
-#error "the timing probes are built on the default value path"
+#define KIVI_VFOLD 0  // 1: value fields as code * s in one HFMA2 (x * s - E * s), the zero point through 1 MMA per k-step
 #endif
 #ifndef KIVI_PROBE
 #define KIVI_PROBE 0  // timing probes (benchmarks/gpu_kivi_profile.py), wrong results: 1 copies only, 2 no P.V,
@@ -122,9 +118,6 @@ __device__ __forceinline__ void cp16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp4(uint32_t dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
-}
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
@@ -301,22 +294,6 @@ __device__ __forceinline__ void vfield2v(int i, uint32_t w, uint32_t s, const ui
 #undef KIVI_VF2
 }
 
-// value fold 2: field F (2 bits: bit 2F; 4 bits: bit 4F of the merged register) -> fp16 pair E + code, one LOP3
-template <int F>
-__device__ __forceinline__ uint32_t vfield2(uint32_t x) {
-  constexpr uint32_t MASK = (3u << (2 * F)) * 0x10001u, EXPB = ((uint32_t)(25 - 2 * F) << 10) * 0x10001u;
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(r) : "r"(x), "n"(MASK), "n"(EXPB));
-  return r;
-}
-template <int F>
-__device__ __forceinline__ uint32_t vfield4(uint32_t x) {
-  constexpr uint32_t MASK = (15u << (4 * F)) * 0x10001u, EXPB = ((uint32_t)(25 - 4 * F) << 10) * 0x10001u;
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(r) : "r"(x), "n"(MASK), "n"(EXPB));
-  return r;
-}
-
 template <int BITS>
 __device__ __forceinline__ uint32_t hi_fields(uint32_t w) {
   return w >> (BITS * (10 / BITS));
@@ -409,45 +386,6 @@ struct Layout {
   __host__ __device__ static int v_zero(int tok, int ngv, int grp) { return C::OFF_VZ + 2 * (tok * ngv + grp); }
 };
 
-// ---- value fold 2 (KIVI_VFOLD = 2; value groups of exactly 32 channels = "blocks", NB per token).  The value scale
-// moves into the B operand of P.V: every output m-tile lies inside one block, B = P^T * s (one HMUL2 per token pair,
-// k-step and block), and A = V^T is E + code straight from one LOP3 (no HSUB2 / HFMA2).  Lane column g takes, from
-// every block of a token, the same sub-word: byte g % 4 of block word g / 4 at 2 bits, half g % 2 of word g / 2 at 4
-// bits; one PRMT puts that sub-word of token a and of token b into the two halves of a register, whose fields are
-// the 4 channels (rows g, g+8 of the block's two m-tiles) of the (token a, token b) k-pair.  The copies place the
-// value words of a token so that a lane's NB words (one per block) are adjacent (one LDS.64 / LDS.128).  The zero
-// points and the E offsets come from one more MMA per k-step (A row b = the block's zeros, row 8 + b its scales, of
-// the k-step's tokens; B = P^T): o = acc + sum_t p z - E * sum_t p s, added once per lane after the loop.
-template <int BITS, int DV>
-struct VFold2 {
-  static constexpr int PER = 32 / BITS;
-  static constexpr int NB = DV / 32;        // blocks (value groups) per token
-  static constexpr int WPB = 32 / PER;      // words per block: 2 (2 bits), 4 (4 bits)
-  static constexpr int LPW = 8 / WPB;       // lane columns per word: 4 (a byte each), 2 (a half each)
-  static constexpr int VW = DV / PER;
-  static constexpr int R = 32 / VW;         // tokens per 4-byte copy round (one word of each per lane)
-  // token of shared-memory row rho (vrow inverted): row rho holds token (rho >> 2) + 8 * (rho & 3)
-  __host__ __device__ static constexpr int row_token(int rho) { return (rho >> 2) + 8 * (rho & 3); }
-  // token that copy round `it` of lane row q (= lane / VW) moves: row it * R + q.  The lane part and the round part
-  // add (row_token(it * R + q) = copy_token(q, 0) + copy_token(0, it) for q < R), so the rounds are immediates.
-  __host__ __device__ static constexpr int copy_token(int q, int it) { return row_token(it * R + q); }
-  // shared-memory word slot (within a token row) of value word w
-  __host__ __device__ static constexpr int pos(int w) { return (w % WPB) * NB + w / WPB; }
-  // PRMT selector: sub-word x of token a (low half) and of token b (high half); `hi` (4 bits): the upper byte of
-  // the half in byte 0 (fields 2, 3 at bits 0, 4)
-  __host__ __device__ static constexpr uint32_t sel(int x, bool hi) {
-    return BITS == 2 ? (uint32_t)(x | x << 4 | (4 + x) << 8 | (4 + x) << 12)
-                     : (uint32_t)((2 * x + hi) | (2 * x + 1) << 4 | (4 + 2 * x + hi) << 8 | (5 + 2 * x) << 12);
-  }
-  // bit at which field f (0..3) is taken (after the x << 4 of the low fields), E = 2^(10 - bit) <= 64
-  __host__ __device__ static constexpr int bit(int f) { return BITS == 2 ? (f == 3 ? 6 : 4 + 2 * f) : 4; }
-  // value channel of field f of lane column g in block b
-  __host__ __device__ static constexpr int channel(int b, int g, int f) {
-    return BITS == 2 ? (b * WPB + g / 4) * PER + 8 * (g & 1) + 2 * f + ((g >> 1) & 1)
-                     : (b * WPB + g / 2) * PER + 2 * f + (g & 1);
-  }
-};
-
 // Issues the cp.async copies of one 32-token tile (keys, key scales / zeros, values, value scales / zeros,
 // valid flags) into one pipeline stage.  Chunk `it` of a lane is chunk `lane + 32*it` of a region, so the
 // lane's part of every offset is computed once and the rest is a compile-time destination offset plus a
@@ -469,7 +407,6 @@ struct TileCopier {
   const uint8_t* va;
   int kc_sg, ks_sg, kz_sg, vc_st, gshift, ngv, lane;
   int k_src, k_step, k_dst, v_src, v_step, v_dst;
-  int v4_src, v4_dst;  // KIVI_VFOLD = 2: the lane's 4-byte value copies (word lane % VW of tokens lane / VW + ..)
 
   __host__ __device__ __forceinline__ TileCopier(const Params& p, const int* kc_, const __half* ks_,
                                                  const __half* kz_, const int* vc_, const __half* vs_,
@@ -482,13 +419,11 @@ struct TileCopier {
     v_src = (lane / VCH) * vc_st + 4 * (lane % VCH);
     v_step = (32 / VCH) * vc_st;
     v_dst = C::OFF_V + vrow(lane / VCH) * C::VROW + 16 * (lane % VCH);
-    v4_src = VFold2<BITS, DV>::copy_token(lane / C::VW, 0) * vc_st + lane % C::VW;
-    v4_dst = C::OFF_V + (lane / C::VW) * C::VROW + 4 * VFold2<BITS, DV>::pos(lane % C::VW);
   }
 
-  // cp(dst byte offset in the stage, src pointer): one 16-byte copy; cp4: one 4-byte copy (KIVI_VFOLD = 2 values)
-  template <class CP, class CP4>
-  __host__ __device__ __forceinline__ void issue(CP&& cp, CP4&& cp4, int tok0) const {
+  // cp(dst byte offset in the stage, src pointer): one 16-byte copy
+  template <class CP>
+  __host__ __device__ __forceinline__ void issue(CP&& cp, int tok0) const {
     const int grp = tok0 >> gshift;
     const int* kt = kc + (grp * kc_sg + (tok0 & ((1 << gshift) - 1)) + k_src);
 #pragma unroll
@@ -497,20 +432,9 @@ struct TileCopier {
       cp(C::OFF_KS + 16 * lane, ks + (grp * ks_sg + 8 * lane));
       cp(C::OFF_KZ + 16 * lane, kz + (grp * kz_sg + 8 * lane));
     }
-#if KIVI_VFOLD == 2
-    {  // copy `it` fills shared-memory rows it * R .. it * R + R - 1 (R = 32 / VW tokens): one 128-byte bank sweep
-      const int* vt = vc + (tok0 * vc_st + v4_src);
-      using V = VFold2<BITS, DV>;
-#pragma unroll
-      for (int it = 0; it < C::VW; ++it) cp4(v4_dst + it * V::R * C::VROW, vt + V::copy_token(0, it) * vc_st);
-    }
-    (void)v_src; (void)v_step; (void)v_dst;
-#else
     const int* vt = vc + (tok0 * vc_st + v_src);
 #pragma unroll
     for (int it = 0; it < NV; ++it) cp(v_dst + it * (4 / VCH) * C::VROW, vt + it * v_step);
-    (void)cp4;
-#endif
     if (lane < 4 * ngv) {  // TILE * ngv halves, 8 per chunk
       const int o = tok0 * ngv + 8 * lane;
       cp(C::OFF_VS + 16 * lane, vs + o);
@@ -521,92 +445,9 @@ struct TileCopier {
 
 #ifdef __CUDA_ARCH__
   __device__ __forceinline__ void operator()(uint32_t stage, int tok0) const {
-    issue([stage](int dst, const void* src) { cp16(stage + dst, src); },
-          [stage](int dst, const void* src) { cp4(stage + dst, src); }, tok0);
+    issue([stage](int dst, const void* src) { cp16(stage + dst, src); }, tok0);
   }
 #endif
-};
-
-// The device side of the copies: per-lane source pointers of the next tile to copy, advanced by one tile (32 tokens)
-// at a time with warp-uniform deltas, so a tile's copies cost a few 64-bit adds instead of recomputing every address
-// (the same offsets as TileCopier::issue, which the host layout probe replays).  KIVI_VFOLD = 2 assumes dense value
-// rows (vc_st == VW, checked by the Python side) so its 4-byte copies use immediate offsets.
-template <int BITS, int DK, int DV>
-struct TileStream {
-  using C = Cfg<BITS, DK, DV>;
-  using T = TileCopier<BITS, DK, DV>;
-  const int* k;
-  const __half* ks;
-  const __half* kz;
-  const int* v;
-  const __half* vs;
-  const __half* vz;
-  const uint8_t* va;
-  unsigned tok, gmask;
-  int kc_sg, ks_sg, kz_sg, k_step, v_step, vadv, sadv;
-  int k_dst, v_dst, l16;
-  bool has_ks, has_vs, has_va;
-
-  __device__ __forceinline__ TileStream(const T& c, int tok0) {
-    const unsigned grp = (unsigned)tok0 >> c.gshift;
-    tok = (unsigned)tok0;
-    gmask = (1u << c.gshift) - 1u;
-    kc_sg = c.kc_sg; ks_sg = c.ks_sg; kz_sg = c.kz_sg; k_step = c.k_step; v_step = c.v_step;
-    k = c.kc + (grp * c.kc_sg + (tok & gmask) + c.k_src);
-    ks = c.ks + (grp * c.ks_sg + 8 * c.lane);
-    kz = c.kz + (grp * c.kz_sg + 8 * c.lane);
-#if KIVI_VFOLD == 2
-    v = c.vc + (tok0 * c.vc_st + c.v4_src);
-    v_dst = c.v4_dst;
-#else
-    v = c.vc + (tok0 * c.vc_st + c.v_src);
-    v_dst = c.v_dst;
-#endif
-    vs = c.vs + (tok0 * c.ngv + 8 * c.lane);
-    vz = c.vz + (tok0 * c.ngv + 8 * c.lane);
-    va = c.va + (tok0 + 16 * c.lane);
-    vadv = TILE * c.vc_st;
-    sadv = TILE * c.ngv;
-    k_dst = c.k_dst; l16 = 16 * c.lane;
-    has_ks = c.lane < DK / 8;
-    has_vs = c.lane < 4 * c.ngv;
-    has_va = c.lane < 2;
-  }
-
-  __device__ __forceinline__ void issue(uint32_t stage) const {
-#pragma unroll
-    for (int it = 0; it < T::NK; ++it) cp16(stage + k_dst + it * 4 * KROW, k + it * k_step);
-    if (has_ks) {
-      cp16(stage + C::OFF_KS + l16, ks);
-      cp16(stage + C::OFF_KZ + l16, kz);
-    }
-#if KIVI_VFOLD == 2
-    using V = VFold2<BITS, DV>;
-#pragma unroll
-    for (int it = 0; it < C::VW; ++it) cp4(stage + v_dst + it * V::R * C::VROW, v + V::copy_token(0, it) * C::VW);
-#else
-#pragma unroll
-    for (int it = 0; it < T::NV; ++it) cp16(stage + v_dst + it * (4 / T::VCH) * C::VROW, v + it * v_step);
-#endif
-    if (has_vs) {
-      cp16(stage + C::OFF_VS + l16, vs);
-      cp16(stage + C::OFF_VZ + l16, vz);
-    }
-    if (has_va) cp16(stage + C::OFF_VA + l16, va);
-  }
-
-  // to the next tile (32 tokens on): the key pointers step inside the group, or to the next group
-  __device__ __forceinline__ void advance() {
-    tok += TILE;
-    const bool cross = (tok & gmask) == 0u;
-    k += cross ? kc_sg - (int)gmask - 1 + TILE : TILE;
-    ks += cross ? ks_sg : 0;
-    kz += cross ? kz_sg : 0;
-    v += vadv;
-    vs += sadv;
-    vz += sadv;
-    va += TILE;
-  }
 };
 
 // grid (nsplit, B*H, row blocks of 8), block NW warps.  Each warp walks its own contiguous run of 32-token
@@ -658,9 +499,7 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
 #pragma unroll
   for (int n = 0; n < NCT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
 #if KIVI_VFOLD
-  // vfold 1: [0/1] sum_t P z (lane column g's value group), query rows 2t / 2t+1; vfold 2: [0/1] sum_t P z of block g,
-  // [2/3] sum_t P s of block g (lanes g < NB)
-  float zacc[4] = {0.f, 0.f, 0.f, 0.f};
+  float zacc[4] = {0.f, 0.f, 0.f, 0.f};  // [0/1]: sum_t P z (lane column g's value group), query rows 2t / 2t+1
 #endif
   float m_run[2] = {-INFINITY, -INFINITY};  // query rows 2t, 2t+1 (log2 units)
   float l_run[2] = {0.f, 0.f};              // lane-local partial sums, reduced over g at the end
@@ -677,34 +516,16 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
   const int tstride = TILE;  // tokens between two tiles of this warp
   int tok_next = t_begin + wbeg * TILE;
 
-#if KIVI_VFOLD == 2
-  // the fold-2 build copies through TileStream (pointers advanced per tile); the others keep TileCopier's per-tile
-  // address computation, which is what their register budgets (no spills down to 96 registers) were measured with
-  TileStream<BITS, DK, DV> stream(copy, tok_next);
-#define KIVI_COPY_NEXT(stage) stream.issue(stage)
-#define KIVI_ADVANCE() stream.advance()
-#else
-#define KIVI_COPY_NEXT(stage) copy(stage, tok_next)
-#define KIVI_ADVANCE() (tok_next += tstride)
-#endif
 #pragma unroll
   for (int i = 0; i < ST - 1; ++i) {
-    if (i < nmine) KIVI_COPY_NEXT(wsm_addr + i * C::STAGE);
-    KIVI_ADVANCE();
+    if (i < nmine) copy(wsm_addr + i * C::STAGE, tok_next);
+    tok_next += tstride;
     cp_commit();
   }
 
   // value constants of this lane column: value group, half selector when a token has 4 value words
   const int vgrp = L::v_group(g, p.gv);
   const uint32_t vsel = (C::VW >= 8 || (g & 1) == 0) ? 0x5410u : 0x7632u;
-#if KIVI_VFOLD == 2
-  // value fold 2: the lane column's word slot, PRMT selectors, block of its zero / scale MMA row
-  const int vslot = (g / VFold2<BITS, DV>::LPW) * VFold2<BITS, DV>::NB;
-  const uint32_t vsel0 = VFold2<BITS, DV>::sel(g % VFold2<BITS, DV>::LPW, false);
-  const uint32_t vsel1 = VFold2<BITS, DV>::sel(g % VFold2<BITS, DV>::LPW, true);
-  const int vblk = g % VFold2<BITS, DV>::NB;
-  (void)vgrp; (void)vsel;
-#endif
 
 #if KIVI_KFOLD
   // -E constants of fields 4c .. 4c+3 (the A quads of the correction MMAs).  Equal constants in one quad (e.g.
@@ -721,8 +542,8 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
 #endif
   int st_load = ST - 1, st_use = 0;  // ring positions of the stage being filled / consumed
   for (int it = 0; it < nmine; ++it) {
-    if (it + ST - 1 < nmine) KIVI_COPY_NEXT(wsm_addr + st_load * C::STAGE);
-    KIVI_ADVANCE();
+    if (it + ST - 1 < nmine) copy(wsm_addr + st_load * C::STAGE, tok_next);
+    tok_next += tstride;
     st_load = st_load == ST - 1 ? 0 : st_load + 1;
     cp_commit();
     cp_wait<ST - 1>();
@@ -848,7 +669,6 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
         }
 #if KIVI_VFOLD
         zacc[r] *= alpha;
-        zacc[r + 2] *= alpha;
 #endif
         m_run[r] = mn;
       }
@@ -875,77 +695,7 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
     // column; A k-pairs (2t, 2t+1) / (2t+8, 2t+9) = tokens (8t+2kk, 8t+4+2kk) / (8t+2kk+1, 8t+5+2kk).  A PRMT
     // puts the same 16-bit half of two tokens' words into one register, so every field of it is a
     // (token a, token b) pair of one channel: LOP3 + HSUB2 + HFMA2 with the per-token scale / zero pair.
-#if KIVI_PROBE != 2 && KIVI_VFOLD == 2
-    {
-      using V = VFold2<BITS, DV>;
-      constexpr int NB = V::NB;
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        // tokens of the k-pairs: P0 = (a0, a0 + 4) (B register 0), P1 = (a0 + 1, a0 + 5) (B register 1)
-        const int a0 = 8 * t + 2 * kk;
-        // value words: the lane's NB slots (one per block) of tokens a0, a0 + 4, a0 + 1, a0 + 5
-        uint32_t w[4][NB];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int tok = a0 + (e & 1) * 4 + (e >> 1);
-          const uint8_t* src = sb + C::OFF_V + vrow(tok) * C::VROW + 4 * vslot;
-          if constexpr (NB == 4) {
-            const uint4 x = *reinterpret_cast<const uint4*>(src);
-            w[e][0] = x.x; w[e][1] = x.y; w[e][2] = x.z; w[e][3] = x.w;
-          } else {
-            const uint2 x = *reinterpret_cast<const uint2*>(src);
-            w[e][0] = x.x; w[e][1] = x.y;
-          }
-        }
-        // scales of tokens (a0, a0 + 1) and (a0 + 4, a0 + 5): [tok][NB] halves, 4 NB bytes per token pair
-        uint32_t sa[NB], sbb[NB];  // word i: blocks 2i, 2i+1 of token a0 (i < NB/2) / a0 + 1 (i >= NB/2); sbb: + 4
-        if constexpr (NB == 4) {
-          const uint4 x = *reinterpret_cast<const uint4*>(sb + C::OFF_VS + 2 * NB * a0);
-          const uint4 y = *reinterpret_cast<const uint4*>(sb + C::OFF_VS + 2 * NB * (a0 + 4));
-          sa[0] = x.x; sa[1] = x.y; sa[2] = x.z; sa[3] = x.w;
-          sbb[0] = y.x; sbb[1] = y.y; sbb[2] = y.z; sbb[3] = y.w;
-        } else {
-          const uint2 x = *reinterpret_cast<const uint2*>(sb + C::OFF_VS + 2 * NB * a0);
-          const uint2 y = *reinterpret_cast<const uint2*>(sb + C::OFF_VS + 2 * NB * (a0 + 4));
-          sa[0] = x.x; sa[1] = x.y;
-          sbb[0] = y.x; sbb[1] = y.y;
-        }
-        // zero / scale MMA: A row g (< NB) = zeros of block g, row g + 8 = its scales (rows g >= NB: block g % NB,
-        // unused); k-pairs P0, P1
-        {
-          const uint8_t* zb = sb + C::OFF_VZ + 2 * (NB * a0 + vblk);
-          const uint8_t* sc = sb + C::OFF_VS + 2 * (NB * a0 + vblk);
-          auto h16 = [](const uint8_t* q) { return (uint32_t)*reinterpret_cast<const uint16_t*>(q); };
-          const uint32_t z0 = h16(zb) | (h16(zb + 8 * NB) << 16);           // (a0, a0 + 4)
-          const uint32_t s0 = h16(sc) | (h16(sc + 8 * NB) << 16);
-          const uint32_t z1 = h16(zb + 2 * NB) | (h16(zb + 10 * NB) << 16);  // (a0 + 1, a0 + 5)
-          const uint32_t s1 = h16(sc + 2 * NB) | (h16(sc + 10 * NB) << 16);
-          mma(zacc, z0, s0, z1, s1, pb[kk][0], pb[kk][1]);
-        }
-#pragma unroll
-        for (int b = 0; b < NB; ++b) {
-          // B = P^T * s of block b: (s[a0][b], s[a0+4][b]) and (s[a0+1][b], s[a0+5][b])
-          const int i0 = b >> 1, i1 = NB / 2 + (b >> 1);
-          const uint32_t hs = (b & 1) ? 0x7632u : 0x5410u;
-          const uint32_t b0 = hmul2(pb[kk][0], prmt(sa[i0], sbb[i0], hs));
-          const uint32_t b1 = hmul2(pb[kk][1], prmt(sa[i1], sbb[i1], hs));
-          // fields at bit >= 4 (E <= 64): the accumulator carries E * sum p s, cancelled after the loop in fp32, so a
-          // large E (1024 at bit 0) would cost accuracy; one shift (x << 4) per merged register moves the low fields
-          if constexpr (BITS == 2) {  // x << 4: fields 0, 1, 2 at bits 4, 6, 8; x: field 3 at bit 6
-            const uint32_t r0 = prmt(w[0][b], w[1][b], vsel0), r1 = prmt(w[2][b], w[3][b], vsel0);
-            const uint32_t u0 = r0 << 4, u1 = r1 << 4;
-            mma(acc[2 * b], vfield2<2>(u0), vfield2<3>(u0), vfield2<2>(u1), vfield2<3>(u1), b0, b1);
-            mma(acc[2 * b + 1], vfield2<4>(u0), vfield2<3>(r0), vfield2<4>(u1), vfield2<3>(r1), b0, b1);
-          } else {  // x << 4: field 0 (2) at bit 4; x: field 1 (3) at bit 4
-            const uint32_t r0 = prmt(w[0][b], w[1][b], vsel0), r1 = prmt(w[2][b], w[3][b], vsel0);
-            const uint32_t q0 = prmt(w[0][b], w[1][b], vsel1), q1 = prmt(w[2][b], w[3][b], vsel1);
-            mma(acc[2 * b], vfield4<1>(r0 << 4), vfield4<1>(r0), vfield4<1>(r1 << 4), vfield4<1>(r1), b0, b1);
-            mma(acc[2 * b + 1], vfield4<1>(q0 << 4), vfield4<1>(q0), vfield4<1>(q1 << 4), vfield4<1>(q1), b0, b1);
-          }
-        }
-      }
-    }
-#elif KIVI_PROBE != 2
+#if KIVI_PROBE != 2
     {
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
@@ -1029,36 +779,13 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
 #endif
     __syncwarp();  // every lane is done with this stage before it is refilled
   }
-#undef KIVI_COPY_NEXT
-#undef KIVI_ADVANCE
   cp_wait<0>();
 
-#if KIVI_VFOLD == 1
+#if KIVI_VFOLD
 #pragma unroll
   for (int n = 0; n < NCT; ++n) {  // rows g and g+8 of every output m-tile are channels of lane column g's group
     acc[n][0] += zacc[0]; acc[n][2] += zacc[0];
     acc[n][1] += zacc[1]; acc[n][3] += zacc[1];
-  }
-#elif KIVI_VFOLD == 2
-  // o = acc + sum_t p z - E * sum_t p s per block b: lane (b, t) holds both sums of block b for query rows 2t, 2t+1
-#pragma unroll
-  for (int b = 0; b < VFold2<BITS, DV>::NB; ++b) {
-    float zs[2], ss[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      zs[r] = __shfl_sync(0xffffffffu, zacc[r], 4 * b + t);
-      ss[r] = __shfl_sync(0xffffffffu, zacc[2 + r], 4 * b + t);
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int f = 2 * h + e;
-        const float E = (float)(1 << (10 - VFold2<BITS, DV>::bit(f)));
-#pragma unroll
-        for (int r = 0; r < 2; ++r) acc[2 * b + h][2 * e + r] += zs[r] - E * ss[r];
-      }
-    }
   }
 #endif
   // ---- merge the warps (shared memory), normalise, write the split partial
@@ -1083,10 +810,7 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
       for (int hr = 0; hr < 2; ++hr) {  // channel row g (n-index 2ct) / g+8 (2ct+1)
         const int nt = 2 * ct + hr, u = nt / C::HP, i = nt % C::HP;
         int ch;
-        if constexpr (KIVI_VFOLD == 2) {
-          ch = VFold2<BITS, DV>::channel(ct >> 1, g, 2 * (ct & 1) + hr);
-          (void)u; (void)i;
-        } else if constexpr (C::VW >= 8) {
+        if constexpr (C::VW >= 8) {
           ch = (g * C::NVW + (u >> 1)) * C::PER + 2 * i + (u & 1);
         } else {
           ch = (g >> 1) * C::PER + 2 * i + (g & 1);
@@ -1315,9 +1039,6 @@ KIVI_EXPORT int kivi_v3_layout_probe(const long long* a, int b, int h, int tok0,
     copy.issue([](int dst, const void* src) {
       memcpy(stage + dst, src, 16);
       memset(written + dst, 1, 16);
-    }, [](int dst, const void* src) {
-      memcpy(stage + dst, src, 4);
-      memset(written + dst, 1, 4);
     }, tok0);
   }
   int missing = 0;

@@ -316,9 +316,8 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
     ``vfold`` = 1 the value-fold variant (``-DKIVI_VFOLD=1``).  ``probe`` 1 / 2 / 3 builds a timing probe that gives
     WRONG results (``-DKIVI_PROBE``: copies only / no P.V / dequantization as the LOP3 alone), for
     benchmarks/gpu_kivi_profile.py only."""
-    if kfold not in (0, 1, 2) or vfold not in (0, 1, 2) or probe not in (0, 1, 2, 3) or (probe and vfold == 2):
-        raise ValueError(f"kfold {kfold} (0, 1 or 2), vfold {vfold} (0, 1 or 2), probe {probe} (0..3, only with "
-                         f"vfold 0 or 1)")
+    if kfold not in (0, 1, 2) or vfold not in (0, 1) or probe not in (0, 1, 2, 3):
+        raise ValueError(f"kfold {kfold} (0, 1 or 2), vfold {vfold} (0 or 1), probe {probe} (0..3)")
     key = (bits, dk, dv, min_blocks) if not (kfold or vfold) else (bits, dk, dv, min_blocks, kfold, vfold)
     if probe:
         key = (*key, "probe", probe)
@@ -327,7 +326,7 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
             return _LIBS[key]
     src = SOURCE.read_bytes()
     tag = hashlib.sha256(src + repr((NVCC_FLAGS, key)).encode()).hexdigest()[:16]
-    path = cache_dir() / f"libkivi_v3_b{bits}_k{dk}_v{dv}_r{min_blocks}{f'_kf{kfold}' if kfold else ''}{f'_vf{vfold}' if vfold else ''}{f'_p{probe}' if probe else ''}_{tag}.so"
+    path = cache_dir() / f"libkivi_v3_b{bits}_k{dk}_v{dv}_r{min_blocks}{f'_kf{kfold}' if kfold else ''}{'_vf' if vfold else ''}{f'_p{probe}' if probe else ''}_{tag}.so"
     t0 = time.time()
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -521,14 +520,6 @@ def layout_probe(packed: PackedKV, b: int, h: int, tok0: int, min_blocks: int = 
     return out
 
 
-def vfold2_ok(packed: PackedKV) -> bool:
-    """Value fold 2 (``vfold = 2``) takes value groups of exactly 32 channels (one block per output m-tile pair)
-    and dense value rows (its 4-byte copies use compile-time offsets)."""
-    vc = packed.v_codes
-    dv = vc.shape[-1] * 32 // packed.bits
-    return dv // packed.v_scale.shape[-1] == 32 and (vc.shape[-2] <= 1 or vc.stride(-2) == vc.shape[-1])
-
-
 def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict | None = None,
              splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     why = _problem(query, packed)
@@ -550,10 +541,8 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
     c = dict(config(bits))
     if cfg:
         c.update(cfg)
-    vfold = int(c.get("vfold", 0))
-    if vfold == 2 and not vfold2_ok(packed):
-        vfold = 0  # value fold 2 needs value groups of 32 channels and dense value rows: the default build takes it
-    lib = build(bits, dk, dv, int(c.get("min_blocks", 1)), int(c.get("kfold", 0)), vfold, int(c.get("probe", 0)))
+    lib = build(bits, dk, dv, int(c.get("min_blocks", 1)), int(c.get("kfold", 0)), int(c.get("vfold", 0)),
+                int(c.get("probe", 0)))
 
     q = _aligned(query.to(torch.float16), 1, 4)
     kv = _kv_tensors(packed)
