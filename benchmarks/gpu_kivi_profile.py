@@ -42,9 +42,9 @@ VARIANTS = {
     "st4": {"stages": 4},
     "copies-st4": {"probe": 1, "stages": 4},
 }
-SHAPES = [(16, 8, 32768, 128, 4), (64, 8, 32768, 128, 4), (1, 8, 32768, 128, 4)]  # batch, kv heads, ctx, d, GQA
 SHAPES_BY_NAME = {"b16": (16, 8, 32768, 128, 4), "b64": (64, 8, 32768, 128, 4), "b1": (1, 8, 32768, 128, 4),
-                  "b64-128k": (64, 8, 131072, 128, 4), "b16-128k": (16, 8, 131072, 128, 4)}
+                  "b64-128k": (64, 8, 131072, 128, 4), "b16-128k": (16, 8, 131072, 128, 4)}  # batch, kv heads, ctx, d, GQA
+SHAPES = [SHAPES_BY_NAME[n] for n in ("b16", "b64", "b1")]  # the default --time set
 # The value-fold-2 variants (vfold = 2 with kf1 / kf2, stages 3 / 4, min_blocks 1 / 3) were timed with this script and
 # --variants / --shapes in session 6 and reverted (docs/results.md, "Value fold 2"; docs/data/kivi_fold2_h200.json).
 
@@ -53,17 +53,16 @@ def prebuild(names: list[str], dk: int = 128, dv: int = 128) -> None:
     """Compile every variant's library in parallel (nvcc runs minutes when serial)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    jobs = []
+    opts = ("min_blocks", "kfold", "vfold", "probe")  # what tells two libraries apart: each is compiled once
+    jobs = {}
     for bits in (2, 4):
         for name in names:
-            c = dict(ck.config(bits))
-            c.update(VARIANTS[name])
-            jobs.append((bits, dk, dv, int(c.get("min_blocks", 1)), int(c.get("kfold", 0)), int(c.get("vfold", 0)),
-                         int(c.get("probe", 0))))
+            c = {**ck.config(bits), **VARIANTS[name]}
+            jobs[(bits, *(c.get(o) for o in opts))] = (bits, c)
     t0 = time.time()
     with ThreadPoolExecutor(max_workers=12) as ex:
-        list(ex.map(lambda j: ck.build(*j), sorted(set(jobs))))
-    log(f"built {len(set(jobs))} libraries in {time.time() - t0:.0f} s")
+        list(ex.map(lambda j: ck.build_for(j[0], dk, dv, j[1]), jobs.values()))
+    log(f"built {len(jobs)} libraries in {time.time() - t0:.0f} s")
 
 
 def check_variants(names: list[str]) -> list[dict]:

@@ -363,6 +363,13 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
     return lib
 
 
+def build_for(bits: int, dk: int, dv: int, cfg: dict) -> ctypes.CDLL:
+    """:func:`build` with the build options of a launch configuration (``min_blocks``, ``kfold``, ``vfold``,
+    ``probe``; the launch-only entries are ignored)."""
+    return build(bits, dk, dv, int(cfg.get("min_blocks", 1)), int(cfg.get("kfold", 0)), int(cfg.get("vfold", 0)),
+                 int(cfg.get("probe", 0)))
+
+
 # ----------------------------------------------------------------------------- launch
 
 
@@ -541,8 +548,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
     c = dict(config(bits))
     if cfg:
         c.update(cfg)
-    lib = build(bits, dk, dv, int(c.get("min_blocks", 1)), int(c.get("kfold", 0)), int(c.get("vfold", 0)),
-                int(c.get("probe", 0)))
+    lib = build_for(bits, dk, dv, c)
 
     q = _aligned(query.to(torch.float16), 1, 4)
     kv = _kv_tensors(packed)
