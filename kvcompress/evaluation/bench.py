@@ -38,6 +38,10 @@ from .runner import DecodeSession
 
 BREAKDOWN_KEYS = ("attend", "sdpa", "read", "commit", "flush", "select", "overhead")
 
+#: Untimed decode steps at the start of every round of a compiled row (a fresh static cache has new
+#: buffer addresses, so CUDA-graph trees re-record on its first steps).
+COMPILED_UNTIMED = 2
+
 
 @dataclasses.dataclass
 class BenchRow:
@@ -50,6 +54,8 @@ class BenchRow:
     peak_bytes: int | None
     breakdown: dict[str, float] | None = None
     instrumented_step_ms: float | None = None
+    compiled: bool = False  #: static cache + compiled decode step
+    warmup_s: float | None = None  #: compiled rows: wall time of the warm-up round (compilation included)
 
     @property
     def median_ms(self) -> float:
@@ -65,7 +71,8 @@ class BenchRow:
                 "cache_bytes": self.cache_bytes, "dense_bytes": self.dense_bytes,
                 "compression": self.dense_bytes / self.cache_bytes if self.cache_bytes else None,
                 "peak_bytes": self.peak_bytes, "overhead_ms_per_step": self.breakdown,
-                "instrumented_step_ms": self.instrumented_step_ms}
+                "instrumented_step_ms": self.instrumented_step_ms, "compiled": self.compiled,
+                "warmup_s": self.warmup_s}
 
 
 @dataclasses.dataclass
@@ -79,11 +86,13 @@ class BenchResult:
     rows: list[BenchRow]
     env: dict[str, Any]
     wall_s: float
+    compile: dict[str, Any] | None = None  #: torch.compile options of the compiled rows (None: none ran)
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema": "kvcompress.bench/1", "model": self.model, "dtype": self.dtype, "device": self.device,
                 "context": self.context, "steps": self.steps, "rounds": self.rounds,
-                "rows": [r.to_dict() for r in self.rows], "wall_s": self.wall_s, "environment": self.env}
+                "rows": [r.to_dict() for r in self.rows], "wall_s": self.wall_s, "compile": self.compile,
+                "environment": self.env}
 
     def latency_rows(self) -> list[list[str]]:
         base = self.rows[0].median_ms
@@ -111,6 +120,10 @@ class BenchResult:
         fmt = markdown_table if markdown else format_table
         head = (f"decode step latency: {self.model} {self.dtype} on {self.device}, context {self.context}, "
                 f"{self.steps} teacher-forced steps x {self.rounds} rounds")
+        if self.compile:
+            head += (f"; '+ compile' rows: static cache, decode step torch.compile("
+                     f"{', '.join(f'{k}={v!r}' for k, v in self.compile.items())}), "
+                     f"{COMPILED_UNTIMED} untimed steps per round")
         text = head + "\n" + fmt(self.latency_rows())
         over = self.overhead_rows()
         if len(over) > 1:
@@ -189,12 +202,16 @@ def _device_of(model: Any) -> torch.device:
     return next(model.parameters()).device
 
 
-def decode_round(model: Any, stack: Any, tokens: Sequence[int], context: int, steps: int, probe: bool = False
-           ) -> tuple[list[float], int, int, int | None, dict[str, float] | None, float]:
+def decode_round(model: Any, stack: Any, tokens: Sequence[int], context: int, steps: int, probe: bool = False,
+                 step: Callable[..., Any] | None = None, untimed: int = 0
+                 ) -> tuple[list[float], int, int, int | None, dict[str, float] | None, float]:
     """One round for one cache: prefill ``tokens[:context]`` (untimed), then ``steps`` timed decode steps.
 
     ``stack=None`` is plain transformers.  With ``probe=True`` (and a stack) the steps run
-    instrumented (see the module docstring) and the breakdown is returned.
+    instrumented (see the module docstring) and the breakdown is returned.  With ``step`` (a
+    compiled ``model.forward``) the cache is static (transformers' ``StaticCache`` for
+    ``stack=None``), sized ``context + untimed + steps``, and decode steps run through ``step``;
+    ``untimed`` decode steps run before the timed ones.
 
     Returns:
         (per-step ms, cache bytes, dense fp16 bytes, CUDA peak bytes or None, breakdown or None,
@@ -208,8 +225,12 @@ def decode_round(model: Any, stack: Any, tokens: Sequence[int], context: int, st
         sync()
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-    with DecodeSession(model, stack) as session:
+    capacity = context + untimed + steps if step is not None else None
+    with DecodeSession(model, stack, capacity=capacity, step=step) as session:
         session.forward(tokens[:context], fetch=False)
+        for t in range(context, context + untimed):
+            session.forward(tokens[t:t + 1], fetch=False)
+        context += untimed
         probe_obj = None
         if probe and stack is not None:
             probe_obj = _Probe(session.cache, sync)
@@ -244,55 +265,86 @@ def decode_round(model: Any, stack: Any, tokens: Sequence[int], context: int, st
 
 
 def bench_decode(model: Any, tokens: Sequence[int], stacks: Sequence[Any], *, context: int = 1024, steps: int = 32,
-                 rounds: int = 3, warmup_steps: int = 2, model_name: str = "model", progress: bool = True
-                 ) -> BenchResult:
+                 rounds: int = 3, warmup_steps: int = 2, model_name: str = "model", progress: bool = True,
+                 compile: bool = False) -> BenchResult:
     """Decode latency, memory and overhead of plain transformers and each stack.
 
     Args:
         model: a transformers causal LM (on the device to measure).
-        tokens: token ids, at least ``context + steps`` of them.
+        tokens: token ids, at least ``context + steps`` of them (``+ COMPILED_UNTIMED`` with ``compile``).
         stacks: :class:`~kvcompress.Stack` objects (or anything ``as_stack`` accepts).
+        compile: also measure compiled rows: transformers' ``StaticCache`` and each stack's static
+            cache, decode steps through ``torch.compile(model.forward, **compile_options(device))``.
+            A compiled row runs its warm-up round (compilation) and its rounds back to back after
+            ``torch.compiler.reset()``, each round after ``COMPILED_UNTIMED`` untimed steps; the eager
+            rows are interleaved as without ``compile``.  Compiled rows are not instrumented.
     """
     from ..stack import as_stack
+    from .runner import check_compile_supported, compile_options, compiled_step
 
-    if len(tokens) < context + steps:
-        raise ValueError(f"need {context + steps} tokens, got {len(tokens)}")
-    configs: list[tuple[str, str | None, Any]] = [("transformers DynamicCache", None, None)]
+    untimed = COMPILED_UNTIMED if compile else 0
+    if len(tokens) < context + untimed + steps:
+        raise ValueError(f"need {context + untimed + steps} tokens, got {len(tokens)}")
+    if compile and stacks:
+        check_compile_supported()
+    # (label, source, stack, compiled)
+    configs: list[tuple[str, str | None, Any, bool]] = [("transformers DynamicCache", None, None, False)]
     for s in stacks:
         st = as_stack(s)
-        configs.append((st.label, st.source, st))
+        configs.append((st.label, st.source, st, False))
+    if compile:
+        configs.insert(1, ("transformers StaticCache + compile", None, None, True))
+        configs += [(f"{label} + compile", source, st, True) for label, source, st, c in configs[2:] if not c]
+    eager = [i for i, c in enumerate(configs) if not c[3]]
+    compiled = [i for i, c in enumerate(configs) if c[3]]
     start = time.perf_counter()
     per_config: dict[int, list] = {i: [] for i in range(len(configs))}
     last: dict[int, tuple] = {}
-    bar = Progress(len(configs) * (rounds + 1) + len(configs) - 1, "bench", enabled=progress)
+    warmup_s: dict[int, float] = {}
+    probed = [i for i in eager if configs[i][2] is not None]
+    bar = Progress(len(configs) * (rounds + 1) + len(probed), "bench", enabled=progress)
+
+    def timed_round(i: int, step: Callable[..., Any] | None = None) -> None:
+        times, held, dense, peak, _, _ = decode_round(model, configs[i][2], tokens, context, steps, step=step,
+                                                      untimed=untimed if step is not None else 0)
+        per_config[i].extend(times)
+        prev_peak = last.get(i, (0, 0, None))[2]
+        last[i] = (held, dense, peak if prev_peak is None else max(prev_peak, peak or 0))
+        bar.update()
+
     with torch.no_grad(), bar:
-        for i, (_, _, st) in enumerate(configs):  # warm-up
-            decode_round(model, st, tokens, context, max(1, warmup_steps))
+        for i in eager:  # warm-up
+            decode_round(model, configs[i][2], tokens, context, max(1, warmup_steps))
             bar.update()
         for _ in range(rounds):
-            for i, (_, _, st) in enumerate(configs):
-                times, held, dense, peak, _, _ = decode_round(model, st, tokens, context, steps)
-                per_config[i].extend(times)
-                prev_peak = last.get(i, (0, 0, None))[2]
-                last[i] = (held, dense, peak if prev_peak is None else max(prev_peak, peak or 0))
-                bar.update()
+            for i in eager:
+                timed_round(i)
         breakdowns: dict[int, tuple[dict[str, float], float]] = {}
-        for i, (_, _, st) in enumerate(configs):
-            if st is None:
-                continue
-            _, _, _, _, breakdown, wall = decode_round(model, st, tokens, context, steps, probe=True)
+        for i in probed:
+            _, _, _, _, breakdown, wall = decode_round(model, configs[i][2], tokens, context, steps, probe=True)
             breakdowns[i] = (breakdown, wall)
             bar.update()
+        for i in compiled:
+            torch.compiler.reset()
+            step = compiled_step(model)
+            t0 = time.perf_counter()
+            decode_round(model, configs[i][2], tokens, context, max(1, warmup_steps), step=step, untimed=untimed)
+            warmup_s[i] = time.perf_counter() - t0
+            bar.update()
+            for _ in range(rounds):
+                timed_round(i, step)
+            del step
+            torch.compiler.reset()
     rows = []
-    for i, (label, source, st) in enumerate(configs):
+    for i, (label, source, st, is_compiled) in enumerate(configs):
         held, dense, peak = last[i]
         b = breakdowns.get(i)
         rows.append(BenchRow(label, source, st.to_dict() if st is not None else None, per_config[i], held, dense,
-                             peak, b[0] if b else None, b[1] if b else None))
+                             peak, b[0] if b else None, b[1] if b else None, is_compiled, warmup_s.get(i)))
     device = _device_of(model)
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     return BenchResult(model_name, dtype, str(device), context, steps, rounds, rows, environment(device),
-                       time.perf_counter() - start)
+                       time.perf_counter() - start, compile_options(device) if compile else None)
 
 
 def run_kernel_benchmarks(device: str, out: str | None) -> tuple[bool, Any]:

@@ -27,7 +27,7 @@ import contextlib
 import dataclasses
 import inspect
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -111,6 +111,7 @@ class EvalResult:
     details: list[dict[str, Any]]
     notes: list[str]
     env: dict[str, Any]
+    compile: dict[str, Any] | None = None  #: torch.compile options of the stack's decode step (None: eager)
 
     @property
     def compression(self) -> float:
@@ -126,7 +127,8 @@ class EvalResult:
                 f"{s.samples} sample(s) x {s.tokens} {_TOKEN_WORD[s.task]} tokens")
 
     def title(self) -> str:
-        return f"stack {self.stack_label} ({self.stack_source}) | " + self.settings_line()
+        compiled = f" | compiled decode step ({_describe_compile(self.compile)})" if self.compile else ""
+        return f"stack {self.stack_label} ({self.stack_source}) | " + self.settings_line() + compiled
 
     def table(self, markdown: bool = False) -> str:
         """Human-readable table: the stack against the uncompressed baseline (or as Markdown)."""
@@ -184,6 +186,7 @@ class EvalResult:
             "baseline_reused": self.baseline_reused,
             "details": self.details,
             "notes": self.notes,
+            "compile": self.compile,
             "environment": self.env,
         }
 
@@ -195,7 +198,7 @@ class EvalResult:
         return cls(settings, obj["stack"], obj["stack_label"], obj["stack_source"], obj["model"], obj["dtype"],
                    obj["metrics"], obj["baseline"], obj["cache_bytes"], obj["dense_bytes"],
                    obj["baseline_cache_bytes"], obj["wall_s"], obj["baseline_wall_s"], obj["baseline_reused"],
-                   obj["details"], obj["notes"], obj["environment"])
+                   obj["details"], obj["notes"], obj["environment"], obj.get("compile"))
 
 
 # --------------------------------------------------------------------------------------- sessions
@@ -206,21 +209,33 @@ class DecodeSession:
 
     ``forward(ids)`` runs the model on the next tokens and returns the last position's
     logits (float32, on the CPU; ``fetch=False`` returns None and leaves the device alone).
+
+    With ``capacity`` the cache is static: transformers' ``StaticCache`` (``stack=None``) or the
+    stack's static kvcompress cache (``max_cache_len=capacity``); positions are passed explicitly.
+    With ``step`` (a compiled ``model.forward``, see :func:`compiled_step`) every single-token call
+    goes through it; multi-token calls (prefill) run eagerly.
     """
 
-    def __init__(self, model: Any, stack: Any):
+    def __init__(self, model: Any, stack: Any, capacity: int | None = None, step: Callable[..., Any] | None = None):
         from ..adapters import hf
 
+        if step is not None and capacity is None:
+            raise ValueError("a compiled decode step needs a static cache (capacity)")
         self.model, self.stack, self.hf = model, stack, hf
         self.kw = hf.cache_kwarg(model)
         self.device = next(model.parameters()).device
         self.cache: Any = None
+        self.capacity, self.step = capacity, step
+        self.position = 0  #: tokens fed so far
         self._scope = contextlib.ExitStack()
         params = inspect.signature(model.forward).parameters
         self._extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self._cache_position = "cache_position" in params  # transformers 5.17; gone in 5.24
 
     def __enter__(self) -> "DecodeSession":
-        if self.stack is not None:
+        if self.capacity is not None:
+            self.cache = self._scope.enter_context(static_cache(self.model, self.stack, self.capacity))
+        elif self.stack is not None:
             from ..api import compress
 
             self.cache = self._scope.enter_context(compress(self.model, self.stack))
@@ -231,17 +246,124 @@ class DecodeSession:
 
     def forward(self, ids: Sequence[int], fetch: bool = True) -> torch.Tensor | None:
         x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        n = x.shape[1]
         with torch.no_grad():
-            if self.cache is None:  # plain transformers: the model creates its own DynamicCache
+            if self.capacity is not None:
+                if self.position + n > self.capacity:
+                    raise ValueError(f"static cache of {self.capacity} tokens: cannot feed {n} more after "
+                                     f"{self.position}")
+                kw = positions(self.model, self.position, n, 1, self.device, self._cache_position)
+                if self.step is not None and n == 1:
+                    mark_step(self.device)
+                    out = self.step(input_ids=x, **{self.kw: self.cache}, **kw, **self._extra)
+                else:
+                    out = self.model(input_ids=x, **{self.kw: self.cache}, **kw, **self._extra)
+            elif self.cache is None:  # plain transformers: the model creates its own DynamicCache
                 out = self.model(x, use_cache=True, **self._extra)
                 self.cache = self.hf.output_cache(out)
             else:
                 out = self.model(x, **{self.kw: self.cache}, **self._extra)
+        self.position += n
         return out.logits[0, -1].float().cpu() if fetch else None
 
     def memory(self) -> tuple[int, int]:
         """(bytes held by the cache, fp16 bytes of the dense cache of the same tokens)."""
         return cache_memory(self.cache)
+
+
+# --------------------------------------------------------------------------------------- compiled decode
+
+
+def _describe_compile(options: dict[str, Any] | None) -> str:
+    if not options:
+        return "eager"
+    return ", ".join(f"{k}={v}" for k, v in options.items())
+
+
+def compile_options(device: Any) -> dict[str, Any]:
+    """``torch.compile`` options of a compiled decode step on ``device``.
+
+    CUDA: ``mode="reduce-overhead", fullgraph=True`` (Inductor kernels replayed as CUDA graphs:
+    what makes decoding fast).  Elsewhere (CPU): ``backend="aot_eager", fullgraph=True``: the step
+    is traced into one graph (a graph break is an error) and run by eager kernels, so numbers equal
+    the eager path's; this checks that the step compiles, it does not make it faster.
+    """
+    if torch.device(device).type == "cuda":
+        return {"mode": "reduce-overhead", "fullgraph": True}
+    return {"backend": "aot_eager", "fullgraph": True}
+
+
+def compiled_step(model: Any) -> Callable[..., Any]:
+    """``torch.compile(model.forward, **compile_options(model's device))``."""
+    return torch.compile(model.forward, **compile_options(next(model.parameters()).device))
+
+
+def generate_compile_config(device: Any) -> Any:
+    """transformers' ``CompileConfig`` for ``model.generate(..., compile_config=...)`` with the options of
+    :func:`compile_options` (``fullgraph=True``: a graph break is an error, not a silently slow step).
+
+    transformers compiles the decode step itself when the cache is compileable; off CUDA only when
+    the config allows every device (``_compile_all_devices``), which this one does.
+    """
+    from transformers import CompileConfig  # the generate API's own config class
+
+    options = compile_options(device)
+    config = CompileConfig(**({"mode": None} if "backend" in options else {}), **options)
+    config._compile_all_devices = True
+    return config
+
+
+def mark_step(device: Any) -> None:
+    """Tell CUDA-graph trees that a new decode step begins (outputs of the previous one are dead)."""
+    if torch.device(device).type == "cuda":
+        torch.compiler.cudagraph_mark_step_begin()
+
+
+def positions(model: Any, start: int, n: int, batch: int, device: Any, cache_position: bool | None = None
+              ) -> dict[str, torch.Tensor]:
+    """``position_ids`` (``[batch, n]``) and, on transformers versions that take it, ``cache_position``
+    for tokens ``start .. start + n - 1``: a static cache cannot infer them without a host read."""
+    if cache_position is None:
+        cache_position = "cache_position" in inspect.signature(model.forward).parameters
+    pos = torch.arange(start, start + n, device=device)
+    kw = {"position_ids": pos.unsqueeze(0).repeat(batch, 1)}
+    if cache_position:
+        kw["cache_position"] = pos
+    return kw
+
+
+def static_supported() -> bool:
+    """Whether this kvcompress has the static-capacity cache (``compress(..., max_cache_len=N)``)."""
+    from ..api import compress
+
+    return "max_cache_len" in inspect.signature(compress).parameters
+
+
+def check_compile_supported() -> None:
+    """Raise a clear error when ``--compile`` cannot work (no static kvcompress cache)."""
+    if not static_supported():
+        from ..errors import UnsupportedOperationError
+
+        raise UnsupportedOperationError("--compile needs kvcompress' static-capacity cache "
+                                        "(kvcompress.compress(model, stack, max_cache_len=N)), which this "
+                                        "kvcompress does not have")
+
+
+@contextlib.contextmanager
+def static_cache(model: Any, stack: Any, capacity: int, batch: int | None = None) -> Iterator[Any]:
+    """A static cache of ``capacity`` tokens: transformers' ``StaticCache`` for ``stack=None``, else the
+    stack's static kvcompress cache with kvcompress attention attached (``compress(max_cache_len=...)``)."""
+    if stack is None:
+        from ..adapters import hf
+
+        yield hf.cache_utils.StaticCache(config=model.config, max_cache_len=capacity)
+        return
+    from ..api import compress
+
+    check_compile_supported()
+    kw = {"max_batch_size": batch} if batch is not None else {}
+    with compress(model, stack, max_cache_len=capacity, **kw) as cache:
+        yield cache
 
 
 def cache_memory(cache: Any) -> tuple[int, int]:
@@ -281,9 +403,13 @@ class Evaluator:
         progress: show progress bars on stderr.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, model_name: str = "model", progress: bool = True):
+    def __init__(self, model: Any, tokenizer: Any, model_name: str = "model", progress: bool = True,
+                 compile: bool = False):
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
         self.progress = progress
+        self.compile = compile  #: stacks run in a static cache with a compiled decode step
+        if compile:
+            check_compile_supported()
         self.device = next(model.parameters()).device
         self.dtype = str(next(model.parameters()).dtype).replace("torch.", "")
         self._baselines: dict[EvalSettings, _Run] = {}
@@ -298,7 +424,7 @@ class Evaluator:
         notes = self.check(settings)
         reused = settings in self._baselines
         base = self.baseline(settings)
-        run = self._execute(stack, settings, stack.label)
+        run = self._execute(stack, settings, stack.label, compiled=self.compile)
         metric, base_metric, details = getattr(self, f"_score_{settings.task}")(run, base)
         if settings.task == "passkey":
             notes += self._passkey_notes(base_metric["accuracy"], settings)
@@ -307,7 +433,8 @@ class Evaluator:
             model=self.model_name, dtype=self.dtype, metrics=metric, baseline=base_metric,
             cache_bytes=run.cache_bytes, dense_bytes=run.dense_bytes, baseline_cache_bytes=base.cache_bytes,
             wall_s=run.wall_s, baseline_wall_s=base.wall_s, baseline_reused=reused, details=details,
-            notes=notes, env=environment(self.device))
+            notes=notes, env=environment(self.device),
+            compile=compile_options(self.device) if self.compile else None)
 
     def baseline(self, settings: EvalSettings) -> _Run:
         """The uncompressed run (plain transformers) for ``settings``, computed once."""
@@ -336,7 +463,13 @@ class Evaluator:
         return notes
 
     # -- execution --------------------------------------------------------------------------
-    def _execute(self, stack: Any, settings: EvalSettings, desc: str) -> _Run:
+    def _execute(self, stack: Any, settings: EvalSettings, desc: str, compiled: bool = False) -> _Run:
+        """Every sample of the task through ``stack`` (None: plain transformers).
+
+        ``compiled``: each sample runs in a static cache sized to the sample (prompt + decoded
+        tokens) and every decode step through one compiled ``model.forward`` shared by the samples
+        (compiled state left from earlier runs in this process is reset first).
+        """
         task = settings.task
         if task == "ppl":
             doc = data.document_tokens(self.tokenizer)
@@ -351,13 +484,19 @@ class Evaluator:
             jobs = [doc[o:o + settings.context]
                     for o in data.spread_offsets(len(doc), settings.context, settings.samples)]
             steps = settings.tokens
+        step = None
+        if compiled:
+            torch.compiler.reset()
+            step = compiled_step(self.model)
         bar = Progress(len(jobs) * (1 + steps), f"{task} {desc}", enabled=self.progress)
         held = dense = 0
         outputs = []
         start = time.perf_counter()
         with bar:
             for job in jobs:
-                with DecodeSession(self.model, stack) as session:
+                ids = job.ids if task == "passkey" else job
+                capacity = len(ids) + settings.tokens if compiled else None
+                with DecodeSession(self.model, stack, capacity=capacity, step=step) as session:
                     if task == "ppl":
                         out = self._ppl_sample(session, job, settings, bar.update)
                     elif task == "passkey":
