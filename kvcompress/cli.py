@@ -46,6 +46,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .stack import as_stack, load_stack
 
     stack = load_stack(args.stack) if args.stack else as_stack(None)  # validate before loading the model
+    if args.compile:
+        from .evaluation.runner import check_compile_supported
+
+        check_compile_supported()
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     if args.raw or not getattr(tokenizer, "chat_template", None):
         inputs = tokenizer(args.prompt, return_tensors="pt")
@@ -53,9 +57,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         inputs = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                                return_tensors="pt", return_dict=True)
     torch.manual_seed(args.seed)
-    with compress(model, stack) as cache, torch.no_grad():
+    extra = {}
+    capacity = None
+    if args.compile:  # a static cache: transformers' generate compiles the decode step for it
+        from .evaluation.runner import generate_compile_config
+
+        capacity = inputs["input_ids"].shape[1] + args.max_new_tokens
+        extra["compile_config"] = generate_compile_config(next(model.parameters()).device)
+    with compress(model, stack, **({"max_cache_len": capacity} if capacity else {})) as cache, torch.no_grad():
         out = model.generate(**inputs, **{hf.cache_kwarg(model): cache}, max_new_tokens=args.max_new_tokens,
-                             do_sample=args.sample, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+                             do_sample=args.sample, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                             **extra)
     prompt_len = inputs["input_ids"].shape[1]
     print(tokenizer.decode(out[0, prompt_len:], skip_special_tokens=True))
     if args.report:
@@ -105,6 +117,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise ConfigError("--plot", "used together with --sweep FILE...", args.plot)
     stacks = [load_stack(f) for f in files]
     device = _resolve_device(args.device)
+    if args.compile:
+        from .evaluation.runner import check_compile_supported
+
+        check_compile_supported()
 
     import torch
 
@@ -112,7 +128,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from .models import load_model
 
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
-    evaluator = Evaluator(model, tokenizer, _model_name(args.model), progress=not args.quiet)
+    evaluator = Evaluator(model, tokenizer, _model_name(args.model), progress=not args.quiet, compile=args.compile)
     evaluator.check(settings)
     if not args.sweep:
         result = evaluator.run(stacks[0], settings)
@@ -135,11 +151,26 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from .errors import ConfigError
     from .stack import load_stack
 
+    if args.model_shape is not None:  # the end-to-end benchmark at a model shape (kvcompress/evaluation/e2e.py)
+        from .evaluation import e2e
+
+        e2e.validate_args(args)
+        return e2e.main_from_args(args, _resolve_device(args.device))
+    for option, given in (("--random-weights", args.random_weights), ("--throughput", args.throughput),
+                          ("--points", args.points is not None), ("--no-eager", args.no_eager)):
+        if given:
+            raise ConfigError(option, "used together with --model-shape", given)
+    args.context = 1024 if args.context is None else args.context
+    args.rounds = 3 if args.rounds is None else args.rounds
     for option, value, lo in (("--context", args.context, 1), ("--steps", args.steps, 1), ("--rounds", args.rounds, 1)):
         if not lo <= value <= (1 << 17):
             raise ConfigError(option, f"an integer in [{lo}, {1 << 17}]", value)
     stacks = [load_stack(f) for f in args.stack]
     device = _resolve_device(args.device)
+    if args.compile and stacks and not args.kernels:
+        from .evaluation.runner import check_compile_supported
+
+        check_compile_supported()
     if args.kernels:
         from .evaluation.bench import run_kernel_benchmarks
 
@@ -153,21 +184,30 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .evaluation.bench import bench_decode
+    from .evaluation.bench import COMPILED_UNTIMED, bench_decode
     from .evaluation.data import document_tokens
     from .models import load_model
 
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
     tokens = document_tokens(tokenizer)
-    if args.context + args.steps > len(tokens):
-        raise ConfigError("--context", f"context + steps <= {len(tokens)} (tokens in the document text)",
-                          args.context)
+    extra = COMPILED_UNTIMED if args.compile else 0
+    if args.context + extra + args.steps > len(tokens):
+        raise ConfigError("--context", f"context + steps{' + 2' if extra else ''} <= {len(tokens)} "
+                          "(tokens in the document text)", args.context)
     result = bench_decode(model, tokens, stacks, context=args.context, steps=args.steps, rounds=args.rounds,
-                          model_name=_model_name(args.model), progress=not args.quiet)
+                          model_name=_model_name(args.model), progress=not args.quiet, compile=args.compile)
     print(result.table(markdown=args.markdown))
     if args.json:
         _write_json(args.json, result.to_dict())
     return 0
+
+
+_COMPILE_HELP = ("compile the decode step: the cache is static (transformers' StaticCache, "
+                 "kvcompress.compress(model, stack, max_cache_len=N)) and single-token steps run through "
+                 "torch.compile(model.forward, fullgraph=True): on CUDA with mode='reduce-overhead' (Inductor "
+                 "kernels replayed as CUDA graphs); on the CPU with backend='aot_eager', which traces the step as "
+                 "one graph and runs it with the eager kernels (same numbers; checks that the step compiles, "
+                 "it is not faster)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
     gen.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                      help="model and cache dtype (default bfloat16, SmolLM2's training dtype)")
+    gen.add_argument("--compile", action="store_true", help=_COMPILE_HELP + " (generate: max_cache_len = prompt + "
+                     "--max-new-tokens; transformers' generate compiles the decode step of the static cache)")
     gen.set_defaults(func=_cmd_generate)
 
     val = sub.add_parser("validate", help="validate a stack file without loading a model")
@@ -220,17 +262,52 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default kvcompress-sweep-TASK.png)")
     ev.add_argument("--markdown", action="store_true", help="print the tables as Markdown (for docs/results.md)")
     ev.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    ev.add_argument("--compile", action="store_true", help=_COMPILE_HELP + " (eval: each sample's cache holds its "
+                    "prompt + decoded tokens; the uncompressed baseline stays plain eager transformers; numbers "
+                    "equal eager ones within bf16 noise)")
     ev.set_defaults(func=_cmd_eval)
 
     bn = sub.add_parser("bench", help="decode latency, cache memory and kvcompress overhead per decode step",
                         description="Time teacher-forced decode steps of the full model with plain transformers "
-                                    "and each stack; report cache memory and kvcompress' own work per step.")
+                                    "and each stack; report cache memory and kvcompress' own work per step. "
+                                    "With --model-shape: the end-to-end benchmark at a real model shape with "
+                                    "random weights (docs/evaluation.md; also benchmarks/e2e_decode.py).")
     bn.add_argument("--stack", metavar="FILE", nargs="*", default=[], help="YAML stack files to compare "
-                    "(plain transformers is always measured)")
+                    "(plain transformers is always measured); with --model-shape also names of examples/stacks/ "
+                    "files, of the built-in benchmark stacks, or 'builtin' for all of those")
     bn.add_argument("--model", default=None, help="local folder or hub id (default: embedded SmolLM2-135M-Instruct)")
-    bn.add_argument("--context", type=int, default=1024, metavar="N", help="prefilled tokens (default 1024)")
+    bn.add_argument("--context", "--ctx", type=int, default=None, metavar="N",
+                    help="prefilled tokens (default 1024; with --model-shape --throughput: prompt tokens, "
+                    "default 32768)")
     bn.add_argument("--steps", type=int, default=32, help="timed decode steps per round (default 32)")
-    bn.add_argument("--rounds", type=int, default=3, help="timed rounds per cache (default 3)")
+    bn.add_argument("--rounds", type=int, default=None, help="timed rounds per cache (default 3; not with "
+                    "--model-shape)")
+    bn.add_argument("--compile", action="store_true", help="also measure compiled rows; " + _COMPILE_HELP
+                    + " (bench: transformers StaticCache + compile and every stack compiled; max_cache_len = "
+                    "context + untimed + timed steps)")
+    e2e_opts = bn.add_argument_group("end-to-end benchmark at a model shape (--model-shape)")
+    e2e_opts.add_argument("--model-shape", default=None, metavar="SHAPE", help="build a Llama model of this shape "
+                          "with random weights on the device: llama3-8b (32 layers, 4096 hidden, 32/8 heads x 128, "
+                          "vocab 128256) or tiny (CPU smoke tests)")
+    e2e_opts.add_argument("--random-weights", action="store_true", help="required with --model-shape: "
+                          "the weights are random (speed and memory only; no quality)")
+    e2e_opts.add_argument("--points", default=None, metavar="BxCTX,...",
+                          help="batch x context points (default 1x32768,8x16384)")
+    e2e_opts.add_argument("--warmup", type=int, default=3, help="untimed decode steps before timing "
+                          "(compilation, CUDA-graph recording; default 3)")
+    e2e_opts.add_argument("--profile-steps", type=int, default=5, help="steps under torch.profiler for "
+                          "GPU-busy ms (default 5; 0: none)")
+    e2e_opts.add_argument("--prefill-tokens", type=int, default=32768, help="prefill in chunks of at most this "
+                          "many tokens per forward call, summed over the batch (default 32768)")
+    e2e_opts.add_argument("--no-eager", action="store_true", help="with --compile: only the compiled rows")
+    e2e_opts.add_argument("--throughput", action="store_true", help="throughput mode: largest batch whose cache "
+                          "fits --kv-gib, decode tokens/s, for StaticCache + compile and every stack compiled")
+    e2e_opts.add_argument("--kv-gib", type=float, default=100.0, help="with --throughput: KV-cache budget in GiB "
+                          "(default 100)")
+    e2e_opts.add_argument("--max-batch", type=int, default=1024, help="with --throughput: batch cap (default 1024)")
+    e2e_opts.add_argument("--time-budget", type=float, default=None, metavar="S", help="skip the rows that would "
+                          "start after S seconds (they are listed as skipped; --json is written after every row)")
+    e2e_opts.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens (default 0)")
     bn.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     bn.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     bn.add_argument("--json", metavar="OUT", help="write the result (one JSON object) to OUT")

@@ -1,0 +1,739 @@
+"""End-to-end decode benchmark at a real model shape with random weights (issue 16).
+
+``kvcompress bench --model-shape llama3-8b --random-weights [--compile]`` and
+``python benchmarks/e2e_decode.py`` (the same code) build a model of a named shape with random
+weights directly on the device (no download), then, for every shape point ``B x ctx``
+(``--points``, default ``1x32768,8x16384``) and every row:
+
+========================================  ===============================================================
+row                                       cache and decode step
+========================================  ===============================================================
+``transformers DynamicCache``             plain transformers, eager
+``transformers StaticCache + compile``    ``StaticCache`` + ``torch.compile(model.forward, ...)``
+``STACK``                                 kvcompress, today's dynamic cache, eager
+``STACK + compile``                       kvcompress static cache (``compress(..., max_cache_len=N)``),
+                                          compiled decode step
+========================================  ===============================================================
+
+prefills ``ctx`` random tokens per row (chunked: at most ``--prefill-tokens`` tokens per forward
+call; not timed), runs ``--warmup`` untimed decode steps (compilation and CUDA-graph recording
+happen here), times ``--steps`` decode steps one by one (synchronised before and after each:
+wall ms per step, median), then runs ``--profile-steps`` more under ``torch.profiler`` (CUDA
+activity): GPU-busy ms per step = the summed duration of the CUDA kernels / steps.  The static
+caches are sized ``ctx + warmup + steps + profile_steps``.  Compiled rows use
+``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`` on CUDA and
+``backend="aot_eager", fullgraph=True`` on the CPU (a correctness check, not faster).
+
+Every row runs in its own cache, which is dropped (with ``torch.compiler.reset()``) before the
+next; an exception in a row is recorded in that row and the run goes on.  ``--json OUT`` is
+rewritten after every row (``complete`` is false until the end), so an interrupted run keeps
+what it measured.
+
+Throughput mode (``--throughput --kv-gib G --ctx N``): for ``StaticCache + compile`` and each stack
+compiled, the cache bytes of one and of two sequences after an ``N``-token prefill give the bytes
+per sequence; the largest batch whose cache fits ``G`` GiB is prefilled (chunked) and decoded:
+decode tokens/s = batch x steps / (wall time of ``steps`` back-to-back decode steps).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import gc
+import inspect
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..errors import ConfigError
+from .report import environment, format_table, markdown_table
+
+SCHEMA = "kvcompress.e2e/1"
+
+#: Named model shapes (Llama architecture).  ``llama3-8b`` is Meta-Llama-3-8B's geometry.
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192,
+                 tie_word_embeddings=False),
+}
+
+DEFAULT_POINTS = "1x32768,8x16384"
+
+#: Stacks usable on any model (no calibration file of one model): the issue's benchmark set.
+#: ``--stack builtin`` runs all of them.  ``lowrank32-random*`` get a random orthonormal key basis
+#: written for the model at run time (speed only: a random basis says nothing about quality).
+BUILTIN_STACKS: dict[str, dict[str, Any]] = {
+    "none": {"compressors": []},
+    "window-4+1020": {"compressors": [{"window": {"sinks": 4, "recent": 1020}}]},
+    "kivi2": {"compressors": [{"kivi": {"bits": 2, "group": 32, "residual": 128}}]},
+    "kivi4": {"compressors": [{"kivi": {"bits": 4, "group": 32, "residual": 128}}]},
+    "leank-rope70": {"compressors": [{"leank": {"mask": "rope", "ratio": 0.7, "align": 16, "sinks": 128,
+                                                "local": 768, "flush": 128}}]},
+    "leank-rope70-kivi2": {"compressors": [{"leank": {"mask": "rope", "ratio": 0.7, "align": 16, "sinks": 128,
+                                                      "local": 768, "flush": 128}},
+                                           {"kivi": {"bits": 2, "group": 32, "residual": 128}}]},
+    "paged-1024": {"compressors": [{"paged_eviction": {"budget": 1024, "block": 16, "score": "v_over_k"}}]},
+    "paged-1024-kivi2": {"compressors": [{"paged_eviction": {"budget": 1024, "block": 32, "score": "v_over_k"}},
+                                         {"kivi": {"bits": 2, "group": 32, "residual": 128}}]},
+    "ds-shared-random-1024": {"compressors": [{"double_sparse": {"channels": "random", "r": 16, "k": 1024,
+                                                                 "sinks": 4, "window": 64, "dense_layers": 2,
+                                                                 "group_shared": True}}]},
+    "lowrank32-random": {"compressors": [{"lowrank": {"basis": "<random>", "rank": 32, "sinks": 128,
+                                                      "recent": 768, "flush": 128}}]},
+    "lowrank32-random-kivi2": {"compressors": [{"lowrank": {"basis": "<random>", "rank": 32, "sinks": 32,
+                                                            "recent": 128, "flush": 32}},
+                                               {"kivi": {"bits": 2, "group": 32, "residual": 128, "sinks": 32}}]},
+}
+
+ROW_KINDS = ("dynamic", "static", "eager", "compiled")
+
+_EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "stacks"
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def parse_points(text: str) -> list[tuple[int, int]]:
+    """``"1x32768,8x16384"`` -> ``[(1, 32768), (8, 16384)]`` (batch, context); ConfigError names ``--points``."""
+    points = []
+    for part in str(text).split(","):
+        b, sep, c = part.strip().lower().partition("x")
+        try:
+            batch, ctx = int(b), int(c)
+        except ValueError:
+            batch = ctx = 0
+        if not sep or not 1 <= batch <= 4096 or not 1 <= ctx <= (1 << 20):
+            raise ConfigError("--points", "comma-separated BATCHxCONTEXT pairs, e.g. 1x32768,8x16384 "
+                              "(batch in [1, 4096], context in [1, 1048576])", text)
+        points.append((batch, ctx))
+    return points
+
+
+def check_stack_args(names: Sequence[str]) -> list[str]:
+    """Expand ``builtin`` and check every name or file before any model is built; returns the names."""
+    from ..stack import load_stack
+
+    out: list[str] = []
+    for name in names:
+        if name == "builtin":
+            out += list(BUILTIN_STACKS)
+            continue
+        if os.path.isfile(name):
+            load_stack(name)  # validate now
+        elif name not in BUILTIN_STACKS and not _example(name):
+            raise ConfigError("--stack", "a YAML stack file, 'builtin', a built-in benchmark stack ("
+                              + ", ".join(BUILTIN_STACKS) + ") or the name of a file in examples/stacks/", name)
+        out.append(name)
+    return out
+
+
+def _example(name: str) -> Path | None:
+    for folder in (_EXAMPLES, _EXAMPLES / "sweeps"):
+        path = folder / f"{name}.yaml"
+        if path.is_file():
+            return path
+    return None
+
+
+def resolve_stacks(names: Sequence[str], model: Any) -> list[Any]:
+    """:class:`~kvcompress.Stack` objects for ``names`` (files, built-in benchmark stacks, example names)."""
+    from ..stack import load_stack, parse_stack
+
+    stacks = []
+    for name in check_stack_args(names):
+        if os.path.isfile(name):
+            stacks.append(load_stack(name))
+        elif name in BUILTIN_STACKS:
+            spec = json.loads(json.dumps(BUILTIN_STACKS[name]))
+            for entry in spec["compressors"]:
+                cfg = entry.get("lowrank")
+                if cfg is not None and cfg.get("basis") == "<random>":
+                    cfg["basis"] = random_basis_file(model, rank=max(32, cfg.get("rank") or 32))
+            stacks.append(parse_stack({"name": name, **spec}, source=f"builtin:{name}"))
+        else:
+            stacks.append(load_stack(str(_example(name))))
+    return stacks
+
+
+def random_basis_file(model: Any, rank: int = 32, seed: int = 0) -> str:
+    """A low-rank key basis file of random orthonormal directions for ``model`` (in a temporary folder
+    removed at exit): lets the ``lowrank`` compressor run on a random-weight model (speed only)."""
+    from ..calibration.lowrank import save_basis
+    from ..calibration.masks import config_hash, geometry
+
+    layers, kv_heads, head_dim = geometry(model.config)
+    rank = min(rank, head_dim)
+    g = torch.Generator().manual_seed(seed)
+    vectors, _ = torch.linalg.qr(torch.randn(layers, kv_heads, head_dim, head_dim, generator=g))
+    eigenvalues = torch.linspace(1.0, 0.01, head_dim).expand(layers, kv_heads, head_dim).contiguous()
+    ranks = torch.full((layers, kv_heads), rank, dtype=torch.int32)
+    folder = tempfile.mkdtemp(prefix="kvcompress-e2e-")
+    atexit.register(shutil.rmtree, folder, True)
+    path = os.path.join(folder, f"random-basis-{rank}.safetensors")
+    meta = {"model": "random", "model_config_hash": config_hash(model.config),
+            "model_geometry": {"model_type": getattr(model.config, "model_type", "?"), "layers": layers,
+                               "kv_heads": kv_heads, "head_dim": head_dim},
+            "target": f"rank={rank}", "align": 1, "settings": {"random": True, "seed": seed}}
+    save_basis(path, vectors, ranks, eigenvalues, meta)
+    return path
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def random_model(shape: str, device: Any = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Any:
+    """A Llama model of a named shape (:data:`SHAPES`) with random weights, built on ``device`` in
+    ``dtype`` (transformers' own initialisation, run on the device: seconds for 8B parameters)."""
+    import transformers  # benchmark-only: a model from a config, no weights and no download
+
+    if shape not in SHAPES:
+        raise ConfigError("--model-shape", "one of " + ", ".join(SHAPES), shape)
+    config = transformers.LlamaConfig(**SHAPES[shape])
+    config._name_or_path = f"random-{shape}"
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM._from_config(config, dtype=dtype)
+    model.eval().requires_grad_(False)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def describe_model(model: Any) -> dict[str, Any]:
+    c = model.config
+    return {"name": getattr(c, "_name_or_path", "") or type(model).__name__, "layers": c.num_hidden_layers,
+            "hidden": c.hidden_size, "q_heads": c.num_attention_heads,
+            "kv_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+            "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+            "intermediate": getattr(c, "intermediate_size", None), "vocab": c.vocab_size,
+            "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def dense_bytes_per_token(model: Any) -> int:
+    """Bytes of one token of the uncompressed cache in the model's dtype (keys and values, every layer)."""
+    d = describe_model(model)
+    return d["layers"] * d["kv_heads"] * d["head_dim"] * 2 * next(model.parameters()).element_size()
+
+
+# ----------------------------------------------------------------------------- one row
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSpec:
+    kind: str          #: one of ROW_KINDS
+    label: str
+    stack: Any = None  #: a Stack for kind "eager" / "compiled"
+
+    @property
+    def compiled(self) -> bool:
+        return self.kind in ("static", "compiled")
+
+
+def row_specs(stacks: Sequence[Any], *, eager: bool = True, compile: bool = False) -> list[RowSpec]:
+    """The rows of one point: plain eager, StaticCache + compile, then each stack eager and compiled."""
+    rows = []
+    if eager:
+        rows.append(RowSpec("dynamic", "transformers DynamicCache"))
+    if compile:
+        rows.append(RowSpec("static", "transformers StaticCache + compile"))
+    for st in stacks:
+        if eager:
+            rows.append(RowSpec("eager", st.label, st))
+        if compile:
+            rows.append(RowSpec("compiled", f"{st.label} + compile", st))
+    return rows
+
+
+def _counter(group: str, key: str) -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters[group][key])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def kernel_time(prof: Any) -> tuple[float, int]:
+    """(summed duration in ms, count) of the CUDA kernels a ``torch.profiler`` run recorded
+    (memory copies and sets excluded)."""
+    total_us, count = 0.0, 0
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if evt.name.startswith(("Memcpy", "Memset", "[memory]")):
+            continue
+        total_us += evt.self_device_time_total
+        count += 1
+    return total_us / 1e3, count
+
+
+class _Decoder:
+    """A cache for one row, its prefill and its decode step (eager or compiled)."""
+
+    def __init__(self, model: Any, spec: RowSpec, batch: int, capacity: int, scope: contextlib.ExitStack):
+        from ..adapters import hf
+        from ..api import compress
+        from .runner import compiled_step, static_cache
+
+        self.model, self.spec, self.batch = model, spec, batch
+        self.device = next(model.parameters()).device
+        self.kw = hf.cache_kwarg(model)
+        self.hf = hf
+        self.cache_position = "cache_position" in inspect.signature(model.forward).parameters
+        self.cache: Any = None
+        if spec.kind == "static":
+            self.cache = scope.enter_context(static_cache(model, None, capacity))
+        elif spec.kind == "compiled":
+            self.cache = scope.enter_context(static_cache(model, spec.stack, capacity, batch=batch))
+        elif spec.kind == "eager":
+            self.cache = scope.enter_context(compress(model, spec.stack))
+        self.fn = compiled_step(model) if spec.compiled else model
+
+    def _kwargs(self, pos: torch.Tensor) -> dict[str, Any]:
+        """Keyword arguments of a forward call at positions ``pos`` (``[n]``, on the device)."""
+        kw: dict[str, Any] = {"position_ids": pos.unsqueeze(0).repeat(self.batch, 1), "logits_to_keep": 1}
+        if self.cache_position:
+            kw["cache_position"] = pos
+        if self.cache is not None:
+            kw[self.kw] = self.cache
+        else:
+            kw["use_cache"] = True
+        return kw
+
+    def prefill(self, ids: torch.Tensor, chunk: int) -> None:
+        """Eager prefill of ``ids`` (``[batch, ctx]``, any device) in chunks of ``chunk`` tokens per row."""
+        ctx = ids.shape[1]
+        for s in range(0, ctx, chunk):
+            e = min(ctx, s + chunk)
+            out = self.model(input_ids=ids[:, s:e].to(self.device),
+                             **self._kwargs(torch.arange(s, e, device=self.device)))
+            if self.cache is None:
+                self.cache = self.hf.output_cache(out)
+            del out
+
+    def prepare(self, start: int, count: int, vocab: int, seed: int) -> None:
+        """Precompute the inputs of ``count`` decode steps from position ``start`` (on the device)."""
+        g = torch.Generator().manual_seed(seed + 1)
+        self.ids = torch.randint(vocab, (count, self.batch, 1), generator=g).to(self.device)
+        pos = torch.arange(start, start + count, device=self.device)
+        self.kwargs = [self._kwargs(pos[i:i + 1].clone()) for i in range(count)]
+
+    def step(self, i: int) -> None:
+        if self.spec.compiled and self.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+        self.fn(input_ids=self.ids[i], **self.kwargs[i])
+
+
+def _error(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300] if text else ''}".replace("|", "/")
+
+
+def _cleanup(device: torch.device) -> None:
+    torch.compiler.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure_row(model: Any, spec: RowSpec, batch: int, ctx: int, *, steps: int = 32, warmup: int = 3,
+                profile_steps: int = 5, prefill_tokens: int = 32768, seed: int = 0) -> dict[str, Any]:
+    """Prefill ``ctx`` random tokens per row, then warm-up, timed and profiled decode steps (module doc).
+
+    Never raises for a failure of the row itself: the row's ``error`` says what happened.
+    """
+    from .runner import cache_memory, compile_options
+
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    total = warmup + steps + profile_steps
+    capacity = ctx + total
+    chunk = max(1, min(ctx, prefill_tokens // batch))
+    row: dict[str, Any] = {
+        "label": spec.label, "kind": spec.kind, "compiled": spec.compiled,
+        "stack": spec.stack.to_dict() if spec.stack is not None else None,
+        "stack_source": getattr(spec.stack, "source", None), "batch": batch, "context": ctx,
+        "capacity": capacity if spec.compiled else None, "prefill_chunk": chunk,
+        "compile_options": compile_options(device) if spec.compiled else None,
+        "wall_ms": None, "wall_p10_ms": None, "wall_p90_ms": None, "step_ms": [], "gpu_busy_ms": None,
+        "kernels_per_step": None, "wall_over_busy": None, "cache_bytes": None,
+        "dense_bytes": (ctx + total) * batch * dense_bytes_per_token(model), "prefill_s": None,
+        "compile_s": None, "warmup_s": None, "graphs": None, "recompiles": None, "graphs_after_warmup": None,
+        "cudagraph_skips": None, "peak_bytes": None, "error": None, "traceback": None,
+    }
+    vocab = model.config.vocab_size
+    graphs0, skips0 = _counter("stats", "unique_graphs"), _counter("inductor", "cudagraph_skips")
+    t_row = time.perf_counter()
+    try:
+        with contextlib.ExitStack() as scope, torch.no_grad():
+            if cuda:
+                _sync(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                before = torch.cuda.memory_allocated(device)
+            dec = _Decoder(model, spec, batch, capacity, scope)
+            prompt = torch.randint(vocab, (batch, ctx), generator=torch.Generator().manual_seed(seed))
+            t0 = time.perf_counter()
+            dec.prefill(prompt, chunk)
+            _sync(device)
+            row["prefill_s"] = time.perf_counter() - t0
+            del prompt
+            dec.prepare(ctx, total, vocab, seed)
+            t0 = time.perf_counter()
+            for i in range(warmup):
+                dec.step(i)
+            _sync(device)
+            row["warmup_s"] = time.perf_counter() - t0
+            if spec.compiled:
+                row["compile_s"] = row["warmup_s"]
+            graphs_warm = _counter("stats", "unique_graphs")
+            times = []
+            for i in range(warmup, warmup + steps):
+                t0 = time.perf_counter()
+                dec.step(i)
+                _sync(device)
+                times.append((time.perf_counter() - t0) * 1e3)
+            row["step_ms"] = times
+            row["wall_ms"] = statistics.median(times)
+            xs = sorted(times)
+            row["wall_p10_ms"] = xs[round(0.1 * (len(xs) - 1))]
+            row["wall_p90_ms"] = xs[round(0.9 * (len(xs) - 1))]
+            if cuda and profile_steps:
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for i in range(warmup + steps, total):
+                        dec.step(i)
+                    _sync(device)
+                busy, kernels = kernel_time(prof)
+                del prof
+                if kernels:
+                    row["gpu_busy_ms"] = busy / profile_steps
+                    row["kernels_per_step"] = kernels / profile_steps
+                    row["wall_over_busy"] = row["wall_ms"] / row["gpu_busy_ms"]
+            else:
+                for i in range(warmup + steps, total):
+                    dec.step(i)
+                _sync(device)
+            graphs = _counter("stats", "unique_graphs") - graphs0
+            if spec.compiled:
+                row["graphs"] = graphs
+                row["recompiles"] = max(0, graphs - 1)
+                row["graphs_after_warmup"] = _counter("stats", "unique_graphs") - graphs_warm
+                row["cudagraph_skips"] = _counter("inductor", "cudagraph_skips") - skips0
+            row["cache_bytes"] = cache_memory(dec.cache)[0]
+            if cuda:
+                row["peak_bytes"] = torch.cuda.max_memory_allocated(device) - before
+            del dec
+    except Exception as exc:  # noqa: BLE001 - one failing row must not end the run
+        row["error"] = _error(exc)
+        row["traceback"] = traceback.format_exc()[-6000:]
+    finally:
+        _cleanup(device)
+    row["row_s"] = time.perf_counter() - t_row
+    return row
+
+
+# ----------------------------------------------------------------------------- throughput
+
+
+def _static_bytes(model: Any, spec: RowSpec, batch: int, ctx: int, prefill_tokens: int) -> int:
+    """Bytes of ``spec``'s static cache of ``batch`` rows after a ``ctx``-token prefill."""
+    from .runner import cache_memory
+
+    device = next(model.parameters()).device
+    try:
+        with contextlib.ExitStack() as scope, torch.no_grad():
+            dec = _Decoder(model, RowSpec("static" if spec.stack is None else "compiled", spec.label, spec.stack),
+                           batch, ctx + 1, scope)
+            dec.fn = model  # no compilation needed to size the cache
+            prompt = torch.randint(model.config.vocab_size, (batch, ctx), generator=torch.Generator().manual_seed(0))
+            dec.prefill(prompt, max(1, min(ctx, prefill_tokens // batch)))
+            return cache_memory(dec.cache)[0]
+    finally:
+        _cleanup(device)
+
+
+def measure_throughput(model: Any, spec: RowSpec, ctx: int, kv_bytes: float, *, steps: int = 32, warmup: int = 3,
+                       max_batch: int = 1024, prefill_tokens: int = 32768, seed: int = 0) -> dict[str, Any]:
+    """Largest batch whose cache fits ``kv_bytes``, its decode tokens/s (module doc); errors go in the row."""
+    from .runner import cache_memory, compile_options
+
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    row: dict[str, Any] = {"label": spec.label, "kind": spec.kind,
+                           "stack": spec.stack.to_dict() if spec.stack is not None else None,
+                           "compile_options": compile_options(device), "context": ctx, "steps": steps,
+                           "bytes_per_seq": None, "fixed_bytes": None, "batch": None, "cache_bytes": None,
+                           "prefill_s": None, "compile_s": None, "decode_s": None, "decode_tok_s": None,
+                           "step_ms": None, "peak_bytes": None, "graphs": None, "error": None, "traceback": None}
+    t_row = time.perf_counter()
+    try:
+        one = _static_bytes(model, spec, 1, ctx, prefill_tokens)
+        two = _static_bytes(model, spec, 2, ctx, prefill_tokens)
+        per_seq, fixed = max(1, two - one), max(0, 2 * one - two)
+        batch = int(min(max_batch, max(0, (kv_bytes - fixed) // per_seq)))
+        row.update(bytes_per_seq=per_seq, fixed_bytes=fixed, batch=batch)
+        if batch < 1:
+            raise RuntimeError(f"one sequence ({per_seq} bytes) does not fit the budget")
+        graphs0 = _counter("stats", "unique_graphs")
+        with contextlib.ExitStack() as scope, torch.no_grad():
+            if cuda:
+                _sync(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                before = torch.cuda.memory_allocated(device)
+            dec = _Decoder(model, spec, batch, ctx + warmup + steps, scope)
+            prompt = torch.randint(model.config.vocab_size, (batch, ctx), generator=torch.Generator().manual_seed(seed))
+            t0 = time.perf_counter()
+            dec.prefill(prompt, max(1, min(ctx, prefill_tokens // batch)))
+            _sync(device)
+            row["prefill_s"] = time.perf_counter() - t0
+            del prompt
+            dec.prepare(ctx, warmup + steps, model.config.vocab_size, seed)
+            t0 = time.perf_counter()
+            for i in range(warmup):
+                dec.step(i)
+            _sync(device)
+            row["compile_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for i in range(warmup, warmup + steps):
+                dec.step(i)
+            _sync(device)
+            row["decode_s"] = time.perf_counter() - t0
+            row["step_ms"] = row["decode_s"] * 1e3 / steps
+            row["decode_tok_s"] = batch * steps / row["decode_s"]
+            row["cache_bytes"] = cache_memory(dec.cache)[0]
+            row["graphs"] = _counter("stats", "unique_graphs") - graphs0
+            if cuda:
+                row["peak_bytes"] = torch.cuda.max_memory_allocated(device) - before
+            del dec
+    except Exception as exc:  # noqa: BLE001
+        row["error"] = _error(exc)
+        row["traceback"] = traceback.format_exc()[-6000:]
+    finally:
+        _cleanup(device)
+    row["row_s"] = time.perf_counter() - t_row
+    return row
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+@dataclasses.dataclass
+class E2EResult:
+    mode: str                      #: "latency" or "throughput"
+    settings: dict[str, Any]
+    model: dict[str, Any]
+    rows: list[dict[str, Any]]
+    env: dict[str, Any]
+    wall_s: float = 0.0
+    complete: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, "mode": self.mode, "settings": self.settings, "model": self.model,
+                "rows": self.rows, "wall_s": self.wall_s, "complete": self.complete, "environment": self.env}
+
+    def title(self) -> str:
+        s, e = self.settings, self.env
+        what = (f"{s['shape']} ({self.model['layers']} layers, {self.model['q_heads']}/{self.model['kv_heads']} "
+                f"heads x {self.model['head_dim']}, random {s['dtype']} weights)")
+        where = f"{e.get('gpu') or e.get('cpu')}, torch {e.get('torch')}, transformers {e.get('transformers')}, {e.get('date')}"
+        if self.mode == "throughput":
+            return (f"decode throughput at a fixed KV budget of {s['kv_gib']} GiB: {what}, {s['context']}-token "
+                    f"prompts, {s['steps']} decode steps; {where}")
+        busy = (f", GPU-busy over {s['profile_steps']} profiled steps" if s["device"].startswith("cuda")
+                else " (no GPU-busy time off CUDA)")
+        return f"decode step: {what}, {s['steps']} timed steps after {s['warmup']} warm-up steps{busy}; {where}"
+
+    def table(self, markdown: bool = False) -> str:
+        rows = self.table_rows()
+        return self.title() + "\n" + ("\n" + markdown_table(rows) if markdown else format_table(rows))
+
+    def table_rows(self) -> list[list[str]]:
+        def f(x: Any, fmt: str = "{:.2f}") -> str:
+            return "-" if x is None else fmt.format(x)
+
+        def mib(x: Any) -> str:
+            if x is None:
+                return "-"
+            return f"{x / 2**20:,.0f}" if x >= 100 * 2**20 else f"{x / 2**20:.3g}"
+
+        if self.mode == "throughput":
+            base = next((r["decode_tok_s"] for r in self.rows if r.get("decode_tok_s")), None)
+            rows = [["cache", "batch", "MiB/seq", "cache GiB", "peak GiB", "prefill s", "compile s", "ms/step",
+                     "decode tok/s", "vs first", "note"]]
+            for r in self.rows:
+                rows.append([r["label"], f(r["batch"], "{}"), mib(r["bytes_per_seq"]),
+                             f(None if r["cache_bytes"] is None else r["cache_bytes"] / 2**30),
+                             f(None if r["peak_bytes"] is None else r["peak_bytes"] / 2**30),
+                             f(r["prefill_s"], "{:.1f}"), f(r["compile_s"], "{:.1f}"), f(r["step_ms"]),
+                             f(r["decode_tok_s"], "{:,.0f}"),
+                             f(r["decode_tok_s"] / base if r["decode_tok_s"] and base else None, "{:.2f}x"),
+                             r["error"] or ""])
+            return rows
+        rows = [["cache", "B x ctx", "wall ms/step", "GPU-busy ms/step", "wall/busy", "cache MiB", "vs dense",
+                 "compile s", "graphs", "recompiles", "note"]]
+        for r in self.rows:
+            dense = r.get("dense_bytes") or 0
+            rows.append([r["label"], f"{r['batch']}x{r['context']}", f(r["wall_ms"]), f(r["gpu_busy_ms"]),
+                         f(r["wall_over_busy"], "{:.2f}x"), mib(r["cache_bytes"]),
+                         f(r["cache_bytes"] / dense if r["cache_bytes"] and dense else None, "{:.3f}x"),
+                         f(r["compile_s"], "{:.1f}"), f(r["graphs"], "{}"), f(r["recompiles"], "{}"),
+                         r["error"] or ""])
+        return rows
+
+
+def _log(msg: str, enabled: bool) -> None:
+    if enabled:
+        print(f"[e2e] {msg}", file=sys.stderr, flush=True)
+
+
+def run(model: Any, stacks: Sequence[Any], *, shape: str, points: Sequence[tuple[int, int]] = ((1, 32768), (8, 16384)),
+        steps: int = 32, warmup: int = 3, profile_steps: int = 5, prefill_tokens: int = 32768, eager: bool = True,
+        compile: bool = False, throughput: bool = False, kv_gib: float = 100.0, context: int = 32768,
+        max_batch: int = 1024, time_budget: float | None = None, seed: int = 0,
+        on_row: Callable[[E2EResult], None] | None = None, progress: bool = True) -> E2EResult:
+    """The benchmark (module doc) on ``model``; ``on_row`` is called with the partial result after each row."""
+    from .runner import compile_options
+
+    device = next(model.parameters()).device
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    settings = {"shape": shape, "dtype": dtype, "device": str(device), "steps": steps, "warmup": warmup,
+                "prefill_tokens": prefill_tokens, "seed": seed, "time_budget_s": time_budget,
+                "stacks": [st.label for st in stacks],
+                "compile_options": compile_options(device) if (compile or throughput) else None}
+    env = environment(device)
+    env["cuda"] = torch.version.cuda
+    if throughput:
+        settings.update(kv_gib=kv_gib, context=context, max_batch=max_batch)
+        specs = [RowSpec("static", "transformers StaticCache + compile")] + [
+            RowSpec("compiled", f"{st.label} + compile", st) for st in stacks]
+        jobs: list[tuple[RowSpec, Any]] = [(s, None) for s in specs]
+    else:
+        settings.update(points=[f"{b}x{c}" for b, c in points], profile_steps=profile_steps, eager=eager,
+                        compile=compile)
+        specs = row_specs(stacks, eager=eager, compile=compile)
+        jobs = [(s, p) for p in points for s in specs]
+    result = E2EResult("throughput" if throughput else "latency", settings, describe_model(model), [], env)
+    start = time.perf_counter()
+    for n, (spec, point) in enumerate(jobs, 1):
+        elapsed = time.perf_counter() - start
+        where = "" if point is None else f" at B{point[0]}/{point[1]}"
+        if time_budget is not None and elapsed > time_budget:
+            row = {"label": spec.label, "kind": spec.kind, "error": f"skipped: time budget of {time_budget:.0f} s spent"}
+            if point is not None:
+                row.update(batch=point[0], context=point[1])
+            result.rows.append(_skipped(row, throughput))
+            _log(f"[{n}/{len(jobs)}] {spec.label}{where}: skipped (time budget)", progress)
+            continue
+        _log(f"[{n}/{len(jobs)}] {spec.label}{where} ...", progress)
+        if throughput:
+            row = measure_throughput(model, spec, context, kv_gib * 2**30, steps=steps, warmup=warmup,
+                                     max_batch=max_batch, prefill_tokens=prefill_tokens, seed=seed)
+            summary = (f"batch {row['batch']}, {row['decode_tok_s'] or 0:,.0f} tok/s" if not row["error"]
+                       else row["error"])
+        else:
+            row = measure_row(model, spec, point[0], point[1], steps=steps, warmup=warmup,
+                              profile_steps=profile_steps, prefill_tokens=prefill_tokens, seed=seed)
+            busy = "" if row["gpu_busy_ms"] is None else f", GPU-busy {row['gpu_busy_ms']:.2f} ms"
+            summary = f"{row['wall_ms']:.2f} ms/step{busy}" if not row["error"] else row["error"]
+        _log(f"[{n}/{len(jobs)}] {spec.label}{where}: {summary} ({row['row_s']:.1f} s)", progress)
+        result.rows.append(row)
+        result.wall_s = time.perf_counter() - start
+        if on_row is not None:
+            on_row(result)
+    result.wall_s = time.perf_counter() - start
+    result.complete = True
+    if on_row is not None:
+        on_row(result)
+    return result
+
+
+def _skipped(row: dict[str, Any], throughput: bool) -> dict[str, Any]:
+    keys = (("batch", "bytes_per_seq", "cache_bytes", "peak_bytes", "prefill_s", "compile_s", "step_ms",
+             "decode_tok_s") if throughput else
+            ("wall_ms", "gpu_busy_ms", "wall_over_busy", "cache_bytes", "compile_s", "graphs", "recompiles"))
+    out = {k: None for k in keys}
+    out.update(row)
+    out.setdefault("dense_bytes", 0)
+    return out
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def validate_args(args: Any) -> None:
+    """Checks of the e2e options that need no model (``ConfigError`` names the option)."""
+    if not args.random_weights:
+        raise ConfigError("--random-weights", "given with --model-shape (a named shape has no trained weights)",
+                          False)
+    if args.model is not None:
+        raise ConfigError("--model", "not given with --model-shape (the shape defines the model)", args.model)
+    if args.points is None:
+        args.points = DEFAULT_POINTS
+    if args.model_shape not in SHAPES:
+        raise ConfigError("--model-shape", "one of " + ", ".join(SHAPES), args.model_shape)
+    if args.rounds is not None:
+        raise ConfigError("--rounds", "not given with --model-shape (each row runs once; see --steps)", args.rounds)
+    if not args.throughput and args.context is not None:
+        raise ConfigError("--context", "not given with --model-shape unless --throughput (use --points BxCTX)",
+                          args.context)
+    for option, value, lo, hi in (("--steps", args.steps, 1, 1 << 16), ("--warmup", args.warmup, 0, 1 << 10),
+                                  ("--profile-steps", args.profile_steps, 0, 1 << 10),
+                                  ("--prefill-tokens", args.prefill_tokens, 1, 1 << 24),
+                                  ("--max-batch", args.max_batch, 1, 1 << 16)):
+        if not lo <= value <= hi:
+            raise ConfigError(option, f"an integer in [{lo}, {hi}]", value)
+    if args.throughput:
+        if not (args.kv_gib > 0 and math.isfinite(args.kv_gib)):
+            raise ConfigError("--kv-gib", "a positive number of GiB", args.kv_gib)
+        if args.context is not None and not 1 <= args.context <= (1 << 20):
+            raise ConfigError("--ctx", "an integer in [1, 1048576]", args.context)
+    elif not args.compile and args.no_eager:
+        raise ConfigError("--no-eager", "used together with --compile (otherwise no row is left)", True)
+    parse_points(args.points)
+    check_stack_args(args.stack)
+
+
+def main_from_args(args: Any, device: str) -> int:
+    """``kvcompress bench --model-shape ...`` (also ``benchmarks/e2e_decode.py``): build, run, print, write."""
+    validate_args(args)
+    dtype = getattr(torch, args.dtype)
+    progress = not args.quiet
+    t0 = time.perf_counter()
+    model = random_model(args.model_shape, device, dtype, args.seed)
+    _log(f"built {args.model_shape} with random {args.dtype} weights on {device} in {time.perf_counter() - t0:.1f} s",
+         progress)
+    stacks = resolve_stacks(args.stack, model)
+
+    def write(result: E2EResult) -> None:
+        if args.json:
+            tmp = f"{args.json}.tmp"
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(result.to_dict(), fh, indent=1)
+                fh.write("\n")
+            os.replace(tmp, args.json)
+
+    result = run(model, stacks, shape=args.model_shape, points=parse_points(args.points), steps=args.steps,
+                 warmup=args.warmup, profile_steps=args.profile_steps, prefill_tokens=args.prefill_tokens,
+                 eager=not args.no_eager, compile=args.compile, throughput=args.throughput, kv_gib=args.kv_gib,
+                 context=args.context if args.context is not None else 32768, max_batch=args.max_batch,
+                 time_budget=args.time_budget, seed=args.seed, on_row=write, progress=progress)
+    print(result.table(markdown=args.markdown))
+    if args.json:
+        print(f"wrote {args.json}")
+    return 0
