@@ -199,3 +199,103 @@ def test_bench_kernels_calls_benchutil(no_model, monkeypatch, capsys, tmp_path):
     out = str(tmp_path / "k.json")
     assert main(["bench", "--kernels", "--device", "cpu", "--kernels-out", out]) == 0
     assert calls == [("cpu", out)] and "kernel table" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- --compile (tiny model, no download)
+
+
+class ByteTokenizer:
+    """A tokenizer for tests/models.py's tiny models (vocabulary 256): one token per UTF-8 byte."""
+
+    pad_token_id = 0
+    eos_token_id = None
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=False, return_tensors=None):
+        ids = [b or 1 for b in text.encode("utf-8")]
+        if return_tensors == "pt":
+            import torch
+
+            t = torch.tensor([ids])
+            return {"input_ids": t, "attention_mask": torch.ones_like(t)}
+        return types.SimpleNamespace(input_ids=ids)
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(int(i) for i in ids).decode("utf-8", "replace")
+
+
+@pytest.fixture
+def tiny_cli_model(monkeypatch):
+    """The CLI gets tests/models.py's tiny llama (float32) and a byte tokenizer instead of the default model."""
+    import kvcompress.models
+    from models import tiny_model
+
+    model, tok = tiny_model("llama"), ByteTokenizer()
+    monkeypatch.setattr(kvcompress.models, "load_model", lambda name=None, dtype=None, device=None: (model, tok))
+    return model
+
+
+def _static_supported():
+    from kvcompress.evaluation.runner import static_supported
+
+    return static_supported()
+
+
+needs_static = pytest.mark.skipif(not _static_supported(), reason="no static kvcompress cache (max_cache_len) yet")
+
+TINY_KIVI = "name: kivi2-g16\ncompressors:\n  - kivi: {bits: 2, group: 16, residual: 16}\n"
+
+
+@needs_static
+@pytest.mark.parametrize("stack", ["window", "kivi"])
+def test_eval_compile_equals_eager(tiny_cli_model, tmp_path, tiny_window, stack):
+    """ppl through the static cache + aot_eager-compiled decode step equals the eager run (fp32), across
+    the window's evictions and KIVI's group flushes (40 decode steps after a 64-token prefill)."""
+    path = tiny_window
+    if stack == "kivi":
+        path = tmp_path / "kivi.yaml"
+        path.write_text(TINY_KIVI)
+    samples = 2 if stack == "window" else 1  # two samples share one compiled step
+    argv = ["eval", "--stack", str(path), "--task", "ppl", "--context", "64", "--tokens", "40", "--samples",
+            str(samples), "--dtype", "float32", "--device", "cpu", "--quiet", "--json"]
+    assert main([*argv, str(tmp_path / "eager.json")]) == 0
+    assert main([*argv, str(tmp_path / "compiled.json"), "--compile"]) == 0
+    eager = json.loads((tmp_path / "eager.json").read_text())
+    compiled = json.loads((tmp_path / "compiled.json").read_text())
+    assert eager["compile"] is None and compiled["compile"] == {"backend": "aot_eager", "fullgraph": True}
+    assert compiled["baseline"] == eager["baseline"]  # the baseline is plain eager transformers either way
+    m, e = compiled["metrics"], eager["metrics"]
+    assert m["scored_tokens"] == e["scored_tokens"] == 40 * samples
+    assert m["ppl"] == pytest.approx(e["ppl"], rel=1e-5) and m["kl"] == pytest.approx(e["kl"], abs=1e-6)
+    assert m["top1"] == e["top1"] and e["kl"] > 1e-4  # the stack really compresses
+    for a, b in zip(compiled["details"], eager["details"]):
+        assert a["ppl"] == pytest.approx(b["ppl"], rel=1e-5)
+
+
+@needs_static
+def test_bench_compile_adds_compiled_rows(tiny_cli_model, tmp_path, tiny_window, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--stack", tiny_window, "--context", "64", "--steps", "3", "--rounds", "1", "--compile",
+                 "--device", "cpu", "--json", str(out), "--quiet"]) == 0
+    assert "'+ compile' rows: static cache" in capsys.readouterr().out
+    obj = json.loads(out.read_text())
+    assert obj["compile"] == {"backend": "aot_eager", "fullgraph": True}
+    rows = {r["label"]: r for r in obj["rows"]}
+    assert list(rows) == ["transformers DynamicCache", "transformers StaticCache + compile", "window-4+16",
+                          "window-4+16 + compile"]
+    for label, r in rows.items():
+        assert len(r["step_ms"]) == 3 and r["cache_bytes"] > 0
+        assert r["compiled"] == label.endswith("+ compile")
+        assert (r["warmup_s"] is not None) == r["compiled"]
+        assert (r["overhead_ms_per_step"] is not None) == (label == "window-4+16")  # compiled rows: no probe
+
+
+def test_compile_without_a_static_cache_is_refused_before_loading(no_model, monkeypatch, tiny_window, capsys):
+    import kvcompress.evaluation.runner as runner
+
+    monkeypatch.setattr(runner, "static_supported", lambda: False)
+    for argv in (["eval", "--stack", tiny_window, "--task", "ppl", "--compile"],
+                 ["bench", "--stack", tiny_window, "--compile"],
+                 ["generate", "--compile", "hello"]):
+        assert main(argv) == 2
+        assert "--compile needs kvcompress' static-capacity cache" in capsys.readouterr().err

@@ -12,8 +12,15 @@ Modules:
 * :mod:`~kvcompress.evaluation.sweep`: several stacks on one task, a table and a PNG plot.
 * :mod:`~kvcompress.evaluation.bench`: model-level decode latency, cache memory and the
   framework's own per-step overhead.
+* :mod:`~kvcompress.evaluation.e2e`: the end-to-end decode benchmark at a real model shape with
+  random weights (plain eager, StaticCache + compile, stacks eager and compiled; wall and GPU-busy
+  ms per step, cache bytes, compile time; throughput at a fixed KV budget).
 
-The command line is ``kvcompress eval`` and ``kvcompress bench``; see docs/evaluation.md.
+``--compile`` (``Evaluator(compile=True)``, ``bench_decode(compile=True)``): a static cache and a
+decode step compiled with :func:`~kvcompress.evaluation.runner.compile_options`.
+
+The command line is ``kvcompress eval`` and ``kvcompress bench`` (``--model-shape``: the e2e
+benchmark, also ``benchmarks/e2e_decode.py``); see docs/evaluation.md.
 Importing this package imports neither transformers nor matplotlib.
 """
 

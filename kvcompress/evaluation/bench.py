@@ -22,6 +22,9 @@ round 2, ...) after an untimed warm-up round, so slow drifts of the machine hit 
   summed over layers: ``overhead = attend - SDPA``, everything kvcompress does besides the
   attention math.  On CUDA the instrumented round synchronises around each wrapped call, so
   its numbers are upper bounds; the latency table comes from the uninstrumented rounds.
+* **Compiled rows** (``compile=True``, ``kvcompress bench --compile``): transformers' ``StaticCache``
+  and each stack's static cache with the decode step compiled (``runner.compile_options``); each
+  runs its warm-up round (compilation) and rounds back to back, not instrumented.
 """
 
 from __future__ import annotations

@@ -195,14 +195,15 @@ def random_basis_file(model: Any, rank: int = 32, seed: int = 0) -> str:
 # ----------------------------------------------------------------------------- model
 
 
-def random_model(shape: str, device: Any = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Any:
-    """A Llama model of a named shape (:data:`SHAPES`) with random weights, built on ``device`` in
-    ``dtype`` (transformers' own initialisation, run on the device: seconds for 8B parameters)."""
+def random_model(shape: str, device: Any = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                 **overrides: Any) -> Any:
+    """A Llama model of a named shape (:data:`SHAPES`, ``overrides`` replacing config fields) with random
+    weights, built on ``device`` in ``dtype`` (transformers' own initialisation, run on the device)."""
     import transformers  # benchmark-only: a model from a config, no weights and no download
 
     if shape not in SHAPES:
         raise ConfigError("--model-shape", "one of " + ", ".join(SHAPES), shape)
-    config = transformers.LlamaConfig(**SHAPES[shape])
+    config = transformers.LlamaConfig(**{**SHAPES[shape], **overrides})
     config._name_or_path = f"random-{shape}"
     torch.manual_seed(seed)
     with torch.device(device):
@@ -379,6 +380,7 @@ def measure_row(model: Any, spec: RowSpec, batch: int, ctx: int, *, steps: int =
     vocab = model.config.vocab_size
     graphs0, skips0 = _counter("stats", "unique_graphs"), _counter("inductor", "cudagraph_skips")
     t_row = time.perf_counter()
+    dec = None
     try:
         with contextlib.ExitStack() as scope, torch.no_grad():
             if cuda:
@@ -438,11 +440,12 @@ def measure_row(model: Any, spec: RowSpec, batch: int, ctx: int, *, steps: int =
             row["cache_bytes"] = cache_memory(dec.cache)[0]
             if cuda:
                 row["peak_bytes"] = torch.cuda.max_memory_allocated(device) - before
-            del dec
+            dec = None
     except Exception as exc:  # noqa: BLE001 - one failing row must not end the run
         row["error"] = _error(exc)
         row["traceback"] = traceback.format_exc()[-6000:]
     finally:
+        dec = None  # drop the cache before the allocator's cached blocks are released
         _cleanup(device)
     row["row_s"] = time.perf_counter() - t_row
     return row
@@ -456,6 +459,7 @@ def _static_bytes(model: Any, spec: RowSpec, batch: int, ctx: int, prefill_token
     from .runner import cache_memory
 
     device = next(model.parameters()).device
+    dec = None
     try:
         with contextlib.ExitStack() as scope, torch.no_grad():
             dec = _Decoder(model, RowSpec("static" if spec.stack is None else "compiled", spec.label, spec.stack),
@@ -465,6 +469,7 @@ def _static_bytes(model: Any, spec: RowSpec, batch: int, ctx: int, prefill_token
             dec.prefill(prompt, max(1, min(ctx, prefill_tokens // batch)))
             return cache_memory(dec.cache)[0]
     finally:
+        dec = None
         _cleanup(device)
 
 
@@ -482,6 +487,7 @@ def measure_throughput(model: Any, spec: RowSpec, ctx: int, kv_bytes: float, *, 
                            "prefill_s": None, "compile_s": None, "decode_s": None, "decode_tok_s": None,
                            "step_ms": None, "peak_bytes": None, "graphs": None, "error": None, "traceback": None}
     t_row = time.perf_counter()
+    dec = None
     try:
         one = _static_bytes(model, spec, 1, ctx, prefill_tokens)
         two = _static_bytes(model, spec, 2, ctx, prefill_tokens)
@@ -520,11 +526,12 @@ def measure_throughput(model: Any, spec: RowSpec, ctx: int, kv_bytes: float, *, 
             row["graphs"] = _counter("stats", "unique_graphs") - graphs0
             if cuda:
                 row["peak_bytes"] = torch.cuda.max_memory_allocated(device) - before
-            del dec
+            dec = None
     except Exception as exc:  # noqa: BLE001
         row["error"] = _error(exc)
         row["traceback"] = traceback.format_exc()[-6000:]
     finally:
+        dec = None
         _cleanup(device)
     row["row_s"] = time.perf_counter() - t_row
     return row
@@ -546,6 +553,11 @@ class E2EResult:
     def to_dict(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "mode": self.mode, "settings": self.settings, "model": self.model,
                 "rows": self.rows, "wall_s": self.wall_s, "complete": self.complete, "environment": self.env}
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> "E2EResult":
+        return cls(obj["mode"], obj["settings"], obj["model"], obj["rows"], obj["environment"], obj["wall_s"],
+                   obj["complete"])
 
     def title(self) -> str:
         s, e = self.settings, self.env
@@ -597,6 +609,13 @@ class E2EResult:
         return rows
 
 
+def load_result(path: str | os.PathLike) -> E2EResult:
+    """A result from its ``--json`` file (complete or not), e.g. to print its table again:
+    ``python -c "from kvcompress.evaluation.e2e import load_result as l; print(l('e2e.json').table(True))"``."""
+    with open(path, encoding="utf-8") as fh:
+        return E2EResult.from_dict(json.load(fh))
+
+
 def _log(msg: str, enabled: bool) -> None:
     if enabled:
         print(f"[e2e] {msg}", file=sys.stderr, flush=True)
@@ -633,12 +652,14 @@ def run(model: Any, stacks: Sequence[Any], *, shape: str, points: Sequence[tuple
     for n, (spec, point) in enumerate(jobs, 1):
         elapsed = time.perf_counter() - start
         where = "" if point is None else f" at B{point[0]}/{point[1]}"
-        if time_budget is not None and elapsed > time_budget:
+        if time_budget is not None and n > 1 and elapsed > time_budget:  # the first row always runs
             row = {"label": spec.label, "kind": spec.kind, "error": f"skipped: time budget of {time_budget:.0f} s spent"}
             if point is not None:
                 row.update(batch=point[0], context=point[1])
             result.rows.append(_skipped(row, throughput))
             _log(f"[{n}/{len(jobs)}] {spec.label}{where}: skipped (time budget)", progress)
+            if on_row is not None:
+                on_row(result)
             continue
         _log(f"[{n}/{len(jobs)}] {spec.label}{where} ...", progress)
         if throughput:

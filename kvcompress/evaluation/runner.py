@@ -19,6 +19,11 @@ stack an :class:`Evaluator` runs.
   greedily (no stop at end-of-sequence).  ``agreement`` = fraction of generated positions whose
   token equals the baseline's at the same position (over all prompts); ``prefix`` = mean length
   of the common prefix as a fraction of ``tokens`` (stricter: nothing after the first difference).
+
+With ``Evaluator(compile=True)`` (``kvcompress eval --compile``) each sample of a stack runs in a
+static cache sized to the sample (``compress(model, stack, max_cache_len=N)``) and every decode step
+goes through one ``torch.compile(model.forward, **compile_options(device))`` shared by the samples
+(prefill stays eager); the baseline stays plain eager transformers.
 """
 
 from __future__ import annotations

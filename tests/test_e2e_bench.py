@@ -1,0 +1,149 @@
+"""The end-to-end decode benchmark (``kvcompress bench --model-shape``, benchmarks/e2e_decode.py) on the CPU.
+
+A smoke run at the tiny shape (tiny context, a few steps, eager and aot_eager-compiled rows)
+checks that every row is in the JSON with sane fields, that a failing row is recorded and the run
+goes on, the time budget, throughput mode and the option checks.  No wall-clock time is asserted.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvcompress.cli import main
+from kvcompress.evaluation import e2e
+from kvcompress.evaluation.runner import static_supported
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def window_file(tmp_path):
+    path = tmp_path / "window-4+16.yaml"
+    path.write_text("name: window-4+16\ncompressors:\n  - window: {sinks: 4, recent: 16}\n")
+    return str(path)
+
+
+@pytest.fixture
+def no_model_built(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model must not be built before the options are checked")
+
+    monkeypatch.setattr(e2e, "random_model", refuse)
+
+
+def test_smoke_tiny_shape_every_row_in_the_json(tmp_path, window_file, capsys):
+    out = tmp_path / "e2e.json"
+    # 'leank' is examples/stacks/leank.yaml, whose mask file was made for SmolLM2: its rows must fail, alone.
+    rc = main(["bench", "--model-shape", "tiny", "--random-weights", "--points", "1x40", "--steps", "3",
+               "--warmup", "2", "--device", "cpu", "--stack", "none", window_file, "leank", "--compile",
+               "--json", str(out), "--markdown", "--quiet"])
+    assert rc == 0
+    stdout = capsys.readouterr().out
+    assert "| transformers StaticCache + compile | 1x40 |" in stdout and f"wrote {out}" in stdout
+    obj = json.loads(out.read_text())
+    assert obj["schema"] == "kvcompress.e2e/1" and obj["mode"] == "latency" and obj["complete"]
+    assert obj["settings"]["points"] == ["1x40"] and obj["settings"]["compile_options"] == {
+        "backend": "aot_eager", "fullgraph": True}
+    assert obj["model"]["layers"] == 2 and obj["model"]["head_dim"] == 16
+    assert set(obj["environment"]) >= {"date", "torch", "transformers", "gpu", "device"}
+    labels = [r["label"] for r in obj["rows"]]
+    assert labels == ["transformers DynamicCache", "transformers StaticCache + compile", "none", "none + compile",
+                      "window-4+16", "window-4+16 + compile", "leank50", "leank50 + compile"]
+    rows = {r["label"]: r for r in obj["rows"]}
+    dense = (40 + 2 + 3 + 5) * 2 * 2 * 16 * 2 * 2  # tokens x layers x kv heads x head_dim x (K, V) x bf16
+    ok = ["transformers DynamicCache", "transformers StaticCache + compile", "none", "window-4+16"]
+    if static_supported():
+        ok += ["none + compile", "window-4+16 + compile"]
+    for label in ok:
+        r = rows[label]
+        assert r["error"] is None, (label, r["traceback"])
+        assert len(r["step_ms"]) == 3 and all(t > 0 for t in r["step_ms"]) and r["wall_ms"] > 0
+        assert r["gpu_busy_ms"] is None and r["peak_bytes"] is None  # CPU: no profiler kernels, no allocator peak
+        assert r["cache_bytes"] > 0 and r["dense_bytes"] == dense and r["prefill_s"] >= 0
+        if r["compiled"]:
+            assert r["compile_s"] > 0 and 1 <= r["graphs"] <= 2 and r["recompiles"] == r["graphs"] - 1
+            assert r["capacity"] == 50 and r["cudagraph_skips"] == 0
+        else:
+            assert r["compile_s"] is None and r["graphs"] is None
+    assert rows["transformers DynamicCache"]["cache_bytes"] == dense  # plain: exactly the keys and values
+    assert rows["transformers StaticCache + compile"]["cache_bytes"] == dense  # sized to the capacity
+    assert rows["transformers StaticCache + compile"]["graphs"] == 1
+    assert rows["window-4+16"]["cache_bytes"] < rows["none"]["cache_bytes"]
+    for label in ("leank50", "leank50 + compile"):
+        assert "MaskFileError" in rows[label]["error"] and rows[label]["wall_ms"] is None
+    assert "MaskFileError" in stdout  # the failure is in the table
+    assert e2e.load_result(out).table(markdown=True) in stdout  # the JSON re-renders the printed table
+
+
+def test_time_budget_skips_rows_and_keeps_them_listed():
+    model = e2e.random_model("tiny", "cpu", torch.float32)
+    stacks = e2e.resolve_stacks(["none"], model)
+    seen = []
+    result = e2e.run(model, stacks, shape="tiny", points=[(1, 16), (2, 16)], steps=1, warmup=0, time_budget=0.0,
+                     on_row=lambda r: seen.append(len(r.rows)), progress=False)
+    assert [r["label"] for r in result.rows] == ["transformers DynamicCache", "none"] * 2
+    assert result.rows[0]["error"] is None  # the first row always runs
+    assert all(r["error"].startswith("skipped: time budget") for r in result.rows[1:])
+    assert seen == [1, 2, 3, 4, 4] and result.complete  # JSON rewritten after every row, then once complete
+    assert "skipped: time budget" in result.table(markdown=True)
+
+
+def test_throughput_mode_picks_the_batch_from_the_budget(tmp_path, capsys):
+    out = tmp_path / "tput.json"
+    rc = main(["bench", "--model-shape", "tiny", "--random-weights", "--throughput", "--kv-gib", "0.0001",
+               "--ctx", "32", "--steps", "2", "--warmup", "1", "--max-batch", "6", "--device", "cpu",
+               "--json", str(out), "--quiet"])
+    assert rc == 0
+    obj = json.loads(out.read_text())
+    assert obj["mode"] == "throughput" and obj["settings"]["kv_gib"] == 0.0001
+    (row,) = obj["rows"]
+    assert row["label"] == "transformers StaticCache + compile" and row["error"] is None, row["traceback"]
+    per_token = 2 * 2 * 16 * 2 * 2
+    assert row["bytes_per_seq"] == (32 + 1) * per_token  # the sizing cache holds context + 1 tokens
+    assert row["batch"] == min(6, int(0.0001 * 2**30 // row["bytes_per_seq"]))
+    assert row["decode_tok_s"] > 0 and row["cache_bytes"] == row["batch"] * (32 + 1 + 2) * per_token
+    assert "decode tok/s" in capsys.readouterr().out
+
+
+def test_builtin_stacks_resolve_and_run_on_a_random_model():
+    """Every built-in benchmark stack needs no calibration file of a particular model (head_dim 128 as
+    Llama-3-8B; the low-rank stacks get a random basis made for the model)."""
+    model = e2e.random_model("tiny", "cpu", torch.float32, head_dim=128, hidden_size=128, num_attention_heads=2,
+                             num_key_value_heads=1)
+    stacks = e2e.resolve_stacks(["builtin"], model)
+    assert [s.label for s in stacks] == list(e2e.BUILTIN_STACKS)
+    for st in [s for s in stacks if s.label in ("kivi2", "lowrank32-random", "ds-shared-random-1024")]:
+        row = e2e.measure_row(model, e2e.RowSpec("eager", st.label, st), 1, 1100, steps=1, warmup=0,
+                              profile_steps=0)
+        assert row["error"] is None, (st.label, row["traceback"])
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model-shape", "tiny"], "--random-weights: expected given with --model-shape"),
+    (["--model-shape", "huge", "--random-weights"], "--model-shape: expected one of llama3-8b, tiny, got 'huge'"),
+    (["--model-shape", "tiny", "--random-weights", "--points", "1x"], "--points: expected comma-separated"),
+    (["--model-shape", "tiny", "--random-weights", "--stack", "nosuch"], "--stack: expected a YAML stack file"),
+    (["--model-shape", "tiny", "--random-weights", "--context", "64"], "--context: expected not given"),
+    (["--model-shape", "tiny", "--random-weights", "--no-eager"], "--no-eager: expected used together with"),
+    (["--model-shape", "tiny", "--random-weights", "--model", "x"], "--model: expected not given"),
+    (["--random-weights"], "--random-weights: expected used together with --model-shape"),
+    (["--throughput"], "--throughput: expected used together with --model-shape"),
+])
+def test_options_are_checked_before_the_model_is_built(no_model_built, capsys, argv, needle):
+    assert main(["bench", *argv]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_parse_points():
+    assert e2e.parse_points("1x32768,8x16384") == [(1, 32768), (8, 16384)]
+    assert e2e.parse_points(" 2X64 ") == [(2, 64)]
+
+
+def test_script_forwards_to_the_cli():
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks/e2e_decode.py"), "--model-shape", "huge"],
+                         capture_output=True, text=True)
+    assert res.returncode == 2 and "--model-shape: expected one of llama3-8b, tiny, got 'huge'" in res.stderr
