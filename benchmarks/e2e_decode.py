@@ -19,11 +19,8 @@ compile time, compiled graphs and recompiles.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from kvcompress.cli import main  # noqa: E402
+from kvcompress.cli import main  # the installed kvcompress (pip install -e . / --target), with its plugins
 
 
 def run(argv: list[str] | None = None) -> int:

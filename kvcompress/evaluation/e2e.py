@@ -142,7 +142,8 @@ def check_stack_args(names: Sequence[str]) -> list[str]:
 
 
 def _example(name: str) -> Path | None:
-    for folder in (_EXAMPLES, _EXAMPLES / "sweeps"):
+    here = Path.cwd() / "examples" / "stacks"  # an installed package has no examples; a checkout's cwd may
+    for folder in (_EXAMPLES, _EXAMPLES / "sweeps", here, here / "sweeps"):
         path = folder / f"{name}.yaml"
         if path.is_file():
             return path
