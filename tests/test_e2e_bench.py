@@ -147,3 +147,18 @@ def test_script_forwards_to_the_cli():
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks/e2e_decode.py"), "--model-shape", "huge"],
                          capture_output=True, text=True)
     assert res.returncode == 2 and "--model-shape: expected one of llama3-8b, tiny, got 'huge'" in res.stderr
+
+
+def test_kernel_time_sums_cuda_kernels_only():
+    """GPU-busy time: the CUDA kernels of a profiler run; CPU ops and memory copies/sets are not counted."""
+    import types
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(name, device_type, us):
+        return types.SimpleNamespace(name=name, device_type=device_type, self_device_time_total=us)
+
+    prof = types.SimpleNamespace(events=lambda: [ev("sm90_gemm", cuda, 1500.0), ev("Memcpy HtoD (Pageable)", cuda, 90.0),
+                                                 ev("aten::mm", cpu, 0.0), ev("Memset (Device)", cuda, 3.0),
+                                                 ev("softmax_kernel", cuda, 500.0)])
+    assert e2e.kernel_time(prof) == (2.0, 2)

@@ -279,7 +279,10 @@ def kernel_time(prof: Any) -> tuple[float, int]:
             continue
         if evt.name.startswith(("Memcpy", "Memset", "[memory]")):
             continue
-        total_us += evt.self_device_time_total
+        try:
+            total_us += evt.self_device_time_total
+        except (AssertionError, AttributeError):  # older FunctionEvent APIs
+            total_us += evt.time_range.elapsed_us()
         count += 1
     return total_us / 1e3, count
 
