@@ -11,7 +11,8 @@ from .stack import as_stack
 
 
 @contextlib.contextmanager
-def compress(model: Any, stack: Any = None) -> Iterator[Cache]:
+def compress(model: Any, stack: Any = None, max_cache_len: int | None = None,
+             max_batch_size: int | None = None) -> Iterator[Cache]:
     """Compress ``model``'s KV cache with ``stack`` inside the ``with`` block.
 
     Yields a fresh :class:`kvcompress.Cache`; pass it to ``model.generate(..., cache=cache)``
@@ -22,8 +23,10 @@ def compress(model: Any, stack: Any = None) -> Iterator[Cache]:
     Args:
         model: a transformers causal LM.
         stack: a :class:`kvcompress.Stack`, a YAML path, a mapping, or ``None`` (no compression).
+        max_cache_len: capacity in tokens: a static, compileable cache (see :class:`kvcompress.Cache`).
+        max_batch_size: with ``max_cache_len``, allocate for this many rows now.
     """
     stack = as_stack(stack)
-    cache = Cache(stack, model)
+    cache = Cache(stack, model, max_cache_len=max_cache_len, max_batch_size=max_batch_size)
     with hf.attach(model):
         yield cache

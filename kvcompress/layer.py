@@ -19,42 +19,12 @@ through :class:`~kvcompress.pipeline.StackPipeline`.  Two read paths exist:
 from __future__ import annotations
 
 import dataclasses
-import threading
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
-from .adapters import hf
-from .errors import UnsupportedModelError, UnsupportedOperationError
+from .errors import UnsupportedOperationError
 from .state import KVBlock, LayerInfo, Layout, RingBuffer, Segment, SinkBuffer, TokenSelection
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .cache import Cache
-
-_ACTIVE = threading.local()
-
-
-def claim_pending(layer_idx: int, key: torch.Tensor) -> "CompressedLayer | None":
-    """The compressed layer whose ``update`` just ran for ``layer_idx`` (consumed once).
-
-    ``key`` must be the very tensor ``update`` returned: a model that transforms keys
-    between ``cache.update`` and attention cannot be read compressed.
-    """
-    layer = getattr(_ACTIVE, "layer", None)
-    if layer is None or layer.info.index != layer_idx or layer._pending is None:
-        return None
-    _ACTIVE.layer = None
-    if layer._pending[0] is not key:
-        layer._pending = None
-        raise UnsupportedModelError(
-            "the model changes the keys between cache.update() and attention; kvcompress cannot read its "
-            "compressed cache (use transformers' own cache for this model)")
-    return layer
-
-
-def clear_pending() -> None:
-    """Forget any unconsumed pending layer (called when a compress() scope ends)."""
-    _ACTIVE.layer = None
 
 
 def _cat_blocks(a: KVBlock | None, b: KVBlock | None) -> KVBlock:
@@ -66,28 +36,28 @@ def _cat_blocks(a: KVBlock | None, b: KVBlock | None) -> KVBlock:
                    torch.cat([a.positions, b.positions], 0))
 
 
-class CompressedLayer(hf.CacheLayerMixin):
-    """Sinks + compressed middle + full-precision recent ring for one attention layer."""
+class CompressedLayer:
+    """Sinks + compressed middle + full-precision recent ring for one attention layer (dynamic cache).
 
-    is_compileable = False
-    is_croppable = False
-    is_sliding = False
-    supports_early_init = False
+    Core state, free of transformers: :class:`kvcompress.adapters.hf.CompressedCacheLayer` is the
+    transformers cache layer that wraps it.
+    """
 
-    def __init__(self, owner: "Cache", info: LayerInfo):
-        super().__init__()
-        self.owner = owner
+    static = False
+
+    def __init__(self, info: LayerInfo, pipeline: Any):
         self.info = info
-        self.pipeline = owner.pipeline
+        self.pipeline = pipeline
         self.layout: Layout = self.pipeline.layout(info)
         self.state: dict[str, Any] = {}  # per-layer state of compressors, keyed by compressor name
         self.seen = 0
         self.sinks: SinkBuffer | None = None
         self.recent: RingBuffer | None = None
         self.middle = self.pipeline.make_store(self)
-        self._pending: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self.pending: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self.is_initialized = False
 
-    # -- transformers' CacheLayerMixin contract ---------------------------------------------
+    # -- storage lifecycle (called by the adapter's cache layer) -------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.sinks = SinkBuffer(self.layout.sinks or 0, key_states, value_states)
@@ -95,14 +65,16 @@ class CompressedLayer(hf.CacheLayerMixin):
         self.recent = RingBuffer(cap, key_states, value_states, initial=key_states.shape[2])
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, compressed: bool):
+        """Take the step's new tokens.  ``compressed``: kvcompress attention reads this step (the tokens
+        wait in :attr:`pending` for :meth:`attend`); else return a full-precision copy of what is kept
+        plus the new tokens for another attention implementation."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         seen_before = self.seen
         self.seen += key_states.shape[2]
-        if self.owner.reads_compressed():
-            self._pending = (key_states, value_states, seen_before)
-            _ACTIVE.layer = self
+        if compressed:
+            self.pending = (key_states, value_states, seen_before)
             return key_states, value_states
         keys, values = self._materialize(key_states, value_states)
         self.commit(key_states, value_states, None, seen_before)
@@ -111,8 +83,8 @@ class CompressedLayer(hf.CacheLayerMixin):
     def get_seq_length(self) -> int:
         return self.seen
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if self.owner.reads_compressed():
+    def get_mask_sizes(self, query_length: int, compressed: bool) -> tuple[int, int]:
+        if compressed:
             # Masks in logical coordinates: column j is logical position j.
             return self.seen + query_length, 0
         stored = self.stored_tokens()
@@ -127,19 +99,16 @@ class CompressedLayer(hf.CacheLayerMixin):
             raise AttributeError("batch_size")
         return self.sinks.k.shape[0]
 
+    def tokens_seen(self) -> int:
+        return self.seen
+
     def reset(self) -> None:
         self.seen = 0
         self.sinks = self.recent = None
         self.state.clear()
         self.middle = self.pipeline.make_store(self)
-        self._pending = None
+        self.pending = None
         self.is_initialized = False
-
-    def offload(self):  # storage is not plain keys/values; offloading is not supported
-        return None
-
-    def prefetch(self):
-        return None
 
     def crop(self, tokens_to_remove: int) -> None:
         raise UnsupportedOperationError(
@@ -147,7 +116,7 @@ class CompressedLayer(hf.CacheLayerMixin):
             "quantized tokens cannot be restored; use plain generation"
         )
 
-    def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if not self.is_initialized:
             return
         self.sinks.map_batch(fn)
@@ -156,15 +125,6 @@ class CompressedLayer(hf.CacheLayerMixin):
         for value in self.state.values():
             if hasattr(value, "map_batch"):
                 value.map_batch(fn)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices])
 
     # -- storage --------------------------------------------------------------------------
     def regions(self) -> tuple[list[Segment], list[Segment], list[Segment]]:
@@ -217,8 +177,8 @@ class CompressedLayer(hf.CacheLayerMixin):
 
         Returns ``[batch, q_len, q_heads, head_dim]`` (transformers' attention output layout).
         """
-        k, v, seen_before = self._pending
-        self._pending = None
+        k, v, seen_before = self.pending
+        self.pending = None
         q = k.shape[2]
         valid_new = None
         if attention_mask is not None:

@@ -52,7 +52,8 @@ class MiddleCodec(Protocol):
 
     def token_axis(self, name: str) -> bool: ...
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]: ...
+    def encode(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+               fill: bool | None = None) -> dict[str, torch.Tensor]: ...
 
     def packed(self, payload: dict[str, torch.Tensor], valid: torch.Tensor) -> Any: ...
 
@@ -68,7 +69,8 @@ class DenseCodec:
     def token_axis(self, name: str) -> bool:
         return True
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+    def encode(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+               fill: bool | None = None) -> dict[str, torch.Tensor]:
         return {"k": k, "v": v}
 
     def packed(self, payload: dict[str, torch.Tensor], valid: torch.Tensor) -> "DenseRegion":
@@ -513,3 +515,230 @@ class PagedStore(MiddleStore):
 def pool_pages_for_budget(budget_tokens: int, page_size: int) -> int:
     """Pages one row can need under a budget of ``budget_tokens`` middle tokens (one partial page + a full set)."""
     return math.ceil(budget_tokens / page_size) + 1
+
+
+# ----------------------------------------------------------------------------- the static store
+
+
+class StaticPagedStore(MiddleStore):
+    """A paged middle for a static cache: each row owns ``pages`` page slots, preallocated.
+
+    Row ``b``'s page ``j`` is token slots ``[j*P, (j+1)*P)`` of the row's payload tensors
+    ``[batch, heads, pages*P (or pages*P/unit), ...]``, so attention reads every row's pages in
+    place as one region (no block table, no gather) with ``valid`` ``[batch, pages*P]``.  The
+    per-row block table of :class:`PagedStore` becomes per-page state on the device: ``live``
+    ``[batch, pages]``, the page ``score`` (mean token score), its ``age`` (write order, for "never the
+    newest" and ties) and its ``tokens``.  Freeing a page clears its slots; :meth:`append` writes each
+    new page into the row's first free page.  One extra page per row takes the writes of blocks that
+    are not due (always invalid, never read as live).
+    """
+
+    static = True
+
+    def __init__(self, page_size: int, pages: int, codec: MiddleCodec | None = None, score_key: str | None = None):
+        self.codec = codec if codec is not None else DenseCodec()
+        if page_size < 1 or page_size % self.codec.unit:
+            raise ValueError(f"page size {page_size} is not a multiple of the codec's unit ({self.codec.unit} tokens)")
+        self.page_size = page_size
+        self.pages = pages  # usable pages per row; slot `pages` is the sink for blocks that are not due
+        self.score_key = score_key
+        self.lanes: list[tuple[HeadGroup, dict[str, torch.Tensor]]] | None = None
+        self.valid: torch.Tensor | None = None  # [B, (pages + 1) * P]
+        self.pos: torch.Tensor | None = None  # [B, (pages + 1) * P]
+        self.live: torch.Tensor | None = None  # [B, pages + 1]
+        self.score: torch.Tensor | None = None  # [B, pages + 1] float32
+        self.age: torch.Tensor | None = None  # [B, pages + 1] int64
+        self.clock: torch.Tensor | None = None  # 0-dim int64: pages written so far
+
+    # -- allocation -------------------------------------------------------------------------
+    def _allocate(self, block: KVBlock, encoded: list[tuple[HeadGroup, dict[str, torch.Tensor]]]) -> None:
+        from .static import mark_static
+
+        b, dev = block.valid.shape[0], block.valid.device
+        slots, p = (self.pages + 1) * self.page_size, self.page_size
+        self.lanes = []
+        for part, data in encoded:
+            bufs = {}
+            for name, t in data.items():
+                shape = list(t.shape)
+                shape[0] = b
+                shape[2] = slots if self.codec.token_axis(name) else slots // self.codec.unit
+                bufs[name] = t.new_zeros(shape)
+                mark_static(bufs[name])
+            self.lanes.append((part.layout(), bufs))
+        self.valid = torch.zeros(b, slots, dtype=torch.bool, device=dev)
+        self.pos = torch.zeros(b, slots, dtype=torch.long, device=dev)
+        self.live = torch.zeros(b, self.pages + 1, dtype=torch.bool, device=dev)
+        self.score = torch.zeros(b, self.pages + 1, dtype=torch.float32, device=dev)
+        self.age = torch.zeros(b, self.pages + 1, dtype=torch.long, device=dev)
+        self.clock = torch.zeros((), dtype=torch.long, device=dev)
+        self._slot = torch.arange(p, device=dev)
+        mark_static(self.valid, self.pos, self.live, self.score, self.age, self.clock)
+
+    # -- what the owner reads -----------------------------------------------------------------
+    def page_tokens(self) -> torch.Tensor | None:
+        """Valid slots of each page ``[batch, pages]`` (0 for free pages)."""
+        if self.valid is None:
+            return None
+        return self.valid.view(self.valid.shape[0], self.pages + 1, self.page_size).sum(-1)[:, :self.pages]
+
+    def row_tokens(self) -> torch.Tensor | None:
+        """Valid tokens each row holds in the pool ``[batch]``."""
+        return None if self.valid is None else self.valid.sum(1)
+
+    def free_pages(self, mask: torch.Tensor) -> None:
+        """Free the pages where ``mask [batch, pages]`` holds (their slots are never read again)."""
+        m = torch.nn.functional.pad(mask, (0, 1))
+        self.live.copy_(self.live & ~m)
+        slots = m.repeat_interleave(self.page_size, dim=1)
+        self.valid.copy_(self.valid & ~slots)
+        self.score.masked_fill_(m, 0.0)
+
+    # -- MiddleStore ----------------------------------------------------------------------------
+    def append(self, block: KVBlock) -> None:
+        """Write ``block`` as pages into each row's first free page.
+
+        Host-side blocks (prefill: ``due is None``) pack each row's valid tokens densely into pages, in
+        position order; decode blocks are ``F / P`` pages of ``P`` columns per row, written when due.
+        """
+        p, dev = self.page_size, block.valid.device
+        b = block.valid.shape[0]
+        if block.due is None:
+            packing = pack_rows(block.valid, p)
+            rows, tokens, slot_valid = packing.row, packing.token, packing.slot_valid
+        else:
+            n = block.num_tokens // p
+            rows = torch.arange(b, device=dev).repeat_interleave(n)  # page r * n + j: row r, page j
+            tokens = (torch.arange(n, device=dev).view(n, 1) * p + torch.arange(p, device=dev)).repeat(b, 1)
+            slot_valid = block.valid.view(b * n, p) & block.due
+        if rows.numel() == 0:  # nothing kept: allocate from a dummy page, write nothing
+            if self.lanes is None:
+                self._allocate(block, self._encode(block, torch.zeros(1, dtype=torch.long, device=dev),
+                                                   torch.zeros(1, p, dtype=torch.long, device=dev)))
+            return
+        encoded = self._encode(block, rows, tokens)
+        if self.lanes is None:
+            self._allocate(block, encoded)
+        meta = block.meta.get(self.score_key) if self.score_key is not None else None
+        if meta is not None:
+            scores = page_scores(meta[rows[:, None], tokens], slot_valid)
+        else:
+            scores = torch.zeros(rows.shape[0], device=dev)
+        positions = block.positions[tokens]
+        if block.due is None:  # host: one page after another (their number is known here)
+            for i in range(rows.shape[0]):
+                sel = torch.tensor([i], device=dev)
+                self._write_page(rows[i:i + 1], encoded, sel, slot_valid[sel], positions[sel], scores[sel], host=True)
+        else:
+            n = block.num_tokens // p
+            for j in range(n):
+                sel = torch.arange(b, device=dev) * n + j
+                self._write_page(None, encoded, sel, slot_valid[sel], positions[sel], scores[sel], host=False)
+
+    def _encode(self, block: KVBlock, rows: torch.Tensor, tokens: torch.Tensor):
+        """Each part's pages encoded: ``(part, {name: [pages, heads, n, ...]})``."""
+        out = []
+        valid = block.valid[rows[:, None], tokens]
+        for part in block.parts():
+            k = part.k.transpose(1, 2)[rows[:, None], tokens].transpose(1, 2)  # [N, heads, P, dk]
+            v = part.v.transpose(1, 2)[rows[:, None], tokens].transpose(1, 2)
+            out.append((part, self.codec.encode(k.contiguous(), v.contiguous(), valid, fill=True)))
+        return out
+
+    def _write_page(self, row, encoded, sel, slot_valid, positions, scores, host: bool) -> None:
+        """Write page ``sel[i]`` of ``encoded`` into row ``i``'s first free page (``host``: the one row ``row``)."""
+        p, unit = self.page_size, self.codec.unit
+        if host:
+            rows = row
+            free = ~self.live[row, :self.pages]
+            if not bool(free.any()):
+                raise RuntimeError("a static paged store ran out of pages: its owner keeps more than it declared")
+            target = free.long().argmax(1)
+            keep = torch.ones_like(target, dtype=torch.bool)
+        else:
+            rows = torch.arange(self.live.shape[0], device=self.live.device)
+            keep = slot_valid.any(1)  # rows whose page holds a token (False when the block is not due)
+            free = ~self.live[:, :self.pages]
+            spare = torch.full_like(rows, self.pages)
+            target = torch.where(keep & free.any(1), free.long().argmax(1), spare)
+        for (_, bufs), (_, data) in zip(self.lanes, encoded):
+            for name, src in data.items():
+                buf = bufs[name]
+                n = p if self.codec.token_axis(name) else p // unit
+                view = buf.view(buf.shape[0], buf.shape[1], self.pages + 1, n, *buf.shape[3:])
+                page = src.index_select(0, sel).unsqueeze(2).to(buf.dtype)  # [rows, heads, 1, n, ...]
+                index = target.view(-1, *([1] * (view.dim() - 1))).expand(page.shape)
+                view.index_copy_(0, rows, view.index_select(0, rows).scatter(2, index, page))
+        t = target.view(-1, 1, 1).expand(-1, 1, p)
+        for buf, new in ((self.valid, slot_valid), (self.pos, positions.to(self.pos.dtype))):
+            view = buf.view(buf.shape[0], self.pages + 1, p)
+            view.index_copy_(0, rows, view.index_select(0, rows).scatter(1, t, new.unsqueeze(1)))
+        tt = target.view(-1, 1)
+        live = self.live.index_select(0, rows).scatter(1, tt, keep.view(-1, 1))
+        live[:, self.pages] = False
+        self.live.index_copy_(0, rows, live)
+        self.score.index_copy_(0, rows, self.score.index_select(0, rows).scatter(1, tt, scores.view(-1, 1).float()))
+        self.age.index_copy_(0, rows, self.age.index_select(0, rows).scatter(1, tt, self.clock.expand(rows.shape[0], 1)))
+        self.clock.add_(1)
+
+    def segments(self) -> list[Segment]:
+        if self.lanes is None:
+            return []
+        zero = torch.zeros((), dtype=torch.long, device=self.valid.device).expand(self.valid.shape[1])
+        out = []
+        for group, bufs in self.lanes:
+            region = self.codec.packed(bufs, self.valid)
+            if isinstance(self.codec, DenseCodec):
+                seg = Segment(region.k, region.v, self.valid, zero)
+            else:
+                seg = Segment(None, None, self.valid, zero, packed=region)
+            out.append(group.attach(seg))
+        return out
+
+    @property
+    def num_tokens(self) -> int:
+        return 0 if self.valid is None else self.valid.shape[1]
+
+    def limit(self, max_tokens: int) -> None:
+        return None
+
+    def valid_mask(self) -> torch.Tensor | None:
+        return self.valid
+
+    def positions(self) -> torch.Tensor | None:
+        return self.pos
+
+    def retain(self, keep: torch.Tensor) -> None:
+        self.valid.copy_(self.valid & keep)
+        alive = self.valid.view(self.valid.shape[0], self.pages + 1, self.page_size).any(-1)
+        self.live.copy_(self.live & alive)
+
+    def drop_oldest(self, n: int) -> None:
+        raise NotImplementedError("a static store evicts through free_pages / retain")
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.lanes is None:
+            return
+        for t in (self.valid, self.pos, self.live, self.score, self.age):
+            t.copy_(fn(t))
+        for _, bufs in self.lanes:
+            for t in bufs.values():
+                t.copy_(fn(t))
+
+    def reset(self) -> None:
+        if self.valid is not None:
+            for t in (self.valid, self.pos, self.live, self.score, self.age, self.clock):
+                t.zero_()
+
+    def nbytes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for _, bufs in self.lanes or []:
+            for name, t in bufs.items():
+                key = self.codec.report_key(name)
+                if key != "middle: pages":
+                    key = key.replace("middle: ", "middle: pages, ")
+                out[key] = out.get(key, 0) + t.numel() * t.element_size()
+        size = (lambda t: 0 if t is None else t.numel() * t.element_size())
+        out["middle: page valid + positions + state"] = sum(size(t) for t in (self.valid, self.pos, self.live,
+                                                                                    self.score, self.age))
+        return out

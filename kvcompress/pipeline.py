@@ -95,11 +95,19 @@ class StackPipeline:
             store = fn(layer=layer)
             if store is not None:
                 return store
+        if getattr(layer, "static", False):
+            from .static import StaticDenseStore
+
+            return StaticDenseStore(layer.store_capacity)
         return DenseStore()
 
     # -- lifecycle events ---------------------------------------------------------------
     def flush(self, layer: Any, block: KVBlock) -> None:
-        """Run score -> evict -> prune/low-rank -> regroup -> store on a block leaving the window."""
+        """Run score -> evict -> prune/low-rank -> regroup -> store on a block leaving the window.
+
+        In a static cache (``layer.static``) blocks keep their size (no column is compacted away: the
+        stores' slots and a selector's indices stay aligned, and shapes stay static).
+        """
         for fn in self.stages["kvcompress_score_tokens"]:
             fn(layer=layer, block=block)
         for fn in self.stages["kvcompress_evict_tokens"]:
@@ -108,14 +116,27 @@ class StackPipeline:
                 return
             if keep is not None and keep is not True:
                 block.valid = block.valid & keep
-        block = block.compact()
-        if block is None:
-            return
+        if not getattr(layer, "static", False):
+            block = block.compact()
+            if block is None:
+                return
         for fn in self._transforms:
             out = fn(layer=layer, block=block)
             if out is not None:
                 block = out
         layer.middle.append(block)
+
+    def not_graph_safe(self) -> list[tuple[str, list[str]]]:
+        """``(compressor name, hooks it implements)`` for each compressor that does not declare
+        ``graph_safe = True`` (its hooks may read tensors on the host): such a stack cannot run in a
+        static, compileable cache."""
+        out = []
+        for name, obj in self.compressors:
+            if getattr(obj, "graph_safe", False) is True:
+                continue
+            hooks = sorted(h.name for h in self.pm.get_hookcallers(obj) or [])
+            out.append((name, hooks))
+        return out
 
     def select(self, layer: Any, query: torch.Tensor) -> torch.Tensor | None:
         for fn in self.stages["kvcompress_select_tokens"]:

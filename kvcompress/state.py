@@ -34,15 +34,18 @@ class Layout:
         sinks: full-precision attention sinks kept per row (first real tokens).
         recent: full-precision recent tokens kept between steps.
         flush: tokens leave the recent window in multiples of this many.
+        middle: most tokens the middle store ever holds per row (an evictor's budget); static caches
+            size their middle store by it (``None``: no bound, up to the cache's capacity).
     """
 
     sinks: int | None = None
     recent: int | None = None
     flush: int | None = None
+    middle: int | None = None
 
     @staticmethod
     def combine(layouts: Iterable["Layout | None"]) -> "Layout":
-        sinks = recent = None
+        sinks = recent = middle = None
         flush = 1
         for lay in layouts:
             if lay is None:
@@ -53,7 +56,9 @@ class Layout:
                 recent = max(recent or 0, lay.recent)
             if lay.flush is not None:
                 flush = flush * lay.flush // math.gcd(flush, lay.flush)
-        return Layout(sinks=sinks or 0, recent=recent, flush=flush)
+            if lay.middle is not None:
+                middle = lay.middle if middle is None else min(middle, lay.middle)
+        return Layout(sinks=sinks or 0, recent=recent, flush=flush, middle=middle)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +130,11 @@ class KVBlock:
         meta: per-token metadata written by the score stage.
         groups: after pruning / regrouping, the head groups that replace ``k`` and ``v``
             (which are then ``None``); an empty list means no head keeps anything.
+        due: in a static cache's decode step, a 0-dim bool tensor: whether the block really leaves
+            the window this step (``valid`` is already False everywhere when it does not).  Blocks
+            have a fixed size there and a hook must not read tensor values on the host; a hook that
+            changes stored state (evicting stored tokens, advancing a cursor) applies it only where
+            ``due`` holds.  ``None``: the block is real (dynamic caches, prefill).
     """
 
     k: torch.Tensor | None
@@ -133,6 +143,7 @@ class KVBlock:
     positions: torch.Tensor
     meta: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     groups: list[HeadGroup] | None = None
+    due: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -151,7 +162,7 @@ class KVBlock:
             dataclasses.replace(g, k=g.k.index_select(2, index), v=g.v.index_select(2, index)) for g in self.groups]
         pick = (lambda t: None if t is None else t.index_select(2, index))
         return KVBlock(pick(self.k), pick(self.v), self.valid.index_select(1, index),
-                       self.positions.index_select(0, index), meta, groups)
+                       self.positions.index_select(0, index), meta, groups, self.due)
 
     def compact(self) -> "KVBlock | None":
         """Drop token columns that are invalid in every row; ``None`` when nothing is left."""

@@ -173,8 +173,77 @@ class LabelCache:
                    if t is not None)
 
 
+class StaticLabelCache:
+    """The label cache of a static cache: preallocated for the middle store's ``capacity`` slots.
+
+    Labels are written at the same ring slots as the middle store writes the block's tokens (both
+    advance a device cursor by the block size when the block is due, over the same capacity), so a
+    selection's indices are middle-store columns.  Same channel-major layout as :class:`LabelCache`.
+    """
+
+    def __init__(self, channels: torch.Tensor, bits: int, capacity: int):
+        self.channels = channels
+        self.bits = bits
+        self.capacity = capacity
+        self.data: torch.Tensor | None = None  # [B, H, W, capacity]
+        self.aux: torch.Tensor | None = None  # [B, H, 2, capacity]
+        self.valid_mask: torch.Tensor | None = None  # [B, capacity]
+        self.cursor: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, valid: torch.Tensor, due: torch.Tensor | None) -> None:
+        from kvcompress.kernels.doublesparse import quantize_labels
+        from kvcompress.static import mark_static
+
+        b, h, n, _ = k.shape
+        r = self.channels.shape[1]
+        lab = k.gather(-1, self.channels.view(1, h, 1, r).expand(b, h, n, r))
+        aux = None
+        if self.bits != 16:
+            q = quantize_labels(lab, self.bits)
+            lab, aux = q.data, torch.stack([q.scale, q.zero], dim=2)  # [B, H, 2, n]
+        if self.data is None:
+            self.data = lab.new_zeros(b, h, lab.shape[-1], self.capacity)
+            self.aux = None if aux is None else aux.new_zeros(b, h, 2, self.capacity)
+            self.valid_mask = torch.zeros(b, self.capacity, dtype=torch.bool, device=k.device)
+            self.cursor = torch.zeros((), dtype=torch.long, device=k.device)
+            self._offsets = torch.arange(self.capacity, device=k.device)
+            mark_static(self.data, self.aux, self.valid_mask, self.cursor)
+        slots = (self.cursor + self._offsets[:n]).remainder(self.capacity)
+        self.data.index_copy_(3, slots, lab.transpose(-1, -2))
+        if aux is not None:
+            self.aux.index_copy_(3, slots, aux)
+        self.valid_mask.index_copy_(1, slots, valid if due is None else valid & due)
+        self.cursor.add_(n if due is None else due.long() * n)
+
+    def labels(self):
+        from kvcompress.kernels.doublesparse import Labels
+
+        data = self.data.transpose(-1, -2)
+        if self.bits == 16:
+            return Labels(data, 16)
+        return Labels(data, self.bits, self.aux[:, :, 0], self.aux[:, :, 1])
+
+    def valid(self) -> torch.Tensor | None:
+        return self.valid_mask
+
+    def map_batch(self, fn) -> None:
+        if self.data is not None:
+            for t in (self.data, self.aux, self.valid_mask):
+                if t is not None:
+                    t.copy_(fn(t))
+
+    def reset(self) -> None:
+        if self.data is not None:
+            self.valid_mask.zero_()
+            self.cursor.zero_()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.aux, self.valid_mask) if t is not None)
+
+
 class DoubleSparseCompressor(Compressor):
     name = "double_sparse"
+    graph_safe = True
 
     def __init__(self, config: DoubleSparseConfig):
         super().__init__(config)
@@ -216,10 +285,14 @@ class DoubleSparseCompressor(Compressor):
         self.load(layer.model_config)  # fail at cache build, not at the first decode step
         return Layout(sinks=self.config.sinks or None, recent=self.config.window, flush=1)
 
-    def _cache(self, layer, device) -> LabelCache:
+    def _cache(self, layer, device) -> LabelCache | StaticLabelCache:
         cache = layer.state.get("double_sparse")
         if cache is None:
-            cache = LabelCache(self.table[layer.info.index].to(device), self.config.label_bits)
+            channels = self.table[layer.info.index].to(device)
+            if layer.static:
+                cache = StaticLabelCache(channels, self.config.label_bits, layer.store_capacity)
+            else:
+                cache = LabelCache(channels, self.config.label_bits)
             layer.state["double_sparse"] = cache
         return cache
 
@@ -235,6 +308,9 @@ class DoubleSparseCompressor(Compressor):
     def kvcompress_score_tokens(self, layer, block):
         if self.config.budget(layer.info.index) is None:
             return
+        if layer.static:  # the store writes the whole block at its cursor; so do the labels
+            self._cache(layer, block.k.device).append(block.k, block.valid, block.due)
+            return
         kept = block.compact()  # the columns the middle store will receive (no evictor in the stack)
         if kept is not None:
             self._cache(layer, block.k.device).append(kept.k, kept.valid, kept.positions)
@@ -243,9 +319,14 @@ class DoubleSparseCompressor(Compressor):
     def kvcompress_select_tokens(self, layer, query):
         budget = self.config.budget(layer.info.index)
         cache = layer.state.get("double_sparse")
-        if query.shape[2] != 1 or budget is None or cache is None or cache.size <= budget:
+        if layer.static:
+            # one shape every step: the top-k over the store's slots (invalid ones score -inf and are
+            # masked by the gather), unless the store can never hold more than the budget
+            if query.shape[2] != 1 or budget is None or cache is None or cache.capacity <= budget:
+                return None
+        elif query.shape[2] != 1 or budget is None or cache is None or cache.size <= budget:
             return None  # prefill / chunks, dense layers, or k >= middle tokens: read everything
-        if cache.size != layer.middle.num_tokens:
+        elif cache.size != layer.middle.num_tokens:
             raise UnsupportedOperationError(
                 f"double_sparse: the middle store holds {layer.middle.num_tokens} tokens but {cache.size} left the "
                 "window; DoubleSparse cannot be stacked with an evictor (its selection indexes every middle token)")

@@ -48,6 +48,7 @@ from kvcompress import Compressor, CompressorSpec, Layout, hookimpl, param
 from kvcompress.errors import ConfigError
 from kvcompress.kernels.kivi import PackedKV, quantize_keys, quantize_values
 from kvcompress.state import HeadGroup, KVBlock, MiddleStore, Segment, grown_capacity
+from kvcompress.static import StaticRing, mark_static
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,9 +93,13 @@ class KiviCodec:
     def token_axis(self, name: str) -> bool:
         return name.startswith("v_") or (self.per_token_keys and name.startswith("k_"))
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Quantize ``k``/``v`` ``[batch, heads, T, d]`` (T a multiple of G); masked slots never widen a range."""
-        if not bool(valid.all()):
+    def encode(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+               fill: bool | None = None) -> dict[str, torch.Tensor]:
+        """Quantize ``k``/``v`` ``[batch, heads, T, d]`` (T a multiple of G); masked slots never widen a range.
+
+        ``fill``: replace masked slots (``None``: only when some slot is masked, a host check; static
+        caches pass ``True``, which changes nothing where every slot is valid)."""
+        if fill or (fill is None and not bool(valid.all())):
             k, v = self._fill_masked(k, valid), self._fill_masked(v, valid)
         if self.per_token_keys:
             kc, ks, kz = quantize_values(k, self.bits, self.v_group)
@@ -279,8 +284,99 @@ class KiviStore(MiddleStore):
         return out
 
 
+class KiviStaticStore(MiddleStore):
+    """KIVI's store in a static cache: packed tensors preallocated for ``capacity`` tokens, used as a
+    ring of G-token groups with a device-side cursor (:class:`kvcompress.static.StaticRing`).
+
+    Same payloads and segments as :class:`KiviStore`; blocks arrive G-aligned (a static cache's flush
+    is a multiple of G) and are encoded once, append-only; eviction masks slots (``retain``) and the
+    cursor reuses the oldest groups.
+    """
+
+    static = True
+
+    def __init__(self, config: KiviConfig, head_dim: int, capacity: int):
+        self.codec = KiviCodec(config, head_dim)
+        self.group = self.codec.group
+        self.ring = StaticRing(capacity, unit=self.group)
+        self.lanes: list[tuple[HeadGroup, dict[str, torch.Tensor]]] | None = None
+
+    def append(self, block: KVBlock) -> None:
+        block = self.ring.fit(block)
+        n, g = block.num_tokens, self.group
+        if n % g:
+            raise ValueError(f"a static KIVI store encodes whole groups of {g} tokens, got a block of {n}")
+        encoded = [(part, self.codec.encode(part.k, part.v, block.valid, fill=True)) for part in block.parts()]
+        if self.lanes is None:
+            self.ring.allocate(block.valid.shape[0], block.valid.device)
+            self.lanes = []
+            for part, data in encoded:
+                bufs = {}
+                for name, t in data.items():
+                    shape = list(t.shape)
+                    shape[2] = self.ring.capacity if self.codec.token_axis(name) else self.ring.capacity // g
+                    bufs[name] = t.new_zeros(shape)
+                    mark_static(bufs[name])
+                self.lanes.append((part.layout(), bufs))
+        tslots = self.ring.slots(n)
+        gslots = tslots.view(n // g, g)[:, 0].div(g, rounding_mode="floor")
+        for (_, bufs), (_, data) in zip(self.lanes, encoded):
+            for name, src in data.items():
+                bufs[name].index_copy_(2, tslots if self.codec.token_axis(name) else gslots, src)
+        self.ring.write_meta(tslots, block)
+        self.ring.advance(n, block.due)
+
+    def segments(self) -> list[Segment]:
+        if self.lanes is None:
+            return []
+        valid = self.ring.valid
+        positions = torch.zeros((), dtype=torch.long, device=valid.device).expand(valid.shape[1])
+        return [group.attach(Segment(None, None, valid, positions, packed=self.codec.packed(bufs, valid)))
+                for group, bufs in self.lanes]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.ring.capacity
+
+    def limit(self, max_tokens: int) -> None:  # the capacity was fixed when the cache was built
+        return None
+
+    def valid_mask(self) -> torch.Tensor | None:
+        return self.ring.valid
+
+    def positions(self) -> torch.Tensor | None:
+        return self.ring.pos
+
+    def retain(self, keep: torch.Tensor) -> None:
+        self.ring.valid.copy_(self.ring.valid & keep)
+
+    def drop_oldest(self, n: int) -> None:
+        raise NotImplementedError("a static store evicts through retain(keep)")
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.lanes is None:
+            return
+        self.ring.valid.copy_(fn(self.ring.valid))
+        for _, bufs in self.lanes:
+            for t in bufs.values():
+                t.copy_(fn(t))
+
+    def reset(self) -> None:
+        self.ring.reset()
+
+    def nbytes(self) -> dict[str, int]:
+        out = {"middle: kivi codes": 0, "middle: kivi scales": 0, "middle: mask + positions": 0}
+        if self.ring.valid is not None:
+            out["middle: mask + positions"] = self.ring.valid.numel() + self.ring.pos.numel() * 8
+        for _, bufs in self.lanes or []:
+            for name, t in bufs.items():
+                out[self.codec.report_key(name)] += t.numel() * t.element_size()
+        return out
+
+
 class KiviCompressor(Compressor):
     name = "kivi"
+    graph_safe = True
 
     @hookimpl
     def kvcompress_layer_layout(self, layer):
@@ -288,6 +384,8 @@ class KiviCompressor(Compressor):
 
     @hookimpl
     def kvcompress_quantize_store(self, layer):
+        if layer.static:
+            return KiviStaticStore(self.config, layer.info.head_dim, layer.store_capacity)
         return KiviStore(self.config, layer.info.head_dim)
 
     @hookimpl

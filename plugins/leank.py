@@ -35,7 +35,7 @@ import torch
 
 from kvcompress import Compressor, CompressorSpec, Layout, hookimpl, param
 from kvcompress.errors import ConfigError
-from kvcompress.state import HeadGroup, KVBlock
+from kvcompress.state import HeadGroup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +57,7 @@ class LeanKConfig:
 
 class LeanKCompressor(Compressor):
     name = "leank"
+    graph_safe = True
 
     def __init__(self, config: LeanKConfig):
         super().__init__(config)
@@ -94,7 +95,7 @@ class LeanKCompressor(Compressor):
         for h, heads, channels in self._plan(layer, block.k.device):
             groups.append(HeadGroup(heads, block.k[:, h:h + 1].index_select(-1, channels), block.v[:, h:h + 1],
                                     channels.unsqueeze(0)))
-        return KVBlock(None, None, block.valid, block.positions, block.meta, groups)
+        return dataclasses.replace(block, k=None, v=None, groups=groups)
 
     @hookimpl
     def kvcompress_regroup_heads(self, layer, block):
@@ -110,7 +111,7 @@ class LeanKCompressor(Compressor):
             gs = by_count[count]
             merged.append(HeadGroup(torch.cat([g.heads for g in gs]), torch.cat([g.k for g in gs], dim=1),
                                     torch.cat([g.v for g in gs], dim=1), torch.cat([g.channels for g in gs])))
-        return KVBlock(None, None, block.valid, block.positions, block.meta, merged)
+        return dataclasses.replace(block, k=None, v=None, groups=merged)
 
 
 @hookimpl

@@ -43,7 +43,7 @@ import torch
 
 from kvcompress import Compressor, CompressorSpec, Layout, hookimpl, param
 from kvcompress.errors import ConfigError
-from kvcompress.state import HeadGroup, KVBlock
+from kvcompress.state import HeadGroup
 
 _HINT = "make one with `kvcompress calibrate lowrank --rank 32 --out FILE.safetensors`"
 
@@ -83,6 +83,7 @@ class LowRankConfig:
 
 class LowRankCompressor(Compressor):
     name = "lowrank"
+    graph_safe = True
 
     def __init__(self, config: LowRankConfig):
         super().__init__(config)
@@ -144,7 +145,7 @@ class LowRankCompressor(Compressor):
             if v_basis is not None:
                 v = torch.einsum("bhtd,hdr->bhtr", v.float(), v_basis).to(block.v.dtype)
             groups.append(HeadGroup(heads, k, v, qmap=project, vmap=unproject))
-        return KVBlock(None, None, block.valid, block.positions, block.meta, groups)
+        return dataclasses.replace(block, k=None, v=None, groups=groups)
 
     @hookimpl
     def kvcompress_validate_stack(self, entries):

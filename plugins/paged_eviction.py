@@ -50,7 +50,7 @@ import torch
 
 from kvcompress import Compressor, CompressorSpec, Layout, hookimpl, param
 from kvcompress.errors import ConfigError, PluginError
-from kvcompress.paged import PagedStore, pack_rows, page_scores
+from kvcompress.paged import PagedStore, StaticPagedStore, pack_rows, page_scores
 
 SCORES = ("v_over_k", "key_norm", "inverse_key_norm", "random")
 META = "paged_eviction:score"
@@ -82,9 +82,18 @@ class PagedEvictionConfig:
 
 
 def token_scores(config: PagedEvictionConfig, k: torch.Tensor, v: torch.Tensor, layer_index: int,
-                 first_position: int) -> torch.Tensor:
-    """Per-token score ``[batch, tokens]`` (float32, mean over kv heads) of full-precision ``k``/``v``."""
+                 first_position: int | torch.Tensor) -> torch.Tensor:
+    """Per-token score ``[batch, tokens]`` (float32, mean over kv heads) of full-precision ``k``/``v``.
+
+    ``first_position``: the block's first logical position; a tensor of every token's position in a
+    static cache, where the ``random`` score is a hash of (seed, layer, row, position) computed on the
+    device instead of a host generator (the same baseline, other draws)."""
     if config.score == "random":
+        if isinstance(first_position, torch.Tensor):
+            rows = torch.arange(k.shape[0], device=k.device).view(-1, 1)
+            x = (first_position.view(1, -1) * 2654435761 + rows * 40503 + layer_index * 97 + config.seed) % 2147483647
+            x = (x * 48271) % 2147483647
+            return x.float() / 2147483647.0
         gen = torch.Generator().manual_seed(hash((config.seed, layer_index, first_position)) & ((1 << 62) - 1))
         return torch.rand(k.shape[0], k.shape[2], generator=gen).to(k.device)
     kn = k.float().norm(dim=-1)
@@ -99,6 +108,7 @@ def token_scores(config: PagedEvictionConfig, k: torch.Tensor, v: torch.Tensor, 
 
 class PagedEvictionCompressor(Compressor):
     name = "paged_eviction"
+    graph_safe = True
 
     # -- build time ---------------------------------------------------------------------
     @hookimpl
@@ -140,16 +150,23 @@ class PagedEvictionCompressor(Compressor):
         if cfg.block % unit:
             raise ConfigError(f"{self.name}.block", f"a multiple of the quantizer's unit ({unit} tokens)", cfg.block)
         middle = max(cfg.budget - cfg.sink_tokens, cfg.block)
+        if layer.static:
+            return StaticPagedStore(cfg.block, math.ceil(middle / cfg.block) + 2, codec, score_key=META)
         return PagedStore(cfg.block, codec, score_key=META, max_pages_per_row=math.ceil(middle / cfg.block) + 1)
 
     # -- per flush ------------------------------------------------------------------------
     @hookimpl
     def kvcompress_score_tokens(self, layer, block):
-        first = int(block.positions[0]) if block.num_tokens else 0
+        if layer.static:
+            first = block.positions
+        else:
+            first = int(block.positions[0]) if block.num_tokens else 0
         block.meta[META] = token_scores(self.config, block.k, block.v, layer.info.index, first)
 
     @hookimpl
     def kvcompress_evict_tokens(self, layer, block):
+        if layer.static:
+            return self._evict_static(layer, block)
         store = layer.middle
         if not isinstance(store, PagedStore):
             raise PluginError("paged_eviction needs its paged store as the layer's middle (another compressor "
@@ -158,10 +175,63 @@ class PagedEvictionCompressor(Compressor):
         held = self._held(layer, block.valid.shape[0])
         if not state.prefilled:
             state.prefilled = True
-            keep = self._prefill(layer, block, held)
+            ring = layer.recent
+            window = ring.valid[:, ring.ordered()].sum(dim=1).tolist() if ring.size else [0] * block.valid.shape[0]
+            keep = self._prefill(layer, block, held, window)
         else:
             keep = self._boundaries(store, block, held, state)
         return None if keep is None or bool(keep.all()) else keep
+
+    # -- static caches --------------------------------------------------------------------
+    def _evict_static(self, layer, block) -> torch.Tensor | None:
+        store = layer.middle
+        if not isinstance(store, StaticPagedStore):
+            raise PluginError("paged_eviction needs its paged store as the layer's middle (another compressor "
+                              "replaced it)")
+        # what each row holds outside the block: sinks + window (the layer's full-precision slots,
+        # the block already left them) + pages
+        held = layer.valid.sum(1)
+        if store.valid is not None:
+            held = held + store.row_tokens()
+        if block.due is None and (store.live is None or not bool(store.live.any())):
+            # the first flush (prefill): token-granular eviction down to the budget
+            window = layer.valid[:, layer.sink_slots:].sum(1).tolist()
+            return self._prefill(layer, block, held.tolist(), window)
+        return self._boundaries_static(store, block, held)
+
+    def _boundaries_static(self, store: "StaticPagedStore", block, held: torch.Tensor) -> torch.Tensor | None:
+        """The block's pages arrive one boundary at a time (branch-free): while a row holds more than
+        the budget, its lowest-scoring page other than the newest is freed (ties: the oldest)."""
+        cfg, p = self.config, self.config.block
+        b, n = block.valid.shape[0], block.num_tokens // p
+        dev = block.valid.device
+        inc_tok = block.valid.view(b, n, p).sum(-1)  # [b, n]
+        inc_score = page_scores(block.meta[META].reshape(b * n, p), block.valid.reshape(b * n, p)).view(b, n)
+        if store.valid is None:  # nothing stored yet (the warm-up block)
+            return None
+        m = store.pages
+        live = torch.cat([store.live[:, :m], torch.zeros(b, n, dtype=torch.bool, device=dev)], 1)
+        score = torch.cat([store.score[:, :m], inc_score], 1)
+        tokens = torch.cat([store.page_tokens(), inc_tok], 1)
+        age = torch.cat([store.age[:, :m], store.clock + 1 + torch.arange(n, device=dev).expand(b, n)], 1)
+        due = torch.ones((), dtype=torch.bool, device=dev) if block.due is None else block.due
+        columns = torch.arange(m + n, device=dev)
+        total = held
+        for j in range(n):
+            newest = m + j
+            live = live | ((columns == newest) & (inc_tok[:, j:j + 1] > 0))
+            total = total + inc_tok[:, j]
+            eligible = live & (columns != newest)
+            over = (total > cfg.budget) & eligible.any(1) & due
+            s = torch.where(eligible, score, torch.full_like(score, float("inf")))
+            tie = eligible & (s == s.amin(1, keepdim=True))
+            victim = torch.where(tie, age, torch.full_like(age, torch.iinfo(torch.long).max)).argmin(1)
+            kill = (columns == victim.view(b, 1)) & over.view(b, 1)
+            live = live & ~kill
+            total = total - (tokens * kill).sum(1)
+        store.free_pages(store.live[:, :m] & ~live[:, :m])
+        dropped = (inc_tok > 0) & ~live[:, m:]  # incoming pages freed by a later boundary of this block
+        return ~dropped.repeat_interleave(p, dim=1)
 
     # -- policy ---------------------------------------------------------------------------
     @staticmethod
@@ -176,13 +246,12 @@ class PagedEvictionCompressor(Compressor):
         pages = layer.middle.row_tokens() or [0] * rows
         return [s + w + p for s, w, p in zip(sinks, window, pages)]
 
-    def _prefill(self, layer, block, held: list[int]) -> torch.Tensor | None:
-        """Token-granular eviction down to the budget, protecting the newest block."""
+    def _prefill(self, layer, block, held: list[int], window: list[int]) -> torch.Tensor | None:
+        """Token-granular eviction down to the budget, protecting the newest block (``window``: tokens
+        each row keeps in the full-precision window)."""
         cfg = self.config
         valid = block.valid
         counts = valid.sum(dim=1).tolist()
-        ring = layer.recent
-        window = ring.valid[:, ring.ordered()].sum(dim=1).tolist() if ring.size else [0] * valid.shape[0]
         room = [max(0, cfg.budget - h) for h in held]
         if all(n <= r for n, r in zip(counts, room)):
             return None

@@ -35,18 +35,31 @@ class WindowConfig:
 
 class WindowCompressor(Compressor):
     name = "window"
+    graph_safe = True
 
     @hookimpl
     def kvcompress_layer_layout(self, layer):
         # The window itself needs no full-precision ring: its tokens live in the middle
-        # store (full precision unless a quantizer is stacked after it).
-        return Layout(sinks=self.config.sinks, recent=0, flush=1)
+        # store (full precision unless a quantizer is stacked after it), which never holds more
+        # than the window's budget.
+        return Layout(sinks=self.config.sinks, recent=0, flush=1, middle=self.config.recent)
 
     @hookimpl
     def kvcompress_evict_tokens(self, layer, block):
         budget = self.config.recent - (layer.layout.recent or 0)
         if budget <= 0:
             return False
+        if layer.static:
+            # Rows share positions (left padding keeps them aligned) and a row's real tokens are a
+            # suffix of them, so "the budget newest real tokens" is "positions >= horizon".
+            horizon = block.positions[-1] + 1 - budget
+            positions = layer.middle.positions()  # None until the store's first block
+            if positions is not None:
+                stored = positions >= horizon
+                if block.due is not None:
+                    stored = stored | ~block.due
+                layer.middle.retain(stored.unsqueeze(0))
+            return (block.positions >= horizon).unsqueeze(0).expand_as(block.valid)
         layer.middle.limit(budget)
         stored = layer.middle.valid_mask()
         combined = block.valid if stored is None else torch.cat([stored, block.valid], dim=1)

@@ -47,7 +47,7 @@ def test_window_on_hybrid_sliding_model_keeps_native_sliding_layers():
     with kvcompress.compress(model, _stack(2, 20)) as cache:
         got = streamed_logits(model, ids, cache, chunks)
     assert [type(layer).__name__ for layer in cache.layers] == [
-        "DynamicSlidingWindowLayer", "DynamicSlidingWindowLayer", "CompressedLayer"]
+        "DynamicSlidingWindowLayer", "DynamicSlidingWindowLayer", "CompressedCacheLayer"]
     ref = masked_logits(model, ids, window_visibility(length, chunks, 2, 20), sliding_window=8)
     assert (got - ref).abs().max().item() < 1e-4
 

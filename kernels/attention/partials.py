@@ -42,9 +42,12 @@ def _lane_of(seg: Segment):
     return (seg.heads, seg.channels, seg.k, seg.v, seg.valid)
 
 
-def _fused_dense(query4: torch.Tensor, segments: Sequence[Segment], q_len: int, scale: float):
+def _fused_dense(query4: torch.Tensor, segments: Sequence[Segment], q_len: int, scale: float,
+                 fused: bool | None = None):
     """CUDA decode: ``(partial, remaining segments)`` with the full-precision lanes read in one launch."""
-    mode = os.environ.get("KVCOMPRESS_KERNELS", "auto")  # "triton" forces it (CPU: under TRITON_INTERPRET=1)
+    if fused is False:
+        return None, segments
+    mode = "triton" if fused else os.environ.get("KVCOMPRESS_KERNELS", "auto")  # "triton" forces it
     if q_len != 1 or mode == "reference" or not (query4.is_cuda or mode == "triton"):
         return None, segments
     lanes, rest = [], []
@@ -65,15 +68,20 @@ def _fused_dense(query4: torch.Tensor, segments: Sequence[Segment], q_len: int, 
 
 
 def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_positions: torch.Tensor,
-                    scale: float) -> torch.Tensor:
-    """Same contract as :func:`~.reference.segment_attention`: ``[batch, q_heads, q_len, v_dim]``."""
+                    scale: float, fused: bool | None = None) -> torch.Tensor:
+    """Same contract as :func:`~.reference.segment_attention`: ``[batch, q_heads, q_len, v_dim]``.
+
+    ``fused``: read the full-precision lanes with the grouped kernel (True), never (False), or as the
+    environment says (``None``: ``KVCOMPRESS_KERNELS``, CUDA tensors only).  Static caches decide it
+    once, when they are built.
+    """
     b, hq, q_len, d = query.shape
     kv_heads = _kv_heads(segments)
     group = hq // kv_heads
     m_rows = group * q_len
     q5 = query.view(b, kv_heads, group, q_len, d)
     parts = []
-    fused, segments = _fused_dense(q5.reshape(b, kv_heads, m_rows, d), segments, q_len, scale)
+    fused, segments = _fused_dense(q5.reshape(b, kv_heads, m_rows, d), segments, q_len, scale, fused)
     if fused is not None:
         parts.append(fused)
     for seg in segments:

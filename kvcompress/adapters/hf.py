@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Iterator
+import threading
+from typing import Any, Callable, Iterator
 
 import torch
 from transformers import cache_utils
@@ -28,7 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..errors import UnsupportedModelError
+from ..errors import UnsupportedModelError, UnsupportedOperationError
 
 CacheBase = cache_utils.Cache
 CacheLayerMixin = cache_utils.CacheLayerMixin
@@ -79,12 +80,124 @@ def layer_layout(config: Any) -> list[tuple[str, dict]]:
     return list(zip(types, kwargs))
 
 
-def native_layer(layer_type: str, kwargs: dict) -> Any:
-    """transformers' own dynamic layer for a layer type kvcompress leaves alone."""
-    mapping = cache_utils.DYNAMIC_LAYER_TYPE_MAPPING
+def native_layer(layer_type: str, kwargs: dict, max_cache_len: int | None = None) -> Any:
+    """transformers' own layer for a layer type kvcompress leaves alone (its static class when the
+    cache has a capacity)."""
+    if max_cache_len is None:
+        mapping = cache_utils.DYNAMIC_LAYER_TYPE_MAPPING
+    else:
+        mapping = cache_utils.STATIC_LAYER_TYPE_MAPPING
+        kwargs = dict(kwargs, max_cache_len=max_cache_len)
     if layer_type not in mapping:
         raise UnsupportedModelError(f"unknown cache layer type {layer_type!r} (known: {sorted(mapping)})")
     return mapping[layer_type](**kwargs)
+
+
+def model_dtype_device(model: Any) -> tuple[torch.dtype, torch.device]:
+    """Dtype and device of the model's parameters (where a cache built ahead of time allocates)."""
+    param = next(model.parameters())
+    return param.dtype, param.device
+
+
+# ----------------------------------------------------------------------------- cache layers
+
+_ACTIVE = threading.local()  # the core layer whose update() just ran, waiting for its attention
+
+
+class CompressedCacheLayer(CacheLayerMixin):
+    """transformers' cache layer for one compressed layer: a thin shell over the core state
+    (:class:`kvcompress.layer.CompressedLayer`, or :class:`kvcompress.static.StaticLayer` for a cache
+    with a capacity) that owns the hand-off from ``update`` to kvcompress' attention."""
+
+    is_croppable = False
+    is_sliding = False
+    supports_early_init = False
+
+    def __init__(self, core: Any, config: Any, compileable: bool = False):
+        super().__init__()
+        self.core = core
+        self._config = config  # the model's config: which attention implementation reads this step
+        self.is_compileable = compileable
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.core.is_initialized
+
+    @is_initialized.setter
+    def is_initialized(self, value: bool) -> None:  # CacheLayerMixin.__init__ sets it
+        pass
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None  # the core allocates on its first update
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        compressed = uses_kvcompress_attention(self._config)
+        keys, values = self.core.update(key_states, value_states, compressed)
+        if compressed:
+            _ACTIVE.layer = self.core
+        return keys, values
+
+    def get_seq_length(self):
+        return self.core.get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.core.get_mask_sizes(query_length, uses_kvcompress_attention(self._config))
+
+    def get_max_length(self) -> int:
+        return self.core.get_max_length()
+
+    @property
+    def batch_size(self) -> int:
+        return self.core.batch_size
+
+    def reset(self) -> None:
+        self.core.reset()
+
+    def offload(self):  # storage is not plain keys/values; offloading is not supported
+        return None
+
+    def prefetch(self):
+        return None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.core.crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.core.map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if getattr(self.core, "static", False):
+            raise UnsupportedOperationError(
+                "a static kvcompress cache has a fixed batch size; build it with the expanded batch size")
+        self.core.map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if getattr(self.core, "static", False):
+            raise UnsupportedOperationError("a static kvcompress cache has a fixed batch size")
+        self.core.map_batch(lambda t: t[indices])
+
+
+def claim_pending(layer_idx: int, key: torch.Tensor) -> Any:
+    """The core layer whose ``update`` just ran for ``layer_idx`` (consumed once), or ``None``.
+
+    ``key`` must be the very tensor ``update`` returned: a model that transforms keys between
+    ``cache.update`` and attention cannot be read compressed.
+    """
+    layer = getattr(_ACTIVE, "layer", None)
+    if layer is None or layer.info.index != layer_idx or layer.pending is None:
+        return None
+    _ACTIVE.layer = None
+    if layer.pending[0] is not key:
+        layer.pending = None
+        raise UnsupportedModelError(
+            "the model changes the keys between cache.update() and attention; kvcompress cannot read its "
+            "compressed cache (use transformers' own cache for this model)")
+    return layer
+
+
+def clear_pending() -> None:
+    """Forget any unconsumed pending layer (called when a compress() scope ends)."""
+    _ACTIVE.layer = None
 
 
 def head_counts(config: Any) -> tuple[int, int, int]:
@@ -108,8 +221,6 @@ def _dense_attention(module: Any, **extra: Any):
 
 def kvcompress_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention interface entry: read a kvcompress layer, else plain SDPA."""
-    from ..layer import claim_pending
-
     layer = claim_pending(getattr(module, "layer_idx", -1), key)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
@@ -144,8 +255,6 @@ def attach(model: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        from ..layer import clear_pending
-
         clear_pending()
         model.set_attn_implementation(previous)
 

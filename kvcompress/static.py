@@ -1,0 +1,535 @@
+"""Static-capacity layer state: a decode step that CUDA graphs and ``torch.compile`` can capture.
+
+Built when a cache is given a capacity (``kvcompress.Cache(stack, model, max_cache_len=N)``), as
+transformers' ``StaticCache`` is.  Every buffer is allocated once, at capacity, and written in
+place; every per-step counter lives in a device tensor.  The host knows only whether a call is a
+single-token decode step or a multi-token prefill / chunk:
+
+* **decode step** (``q_len == 1``) - branch-free and shape-static: the new token goes into its
+  ring slot, attention reads the full-precision region (sinks + ring, one buffer) and the middle
+  store's static segments with device-side validity masks, then a block of ``Layout.flush``
+  tokens is *offered* to the stack's pipeline every step.  Whether it really leaves the window
+  (``block.due``, a 0-dim bool tensor) is computed on the device; stores write the block into
+  slots that hold no live token and advance their device cursors by it, so a step that flushes
+  and a step that does not run the same kernels.  Nothing reads a tensor value on the host,
+  allocates, concatenates stored segments or reads the environment.
+* **prefill / chunk** (``q_len > 1``) - eager, with host-side counts (one device-to-host read of
+  the layer's counters per call): the step's tokens are read as their own segment, then every
+  block that leaves the window is flushed at once (``block.due`` is ``None``: real).
+
+Layout of one layer (``S`` sinks, window ``R = Layout.recent``, flush ``F = Layout.flush``):
+
+* ``k``, ``v`` ``[batch, kv_heads, S + C, head_dim]``: slots ``[0, S)`` hold each row's first
+  ``S`` real tokens (attention sinks); slots ``S + (p % C)`` the recent token at logical position
+  ``p`` (a ring of ``C = R + F`` slots; ``C`` = the capacity when nothing is ever flushed);
+* ``valid`` ``[batch, S + C]``: slot holds a live token of that row (attention reads exactly these);
+* ``ring_pos`` ``[C]``: logical position in each ring slot (shared by all rows: left padding
+  keeps rows aligned); ``sink_count`` ``[batch]``; ``seen``, ``flushed`` (0-dim int64):
+  tokens seen, and tokens that have left the ring.
+
+The middle store (``Layout.middle`` bounds it under an evictor; otherwise it can hold the whole
+capacity) comes from the stack's hooks, as for dynamic caches; :class:`StaticDenseStore` is the
+full-precision one.  This module never imports transformers (the adapter owns the transformers
+layer class and the attention function).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from .errors import UnsupportedOperationError
+from .state import HeadGroup, KVBlock, LayerInfo, Layout, MiddleStore, Segment, TokenSelection
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def mark_static(*tensors: torch.Tensor | None) -> None:
+    """Tag preallocated buffers as fixed addresses for CUDA graphs (skipped while tracing)."""
+    if _compiling():
+        return
+    for t in tensors:
+        if t is not None:
+            torch._dynamo.mark_static_address(t)
+
+
+def middle_capacity(layout: Layout, capacity: int) -> int:
+    """Tokens the middle store must hold: all that can leave the window, bounded by ``Layout.middle``."""
+    if layout.recent is None:
+        return 0
+    most = max(capacity - layout.recent, 0)
+    if layout.middle is not None:
+        most = min(most, layout.middle)
+    return most
+
+
+class StaticLayer:
+    """Static-capacity state of one compressed layer (see the module docstring).
+
+    Compressor hooks receive this object as ``layer`` (as they receive a
+    :class:`~kvcompress.layer.CompressedLayer` in a dynamic cache): ``layer.static`` is True,
+    ``layer.info``, ``layer.layout``, ``layer.state`` and ``layer.middle`` are the same, and blocks
+    carry a device-side ``due`` flag in decode steps.
+    """
+
+    static = True
+
+    def __init__(self, info: LayerInfo, pipeline: Any, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"max_cache_len must be a positive number of tokens, got {capacity}")
+        self.info = info
+        self.pipeline = pipeline
+        self.layout: Layout = pipeline.layout(info)
+        self.capacity = capacity
+        self.state: dict[str, Any] = {}
+        self.sink_slots = self.layout.sinks or 0
+        self.flush_size = self.layout.flush or 1
+        recent = self.layout.recent
+        self.flushes = recent is not None and recent + self.flush_size <= capacity
+        self.ring_slots = recent + self.flush_size if self.flushes else capacity
+        #: token slots a static middle store needs: the middle's bound plus one block in flight, a multiple
+        #: of the flush (so every store and a selector's label cache wrap at the same slot)
+        f = self.flush_size
+        self.store_capacity = (-(-middle_capacity(self.layout, capacity) // f) + 1) * f if self.flushes else 0
+        self.middle: MiddleStore | None = pipeline.make_store(self) if self.flushes else None
+        self.is_initialized = False
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._host: tuple[int, int] | None = (0, 0)  # (seen, flushed) while known on the host
+
+    # -- allocation ------------------------------------------------------------------------
+    def allocate(self, batch: int, kv_heads: int, head_dim: int, v_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        """Allocate every buffer at capacity and run the pipeline once on an empty block (eagerly),
+        so stores allocate and compressors build their per-layer plans before any compiled step."""
+        s, c = self.sink_slots, self.ring_slots
+        self.k = torch.zeros(batch, kv_heads, s + c, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(batch, kv_heads, s + c, v_dim, dtype=dtype, device=device)
+        self.valid = torch.zeros(batch, s + c, dtype=torch.bool, device=device)
+        # positions of ring slots are read only by flushes (a cache that never flushes keeps one slot)
+        self.ring_pos = torch.zeros(c if self.flushes else 1, dtype=torch.long, device=device)
+        self.sink_pos = torch.zeros(batch, s, dtype=torch.long, device=device)
+        self.sink_count = torch.zeros(batch, dtype=torch.long, device=device)
+        self.seen = torch.zeros((), dtype=torch.long, device=device)
+        self.flushed = torch.zeros((), dtype=torch.long, device=device)
+        self._offsets = torch.arange(self.flush_size, device=device)
+        self._sink_index = torch.arange(s, device=device)
+        mark_static(self.k, self.v, self.valid, self.ring_pos, self.sink_pos, self.sink_count, self.seen,
+                    self.flushed)
+        self.is_initialized = True
+        self._host = (0, 0)
+        if self.middle is not None:
+            self._flush_decode(warmup=True)
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[0]
+
+    # -- host-side counters (eager paths only) -----------------------------------------------
+    def host_counts(self) -> tuple[int, int]:
+        """``(seen, flushed)`` on the host; one device read after compiled steps made them unknown."""
+        if self._host is None:
+            self._host = (int(self.seen), int(self.flushed))
+        return self._host
+
+    def get_seq_length(self) -> torch.Tensor | int:
+        """Tokens seen, as a device tensor (read by compiled code without a host sync)."""
+        return self.seen if self.is_initialized else 0
+
+    # -- the step ---------------------------------------------------------------------------
+    def update(self, key: torch.Tensor, value: torch.Tensor, compressed: bool):
+        """Take the step's new tokens; they wait in :attr:`pending` for :meth:`attend`."""
+        if not compressed:
+            raise UnsupportedOperationError(
+                "a kvcompress cache with max_cache_len is read by kvcompress' attention only: use it as "
+                "`with kvcompress.compress(model, stack, max_cache_len=N) as cache:`")
+        if not self.is_initialized:
+            self.allocate(key.shape[0], key.shape[1], key.shape[-1], value.shape[-1], key.dtype, key.device)
+        if key.shape[0] != self.batch_size:
+            raise UnsupportedOperationError(
+                f"this static cache was built for batch size {self.batch_size}, the model was called with "
+                f"{key.shape[0]} rows; build a new cache for this batch size")
+        self.pending = (key, value)
+        return key, value
+
+    def get_mask_sizes(self, query_length: int, compressed: bool) -> tuple[int, int]:
+        return self.capacity, 0  # masks in logical coordinates: column j is position j
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise UnsupportedOperationError(
+            "a compressed kvcompress cache cannot be cropped (assisted/speculative decoding): evicted or "
+            "quantized tokens cannot be restored; use plain generation")
+
+    def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float,
+               dense_attention: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """Attention of ``query`` over this layer's storage and the stashed new tokens, then commit.
+
+        ``attention_mask``: boolean ``[batch, 1, q_len, capacity]`` in logical coordinates (column
+        ``j`` is position ``j``), or ``None`` when no row is padded.  Returns
+        ``[batch, q_len, q_heads, head_dim]`` (transformers' attention output layout).
+        """
+        k, v = self.pending
+        self.pending = None
+        if k.shape[2] == 1:
+            return self._decode(query, k, v, attention_mask, scaling, dense_attention)
+        return self._prefill(query, k, v, attention_mask, scaling, dense_attention)
+
+    # decode: branch-free ------------------------------------------------------------------
+    def _decode(self, query, k, v, attention_mask, scaling, dense_attention):
+        pos = self.seen.view(1)
+        if attention_mask is not None:
+            if attention_mask.dtype != torch.bool:
+                raise UnsupportedOperationError("kvcompress attention expects boolean masks")
+            b = attention_mask.shape[0]
+            col = pos.clamp(max=attention_mask.shape[-1] - 1).view(1, 1, 1).expand(b, 1, 1)
+            valid_new = attention_mask[:, 0].gather(2, col).view(b, 1)
+            valid_new = valid_new.expand(k.shape[0], 1)
+        else:
+            valid_new = torch.ones(k.shape[0], 1, dtype=torch.bool, device=k.device)
+        valid_new = self._take_sinks(k, v, valid_new, pos)
+        slot = self.sink_slots + pos.remainder(self.ring_slots)
+        self.k.index_copy_(2, slot, k)
+        self.v.index_copy_(2, slot, v)
+        self.valid.index_copy_(1, slot, valid_new)
+        if self.flushes:
+            self.ring_pos.index_copy_(0, slot - self.sink_slots, pos)
+        self.seen.add_(1)
+        if _compiling():
+            self._host = None
+        elif self._host is not None:
+            self._host = (self._host[0] + 1, self._host[1])
+        out = self._read(query, scaling, dense_attention, None)
+        if self.middle is not None:
+            self._flush_decode()
+        return out
+
+    def _flush_decode(self, warmup: bool = False) -> None:
+        """Offer the ``F`` oldest ring tokens to the pipeline; they leave only when ``due``."""
+        recent, f, s = self.layout.recent, self.flush_size, self.sink_slots
+        if warmup:
+            due = torch.zeros((), dtype=torch.bool, device=self.seen.device)
+        else:
+            due = (self.seen - self.flushed) >= recent + f
+        ring = (self.flushed + self._offsets).remainder(self.ring_slots)
+        slots = ring + s
+        block = KVBlock(self.k.index_select(2, slots), self.v.index_select(2, slots),
+                        self.valid.index_select(1, slots) & due, self.ring_pos.index_select(0, ring), due=due)
+        # the block's tokens leave the window before the hooks run (an evictor counts what the row
+        # still holds: sinks + window + middle)
+        self.valid.index_copy_(1, slots, self.valid.index_select(1, slots) & ~due)
+        self.flushed.add_(due.long() * f)
+        self.pipeline.flush(self, block)
+        if _compiling():
+            self._host = None
+        elif self._host is not None and not warmup:
+            self._host = None  # whether it flushed is known on the device only
+
+    # prefill / chunks: host counts ---------------------------------------------------------
+    def _prefill(self, query, k, v, attention_mask, scaling, dense_attention):
+        if _compiling():
+            raise UnsupportedOperationError(
+                "a static kvcompress cache compiles single-token decode steps; run the prefill (and "
+                "multi-token chunks) eagerly: call the uncompiled model for them, as transformers' generate does")
+        seen, flushed = self.host_counts()
+        q = k.shape[2]
+        if seen + q > self.capacity:
+            raise UnsupportedOperationError(
+                f"the static cache holds at most max_cache_len={self.capacity} tokens; {seen} are cached and "
+                f"{q} more were given. Build the cache with a larger max_cache_len")
+        pos = torch.arange(seen, seen + q, device=k.device)
+        valid_new = None
+        if attention_mask is not None:
+            if attention_mask.dtype != torch.bool:
+                raise UnsupportedOperationError("kvcompress attention expects boolean masks")
+            rows = torch.arange(q, device=k.device)
+            valid_new = attention_mask[:, 0, rows, seen + rows]
+        if seen == 0:  # nothing stored yet: the backend's own attention over the step's tokens
+            mask = None if attention_mask is None else attention_mask[..., :q]
+            out = dense_attention(query, k, v, mask, scaling)
+        else:
+            new = Segment(k, v, valid_new, pos)
+            out = self._read(query, scaling, dense_attention, new)
+        if valid_new is None:
+            valid_new = torch.ones(k.shape[0], q, dtype=torch.bool, device=k.device)
+        self._commit_host(k, v, valid_new.expand(k.shape[0], q), pos, seen, flushed)
+        return out
+
+    def _commit_host(self, k, v, valid, pos, seen, flushed) -> None:
+        q, s, c, f = k.shape[2], self.sink_slots, self.ring_slots, self.flush_size
+        valid = self._take_sinks(k, v, valid, pos)
+        total = seen + q - flushed
+        recent = self.layout.recent
+        m = ((total - recent) // f) * f if self.flushes and total >= recent + f else 0
+        m_old = min(m, seen - flushed)
+        m_new = m - m_old
+        block = None
+        if m:
+            parts = []
+            if m_old:
+                ring = torch.arange(flushed, flushed + m_old, device=k.device).remainder(c)
+                slots = ring + s
+                parts.append(KVBlock(self.k.index_select(2, slots), self.v.index_select(2, slots),
+                                     self.valid.index_select(1, slots), self.ring_pos.index_select(0, ring)))
+                self.valid.index_fill_(1, slots, False)
+            if m_new:
+                parts.append(KVBlock(k[:, :, :m_new], v[:, :, :m_new], valid[:, :m_new], pos[:m_new]))
+            block = parts[0] if len(parts) == 1 else KVBlock(
+                torch.cat([p.k for p in parts], 2), torch.cat([p.v for p in parts], 2),
+                torch.cat([p.valid for p in parts], 1), torch.cat([p.positions for p in parts]))
+        rest = q - m_new
+        if rest:  # into the ring first: the hooks see what the row keeps in the window
+            ring = pos[m_new:].remainder(c)
+            slots = ring + s
+            self.k.index_copy_(2, slots, k[:, :, m_new:])
+            self.v.index_copy_(2, slots, v[:, :, m_new:])
+            self.valid.index_copy_(1, slots, valid[:, m_new:])
+            if self.flushes:
+                self.ring_pos.index_copy_(0, ring, pos[m_new:])
+        self.seen.add_(q)
+        self.flushed.add_(m)
+        self._host = (seen + q, flushed + m)
+        if block is not None:
+            self.pipeline.flush(self, block)
+
+    # sinks: branch-free for any q -----------------------------------------------------------
+    def _take_sinks(self, k, v, valid, pos) -> torch.Tensor:
+        """Move each row's first ``S`` real tokens into the sink slots; returns ``valid`` without them."""
+        s = self.sink_slots
+        if s == 0:
+            return valid
+        rank = self.sink_count.unsqueeze(1) + valid.long().cumsum(1) - 1  # [b, q]
+        is_sink = valid & (rank < s)
+        match = is_sink.unsqueeze(1) & (rank.unsqueeze(1) == self._sink_index.view(1, s, 1))  # [b, S, q]
+        has = match.any(-1)  # [b, S]
+        src = match.long().argmax(-1)  # [b, S]
+        b, h = k.shape[0], k.shape[1]
+        idx = src.view(b, 1, s, 1)
+        new_k = k.gather(2, idx.expand(b, h, s, k.shape[-1]))
+        new_v = v.gather(2, idx.expand(b, h, s, v.shape[-1]))
+        keep = has.view(b, 1, s, 1)
+        self.k[:, :, :s].copy_(torch.where(keep, new_k, self.k[:, :, :s]))
+        self.v[:, :, :s].copy_(torch.where(keep, new_v, self.v[:, :, :s]))
+        self.valid[:, :s].copy_(self.valid[:, :s] | has)
+        self.sink_pos.copy_(torch.where(has, pos.gather(0, src.flatten()).view(b, s), self.sink_pos))
+        self.sink_count.add_(is_sink.long().sum(1))
+        return valid & ~is_sink
+
+    # reads ----------------------------------------------------------------------------------
+    def _read(self, query, scaling, dense_attention, new: Segment | None):
+        middle = self.middle.segments() if self.middle is not None else []
+        if middle:
+            selection = self.pipeline.select(self, query)
+            if selection is not None:
+                middle = _apply_selection(middle, selection)
+        if not middle and new is None:  # one dense region: the backend's own kernel, behind the mask
+            mask = self.valid.view(self.valid.shape[0], 1, 1, self.valid.shape[1])
+            return dense_attention(query, self.k, self.v, mask, scaling)
+        zero = torch.zeros((), dtype=torch.long, device=self.k.device).expand(self.k.shape[2])
+        segs = [Segment(self.k, self.v, self.valid, zero)] + middle
+        q_pos = new.positions if new is not None else self.seen.view(1) - 1
+        if new is not None:
+            segs.append(new)
+        from kvcompress.kernels.attention import attend_segments
+
+        return attend_segments(query, segs, q_pos, scaling, fused=False).transpose(1, 2)
+
+    # -- batch operations ---------------------------------------------------------------------
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Reorder / select rows in place (beam search), keeping buffer addresses."""
+        if not self.is_initialized:
+            return
+        for t in (self.k, self.v, self.valid, self.sink_pos, self.sink_count):
+            t.copy_(fn(t))
+        if self.middle is not None:
+            self.middle.map_batch(fn)
+        for value in self.state.values():
+            if hasattr(value, "map_batch"):
+                value.map_batch(fn)
+
+    def reset(self) -> None:
+        """Forget every token; buffers keep their addresses (a compiled step stays valid)."""
+        self.pending = None
+        if not self.is_initialized:
+            return
+        for t in (self.k, self.v, self.valid, self.ring_pos, self.sink_pos, self.sink_count, self.seen,
+                  self.flushed):
+            t.zero_()
+        self._host = (0, 0)
+        if self.middle is not None:
+            self.middle.reset()
+        for value in self.state.values():
+            if hasattr(value, "reset"):
+                value.reset()
+
+    # -- accounting ---------------------------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        if not self.is_initialized:
+            return {"sinks + recent": 0}
+        n = sum(t.numel() * t.element_size() for t in (self.k, self.v, self.valid, self.ring_pos, self.sink_pos,
+                                                        self.sink_count, self.seen, self.flushed))
+        out = {"sinks + recent": n}
+        if self.middle is not None:
+            for key, m in self.middle.nbytes().items():
+                out[key] = out.get(key, 0) + m
+        for key, value in self.state.items():
+            if hasattr(value, "nbytes"):
+                out[f"state:{key}"] = value.nbytes()
+        return out
+
+    def tokens_seen(self) -> int:
+        return self.host_counts()[0] if self.is_initialized else 0
+
+
+def _apply_selection(middle: list[Segment], selection: Any) -> list[Segment]:
+    if isinstance(selection, TokenSelection):
+        return [dataclasses.replace(s, select=selection) for s in middle]
+    out, start = [], 0
+    for s in middle:
+        out.append(dataclasses.replace(s, select=selection[..., start:start + s.num_tokens]))
+        start += s.num_tokens
+    return out
+
+
+# ----------------------------------------------------------------------------- stores
+
+
+class StaticRing:
+    """Slot bookkeeping of a static middle store: ``capacity`` token slots used as a ring.
+
+    Blocks are written at the device cursor (slots that hold no live token: a store is sized so
+    that its owner's live tokens plus one block always fit) and the cursor advances by the block's
+    size when the block is ``due``; a block that is not due is written as invalid slots.
+    """
+
+    def __init__(self, capacity: int, unit: int = 1):
+        self.unit = unit
+        self.capacity = -(-max(capacity, unit) // unit) * unit
+        self.valid: torch.Tensor | None = None  # [batch, capacity]
+        self.pos: torch.Tensor | None = None  # [capacity] logical positions
+        self.cursor: torch.Tensor | None = None  # 0-dim int64, tokens written
+
+    def allocate(self, batch: int, device: torch.device) -> None:
+        self.valid = torch.zeros(batch, self.capacity, dtype=torch.bool, device=device)
+        self.pos = torch.zeros(self.capacity, dtype=torch.long, device=device)
+        self.cursor = torch.zeros((), dtype=torch.long, device=device)
+        self._offsets = torch.arange(self.capacity, device=device)
+        mark_static(self.valid, self.pos, self.cursor)
+
+    def fit(self, block: KVBlock) -> KVBlock:
+        """Host-side (prefill) block: drop leading unit-aligned columns no row keeps if it is too large."""
+        n = block.num_tokens
+        if n <= self.capacity - self.unit or block.due is not None:
+            return block
+        alive = block.valid.any(dim=0)
+        first = int(alive.long().argmax()) if bool(alive.any()) else n
+        first = min((first // self.unit) * self.unit, n - (n % self.unit or self.unit) if n > self.unit else 0)
+        block = block.select(torch.arange(first, n, device=block.valid.device))
+        if block.num_tokens > self.capacity:
+            raise UnsupportedOperationError(
+                f"a static middle store of {self.capacity} tokens received {block.num_tokens} live tokens: the "
+                "stack keeps more tokens than its evictor declared (Layout.middle)")
+        return block
+
+    def slots(self, n: int) -> torch.Tensor:
+        return (self.cursor + self._offsets[:n]).remainder(self.capacity)
+
+    def advance(self, n: int, due: torch.Tensor | None) -> None:
+        self.cursor.add_(n if due is None else due.long() * n)
+
+    def write_meta(self, slots: torch.Tensor, block: KVBlock) -> None:
+        valid = block.valid if block.due is None else block.valid & block.due
+        self.valid.index_copy_(1, slots, valid)
+        self.pos.index_copy_(0, slots, block.positions)
+
+    def reset(self) -> None:
+        if self.valid is not None:
+            self.valid.zero_()
+            self.pos.zero_()
+            self.cursor.zero_()
+
+
+class StaticDenseStore(MiddleStore):
+    """Full-precision static middle: one lane ``[batch, heads, capacity, dk]`` per head group.
+
+    The static counterpart of :class:`~kvcompress.state.DenseStore` (same lanes, same segments),
+    read in place with a device-side validity mask.
+    """
+
+    static = True
+
+    def __init__(self, capacity: int):
+        self.ring = StaticRing(capacity)
+        self.lanes: list[tuple[HeadGroup, torch.Tensor, torch.Tensor]] | None = None
+
+    def append(self, block: KVBlock) -> None:
+        block = self.ring.fit(block)
+        parts = block.parts()
+        if self.lanes is None:
+            self.ring.allocate(block.valid.shape[0], block.valid.device)
+            self.lanes = []
+            for part in parts:
+                b, h = part.k.shape[0], part.k.shape[1]
+                k = part.k.new_zeros(b, h, self.ring.capacity, part.k.shape[-1])
+                v = part.v.new_zeros(b, h, self.ring.capacity, part.v.shape[-1])
+                mark_static(k, v)
+                self.lanes.append((part.layout(), k, v))
+        n = block.num_tokens
+        slots = self.ring.slots(n)
+        for (_, k, v), part in zip(self.lanes, parts):
+            k.index_copy_(2, slots, part.k)
+            v.index_copy_(2, slots, part.v)
+        self.ring.write_meta(slots, block)
+        self.ring.advance(n, block.due)
+
+    def segments(self) -> list[Segment]:
+        if self.lanes is None:
+            return []
+        zero = torch.zeros((), dtype=torch.long, device=self.ring.valid.device).expand(self.ring.capacity)
+        return [group.attach(Segment(k, v, self.ring.valid, zero)) for group, k, v in self.lanes]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.ring.capacity
+
+    def limit(self, max_tokens: int) -> None:  # the capacity was fixed when the cache was built
+        return None
+
+    def valid_mask(self) -> torch.Tensor | None:
+        return self.ring.valid
+
+    def positions(self) -> torch.Tensor | None:
+        return self.ring.pos
+
+    def retain(self, keep: torch.Tensor) -> None:
+        self.ring.valid.copy_(self.ring.valid & keep)
+
+    def drop_oldest(self, n: int) -> None:
+        raise UnsupportedOperationError("a static store evicts through retain(keep), not drop_oldest")
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.lanes is None:
+            return
+        self.ring.valid.copy_(fn(self.ring.valid))
+        for _, k, v in self.lanes:
+            k.copy_(fn(k))
+            v.copy_(fn(v))
+
+    def reset(self) -> None:
+        self.ring.reset()
+
+    def nbytes(self) -> dict[str, int]:
+        n = 0
+        for _, k, v in self.lanes or []:
+            n += k.numel() * k.element_size() + v.numel() * v.element_size()
+        if self.ring.valid is not None:
+            n += self.ring.valid.numel() + self.ring.pos.numel() * 8
+        return {"middle": n}
+
+
+__all__ = ["StaticDenseStore", "StaticLayer", "StaticRing", "mark_static", "middle_capacity"]

@@ -1,0 +1,214 @@
+"""Static (capacity) caches: a graph-capturable decode step for every built-in stack.
+
+Every stack is traced with ``torch.compile(fullgraph=True, backend="aot_eager")`` (a graph break
+fails), one compilation must serve >= 100 decode steps across flush / eviction / selection events,
+and the compiled logits must equal the same static cache run eagerly.  The eager static path is
+checked against independent references: the uncompressed model, the masked-attention oracle and
+the dynamic cache (itself tested against oracles in the per-compressor tests).
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+
+import pytest
+import torch
+
+import kvcompress
+from kvcompress.errors import ConfigError, UnsupportedOperationError
+from models import tiny_model
+from reference import masked_logits, window_visibility
+
+PROMPT, STEPS = 40, 100
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def lowrank_basis(tmp_path_factory, model):
+    from kvcompress.calibration.lowrank import kv_spectra, save_basis
+    from kvcompress.calibration.masks import config_hash
+
+    tokens = torch.randint(1, 256, (4, 96), generator=torch.Generator().manual_seed(7))
+    (eigenvalues, vectors), _ = kv_spectra(model, tokens, skip=2)
+    path = tmp_path_factory.mktemp("lowrank") / "basis.safetensors"
+    save_basis(path, vectors, torch.full((2, 2), 8, dtype=torch.int32), eigenvalues,
+               {"model": "tiny-llama", "model_config_hash": config_hash(model.config), "target": "test", "align": 1,
+                "settings": {}})
+    return str(path)
+
+
+KIVI2 = {"kivi": {"bits": 2, "group": 16, "residual": 16}}
+KIVI4S = {"kivi": {"bits": 4, "group": 16, "residual": 32, "sinks": 4}}
+LEANK = {"leank": {"mask": "rope", "ratio": 0.5, "align": 4, "sinks": 4, "local": 24, "flush": 16}}
+PAGED = {"paged_eviction": {"budget": 64, "block": 8}}
+DS = {"double_sparse": {"channels": "random", "r": 8, "k": 24, "dense_layers": 0, "sinks": 2, "window": 8}}
+
+STACKS = {
+    "none": [],
+    "window": [{"window": {"sinks": 2, "recent": 30}}],
+    "window+kivi2": [{"window": {"sinks": 0, "recent": 64}}, KIVI2],
+    "kivi2": [KIVI2],
+    "kivi4+sinks": [KIVI4S],
+    "leank": [LEANK],
+    "leank+kivi2": [LEANK, KIVI2],
+    "paged": [PAGED],
+    "paged+kivi2": [{"paged_eviction": {"budget": 96, "block": 16}}, KIVI2],
+    "double_sparse": [DS],
+    "double_sparse-shared+kivi2": [{"double_sparse": dict(DS["double_sparse"], group_shared=True, label_bits=4)},
+                                   {"kivi": {"bits": 2, "group": 8, "residual": 8}}],
+    "lowrank": ["lowrank"],
+    "lowrank+kivi2": ["lowrank", KIVI2],
+}
+
+
+def _stack(name, basis):
+    entries = [{"lowrank": {"basis": basis, "sinks": 4, "recent": 24, "flush": 16}} if e == "lowrank" else e
+               for e in STACKS[name]]
+    return {"compressors": entries} if entries else None
+
+
+def _ids(batch=2, length=PROMPT + STEPS, seed=0, pad=0):
+    ids = torch.randint(1, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    if pad:
+        mask[0, :pad] = 0
+    return ids, mask
+
+
+def _run(model, stack, ids, mask, *, static=True, compiled=False, prompt=PROMPT):
+    """Prefill ``prompt`` tokens eagerly, then one decode step per remaining token; logits of every step."""
+    kw = {"max_cache_len": ids.shape[1] + 4} if static else {}
+    out = []
+    with kvcompress.compress(model, stack, **kw) as cache, torch.no_grad():
+        step = torch.compile(model.forward, backend="aot_eager", fullgraph=True) if compiled else model.forward
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        first = model(ids[:, :prompt], attention_mask=mask[:, :prompt], position_ids=pos[:, :prompt], cache=cache)
+        out.append(first.logits[:, -1])
+        for t in range(prompt, ids.shape[1]):
+            o = step(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=pos[:, t:t + 1],
+                     cache=cache)
+            out.append(o.logits[:, -1])
+    return torch.stack(out).float(), cache
+
+
+@pytest.mark.parametrize("name", list(STACKS))
+def test_compiled_decode_equals_eager_with_one_graph(model, lowrank_basis, name):
+    stack = _stack(name, lowrank_basis)
+    ids, mask = _ids(pad=3)
+    eager, cache = _run(model, stack, ids, mask)
+    assert cache.is_compileable
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled, ccache = _run(model, stack, ids, mask, compiled=True)
+    stats = torch._dynamo.utils.counters["stats"]
+    assert stats["unique_graphs"] == 1, dict(stats)  # one compilation served every decode step
+    assert (compiled - eager).abs().max().item() <= 1e-5
+    for core in ccache.compressed_layers:  # the steps crossed lifecycle events
+        if core.middle is not None:
+            assert int(core.flushed) >= 4 * core.flush_size, name
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", ["none", "window", "window+kivi2", "kivi2", "paged", "paged+kivi2", "double_sparse"])
+def test_static_eager_equals_dynamic_cache(model, lowrank_basis, name):
+    """Stacks whose static and dynamic layouts coincide (no sinks beside quantization groups) decide and
+    compute the same: the dynamic cache is the reference."""
+    stack = _stack(name, lowrank_basis)
+    ids, mask = _ids(pad=3)
+    static, _ = _run(model, stack, ids, mask)
+    dynamic, _ = _run(model, stack, ids, mask, static=False)
+    assert (static - dynamic).abs().max().item() <= 1e-5
+
+
+def test_empty_stack_equals_uncompressed_model(model):
+    ids, mask = _ids(batch=1)
+    got, cache = _run(model, None, ids, mask)
+    with torch.no_grad():
+        ref = model(ids).logits[0, PROMPT - 1:].float()
+    assert (got[:, 0] - ref).abs().max().item() <= 1e-4
+    report = cache.memory_report()
+    dense = 2 * 2 * 2 * (ids.shape[1] + 4) * 16 * 4  # layers x (k, v) x kv heads x capacity x head_dim x fp32
+    assert report.cache_bytes <= 1.02 * dense
+
+
+def test_window_matches_masked_oracle(model):
+    ids, mask = _ids(batch=1)
+    got, _ = _run(model, _stack("window", None), ids, mask)
+    chunks = [(0, PROMPT)] + [(t, t + 1) for t in range(PROMPT, ids.shape[1])]
+    ref = masked_logits(model, ids, window_visibility(ids.shape[1], chunks, 2, 30))[PROMPT - 1:]
+    assert (got[:, 0] - ref).abs().max().item() <= 1e-4
+
+
+def test_window_memory_stays_bounded(model):
+    ids, mask = _ids(batch=1, length=300)
+    _, cache = _run(model, _stack("window", None), ids, mask)
+    report = cache.memory_report()
+    assert report.cache_bytes < report.dense_fp16_bytes * 2 * 40 / 300 * 1.5  # ~32 fp32 slots, not 300
+
+
+def test_generate_with_static_cache_equals_dynamic(model):
+    ids, _ = _ids(batch=1, length=30)
+    outs = []
+    for kw in ({}, {"max_cache_len": 80}):
+        with kvcompress.compress(model, _stack("kivi2", None), **kw) as cache:
+            outs.append(model.generate(ids, max_new_tokens=40, do_sample=False, cache=cache))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_dropped_cache_is_freed_without_gc(model):
+    ids, mask = _ids(batch=1, length=60)
+    gc.disable()
+    try:
+        for kw in ({}, {"max_cache_len": 64}):
+            _, cache = _run(model, _stack("kivi2", None), ids, mask, static=bool(kw), prompt=40)
+            ref = weakref.ref(cache)
+            del cache
+            assert ref() is None, kw
+    finally:
+        gc.enable()
+
+
+def test_capacity_errors_are_clear(model):
+    with pytest.raises(ConfigError, match="max_cache_len"):
+        kvcompress.Cache(None, model, max_cache_len=0)
+    with pytest.raises(ConfigError, match="max_batch_size"):
+        kvcompress.Cache(None, model, max_batch_size=2)
+    ids, mask = _ids(batch=1, length=20)
+    with kvcompress.compress(model, None, max_cache_len=16) as cache, torch.no_grad():
+        with pytest.raises(UnsupportedOperationError, match="max_cache_len=16"):
+            model(ids, cache=cache)
+    cache = kvcompress.Cache(None, model, max_cache_len=32)
+    with pytest.raises(UnsupportedOperationError, match="kvcompress.compress"), torch.no_grad():
+        model(ids, cache=cache)
+
+
+def test_early_allocation_with_max_batch_size(model):
+    cache = kvcompress.Cache(_stack("kivi2", None), model, max_cache_len=64, max_batch_size=2)
+    core = cache.compressed_layers[0]
+    assert core.is_initialized and core.k.shape[0] == 2 and core.middle.ring.valid is not None
+    ids, mask = _ids(batch=2, length=50)
+    with kvcompress.compress(model, _stack("kivi2", None), max_cache_len=64) as fresh:
+        pass
+    assert fresh.compressed_layers[0].is_initialized is False
+
+
+def test_not_graph_safe_plugin_runs_eagerly_with_one_warning(model, with_stride_plugin):
+    stack = {"compressors": [{"stride": {"every": 2, "recent": 8}}]}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = kvcompress.Cache(stack, model, max_cache_len=64)
+    messages = [str(w.message) for w in caught if "graph_safe" in str(w.message)]
+    assert len(messages) == 1 and "'stride'" in messages[0] and "kvcompress_evict_tokens" in messages[0]
+    assert not cache.is_compileable and not cache.is_static
+    ids, mask = _ids(batch=1, length=60)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got, _ = _run(model, stack, ids, mask)
+    ref, _ = _run(model, stack, ids, mask, static=False)
+    assert (got - ref).abs().max().item() == 0.0
