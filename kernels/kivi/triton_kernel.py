@@ -177,7 +177,7 @@ def _small_loads(va_base, vs_base, vz_base, t0, t_end, j, svs_t, svz_t, vgrp, vw
 
 @triton.jit
 def _kivi_split_kernel(
-    Q, KC, KS, KZ, VC, VS, VZ, VALID, OUT, LSE,
+    Q, KC, KS, KZ, VC, VS, VZ, VALID, LENGTH, OUT, LSE,
     qk_scale, M, H, NT, tokens_per_split,
     sq_b, sq_h, sq_m,
     skc_b, skc_h, skc_g,
@@ -191,11 +191,13 @@ def _kivi_split_kernel(
     sl_s, sl_b, sl_h,
     DK: tl.constexpr, KW: tl.constexpr, KW_PAD: tl.constexpr, DV: tl.constexpr, VW_PAD: tl.constexpr,
     G: tl.constexpr, GV: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
-    TRANS: tl.constexpr, LAZY: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
+    TRANS: tl.constexpr, LAZY: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, HAS_LENGTH: tl.constexpr,
 ):
     """One (split, batch*kv-head, row block): flash-decoding over ``tokens_per_split`` tokens.
 
     ``KS`` / ``KZ`` are the key scales / zeros viewed as int32 pairs of adjacent channels (strides in pairs).
+    ``HAS_LENGTH``: ``LENGTH`` points to the number of leading token slots that may be live (a 0-dim device
+    tensor); slots at or after it are neither loaded nor attended (a split entirely beyond it exits at once).
     """
     PER: tl.constexpr = 32 // BITS
     HP: tl.constexpr = PER // 2  # fields (code pairs) per word
@@ -240,13 +242,13 @@ def _kivi_split_kernel(
         fld = fld3[None, None, None, :, :, :]
         kp_off = offs_kw[:, None, None, None, None, None] * HP + fld
         nb_x = offs_nb[None, :, None, None, None, None]
-        kp_ok = kw_ok[:, None, None, None, None, None] & (fld < HP)
+        kp_ok = kw_ok[:, None, None, None, None, None] & (fld < HP) & (kp_off < DK // 2)  # padded last word
     else:
         fld3 = f2[:, None] * 2 + f2[None, :]
         fld = fld3[None, None, None, :, :]
         kp_off = offs_kw[:, None, None, None, None] * HP + fld
         nb_x = offs_nb[None, :, None, None, None]
-        kp_ok = kw_ok[:, None, None, None, None] & (fld < HP)
+        kp_ok = kw_ok[:, None, None, None, None] & (fld < HP) & (kp_off < DK // 2)
     offs_vw = tl.arange(0, VW_PAD)
     offs_d = tl.arange(0, DV_PAD)
     d_ok = offs_d < DV
@@ -272,6 +274,8 @@ def _kivi_split_kernel(
 
     t_start = pid_s * tokens_per_split
     t_end = tl.minimum(t_start + tokens_per_split, NT)
+    if HAS_LENGTH:
+        t_end = tl.minimum(t_end, tl.load(LENGTH).to(tl.int32))
     if PREFETCH:
         ok, vs, vz = _small_loads(va_base, vs_base, vz_base, t_start, t_end, j, svs_t, svz_t, vgrp, vw_ok, BITS,
                                   PER, GV)
@@ -439,8 +443,18 @@ def _validate(query: torch.Tensor, packed: PackedKV) -> None:
 
 
 def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, splits: int | None = None,
-             config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             config: dict | None = None, length: torch.Tensor | None = None,
+             base: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launch.  ``length`` (default ``packed.length``): 0-dim int device tensor, the number of leading token
+    slots that may be live
+    (slots at or after it are treated as invalid and not read; the grid stays sized for the whole capacity, so
+    the launch is the same whatever its value: CUDA-graph safe).  ``base``: the launch configuration to start from
+    instead of :func:`_config` (which reads ``KVCOMPRESS_KIVI_CONFIG``); ``config`` entries override either."""
     _validate(query, packed)
+    if length is None:
+        length = getattr(packed, "length", None)
+    if length is not None and (length.dim() != 0 or length.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"length must be a 0-dim int32/int64 tensor, got {tuple(length.shape)} {length.dtype}")
     b, h, m, dk = query.shape
     bits, g = packed.bits, packed.group
     per = 32 // bits
@@ -467,7 +481,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, splits: int
     if valid.dtype == torch.bool:
         valid = valid.view(torch.uint8)
 
-    cfg = dict(_config(bits, g, dk, dv, gv))
+    cfg = dict(base if base is not None else _config(bits, g, dk, dv, gv))
     if config:
         cfg.update(config)
     bn = int(cfg["BN"])
@@ -494,7 +508,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, splits: int
     kw = kc.shape[3]
     vw = vc.shape[-1]
     _kivi_split_kernel[(splits, b * h, m_blocks)](
-        q, kc, ks, kz, vc, vs, vz, valid, po, pl,
+        q, kc, ks, kz, vc, vs, vz, valid, length if length is not None else valid, po, pl,
         float(scale) * LOG2E, m, h, nt, tps,
         q.stride(0), q.stride(1), q.stride(2),
         kc.stride(0), kc.stride(1), kc.stride(2),
@@ -507,7 +521,8 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, splits: int
         *po_strides, *pl_strides,
         DK=dk, KW=kw, KW_PAD=max(_pow2(kw), -(-16 // per)), DV=dv, VW_PAD=max(_pow2(vw), -(-16 // per)),
         G=g, GV=gv, BITS=bits, BLOCK_M=block_m, BN=bn, TRANS=cfg["TRANS"], LAZY=cfg["LAZY"],
-        ASM=bool(cfg["ASM"]) and _asm_ok(dev), PREFETCH=bool(cfg["PREFETCH"]),
+        ASM=bool(cfg["ASM"]) and (base is not None or _asm_ok(dev)), PREFETCH=bool(cfg["PREFETCH"]),
+        HAS_LENGTH=length is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),
     )
@@ -516,6 +531,17 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, splits: int
     return out, lse
 
 
-def kivi_attention_partial(query: torch.Tensor, packed: PackedKV, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused attention over a packed KIVI region; see :func:`.reference.kivi_attention_partial`."""
-    return _forward(query, packed, scale)
+def resolved_config(bits: int, group: int, dk: int, dv: int, v_group: int, device: torch.device) -> dict:
+    """The launch configuration of one problem class with every environment input applied
+    (``KVCOMPRESS_KIVI_CONFIG``, inline PTX only on a real GPU): what :mod:`kvcompress.kernels.ops` resolves once and
+    passes as ``base`` (no environment read per call)."""
+    cfg = dict(_config(bits, group, dk, dv, v_group))
+    cfg["ASM"] = bool(cfg["ASM"]) and _asm_ok(device)
+    return cfg
+
+
+def kivi_attention_partial(query: torch.Tensor, packed: PackedKV, scale: float, *,
+                           length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention over a packed KIVI region; see :func:`.reference.kivi_attention_partial` (``length``: see
+    :func:`_forward`)."""
+    return _forward(query, packed, scale, length=length)
