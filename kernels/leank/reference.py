@@ -73,8 +73,8 @@ def lane_partial(query: torch.Tensor, lane: Lane, scale: float) -> tuple[torch.T
     return torch.einsum("bhmt,bhtd->bhmd", p, v.float()), lse
 
 
-def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple], scale: float
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
+def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple], scale: float, *,
+                              length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of grouped queries over LeanK lanes, unnormalised across regions.
 
     Args:
@@ -82,13 +82,24 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
             over the full head dimension (each lane gathers its kept channels itself).
         lanes: ``(heads, channels, k, v, valid)`` per lane (see the module docstring); at least one.
         scale: softmax scale of the full head (``1/sqrt(D)``), also for pruned keys.
+        length: optional 0-dim int tensor: every lane's token slots at or after it are treated as invalid
+            (the kernel does not read them).
 
     Returns:
         ``(out [B, Hkv, M, Dv] float32, lse [B, Hkv, M] float32)``; heads no lane covers get
         ``lse = -inf`` and a zero output.  Merge with other regions by log-sum-exp
         (:func:`merge_with_lse`, :func:`kvcompress.kernels.attention.reference.merge_partials`).
     """
+    if length is not None:
+        lanes = [_bounded(Lane(*lane), length) for lane in lanes]
     return combine_lanes(query, lanes, lambda lane: lane_partial(query, lane, scale))
+
+
+def _bounded(lane: Lane, length: torch.Tensor) -> Lane:
+    """``lane`` with ``valid`` restricted to the slots before ``length``."""
+    b, _, t, _ = lane.k.shape
+    ok = torch.arange(t, device=lane.k.device) < length.to(lane.k.device)
+    return lane._replace(valid=ok.expand(b, t) if lane.valid is None else lane.valid & ok)
 
 
 def combine_lanes(query: torch.Tensor, lanes: Sequence[Lane | tuple],

@@ -108,12 +108,15 @@ def _lanes_kernel(
     Q, sq_b, sq_h, sq_m,
     KS, VS, VAS, CHS, HDS,
     SKB, SKH, SKT, SVB, SVH, SVT, SVAB, SCH, TS, NHS, CS, ROW0,
-    PO, PL, qk_scale, M, R, RLO, RN, NBATCH,
+    PO, PL, LENGTH, qk_scale, M, R, RLO, RN, NBATCH,
     HAS_VALID: tl.constexpr, HAS_CHAN: tl.constexpr, HAS_HEADS: tl.constexpr, DKP: tl.constexpr,
     NL: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, HAS_LENGTH: tl.constexpr,
 ):
-    """One (split, batch * lane row, row block): the partial of one head of one lane over one token range."""
+    """One (split, batch * lane row, row block): the partial of one head of one lane over one token range.
+
+    ``HAS_LENGTH``: every lane's token slots at or after ``*LENGTH`` are dead (not read); the splits stay sized
+    for the lanes' capacity, so a split beyond the live length writes an empty partial at once."""
     pid_s = tl.program_id(0)
     pid_br = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -135,6 +138,8 @@ def _lanes_kernel(
             tps = tl.cdiv(tl.cdiv(TS[i], n_split), BN) * BN
             start = pid_s * tps
             end = tl.minimum(start + tps, TS[i])
+            if HAS_LENGTH:
+                end = tl.minimum(end, tl.load(LENGTH).to(tl.int32))
             acc, m_i, l_i = _attend(
                 Q, b64 * sq_b + head * sq_h, sq_m, CHS[i], j64 * SCH[i], KS[i], b64 * SKB[i] + j64 * SKH[i], SKT[i],
                 VS[i], b64 * SVB[i] + j64 * SVH[i], SVT[i], VAS[i], b64 * SVAB[i], CS[i], start, end, qk_scale, M,
@@ -317,13 +322,22 @@ def launch_layout(lanes: Sequence[Lane | tuple], d: int, canonical: bool = True)
 
 
 def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple], scale: float, *,
-                              splits: int | None = None, config: dict | None = None
+                              splits: int | None = None, config: dict | None = None,
+                              length: torch.Tensor | None = None, base: dict | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused grouped partial attention; see :func:`.reference.grouped_partial_attention`."""
+    """Fused grouped partial attention; see :func:`.reference.grouped_partial_attention`.
+
+    ``length``: 0-dim int device tensor, the number of leading token slots of every lane that may be live (later
+    slots are treated as invalid and not read; the launch does not depend on its value: CUDA-graph safe).
+    ``base``: the configuration to start from instead of :func:`_config` (which reads ``KVCOMPRESS_LEANK_CONFIG``);
+    ``config`` entries override either.
+    """
     lanes = [Lane(*lane) for lane in lanes]
     if not supports(query, lanes):
         raise ValueError("unsupported lanes for the Triton LeanK kernel (see supports())")
-    cfg = dict(_config())
+    if length is not None and (length.dim() != 0 or length.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"length must be a 0-dim int32/int64 tensor, got {tuple(length.shape)} {length.dtype}")
+    cfg = dict(base if base is not None else _config())
     if config:
         cfg.update(config)
     b, hkv, m, d = query.shape
@@ -369,10 +383,11 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
             tuple(_stride(r, "va", 0) if r["has_valid"] else 0 for r in chunk),
             tuple(_stride(r, "ch", 0) if r["has_chan"] else 0 for r in chunk),
             tup("t"), tup("h"), tup("c"), tup("r0"),
-            po, pl, float(scale) * LOG2E, m, n_rows, chunk[0]["r0"], n_chunk, b,
+            po, pl, length if length is not None else pl, float(scale) * LOG2E, m, n_rows, chunk[0]["r0"], n_chunk, b,
             HAS_VALID=tup("has_valid"), HAS_CHAN=tup("has_chan"), HAS_HEADS=tup("has_heads"),
             DKP=tuple(max(16, _pow2(r["c"])) for r in chunk), NL=len(chunk), DV=dv, DVP=max(16, _pow2(dv)),
-            BLOCK_M=block_m, BN=bn, IEEE=ieee, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            BLOCK_M=block_m, BN=bn, IEEE=ieee, HAS_LENGTH=length is not None, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
         )
 
     def tup_all(key):

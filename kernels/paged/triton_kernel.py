@@ -39,7 +39,7 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _paged_split_kernel(
-    Q, K, V, VALID, TABLE, OUT, LSE,
+    Q, K, V, VALID, TABLE, LENGTH, OUT, LSE,
     qk_scale, M, H, W, pages_per_split,
     sq_b, sq_h, sq_m,
     sk_p, sk_h, sk_t,
@@ -48,7 +48,7 @@ def _paged_split_kernel(
     so_s, so_b, so_h, so_m,
     sl_s, sl_b, sl_h,
     DK: tl.constexpr, DK_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
-    P: tl.constexpr, NBP: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr,
+    P: tl.constexpr, NBP: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr, HAS_LENGTH: tl.constexpr,
 ):
     BN: tl.constexpr = NBP * P
     pid_s = tl.program_id(0)
@@ -81,10 +81,15 @@ def _paged_split_kernel(
 
     w_start = pid_s * pages_per_split
     w_end = tl.minimum(w_start + pages_per_split, W)
+    if HAS_LENGTH:  # token slots at or after LENGTH (in block-table order) are dead: their pages are not read
+        n_live = tl.load(LENGTH).to(tl.int32)
+        w_end = tl.minimum(w_end, tl.cdiv(n_live, P))
     for w0 in range(w_start, w_end, NBP):
         wi = w0 + page_local
         page = tl.load(table_row + wi, mask=wi < w_end, other=-1)
         p_ok = page >= 0
+        if HAS_LENGTH:
+            p_ok = p_ok & (wi * P + slot < n_live)
         page = tl.where(p_ok, page, 0).to(tl.int64)
         ok = p_ok & (tl.load(VALID + page * sva_p + slot, mask=p_ok, other=0) != 0)
         k = tl.load(k_head + page[:, None] * sk_p + slot[:, None] * sk_t + offs_dk[None, :],
@@ -143,8 +148,14 @@ def _validate(query, k_pages, v_pages, page_valid, block_table) -> None:
 
 def _forward(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_valid: torch.Tensor,
              block_table: torch.Tensor, scale: float, *, splits: int | None = None,
-             pages_per_step: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             pages_per_step: int | None = None,
+             length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launch.  ``length``: 0-dim int device tensor, the number of leading token slots (block-table position
+    ``w`` holds slots ``w*P .. w*P+P-1``) that may be live; later slots are treated as invalid and their pages are
+    not read.  The grid stays sized for the whole table (CUDA-graph safe)."""
     _validate(query, k_pages, v_pages, page_valid, block_table)
+    if length is not None and (length.dim() != 0 or length.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"length must be a 0-dim int32/int64 tensor, got {tuple(length.shape)} {length.dtype}")
     b, h, m, dk = query.shape
     p = k_pages.shape[2]
     dv = v_pages.shape[3]
@@ -184,7 +195,7 @@ def _forward(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
         po_strides, pl_strides = po.stride()[:4], pl.stride()[:3]
 
     _paged_split_kernel[(splits, b * h, m_blocks)](
-        q, k, v, valid, table, po, pl,
+        q, k, v, valid, table, length if length is not None else table, po, pl,
         float(scale) * LOG2E, m, h, w, pps,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -192,7 +203,7 @@ def _forward(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
         valid.stride(0), table.stride(0),
         *po_strides, *pl_strides,
         DK=dk, DK_PAD=max(16, _pow2(dk)), DV=dv, DV_PAD=max(16, _pow2(dv)), P=p, NBP=nbp, BLOCK_M=block_m,
-        IEEE=k.dtype == torch.float32, num_warps=4, num_stages=2,
+        IEEE=k.dtype == torch.float32, HAS_LENGTH=length is not None, num_warps=4, num_stages=2,
     )
     if splits > 1:
         combine_splits(po, pl, out, lse, splits, m, b * h, dv, block_m)
@@ -201,6 +212,6 @@ def _forward(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
 
 def paged_attention_partial(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                             page_valid: torch.Tensor, block_table: torch.Tensor,
-                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Paged decode attention; see :func:`.reference.paged_attention_partial`."""
-    return _forward(query, k_pages, v_pages, page_valid, block_table, scale)
+                            scale: float, *, length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged decode attention; see :func:`.reference.paged_attention_partial` (``length``: see :func:`_forward`)."""
+    return _forward(query, k_pages, v_pages, page_valid, block_table, scale, length=length)
