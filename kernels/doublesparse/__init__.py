@@ -4,30 +4,34 @@ Each op dispatches to its Triton kernel for CUDA tensors when Triton is installe
 capability check (``triton_kernel.supports_*``) accepts the call; everything else goes to the
 PyTorch reference (same signature, :mod:`.reference`).  ``KVCOMPRESS_KERNELS=reference`` forces
 the reference everywhere; ``KVCOMPRESS_KERNELS=triton`` also runs the kernels on CPU tensors
-(under ``TRITON_INTERPRET=1``).
+(under ``TRITON_INTERPRET=1``).  With ``impl=`` (chosen once by :func:`kvcompress.kernels.ops.choose`) each op
+runs its registered op (``kvcompress::select_topk``, ``kvcompress::gather_partial``) with that implementation
+instead (graph-capturable; nothing is decided per call).
 """
 
 from __future__ import annotations
-
-import os
 
 from . import reference
 from .reference import LABEL_BITS, Labels, dequantize_labels, quantize_labels, selection_mask
 
 
 def _use_triton(t) -> bool:
-    mode = os.environ.get("KVCOMPRESS_KERNELS", "auto")
+    from kvcompress.kernels.ops import kernels_mode, triton_available
+
+    mode = kernels_mode()
     if mode == "reference" or not (t.is_cuda or mode == "triton"):
         return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return triton_available()
 
 
-def select_topk(query, labels: Labels, channels, valid, k: int):
-    """Top-``k`` token indices per query head from label scores; see :func:`.reference.select_topk`."""
+def select_topk(query, labels: Labels, channels, valid, k: int, *, impl: str | None = None):
+    """Top-``k`` token indices per query head from label scores; see :func:`.reference.select_topk`.
+
+    ``impl``: ``"reference"`` / ``"triton"`` through the registered op (``None``: decided per call)."""
+    if impl is not None:
+        from kvcompress.kernels import ops
+
+        return ops.select(query, labels, channels, valid, k, impl=impl)
     if _use_triton(query):
         from . import triton_kernel
 
@@ -36,8 +40,15 @@ def select_topk(query, labels: Labels, channels, valid, k: int):
     return reference.select_topk(query, labels, channels, valid, k)
 
 
-def gather_partial_attention(query, k, v, valid, index, scale):
-    """Attention over each row's selected tokens; see :func:`.reference.gather_partial_attention`."""
+def gather_partial_attention(query, k, v, valid, index, scale, *, impl: str | None = None):
+    """Attention over each row's selected tokens; see :func:`.reference.gather_partial_attention`.
+
+    ``impl``: ``"reference"`` / ``"triton"`` through the registered op (``None``: decided per call); there
+    ``index`` may also be ``[B, Hkv, 1, K]``, one selection shared by the kv head's rows."""
+    if impl is not None:
+        from kvcompress.kernels import ops
+
+        return ops.gather_attention(query, k, v, valid, index, scale, impl=impl)
     if _use_triton(query):
         from . import triton_kernel
 

@@ -12,12 +12,13 @@ choose a path):
    accepts the call;
 3. else the PyTorch reference (same signature).
 
-``KVCOMPRESS_KERNELS=reference`` forces the reference everywhere.
+``KVCOMPRESS_KERNELS=reference`` forces the reference everywhere.  The order is
+:func:`kvcompress.kernels.ops.kivi_order`, which :func:`kvcompress.kernels.ops.choose` applies once per cache (from
+static facts) for compiled decode: a ``PackedKV`` whose ``impl`` is set (or a call with ``impl=``) runs the
+registered op ``kvcompress::kivi_partial`` with that implementation and decides nothing per call.
 """
 
 from __future__ import annotations
-
-import os
 
 from .reference import (BITS, PackedKV, bits_per_element, dequantize_keys, dequantize_values,
                         fake_quantize_keys, fake_quantize_values, pack, quantize_keys, quantize_values, unpack)
@@ -25,44 +26,48 @@ from .reference import kivi_attention_partial as kivi_attention_partial_referenc
 
 
 def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    from kvcompress.kernels.ops import triton_available
 
-
-def _cuda_kernel_enabled() -> bool:
-    return os.environ.get("KVCOMPRESS_KIVI_CUDA", "1") != "0"
+    return triton_available()
 
 
 def implementation(query, packed) -> str:
     """Which implementation :func:`kivi_attention_partial` runs for this call: ``"cuda-v3"``, ``"triton-v2"`` or
     ``"reference"`` (the checks above, in order; nothing is compiled here)."""
-    if not query.is_cuda or os.environ.get("KVCOMPRESS_KERNELS", "auto") == "reference":
-        return "reference"
-    if _cuda_kernel_enabled():
+    from kvcompress.kernels.ops import kivi_order
+
+    def cuda_ok() -> bool:
         from . import cuda_kernel  # hand-written CUDA kernel (v3); nothing is compiled before its first launch
 
-        if cuda_kernel.nvcc_path() is not None and cuda_kernel.supports(query, packed):
-            return "cuda-v3"
-    if _triton_available():
+        return cuda_kernel.nvcc_path() is not None and cuda_kernel.supports(query, packed)
+
+    def triton_ok() -> bool:
         from . import triton_kernel  # compiled lazily, on first use
 
-        if triton_kernel.supports(query, packed):
-            return "triton-v2"
-    return "reference"
+        return triton_kernel.supports(query, packed)
+
+    impl = kivi_order(bool(query.is_cuda), cuda_ok, triton_ok, _triton_available)
+    return {"cuda": "cuda-v3", "triton": "triton-v2"}.get(impl, impl)
 
 
-def kivi_attention_partial(query, packed, scale):
-    """Attention over a packed KIVI region; see :func:`.reference.kivi_attention_partial`."""
-    impl = implementation(query, packed)
-    if impl == "cuda-v3":
-        from . import cuda_kernel
+def kivi_attention_partial(query, packed, scale, *, impl: str | None = None):
+    """Attention over a packed KIVI region; see :func:`.reference.kivi_attention_partial`.
+
+    ``impl`` (or ``packed.impl``): run the registered op ``kvcompress::kivi_partial`` with that implementation
+    (``"reference"``, ``"triton"``, ``"cuda"``; chosen once by :func:`kvcompress.kernels.ops.choose`) instead of
+    deciding per call."""
+    impl = impl if impl is not None else getattr(packed, "impl", None)
+    if impl is not None:
+        from kvcompress.kernels import ops
+
+        return ops.kivi_attention(query, packed, scale, impl=impl)
+    chosen = implementation(query, packed)
+    if chosen == "cuda-v3":
+        from . import cuda_kernel  # no length input: it reads the capacity with valid & (slot < length)
 
         return cuda_kernel.kivi_attention_partial(query, packed, scale)
-    if impl == "triton-v2":
-        from . import triton_kernel
+    if chosen == "triton-v2":
+        from . import triton_kernel  # reads packed.length: skips the slots after it
 
         return triton_kernel.kivi_attention_partial(query, packed, scale)
     return kivi_attention_partial_reference(query, packed, scale)

@@ -93,6 +93,7 @@ above: vfold 718 (127 registers), kfold 2 + vfold 687 (127), kfold 1 + vfold 671
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import json
@@ -528,7 +529,13 @@ def layout_probe(packed: PackedKV, b: int, h: int, tok0: int, min_blocks: int = 
 
 
 def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict | None = None,
-             splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             splits: int | None = None, base: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launch.  ``packed.length`` is not an input of this kernel: with a length it reads the whole capacity with
+    :meth:`PackedKV.live_valid` (``valid & (slot < length)``, one small elementwise op).  ``base``: the launch
+    configuration to start from instead of :func:`config` (which reads ``KVCOMPRESS_KIVI_CUDA_CONFIG``); ``cfg``
+    entries override either."""
+    if getattr(packed, "length", None) is not None:
+        packed = dataclasses.replace(packed, valid=packed.live_valid(), length=None)
     why = _problem(query, packed)
     if why is not None:
         raise ValueError(f"KIVI CUDA kernel: {why}")
@@ -545,7 +552,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
         return out, lse
     if nt == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    c = dict(config(bits))
+    c = dict(base if base is not None else config(bits))
     if cfg:
         c.update(cfg)
     lib = build_for(bits, dk, dv, c)

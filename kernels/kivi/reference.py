@@ -173,6 +173,13 @@ class PackedKV:
 
     ``group`` is the key token-group size ``G``; ``v_group`` the value channel-group size.
     Tensors may be longer than the live data: ``valid`` masks every slot that must not be read.
+
+    ``impl`` (optional): the implementation :meth:`attention_partial` runs, chosen once when the store is built
+    (:func:`kvcompress.kernels.ops.choose`): ``"reference"``, ``"triton"`` or ``"cuda"``, through the registered op
+    ``kvcompress::kivi_partial`` (graph-capturable).  ``None`` (default): decided per call
+    (:func:`kvcompress.kernels.kivi.kivi_attention_partial`).
+    ``length`` (optional): 0-dim int device tensor, the number of leading token slots that may be live; slots at or
+    after it are treated as invalid by every implementation (the Triton kernel does not read them).
     """
 
     bits: int
@@ -185,6 +192,8 @@ class PackedKV:
     v_zero: torch.Tensor
     valid: torch.Tensor
     k_per_token: bool = False  # ablation only: keys in the *values'* per-token layout (KIVI's wrong axis)
+    impl: str | None = None
+    length: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -193,6 +202,13 @@ class PackedKV:
     @property
     def v_group(self) -> int:
         return self.v_codes.shape[-1] * (32 // self.bits) // self.v_scale.shape[-1]
+
+    def live_valid(self) -> torch.Tensor:
+        """``valid`` restricted to the slots before ``length`` (``valid`` itself without a length)."""
+        if self.length is None:
+            return self.valid
+        t = self.valid.shape[-1]
+        return self.valid & (torch.arange(t, device=self.valid.device) < self.length.to(self.valid.device))
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Full keys ``[B, H, T, Dk]`` and values ``[B, H, T, Dv]`` in float32 (read-time, transient)."""
@@ -204,12 +220,21 @@ class PackedKV:
         return k, v
 
     def attention_partial(self, query: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)`` of ``query [B, H, M, Dk]`` over this region (fused kernel on CUDA)."""
+        """``(out, lse)`` of ``query [B, H, M, Dk]`` over this region (fused kernel on CUDA): through the registered
+        op with the chosen ``impl`` when it is set, else decided per call."""
+        if self.impl is not None:
+            return _ops().kivi_attention(query, self, scale, impl=self.impl)
         if self.k_per_token:
             return kivi_attention_partial(query, self, scale)
         from . import kivi_attention_partial as dispatch
 
         return dispatch(query, self, scale)
+
+
+def _ops():
+    from kvcompress.kernels import ops  # registers the ops on first use (it imports this module)
+
+    return ops
 
 
 # ----------------------------------------------------------------------------- attention
@@ -219,7 +244,7 @@ def kivi_attention_partial(query: torch.Tensor, packed: PackedKV, scale: float) 
     """Attention of grouped queries over a quantized region, unnormalised across regions.
 
     Every stored token precedes every query (the quantized middle is older than the
-    recent window), so only ``packed.valid`` masks keys.
+    recent window), so only ``packed.valid`` (restricted to slots before ``packed.length`` when set) masks keys.
 
     Args:
         query: ``[B, Hkv, M, Dk]`` - the ``M = group * q_len`` query rows that share each kv head
@@ -235,7 +260,7 @@ def kivi_attention_partial(query: torch.Tensor, packed: PackedKV, scale: float) 
     """
     k, v = packed.dequantize()
     s = torch.einsum("bhmd,bhtd->bhmt", query.float(), k) * scale
-    s = s.masked_fill(~packed.valid[:, None, None, :], float("-inf"))
+    s = s.masked_fill(~packed.live_valid()[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     finite = torch.isfinite(lse)
     p = torch.exp(s - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))

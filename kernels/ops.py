@@ -1,0 +1,544 @@
+"""The kernels as registered custom ops (namespace ``kvcompress``), and the build-time chooser.
+
+Compiled decode (``torch.compile(..., fullgraph=True)``, CUDA graphs with ``mode="reduce-overhead"``) needs every
+kernel to be an op the compiler sees as one opaque call: these are registered with
+:func:`torch.library.custom_op`, take only tensors / ints / floats / bools / strs (lists of tensors for LeanK's
+lanes), declare no mutation, and have a fake implementation giving output shapes and dtypes.
+
+============================  =========================================================================
+op                            semantics (the PyTorch reference, also the CPU implementation)
+============================  =========================================================================
+``kvcompress::kivi_partial``   :func:`kvcompress.kernels.kivi.reference.kivi_attention_partial`
+``kvcompress::paged_partial``  :func:`kvcompress.kernels.paged.reference.paged_attention_partial`
+``kvcompress::lanes_partial``  :func:`kvcompress.kernels.leank.reference.grouped_partial_attention`
+``kvcompress::select_topk``    :func:`kvcompress.kernels.doublesparse.reference.select_topk`
+``kvcompress::gather_partial`` :func:`kvcompress.kernels.doublesparse.reference.gather_partial_attention`
+============================  =========================================================================
+
+* **CPU**: always the reference (``impl`` is accepted and ignored: the references are the CPU path).
+* **CUDA**: the implementation named by the explicit ``impl`` argument - ``"reference"``, ``"triton"`` (every op)
+  or ``"cuda"`` (KIVI only: the hand-written v3 kernel, built with nvcc at its first call, bound with ctypes).  The op
+  never reads the environment, looks up nvcc or probes the device: :func:`choose` does that once, when a cache is
+  built, and the caller passes its answer with every call.  A named kernel that cannot take the call raises
+  (``ValueError`` naming the op and the implementation); nothing falls back silently.
+
+``length`` (KIVI, paged, lanes; optional): a 0-dim int32 / int64 device tensor, the number of leading token slots
+that may hold live data.  Slots at or after it are treated as invalid by every implementation (the reference masks
+them), and the Triton kernels do not read them: a static cache sized for ``max_cache_len`` passes its fill level
+and the kernels skip the empty capacity, with a grid that does not depend on the value (CUDA-graph safe).  The
+KIVI CUDA kernel (v3) has no such input: it reads the whole capacity with ``valid & (slot < length)``.
+
+The Python wrappers below (:func:`kivi_attention`, :func:`paged_attention`, :func:`lanes_attention`,
+:func:`select`, :func:`gather_attention`) take the structured arguments the subpackages use (``PackedKV``, lanes,
+``Labels``) and call the ops; the subpackages' dispatchers route through them when given ``impl=``.
+
+This module registers the ops at import (as any ``torch.library`` op); it imports neither Triton nor the CUDA
+kernel module, reads no environment and compiles nothing until an op runs on CUDA or :func:`choose` is called.
+(No ``from __future__ import annotations`` here: ``custom_op`` infers the schema from the annotations.)
+"""
+
+import functools
+import logging
+import os
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .doublesparse import reference as ds_ref
+from .kivi import reference as kivi_ref
+from .leank import reference as leank_ref
+from .paged import reference as paged_ref
+
+logger = logging.getLogger(__name__)
+
+IMPLS = ("reference", "triton", "cuda")
+# op name -> implementations its CUDA kernel accepts
+OPS = {
+    "kivi_partial": ("reference", "triton", "cuda"),
+    "paged_partial": ("reference", "triton"),
+    "lanes_partial": ("reference", "triton"),
+    "select_topk": ("reference", "triton"),
+    "gather_partial": ("reference", "triton"),
+}
+
+
+def _check_impl(op: str, impl: str) -> None:
+    if impl not in OPS[op]:
+        raise ValueError(f"kvcompress::{op}: impl must be one of {OPS[op]}, got {impl!r}")
+
+
+def _check_length(op: str, length: Optional[Tensor]) -> None:
+    if length is not None and (length.dim() != 0 or length.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"kvcompress::{op}: length must be a 0-dim int32/int64 tensor, got "
+                         f"{tuple(length.shape)} {length.dtype}")
+
+
+def live_slots(valid: Optional[Tensor], length: Optional[Tensor], tokens: int, batch: int,
+               device: torch.device) -> Optional[Tensor]:
+    """``valid [B, T]`` (or ``None`` = all valid) restricted to slots ``< length``: bool ``[B, T]``, or ``valid``
+    itself when ``length`` is ``None``.  Shape-static and sync-free."""
+    if length is None:
+        return valid
+    ok = torch.arange(tokens, device=device) < length.to(device)
+    return ok.expand(batch, tokens) if valid is None else valid & ok
+
+
+def _fresh(*ts: Tensor):
+    """Outputs as fresh contiguous tensors (the fake implementations promise contiguous outputs)."""
+    out = tuple(t.contiguous() for t in ts)
+    return out if len(out) > 1 else out[0]
+
+
+def _empty_partial(query: Tensor, dv) -> tuple[Tensor, Tensor]:
+    b, h, m, _ = query.shape
+    return (query.new_empty((b, h, m, dv), dtype=torch.float32), query.new_empty((b, h, m), dtype=torch.float32))
+
+
+# ----------------------------------------------------------------------------- tuning snapshots (read once)
+
+
+@functools.lru_cache(maxsize=None)
+def _kivi_triton_base(bits: int, group: int, dk: int, dv: int, v_group: int) -> dict:
+    from .kivi import triton_kernel
+
+    return triton_kernel.resolved_config(bits, group, dk, dv, v_group, torch.device("cuda"))
+
+
+@functools.lru_cache(maxsize=None)
+def _kivi_cuda_base(bits: int) -> dict:
+    from .kivi import cuda_kernel
+
+    return cuda_kernel.config(bits)
+
+
+@functools.lru_cache(maxsize=None)
+def _leank_base() -> dict:
+    from .leank import triton_kernel
+
+    return triton_kernel._config()
+
+
+# ----------------------------------------------------------------------------- KIVI
+
+
+@torch.library.custom_op("kvcompress::kivi_partial", mutates_args=(), device_types="cpu")
+def kivi_partial(query: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor,
+                 v_scale: Tensor, v_zero: Tensor, valid: Tensor, length: Optional[Tensor], bits: int, group: int,
+                 scale: float, k_per_token: bool = False, impl: str = "reference") -> tuple[Tensor, Tensor]:
+    """Attention of ``query [B, Hkv, M, Dk]`` over a packed KIVI region (the fields of ``PackedKV``):
+    ``(out [B, Hkv, M, Dv] fp32, lse [B, Hkv, M] fp32)``.  CPU: the reference."""
+    _check_impl("kivi_partial", impl)
+    _check_length("kivi_partial", length)
+    packed = kivi_ref.PackedKV(bits, group, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                               live_slots(valid, length, valid.shape[-1], valid.shape[0], valid.device), k_per_token)
+    return _fresh(*kivi_ref.kivi_attention_partial(query, packed, scale))
+
+
+@kivi_partial.register_kernel("cuda")
+def _kivi_partial_cuda(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits, group, scale,
+                       k_per_token=False, impl="reference"):
+    _check_impl("kivi_partial", impl)
+    _check_length("kivi_partial", length)
+    packed = kivi_ref.PackedKV(bits, group, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, k_per_token)
+    if impl == "triton":
+        from .kivi import triton_kernel
+
+        dk, dv = query.shape[-1], v_codes.shape[-1] * (32 // bits)
+        return _fresh(*triton_kernel._forward(query, packed, scale, length=length,
+                                              base=_kivi_triton_base(bits, group, dk, dv, packed.v_group)))
+    packed.valid = live_slots(valid, length, valid.shape[-1], valid.shape[0], valid.device)
+    if impl == "cuda":
+        from .kivi import cuda_kernel
+
+        return _fresh(*cuda_kernel._forward(query, packed, scale, base=_kivi_cuda_base(bits)))
+    return _fresh(*kivi_ref.kivi_attention_partial(query, packed, scale))
+
+
+@kivi_partial.register_fake
+def _kivi_partial_fake(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits, group, scale,
+                       k_per_token=False, impl="reference"):
+    return _empty_partial(query, v_codes.shape[-1] * (32 // bits))
+
+
+def kivi_attention(query: Tensor, packed, scale: float, *, impl: str,
+                   length: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """``kvcompress::kivi_partial`` over a :class:`~kvcompress.kernels.kivi.PackedKV` (``length`` defaults to
+    ``packed.length``)."""
+    if length is None:
+        length = packed.length
+    return _OPS["kivi_partial"](
+        query, packed.k_codes, packed.k_scale, packed.k_zero, packed.v_codes, packed.v_scale, packed.v_zero,
+        packed.valid, length, packed.bits, packed.group, float(scale), bool(packed.k_per_token), impl)
+
+
+# ----------------------------------------------------------------------------- paged
+
+
+@torch.library.custom_op("kvcompress::paged_partial", mutates_args=(), device_types="cpu")
+def paged_partial(query: Tensor, k_pages: Tensor, v_pages: Tensor, page_valid: Tensor, block_table: Tensor,
+                  length: Optional[Tensor], scale: float, impl: str = "reference") -> tuple[Tensor, Tensor]:
+    """Attention through a block table (``[num_pages, H, P, D]`` pools, ``block_table [B, W]`` with ``-1`` for no
+    page): ``(out [B, H, M, Dv] fp32, lse [B, H, M] fp32)``.  ``length`` counts token slots in block-table order
+    (position ``w`` holds slots ``w*P .. w*P+P-1``).  CPU: the reference."""
+    _check_impl("paged_partial", impl)
+    _check_length("paged_partial", length)
+    return _fresh(*paged_ref.paged_attention_partial(query, k_pages, v_pages, page_valid, block_table, scale,
+                                                     length=length))
+
+
+@paged_partial.register_kernel("cuda")
+def _paged_partial_cuda(query, k_pages, v_pages, page_valid, block_table, length, scale, impl="reference"):
+    _check_impl("paged_partial", impl)
+    _check_length("paged_partial", length)
+    if impl == "triton":
+        from .paged import triton_kernel
+
+        return _fresh(*triton_kernel._forward(query, k_pages, v_pages, page_valid, block_table, scale,
+                                              length=length))
+    return _fresh(*paged_ref.paged_attention_partial(query, k_pages, v_pages, page_valid, block_table, scale,
+                                                     length=length))
+
+
+@paged_partial.register_fake
+def _paged_partial_fake(query, k_pages, v_pages, page_valid, block_table, length, scale, impl="reference"):
+    return _empty_partial(query, v_pages.shape[-1])
+
+
+def paged_attention(query: Tensor, k_pages: Tensor, v_pages: Tensor, page_valid: Tensor, block_table: Tensor,
+                    scale: float, *, impl: str, length: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """``kvcompress::paged_partial``."""
+    return _OPS["paged_partial"](query, k_pages, v_pages, page_valid, block_table, length,
+                                                      float(scale), impl)
+
+
+# ----------------------------------------------------------------------------- LeanK lanes
+
+
+def _lanes(heads, channels, k, v, valid) -> list:
+    n = len(k)
+    if not (len(heads) == len(channels) == len(v) == len(valid) == n) or n == 0:
+        raise ValueError(f"kvcompress::lanes_partial: one entry per lane in heads / channels / k / v / valid, got "
+                         f"{[len(heads), len(channels), len(k), len(v), len(valid)]}")
+    return [leank_ref.Lane(*lane) for lane in zip(heads, channels, k, v, valid)]
+
+
+@torch.library.custom_op("kvcompress::lanes_partial", mutates_args=(), device_types="cpu")
+def lanes_partial(query: Tensor, heads: list[Optional[Tensor]], channels: list[Optional[Tensor]], k: list[Tensor],
+                  v: list[Tensor], valid: list[Optional[Tensor]], length: Optional[Tensor], scale: float,
+                  impl: str = "reference") -> tuple[Tensor, Tensor]:
+    """Attention of ``query [B, Hkv, M, D]`` over LeanK lanes, given as parallel lists (lane ``i`` =
+    ``(heads[i], channels[i], k[i], v[i], valid[i])``, see :mod:`kvcompress.kernels.leank.reference`):
+    ``(out [B, Hkv, M, Dv] fp32, lse [B, Hkv, M] fp32)``.  ``length`` bounds every lane's token axis.  CPU: the
+    reference."""
+    _check_impl("lanes_partial", impl)
+    _check_length("lanes_partial", length)
+    lanes = _lanes(heads, channels, k, v, valid)
+    return _fresh(*leank_ref.grouped_partial_attention(query, lanes, scale, length=length))
+
+
+@lanes_partial.register_kernel("cuda")
+def _lanes_partial_cuda(query, heads, channels, k, v, valid, length, scale, impl="reference"):
+    _check_impl("lanes_partial", impl)
+    _check_length("lanes_partial", length)
+    lanes = _lanes(heads, channels, k, v, valid)
+    if impl == "triton":
+        from .leank import triton_kernel
+
+        return _fresh(*triton_kernel.grouped_partial_attention(query, lanes, scale, length=length,
+                                                               base=_leank_base()))
+    return _fresh(*leank_ref.grouped_partial_attention(query, lanes, scale, length=length))
+
+
+@lanes_partial.register_fake
+def _lanes_partial_fake(query, heads, channels, k, v, valid, length, scale, impl="reference"):
+    return _empty_partial(query, v[0].shape[-1])
+
+
+def lanes_attention(query: Tensor, lanes: Sequence, scale: float, *, impl: str,
+                    length: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """``kvcompress::lanes_partial`` over ``lanes`` (tuples ``(heads, channels, k, v[, valid])``)."""
+    lanes = [leank_ref.Lane(*lane) for lane in lanes]
+    return _OPS["lanes_partial"](
+        query, [ln.heads for ln in lanes], [ln.channels for ln in lanes], [ln.k for ln in lanes],
+        [ln.v for ln in lanes], [ln.valid for ln in lanes], length, float(scale), impl)
+
+
+# ----------------------------------------------------------------------------- DoubleSparse
+
+
+@torch.library.custom_op("kvcompress::select_topk", mutates_args=(), device_types="cpu")
+def select_topk(query: Tensor, label_data: Tensor, label_scale: Optional[Tensor], label_zero: Optional[Tensor],
+                label_bits: int, channels: Tensor, valid: Optional[Tensor], k: int,
+                impl: str = "reference") -> Tensor:
+    """Indices ``[B, Hq, k]`` (int64, in no particular order) of the ``k`` best label scores per query head
+    (``query [B, Hq, D]``, labels ``Labels(label_data, label_bits, label_scale, label_zero)``).  CPU: the
+    reference."""
+    _check_impl("select_topk", impl)
+    labels = ds_ref.Labels(label_data, label_bits, label_scale, label_zero)
+    return _fresh(ds_ref.select_topk(query, labels, channels, valid, k))
+
+
+@select_topk.register_kernel("cuda")
+def _select_topk_cuda(query, label_data, label_scale, label_zero, label_bits, channels, valid, k, impl="reference"):
+    _check_impl("select_topk", impl)
+    labels = ds_ref.Labels(label_data, label_bits, label_scale, label_zero)
+    if impl == "triton":
+        from .doublesparse import triton_kernel
+
+        if not triton_kernel.supports_scores(query, labels, channels):
+            raise ValueError("kvcompress::select_topk: the Triton kernel does not take these arguments "
+                             "(doublesparse.triton_kernel.supports_scores)")
+        return _fresh(triton_kernel.select_topk(query, labels, channels, valid, k))
+    return _fresh(ds_ref.select_topk(query, labels, channels, valid, k))
+
+
+@select_topk.register_fake
+def _select_topk_fake(query, label_data, label_scale, label_zero, label_bits, channels, valid, k, impl="reference"):
+    return query.new_empty((query.shape[0], query.shape[1], k), dtype=torch.int64)
+
+
+def select(query: Tensor, labels, channels: Tensor, valid: Optional[Tensor], k: int, *, impl: str) -> Tensor:
+    """``kvcompress::select_topk`` over a :class:`~kvcompress.kernels.doublesparse.Labels`."""
+    return _OPS["select_topk"](query, labels.data, labels.scale, labels.zero, labels.bits,
+                                                    channels, valid, int(k), impl)
+
+
+def _rows(index: Tensor, m: int) -> Tensor:
+    """``index [B, H, 1, K]`` (one selection shared by a kv head's rows) as the stride-0 view ``[B, H, M, K]``."""
+    return index.expand(index.shape[0], index.shape[1], m, index.shape[3]) if index.shape[2] == 1 else index
+
+
+@torch.library.custom_op("kvcompress::gather_partial", mutates_args=(), device_types="cpu")
+def gather_partial(query: Tensor, k: Tensor, v: Tensor, valid: Optional[Tensor], index: Tensor, scale: float,
+                   impl: str = "reference") -> tuple[Tensor, Tensor]:
+    """Attention of every row of ``query [B, Hkv, M, D]`` over its selected tokens ``index [B, Hkv, M, K]``
+    (``[B, Hkv, 1, K]``: one selection shared by the kv head's rows - the group-shared kernel on CUDA):
+    ``(out [B, Hkv, M, Dv] fp32, lse [B, Hkv, M] fp32)``.  CPU: the reference."""
+    _check_impl("gather_partial", impl)
+    return _fresh(*ds_ref.gather_partial_attention(query, k, v, valid, _rows(index, query.shape[2]), scale))
+
+
+@gather_partial.register_kernel("cuda")
+def _gather_partial_cuda(query, k, v, valid, index, scale, impl="reference"):
+    _check_impl("gather_partial", impl)
+    index = _rows(index, query.shape[2])
+    if impl == "triton":
+        from .doublesparse import triton_kernel
+
+        last = [t if t.stride(-1) == 1 else t.contiguous() for t in (query, k, v)]
+        if index.stride(-1) != 1:
+            index = index.contiguous()
+        if not triton_kernel.supports_gather(*last, index):
+            raise ValueError("kvcompress::gather_partial: the Triton kernel does not take these arguments "
+                             "(doublesparse.triton_kernel.supports_gather)")
+        return _fresh(*triton_kernel.gather_partial_attention(last[0], last[1], last[2], valid, index, scale))
+    return _fresh(*ds_ref.gather_partial_attention(query, k, v, valid, index, scale))
+
+
+@gather_partial.register_fake
+def _gather_partial_fake(query, k, v, valid, index, scale, impl="reference"):
+    return _empty_partial(query, v.shape[-1])
+
+
+def gather_attention(query: Tensor, k: Tensor, v: Tensor, valid: Optional[Tensor], index: Tensor, scale: float, *,
+                     impl: str) -> tuple[Tensor, Tensor]:
+    """``kvcompress::gather_partial``."""
+    return _OPS["gather_partial"](query, k, v, valid, index, float(scale), impl)
+
+
+# the registered ops by name (the wrappers call these), and their CUDA implementations as Python functions (what
+# tests/test_kernel_ops.py runs on CPU tensors under the Triton interpreter to check the CUDA glue without a GPU)
+_OPS = {name: getattr(torch.ops.kvcompress, name).default for name in OPS}
+CUDA_IMPLS = {"kivi_partial": _kivi_partial_cuda, "paged_partial": _paged_partial_cuda,
+              "lanes_partial": _lanes_partial_cuda, "select_topk": _select_topk_cuda,
+              "gather_partial": _gather_partial_cuda}
+
+
+# ----------------------------------------------------------------------------- the chooser (environment read here)
+
+
+def kernels_mode() -> str:
+    """``KVCOMPRESS_KERNELS``: ``"auto"`` (default), ``"reference"`` (the references everywhere) or ``"triton"``
+    (the per-call dispatchers also run the Triton kernels on CPU tensors, under ``TRITON_INTERPRET=1``)."""
+    return os.environ.get("KVCOMPRESS_KERNELS", "auto")
+
+
+def kivi_cuda_enabled() -> bool:
+    """``KVCOMPRESS_KIVI_CUDA=0`` disables the KIVI CUDA kernel (v3)."""
+    return os.environ.get("KVCOMPRESS_KIVI_CUDA", "1") != "0"
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def kivi_order(is_cuda: bool, cuda_ok, triton_ok, triton_installed=None) -> str:
+    """The KIVI decision, shared by :func:`choose` (static facts, once per cache) and the per-call dispatcher
+    :func:`kvcompress.kernels.kivi.implementation` (tensors): ``"cuda"`` when on CUDA, not disabled, and
+    ``cuda_ok()`` (nvcc, device and shape checks); else ``"triton"`` when Triton is installed and ``triton_ok()``;
+    else ``"reference"``.  ``KVCOMPRESS_KERNELS=reference`` forces the reference."""
+    if not is_cuda or kernels_mode() == "reference":
+        return "reference"
+    if kivi_cuda_enabled() and cuda_ok():
+        return "cuda"
+    if (triton_installed or triton_available)() and triton_ok():
+        return "triton"
+    return "reference"
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+_FACTS = {
+    "kivi_partial": {"bits", "group", "head_dim", "v_dim", "v_group", "k_per_token", "tokens"},
+    "paged_partial": {"page_size", "head_dim", "v_dim", "dtype"},
+    "lanes_partial": {"head_dim", "v_dim", "kept", "dtype"},
+    "select_topk": {"label_bits", "label_channels", "query_dtype", "label_dtype"},
+    "gather_partial": {"head_dim", "v_dim", "dtype", "query_dtype"},
+}
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _kivi_cuda_problem(device: torch.device, f: dict) -> Optional[str]:
+    from .kivi import cuda_kernel
+
+    if cuda_kernel.nvcc_path() is None:
+        return "no nvcc (PATH, $CUDA_HOME, $CUDA_PATH, /usr/local/cuda)"
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(device)[0] < 8:
+        return "needs a CUDA GPU of compute capability >= 8"
+    bits, g, dk = f.get("bits", 2), f.get("group", 32), f.get("head_dim", 128)
+    dv, gv = f.get("v_dim", dk), f.get("v_group", 32)
+    if f.get("k_per_token"):
+        return "per-token keys (ablation)"
+    if bits not in (2, 4):
+        return f"bits {bits}"
+    if dk not in cuda_kernel.DIMS or dv not in cuda_kernel.DIMS:
+        return f"head dims {dk} / {dv} not in {cuda_kernel.DIMS}"
+    if g % cuda_kernel.TILE or not _pow2(g):
+        return f"key group {g} (a power of two >= {cuda_kernel.TILE})"
+    if gv < 16 or dv % gv or gv % cuda_kernel.value_span(bits, dv):
+        return f"value group {gv}"
+    if "tokens" in f and f["tokens"] * max(dk, dv) >= 2**31:
+        return f"{f['tokens']} tokens (32-bit offsets)"
+    return None
+
+
+def _triton_problem(op: str, f: dict) -> Optional[str]:
+    dk = f.get("head_dim", 128)
+    dv = f.get("v_dim", dk)
+    if op == "kivi_partial":
+        bits, g, gv = f.get("bits", 2), f.get("group", 32), f.get("v_group", 32)
+        if f.get("k_per_token"):
+            return "per-token keys (ablation)"
+        if bits not in (2, 4):
+            return f"bits {bits}"
+        if not (_pow2(g) and 16 <= g <= 128):
+            return f"key group {g} (a power of two in 16..128)"
+        if dk > 256 or dk % 2 or dv > 256 or dv % (32 // bits) or not _pow2(gv) or gv < 2 or dv % gv:
+            return f"dims {dk} / {dv}, value group {gv}"
+        return None
+    if op == "paged_partial":
+        p = f.get("page_size", 16)
+        if not (_pow2(p) and 16 <= p <= 128):
+            return f"page size {p} (a power of two in 16..128)"
+        if f.get("dtype", torch.float16) not in _FLOATS:
+            return f"dtype {f['dtype']}"
+        return None
+    if op == "lanes_partial":
+        kept = f.get("kept") or ()
+        if dk > 256 or dv > 256 or any(c > 256 for c in kept):
+            return f"dims {dk} / {dv} (up to 256)"
+        if f.get("dtype", torch.float16) not in _FLOATS:
+            return f"dtype {f['dtype']}"
+        return None
+    if op == "select_topk":
+        if f.get("label_bits", 16) not in ds_ref.LABEL_BITS or f.get("label_channels", 16) > 256:
+            return f"label bits {f.get('label_bits')}, channels {f.get('label_channels')}"
+        if f.get("query_dtype", torch.float16) not in _FLOATS:
+            return f"query dtype {f['query_dtype']}"
+        if f.get("label_bits", 16) == 16 and f.get("label_dtype", torch.float16) not in _FLOATS:
+            return f"label dtype {f['label_dtype']}"
+        return None
+    if dk > 256 or dv > 256:
+        return f"dims {dk} / {dv} (up to 256)"
+    if f.get("dtype", torch.float16) not in _FLOATS or f.get("query_dtype", torch.float16) not in _FLOATS:
+        return "dtypes"
+    return None
+
+
+def choose(op: str, device, **static_facts) -> str:
+    """The implementation a cache built on ``device`` passes as ``impl`` to op ``op`` - decided once, at build time.
+
+    ``"reference"`` on CPU (and with ``KVCOMPRESS_KERNELS=reference``); on CUDA the fused kernel when it is
+    available and its capability check accepts the static facts: for ``"kivi_partial"`` the CUDA kernel (v3) unless
+    ``KVCOMPRESS_KIVI_CUDA=0`` or no nvcc is found, else the Triton kernel; for the others the Triton kernel when
+    Triton is installed.  This is the one place that reads those variables, looks up nvcc and imports Triton.
+
+    Static facts (all optional; a missing fact is assumed to be the common case and not checked):
+
+    * ``kivi_partial``: ``bits``, ``group`` (key token group), ``head_dim`` (Dk), ``v_dim``, ``v_group``,
+      ``k_per_token``, ``tokens`` (capacity);
+    * ``paged_partial``: ``page_size``, ``head_dim``, ``v_dim``, ``dtype`` (of the pages);
+    * ``lanes_partial``: ``head_dim``, ``v_dim``, ``kept`` (kept channel counts), ``dtype`` (of K/V);
+    * ``select_topk``: ``label_bits``, ``label_channels``, ``query_dtype``, ``label_dtype``;
+    * ``gather_partial``: ``head_dim``, ``v_dim``, ``dtype`` (of K/V), ``query_dtype``.
+
+    Example: ``impl = choose("kivi_partial", torch.device("cuda"), bits=2, group=32, head_dim=128, v_group=32)``.
+    When the fused kernel is not taken on CUDA, the reason is logged (``logging``, level INFO).
+    """
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; one of {sorted(OPS)}")
+    unknown = set(static_facts) - _FACTS[op]
+    if unknown:
+        raise TypeError(f"choose({op!r}): unknown static facts {sorted(unknown)}; known: {sorted(_FACTS[op])}")
+    device = torch.device(device)
+    why: dict[str, Optional[str]] = {}
+    if op == "kivi_partial":
+        def cuda_ok():
+            why["cuda"] = _kivi_cuda_problem(device, static_facts)
+            return why["cuda"] is None
+
+        def triton_ok():
+            why["triton"] = _triton_problem(op, static_facts)
+            return why["triton"] is None
+
+        impl = kivi_order(device.type == "cuda", cuda_ok, triton_ok)
+        if impl == "triton":
+            _kivi_triton_base(static_facts.get("bits", 2), static_facts.get("group", 32),
+                              static_facts.get("head_dim", 128),
+                              static_facts.get("v_dim", static_facts.get("head_dim", 128)),
+                              static_facts.get("v_group", 32))  # tuning knobs read now, not per call
+        elif impl == "cuda":
+            _kivi_cuda_base(static_facts.get("bits", 2))
+    elif device.type != "cuda" or kernels_mode() == "reference":
+        impl = "reference"
+    elif not triton_available():
+        impl, why["triton"] = "reference", "Triton is not installed"
+    else:
+        why["triton"] = _triton_problem(op, static_facts)
+        impl = "triton" if why["triton"] is None else "reference"
+        if impl == "triton" and op == "lanes_partial":
+            _leank_base()
+    if device.type == "cuda" and impl != OPS[op][-1] and why:
+        logger.info("kvcompress: %s on %s runs %r (%s)", op, device, impl,
+                    "; ".join(f"{k}: {v}" for k, v in why.items() if v))
+    return impl
+
+
+def kivi_facts(query: Tensor, packed) -> dict:
+    """The static facts of a KIVI call (for :func:`choose`), read from its tensors' shapes."""
+    per = 32 // packed.bits if packed.bits in kivi_ref.BITS else 1
+    return dict(bits=packed.bits, group=packed.group, head_dim=query.shape[-1],
+                v_dim=packed.v_codes.shape[-1] * per, v_group=packed.v_group, k_per_token=bool(packed.k_per_token),
+                tokens=packed.valid.shape[-1])
+
+
+__all__ = ["IMPLS", "OPS", "choose", "gather_attention", "gather_partial", "kivi_attention", "kivi_facts",
+           "kivi_order", "kivi_partial", "kernels_mode", "kivi_cuda_enabled", "lanes_attention", "lanes_partial",
+           "live_slots", "paged_attention", "paged_partial", "select", "select_topk", "triton_available"]
