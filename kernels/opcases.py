@@ -1,0 +1,365 @@
+"""Example inputs for every registered op of :mod:`kvcompress.kernels.ops`, and how to check a result.
+
+Shared by ``tests/test_kernel_ops.py`` (small odd shapes on the CPU; the ``gpu`` tests) and
+``benchmarks/gpu_ops_check.py`` (small and Llama-like shapes on a GPU).  Every case is a static-cache-like read:
+buffers sized for a capacity, a random ``valid`` mask (padding, evicted slots), a dead batch row where the batch
+allows it, and a live ``length`` (0-dim device tensor) below the capacity where the op takes one.
+
+A case's :meth:`OpCase.fn` returns ``f(*case.args)`` that calls the op the way the core does - through the
+subpackage dispatchers with ``impl=`` (``PackedKV(..., impl=, length=).attention_partial``,
+``paged_attention_partial(..., impl=, length=)``, ...) - so compiling ``f`` checks the whole call path, not just the
+op.  Nothing here runs at import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3  # as the kernels' own tests (fp16 operands, fp32 accumulation)
+OUTPUT_OPS = ("kivi_partial", "paged_partial", "lanes_partial", "gather_partial")
+
+
+@dataclasses.dataclass
+class OpCase:
+    """One op call: ``fn(impl)(*args)`` returns the op's outputs."""
+
+    name: str
+    op: str  # a key of kvcompress.kernels.ops.OPS
+    args: tuple
+    fn: Callable[[str], Callable[..., Any]]
+    facts: dict  # static facts for ops.choose
+    static: tuple[int, ...] = ()  # indices of args that are cache buffers (static addresses under CUDA graphs)
+    extra: dict = dataclasses.field(default_factory=dict)  # what check() needs (select_topk: k, scores)
+
+    def reference(self):
+        """The reference outputs (eager)."""
+        return self.fn("reference")(*self.args)
+
+    def check(self, got, ref=None) -> tuple[bool, float, str]:
+        """``(ok, max abs error, message)`` of ``got`` against the reference outputs ``ref``."""
+        if ref is None:
+            ref = self.reference()
+        if self.op == "select_topk":
+            from .doublesparse.reference import is_topk
+
+            ok = is_topk(got, self.extra["scores"], self.extra["k"], self.extra["tol"])
+            return ok, 0.0 if ok else float("inf"), "" if ok else "not a top-k of the reference label scores"
+        return check_partial(got, ref)
+
+
+def check_partial(got, ref, atol: float = ATOL, rtol: float = RTOL, lse_atol: float = LSE_ATOL
+                  ) -> tuple[bool, float, str]:
+    """``(ok, max abs error over out and lse, message)`` of a partial ``(out, lse)`` against the reference: the same
+    shapes and dtypes, no NaN, ``-inf`` LSE (and a zero output) exactly where the reference has one, ``out`` within
+    ``atol + rtol * |ref|``, finite LSE within ``lse_atol``."""
+    out, lse = got
+    ref_out, ref_lse = ref
+    if out.shape != ref_out.shape or lse.shape != ref_lse.shape or out.dtype != torch.float32:
+        return False, float("inf"), f"shapes {tuple(out.shape)} / {tuple(lse.shape)} {out.dtype}"
+    if torch.isnan(out).any() or torch.isnan(lse).any():
+        return False, float("nan"), "NaN"
+    finite = torch.isfinite(ref_lse)
+    if not torch.equal(torch.isfinite(lse), finite):
+        return False, float("inf"), "-inf LSE where the reference has a finite one, or the other way round"
+    if (out[~finite] != 0).any():
+        return False, float("inf"), "rows without a valid key must be zero"
+    err = (out.float() - ref_out.float()).abs()
+    lerr = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
+    worst = max(err.max().item() if err.numel() else 0.0, lerr)
+    ok = bool((err <= atol + rtol * ref_out.float().abs()).all()) and lerr <= lse_atol
+    return ok, worst, "" if ok else f"max |out - ref| {err.max().item():.2e}, max |lse - ref| {lerr:.2e}"
+
+
+def _gen(seed: int, device) -> torch.Generator:
+    """A seeded generator on ``device`` (inputs are made where they are used: no host copies of large caches)."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _valid(batch: int, tokens: int, gen, dead_row: bool, keep: float = 0.85) -> torch.Tensor:
+    valid = torch.rand(batch, tokens, generator=gen, device=gen.device) < keep
+    valid[0, : min(7, tokens)] = False  # left padding of row 0
+    if dead_row and batch > 1:
+        valid[batch - 1] = False  # a row with no valid slot: -inf LSE, zero output
+    return valid
+
+
+def _length(live: int | None, device) -> torch.Tensor | None:
+    return None if live is None else torch.tensor(live, dtype=torch.int64, device=device)
+
+
+# ----------------------------------------------------------------------------- KIVI
+
+
+def kivi_case(batch: int = 2, kv_heads: int = 1, rows: int = 3, head_dim: int = 64, capacity: int = 96,
+              live: int | None = 71, bits: int = 2, group: int = 32, v_group: int = 32, v_dim: int | None = None,
+              query_dtype=torch.float16, dead_row: bool = True, device="cpu", seed: int = 0) -> OpCase:
+    """A packed KIVI region of ``capacity`` slots (a multiple of ``group``), quantized from random K/V."""
+    from .kivi.reference import PackedKV, quantize_keys, quantize_values
+
+    gen = _gen(seed, device)
+    dv = v_dim or head_dim
+    t = -(-capacity // group) * group
+    k = torch.randn(batch, kv_heads, t, head_dim, generator=gen, device=gen.device) * 1.5 + 0.3
+    v = torch.randn(batch, kv_heads, t, dv, generator=gen, device=gen.device)
+    q = torch.randn(batch, kv_heads, rows, head_dim, generator=gen, device=gen.device).to(query_dtype)
+    kc, ks, kz = quantize_keys(k, bits, group)
+    vc, vs, vz = quantize_values(v, bits, v_group)
+    valid = _valid(batch, t, gen, dead_row)
+    args = tuple(x.to(device) for x in (q, kc, ks, kz, vc, vs, vz, valid)) + (_length(live, device),)
+    scale = head_dim ** -0.5
+
+    def fn(impl: str):
+        def f(q, kc, ks, kz, vc, vs, vz, valid, length):
+            packed = PackedKV(bits, group, kc, ks, kz, vc, vs, vz, valid, impl=impl, length=length)
+            return packed.attention_partial(q, scale)
+        return f
+
+    facts = dict(bits=bits, group=group, head_dim=head_dim, v_dim=dv, v_group=v_group, tokens=t)
+    return OpCase(f"kivi{bits}-b{batch}-h{kv_heads}-m{rows}-d{head_dim}-t{t}-live{live}", "kivi_partial", args, fn,
+                  facts, static=tuple(range(1, 8)))
+
+
+# ----------------------------------------------------------------------------- paged
+
+
+def paged_case(batch: int = 2, kv_heads: int = 2, rows: int = 3, head_dim: int = 48, capacity: int = 150,
+               live: int | None = 101, page: int = 16, v_dim: int | None = None, dtype=torch.float16,
+               dead_row: bool = True, device="cpu", seed: int = 1) -> OpCase:
+    """A page pool with ``ceil(capacity / page)`` table entries per row (pages shuffled, one missing entry)."""
+    from .paged import paged_attention_partial
+
+    gen = _gen(seed, device)
+    dv = v_dim or head_dim
+    w = -(-capacity // page)
+    n = batch * w + 3  # a few spare pages
+    k = torch.randn(n, kv_heads, page, head_dim, generator=gen, device=gen.device).to(dtype)
+    v = torch.randn(n, kv_heads, page, dv, generator=gen, device=gen.device).to(dtype)
+    page_valid = torch.rand(n, page, generator=gen, device=gen.device) < 0.85
+    table = torch.randperm(n, generator=gen, device=gen.device)[: batch * w].view(batch, w).to(torch.int32)
+    if w > 1:
+        table[0, w // 2] = -1  # a row without a page at one table position
+    if dead_row and batch > 1:
+        page_valid[table[batch - 1].long()] = False
+    q = torch.randn(batch, kv_heads, rows, head_dim, generator=gen, device=gen.device).to(dtype)
+    args = tuple(x.to(device) for x in (q, k, v, page_valid, table)) + (_length(live, device),)
+    scale = head_dim ** -0.5
+
+    def fn(impl: str):
+        def f(q, k, v, page_valid, table, length):
+            return paged_attention_partial(q, k, v, page_valid, table, scale, impl=impl, length=length)
+        return f
+
+    facts = dict(page_size=page, head_dim=head_dim, v_dim=dv, dtype=dtype)
+    return OpCase(f"paged-b{batch}-h{kv_heads}-m{rows}-d{head_dim}-p{page}-w{w}-live{live}", "paged_partial", args,
+                  fn, facts, static=(1, 2, 3, 4))
+
+
+# ----------------------------------------------------------------------------- LeanK lanes
+
+
+def lanes_case(batch: int = 2, kv_heads: int = 4, rows: int = 3, head_dim: int = 64, capacity: int = 77,
+               live: int | None = 52, counts: tuple[int, ...] | None = None, dense_tokens: int = 23,
+               dtype=torch.float16, dead_row: bool = True, device="cpu", seed: int = 2) -> OpCase:
+    """One lane per kept count (``counts`` per kv head; 0 = the head keeps nothing) over ``capacity`` slots, plus
+    a dense all-channel lane of ``dense_tokens`` slots (the sinks + window; no ``valid`` mask when ``dead_row`` is
+    false).  ``length`` bounds every lane's slots."""
+    from .leank import grouped_partial_attention
+
+    gen = _gen(seed, device)
+    if counts is None:
+        mix = (0, 16, 32, 48)
+        counts = tuple(mix[i % len(mix)] * head_dim // 64 for i in range(kv_heads))
+    heads, channels, ks, vs, valids = [], [], [], [], []
+    for c in sorted(set(counts) - {0}, reverse=True):
+        hs = [h for h, n in enumerate(counts) if n == c]
+        heads.append(torch.tensor(hs, device=gen.device))
+        channels.append(torch.stack([torch.randperm(head_dim, generator=gen, device=gen.device)[:c].sort().values
+                                     for _ in hs]))
+        ks.append((torch.randn(batch, len(hs), capacity, c, generator=gen, device=gen.device) * 1.3).to(dtype))
+        vs.append(torch.randn(batch, len(hs), capacity, head_dim, generator=gen, device=gen.device).to(dtype))
+        valids.append(_valid(batch, capacity, gen, dead_row))
+    if dense_tokens:
+        heads.append(None)
+        channels.append(None)
+        ks.append(torch.randn(batch, kv_heads, dense_tokens, head_dim, generator=gen, device=gen.device).to(dtype))
+        vs.append(torch.randn(batch, kv_heads, dense_tokens, head_dim, generator=gen, device=gen.device).to(dtype))
+        valids.append(_valid(batch, dense_tokens, gen, dead_row) if dead_row else None)
+    q = torch.randn(batch, kv_heads, rows, head_dim, generator=gen, device=gen.device).to(dtype)
+    mv = (lambda x: None if x is None else x.to(device))
+    n = len(ks)
+    flat = [mv(x) for x in (*heads, *channels, *ks, *vs, *valids)]
+    args = (q.to(device), *flat, _length(live, device))
+    scale = head_dim ** -0.5
+
+    def fn(impl: str):
+        def f(q, *rest):
+            parts, length = rest[:-1], rest[-1]
+            lanes = [tuple(parts[j * n + i] for j in range(5)) for i in range(n)]
+            return grouped_partial_attention(q, lanes, scale, impl=impl, length=length)
+        return f
+
+    facts = dict(head_dim=head_dim, v_dim=head_dim, kept=tuple(sorted(set(counts) - {0})), dtype=dtype)
+    static = tuple(1 + 2 * n + i for i in range(3 * n))  # k, v, valid of every lane
+    return OpCase(f"lanes-b{batch}-h{kv_heads}-m{rows}-d{head_dim}-t{capacity}-lanes{n}-live{live}", "lanes_partial",
+                  args, fn, facts, static=static)
+
+
+# ----------------------------------------------------------------------------- DoubleSparse
+
+
+def select_case(batch: int = 2, kv_heads: int = 2, group: int = 3, tokens: int = 97, head_dim: int = 32, r: int = 8,
+                bits: int = 16, k: int = 13, query_dtype=torch.float16, dead_row: bool = False, device="cpu",
+                seed: int = 3) -> OpCase:
+    """Label scores + top-``k`` over a channel-major label cache (the plugin's layout), with padding."""
+    from .doublesparse import select_topk
+    from .doublesparse.reference import Labels, label_scores, quantize_labels
+
+    gen = _gen(seed, device)
+    keys = torch.randn(batch, kv_heads, tokens, head_dim, generator=gen, device=gen.device)
+    channels = torch.stack([torch.randperm(head_dim, generator=gen, device=gen.device)[:r]
+                            for _ in range(kv_heads)])
+    lab = quantize_labels(keys.gather(-1, channels.view(1, kv_heads, 1, r).expand(batch, kv_heads, tokens, r))
+                          .to(torch.float16), bits)
+    data = lab.data.transpose(-1, -2).contiguous().transpose(-1, -2)  # channel-major: token stride 1
+    q = torch.randn(batch, kv_heads * group, head_dim, generator=gen, device=gen.device).to(query_dtype)
+    valid = _valid(batch, tokens, gen, dead_row, keep=0.9)
+    mv = (lambda x: None if x is None else x.to(device))
+    args = (q.to(device), data.to(device), mv(lab.scale), mv(lab.zero), channels.to(device), valid.to(device))
+
+    def fn(impl: str):
+        def f(q, data, scale, zero, channels, valid):
+            return select_topk(q, Labels(data, bits, scale, zero), channels, valid, k, impl=impl)
+        return f
+
+    scores = label_scores(args[0], Labels(args[1], bits, args[2], args[3]), args[4], args[5])
+    facts = dict(label_bits=bits, label_channels=r, query_dtype=query_dtype, label_dtype=torch.float16)
+    return OpCase(f"select-b{batch}-hq{kv_heads * group}-t{tokens}-r{r}-bits{bits}-k{k}", "select_topk", args, fn,
+                  facts, static=(1, 2, 3, 4, 5), extra=dict(k=k, scores=scores, tol=2e-2))
+
+
+def gather_case(batch: int = 2, kv_heads: int = 2, rows: int = 3, tokens: int = 97, head_dim: int = 32,
+                selected: int = 19, shared: bool = False, v_dim: int | None = None, dtype=torch.float16,
+                dead_row: bool = True, device="cpu", seed: int = 4) -> OpCase:
+    """Attention over ``selected`` distinct tokens per row (``shared``: one selection per kv head, ``[B, H, 1, K]``)."""
+    from .doublesparse import gather_partial_attention
+
+    gen = _gen(seed, device)
+    dv = v_dim or head_dim
+    k = torch.randn(batch, kv_heads, tokens, head_dim, generator=gen, device=gen.device).to(dtype)
+    v = torch.randn(batch, kv_heads, tokens, dv, generator=gen, device=gen.device).to(dtype)
+    q = torch.randn(batch, kv_heads, rows, head_dim, generator=gen, device=gen.device).to(dtype)
+    valid = _valid(batch, tokens, gen, dead_row)
+    sel_rows = 1 if shared else rows
+    index = torch.rand(batch, kv_heads, sel_rows, tokens, generator=gen, device=gen.device).argsort(-1)
+    index = index[..., :selected]
+    args = tuple(x.to(device) for x in (q, k, v, valid, index))
+    scale = head_dim ** -0.5
+
+    def fn(impl: str):
+        def f(q, k, v, valid, index):
+            return gather_partial_attention(q, k, v, valid, index, scale, impl=impl)
+        return f
+
+    facts = dict(head_dim=head_dim, v_dim=dv, dtype=dtype, query_dtype=dtype)
+    return OpCase(f"gather{'-shared' if shared else ''}-b{batch}-h{kv_heads}-m{rows}-t{tokens}-k{selected}",
+                  "gather_partial", args, fn, facts, static=(1, 2, 3))
+
+
+def small_cases(device="cpu") -> list[OpCase]:
+    """Small odd shapes of every op (CPU tests; the GPU tests and the GPU check's "small" shapes)."""
+    return [
+        kivi_case(device=device),
+        kivi_case(bits=4, group=16, v_group=16, rows=5, capacity=80, live=53, head_dim=32, v_dim=64, batch=1,
+                  kv_heads=2, device=device, seed=5),
+        paged_case(device=device),
+        paged_case(live=None, page=32, rows=1, head_dim=64, v_dim=32, device=device, seed=6),
+        lanes_case(device=device),
+        lanes_case(live=None, dead_row=False, kv_heads=3, rows=1, device=device, seed=7),
+        select_case(device=device),
+        select_case(bits=4, r=16, k=20, tokens=131, group=4, device=device, seed=8),
+        gather_case(device=device),
+        gather_case(shared=True, rows=4, v_dim=64, device=device, seed=9),
+    ]
+
+
+def op_args(case: OpCase) -> tuple:
+    """The flat arguments ``case`` passes to its registered op (``torch.ops.kvcompress.<op>``), recorded from one
+    eager reference call through the dispatcher (``impl`` last: ``"reference"``)."""
+    from . import ops
+
+    seen = {}
+    real = ops._OPS[case.op]
+
+    def spy(*args):
+        seen["args"] = args
+        return real(*args)
+
+    ops._OPS[case.op] = spy
+    try:
+        case.reference()
+    finally:
+        ops._OPS[case.op] = real
+    return seen["args"]
+
+
+def _clone(outs):
+    return tuple(o.clone() for o in outs) if isinstance(outs, (tuple, list)) else outs.clone()
+
+
+def check_compiled(case: OpCase, impl: str, *, mode: str | None = "reduce-overhead", backend: str = "inductor",
+                   time_calls: int = 0) -> dict:
+    """Compile ``case.fn(impl)`` with ``torch.compile(fullgraph=True)`` (``mode`` / ``backend``), run it three times
+    (warm-up, CUDA-graph capture, replay) and check the last result against the eager reference.  The case's cache
+    buffers are marked as static addresses (as a static cache's are), so a CUDA-graph replay copies only the query.
+
+    Returns ``{"ok", "max_abs_err", "message", "compile_s", "ms_per_call"}``; ``ms_per_call`` (CUDA events over
+    ``time_calls`` replays; ``None`` without) and ``"eager_ms_per_call"`` (the same impl uncompiled)."""
+    import time
+
+    on_cuda = case.args[0].is_cuda
+    if on_cuda:
+        for i in case.static:
+            if case.args[i] is not None:
+                torch._dynamo.mark_static_address(case.args[i])
+    ref = case.reference()
+    kw = {"mode": mode} if mode else {}
+    f = torch.compile(case.fn(impl), fullgraph=True, backend=backend, **kw)
+    compile_s = 0.0
+    for i in range(3):
+        t0 = time.perf_counter()
+        if on_cuda:
+            torch.compiler.cudagraph_mark_step_begin()
+        got = _clone(f(*case.args))
+        if on_cuda:
+            torch.cuda.synchronize()
+        if i == 0:
+            compile_s = time.perf_counter() - t0  # trace + compile + the first (eager warm-up) run
+    ok, err, msg = case.check(got, ref)
+    res = {"ok": bool(ok), "max_abs_err": float(err), "message": msg, "compile_s": round(compile_s, 3),
+           "ms_per_call": None, "eager_ms_per_call": None}
+    if time_calls and on_cuda:
+        res["ms_per_call"] = _time(lambda: f(*case.args), time_calls, mark=True)
+        eager = case.fn(impl)
+        res["eager_ms_per_call"] = _time(lambda: eager(*case.args), time_calls, mark=False)
+    return res
+
+
+def _time(call, n: int, mark: bool) -> float:
+    """Milliseconds per call: CUDA events around ``n`` calls after 3 warm-up calls."""
+    for _ in range(3):
+        if mark:
+            torch.compiler.cudagraph_mark_step_begin()
+        call()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        if mark:
+            torch.compiler.cudagraph_mark_step_begin()
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n

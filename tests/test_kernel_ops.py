@@ -1,0 +1,365 @@
+"""The kernels as registered custom ops (kvcompress.kernels.ops) and the build-time chooser.
+
+CPU: ``torch.library.opcheck`` of every op's CPU implementation (the reference) on small odd shapes; every op,
+called the way the core calls it (the dispatchers with ``impl=``), compiled with ``torch.compile(fullgraph=True,
+backend="aot_eager")`` in one graph that holds the registered op, equal to the eager reference, and not recompiled
+when the live ``length`` (a device tensor) changes; ``length`` means exactly "mask the slots after it"; ``choose``.
+The ops' CUDA implementations (the Python glue around the Triton kernels, and the kernels' ``length`` skipping) run
+on CPU tensors under the Triton interpreter in ONE worker subprocess (``tests/interpreter.py``).
+
+GPU (marker ``gpu``, never in CI): every op and implementation compiled with ``mode="reduce-overhead"`` (CUDA
+graphs) equals the reference; ``benchmarks/gpu_ops_check.py`` does the same at Llama-like shapes and times it.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import pytest
+import torch
+
+from interpreter import collect
+from interpreter import interpreted as run_interpreted
+
+
+@functools.lru_cache(maxsize=None)
+def _cases(device: str = "cpu"):
+    from kvcompress.kernels import opcases
+
+    return {c.name: c for c in opcases.small_cases(device)}
+
+
+CASE_NAMES = list(_cases())
+
+
+PLAIN_TYPES = {"Tensor", "Optional[Tensor]", "List[Tensor]", "List[Optional[Tensor]]", "int", "SymInt", "float", "bool",
+               "str"}
+
+
+def test_every_op_is_registered_with_plain_argument_types():
+    from kvcompress.kernels import ops
+
+    for name in ops.OPS:
+        schema = getattr(torch.ops.kvcompress, name).default._schema
+        assert not any(a.alias_info and a.alias_info.is_write for a in schema.arguments), f"{name} mutates"
+        for arg in schema.arguments:
+            assert str(arg.type) in PLAIN_TYPES, f"{name}: {arg.name} {arg.type}"
+        assert any(a.name == "impl" and str(a.type) == "str" for a in schema.arguments)
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_opcheck_cpu(name):
+    from kvcompress.kernels import opcases
+
+    case = _cases()[name]
+    op = getattr(torch.ops.kvcompress, case.op).default
+    torch.library.opcheck(op, opcases.op_args(case))
+
+
+def _recording_backend(graphs: list):
+    from torch._dynamo.backends.registry import lookup_backend
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    return backend
+
+
+def _same(got, ref) -> bool:
+    if isinstance(ref, torch.Tensor):
+        return torch.equal(got, ref)
+    return all(torch.equal(g, r) for g, r in zip(got, ref))
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_compiled_fullgraph_aot_eager_equals_reference(name):
+    """One graph holding the registered op (no graph break: fullgraph), the eager reference's exact result, and no
+    recompilation when the live length changes (it is a tensor, not a Python int)."""
+    from kvcompress.kernels import ops
+
+    case = _cases()[name]
+    torch._dynamo.reset()
+    graphs: list = []
+    f = torch.compile(case.fn("reference"), fullgraph=True, backend=_recording_backend(graphs))
+    assert _same(f(*case.args), case.reference())
+    assert len(graphs) == 1
+    targets = {n.target for n in graphs[0].graph.nodes if n.op == "call_function"}
+    assert ops._OPS[case.op] in targets, f"kvcompress::{case.op} is not a node of the graph: {targets}"
+    if case.op in ("kivi_partial", "paged_partial", "lanes_partial") and case.args[-1] is not None:
+        args = case.args[:-1] + (case.args[-1] - 9,)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got = f(*args)
+        assert len(graphs) == 1
+        assert _same(got, case.fn("reference")(*args))
+
+
+def _masked(case):
+    """The same call without ``length``, with the slots at or after it marked invalid instead (an independent
+    statement of what ``length`` means)."""
+    args = list(case.args)
+    live = int(args[-1])
+    args[-1] = None
+    if case.op == "kivi_partial":
+        valid = args[7].clone()
+        valid[:, live:] = False
+        args[7] = valid
+    elif case.op == "paged_partial":
+        page_valid, table = args[3].clone(), args[4]
+        p = page_valid.shape[1]
+        for b in range(table.shape[0]):
+            for w in range(table.shape[1]):
+                if table[b, w] >= 0:
+                    slots = torch.arange(w * p, (w + 1) * p)
+                    page_valid[table[b, w].long()] &= slots < live
+        args[3] = page_valid
+    else:
+        n = (len(args) - 2) // 5
+        for i in range(n):
+            k = args[1 + 2 * n + i]
+            b, _, t, _ = k.shape
+            valid = args[1 + 4 * n + i]
+            valid = torch.ones(b, t, dtype=torch.bool) if valid is None else valid.clone()
+            valid[:, live:] = False
+            args[1 + 4 * n + i] = valid
+    return tuple(args)
+
+
+def _poisoned(case):
+    """The same call with NaN in every stored value at or after ``length`` that a kernel skipping those slots never
+    reads (KIVI: value scales of those slots, key scales of groups entirely after it; paged / lanes: K and V)."""
+    args = [a.clone() if isinstance(a, torch.Tensor) else a for a in case.args]
+    live = int(args[-1])
+    nan = float("nan")
+    if case.op == "kivi_partial":
+        group = args[1].shape[-1]
+        args[5][:, :, live:] = nan
+        args[2][:, :, -(-live // group):] = nan
+    elif case.op == "paged_partial":
+        table, p = args[4], args[1].shape[2]
+        for b in range(table.shape[0]):
+            for w in range(table.shape[1]):
+                first = max(live - w * p, 0)
+                if table[b, w] >= 0 and first < p:
+                    args[1][table[b, w].long(), :, first:] = nan
+                    args[2][table[b, w].long(), :, first:] = nan
+    else:
+        n = (len(args) - 2) // 5
+        for i in range(n):
+            args[1 + 2 * n + i][:, :, live:] = nan
+            args[1 + 3 * n + i][:, :, live:] = nan
+    return tuple(args)
+
+
+@pytest.mark.parametrize("name", [n for n in CASE_NAMES if _cases()[n].op in ("kivi_partial", "paged_partial",
+                                                                                "lanes_partial")
+                                  and _cases()[n].args[-1] is not None])
+def test_length_means_slots_after_it_are_invalid(name):
+    case = _cases()[name]
+    got = case.reference()
+    ref = case.fn("reference")(*_masked(case))
+    assert all(torch.allclose(g, r, atol=1e-6, rtol=1e-5) for g, r in zip(got, ref))
+    assert all(torch.equal(torch.isfinite(g), torch.isfinite(r)) for g, r in zip(got, ref))
+
+
+def test_choose_is_reference_on_cpu(monkeypatch):
+    from kvcompress.kernels import ops
+
+    for mode in (None, "triton", "auto"):
+        if mode is None:
+            monkeypatch.delenv("KVCOMPRESS_KERNELS", raising=False)
+        else:
+            monkeypatch.setenv("KVCOMPRESS_KERNELS", mode)
+        for name in ops.OPS:
+            assert ops.choose(name, torch.device("cpu")) == "reference"
+            assert ops.choose(name, "cpu") == "reference"
+    for case in _cases().values():
+        assert ops.choose(case.op, "cpu", **case.facts) == "reference"
+    with pytest.raises(ValueError, match="unknown op"):
+        ops.choose("kivi", "cpu")
+    with pytest.raises(TypeError, match="unknown static facts"):
+        ops.choose("kivi_partial", "cpu", bit=2)
+
+
+def test_choose_on_cuda_order_and_switches(monkeypatch):
+    """The decision on a CUDA device (devices, nvcc and Triton faked): KIVI prefers the CUDA kernel, then Triton,
+    then the reference; the environment switches and the static facts are read here, once."""
+    from kvcompress.kernels import ops
+    from kvcompress.kernels.kivi import cuda_kernel
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(cuda_kernel, "nvcc_path", lambda: "/opt/cuda/bin/nvcc")
+    monkeypatch.setattr(ops, "triton_available", lambda: True)
+    monkeypatch.setattr(ops, "_kivi_triton_base", lambda *a: {})
+    monkeypatch.setattr(ops, "_kivi_cuda_base", lambda *a: {})
+    monkeypatch.setattr(ops, "_leank_base", lambda *a: {})
+    for name in ("KVCOMPRESS_KERNELS", "KVCOMPRESS_KIVI_CUDA"):
+        monkeypatch.delenv(name, raising=False)
+    cuda = torch.device("cuda")
+    kivi = dict(bits=2, group=32, head_dim=128, v_group=32)
+    assert ops.choose("kivi_partial", cuda, **kivi) == "cuda"
+    assert ops.choose("kivi_partial", cuda, **dict(kivi, head_dim=96)) == "triton"  # v3: head dims 64 / 128
+    assert ops.choose("kivi_partial", cuda, **dict(kivi, group=16)) == "triton"  # v3: groups >= 32
+    assert ops.choose("kivi_partial", cuda, **dict(kivi, k_per_token=True)) == "reference"
+    for name in ("paged_partial", "lanes_partial", "select_topk", "gather_partial"):
+        assert ops.choose(name, cuda) == "triton"
+    assert ops.choose("paged_partial", cuda, page_size=24) == "reference"
+    assert ops.choose("lanes_partial", cuda, head_dim=512) == "reference"
+    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA", "0")
+    assert ops.choose("kivi_partial", cuda, **kivi) == "triton"
+    monkeypatch.setattr(cuda_kernel, "nvcc_path", lambda: None)
+    monkeypatch.delenv("KVCOMPRESS_KIVI_CUDA")
+    assert ops.choose("kivi_partial", cuda, **kivi) == "triton"  # no nvcc: never tries to build
+    monkeypatch.setenv("KVCOMPRESS_KERNELS", "reference")
+    for name in ops.OPS:
+        assert ops.choose(name, cuda) == "reference"
+    monkeypatch.delenv("KVCOMPRESS_KERNELS")
+    monkeypatch.setattr(ops, "triton_available", lambda: False)
+    for name in ops.OPS:
+        assert ops.choose(name, cuda) == "reference"
+
+
+def test_impl_is_validated_and_ops_read_no_environment(monkeypatch):
+    from kvcompress.kernels import opcases, ops
+
+    case = _cases()[CASE_NAMES[2]]  # paged
+    args = opcases.op_args(case)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        getattr(torch.ops.kvcompress, case.op).default(*args[:-1], "cuda")
+    with pytest.raises(ValueError, match="length must be a 0-dim"):
+        getattr(torch.ops.kvcompress, case.op).default(*args[:5], torch.tensor([3]), *args[6:])
+
+    def no_env(*a, **k):
+        raise AssertionError("an op read the environment")
+
+    for name, case in _cases().items():  # the ops (reference path) never consult the environment
+        monkeypatch.setattr(ops, "kernels_mode", no_env)
+        monkeypatch.setattr(ops, "kivi_cuda_enabled", no_env)
+        case.reference()
+
+
+def test_dispatchers_without_impl_keep_their_per_call_behaviour():
+    """``impl=None`` (the default) is today's per-call dispatch: on CPU the reference, equal to the op's result."""
+    from kvcompress.kernels import doublesparse, kivi, leank, paged
+    from kvcompress.kernels.kivi import PackedKV
+
+    for case in _cases().values():
+        ref = case.reference()
+        a = case.args
+        if case.op == "kivi_partial":
+            packed = PackedKV(2 if "kivi2" in case.name else 4, 32 if "kivi2" in case.name else 16, *a[1:8],
+                              length=a[8])
+            got = kivi.kivi_attention_partial(a[0], packed, a[0].shape[-1] ** -0.5)
+        elif case.op == "paged_partial":
+            got = paged.paged_attention_partial(*a[:5], a[0].shape[-1] ** -0.5, length=a[5])
+        elif case.op == "lanes_partial":
+            n = (len(a) - 2) // 5
+            lanes = [tuple(a[1 + j * n + i] for j in range(5)) for i in range(n)]
+            got = leank.grouped_partial_attention(a[0], lanes, a[0].shape[-1] ** -0.5, length=a[-1])
+        elif case.op == "select_topk":
+            continue  # same reference function; its result is checked through opcheck / compile
+        else:
+            index = a[4].expand(*a[4].shape[:2], a[0].shape[2], a[4].shape[3])
+            got = doublesparse.gather_partial_attention(*a[:4], index, a[0].shape[-1] ** -0.5)
+        assert _same(got, ref), case.name
+
+
+# ----------------------------------------------------------------------------- Triton interpreter worker
+
+
+def _interpreter_cases() -> dict:
+    """Per small case with a Triton implementation: the op's CUDA implementation (Python glue + Triton kernel) on
+    CPU tensors; with a length, also the kernel without it over the masked slots (must be identical)."""
+    from kvcompress.kernels import opcases, ops
+
+    def run(case):
+        def go():
+            args = opcases.op_args(case)
+            got = ops.CUDA_IMPLS[case.op](*args[:-1], "triton")
+            ok, err, msg = case.check(got, case.reference())
+            res = {"ok": ok, "err": err, "msg": msg}
+            if case.op in ("kivi_partial", "paged_partial", "lanes_partial") and case.args[-1] is not None:
+                def variant(args):
+                    flat = opcases.op_args(opcases.OpCase(case.name, case.op, args, case.fn, case.facts))
+                    return ops.CUDA_IMPLS[case.op](*flat[:-1], "triton")
+
+                scan = variant(_masked(case))
+                res["identical_to_masked_scan"] = all(torch.equal(g, s) for g, s in zip(got, scan))
+                poisoned = variant(_poisoned(case))  # NaN where only a kernel that reads those slots would see it
+                res["never_reads_after_length"] = all(torch.equal(g, s) for g, s in zip(got, poisoned))
+            return res
+        return go
+
+    def padded_key_word():
+        """Dk = 8 at 2 bits (a key word holds 16 channels): the kernel must not read key scales past Dk (they are
+        NaN here: a view of a wider buffer) - a past bug made this case NaN whenever that memory held one."""
+        case = opcases.kivi_case(batch=1, kv_heads=2, rows=4, head_dim=8, v_dim=32, capacity=64, live=None, seed=11)
+        args = list(case.args)
+        for i in (2, 3):  # key scales / zeros
+            t = args[i]
+            buf = torch.full((*t.shape[:-1], 2 * t.shape[-1]), float("nan"), dtype=t.dtype)
+            buf[..., : t.shape[-1]] = t
+            args[i] = buf[..., : t.shape[-1]]
+        flat = opcases.op_args(opcases.OpCase(case.name, case.op, tuple(args), case.fn, case.facts))
+        got = ops.CUDA_IMPLS[case.op](*flat[:-1], "triton")
+        ok, err, msg = case.check(got, case.reference())
+        return {"ok": ok, "err": err, "msg": msg}
+
+    cases = {name: run(case) for name, case in _cases().items()}
+    cases["kivi-padded-key-word"] = padded_key_word
+    return cases
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    return run_interpreted(__file__, tmp_path_factory.mktemp("ops"), OMP_NUM_THREADS="1")
+
+
+@pytest.mark.parametrize("name", CASE_NAMES + ["kivi-padded-key-word"])
+def test_cuda_implementation_triton_under_interpreter(interpreted, name):
+    res = interpreted[name]
+    assert "error" not in res, res.get("error")
+    assert res["ok"], f"{name}: {res['msg']}"
+    if "identical_to_masked_scan" in res:
+        assert res["identical_to_masked_scan"], "skipping the slots after length changed the result"
+        assert res["never_reads_after_length"], "the kernel read a slot after length"
+
+
+# ----------------------------------------------------------------------------- GPU (never in CI)
+
+
+def _gpu_case(name: str):
+    from kvcompress.kernels import opcases
+
+    if name.startswith("llama-kivi"):  # Llama-3-8B heads (8 kv heads, 4 query rows each, d 128), 1001 of 1024 live
+        bits = int(name[-1])
+        return opcases.kivi_case(batch=2, kv_heads=8, rows=4, head_dim=128, capacity=1024, live=1001, bits=bits,
+                                 device="cuda", seed=20 + bits)
+    return _cases("cuda")[name]
+
+
+def _gpu_params():
+    from kvcompress.kernels import ops
+
+    params = [(name, impl) for name in CASE_NAMES for impl in ops.OPS[_cases()[name].op]]
+    return params + [(f"llama-kivi{bits}", impl) for bits in (2, 4) for impl in ops.OPS["kivi_partial"]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name,impl", _gpu_params())
+def test_compiled_reduce_overhead_on_gpu_equals_reference(name, impl):
+    from kvcompress.kernels import opcases, ops
+
+    case = _gpu_case(name)
+    if impl == "cuda" and ops.choose(case.op, "cuda", **case.facts) != "cuda":
+        pytest.skip("the KIVI CUDA kernel does not take this case here (nvcc, device or shape)")
+    torch._dynamo.reset()
+    res = opcases.check_compiled(case, impl, mode="reduce-overhead")
+    assert res["ok"], f"{case.name} [{impl}]: {res['message']}"
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    collect(_interpreter_cases(), sys.argv[sys.argv.index("--worker") + 1])
