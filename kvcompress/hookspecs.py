@@ -32,6 +32,38 @@ not, and stacks with two compressors on one exclusive axis.
 
 All tensors follow transformers' layout: ``[batch, kv_heads, tokens, head_dim]``
 for keys and values, keys *after* RoPE.
+
+Static caches (``max_cache_len``): a captured decode step
+--------------------------------------------------------
+A cache built with a capacity (``kvcompress.Cache(stack, model, max_cache_len=N)``) runs every
+hook on :class:`kvcompress.static.StaticLayer` (``layer.static`` is True; it is False on the
+dynamic :class:`~kvcompress.layer.CompressedLayer`) and its decode step must be capturable by
+``torch.compile(fullgraph=True)`` / CUDA graphs.  A compressor opts in by declaring the class
+attribute ``graph_safe = True``; a stack with a compressor that does not is built as a dynamic
+cache and runs eagerly (the cache warns once, naming the compressor and its hooks).  A graph-safe
+compressor follows these rules in a static layer:
+
+* **Fixed shapes, no host reads.**  In a decode step the pipeline offers a block of exactly
+  ``Layout.flush`` tokens every step; ``block.due`` (a 0-dim bool tensor) says whether it really
+  leaves the window (its ``valid`` is already all False when it does not).  Hooks must not read
+  tensor values on the host (``.item()``, ``bool(t)``, ``.tolist()``, ``nonzero``), allocate
+  buffers, or branch in Python on tensor values; side effects on stored state apply only where
+  ``block.due`` holds (e.g. ``keep | ~block.due``).  Blocks of the prefill (and of multi-token
+  chunks) run eagerly with ``block.due`` ``None`` and may have any size (a multiple of the flush).
+* **Preallocated stores.**  ``kvcompress_quantize_store`` / ``kvcompress_middle_store`` return a
+  store whose ``static`` attribute is True, sized for ``layer.store_capacity`` token slots
+  (``Layout.middle`` plus one block), written in place at a device cursor, read through
+  segments that span the whole capacity with a device-side ``valid`` mask; besides the
+  :class:`~kvcompress.state.MiddleStore` methods it provides ``positions()`` (``[slots]`` or
+  ``[batch, slots]`` logical positions) and ``reset()``.  :class:`kvcompress.static.StaticDenseStore`
+  and :class:`kvcompress.static.StaticRing` are the building blocks.
+* **Build time runs eagerly.**  When a static layer allocates (on its first call or, with
+  ``max_batch_size``, when the cache is built) every hook runs once on an all-invalid block
+  (``due`` False), eagerly: per-layer plans and buffers are built then, never inside the
+  compiled step.
+* **Evictors declare a bound** (``Layout.middle``) so the store is sized by it, and evict by
+  masking stored tokens (``layer.middle.retain(keep)``) or freeing whole storage units; slots are
+  reused by the store's cursor.
 """
 
 from __future__ import annotations
@@ -112,7 +144,8 @@ class CacheCompressor:
 
         Called once per compressed layer when the cache is built.  The pipeline
         combines the answers of every compressor: ``sinks`` and ``recent`` take the
-        maximum, ``flush`` the least common multiple.
+        maximum, ``flush`` the least common multiple, ``middle`` (an evictor's bound on
+        the middle's tokens, which sizes a static cache's store) the minimum.
 
         Args:
             layer: static facts of the layer (index, kv heads, head_dim, model config).

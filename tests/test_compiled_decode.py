@@ -61,7 +61,7 @@ STACKS = {
     "paged+kivi2": [{"paged_eviction": {"budget": 96, "block": 16}}, KIVI2],
     "double_sparse": [DS],
     "double_sparse-shared+kivi2": [{"double_sparse": dict(DS["double_sparse"], group_shared=True, label_bits=4)},
-                                   {"kivi": {"bits": 2, "group": 8, "residual": 8}}],
+                                   {"kivi": {"bits": 2, "group": 16, "residual": 16}}],
     "lowrank": ["lowrank"],
     "lowrank+kivi2": ["lowrank", KIVI2],
 }
@@ -91,14 +91,15 @@ def _run(model, stack, ids, mask, *, static=True, compiled=False, prompt=PROMPT)
         first = model(ids[:, :prompt], attention_mask=mask[:, :prompt], position_ids=pos[:, :prompt], cache=cache)
         out.append(first.logits[:, -1])
         for t in range(prompt, ids.shape[1]):
-            o = step(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=pos[:, t:t + 1],
-                     cache=cache)
+            # generate's way: the 2-D mask grows by one column per step (a new contiguous tensor)
+            o = step(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1].contiguous(),
+                     position_ids=pos[:, t:t + 1], cache=cache)
             out.append(o.logits[:, -1])
     return torch.stack(out).float(), cache
 
 
 @pytest.mark.parametrize("name", list(STACKS))
-def test_compiled_decode_equals_eager_with_one_graph(model, lowrank_basis, name):
+def test_compiled_decode_equals_eager_within_two_graphs(model, lowrank_basis, name):
     stack = _stack(name, lowrank_basis)
     ids, mask = _ids(pad=3)
     eager, cache = _run(model, stack, ids, mask)
@@ -107,7 +108,9 @@ def test_compiled_decode_equals_eager_with_one_graph(model, lowrank_basis, name)
     torch._dynamo.utils.counters.clear()
     compiled, ccache = _run(model, stack, ids, mask, compiled=True)
     stats = torch._dynamo.utils.counters["stats"]
-    assert stats["unique_graphs"] == 1, dict(stats)  # one compilation served every decode step
+    # the growing 2-D mask costs one recompilation with a dynamic length (as with transformers' StaticCache);
+    # nothing else may recompile, whatever the cache does (flushes, evictions, selections)
+    assert stats["unique_graphs"] <= 2, dict(stats)
     assert (compiled - eager).abs().max().item() <= 1e-5
     for core in ccache.compressed_layers:  # the steps crossed lifecycle events
         if core.middle is not None:

@@ -286,6 +286,30 @@ def load_pretrained(path: str, *, gguf_file: str | None = None, dtype: torch.dty
     return model, tokenizer
 
 
+def random_llama(config_fields: dict, name: str, device: Any, dtype: torch.dtype, seed: int = 0) -> Any:
+    """A ``LlamaForCausalLM`` with random weights (transformers' own initialisation) built directly on ``device``
+    from config fields: real shapes, no download (benchmarks)."""
+    import transformers
+
+    config = transformers.LlamaConfig(**config_fields)
+    config._name_or_path = name
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM._from_config(config, dtype=dtype)
+    model.eval().requires_grad_(False)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def compile_config(options: dict, all_devices: bool = True) -> Any:
+    """transformers' ``CompileConfig`` (what ``generate(compile_config=...)`` takes) from ``torch.compile`` options."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(**({"mode": None} if "backend" in options else {}), **options)
+    config._compile_all_devices = all_devices
+    return config
+
+
 def save_dequantized(model: Any, tokenizer: Any, out_dir: str) -> None:
     """Save a model loaded from GGUF as plain safetensors (transformers refuses GGUF re-serialization)."""
     model.hf_quantizer = None

@@ -10,9 +10,10 @@ row                                       cache and decode step
 ========================================  ===============================================================
 ``transformers DynamicCache``             plain transformers, eager
 ``transformers StaticCache + compile``    ``StaticCache`` + ``torch.compile(model.forward, ...)``
-``STACK``                                 kvcompress, today's dynamic cache, eager
-``STACK + compile``                       kvcompress static cache (``compress(..., max_cache_len=N)``),
-                                          compiled decode step
+``STACK``                                 kvcompress, dynamic cache (no capacity), eager
+``STACK static``                          kvcompress static cache (``compress(..., max_cache_len=N)``),
+                                          eager decode step
+``STACK + compile``                       kvcompress static cache, compiled decode step
 ========================================  ===============================================================
 
 prefills ``ctx`` random tokens per row (chunked: at most ``--prefill-tokens`` tokens per forward
@@ -99,7 +100,7 @@ BUILTIN_STACKS: dict[str, dict[str, Any]] = {
                                                {"kivi": {"bits": 2, "group": 32, "residual": 128, "sinks": 32}}]},
 }
 
-ROW_KINDS = ("dynamic", "static", "eager", "compiled")
+ROW_KINDS = ("dynamic", "static", "eager", "static-eager", "compiled")
 
 _EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "stacks"
 
@@ -200,18 +201,11 @@ def random_model(shape: str, device: Any = "cuda", dtype: torch.dtype = torch.bf
                  **overrides: Any) -> Any:
     """A Llama model of a named shape (:data:`SHAPES`, ``overrides`` replacing config fields) with random
     weights, built on ``device`` in ``dtype`` (transformers' own initialisation, run on the device)."""
-    import transformers  # benchmark-only: a model from a config, no weights and no download
+    from ..adapters import hf
 
     if shape not in SHAPES:
         raise ConfigError("--model-shape", "one of " + ", ".join(SHAPES), shape)
-    config = transformers.LlamaConfig(**{**SHAPES[shape], **overrides})
-    config._name_or_path = f"random-{shape}"
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = transformers.LlamaForCausalLM._from_config(config, dtype=dtype)
-    model.eval().requires_grad_(False)
-    model.generation_config.eos_token_id = None
-    return model
+    return hf.random_llama({**SHAPES[shape], **overrides}, f"random-{shape}", device, dtype, seed)
 
 
 def describe_model(model: Any) -> dict[str, Any]:
@@ -255,6 +249,7 @@ def row_specs(stacks: Sequence[Any], *, eager: bool = True, compile: bool = Fals
         if eager:
             rows.append(RowSpec("eager", st.label, st))
         if compile:
+            rows.append(RowSpec("static-eager", f"{st.label} static", st))
             rows.append(RowSpec("compiled", f"{st.label} + compile", st))
     return rows
 
@@ -303,7 +298,7 @@ class _Decoder:
         self.cache: Any = None
         if spec.kind == "static":
             self.cache = scope.enter_context(static_cache(model, None, capacity))
-        elif spec.kind == "compiled":
+        elif spec.kind in ("compiled", "static-eager"):
             self.cache = scope.enter_context(static_cache(model, spec.stack, capacity, batch=batch))
         elif spec.kind == "eager":
             self.cache = scope.enter_context(compress(model, spec.stack))
@@ -373,7 +368,7 @@ def measure_row(model: Any, spec: RowSpec, batch: int, ctx: int, *, steps: int =
         "label": spec.label, "kind": spec.kind, "compiled": spec.compiled,
         "stack": spec.stack.to_dict() if spec.stack is not None else None,
         "stack_source": getattr(spec.stack, "source", None), "batch": batch, "context": ctx,
-        "capacity": capacity if spec.compiled else None, "prefill_chunk": chunk,
+        "capacity": capacity if spec.compiled or spec.kind == "static-eager" else None, "prefill_chunk": chunk,
         "compile_options": compile_options(device) if spec.compiled else None,
         "wall_ms": None, "wall_p10_ms": None, "wall_p90_ms": None, "step_ms": [], "gpu_busy_ms": None,
         "kernels_per_step": None, "wall_over_busy": None, "cache_bytes": None,

@@ -310,12 +310,9 @@ def generate_compile_config(device: Any) -> Any:
     transformers compiles the decode step itself when the cache is compileable; off CUDA only when
     the config allows every device (``_compile_all_devices``), which this one does.
     """
-    from transformers import CompileConfig  # the generate API's own config class
+    from ..adapters import hf
 
-    options = compile_options(device)
-    config = CompileConfig(**({"mode": None} if "backend" in options else {}), **options)
-    config._compile_all_devices = True
-    return config
+    return hf.compile_config(compile_options(device))
 
 
 def mark_step(device: Any) -> None:
