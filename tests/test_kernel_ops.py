@@ -95,6 +95,16 @@ def test_compiled_fullgraph_aot_eager_equals_reference(name):
         assert _same(got, case.fn("reference")(*args))
 
 
+def test_compiled_inductor_cpu_equals_reference():
+    """The default backend (Inductor) lowers every op as an extern call, on CPU too (no GPU needed)."""
+    from kvcompress.kernels import opcases
+
+    for name, case in _cases().items():
+        torch._dynamo.reset()
+        res = opcases.check_compiled(case, "reference", mode=None, backend="inductor")
+        assert res["ok"] and res["max_abs_err"] == 0.0, f"{name}: {res['message']}"
+
+
 def _masked(case):
     """The same call without ``length``, with the slots at or after it marked invalid instead (an independent
     statement of what ``length`` means)."""
