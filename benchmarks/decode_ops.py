@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--stack", nargs="*", default=["examples/stacks/none.yaml", "examples/stacks/kivi2.yaml"])
+    ap.add_argument("--static", action="store_true", help="also count the static cache (max_cache_len), eager")
     args = ap.parse_args(argv)
     model = load_model(None, dtype=torch.bfloat16)
     model = model[0] if isinstance(model, tuple) else model
@@ -46,6 +47,9 @@ def main(argv=None) -> int:
     for path in args.stack:
         with kvcompress.compress(model, kvcompress.load_stack(path)) as cache:
             print(f"{path}: {ops_per_step(model, ids, cache):.0f} aten ops per decode step")
+        if args.static:
+            with kvcompress.compress(model, kvcompress.load_stack(path), max_cache_len=args.context + 16) as cache:
+                print(f"{path} (static, eager): {ops_per_step(model, ids, cache):.0f} aten ops per decode step")
     return 0
 
 

@@ -31,8 +31,8 @@ def lowrank_basis(model, path):
     from kvcompress.calibration.lowrank import kv_spectra, save_basis
     from kvcompress.calibration.masks import config_hash
 
-    tokens = torch.randint(1, 256, (4, 96), generator=torch.Generator().manual_seed(7)).to(model.device)
-    (eigenvalues, vectors), _ = kv_spectra(model, tokens, skip=2)
+    tokens = torch.randint(1, 256, (4, 96), generator=torch.Generator().manual_seed(7))
+    (eigenvalues, vectors), _ = kv_spectra(tiny_model("llama"), tokens, skip=2)  # on the CPU, as the tests do
     save_basis(path, vectors.cpu(), torch.full((2, 2), 8, dtype=torch.int32), eigenvalues.cpu(),
                {"model": "tiny-llama", "model_config_hash": config_hash(model.config), "target": "test", "align": 1,
                 "settings": {}})

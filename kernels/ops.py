@@ -172,6 +172,60 @@ def kivi_attention(query: Tensor, packed, scale: float, *, impl: str,
         packed.valid, length, packed.bits, packed.group, float(scale), bool(packed.k_per_token), impl)
 
 
+# ----------------------------------------------------------------------------- KIVI quantizer
+
+
+@torch.library.custom_op("kvcompress::kivi_quantize", mutates_args=(), device_types=("cpu", "cuda"))
+def kivi_quantize(k: Tensor, v: Tensor, valid: Optional[Tensor], bits: int, group: int, v_group: int,
+                  k_per_token: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """KIVI codes, scales and zeros of ``k`` / ``v`` ``[B, H, T, d]`` (the reference quantizers, one opaque op);
+    with ``valid`` ``[B, T]``, masked slots first take their group's mean (:func:`~.kivi.reference.fill_masked`).
+
+    Registered so that a compiled step runs exactly the eager quantizer: fused by Inductor, the division of
+    ``(x - zero) / scale`` is an approximate one in Triton and codes at a rounding boundary flip, so compiled
+    and eager caches would hold different codes.
+    """
+    if valid is not None:
+        k, v = kivi_ref.fill_masked(k, valid, group), kivi_ref.fill_masked(v, valid, group)
+    if k_per_token:
+        kq = kivi_ref.quantize_values(k, bits, v_group)
+    else:
+        kq = kivi_ref.quantize_keys(k, bits, group)
+    vq = kivi_ref.quantize_values(v, bits, v_group)
+    return tuple(t.contiguous() for t in (*kq, *vq))
+
+
+@kivi_quantize.register_fake
+def _kivi_quantize_fake(k, v, valid, bits, group, v_group, k_per_token):
+    b, h, t, dk = k.shape
+    dv = v.shape[-1]
+    per = 32 // bits
+    if k_per_token:
+        kc = k.new_empty(b, h, t, dk // per, dtype=torch.int32)
+        ks = k.new_empty(b, h, t, dk // v_group, dtype=torch.float16)
+    else:
+        kc = k.new_empty(b, h, t // group, -(-dk // per), group, dtype=torch.int32)
+        ks = k.new_empty(b, h, t // group, dk, dtype=torch.float16)
+    vc = v.new_empty(b, h, t, dv // per, dtype=torch.int32)
+    vs = v.new_empty(b, h, t, dv // v_group, dtype=torch.float16)
+    return kc, ks, torch.empty_like(ks), vc, vs, torch.empty_like(vs)
+
+
+@torch.library.custom_op("kvcompress::quantize_labels", mutates_args=(), device_types=("cpu", "cuda"))
+def quantize_labels(x: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
+    """DoubleSparse label codes, scales and zeros (:func:`~.doublesparse.reference.quantize_labels`) as one opaque
+    op, for the same reason as :func:`kivi_quantize` (compiled and eager label caches hold the same codes)."""
+    q = ds_ref.quantize_labels(x, bits)
+    return q.data.contiguous(), q.scale.contiguous(), q.zero.contiguous()
+
+
+@quantize_labels.register_fake
+def _quantize_labels_fake(x, bits):
+    b, h, t, r = x.shape
+    return (x.new_empty(b, h, t, r * bits // 8, dtype=torch.uint8), x.new_empty(b, h, t, dtype=torch.float16),
+            x.new_empty(b, h, t, dtype=torch.float16))
+
+
 # ----------------------------------------------------------------------------- paged
 
 

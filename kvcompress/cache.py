@@ -104,7 +104,7 @@ class Cache(hf.CacheBase):
                     "run a captured decode step: it is built as a dynamic cache and runs eagerly "
                     "(is_compileable = False; max_cache_len is ignored)", stacklevel=2)
                 max_cache_len = max_batch_size = None
-        self.max_cache_len = max_cache_len
+        self.capacity = max_cache_len  # (transformers 5.17's Cache has a read-only max_cache_len)
         q_heads, kv_heads, head_dim = hf.head_counts(config)
         layout = hf.layer_layout(config)
         layers = []
@@ -135,7 +135,7 @@ class Cache(hf.CacheBase):
     @property
     def is_static(self) -> bool:
         """Whether this cache has a capacity (preallocated, graph-capturable decode)."""
-        return self.max_cache_len is not None
+        return self.capacity is not None
 
     @property
     def compressed_layers(self) -> list[Any]:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from .errors import UnsupportedOperationError
-from .state import KVBlock, LayerInfo, Layout, RingBuffer, Segment, SinkBuffer, TokenSelection
+from .state import KVBlock, LayerInfo, Layout, RingBuffer, Segment, SinkBuffer, TokenSelection, new_token_validity
 
 
 def _cat_blocks(a: KVBlock | None, b: KVBlock | None) -> KVBlock:
@@ -180,14 +180,9 @@ class CompressedLayer:
         k, v, seen_before = self.pending
         self.pending = None
         q = k.shape[2]
-        valid_new = None
-        if attention_mask is not None:
-            if attention_mask.dtype != torch.bool:
-                raise UnsupportedOperationError("kvcompress attention expects boolean masks")
-            rows = torch.arange(q, device=k.device)
-            valid_new = attention_mask[:, 0, rows, seen_before + rows]
-            if bool(valid_new.all()):
-                valid_new = None
+        valid_new = new_token_validity(attention_mask, seen_before, q)
+        if valid_new is not None and bool(valid_new.all()):
+            valid_new = None
         sinks, middle, recent = self.regions()
         segs = sinks + middle + recent
         if not segs:

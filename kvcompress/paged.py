@@ -498,18 +498,24 @@ class PagedStore(MiddleStore):
         self._dirty()
 
     def nbytes(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for _, bufs in self.lanes or []:
-            for name, t in bufs.items():
-                key = self.codec.report_key(name)
-                if key != "middle: pages":
-                    key = key.replace("middle: ", "middle: pages, ")
-                out[key] = out.get(key, 0) + t.numel() * t.element_size()
+        out = payload_nbytes(self.lanes, self.codec)
         size = (lambda t: 0 if t is None else t.numel() * t.element_size())
         out["middle: page valid + positions"] = size(self.valid) + size(self.positions)
         out["middle: page scores"] = size(self.score)
         out["middle: block table"] = size(self.table()) if self.rows else 0
         return out
+
+
+def payload_nbytes(lanes: list | None, codec: Any) -> dict[str, int]:
+    """Bytes of a paged pool's payload tensors, by memory-report component."""
+    out: dict[str, int] = {}
+    for _, bufs in lanes or []:
+        for name, t in bufs.items():
+            key = codec.report_key(name)
+            if key != "middle: pages":
+                key = key.replace("middle: ", "middle: pages, ")
+            out[key] = out.get(key, 0) + t.numel() * t.element_size()
+    return out
 
 
 def pool_pages_for_budget(budget_tokens: int, page_size: int) -> int:
@@ -572,7 +578,8 @@ class StaticPagedStore(MiddleStore):
         self.score = torch.zeros(b, self.pages + 1, dtype=torch.float32, device=dev)
         self.age = torch.zeros(b, self.pages + 1, dtype=torch.long, device=dev)
         self.clock = torch.zeros((), dtype=torch.long, device=dev)
-        self._slot = torch.arange(p, device=dev)
+        choose = getattr(self.codec, "choose_kernel", None)  # an encoded pool's read kernel, decided once
+        self.kernels = [choose(bufs, slots) if choose is not None else None for _, bufs in self.lanes]
         mark_static(self.valid, self.pos, self.live, self.score, self.age, self.clock)
 
     # -- what the owner reads -----------------------------------------------------------------
@@ -686,8 +693,11 @@ class StaticPagedStore(MiddleStore):
             return []
         zero = torch.zeros((), dtype=torch.long, device=self.valid.device).expand(self.valid.shape[1])
         out = []
-        for group, bufs in self.lanes:
-            region = self.codec.packed(bufs, self.valid)
+        for (group, bufs), impl in zip(self.lanes, self.kernels):
+            if isinstance(self.codec, DenseCodec):
+                region = self.codec.packed(bufs, self.valid)
+            else:
+                region = self.codec.packed(bufs, self.valid, impl=impl)
             if isinstance(self.codec, DenseCodec):
                 seg = Segment(region.k, region.v, self.valid, zero)
             else:
@@ -731,13 +741,7 @@ class StaticPagedStore(MiddleStore):
                 t.zero_()
 
     def nbytes(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for _, bufs in self.lanes or []:
-            for name, t in bufs.items():
-                key = self.codec.report_key(name)
-                if key != "middle: pages":
-                    key = key.replace("middle: ", "middle: pages, ")
-                out[key] = out.get(key, 0) + t.numel() * t.element_size()
+        out = payload_nbytes(self.lanes, self.codec)
         size = (lambda t: 0 if t is None else t.numel() * t.element_size())
         out["middle: page valid + positions + state"] = sum(size(t) for t in (self.valid, self.pos, self.live,
                                                                                     self.score, self.age))

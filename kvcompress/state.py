@@ -261,6 +261,19 @@ class Segment:
         return self.k, self.v
 
 
+def new_token_validity(attention_mask: torch.Tensor | None, first: int, q: int) -> torch.Tensor | None:
+    """Per-row validity ``[batch, q]`` of the step's tokens at logical positions ``first .. first + q - 1``, read
+    from a boolean mask in logical coordinates (``[batch, 1, q, kv]``); ``None`` without a mask."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dtype != torch.bool:
+        from .errors import UnsupportedOperationError
+
+        raise UnsupportedOperationError("kvcompress attention expects boolean masks")
+    rows = torch.arange(q, device=attention_mask.device)
+    return attention_mask[:, 0, rows, first + rows]
+
+
 # ----------------------------------------------------------------------------- buffers
 
 

@@ -41,7 +41,7 @@ from typing import Any, Callable
 import torch
 
 from .errors import UnsupportedOperationError
-from .state import HeadGroup, KVBlock, LayerInfo, Layout, MiddleStore, Segment, TokenSelection
+from .state import HeadGroup, KVBlock, LayerInfo, Layout, MiddleStore, Segment, TokenSelection, new_token_validity
 
 
 def _compiling() -> bool:
@@ -99,6 +99,7 @@ class StaticLayer:
         self.is_initialized = False
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._host: tuple[int, int] | None = (0, 0)  # (seen, flushed) while known on the host
+        self._sinks_full = self.sink_slots == 0
 
     # -- allocation ------------------------------------------------------------------------
     def allocate(self, batch: int, kv_heads: int, head_dim: int, v_dim: int, dtype: torch.dtype,
@@ -117,6 +118,9 @@ class StaticLayer:
         self.flushed = torch.zeros((), dtype=torch.long, device=device)
         self._offsets = torch.arange(self.flush_size, device=device)
         self._sink_index = torch.arange(s, device=device)
+        self._true = torch.ones((), dtype=torch.bool, device=device)
+        self._sinks_full = s == 0  # known on the host after an eager prefill
+        self.kernels = choose_kernels(device, head_dim, v_dim, dtype)
         mark_static(self.k, self.v, self.valid, self.ring_pos, self.sink_pos, self.sink_count, self.seen,
                     self.flushed)
         self.is_initialized = True
@@ -192,7 +196,11 @@ class StaticLayer:
             valid_new = valid_new.expand(k.shape[0], 1)
         else:
             valid_new = torch.ones(k.shape[0], 1, dtype=torch.bool, device=k.device)
-        valid_new = self._take_sinks(k, v, valid_new, pos)
+        compiling = _compiling()
+        if not compiling:
+            host = self.host_counts()  # (seen, flushed); one device read only after compiled steps
+        if compiling or not self._sinks_full:  # eager steps skip what the host knows changes nothing
+            valid_new = self._take_sinks(k, v, valid_new, pos)
         slot = self.sink_slots + pos.remainder(self.ring_slots)
         self.k.index_copy_(2, slot, k)
         self.v.index_copy_(2, slot, v)
@@ -200,21 +208,28 @@ class StaticLayer:
         if self.flushes:
             self.ring_pos.index_copy_(0, slot - self.sink_slots, pos)
         self.seen.add_(1)
-        if _compiling():
-            self._host = None
-        elif self._host is not None:
-            self._host = (self._host[0] + 1, self._host[1])
         out = self._read(query, scaling, dense_attention, None)
-        if self.middle is not None:
-            self._flush_decode()
+        if compiling:
+            self._host = None
+            if self.middle is not None:
+                self._flush_decode()
+            return out
+        # eager: the host counts say whether a block leaves the window; a step with nothing to flush
+        # skips the pipeline (a compiled step runs it with due = False: the same result)
+        seen, flushed = host[0] + 1, host[1]
+        self._host = (seen, flushed)
+        if self.middle is not None and seen - flushed >= self.layout.recent + self.flush_size:
+            self._flush_decode(due=self._true)
+            self._host = (seen, flushed + self.flush_size)
         return out
 
-    def _flush_decode(self, warmup: bool = False) -> None:
-        """Offer the ``F`` oldest ring tokens to the pipeline; they leave only when ``due``."""
+    def _flush_decode(self, warmup: bool = False, due: torch.Tensor | None = None) -> None:
+        """Offer the ``F`` oldest ring tokens to the pipeline; they leave only when ``due`` (computed on the
+        device unless given)."""
         recent, f, s = self.layout.recent, self.flush_size, self.sink_slots
         if warmup:
             due = torch.zeros((), dtype=torch.bool, device=self.seen.device)
-        else:
+        elif due is None:
             due = (self.seen - self.flushed) >= recent + f
         ring = (self.flushed + self._offsets).remainder(self.ring_slots)
         slots = ring + s
@@ -225,10 +240,6 @@ class StaticLayer:
         self.valid.index_copy_(1, slots, self.valid.index_select(1, slots) & ~due)
         self.flushed.add_(due.long() * f)
         self.pipeline.flush(self, block)
-        if _compiling():
-            self._host = None
-        elif self._host is not None and not warmup:
-            self._host = None  # whether it flushed is known on the device only
 
     # prefill / chunks: host counts ---------------------------------------------------------
     def _prefill(self, query, k, v, attention_mask, scaling, dense_attention):
@@ -243,12 +254,7 @@ class StaticLayer:
                 f"the static cache holds at most max_cache_len={self.capacity} tokens; {seen} are cached and "
                 f"{q} more were given. Build the cache with a larger max_cache_len")
         pos = torch.arange(seen, seen + q, device=k.device)
-        valid_new = None
-        if attention_mask is not None:
-            if attention_mask.dtype != torch.bool:
-                raise UnsupportedOperationError("kvcompress attention expects boolean masks")
-            rows = torch.arange(q, device=k.device)
-            valid_new = attention_mask[:, 0, rows, seen + rows]
+        valid_new = new_token_validity(attention_mask, seen, q)
         if seen == 0:  # nothing stored yet: the backend's own attention over the step's tokens
             mask = None if attention_mask is None else attention_mask[..., :q]
             out = dense_attention(query, k, v, mask, scaling)
@@ -294,6 +300,7 @@ class StaticLayer:
         self.seen.add_(q)
         self.flushed.add_(m)
         self._host = (seen + q, flushed + m)
+        self._sinks_full = s == 0 or bool((self.sink_count == s).all())  # eager prefill: one host read
         if block is not None:
             self.pipeline.flush(self, block)
 
@@ -335,9 +342,23 @@ class StaticLayer:
         q_pos = new.positions if new is not None else self.seen.view(1) - 1
         if new is not None:
             segs.append(new)
+            if all(seg.is_dense for seg in segs):  # a prefill chunk over dense regions: the backend's attention
+                return self._dense_prefill(query, segs, q_pos, scaling, dense_attention)
         from kvcompress.kernels.attention import attend_segments
 
-        return attend_segments(query, segs, q_pos, scaling, fused=False).transpose(1, 2)
+        return attend_segments(query, segs, q_pos, scaling, fused=False, impls=self.kernels).transpose(1, 2)
+
+    @staticmethod
+    def _dense_prefill(query, segs, q_pos, scaling, dense_attention):
+        """Multi-token chunk over dense regions: one attention call over their concatenation (eager prefill
+        only; per-query masks from logical positions), not the float32 reference over the whole capacity."""
+        from kvcompress.kernels.attention.reference import segment_mask
+
+        keys = torch.cat([s.k for s in segs], dim=2)
+        values = torch.cat([s.v for s in segs], dim=2)
+        b = query.shape[0]
+        mask = torch.cat([segment_mask(s, q_pos).expand(b, 1, q_pos.numel(), s.num_tokens) for s in segs], dim=-1)
+        return dense_attention(query, keys, values, mask, scaling)
 
     # -- batch operations ---------------------------------------------------------------------
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -361,6 +382,7 @@ class StaticLayer:
                   self.flushed):
             t.zero_()
         self._host = (0, 0)
+        self._sinks_full = self.sink_slots == 0
         if self.middle is not None:
             self.middle.reset()
         for value in self.state.values():
@@ -384,6 +406,16 @@ class StaticLayer:
 
     def tokens_seen(self) -> int:
         return self.host_counts()[0] if self.is_initialized else 0
+
+
+def choose_kernels(device: torch.device, head_dim: int, v_dim: int, dtype: torch.dtype) -> dict[str, str]:
+    """Implementations of the read ops a static layer runs, decided once when it allocates
+    (:func:`kvcompress.kernels.ops.choose`: the PyTorch reference on the CPU, fused kernels on CUDA)."""
+    from kvcompress.kernels import ops
+
+    return {"lanes_partial": ops.choose("lanes_partial", device, head_dim=head_dim, v_dim=v_dim, dtype=dtype),
+            "gather_partial": ops.choose("gather_partial", device, head_dim=head_dim, v_dim=v_dim, dtype=dtype,
+                                         query_dtype=dtype)}
 
 
 def _apply_selection(middle: list[Segment], selection: Any) -> list[Segment]:
@@ -454,44 +486,15 @@ class StaticRing:
             self.cursor.zero_()
 
 
-class StaticDenseStore(MiddleStore):
-    """Full-precision static middle: one lane ``[batch, heads, capacity, dk]`` per head group.
-
-    The static counterpart of :class:`~kvcompress.state.DenseStore` (same lanes, same segments),
-    read in place with a device-side validity mask.
-    """
+class StaticRingStore(MiddleStore):
+    """Base of the static middle stores: a :class:`StaticRing` of token slots and one dict of payload tensors
+    per head-group lane (``[batch, heads, slots or units, ...]``), evicted by masking (``retain``)."""
 
     static = True
 
-    def __init__(self, capacity: int):
-        self.ring = StaticRing(capacity)
-        self.lanes: list[tuple[HeadGroup, torch.Tensor, torch.Tensor]] | None = None
-
-    def append(self, block: KVBlock) -> None:
-        block = self.ring.fit(block)
-        parts = block.parts()
-        if self.lanes is None:
-            self.ring.allocate(block.valid.shape[0], block.valid.device)
-            self.lanes = []
-            for part in parts:
-                b, h = part.k.shape[0], part.k.shape[1]
-                k = part.k.new_zeros(b, h, self.ring.capacity, part.k.shape[-1])
-                v = part.v.new_zeros(b, h, self.ring.capacity, part.v.shape[-1])
-                mark_static(k, v)
-                self.lanes.append((part.layout(), k, v))
-        n = block.num_tokens
-        slots = self.ring.slots(n)
-        for (_, k, v), part in zip(self.lanes, parts):
-            k.index_copy_(2, slots, part.k)
-            v.index_copy_(2, slots, part.v)
-        self.ring.write_meta(slots, block)
-        self.ring.advance(n, block.due)
-
-    def segments(self) -> list[Segment]:
-        if self.lanes is None:
-            return []
-        zero = torch.zeros((), dtype=torch.long, device=self.ring.valid.device).expand(self.ring.capacity)
-        return [group.attach(Segment(k, v, self.ring.valid, zero)) for group, k, v in self.lanes]
+    def __init__(self, capacity: int, unit: int = 1):
+        self.ring = StaticRing(capacity, unit)
+        self.lanes: list[tuple[HeadGroup, dict[str, torch.Tensor]]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -516,20 +519,57 @@ class StaticDenseStore(MiddleStore):
         if self.lanes is None:
             return
         self.ring.valid.copy_(fn(self.ring.valid))
-        for _, k, v in self.lanes:
-            k.copy_(fn(k))
-            v.copy_(fn(v))
+        for _, bufs in self.lanes:
+            for t in bufs.values():
+                t.copy_(fn(t))
 
     def reset(self) -> None:
         self.ring.reset()
 
+    def _zero_positions(self) -> torch.Tensor:
+        # middle tokens precede every query: their positions never mask anything
+        return torch.zeros((), dtype=torch.long, device=self.ring.valid.device).expand(self.ring.capacity)
+
+    def _meta_bytes(self) -> int:
+        return 0 if self.ring.valid is None else self.ring.valid.numel() + self.ring.pos.numel() * 8
+
+
+class StaticDenseStore(StaticRingStore):
+    """Full-precision static middle: one lane ``[batch, heads, capacity, dk]`` per head group.
+
+    The static counterpart of :class:`~kvcompress.state.DenseStore` (same lanes, same segments),
+    read in place with a device-side validity mask.
+    """
+
+    def append(self, block: KVBlock) -> None:
+        block = self.ring.fit(block)
+        parts = block.parts()
+        if self.lanes is None:
+            self.ring.allocate(block.valid.shape[0], block.valid.device)
+            self.lanes = []
+            for part in parts:
+                b, h = part.k.shape[0], part.k.shape[1]
+                bufs = {"k": part.k.new_zeros(b, h, self.ring.capacity, part.k.shape[-1]),
+                        "v": part.v.new_zeros(b, h, self.ring.capacity, part.v.shape[-1])}
+                mark_static(*bufs.values())
+                self.lanes.append((part.layout(), bufs))
+        n = block.num_tokens
+        slots = self.ring.slots(n)
+        for (_, bufs), part in zip(self.lanes, parts):
+            bufs["k"].index_copy_(2, slots, part.k)
+            bufs["v"].index_copy_(2, slots, part.v)
+        self.ring.write_meta(slots, block)
+        self.ring.advance(n, block.due)
+
+    def segments(self) -> list[Segment]:
+        if self.lanes is None:
+            return []
+        zero = self._zero_positions()
+        return [group.attach(Segment(bufs["k"], bufs["v"], self.ring.valid, zero)) for group, bufs in self.lanes]
+
     def nbytes(self) -> dict[str, int]:
-        n = 0
-        for _, k, v in self.lanes or []:
-            n += k.numel() * k.element_size() + v.numel() * v.element_size()
-        if self.ring.valid is not None:
-            n += self.ring.valid.numel() + self.ring.pos.numel() * 8
-        return {"middle": n}
+        n = sum(t.numel() * t.element_size() for _, bufs in self.lanes or [] for t in bufs.values())
+        return {"middle": n + self._meta_bytes()}
 
 
-__all__ = ["StaticDenseStore", "StaticLayer", "StaticRing", "mark_static", "middle_capacity"]
+__all__ = ["StaticDenseStore", "StaticLayer", "StaticRing", "StaticRingStore", "mark_static", "middle_capacity"]

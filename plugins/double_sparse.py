@@ -189,9 +189,10 @@ class StaticLabelCache:
         self.aux: torch.Tensor | None = None  # [B, H, 2, capacity]
         self.valid_mask: torch.Tensor | None = None  # [B, capacity]
         self.cursor: torch.Tensor | None = None
+        self.kernel: str | None = None  # the select op's implementation, chosen at allocation
 
     def append(self, k: torch.Tensor, valid: torch.Tensor, due: torch.Tensor | None) -> None:
-        from kvcompress.kernels.doublesparse import quantize_labels
+        from kvcompress.kernels.ops import quantize_labels  # one opaque op: compiled steps quantize as eager ones
         from kvcompress.static import mark_static
 
         b, h, n, _ = k.shape
@@ -199,8 +200,8 @@ class StaticLabelCache:
         lab = k.gather(-1, self.channels.view(1, h, 1, r).expand(b, h, n, r))
         aux = None
         if self.bits != 16:
-            q = quantize_labels(lab, self.bits)
-            lab, aux = q.data, torch.stack([q.scale, q.zero], dim=2)  # [B, H, 2, n]
+            data, scale, zero = quantize_labels(lab, self.bits)
+            lab, aux = data, torch.stack([scale, zero], dim=2)  # [B, H, 2, n]
         if self.data is None:
             self.data = lab.new_zeros(b, h, lab.shape[-1], self.capacity)
             self.aux = None if aux is None else aux.new_zeros(b, h, 2, self.capacity)
@@ -208,6 +209,10 @@ class StaticLabelCache:
             self.cursor = torch.zeros((), dtype=torch.long, device=k.device)
             self._offsets = torch.arange(self.capacity, device=k.device)
             mark_static(self.data, self.aux, self.valid_mask, self.cursor)
+            from kvcompress.kernels import ops
+
+            self.kernel = ops.choose("select_topk", k.device, label_bits=self.bits, label_channels=r,
+                                     query_dtype=k.dtype, label_dtype=lab.dtype)
         slots = (self.cursor + self._offsets[:n]).remainder(self.capacity)
         self.data.index_copy_(3, slots, lab.transpose(-1, -2))
         if aux is not None:
@@ -333,14 +338,15 @@ class DoubleSparseCompressor(Compressor):
         from kvcompress.kernels.doublesparse import select_topk
 
         q = query[:, :, 0]
+        kernel = getattr(cache, "kernel", None)  # static caches chose it once; dynamic ones decide per call
         hkv = cache.channels.shape[0]
         group = q.shape[1] // hkv
         if self.config.group_shared and group > 1:
             # label scores are linear in q: the group's summed scores are those of its summed query
             q = q.float().view(q.shape[0], hkv, group, q.shape[-1]).sum(2)
-            index = select_topk(q, cache.labels(), cache.channels, cache.valid(), budget)
+            index = select_topk(q, cache.labels(), cache.channels, cache.valid(), budget, impl=kernel)
             return TokenSelection(index.unsqueeze(2), group=group)
-        index = select_topk(q, cache.labels(), cache.channels, cache.valid(), budget)
+        index = select_topk(q, cache.labels(), cache.channels, cache.valid(), budget, impl=kernel)
         return TokenSelection(index.unsqueeze(2))
 
 

@@ -48,7 +48,7 @@ from kvcompress import Compressor, CompressorSpec, Layout, hookimpl, param
 from kvcompress.errors import ConfigError
 from kvcompress.kernels.kivi import PackedKV, quantize_keys, quantize_values
 from kvcompress.state import HeadGroup, KVBlock, MiddleStore, Segment, grown_capacity
-from kvcompress.static import StaticRing, mark_static
+from kvcompress.static import StaticRingStore, mark_static
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,28 +99,28 @@ class KiviCodec:
 
         ``fill``: replace masked slots (``None``: only when some slot is masked, a host check; static
         caches pass ``True``, which changes nothing where every slot is valid)."""
-        if fill or (fill is None and not bool(valid.all())):
-            k, v = self._fill_masked(k, valid), self._fill_masked(v, valid)
-        if self.per_token_keys:
-            kc, ks, kz = quantize_values(k, self.bits, self.v_group)
-        else:
-            kc, ks, kz = quantize_keys(k, self.bits, self.group)
-        vc, vs, vz = quantize_values(v, self.bits, self.v_group)
-        return dict(zip(self.names, (kc, ks, kz, vc, vs, vz)))
+        masked = valid if fill or (fill is None and not bool(valid.all())) else None
+        from kvcompress.kernels.ops import kivi_quantize  # one opaque op: compiled steps quantize as eager ones
 
-    def _fill_masked(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Give masked slots the mean of the valid tokens of their own G-group (0 if none), so a
-        group's min/max - hence its scale - is exactly that of its valid tokens."""
-        b, h, t, d = x.shape
-        g = self.group
-        w = valid.view(b, 1, t // g, g, 1)
-        xg = x.view(b, h, t // g, g, d)
-        mean = (xg * w).sum(dim=3, keepdim=True) / w.sum(dim=3, keepdim=True).clamp(min=1)
-        return torch.where(w, xg, mean.to(x.dtype)).view(b, h, t, d)
+        out = kivi_quantize(k, v, masked, self.bits, self.group, self.v_group, self.per_token_keys)
+        return dict(zip(self.names, out))
 
-    def packed(self, payload: dict[str, torch.Tensor], valid: torch.Tensor) -> PackedKV:
+    def packed(self, payload: dict[str, torch.Tensor], valid: torch.Tensor, impl: str | None = None,
+               length: torch.Tensor | None = None) -> PackedKV:
+        """A :class:`PackedKV` over ``payload``; ``impl`` / ``length``: its kernel, chosen when a static store
+        was built, and the device-side count of leading slots that may be live (see :class:`PackedKV`)."""
         return PackedKV(self.bits, self.group, *(payload[n] for n in self.names), valid,
-                        k_per_token=self.per_token_keys)
+                        k_per_token=self.per_token_keys, impl=impl, length=length)
+
+    def choose_kernel(self, payload: dict[str, torch.Tensor], tokens: int) -> str:
+        """The ``kvcompress::kivi_partial`` implementation for these payloads (decided once, at allocation)."""
+        from kvcompress.kernels import ops
+
+        per = 32 // self.bits
+        dk = payload["k_scale"].shape[-1]
+        dv = payload["v_codes"].shape[-1] * per
+        return ops.choose("kivi_partial", payload["k_codes"].device, bits=self.bits, group=self.group, head_dim=dk,
+                          v_dim=dv, v_group=self.v_group, k_per_token=self.per_token_keys, tokens=tokens)
 
     @staticmethod
     def report_key(name: str) -> str:
@@ -284,22 +284,20 @@ class KiviStore(MiddleStore):
         return out
 
 
-class KiviStaticStore(MiddleStore):
+class KiviStaticStore(StaticRingStore):
     """KIVI's store in a static cache: packed tensors preallocated for ``capacity`` tokens, used as a
-    ring of G-token groups with a device-side cursor (:class:`kvcompress.static.StaticRing`).
+    ring of G-token groups with a device-side cursor (:class:`kvcompress.static.StaticRingStore`).
 
     Same payloads and segments as :class:`KiviStore`; blocks arrive G-aligned (a static cache's flush
     is a multiple of G) and are encoded once, append-only; eviction masks slots (``retain``) and the
     cursor reuses the oldest groups.
     """
 
-    static = True
-
     def __init__(self, config: KiviConfig, head_dim: int, capacity: int):
         self.codec = KiviCodec(config, head_dim)
         self.group = self.codec.group
-        self.ring = StaticRing(capacity, unit=self.group)
-        self.lanes: list[tuple[HeadGroup, dict[str, torch.Tensor]]] | None = None
+        super().__init__(capacity, unit=self.group)
+        self.kernels: list[str] = []  # per lane, chosen at allocation
 
     def append(self, block: KVBlock) -> None:
         block = self.ring.fit(block)
@@ -318,6 +316,7 @@ class KiviStaticStore(MiddleStore):
                     bufs[name] = t.new_zeros(shape)
                     mark_static(bufs[name])
                 self.lanes.append((part.layout(), bufs))
+                self.kernels.append(self.codec.choose_kernel(bufs, self.ring.capacity))
         tslots = self.ring.slots(n)
         gslots = tslots.view(n // g, g)[:, 0].div(g, rounding_mode="floor")
         for (_, bufs), (_, data) in zip(self.lanes, encoded):
@@ -329,45 +328,14 @@ class KiviStaticStore(MiddleStore):
     def segments(self) -> list[Segment]:
         if self.lanes is None:
             return []
-        valid = self.ring.valid
-        positions = torch.zeros((), dtype=torch.long, device=valid.device).expand(valid.shape[1])
-        return [group.attach(Segment(None, None, valid, positions, packed=self.codec.packed(bufs, valid)))
-                for group, bufs in self.lanes]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.ring.capacity
-
-    def limit(self, max_tokens: int) -> None:  # the capacity was fixed when the cache was built
-        return None
-
-    def valid_mask(self) -> torch.Tensor | None:
-        return self.ring.valid
-
-    def positions(self) -> torch.Tensor | None:
-        return self.ring.pos
-
-    def retain(self, keep: torch.Tensor) -> None:
-        self.ring.valid.copy_(self.ring.valid & keep)
-
-    def drop_oldest(self, n: int) -> None:
-        raise NotImplementedError("a static store evicts through retain(keep)")
-
-    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        if self.lanes is None:
-            return
-        self.ring.valid.copy_(fn(self.ring.valid))
-        for _, bufs in self.lanes:
-            for t in bufs.values():
-                t.copy_(fn(t))
-
-    def reset(self) -> None:
-        self.ring.reset()
+        valid, positions = self.ring.valid, self._zero_positions()
+        live = self.ring.cursor.clamp(max=self.ring.capacity)  # slots past it were never written
+        return [group.attach(Segment(None, None, valid, positions,
+                                     packed=self.codec.packed(bufs, valid, impl=impl, length=live)))
+                for (group, bufs), impl in zip(self.lanes, self.kernels)]
 
     def nbytes(self) -> dict[str, int]:
-        out = {"middle: kivi codes": 0, "middle: kivi scales": 0, "middle: mask + positions": 0}
-        if self.ring.valid is not None:
-            out["middle: mask + positions"] = self.ring.valid.numel() + self.ring.pos.numel() * 8
+        out = {"middle: kivi codes": 0, "middle: kivi scales": 0, "middle: mask + positions": self._meta_bytes()}
         for _, bufs in self.lanes or []:
             for name, t in bufs.items():
                 out[self.codec.report_key(name)] += t.numel() * t.element_size()

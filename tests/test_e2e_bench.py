@@ -51,13 +51,14 @@ def test_smoke_tiny_shape_every_row_in_the_json(tmp_path, window_file, capsys):
     assert obj["model"]["layers"] == 2 and obj["model"]["head_dim"] == 16
     assert set(obj["environment"]) >= {"date", "torch", "transformers", "gpu", "device"}
     labels = [r["label"] for r in obj["rows"]]
-    assert labels == ["transformers DynamicCache", "transformers StaticCache + compile", "none", "none + compile",
-                      "window-4+16", "window-4+16 + compile", "leank50", "leank50 + compile"]
+    assert labels == ["transformers DynamicCache", "transformers StaticCache + compile", "none", "none static",
+                      "none + compile", "window-4+16", "window-4+16 static", "window-4+16 + compile", "leank50",
+                      "leank50 static", "leank50 + compile"]
     rows = {r["label"]: r for r in obj["rows"]}
     dense = (40 + 2 + 3 + 5) * 2 * 2 * 16 * 2 * 2  # tokens x layers x kv heads x head_dim x (K, V) x bf16
     ok = ["transformers DynamicCache", "transformers StaticCache + compile", "none", "window-4+16"]
     if static_supported():
-        ok += ["none + compile", "window-4+16 + compile"]
+        ok += ["none static", "none + compile", "window-4+16 static", "window-4+16 + compile"]
     for label in ok:
         r = rows[label]
         assert r["error"] is None, (label, r["traceback"])
@@ -73,7 +74,7 @@ def test_smoke_tiny_shape_every_row_in_the_json(tmp_path, window_file, capsys):
     assert rows["transformers StaticCache + compile"]["cache_bytes"] == dense  # sized to the capacity
     assert rows["transformers StaticCache + compile"]["graphs"] == 1
     assert rows["window-4+16"]["cache_bytes"] < rows["none"]["cache_bytes"]
-    for label in ("leank50", "leank50 + compile"):
+    for label in ("leank50", "leank50 static", "leank50 + compile"):
         assert "MaskFileError" in rows[label]["error"] and rows[label]["wall_ms"] is None
     assert "MaskFileError" in stdout  # the failure is in the table
     assert e2e.load_result(out).table(markdown=True) in stdout  # the JSON re-renders the printed table

@@ -42,18 +42,36 @@ def _lane_of(seg: Segment):
     return (seg.heads, seg.channels, seg.k, seg.v, seg.valid)
 
 
+def _split_lanes(segments: Sequence[Segment]) -> tuple[list, list[Segment]]:
+    """(grouped-kernel lanes, the other segments)."""
+    lanes, rest = [], []
+    for seg in segments:
+        lane = _lane_of(seg)
+        (rest if lane is None else lanes).append(seg if lane is None else lane)
+    return lanes, rest
+
+
 def _fused_dense(query4: torch.Tensor, segments: Sequence[Segment], q_len: int, scale: float,
-                 fused: bool | None = None):
+                 fused: bool | None = None, impl: str | None = None):
     """CUDA decode: ``(partial, remaining segments)`` with the full-precision lanes read in one launch."""
+    if impl is not None:  # chosen when the cache was built: the registered op, nothing decided here
+        if impl == "reference" or q_len != 1:
+            return None, segments
+        lanes, rest = _split_lanes(segments)
+        if not lanes:
+            return None, segments
+        from kvcompress.kernels import leank
+        from kvcompress.kernels.leank import triton_kernel
+
+        if not triton_kernel.supports(query4, lanes):  # shapes only: decided at trace time
+            return None, segments
+        return leank.grouped_partial_attention(query4, lanes, scale, impl=impl), rest
     if fused is False:
         return None, segments
     mode = "triton" if fused else os.environ.get("KVCOMPRESS_KERNELS", "auto")  # "triton" forces it
     if q_len != 1 or mode == "reference" or not (query4.is_cuda or mode == "triton"):
         return None, segments
-    lanes, rest = [], []
-    for seg in segments:
-        lane = _lane_of(seg)
-        (rest if lane is None else lanes).append(seg if lane is None else lane)
+    lanes, rest = _split_lanes(segments)
     if not lanes:
         return None, segments
     from kvcompress.kernels import leank
@@ -68,12 +86,14 @@ def _fused_dense(query4: torch.Tensor, segments: Sequence[Segment], q_len: int, 
 
 
 def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_positions: torch.Tensor,
-                    scale: float, fused: bool | None = None) -> torch.Tensor:
+                    scale: float, fused: bool | None = None, impls: dict[str, str] | None = None) -> torch.Tensor:
     """Same contract as :func:`~.reference.segment_attention`: ``[batch, q_heads, q_len, v_dim]``.
 
     ``fused``: read the full-precision lanes with the grouped kernel (True), never (False), or as the
-    environment says (``None``: ``KVCOMPRESS_KERNELS``, CUDA tensors only).  Static caches decide it
-    once, when they are built.
+    environment says (``None``: ``KVCOMPRESS_KERNELS``, CUDA tensors only).  ``impls``: implementations
+    chosen once when a static cache was built (:func:`kvcompress.kernels.ops.choose`), by op name
+    (``"lanes_partial"``, ``"gather_partial"``): the registered ops run them and nothing is decided
+    per call (packed regions carry their own choice).
     """
     b, hq, q_len, d = query.shape
     kv_heads = _kv_heads(segments)
@@ -81,7 +101,9 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
     m_rows = group * q_len
     q5 = query.view(b, kv_heads, group, q_len, d)
     parts = []
-    fused, segments = _fused_dense(q5.reshape(b, kv_heads, m_rows, d), segments, q_len, scale, fused)
+    impls = impls or {}
+    fused, segments = _fused_dense(q5.reshape(b, kv_heads, m_rows, d), segments, q_len, scale, fused,
+                                   impls.get("lanes_partial"))
     if fused is not None:
         parts.append(fused)
     for seg in segments:
@@ -99,7 +121,8 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
             index = seg.select.grouped(kv_heads)
             if seg.heads is not None:
                 index = index.index_select(1, seg.heads)
-            out, lse = doublesparse.gather_partial_attention(qs, seg.k, seg.v, seg.valid, index, scale)
+            out, lse = doublesparse.gather_partial_attention(qs, seg.k, seg.v, seg.valid, index, scale,
+                                                             impl=impls.get("gather_partial"))
         else:
             k, v = seg.keys_values()
             mask = segment_mask(seg, q_positions)  # [b|1, 1, q, t]

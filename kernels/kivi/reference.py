@@ -125,6 +125,17 @@ def quantize_keys(k: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor,
     return words.transpose(-1, -2).contiguous(), scale.squeeze(3), zero.squeeze(3)
 
 
+def fill_masked(x: torch.Tensor, valid: torch.Tensor, group: int) -> torch.Tensor:
+    """Give masked token slots of ``x [B, H, T, d]`` (``valid [B, T]``, T a multiple of ``group``) the mean of the
+    valid tokens of their own ``group``-token group (0 if none), so a group's min/max - hence its scale - is
+    exactly that of its valid tokens."""
+    b, h, t, d = x.shape
+    w = valid.view(b, 1, t // group, group, 1)
+    xg = x.view(b, h, t // group, group, d)
+    mean = (xg * w).sum(dim=3, keepdim=True) / w.sum(dim=3, keepdim=True).clamp(min=1)
+    return torch.where(w, xg, mean.to(x.dtype)).view(b, h, t, d)
+
+
 def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
     """``k_codes [B, H, NG, ceil(Dk/PER), G]`` -> keys ``[B, H, NG*G, Dk]`` (``Dk`` from the scales; float32)."""
     c = unpack(codes.transpose(-1, -2), bits)[..., :scale.shape[-1]].float()  # [B, H, NG, G, Dk]

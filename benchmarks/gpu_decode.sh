@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Issue 16 on the GPU machine (H200 image: torch 2.11, triton 3.6, transformers 5.17), from the repository root:
+#   bash benchmarks/gpu_decode.sh OUTDIR PHASE
+# PHASE: check  - compiled decode (reduce-overhead, CUDA graphs) of every built-in stack on a tiny model vs eager
+#        e2e1   - Llama-3-8B-shaped random model, B1/32k: plain eager, StaticCache + compile, STACKS eager/static/compiled
+#        e2e8   - the same at B8/16k
+#        breakdown - top CUDA kernels and guard overhead of a compiled step (gpu_step_breakdown.py)
+#        ops    - benchmarks/gpu_ops_check.py (every registered op and impl compiled, vs the reference)
+# STACKS (env, default "none kivi2") names kvcompress.evaluation.e2e.BUILTIN_STACKS entries.
+set -o pipefail
+OUT=${1:-out}; PHASE=${2:-check}; STACKS=${STACKS:-none kivi2}; BUDGET=${BUDGET:-400}
+mkdir -p "$OUT" /tmp/site
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 KVCOMPRESS_CACHE=/tmp/kvc
+python -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . \
+  > /tmp/pip.log 2>&1 || { tail -20 /tmp/pip.log; exit 1; }
+python -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/log.txt"
+case "$PHASE" in
+  check)
+    timeout "${CHECK_S:-300}" python benchmarks/gpu_compiled_check.py --out "$OUT" --steps "${STEPS:-128}" ${ONLY:+--only $ONLY} 2>&1 \
+      | grep -v "Warning\|warn(" | tee -a "$OUT/log.txt" | tail -40
+    ;;
+  e2e1|e2e8)
+    P=$([ "$PHASE" = e2e1 ] && echo 1x32768 || echo 8x16384)
+    timeout 560 python benchmarks/e2e_decode.py --compile --stack $STACKS --points $P --time-budget "$BUDGET" \
+      --json "$OUT/$PHASE.json" --markdown > "$OUT/$PHASE.md" 2> "$OUT/$PHASE.log"
+    echo "rc=$?"; cat "$OUT/$PHASE.md"; grep -v "Warn\|warn(" "$OUT/$PHASE.log" | tail -15
+    ;;
+  breakdown)
+    for st in ${STACKS}; do
+      timeout "${BD_S:-200}" python benchmarks/gpu_step_breakdown.py --stack "$st" --batch "${B:-1}" --ctx "${CTX:-32768}" --out "$OUT" 2>&1 \
+        | grep -v "Warning\|warn(" | tail -60
+    done
+    ;;
+  ops)
+    timeout 500 python benchmarks/gpu_ops_check.py --out "$OUT" 2>&1 | tail -40
+    ;;
+esac
