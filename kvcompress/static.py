@@ -199,6 +199,10 @@ class StaticLayer:
         compiling = _compiling()
         if not compiling:
             host = self.host_counts()  # (seen, flushed); one device read only after compiled steps
+            if host[0] >= self.capacity:
+                raise UnsupportedOperationError(
+                    f"the static cache holds at most max_cache_len={self.capacity} tokens and is full; build it "
+                    "with a larger max_cache_len (a compiled step cannot check this: it must fit)")
         if compiling or not self._sinks_full:  # eager steps skip what the host knows changes nothing
             valid_new = self._take_sinks(k, v, valid_new, pos)
         slot = self.sink_slots + pos.remainder(self.ring_slots)

@@ -186,6 +186,10 @@ def test_capacity_errors_are_clear(model):
     with kvcompress.compress(model, None, max_cache_len=16) as cache, torch.no_grad():
         with pytest.raises(UnsupportedOperationError, match="max_cache_len=16"):
             model(ids, cache=cache)
+    with kvcompress.compress(model, None, max_cache_len=20) as cache, torch.no_grad():
+        model(ids, cache=cache)
+        with pytest.raises(UnsupportedOperationError, match="is full"):
+            model(ids[:, :1], cache=cache)
     cache = kvcompress.Cache(None, model, max_cache_len=32)
     with pytest.raises(UnsupportedOperationError, match="kvcompress.compress"), torch.no_grad():
         model(ids, cache=cache)
