@@ -219,3 +219,13 @@ def test_not_graph_safe_plugin_runs_eagerly_with_one_warning(model, with_stride_
         got, _ = _run(model, stack, ids, mask)
     ref, _ = _run(model, stack, ids, mask, static=False)
     assert (got - ref).abs().max().item() == 0.0
+
+
+def test_beam_search_with_static_cache_equals_dynamic(model):
+    """reorder_cache permutes a static cache's rows in place (buffer addresses stay for a compiled step)."""
+    ids, _ = _ids(batch=1, length=30)
+    outs = []
+    for kw in ({}, {"max_cache_len": 80}):
+        with kvcompress.compress(model, _stack("kivi2", None), **kw) as cache:  # no sinks: same groups
+            outs.append(model.generate(ids, max_new_tokens=30, num_beams=2, do_sample=False, cache=cache))
+    assert torch.equal(outs[0], outs[1])
