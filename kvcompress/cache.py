@@ -115,7 +115,7 @@ class Cache(hf.CacheBase):
                     core = CompressedLayer(info, self.pipeline)
                 else:
                     core = StaticLayer(info, self.pipeline, max_cache_len)
-                layers.append(hf.CompressedCacheLayer(core, model.config, compileable=max_cache_len is not None))
+                layers.append(hf.CompressedCacheLayer(core, model.config))
             else:
                 layers.append(hf.native_layer(layer_type, kwargs, max_cache_len))
         if not any(isinstance(layer, hf.CompressedCacheLayer) for layer in layers):

@@ -192,50 +192,15 @@ class CompressedLayer:
             new = Segment(k, v, valid_new, q_pos)
             selection = self.pipeline.select(self, query)
             if selection is not None:
-                segs = sinks + self._apply_selection(middle, selection) + recent
+                segs = sinks + apply_selection(middle, selection) + recent
             if all(s.is_dense for s in segs):
-                out = self._dense_read(query, segs + [new], q_pos, scaling, dense_attention)
+                out = dense_read(query, segs + [new], q_pos, scaling, dense_attention)
             else:
                 from kvcompress.kernels.attention import attend_segments
 
                 out = attend_segments(query, segs + [new], q_pos, scaling).transpose(1, 2)
         self.commit(k, v, valid_new, seen_before)
         return out
-
-    @staticmethod
-    def _apply_selection(middle: list[Segment], selection) -> list[Segment]:
-        """Attach a read-time selection to the middle segments.
-
-        A boolean mask ``[batch, kv_heads, q_len, middle tokens]`` covers the segments' tokens one
-        after the other; a :class:`~kvcompress.state.TokenSelection` indexes the token columns every
-        middle segment shares (head-group lanes of one store cover the same tokens).
-        """
-        if isinstance(selection, TokenSelection):
-            counts = {s.num_tokens for s in middle}
-            if len(counts) > 1:
-                raise ValueError(f"a token selection needs middle segments over the same tokens, got {sorted(counts)}")
-            return [dataclasses.replace(s, select=selection) for s in middle]
-        total = sum(s.num_tokens for s in middle)
-        if selection.shape[-1] != total:
-            raise ValueError(f"selection covers {selection.shape[-1]} middle tokens, the middle holds {total}")
-        out, start = [], 0
-        for s in middle:
-            out.append(dataclasses.replace(s, select=selection[..., start:start + s.num_tokens]))
-            start += s.num_tokens
-        return out
-
-    @staticmethod
-    def _dense_read(query, segs, q_pos, scaling, dense_attention):
-        from kvcompress.kernels.attention.reference import segment_mask
-
-        keys = torch.cat([s.k for s in segs], dim=2)
-        values = torch.cat([s.v for s in segs], dim=2)
-        mask = None
-        if query.shape[2] > 1 or any(s.valid is not None for s in segs):
-            b = query.shape[0]
-            parts = [segment_mask(s, q_pos).expand(b, 1, q_pos.numel(), s.num_tokens) for s in segs]
-            mask = torch.cat(parts, dim=-1)
-        return dense_attention(query, keys, values, mask, scaling)
 
     def _materialize(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         segs = self.stored_segments()
@@ -268,10 +233,51 @@ class CompressedLayer:
         """Bytes this layer allocates, by region."""
         if not self.is_initialized:
             return {"sinks": 0, "recent": 0, "middle": 0}
-        out = {"sinks": self.sinks.nbytes(), "recent": self.recent.nbytes()}
-        for key, n in self.middle.nbytes().items():
+        return add_store_bytes({"sinks": self.sinks.nbytes(), "recent": self.recent.nbytes()}, self.middle, self.state)
+
+
+def apply_selection(middle: list[Segment], selection) -> list[Segment]:
+    """Attach a read-time selection to the middle segments.
+
+    A boolean mask ``[batch, kv_heads, q_len, middle tokens]`` covers the segments' tokens one
+    after the other; a :class:`~kvcompress.state.TokenSelection` indexes the token columns every
+    middle segment shares (head-group lanes of one store cover the same tokens).
+    """
+    if isinstance(selection, TokenSelection):
+        counts = {s.num_tokens for s in middle}
+        if len(counts) > 1:
+            raise ValueError(f"a token selection needs middle segments over the same tokens, got {sorted(counts)}")
+        return [dataclasses.replace(s, select=selection) for s in middle]
+    total = sum(s.num_tokens for s in middle)
+    if selection.shape[-1] != total:
+        raise ValueError(f"selection covers {selection.shape[-1]} middle tokens, the middle holds {total}")
+    out, start = [], 0
+    for s in middle:
+        out.append(dataclasses.replace(s, select=selection[..., start:start + s.num_tokens]))
+        start += s.num_tokens
+    return out
+
+def dense_read(query, segs, q_pos, scaling, dense_attention):
+    """Attention over dense segments by one ``dense_attention`` call over their concatenation (per-query masks
+    from logical positions; none for a single query over fully valid segments)."""
+    from kvcompress.kernels.attention.reference import segment_mask
+
+    keys = torch.cat([s.k for s in segs], dim=2)
+    values = torch.cat([s.v for s in segs], dim=2)
+    mask = None
+    if query.shape[2] > 1 or any(s.valid is not None for s in segs):
+        b = query.shape[0]
+        parts = [segment_mask(s, q_pos).expand(b, 1, q_pos.numel(), s.num_tokens) for s in segs]
+        mask = torch.cat(parts, dim=-1)
+    return dense_attention(query, keys, values, mask, scaling)
+
+
+def add_store_bytes(out: dict[str, int], middle: Any, state: dict[str, Any]) -> dict[str, int]:
+    """``out`` plus the middle store's bytes (by component) and those of compressors' per-layer state."""
+    if middle is not None:
+        for key, n in middle.nbytes().items():
             out[key] = out.get(key, 0) + n
-        for key, value in self.state.items():
-            if hasattr(value, "nbytes"):
-                out[f"state:{key}"] = value.nbytes()
-        return out
+    for key, value in state.items():
+        if hasattr(value, "nbytes"):
+            out[f"state:{key}"] = value.nbytes()
+    return out

@@ -561,7 +561,7 @@ class StaticPagedStore(MiddleStore):
         from .static import mark_static
 
         b, dev = block.valid.shape[0], block.valid.device
-        slots, p = (self.pages + 1) * self.page_size, self.page_size
+        slots = (self.pages + 1) * self.page_size
         self.lanes = []
         for part, data in encoded:
             bufs = {}

@@ -261,9 +261,10 @@ class Segment:
         return self.k, self.v
 
 
-def new_token_validity(attention_mask: torch.Tensor | None, first: int, q: int) -> torch.Tensor | None:
+def new_token_validity(attention_mask: torch.Tensor | None, first: int | torch.Tensor, q: int) -> torch.Tensor | None:
     """Per-row validity ``[batch, q]`` of the step's tokens at logical positions ``first .. first + q - 1``, read
-    from a boolean mask in logical coordinates (``[batch, 1, q, kv]``); ``None`` without a mask."""
+    from a boolean mask in logical coordinates (``[batch, 1, q, kv]``); ``None`` without a mask.  ``first`` may be
+    a device tensor (a static cache's decode step: no host read; columns are clamped to the mask)."""
     if attention_mask is None:
         return None
     if attention_mask.dtype != torch.bool:
@@ -271,7 +272,10 @@ def new_token_validity(attention_mask: torch.Tensor | None, first: int, q: int) 
 
         raise UnsupportedOperationError("kvcompress attention expects boolean masks")
     rows = torch.arange(q, device=attention_mask.device)
-    return attention_mask[:, 0, rows, first + rows]
+    cols = first + rows
+    if isinstance(cols, torch.Tensor):
+        cols = cols.clamp(max=attention_mask.shape[-1] - 1)
+    return attention_mask[:, 0, rows, cols]
 
 
 # ----------------------------------------------------------------------------- buffers

@@ -35,13 +35,13 @@ layer class and the attention function).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
 
 import torch
 
 from .errors import UnsupportedOperationError
-from .state import HeadGroup, KVBlock, LayerInfo, Layout, MiddleStore, Segment, TokenSelection, new_token_validity
+from .layer import add_store_bytes, apply_selection, dense_read
+from .state import HeadGroup, KVBlock, LayerInfo, Layout, MiddleStore, Segment, new_token_validity
 
 
 def _compiling() -> bool:
@@ -79,8 +79,6 @@ class StaticLayer:
     static = True
 
     def __init__(self, info: LayerInfo, pipeline: Any, capacity: int):
-        if capacity < 1:
-            raise ValueError(f"max_cache_len must be a positive number of tokens, got {capacity}")
         self.info = info
         self.pipeline = pipeline
         self.layout: Layout = pipeline.layout(info)
@@ -119,12 +117,11 @@ class StaticLayer:
         self._offsets = torch.arange(self.flush_size, device=device)
         self._sink_index = torch.arange(s, device=device)
         self._true = torch.ones((), dtype=torch.bool, device=device)
-        self._sinks_full = s == 0  # known on the host after an eager prefill
+        self._zero_pos = torch.zeros((), dtype=torch.long, device=device).expand(s + c)  # regions precede queries
         self.kernels = choose_kernels(device, head_dim, v_dim, dtype)
         mark_static(self.k, self.v, self.valid, self.ring_pos, self.sink_pos, self.sink_count, self.seen,
                     self.flushed)
         self.is_initialized = True
-        self._host = (0, 0)
         if self.middle is not None:
             self._flush_decode(warmup=True)
 
@@ -187,15 +184,10 @@ class StaticLayer:
     # decode: branch-free ------------------------------------------------------------------
     def _decode(self, query, k, v, attention_mask, scaling, dense_attention):
         pos = self.seen.view(1)
-        if attention_mask is not None:
-            if attention_mask.dtype != torch.bool:
-                raise UnsupportedOperationError("kvcompress attention expects boolean masks")
-            b = attention_mask.shape[0]
-            col = pos.clamp(max=attention_mask.shape[-1] - 1).view(1, 1, 1).expand(b, 1, 1)
-            valid_new = attention_mask[:, 0].gather(2, col).view(b, 1)
-            valid_new = valid_new.expand(k.shape[0], 1)
-        else:
+        valid_new = new_token_validity(attention_mask, pos, 1)
+        if valid_new is None:
             valid_new = torch.ones(k.shape[0], 1, dtype=torch.bool, device=k.device)
+        valid_new = valid_new.expand(k.shape[0], 1)
         compiling = _compiling()
         if not compiling:
             host = self.host_counts()  # (seen, flushed); one device read only after compiled steps
@@ -337,32 +329,19 @@ class StaticLayer:
         if middle:
             selection = self.pipeline.select(self, query)
             if selection is not None:
-                middle = _apply_selection(middle, selection)
+                middle = apply_selection(middle, selection)
         if not middle and new is None:  # one dense region: the backend's own kernel, behind the mask
             mask = self.valid.view(self.valid.shape[0], 1, 1, self.valid.shape[1])
             return dense_attention(query, self.k, self.v, mask, scaling)
-        zero = torch.zeros((), dtype=torch.long, device=self.k.device).expand(self.k.shape[2])
-        segs = [Segment(self.k, self.v, self.valid, zero)] + middle
+        segs = [Segment(self.k, self.v, self.valid, self._zero_pos)] + middle
         q_pos = new.positions if new is not None else self.seen.view(1) - 1
         if new is not None:
             segs.append(new)
             if all(seg.is_dense for seg in segs):  # a prefill chunk over dense regions: the backend's attention
-                return self._dense_prefill(query, segs, q_pos, scaling, dense_attention)
+                return dense_read(query, segs, q_pos, scaling, dense_attention)
         from kvcompress.kernels.attention import attend_segments
 
         return attend_segments(query, segs, q_pos, scaling, fused=False, impls=self.kernels).transpose(1, 2)
-
-    @staticmethod
-    def _dense_prefill(query, segs, q_pos, scaling, dense_attention):
-        """Multi-token chunk over dense regions: one attention call over their concatenation (eager prefill
-        only; per-query masks from logical positions), not the float32 reference over the whole capacity."""
-        from kvcompress.kernels.attention.reference import segment_mask
-
-        keys = torch.cat([s.k for s in segs], dim=2)
-        values = torch.cat([s.v for s in segs], dim=2)
-        b = query.shape[0]
-        mask = torch.cat([segment_mask(s, q_pos).expand(b, 1, q_pos.numel(), s.num_tokens) for s in segs], dim=-1)
-        return dense_attention(query, keys, values, mask, scaling)
 
     # -- batch operations ---------------------------------------------------------------------
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -399,14 +378,7 @@ class StaticLayer:
             return {"sinks + recent": 0}
         n = sum(t.numel() * t.element_size() for t in (self.k, self.v, self.valid, self.ring_pos, self.sink_pos,
                                                         self.sink_count, self.seen, self.flushed))
-        out = {"sinks + recent": n}
-        if self.middle is not None:
-            for key, m in self.middle.nbytes().items():
-                out[key] = out.get(key, 0) + m
-        for key, value in self.state.items():
-            if hasattr(value, "nbytes"):
-                out[f"state:{key}"] = value.nbytes()
-        return out
+        return add_store_bytes({"sinks + recent": n}, self.middle, self.state)
 
     def tokens_seen(self) -> int:
         return self.host_counts()[0] if self.is_initialized else 0
@@ -420,16 +392,6 @@ def choose_kernels(device: torch.device, head_dim: int, v_dim: int, dtype: torch
     return {"lanes_partial": ops.choose("lanes_partial", device, head_dim=head_dim, v_dim=v_dim, dtype=dtype),
             "gather_partial": ops.choose("gather_partial", device, head_dim=head_dim, v_dim=v_dim, dtype=dtype,
                                          query_dtype=dtype)}
-
-
-def _apply_selection(middle: list[Segment], selection: Any) -> list[Segment]:
-    if isinstance(selection, TokenSelection):
-        return [dataclasses.replace(s, select=selection) for s in middle]
-    out, start = [], 0
-    for s in middle:
-        out.append(dataclasses.replace(s, select=selection[..., start:start + s.num_tokens]))
-        start += s.num_tokens
-    return out
 
 
 # ----------------------------------------------------------------------------- stores
@@ -455,6 +417,8 @@ class StaticRing:
         self.pos = torch.zeros(self.capacity, dtype=torch.long, device=device)
         self.cursor = torch.zeros((), dtype=torch.long, device=device)
         self._offsets = torch.arange(self.capacity, device=device)
+        # middle tokens precede every query: their positions never mask anything
+        self.zero_pos = torch.zeros((), dtype=torch.long, device=device).expand(self.capacity)
         mark_static(self.valid, self.pos, self.cursor)
 
     def fit(self, block: KVBlock) -> KVBlock:
@@ -464,7 +428,7 @@ class StaticRing:
             return block
         alive = block.valid.any(dim=0)
         first = int(alive.long().argmax()) if bool(alive.any()) else n
-        first = min((first // self.unit) * self.unit, n - (n % self.unit or self.unit) if n > self.unit else 0)
+        first = min((first // self.unit) * self.unit, n - self.unit)  # blocks are unit multiples; keep one unit
         block = block.select(torch.arange(first, n, device=block.valid.device))
         if block.num_tokens > self.capacity:
             raise UnsupportedOperationError(
@@ -530,10 +494,6 @@ class StaticRingStore(MiddleStore):
     def reset(self) -> None:
         self.ring.reset()
 
-    def _zero_positions(self) -> torch.Tensor:
-        # middle tokens precede every query: their positions never mask anything
-        return torch.zeros((), dtype=torch.long, device=self.ring.valid.device).expand(self.ring.capacity)
-
     def _meta_bytes(self) -> int:
         return 0 if self.ring.valid is None else self.ring.valid.numel() + self.ring.pos.numel() * 8
 
@@ -568,8 +528,8 @@ class StaticDenseStore(StaticRingStore):
     def segments(self) -> list[Segment]:
         if self.lanes is None:
             return []
-        zero = self._zero_positions()
-        return [group.attach(Segment(bufs["k"], bufs["v"], self.ring.valid, zero)) for group, bufs in self.lanes]
+        return [group.attach(Segment(bufs["k"], bufs["v"], self.ring.valid, self.ring.zero_pos))
+                for group, bufs in self.lanes]
 
     def nbytes(self) -> dict[str, int]:
         n = sum(t.numel() * t.element_size() for _, bufs in self.lanes or [] for t in bufs.values())

@@ -177,24 +177,28 @@ class StaticLabelCache:
     """The label cache of a static cache: preallocated for the middle store's ``capacity`` slots.
 
     Labels are written at the same ring slots as the middle store writes the block's tokens (both
-    advance a device cursor by the block size when the block is due, over the same capacity), so a
-    selection's indices are middle-store columns.  Same channel-major layout as :class:`LabelCache`.
+    advance a device cursor by the block size when the block is due, over the same capacity: a
+    :class:`kvcompress.static.StaticRing` each), so a selection's indices are middle-store columns.
+    Same channel-major layout as :class:`LabelCache`.
     """
 
     def __init__(self, channels: torch.Tensor, bits: int, capacity: int):
+        from kvcompress.static import StaticRing
+
         self.channels = channels
         self.bits = bits
-        self.capacity = capacity
+        self.ring = StaticRing(capacity)
+        self.capacity = self.ring.capacity
         self.data: torch.Tensor | None = None  # [B, H, W, capacity]
         self.aux: torch.Tensor | None = None  # [B, H, 2, capacity]
-        self.valid_mask: torch.Tensor | None = None  # [B, capacity]
-        self.cursor: torch.Tensor | None = None
         self.kernel: str | None = None  # the select op's implementation, chosen at allocation
 
-    def append(self, k: torch.Tensor, valid: torch.Tensor, due: torch.Tensor | None) -> None:
+    def append(self, block) -> None:
+        """Labels of the block's (full-precision) keys, at the ring's cursor."""
         from kvcompress.kernels.ops import quantize_labels  # one opaque op: compiled steps quantize as eager ones
         from kvcompress.static import mark_static
 
+        k = block.k
         b, h, n, _ = k.shape
         r = self.channels.shape[1]
         lab = k.gather(-1, self.channels.view(1, h, 1, r).expand(b, h, n, r))
@@ -203,22 +207,20 @@ class StaticLabelCache:
             data, scale, zero = quantize_labels(lab, self.bits)
             lab, aux = data, torch.stack([scale, zero], dim=2)  # [B, H, 2, n]
         if self.data is None:
+            self.ring.allocate(b, k.device)
             self.data = lab.new_zeros(b, h, lab.shape[-1], self.capacity)
             self.aux = None if aux is None else aux.new_zeros(b, h, 2, self.capacity)
-            self.valid_mask = torch.zeros(b, self.capacity, dtype=torch.bool, device=k.device)
-            self.cursor = torch.zeros((), dtype=torch.long, device=k.device)
-            self._offsets = torch.arange(self.capacity, device=k.device)
-            mark_static(self.data, self.aux, self.valid_mask, self.cursor)
+            mark_static(self.data, self.aux)
             from kvcompress.kernels import ops
 
             self.kernel = ops.choose("select_topk", k.device, label_bits=self.bits, label_channels=r,
                                      query_dtype=k.dtype, label_dtype=lab.dtype)
-        slots = (self.cursor + self._offsets[:n]).remainder(self.capacity)
+        slots = self.ring.slots(n)
         self.data.index_copy_(3, slots, lab.transpose(-1, -2))
         if aux is not None:
             self.aux.index_copy_(3, slots, aux)
-        self.valid_mask.index_copy_(1, slots, valid if due is None else valid & due)
-        self.cursor.add_(n if due is None else due.long() * n)
+        self.ring.write_meta(slots, block)
+        self.ring.advance(n, block.due)
 
     def labels(self):
         from kvcompress.kernels.doublesparse import Labels
@@ -229,21 +231,20 @@ class StaticLabelCache:
         return Labels(data, self.bits, self.aux[:, :, 0], self.aux[:, :, 1])
 
     def valid(self) -> torch.Tensor | None:
-        return self.valid_mask
+        return self.ring.valid
 
     def map_batch(self, fn) -> None:
         if self.data is not None:
-            for t in (self.data, self.aux, self.valid_mask):
+            for t in (self.data, self.aux, self.ring.valid):
                 if t is not None:
                     t.copy_(fn(t))
 
     def reset(self) -> None:
-        if self.data is not None:
-            self.valid_mask.zero_()
-            self.cursor.zero_()
+        self.ring.reset()
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.data, self.aux, self.valid_mask) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.data, self.aux, self.ring.valid, self.ring.pos)
+                   if t is not None)
 
 
 class DoubleSparseCompressor(Compressor):
@@ -314,7 +315,7 @@ class DoubleSparseCompressor(Compressor):
         if self.config.budget(layer.info.index) is None:
             return
         if layer.static:  # the store writes the whole block at its cursor; so do the labels
-            self._cache(layer, block.k.device).append(block.k, block.valid, block.due)
+            self._cache(layer, block.k.device).append(block)
             return
         kept = block.compact()  # the columns the middle store will receive (no evictor in the stack)
         if kept is not None:

@@ -46,7 +46,7 @@ import torch
 
 from kvcompress import Compressor, CompressorSpec, Layout, hookimpl, param
 from kvcompress.errors import ConfigError
-from kvcompress.kernels.kivi import PackedKV, quantize_keys, quantize_values
+from kvcompress.kernels.kivi import PackedKV
 from kvcompress.state import HeadGroup, KVBlock, MiddleStore, Segment, grown_capacity
 from kvcompress.static import StaticRingStore, mark_static
 
@@ -328,7 +328,7 @@ class KiviStaticStore(StaticRingStore):
     def segments(self) -> list[Segment]:
         if self.lanes is None:
             return []
-        valid, positions = self.ring.valid, self._zero_positions()
+        valid, positions = self.ring.valid, self.ring.zero_pos
         live = self.ring.cursor.clamp(max=self.ring.capacity)  # slots past it were never written
         return [group.attach(Segment(None, None, valid, positions,
                                      packed=self.codec.packed(bufs, valid, impl=impl, length=live)))

@@ -176,20 +176,20 @@ def test_budget_values():
 def test_budget_is_applied_per_layer(model, ids):
     """The selection each layer returns has exactly k_l indices per query head."""
     seen = {}
-    from kvcompress.layer import CompressedLayer
+    from kvcompress import layer as layer_module
 
-    orig = CompressedLayer._apply_selection
+    orig = layer_module.apply_selection
 
     def spy(middle, selection):
         seen.setdefault(middle[0].num_tokens, []).append(selection.index.shape[-1])
         return orig(middle, selection)
 
-    CompressedLayer._apply_selection = staticmethod(spy)
+    layer_module.apply_selection = spy
     try:
         _run(model, ids[:, :60], decode_chunks(50, 60), channels="random", r=4, k=20, k_min=3, gamma=0.25,
              sinks=0, window=0, dense_layers=0)
     finally:
-        CompressedLayer._apply_selection = staticmethod(orig)
+        layer_module.apply_selection = orig
     for counts in seen.values():
         assert counts == [20, 5, 3]  # layers 0, 1, 2: max(3, round(20 * 0.25^l))
 

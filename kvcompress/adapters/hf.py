@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from transformers import cache_utils
@@ -113,11 +113,11 @@ class CompressedCacheLayer(CacheLayerMixin):
     is_sliding = False
     supports_early_init = False
 
-    def __init__(self, core: Any, config: Any, compileable: bool = False):
+    def __init__(self, core: Any, config: Any):
         super().__init__()
         self.core = core
         self._config = config  # the model's config: which attention implementation reads this step
-        self.is_compileable = compileable
+        self.is_compileable = bool(getattr(core, "static", False))  # a static core has a capturable step
 
     @property
     def is_initialized(self) -> bool:
