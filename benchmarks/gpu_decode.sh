@@ -5,6 +5,7 @@
 #        e2e1   - Llama-3-8B-shaped random model, B1/32k: plain eager, StaticCache + compile, STACKS eager/static/compiled
 #        e2e8   - the same at B8/16k
 #        breakdown - top CUDA kernels and guard overhead of a compiled step (gpu_step_breakdown.py)
+#        timeline - host / GPU / busy split of a compiled step per row (gpu_step_timeline.py; STACKS may name "static")
 #        ops    - benchmarks/gpu_ops_check.py (every registered op and impl compiled, vs the reference)
 # STACKS (env, default "none kivi2") names kvcompress.evaluation.e2e.BUILTIN_STACKS entries.
 set -o pipefail
@@ -30,6 +31,10 @@ case "$PHASE" in
       timeout "${BD_S:-200}" python benchmarks/gpu_step_breakdown.py --stack "$st" --batch "${B:-1}" --ctx "${CTX:-32768}" --out "$OUT" 2>&1 \
         | grep -v "Warning\|warn(" | tail -60
     done
+    ;;
+  timeline)
+    timeout "${TL_S:-560}" python benchmarks/gpu_step_timeline.py --rows ${STACKS} --batch "${B:-1}" --ctx "${CTX:-32768}" \
+      --out "$OUT" 2>&1 | grep -v "Warning\|warn(\|USDT" | tail -40
     ;;
   ops)
     timeout 500 python benchmarks/gpu_ops_check.py --out "$OUT" 2>&1 | tail -40
