@@ -248,12 +248,7 @@ def supports(query: torch.Tensor, lanes: Sequence[Lane | tuple]) -> bool:
 SLOT = 16  # kept counts that are multiples of SLOT map to fixed slots (one compiled layout per head_dim)
 
 
-@functools.lru_cache(maxsize=64)
-def _arange(n: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(n, device=device, dtype=torch.int64)
-
-
-def _canonical_slots(rows: list[dict], d: int, dev: torch.device) -> list[dict]:
+def _canonical_slots(rows: list[dict], d: int, dev: torch.device, iota: torch.Tensor) -> list[dict]:
     """One slot per kept count ``SLOT, 2*SLOT, ..., ceil(d / SLOT) * SLOT``, empty slots padded.
 
     The compile-time layout of a launch (lane count, per-lane tile widths and flags) then depends
@@ -274,14 +269,14 @@ def _canonical_slots(rows: list[dict], d: int, dev: torch.device) -> list[dict]:
         c = i * SLOT
         r = by_count.get(c)
         if r is None:  # empty slot: zero heads, never indexed
-            r = dict(k=ref["k"], v=ref["v"], va=ref["va"], ch=_arange(1, dev), hd=_arange(1, dev), h=0, t=0, c=c,
+            r = dict(k=ref["k"], v=ref["v"], va=ref["va"], ch=iota[:1], hd=iota[:1], h=0, t=0, c=c,
                      has_valid=ref["has_valid"], has_chan=True, has_heads=True, empty=True)
         else:
             r = dict(r)
             if not r["has_heads"]:
-                r.update(hd=_arange(r["h"], dev), has_heads=True)
+                r.update(hd=iota[:r["h"]], has_heads=True)
             if not r["has_chan"]:  # a full-width lane (c == d): channel i is channel i
-                r.update(ch=_arange(c, dev).expand(r["h"], c), has_chan=True)
+                r.update(ch=iota[:c].expand(r["h"], c), has_chan=True)
             r.update(hd=r["hd"].long(), ch=r["ch"].long())  # one pointer type per slot
         r["r0"] = r0
         r0 += r["h"]
@@ -295,7 +290,11 @@ def _stride(r: dict, key: str, dim: int) -> int:
 
 def _lane_rows(lanes: Sequence[Lane], d: int, dev: torch.device, canonical: bool) -> list[dict]:
     """Per lane (or canonical slot): the tensors, sizes and flags one launch takes."""
-    dummy = _arange(1, dev)  # placeholder pointer of absent tensors (never read); cached, not allocated per call
+    # identity heads / channels and the placeholder pointer of absent tensors (never read): views of one
+    # index tensor made per call. Never a module-level cache of device tensors: made during a CUDA-graph
+    # warm-up it would live in the graph's private pool untracked, and recording the graph would fail.
+    iota = torch.arange(max([d, 1] + [lane.k.shape[1] for lane in lanes]), device=dev, dtype=torch.int64)
+    dummy = iota[:1]
     rows = []  # per lane: tensors and strides
     r0 = 0
     for heads, channels, k, v, valid in lanes:
@@ -310,7 +309,7 @@ def _lane_rows(lanes: Sequence[Lane], d: int, dev: torch.device, canonical: bool
                          else dummy, hd=heads if heads is not None else dummy, h=h, t=t, c=c, r0=r0,
                          has_valid=valid is not None, has_chan=channels is not None, has_heads=heads is not None))
         r0 += h
-    return _canonical_slots(rows, d, dev) if canonical else rows
+    return _canonical_slots(rows, d, dev, iota) if canonical else rows
 
 
 def launch_layout(lanes: Sequence[Lane | tuple], d: int, canonical: bool = True) -> tuple:
