@@ -13,9 +13,12 @@ op                            semantics (the PyTorch reference, also the CPU imp
 ``kvcompress::lanes_partial``  :func:`kvcompress.kernels.leank.reference.grouped_partial_attention`
 ``kvcompress::select_topk``    :func:`kvcompress.kernels.doublesparse.reference.select_topk`
 ``kvcompress::gather_partial`` :func:`kvcompress.kernels.doublesparse.reference.gather_partial_attention`
+``kvcompress::kivi_quantize``  :func:`kvcompress.kernels.kivi.reference.fill_masked`, ``quantize_keys``,
+                               ``quantize_values`` (Triton: :mod:`kvcompress.kernels.kivi.quantize_triton`)
 ============================  =========================================================================
 
-* **CPU**: always the reference (``impl`` is accepted and ignored: the references are the CPU path).
+* **CPU**: always the reference (``impl`` is accepted and ignored: the references are the CPU path), except
+  ``kivi_quantize``, which raises for ``impl="triton"`` on CPU tensors.
 * **CUDA**: the implementation named by the explicit ``impl`` argument - ``"reference"``, ``"triton"`` (every op)
   or ``"cuda"`` (KIVI only: the hand-written v3 kernel, built with nvcc at its first call, bound with ctypes).  The op
   never reads the environment, looks up nvcc or probes the device: :func:`choose` does that once, when a cache is
@@ -60,6 +63,7 @@ OPS = {
     "lanes_partial": ("reference", "triton"),
     "select_topk": ("reference", "triton"),
     "gather_partial": ("reference", "triton"),
+    "kivi_quantize": ("reference", "triton"),
 }
 
 
@@ -175,16 +179,7 @@ def kivi_attention(query: Tensor, packed, scale: float, *, impl: str,
 # ----------------------------------------------------------------------------- KIVI quantizer
 
 
-@torch.library.custom_op("kvcompress::kivi_quantize", mutates_args=(), device_types=("cpu", "cuda"))
-def kivi_quantize(k: Tensor, v: Tensor, valid: Optional[Tensor], bits: int, group: int, v_group: int,
-                  k_per_token: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """KIVI codes, scales and zeros of ``k`` / ``v`` ``[B, H, T, d]`` (the reference quantizers, one opaque op);
-    with ``valid`` ``[B, T]``, masked slots first take their group's mean (:func:`~.kivi.reference.fill_masked`).
-
-    Registered so that a compiled step runs exactly the eager quantizer: fused by Inductor, the division of
-    ``(x - zero) / scale`` is an approximate one in Triton and codes at a rounding boundary flip, so compiled
-    and eager caches would hold different codes.
-    """
+def _kivi_quantize_reference(k, v, valid, bits, group, v_group, k_per_token):
     if valid is not None:
         k, v = kivi_ref.fill_masked(k, valid, group), kivi_ref.fill_masked(v, valid, group)
     if k_per_token:
@@ -192,11 +187,42 @@ def kivi_quantize(k: Tensor, v: Tensor, valid: Optional[Tensor], bits: int, grou
     else:
         kq = kivi_ref.quantize_keys(k, bits, group)
     vq = kivi_ref.quantize_values(v, bits, v_group)
-    return tuple(t.contiguous() for t in (*kq, *vq))
+    return _fresh(*kq, *vq)
+
+
+@torch.library.custom_op("kvcompress::kivi_quantize", mutates_args=(), device_types="cpu")
+def kivi_quantize(k: Tensor, v: Tensor, valid: Optional[Tensor], bits: int, group: int, v_group: int,
+                  k_per_token: bool, impl: str = "reference") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """KIVI codes, scales and zeros of ``k`` / ``v`` ``[B, H, T, d]`` (the reference quantizers, one opaque op);
+    with ``valid`` ``[B, T]``, masked slots first take their group's mean (:func:`~.kivi.reference.fill_masked`).
+
+    Registered so that a compiled step runs exactly the eager quantizer: fused by Inductor, the division of
+    ``(x - zero) / scale`` is an approximate one in Triton and codes at a rounding boundary flip, so compiled
+    and eager caches would hold different codes.
+
+    ``impl``: ``"reference"`` (the reference quantizers, ~45 small launches on CUDA) or ``"triton"`` (CUDA only:
+    :func:`~.kivi.quantize_triton.kivi_quantize_triton`, keys and values in one launch, the same bits but for the
+    fp32 summation order of a masked mean).  CPU runs the reference; ``"triton"`` on CPU tensors raises.
+    """
+    _check_impl("kivi_quantize", impl)
+    if impl != "reference":
+        raise ValueError(f"kvcompress::kivi_quantize: impl {impl!r} runs on CUDA tensors only, got {k.device} "
+                         f"tensors (ops.choose('kivi_quantize', device) picks 'reference' off CUDA)")
+    return _kivi_quantize_reference(k, v, valid, bits, group, v_group, k_per_token)
+
+
+@kivi_quantize.register_kernel("cuda")
+def _kivi_quantize_cuda(k, v, valid, bits, group, v_group, k_per_token, impl="reference"):
+    _check_impl("kivi_quantize", impl)
+    if impl == "triton":
+        from .kivi.quantize_triton import kivi_quantize_triton  # raises ValueError naming what it cannot take
+
+        return kivi_quantize_triton(k, v, valid, bits, group, v_group, k_per_token)
+    return _kivi_quantize_reference(k, v, valid, bits, group, v_group, k_per_token)
 
 
 @kivi_quantize.register_fake
-def _kivi_quantize_fake(k, v, valid, bits, group, v_group, k_per_token):
+def _kivi_quantize_fake(k, v, valid, bits, group, v_group, k_per_token, impl="reference"):
     b, h, t, dk = k.shape
     dv = v.shape[-1]
     per = 32 // bits
@@ -406,7 +432,7 @@ def gather_attention(query: Tensor, k: Tensor, v: Tensor, valid: Optional[Tensor
 _OPS = {name: getattr(torch.ops.kvcompress, name).default for name in OPS}
 CUDA_IMPLS = {"kivi_partial": _kivi_partial_cuda, "paged_partial": _paged_partial_cuda,
               "lanes_partial": _lanes_partial_cuda, "select_topk": _select_topk_cuda,
-              "gather_partial": _gather_partial_cuda}
+              "gather_partial": _gather_partial_cuda, "kivi_quantize": _kivi_quantize_cuda}
 
 
 # ----------------------------------------------------------------------------- the chooser (environment read here)
@@ -455,6 +481,7 @@ _FACTS = {
     "lanes_partial": {"head_dim", "v_dim", "kept", "dtype"},
     "select_topk": {"label_bits", "label_channels", "query_dtype", "label_dtype"},
     "gather_partial": {"head_dim", "v_dim", "dtype", "query_dtype"},
+    "kivi_quantize": {"bits", "group", "v_group", "head_dim", "v_dim", "k_per_token", "dtype"},
 }
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -519,6 +546,11 @@ def _triton_problem(op: str, f: dict) -> Optional[str]:
         if f.get("label_bits", 16) == 16 and f.get("label_dtype", torch.float16) not in _FLOATS:
             return f"label dtype {f['label_dtype']}"
         return None
+    if op == "kivi_quantize":
+        from .kivi.quantize_triton import problem  # Triton is installed (choose checked)
+
+        return problem(f.get("bits", 2), f.get("group", 32), f.get("v_group", 32), dk, dv,
+                       bool(f.get("k_per_token", False)), f.get("dtype"))
     if dk > 256 or dv > 256:
         return f"dims {dk} / {dv} (up to 256)"
     if f.get("dtype", torch.float16) not in _FLOATS or f.get("query_dtype", torch.float16) not in _FLOATS:
@@ -541,7 +573,9 @@ def choose(op: str, device, **static_facts) -> str:
     * ``paged_partial``: ``page_size``, ``head_dim``, ``v_dim``, ``dtype`` (of the pages);
     * ``lanes_partial``: ``head_dim``, ``v_dim``, ``kept`` (kept channel counts), ``dtype`` (of K/V);
     * ``select_topk``: ``label_bits``, ``label_channels``, ``query_dtype``, ``label_dtype``;
-    * ``gather_partial``: ``head_dim``, ``v_dim``, ``dtype`` (of K/V), ``query_dtype``.
+    * ``gather_partial``: ``head_dim``, ``v_dim``, ``dtype`` (of K/V), ``query_dtype``;
+    * ``kivi_quantize``: ``bits``, ``group``, ``v_group``, ``head_dim`` (Dk), ``v_dim``, ``k_per_token``, ``dtype``
+      (of K/V).
 
     Example: ``impl = choose("kivi_partial", torch.device("cuda"), bits=2, group=32, head_dim=128, v_group=32)``.
     When the fused kernel is not taken on CUDA, the reason is logged (``logging``, level INFO).

@@ -94,16 +94,25 @@ class KiviCodec:
         return name.startswith("v_") or (self.per_token_keys and name.startswith("k_"))
 
     def encode(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
-               fill: bool | None = None) -> dict[str, torch.Tensor]:
+               fill: bool | None = None, impl: str = "reference") -> dict[str, torch.Tensor]:
         """Quantize ``k``/``v`` ``[batch, heads, T, d]`` (T a multiple of G); masked slots never widen a range.
 
         ``fill``: replace masked slots (``None``: only when some slot is masked, a host check; static
-        caches pass ``True``, which changes nothing where every slot is valid)."""
+        caches pass ``True``, which changes nothing where every slot is valid).  ``impl``: the
+        ``kvcompress::kivi_quantize`` implementation (:meth:`choose_quantizer`; ``"triton"`` on CUDA only)."""
         masked = valid if fill or (fill is None and not bool(valid.all())) else None
         from kvcompress.kernels.ops import kivi_quantize  # one opaque op: compiled steps quantize as eager ones
 
-        out = kivi_quantize(k, v, masked, self.bits, self.group, self.v_group, self.per_token_keys)
+        out = kivi_quantize(k, v, masked, self.bits, self.group, self.v_group, self.per_token_keys, impl)
         return dict(zip(self.names, out))
+
+    def choose_quantizer(self, k: torch.Tensor, v: torch.Tensor) -> str:
+        """The ``kvcompress::kivi_quantize`` implementation for blocks shaped like ``k`` / ``v`` (static stores:
+        once, at allocation; the dynamic store: per call)."""
+        from kvcompress.kernels import ops
+
+        return ops.choose("kivi_quantize", k.device, bits=self.bits, group=self.group, v_group=self.v_group,
+                          head_dim=k.shape[-1], v_dim=v.shape[-1], k_per_token=self.per_token_keys, dtype=k.dtype)
 
     def packed(self, payload: dict[str, torch.Tensor], valid: torch.Tensor, impl: str | None = None,
                length: torch.Tensor | None = None) -> PackedKV:
@@ -207,7 +216,7 @@ class KiviStore(MiddleStore):
             if pad:
                 k = torch.cat([k, k[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
                 v = torch.cat([v, v[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
-            encoded.append((part, self.codec.encode(k, v, valid)))
+            encoded.append((part, self.codec.encode(k, v, valid, impl=self.codec.choose_quantizer(k, v))))
         n = valid.shape[1] // self.group
         if self.lanes is None:
             self.lanes = [(part.layout(), {name: self._resized(t, name, n) for name, t in data.items()})
@@ -298,13 +307,18 @@ class KiviStaticStore(StaticRingStore):
         self.group = self.codec.group
         super().__init__(capacity, unit=self.group)
         self.kernels: list[str] = []  # per lane, chosen at allocation
+        self.quantizers: list[str] = []  # per lane: the kvcompress::kivi_quantize implementation, chosen with them
 
     def append(self, block: KVBlock) -> None:
         block = self.ring.fit(block)
         n, g = block.num_tokens, self.group
         if n % g:
             raise ValueError(f"a static KIVI store encodes whole groups of {g} tokens, got a block of {n}")
-        encoded = [(part, self.codec.encode(part.k, part.v, block.valid, fill=True)) for part in block.parts()]
+        parts = block.parts()
+        if self.lanes is None:
+            self.quantizers = [self.codec.choose_quantizer(part.k, part.v) for part in parts]
+        encoded = [(part, self.codec.encode(part.k, part.v, block.valid, fill=True, impl=impl))
+                   for part, impl in zip(parts, self.quantizers)]
         if self.lanes is None:
             self.ring.allocate(block.valid.shape[0], block.valid.device)
             self.lanes = []
