@@ -15,7 +15,9 @@ import warnings
 from typing import Any
 
 from .adapters import hf
-from .errors import ConfigError
+from .config import config_to_dict
+from .env import check_environment
+from .errors import ConfigError, PluginError, UnsupportedOperationError
 from .layer import CompressedLayer
 from .stack import Stack, as_stack
 from .state import LayerInfo
@@ -59,13 +61,42 @@ class MemoryReport:
         return "\n".join(lines)
 
 
-def _check_capacity(max_cache_len: Any, max_batch_size: Any) -> None:
-    for name, value in (("max_cache_len", max_cache_len), ("max_batch_size", max_batch_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(name, "a positive integer (or None)", value)
+#: Largest ``max_batch_size`` a static cache accepts (rows allocated at once).
+MAX_BATCH_SIZE = 1 << 16
+
+
+def _check_capacity(max_cache_len: Any, max_batch_size: Any, positions: int | None) -> None:
+    for name, value, top in (("max_cache_len", max_cache_len, positions), ("max_batch_size", max_batch_size,
+                                                                            MAX_BATCH_SIZE)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1
+                                  or (top is not None and value > top)):
+            limit = "" if top is None else f" <= {top}" + (" (the model's max_position_embeddings)"
+                                                           if name == "max_cache_len" else "")
+            raise ConfigError(name, f"a positive integer{limit} (or None)", value)
     if max_batch_size is not None and max_cache_len is None:
         raise ConfigError("max_batch_size", "None unless max_cache_len is given (it sizes a static cache)",
                           max_batch_size)
+
+
+def max_positions(config: Any) -> int | None:
+    """The model's ``max_position_embeddings`` (None when it declares none)."""
+    value = getattr(config, "max_position_embeddings", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _check_layout(layout: Any, stack: Stack, positions: int | None) -> None:
+    """Refuse region sizes no prompt of the model can fill (they would be preallocated for nothing)."""
+    if positions is None:
+        return
+    for region in ("sinks", "recent", "flush"):
+        value = getattr(layout, region)
+        if value is not None and value > positions:
+            found = [f"{e.path}.{name}" for e in stack.entries for name, v in config_to_dict(e.config).items()
+                     if type(v) is int and v == value]
+            raise ConfigError(found[0] if found else f"(stack layout).{region}",
+                              f"at most the model's max_position_embeddings ({positions}) tokens", value,
+                              hint=f"the stack keeps {value:,} {region} tokens per row and layer, more than the model "
+                                   "ever sees; they would be allocated for nothing")
 
 
 class Cache(hf.CacheBase):
@@ -88,10 +119,12 @@ class Cache(hf.CacheBase):
 
     def __init__(self, stack: "Stack | str | Any", model: Any, max_cache_len: int | None = None,
                  max_batch_size: int | None = None):
-        _check_capacity(max_cache_len, max_batch_size)
+        check_environment()
         stack = as_stack(stack)
         hf.check_model_supported(model)
         config = hf.text_config(model)
+        positions = max_positions(config)
+        _check_capacity(max_cache_len, max_batch_size, positions)
         self.stack = stack
         self.pipeline = stack.build()
         self._model_config = model.config
@@ -115,6 +148,7 @@ class Cache(hf.CacheBase):
                     core = CompressedLayer(info, self.pipeline)
                 else:
                     core = StaticLayer(info, self.pipeline, max_cache_len)
+                _check_layout(core.layout, stack, positions)  # nothing is allocated yet
                 layers.append(hf.CompressedCacheLayer(core, model.config))
             else:
                 layers.append(hf.native_layer(layer_type, kwargs, max_cache_len))
@@ -123,10 +157,46 @@ class Cache(hf.CacheBase):
 
             raise UnsupportedModelError("the model has no full-attention layer for kvcompress to compress")
         super().__init__(layers=layers)
+        self._first = next(i for i, layer in enumerate(layers) if isinstance(layer, hf.CompressedCacheLayer))
         if max_batch_size is not None:
             dtype, device = hf.model_dtype_device(model)
             for core in self.compressed_layers:
                 core.allocate(max_batch_size, kv_heads, head_dim, head_dim, dtype, device)
+
+    def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any):
+        """transformers' ``Cache.update``, after the checks that keep a misused cache from running silently
+        wrong: a cache whose stack raised is unusable; a cache serves the model it was built for (layer
+        count, KV heads, head dim, dtype); the bare cache (without ``kvcompress.compress``) refuses a
+        left-padded batch of a compressing stack."""
+        if self.pipeline.failed is not None:
+            raise PluginError(f"this kvcompress cache is unusable: its stack failed earlier ({self.pipeline.failed}); "
+                              "build a new cache")
+        if not 0 <= layer_idx < len(self.layers):
+            raise UnsupportedOperationError(self._other_model(f"layer {layer_idx}, but the cache has "
+                                                              f"{len(self.layers)} layers"))
+        layer = self.layers[layer_idx]
+        if isinstance(layer, hf.CompressedCacheLayer):
+            core, shape = layer.core, tuple(key_states.shape)
+            if len(shape) != 4 or shape[1] != core.info.num_kv_heads or shape[3] != core.info.head_dim:
+                raise UnsupportedOperationError(self._other_model(
+                    f"keys of shape {shape} in layer {layer_idx}, but the cache holds {core.info.num_kv_heads} "
+                    f"KV heads x head_dim {core.info.head_dim}"))
+            stored = _stored_dtype(core)
+            if stored is not None and key_states.dtype != stored:
+                raise UnsupportedOperationError(self._other_model(f"{key_states.dtype} keys, but the cache holds "
+                                                                  f"{stored}"))
+            if layer_idx == self._first and self.stack.entries and not self.reads_compressed() \
+                    and _rows_misaligned(args, kwargs):
+                raise UnsupportedOperationError(
+                    "this batch is left-padded (rows have different positions): a kvcompress.Cache used without "
+                    "the context manager cannot mask padding in what it keeps; use `with kvcompress.compress(model, "
+                    "stack) as cache: model.generate(..., cache=cache)`")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @staticmethod
+    def _other_model(what: str) -> str:
+        return (f"the model calling this kvcompress cache passes {what}: a cache serves the one model (and dtype) "
+                "it was built for; build one per model")
 
     def reads_compressed(self) -> bool:
         """Whether the model currently reads this cache through kvcompress attention."""
@@ -154,7 +224,7 @@ class Cache(hf.CacheBase):
                     segments[name] = segments.get(name, 0) + n
                 if core.is_initialized:
                     batch = core.batch_size
-                    like = core.k if isinstance(core, StaticLayer) else core.sinks.k
+                    like = _stored(core)
                     elem = like.element_size()
                     dtype = str(like.dtype).replace("torch.", "")
                     dense += batch * core.tokens_seen() * core.info.num_kv_heads * core.info.head_dim * 2 * 2
@@ -170,3 +240,25 @@ class Cache(hf.CacheBase):
 
     def __repr__(self) -> str:
         return f"kvcompress.Cache(stack={self.stack.label!r}, layers={len(self.layers)})"
+
+
+def _stored(core: Any) -> Any:
+    """A full-precision buffer of an initialized core layer (its dtype is the cache's)."""
+    return core.k if isinstance(core, StaticLayer) else core.sinks.k
+
+
+def _stored_dtype(core: Any) -> Any:
+    return _stored(core).dtype if core.is_initialized else None
+
+
+def _rows_misaligned(args: tuple, kwargs: dict) -> bool:
+    """Whether the rows of a ``cache.update`` call sit at different positions (a left-padded batch), from what
+    the attention module passes along: ``kwargs={"position_ids": ...}`` (transformers 5.24) or a cache-kwargs
+    dict with per-row RoPE ``cos`` (5.17).  False when the call carries neither."""
+    extra = kwargs.get("kwargs") or kwargs.get("cache_kwargs") or next((a for a in args if isinstance(a, dict)), {})
+    rows = extra.get("position_ids") if isinstance(extra, dict) else None
+    if rows is None and isinstance(extra, dict):
+        rows = extra.get("cos")
+    if not hasattr(rows, "dim") or rows.dim() < 2 or rows.shape[0] < 2:
+        return False
+    return bool((rows != rows[:1]).any())

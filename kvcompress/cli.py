@@ -4,9 +4,36 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+import warnings
+from typing import Any, Callable, Sequence
 
-from .errors import KVCompressError
+from .errors import ConfigError, KVCompressError, KVCompressWarning, shorten
+
+#: Largest --max-new-tokens (a documented maximum; the model's max_position_embeddings bounds it further).
+MAX_NEW_TOKENS = 1 << 20
+MAX_SEED = 2**63 - 1
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``kvcompress generate: error: argument --max-new-tokens: ...``."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {shorten(message)} (see {self.prog} --help)\n")
+
+
+def int_range(lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer in ``[lo, hi]`` (checked by the parser, before any work)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"expected an integer in [{lo}, {hi}], got {shorten(repr(text), 80)}")
+        return value
+
+    return parse
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -45,17 +72,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .models import load_model
     from .stack import as_stack, load_stack
 
+    from .models import check_model_name
+
+    if not args.prompt.strip():
+        raise ConfigError("PROMPT", "a non-empty prompt", args.prompt)
     stack = load_stack(args.stack) if args.stack else as_stack(None)  # validate before loading the model
+    check_model_name(args.model)
     if args.compile:
         from .evaluation.runner import check_compile_supported
 
         check_compile_supported()
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
-    if args.raw or not getattr(tokenizer, "chat_template", None):
-        inputs = tokenizer(args.prompt, return_tensors="pt")
-    else:
-        inputs = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                               return_tensors="pt", return_dict=True)
+    inputs = _prompt_inputs(tokenizer, args, hf.text_config(model))
     torch.manual_seed(args.seed)
     extra = {}
     capacity = None
@@ -77,13 +105,54 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prompt_inputs(tokenizer: Any, args: argparse.Namespace, config: Any) -> Any:
+    """The prompt's model inputs, within the model's positions less --max-new-tokens: a longer prompt is
+    refused, or cut to fit from the side --truncate names (the chat template, if any, is kept whole)."""
+    from .cache import max_positions
+
+    def encode(text: str) -> Any:
+        if args.raw or not getattr(tokenizer, "chat_template", None):
+            return tokenizer(text, return_tensors="pt")
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             return_tensors="pt", return_dict=True)
+
+    inputs = encode(args.prompt)
+    positions = max_positions(config)
+    if positions is None:
+        return inputs
+    if args.max_new_tokens >= positions:
+        raise ConfigError("--max-new-tokens", f"fewer than the model's max_position_embeddings ({positions})",
+                          args.max_new_tokens)
+    limit, length = positions - args.max_new_tokens, inputs["input_ids"].shape[1]
+    if length <= limit:
+        return inputs
+    if args.truncate is None:
+        raise ConfigError("PROMPT", f"at most {limit:,} tokens (max_position_embeddings {positions:,} - "
+                          f"--max-new-tokens {args.max_new_tokens:,})", f"{length:,} tokens",
+                          hint="shorten it, or pass --truncate left (keep its end) or --truncate right (keep its start)")
+    content = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
+    excess = length - limit
+    for _ in range(4):  # decoding and re-encoding a cut text can merge tokens differently: cut again if needed
+        keep = max(len(content) - excess, 0)
+        kept = content[len(content) - keep:] if args.truncate == "left" else content[:keep]
+        inputs = encode(tokenizer.decode(kept))
+        if inputs["input_ids"].shape[1] <= limit:
+            break
+        excess += inputs["input_ids"].shape[1] - limit
+    if inputs["input_ids"].shape[1] > limit or not keep:
+        raise ConfigError("--truncate", f"a prompt that fits in {limit:,} tokens once cut", args.truncate,
+                          hint="the chat template alone is too long; use --raw or fewer --max-new-tokens")
+    print(f"[kvcompress] prompt truncated ({args.truncate}): {length:,} -> {inputs['input_ids'].shape[1]:,} tokens "
+          f"(the model takes {positions:,} positions, {args.max_new_tokens:,} kept for new tokens)", file=sys.stderr)
+    return inputs
+
+
 def _resolve_device(name: str) -> str:
     import torch
 
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
-        from .errors import ConfigError
 
         raise ConfigError("--device", "'cpu', or 'cuda' on a machine with a CUDA GPU", name,
                           hint="no CUDA device is available")
@@ -96,6 +165,17 @@ def _model_name(name: str | None) -> str:
     return DEFAULT_MODEL if name is None or name in DEFAULT_ALIASES else name
 
 
+def _check_outputs(args: argparse.Namespace, *outputs: tuple[str, str | None]) -> None:
+    """Output paths and the model name, checked before any model loads or any work starts."""
+    from .files import check_output
+    from .models import check_model_name
+
+    for option, path in outputs:
+        check_output(option, path)
+    if getattr(args, "model", None) is not None:
+        check_model_name(args.model)
+
+
 def _write_json(path: str, obj: object) -> None:
     import json
 
@@ -106,7 +186,6 @@ def _write_json(path: str, obj: object) -> None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from .errors import ConfigError
     from .evaluation.runner import EvalSettings
     from .stack import load_stack
 
@@ -116,6 +195,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.plot and not args.sweep:
         raise ConfigError("--plot", "used together with --sweep FILE...", args.plot)
     stacks = [load_stack(f) for f in files]
+    _check_outputs(args, ("--json", args.json), ("--plot", args.plot))
     device = _resolve_device(args.device)
     if args.compile:
         from .evaluation.runner import check_compile_supported
@@ -148,9 +228,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .errors import ConfigError
     from .stack import load_stack
 
+    _check_outputs(args, ("--json", args.json))
     if args.model_shape is not None:  # the end-to-end benchmark at a model shape (kvcompress/evaluation/e2e.py)
         from .evaluation import e2e
 
@@ -211,18 +291,22 @@ _COMPILE_HELP = ("compile the decode step: the cache is static (transformers' St
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvcompress", description="Composable KV-cache compression for "
-                                     "Hugging Face causal language models.")
+    parser = Parser(prog="kvcompress", description="Composable KV-cache compression for "
+                    "Hugging Face causal language models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a continuation with a compressed cache")
     gen.add_argument("prompt", metavar="PROMPT")
     gen.add_argument("--model", default=None, help="local folder or hub id (default: embedded SmolLM2-135M-Instruct)")
     gen.add_argument("--stack", default=None, help="YAML stack file (default: no compression)")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--max-new-tokens", type=int_range(1, MAX_NEW_TOKENS), default=64,
+                     help="tokens to generate (1 to the model's max_position_embeddings - 1; default 64)")
+    gen.add_argument("--truncate", choices=("left", "right"), default=None,
+                     help="a prompt longer than the model's positions less --max-new-tokens is refused; with "
+                     "--truncate it is cut to fit: 'left' drops its start, 'right' its end")
     gen.add_argument("--report", action="store_true", help="print the memory held by the cache")
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int_range(0, MAX_SEED), default=0)
     gen.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
     gen.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                      help="model and cache dtype (default bfloat16, SmolLM2's training dtype)")
@@ -253,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="text windows / passkey prompts / agreement prompts (defaults: 1, 5, 4)")
     ev.add_argument("--tokens", type=int, default=None, metavar="M",
                     help="scored tokens (ppl, default 256) or generated tokens (passkey 8, agreement 64) per sample")
-    ev.add_argument("--seed", type=int, default=0, help="seed of the passkey keys (default 0)")
+    ev.add_argument("--seed", type=int_range(0, MAX_SEED), default=0, help="seed of the passkey keys (default 0)")
     ev.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                     help="model and cache dtype (default bfloat16, SmolLM2's training dtype)")
     ev.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -324,13 +408,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None, _default=warnings.showwarning):
+    if issubclass(category, KVCompressWarning):  # one line, no source location
+        print(f"kvcompress: warning: {shorten(message)}", file=sys.stderr)
+    else:
+        _default(message, category, filename, lineno, file, line)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except KVCompressError as exc:
-        print(f"kvcompress: error: {exc}", file=sys.stderr)
-        return 2
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        args = build_parser().parse_args(argv)
+        try:
+            return args.func(args)
+        except KVCompressError as exc:
+            print(f"kvcompress: error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("kvcompress: interrupted", file=sys.stderr)
+            return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -93,11 +93,19 @@ def _check_value(field: dataclasses.Field, value: Any, path: str) -> Any:
         raise ConfigError(path, describe(field), value)
     tp = meta["type"]
     types = tp if isinstance(tp, tuple) else (tp,)
+    as_float = float in types and int not in types  # a float parameter takes an integer too: `ratio: 1` is 1.0
+    if as_float:
+        types = types + (int,)
     # bool is a subclass of int: "recent: true" must not pass as 1.
     if isinstance(value, bool) and bool not in types:
         raise ConfigError(path, describe(field), value)
     if not isinstance(value, types):
         raise ConfigError(path, describe(field), value)
+    if as_float:
+        try:
+            value = float(value)
+        except OverflowError:  # an integer beyond any float
+            raise ConfigError(path, describe(field), value) from None
     if meta["choices"] is not None and value not in meta["choices"]:
         raise ConfigError(path, describe(field), value)
     if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -98,7 +98,9 @@ class RegistrationSpec:
         Args:
             register: call it once per compressor with a
                 :class:`kvcompress.registry.CompressorSpec` (name, axis, config class,
-                factory).  Registering a name twice raises ``PluginError``.
+                factory).  A name that two plugins register is used by neither (stacks naming it
+                are refused with both sources); a plugin whose registration raises is skipped,
+                named in one warning, and the other plugins keep working.
 
         Returns:
             Nothing; use ``register``.

@@ -14,11 +14,12 @@ from typing import Any, Callable, Sequence
 import pluggy
 import torch
 
-from .errors import PluginError
+from .errors import KVCompressError, PluginError
 from .hookspecs import PROJECT, CacheCompressor
 from .state import DenseStore, KVBlock, LayerInfo, Layout, MiddleStore
 
 _STAGES = (
+    "kvcompress_validate_stack",
     "kvcompress_layer_layout",
     "kvcompress_score_tokens",
     "kvcompress_evict_tokens",
@@ -32,11 +33,23 @@ _STAGES = (
 )
 
 
-def _bind(impl: pluggy.HookImpl) -> Callable[..., Any]:
+def _bind(impl: pluggy.HookImpl, name: str, stage: str, pipeline: "StackPipeline") -> Callable[..., Any]:
+    """A plain callable for one hook implementation.  An exception it raises marks ``pipeline`` failed (the
+    cache that runs it is unusable from then on); one that is not a :class:`KVCompressError` becomes one
+    :class:`PluginError` naming the compressor and the hook (try/except costs nothing until something
+    raises, and torch.compile traces through it)."""
     fn, names = impl.function, tuple(impl.argnames)
 
     def call(**kwargs: Any) -> Any:
-        return fn(*[kwargs[n] for n in names])
+        try:
+            return fn(*[kwargs[n] for n in names])
+        except KVCompressError as exc:
+            pipeline.failed = exc
+            raise
+        except Exception as exc:
+            error = PluginError(f"compressor {name!r} raised in hook {stage}: {type(exc).__name__}: {exc}")
+            pipeline.failed = error
+            raise error from exc
 
     call.__name__ = getattr(fn, "__qualname__", "hook")
     return call
@@ -47,6 +60,7 @@ class StackPipeline:
 
     def __init__(self, compressors: Sequence[tuple[str, Any]]):
         self.compressors = list(compressors)
+        self.failed: Exception | None = None  # set when a hook raised: the caches running this stack are unusable
         self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(CacheCompressor)
         order: dict[int, int] = {}
@@ -64,11 +78,16 @@ class StackPipeline:
         for stage in _STAGES:
             impls = getattr(self.pm.hook, stage).get_hookimpls()
             impls = sorted(impls, key=lambda im: order[id(im.plugin)])
-            self.stages[stage] = [_bind(im) for im in impls]
+            self.stages[stage] = [_bind(im, self.compressors[order[id(im.plugin)]][0], stage, self) for im in impls]
         self._transforms = (self.stages["kvcompress_prune_channels"] + self.stages["kvcompress_lowrank_transform"]
                             + self.stages["kvcompress_regroup_heads"])
 
     # -- build time ---------------------------------------------------------------------
+    def validate_stack(self, entries: list[tuple[str, Any]], axes: list[str]) -> None:
+        """Every compressor's ``kvcompress_validate_stack`` (cross-compressor rules, before any model)."""
+        for fn in self.stages["kvcompress_validate_stack"]:
+            fn(entries=entries, axes=axes)
+
     def layout(self, info: LayerInfo) -> Layout:
         return Layout.combine(fn(layer=info) for fn in self.stages["kvcompress_layer_layout"])
 

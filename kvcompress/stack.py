@@ -18,13 +18,12 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-import yaml
-
 from .config import config_to_dict, parse_config
-from .errors import ConfigError
+from .errors import ConfigError, bounded
 from .manager import get_registry
 from .pipeline import StackPipeline
 from .registry import AXES, EXCLUSIVE_GROUPS, PIPELINE_ORDER, CompressorSpec, Registry
+from .yamlsafe import load_file, read_yaml  # noqa: F401 - read_yaml is part of this module's API
 
 #: Top-level keys a stack file may contain besides ``compressors``.
 SETTINGS_KEYS = ("name", "description")
@@ -64,41 +63,11 @@ class Stack:
         return len(self.entries)
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """Safe YAML loader that rejects duplicate keys instead of keeping the last one."""
-
-
-def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False):
-    seen = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark)
-        seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def read_yaml(text: str, source: str) -> Any:
-    """Parse YAML with a safe loader (no Python object tags) and duplicate-key checks."""
-    try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
-    except yaml.YAMLError as exc:
-        raise ConfigError(source, "valid YAML", None, hint=str(exc).replace("\n", " ")) from exc
-
-
 def load_stack(path: str | os.PathLike) -> Stack:
-    """Load and validate a stack file (never touches a model)."""
+    """Load and validate a stack file (never touches a model).  The file is read within the limits of
+    :mod:`kvcompress.yamlsafe` (size, UTF-8 text, nesting depth, alias expansion)."""
     path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except OSError as exc:
-        raise ConfigError(path, "a readable YAML stack file", path, hint=exc.strerror) from exc
-    return parse_stack(read_yaml(text, path), source=path)
+    return parse_stack(load_file(path), source=path)
 
 
 def parse_stack(data: Any, source: str = "<stack>", registry: Registry | None = None) -> Stack:
@@ -110,7 +79,7 @@ def parse_stack(data: Any, source: str = "<stack>", registry: Registry | None = 
     for key in data:
         if key != "compressors" and key not in SETTINGS_KEYS:
             allowed = ", ".join(("compressors",) + SETTINGS_KEYS)
-            raise ConfigError(str(key), f"one of the top-level keys: {allowed}", key, hint="unknown key")
+            raise ConfigError(_key(key), f"one of the top-level keys: {allowed}", key, hint="unknown key")
     if "compressors" not in data:
         raise ConfigError("compressors", "a list of compressors (use [] for no compression)", None,
                           hint="the key is missing")
@@ -131,16 +100,20 @@ def parse_stack(data: Any, source: str = "<stack>", registry: Registry | None = 
         spec = registry.get(name) if isinstance(name, str) else None
         if spec is None:
             known = ", ".join(registry.names()) or "(none installed)"
-            raise ConfigError(f"{path}.{name}", f"a registered compressor: {known}", name,
-                              hint="unknown compressor; `kvcompress plugins` lists them")
+            raise ConfigError(f"{path}.{_key(name)}", f"a registered compressor: {known}", name,
+                              hint=registry.why_missing(name) or "unknown compressor; `kvcompress plugins` lists them")
         config = parse_config(spec.config, params, f"{path}.{name}")
         entries.append(StackEntry(name, spec, config, f"{path}.{name}"))
     _check_order(entries)
     stack = Stack(tuple(entries), {k: data[k] for k in SETTINGS_KEYS if k in data}, source)
     if entries:
-        stack.build().pm.hook.kvcompress_validate_stack(entries=[(e.name, e.config) for e in entries],
-                                                        axes=[e.spec.axis for e in entries])
+        stack.build().validate_stack(entries=[(e.name, e.config) for e in entries], axes=[e.spec.axis for e in entries])
     return stack
+
+
+def _key(key: Any) -> str:
+    """A mapping key as it appears in a key path (a non-string key is quoted, bounded)."""
+    return key if isinstance(key, str) else bounded(key, 60)
 
 
 def _check_order(entries: list[StackEntry]) -> None:

@@ -73,6 +73,11 @@ class DoubleSparseConfig:
             raise ConfigError(f"{path}.channels", "'all', 'random' or an existing channel file (.safetensors)",
                               self.channels, hint="make one with `kvcompress calibrate doublesparse --channels 16 "
                                                   "--out FILE`")
+        if self.channels not in CHANNEL_SOURCES:
+            from kvcompress.calibration.doublesparse import load_channels
+            from kvcompress.calibration.files import validate_file
+
+            validate_file(f"{path}.channels", load_channels, self.channels)  # all but the model match, before any model
         if self.r is not None and self.label_bits != 16 and (self.r * self.label_bits) % 8:
             raise ConfigError(f"{path}.r", f"a multiple of {8 // self.label_bits} at label_bits "
                               f"{self.label_bits} (codes are packed into bytes)", self.r)

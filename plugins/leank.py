@@ -50,9 +50,15 @@ class LeanKConfig:
     flush: int = param(128, "tokens leave the local window in blocks of this many", min=1, max=1 << 16)
 
     def check(self, path: str) -> None:
-        if self.mask != "rope" and not os.path.isfile(self.mask):
+        if self.mask == "rope":
+            return
+        if not os.path.isfile(self.mask):
             raise ConfigError(f"{path}.mask", "'rope' or an existing mask file (.safetensors)", self.mask,
                               hint="make one with `kvcompress calibrate leank --ratio 0.5 --align 16 --out FILE`")
+        from kvcompress.calibration.files import validate_file
+        from kvcompress.calibration.masks import load_mask
+
+        validate_file(f"{path}.mask", load_mask, self.mask)  # everything but the model match, before any model
 
 
 class LeanKCompressor(Compressor):

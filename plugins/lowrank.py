@@ -64,11 +64,10 @@ class LowRankConfig:
     def check(self, path: str) -> None:
         if not self.basis or not os.path.isfile(self.basis):
             raise ConfigError(f"{path}.basis", "an existing basis file (.safetensors)", self.basis, hint=_HINT)
-        if self.rank is None and self.value_rank is None:
-            return
+        from kvcompress.calibration.files import validate_file
         from kvcompress.calibration.lowrank import load_basis
 
-        f = load_basis(self.basis)
+        f = validate_file(f"{path}.basis", load_basis, self.basis)  # everything but the model match, before any model
         for key, ranks in (("rank", f.rank), ("value_rank", f.value_rank)):
             value = getattr(self, key)
             if value is None:

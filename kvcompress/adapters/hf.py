@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -132,6 +133,8 @@ class CompressedCacheLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         compressed = uses_kvcompress_attention(self._config)
+        if compressed:
+            _check_previous_read(self.core)
         keys, values = self.core.update(key_states, value_states, compressed)
         if compressed:
             _ACTIVE.layer = self.core
@@ -195,6 +198,25 @@ def claim_pending(layer_idx: int, key: torch.Tensor) -> Any:
     return layer
 
 
+def _check_previous_read(core: Any) -> None:
+    """Refuse to go on when the previous layer of this cache handed its keys to an attention that never read
+    them: the model calling the cache does not use kvcompress attention (a second model, or a model outside
+    the ``compress()`` scope of this cache's model).  The cache is marked unusable (those keys are lost)."""
+    waiting = getattr(_ACTIVE, "layer", None)
+    if waiting is None or waiting.pending is None:
+        return
+    _ACTIVE.layer = None
+    waiting.pending = None
+    if waiting.pipeline is not core.pipeline:
+        return  # left over from another cache's interrupted forward: nothing to say about this one
+    error = UnsupportedOperationError(
+        f"layer {waiting.info.index} of this kvcompress cache was never read by kvcompress attention: the model "
+        "calling the cache is not the one it was built for (or runs outside its `kvcompress.compress(model, stack)` "
+        "scope); a cache serves one model")
+    core.pipeline.failed = error
+    raise error
+
+
 def clear_pending() -> None:
     """Forget any unconsumed pending layer (called when a compress() scope ends)."""
     _ACTIVE.layer = None
@@ -227,6 +249,10 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     if layer is None:  # a layer kvcompress does not own (sliding layers, no cache, other caches)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
+    if getattr(module, "config", layer.info.model_config) is not layer.info.model_config:
+        layer.pending = None
+        raise UnsupportedOperationError("a kvcompress cache built for one model is read by another model's attention; "
+                                        "a cache serves one model: build one per model")
     if kwargs.get("softcap") is not None or kwargs.get("sinks") is not None or kwargs.get("s_aux") is not None:
         raise UnsupportedModelError("kvcompress attention does not support logit soft-capping or learned sinks yet")
     extra = {k: kwargs[k] for k in ("is_causal",) if k in kwargs}
@@ -246,17 +272,31 @@ def uses_kvcompress_attention(config: Any) -> bool:
     return getattr(config, "_attn_implementation", None) == ATTN_NAME
 
 
+_ATTACHED: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()  # model -> [scopes, previous]
+_ATTACH_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def attach(model: Any) -> Iterator[None]:
-    """Switch ``model`` to kvcompress attention; restore the previous implementation on exit."""
+    """Switch ``model`` to kvcompress attention; restore the previous implementation when the last scope over
+    it exits.  Scopes may overlap, in one thread or several: the first switches, the last restores."""
     register_attention()
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(ATTN_NAME)
+    with _ATTACH_LOCK:
+        entry = _ATTACHED.get(model)
+        if entry is None:
+            previous = model.config._attn_implementation
+            model.set_attn_implementation(ATTN_NAME)
+            entry = _ATTACHED[model] = [0, previous]
+        entry[0] += 1
     try:
         yield
     finally:
         clear_pending()
-        model.set_attn_implementation(previous)
+        with _ATTACH_LOCK:
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _ATTACHED[model]
+                model.set_attn_implementation(entry[1])
 
 
 # ----------------------------------------------------------------------------- generate / forward

@@ -119,6 +119,15 @@ def guarded(body: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Nam
     return handler
 
 
+def check_output_and_model(args: argparse.Namespace) -> None:
+    """``--out`` (a writable .safetensors path; missing folders are created) and ``--model``, before any work."""
+    from ..files import check_output
+    from ..models import check_model_name
+
+    check_output("--out", args.out, suffix=".safetensors", make_parents=True)
+    check_model_name(args.model)
+
+
 def set_threads(threads: int | None) -> None:
     """Apply ``--threads`` (None: torch's choice)."""
     if threads is not None:
@@ -136,11 +145,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     settings = _settings(args).validate()  # everything but align-vs-head_dim, before the model loads
-    if not args.out.endswith(".safetensors"):
-        raise ConfigError("--out", "a path ending in .safetensors", args.out)
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    if os.path.exists(out_dir) and not os.access(out_dir, os.W_OK):
-        raise ConfigError("--out", "a path in a writable folder", args.out)
+    check_output_and_model(args)
     set_threads(args.threads)
     log = None if args.quiet else sys.stderr
     from . import calibrate
@@ -170,7 +175,9 @@ def _histogram(counts) -> dict[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry (``python -m kvcompress.calibration.cli calibrate leank ...``)."""
-    parser = argparse.ArgumentParser(prog="kvcompress")
+    from ..cli import Parser
+
+    parser = Parser(prog="kvcompress")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.func(args)

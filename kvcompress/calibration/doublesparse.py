@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .files import FLOAT, INT, Tensor, read
 from .masks import MaskFileError, _text_config, config_fields, config_hash, describe_model, geometry
 
 FORMAT = "kvcompress.doublesparse-channels/1"
@@ -71,53 +72,48 @@ def save_channels(path: str | os.PathLike, channels: torch.Tensor, scores: torch
     os.chmod(path, 0o666 & ~umask)  # safetensors writes through a private (0600) temporary file
 
 
+class ChannelFileError(MaskFileError):
+    """A DoubleSparse channel file is missing, malformed, or was made for another model."""
+
+    kind = "channel file"
+    default_hint = _HINT
+
+
 def load_channels(path: str | os.PathLike, model_config: Any = None) -> ChannelFile:
-    """Read a channel file; with ``model_config``, refuse a file made for another model.
+    """Read a channel file (with the checks of :func:`kvcompress.calibration.files.read`); with
+    ``model_config``, refuse a file made for another model.
 
     Raises:
-        MaskFileError (a ConfigError): missing, malformed, or made for another model.
+        ChannelFileError (a MaskFileError, a ConfigError): missing, malformed, or made for another model.
     """
-    from safetensors import safe_open
-
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise MaskFileError(path, "an existing DoubleSparse channel file", "no such file", hint=_HINT)
-    try:
-        with safe_open(path, framework="pt") as fh:
-            meta = dict(fh.metadata() or {})
-            names = set(fh.keys())
-            if meta.get("format") != FORMAT:
-                raise MaskFileError(path, f"a file of format {FORMAT!r}", meta.get("format", "no format tag"),
-                                    hint=_HINT)
-            if not {"channels", "scores"} <= names:
-                raise MaskFileError(path, "tensors 'channels' and 'scores'", sorted(names), hint=_HINT)
-            channels, scores = fh.get_tensor("channels").long(), fh.get_tensor("scores")
-    except MaskFileError:
-        raise
-    except Exception as exc:  # safetensors raises its own error types for non-safetensors input
-        raise MaskFileError(path, f"a safetensors file of format {FORMAT!r}", f"unreadable ({exc})",
-                            hint=_HINT) from None
-    d = scores.shape[-1] if scores.dim() == 3 else 0
-    if channels.dim() != 3 or scores.dim() != 3 or channels.shape[:2] != scores.shape[:2] or \
-            bool((channels < 0).any() or (channels >= max(d, 1)).any()):
-        raise MaskFileError(path, "'channels' [layers, kv_heads, r] indexing 'scores' [layers, kv_heads, head_dim]",
-                            f"shapes {tuple(channels.shape)} and {tuple(scores.shape)}", hint=_HINT)
-    meta["settings"] = json.loads(meta.get("settings", "{}"))
+    tensors, meta = read(path, ChannelFileError, "DoubleSparse channel file", FORMAT,
+                         {"channels": Tensor(INT, 3), "scores": Tensor(FLOAT, 3)},
+                         {"settings": "a JSON object", "model_geometry": "a JSON object", "channels": "an integer"})
+    channels, scores = tensors["channels"].long(), tensors["scores"]
+    d = scores.shape[-1]
+    if channels.shape[:2] != scores.shape[:2] or channels.shape[-1] < 1 or d < 1 or channels.shape[-1] > d \
+            or bool((channels < 0).any() or (channels >= d).any()):
+        raise ChannelFileError(path, "'channels' [layers, kv_heads, r] (1 <= r <= head_dim) indexing 'scores' "
+                               "[layers, kv_heads, head_dim]", f"shapes {tuple(channels.shape)} and "
+                               f"{tuple(scores.shape)}" + ("" if channels.numel() == 0 or bool(
+                                   (channels >= 0).all() and (channels < d).all()) else ", indices out of range"))
+    meta.setdefault("settings", {})
     if model_config is not None:
         same_shape = (*channels.shape[:2], d) == geometry(model_config)
         digest = config_hash(model_config)
         if not (same_shape and meta.get("model_config_hash") == digest):
             c = _text_config(model_config)
             given = getattr(c, "_name_or_path", None) or None
-            geo = json.loads(meta.get("model_geometry", "{}"))
+            geo = meta.get("model_geometry", {})
             made = describe_model(meta.get("model"), {"model_type": geo.get("model_type", "?"),
                                                       "num_hidden_layers": channels.shape[0],
                                                       "num_key_value_heads": channels.shape[1], "head_dim": d},
                                   meta.get("model_config_hash"))
             why = "its shape differs" if not same_shape else "the model config hash differs"
-            raise MaskFileError(path, "a channel file made for the model given, "
-                                f"{describe_model(given, config_fields(model_config), digest)}",
-                                f"a file made for {made}; {why}", hint=_HINT)
+            raise ChannelFileError(path, "a channel file made for the model given, "
+                                   f"{describe_model(given, config_fields(model_config), digest)}",
+                                   f"a file made for {made}; {why}")
     return ChannelFile(channels=channels, scores=scores, meta=meta)
 
 

@@ -44,10 +44,10 @@ def _run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value < lo:
             raise ConfigError(f"--{name}", f"an integer >= {lo}", value)
-    if not args.out.endswith(".safetensors"):
-        raise ConfigError("--out", "a path ending in .safetensors", args.out)
     from ..models import load_model
-    from .cli import _model_name, set_threads
+    from .cli import _model_name, check_output_and_model, set_threads
+
+    check_output_and_model(args)
 
     set_threads(args.threads)
     from .doublesparse import calibrate_channels, save_channels

@@ -36,18 +36,17 @@ from typing import Any, Iterable, TextIO
 import torch
 
 from ..errors import ConfigError
+from .files import FLOAT, INT, CalibrationFileError, Tensor, read
 from .masks import _text_config, config_hash, describe_model, geometry
 
 FORMAT = "kvcompress.lowrank-basis/1"
 
 
-class BasisFileError(ConfigError):
+class BasisFileError(CalibrationFileError):
     """A basis file is missing, malformed, or was made for another model (``path`` is the file)."""
 
-    def __init__(self, path: str, allowed: str, got: Any = None, hint: str | None = None):
-        self.path, self.allowed, self.got, self.hint = path, allowed, got, hint
-        hint = hint or "make one with: kvcompress calibrate lowrank --rank R --out FILE.safetensors"
-        Exception.__init__(self, f"basis file {path}: expected {allowed}, got {got}. {hint[0].upper()}{hint[1:]}")
+    kind = "basis file"
+    default_hint = "make one with: kvcompress calibrate lowrank --rank R --out FILE.safetensors"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,37 +219,31 @@ def save_basis(path: str | os.PathLike, vectors: torch.Tensor, ranks: torch.Tens
     os.replace(f"{path}.tmp", path)
 
 
-def load_basis(path: str | os.PathLike, model_config: Any = None) -> BasisFile:
-    """Read a basis file (safetensors only); with ``model_config``, refuse one made for another model."""
-    from safetensors import safe_open
+_TENSORS = {f"{pre}{name}": Tensor(dtypes, ndim, required=not pre) for pre in ("", "value_")
+            for name, dtypes, ndim in (("basis", FLOAT, 4), ("rank", INT, 2), ("eigenvalues", FLOAT, 3))}
+_META_TYPES = {"model_geometry": "a JSON object", "settings": "a JSON object", "align": "an integer",
+               "mean_rank": "a finite number", "mean_energy_kept": "a finite number",
+               "min_energy_kept": "a finite number", "value_energy_kept": "a finite number", "seconds": "a finite number"}
 
+
+def load_basis(path: str | os.PathLike, model_config: Any = None) -> BasisFile:
+    """Read a basis file (safetensors only, with the checks of :func:`kvcompress.calibration.files.read`);
+    with ``model_config``, refuse one made for another model."""
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise BasisFileError(path, "an existing low-rank basis file", "no such file")
-    try:
-        with safe_open(path, framework="pt") as fh:
-            meta = dict(fh.metadata() or {})
-            tensors = {name: fh.get_tensor(name) for name in fh.keys()}
-    except Exception as exc:  # safetensors raises its own error types for other input
-        raise BasisFileError(path, f"a safetensors file of format {FORMAT!r}", f"unreadable ({exc})") from None
-    if meta.get("format") != FORMAT:
-        raise BasisFileError(path, f"a basis file of format {FORMAT!r}", meta.get("format", "no format tag"))
-    prefixes = ("", "value_") if "value_basis" in tensors else ("",)
+    tensors, meta = read(path, BasisFileError, "low-rank basis file", FORMAT, _TENSORS, _META_TYPES)
+    values = [n for n in tensors if n.startswith("value_")]
+    if values and len(values) != 3:
+        raise BasisFileError(path, "value_basis, value_rank and value_eigenvalues together (or none)",
+                             ", ".join(sorted(tensors)))
+    prefixes = ("", "value_") if values else ("",)
     for pre in prefixes:
-        basis, rank = tensors.get(f"{pre}basis"), tensors.get(f"{pre}rank")
-        if basis is None or rank is None or f"{pre}eigenvalues" not in tensors or basis.dim() != 4 \
-                or tuple(rank.shape) != tuple(basis.shape[:2]) or int(rank.min()) < 1 \
-                or int(rank.max()) != basis.shape[-1] or basis.shape[:3] != tensors["basis"].shape[:3]:
-            raise BasisFileError(path, f"tensors {pre}basis [L, H, d, R], {pre}rank [L, H] (1..R) and "
-                                 f"{pre}eigenvalues", {n: tuple(t.shape) for n, t in tensors.items()})
-    try:
-        for key, parse in (("model_geometry", json.loads), ("settings", json.loads), ("align", int),
-                           ("mean_rank", float), ("mean_energy_kept", float), ("min_energy_kept", float),
-                           ("seconds", float)):
-            if key in meta:
-                meta[key] = parse(meta[key])
-    except ValueError as exc:
-        raise BasisFileError(path, "readable metadata", f"{exc}") from None
+        basis, rank = tensors[f"{pre}basis"], tensors[f"{pre}rank"]
+        if basis.numel() == 0 or tuple(rank.shape) != tuple(basis.shape[:2]) or int(rank.min()) < 1 \
+                or int(rank.max()) != basis.shape[-1] or basis.shape[-1] > basis.shape[2] \
+                or basis.shape[:3] != tensors["basis"].shape[:3] \
+                or tuple(tensors[f"{pre}eigenvalues"].shape) != tuple(basis.shape[:3]):
+            raise BasisFileError(path, f"tensors {pre}basis [L, H, d, R <= d], {pre}rank [L, H] (1..R) and "
+                                 f"{pre}eigenvalues [L, H, d]", {n: tuple(t.shape) for n, t in tensors.items()})
     parts = {}
     for pre in prefixes:
         rank = tensors[f"{pre}rank"].long()

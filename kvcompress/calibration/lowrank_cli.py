@@ -9,7 +9,6 @@ import argparse
 import os
 import sys
 
-from ..errors import ConfigError
 
 DESCRIPTION = """\
 Make the key basis of the `lowrank` compressor (Loki arXiv 2406.02542, Palu arXiv 2407.21118,
@@ -55,14 +54,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .cli import _model_name, set_threads
+    from .cli import _model_name, check_output_and_model, set_threads
     from .lowrank import LowRankSettings, calibrate
 
     settings = LowRankSettings(rank=args.rank, energy=args.energy, align=args.align, context=args.context,
                                samples=args.samples, skip=args.skip, seed=args.seed,
                                value_rank=args.value_rank).validate()
-    if not args.out.endswith(".safetensors"):
-        raise ConfigError("--out", "a path ending in .safetensors", args.out)
+    check_output_and_model(args)
     set_threads(args.threads)
     f = calibrate(settings, model=args.model, model_name=_model_name(args.model), out=args.out,
                   log=None if args.quiet else sys.stderr)

@@ -27,26 +27,24 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from .files import FLOAT, CalibrationFileError, Tensor, read
 
 FORMAT = "kvcompress.leank-mask/1"
 METHODS = ("trained", "rope", "qk")
 REQUIRED_META = ("model", "model_config_hash", "ratio", "align", "sinks", "local", "method", "settings")
-_INT_META = ("align", "sinks", "local")
-_JSON_META = ("model_geometry", "history", "count_histogram")
-_FLOAT_META = ("kept_fraction", "seconds")
+_META_TYPES = {"ratio": "a finite number", "align": "an integer", "sinks": "an integer", "local": "an integer",
+               "settings": "a JSON object", "model_geometry": "a JSON object", "history": "JSON",
+               "count_histogram": "JSON", "kept_fraction": "a finite number", "seconds": "a finite number"}
 
 
-class MaskFileError(ConfigError):
+class MaskFileError(CalibrationFileError):
     """A mask file is missing, malformed, or was made for another model.
 
     Same attributes as :class:`ConfigError` (``path`` is the file); the message does not quote
     ``got``, which is already a sentence.
     """
 
-    def __init__(self, path: str, allowed: str, got: Any = None, hint: str | None = None):
-        self.path, self.allowed, self.got, self.hint = path, allowed, got, hint
-        msg = f"mask file {path}: expected {allowed}, got {got}"
-        Exception.__init__(self, msg + (f". {hint[0].upper()}{hint[1:]}" if hint else ""))
+    kind = "mask file"
 
 
 # ----------------------------------------------------------------------------- model geometry
@@ -315,27 +313,10 @@ def save_mask(path: str | os.PathLike, keep: torch.Tensor, meta: dict, alpha: to
     os.replace(tmp, path)
 
 
-def _parse_meta(path: str, raw: dict) -> dict:
-    meta: dict[str, Any] = dict(raw)
-    try:
-        meta["ratio"] = float(raw["ratio"])
-        for key in _INT_META:
-            meta[key] = int(raw[key])
-        meta["settings"] = json.loads(raw["settings"])
-        for key in _JSON_META:
-            if key in raw:
-                meta[key] = json.loads(raw[key])
-        for key in _FLOAT_META:
-            if key in raw:
-                meta[key] = float(raw[key])
-    except (KeyError, ValueError) as exc:
-        raise MaskFileError(path, f"a {FORMAT} file with the metadata {list(REQUIRED_META)}",
-                            f"unreadable metadata ({exc})", hint=_make_hint()) from None
-    return meta
-
-
 def load_mask(path: str | os.PathLike, model_config: Any = None) -> MaskFile:
-    """Read a mask file written by :func:`save_mask` (safetensors only; nothing is unpickled).
+    """Read a mask file written by :func:`save_mask` (safetensors only; nothing is unpickled), with the checks
+    of :func:`kvcompress.calibration.files.read` (size, header, tensor names / dtypes / ranks, finite values,
+    typed metadata).
 
     Args:
         path: the ``.safetensors`` mask file.
@@ -348,31 +329,15 @@ def load_mask(path: str | os.PathLike, model_config: Any = None) -> MaskFile:
     Raises:
         MaskFileError (a ConfigError): missing file, wrong format, or a mask for another model.
     """
-    from safetensors import safe_open
-
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise MaskFileError(path, "an existing LeanK mask file", "no such file", hint=_make_hint())
-    try:
-        with safe_open(path, framework="pt") as fh:
-            raw = fh.metadata() or {}
-            names = set(fh.keys())
-            if raw.get("format") != FORMAT:
-                raise MaskFileError(path, f"a mask file of format {FORMAT!r}", raw.get("format", "no format tag"),
-                                    hint=_make_hint())
-            if "keep" not in names:
-                raise MaskFileError(path, "a tensor named 'keep'", sorted(names), hint=_make_hint())
-            keep_raw = fh.get_tensor("keep")
-            alpha = fh.get_tensor("alpha") if "alpha" in names else None
-    except MaskFileError:
-        raise
-    except Exception as exc:  # safetensors raises its own error types for non-safetensors input
-        raise MaskFileError(path, f"a safetensors file of format {FORMAT!r}", f"unreadable ({exc})",
-                            hint=_make_hint()) from None
-    meta = _parse_meta(path, raw)
-    if keep_raw.dim() != 3 or keep_raw.dtype != torch.uint8 or bool((keep_raw > 1).any()):
+    tensors, meta = read(path, MaskFileError, "LeanK mask file", FORMAT,
+                         {"keep": Tensor(("U8",), 3), "alpha": Tensor(FLOAT, 3, required=False)}, _META_TYPES,
+                         REQUIRED_META, hint=_make_hint())
+    keep_raw, alpha = tensors["keep"], tensors.get("alpha")
+    if keep_raw.numel() == 0 or bool((keep_raw > 1).any()):
         raise MaskFileError(path, "'keep' as a uint8 0/1 tensor [layers, kv_heads, head_dim]",
-                            f"{keep_raw.dtype} tensor of shape {tuple(keep_raw.shape)}", hint=_make_hint(meta))
+                            f"{keep_raw.dtype} tensor of shape {tuple(keep_raw.shape)}"
+                            + (" with values other than 0 and 1" if keep_raw.numel() else ""), hint=_make_hint(meta))
     keep = keep_raw.bool()
     if alpha is not None and tuple(alpha.shape) != tuple(keep.shape):
         raise MaskFileError(path, f"'alpha' of shape {tuple(keep.shape)}", tuple(alpha.shape), hint=_make_hint(meta))
