@@ -53,7 +53,12 @@ class MiddleCodec(Protocol):
     def token_axis(self, name: str) -> bool: ...
 
     def encode(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
-               fill: bool | None = None) -> dict[str, torch.Tensor]: ...
+               fill: bool | None = None, impl: str = "reference") -> dict[str, torch.Tensor]: ...
+
+    def choose_quantizer(self, k: torch.Tensor, v: torch.Tensor) -> str:
+        """Optional: the encoder implementation (passed back as ``encode(..., impl=)``) for blocks shaped like
+        ``k`` / ``v``; a static store asks once, when it allocates."""
+        ...
 
     def packed(self, payload: dict[str, torch.Tensor], valid: torch.Tensor) -> Any: ...
 
@@ -70,8 +75,11 @@ class DenseCodec:
         return True
 
     def encode(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
-               fill: bool | None = None) -> dict[str, torch.Tensor]:
+               fill: bool | None = None, impl: str = "reference") -> dict[str, torch.Tensor]:
         return {"k": k, "v": v}
+
+    def choose_quantizer(self, k: torch.Tensor, v: torch.Tensor) -> str:
+        return "reference"
 
     def packed(self, payload: dict[str, torch.Tensor], valid: torch.Tensor) -> "DenseRegion":
         return DenseRegion(payload["k"], payload["v"], valid)
@@ -555,6 +563,7 @@ class StaticPagedStore(MiddleStore):
         self.score: torch.Tensor | None = None  # [B, pages + 1] float32
         self.age: torch.Tensor | None = None  # [B, pages + 1] int64
         self.clock: torch.Tensor | None = None  # 0-dim int64: pages written so far
+        self.quantizers: list[str | None] | None = None  # per part: the codec's encoder, chosen at the first block
 
     # -- allocation -------------------------------------------------------------------------
     def _allocate(self, block: KVBlock, encoded: list[tuple[HeadGroup, dict[str, torch.Tensor]]]) -> None:
@@ -646,10 +655,15 @@ class StaticPagedStore(MiddleStore):
         """Each part's pages encoded: ``(part, {name: [pages, heads, n, ...]})``."""
         out = []
         valid = block.valid[rows[:, None], tokens]
-        for part in block.parts():
+        parts = block.parts()
+        choose = getattr(self.codec, "choose_quantizer", None)  # optional in third-party codecs
+        if self.quantizers is None:
+            self.quantizers = [choose(part.k, part.v) if choose else None for part in parts]
+        for part, impl in zip(parts, self.quantizers):
             k = part.k.transpose(1, 2)[rows[:, None], tokens].transpose(1, 2)  # [N, heads, P, dk]
             v = part.v.transpose(1, 2)[rows[:, None], tokens].transpose(1, 2)
-            out.append((part, self.codec.encode(k.contiguous(), v.contiguous(), valid, fill=True)))
+            kw = {} if impl is None else {"impl": impl}
+            out.append((part, self.codec.encode(k.contiguous(), v.contiguous(), valid, fill=True, **kw)))
         return out
 
     def _write_page(self, row, encoded, sel, slot_valid, positions, scores, host: bool) -> None:

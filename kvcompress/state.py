@@ -232,6 +232,8 @@ class Segment:
             ``None`` when the keys are not a channel subset.
         vmap: maps attention outputs over ``v`` (value coordinates, ``[batch, heads, n, v_dim]``) back to
             the head dimension; linear, so it applies equally to ``v`` or to the output (``None``: identity).
+        length: optional 0-dim int device tensor: slots at or after it hold no valid token (a static
+            buffer's written prefix). A bound kernels may use to skip work; ``valid`` stays authoritative.
     """
 
     k: torch.Tensor | None
@@ -244,6 +246,7 @@ class Segment:
     packed: Any = None
     channels: torch.Tensor | None = None
     vmap: Callable[[torch.Tensor], torch.Tensor] | None = None
+    length: torch.Tensor | None = None
 
     @property
     def is_dense(self) -> bool:

@@ -330,10 +330,14 @@ class StaticLayer:
             selection = self.pipeline.select(self, query)
             if selection is not None:
                 middle = apply_selection(middle, selection)
-        if not middle and new is None:  # one dense region: the backend's own kernel, behind the mask
+        if not middle and new is None and self.kernels["lanes_partial"] == "reference":
+            # one dense region, no fused kernel: the backend's own attention behind the mask
             mask = self.valid.view(self.valid.shape[0], 1, 1, self.valid.shape[1])
             return dense_attention(query, self.k, self.v, mask, scaling)
-        segs = [Segment(self.k, self.v, self.valid, self._zero_pos)] + middle
+        # the sinks + ring buffer; without a middle the ring never wraps, so slots past sinks + seen were
+        # never written and a fused kernel reads only the written prefix (not the whole capacity)
+        length = None if middle else (self.seen + self.sink_slots).clamp(max=self.sink_slots + self.ring_slots)
+        segs = [Segment(self.k, self.v, self.valid, self._zero_pos, length=length)] + middle
         q_pos = new.positions if new is not None else self.seen.view(1) - 1
         if new is not None:
             segs.append(new)

@@ -51,6 +51,18 @@ def _split_lanes(segments: Sequence[Segment]) -> tuple[list, list[Segment]]:
     return lanes, rest
 
 
+def _lanes_length(segments: Sequence[Segment]) -> torch.Tensor | None:
+    """One bound for a launch over these lane segments: the largest :attr:`Segment.length`, or ``None``
+    (no bound) when any segment has none."""
+    lengths = [seg.length for seg in segments if _lane_of(seg) is not None]
+    if not lengths or any(n is None for n in lengths):
+        return None
+    out = lengths[0]
+    for n in lengths[1:]:
+        out = torch.maximum(out, n)
+    return out
+
+
 def _fused_dense(query4: torch.Tensor, segments: Sequence[Segment], q_len: int, scale: float,
                  fused: bool | None = None, impl: str | None = None):
     """CUDA decode: ``(partial, remaining segments)`` with the full-precision lanes read in one launch."""
@@ -65,7 +77,8 @@ def _fused_dense(query4: torch.Tensor, segments: Sequence[Segment], q_len: int, 
 
         if not triton_kernel.supports(query4, lanes):  # shapes only: decided at trace time
             return None, segments
-        return leank.grouped_partial_attention(query4, lanes, scale, impl=impl), rest
+        return leank.grouped_partial_attention(query4, lanes, scale, impl=impl,
+                                               length=_lanes_length(segments)), rest
     if fused is False:
         return None, segments
     mode = "triton" if fused else os.environ.get("KVCOMPRESS_KERNELS", "auto")  # "triton" forces it
