@@ -7,7 +7,7 @@ import sys
 import warnings
 from typing import Any, Callable, Sequence
 
-from .errors import ConfigError, KVCompressError, KVCompressWarning, shorten
+from .errors import ConfigError, KVCompressError, KVCompressWarning, Phrase, shorten
 
 #: Largest --max-new-tokens (a documented maximum; the model's max_position_embeddings bounds it further).
 MAX_NEW_TOKENS = 1 << 20
@@ -128,9 +128,9 @@ def _prompt_inputs(tokenizer: Any, args: argparse.Namespace, config: Any) -> Any
         return inputs
     if args.truncate is None:
         raise ConfigError("PROMPT", f"at most {limit:,} tokens (max_position_embeddings {positions:,} - "
-                          f"--max-new-tokens {args.max_new_tokens:,})", f"{length:,} tokens",
+                          f"--max-new-tokens {args.max_new_tokens:,})", Phrase(f"{length:,} tokens"),
                           hint="shorten it, or pass --truncate left (keep its end) or --truncate right (keep its start)")
-    content = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
+    content = list(tokenizer(args.prompt, add_special_tokens=False).input_ids)
     excess = length - limit
     for _ in range(4):  # decoding and re-encoding a cut text can merge tokens differently: cut again if needed
         keep = max(len(content) - excess, 0)

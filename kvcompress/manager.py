@@ -137,7 +137,8 @@ def build_registry(pm: PluginManager) -> Registry:
     """The compressors every plugin registers; a plugin whose registration raises is skipped (recorded)."""
     registry = Registry()
     registry.failures.extend(getattr(pm, "failures", []))
-    for impl in pm.hook.kvcompress_register_compressors.get_hookimpls():
+    impls = pm.hook.kvcompress_register_compressors.get_hookimpls()
+    for impl in sorted(impls, key=lambda im: pm.sources.get(id(im.plugin)) != "built-in"):  # built-ins first
         source = pm.sources.get(id(impl.plugin), pm.get_name(impl.plugin) or "unknown")
         spelled = pm.entry_points.get(id(impl.plugin), pm.get_name(impl.plugin) or "unknown")
         specs: list[Any] = []

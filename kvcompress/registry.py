@@ -111,7 +111,7 @@ class Registry:
         for spec in specs:
             if not isinstance(spec, CompressorSpec):
                 self.failures.append(PluginFailure(entry_point, source, f"register() expects a CompressorSpec, "
-                                                   f"got {type(spec).__name__}"))
+                                                   f"got {type(spec).__name__}", (entry_point.split(" = ")[0],)))
                 continue
             other = self._specs.pop(spec.name, None)
             if other is None and spec.name not in self._claimants:

@@ -121,6 +121,8 @@ def _invalid(source: str, exc: yaml.YAMLError) -> ConfigError:
     problem = getattr(exc, "problem", None) or str(exc)
     mark = getattr(exc, "problem_mark", None)
     where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    if isinstance(exc, yaml.reader.ReaderError):  # a character YAML does not allow
+        problem, where = f"unacceptable character #x{exc.character:04x}: {exc.reason}", f" (character {exc.position})"
     context = getattr(exc, "context", None)
     return ConfigError(source, "valid YAML", Phrase(f"{problem}{where}"), hint=context)
 
