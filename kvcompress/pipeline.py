@@ -47,7 +47,7 @@ def _bind(impl: pluggy.HookImpl, name: str, stage: str, pipeline: "StackPipeline
             pipeline.failed = exc
             raise
         except Exception as exc:
-            error = PluginError(f"compressor {name!r} raised in hook {stage}: {type(exc).__name__}: {exc}")
+            error = PluginError(f"compressor {name} raised in hook {stage}: {type(exc).__name__}: {exc}")
             pipeline.failed = error
             raise error from exc
 
@@ -58,8 +58,10 @@ def _bind(impl: pluggy.HookImpl, name: str, stage: str, pipeline: "StackPipeline
 class StackPipeline:
     """Compressor objects of one stack and their resolved hook implementations."""
 
-    def __init__(self, compressors: Sequence[tuple[str, Any]]):
+    def __init__(self, compressors: Sequence[tuple[str, Any]], sources: Sequence[str] | None = None):
         self.compressors = list(compressors)
+        #: where each compressor comes from ("built-in", "<distribution> <version>"), named in hook errors
+        self.sources = list(sources) if sources is not None else [""] * len(self.compressors)
         self.failed: Exception | None = None  # set when a hook raised: the caches running this stack are unusable
         self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(CacheCompressor)
@@ -78,9 +80,13 @@ class StackPipeline:
         for stage in _STAGES:
             impls = getattr(self.pm.hook, stage).get_hookimpls()
             impls = sorted(impls, key=lambda im: order[id(im.plugin)])
-            self.stages[stage] = [_bind(im, self.compressors[order[id(im.plugin)]][0], stage, self) for im in impls]
+            self.stages[stage] = [_bind(im, self._label(order[id(im.plugin)]), stage, self) for im in impls]
         self._transforms = (self.stages["kvcompress_prune_channels"] + self.stages["kvcompress_lowrank_transform"]
                             + self.stages["kvcompress_regroup_heads"])
+
+    def _label(self, i: int) -> str:
+        name, source = repr(self.compressors[i][0]), self.sources[i]
+        return f"{name} ({source})" if source else name
 
     # -- build time ---------------------------------------------------------------------
     def validate_stack(self, entries: list[tuple[str, Any]], axes: list[str]) -> None:

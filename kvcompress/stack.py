@@ -46,7 +46,8 @@ class Stack:
     source: str = "<stack>"
 
     def build(self) -> StackPipeline:
-        return StackPipeline([(e.name, e.spec.factory(e.config)) for e in self.entries])
+        return StackPipeline([(e.name, e.spec.factory(e.config)) for e in self.entries],
+                             sources=[e.spec.source for e in self.entries])
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.settings)

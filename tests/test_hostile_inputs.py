@@ -505,13 +505,13 @@ def test_hook_that_raises_is_one_plugin_error_and_the_model_is_restored(model, c
             with kvcompress.compress(model, _stack_of(_BoomLater)) as cache:
                 model.generate(ids, cache=cache, **generate)
     assert type(err.value) is PluginError and err.value.__cause__ is not None
-    one_line(str(err.value), f"compressor 'boom' raised in hook {hook}: {error}")
+    one_line(str(err.value), f"compressor 'boom' (test) raised in hook {hook}: {error}")
     assert model.config._attn_implementation == before
     if cache is not None:  # the cache is marked unusable: reusing it is refused, in the scope or not
         with pytest.raises(PluginError) as again:
             with kvcompress.compress(model, "examples/stacks/none.yaml"):
                 model(ids, cache=cache)
-        one_line(str(again.value), "this kvcompress cache is unusable", "compressor 'boom' raised")
+        one_line(str(again.value), "this kvcompress cache is unusable", "compressor 'boom' (test) raised")
         assert model.config._attn_implementation == before
 
 

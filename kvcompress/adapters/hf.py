@@ -249,7 +249,8 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     if layer is None:  # a layer kvcompress does not own (sliding layers, no cache, other caches)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    if getattr(module, "config", layer.info.model_config) is not layer.info.model_config:
+    built_for = layer.info.model_config
+    if built_for is not None and getattr(module, "config", built_for) is not built_for:
         layer.pending = None
         raise UnsupportedOperationError("a kvcompress cache built for one model is read by another model's attention; "
                                         "a cache serves one model: build one per model")
