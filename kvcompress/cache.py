@@ -158,6 +158,8 @@ class Cache(hf.CacheBase):
             raise UnsupportedModelError("the model has no full-attention layer for kvcompress to compress")
         super().__init__(layers=layers)
         self._first = next(i for i, layer in enumerate(layers) if isinstance(layer, hf.CompressedCacheLayer))
+        self._num_layers, self._compresses = len(layers), bool(stack.entries)
+        self._expect: list[Any] = [kv_heads, head_dim, None]  # what keys must be (the dtype is learnt on the first call)
         if max_batch_size is not None:
             dtype, device = hf.model_dtype_device(model)
             for core in self.compressed_layers:
@@ -165,33 +167,42 @@ class Cache(hf.CacheBase):
 
     def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any):
         """transformers' ``Cache.update``, after the checks that keep a misused cache from running silently
-        wrong: a cache whose stack raised is unusable; a cache serves the model it was built for (layer
+        wrong, made once per forward call, at its first compressed layer (every compressed layer has the same
+        geometry): a cache whose stack raised is unusable; a cache serves the model it was built for (layer
         count, KV heads, head dim, dtype); the bare cache (without ``kvcompress.compress``) refuses a
         left-padded batch of a compressing stack."""
+        if layer_idx == self._first:
+            self._check_call(key_states, args, kwargs)
+        elif not 0 <= layer_idx < self._num_layers:
+            raise UnsupportedOperationError(self._other_model(f"layer {layer_idx}, but the cache has "
+                                                              f"{self._num_layers} layers"))
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _check_call(self, key_states: Any, args: tuple, kwargs: dict) -> None:
         if self.pipeline.failed is not None:
             raise PluginError(f"this kvcompress cache is unusable: its stack failed earlier ({self.pipeline.failed}); "
                               "build a new cache")
-        if not 0 <= layer_idx < len(self.layers):
-            raise UnsupportedOperationError(self._other_model(f"layer {layer_idx}, but the cache has "
-                                                              f"{len(self.layers)} layers"))
-        layer = self.layers[layer_idx]
-        if isinstance(layer, hf.CompressedCacheLayer):
-            core, shape = layer.core, tuple(key_states.shape)
-            if len(shape) != 4 or shape[1] != core.info.num_kv_heads or shape[3] != core.info.head_dim:
-                raise UnsupportedOperationError(self._other_model(
-                    f"keys of shape {shape} in layer {layer_idx}, but the cache holds {core.info.num_kv_heads} "
-                    f"KV heads x head_dim {core.info.head_dim}"))
-            stored = _stored_dtype(core)
-            if stored is not None and key_states.dtype != stored:
-                raise UnsupportedOperationError(self._other_model(f"{key_states.dtype} keys, but the cache holds "
-                                                                  f"{stored}"))
-            if layer_idx == self._first and self.stack.entries and not self.reads_compressed() \
-                    and _rows_misaligned(args, kwargs):
-                raise UnsupportedOperationError(
-                    "this batch is left-padded (rows have different positions): a kvcompress.Cache used without "
-                    "the context manager cannot mask padding in what it keeps; use `with kvcompress.compress(model, "
-                    "stack) as cache: model.generate(..., cache=cache)`")
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        shape, expect = key_states.shape, self._expect
+        if key_states.dtype is expect[2] and len(shape) == 4 and shape[1] == expect[0] and shape[3] == expect[1]:
+            return
+        shape = tuple(shape)
+        if len(shape) != 4 or shape[1] != expect[0] or shape[3] != expect[1]:
+            raise UnsupportedOperationError(self._other_model(
+                f"keys of shape {shape}, but the cache holds {expect[0]} KV heads x head_dim {expect[1]}"))
+        stored = _stored_dtype(self.layers[self._first].core)
+        if stored is not None and key_states.dtype != stored:
+            raise UnsupportedOperationError(self._other_model(f"{key_states.dtype} keys, but the cache holds {stored}"))
+        # the first call (or the first after reset): the dtype is learnt; a bare cache refuses left padding
+        if self._compresses and not self.reads_compressed() and _rows_misaligned(args, kwargs):
+            raise UnsupportedOperationError(
+                "this batch is left-padded (rows have different positions): a kvcompress.Cache used without the "
+                "context manager cannot mask padding in what it keeps; use `with kvcompress.compress(model, stack) "
+                "as cache: model.generate(..., cache=cache)`")
+        expect[2] = key_states.dtype
+
+    def reset(self) -> None:
+        super().reset()
+        self._expect[2] = None  # the next call is a first call again
 
     @staticmethod
     def _other_model(what: str) -> str:

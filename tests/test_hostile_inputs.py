@@ -714,7 +714,7 @@ TWO_MODELS = [
     ("more_layers", lambda m: tiny_model("llama", layers=3), "bare",
      "passes layer 2, but the cache has 2 layers"),
     ("other_geometry", lambda m: _other_geometry(), "bare",
-     "passes keys of shape (1, 4, 12, 16) in layer 0, but the cache holds 2 KV heads x head_dim 16"),
+     "passes keys of shape (1, 4, 12, 16), but the cache holds 2 KV heads x head_dim 16"),
     ("other_dtype", lambda m: copy.deepcopy(m).to(torch.bfloat16), "bare",
      "passes torch.bfloat16 keys, but the cache holds torch.float32"),
     ("outside_the_scope", lambda m: tiny_model("llama", seed=1), "scope",
