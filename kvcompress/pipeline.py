@@ -43,12 +43,10 @@ def _bind(impl: pluggy.HookImpl, name: str, stage: str, pipeline: "StackPipeline
     def call(**kwargs: Any) -> Any:
         try:
             return fn(*[kwargs[n] for n in names])
-        except KVCompressError as exc:
-            pipeline.failed = exc
-            raise
         except Exception as exc:
-            error = PluginError(f"compressor {name} raised in hook {stage}: {type(exc).__name__}: {exc}")
-            pipeline.failed = error
+            error = pipeline.failure(f"compressor {name} raised in hook {stage}", exc)
+            if error is exc:
+                raise
             raise error from exc
 
     call.__name__ = getattr(fn, "__qualname__", "hook")
@@ -83,6 +81,13 @@ class StackPipeline:
             self.stages[stage] = [_bind(im, self._label(order[id(im.plugin)]), stage, self) for im in impls]
         self._transforms = (self.stages["kvcompress_prune_channels"] + self.stages["kvcompress_lowrank_transform"]
                             + self.stages["kvcompress_regroup_heads"])
+
+    def failure(self, where: str, exc: Exception) -> Exception:
+        """Mark the stack failed (the caches running it refuse further use); return what to raise: a
+        :class:`KVCompressError` as it is, anything else as one :class:`PluginError` saying ``where``."""
+        error = exc if isinstance(exc, KVCompressError) else PluginError(f"{where}: {type(exc).__name__}: {exc}")
+        self.failed = error
+        return error
 
     def _label(self, i: int) -> str:
         name, source = repr(self.compressors[i][0]), self.sources[i]
@@ -149,7 +154,13 @@ class StackPipeline:
             out = fn(layer=layer, block=block)
             if out is not None:
                 block = out
-        layer.middle.append(block)
+        try:
+            layer.middle.append(block)
+        except Exception as exc:  # a store a compressor built (plugin code, called directly)
+            error = self.failure(f"the middle store {type(layer.middle).__name__} raised in append", exc)
+            if error is exc:
+                raise
+            raise error from exc
 
     def not_graph_safe(self) -> list[tuple[str, list[str]]]:
         """``(compressor name, hooks it implements)`` for each compressor that does not declare

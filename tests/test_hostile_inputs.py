@@ -473,9 +473,27 @@ class _BoomValidate(kvcompress.Compressor):
         raise IndexError("validation bug")
 
 
-def _stack_of(factory, name: str = "boom"):
+class _BoomStore(kvcompress.Compressor):
+    """Its middle store (plugin code the layer calls directly, not a hook) raises when a block arrives."""
+
+    @hookimpl
+    def kvcompress_layer_layout(self, layer):
+        return Layout(sinks=2, recent=8, flush=4)
+
+    @hookimpl
+    def kvcompress_quantize_store(self, layer):
+        from kvcompress.state import DenseStore
+
+        class BrokenStore(DenseStore):
+            def append(self, block):
+                raise RuntimeError("store is full of bugs")
+
+        return BrokenStore()
+
+
+def _stack_of(factory, name: str = "boom", axis: str = "evict"):
     reg = Registry()
-    reg.add(CompressorSpec(name=name, axis="evict", config=_NoParams, factory=factory), "test")
+    reg.add(CompressorSpec(name=name, axis=axis, config=_NoParams, factory=factory), "test")
     return parse_stack({"compressors": [{name: {}}]}, registry=reg)
 
 
@@ -484,6 +502,7 @@ HOOK_CASES = [
     ("generate_bare_cache", "kvcompress_evict_tokens", "ZeroDivisionError: boom in the middle of generation"),
     ("cache_build", "kvcompress_layer_layout", "KeyError: 'no layout for you'"),
     ("stack_validation", "kvcompress_validate_stack", "IndexError: validation bug"),
+    ("store_append", None, "the middle store BrokenStore raised in append: RuntimeError: store is full of bugs"),
 ]
 
 
@@ -501,17 +520,20 @@ def test_hook_that_raises_is_one_plugin_error_and_the_model_is_restored(model, c
         elif case == "generate_bare_cache":
             cache = kvcompress.Cache(_stack_of(_BoomLater), model)
             model.generate(ids, cache=cache, **generate)
+        elif case == "store_append":
+            with kvcompress.compress(model, _stack_of(_BoomStore, axis="quantize")) as cache:
+                model.generate(ids, cache=cache, **generate)
         else:
             with kvcompress.compress(model, _stack_of(_BoomLater)) as cache:
                 model.generate(ids, cache=cache, **generate)
     assert type(err.value) is PluginError and err.value.__cause__ is not None
-    one_line(str(err.value), f"compressor 'boom' (test) raised in hook {hook}: {error}")
+    one_line(str(err.value), f"compressor 'boom' (test) raised in hook {hook}: {error}" if hook else error)
     assert model.config._attn_implementation == before
     if cache is not None:  # the cache is marked unusable: reusing it is refused, in the scope or not
         with pytest.raises(PluginError) as again:
             with kvcompress.compress(model, "examples/stacks/none.yaml"):
                 model(ids, cache=cache)
-        one_line(str(again.value), "this kvcompress cache is unusable", "compressor 'boom' (test) raised")
+        one_line(str(again.value), "this kvcompress cache is unusable", error)
         assert model.config._attn_implementation == before
 
 
