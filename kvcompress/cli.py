@@ -274,6 +274,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.context + extra + args.steps > len(tokens):
         raise ConfigError("--context", f"context + steps{' + 2' if extra else ''} <= {len(tokens)} "
                           "(tokens in the document text)", args.context)
+    from .adapters import hf
+    from .cache import max_positions
+
+    positions = max_positions(hf.text_config(model))
+    if args.compile and positions is not None and args.context + extra + args.steps > positions:
+        raise ConfigError("--context", f"with --compile, context + steps + {extra} <= the model's {positions} "
+                          "positions (the static cache's capacity)", args.context)
     result = bench_decode(model, tokens, stacks, context=args.context, steps=args.steps, rounds=args.rounds,
                           model_name=_model_name(args.model), progress=not args.quiet, compile=args.compile)
     print(result.table(markdown=args.markdown))

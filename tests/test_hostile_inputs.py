@@ -667,6 +667,17 @@ def test_max_new_tokens_beyond_the_model_is_refused(tiny_generate, capsys):
     assert tiny_generate == []
 
 
+@pytest.mark.parametrize("argv,fragment", [
+    ("eval --stack {W} --task agreement --context 1020 --tokens 8 --compile --dtype float32 --quiet",
+     "--context: expected with --compile, context + tokens within the model's 1024 positions"),
+    ("bench --stack {W} --context 1000 --steps 32 --compile --dtype float32 --quiet",
+     "--context: expected with --compile, context + steps + 2 <= the model's 1024 positions"),
+])
+def test_compiled_capacity_beyond_the_model_is_refused_before_running(tiny_generate, capsys, argv, fragment):
+    assert _run(argv.format(W=WINDOW).split()) == 2
+    cli_error(capsys, fragment, "got 10")
+
+
 def _cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvcompress.cli", *argv], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=120)

@@ -459,6 +459,13 @@ class Evaluator:
             if settings.context < low:
                 raise ConfigError("--context", f"at least {low} tokens for a passkey prompt", settings.context)
         trained = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        # a compiled run's static cache holds a sample's prompt and decoded tokens (ppl: its scored span too), and
+        # a kvcompress cache is never larger than the model's positions
+        ppl = settings.task == "ppl"
+        if self.compile and trained and settings.context + settings.tokens * (1 + ppl) + ppl > trained:
+            raise ConfigError("--context", f"with --compile, context + tokens{' x 2 + 1' if ppl else ''} within the "
+                              f"model's {trained} positions (the static cache's capacity)", settings.context,
+                              hint=f"--tokens is {settings.tokens}")
         if trained and settings.context + settings.tokens > trained:
             notes.append(f"context + tokens ({settings.context + settings.tokens}) exceeds the model's "
                          f"{trained} trained positions")
