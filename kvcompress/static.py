@@ -48,6 +48,11 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+def _device_only() -> bool:
+    """The step must not read device values on the host: it is being traced, or captured as a CUDA graph."""
+    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 def mark_static(*tensors: torch.Tensor | None) -> None:
     """Tag preallocated buffers as fixed addresses for CUDA graphs (skipped while tracing)."""
     if _compiling():
@@ -188,7 +193,7 @@ class StaticLayer:
         if valid_new is None:
             valid_new = torch.ones(k.shape[0], 1, dtype=torch.bool, device=k.device)
         valid_new = valid_new.expand(k.shape[0], 1)
-        compiling = _compiling()
+        compiling = _device_only()
         if not compiling:
             host = self.host_counts()  # (seen, flushed); one device read only after compiled steps
             if host[0] >= self.capacity:

@@ -100,7 +100,7 @@ BUILTIN_STACKS: dict[str, dict[str, Any]] = {
                                                {"kivi": {"bits": 2, "group": 32, "residual": 128, "sinks": 32}}]},
 }
 
-ROW_KINDS = ("dynamic", "static", "eager", "static-eager", "compiled")
+ROW_KINDS = ("dynamic", "static", "eager", "static-eager", "compiled", "graph")
 
 _EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "stacks"
 
@@ -235,11 +235,13 @@ class RowSpec:
 
     @property
     def compiled(self) -> bool:
-        return self.kind in ("static", "compiled")
+        return self.kind in ("static", "compiled", "graph")
 
 
-def row_specs(stacks: Sequence[Any], *, eager: bool = True, compile: bool = False) -> list[RowSpec]:
-    """The rows of one point: plain eager, StaticCache + compile, then each stack eager and compiled."""
+def row_specs(stacks: Sequence[Any], *, eager: bool = True, compile: bool = False, graph: bool = False
+              ) -> list[RowSpec]:
+    """The rows of one point: plain eager, StaticCache + compile, then each stack eager and compiled
+    (``graph``: also compiled and replayed as kvcompress' own CUDA graph, :class:`kvcompress.graphs.GraphStep`)."""
     rows = []
     if eager:
         rows.append(RowSpec("dynamic", "transformers DynamicCache"))
@@ -251,6 +253,8 @@ def row_specs(stacks: Sequence[Any], *, eager: bool = True, compile: bool = Fals
         if compile:
             rows.append(RowSpec("static-eager", f"{st.label} static", st))
             rows.append(RowSpec("compiled", f"{st.label} + compile", st))
+            if graph:
+                rows.append(RowSpec("graph", f"{st.label} + compile + CUDA graph", st))
     return rows
 
 
@@ -288,7 +292,7 @@ class _Decoder:
     def __init__(self, model: Any, spec: RowSpec, batch: int, capacity: int, scope: contextlib.ExitStack):
         from ..adapters import hf
         from ..api import compress
-        from .runner import compiled_step, static_cache
+        from .runner import compiled_step, graph_step, static_cache
 
         self.model, self.spec, self.batch = model, spec, batch
         self.device = next(model.parameters()).device
@@ -298,11 +302,14 @@ class _Decoder:
         self.cache: Any = None
         if spec.kind == "static":
             self.cache = scope.enter_context(static_cache(model, None, capacity))
-        elif spec.kind in ("compiled", "static-eager"):
+        elif spec.kind in ("compiled", "static-eager", "graph"):
             self.cache = scope.enter_context(static_cache(model, spec.stack, capacity, batch=batch))
         elif spec.kind == "eager":
             self.cache = scope.enter_context(compress(model, spec.stack))
-        self.fn = compiled_step(model) if spec.compiled else model
+        if spec.kind == "graph":
+            self.fn = graph_step(model)  # captured during the benchmark's warm-up steps
+        else:
+            self.fn = compiled_step(model) if spec.compiled else model
 
     def _kwargs(self, pos: torch.Tensor) -> dict[str, Any]:
         """Keyword arguments of a forward call at positions ``pos`` (``[n]``, on the device)."""
@@ -334,7 +341,7 @@ class _Decoder:
         self.kwargs = [self._kwargs(pos[i:i + 1].clone()) for i in range(count)]
 
     def step(self, i: int) -> None:
-        if self.spec.compiled and self.device.type == "cuda":
+        if self.spec.kind in ("static", "compiled") and self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
         self.fn(input_ids=self.ids[i], **self.kwargs[i])
 
@@ -357,7 +364,7 @@ def measure_row(model: Any, spec: RowSpec, batch: int, ctx: int, *, steps: int =
 
     Never raises for a failure of the row itself: the row's ``error`` says what happened.
     """
-    from .runner import cache_memory, compile_options
+    from .runner import cache_memory, compile_options, graph_compile_options
 
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
@@ -369,7 +376,8 @@ def measure_row(model: Any, spec: RowSpec, batch: int, ctx: int, *, steps: int =
         "stack": spec.stack.to_dict() if spec.stack is not None else None,
         "stack_source": getattr(spec.stack, "source", None), "batch": batch, "context": ctx,
         "capacity": capacity if spec.compiled or spec.kind == "static-eager" else None, "prefill_chunk": chunk,
-        "compile_options": compile_options(device) if spec.compiled else None,
+        "compile_options": (dict(graph_compile_options(device), cuda_graph="kvcompress GraphStep")
+                            if spec.kind == "graph" else compile_options(device) if spec.compiled else None),
         "wall_ms": None, "wall_p10_ms": None, "wall_p90_ms": None, "step_ms": [], "gpu_busy_ms": None,
         "kernels_per_step": None, "wall_over_busy": None, "cache_bytes": None,
         "dense_bytes": (ctx + total) * batch * dense_bytes_per_token(model), "prefill_s": None,
@@ -644,7 +652,7 @@ def run(model: Any, stacks: Sequence[Any], *, shape: str, points: Sequence[tuple
     else:
         settings.update(points=[f"{b}x{c}" for b, c in points], profile_steps=profile_steps, eager=eager,
                         compile=compile)
-        specs = row_specs(stacks, eager=eager, compile=compile)
+        specs = row_specs(stacks, eager=eager, compile=compile, graph=compile and device.type == "cuda")
         jobs = [(s, p) for p in points for s in specs]
     result = E2EResult("throughput" if throughput else "latency", settings, describe_model(model), [], env)
     start = time.perf_counter()

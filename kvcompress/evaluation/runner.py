@@ -303,6 +303,23 @@ def compiled_step(model: Any) -> Callable[..., Any]:
     return torch.compile(model.forward, **compile_options(next(model.parameters()).device))
 
 
+def graph_compile_options(device: Any) -> dict[str, Any]:
+    """``torch.compile`` options of a step that :class:`kvcompress.graphs.GraphStep` captures itself: Inductor
+    without CUDA-graph trees on CUDA (``fullgraph=True``), ``aot_eager`` elsewhere (no graph is captured)."""
+    if torch.device(device).type == "cuda":
+        return {"fullgraph": True}
+    return {"backend": "aot_eager", "fullgraph": True}
+
+
+def graph_step(model: Any, warmup: int = 2) -> Callable[..., Any]:
+    """The decode step replayed as one CUDA graph captured by kvcompress (:class:`kvcompress.graphs.GraphStep`)
+    over ``torch.compile(model.forward, **graph_compile_options(device))``; a static cache is required."""
+    from ..graphs import GraphStep
+
+    return GraphStep(torch.compile(model.forward, **graph_compile_options(next(model.parameters()).device)),
+                     warmup=warmup)
+
+
 def generate_compile_config(device: Any) -> Any:
     """transformers' ``CompileConfig`` for ``model.generate(..., compile_config=...)`` with the options of
     :func:`compile_options` (``fullgraph=True``: a graph break is an error, not a silently slow step).

@@ -1,0 +1,125 @@
+"""kvcompress.graphs.GraphStep: a static cache's decode step replayed as one captured CUDA graph.
+
+On the CPU a GraphStep calls its function (no graph); its wrapper logic (argument checks, output
+copies) is checked here. On a CUDA device (``-m gpu``) the replayed steps are compared with the eager
+static cache's logits over steps that cross flush events, and a capture of a step that reads device
+values on the host must fail with a clear error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcompress
+from kvcompress.errors import UnsupportedOperationError
+from kvcompress.graphs import GraphStep, _clone
+from models import tiny_model
+
+
+def _decode(model, stack, steps, step_fn=None, prompt=24, device="cpu"):
+    """Teacher-forced logits of ``steps`` single-token steps after an eager prefill, through ``step_fn``
+    (built from the model) or the eager model."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 256, (2, prompt + steps), generator=g).to(device)
+    out = []
+    with kvcompress.compress(model, stack, max_cache_len=prompt + steps + 4) as cache, torch.no_grad():
+        fn = step_fn(model) if step_fn is not None else model.forward
+        pos = torch.arange(prompt + steps, device=device).expand(2, -1)
+        model(ids[:, :prompt], position_ids=pos[:, :prompt], past_key_values=cache)
+        for i in range(prompt, prompt + steps):
+            o = fn(input_ids=ids[:, i:i + 1].clone(), position_ids=pos[:, i:i + 1].clone(), past_key_values=cache,
+                   logits_to_keep=1)
+            out.append(o.logits[:, -1].float())
+    return torch.stack(out), fn
+
+
+def test_cpu_step_is_a_plain_call_and_outputs_are_copies():
+    calls = []
+
+    def fn(x, k=1):
+        calls.append(k)
+        return {"y": x * k, "keep": "x"}
+
+    step = GraphStep(fn, warmup=1)
+    x = torch.arange(4.0)
+    out = step(x=x, k=2)
+    assert torch.equal(out["y"], x * 2) and calls == [2] and step.graph is None and step.replays == 0
+    with pytest.raises(ValueError, match="warmup must be >= 1"):
+        GraphStep(fn, warmup=0)
+
+
+def test_clone_copies_tensors_of_model_outputs():
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    logits = torch.randn(2, 1, 8)
+    marker = object()
+    out = _clone(CausalLMOutputWithPast(logits=logits, past_key_values=marker))
+    assert type(out) is CausalLMOutputWithPast and out.past_key_values is marker
+    assert torch.equal(out.logits, logits) and out.logits.data_ptr() != logits.data_ptr()
+
+
+def test_cpu_graph_step_decodes_like_the_eager_static_cache():
+    from kvcompress.evaluation.runner import graph_step
+
+    model = tiny_model("llama")
+    stack = kvcompress.parse_stack({"compressors": [{"kivi": {"bits": 2, "group": 16, "residual": 16}}]})
+    torch._dynamo.reset()
+    eager, _ = _decode(model, stack, 20)
+    replayed, fn = _decode(model, stack, 20, step_fn=lambda m: graph_step(m, warmup=2))
+    assert fn.calls == 20 and fn.replays == 0  # no graph off CUDA
+    torch.testing.assert_close(replayed, eager, rtol=0, atol=1e-5)
+
+
+def _bind_step(static):
+    step = GraphStep(lambda **kw: None, warmup=1)
+    step._static = static
+    return step
+
+
+def test_changed_arguments_are_refused_with_what_changed():
+    held = torch.zeros(2, 1, dtype=torch.long)
+    cache = object()
+    step = _bind_step({"input_ids": held, "past_key_values": cache, "logits_to_keep": 1})
+    new = torch.full((2, 1), 7)
+    step._bind({"input_ids": new, "past_key_values": cache, "logits_to_keep": 1})
+    assert torch.equal(held, new)  # copied into the captured buffer
+    with pytest.raises(UnsupportedOperationError, match=r"captured 'input_ids' as \(2, 1\).*got \(3, 1\)"):
+        step._bind({"input_ids": torch.zeros(3, 1, dtype=torch.long), "past_key_values": cache, "logits_to_keep": 1})
+    with pytest.raises(UnsupportedOperationError, match="argument 'past_key_values' changed"):
+        step._bind({"input_ids": new, "past_key_values": object(), "logits_to_keep": 1})
+    with pytest.raises(UnsupportedOperationError, match="called with"):
+        step._bind({"input_ids": new, "past_key_values": cache})
+
+
+CUDA_STACKS = {
+    "none": [],
+    "window": [{"window": {"sinks": 2, "recent": 16}}],
+    "kivi2": [{"kivi": {"bits": 2, "group": 16, "residual": 16}}],
+    "paged+kivi2": [{"paged_eviction": {"budget": 48, "block": 16}}, {"kivi": {"bits": 2, "group": 16, "residual": 16}}],
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", list(CUDA_STACKS))
+def test_cuda_graph_replay_equals_eager(name):
+    from kvcompress.evaluation.runner import graph_step
+
+    model = tiny_model("llama").cuda()
+    stack = kvcompress.parse_stack({"compressors": CUDA_STACKS[name]})
+    torch._dynamo.reset()
+    eager, _ = _decode(model, stack, 48, device="cuda")
+    replayed, fn = _decode(model, stack, 48, step_fn=lambda m: graph_step(m, warmup=2), device="cuda")
+    assert fn.replays == 46 and fn.graph is not None
+    torch.testing.assert_close(replayed, eager, rtol=0, atol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_capture_of_a_host_reading_step_fails_clearly():
+    step = GraphStep(lambda x: x * int(x.sum()), warmup=1)
+    x = torch.ones(4, device="cuda")
+    step(x=x)
+    with pytest.raises(UnsupportedOperationError, match="could not be captured as a CUDA graph"):
+        step(x=x)
