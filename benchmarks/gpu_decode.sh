@@ -6,6 +6,7 @@
 #        e2e8   - the same at B8/16k
 #        breakdown - top CUDA kernels and guard overhead of a compiled step (gpu_step_breakdown.py)
 #        timeline - host / GPU / busy split of a compiled step per row (gpu_step_timeline.py; STACKS may name "static")
+#        graph  - GraphStep tests on the GPU, then kvcompress CUDA-graph rows (gpu_graph_rows.py; POINTS, STACKS)
 #        ops    - benchmarks/gpu_ops_check.py (every registered op and impl compiled, vs the reference)
 # STACKS (env, default "none kivi2") names kvcompress.evaluation.e2e.BUILTIN_STACKS entries.
 set -o pipefail
@@ -35,6 +36,14 @@ case "$PHASE" in
   timeline)
     timeout "${TL_S:-560}" python benchmarks/gpu_step_timeline.py --rows ${STACKS} --batch "${B:-1}" --ctx "${CTX:-32768}" \
       --out "$OUT" 2>&1 | grep -v "Warning\|warn(\|USDT" | tail -40
+    ;;
+  graph)
+    # GraphStep replay vs eager on a tiny model (pytest from /tmp/site: the source tree must not shadow the install),
+    # then "STACK + compile + CUDA graph" rows of the Llama-3-8B shape
+    (cd /tmp/site && timeout 200 python -m pytest -q -m gpu "$OLDPWD/tests/test_graph_step.py" -p no:cacheprovider 2>&1 \
+      | tail -8) | tee -a "$OUT/log.txt"
+    timeout "${GR_S:-380}" python benchmarks/gpu_graph_rows.py --stack ${STACKS} --points ${POINTS:-1x32768 8x16384} \
+      --out "$OUT" 2>&1 | grep -v "Warning\|warn(" | tail -20
     ;;
   ops)
     timeout 500 python benchmarks/gpu_ops_check.py --out "$OUT" 2>&1 | tail -40
