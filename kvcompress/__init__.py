@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from .compressor import Compressor
 from .config import param
 from .errors import ConfigError, KVCompressError, PluginError, UnsupportedModelError, UnsupportedOperationError
+from .graphs import GraphStep
 from .hookspecs import hookimpl
 from .registry import CompressorSpec
 from .state import KVBlock, LayerInfo, Layout, MiddleStore, Segment, TokenSelection
@@ -42,7 +43,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "Cache", "Compressor", "CompressorSpec", "ConfigError", "KVBlock", "KVCompressError", "LayerInfo",
+    "Cache", "Compressor", "CompressorSpec", "ConfigError", "GraphStep", "KVBlock", "KVCompressError", "LayerInfo",
     "Layout", "MiddleStore", "PluginError", "Segment", "Stack", "TokenSelection", "UnsupportedModelError",
     "UnsupportedOperationError", "compress", "hookimpl", "load_stack", "param", "parse_stack",
 ]

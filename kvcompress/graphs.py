@@ -91,23 +91,25 @@ class GraphStep:
         if not on:
             self.calls += 1
             return self.fn(**kwargs)
-        if self.graph is not None:
+        if self._static is None:  # every call runs on these buffers: warm-up calls trace what the graph captures
+            self._static = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+        else:
             self._bind(kwargs)
+        if self.graph is not None:
             self.graph.replay()
             self.calls += 1
             self.replays += 1
             return self._outputs()
         if self.calls < self.warmup:  # a real step, outside any graph
             self.calls += 1
-            return self.fn(**kwargs)
-        # capture this call's arguments as the graph's inputs, then run the step by replaying the capture
-        self._static = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+            return self.fn(**self._static)
+        # capture this call, then run the step by replaying the capture
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
                 self._out = self.fn(**self._static)
         except RuntimeError as exc:
-            self._static = self._out = None
+            self._out = None
             raise UnsupportedOperationError(
                 f"the decode step could not be captured as a CUDA graph ({str(exc).splitlines()[0][:200]}); "
                 "pass a step without host synchronisation, e.g. torch.compile(model.forward, fullgraph=True) "
