@@ -144,6 +144,7 @@ class Cache(hf.CacheBase):
         for i, (layer_type, kwargs) in enumerate(layout):
             if layer_type in hf.COMPRESSED_LAYER_TYPES:
                 info = LayerInfo(i, len(layout), kv_heads, q_heads, head_dim, config)
+                self.pipeline.check_budgets(info, [e.path for e in stack.entries])
                 if max_cache_len is None:
                     core = CompressedLayer(info, self.pipeline)
                 else:

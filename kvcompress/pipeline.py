@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import pluggy
 import torch
 
-from .errors import KVCompressError, PluginError
+from .errors import ConfigError, KVCompressError, PluginError
 from .hookspecs import PROJECT, CacheCompressor
 from .state import DenseStore, KVBlock, LayerInfo, Layout, MiddleStore
 
@@ -94,6 +94,45 @@ class StackPipeline:
         return f"{name} ({source})" if source else name
 
     # -- build time ---------------------------------------------------------------------
+    def layouts(self, info: LayerInfo) -> list[tuple[int, Layout]]:
+        """``(compressor index, layout)`` of each compressor that declares one for this layer."""
+        order = {id(obj): i for i, (_, obj) in enumerate(self.compressors)}
+        out = []
+        for impl in self.pm.hook.kvcompress_layer_layout.get_hookimpls():
+            lay = impl.function(layer=info)
+            if lay is not None:
+                out.append((order.get(id(impl.plugin), -1), lay))
+        return sorted(out, key=lambda x: x[0])
+
+    def check_budgets(self, info: LayerInfo, paths: Sequence[str]) -> None:
+        """Refuse a stack whose full-precision regions swallow a token budget.
+
+        Layouts combine by maximum (sinks, recent window), so a quantizer's window can be larger than an
+        evictor's whole budget (``window {recent: 100}`` + ``kivi {residual: 128}``): the evictor would keep
+        no middle token and the row would hold more than the budget. ``paths``: each compressor's key path
+        in the stack (``compressors[1].kivi``), named in the error.
+        """
+        layouts = self.layouts(info)
+        sinks = max([lay.sinks or 0 for _, lay in layouts], default=0)
+        recent = max([lay.recent or 0 for _, lay in layouts], default=0)
+
+        def who(field: str, value: int) -> str:
+            for i, lay in layouts:
+                if (getattr(lay, field) or 0) == value:
+                    return paths[i] if 0 <= i < len(paths) else "the stack"
+            return "the stack"
+
+        for i, lay in layouts:
+            if lay.budget is None or lay.budget > sinks + recent:
+                continue
+            path = paths[i] if 0 <= i < len(paths) else "the stack"
+            raise ConfigError(
+                path, f"a token budget above the full-precision regions the stack keeps per row ({sinks} sinks "
+                f"from {who('sinks', sinks)} + a recent window of {recent} from {who('recent', recent)} = "
+                f"{sinks + recent})", f"a budget of {lay.budget} tokens",
+                hint="The budget would keep no middle token and the row would hold more than it; raise the "
+                     "budget or shrink the other compressor's window")
+
     def validate_stack(self, entries: list[tuple[str, Any]], axes: list[str]) -> None:
         """Every compressor's ``kvcompress_validate_stack`` (cross-compressor rules, before any model)."""
         for fn in self.stages["kvcompress_validate_stack"]:

@@ -108,8 +108,22 @@ def parse_stack(data: Any, source: str = "<stack>", registry: Registry | None = 
     _check_order(entries)
     stack = Stack(tuple(entries), {k: data[k] for k in SETTINGS_KEYS if k in data}, source)
     if entries:
-        stack.build().validate_stack(entries=[(e.name, e.config) for e in entries], axes=[e.spec.axis for e in entries])
+        pipeline = stack.build()
+        pipeline.validate_stack(entries=[(e.name, e.config) for e in entries], axes=[e.spec.axis for e in entries])
+        _check_budgets(pipeline, [e.path for e in entries])
     return stack
+
+
+def _check_budgets(pipeline: StackPipeline, paths: list[str]) -> None:
+    """The budget check of :meth:`StackPipeline.check_budgets` before any model, on a stand-in layer (layouts
+    that depend on the model's shapes are checked again, per layer, when a cache is built)."""
+    from .state import LayerInfo
+
+    try:
+        pipeline.layouts(LayerInfo(0, 1, 1, 1, 64))
+    except Exception:  # noqa: BLE001 - a layout that needs the real model: checked when the cache is built
+        return
+    pipeline.check_budgets(LayerInfo(0, 1, 1, 1, 64), paths)
 
 
 def _key(key: Any) -> str:

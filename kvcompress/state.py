@@ -36,16 +36,21 @@ class Layout:
         flush: tokens leave the recent window in multiples of this many.
         middle: most tokens the middle store ever holds per row (an evictor's budget); static caches
             size their middle store by it (``None``: no bound, up to the cache's capacity).
+        budget: most tokens a row holds in this layer, sinks, recent window and middle together (an
+            evictor's token budget). The stack is refused when the full-precision regions the whole
+            stack keeps (the largest ``sinks`` plus the largest ``recent``) leave no middle token under
+            it (:meth:`kvcompress.pipeline.StackPipeline.check_budgets`).
     """
 
     sinks: int | None = None
     recent: int | None = None
     flush: int | None = None
     middle: int | None = None
+    budget: int | None = None
 
     @staticmethod
     def combine(layouts: Iterable["Layout | None"]) -> "Layout":
-        sinks = recent = middle = None
+        sinks = recent = middle = budget = None
         flush = 1
         for lay in layouts:
             if lay is None:
@@ -58,7 +63,9 @@ class Layout:
                 flush = flush * lay.flush // math.gcd(flush, lay.flush)
             if lay.middle is not None:
                 middle = lay.middle if middle is None else min(middle, lay.middle)
-        return Layout(sinks=sinks or 0, recent=recent, flush=flush, middle=middle)
+            if lay.budget is not None:
+                budget = lay.budget if budget is None else min(budget, lay.budget)
+        return Layout(sinks=sinks or 0, recent=recent, flush=flush, middle=middle, budget=budget)
 
 
 @dataclasses.dataclass(frozen=True)

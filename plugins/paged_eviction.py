@@ -141,7 +141,7 @@ class PagedEvictionCompressor(Compressor):
     @hookimpl
     def kvcompress_layer_layout(self, layer):
         # The newest, partial block waits in the full-precision window; full blocks become pages.
-        return Layout(sinks=self.config.sink_tokens, recent=0, flush=self.config.block)
+        return Layout(sinks=self.config.sink_tokens, recent=0, flush=self.config.block, budget=self.config.budget)
 
     @hookimpl
     def kvcompress_middle_store(self, layer, codec):

@@ -42,7 +42,8 @@ class WindowCompressor(Compressor):
         # The window itself needs no full-precision ring: its tokens live in the middle
         # store (full precision unless a quantizer is stacked after it), which never holds more
         # than the window's budget.
-        return Layout(sinks=self.config.sinks, recent=0, flush=1, middle=self.config.recent)
+        return Layout(sinks=self.config.sinks, recent=0, flush=1, middle=self.config.recent,
+                      budget=self.config.sinks + self.config.recent)
 
     @hookimpl
     def kvcompress_evict_tokens(self, layer, block):

@@ -155,3 +155,32 @@ def test_yaml_reader_rejects_duplicate_keys():
 def test_error_message_format_is_stable():
     err = ConfigError("compressors[1].window.recent", "an integer >= 1", -3)
     assert re.fullmatch(r"compressors\[1\]\.window\.recent: expected an integer >= 1, got -3", str(err))
+
+
+def test_a_budget_swallowed_by_another_compressors_window_is_refused_naming_both():
+    # window keeps sinks 4 + 100 tokens; kivi keeps a full-precision window of 128: no middle token would survive
+    with pytest.raises(ConfigError) as info:
+        parse_stack({"compressors": [{"window": {"sinks": 4, "recent": 100}}, {"kivi": {"residual": 128}}]})
+    msg = str(info.value)
+    assert info.value.path == "compressors[0].window"
+    assert "budget of 104 tokens" in msg and "compressors[1].kivi" in msg and "= 132" in msg
+    parse_stack({"compressors": [{"window": {"sinks": 4, "recent": 200}}, {"kivi": {"residual": 128}}]})
+
+
+def test_any_compressor_declaring_a_budget_gets_the_check():
+    class Budgeted(_Obj):
+        @hookimpl
+        def kvcompress_layer_layout(self, layer):
+            return Layout(sinks=2, recent=0, flush=1, budget=40)
+
+    class Windowed(_Obj):
+        @hookimpl
+        def kvcompress_layer_layout(self, layer):
+            return Layout(sinks=8, recent=32, flush=8)
+
+    reg = _registry()
+    reg.add(CompressorSpec(name="budgeted", axis="evict", config=_Cfg, factory=Budgeted), "test")
+    reg.add(CompressorSpec(name="windowed", axis="quantize", config=_Cfg, factory=Windowed), "test")
+    with pytest.raises(ConfigError, match=r"8 sinks from compressors\[1\]\.windowed \+ a recent window of 32"):
+        parse_stack({"compressors": [{"budgeted": {}}, {"windowed": {}}]}, registry=reg)
+    assert Layout.combine([Layout(budget=40), Layout(budget=30), Layout()]).budget == 30
