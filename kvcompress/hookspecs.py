@@ -164,7 +164,10 @@ class CacheCompressor:
         (at the end of prefill, then every ``Layout.flush`` tokens), before any
         eviction or quantization, so scores are always computed from exact values.
         Store results in ``block.meta[<key>]`` (tensors of shape ``[batch, tokens]``
-        or ``[batch, kv_heads, tokens, ...]``); later stages and stores keep them.
+        or ``[batch, kv_heads, tokens, ...]``); the later stages of the same flush read
+        them.  Stores do not keep ``block.meta``: scores of stored tokens needed later go
+        in the compressor's per-layer state (``layer.state``) or in a store that keeps
+        them (the paged store keeps page scores).
 
         Args:
             layer: the layer the block belongs to.
