@@ -41,6 +41,13 @@ def test_ppl_empty_stack_equals_baseline_and_window_degrades(evaluator):
     assert window.cache_bytes < none.cache_bytes and window.compression > none.compression
     # memory at the end of prefill: the dense fp16 cache of 128 tokens of 30 layers x 3 heads x 64 dims
     assert window.dense_bytes == 128 * 30 * 3 * 64 * 2 * 2
+    # and after decoding: the uncompressed cache grew by the 4 decoded tokens; its peak is its end
+    per_token = none.baseline_cache_bytes // 128
+    assert none.baseline_end_cache_bytes == none.baseline_cache_bytes + 4 * per_token
+    assert none.baseline_peak_cache_bytes == none.baseline_end_cache_bytes
+    assert none.end_cache_bytes >= none.cache_bytes and none.peak_cache_bytes >= none.end_cache_bytes
+    assert window.peak_cache_bytes >= window.end_cache_bytes and window.end_cache_bytes < none.end_cache_bytes
+    assert "cache MiB at end of decoding" in window.table() and "peak over the run" in window.table()
 
 
 def test_passkey_window_that_evicts_the_key_fails_where_baseline_passes(evaluator):

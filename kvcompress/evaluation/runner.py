@@ -117,6 +117,12 @@ class EvalResult:
     notes: list[str]
     env: dict[str, Any]
     compile: dict[str, Any] | None = None  #: torch.compile options of the stack's decode step (None: eager)
+    #: bytes held after the last decode step and the most held after any step (largest over samples);
+    #: ``cache_bytes`` is the end of prefill. ``None`` in results written before these were recorded.
+    end_cache_bytes: int | None = None
+    peak_cache_bytes: int | None = None
+    baseline_end_cache_bytes: int | None = None
+    baseline_peak_cache_bytes: int | None = None
 
     @property
     def compression(self) -> float:
@@ -156,7 +162,12 @@ class EvalResult:
             rows += [("token agreement (position-wise)", f"{m['agreement']:.2%}", "100%"),
                      ("common prefix / tokens", f"{m['prefix']:.2%}", "100%")]
         rows += [("cache bytes at end of prefill", f"{self.cache_bytes:,}", f"{self.baseline_cache_bytes:,}"),
-                 ("  MiB", mib(self.cache_bytes), mib(self.baseline_cache_bytes)),
+                 ("  MiB", mib(self.cache_bytes), mib(self.baseline_cache_bytes))]
+        if self.end_cache_bytes is not None:
+            rows += [("cache MiB at end of decoding", mib(self.end_cache_bytes), mib(self.baseline_end_cache_bytes or 0)),
+                     ("cache MiB, peak over the run", mib(self.peak_cache_bytes or 0),
+                      mib(self.baseline_peak_cache_bytes or 0))]
+        rows += [
                  ("compression (dense fp16 / held)", f"{self.compression:.2f}x", f"{self.baseline_compression:.2f}x"),
                  ("wall time", f"{self.wall_s:.1f} s",
                   f"{self.baseline_wall_s:.1f} s" + (" (reused)" if self.baseline_reused else ""))]
@@ -192,6 +203,10 @@ class EvalResult:
             "details": self.details,
             "notes": self.notes,
             "compile": self.compile,
+            "end_cache_bytes": self.end_cache_bytes,
+            "peak_cache_bytes": self.peak_cache_bytes,
+            "baseline_end_cache_bytes": self.baseline_end_cache_bytes,
+            "baseline_peak_cache_bytes": self.baseline_peak_cache_bytes,
             "environment": self.env,
         }
 
@@ -203,7 +218,9 @@ class EvalResult:
         return cls(settings, obj["stack"], obj["stack_label"], obj["stack_source"], obj["model"], obj["dtype"],
                    obj["metrics"], obj["baseline"], obj["cache_bytes"], obj["dense_bytes"],
                    obj["baseline_cache_bytes"], obj["wall_s"], obj["baseline_wall_s"], obj["baseline_reused"],
-                   obj["details"], obj["notes"], obj["environment"], obj.get("compile"))
+                   obj["details"], obj["notes"], obj["environment"], obj.get("compile"),
+                   obj.get("end_cache_bytes"), obj.get("peak_cache_bytes"), obj.get("baseline_end_cache_bytes"),
+                   obj.get("baseline_peak_cache_bytes"))
 
 
 # --------------------------------------------------------------------------------------- sessions
@@ -408,6 +425,8 @@ class _Run:
     cache_bytes: int
     dense_bytes: int
     wall_s: float
+    end_bytes: int = 0  #: bytes held after the last step (largest over samples)
+    peak_bytes: int = 0  #: most bytes held after any step (largest over samples)
 
 
 # --------------------------------------------------------------------------------------- evaluator
@@ -453,7 +472,9 @@ class Evaluator:
             cache_bytes=run.cache_bytes, dense_bytes=run.dense_bytes, baseline_cache_bytes=base.cache_bytes,
             wall_s=run.wall_s, baseline_wall_s=base.wall_s, baseline_reused=reused, details=details,
             notes=notes, env=environment(self.device),
-            compile=compile_options(self.device) if self.compile else None)
+            compile=compile_options(self.device) if self.compile else None,
+            end_cache_bytes=run.end_bytes, peak_cache_bytes=run.peak_bytes,
+            baseline_end_cache_bytes=base.end_bytes, baseline_peak_cache_bytes=base.peak_bytes)
 
     def baseline(self, settings: EvalSettings) -> _Run:
         """The uncompressed run (plain transformers) for ``settings``, computed once."""
@@ -515,7 +536,7 @@ class Evaluator:
             torch.compiler.reset()
             step = compiled_step(self.model)
         bar = Progress(len(jobs) * (1 + steps), f"{task} {desc}", enabled=self.progress)
-        held = dense = 0
+        held = dense = end = peak = 0
         outputs = []
         start = time.perf_counter()
         with bar:
@@ -532,8 +553,9 @@ class Evaluator:
                     else:
                         out = self._generate(session, job, len(job) - 1, settings.tokens, bar.update)
                 held, dense = max(held, out.pop("cache_bytes")), max(dense, out.pop("dense_bytes"))
+                end, peak = max(end, out.pop("end_bytes")), max(peak, out.pop("peak_bytes"))
                 outputs.append(out)
-        return _Run(outputs, held, dense, time.perf_counter() - start)
+        return _Run(outputs, held, dense, time.perf_counter() - start, end, peak)
 
     @staticmethod
     def _ppl_sample(session: DecodeSession, ids: Sequence[int], settings: EvalSettings,
@@ -542,14 +564,16 @@ class Evaluator:
         session.forward(ids[:n])
         tick()
         held, dense = session.memory()
+        peak = held
         logits = []
         for t in range(n, n + m):
             logits.append(session.forward(ids[t:t + 1]))
+            peak = max(peak, session.memory()[0])
             tick()
         logits = torch.stack(logits)
         targets = torch.tensor(ids[n + 1:n + m + 1])
         return {"logits": logits, "nll": metrics.token_nll(logits, targets), "cache_bytes": held,
-                "dense_bytes": dense}
+                "dense_bytes": dense, "end_bytes": session.memory()[0], "peak_bytes": peak}
 
     @staticmethod
     def _generate(session: DecodeSession, ids: Sequence[int], prefill: int, new: int,
@@ -558,9 +582,11 @@ class Evaluator:
         session.forward(ids[:prefill])
         tick()
         held, dense = session.memory()
+        peak = held
         logits = None
         for t in range(prefill, len(ids)):
             logits = session.forward(ids[t:t + 1])
+            peak = max(peak, session.memory()[0])
             tick()
         generated: list[int] = []
         while True:
@@ -569,8 +595,10 @@ class Evaluator:
             if len(generated) == new:
                 break
             logits = session.forward([token])
+            peak = max(peak, session.memory()[0])
             tick()
-        return {"generated": generated, "cache_bytes": held, "dense_bytes": dense}
+        return {"generated": generated, "cache_bytes": held, "dense_bytes": dense, "end_bytes": session.memory()[0],
+                "peak_bytes": peak}
 
     # -- scoring ----------------------------------------------------------------------------
     def _score_ppl(self, run: _Run, base: _Run):
