@@ -25,6 +25,13 @@ op                            semantics (the PyTorch reference, also the CPU imp
   built, and the caller passes its answer with every call.  A named kernel that cannot take the call raises
   (``ValueError`` naming the op and the implementation); nothing falls back silently.
 
+``softcap`` (the attention ops ``kivi_partial``, ``paged_partial``, ``lanes_partial``, ``gather_partial``): the logit
+soft-cap of a model's attention (Gemma 2: ``softcap * tanh(s / softcap)`` on the scaled scores, before masking);
+``0.0`` means none.  Every implementation applies it (the references, the Triton kernels and the KIVI CUDA kernel), so
+the choice of an implementation never depends on it.  Learned sink logits (gpt-oss) are not an argument of any op:
+a partial never sees them; :func:`kvcompress.kernels.attention.reference.merge_partials` adds them once, when the
+partials are merged.
+
 ``length`` (KIVI, paged, lanes; optional): a 0-dim int32 / int64 device tensor, the number of leading token slots
 that may hold live data.  Slots at or after it are treated as invalid by every implementation (the reference masks
 them), and the Triton kernels do not read them: a static cache sized for ``max_cache_len`` passes its fill level
@@ -129,19 +136,20 @@ def _leank_base() -> dict:
 @torch.library.custom_op("kvcompress::kivi_partial", mutates_args=(), device_types="cpu")
 def kivi_partial(query: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor,
                  v_scale: Tensor, v_zero: Tensor, valid: Tensor, length: Optional[Tensor], bits: int, group: int,
-                 scale: float, k_per_token: bool = False, impl: str = "reference") -> tuple[Tensor, Tensor]:
+                 scale: float, k_per_token: bool = False, softcap: float = 0.0,
+                 impl: str = "reference") -> tuple[Tensor, Tensor]:
     """Attention of ``query [B, Hkv, M, Dk]`` over a packed KIVI region (the fields of ``PackedKV``):
     ``(out [B, Hkv, M, Dv] fp32, lse [B, Hkv, M] fp32)``.  CPU: the reference."""
     _check_impl("kivi_partial", impl)
     _check_length("kivi_partial", length)
     packed = kivi_ref.PackedKV(bits, group, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                live_slots(valid, length, valid.shape[-1], valid.shape[0], valid.device), k_per_token)
-    return _fresh(*kivi_ref.kivi_attention_partial(query, packed, scale))
+    return _fresh(*kivi_ref.kivi_attention_partial(query, packed, scale, softcap=softcap))
 
 
 @kivi_partial.register_kernel("cuda")
 def _kivi_partial_cuda(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits, group, scale,
-                       k_per_token=False, impl="reference"):
+                       k_per_token=False, softcap=0.0, impl="reference"):
     _check_impl("kivi_partial", impl)
     _check_length("kivi_partial", length)
     packed = kivi_ref.PackedKV(bits, group, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, k_per_token)
@@ -150,30 +158,32 @@ def _kivi_partial_cuda(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
 
         dk, dv = query.shape[-1], v_codes.shape[-1] * (32 // bits)
         return _fresh(*triton_kernel._forward(query, packed, scale, length=length,
-                                              base=_kivi_triton_base(bits, group, dk, dv, packed.v_group)))
+                                              base=_kivi_triton_base(bits, group, dk, dv, packed.v_group),
+                                              softcap=softcap))
     packed.valid = live_slots(valid, length, valid.shape[-1], valid.shape[0], valid.device)
     if impl == "cuda":
         from .kivi import cuda_kernel
 
-        return _fresh(*cuda_kernel._forward(query, packed, scale, base=_kivi_cuda_base(bits)))
-    return _fresh(*kivi_ref.kivi_attention_partial(query, packed, scale))
+        return _fresh(*cuda_kernel._forward(query, packed, scale, base=_kivi_cuda_base(bits), softcap=softcap))
+    return _fresh(*kivi_ref.kivi_attention_partial(query, packed, scale, softcap=softcap))
 
 
 @kivi_partial.register_fake
 def _kivi_partial_fake(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits, group, scale,
-                       k_per_token=False, impl="reference"):
+                       k_per_token=False, softcap=0.0, impl="reference"):
     return _empty_partial(query, v_codes.shape[-1] * (32 // bits))
 
 
-def kivi_attention(query: Tensor, packed, scale: float, *, impl: str,
-                   length: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def kivi_attention(query: Tensor, packed, scale: float, *, impl: str, length: Optional[Tensor] = None,
+                   softcap: Optional[float] = None) -> tuple[Tensor, Tensor]:
     """``kvcompress::kivi_partial`` over a :class:`~kvcompress.kernels.kivi.PackedKV` (``length`` defaults to
     ``packed.length``)."""
     if length is None:
         length = packed.length
     return _OPS["kivi_partial"](
         query, packed.k_codes, packed.k_scale, packed.k_zero, packed.v_codes, packed.v_scale, packed.v_zero,
-        packed.valid, length, packed.bits, packed.group, float(scale), bool(packed.k_per_token), impl)
+        packed.valid, length, packed.bits, packed.group, float(scale), bool(packed.k_per_token),
+        float(softcap or 0.0), impl)
 
 
 # ----------------------------------------------------------------------------- KIVI quantizer
@@ -257,39 +267,43 @@ def _quantize_labels_fake(x, bits):
 
 @torch.library.custom_op("kvcompress::paged_partial", mutates_args=(), device_types="cpu")
 def paged_partial(query: Tensor, k_pages: Tensor, v_pages: Tensor, page_valid: Tensor, block_table: Tensor,
-                  length: Optional[Tensor], scale: float, impl: str = "reference") -> tuple[Tensor, Tensor]:
+                  length: Optional[Tensor], scale: float, softcap: float = 0.0,
+                  impl: str = "reference") -> tuple[Tensor, Tensor]:
     """Attention through a block table (``[num_pages, H, P, D]`` pools, ``block_table [B, W]`` with ``-1`` for no
     page): ``(out [B, H, M, Dv] fp32, lse [B, H, M] fp32)``.  ``length`` counts token slots in block-table order
     (position ``w`` holds slots ``w*P .. w*P+P-1``).  CPU: the reference."""
     _check_impl("paged_partial", impl)
     _check_length("paged_partial", length)
     return _fresh(*paged_ref.paged_attention_partial(query, k_pages, v_pages, page_valid, block_table, scale,
-                                                     length=length))
+                                                     length=length, softcap=softcap))
 
 
 @paged_partial.register_kernel("cuda")
-def _paged_partial_cuda(query, k_pages, v_pages, page_valid, block_table, length, scale, impl="reference"):
+def _paged_partial_cuda(query, k_pages, v_pages, page_valid, block_table, length, scale, softcap=0.0,
+                        impl="reference"):
     _check_impl("paged_partial", impl)
     _check_length("paged_partial", length)
     if impl == "triton":
         from .paged import triton_kernel
 
         return _fresh(*triton_kernel._forward(query, k_pages, v_pages, page_valid, block_table, scale,
-                                              length=length))
+                                              length=length, softcap=softcap))
     return _fresh(*paged_ref.paged_attention_partial(query, k_pages, v_pages, page_valid, block_table, scale,
-                                                     length=length))
+                                                     length=length, softcap=softcap))
 
 
 @paged_partial.register_fake
-def _paged_partial_fake(query, k_pages, v_pages, page_valid, block_table, length, scale, impl="reference"):
+def _paged_partial_fake(query, k_pages, v_pages, page_valid, block_table, length, scale, softcap=0.0,
+                        impl="reference"):
     return _empty_partial(query, v_pages.shape[-1])
 
 
 def paged_attention(query: Tensor, k_pages: Tensor, v_pages: Tensor, page_valid: Tensor, block_table: Tensor,
-                    scale: float, *, impl: str, length: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                    scale: float, *, impl: str, length: Optional[Tensor] = None,
+                    softcap: Optional[float] = None) -> tuple[Tensor, Tensor]:
     """``kvcompress::paged_partial``."""
-    return _OPS["paged_partial"](query, k_pages, v_pages, page_valid, block_table, length,
-                                                      float(scale), impl)
+    return _OPS["paged_partial"](query, k_pages, v_pages, page_valid, block_table, length, float(scale),
+                                 float(softcap or 0.0), impl)
 
 
 # ----------------------------------------------------------------------------- LeanK lanes
@@ -306,7 +320,7 @@ def _lanes(heads, channels, k, v, valid) -> list:
 @torch.library.custom_op("kvcompress::lanes_partial", mutates_args=(), device_types="cpu")
 def lanes_partial(query: Tensor, heads: list[Optional[Tensor]], channels: list[Optional[Tensor]], k: list[Tensor],
                   v: list[Tensor], valid: list[Optional[Tensor]], length: Optional[Tensor], scale: float,
-                  impl: str = "reference") -> tuple[Tensor, Tensor]:
+                  softcap: float = 0.0, impl: str = "reference") -> tuple[Tensor, Tensor]:
     """Attention of ``query [B, Hkv, M, D]`` over LeanK lanes, given as parallel lists (lane ``i`` =
     ``(heads[i], channels[i], k[i], v[i], valid[i])``, see :mod:`kvcompress.kernels.leank.reference`):
     ``(out [B, Hkv, M, Dv] fp32, lse [B, Hkv, M] fp32)``.  ``length`` bounds every lane's token axis.  CPU: the
@@ -314,11 +328,11 @@ def lanes_partial(query: Tensor, heads: list[Optional[Tensor]], channels: list[O
     _check_impl("lanes_partial", impl)
     _check_length("lanes_partial", length)
     lanes = _lanes(heads, channels, k, v, valid)
-    return _fresh(*leank_ref.grouped_partial_attention(query, lanes, scale, length=length))
+    return _fresh(*leank_ref.grouped_partial_attention(query, lanes, scale, length=length, softcap=softcap))
 
 
 @lanes_partial.register_kernel("cuda")
-def _lanes_partial_cuda(query, heads, channels, k, v, valid, length, scale, impl="reference"):
+def _lanes_partial_cuda(query, heads, channels, k, v, valid, length, scale, softcap=0.0, impl="reference"):
     _check_impl("lanes_partial", impl)
     _check_length("lanes_partial", length)
     lanes = _lanes(heads, channels, k, v, valid)
@@ -326,22 +340,22 @@ def _lanes_partial_cuda(query, heads, channels, k, v, valid, length, scale, impl
         from .leank import triton_kernel
 
         return _fresh(*triton_kernel.grouped_partial_attention(query, lanes, scale, length=length,
-                                                               base=_leank_base()))
-    return _fresh(*leank_ref.grouped_partial_attention(query, lanes, scale, length=length))
+                                                               base=_leank_base(), softcap=softcap))
+    return _fresh(*leank_ref.grouped_partial_attention(query, lanes, scale, length=length, softcap=softcap))
 
 
 @lanes_partial.register_fake
-def _lanes_partial_fake(query, heads, channels, k, v, valid, length, scale, impl="reference"):
+def _lanes_partial_fake(query, heads, channels, k, v, valid, length, scale, softcap=0.0, impl="reference"):
     return _empty_partial(query, v[0].shape[-1])
 
 
-def lanes_attention(query: Tensor, lanes: Sequence, scale: float, *, impl: str,
-                    length: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def lanes_attention(query: Tensor, lanes: Sequence, scale: float, *, impl: str, length: Optional[Tensor] = None,
+                    softcap: Optional[float] = None) -> tuple[Tensor, Tensor]:
     """``kvcompress::lanes_partial`` over ``lanes`` (tuples ``(heads, channels, k, v[, valid])``)."""
     lanes = [leank_ref.Lane(*lane) for lane in lanes]
     return _OPS["lanes_partial"](
         query, [ln.heads for ln in lanes], [ln.channels for ln in lanes], [ln.k for ln in lanes],
-        [ln.v for ln in lanes], [ln.valid for ln in lanes], length, float(scale), impl)
+        [ln.v for ln in lanes], [ln.valid for ln in lanes], length, float(scale), float(softcap or 0.0), impl)
 
 
 # ----------------------------------------------------------------------------- DoubleSparse
@@ -391,16 +405,17 @@ def _rows(index: Tensor, m: int) -> Tensor:
 
 @torch.library.custom_op("kvcompress::gather_partial", mutates_args=(), device_types="cpu")
 def gather_partial(query: Tensor, k: Tensor, v: Tensor, valid: Optional[Tensor], index: Tensor, scale: float,
-                   impl: str = "reference") -> tuple[Tensor, Tensor]:
+                   softcap: float = 0.0, impl: str = "reference") -> tuple[Tensor, Tensor]:
     """Attention of every row of ``query [B, Hkv, M, D]`` over its selected tokens ``index [B, Hkv, M, K]``
     (``[B, Hkv, 1, K]``: one selection shared by the kv head's rows - the group-shared kernel on CUDA):
     ``(out [B, Hkv, M, Dv] fp32, lse [B, Hkv, M] fp32)``.  CPU: the reference."""
     _check_impl("gather_partial", impl)
-    return _fresh(*ds_ref.gather_partial_attention(query, k, v, valid, _rows(index, query.shape[2]), scale))
+    return _fresh(*ds_ref.gather_partial_attention(query, k, v, valid, _rows(index, query.shape[2]), scale,
+                                                   softcap=softcap))
 
 
 @gather_partial.register_kernel("cuda")
-def _gather_partial_cuda(query, k, v, valid, index, scale, impl="reference"):
+def _gather_partial_cuda(query, k, v, valid, index, scale, softcap=0.0, impl="reference"):
     _check_impl("gather_partial", impl)
     index = _rows(index, query.shape[2])
     if impl == "triton":
@@ -412,19 +427,20 @@ def _gather_partial_cuda(query, k, v, valid, index, scale, impl="reference"):
         if not triton_kernel.supports_gather(*last, index):
             raise ValueError("kvcompress::gather_partial: the Triton kernel does not take these arguments "
                              "(doublesparse.triton_kernel.supports_gather)")
-        return _fresh(*triton_kernel.gather_partial_attention(last[0], last[1], last[2], valid, index, scale))
-    return _fresh(*ds_ref.gather_partial_attention(query, k, v, valid, index, scale))
+        return _fresh(*triton_kernel.gather_partial_attention(last[0], last[1], last[2], valid, index, scale,
+                                                              softcap=softcap))
+    return _fresh(*ds_ref.gather_partial_attention(query, k, v, valid, index, scale, softcap=softcap))
 
 
 @gather_partial.register_fake
-def _gather_partial_fake(query, k, v, valid, index, scale, impl="reference"):
+def _gather_partial_fake(query, k, v, valid, index, scale, softcap=0.0, impl="reference"):
     return _empty_partial(query, v.shape[-1])
 
 
 def gather_attention(query: Tensor, k: Tensor, v: Tensor, valid: Optional[Tensor], index: Tensor, scale: float, *,
-                     impl: str) -> tuple[Tensor, Tensor]:
+                     impl: str, softcap: Optional[float] = None) -> tuple[Tensor, Tensor]:
     """``kvcompress::gather_partial``."""
-    return _OPS["gather_partial"](query, k, v, valid, index, float(scale), impl)
+    return _OPS["gather_partial"](query, k, v, valid, index, float(scale), float(softcap or 0.0), impl)
 
 
 # the registered ops by name (the wrappers call these), and their CUDA implementations as Python functions (what

@@ -12,6 +12,10 @@ read-time selection - sinks, window, new tokens and LeanK lanes (``Segment.chann
 the query is gathered to each head's kept channels) - is read by ONE launch of the
 grouped split-KV kernel (:mod:`kvcompress.kernels.leank`), when its capability check
 accepts them.  CPU behaviour is the reference path below, unchanged.
+
+Attention variants (see :mod:`.reference`): ``softcap`` goes to every partial (each kernel caps its own
+scores; a packed region whose ``attention_partial`` does not declare ``supports_softcap`` is read through the
+reference instead, decoded); ``sink_logits`` join the merged denominator once, in :func:`~.reference.merge_partials`.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 
 from kvcompress.state import Segment, TokenSelection
 
-from .reference import merge_partials, partial_attention, segment_mask
+from .reference import merge_partials, partial_attention, segment_mask, sink_rows
 
 
 def _kv_heads(segments: Sequence[Segment]) -> int:
@@ -64,7 +68,7 @@ def _lanes_length(segments: Sequence[Segment]) -> torch.Tensor | None:
 
 
 def _fused_dense(query4: torch.Tensor, segments: Sequence[Segment], q_len: int, scale: float,
-                 fused: bool | None = None, impl: str | None = None):
+                 fused: bool | None = None, impl: str | None = None, softcap: float | None = None):
     """CUDA decode: ``(partial, remaining segments)`` with the full-precision lanes read in one launch."""
     if impl is not None:  # chosen when the cache was built: the registered op, nothing decided here
         if impl == "reference" or q_len != 1:
@@ -77,8 +81,8 @@ def _fused_dense(query4: torch.Tensor, segments: Sequence[Segment], q_len: int, 
 
         if not triton_kernel.supports(query4, lanes):  # shapes only: decided at trace time
             return None, segments
-        return leank.grouped_partial_attention(query4, lanes, scale, impl=impl,
-                                               length=_lanes_length(segments)), rest
+        return leank.grouped_partial_attention(query4, lanes, scale, impl=impl, length=_lanes_length(segments),
+                                               softcap=softcap), rest
     if fused is False:
         return None, segments
     mode = "triton" if fused else os.environ.get("KVCOMPRESS_KERNELS", "auto")  # "triton" forces it
@@ -95,18 +99,25 @@ def _fused_dense(query4: torch.Tensor, segments: Sequence[Segment], q_len: int, 
 
     if not triton_kernel.supports(query4, lanes):
         return None, segments
-    return triton_kernel.grouped_partial_attention(query4, lanes, scale), rest
+    return triton_kernel.grouped_partial_attention(query4, lanes, scale, softcap=softcap), rest
+
+
+def _reads_softcap(packed) -> bool:
+    """Whether a packed region's ``attention_partial`` takes ``softcap=`` (its class says so)."""
+    return bool(getattr(packed, "supports_softcap", False))
 
 
 def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_positions: torch.Tensor,
-                    scale: float, fused: bool | None = None, impls: dict[str, str] | None = None) -> torch.Tensor:
+                    scale: float, fused: bool | None = None, impls: dict[str, str] | None = None,
+                    softcap: float | None = None, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as :func:`~.reference.segment_attention`: ``[batch, q_heads, q_len, v_dim]``.
 
     ``fused``: read the full-precision lanes with the grouped kernel (True), never (False), or as the
     environment says (``None``: ``KVCOMPRESS_KERNELS``, CUDA tensors only).  ``impls``: implementations
     chosen once when a static cache was built (:func:`kvcompress.kernels.ops.choose`), by op name
     (``"lanes_partial"``, ``"gather_partial"``): the registered ops run them and nothing is decided
-    per call (packed regions carry their own choice).
+    per call (packed regions carry their own choice).  ``softcap`` / ``sink_logits``: the model's attention variants
+    (:func:`~.reference.segment_attention`).
     """
     b, hq, q_len, d = query.shape
     kv_heads = _kv_heads(segments)
@@ -115,8 +126,9 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
     q5 = query.view(b, kv_heads, group, q_len, d)
     parts = []
     impls = impls or {}
+    softcap = softcap or None
     fused, segments = _fused_dense(q5.reshape(b, kv_heads, m_rows, d), segments, q_len, scale, fused,
-                                   impls.get("lanes_partial"))
+                                   impls.get("lanes_partial"), softcap)
     if fused is not None:
         parts.append(fused)
     for seg in segments:
@@ -124,8 +136,11 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
         if seg.qmap is not None:
             qs = seg.qmap(qs)
         qs = qs.reshape(qs.shape[0], qs.shape[1], m_rows, qs.shape[-1])
-        if seg.packed is not None and seg.select is None:
-            out, lse = seg.packed.attention_partial(qs, scale)
+        if seg.packed is not None and seg.select is None and (softcap is None or _reads_softcap(seg.packed)):
+            if softcap is None:
+                out, lse = seg.packed.attention_partial(qs, scale)
+            else:
+                out, lse = seg.packed.attention_partial(qs, scale, softcap=softcap)
         elif isinstance(seg.select, TokenSelection) and seg.packed is None and q_len == 1:
             # per-query-head indices (DoubleSparse): gather exactly the selected tokens (decode:
             # every stored token precedes the query, so only ``valid`` masks keys)
@@ -135,7 +150,7 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
             if seg.heads is not None:
                 index = index.index_select(1, seg.heads)
             out, lse = doublesparse.gather_partial_attention(qs, seg.k, seg.v, seg.valid, index, scale,
-                                                             impl=impls.get("gather_partial"))
+                                                             impl=impls.get("gather_partial"), softcap=softcap)
         else:
             k, v = seg.keys_values()
             mask = segment_mask(seg, q_positions)  # [b|1, 1, q, t]
@@ -148,7 +163,7 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
             elif seg.select is not None:  # [b, h, q, t]
                 mask = mask & seg.select.unsqueeze(2)
             mask = mask.reshape(mask.shape[0], mask.shape[1], m_rows, mask.shape[-1])
-            out, lse = partial_attention(qs, k, v, mask, scale)
+            out, lse = partial_attention(qs, k, v, mask, scale, softcap)
         if seg.vmap is not None:  # value coordinates: the output is mapped back to the head dimension
             out = seg.vmap(out)
         if seg.heads is not None:
@@ -160,5 +175,5 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
         parts.append((out, lse))
     dv = max(o.shape[-1] for o, _ in parts)
     parts = [(o if o.shape[-1] == dv else torch.nn.functional.pad(o, (0, dv - o.shape[-1])), lse) for o, lse in parts]
-    out = merge_partials(parts)
+    out = merge_partials(parts, None if sink_logits is None else sink_rows(sink_logits, kv_heads, q_len))
     return out.view(b, kv_heads, group, q_len, dv).reshape(b, hq, q_len, dv).to(query.dtype)

@@ -3,12 +3,20 @@
 This is the CPU implementation used by the registered attention of kvcompress
 and the oracle GPU kernels are tested against.  It computes exactly::
 
-    softmax(scale * [qmap_s(q) . K_s^T for each segment s], masked) . [V_s]
+    softmax(cap(scale * [qmap_s(q) . K_s^T for each segment s]), masked, [sink]) . [V_s]
 
 with one joint softmax across segments, in float32.  A key of a segment is
 visible to a query when its row is valid and its logical position is not
 after the query's position; kv heads a segment does not cover see ``-inf``.
 Fully masked query rows return zeros (never NaN).
+
+Two attention variants of some model families (what their eager attention computes):
+
+* **logit soft-capping** (Gemma 2, ``softcap``): ``cap(s) = softcap * tanh(s / softcap)`` on the scaled
+  scores, before masking; every partial applies it to its own scores.
+* **learned attention sinks** (gpt-oss, ``sink_logits``: one logit per query head): an extra logit that joins
+  the softmax denominator and contributes no value.  It belongs to the joint softmax, so partials never
+  see it: :func:`merge_partials` adds it exactly once, to the merged denominator.
 """
 
 from __future__ import annotations
@@ -29,11 +37,28 @@ def segment_mask(seg: Segment, q_positions: torch.Tensor) -> torch.Tensor:
     return mask.unsqueeze(1)
 
 
+def soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``softcap * tanh(scores / softcap)`` (Gemma 2's logit soft-capping); ``scores`` unchanged for ``None``."""
+    if not softcap:
+        return scores
+    return torch.tanh(scores / softcap) * softcap
+
+
+def sink_rows(sink_logits: torch.Tensor, kv_heads: int, q_len: int) -> torch.Tensor:
+    """Per-query-head sink logits ``[q_heads]`` as float32 ``[1, kv_heads, group * q_len]``: the grouped query rows
+    of the partials (row ``g * q_len + i`` is query head ``h * group + g`` at position ``i``)."""
+    group = sink_logits.shape[0] // kv_heads
+    rows = sink_logits.float().view(1, kv_heads, group, 1).expand(1, kv_heads, group, q_len)
+    return rows.reshape(1, kv_heads, group * q_len)
+
+
 def segment_attention(
     query: torch.Tensor,
     segments: Sequence[Segment],
     q_positions: torch.Tensor,
     scale: float,
+    softcap: float | None = None,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` over ``segments``.
 
@@ -42,6 +67,8 @@ def segment_attention(
         segments: regions to read; kv heads = ``q_heads / group``.
         q_positions: ``[q_len]`` logical positions of the queries.
         scale: softmax scale (``1/sqrt(head_dim)`` of the full head, also for pruned keys).
+        softcap: logit soft-cap applied to the scaled scores (``None``: none).
+        sink_logits: ``[q_heads]`` learned sink logits joining each query head's softmax denominator (``None``: none).
 
     Returns:
         ``[batch, q_heads, q_len, v_dim]`` in the query's dtype.
@@ -61,7 +88,7 @@ def segment_attention(
         qs = qg if heads is None else qg.index_select(1, heads)
         if seg.qmap is not None:
             qs = seg.qmap(qs)
-        s = torch.einsum("bhgqd,bhtd->bhgqt", qs, seg_k.float()) * scale
+        s = soft_cap(torch.einsum("bhgqd,bhtd->bhgqt", qs, seg_k.float()) * scale, softcap)
         if heads is not None:
             full = s.new_full((b, kv_heads, group, q_len, s.shape[-1]), float("-inf"))
             full[:, heads] = s
@@ -76,10 +103,15 @@ def segment_attention(
     s = torch.cat(scores, dim=-1)
     m = torch.cat(masks, dim=-1)
     s = s.masked_fill(~m, float("-inf"))
+    if sink_logits is not None:  # one more logit per query head: in the denominator, with no value
+        sink = sink_logits.float().view(1, kv_heads, group, 1, 1).expand(b, kv_heads, group, q_len, 1)
+        s = torch.cat([s, sink], dim=-1)
     mx = s.amax(dim=-1, keepdim=True)
     mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
     p = torch.exp(s - mx)
     denom = p.sum(dim=-1, keepdim=True)
+    if sink_logits is not None:
+        p = p[..., :-1]
     p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
     dv = max(v.shape[-1] for _, v in kvs)
     out = qg.new_zeros(b, kv_heads, group, q_len, dv)
@@ -97,7 +129,7 @@ def segment_attention(
 
 
 def partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      scale: float, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over one full-precision region, returned as a mergeable partial.
 
     Args:
@@ -105,12 +137,13 @@ def partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
         k, v: ``[B, Hkv, T, D]`` / ``[B, Hkv, T, Dv]``.
         mask: boolean, broadcastable to ``[B, Hkv, M, T]`` (True = visible), or ``None``.
         scale: softmax scale.
+        softcap: logit soft-cap of the scaled scores (``None``: none).
 
     Returns:
         ``(out [B, Hkv, M, Dv] float32, lse [B, Hkv, M] float32)``; rows with no visible key get
         ``lse = -inf`` and a zero output.
     """
-    s = torch.einsum("bhmd,bhtd->bhmt", query.float(), k.float()) * scale
+    s = soft_cap(torch.einsum("bhmd,bhtd->bhmt", query.float(), k.float()) * scale, softcap)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
@@ -119,14 +152,25 @@ def partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
     return torch.einsum("bhmt,bhtd->bhmd", p, v.float()), lse
 
 
-def merge_partials(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Combine ``(out, lse)`` partials of disjoint key regions into the joint softmax output (float32)."""
-    if len(parts) == 1:
+def merge_partials(parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                   sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """Combine ``(out, lse)`` partials of disjoint key regions into the joint softmax output (float32).
+
+    ``sink_logits``: learned sink logits broadcastable to the partials' ``lse`` (``[1, Hkv, M]``, :func:`sink_rows`):
+    one more term of the joint denominator, with no value - added here once, whatever the number of partials.
+    """
+    if len(parts) == 1 and sink_logits is None:
         return parts[0][0]  # an empty region's output is already zero
     lses = torch.stack([lse for _, lse in parts])  # [R, ...]
-    top = lses.amax(dim=0).nan_to_num(neginf=0.0)  # rows where every region is empty: any finite shift
+    top = lses.amax(dim=0)
+    if sink_logits is not None:
+        top = torch.maximum(top, sink_logits)
+    top = top.nan_to_num(neginf=0.0)  # rows where every region is empty: any finite shift
     weights = torch.exp(lses - top)  # exp(-inf) = 0 for empty regions
     out = (weights.unsqueeze(-1) * torch.stack([o for o, _ in parts])).sum(dim=0)
-    # the largest weight of a row with a visible key is exp(0) = 1, so total >= 1 there; rows with none have
-    # total = 0 and out = 0, which clamp_min(1) leaves at 0
-    return out / weights.sum(dim=0).clamp_min(1.0).unsqueeze(-1)
+    total = weights.sum(dim=0)
+    if sink_logits is not None:
+        total = total + torch.exp(sink_logits - top)
+    # the largest weight of a row with a visible key (or a sink) is exp(0) = 1, so total >= 1 there; rows with
+    # none have total = 0 and out = 0, which clamp_min(1) leaves at 0
+    return out / total.clamp_min(1.0).unsqueeze(-1)

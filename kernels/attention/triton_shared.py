@@ -1,7 +1,7 @@
 """Triton pieces shared by the split-KV decode kernels (KIVI, paged, LeanK).
 
-``combine_splits`` merges ``S`` split partials ``(out, lse)`` by log-sum-exp; ``pow2`` and
-``num_sms`` size launches.  Imported only by the kernels' ``triton_kernel`` modules, never at
+``combine_splits`` merges ``S`` split partials ``(out, lse)`` by log-sum-exp; ``soft_cap`` applies a logit
+soft-cap (Gemma 2) to scores in the kernels' base-2 units; ``pow2`` and ``num_sms`` size launches.  Imported only by the kernels' ``triton_kernel`` modules, never at
 package import.
 """
 
@@ -12,6 +12,25 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def soft_cap(s, cap):
+    """``cap * tanh(s / cap)`` elementwise (``s`` fp32 scores, ``cap`` > 0 in the same units: a kernel whose scores
+    are in base 2 passes ``softcap * log2(e)``).  ``tanh`` from one ``exp2`` of ``-2|x|`` (no overflow, exact
+    sign; no libdevice call, so the Triton interpreter runs it too)."""
+    x = s / cap
+    e = tl.exp2(-2.885390081777927 * tl.abs(x))  # exp(-2|x|)
+    t = (1.0 - e) / (1.0 + e)
+    return cap * tl.where(x < 0, -t, t)
+
+
+def cap_base2(softcap: float | None) -> float:
+    """The ``cap`` argument of :func:`soft_cap` for scores in base 2 (``0.0``: no soft-cap)."""
+    return float(softcap) * LOG2E if softcap else 0.0
+
+
+LOG2E = 1.4426950408889634
 
 
 @triton.jit

@@ -40,21 +40,22 @@ def select_topk(query, labels: Labels, channels, valid, k: int, *, impl: str | N
     return reference.select_topk(query, labels, channels, valid, k)
 
 
-def gather_partial_attention(query, k, v, valid, index, scale, *, impl: str | None = None):
+def gather_partial_attention(query, k, v, valid, index, scale, *, impl: str | None = None, softcap=None):
     """Attention over each row's selected tokens; see :func:`.reference.gather_partial_attention`.
 
     ``impl``: ``"reference"`` / ``"triton"`` through the registered op (``None``: decided per call); there
-    ``index`` may also be ``[B, Hkv, 1, K]``, one selection shared by the kv head's rows."""
+    ``index`` may also be ``[B, Hkv, 1, K]``, one selection shared by the kv head's rows.  ``softcap``: logit
+    soft-cap of the scores (every implementation applies it)."""
     if impl is not None:
         from kvcompress.kernels import ops
 
-        return ops.gather_attention(query, k, v, valid, index, scale, impl=impl)
+        return ops.gather_attention(query, k, v, valid, index, scale, impl=impl, softcap=softcap)
     if _use_triton(query):
         from . import triton_kernel
 
         if triton_kernel.supports_gather(query, k, v, index):
-            return triton_kernel.gather_partial_attention(query, k, v, valid, index, scale)
-    return reference.gather_partial_attention(query, k, v, valid, index, scale)
+            return triton_kernel.gather_partial_attention(query, k, v, valid, index, scale, softcap=softcap)
+    return reference.gather_partial_attention(query, k, v, valid, index, scale, softcap=softcap)
 
 
 __all__ = ["LABEL_BITS", "Labels", "dequantize_labels", "gather_partial_attention", "quantize_labels",

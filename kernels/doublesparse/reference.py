@@ -127,7 +127,8 @@ def is_topk(index: torch.Tensor, scores: torch.Tensor, k: int, tol: float) -> bo
 
 
 def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
-                             index: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                             index: torch.Tensor, scale: float,
+                             softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of every query row over its own selected tokens, as a mergeable partial.
 
     Args:
@@ -136,6 +137,7 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
         valid: ``[B, T]`` or ``None``.
         index: ``[B, Hkv, M, K]`` token indices per row (duplicates are not allowed).
         scale: softmax scale.
+        softcap: logit soft-cap of the scaled scores (``None`` or 0: none).
 
     Returns:
         ``(out [B, Hkv, M, Dv] float32, lse [B, Hkv, M] float32)``; a row without a valid selected
@@ -145,7 +147,9 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
     flat = index.reshape(b, h, m * kk, 1)
     ks = k.gather(2, flat.expand(b, h, m * kk, k.shape[-1])).view(b, h, m, kk, -1).float()
     vs = v.gather(2, flat.expand(b, h, m * kk, v.shape[-1])).view(b, h, m, kk, -1).float()
-    s = torch.einsum("bhmd,bhmkd->bhmk", query.float(), ks) * scale
+    from kvcompress.kernels.attention.reference import soft_cap
+
+    s = soft_cap(torch.einsum("bhmd,bhmkd->bhmk", query.float(), ks) * scale, softcap)
     if valid is not None:
         ok = valid.gather(1, index.reshape(b, -1)).view(b, h, m, kk)
         s = s.masked_fill(~ok, float("-inf"))

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcompress.kernels.attention.triton_shared import combine_splits, num_sms, pow2
+from kvcompress.kernels.attention.triton_shared import cap_base2, combine_splits, num_sms, pow2, soft_cap
 
 from .reference import Labels
 
@@ -354,9 +354,9 @@ def _selected(i_base, VA, b, sva_b, k0, end, BK: tl.constexpr, HAS_VALID: tl.con
 
 @triton.jit
 def _gather_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_h, sv_t, VA, sva_b,
-                   IDX, si_b, si_h, si_m, PO, PL, HKV, M, NK, per_split, qk_scale,
+                   IDX, si_b, si_h, si_m, PO, PL, HKV, M, NK, per_split, qk_scale, cap,
                    D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-                   HAS_VALID: tl.constexpr, BK: tl.constexpr):
+                   HAS_VALID: tl.constexpr, BK: tl.constexpr, SOFTCAP: tl.constexpr):
     """One query row, one split of its selected indices: normalised partial + LSE (base e)."""
     pid_row = tl.program_id(0)  # b * HKV * M + h * M + m
     pid_s = tl.program_id(1)
@@ -382,6 +382,8 @@ def _gather_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_h, sv_t
         kt = tl.load(k_base + idx[:, None] * sk_t + offs_d[None, :], mask=ok[:, None] & d_ok[None, :],
                      other=0.0).to(tl.float32)
         s = tl.sum(kt * q[None, :], axis=1)
+        if SOFTCAP:
+            s = soft_cap(s, cap)
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -401,9 +403,9 @@ def _gather_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_h, sv_t
 
 @triton.jit
 def _gather_shared_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_h, sv_t, VA, sva_b,
-                          IDX, si_b, si_h, PO, PL, HKV, M, NK, per_split, qk_scale,
+                          IDX, si_b, si_h, PO, PL, HKV, M, NK, per_split, qk_scale, cap,
                           MP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-                          HAS_VALID: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+                          HAS_VALID: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
     """All ``M`` query rows of one kv head over one split of their *shared* selected indices: each K/V row
     is gathered once for the group and both products run on tensor cores (rows padded to ``MP``)."""
     pid_bh = tl.program_id(0)  # b * HKV + h
@@ -433,7 +435,10 @@ def _gather_shared_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_
             s = tl.dot(q.to(kt.dtype), tl.trans(kt), input_precision="ieee")
         else:
             s = tl.dot(q.to(kt.dtype), tl.trans(kt))
-        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+        s = s * qk_scale
+        if SOFTCAP:
+            s = soft_cap(s, cap)
+        s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -481,8 +486,9 @@ GATHER_CONFIG = dict(block_k=64, programs_per_sm=None, num_warps=2, num_stages=3
 
 def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
                              index: torch.Tensor, scale: float, *, splits: int | None = None,
-                             block_k: int | None = None, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """See :func:`.reference.gather_partial_attention`.
+                             block_k: int | None = None, config: dict | None = None,
+                             softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`.reference.gather_partial_attention` (``softcap``: applied in the kernels).
 
     ``config`` overrides :data:`GATHER_CONFIG` (indices per step, programs per SM for the split count, warps,
     stages; ``shared_*`` for the group-shared kernel): a benchmark knob, not needed for correctness.
@@ -522,8 +528,8 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
             k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1), v.stride(2),
             va, va.stride(0) if valid is not None else 0,
             index, index.stride(0), index.stride(1), po, pl, h, m, nk, per_split, scale * 1.4426950408889634,
-            MP=max(16, pow2(m)), D=d, DP=max(16, pow2(d)), DV=dv, DVP=max(16, pow2(dv)),
-            HAS_VALID=valid is not None, BK=block_k, IEEE=k.dtype == torch.float32,
+            cap_base2(softcap), MP=max(16, pow2(m)), D=d, DP=max(16, pow2(d)), DV=dv, DVP=max(16, pow2(dv)),
+            HAS_VALID=valid is not None, BK=block_k, IEEE=k.dtype == torch.float32, SOFTCAP=bool(softcap),
             num_warps=int(cfg["shared_warps"]), num_stages=int(cfg["num_stages"]))
     else:
         _gather_kernel[(rows, splits)](
@@ -531,9 +537,9 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
             k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1), v.stride(2),
             va, va.stride(0) if valid is not None else 0,
             index, index.stride(0), index.stride(1), index.stride(2), po, pl, h, m, nk, per_split,
-            scale * 1.4426950408889634,
+            scale * 1.4426950408889634, cap_base2(softcap),
             D=d, DP=max(16, pow2(d)), DV=dv, DVP=max(16, pow2(dv)), HAS_VALID=valid is not None, BK=block_k,
-            num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
+            SOFTCAP=bool(softcap), num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
     if splits == 1:
         return po.view(b, h, m, dv), pl.view(b, h, m)
     combine_splits(po, pl, out, lse, splits, m, b * h, dv, max(2, min(16, pow2(m))))

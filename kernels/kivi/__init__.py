@@ -50,27 +50,27 @@ def implementation(query, packed) -> str:
     return {"cuda": "cuda-v3", "triton": "triton-v2"}.get(impl, impl)
 
 
-def kivi_attention_partial(query, packed, scale, *, impl: str | None = None):
+def kivi_attention_partial(query, packed, scale, *, impl: str | None = None, softcap: float | None = None):
     """Attention over a packed KIVI region; see :func:`.reference.kivi_attention_partial`.
 
     ``impl`` (or ``packed.impl``): run the registered op ``kvcompress::kivi_partial`` with that implementation
     (``"reference"``, ``"triton"``, ``"cuda"``; chosen once by :func:`kvcompress.kernels.ops.choose`) instead of
-    deciding per call."""
+    deciding per call.  ``softcap``: logit soft-cap of the scores (every implementation applies it)."""
     impl = impl if impl is not None else getattr(packed, "impl", None)
     if impl is not None:
         from kvcompress.kernels import ops
 
-        return ops.kivi_attention(query, packed, scale, impl=impl)
+        return ops.kivi_attention(query, packed, scale, impl=impl, softcap=softcap)
     chosen = implementation(query, packed)
     if chosen == "cuda-v3":
         from . import cuda_kernel  # no length input: it reads the capacity with valid & (slot < length)
 
-        return cuda_kernel.kivi_attention_partial(query, packed, scale)
+        return cuda_kernel.kivi_attention_partial(query, packed, scale, softcap=softcap)
     if chosen == "triton-v2":
         from . import triton_kernel  # reads packed.length: skips the slots after it
 
-        return triton_kernel.kivi_attention_partial(query, packed, scale)
-    return kivi_attention_partial_reference(query, packed, scale)
+        return triton_kernel.kivi_attention_partial(query, packed, scale, softcap=softcap)
+    return kivi_attention_partial_reference(query, packed, scale, softcap=softcap)
 
 
 __all__ = ["BITS", "PackedKV", "bits_per_element", "dequantize_keys", "dequantize_values", "fake_quantize_keys",

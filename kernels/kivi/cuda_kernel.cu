@@ -39,6 +39,10 @@ constexpr int MAX_NW = 4;
 #define KIVI_PROBE 0  // timing probes (benchmarks/gpu_kivi_profile.py), wrong results: 1 copies only, 2 no P.V,
                       // 3 dequantization as the LOP3 alone
 #endif
+#ifndef KIVI_SOFTCAP
+#define KIVI_SOFTCAP 0  // 1: scores are soft-capped (Params::softcap, log2 units) before masking; a separate build,
+                        // so the default kernel's code is unchanged
+#endif
 #ifndef KIVI_KFOLD
 #define KIVI_KFOLD 0  // 1: key scale folded into the query, offsets / zero points through 2 correction MMAs per slice;
                       // 2: the same, codes centred on the middle code (error like the default, 16 HFMA2 per tile more)
@@ -65,7 +69,15 @@ struct Params {
   long long va_sb;
   int M, H, NT, gshift, tps, nsplit, ngv, gv, BH;
   float qk_scale;  // softmax scale * log2(e)
+  float softcap;   // logit soft-cap (Gemma 2) in log2 units: softcap * log2(e); 0 = none
 };
+
+// Logit soft-capping (Gemma 2): cap * tanh(x / cap), tanh from one ex2 of -2|x / cap| (exact sign, no overflow).
+__device__ __forceinline__ float soft_cap(float x, float cap) {
+  const float y = x / cap;
+  const float e = exp2f(-2.885390081777927f * fabsf(y));
+  return copysignf(cap * ((1.f - e) / (1.f + e)), y);
+}
 
 // Pointers of one (batch, kv head) slice.
 struct Slice {
@@ -636,7 +648,7 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
     }
 #endif
 
-    // ---- mask + online softmax (base 2) per query row (2t, 2t+1); lane-local sums
+    // ---- (logit soft-cap) + mask + online softmax (base 2) per query row (2t, 2t+1); lane-local sums
     const uint32_t vb = *reinterpret_cast<const uint32_t*>(sb + L::valid4(g));  // tokens 4g..4g+3
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -644,6 +656,10 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
 #pragma unroll
       for (int e = 0; e < 2; ++e) {  // e: token 4g + 2mt + e
         const bool ok = ((vb >> (8 * (2 * mt + e))) & 0xffu) != 0u;
+#if KIVI_SOFTCAP  // a build for models with logit soft-capping (Gemma 2): s = cap * tanh(s / cap) in log2 units
+        s[mt][2 * e] = soft_cap(s[mt][2 * e], p.softcap);
+        s[mt][2 * e + 1] = soft_cap(s[mt][2 * e + 1], p.softcap);
+#endif
         s[mt][2 * e] = ok ? s[mt][2 * e] : -INFINITY;
         s[mt][2 * e + 1] = ok ? s[mt][2 * e + 1] : -INFINITY;
         mx[0] = fmaxf(mx[0], s[mt][2 * e]);
@@ -949,7 +965,7 @@ int launch_variant(const Params& p, int nw, dim3 grid, size_t smem, int device, 
 
 #include <string.h>
 
-static kivi_v3::Params parse_params(const long long* a, double qk_scale) {
+static kivi_v3::Params parse_params(const long long* a, double qk_scale, double softcap = 0.0) {
   using namespace kivi_v3;
   Params p;
   int i = 0;
@@ -974,6 +990,7 @@ static kivi_v3::Params parse_params(const long long* a, double qk_scale) {
   p.M = (int)a[i++]; p.H = (int)a[i++]; p.NT = (int)a[i++]; p.gshift = (int)a[i++]; p.tps = (int)a[i++];
   p.nsplit = (int)a[i++]; p.ngv = (int)a[i++]; p.gv = (int)a[i++]; p.BH = (int)a[i++];
   p.qk_scale = (float)qk_scale;
+  p.softcap = (float)softcap;
   return p;
 }
 
@@ -987,6 +1004,7 @@ KIVI_EXPORT int kivi_v3_stage_bytes() { return kivi_v3::stage_bytes<KIVI_BITS, K
 KIVI_EXPORT int kivi_v3_bits() { return KIVI_BITS; }
 KIVI_EXPORT int kivi_v3_dk() { return KIVI_DK; }
 KIVI_EXPORT int kivi_v3_dv() { return KIVI_DV; }
+KIVI_EXPORT int kivi_v3_softcap() { return KIVI_SOFTCAP; }
 // Dynamic shared-memory bytes kivi_v3_launch requests for (nw, stages); whether it raises the kernel's limit
 // (> 48 KB) through cudaFuncSetAttribute.
 KIVI_EXPORT long long kivi_v3_launch_smem(int nw, int stages) { return (long long)kivi_v3::launch_smem(nw, stages); }
@@ -994,13 +1012,14 @@ KIVI_EXPORT int kivi_v3_needs_smem_optin(int nw, int stages) {
   return kivi_v3::launch_smem(nw, stages) > kivi_v3::DEFAULT_SMEM ? 1 : 0;
 }
 
-// a: pointers and int64 sizes/strides in the order of kivi_v3::Params (see cuda_kernel.py::_ARGS).
-KIVI_EXPORT int kivi_v3_launch(const long long* a, double qk_scale, int nw, int stages, int row_blocks,
+// a: pointers and int64 sizes/strides in the order of kivi_v3::Params (see cuda_kernel.py::_ARGS).  softcap: the
+// logit soft-cap in log2 units (softcap * log2(e)); read by a KIVI_SOFTCAP build only, which needs it > 0.
+KIVI_EXPORT int kivi_v3_launch(const long long* a, double qk_scale, double softcap, int nw, int stages, int row_blocks,
                    int device, void* stream) {
   using namespace kivi_v3;
   cudaError_t e = cudaSetDevice(device);
   if (e != cudaSuccess) return (int)e;
-  Params p = parse_params(a, qk_scale);
+  Params p = parse_params(a, qk_scale, softcap);
   if (nw < 1 || nw > MAX_NW || stages < 2 || stages > 4) return (int)cudaErrorInvalidValue;
   const size_t smem = launch_smem(nw, stages);
   int limit = 0;

@@ -309,32 +309,37 @@ def nvcc_command(bits: int, dk: int, dv: int, out: str, extra: tuple[str, ...] =
 
 
 def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfold: int = 0,
-          probe: int = 0) -> ctypes.CDLL:
+          probe: int = 0, softcap: bool = False) -> ctypes.CDLL:
     """Compile (or load from the cache) the library for ``(bits, dk, dv)`` and bind its launchers.
 
     ``min_blocks`` > 1 caps the registers (``__launch_bounds__(128, min_blocks)``) - a tuning knob.  ``kfold`` 1 / 2
     builds a key-scale-fold variant (``-DKIVI_KFOLD=1`` / ``2``, see "Key-scale fold" in the module docstring),
     ``vfold`` = 1 the value-fold variant (``-DKIVI_VFOLD=1``).  ``probe`` 1 / 2 / 3 builds a timing probe that gives
     WRONG results (``-DKIVI_PROBE``: copies only / no P.V / dequantization as the LOP3 alone), for
-    benchmarks/gpu_kivi_profile.py only."""
+    benchmarks/gpu_kivi_profile.py only.  ``softcap``: the build for models with logit soft-capping (Gemma 2;
+    ``-DKIVI_SOFTCAP=1``: scores are capped at ``kivi_v3_launch``'s ``softcap`` before masking; a launch of it must
+    pass a positive cap), a separate library so that the default kernel's code is unchanged."""
     if kfold not in (0, 1, 2) or vfold not in (0, 1) or probe not in (0, 1, 2, 3):
         raise ValueError(f"kfold {kfold} (0, 1 or 2), vfold {vfold} (0 or 1), probe {probe} (0..3)")
     key = (bits, dk, dv, min_blocks) if not (kfold or vfold) else (bits, dk, dv, min_blocks, kfold, vfold)
     if probe:
         key = (*key, "probe", probe)
+    if softcap:
+        key = (*key, "softcap")
     with _LOCK:
         if key in _LIBS:
             return _LIBS[key]
     src = SOURCE.read_bytes()
     tag = hashlib.sha256(src + repr((NVCC_FLAGS, key)).encode()).hexdigest()[:16]
-    path = cache_dir() / f"libkivi_v3_b{bits}_k{dk}_v{dv}_r{min_blocks}{f'_kf{kfold}' if kfold else ''}{'_vf' if vfold else ''}{f'_p{probe}' if probe else ''}_{tag}.so"
+    path = cache_dir() / f"libkivi_v3_b{bits}_k{dk}_v{dv}_r{min_blocks}{f'_kf{kfold}' if kfold else ''}{'_vf' if vfold else ''}{f'_p{probe}' if probe else ''}{'_sc' if softcap else ''}_{tag}.so"
     t0 = time.time()
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
         cmd = nvcc_command(bits, dk, dv, tmp, (f"-DKIVI_MIN_BLOCKS={min_blocks}", f"-DKIVI_KFOLD={kfold}",
-                                                       f"-DKIVI_VFOLD={vfold}", f"-DKIVI_PROBE={probe}"))
+                                                       f"-DKIVI_VFOLD={vfold}", f"-DKIVI_PROBE={probe}",
+                                                       f"-DKIVI_SOFTCAP={int(bool(softcap))}"))
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode:
             os.unlink(tmp)
@@ -344,8 +349,8 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
         os.replace(tmp, path)
     lib = ctypes.CDLL(str(path))
     lib.kivi_v3_launch.restype = ctypes.c_int
-    lib.kivi_v3_launch.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_double, ctypes.c_int, ctypes.c_int,
-                                   ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.kivi_v3_launch.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_double, ctypes.c_double, ctypes.c_int,
+                                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.kivi_v3_combine_launch.restype = ctypes.c_int
     lib.kivi_v3_combine_launch.argtypes = [ctypes.c_longlong] * 4 + [ctypes.c_int, ctypes.c_longlong, ctypes.c_int,
                                                                        ctypes.c_int, ctypes.c_void_p]
@@ -356,7 +361,7 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
     lib.kivi_v3_launch_smem.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.kivi_v3_needs_smem_optin.restype = ctypes.c_int
     lib.kivi_v3_needs_smem_optin.argtypes = [ctypes.c_int, ctypes.c_int]
-    if (lib.kivi_v3_bits(), lib.kivi_v3_dk(), lib.kivi_v3_dv()) != key[:3]:
+    if (lib.kivi_v3_bits(), lib.kivi_v3_dk(), lib.kivi_v3_dv()) != key[:3] or lib.kivi_v3_softcap() != bool(softcap):
         raise RuntimeError(f"{path} was built for another configuration")
     with _LOCK:
         _LIBS[key] = lib
@@ -364,11 +369,11 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
     return lib
 
 
-def build_for(bits: int, dk: int, dv: int, cfg: dict) -> ctypes.CDLL:
+def build_for(bits: int, dk: int, dv: int, cfg: dict, softcap: bool = False) -> ctypes.CDLL:
     """:func:`build` with the build options of a launch configuration (``min_blocks``, ``kfold``, ``vfold``,
-    ``probe``; the launch-only entries are ignored)."""
+    ``probe``; the launch-only entries are ignored) and of the model's attention (``softcap``)."""
     return build(bits, dk, dv, int(cfg.get("min_blocks", 1)), int(cfg.get("kfold", 0)), int(cfg.get("vfold", 0)),
-                 int(cfg.get("probe", 0)))
+                 int(cfg.get("probe", 0)), softcap)
 
 
 # ----------------------------------------------------------------------------- launch
@@ -529,11 +534,13 @@ def layout_probe(packed: PackedKV, b: int, h: int, tok0: int, min_blocks: int = 
 
 
 def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict | None = None,
-             splits: int | None = None, base: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             splits: int | None = None, base: dict | None = None,
+             softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The launch.  ``packed.length`` is not an input of this kernel: with a length it reads the whole capacity with
     :meth:`PackedKV.live_valid` (``valid & (slot < length)``, one small elementwise op).  ``base``: the launch
     configuration to start from instead of :func:`config` (which reads ``KVCOMPRESS_KIVI_CUDA_CONFIG``); ``cfg``
-    entries override either."""
+    entries override either.  ``softcap``: logit soft-cap of the scores (``None`` / 0: none), applied in the
+    kernel."""
     if getattr(packed, "length", None) is not None:
         packed = dataclasses.replace(packed, valid=packed.live_valid(), length=None)
     why = _problem(query, packed)
@@ -555,7 +562,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
     c = dict(base if base is not None else config(bits))
     if cfg:
         c.update(cfg)
-    lib = build_for(bits, dk, dv, c)
+    lib = build_for(bits, dk, dv, c, softcap=bool(softcap))
 
     q = _aligned(query.to(torch.float16), 1, 4)
     kv = _kv_tensors(packed)
@@ -577,7 +584,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
         pl = torch.empty(s, b * h * m, device=dev, dtype=torch.float32)
     arr = _args(packed, kv, q.data_ptr(), q.stride()[:3], po.data_ptr(), pl.data_ptr(), m, tiles_per_split * TILE, s)
     stream = torch.cuda.current_stream(dev).cuda_stream
-    rc = lib.kivi_v3_launch(arr, float(scale) * LOG2E, nw, stages, row_blocks,
+    rc = lib.kivi_v3_launch(arr, float(scale) * LOG2E, float(softcap or 0.0) * LOG2E, nw, stages, row_blocks,
                             index, ctypes.c_void_p(stream))
     if rc:
         raise RuntimeError(f"KIVI CUDA kernel launch failed: {lib.kivi_v3_error_string(rc).decode()}")
@@ -589,9 +596,10 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
     return out, lse
 
 
-def kivi_attention_partial(query: torch.Tensor, packed: PackedKV, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def kivi_attention_partial(query: torch.Tensor, packed: PackedKV, scale: float, *,
+                           softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention over a packed KIVI region; see :func:`.reference.kivi_attention_partial`."""
-    return _forward(query, packed, scale)
+    return _forward(query, packed, scale, softcap=softcap)
 
 
 # ----------------------------------------------------------------------------- pure-PyTorch model of the kernel
@@ -616,7 +624,8 @@ def _pairs(x: torch.Tensor) -> torch.Tensor:
 
 
 def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
-            splits: int = 2, kfold: int = 0, vfold: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+            splits: int = 2, kfold: int = 0, vfold: int = 0,
+            softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's dataflow in PyTorch (CPU): the same lane/fragment mapping, token and channel permutations,
     bit-field extraction, ``movmatrix`` transposes, fp16 rounding points, online softmax per warp, warp merge and
     split combine.
@@ -628,7 +637,8 @@ def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
     ``E + code``, the ``-sum q' E + sum q z`` correction added to every token's score in fp32; 2: centred,
     ``-sum q' (E + mid) + sum q fp16(z + mid * s)`` with ``mid = (2**bits - 1) / 2``).  ``vfold``: the value-fold
     build (V^T A = fp16(code * s) rounded once, the zero points summed by a separate MMA per k-step, A row ``g`` = the
-    lane column's zero pairs, and added to that lane column's output channels).
+    lane column's zero pairs, and added to that lane column's output channels).  ``softcap``: the soft-cap the kernel
+    applies to every score fragment (log2 units, ``tanh`` from one ``exp2``) before masking.
     """
     why = _problem(query, packed)
     if why is not None:
@@ -648,7 +658,8 @@ def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
                     tiles = list(range(sp * tps, min((sp + 1) * tps, ntiles)))
                     n = len(tiles)  # each warp: a contiguous run of the split's tiles, as in the kernel
                     warps = [_emulate_warp(query, packed, bi, hi, rb, tiles[n * w // nw: n * (w + 1) // nw],
-                                           float(scale) * LOG2E, lanes, kfold, vfold) for w in range(nw)]
+                                           float(scale) * LOG2E, lanes, kfold, vfold,
+                                           float(softcap or 0.0) * LOG2E) for w in range(nw)]
                     # warp merge (shared memory)
                     mm = torch.stack([x[0] for x in warps])  # [nw, 8]
                     lm = torch.stack([x[1] for x in warps])
@@ -692,7 +703,15 @@ def _kfold_field(words: torch.Tensor, shift: int, bit: int, bits: int) -> torch.
     return torch.where(halves >= 0x8000, halves - 0x10000, halves).to(torch.int16).view(torch.float16)
 
 
-def _emulate_warp(query, packed, bi, hi, rb, tiles, qk, lanes, kfold=0, vfold=0):
+def _emulate_softcap(c: torch.Tensor, cap: float) -> torch.Tensor:
+    """The kernel's soft-cap of fp32 scores in log2 units: ``copysign(cap * (1 - e) / (1 + e), x)`` with
+    ``x = s / cap`` and ``e = 2^(-2 |x| log2(e))``."""
+    x = c / cap
+    e = torch.exp2(-2.885390081777927 * x.abs())
+    return torch.copysign(cap * ((1 - e) / (1 + e)), x)
+
+
+def _emulate_warp(query, packed, bi, hi, rb, tiles, qk, lanes, kfold=0, vfold=0, cap=0.0):
     """One warp's loop: returns (row max [8] (log2 units), row sum [8], unnormalised output [8, dv])."""
     bits, gk = packed.bits, packed.group
     m, dk = query.shape[2], query.shape[3]
@@ -772,6 +791,8 @@ def _emulate_warp(query, packed, bi, hi, rb, tiles, qk, lanes, kfold=0, vfold=0)
                 C = sum(A[s] @ Bqs[s] for s in range(nks)) + corr[None, :]
             else:
                 C = sum(A[s] @ Bq[s] for s in range(nks))  # [16 tokens, 8 query rows]
+            if cap > 0:
+                C = _emulate_softcap(C, cap)
             Cs.append(C)
             for row in range(16):
                 S[:, score_token(mt, row)] = C[row]

@@ -206,6 +206,9 @@ class PackedKV:
     impl: str | None = None
     length: torch.Tensor | None = None
 
+    #: :meth:`attention_partial` takes ``softcap=`` (every implementation applies it)
+    supports_softcap = True
+
     @property
     def num_tokens(self) -> int:
         return self.valid.shape[-1]
@@ -230,16 +233,17 @@ class PackedKV:
         v = dequantize_values(self.v_codes, self.v_scale, self.v_zero, self.bits)
         return k, v
 
-    def attention_partial(self, query: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def attention_partial(self, query: torch.Tensor, scale: float,
+                          softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)`` of ``query [B, H, M, Dk]`` over this region (fused kernel on CUDA): through the registered
-        op with the chosen ``impl`` when it is set, else decided per call."""
+        op with the chosen ``impl`` when it is set, else decided per call.  ``softcap``: logit soft-cap."""
         if self.impl is not None:
-            return _ops().kivi_attention(query, self, scale, impl=self.impl)
+            return _ops().kivi_attention(query, self, scale, impl=self.impl, softcap=softcap)
         if self.k_per_token:
-            return kivi_attention_partial(query, self, scale)
+            return kivi_attention_partial(query, self, scale, softcap=softcap)
         from . import kivi_attention_partial as dispatch
 
-        return dispatch(query, self, scale)
+        return dispatch(query, self, scale, softcap=softcap)
 
 
 def _ops():
@@ -251,7 +255,8 @@ def _ops():
 # ----------------------------------------------------------------------------- attention
 
 
-def kivi_attention_partial(query: torch.Tensor, packed: PackedKV, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def kivi_attention_partial(query: torch.Tensor, packed: PackedKV, scale: float, *,
+                           softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of grouped queries over a quantized region, unnormalised across regions.
 
     Every stored token precedes every query (the quantized middle is older than the
@@ -262,6 +267,7 @@ def kivi_attention_partial(query: torch.Tensor, packed: PackedKV, scale: float) 
             (already mapped to the stored key channels).
         packed: the quantized keys and values.
         scale: softmax scale.
+        softcap: logit soft-cap ``softcap * tanh(s / softcap)`` of the scaled scores (``None`` or 0: none).
 
     Returns:
         ``(out [B, Hkv, M, Dv] float32, lse [B, Hkv, M] float32)``: the softmax-normalised output over
@@ -269,8 +275,10 @@ def kivi_attention_partial(query: torch.Tensor, packed: PackedKV, scale: float) 
         zero output where no key is valid).  Merge regions with
         :func:`kvcompress.kernels.attention.reference.merge_partials`.
     """
+    from kvcompress.kernels.attention.reference import soft_cap
+
     k, v = packed.dequantize()
-    s = torch.einsum("bhmd,bhtd->bhmt", query.float(), k) * scale
+    s = soft_cap(torch.einsum("bhmd,bhtd->bhmt", query.float(), k) * scale, softcap)
     s = s.masked_fill(~packed.live_valid()[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     finite = torch.isfinite(lse)

@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcompress.kernels.attention.triton_shared import combine_splits
+from kvcompress.kernels.attention.triton_shared import cap_base2, combine_splits, soft_cap
 from kvcompress.kernels.attention.triton_shared import num_sms as _num_sms
 from kvcompress.kernels.attention.triton_shared import pow2 as _pow2
 
@@ -178,7 +178,7 @@ def _small_loads(va_base, vs_base, vz_base, t0, t_end, j, svs_t, svz_t, vgrp, vw
 @triton.jit
 def _kivi_split_kernel(
     Q, KC, KS, KZ, VC, VS, VZ, VALID, LENGTH, OUT, LSE,
-    qk_scale, M, H, NT, tokens_per_split,
+    qk_scale, cap, M, H, NT, tokens_per_split,
     sq_b, sq_h, sq_m,
     skc_b, skc_h, skc_g,
     sks_b, sks_h, sks_g,
@@ -192,12 +192,14 @@ def _kivi_split_kernel(
     DK: tl.constexpr, KW: tl.constexpr, KW_PAD: tl.constexpr, DV: tl.constexpr, VW_PAD: tl.constexpr,
     G: tl.constexpr, GV: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
     TRANS: tl.constexpr, LAZY: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, HAS_LENGTH: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One (split, batch*kv-head, row block): flash-decoding over ``tokens_per_split`` tokens.
 
     ``KS`` / ``KZ`` are the key scales / zeros viewed as int32 pairs of adjacent channels (strides in pairs).
     ``HAS_LENGTH``: ``LENGTH`` points to the number of leading token slots that may be live (a 0-dim device
     tensor); slots at or after it are neither loaded nor attended (a split entirely beyond it exits at once).
+    ``SOFTCAP``: the scores (base 2) are soft-capped at ``cap`` (``softcap * log2(e)``) before masking.
     """
     PER: tl.constexpr = 32 // BITS
     HP: tl.constexpr = PER // 2  # fields (code pairs) per word
@@ -301,9 +303,15 @@ def _kivi_split_kernel(
             kt = tl.permute(kt, (1, 2, 0, 3, 4, 5))
         k = tl.reshape(kt, (BN, DK_PAD))
         if TRANS:
-            s = tl.where(ok[:, None], tl.dot(k, qt), float("-inf"))  # [BN, BLOCK_M]
+            s = tl.dot(k, qt)  # [BN, BLOCK_M]
         else:
-            s = tl.where(ok[None, :], tl.dot(q, tl.trans(k)), float("-inf"))  # [BLOCK_M, BN]
+            s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BN]
+        if SOFTCAP:
+            s = soft_cap(s, cap)
+        if TRANS:
+            s = tl.where(ok[:, None], s, float("-inf"))
+        else:
+            s = tl.where(ok[None, :], s, float("-inf"))
 
         # ---- online softmax (base 2)
         m_blk = tl.max(s, axis=RED, keep_dims=True)
@@ -444,12 +452,13 @@ def _validate(query: torch.Tensor, packed: PackedKV) -> None:
 
 def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, splits: int | None = None,
              config: dict | None = None, length: torch.Tensor | None = None,
-             base: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             base: dict | None = None, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The launch.  ``length`` (default ``packed.length``): 0-dim int device tensor, the number of leading token
     slots that may be live
     (slots at or after it are treated as invalid and not read; the grid stays sized for the whole capacity, so
     the launch is the same whatever its value: CUDA-graph safe).  ``base``: the launch configuration to start from
-    instead of :func:`_config` (which reads ``KVCOMPRESS_KIVI_CONFIG``); ``config`` entries override either."""
+    instead of :func:`_config` (which reads ``KVCOMPRESS_KIVI_CONFIG``); ``config`` entries override either.
+    ``softcap``: logit soft-cap of the scores (``None`` / 0: none; a compile-time switch of the kernel)."""
     _validate(query, packed)
     if length is None:
         length = getattr(packed, "length", None)
@@ -509,7 +518,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, splits: int
     vw = vc.shape[-1]
     _kivi_split_kernel[(splits, b * h, m_blocks)](
         q, kc, ks, kz, vc, vs, vz, valid, length if length is not None else valid, po, pl,
-        float(scale) * LOG2E, m, h, nt, tps,
+        float(scale) * LOG2E, cap_base2(softcap), m, h, nt, tps,
         q.stride(0), q.stride(1), q.stride(2),
         kc.stride(0), kc.stride(1), kc.stride(2),
         ks.stride(0), ks.stride(1), ks.stride(2),
@@ -522,7 +531,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, splits: int
         DK=dk, KW=kw, KW_PAD=max(_pow2(kw), -(-16 // per)), DV=dv, VW_PAD=max(_pow2(vw), -(-16 // per)),
         G=g, GV=gv, BITS=bits, BLOCK_M=block_m, BN=bn, TRANS=cfg["TRANS"], LAZY=cfg["LAZY"],
         ASM=bool(cfg["ASM"]) and (base is not None or _asm_ok(dev)), PREFETCH=bool(cfg["PREFETCH"]),
-        HAS_LENGTH=length is not None,
+        HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),
     )
@@ -541,7 +550,8 @@ def resolved_config(bits: int, group: int, dk: int, dv: int, v_group: int, devic
 
 
 def kivi_attention_partial(query: torch.Tensor, packed: PackedKV, scale: float, *,
-                           length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           length: torch.Tensor | None = None,
+                           softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention over a packed KIVI region; see :func:`.reference.kivi_attention_partial` (``length``: see
     :func:`_forward`)."""
-    return _forward(query, packed, scale, length=length)
+    return _forward(query, packed, scale, length=length, softcap=softcap)

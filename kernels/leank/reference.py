@@ -60,11 +60,14 @@ def merge_with_lse(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[
     return out, lse
 
 
-def lane_partial(query: torch.Tensor, lane: Lane, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [B, h, M, Dv], lse [B, h, M])`` of one lane's heads (float32)."""
+def lane_partial(query: torch.Tensor, lane: Lane, scale: float,
+                 softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, h, M, Dv], lse [B, h, M])`` of one lane's heads (float32); ``softcap``: logit soft-cap."""
+    from kvcompress.kernels.attention.reference import soft_cap
+
     heads, channels, k, v, valid = lane
     q = gather_query(query, heads, channels).float()
-    s = torch.einsum("bhmd,bhtd->bhmt", q, k.float()) * scale
+    s = soft_cap(torch.einsum("bhmd,bhtd->bhmt", q, k.float()) * scale, softcap)
     if valid is not None:
         s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
@@ -74,7 +77,8 @@ def lane_partial(query: torch.Tensor, lane: Lane, scale: float) -> tuple[torch.T
 
 
 def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple], scale: float, *,
-                              length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                              length: torch.Tensor | None = None,
+                              softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of grouped queries over LeanK lanes, unnormalised across regions.
 
     Args:
@@ -84,6 +88,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
         scale: softmax scale of the full head (``1/sqrt(D)``), also for pruned keys.
         length: optional 0-dim int tensor: every lane's token slots at or after it are treated as invalid
             (the kernel does not read them).
+        softcap: logit soft-cap ``softcap * tanh(s / softcap)`` of the scaled scores (``None``: none).
 
     Returns:
         ``(out [B, Hkv, M, Dv] float32, lse [B, Hkv, M] float32)``; heads no lane covers get
@@ -92,7 +97,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     """
     if length is not None:
         lanes = [_bounded(Lane(*lane), length) for lane in lanes]
-    return combine_lanes(query, lanes, lambda lane: lane_partial(query, lane, scale))
+    return combine_lanes(query, lanes, lambda lane: lane_partial(query, lane, scale, softcap))
 
 
 def _bounded(lane: Lane, length: torch.Tensor) -> Lane:

@@ -48,6 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcompress.kernels.attention.triton_shared import cap_base2, soft_cap
+
 from .reference import Lane
 
 LOG2E = 1.4426950408889634
@@ -57,8 +59,8 @@ MAX_DIM = 256
 
 @triton.jit
 def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_off, C, start, end, qk_scale, M, pid_m,
-            HAS_CHAN: tl.constexpr, HAS_VALID: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
-            DVP: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+            cap, HAS_CHAN: tl.constexpr, HAS_VALID: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
+            DVP: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
     """Flash-decoding over tokens ``[start, end)`` of one head of one lane: ``(acc, m, l)`` (base 2)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
@@ -83,6 +85,8 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
+        if SOFTCAP:
+            s = soft_cap(s, cap)
         ok = t_ok
         if HAS_VALID:
             ok = ok & (tl.load(VA + va_off + t, mask=t_ok, other=0) != 0)
@@ -108,10 +112,10 @@ def _lanes_kernel(
     Q, sq_b, sq_h, sq_m,
     KS, VS, VAS, CHS, HDS,
     SKB, SKH, SKT, SVB, SVH, SVT, SVAB, SCH, TS, NHS, CS, ROW0,
-    PO, PL, LENGTH, qk_scale, M, R, RLO, RN, NBATCH,
+    PO, PL, LENGTH, qk_scale, M, R, RLO, RN, NBATCH, cap,
     HAS_VALID: tl.constexpr, HAS_CHAN: tl.constexpr, HAS_HEADS: tl.constexpr, DKP: tl.constexpr,
     NL: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
-    IEEE: tl.constexpr, HAS_LENGTH: tl.constexpr,
+    IEEE: tl.constexpr, HAS_LENGTH: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One (split, batch * lane row, row block): the partial of one head of one lane over one token range.
 
@@ -143,7 +147,7 @@ def _lanes_kernel(
             acc, m_i, l_i = _attend(
                 Q, b64 * sq_b + head * sq_h, sq_m, CHS[i], j64 * SCH[i], KS[i], b64 * SKB[i] + j64 * SKH[i], SKT[i],
                 VS[i], b64 * SVB[i] + j64 * SVH[i], SVT[i], VAS[i], b64 * SVAB[i], CS[i], start, end, qk_scale, M,
-                pid_m, HAS_CHAN[i], HAS_VALID[i], DKP[i], DV, DVP, BLOCK_M, BN, IEEE)
+                pid_m, cap, HAS_CHAN[i], HAS_VALID[i], DKP[i], DV, DVP, BLOCK_M, BN, IEEE, SOFTCAP)
             l_ok = l_i > 0.0
             out = acc / tl.where(l_ok, l_i, 1.0)[:, None]
             lse = tl.where(l_ok, (m_i + tl.log2(tl.where(l_ok, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -322,9 +326,11 @@ def launch_layout(lanes: Sequence[Lane | tuple], d: int, canonical: bool = True)
 
 def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple], scale: float, *,
                               splits: int | None = None, config: dict | None = None,
-                              length: torch.Tensor | None = None, base: dict | None = None
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
+                              length: torch.Tensor | None = None, base: dict | None = None,
+                              softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused grouped partial attention; see :func:`.reference.grouped_partial_attention`.
+
+    ``softcap``: logit soft-cap of the scores, applied in the kernel (``None`` or 0: none; a compile-time switch).
 
     ``length``: 0-dim int device tensor, the number of leading token slots of every lane that may be live (later
     slots are treated as invalid and not read; the launch does not depend on its value: CUDA-graph safe).
@@ -383,9 +389,11 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
             tuple(_stride(r, "ch", 0) if r["has_chan"] else 0 for r in chunk),
             tup("t"), tup("h"), tup("c"), tup("r0"),
             po, pl, length if length is not None else pl, float(scale) * LOG2E, m, n_rows, chunk[0]["r0"], n_chunk, b,
+            cap_base2(softcap),
             HAS_VALID=tup("has_valid"), HAS_CHAN=tup("has_chan"), HAS_HEADS=tup("has_heads"),
             DKP=tuple(max(16, _pow2(r["c"])) for r in chunk), NL=len(chunk), DV=dv, DVP=max(16, _pow2(dv)),
-            BLOCK_M=block_m, BN=bn, IEEE=ieee, HAS_LENGTH=length is not None, num_warps=cfg["num_warps"],
+            BLOCK_M=block_m, BN=bn, IEEE=ieee, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
+            num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
         )
 

@@ -21,24 +21,26 @@ def triton_supported(query, k_pages) -> bool:
 
 
 def paged_attention_partial(query, k_pages, v_pages, page_valid, block_table, scale, *, impl: str | None = None,
-                            length=None):
+                            length=None, softcap=None):
     """Attention over KV pages through a block table; see :func:`.reference.paged_attention_partial`.
 
     ``impl``: ``"reference"`` / ``"triton"`` through the registered op (``None``: decided per call).  ``length``:
     optional 0-dim int device tensor, token slots at or after it (block-table order) are treated as invalid and
-    not read by the kernel."""
+    not read by the kernel.  ``softcap``: logit soft-cap of the scores (every implementation applies it)."""
     if impl is not None:
         from kvcompress.kernels import ops
 
-        return ops.paged_attention(query, k_pages, v_pages, page_valid, block_table, scale, impl=impl, length=length)
+        return ops.paged_attention(query, k_pages, v_pages, page_valid, block_table, scale, impl=impl, length=length,
+                                   softcap=softcap)
     if triton_supported(query, k_pages):
         from kvcompress.kernels.ops import triton_available
 
         if triton_available():  # compiled lazily, on first use
             from .triton_kernel import paged_attention_partial as fused
 
-            return fused(query, k_pages, v_pages, page_valid, block_table, scale, length=length)
-    return paged_attention_partial_reference(query, k_pages, v_pages, page_valid, block_table, scale, length=length)
+            return fused(query, k_pages, v_pages, page_valid, block_table, scale, length=length, softcap=softcap)
+    return paged_attention_partial_reference(query, k_pages, v_pages, page_valid, block_table, scale, length=length,
+                                             softcap=softcap)
 
 
 __all__ = ["paged_attention_partial", "paged_attention_partial_reference", "triton_supported"]

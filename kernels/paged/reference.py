@@ -34,7 +34,8 @@ def gather_valid(page_valid: torch.Tensor, block_table: torch.Tensor) -> torch.T
 
 def paged_attention_partial(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                             page_valid: torch.Tensor, block_table: torch.Tensor,
-                            scale: float, *, length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            scale: float, *, length: torch.Tensor | None = None,
+                            softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of grouped queries over paged keys/values, as a mergeable partial.
 
     Args:
@@ -45,6 +46,7 @@ def paged_attention_partial(query: torch.Tensor, k_pages: torch.Tensor, v_pages:
         scale: softmax scale.
         length: optional 0-dim int tensor: token slots at or after it, counted in block-table order (table
             position ``w`` holds slots ``w*P .. w*P+P-1``), are treated as invalid (the kernel does not read them).
+        softcap: logit soft-cap of the scaled scores (``None`` or 0: none).
 
     Returns:
         ``(out [B, H, M, Dv] float32, lse [B, H, M] float32)``; ``lse = -inf`` and a zero output for
@@ -55,4 +57,4 @@ def paged_attention_partial(query: torch.Tensor, k_pages: torch.Tensor, v_pages:
     valid = gather_valid(page_valid, block_table)
     if length is not None:
         valid = valid & (torch.arange(valid.shape[-1], device=valid.device) < length.to(valid.device))
-    return partial_attention(query, k, v, valid[:, None, None, :], scale)
+    return partial_attention(query, k, v, valid[:, None, None, :], scale, softcap or None)

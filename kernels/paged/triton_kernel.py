@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcompress.kernels.attention.triton_shared import combine_splits
+from kvcompress.kernels.attention.triton_shared import cap_base2, combine_splits, soft_cap
 from kvcompress.kernels.attention.triton_shared import num_sms as _num_sms
 from kvcompress.kernels.attention.triton_shared import pow2 as _pow2
 
@@ -40,7 +40,7 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _paged_split_kernel(
     Q, K, V, VALID, TABLE, LENGTH, OUT, LSE,
-    qk_scale, M, H, W, pages_per_split,
+    qk_scale, cap, M, H, W, pages_per_split,
     sq_b, sq_h, sq_m,
     sk_p, sk_h, sk_t,
     sv_p, sv_h, sv_t,
@@ -49,6 +49,7 @@ def _paged_split_kernel(
     sl_s, sl_b, sl_h,
     DK: tl.constexpr, DK_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
     P: tl.constexpr, NBP: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr, HAS_LENGTH: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     BN: tl.constexpr = NBP * P
     pid_s = tl.program_id(0)
@@ -98,6 +99,8 @@ def _paged_split_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
+        if SOFTCAP:
+            s = soft_cap(s, cap)
         s = tl.where(ok[None, :], s, float("-inf"))  # [BLOCK_M, BN]
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -148,8 +151,8 @@ def _validate(query, k_pages, v_pages, page_valid, block_table) -> None:
 
 def _forward(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_valid: torch.Tensor,
              block_table: torch.Tensor, scale: float, *, splits: int | None = None,
-             pages_per_step: int | None = None,
-             length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             pages_per_step: int | None = None, length: torch.Tensor | None = None,
+             softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The launch.  ``length``: 0-dim int device tensor, the number of leading token slots (block-table position
     ``w`` holds slots ``w*P .. w*P+P-1``) that may be live; later slots are treated as invalid and their pages are
     not read.  The grid stays sized for the whole table (CUDA-graph safe)."""
@@ -196,14 +199,15 @@ def _forward(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
 
     _paged_split_kernel[(splits, b * h, m_blocks)](
         q, k, v, valid, table, length if length is not None else table, po, pl,
-        float(scale) * LOG2E, m, h, w, pps,
+        float(scale) * LOG2E, cap_base2(softcap), m, h, w, pps,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         valid.stride(0), table.stride(0),
         *po_strides, *pl_strides,
         DK=dk, DK_PAD=max(16, _pow2(dk)), DV=dv, DV_PAD=max(16, _pow2(dv)), P=p, NBP=nbp, BLOCK_M=block_m,
-        IEEE=k.dtype == torch.float32, HAS_LENGTH=length is not None, num_warps=4, num_stages=2,
+        IEEE=k.dtype == torch.float32, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap), num_warps=4,
+        num_stages=2,
     )
     if splits > 1:
         combine_splits(po, pl, out, lse, splits, m, b * h, dv, block_m)
@@ -212,6 +216,7 @@ def _forward(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
 
 def paged_attention_partial(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                             page_valid: torch.Tensor, block_table: torch.Tensor,
-                            scale: float, *, length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            scale: float, *, length: torch.Tensor | None = None,
+                            softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged decode attention; see :func:`.reference.paged_attention_partial` (``length``: see :func:`_forward`)."""
-    return _forward(query, k_pages, v_pages, page_valid, block_table, scale, length=length)
+    return _forward(query, k_pages, v_pages, page_valid, block_table, scale, length=length, softcap=softcap)
