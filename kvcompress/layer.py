@@ -172,9 +172,12 @@ class CompressedLayer:
 
     # -- reads ----------------------------------------------------------------------------
     def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float,
-               dense_attention: Callable[..., torch.Tensor]) -> torch.Tensor:
+               dense_attention: Callable[..., torch.Tensor], softcap: float | None = None,
+               sink_logits: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of ``query`` over this layer's storage plus the pending new tokens.
 
+        ``softcap`` / ``sink_logits``: the model's attention variants (logit soft-cap, per-query-head sink logits;
+        :func:`kvcompress.kernels.attention.segment_attention`); ``dense_attention`` applies them too.
         Returns ``[batch, q_len, q_heads, head_dim]`` (transformers' attention output layout).
         """
         k, v, seen_before = self.pending
@@ -198,7 +201,8 @@ class CompressedLayer:
             else:
                 from kvcompress.kernels.attention import attend_segments
 
-                out = attend_segments(query, segs + [new], q_pos, scaling).transpose(1, 2)
+                out = attend_segments(query, segs + [new], q_pos, scaling, softcap=softcap,
+                                      sink_logits=sink_logits).transpose(1, 2)
         self.commit(k, v, valid_new, seen_before)
         return out
 

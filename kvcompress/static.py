@@ -173,21 +173,24 @@ class StaticLayer:
             "quantized tokens cannot be restored; use plain generation")
 
     def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float,
-               dense_attention: Callable[..., torch.Tensor]) -> torch.Tensor:
+               dense_attention: Callable[..., torch.Tensor], softcap: float | None = None,
+               sink_logits: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of ``query`` over this layer's storage and the stashed new tokens, then commit.
 
         ``attention_mask``: boolean ``[batch, 1, q_len, capacity]`` in logical coordinates (column
         ``j`` is position ``j``), or ``None`` when no row is padded.  Returns
-        ``[batch, q_len, q_heads, head_dim]`` (transformers' attention output layout).
+        ``[batch, q_len, q_heads, head_dim]`` (transformers' attention output layout).  ``softcap`` / ``sink_logits``:
+        the model's attention variants, as for :meth:`kvcompress.layer.CompressedLayer.attend`.
         """
         k, v = self.pending
         self.pending = None
+        variant = (softcap, sink_logits)
         if k.shape[2] == 1:
-            return self._decode(query, k, v, attention_mask, scaling, dense_attention)
-        return self._prefill(query, k, v, attention_mask, scaling, dense_attention)
+            return self._decode(query, k, v, attention_mask, scaling, dense_attention, variant)
+        return self._prefill(query, k, v, attention_mask, scaling, dense_attention, variant)
 
     # decode: branch-free ------------------------------------------------------------------
-    def _decode(self, query, k, v, attention_mask, scaling, dense_attention):
+    def _decode(self, query, k, v, attention_mask, scaling, dense_attention, variant=(None, None)):
         pos = self.seen.view(1)
         valid_new = new_token_validity(attention_mask, pos, 1)
         if valid_new is None:
@@ -209,7 +212,7 @@ class StaticLayer:
         if self.flushes:
             self.ring_pos.index_copy_(0, slot - self.sink_slots, pos)
         self.seen.add_(1)
-        out = self._read(query, scaling, dense_attention, None)
+        out = self._read(query, scaling, dense_attention, None, variant)
         if compiling:
             self._host = None
             if self.middle is not None:
@@ -243,7 +246,7 @@ class StaticLayer:
         self.pipeline.flush(self, block)
 
     # prefill / chunks: host counts ---------------------------------------------------------
-    def _prefill(self, query, k, v, attention_mask, scaling, dense_attention):
+    def _prefill(self, query, k, v, attention_mask, scaling, dense_attention, variant=(None, None)):
         if _compiling():
             raise UnsupportedOperationError(
                 "a static kvcompress cache compiles single-token decode steps; run the prefill (and "
@@ -261,7 +264,7 @@ class StaticLayer:
             out = dense_attention(query, k, v, mask, scaling)
         else:
             new = Segment(k, v, valid_new, pos)
-            out = self._read(query, scaling, dense_attention, new)
+            out = self._read(query, scaling, dense_attention, new, variant)
         if valid_new is None:
             valid_new = torch.ones(k.shape[0], q, dtype=torch.bool, device=k.device)
         self._commit_host(k, v, valid_new.expand(k.shape[0], q), pos, seen, flushed)
@@ -329,7 +332,7 @@ class StaticLayer:
         return valid & ~is_sink
 
     # reads ----------------------------------------------------------------------------------
-    def _read(self, query, scaling, dense_attention, new: Segment | None):
+    def _read(self, query, scaling, dense_attention, new: Segment | None, variant=(None, None)):
         middle = self.middle.segments() if self.middle is not None else []
         if middle:
             selection = self.pipeline.select(self, query)
@@ -350,7 +353,8 @@ class StaticLayer:
                 return dense_read(query, segs, q_pos, scaling, dense_attention)
         from kvcompress.kernels.attention import attend_segments
 
-        return attend_segments(query, segs, q_pos, scaling, fused=False, impls=self.kernels).transpose(1, 2)
+        return attend_segments(query, segs, q_pos, scaling, fused=False, impls=self.kernels, softcap=variant[0],
+                               sink_logits=variant[1]).transpose(1, 2)
 
     # -- batch operations ---------------------------------------------------------------------
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
