@@ -96,6 +96,8 @@ class DenseRegion:
     v: torch.Tensor
     valid: torch.Tensor
 
+    supports_softcap = True  # attention_partial takes the model's logit soft-cap
+
     @property
     def num_tokens(self) -> int:
         return self.valid.shape[-1]
@@ -103,10 +105,11 @@ class DenseRegion:
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k, self.v
 
-    def attention_partial(self, query: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def attention_partial(self, query: torch.Tensor, scale: float,
+                          softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         from kvcompress.kernels.attention.reference import partial_attention
 
-        return partial_attention(query, self.k, self.v, self.valid[:, None, None, :], scale)
+        return partial_attention(query, self.k, self.v, self.valid[:, None, None, :], scale, softcap)
 
 
 # ----------------------------------------------------------------------------- packing rows into pages
@@ -174,6 +177,8 @@ class PagedView:
     ``j // P``-th page (oldest first).  Rows hold different tokens in the same column.
     """
 
+    supports_softcap = True  # attention_partial takes the model's logit soft-cap (its codec's region must too)
+
     def __init__(self, store: "PagedStore", payload: dict[str, torch.Tensor], table: torch.Tensor,
                  valid: torch.Tensor):
         self.store = store
@@ -204,8 +209,9 @@ class PagedView:
         """Keys ``[rows, heads, pages*P, dk]`` and values (reference read: a transient dense copy)."""
         return self.region().dequantize()
 
-    def attention_partial(self, query: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)`` of ``query [rows, heads, M, dk]`` over this lane.
+    def attention_partial(self, query: torch.Tensor, scale: float,
+                          softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` of ``query [rows, heads, M, dk]`` over this lane (``softcap``: the model's logit soft-cap).
 
         Full-precision pages: the paged attention op reads pages through the block table in
         place (Triton kernel on CUDA).  Encoded pages: gathered into a transient packed region,
@@ -215,8 +221,16 @@ class PagedView:
             from kvcompress.kernels.paged import paged_attention_partial
 
             return paged_attention_partial(query, self.payload["k"], self.payload["v"], self.store.valid, self.table,
-                                           scale)
-        return self.region().attention_partial(query, scale)
+                                           scale, softcap=softcap)
+        region = self.region()
+        if softcap is None:
+            return region.attention_partial(query, scale)
+        if not getattr(region, "supports_softcap", False):  # a third-party codec: read decoded, with the cap
+            from kvcompress.kernels.attention.reference import partial_attention
+
+            k, v = region.dequantize()
+            return partial_attention(query, k, v, self.valid[:, None, None, :], scale, softcap)
+        return region.attention_partial(query, scale, softcap=softcap)
 
 
 class PagedStore(MiddleStore):
