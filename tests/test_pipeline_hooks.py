@@ -164,3 +164,27 @@ def test_select_tokens_hides_unselected_middle_tokens_exactly():
             allowed[t, c0:t + 1] = True
     ref = masked_logits(model, ids, allowed)
     assert (got - ref).abs().max().item() < 1e-4
+
+
+class LateBudget(kvcompress.Compressor):
+    """Evict axis: a budget of 20 tokens on layers after the first only (a layout that needs the model)."""
+
+    @hookimpl
+    def kvcompress_layer_layout(self, layer):
+        if layer.index == 0:
+            return Layout(recent=self.config.recent, flush=4)
+        return Layout(recent=self.config.recent, flush=4, budget=20)
+
+
+def test_a_budget_swallowed_on_one_layer_is_refused_when_the_cache_is_built():
+    import pytest
+
+    from kvcompress.errors import ConfigError
+
+    reg = _registry()
+    reg.add(CompressorSpec(name="late", axis="evict", config=Cfg, factory=LateBudget), "test")
+    fits = parse_stack({"compressors": [{"late": {"recent": 8}}]}, registry=reg)  # validates: layer 0 has no budget
+    kvcompress.Cache(fits, tiny_model("llama", layers=2))
+    swallowed = parse_stack({"compressors": [{"late": {"recent": 24}}]}, registry=reg)
+    with pytest.raises(ConfigError, match=r"compressors\[0\]\.late.*recent window of 24.*a budget of 20 tokens"):
+        kvcompress.Cache(swallowed, tiny_model("llama", layers=2))
