@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 import threading
 import weakref
 from typing import Any, Iterator
@@ -71,6 +72,25 @@ def check_model_supported(model: Any) -> None:
             f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface; "
             "kvcompress cannot read a compressed cache in it"
         )
+    variants = model_variants(model)
+    if variants:
+        module = next((m for m in model.modules() if hasattr(m, "layer_idx")), None)
+        if module is not None and model_eager_attention(module) is None:
+            raise UnsupportedModelError(
+                f"model type {model_type!r} uses {' and '.join(variants)}, which kvcompress reads through the "
+                "model's own eager attention for its dense reads, and its modeling module has none")
+
+
+def model_variants(model: Any) -> list[str]:
+    """The attention variants a model's attention applies (what kvcompress attention reads from each call):
+    ``"logit soft-capping"`` (``attn_logit_softcapping`` set, Gemma 2) and ``"learned attention sinks"`` (attention
+    modules with a ``sinks`` parameter, gpt-oss)."""
+    out = []
+    if getattr(text_config(model), "attn_logit_softcapping", None):
+        out.append("logit soft-capping")
+    if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()):
+        out.append("learned attention sinks")
+    return out
 
 
 def layer_layout(config: Any) -> list[tuple[str, dict]]:
@@ -241,12 +261,76 @@ def _dense_attention(module: Any, **extra: Any):
     return run
 
 
+# Attention variants: what some families' eager attention computes beyond softmax(q k^T * scaling) v, and the
+# attention-interface keyword that carries each (Gemma 2: `softcap`; gpt-oss: `s_aux`, its `module.sinks`).
+SOFTCAP_KWARGS = ("softcap",)
+SINK_KWARGS = ("s_aux", "sinks")
+
+
+def attention_variant(kwargs: dict) -> tuple[float | None, torch.Tensor | None]:
+    """``(softcap, sink_logits)`` of one attention call, from the keywords transformers passes: the logit soft-cap
+    (``softcap * tanh(s / softcap)`` on the scaled scores, before masking; ``None`` when absent or 0) and the
+    learned per-query-head sink logits ``[q_heads]`` (one extra logit in each softmax denominator, no value)."""
+    softcap = next((kwargs[k] for k in SOFTCAP_KWARGS if kwargs.get(k) is not None), None)
+    sinks = next((kwargs[k] for k in SINK_KWARGS if kwargs.get(k) is not None), None)
+    return (float(softcap) if softcap else None), sinks
+
+
+def model_eager_attention(module: Any) -> Any:
+    """The ``eager_attention_forward`` of the modeling module that defines ``module``'s class (what transformers'
+    ``"eager"`` implementation runs for that model), or ``None``."""
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    return fn if callable(fn) else None
+
+
+def _additive_mask(mask: torch.Tensor | None, query: torch.Tensor, kv_len: int) -> torch.Tensor | None:
+    """A boolean mask (True = visible; ``None``: causal, aligned to the last keys, or nothing for one query) as the
+    additive float mask transformers' eager attention takes (``0`` / the dtype's minimum, as its ``eager_mask``)."""
+    q_len = query.shape[2]
+    if mask is None:
+        if q_len == 1:
+            return None
+        pos = torch.arange(kv_len, device=query.device)
+        mask = (pos[None, :] <= pos[kv_len - q_len:, None])[None, None]
+    if mask.dtype != torch.bool:
+        return mask
+    zero = torch.zeros((), dtype=query.dtype, device=query.device)
+    return torch.where(mask, zero, torch.finfo(query.dtype).min)
+
+
+def _variant_attention(module: Any, softcap: float | None, sink_logits: torch.Tensor | None, **extra: Any):
+    """Dense attention with the model's variant: the model's own eager attention (which applies its soft-cap and
+    learned sinks exactly as transformers does) behind kvcompress' boolean masks.  transformers' SDPA backend
+    supports neither variant."""
+    eager = model_eager_attention(module)
+    if eager is None:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} uses logit soft-capping or learned attention sinks and its modeling module has "
+            "no eager_attention_forward; kvcompress cannot run its dense attention")
+
+    def run(query, key, value, mask, scaling, dropout=0.0):
+        additive = _additive_mask(mask, query, key.shape[2])
+        out, _ = eager(module, query, key, value, additive, scaling=scaling, dropout=dropout, softcap=softcap,
+                       s_aux=sink_logits, **extra)
+        return out
+
+    return run
+
+
 def kvcompress_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention interface entry: read a kvcompress layer, else plain SDPA."""
+    """transformers attention interface entry: read a kvcompress layer, else plain SDPA (the model's eager
+    attention for a model with logit soft-capping or learned sinks, which SDPA does not support)."""
     layer = claim_pending(getattr(module, "layer_idx", -1), key)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    softcap, sink_logits = attention_variant(kwargs)
+    variant = softcap is not None or sink_logits is not None
     if layer is None:  # a layer kvcompress does not own (sliding layers, no cache, other caches)
+        if variant:
+            rest = {k: v for k, v in kwargs.items() if k not in SOFTCAP_KWARGS + SINK_KWARGS}
+            out = _variant_attention(module, softcap, sink_logits, **rest)(query, key, value, attention_mask,
+                                                                           scaling, dropout)
+            return out, None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     built_for = layer.info.model_config
@@ -254,10 +338,12 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
         layer.pending = None
         raise UnsupportedOperationError("a kvcompress cache built for one model is read by another model's attention; "
                                         "a cache serves one model: build one per model")
-    if kwargs.get("softcap") is not None or kwargs.get("sinks") is not None or kwargs.get("s_aux") is not None:
-        raise UnsupportedModelError("kvcompress attention does not support logit soft-capping or learned sinks yet")
     extra = {k: kwargs[k] for k in ("is_causal",) if k in kwargs}
-    out = layer.attend(query, attention_mask, scaling, _dense_attention(module, **extra))
+    if variant:
+        dense = _variant_attention(module, softcap, sink_logits)
+    else:
+        dense = _dense_attention(module, **extra)
+    out = layer.attend(query, attention_mask, scaling, dense, softcap=softcap, sink_logits=sink_logits)
     return out, None
 
 
