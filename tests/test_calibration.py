@@ -312,11 +312,16 @@ def test_prefilled_context_plus_tail_equals_one_forward():
     assert alpha.grad is not None and alpha.grad.abs().sum() > 0
 
 
-def test_unsupported_layouts_are_refused():
+def test_unsupported_layouts_are_refused(monkeypatch):
+    """Full and sliding-window layers calibrate (hybrids: tests/test_attention_variants.py); any other layer
+    type is refused."""
+    from kvcompress.adapters import hf
     from kvcompress.errors import UnsupportedModelError
 
-    with pytest.raises(UnsupportedModelError, match="full attention"):
-        attn.check_calibratable(tiny_model("gemma3"))
+    attn.check_calibratable(tiny_model("gemma3"))
+    monkeypatch.setattr(hf, "layer_types", lambda model: ["full_attention", "linear_attention"])
+    with pytest.raises(UnsupportedModelError, match="linear_attention"):
+        attn.check_calibratable(tiny_model("llama"))
 
 
 # ----------------------------------------------------------------------------- training

@@ -22,6 +22,11 @@ The same function also serves calibration passes:
 * ``observer``: ``fn(layer, query, key)`` sees post-RoPE queries and keys (|q.k| channel statistics).
 
 Sequences are unpadded: key ``j`` has logical position ``j``.
+
+Hybrid models (Gemma 2 / 3, gpt-oss): a sliding-window layer (``sliding_window`` passed) is never compressed
+by kvcompress, so it attends exactly within its window and ``alpha`` never applies there.  Attention variants
+apply as the model's eager attention applies them: a logit soft-cap (``softcap``, Gemma 2) on the scores before
+masking, learned sink logits (``s_aux``, gpt-oss) in every softmax denominator.
 """
 
 from __future__ import annotations
@@ -95,9 +100,8 @@ def scaled_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor
     if not _ACTIVE:
         raise RuntimeError(f"{ATTN_NAME} attention used outside kvcompress.calibration.attention.scaled_keys()")
     state = _ACTIVE[-1]
-    for unsupported in ("sliding_window", "softcap", "sinks", "s_aux"):
-        if kwargs.get(unsupported) is not None:
-            raise UnsupportedModelError(f"LeanK calibration does not support attention with {unsupported!r}")
+    softcap, sinks = hf.attention_variant(kwargs)
+    window = kwargs.get("sliding_window")
     layer = module.layer_idx
     if state.prefix is not None:
         pk, pv = state.prefix[layer]
@@ -113,9 +117,12 @@ def scaled_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor
     groups = query.shape[1] // key.shape[1]
     q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)
     k_pos = torch.arange(kv_len, device=query.device)
-    alpha = state.alpha_for(layer)
-    if alpha is None:  # exact attention (context prefill, targets): torch's fused SDPA
-        visible = k_pos[None, :] <= q_pos[:, None]
+    alpha = None if window else state.alpha_for(layer)  # sliding layers are never compressed: exact
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if window:
+        visible = visible & (q_pos[:, None] - k_pos[None, :] < window)
+    if alpha is None and softcap is None and sinks is None and not window:
+        # exact attention (context prefill, targets): torch's fused SDPA
         out = torch.nn.functional.scaled_dot_product_attention(
             query, _repeat_kv(key, groups), _repeat_kv(value, groups), attn_mask=visible, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
@@ -123,18 +130,27 @@ def scaled_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor
     values = _repeat_kv(value, groups)
     scores = torch.matmul(query, keys_t) * scaling
     region = middle_region(q_pos, k_pos, state.sinks, state.local)
-    if bool(region.any()):
+    dropped = None  # (query, key) pairs of heads that keep no channel: no middle at all
+    if alpha is not None and bool(region.any()):
         a = alpha.to(query.dtype).repeat_interleave(groups, dim=0)[None, :, None, :]
         scaled = torch.matmul(query * a, keys_t) * scaling
         scores = torch.where(region, scaled, scores)
-        empty = (alpha == 0).all(-1).repeat_interleave(groups)  # heads keeping no channel: no middle at all
+        empty = (alpha == 0).all(-1).repeat_interleave(groups)
         if state.drop_empty_heads and bool(empty.any()):
-            scores = scores.masked_fill(region & empty[None, :, None, None], torch.finfo(scores.dtype).min)
+            dropped = region & empty[None, :, None, None]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if dropped is not None:
+        scores = scores.masked_fill(dropped, torch.finfo(scores.dtype).min)
     causal = torch.zeros(q_len, kv_len, dtype=scores.dtype, device=scores.device)
-    causal.masked_fill_(k_pos[None, :] > q_pos[:, None], torch.finfo(scores.dtype).min)
+    causal.masked_fill_(~visible, torch.finfo(scores.dtype).min)
     scores = scores + causal
-    probs = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    out = torch.matmul(probs, values).transpose(1, 2).contiguous()
+    if sinks is not None:  # one learned logit per query head in the denominator, no value
+        column = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(scores.shape[0], -1, q_len, 1)
+        probs = torch.nn.functional.softmax(torch.cat([scores, column], -1), dim=-1, dtype=torch.float32)[..., :-1]
+    else:
+        probs = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32)
+    out = torch.matmul(probs.to(query.dtype), values).transpose(1, 2).contiguous()
     return out, None
 
 
@@ -149,10 +165,21 @@ def scaled_keys(model: Any, state: ScaledKeys) -> Iterator[ScaledKeys]:
         _ACTIVE.remove(state)
 
 
+CALIBRATED_TYPES = ("full_attention", "sliding_attention")
+
+
 def check_calibratable(model: Any) -> None:
-    """LeanK calibration needs every decoder layer to be plain full attention."""
+    """Calibration runs models whose decoder layers are full attention, or full and sliding-window attention
+    (hybrids: only the full-attention layers are compressed, so only they are calibrated)."""
     types = hf.layer_types(model)
-    if any(t != "full_attention" for t in types):
+    if any(t not in CALIBRATED_TYPES for t in types):
         raise UnsupportedModelError(
-            f"LeanK calibration supports models whose layers are all full attention; this one has "
+            f"calibration supports models whose layers are full or sliding-window attention; this one has "
             f"{sorted(set(types))}")
+
+
+def compressed_layers(model: Any) -> torch.Tensor | None:
+    """bool ``[layers]``: the layers kvcompress compresses (full attention), or ``None`` when that is every layer.
+    A hybrid's calibration file keeps everything in its other layers (they are never compressed)."""
+    full = torch.tensor([t in hf.COMPRESSED_LAYER_TYPES for t in hf.layer_types(model)])
+    return None if bool(full.all()) else full

@@ -42,7 +42,7 @@ import torch
 from ..adapters import hf
 from ..errors import ConfigError
 from . import data
-from .attention import ScaledKeys, check_calibratable, scaled_keys
+from .attention import ScaledKeys, check_calibratable, compressed_layers, scaled_keys
 from .masks import binarize, config_hash, geometry
 from .settings import LeanKSettings
 
@@ -90,6 +90,7 @@ class LeanKTrainer:
         self.model = model
         self.tokenizer = tokenizer
         self.shape = geometry(model.config)
+        self.layers = compressed_layers(model)  # hybrids: only these layers are trained and pruned
         self.settings = settings.validate(self.shape[2])
         self.checkpoint = checkpoint
         self.log = _Log(log)
@@ -287,7 +288,7 @@ class LeanKTrainer:
 
             def stage1_loss(step: int) -> tuple[torch.Tensor, str]:
                 mse = self.tail_mse(alpha, self.batch_indices(step, 1), drop_empty_heads=False)
-                l1 = alpha.abs().mean()
+                l1 = (alpha if self.layers is None else alpha[self.layers]).abs().mean()
                 return mse + s.reg * l1, f"mse {mse.detach().item():.5f} + {s.reg}*l1 {l1.detach().item():.3f}"
 
             self._loop(1, alpha, opt, done, s.steps, s.lr, stage1_loss)
@@ -302,15 +303,15 @@ class LeanKTrainer:
         if restored:
             self._restore(alpha, opt, restored[2])
         self.history.setdefault("stage2_initial_keep_fraction",
-                                float(binarize(alpha.detach(), s.ratio, s.align).float().mean()))
+                                float(self.binarize(alpha.detach()).float().mean()))
 
         def stage2_loss(step: int) -> tuple[torch.Tensor, str]:
-            hard = binarize(alpha.detach(), s.ratio, s.align).to(alpha.dtype)
+            hard = self.binarize(alpha.detach()).to(alpha.dtype)
             mse = self.tail_mse(hard + alpha - alpha.detach(), self.batch_indices(step, 2))
             return mse, f"mse {mse.detach().item():.5f}, keep {hard.mean().item():.3f}"
 
         def evaluate(step: int) -> None:
-            keep = binarize(alpha.detach(), s.ratio, s.align)
+            keep = self.binarize(alpha.detach())
             mse = self.pool_mse(keep)
             self.history[f"stage2_pool_mse_step{step}"] = mse
             if self.best is None or mse < self.best["mse"]:
@@ -323,7 +324,11 @@ class LeanKTrainer:
             evaluate(0)
         self._loop(2, alpha, opt, done, s.ft_steps, s.ft_lr, stage2_loss, evaluate)
         best = self.best["alpha"] if self.best is not None else alpha.detach()
-        return binarize(best, s.ratio, s.align), best
+        return self.binarize(best), best
+
+    def binarize(self, alpha: torch.Tensor) -> torch.Tensor:
+        """The keep mask of ``alpha`` at the settings' ratio and alignment, over the compressed layers."""
+        return binarize(alpha, self.settings.ratio, self.settings.align, self.layers)
 
 
 def _histogram(keep: torch.Tensor) -> dict[str, int]:
@@ -374,6 +379,9 @@ def calibrate(method: str, settings: LeanKSettings, *, model: Any = None, tokeni
         extra["history"] = trainer.history
     elif method == "rope":
         keep = rope_mask(model.config, settings.ratio, settings.align)
+        layers = compressed_layers(model)
+        if layers is not None:  # a hybrid's sliding-window layers are never compressed
+            keep[~layers] = True
         details = {"heuristic": "lowest-frequency RoPE pairs (rotate_half layout), same count in every head"}
     else:
         check_calibratable(model)

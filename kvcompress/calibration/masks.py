@@ -161,7 +161,7 @@ def _descending_rank(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return rank
 
 
-def binarize(alpha: torch.Tensor, ratio: float, align: int) -> torch.Tensor:
+def binarize(alpha: torch.Tensor, ratio: float, align: int, layers: torch.Tensor | None = None) -> torch.Tensor:
     """Binary keep mask from scaling factors (LeanK stage 2).
 
     1. One global threshold: the ``round(ratio * N)`` channels with the smallest alpha over all
@@ -174,10 +174,16 @@ def binarize(alpha: torch.Tensor, ratio: float, align: int) -> torch.Tensor:
         alpha: float tensor ``[layers, kv_heads, head_dim]``.
         ratio: fraction of channels to prune, in [0, 1].
         align: kept counts are multiples of it; a divisor of head_dim.
+        layers: optional bool ``[layers]``: only these layers are pruned (the threshold is over them); the others
+            keep every channel (a hybrid model's sliding-window layers, which are never compressed).
 
     Returns:
         bool tensor of alpha's shape.
     """
+    if layers is not None:
+        keep = torch.ones(alpha.shape, dtype=torch.bool)
+        keep[layers] = binarize(alpha[layers], ratio, align)
+        return keep
     if alpha.dim() != 3 or not alpha.is_floating_point():
         raise ConfigError("alpha", "a float tensor [layers, kv_heads, head_dim]",
                           f"{alpha.dtype} tensor of shape {tuple(alpha.shape)}")

@@ -13,7 +13,7 @@ from typing import Any, Iterable
 import torch
 
 from ..adapters import hf
-from .attention import ScaledKeys, check_calibratable, scaled_keys
+from .attention import ScaledKeys, check_calibratable, compressed_layers, scaled_keys
 from .masks import binarize, geometry
 
 
@@ -58,5 +58,6 @@ def qk_scores(model: Any, tokens: Iterable[torch.Tensor] | torch.Tensor) -> torc
 
 
 def qk_mask(model: Any, tokens: Iterable[torch.Tensor] | torch.Tensor, ratio: float, align: int) -> torch.Tensor:
-    """Keep mask from :func:`qk_scores`, binarized like a trained mask (global threshold, align)."""
-    return binarize(qk_scores(model, tokens), ratio, align)
+    """Keep mask from :func:`qk_scores`, binarized like a trained mask (global threshold, align; a hybrid's
+    sliding-window layers keep everything)."""
+    return binarize(qk_scores(model, tokens), ratio, align, compressed_layers(model))
