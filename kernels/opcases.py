@@ -95,7 +95,8 @@ def _length(live: int | None, device) -> torch.Tensor | None:
 
 def kivi_case(batch: int = 2, kv_heads: int = 1, rows: int = 3, head_dim: int = 64, capacity: int = 96,
               live: int | None = 71, bits: int = 2, group: int = 32, v_group: int = 32, v_dim: int | None = None,
-              query_dtype=torch.float16, dead_row: bool = True, device="cpu", seed: int = 0) -> OpCase:
+              query_dtype=torch.float16, dead_row: bool = True, device="cpu", seed: int = 0,
+              softcap: float | None = None) -> OpCase:
     """A packed KIVI region of ``capacity`` slots (a multiple of ``group``), quantized from random K/V."""
     from .kivi.reference import PackedKV, quantize_keys, quantize_values
 
@@ -114,11 +115,12 @@ def kivi_case(batch: int = 2, kv_heads: int = 1, rows: int = 3, head_dim: int = 
     def fn(impl: str):
         def f(q, kc, ks, kz, vc, vs, vz, valid, length):
             packed = PackedKV(bits, group, kc, ks, kz, vc, vs, vz, valid, impl=impl, length=length)
-            return packed.attention_partial(q, scale)
+            return packed.attention_partial(q, scale, softcap=softcap)
         return f
 
     facts = dict(bits=bits, group=group, head_dim=head_dim, v_dim=dv, v_group=v_group, tokens=t)
-    return OpCase(f"kivi{bits}-b{batch}-h{kv_heads}-m{rows}-d{head_dim}-t{t}-live{live}", "kivi_partial", args, fn,
+    return OpCase(f"kivi{bits}-b{batch}-h{kv_heads}-m{rows}-d{head_dim}-t{t}-live{live}{_cap(softcap)}", "kivi_partial",
+                  args, fn,
                   facts, static=tuple(range(1, 8)))
 
 
@@ -127,7 +129,7 @@ def kivi_case(batch: int = 2, kv_heads: int = 1, rows: int = 3, head_dim: int = 
 
 def paged_case(batch: int = 2, kv_heads: int = 2, rows: int = 3, head_dim: int = 48, capacity: int = 150,
                live: int | None = 101, page: int = 16, v_dim: int | None = None, dtype=torch.float16,
-               dead_row: bool = True, device="cpu", seed: int = 1) -> OpCase:
+               dead_row: bool = True, device="cpu", seed: int = 1, softcap: float | None = None) -> OpCase:
     """A page pool with ``ceil(capacity / page)`` table entries per row (pages shuffled, one missing entry)."""
     from .paged import paged_attention_partial
 
@@ -149,11 +151,13 @@ def paged_case(batch: int = 2, kv_heads: int = 2, rows: int = 3, head_dim: int =
 
     def fn(impl: str):
         def f(q, k, v, page_valid, table, length):
-            return paged_attention_partial(q, k, v, page_valid, table, scale, impl=impl, length=length)
+            return paged_attention_partial(q, k, v, page_valid, table, scale, impl=impl, length=length,
+                                           softcap=softcap)
         return f
 
     facts = dict(page_size=page, head_dim=head_dim, v_dim=dv, dtype=dtype)
-    return OpCase(f"paged-b{batch}-h{kv_heads}-m{rows}-d{head_dim}-p{page}-w{w}-live{live}", "paged_partial", args,
+    return OpCase(f"paged-b{batch}-h{kv_heads}-m{rows}-d{head_dim}-p{page}-w{w}-live{live}{_cap(softcap)}",
+                  "paged_partial", args,
                   fn, facts, static=(1, 2, 3, 4))
 
 
@@ -162,7 +166,8 @@ def paged_case(batch: int = 2, kv_heads: int = 2, rows: int = 3, head_dim: int =
 
 def lanes_case(batch: int = 2, kv_heads: int = 4, rows: int = 3, head_dim: int = 64, capacity: int = 77,
                live: int | None = 52, counts: tuple[int, ...] | None = None, dense_tokens: int = 23,
-               dtype=torch.float16, dead_row: bool = True, device="cpu", seed: int = 2) -> OpCase:
+               dtype=torch.float16, dead_row: bool = True, device="cpu", seed: int = 2,
+               softcap: float | None = None) -> OpCase:
     """One lane per kept count (``counts`` per kv head; 0 = the head keeps nothing) over ``capacity`` slots, plus
     a dense all-channel lane of ``dense_tokens`` slots (the sinks + window; no ``valid`` mask when ``dead_row`` is
     false).  ``length`` bounds every lane's slots."""
@@ -198,12 +203,13 @@ def lanes_case(batch: int = 2, kv_heads: int = 4, rows: int = 3, head_dim: int =
         def f(q, *rest):
             parts, length = rest[:-1], rest[-1]
             lanes = [tuple(parts[j * n + i] for j in range(5)) for i in range(n)]
-            return grouped_partial_attention(q, lanes, scale, impl=impl, length=length)
+            return grouped_partial_attention(q, lanes, scale, impl=impl, length=length, softcap=softcap)
         return f
 
     facts = dict(head_dim=head_dim, v_dim=head_dim, kept=tuple(sorted(set(counts) - {0})), dtype=dtype)
     static = tuple(1 + 2 * n + i for i in range(3 * n))  # k, v, valid of every lane
-    return OpCase(f"lanes-b{batch}-h{kv_heads}-m{rows}-d{head_dim}-t{capacity}-lanes{n}-live{live}", "lanes_partial",
+    return OpCase(f"lanes-b{batch}-h{kv_heads}-m{rows}-d{head_dim}-t{capacity}-lanes{n}-live{live}{_cap(softcap)}",
+                  "lanes_partial",
                   args, fn, facts, static=static)
 
 
@@ -242,7 +248,7 @@ def select_case(batch: int = 2, kv_heads: int = 2, group: int = 3, tokens: int =
 
 def gather_case(batch: int = 2, kv_heads: int = 2, rows: int = 3, tokens: int = 97, head_dim: int = 32,
                 selected: int = 19, shared: bool = False, v_dim: int | None = None, dtype=torch.float16,
-                dead_row: bool = True, device="cpu", seed: int = 4) -> OpCase:
+                dead_row: bool = True, device="cpu", seed: int = 4, softcap: float | None = None) -> OpCase:
     """Attention over ``selected`` distinct tokens per row (``shared``: one selection per kv head, ``[B, H, 1, K]``)."""
     from .doublesparse import gather_partial_attention
 
@@ -260,28 +266,35 @@ def gather_case(batch: int = 2, kv_heads: int = 2, rows: int = 3, tokens: int = 
 
     def fn(impl: str):
         def f(q, k, v, valid, index):
-            return gather_partial_attention(q, k, v, valid, index, scale, impl=impl)
+            return gather_partial_attention(q, k, v, valid, index, scale, impl=impl, softcap=softcap)
         return f
 
     facts = dict(head_dim=head_dim, v_dim=dv, dtype=dtype, query_dtype=dtype)
-    return OpCase(f"gather{'-shared' if shared else ''}-b{batch}-h{kv_heads}-m{rows}-t{tokens}-k{selected}",
+    return OpCase(f"gather{'-shared' if shared else ''}-b{batch}-h{kv_heads}-m{rows}-t{tokens}-k{selected}"
+                  f"{_cap(softcap)}",
                   "gather_partial", args, fn, facts, static=(1, 2, 3))
 
 
-def small_cases(device="cpu") -> list[OpCase]:
-    """Small odd shapes of every op (CPU tests; the GPU tests and the GPU check's "small" shapes)."""
+def _cap(softcap: float | None) -> str:
+    return f"-cap{softcap:g}" if softcap else ""
+
+
+def small_cases(device="cpu", softcap: float | None = None) -> list[OpCase]:
+    """Small odd shapes of every op (CPU tests; the GPU tests and the GPU check's "small" shapes).  ``softcap``: the
+    attention ops' cases read with that logit soft-cap (the selection op's are unchanged)."""
+    cap = {"softcap": softcap}
     return [
-        kivi_case(device=device),
+        kivi_case(device=device, **cap),
         kivi_case(bits=4, group=16, v_group=16, rows=5, capacity=80, live=53, head_dim=32, v_dim=64, batch=1,
-                  kv_heads=2, device=device, seed=5),
-        paged_case(device=device),
-        paged_case(live=None, page=32, rows=1, head_dim=64, v_dim=32, device=device, seed=6),
-        lanes_case(device=device),
-        lanes_case(live=None, dead_row=False, kv_heads=3, rows=1, device=device, seed=7),
+                  kv_heads=2, device=device, seed=5, **cap),
+        paged_case(device=device, **cap),
+        paged_case(live=None, page=32, rows=1, head_dim=64, v_dim=32, device=device, seed=6, **cap),
+        lanes_case(device=device, **cap),
+        lanes_case(live=None, dead_row=False, kv_heads=3, rows=1, device=device, seed=7, **cap),
         select_case(device=device),
         select_case(bits=4, r=16, k=20, tokens=131, group=4, device=device, seed=8),
-        gather_case(device=device),
-        gather_case(shared=True, rows=4, v_dim=64, device=device, seed=9),
+        gather_case(device=device, **cap),
+        gather_case(shared=True, rows=4, v_dim=64, device=device, seed=9, **cap),
     ]
 
 

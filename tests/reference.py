@@ -99,6 +99,70 @@ def fake_quant(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return torch.clamp(torch.round((x - z) / s), 0, 2 ** bits - 1) * s + z
 
 
+# ----------------------------------------------------------------------------- attention variants
+
+
+def variant_probs(scores: torch.Tensor, visible: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """Softmax over the visible keys of scaled scores ``[b, hq, L, L]`` (float32), with the model's attention
+    variants read from the keywords transformers passed the attention function, as its eager attention applies
+    them: Gemma 2's ``softcap`` (``cap * tanh(s / cap)`` before masking) and gpt-oss' ``s_aux`` (one learned logit
+    per query head in the denominator, no value).  Written here from the models' definitions, not from kvcompress."""
+    cap = kwargs.get("softcap")
+    if cap:
+        scores = cap * torch.tanh(scores / cap)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    b, hq, length, _ = scores.shape
+    column = sinks.float().view(1, hq, 1, 1).expand(b, hq, length, 1)
+    return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+
+
+def view_oracle_logits(model, ids, view, name: str = "kvcompress_test_view_oracle"):
+    """Logits of one teacher-forced forward whose attention, in every full-attention layer, reads the keys and
+    values as ``view`` says the cache holds them; sliding-window layers (``sliding_window`` passed) attend exactly
+    within their window.  Attention variants apply as in :func:`variant_probs`.
+
+    ``view(layer, q, k, v)`` gets float32 ``q [b, hq, L, d]``, ``k``/``v`` ``[b, hkv, L, d]`` and returns
+    ``(k_mid, v_mid, middle, visible)``: the keys/values middle reads use (``[b, hkv, L, *]``, or ``None`` for
+    ``k``/``v``) and boolean ``[.., L, L]`` masks (broadcast to ``[b, hq, L, L]``) of the (query, key) pairs read
+    from the middle and of those visible at all.
+    """
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def attn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        hq, length = query.shape[1], query.shape[2]
+        rep = hq // key.shape[1]
+        q, k, v = query.float(), key.float(), value.float()
+        window = kwargs.get("sliding_window")
+        if window:  # transformers' own sliding layer: exact attention inside the window
+            t = torch.arange(length)
+            visible = causal_visibility(length) & ((t[:, None] - t[None, :]) < window)
+            k_mid = v_mid = None
+            middle = torch.zeros(length, length, dtype=torch.bool)
+        else:
+            k_mid, v_mid, middle, visible = view(module.layer_idx, q, k, v)
+        k_mid = k if k_mid is None else k_mid
+        v_mid = v if v_mid is None else v_mid
+        k, v, k_mid, v_mid = (x.repeat_interleave(rep, 1) for x in (k, v, k_mid, v_mid))
+        s = torch.where(middle, q @ k_mid.transpose(-1, -2), q @ k.transpose(-1, -2)) * scaling
+        p = variant_probs(s, visible.expand(s.shape), kwargs)
+        out = (p * middle) @ v_mid + (p * ~middle) @ v
+        return out.transpose(1, 2).to(query.dtype), None
+
+    ALL_ATTENTION_FUNCTIONS.register(name, attn)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        with torch.no_grad():
+            return model(ids, position_ids=torch.arange(ids.shape[1])[None]).logits[0]
+    finally:
+        model.set_attn_implementation(previous)
+
+
 def middle_oracle_logits(model, ids, chunks, *, sinks=0, recent, flush, bits=None, group=None,
                          key_axis="channel", keep=None, budget=None, basis=None,
                          value_basis=None):
@@ -117,11 +181,10 @@ def middle_oracle_logits(model, ids, chunks, *, sinks=0, recent, flush, bits=Non
       zero columns allowed); with ``bits``, the coordinates ``k U`` are what gets fake-quantized per channel;
     * middle values likewise replaced by ``v U_v U_v^T`` (``value_basis``; with ``bits``, the coordinates are
       fake-quantized per token over channel groups).
+
+    Sliding-window layers (hybrids) are exact within their window; attention variants apply (:func:`view_oracle_logits`).
     """
     import math
-
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     length = ids.shape[1]
     cache_len = torch.zeros(length, dtype=torch.long)
@@ -135,22 +198,21 @@ def middle_oracle_logits(model, ids, chunks, *, sinks=0, recent, flush, bits=Non
     if budget is not None:
         visible = visible & ~(middle & (j[None, :] < sinks + m_count[:, None] - budget))
 
-    def attn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    def view(layer, query, key, value):
         b, hq, L, d = query.shape
         hkv = key.shape[1]
         rep = hq // hkv
-        key, value = key.float(), value.float()
         km, vm = key.clone(), value.clone()
         see_middle = torch.ones(hq, dtype=torch.bool)
         if keep is not None:
-            mask = keep[module.layer_idx].to(key.dtype)  # [hkv, d]
+            mask = keep[layer].to(key.dtype)  # [hkv, d]
             km = km * mask[None, :, None, :]
-            see_middle = keep[module.layer_idx].any(-1).repeat_interleave(rep)
+            see_middle = keep[layer].any(-1).repeat_interleave(rep)
         if basis is not None:
-            u = basis[module.layer_idx].to(key.dtype)[None]  # [1, hkv, d, r]
+            u = basis[layer].to(key.dtype)[None]  # [1, hkv, d, r]
             km = km @ u
         if value_basis is not None:
-            uv = value_basis[module.layer_idx].to(value.dtype)[None]
+            uv = value_basis[layer].to(value.dtype)[None]
             vm = vm @ uv
         if bits is not None:
             if key_axis == "channel":
@@ -166,21 +228,7 @@ def middle_oracle_logits(model, ids, chunks, *, sinks=0, recent, flush, bits=Non
             km = km @ u.transpose(-1, -2)
         if value_basis is not None:
             vm = vm @ uv.transpose(-1, -2)
-        key, value, km, vm = (t.repeat_interleave(rep, 1) for t in (key, value, km, vm))
-        q = query.float()
-        use_middle = middle[None, None] & torch.ones(1, hq, 1, 1, dtype=torch.bool)
-        s = torch.where(use_middle, q @ km.transpose(-1, -2), q @ key.transpose(-1, -2)) * scaling
         vis = visible[None, None] & ~(middle[None, None] & ~see_middle.view(1, hq, 1, 1))
-        p = torch.softmax(s.masked_fill(~vis, float("-inf")), dim=-1)
-        out = (p * middle) @ vm + (p * ~middle) @ value
-        return out.transpose(1, 2).to(query.dtype), None
+        return km, vm, middle[None, None], vis
 
-    ALL_ATTENTION_FUNCTIONS.register("kvcompress_test_middle_oracle", attn)
-    ALL_MASK_ATTENTION_FUNCTIONS.register("kvcompress_test_middle_oracle", sdpa_mask)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("kvcompress_test_middle_oracle")
-    try:
-        with torch.no_grad():
-            return model(ids, position_ids=torch.arange(length)[None]).logits[0]
-    finally:
-        model.set_attn_implementation(previous)
+    return view_oracle_logits(model, ids, view, "kvcompress_test_middle_oracle")
