@@ -62,15 +62,16 @@ def kivi_attention_partial(query, packed, scale, *, impl: str | None = None, sof
 
         return ops.kivi_attention(query, packed, scale, impl=impl, softcap=softcap)
     chosen = implementation(query, packed)
+    cap = {} if softcap is None else {"softcap": softcap}
     if chosen == "cuda-v3":
         from . import cuda_kernel  # no length input: it reads the capacity with valid & (slot < length)
 
-        return cuda_kernel.kivi_attention_partial(query, packed, scale, softcap=softcap)
+        return cuda_kernel.kivi_attention_partial(query, packed, scale, **cap)
     if chosen == "triton-v2":
         from . import triton_kernel  # reads packed.length: skips the slots after it
 
-        return triton_kernel.kivi_attention_partial(query, packed, scale, softcap=softcap)
-    return kivi_attention_partial_reference(query, packed, scale, softcap=softcap)
+        return triton_kernel.kivi_attention_partial(query, packed, scale, **cap)
+    return kivi_attention_partial_reference(query, packed, scale, **cap)
 
 
 __all__ = ["BITS", "PackedKV", "bits_per_element", "dequantize_keys", "dequantize_values", "fake_quantize_keys",
