@@ -201,9 +201,10 @@ def test_paged_eviction_matches_replayed_policy(model):
 
 def _ds_view(channels, *, k, sinks, window, decode, group_shared):
     """DoubleSparse oracle: a decode query of a selecting layer reads sinks, its window, itself and the top-``k``
-    middle tokens by label score ``q[C] . k[C]`` (16-bit labels); a group-shared selection sums the group's scores.
-    Soft-capping (strictly increasing) and sink logits (one constant per head) leave a head's ranking unchanged, so
-    the oracle ranks by the raw label scores."""
+    middle tokens by label score ``q[C] . k[C]`` (16-bit labels).  Soft-capping (strictly increasing) and sink
+    logits (one constant per head) leave a head's ranking unchanged, so a head ranks by its raw label scores; a
+    group-shared selection ranks by the sum of the group's raw label scores (the project's heuristic: the cap is not
+    applied inside that sum).  The reads of the selected tokens apply both variants."""
     def view(layer, q, key, value):
         b, hq, length, d = q.shape
         rep = hq // key.shape[1]
@@ -550,7 +551,8 @@ def test_every_implementation_applies_the_soft_cap_on_gpu(name):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("arch", VARIANT_ARCHS)
 def test_kivi_static_decode_on_gpu_matches_the_cpu_oracle(arch):
-    """The fused kernels chosen on CUDA (KIVI CUDA / Triton, lanes) with the model's variant, fp32."""
+    """The fused kernels chosen on CUDA (the Triton KIVI kernel at head_dim 16, the lanes kernel) with the model's
+    variant, fp32 model (the kernels' fp16 operands bound the error, far below the variant's own effect)."""
     model = tiny_model(arch).cuda()
     length = 120
     ids = _ids(length, 3)
@@ -558,7 +560,7 @@ def test_kivi_static_decode_on_gpu_matches_the_cpu_oracle(arch):
     stack = {"compressors": [{"kivi": {"bits": 2, "group": 16, "residual": 16}}]}
     got, _ = _streamed(model, stack, ids.cuda(), chunks, max_cache_len=length + 4)
     ref = middle_oracle_logits(model.cpu(), ids, chunks, recent=16, flush=16, bits=2, group=16)
-    assert (got.cpu() - ref).abs().max().item() < 3e-3
+    assert (got.cpu() - ref).abs().max().item() < 2e-2
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
