@@ -475,9 +475,7 @@ def _interpreter_cases() -> dict:
         err = (got - ref).abs().max().item()
         return {"ok": err < 3e-3, "err": err, "msg": f"max |fused - ref| {err:.2e}"}
 
-    cases = {name: run(case) for name, case in _capped_cases().items()}
-    cases["fused-lanes-read"] = fused_read
-    return cases
+    return {**{name: run(case) for name, case in _capped_cases().items()}, "fused-lanes-read": fused_read}
 
 
 @pytest.fixture(scope="module")
