@@ -99,9 +99,16 @@ class StackPipeline:
         order = {id(obj): i for i, (_, obj) in enumerate(self.compressors)}
         out = []
         for impl in self.pm.hook.kvcompress_layer_layout.get_hookimpls():
-            lay = impl.function(layer=info)
+            i = order.get(id(impl.plugin), -1)
+            try:
+                lay = impl.function(layer=info)
+            except Exception as exc:  # as every hook call: one PluginError naming the compressor and the hook
+                error = self.failure(f"compressor {self._label(i)} raised in hook kvcompress_layer_layout", exc)
+                if error is exc:
+                    raise
+                raise error from exc
             if lay is not None:
-                out.append((order.get(id(impl.plugin), -1), lay))
+                out.append((i, lay))
         return sorted(out, key=lambda x: x[0])
 
     def check_budgets(self, info: LayerInfo, paths: Sequence[str]) -> None:
