@@ -279,7 +279,11 @@ class CacheCompressor:
           change the encoding of the valid ones);
         * ``token_axis(name)``: whether dim 2 of that payload counts tokens (else units);
         * ``packed(payload, valid)``: a packed region (``attention_partial``, ``dequantize``) over
-          payload tensors laid out like ``encode``'s output;
+          payload tensors laid out like ``encode``'s output; a region whose ``attention_partial``
+          takes ``softcap=`` (the model's logit soft-cap, Gemma 2) declares ``supports_softcap = True``,
+          otherwise models with a soft-cap read it dequantized through the reference;
+        * optionally ``choose_quantizer(k, v) -> impl``: the encoder implementation, passed back as
+          ``encode(..., impl=impl)``; a static store asks once, when it allocates;
         * ``report_key(name)``: the memory-report component of a payload.
 
         Args:
