@@ -4,8 +4,8 @@
 # PHASE: check  - compiled decode (reduce-overhead, CUDA graphs) of every built-in stack on a tiny model vs eager
 #        e2e1   - Llama-3-8B-shaped random model, B1/32k: plain eager, StaticCache + compile, STACKS eager/static/compiled
 #        e2e8   - the same at B8/16k
-#        breakdown - top CUDA kernels and guard overhead of a compiled step (gpu_step_breakdown.py)
-#        timeline - host / GPU / busy split of a compiled step per row (gpu_step_timeline.py; STACKS may name "static")
+#        timeline - host / GPU / busy split, top kernels, guard-free wall and cProfile of a compiled step per row
+#                   (gpu_step_timeline.py; STACKS may name "static")
 #        graph  - GraphStep tests on the GPU, then kvcompress CUDA-graph rows (gpu_graph_rows.py; POINTS, STACKS)
 #        ops    - benchmarks/gpu_ops_check.py (every registered op and impl compiled, vs the reference)
 # STACKS (env, default "none kivi2") names kvcompress.evaluation.e2e.BUILTIN_STACKS entries.
@@ -26,12 +26,6 @@ case "$PHASE" in
     timeout 560 python benchmarks/e2e_decode.py --compile --stack $STACKS --points $P --time-budget "$BUDGET" \
       --json "$OUT/$PHASE.json" --markdown > "$OUT/$PHASE.md" 2> "$OUT/$PHASE.log"
     echo "rc=$?"; cat "$OUT/$PHASE.md"; grep -v "Warn\|warn(" "$OUT/$PHASE.log" | tail -15
-    ;;
-  breakdown)
-    for st in ${STACKS}; do
-      timeout "${BD_S:-200}" python benchmarks/gpu_step_breakdown.py --stack "$st" --batch "${B:-1}" --ctx "${CTX:-32768}" --out "$OUT" 2>&1 \
-        | grep -v "Warning\|warn(" | tail -60
-    done
     ;;
   timeline)
     timeout "${TL_S:-560}" python benchmarks/gpu_step_timeline.py --rows ${STACKS} --batch "${B:-1}" --ctx "${CTX:-32768}" \

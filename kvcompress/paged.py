@@ -670,8 +670,8 @@ class StaticPagedStore(MiddleStore):
         out = []
         valid = block.valid[rows[:, None], tokens]
         parts = block.parts()
-        choose = getattr(self.codec, "choose_quantizer", None)  # optional in third-party codecs
-        if self.quantizers is None:
+        if self.quantizers is None:  # chosen once; choose_quantizer is optional in third-party codecs
+            choose = getattr(self.codec, "choose_quantizer", None)
             self.quantizers = [choose(part.k, part.v) if choose else None for part in parts]
         for part, impl in zip(parts, self.quantizers):
             k = part.k.transpose(1, 2)[rows[:, None], tokens].transpose(1, 2)  # [N, heads, P, dk]

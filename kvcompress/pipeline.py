@@ -33,7 +33,7 @@ _STAGES = (
 )
 
 
-def _bind(impl: pluggy.HookImpl, name: str, stage: str, pipeline: "StackPipeline") -> Callable[..., Any]:
+def _bind(impl: pluggy.HookImpl, owner: int, name: str, stage: str, pipeline: "StackPipeline") -> Callable[..., Any]:
     """A plain callable for one hook implementation.  An exception it raises marks ``pipeline`` failed (the
     cache that runs it is unusable from then on); one that is not a :class:`KVCompressError` becomes one
     :class:`PluginError` naming the compressor and the hook (try/except costs nothing until something
@@ -50,6 +50,7 @@ def _bind(impl: pluggy.HookImpl, name: str, stage: str, pipeline: "StackPipeline
             raise error from exc
 
     call.__name__ = getattr(fn, "__qualname__", "hook")
+    call.owner = owner  # the compressor's index in the stack
     return call
 
 
@@ -78,7 +79,8 @@ class StackPipeline:
         for stage in _STAGES:
             impls = getattr(self.pm.hook, stage).get_hookimpls()
             impls = sorted(impls, key=lambda im: order[id(im.plugin)])
-            self.stages[stage] = [_bind(im, self._label(order[id(im.plugin)]), stage, self) for im in impls]
+            self.stages[stage] = [_bind(im, order[id(im.plugin)], self._label(order[id(im.plugin)]), stage, self)
+                                  for im in impls]
         self._transforms = (self.stages["kvcompress_prune_channels"] + self.stages["kvcompress_lowrank_transform"]
                             + self.stages["kvcompress_regroup_heads"])
 
@@ -96,20 +98,8 @@ class StackPipeline:
     # -- build time ---------------------------------------------------------------------
     def layouts(self, info: LayerInfo) -> list[tuple[int, Layout]]:
         """``(compressor index, layout)`` of each compressor that declares one for this layer."""
-        order = {id(obj): i for i, (_, obj) in enumerate(self.compressors)}
-        out = []
-        for impl in self.pm.hook.kvcompress_layer_layout.get_hookimpls():
-            i = order.get(id(impl.plugin), -1)
-            try:
-                lay = impl.function(layer=info)
-            except Exception as exc:  # as every hook call: one PluginError naming the compressor and the hook
-                error = self.failure(f"compressor {self._label(i)} raised in hook kvcompress_layer_layout", exc)
-                if error is exc:
-                    raise
-                raise error from exc
-            if lay is not None:
-                out.append((i, lay))
-        return sorted(out, key=lambda x: x[0])
+        out = [(fn.owner, fn(layer=info)) for fn in self.stages["kvcompress_layer_layout"]]
+        return [(i, lay) for i, lay in out if lay is not None]
 
     def check_budgets(self, info: LayerInfo, paths: Sequence[str]) -> None:
         """Refuse a stack whose full-precision regions swallow a token budget.

@@ -120,10 +120,11 @@ def _check_budgets(pipeline: StackPipeline, paths: list[str]) -> None:
     from .state import LayerInfo
 
     try:
-        pipeline.layouts(LayerInfo(0, 1, 1, 1, 64))
+        pipeline.check_budgets(LayerInfo(0, 1, 1, 1, 64), paths)
+    except ConfigError:
+        raise
     except Exception:  # noqa: BLE001 - a layout that needs the real model: checked when the cache is built
         return
-    pipeline.check_budgets(LayerInfo(0, 1, 1, 1, 64), paths)
 
 
 def _key(key: Any) -> str:

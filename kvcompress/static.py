@@ -50,7 +50,7 @@ def _compiling() -> bool:
 
 def _device_only() -> bool:
     """The step must not read device values on the host: it is being traced, or captured as a CUDA graph."""
-    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    return _compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def mark_static(*tensors: torch.Tensor | None) -> None:

@@ -47,9 +47,8 @@ class WindowCompressor(Compressor):
 
     @hookimpl
     def kvcompress_evict_tokens(self, layer, block):
+        # > 0: a stack whose full-precision window swallows the budget is refused (Layout.budget)
         budget = self.config.recent - (layer.layout.recent or 0)
-        if budget <= 0:
-            return False
         if layer.static:
             # Rows share positions (left padding keeps them aligned) and a row's real tokens are a
             # suffix of them, so "the budget newest real tokens" is "positions >= horizon".

@@ -252,7 +252,7 @@ def supports(query: torch.Tensor, lanes: Sequence[Lane | tuple]) -> bool:
 SLOT = 16  # kept counts that are multiples of SLOT map to fixed slots (one compiled layout per head_dim)
 
 
-def _canonical_slots(rows: list[dict], d: int, dev: torch.device, iota: torch.Tensor) -> list[dict]:
+def _canonical_slots(rows: list[dict], d: int, iota: torch.Tensor) -> list[dict]:
     """One slot per kept count ``SLOT, 2*SLOT, ..., ceil(d / SLOT) * SLOT``, empty slots padded.
 
     The compile-time layout of a launch (lane count, per-lane tile widths and flags) then depends
@@ -313,7 +313,7 @@ def _lane_rows(lanes: Sequence[Lane], d: int, dev: torch.device, canonical: bool
                          else dummy, hd=heads if heads is not None else dummy, h=h, t=t, c=c, r0=r0,
                          has_valid=valid is not None, has_chan=channels is not None, has_heads=heads is not None))
         r0 += h
-    return _canonical_slots(rows, d, dev, iota) if canonical else rows
+    return _canonical_slots(rows, d, iota) if canonical else rows
 
 
 def launch_layout(lanes: Sequence[Lane | tuple], d: int, canonical: bool = True) -> tuple:
