@@ -106,5 +106,11 @@ case "$PHASE" in
     run bench_v2 120 env KVCOMPRESS_KIVI_CUDA=0 $K bench --device cuda --context 8192 --steps 32 --markdown --quiet \
       --stack $S/kivi2.yaml
     ;;
+  greedy)  # issue 16: default model, greedy tokens of compiled decode (reduce-overhead, GraphStep) vs eager
+    model; install
+    run greedy ${GREEDY_S:-540} python benchmarks/gpu_default_greedy.py --out /tmp/res --steps ${STEPS:-256} \
+      --dtype ${DTYPES:-bfloat16} --modes ${MODES:-compiled} --stacks ${GREEDY_STACKS:-$S/none.yaml $S/kivi2.yaml}
+    cp /tmp/res/default_greedy.json "$OUT/" 2>/dev/null
+    ;;
 esac
 tar czf "$OUT/res-$PHASE.tgz" -C /tmp/res . && date -u | tee -a "$OUT/log.txt"
