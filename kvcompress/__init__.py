@@ -19,6 +19,7 @@ from .config import param
 from .errors import ConfigError, KVCompressError, PluginError, UnsupportedModelError, UnsupportedOperationError
 from .graphs import GraphStep
 from .hookspecs import hookimpl
+from .observe import Observation
 from .registry import CompressorSpec
 from .state import KVBlock, LayerInfo, Layout, MiddleStore, Segment, TokenSelection
 from .stack import Stack, load_stack, parse_stack
@@ -44,6 +45,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Cache", "Compressor", "CompressorSpec", "ConfigError", "GraphStep", "KVBlock", "KVCompressError", "LayerInfo",
-    "Layout", "MiddleStore", "PluginError", "Segment", "Stack", "TokenSelection", "UnsupportedModelError",
+    "Layout", "MiddleStore", "Observation", "PluginError", "Segment", "Stack", "TokenSelection", "UnsupportedModelError",
     "UnsupportedOperationError", "compress", "hookimpl", "load_stack", "param", "parse_stack",
 ]

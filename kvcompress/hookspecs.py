@@ -78,6 +78,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from .registry import CompressorSpec
     from .state import KVBlock, LayerInfo, Layout, MiddleStore, TokenSelection
     from .layer import CompressedLayer
+    from .observe import Observation
     from .paged import MiddleCodec
 
 PROJECT = "kvcompress"
@@ -154,6 +155,41 @@ class CacheCompressor:
 
         Returns:
             A :class:`~kvcompress.state.Layout` or ``None`` for no requirement.
+        """
+
+    @hookspec
+    def kvcompress_observe(self, layer: CompressedLayer, obs: Observation) -> None:
+        """Observation: see the queries (and, when asked, the attention mass) of the step a layer just read.
+
+        Called once per compressed layer per forward call - prefill, multi-token chunks and decode steps,
+        eager and compiled - after the step's attention is computed and *before* the step's tokens are
+        committed, so the flush the commit may trigger (``kvcompress_score_tokens``,
+        ``kvcompress_evict_tokens``, ...) runs after it.  Only compressors that implement this hook are
+        called, and a layer whose stack has none builds no observation (nothing is computed).  The first
+        prefill is observed too (its queries against the prompt's own keys).
+
+        What ``obs`` holds (:class:`kvcompress.observe.Observation`): ``query`` ``[batch, q_heads, w,
+        head_dim]`` - the last ``w`` positions of a multi-token step, where ``w`` is the largest
+        ``Layout.observe`` of the stack (1 when none is set), or the decode step's query - and
+        ``query_positions`` ``[w]``; the step's own ``keys`` / ``values`` ``[batch, kv_heads, q, head_dim]``
+        (full precision, keys after RoPE), ``positions`` ``[q]`` and ``valid`` ``[batch, q]`` (or ``None``);
+        the model's ``scaling``, ``softcap`` and ``sink_logits``; and, when a layout of the stack sets
+        ``Layout.attention``, ``mass``: per region (``"sinks"``, ``"recent"``, ``"middle"``, ``"new"``) the
+        attention probability each token received from the observed queries, summed over the query heads of
+        its kv head and over the observed positions, ``[batch, kv_heads, slots]`` in the region's own slot
+        coordinates (an exact reference pass beside the read; see :mod:`kvcompress.observe`).
+        ``obs.token_mass(positions)`` gives the mass of the tokens a flush of this step hands to the pipeline.
+
+        In a static cache's decode step the hook runs inside the captured graph: the rules of the "Static
+        caches" section apply (no host reads, fixed shapes).  Keep what a later stage of the same step needs
+        in ``layer.state`` and drop it once used (a reference kept across steps keeps its tensors alive).
+
+        Args:
+            layer: the layer that was read.
+            obs: the observation of this step.
+
+        Returns:
+            Nothing.
         """
 
     @hookspec

@@ -188,14 +188,15 @@ class CompressedLayer:
             valid_new = None
         sinks, middle, recent = self.regions()
         segs = sinks + middle + recent
+        q_pos = torch.arange(seen_before, seen_before + q, device=k.device)
+        new = Segment(k, v, valid_new, q_pos)
         if not segs:
             out = dense_attention(query, k, v, attention_mask, scaling)
         else:
-            q_pos = torch.arange(seen_before, seen_before + q, device=k.device)
-            new = Segment(k, v, valid_new, q_pos)
             selection = self.pipeline.select(self, query)
             if selection is not None:
-                segs = sinks + apply_selection(middle, selection) + recent
+                middle = apply_selection(middle, selection)
+                segs = sinks + middle + recent
             if all(s.is_dense for s in segs):
                 out = dense_read(query, segs + [new], q_pos, scaling, dense_attention)
             else:
@@ -203,8 +204,41 @@ class CompressedLayer:
 
                 out = attend_segments(query, segs + [new], q_pos, scaling, softcap=softcap,
                                       sink_logits=sink_logits).transpose(1, 2)
+        if self.pipeline.observes:
+            self._observe(query, new, scaling, softcap, sink_logits, sinks, middle, recent)
         self.commit(k, v, valid_new, seen_before)
         return out
+
+    def _observe(self, query: torch.Tensor, new: Segment, scaling: float, softcap: float | None,
+                 sink_logits: torch.Tensor | None, sinks: list[Segment], middle: list[Segment],
+                 recent: list[Segment]) -> None:
+        """Build this step's :class:`~kvcompress.observe.Observation` from what attention read and hand it to the
+        observers (before the commit)."""
+        from .observe import Observation, attention_mass, observe_window
+
+        q = new.k.shape[2]
+        w = observe_window(self.layout, q)
+        query_w, pos_w = query[:, :, q - w:], new.positions[q - w:]
+        obs = Observation(query_w, pos_w, new.k, new.v, new.positions, new.valid, scaling, softcap, sink_logits)
+        obs.slot_positions = {"sinks": self.sinks.positions, "recent": self.recent.positions, "new": new.positions}
+        if self.layout.attention:
+            b, h = new.k.shape[0], new.k.shape[1]
+            parts = attention_mass(query_w, sinks + middle + recent + [new], pos_w, scaling, h, softcap, sink_logits)
+            zeros = (lambda n: parts[-1].new_zeros(b, h, n))
+            mass = {"sinks": zeros(self.sinks.capacity), "recent": zeros(self.recent.capacity), "new": parts[-1]}
+            if sinks:
+                used = parts[0].shape[-1]
+                mass["sinks"][..., :used] = parts[0]
+            lanes = parts[len(sinks):len(sinks) + len(middle)]
+            if len({m.shape[-1] for m in lanes}) > 1:
+                raise ValueError(f"middle segments over different token columns: {[m.shape[-1] for m in lanes]}")
+            mass["middle"] = sum(lanes[1:], lanes[0]) if lanes else zeros(0)
+            if recent:
+                m = parts[len(sinks) + len(middle)]
+                start = 0 if m.shape[-1] == self.recent.capacity else self.recent.start
+                mass["recent"][..., start:start + m.shape[-1]] = m
+            obs.mass = mass
+        self.pipeline.observe(self, obs)
 
     def _materialize(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         segs = self.stored_segments()

@@ -21,6 +21,7 @@ from .state import DenseStore, KVBlock, LayerInfo, Layout, MiddleStore
 _STAGES = (
     "kvcompress_validate_stack",
     "kvcompress_layer_layout",
+    "kvcompress_observe",
     "kvcompress_score_tokens",
     "kvcompress_evict_tokens",
     "kvcompress_prune_channels",
@@ -209,6 +210,16 @@ class StackPipeline:
             hooks = sorted(h.name for h in self.pm.get_hookcallers(obj) or [])
             out.append((name, hooks))
         return out
+
+    @property
+    def observes(self) -> bool:
+        """Whether a compressor of the stack implements ``kvcompress_observe`` (layers build observations)."""
+        return bool(self.stages["kvcompress_observe"])
+
+    def observe(self, layer: Any, obs: Any) -> None:
+        """Hand one step's :class:`~kvcompress.observe.Observation` to every observer, in stack order."""
+        for fn in self.stages["kvcompress_observe"]:
+            fn(layer=layer, obs=obs)
 
     def select(self, layer: Any, query: torch.Tensor) -> torch.Tensor | None:
         for fn in self.stages["kvcompress_select_tokens"]:

@@ -40,6 +40,13 @@ class Layout:
             evictor's token budget). The stack is refused when the full-precision regions the whole
             stack keeps (the largest ``sinks`` plus the largest ``recent``) leave no middle token under
             it (:meth:`kvcompress.pipeline.StackPipeline.check_budgets`).
+        observe: query positions of a multi-token step an observation keeps (the last ``observe``;
+            :class:`kvcompress.observe.Observation`); combined by maximum; ``None``: 1.
+        attention: whether observations carry the attention mass each token received
+            (:attr:`kvcompress.observe.Observation.mass`); combined by "or".
+        head_slots: whether an evictor writes blocks to per-head store slots (:attr:`KVBlock.slots`): the
+            middle store must support them (``supports_slots``; the cache refuses to build otherwise) and
+            reserves a trash unit for dropped tokens; combined by "or".
     """
 
     sinks: int | None = None
@@ -47,10 +54,14 @@ class Layout:
     flush: int | None = None
     middle: int | None = None
     budget: int | None = None
+    observe: int | None = None
+    attention: bool | None = None
+    head_slots: bool | None = None
 
     @staticmethod
     def combine(layouts: Iterable["Layout | None"]) -> "Layout":
-        sinks = recent = middle = budget = None
+        sinks = recent = middle = budget = observe = None
+        attention = head_slots = None
         flush = 1
         for lay in layouts:
             if lay is None:
@@ -65,7 +76,14 @@ class Layout:
                 middle = lay.middle if middle is None else min(middle, lay.middle)
             if lay.budget is not None:
                 budget = lay.budget if budget is None else min(budget, lay.budget)
-        return Layout(sinks=sinks or 0, recent=recent, flush=flush, middle=middle, budget=budget)
+            if lay.observe is not None:
+                observe = max(observe or 0, lay.observe)
+            if lay.attention:
+                attention = True
+            if lay.head_slots:
+                head_slots = True
+        return Layout(sinks=sinks or 0, recent=recent, flush=flush, middle=middle, budget=budget, observe=observe,
+                      attention=attention, head_slots=head_slots)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -203,6 +203,7 @@ class StaticLayer:
                 raise UnsupportedOperationError(
                     f"the static cache holds at most max_cache_len={self.capacity} tokens and is full; build it "
                     "with a larger max_cache_len (a compiled step cannot check this: it must fit)")
+        token_valid = valid_new
         if compiling or not self._sinks_full:  # eager steps skip what the host knows changes nothing
             valid_new = self._take_sinks(k, v, valid_new, pos)
         slot = self.sink_slots + pos.remainder(self.ring_slots)
@@ -212,7 +213,10 @@ class StaticLayer:
         if self.flushes:
             self.ring_pos.index_copy_(0, slot - self.sink_slots, pos)
         self.seen.add_(1)
-        out = self._read(query, scaling, dense_attention, None, variant)
+        out, middle = self._read(query, scaling, dense_attention, None, variant)
+        if self.pipeline.observes:
+            new = Segment(k, v, token_valid, self.seen.view(1) - 1)  # (pos is a view of the advanced counter)
+            self._observe(query, new, scaling, variant, middle, None, decode_slot=slot - self.sink_slots)
         if compiling:
             self._host = None
             if self.middle is not None:
@@ -259,12 +263,15 @@ class StaticLayer:
                 f"{q} more were given. Build the cache with a larger max_cache_len")
         pos = torch.arange(seen, seen + q, device=k.device)
         valid_new = new_token_validity(attention_mask, seen, q)
+        new = Segment(k, v, valid_new, pos)
+        middle: list[Segment] = []
         if seen == 0:  # nothing stored yet: the backend's own attention over the step's tokens
             mask = None if attention_mask is None else attention_mask[..., :q]
             out = dense_attention(query, k, v, mask, scaling)
         else:
-            new = Segment(k, v, valid_new, pos)
-            out = self._read(query, scaling, dense_attention, new, variant)
+            out, middle = self._read(query, scaling, dense_attention, new, variant)
+        if self.pipeline.observes:
+            self._observe(query, new, scaling, variant, middle, new)
         if valid_new is None:
             valid_new = torch.ones(k.shape[0], q, dtype=torch.bool, device=k.device)
         self._commit_host(k, v, valid_new.expand(k.shape[0], q), pos, seen, flushed)
@@ -333,6 +340,7 @@ class StaticLayer:
 
     # reads ----------------------------------------------------------------------------------
     def _read(self, query, scaling, dense_attention, new: Segment | None, variant=(None, None)):
+        """``(attention output, the middle segments read)``."""
         middle = self.middle.segments() if self.middle is not None else []
         if middle:
             selection = self.pipeline.select(self, query)
@@ -341,7 +349,7 @@ class StaticLayer:
         if not middle and new is None and self.kernels["lanes_partial"] == "reference":
             # one dense region, no fused kernel: the backend's own attention behind the mask
             mask = self.valid.view(self.valid.shape[0], 1, 1, self.valid.shape[1])
-            return dense_attention(query, self.k, self.v, mask, scaling)
+            return dense_attention(query, self.k, self.v, mask, scaling), middle
         # the sinks + ring buffer; without a middle the ring never wraps, so slots past sinks + seen were
         # never written and a fused kernel reads only the written prefix (not the whole capacity)
         length = None if middle else (self.seen + self.sink_slots).clamp(max=self.sink_slots + self.ring_slots)
@@ -350,11 +358,43 @@ class StaticLayer:
         if new is not None:
             segs.append(new)
             if all(seg.is_dense for seg in segs):  # a prefill chunk over dense regions: the backend's attention
-                return dense_read(query, segs, q_pos, scaling, dense_attention)
+                return dense_read(query, segs, q_pos, scaling, dense_attention), middle
         from kvcompress.kernels.attention import attend_segments
 
         return attend_segments(query, segs, q_pos, scaling, fused=False, impls=self.kernels, softcap=variant[0],
-                               sink_logits=variant[1]).transpose(1, 2)
+                               sink_logits=variant[1]).transpose(1, 2), middle
+
+    def _observe(self, query, new: Segment, scaling, variant, middle: list[Segment], read_new: Segment | None,
+                 decode_slot: torch.Tensor | None = None) -> None:
+        """Build this step's :class:`~kvcompress.observe.Observation` and hand it to the observers (before the
+        commit).  ``read_new``: the step's tokens when read as their own segment (prefill); a decode step reads
+        its token from ring slot ``decode_slot`` instead.  Branch-free with fixed shapes in a decode step."""
+        from .observe import Observation, attention_mass, observe_window
+
+        q = new.k.shape[2]
+        w = observe_window(self.layout, q)
+        query_w, pos_w = query[:, :, q - w:], new.positions[q - w:]
+        obs = Observation(query_w, pos_w, new.k, new.v, new.positions, new.valid, scaling, variant[0], variant[1])
+        s, c = self.sink_slots, self.ring_slots
+        ring_pos = self.ring_pos if self.flushes else torch.arange(c, device=new.positions.device)
+        obs.slot_positions = {"sinks": self.sink_pos, "recent": ring_pos, "new": new.positions}
+        if self.layout.attention:
+            buffer = Segment(self.k, self.v, self.valid, self._zero_pos)
+            segs = [buffer] + middle + ([read_new] if read_new is not None else [])
+            parts = attention_mass(query_w, segs, pos_w, scaling, new.k.shape[1], variant[0], variant[1])
+            lanes = parts[1:1 + len(middle)]
+            if len({m.shape[-1] for m in lanes}) > 1:
+                raise ValueError(f"middle segments over different token columns: {[m.shape[-1] for m in lanes]}")
+            b, h = new.k.shape[0], new.k.shape[1]
+            mass = {"sinks": parts[0][..., :s], "recent": parts[0][..., s:],
+                    "middle": sum(lanes[1:], lanes[0]) if lanes else parts[0].new_zeros(b, h, 0)}
+            if read_new is not None:
+                mass["new"] = parts[-1]
+            else:  # the decode step's token was read from its ring slot
+                mass["new"] = mass["recent"].index_select(-1, decode_slot)
+                mass["recent"] = mass["recent"].index_fill(-1, decode_slot, 0.0)
+            obs.mass = mass
+        self.pipeline.observe(self, obs)
 
     # -- batch operations ---------------------------------------------------------------------
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:

@@ -1,0 +1,164 @@
+"""Observations: what a layer's attention saw in one forward call, handed to ``kvcompress_observe``.
+
+Once per compressed layer and forward call, after the step's attention and before the step's tokens are
+committed (so a flush the commit triggers sees it), a layer whose stack has a compressor implementing
+:meth:`kvcompress.hookspecs.CacheCompressor.kvcompress_observe` builds an :class:`Observation`: the
+step's queries (the last ``Layout.observe`` positions of a multi-token step, the query of a decode
+step), the step's own keys and values, and - when a layout asks for it (``Layout.attention``) - the
+attention probability *mass* every token received from the observed queries, per region of the layer.
+
+The mass is computed by :func:`attention_mass`, an exact reference pass (one joint softmax over exactly
+the segments attention read, with the model's soft-cap, learned sink logits, masks and read-time
+selections applied; packed segments are dequantized with :meth:`~kvcompress.state.Segment.keys_values`)
+run beside the read, not inside the read kernels.  Correctness first: returning the mass from inside
+the read kernels (their ``(out, lse)`` partials already hold what is needed) is a follow-up; until
+then a layer that asks for the mass pays one extra pass over what it reads (dense and transient: a
+packed middle is decoded for it), in eager and compiled steps alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from .state import Segment, TokenSelection
+
+#: the regions of :attr:`Observation.mass`, in the order a layer reads them
+REGIONS = ("sinks", "middle", "recent", "new")
+
+
+@dataclasses.dataclass
+class Observation:
+    """What one layer's attention saw in one forward call (see the module docstring).
+
+    Attributes:
+        query: ``[batch, q_heads, w, head_dim]`` observed queries, full precision, after RoPE: the last ``w``
+            positions of the step (``w = min(q, Layout.observe)``; 1 when no layout sets ``observe``).
+        query_positions: ``[w]`` their logical positions.
+        keys, values: ``[batch, kv_heads, q, head_dim]`` the step's own keys (after RoPE) and values, full precision.
+        positions: ``[q]`` the step's logical positions (shared by all rows).
+        valid: ``[batch, q]`` bool, False for the step's padding tokens, or ``None`` when every token is real.
+        scaling: the softmax scale the model uses.
+        softcap: the model's logit soft-cap (Gemma 2), or ``None``.
+        sink_logits: ``[q_heads]`` learned sink logits (gpt-oss), or ``None``.
+        mass: only when a layout of the stack sets ``Layout.attention``: a dict ``region -> [batch, kv_heads,
+            slots]`` float32, the attention probability each token received from the observed queries, summed
+            over the query heads of its kv head and over the observed query positions, in each region's own
+            slot coordinates: ``"sinks"`` (the layer's sink slots), ``"recent"`` (the full-precision ring's
+            slots), ``"middle"`` (the middle store's segment columns; regrouped lanes are scattered back to the
+            full kv-head dimension, heads a lane does not cover get 0) and ``"new"`` (the step's ``q`` tokens).
+            For each query head and observed position, the masses over all regions sum to 1 (less the share of
+            a learned sink logit). In a static cache's decode step the step's token is read from its ring slot:
+            its mass is reported under ``"new"`` and that slot's ``"recent"`` entry is 0 (a token that becomes
+            a sink in that step is reported under ``"sinks"``).
+        slot_positions: logical positions of each region's slots where the layer knows them (``"sinks"``
+            ``[batch, slots]``, ``"recent"`` ``[slots]``, ``"new"`` ``[q]``); used by :meth:`token_mass`.
+    """
+
+    query: torch.Tensor
+    query_positions: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor | None
+    scaling: float
+    softcap: float | None = None
+    sink_logits: torch.Tensor | None = None
+    mass: dict[str, torch.Tensor] | None = None
+    slot_positions: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    @property
+    def prefill(self) -> bool:
+        """Whether the step had more than one token (a prefill or a multi-token chunk)."""
+        return self.keys.shape[2] > 1
+
+    def token_mass(self, positions: torch.Tensor) -> torch.Tensor:
+        """The mass ``[batch, kv_heads, n]`` of the tokens at logical ``positions`` ``[n]`` that the step read in the
+        recent ring or among its own tokens (the tokens a flush of this step can hand to the pipeline); 0 for a
+        position found in neither.  Needs :attr:`mass`.  Fixed shapes, no host read (graph-safe)."""
+        if self.mass is None:
+            raise ValueError("this observation carries no attention mass: declare Layout(attention=True)")
+        new = self.mass["new"]
+        first = self.positions[0]
+        q = new.shape[-1]
+        index = positions - first
+        inside = (index >= 0) & (index < q)
+        out = new.gather(-1, index.clamp(0, q - 1).view(1, 1, -1).expand(new.shape[0], new.shape[1], -1))
+        out = out * inside.to(out.dtype)
+        recent, slots = self.mass.get("recent"), self.slot_positions.get("recent")
+        if recent is not None and slots is not None and recent.shape[-1]:
+            match = (slots.view(1, -1) == positions.view(-1, 1)).to(recent.dtype)  # [n, slots]
+            out = out + torch.einsum("bhs,ns->bhn", recent, match)
+        return out
+
+
+def attention_mass(query: torch.Tensor, segments: Sequence[Segment], q_positions: torch.Tensor, scale: float,
+                   kv_heads: int, softcap: float | None = None,
+                   sink_logits: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Attention probability mass per segment: ``[batch, kv_heads, tokens]`` float32 for each of ``segments``.
+
+    One joint softmax over every segment, as :func:`kvcompress.kernels.attention.segment_attention` computes it
+    (soft-cap on the scaled scores before masking, learned sink logits in the denominator, per-row validity and
+    logical-position masks, read-time selections), summed over the query heads of each kv head and over the query
+    positions.  A segment covering some kv heads (``heads``) reports 0 for the others.  Fixed shapes and no host
+    read: it runs inside a compiled decode step.
+
+    Args:
+        query: ``[batch, q_heads, q_len, head_dim]``.
+        segments: what attention read.
+        q_positions: ``[q_len]`` logical positions of the queries.
+        scale: the softmax scale.
+        kv_heads: the layer's kv heads.
+        softcap, sink_logits: the model's attention variants (``None``: none).
+    """
+    from kvcompress.kernels.attention.reference import segment_mask, soft_cap
+
+    b, hq, q_len, d = query.shape
+    group = hq // kv_heads
+    qg = query.float().view(b, kv_heads, group, q_len, d)
+    scores = []
+    for seg in segments:
+        k, _ = seg.keys_values()
+        heads = seg.heads
+        qs = qg if heads is None else qg.index_select(1, heads)
+        if seg.qmap is not None:
+            qs = seg.qmap(qs)
+        s = soft_cap(torch.einsum("bhgqd,bhtd->bhgqt", qs, k.float()) * scale, softcap)
+        t = s.shape[-1]
+        m = segment_mask(seg, q_positions).unsqueeze(1)  # [b|1, 1, 1, q, t]
+        if seg.packed is not None:
+            m = m & seg.packed.live_valid()[:, None, None, None, :]
+        if isinstance(seg.select, TokenSelection):
+            sel = seg.select.mask(t).view(b, kv_heads, group, q_len, t)
+            m = m & (sel if heads is None else sel.index_select(1, heads))
+        elif seg.select is not None:  # [b, kv_heads, q, t]
+            sel = seg.select.unsqueeze(2)
+            m = m & (sel if heads is None else sel.index_select(1, heads))
+        s = s.masked_fill(~m, float("-inf"))
+        if heads is not None:
+            full = s.new_full((b, kv_heads, group, q_len, t), float("-inf"))
+            s = full.index_copy(1, heads, s)
+        scores.append(s)
+    s = torch.cat(scores, dim=-1)
+    if sink_logits is not None:
+        sink = sink_logits.float().view(1, kv_heads, group, 1, 1).expand(b, kv_heads, group, q_len, 1)
+        s = torch.cat([s, sink], dim=-1)
+    top = s.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    p = torch.exp(s - top)
+    denom = p.sum(dim=-1, keepdim=True)
+    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))  # rows that see nothing: 0
+    if sink_logits is not None:
+        p = p[..., :-1]
+    mass = p.sum(dim=(2, 3))  # [b, kv_heads, tokens]
+    return list(mass.split([sc.shape[-1] for sc in scores], dim=-1))
+
+
+def observe_window(layout, q: int) -> int:
+    """Query positions an observation keeps: ``min(q, Layout.observe)`` (1 when no layout sets it)."""
+    return max(1, min(q, layout.observe or 1))
+
+
+__all__ = ["Observation", "REGIONS", "attention_mass", "observe_window"]
