@@ -21,6 +21,7 @@ from .graphs import GraphStep
 from .hookspecs import hookimpl
 from .observe import Observation
 from .registry import CompressorSpec
+from .scoring import ScoreConfig, ScoreEvictor
 from .state import KVBlock, LayerInfo, Layout, MiddleStore, Segment, TokenSelection
 from .stack import Stack, load_stack, parse_stack
 
@@ -45,6 +46,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Cache", "Compressor", "CompressorSpec", "ConfigError", "GraphStep", "KVBlock", "KVCompressError", "LayerInfo",
-    "Layout", "MiddleStore", "Observation", "PluginError", "Segment", "Stack", "TokenSelection", "UnsupportedModelError",
+    "Layout", "MiddleStore", "Observation", "PluginError", "ScoreConfig", "ScoreEvictor", "Segment", "Stack", "TokenSelection", "UnsupportedModelError",
     "UnsupportedOperationError", "compress", "hookimpl", "load_stack", "param", "parse_stack",
 ]

@@ -221,13 +221,23 @@ class CacheCompressor:
         may also drop tokens that are already in the middle store through
         ``layer.middle`` (for example the oldest ones, to hold a token budget).
 
+        A keep mask may decide per kv head (``[batch, kv_heads, tokens]``: SnapKV, per-head budgets): every kv
+        head of a row must then keep the same *number* of tokens (uniform per-head budgets; otherwise the stack
+        fails with a :class:`~kvcompress.errors.PluginError` naming the compressor), and the pipeline packs each
+        head's survivors densely (:meth:`kvcompress.state.KVBlock.pack_heads`): the block becomes as many columns
+        as the fullest row keeps (a static cache's decode step keeps the block's size), column ``j`` of head ``h``
+        holding head ``h``'s ``j``-th kept token, ``block.valid`` row-level, the per-head positions in
+        ``block.head_positions``.  The stages and stores downstream see an ordinary block.  Most evictors of this
+        kind subclass :class:`kvcompress.scoring.ScoreEvictor` and implement only a scoring function.
+
         Args:
             layer: the layer.
             block: the scored, full-precision block.
 
         Returns:
-            ``None`` to keep every token, ``False`` to drop the whole block, or a
-            boolean tensor ``[batch, tokens]`` (True = keep).
+            ``None`` to keep every token, ``False`` to drop the whole block, a
+            boolean tensor ``[batch, tokens]`` (True = keep), or a boolean tensor
+            ``[batch, kv_heads, tokens]`` (per kv head; the same count per head of a row).
         """
 
     @hookspec

@@ -136,6 +136,17 @@ class CompressedLayer:
         sinks, middle, recent = self.regions()
         return sinks + middle + recent
 
+    def held_tokens(self) -> torch.Tensor:
+        """``[batch]`` int64: tokens each row holds in full precision outside the middle store (sinks + recent
+        window).  During a flush the block has already left the window: this is what the row keeps besides the
+        middle and the block (what an evictor with a token budget counts)."""
+        device = self.sinks.k.device
+        held = torch.tensor(self.sinks.count, dtype=torch.long, device=device)
+        ring = self.recent
+        if ring.size:
+            held = held + ring.valid[:, ring.ordered()].sum(dim=1)
+        return held
+
     def stored_tokens(self) -> int:
         if not self.is_initialized:
             return 0
@@ -220,25 +231,33 @@ class CompressedLayer:
         w = observe_window(self.layout, q)
         query_w, pos_w = query[:, :, q - w:], new.positions[q - w:]
         obs = Observation(query_w, pos_w, new.k, new.v, new.positions, new.valid, scaling, softcap, sink_logits)
-        obs.slot_positions = {"sinks": self.sinks.positions, "recent": self.recent.positions, "new": new.positions}
+        # copies: the commit writes these buffers before a flush reads the observation
+        obs.slot_positions = {"sinks": self.sinks.positions.clone(), "recent": self.recent.positions.clone(),
+                              "new": new.positions}
         if self.layout.attention:
-            b, h = new.k.shape[0], new.k.shape[1]
-            parts = attention_mass(query_w, sinks + middle + recent + [new], pos_w, scaling, h, softcap, sink_logits)
-            zeros = (lambda n: parts[-1].new_zeros(b, h, n))
-            mass = {"sinks": zeros(self.sinks.capacity), "recent": zeros(self.recent.capacity), "new": parts[-1]}
-            if sinks:
-                used = parts[0].shape[-1]
-                mass["sinks"][..., :used] = parts[0]
-            lanes = parts[len(sinks):len(sinks) + len(middle)]
-            if len({m.shape[-1] for m in lanes}) > 1:
-                raise ValueError(f"middle segments over different token columns: {[m.shape[-1] for m in lanes]}")
-            mass["middle"] = sum(lanes[1:], lanes[0]) if lanes else zeros(0)
-            if recent:
-                m = parts[len(sinks) + len(middle)]
-                start = 0 if m.shape[-1] == self.recent.capacity else self.recent.start
-                mass["recent"][..., start:start + m.shape[-1]] = m
-            obs.mass = mass
+            sink_cap, ring_cap, ring_start = self.sinks.capacity, self.recent.capacity, self.recent.start
+
+            def mass() -> dict[str, torch.Tensor]:
+                b, h = new.k.shape[0], new.k.shape[1]
+                parts = attention_mass(query_w, sinks + middle + recent + [new], pos_w, scaling, h, softcap,
+                                       sink_logits)
+                zeros = (lambda n: parts[-1].new_zeros(b, h, n))
+                out = {"sinks": zeros(sink_cap), "recent": zeros(ring_cap), "new": parts[-1]}
+                if sinks:
+                    out["sinks"][..., :parts[0].shape[-1]] = parts[0]
+                lanes = parts[len(sinks):len(sinks) + len(middle)]
+                if len({m.shape[-1] for m in lanes}) > 1:
+                    raise ValueError(f"middle segments over different token columns: {[m.shape[-1] for m in lanes]}")
+                out["middle"] = sum(lanes[1:], lanes[0]) if lanes else zeros(0)
+                if recent:
+                    m = parts[len(sinks) + len(middle)]
+                    start = 0 if m.shape[-1] == ring_cap else ring_start
+                    out["recent"][..., start:start + m.shape[-1]] = m
+                return out
+
+            obs._mass_fn = mass
         self.pipeline.observe(self, obs)
+        obs.seal()
 
     def _materialize(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         segs = self.stored_segments()

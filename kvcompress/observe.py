@@ -19,7 +19,7 @@ packed middle is decoded for it), in eager and compiled steps alike.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -43,7 +43,9 @@ class Observation:
         scaling: the softmax scale the model uses.
         softcap: the model's logit soft-cap (Gemma 2), or ``None``.
         sink_logits: ``[q_heads]`` learned sink logits (gpt-oss), or ``None``.
-        mass: only when a layout of the stack sets ``Layout.attention``: a dict ``region -> [batch, kv_heads,
+        mass: only when a layout of the stack sets ``Layout.attention`` (else ``None``), computed on first access,
+            which must happen inside ``kvcompress_observe`` (the layer changes when the step commits; an observer
+            that does not read it costs nothing): a dict ``region -> [batch, kv_heads,
             slots]`` float32, the attention probability each token received from the observed queries, summed
             over the query heads of its kv head and over the observed query positions, in each region's own
             slot coordinates: ``"sinks"`` (the layer's sink slots), ``"recent"`` (the full-precision ring's
@@ -66,8 +68,28 @@ class Observation:
     scaling: float
     softcap: float | None = None
     sink_logits: torch.Tensor | None = None
-    mass: dict[str, torch.Tensor] | None = None
     slot_positions: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    _mass: dict[str, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
+    _mass_fn: Callable[[], dict[str, torch.Tensor]] | None = dataclasses.field(default=None, repr=False)
+    _sealed: bool = dataclasses.field(default=False, repr=False)
+
+    @property
+    def mass(self) -> dict[str, torch.Tensor] | None:
+        if self._mass is None and self._mass_fn is not None:
+            if self._sealed:
+                raise RuntimeError("Observation.mass is computed from the layer as it was read: read it inside "
+                                   "kvcompress_observe (the step has committed since)")
+            self._mass, self._mass_fn = self._mass_fn(), None
+        return self._mass
+
+    @property
+    def has_mass(self) -> bool:
+        """Whether the stack asked for the attention mass (``Layout.attention``)."""
+        return self._mass is not None or self._mass_fn is not None
+
+    def seal(self) -> None:
+        """Called by the layer once every observer ran: a mass not read by then is never computed."""
+        self._sealed = True
 
     @property
     def prefill(self) -> bool:
@@ -78,16 +100,17 @@ class Observation:
         """The mass ``[batch, kv_heads, n]`` of the tokens at logical ``positions`` ``[n]`` that the step read in the
         recent ring or among its own tokens (the tokens a flush of this step can hand to the pipeline); 0 for a
         position found in neither.  Needs :attr:`mass`.  Fixed shapes, no host read (graph-safe)."""
-        if self.mass is None:
+        mass = self.mass
+        if mass is None:
             raise ValueError("this observation carries no attention mass: declare Layout(attention=True)")
-        new = self.mass["new"]
+        new = mass["new"]
         first = self.positions[0]
         q = new.shape[-1]
         index = positions - first
         inside = (index >= 0) & (index < q)
         out = new.gather(-1, index.clamp(0, q - 1).view(1, 1, -1).expand(new.shape[0], new.shape[1], -1))
         out = out * inside.to(out.dtype)
-        recent, slots = self.mass.get("recent"), self.slot_positions.get("recent")
+        recent, slots = mass.get("recent"), self.slot_positions.get("recent")
         if recent is not None and slots is not None and recent.shape[-1]:
             match = (slots.view(1, -1) == positions.view(-1, 1)).to(recent.dtype)  # [n, slots]
             out = out + torch.einsum("bhs,ns->bhn", recent, match)

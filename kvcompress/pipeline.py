@@ -182,7 +182,10 @@ class StackPipeline:
             if keep is False:
                 return
             if keep is not None and keep is not True:
-                block.valid = block.valid & keep
+                if keep.dim() == 3:
+                    block = self._pack_heads(layer, block, keep, fn)
+                else:
+                    block.valid = block.valid & keep
         if not getattr(layer, "static", False):
             block = block.compact()
             if block is None:
@@ -198,6 +201,35 @@ class StackPipeline:
             if error is exc:
                 raise
             raise error from exc
+
+    def _pack_heads(self, layer: Any, block: KVBlock, keep: torch.Tensor, fn: Callable[..., Any]) -> KVBlock:
+        """A per-head keep mask ``[batch, kv_heads, tokens]``: each head's survivors packed densely
+        (:meth:`KVBlock.pack_heads`).  Every kv head of a row must keep the same number of tokens (checked when
+        the step may read the device: never inside a compiled or captured step).  Dynamic caches keep as many
+        columns as the fullest row; static caches keep the block's size in a decode step (a fixed shape) and a
+        multiple of ``Layout.flush`` otherwise (stores encode whole units)."""
+        from .static import _device_only
+
+        b, h, n = block.valid.shape[0], layer.info.num_kv_heads, block.num_tokens
+        if tuple(keep.shape) != (b, h, n) or keep.dtype != torch.bool:
+            raise self.failure("", PluginError(
+                f"compressor {self._label(fn.owner)} returned a keep mask of shape {tuple(keep.shape)} ({keep.dtype}) "
+                f"from kvcompress_evict_tokens; expected bool [batch, tokens] = {(b, n)} or [batch, kv_heads, tokens] "
+                f"= {(b, h, n)}"))
+        keep = keep & block.valid.unsqueeze(1)
+        if block.due is not None and getattr(layer, "static", False):
+            return block.pack_heads(keep)  # a static decode step: fixed shape, nothing read on the host
+        counts = keep.sum(-1)  # [b, h]
+        if not _device_only() and bool((counts != counts[:, :1]).any()):
+            raise self.failure("", PluginError(
+                f"compressor {self._label(fn.owner)} returned a per-head keep mask whose kv heads keep different "
+                f"numbers of tokens in one row (per row and head: {counts.tolist()}); every kv head of a row must "
+                "keep the same number of tokens (uniform per-head budgets)"))
+        size = int(counts.max()) if counts.numel() else 0
+        if getattr(layer, "static", False):
+            f = layer.layout.flush or 1
+            size = min(n, max(1, -(-size // f)) * f)
+        return block.pack_heads(keep, max(size, 1))
 
     def not_graph_safe(self) -> list[tuple[str, list[str]]]:
         """``(compressor name, hooks it implements)`` for each compressor that does not declare

@@ -160,6 +160,15 @@ class KVBlock:
             have a fixed size there and a hook must not read tensor values on the host; a hook that
             changes stored state (evicting stored tokens, advancing a cursor) applies it only where
             ``due`` holds.  ``None``: the block is real (dynamic caches, prefill).
+        head_positions: ``[batch, kv_heads, tokens]`` logical position of each head's token in each column, set
+            when an evictor kept different tokens per head (a per-head keep mask, packed by the pipeline: column
+            ``j`` of head ``h`` is head ``h``'s ``j``-th kept token); ``positions`` then only bounds them (column
+            ``j``'s largest), which is all attention masks need (middle tokens precede every query).  ``None``:
+            every head holds the token at ``positions``.
+        slots: ``[batch, kv_heads, tokens]`` int64 target token slot of each column per head in a store that
+            supports per-head slots (``MiddleStore.supports_slots``; set by an evictor whose layout declares
+            ``head_slots``): the store writes column ``j`` of head ``h`` at slot ``slots[b, h, j]``; a target
+            ``>= store.slot_count`` drops it (the trash).  ``None``: the store places the block itself.
     """
 
     k: torch.Tensor | None
@@ -169,6 +178,8 @@ class KVBlock:
     meta: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     groups: list[HeadGroup] | None = None
     due: torch.Tensor | None = None
+    head_positions: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -187,7 +198,33 @@ class KVBlock:
             dataclasses.replace(g, k=g.k.index_select(2, index), v=g.v.index_select(2, index)) for g in self.groups]
         pick = (lambda t: None if t is None else t.index_select(2, index))
         return KVBlock(pick(self.k), pick(self.v), self.valid.index_select(1, index),
-                       self.positions.index_select(0, index), meta, groups, self.due)
+                       self.positions.index_select(0, index), meta, groups, self.due, pick(self.head_positions),
+                       pick(self.slots))
+
+    def pack_heads(self, keep: torch.Tensor, size: int | None = None) -> "KVBlock":
+        """Keep different tokens per kv head: ``keep`` ``[batch, kv_heads, tokens]``, the same number per head of a
+        row (the caller checks).  Column ``j`` of head ``h`` becomes head ``h``'s ``j``-th kept token (in token
+        order); ``size`` columns (default: all, fixed shape, no host read), ``valid`` the row's first ``count``
+        columns; :attr:`head_positions` and :attr:`slots` follow their tokens; row-level ``meta`` (``[batch,
+        tokens]``) no longer describes a column and is dropped, per-head meta (``[batch, kv_heads, tokens, ...]``)
+        is gathered.  Used by the pipeline before any head grouping (``groups`` is ``None``)."""
+        b, h, n = keep.shape
+        size = n if size is None else size
+        idx = torch.arange(n, device=keep.device)
+        order = torch.where(keep, idx, idx + n).argsort(dim=-1)[..., :size]  # kept tokens first, in order
+        count = keep[:, 0].sum(-1)  # [b]: every head of a row keeps as many
+        valid = torch.arange(size, device=keep.device).view(1, size) < count.view(b, 1)
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            index = order.view(b, h, size, *([1] * (t.dim() - 3))).expand(b, h, size, *t.shape[3:])
+            return t.gather(2, index)
+
+        head_pos = self.head_positions if self.head_positions is not None else self.positions.view(1, 1, n).expand(
+            b, h, n)
+        head_pos = head_pos.gather(2, order)
+        meta = {key: gather(t) for key, t in self.meta.items() if t.dim() >= 3}
+        return KVBlock(gather(self.k), gather(self.v), valid, head_pos.amax(dim=(0, 1)), meta, None, self.due,
+                       head_pos, None if self.slots is None else self.slots.gather(2, order))
 
     def compact(self) -> "KVBlock | None":
         """Drop token columns that are invalid in every row; ``None`` when nothing is left."""

@@ -134,6 +134,11 @@ class StaticLayer:
     def batch_size(self) -> int:
         return self.k.shape[0]
 
+    def held_tokens(self) -> torch.Tensor:
+        """``[batch]`` int64: tokens each row holds in full precision outside the middle store (sinks + recent
+        window); during a flush the block has already left the window.  A device tensor (graph-safe)."""
+        return self.valid.sum(dim=1)
+
     # -- host-side counters (eager paths only) -----------------------------------------------
     def host_counts(self) -> tuple[int, int]:
         """``(seen, flushed)`` on the host; one device read after compiled steps made them unknown."""
@@ -377,24 +382,30 @@ class StaticLayer:
         obs = Observation(query_w, pos_w, new.k, new.v, new.positions, new.valid, scaling, variant[0], variant[1])
         s, c = self.sink_slots, self.ring_slots
         ring_pos = self.ring_pos if self.flushes else torch.arange(c, device=new.positions.device)
-        obs.slot_positions = {"sinks": self.sink_pos, "recent": ring_pos, "new": new.positions}
+        # copies: the commit writes these buffers before a flush reads the observation
+        obs.slot_positions = {"sinks": self.sink_pos.clone(), "recent": ring_pos.clone(), "new": new.positions}
         if self.layout.attention:
             buffer = Segment(self.k, self.v, self.valid, self._zero_pos)
             segs = [buffer] + middle + ([read_new] if read_new is not None else [])
-            parts = attention_mass(query_w, segs, pos_w, scaling, new.k.shape[1], variant[0], variant[1])
-            lanes = parts[1:1 + len(middle)]
-            if len({m.shape[-1] for m in lanes}) > 1:
-                raise ValueError(f"middle segments over different token columns: {[m.shape[-1] for m in lanes]}")
-            b, h = new.k.shape[0], new.k.shape[1]
-            mass = {"sinks": parts[0][..., :s], "recent": parts[0][..., s:],
-                    "middle": sum(lanes[1:], lanes[0]) if lanes else parts[0].new_zeros(b, h, 0)}
-            if read_new is not None:
-                mass["new"] = parts[-1]
-            else:  # the decode step's token was read from its ring slot
-                mass["new"] = mass["recent"].index_select(-1, decode_slot)
-                mass["recent"] = mass["recent"].index_fill(-1, decode_slot, 0.0)
-            obs.mass = mass
+
+            def mass() -> dict[str, torch.Tensor]:
+                parts = attention_mass(query_w, segs, pos_w, scaling, new.k.shape[1], variant[0], variant[1])
+                lanes = parts[1:1 + len(middle)]
+                if len({m.shape[-1] for m in lanes}) > 1:
+                    raise ValueError(f"middle segments over different token columns: {[m.shape[-1] for m in lanes]}")
+                b, h = new.k.shape[0], new.k.shape[1]
+                out = {"sinks": parts[0][..., :s], "recent": parts[0][..., s:],
+                       "middle": sum(lanes[1:], lanes[0]) if lanes else parts[0].new_zeros(b, h, 0)}
+                if read_new is not None:
+                    out["new"] = parts[-1]
+                else:  # the decode step's token was read from its ring slot
+                    out["new"] = out["recent"].index_select(-1, decode_slot)
+                    out["recent"] = out["recent"].index_fill(-1, decode_slot, 0.0)
+                return out
+
+            obs._mass_fn = mass
         self.pipeline.observe(self, obs)
+        obs.seal()
 
     # -- batch operations ---------------------------------------------------------------------
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:

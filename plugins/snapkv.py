@@ -1,0 +1,85 @@
+"""SnapKV: keep, per kv head, the prompt tokens the last queries of the prompt attend to.
+
+Li, Huang, Yang, Venkitesh, Locatelli, Ye, Cai, Lewis, Chen. *SnapKV: LLM Knows What You are Looking for
+Before Generation.* NeurIPS 2024, arXiv:2404.14469.
+
+At prefill the last ``window`` queries of the prompt (the observation window) attend to the whole prompt;
+each token's score is the attention it received, averaged over the window and summed over the query heads
+of its kv head (GQA: one decision per kv head, as kvpress does after SnapKV issue 22, which averages; the
+sum ranks the same), then smoothed along the tokens by a pooling of ``kernel`` tokens (clusters of
+neighbours are kept together).  The observation's mass is per kv head, so the pooling follows the sum over
+the group; kvpress pools each query head first - the same result for ``avg`` pooling (linear), a slightly
+different one for ``max``.  Each kv head keeps its top-scoring tokens (:class:`kvcompress.ScoreEvictor`:
+uniform per-head budgets, the survivors packed per head, so the middle holds only them); tokens of the
+observation window are always kept (scored above every other token, as kvpress does).
+
+The attention is exact: the observation's mass is a softmax over everything the step read, with the
+model's soft-cap and sink logits (``kvcompress.observe``).  Pooling: ``pool: max`` with ``kernel: 7`` is
+what the SnapKV authors' configurations use; kvpress' ``SnapKVPress`` averages (``pool: avg``) with a
+kernel of 5.  The pooled sequence stops before the observation window (kvpress cuts it there too);
+tokens outside the prompt pad it (zeros for ``avg``, i.e. ``count_include_pad``; nothing for ``max``).
+
+Parameters: ``ratio`` or ``budget`` (see :class:`kvcompress.scoring.ScoreConfig`), ``window`` (64),
+``kernel`` (7), ``pool`` ("max"), ``sinks`` (4), ``recent`` (64; keep it >= ``window`` so the observation
+window stays in full precision), ``phase`` ("prefill"), ``schedule`` ("uniform"; "pyramid" is PyramidKV).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from kvcompress import CompressorSpec, hookimpl, param
+from kvcompress.errors import ConfigError
+from kvcompress.scoring import ScoreConfig, ScoreEvictor
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapKVConfig(ScoreConfig):
+    kernel: int = param(7, "pooling kernel along the tokens (odd; 1 = no pooling)", min=1, max=63)
+    pool: str = param("max", "pooling: 'max' (the SnapKV authors' configurations) or 'avg' (kvpress' SnapKVPress)",
+                      choices=("max", "avg"))
+
+    def check(self, path: str) -> None:
+        super().check(path)
+        if self.kernel % 2 == 0:
+            raise ConfigError(f"{path}.kernel", "an odd number of tokens", self.kernel)
+
+
+def pooled_window_attention(obs, positions: torch.Tensor, kernel: int, pool: str) -> torch.Tensor:
+    """SnapKV's score ``[batch, kv_heads, n]`` of the tokens at ``positions`` (``[n]``, contiguous, ascending):
+    the observed queries' attention mass, pooled over ``kernel`` neighbouring positions before the observation
+    window; tokens inside the window score above every other token of their head."""
+    half = kernel // 2
+    n = positions.shape[0]
+    span = positions[0] - half + torch.arange(n + 2 * half, device=positions.device)
+    first_query = obs.query_positions[0]
+    inside = (span >= 0) & (span < first_query)  # kvpress pools the tokens before the window
+    mass = obs.token_mass(span)  # [b, h, n + 2 half]
+    b, h, length = mass.shape
+    if pool == "max":
+        mass = mass.masked_fill(~inside, float("-inf"))
+        pooled = F.max_pool1d(mass.reshape(b * h, 1, length), kernel, stride=1)
+    else:
+        pooled = F.avg_pool1d((mass * inside).reshape(b * h, 1, length), kernel, stride=1)
+    pooled = pooled.view(b, h, n)
+    in_window = (positions >= first_query).view(1, 1, n)
+    return torch.where(in_window, pooled.amax(dim=-1, keepdim=True).clamp(min=0) + 1.0, pooled)
+
+
+class SnapKVCompressor(ScoreEvictor):
+    name = "snapkv"
+    attention = True
+
+    def score(self, layer, block, obs):
+        return pooled_window_attention(obs, block.positions, self.config.kernel, self.config.pool)
+
+
+@hookimpl
+def kvcompress_register_compressors(register):
+    register(CompressorSpec(
+        name="snapkv", axis="evict", config=SnapKVConfig, factory=SnapKVCompressor,
+        summary="SnapKV: per-head top tokens by the prompt's last-window attention, pooled (arXiv:2404.14469)",
+    ))

@@ -1,0 +1,292 @@
+"""Score-based eviction (kvcompress.ScoreEvictor) and its built-ins snapkv / knorm.
+
+Selections are checked against independent references of each paper's rule on small tensors (a layer fed
+directly: the reference computes its own softmax and norms); on the tiny models the dynamic cache, the static
+cache and its compiled decode step give the same logits, the bytes held after prefill follow the kept fraction,
+and a left-padded batch equals its rows run alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kvcompress
+from kvcompress import CompressorSpec, Layout, hookimpl, param
+from kvcompress.errors import ConfigError, PluginError
+from kvcompress.registry import Registry
+from kvcompress.stack import parse_stack
+from models import tiny_model
+
+# ----------------------------------------------------------------------------- a layer fed with small tensors
+
+
+def _dense(query, key, value, mask, scaling):
+    group = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None, scale=scaling)
+    return out.transpose(1, 2)
+
+
+def _prefill_selection(stack, q, k, v, valid):
+    """Feed one prefill to the first compressed layer of a cache built for the tiny llama; return the per-head
+    keep masks the evictor produced and the block positions they cover."""
+    model = tiny_model("llama", layers=1)
+    cache = kvcompress.Cache(stack, model)
+    layer = cache.compressed_layers[0]
+    seen = []
+    pack = cache.pipeline._pack_heads
+
+    def capture(layer_, block, keep, fn):
+        seen.append((keep & block.valid.unsqueeze(1), block.positions.clone()))
+        return pack(layer_, block, keep, fn)
+
+    cache.pipeline._pack_heads = capture
+    t = q.shape[2]
+    mask = torch.ones(t, t, dtype=torch.bool).tril().view(1, 1, t, t) & valid.view(-1, 1, 1, t)
+    layer.update(k, v, compressed=True)
+    layer.attend(q, mask, q.shape[-1] ** -0.5, _dense)
+    (keep, positions), = seen
+    return keep, positions, layer
+
+
+def _tensors(seed=0, b=2, t=48, pad=5):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, 4, t, 16, generator=gen) * 2
+    k = torch.randn(b, 2, t, 16, generator=gen) * 2
+    v = torch.randn(b, 2, t, 16, generator=gen)
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[1, :pad] = False  # row 1 is left-padded
+    return q, k, v, valid
+
+
+def _candidates(valid_row, sinks, recent):
+    """Columns of one row that leave the window at prefill: real tokens, not its first ``sinks``, not the newest
+    ``recent`` columns (the ring keeps the last ``recent`` columns of the step)."""
+    t = valid_row.shape[0]
+    real = valid_row.nonzero().flatten().tolist()
+    sink_cols = set(real[:sinks])
+    ring = {c for c in real if c >= t - recent} - sink_cols
+    return [c for c in real if c not in sink_cols and c not in ring], len(sink_cols) + len(ring), len(real)
+
+
+def _top(scores_row, candidates, n_keep):
+    """The ``n_keep`` candidates of highest score, ties to the older column."""
+    ranked = sorted(candidates, key=lambda c: (-float(scores_row[c]), c))
+    return set(ranked[:n_keep])
+
+
+def _check(keep, positions, expected):
+    b, h, _ = keep.shape
+    for row in range(b):
+        for head in range(h):
+            got = set(positions[keep[row, head]].tolist())
+            assert got == expected[row][head], (row, head, sorted(got ^ expected[row][head]))
+        counts = keep[row].sum(-1)
+        assert bool((counts == counts[0]).all())
+
+
+@pytest.mark.parametrize("pool,kernel", [("max", 7), ("avg", 5)])
+def test_snapkv_selection_matches_reference(pool, kernel):
+    """SnapKV (arXiv 2404.14469): last-window queries' softmax over the prompt, averaged over the window, summed over
+    each kv head's query heads, pooled along the tokens before the window (kvpress pads: -inf for max, zeros for avg);
+    per head the top floor(ratio * prompt) - (sinks + window held) tokens among those leaving the window.  (kvpress
+    pools each query head before averaging the group: the same for avg pooling, not for max.)"""
+    sinks, recent, window, ratio = 2, 8, 6, 0.5
+    q, k, v, valid = _tensors()
+    stack = {"compressors": [{"snapkv": {"ratio": ratio, "sinks": sinks, "recent": recent, "window": window,
+                                         "kernel": kernel, "pool": pool}}]}
+    keep, positions, _ = _prefill_selection(stack, q, k, v, valid)
+    b, hq, t, d = q.shape
+    group = hq // k.shape[1]
+    s = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(group, 1)) * d ** -0.5
+    visible = torch.ones(t, t, dtype=torch.bool).tril()[None, None] & valid[:, None, None, :]
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+    w = p[:, :, t - window:, : t - window].mean(dim=2)  # [b, hq, t - window]
+    w = w.view(b, 2, group, t - window).sum(dim=2)  # per kv head (the observation's mass is; avg pooling commutes)
+    if pool == "max":
+        scores = F.max_pool1d(w, kernel, stride=1, padding=kernel // 2)
+    else:
+        scores = F.avg_pool1d(w, kernel, stride=1, padding=kernel // 2, count_include_pad=True)
+    expected = []
+    for row in range(b):
+        cand, held, real = _candidates(valid[row], sinks, recent)
+        n_keep = max(0, min(len(cand), math.floor(ratio * real) - held))
+        expected.append([_top(scores[row, head], cand, n_keep) for head in range(2)])
+    _check(keep, positions, expected)
+    assert expected[0][0] != expected[0][1]  # heads really choose differently
+
+
+def test_knorm_selection_matches_reference():
+    """Key norm (kvpress KnormPress, arXiv 2406.11430): per head, keep the lowest ||K||."""
+    sinks, recent, ratio = 3, 8, 0.4
+    q, k, v, valid = _tensors(seed=1)
+    stack = {"compressors": [{"knorm": {"ratio": ratio, "sinks": sinks, "recent": recent}}]}
+    keep, positions, layer = _prefill_selection(stack, q, k, v, valid)
+    expected = []
+    for row in range(2):
+        cand, held, real = _candidates(valid[row], sinks, recent)
+        n_keep = max(0, min(len(cand), math.floor(ratio * real) - held))
+        expected.append([_top(-k[row, head].norm(dim=-1), cand, n_keep) for head in range(2)])
+    _check(keep, positions, expected)
+    # the middle really holds only the kept tokens, per head
+    kept = int(keep[0, 0].sum())
+    assert layer.middle.num_tokens == max(kept, int(keep[1, 0].sum()))
+    stored_k = layer.middle.segments()[0].k[0]  # [heads, kept, d]: head h's survivors in token order
+    for head in range(2):
+        cols = sorted(expected[0][head])
+        assert torch.equal(stored_k[head, :kept], k[0, head, cols])
+
+
+def test_budget_mode_keeps_the_budget_per_row():
+    q, k, v, valid = _tensors(seed=2)
+    stack = {"compressors": [{"knorm": {"budget": 20, "sinks": 2, "recent": 8}}]}
+    keep, _, layer = _prefill_selection(stack, q, k, v, valid)
+    assert keep.sum(-1).tolist() == [[10, 10], [10, 10]]
+    assert (layer.held_tokens() + layer.middle.valid_mask().sum(1)).tolist() == [20, 20]
+
+
+# ----------------------------------------------------------------------------- the pipeline's contract
+
+
+@dataclasses.dataclass(frozen=True)
+class Cfg:
+    recent: int = param(4, "recent", min=0)
+
+
+class Uneven(kvcompress.Compressor):
+    """Keeps 2 tokens in head 0 and 3 in head 1: not a uniform per-head budget."""
+
+    name = "uneven"
+
+    @hookimpl
+    def kvcompress_layer_layout(self, layer):
+        return Layout(recent=self.config.recent, flush=4)
+
+    @hookimpl
+    def kvcompress_evict_tokens(self, layer, block):
+        keep = torch.zeros(block.valid.shape[0], 2, block.num_tokens, dtype=torch.bool)
+        keep[:, 0, :2] = True
+        keep[:, 1, :3] = True
+        return keep
+
+
+def test_unequal_per_head_counts_are_refused_naming_the_compressor():
+    reg = Registry()
+    reg.add(CompressorSpec(name="uneven", axis="evict", config=Cfg, factory=Uneven), "test")
+    stack = parse_stack({"compressors": [{"uneven": {}}]}, registry=reg)
+    model = tiny_model("llama", layers=1)
+    ids = torch.randint(1, 256, (1, 20))
+    with kvcompress.compress(model, stack) as cache, torch.no_grad():
+        with pytest.raises(PluginError, match=r"'uneven'.*different numbers of tokens.*\[\[2, 3\]\]"):
+            model(ids, cache=cache)
+    assert cache.pipeline.failed is not None
+
+
+@pytest.mark.parametrize("entry,match", [
+    ({"snapkv": {}}, r"compressors\[0\]\.snapkv\.budget: expected exactly one of budget"),
+    ({"snapkv": {"ratio": 0.5, "budget": 100}}, r"exactly one of budget"),
+    ({"knorm": {"ratio": 0.0}}, r"compressors\[0\]\.knorm\.ratio: expected a fraction in \(0, 1\], got 0.0"),
+    ({"knorm": {"ratio": 0.5, "phase": "decode"}}, r"knorm\.ratio: expected null with phase 'decode'"),
+    ({"knorm": {"budget": 60, "sinks": 4, "recent": 64}}, r"knorm\.budget: expected more than sinks \+ recent = 68"),
+    ({"snapkv": {"ratio": 0.5, "kernel": 4}}, r"snapkv\.kernel: expected an odd number of tokens, got 4"),
+    ({"snapkv": {"ratio": 0.5, "pool": "sum"}}, r"snapkv\.pool: expected one of 'max', 'avg', got 'sum'"),
+    ({"snapkv": {"ratio": 0.5, "schedule": "adaptive"}}, r"snapkv\.schedule: expected one of 'uniform', 'pyramid'"),
+])
+def test_config_errors_name_key_allowed_and_given(entry, match):
+    with pytest.raises(ConfigError, match=match):
+        kvcompress.parse_stack({"compressors": [entry]})
+
+
+# ----------------------------------------------------------------------------- tiny models
+
+SNAP = {"snapkv": {"ratio": 0.5, "sinks": 2, "recent": 8, "window": 8}}
+KIVI4 = {"kivi": {"bits": 4, "group": 16, "residual": 16}}
+PROMPT, STEPS = 48, 24
+
+
+def _ids(batch=2, length=PROMPT + STEPS, seed=0, pad=0):
+    ids = torch.randint(1, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    if pad:
+        mask[0, :pad] = 0
+    return ids, mask
+
+
+def _run(model, stack, ids, mask, *, static=False, compiled=False, prompt=PROMPT):
+    kw = {"max_cache_len": ids.shape[1] + 4} if static else {}
+    out = []
+    with kvcompress.compress(model, stack, **kw) as cache, torch.no_grad():
+        step = torch.compile(model.forward, backend="aot_eager", fullgraph=True) if compiled else model.forward
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        first = model(ids[:, :prompt], attention_mask=mask[:, :prompt], position_ids=pos[:, :prompt], cache=cache)
+        out.append(first.logits[:, -1])
+        for t in range(prompt, ids.shape[1]):
+            o = step(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1].contiguous(),
+                     position_ids=pos[:, t:t + 1], cache=cache)
+            out.append(o.logits[:, -1])
+    return torch.stack(out).float(), cache
+
+
+@pytest.mark.parametrize("name,entries", [("snapkv", [SNAP]), ("knorm+kivi4", [
+    {"knorm": {"ratio": 0.5, "sinks": 0, "recent": 16, "schedule": "pyramid"}}, KIVI4])])
+def test_static_and_compiled_equal_dynamic(name, entries):
+    """(No sinks beside KIVI's groups: the static cache flushes sinks + window in group multiples, the dynamic
+    one after them, see test_compiled_decode.)"""
+    model = tiny_model("llama")
+    stack = {"compressors": entries}
+    ids, mask = _ids(pad=3)
+    dynamic, dcache = _run(model, stack, ids, mask)
+    static, _ = _run(model, stack, ids, mask, static=True)
+    assert (static - dynamic).abs().max().item() <= 1e-5
+    torch._dynamo.reset()
+    compiled, ccache = _run(model, stack, ids, mask, static=True, compiled=True)
+    torch._dynamo.reset()
+    assert (compiled - dynamic).abs().max().item() <= 1e-5
+    # the prompt was compressed (phase prefill: decoding appends after it)
+    layer = dcache.compressed_layers[0]
+    assert int(layer.middle.valid_mask()[1].sum()) < PROMPT - 16 + STEPS
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.25])
+def test_bytes_held_after_prefill_follow_the_kept_fraction(ratio):
+    model = tiny_model("llama")
+    ids = torch.randint(1, 256, (1, 400), generator=torch.Generator().manual_seed(3))
+    stack = {"compressors": [{"snapkv": {"ratio": ratio, "sinks": 4, "recent": 32, "window": 32}}]}
+    with kvcompress.compress(model, stack) as cache, torch.no_grad():
+        model(ids, cache=cache)
+    report = cache.memory_report()
+    held = report.cache_bytes / report.dense_native_bytes  # fp32 model: against the dense fp32 cache
+    assert ratio <= held <= ratio + 0.03, held
+    for layer in cache.compressed_layers:
+        assert layer.held_tokens().item() + layer.middle.num_tokens == math.floor(ratio * 400)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_padded_batch_rows_equal_rows_alone(static):
+    model = tiny_model("qwen3")
+    gen = torch.Generator().manual_seed(4)
+    a = torch.randint(1, 256, (1, 44), generator=gen)
+    b = torch.randint(1, 256, (1, 33), generator=gen)
+    ids = torch.cat([a, torch.cat([torch.zeros(1, 11, dtype=torch.long), b], 1)], 0)
+    mask = torch.ones_like(ids)
+    mask[1, :11] = 0
+    stack = {"compressors": [SNAP]}
+    kw = {"max_cache_len": 80} if static else {}
+
+    def run(x, m):
+        with kvcompress.compress(model, stack, **kw) as cache:
+            return model.generate(x, attention_mask=m, max_new_tokens=20, do_sample=False, cache=cache,
+                                  output_scores=True, return_dict_in_generate=True)
+
+    both = run(ids, mask)
+    alone = [run(a, torch.ones_like(a)), run(b, torch.ones_like(b))]
+    for row, one in enumerate(alone):
+        assert torch.equal(both.sequences[row, ids.shape[1]:], one.sequences[0, -20:])
+        got = torch.stack([s[row] for s in both.scores])
+        ref = torch.stack([s[0] for s in one.scores])
+        assert (got - ref).abs().max().item() <= 1e-4
