@@ -67,10 +67,13 @@ def masked_logits(model, ids: torch.Tensor, allowed: torch.Tensor, sliding_windo
 
 @torch.no_grad()
 def streamed_logits(model, ids: torch.Tensor, cache, chunks: list[tuple[int, int]]) -> torch.Tensor:
-    """Logits of feeding ``ids`` through ``cache`` chunk by chunk (direct forward calls)."""
-    out = []
+    """Logits of feeding ``ids`` through ``cache`` chunk by chunk (direct forward calls).  The cache goes in under the
+    keyword the installed transformers takes (``past_key_values`` before 5.24, whose forward ignores ``cache=``)."""
+    from kvcompress.adapters.hf import cache_kwarg
+
+    kw, out = cache_kwarg(model), []
     for c0, c1 in chunks:
-        out.append(model(ids[:, c0:c1], cache=cache, use_cache=True).logits[0])
+        out.append(model(ids[:, c0:c1], **{kw: cache}, use_cache=True).logits[0])
     return torch.cat(out, 0)
 
 
