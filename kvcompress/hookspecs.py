@@ -63,7 +63,15 @@ compressor follows these rules in a static layer:
   compiled step.
 * **Evictors declare a bound** (``Layout.middle``) so the store is sized by it, and evict by
   masking stored tokens (``layer.middle.retain(keep)``) or freeing whole storage units; slots are
-  reused by the store's cursor.
+  reused by the store's cursor - or, with ``Layout.head_slots``, by the evictor itself, per kv head
+  (``block.slots``; the store then keeps one trash unit for dropped columns).
+
+Score-based evictors
+--------------------
+:class:`kvcompress.scoring.ScoreEvictor` is the base class of evictors written as one scoring function
+(kvpress' ``ScorerPress``): it observes each step (:meth:`CacheCompressor.kvcompress_observe`), selects per
+kv head at prefill (a per-head keep mask) and, under ``phase: decode | both``, replaces stored units per
+head while decoding (``block.slots``).  The built-ins ``snapkv``, ``knorm`` and ``tova`` are examples.
 """
 
 from __future__ import annotations
@@ -229,6 +237,14 @@ class CacheCompressor:
         holding head ``h``'s ``j``-th kept token, ``block.valid`` row-level, the per-head positions in
         ``block.head_positions``.  The stages and stores downstream see an ordinary block.  Most evictors of this
         kind subclass :class:`kvcompress.scoring.ScoreEvictor` and implement only a scoring function.
+
+        An evictor whose layout sets ``Layout.head_slots`` (decoding under a budget) places blocks itself: it sets
+        ``block.slots`` ``[batch, kv_heads, tokens]``, the target slot of each column per head in the middle store
+        (``layer.middle.slot_count`` slots of ``slot_unit`` tokens, occupancy ``layer.middle.slot_valid()``; a
+        target ``>= slot_count`` drops the column), replacing its lowest-scoring stored units one for one with
+        incoming ones and filling free slots in the same order for every head, so every kv head of a row occupies
+        the same slots and the memory stays flat.  The cache refuses to build when the store cannot honour slots
+        (:class:`~kvcompress.state.MiddleStore`: dense stores, the static KIVI store).
 
         Args:
             layer: the layer.

@@ -140,8 +140,27 @@ class StackPipeline:
         return Layout.combine(fn(layer=info) for fn in self.stages["kvcompress_layer_layout"])
 
     def make_store(self, layer: Any) -> MiddleStore:
-        """The layer's middle store: an evictor's own store (holding the quantizer's codec), else the
-        quantizer's store, else full precision."""
+        """The layer's middle store (:meth:`_build_store`), switched to per-head slots when a layout of the stack
+        asks for them (``Layout.head_slots``); a store that cannot honour them is refused here, when the cache is
+        built, naming the compressors involved."""
+        store = self._build_store(layer)
+        if not getattr(layer.layout, "head_slots", False):
+            return store
+        if not getattr(store, "supports_slots", False):
+            who = [self.compressors[i][0] for i, lay in self.layouts(layer.info) if lay.head_slots]
+            kind = "static" if getattr(layer, "static", False) else "dynamic"
+            raise ConfigError(
+                f"compressor {', '.join(repr(w) for w in who)}",
+                "a middle store with per-head slots: full precision (dynamic or static cache) or KIVI in a static "
+                "cache (max_cache_len)", f"{type(store).__name__} in a {kind} cache",
+                hint="this evictor replaces stored tokens per kv head while decoding (Layout.head_slots); use "
+                     "phase: prefill, or a store that supports per-head slots")
+        store.use_slots()
+        return store
+
+    def _build_store(self, layer: Any) -> MiddleStore:
+        """An evictor's own store (holding the quantizer's codec), else the quantizer's store, else full
+        precision."""
         builders = self.stages["kvcompress_middle_store"]
         if builders:
             codec = None

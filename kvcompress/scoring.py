@@ -30,6 +30,7 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from .compressor import Compressor
 from .config import param
@@ -76,16 +77,51 @@ class ScoreConfig:
 
 class ScoreState:
     """Per-layer state of a :class:`ScoreEvictor` (``layer.state[name]``): the step's observation until the flush
-    uses it."""
+    uses it and, while decoding under a budget, the scores of the stored units aligned with the store's slots.
 
-    def __init__(self) -> None:
+    Attributes:
+        obs: the step's observation, dropped once the flush used it.
+        entered: whether the first prefill block entered the middle (slot mode).
+        scores: ``[batch, kv_heads, units + 1]`` float32: each head's score of the unit in each slot unit (the
+            last column is the trash), or ``None`` before the layer's first use.
+        target: ``[batch]`` int64: slot units a row's middle holds at most (the budget, or what the prefill kept
+            under ``ratio``).
+    """
+
+    def __init__(self, static: bool = False) -> None:
         self.obs: Any = None
+        self.entered = False
+        self.static = static
+        self.scores: torch.Tensor | None = None
+        self.target: torch.Tensor | None = None
+        self._initial: torch.Tensor | None = None
 
-    def map_batch(self, fn) -> None:  # nothing batch-major is kept between steps
-        return None
+    def allocate(self, batch: int, heads: int, units: int, target: int, device: torch.device) -> None:
+        self.scores = torch.zeros(batch, heads, units + 1, dtype=torch.float32, device=device)
+        self._initial = torch.full((batch,), target, dtype=torch.long, device=device)
+        self.target = self._initial.clone()
+        if self.static:
+            from .static import mark_static
+
+            mark_static(self.scores, self.target)
+
+    def map_batch(self, fn) -> None:
+        if self.scores is None:
+            return
+        if self.static:  # in place: a compiled step keeps the addresses
+            self.scores.copy_(fn(self.scores))
+            self.target.copy_(fn(self.target))
+        else:
+            self.scores, self.target, self._initial = fn(self.scores), fn(self.target), fn(self._initial)
 
     def reset(self) -> None:
-        self.obs = None
+        self.obs, self.entered = None, False
+        if self.scores is not None:
+            self.scores.zero_()
+            self.target.copy_(self._initial)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.scores, self.target) if t is not None)
 
 
 class ScoreEvictor(Compressor):
@@ -112,6 +148,12 @@ class ScoreEvictor(Compressor):
         """
         raise NotImplementedError
 
+    def stored_scores(self, layer: Any, obs: Any) -> torch.Tensor | None:
+        """While decoding under a budget: the current scores ``[batch, kv_heads, slot_count]`` of the tokens
+        stored in each slot of the middle (``layer.middle``'s slots, e.g. ``obs.mass["middle"]``), or ``None`` to
+        keep the score each token had when it entered (the default)."""
+        return None
+
     # -- budgets ----------------------------------------------------------------------------------------------
     def layer_factor(self, info: LayerInfo) -> float:
         """The per-layer budget schedule: the middle's budget on this layer over the mean (1 for ``uniform``)."""
@@ -136,7 +178,8 @@ class ScoreEvictor(Compressor):
         bounded = c.phase != "prefill" and c.budget is not None
         budget = self.layer_budget(layer) if bounded else None
         return Layout(sinks=c.sinks, recent=c.recent, flush=1, observe=c.window, attention=self.attention or None,
-                      middle=None if budget is None else budget - c.sinks - c.recent, budget=budget)
+                      middle=None if budget is None else budget - c.sinks - c.recent, budget=budget,
+                      head_slots=(c.phase != "prefill") or None)
 
     @hookimpl
     def kvcompress_observe(self, layer, obs):
@@ -152,13 +195,138 @@ class ScoreEvictor(Compressor):
     def kvcompress_evict_tokens(self, layer, block):
         state = self._state(layer)
         obs, state.obs = state.obs, None  # used once: a kept reference would hold the step's tensors
-        if obs is None:  # a static cache's warm-up block (no step was observed)
+        slotted = bool(layer.layout.head_slots)
+        if obs is None:  # a static cache's warm-up block (no step was observed): allocate while eager
+            if slotted and layer.static and state.scores is None:
+                self._allocate(layer, state, block.valid.shape[0], block.valid.device)
             return None
-        if not obs.prefill:
-            if self.config.phase == "prefill":
-                return None  # decoding appends: only the prompt is compressed
-            raise NotImplementedError("decode-phase eviction")
-        return self._entry_keep(layer, block, self.score(layer, block, obs))
+        if not slotted:  # phase prefill: the prompt's blocks are selected; decoding appends
+            return self._entry_keep(layer, block, self.score(layer, block, obs)) if obs.prefill else None
+        if state.scores is None:
+            self._allocate(layer, state, block.valid.shape[0], block.valid.device)
+        if block.due is None and obs.prefill and not state.entered:
+            return self._enter(layer, block, obs, state)
+        self._replace(layer, block, obs, state)
+        return None
+
+    # -- decoding under a budget: per-head slots --------------------------------------------------------------
+    def _middle_tokens(self, layer) -> int:
+        """Middle tokens a row may hold on this layer (budget mode), after the stack's full-precision regions."""
+        lay = layer.layout
+        return max(0, self.layer_budget(layer.info) - (lay.sinks or 0) - (lay.recent or 0))
+
+    def _allocate(self, layer, state: ScoreState, batch: int, device) -> None:
+        store = layer.middle
+        unit = store.slot_unit
+        if self.config.budget is not None:
+            units = self._middle_tokens(layer) // unit
+        else:
+            units = 0  # ratio: set by the prefill (what it kept)
+        if not layer.static:
+            store.limit(max(units * unit, unit))  # the dynamic store's slots
+        state.static = bool(layer.static)
+        state.allocate(batch, layer.info.num_kv_heads, store.slot_count // unit, units, device)
+
+    def _enter(self, layer, block: KVBlock, obs, state: ScoreState) -> torch.Tensor:
+        """The first prefill block in slot mode: per-head top-k (budget or ratio, in whole slot units), each head's
+        j-th kept token aimed at the row's j-th free slot (the pipeline packs the block; the slots follow)."""
+        store = layer.middle
+        unit = store.slot_unit
+        scores = self._sanitize(self.score(layer, block, obs))
+        budgeted = self.config.budget is not None
+        keep = self._entry_keep(layer, block, scores, cap=state.target * unit if budgeted else None)
+        b, h, n = keep.shape
+        kept = keep[:, 0].sum(-1)  # [b]
+        if not budgeted:  # ratio: the middle holds what the prefill kept, while decoding too
+            target = (kept + unit - 1) // unit
+            if not layer.static and store.lanes is None:  # the dynamic store's slots: the fullest row
+                store.limit(max(int(target.max()) * unit, unit))
+                state.allocate(b, h, store.slot_count // unit, 0, scores.device)
+            state.target.copy_(target)
+        count = store.slot_count
+        units = count // unit
+        free = self._free_units(store, b, units, scores.device)  # [b, units]: free unit slots, lowest first
+        rank = keep.long().cumsum(-1) - 1
+        unit_of = (rank // unit).clamp(0, units - 1)
+        slot = free.gather(1, unit_of.view(b, h * n)).view(b, h, n) * unit + rank.remainder(unit)
+        block.slots = torch.where(keep, slot, torch.full_like(slot, count))
+        # each head's kept tokens in order (as the pipeline packs them), scored per unit where they land
+        idx = torch.arange(n, device=keep.device)
+        packed = scores.gather(2, torch.where(keep, idx, idx + n).argsort(dim=-1))
+        n_units = -(-n // unit)
+        live = (idx.view(1, 1, n) < kept.view(b, 1, 1)).expand(b, h, n).float()
+        pad = n_units * unit - n
+        if pad:
+            packed, live = F.pad(packed, (0, pad)), F.pad(live, (0, pad))
+        live = live.view(b, h, n_units, unit)
+        unit_score = (packed.view(b, h, n_units, unit) * live).sum(-1) / live.sum(-1).clamp(min=1)
+        dest = free.gather(1, torch.arange(n_units, device=keep.device).clamp(max=units - 1).expand(b, n_units))
+        dest = torch.where(live[..., 0] > 0, dest.unsqueeze(1), units)  # [b, h, n_units]; unused: the trash
+        state.scores.scatter_(2, dest, unit_score)
+        state.entered = True
+        return keep
+
+    @staticmethod
+    def _free_units(store, batch: int, units: int, device) -> torch.Tensor:
+        """``[batch, units]``: each row's free slot units first (lowest index first), then the occupied ones."""
+        occupied = store.slot_valid()
+        idx = torch.arange(units, device=device)
+        if occupied is None:
+            return idx.expand(batch, units)
+        live = occupied.view(batch, units, -1).any(-1)
+        return torch.where(live, idx + units, idx).argsort(dim=-1)
+
+    def _replace(self, layer, block: KVBlock, obs, state: ScoreState) -> None:
+        """Decoding under a budget (and every block after the first prefill one): per head, the incoming units
+        that score above that head's lowest stored units replace them one for one; new units fill the row's free
+        slots (the same ones for every head) while the row is under its budget.  Sets ``block.slots``; fixed
+        shapes, no host read (a static cache's decode step runs it every step, ``block.due`` gating)."""
+        store = layer.middle
+        unit, count = store.slot_unit, store.slot_count
+        units = count // unit
+        b, n = block.valid.shape
+        h = layer.info.num_kv_heads
+        if n % unit:
+            raise ValueError(f"{self.name}: a block of {n} tokens does not split into slot units of {unit} tokens")
+        nu = n // unit
+        dev = block.valid.device
+        valid = block.valid if block.due is None else block.valid & block.due
+        incoming_ok = valid.view(b, nu, unit).all(-1)  # [b, nu]: a unit enters whole or not at all
+        incoming = self._sanitize(self.score(layer, block, obs)).view(b, h, nu, unit).mean(-1)
+        occupied = store.slot_valid()
+        live = (torch.zeros(b, units, dtype=torch.bool, device=dev) if occupied is None
+                else occupied.view(b, units, unit).any(-1))
+        fresh = self.stored_scores(layer, obs)
+        if fresh is not None and fresh.shape[-1] >= count:
+            state.scores[..., :units] = self._sanitize(fresh[..., :count]).view(b, h, units, unit).mean(-1)
+        stored = state.scores[..., :units]
+        inf = torch.full((), float("-inf"), device=dev)
+        cand = torch.cat([torch.where(live.unsqueeze(1), stored, inf), torch.where(incoming_ok.unsqueeze(1),
+                                                                                     incoming, inf)], dim=-1)
+        held = live.sum(1)
+        # at most the target; never fewer than held (an evictor never frees a slot it does not refill)
+        most = torch.maximum(torch.minimum(state.target, held + incoming_ok.sum(1)), held)
+        order = cand.argsort(dim=-1, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(units + nu, device=dev).expand_as(order))
+        kept = (rank < most.view(b, 1, 1)) & torch.cat([live, incoming_ok], dim=1).unsqueeze(1)
+        kept_in = kept[..., units:]  # [b, h, nu]
+        victim = live.unsqueeze(1) & ~kept[..., :units]  # [b, h, units]
+        n_victims = victim.sum(-1, keepdim=True)
+        idx = torch.arange(units, device=dev)
+        victims = torch.where(victim, idx, idx + units).argsort(dim=-1)  # each head's victims first, lowest first
+        free = self._free_units(store, b, units, dev).unsqueeze(1).expand(b, h, units)
+        j = kept_in.long().cumsum(-1) - 1  # the j-th kept incoming unit of a head
+        to_victim = victims.gather(-1, j.clamp(0, units - 1))
+        to_free = free.gather(-1, (j - n_victims).clamp(0, units - 1))
+        target = torch.where(j < n_victims, to_victim, to_free)
+        target = torch.where(kept_in, target, torch.full_like(target, units))  # dropped: the trash unit
+        state.scores.scatter_(2, target, incoming)
+        offsets = torch.arange(unit, device=dev)
+        block.slots = (target.unsqueeze(-1) * unit + offsets).view(b, h, n)
+
+    @staticmethod
+    def _sanitize(scores: torch.Tensor) -> torch.Tensor:
+        return torch.nan_to_num(scores.float(), nan=0.0, posinf=3.0e38, neginf=-3.0e38)
 
     # -- selection --------------------------------------------------------------------------------------------
     def _state(self, layer) -> ScoreState:
@@ -172,9 +340,11 @@ class ScoreEvictor(Compressor):
         stored = layer.middle.valid_mask() if layer.middle is not None else None
         return None if stored is None else stored.sum(dim=1)
 
-    def _entry_keep(self, layer, block: KVBlock, scores: torch.Tensor) -> torch.Tensor:
+    def _entry_keep(self, layer, block: KVBlock, scores: torch.Tensor,
+                    cap: torch.Tensor | None = None) -> torch.Tensor:
         """Per-head top-k of a prefill block: ``[batch, kv_heads, tokens]`` with ``k`` per row (the same for every
-        head): the budget left after what the row holds, or ``ratio`` of its prompt tokens."""
+        head): the budget left after what the row holds, or ``ratio`` of its prompt tokens; ``cap`` ``[batch]``:
+        at most this many middle tokens per row (slot mode: whole units)."""
         valid = block.valid
         b, n = valid.shape
         count = valid.sum(dim=1)
@@ -192,7 +362,9 @@ class ScoreEvictor(Compressor):
             target = ((c.ratio * total.double() - held.double()).clamp(min=0) * factor).floor().long()
             keep_n = (target - stored).clamp(min=0)
         keep_n = torch.minimum(keep_n, count)
-        s = torch.nan_to_num(scores.float(), nan=0.0, posinf=3.0e38, neginf=-3.0e38)
+        if cap is not None:
+            keep_n = torch.minimum(keep_n, (cap - stored).clamp(min=0))
+        s = self._sanitize(scores)
         s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
         order = s.argsort(dim=-1, descending=True, stable=True)  # ties: the older token first
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=s.device).expand_as(order))

@@ -534,7 +534,22 @@ class MiddleStore:
 
     Implementations: :class:`DenseStore` (full precision) and the stores that
     quantizing compressors return from ``kvcompress_quantize_store``.
+
+    **Per-head slots** (optional; stores that declare ``supports_slots = True``: :class:`DenseStore`,
+    :class:`kvcompress.static.StaticDenseStore`, the static KIVI store).  When a layout of the stack sets
+    ``Layout.head_slots``, the cache calls :meth:`use_slots` once, when it builds the store, and the evictor
+    places every block itself: ``block.slots`` ``[batch, kv_heads, tokens]`` gives each column's target token
+    slot per head, in ``[0, slot_count)``; a target ``>= slot_count`` (and any invalid column) is dropped.
+    Slots hold tokens in units of ``slot_unit`` tokens (a quantization group): the ``slot_unit`` columns of
+    one unit of the block go to one unit-aligned run of slots.  Every kv head of a row occupies the same slots
+    (an evictor replaces, per head, stored tokens with incoming ones one for one, and fills free slots in the
+    same order for every head), so :meth:`slot_valid` stays row-level; the segments' columns are the slots.
     """
+
+    #: whether the store honours ``block.slots`` (per-head slot placement) after :meth:`use_slots`
+    supports_slots = False
+    #: tokens per slot unit (a unit is written, replaced and freed whole)
+    slot_unit = 1
 
     def append(self, block: KVBlock) -> None:  # pragma: no cover - interface
         """Encode and append a block (append-only: stored tokens are never re-encoded)."""
@@ -549,7 +564,24 @@ class MiddleStore:
         raise NotImplementedError
 
     def limit(self, max_tokens: int) -> None:
-        """Hint: the store will never hold more than ``max_tokens`` (lets it stop over-allocating)."""
+        """Hint: the store will never hold more than ``max_tokens`` (lets it stop over-allocating).  In slot mode
+        (:meth:`use_slots`) of a growable store: the number of slots, ``slot_count``."""
+
+    def use_slots(self) -> None:
+        """Switch to per-head slot placement (called once, when the cache builds the store; see the class
+        docstring).  Stores that do not support it keep this default, which refuses."""
+        from .errors import UnsupportedOperationError
+
+        raise UnsupportedOperationError(f"{type(self).__name__} does not support per-head slots")
+
+    @property
+    def slot_count(self) -> int:
+        """Token slots a slot-mode store addresses (targets at or past it are dropped)."""
+        raise NotImplementedError
+
+    def slot_valid(self) -> torch.Tensor | None:
+        """Row-level occupancy ``[batch, slot_count]`` of the slots (``None`` before the first block)."""
+        raise NotImplementedError
 
     def drop_oldest(self, n: int) -> None:  # pragma: no cover - interface
         """Evict the ``n`` oldest stored tokens (stores may require alignment)."""
@@ -585,9 +617,12 @@ class DenseStore(MiddleStore):
     group's query map.
     """
 
+    supports_slots = True
+
     def __init__(self) -> None:
         self.lanes: list[tuple[HeadGroup, RingBuffer]] | None = None
         self.max_tokens: int | None = None
+        self.slotted = False  # per-head slot placement (use_slots): lanes of exactly slot_count slots
 
     @property
     def buf(self) -> RingBuffer | None:
@@ -599,16 +634,54 @@ class DenseStore(MiddleStore):
         for _, buf in self.lanes or []:
             buf.max_capacity = max_tokens
 
+    def use_slots(self) -> None:
+        self.slotted = True
+
+    @property
+    def slot_count(self) -> int:
+        if self.max_tokens is None:
+            raise RuntimeError("a DenseStore in slot mode needs its slot count: call limit(n) before the first block")
+        return self.max_tokens
+
+    def slot_valid(self) -> torch.Tensor | None:
+        buf = self.buf
+        return None if buf is None else buf.valid[:, : self.slot_count]
+
     def append(self, block: KVBlock) -> None:
         parts = block.parts()
         if self.lanes is None:
             self.lanes = []
             for part in parts:
-                buf = RingBuffer(None, part.k, part.v, initial=block.num_tokens)
+                buf = RingBuffer(None, part.k, part.v, initial=self.slot_count if self.slotted else block.num_tokens)
                 buf.max_capacity = self.max_tokens
+                if self.slotted:  # every slot is a column of the segment, occupied or not
+                    buf.size, buf.all_valid = self.slot_count, False
                 self.lanes.append((part.layout(), buf))
+        if self.slotted:
+            self._write_slots(block, parts)
+            return
         for (_, buf), part in zip(self.lanes, parts):
             buf.push(part.k, part.v, block.valid, block.positions)
+
+    def _write_slots(self, block: KVBlock, parts: list[HeadGroup]) -> None:
+        """Slot mode: column ``j`` of head ``h`` goes to slot ``block.slots[b, h, j]`` (eager: dropped columns are
+        simply not written)."""
+        if block.slots is None:
+            raise RuntimeError("a DenseStore in slot mode received a block without slots (KVBlock.slots)")
+        n = self.slot_count
+        write = (block.slots < n) & block.valid.unsqueeze(1)  # [b, h, tokens]
+        for (group, buf), part in zip(self.lanes, parts):
+            heads = group.heads
+            w = write if heads is None else write.index_select(1, heads)
+            slots = block.slots if heads is None else block.slots.index_select(1, heads)
+            b_i, h_i, j_i = w.nonzero(as_tuple=True)
+            t_i = slots[b_i, h_i, j_i]
+            buf.k[b_i, h_i, t_i] = part.k[b_i, h_i, j_i]
+            buf.v[b_i, h_i, t_i] = part.v[b_i, h_i, j_i]
+        rows, cols = write[:, 0].nonzero(as_tuple=True)  # row-level occupancy: every head fills the same slots
+        for _, buf in self.lanes:
+            buf.valid[rows, block.slots[rows, 0, cols]] = True
+            buf.positions[block.slots[rows, 0, cols]] = block.positions[cols]  # bounds only (middle < queries)
 
     def segments(self) -> list[Segment]:
         out = []

@@ -472,18 +472,48 @@ class StaticRing:
     def __init__(self, capacity: int, unit: int = 1):
         self.unit = unit
         self.capacity = -(-max(capacity, unit) // unit) * unit
-        self.valid: torch.Tensor | None = None  # [batch, capacity]
-        self.pos: torch.Tensor | None = None  # [capacity] logical positions
+        self.trash = 0  # slot mode (StaticRingStore.use_slots): one more unit, never valid, for dropped columns
+        self.valid: torch.Tensor | None = None  # [batch, columns]
+        self.pos: torch.Tensor | None = None  # [columns] logical positions
         self.cursor: torch.Tensor | None = None  # 0-dim int64, tokens written
 
+    @property
+    def columns(self) -> int:
+        """Token columns of every buffer: the capacity, plus the trash unit in slot mode."""
+        return self.capacity + self.trash
+
     def allocate(self, batch: int, device: torch.device) -> None:
-        self.valid = torch.zeros(batch, self.capacity, dtype=torch.bool, device=device)
-        self.pos = torch.zeros(self.capacity, dtype=torch.long, device=device)
+        self.valid = torch.zeros(batch, self.columns, dtype=torch.bool, device=device)
+        self.pos = torch.zeros(self.columns, dtype=torch.long, device=device)
         self.cursor = torch.zeros((), dtype=torch.long, device=device)
         self._offsets = torch.arange(self.capacity, device=device)
+        self._real = torch.arange(self.columns, device=device) < self.capacity  # not the trash
         # middle tokens precede every query: their positions never mask anything
-        self.zero_pos = torch.zeros((), dtype=torch.long, device=device).expand(self.capacity)
+        self.zero_pos = torch.zeros((), dtype=torch.long, device=device).expand(self.columns)
         mark_static(self.valid, self.pos, self.cursor)
+
+    def route(self, block: KVBlock) -> torch.Tensor:
+        """Slot mode: the block's target token columns ``[batch, heads, tokens]`` (``block.slots``), a unit whose
+        target is out of range or that holds no valid token of its row (a block that is not due) sent to the
+        trash unit.  Branch-free."""
+        valid = block.valid if block.due is None else block.valid & block.due
+        slots = block.slots
+        b, h, n = slots.shape
+        u = self.unit
+        first = slots.view(b, h, n // u, u)[..., 0]
+        ok = (first >= 0) & (first < self.capacity) & valid.view(b, 1, n // u, u).any(-1)
+        trash = self.capacity + torch.arange(n, device=slots.device).remainder(u)
+        return torch.where(ok.repeat_interleave(u, dim=-1), slots, trash)
+
+    def write_slots(self, target: torch.Tensor, block: KVBlock) -> None:
+        """Slot mode: row-level occupancy and positions of the columns head 0 writes (every head of a row fills
+        the same slots); the trash stays invalid.  Branch-free."""
+        valid = block.valid if block.due is None else block.valid & block.due
+        head0 = target[:, 0]
+        hit = torch.zeros_like(self.valid).scatter_(1, head0, torch.ones_like(valid))
+        occupied = torch.zeros_like(self.valid).scatter_(1, head0, valid)
+        self.valid.copy_(torch.where(hit, occupied, self.valid) & self._real)
+        self.pos.scatter_(0, head0[0], block.positions)  # bounds only: middle tokens precede every query
 
     def fit(self, block: KVBlock) -> KVBlock:
         """Host-side (prefill) block: drop leading unit-aligned columns no row keeps if it is too large."""
@@ -523,14 +553,34 @@ class StaticRingStore(MiddleStore):
     per head-group lane (``[batch, heads, slots or units, ...]``), evicted by masking (``retain``)."""
 
     static = True
+    supports_slots = True
 
     def __init__(self, capacity: int, unit: int = 1):
         self.ring = StaticRing(capacity, unit)
         self.lanes: list[tuple[HeadGroup, dict[str, torch.Tensor]]] | None = None
+        self.slotted = False
 
     @property
     def num_tokens(self) -> int:
+        return self.ring.columns
+
+    def use_slots(self) -> None:
+        """Per-head slot placement (see :class:`~kvcompress.state.MiddleStore`): buffers get one trash unit."""
+        if self.lanes is not None:
+            raise RuntimeError("use_slots() must be called before the store allocates")
+        self.slotted = True
+        self.ring.trash = self.ring.unit
+
+    @property
+    def slot_unit(self) -> int:  # type: ignore[override]
+        return self.ring.unit
+
+    @property
+    def slot_count(self) -> int:
         return self.ring.capacity
+
+    def slot_valid(self) -> torch.Tensor | None:
+        return None if self.ring.valid is None else self.ring.valid[:, : self.ring.capacity]
 
     def limit(self, max_tokens: int) -> None:  # the capacity was fixed when the cache was built
         return None
@@ -570,17 +620,26 @@ class StaticDenseStore(StaticRingStore):
     """
 
     def append(self, block: KVBlock) -> None:
-        block = self.ring.fit(block)
+        if block.slots is None:
+            block = self.ring.fit(block)
         parts = block.parts()
         if self.lanes is None:
             self.ring.allocate(block.valid.shape[0], block.valid.device)
             self.lanes = []
             for part in parts:
                 b, h = part.k.shape[0], part.k.shape[1]
-                bufs = {"k": part.k.new_zeros(b, h, self.ring.capacity, part.k.shape[-1]),
-                        "v": part.v.new_zeros(b, h, self.ring.capacity, part.v.shape[-1])}
+                bufs = {"k": part.k.new_zeros(b, h, self.ring.columns, part.k.shape[-1]),
+                        "v": part.v.new_zeros(b, h, self.ring.columns, part.v.shape[-1])}
                 mark_static(*bufs.values())
                 self.lanes.append((part.layout(), bufs))
+        if block.slots is not None:  # slot mode: per-head targets chosen by the evictor
+            target = self.ring.route(block)
+            for (group, bufs), part in zip(self.lanes, parts):
+                t = target if group.heads is None else target.index_select(1, group.heads)
+                for name, src in (("k", part.k), ("v", part.v)):
+                    bufs[name].scatter_(2, t.unsqueeze(-1).expand(*t.shape, src.shape[-1]), src)
+            self.ring.write_slots(target, block)
+            return
         n = block.num_tokens
         slots = self.ring.slots(n)
         for (_, bufs), part in zip(self.lanes, parts):

@@ -310,7 +310,8 @@ class KiviStaticStore(StaticRingStore):
         self.quantizers: list[str] = []  # per lane: the kvcompress::kivi_quantize implementation, chosen with them
 
     def append(self, block: KVBlock) -> None:
-        block = self.ring.fit(block)
+        if block.slots is None:
+            block = self.ring.fit(block)
         n, g = block.num_tokens, self.group
         if n % g:
             raise ValueError(f"a static KIVI store encodes whole groups of {g} tokens, got a block of {n}")
@@ -326,11 +327,24 @@ class KiviStaticStore(StaticRingStore):
                 bufs = {}
                 for name, t in data.items():
                     shape = list(t.shape)
-                    shape[2] = self.ring.capacity if self.codec.token_axis(name) else self.ring.capacity // g
+                    shape[2] = self.ring.columns if self.codec.token_axis(name) else self.ring.columns // g
                     bufs[name] = t.new_zeros(shape)
                     mark_static(bufs[name])
                 self.lanes.append((part.layout(), bufs))
-                self.kernels.append(self.codec.choose_kernel(bufs, self.ring.capacity))
+                self.kernels.append(self.codec.choose_kernel(bufs, self.ring.columns))
+        if block.slots is not None:  # slot mode: per-head unit targets chosen by the evictor (whole G-token groups)
+            target = self.ring.route(block)  # [b, heads, n] token columns, unit-aligned
+            b, h = target.shape[0], target.shape[1]
+            units = target.view(b, h, n // g, g)[..., 0].div(g, rounding_mode="floor")
+            for (group, bufs), (_, data) in zip(self.lanes, encoded):
+                t_tok = target if group.heads is None else target.index_select(1, group.heads)
+                t_unit = units if group.heads is None else units.index_select(1, group.heads)
+                for name, src in data.items():
+                    index = t_tok if self.codec.token_axis(name) else t_unit
+                    index = index.view(*index.shape, *([1] * (src.dim() - 3))).expand_as(src)
+                    bufs[name].scatter_(2, index, src)
+            self.ring.write_slots(target, block)
+            return
         tslots = self.ring.slots(n)
         gslots = tslots.view(n // g, g)[:, 0].div(g, rounding_mode="floor")
         for (_, bufs), (_, data) in zip(self.lanes, encoded):
@@ -343,7 +357,8 @@ class KiviStaticStore(StaticRingStore):
         if self.lanes is None:
             return []
         valid, positions = self.ring.valid, self.ring.zero_pos
-        live = self.ring.cursor.clamp(max=self.ring.capacity)  # slots past it were never written
+        # slots past the cursor were never written (slot mode: the evictor writes anywhere)
+        live = None if self.slotted else self.ring.cursor.clamp(max=self.ring.capacity)
         return [group.attach(Segment(None, None, valid, positions,
                                      packed=self.codec.packed(bufs, valid, impl=impl, length=live)))
                 for (group, bufs), impl in zip(self.lanes, self.kernels)]

@@ -12,6 +12,16 @@ FIXTURES = Path(__file__).parent / "fixtures"
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for a test of tiny single-token steps: they gain nothing from threads and lose much when
+    the machine's cores are shared (use with ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def stride_plugin(tmp_path_factory):
     """The example third-party plugin (tests/fixtures/kvcompress-stride), pip-installed into a temp dir."""

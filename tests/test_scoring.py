@@ -22,6 +22,8 @@ from kvcompress.registry import Registry
 from kvcompress.stack import parse_stack
 from models import tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # ----------------------------------------------------------------------------- a layer fed with small tensors
 
 
@@ -234,22 +236,42 @@ def _run(model, stack, ids, mask, *, static=False, compiled=False, prompt=PROMPT
 
 @pytest.mark.parametrize("name,entries", [("snapkv", [SNAP]), ("knorm+kivi4", [
     {"knorm": {"ratio": 0.5, "sinks": 0, "recent": 16, "schedule": "pyramid"}}, KIVI4])])
-def test_static_and_compiled_equal_dynamic(name, entries):
-    """(No sinks beside KIVI's groups: the static cache flushes sinks + window in group multiples, the dynamic
-    one after them, see test_compiled_decode.)"""
+def test_static_equals_dynamic(name, entries):
+    """Left-padded batch.  (No sinks beside KIVI's groups: the static cache flushes sinks + window in group
+    multiples, the dynamic one after them, see test_compiled_decode.)"""
     model = tiny_model("llama")
     stack = {"compressors": entries}
     ids, mask = _ids(pad=3)
     dynamic, dcache = _run(model, stack, ids, mask)
     static, _ = _run(model, stack, ids, mask, static=True)
     assert (static - dynamic).abs().max().item() <= 1e-5
-    torch._dynamo.reset()
-    compiled, ccache = _run(model, stack, ids, mask, static=True, compiled=True)
-    torch._dynamo.reset()
-    assert (compiled - dynamic).abs().max().item() <= 1e-5
     # the prompt was compressed (phase prefill: decoding appends after it)
     layer = dcache.compressed_layers[0]
     assert int(layer.middle.valid_mask()[1].sum()) < PROMPT - 16 + STEPS
+
+
+def test_compiled_decode_equals_eager():
+    """torch.compile(fullgraph=True) of a static decode step after a SnapKV prefill: one graph, eager's logits."""
+    try:
+        model = tiny_model("llama", layers=1)
+        stack = {"compressors": [SNAP]}
+        ids, _ = _ids(length=PROMPT + 6, seed=5)
+        runs = []
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            out = []
+            with kvcompress.compress(model, stack, max_cache_len=ids.shape[1] + 2) as cache, torch.no_grad():
+                step = torch.compile(model.forward, backend="aot_eager", fullgraph=True) if compiled else model.forward
+                model(ids[:, :PROMPT], cache=cache)
+                for t in range(PROMPT, ids.shape[1]):
+                    out.append(step(input_ids=ids[:, t:t + 1], position_ids=torch.full((2, 1), t),
+                                    cache=cache).logits[:, -1])
+            runs.append(torch.stack(out))
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+        assert (runs[1] - runs[0]).abs().max().item() <= 1e-5
+    finally:
+        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("ratio", [0.5, 0.25])
