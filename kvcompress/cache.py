@@ -141,9 +141,10 @@ class Cache(hf.CacheBase):
         q_heads, kv_heads, head_dim = hf.head_counts(config)
         layout = hf.layer_layout(config)
         layers = []
+        rope = hf.rope_inv_freq(model)
         for i, (layer_type, kwargs) in enumerate(layout):
             if layer_type in hf.COMPRESSED_LAYER_TYPES:
-                info = LayerInfo(i, len(layout), kv_heads, q_heads, head_dim, config)
+                info = LayerInfo(i, len(layout), kv_heads, q_heads, head_dim, config, rope)
                 self.pipeline.check_budgets(info, [e.path for e in stack.entries])
                 if max_cache_len is None:
                     core = CompressedLayer(info, self.pipeline)

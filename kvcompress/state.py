@@ -88,7 +88,14 @@ class Layout:
 
 @dataclasses.dataclass(frozen=True)
 class LayerInfo:
-    """Static facts about one attention layer, known before any token arrives."""
+    """Static facts about one attention layer, known before any token arrives.
+
+    Attributes:
+        rope_inv_freq: ``[rotary_dim / 2]`` float32 (CPU) inverse frequencies of the layer's rotary embedding
+            (keys and queries are rotated by ``position * rope_inv_freq`` in the rotate-half convention of
+            Llama-family models: channel ``i`` pairs with ``i + rotary_dim / 2``; channels past ``rotary_dim`` are
+            not rotated), or ``None`` when the model has none kvcompress found.
+    """
 
     index: int
     num_layers: int
@@ -96,6 +103,7 @@ class LayerInfo:
     num_q_heads: int
     head_dim: int
     model_config: Any = None
+    rope_inv_freq: Any = None
 
 
 # ----------------------------------------------------------------------------- blocks and segments

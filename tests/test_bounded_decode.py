@@ -175,7 +175,9 @@ def _run(model, stack, ids, mask, *, static=False, compiled=False):
 
 def _stack_of(name):
     return {"tova": [TOVA], "tova+kivi4": [{"tova": dict(TOVA["tova"], sinks=0)}, KIVI4],
-            "snapkv-both": [{"snapkv": {"budget": 40, "sinks": 2, "recent": 16, "window": 8, "phase": "both"}}]}[name]
+            "snapkv-both": [{"snapkv": {"budget": 40, "sinks": 2, "recent": 16, "window": 8, "phase": "both"}}],
+            "expected_attention-both": [{"expected_attention": {"budget": 40, "sinks": 2, "recent": 16, "window": 16,
+                                                                "n_future": 32, "phase": "both"}}]}[name]
 
 
 def _middle(entries):
@@ -184,7 +186,7 @@ def _middle(entries):
     return middle // 16 * 16 if len(entries) > 1 else middle  # KIVI: whole groups
 
 
-@pytest.mark.parametrize("name", ["tova", "tova+kivi4", "snapkv-both"])
+@pytest.mark.parametrize("name", ["tova", "tova+kivi4", "snapkv-both", "expected_attention-both"])
 def test_static_equals_dynamic_and_holds_the_budget(name):
     """Left-padded batch, dense and KIVI middles: the static cache decides and computes what the dynamic cache does
     (KIVI: no dynamic store with per-head slots; the static one is checked against compiled decode below); the middle
@@ -203,7 +205,7 @@ def test_static_equals_dynamic_and_holds_the_budget(name):
         assert layer.middle.slot_valid().sum(1).tolist()[1] == _middle(entries)
 
 
-@pytest.mark.parametrize("name", ["tova", "tova+kivi4"])
+@pytest.mark.parametrize("name", ["tova", "tova+kivi4", "expected_attention-both"])
 def test_compiled_decode_equals_eager(name):
     """torch.compile(fullgraph=True) of the static decode step - observation, attention mass, per-head replacement
     and slot writes inside the graph - gives the eager static step's logits, one graph for every step."""

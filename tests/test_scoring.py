@@ -144,6 +144,55 @@ def test_knorm_selection_matches_reference():
         assert torch.equal(stored_k[head, :kept], k[0, head, cols])
 
 
+def _rope_matrix(theta: torch.Tensor, d: int) -> torch.Tensor:
+    """kvpress' form of the rotate-half RoPE matrix: cos * I + sin * P (one angle per channel pair)."""
+    half = theta.shape[-1]
+    cos = torch.cat([theta.cos(), theta.cos()], -1)
+    sin = torch.cat([theta.sin(), theta.sin()], -1)
+    p = torch.zeros(d, d)
+    p[half:, :half], p[:half, half:] = torch.eye(half), -torch.eye(half)
+    return torch.diag_embed(cos) + sin.unsqueeze(-1) * p
+
+
+def test_expected_attention_selection_matches_reference():
+    """Expected attention (arXiv 2510.00636, kvpress ExpectedAttentionPress): pre-RoPE mean and covariance of the last
+    `window` queries, rotated by the RoPE matrix averaged over the next n_future positions; logits mu.k/sqrt(d) +
+    k S k / 2d, softmax per query head over the candidates, mean over the group, times ||V||; per-head top-k."""
+    sinks, recent, ratio, window, future = 2, 8, 0.5, 12, 16
+    q, k, v, valid = _tensors(seed=3)
+    stack = {"compressors": [{"expected_attention": {"ratio": ratio, "sinks": sinks, "recent": recent,
+                                                     "window": window, "n_future": future}}]}
+    keep, positions, _ = _prefill_selection(stack, q, k, v, valid)
+    inv_freq = tiny_model("llama", layers=1).model.rotary_emb.inv_freq.float()
+    b, hq, t, d = q.shape
+    rot = _rope_matrix(torch.arange(t).float()[:, None] * inv_freq, d)  # [t, d, d]
+    rbar = _rope_matrix(torch.arange(t, t + future).float()[:, None] * inv_freq, d).mean(0)
+    expected = []
+    for row in range(b):
+        cols = [c for c in range(t - window, t) if valid[row, c]]
+        pre = torch.stack([rot[c].T @ q[row, :, c].T for c in cols], 0)  # [n, d, hq]: rotated back
+        pre = pre.permute(2, 0, 1)  # [hq, n, d]
+        mu = pre.mean(1)
+        cov = torch.einsum("hni,hnj->hij", pre - mu[:, None], pre - mu[:, None]) / len(cols)
+        mu, cov = mu @ rbar.T, rbar @ cov @ rbar.T
+        cand, held, real = _candidates(valid[row], sinks, recent)
+        n_keep = max(0, min(len(cand), math.floor(ratio * real) - held))
+        heads = []
+        for head in range(2):
+            keys = k[row, head, cand]  # [n, d]
+            group = []
+            for g in range(2):
+                qh = head * 2 + g
+                logits = keys @ mu[qh] / d ** 0.5 + torch.einsum("nd,de,ne->n", keys, cov[qh], keys) / (2 * d)
+                group.append(torch.softmax(logits, 0))
+            score = torch.stack(group).mean(0) * v[row, head, cand].norm(dim=-1)
+            scores = torch.full((t,), float("-inf"))
+            scores[cand] = score
+            heads.append(_top(scores, cand, n_keep))
+        expected.append(heads)
+    _check(keep, positions, expected)
+
+
 def test_budget_mode_keeps_the_budget_per_row():
     q, k, v, valid = _tensors(seed=2)
     stack = {"compressors": [{"knorm": {"budget": 20, "sinks": 2, "recent": 8}}]}

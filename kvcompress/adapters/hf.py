@@ -114,6 +114,19 @@ def native_layer(layer_type: str, kwargs: dict, max_cache_len: int | None = None
     return mapping[layer_type](**kwargs)
 
 
+def rope_inv_freq(model: Any, layer_type: str = "full_attention") -> torch.Tensor | None:
+    """The inverse frequencies ``[rotary_dim / 2]`` (float32, CPU) of the model's rotary embedding for layers of
+    ``layer_type`` (transformers' ``rotary_emb`` module: ``<type>_inv_freq`` on hybrids, else ``inv_freq``), or
+    ``None`` when the model has no such module (learned positions)."""
+    rotary = next((m for name, m in model.named_modules() if name.endswith("rotary_emb")), None)
+    if rotary is None:
+        return None
+    freq = getattr(rotary, f"{layer_type}_inv_freq", None)
+    if not isinstance(freq, torch.Tensor):
+        freq = getattr(rotary, "inv_freq", None)
+    return freq.detach().float().cpu().clone() if isinstance(freq, torch.Tensor) else None
+
+
 def model_dtype_device(model: Any) -> tuple[torch.dtype, torch.device]:
     """Dtype and device of the model's parameters (where a cache built ahead of time allocates)."""
     param = next(model.parameters())
