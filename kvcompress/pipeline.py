@@ -147,12 +147,12 @@ class StackPipeline:
         if not getattr(layer.layout, "head_slots", False):
             return store
         if not getattr(store, "supports_slots", False):
-            who = [self.compressors[i][0] for i, lay in self.layouts(layer.info) if lay.head_slots]
+            who = [f"compressors[{i}].{self.compressors[i][0]}" for i, lay in self.layouts(layer.info)
+                   if lay.head_slots]
             kind = "static" if getattr(layer, "static", False) else "dynamic"
             raise ConfigError(
-                f"compressor {', '.join(repr(w) for w in who)}",
-                "a middle store with per-head slots: full precision (dynamic or static cache) or KIVI in a static "
-                "cache (max_cache_len)", f"{type(store).__name__} in a {kind} cache",
+                ", ".join(who), "a middle store with per-head slots: full precision (dynamic or static cache) or "
+                "KIVI in a static cache (max_cache_len)", f"{type(store).__name__} in a {kind} cache",
                 hint="this evictor replaces stored tokens per kv head while decoding (Layout.head_slots); use "
                      "phase: prefill, or a store that supports per-head slots")
         store.use_slots()

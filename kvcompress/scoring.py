@@ -173,6 +173,17 @@ class ScoreEvictor(Compressor):
 
     # -- hooks ------------------------------------------------------------------------------------------------
     @hookimpl
+    def kvcompress_validate_stack(self, entries, axes):
+        me = next((i for i, (_, cfg) in enumerate(entries) if cfg is self.config), None)
+        if me is None:
+            return
+        for i, axis in enumerate(axes):
+            if axis == "select":
+                raise ConfigError(f"compressors[{me}].{entries[me][0]}", "a stack without a read-time selector (a "
+                                  "selector keeps per-token state aligned with the middle's columns, which per-head "
+                                  "eviction reorders per head)", f"{entries[i][0]} at compressors[{i}]")
+
+    @hookimpl
     def kvcompress_layer_layout(self, layer):
         c = self.config
         bounded = c.phase != "prefill" and c.budget is not None
@@ -239,7 +250,7 @@ class ScoreEvictor(Compressor):
         kept = keep[:, 0].sum(-1)  # [b]
         if not budgeted:  # ratio: the middle holds what the prefill kept, while decoding too
             target = (kept + unit - 1) // unit
-            if not layer.static and store.lanes is None:  # the dynamic store's slots: the fullest row
+            if not layer.static and store.slot_valid() is None:  # the dynamic store's slots: the fullest row
                 store.limit(max(int(target.max()) * unit, unit))
                 state.allocate(b, h, store.slot_count // unit, 0, scores.device)
             state.target.copy_(target)

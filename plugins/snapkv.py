@@ -50,8 +50,9 @@ class SnapKVConfig(ScoreConfig):
 
 def pooled_window_attention(obs, positions: torch.Tensor, kernel: int, pool: str) -> torch.Tensor:
     """SnapKV's score ``[batch, kv_heads, n]`` of the tokens at ``positions`` (``[n]``, contiguous, ascending):
-    the observed queries' attention mass, pooled over ``kernel`` neighbouring positions before the observation
-    window; tokens inside the window score above every other token of their head."""
+    the observed queries' attention mass (averaged over them, summed over each kv head's query heads), pooled over
+    ``kernel`` neighbouring positions before the observation window; tokens inside the window score above every
+    other token of their head.  The average makes a decode step's score (one query) comparable to the prompt's."""
     half = kernel // 2
     n = positions.shape[0]
     span = positions[0] - half + torch.arange(n + 2 * half, device=positions.device)
@@ -64,7 +65,7 @@ def pooled_window_attention(obs, positions: torch.Tensor, kernel: int, pool: str
         pooled = F.max_pool1d(mass.reshape(b * h, 1, length), kernel, stride=1)
     else:
         pooled = F.avg_pool1d((mass * inside).reshape(b * h, 1, length), kernel, stride=1)
-    pooled = pooled.view(b, h, n)
+    pooled = pooled.view(b, h, n) / obs.query.shape[2]  # averaged over the window: decode steps score alike
     in_window = (positions >= first_query).view(1, 1, n)
     return torch.where(in_window, pooled.amax(dim=-1, keepdim=True).clamp(min=0) + 1.0, pooled)
 

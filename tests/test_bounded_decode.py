@@ -232,7 +232,8 @@ def test_compiled_decode_equals_eager(name):
 def test_store_without_per_head_slots_is_refused_when_the_cache_is_built():
     model = tiny_model("llama", layers=1)
     stack = {"compressors": [TOVA, KIVI4]}
-    with pytest.raises(ConfigError, match=r"compressor 'tova'.*per-head slots.*got 'KiviStore in a dynamic cache'"):
+    with pytest.raises(ConfigError, match=r"compressors\[0\]\.tova: expected a middle store with per-head slots.*"
+                                          r"got 'KiviStore in a dynamic cache'"):
         kvcompress.Cache(stack, model)
     with pytest.raises(ConfigError, match=r"tova.*got 'PagedStore"):
         _paged_with_slots(model)

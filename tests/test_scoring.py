@@ -253,6 +253,25 @@ def test_config_errors_name_key_allowed_and_given(entry, match):
         kvcompress.parse_stack({"compressors": [entry]})
 
 
+def test_pyramid_schedule_is_pyramidkv():
+    """PyramidKV (arXiv 2406.02069, beta = 20): the middle's budget falls linearly from (2 - 1/beta) to 1/beta times
+    the mean across layers, the mean unchanged; sinks and the window are the same on every layer."""
+    from kvcompress.plugins.knorm import KnormCompressor, KnormConfig
+    from kvcompress.state import LayerInfo
+
+    evictor = KnormCompressor(KnormConfig(budget=4 + 64 + 400, schedule="pyramid"))
+    budgets = [evictor.layer_budget(LayerInfo(i, 9, 2, 4, 16)) - 68 for i in range(9)]
+    assert budgets[0] == round(400 * 1.95) and budgets[-1] == round(400 * 0.05)
+    assert all(a - b == budgets[0] - budgets[1] for a, b in zip(budgets, budgets[1:]))
+    assert sum(budgets) == 9 * 400
+
+
+def test_selector_with_a_per_head_evictor_is_refused():
+    with pytest.raises(ConfigError, match=r"compressors\[0\]\.snapkv: expected a stack without a read-time selector.*"
+                                          r"got 'double_sparse at compressors\[1\]'"):
+        kvcompress.parse_stack({"compressors": [{"snapkv": {"ratio": 0.5}}, {"double_sparse": {"channels": "random", "r": 8}}]})
+
+
 # ----------------------------------------------------------------------------- tiny models
 
 SNAP = {"snapkv": {"ratio": 0.5, "sinks": 2, "recent": 8, "window": 8}}
