@@ -82,20 +82,24 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         from .evaluation.runner import check_compile_supported
 
         check_compile_supported()
-    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
-    inputs = _prompt_inputs(tokenizer, args, hf.text_config(model))
+    device = _resolve_device(args.device)
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
+    inputs = {k: v.to(device) for k, v in _prompt_inputs(tokenizer, args, hf.text_config(model)).items()}
     torch.manual_seed(args.seed)
-    extra = {}
-    capacity = None
-    if args.compile:  # a static cache: transformers' generate compiles the decode step for it
-        from .evaluation.runner import generate_compile_config
+    pad = tokenizer.pad_token_id or tokenizer.eos_token_id
+    if args.compile:
+        # a static cache; the decode step compiled once and, on CUDA, replayed as one CUDA graph (GraphStep)
+        from .evaluation.runner import graph_step
 
         capacity = inputs["input_ids"].shape[1] + args.max_new_tokens
-        extra["compile_config"] = generate_compile_config(next(model.parameters()).device)
-    with compress(model, stack, **({"max_cache_len": capacity} if capacity else {})) as cache, torch.no_grad():
-        out = model.generate(**inputs, **{hf.cache_kwarg(model): cache}, max_new_tokens=args.max_new_tokens,
-                             do_sample=args.sample, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
-                             **extra)
+        with compress(model, stack, max_cache_len=capacity) as cache, torch.no_grad():
+            gen = torch.Generator(device=device).manual_seed(args.seed) if args.sample else None
+            out = hf.step_generate(model, inputs["input_ids"], cache, graph_step(model), args.max_new_tokens,
+                                   do_sample=args.sample, generator=gen, pad_token_id=pad)
+    else:
+        with compress(model, stack) as cache, torch.no_grad():
+            out = model.generate(**inputs, **{hf.cache_kwarg(model): cache}, max_new_tokens=args.max_new_tokens,
+                                 do_sample=args.sample, pad_token_id=pad)
     prompt_len = inputs["input_ids"].shape[1]
     print(tokenizer.decode(out[0, prompt_len:], skip_special_tokens=True))
     if args.report:
@@ -291,10 +295,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 _COMPILE_HELP = ("compile the decode step: the cache is static (transformers' StaticCache, "
                  "kvcompress.compress(model, stack, max_cache_len=N)) and single-token steps run through "
-                 "torch.compile(model.forward, fullgraph=True): on CUDA with mode='reduce-overhead' (Inductor "
-                 "kernels replayed as CUDA graphs); on the CPU with backend='aot_eager', which traces the step as "
-                 "one graph and runs it with the eager kernels (same numbers; checks that the step compiles, "
-                 "it is not faster)")
+                 "torch.compile(model.forward, fullgraph=True): on CUDA Inductor kernels replayed as one CUDA graph "
+                 "(generate and eval: kvcompress.GraphStep; bench measures both that and mode='reduce-overhead'); "
+                 "on the CPU backend='aot_eager', which traces the step as one graph and runs it with the eager "
+                 "kernels (same numbers; checks that the step compiles, it is not faster)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -318,7 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                      help="model and cache dtype (default bfloat16, SmolLM2's training dtype)")
     gen.add_argument("--compile", action="store_true", help=_COMPILE_HELP + " (generate: max_cache_len = prompt + "
-                     "--max-new-tokens; transformers' generate compiles the decode step of the static cache)")
+                     "--max-new-tokens; the prefill runs eagerly, then every decode step goes through one compiled "
+                     "step, on CUDA replayed as one CUDA graph by kvcompress.GraphStep)")
+    gen.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                     help="where the model runs (default: cuda when available)")
     gen.set_defaults(func=_cmd_generate)
 
     val = sub.add_parser("validate", help="validate a stack file without loading a model")

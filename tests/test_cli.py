@@ -29,8 +29,9 @@ def test_console_script_is_installed():
 
 
 def test_generate_compile_matches_eager(monkeypatch, tmp_path, capsys):
-    """``generate --compile``: a static cache, and transformers' generate compiles its decode step (on the
-    CPU with aot_eager); greedy tokens equal the eager run's (tiny model, fp32, a window that evicts)."""
+    """``generate --compile``: a static cache and one compiled decode step (kvcompress' step loop; on the CPU
+    aot_eager, on CUDA replayed by GraphStep); greedy tokens equal the eager ``model.generate`` run's (tiny
+    model, fp32, a window that evicts)."""
     import kvcompress.models
     from kvcompress.evaluation.runner import static_supported
     from models import tiny_model
@@ -42,7 +43,8 @@ def test_generate_compile_matches_eager(monkeypatch, tmp_path, capsys):
 
         pytest.skip("no static kvcompress cache (max_cache_len) yet")
     model = tiny_model("llama")
-    monkeypatch.setattr(kvcompress.models, "load_model", lambda name=None, dtype=None: (model, ByteTokenizer()))
+    monkeypatch.setattr(kvcompress.models, "load_model",
+                        lambda name=None, dtype=None, device=None: (model, ByteTokenizer()))
     stack = tmp_path / "w.yaml"
     stack.write_text("compressors:\n  - window: {sinks: 4, recent: 16}\n")
     argv = ["generate", "--stack", str(stack), "--max-new-tokens", "40", "--dtype", "float32", "--report",

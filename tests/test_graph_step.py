@@ -129,3 +129,36 @@ def test_cuda_capture_of_a_host_reading_step_fails_clearly():
     step(x=x)
     with pytest.raises(UnsupportedOperationError, match="could not be captured as a CUDA graph"):
         step(x=x)
+
+
+def test_step_generate_equals_generate_and_samples_through_the_warpers():
+    """``hf.step_generate`` (what ``generate --compile`` runs): greedy tokens equal ``model.generate``'s on the
+    same static cache; sampling with top_k = 1 goes through transformers' warpers and equals greedy; a row that
+    hits the end-of-sequence token continues with padding, as generate does."""
+    from kvcompress.adapters import hf
+
+    model = tiny_model("llama")
+    stack = kvcompress.parse_stack({"compressors": [{"window": {"sinks": 2, "recent": 12}}]})
+    ids = torch.randint(1, 256, (2, 10), generator=torch.Generator().manual_seed(5))
+
+    def run(fn, **kw):
+        with kvcompress.compress(model, stack, max_cache_len=40) as cache, torch.no_grad():
+            return fn(cache, **kw)
+
+    kw = hf.cache_kwarg(model)
+    ref = run(lambda c: model.generate(ids, **{kw: c}, max_new_tokens=24, do_sample=False, pad_token_id=0))
+    greedy = run(lambda c: hf.step_generate(model, ids, c, model.forward, 24))
+    assert torch.equal(greedy, ref)
+    config = model.generation_config
+    saved = (config.top_k, config.temperature, config.eos_token_id)
+    try:
+        config.top_k, config.temperature = 1, 0.7
+        sampled = run(lambda c: hf.step_generate(model, ids, c, model.forward, 24, do_sample=True,
+                                                 generator=torch.Generator().manual_seed(0)))
+        assert torch.equal(sampled, ref)
+        config.eos_token_id = int(ref[0, 14])  # row 0 ends at its 5th new token
+        ended = run(lambda c: hf.step_generate(model, ids, c, model.forward, 24, pad_token_id=0))
+    finally:
+        config.top_k, config.temperature, config.eos_token_id = saved
+    first = int((ref[0, 10:] == ref[0, 14]).nonzero()[0]) + 10
+    assert torch.equal(ended[0, :first + 1], ref[0, :first + 1]) and (ended[0, first + 1:] == 0).all()

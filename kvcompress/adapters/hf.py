@@ -450,6 +450,68 @@ def compile_config(options: dict, all_devices: bool = True) -> Any:
     return config
 
 
+def step_generate(model: Any, input_ids: torch.Tensor, cache: Any, step: Any, max_new_tokens: int,
+                  do_sample: bool = False, generator: torch.Generator | None = None,
+                  pad_token_id: int | None = None) -> torch.Tensor:
+    """Greedy or sampled decoding of one unpadded batch through ``step`` (a decode-step callable taking
+    transformers' forward keywords, e.g. :class:`kvcompress.GraphStep`), the prefill run by the eager model.
+
+    What ``model.generate`` does for these inputs, with every single-token step going through ``step`` with
+    arguments of fixed shapes (a CUDA graph replays them): explicit ``position_ids`` (and ``cache_position`` on
+    transformers that take it), no growing attention mask, ``logits_to_keep=1``.  Sampling applies the model's
+    generation config (temperature, top-k, top-p) with transformers' own logits warpers; decoding stops at the
+    config's end-of-sequence tokens (every row finished; a finished row continues with ``pad_token_id``, as
+    generate does) or after ``max_new_tokens``.  Returns ``[batch, prompt + new]`` token ids.
+    """
+    from transformers.generation import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    config = model.generation_config
+    warpers = []
+    if do_sample:
+        if config.temperature is not None and config.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(config.temperature))
+        if config.top_k:
+            warpers.append(TopKLogitsWarper(config.top_k))
+        if config.top_p is not None and config.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(config.top_p))
+    eos = config.eos_token_id
+    eos = torch.tensor([] if eos is None else ([eos] if isinstance(eos, int) else list(eos)), device=input_ids.device)
+    kw = cache_kwarg(model)
+    params = inspect.signature(model.forward).parameters
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    takes_cache_position = "cache_position" in params
+    batch, n = input_ids.shape
+    ids = input_ids
+
+    def positions(start: int, length: int) -> dict[str, torch.Tensor]:
+        pos = torch.arange(start, start + length, device=input_ids.device)
+        out = {"position_ids": pos.unsqueeze(0).expand(batch, length).contiguous()}
+        if takes_cache_position:
+            out["cache_position"] = pos
+        return out
+
+    def choose(logits: torch.Tensor) -> torch.Tensor:
+        logits = logits[:, -1].float()
+        if not do_sample:
+            return logits.argmax(-1)
+        for warp in warpers:
+            logits = warp(ids, logits)
+        return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator).squeeze(1)
+
+    done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+    out = model(input_ids=input_ids, **{kw: cache}, **positions(0, n), **extra)
+    for i in range(max_new_tokens):
+        tok = choose(out.logits)
+        if pad_token_id is not None:
+            tok = torch.where(done, torch.full_like(tok, pad_token_id), tok)
+        ids = torch.cat([ids, tok.unsqueeze(1)], 1)
+        done |= torch.isin(tok, eos)
+        if i + 1 == max_new_tokens or bool(done.all()):
+            break
+        out = step(input_ids=tok.unsqueeze(1), **{kw: cache}, **positions(n + i, 1), **extra)
+    return ids
+
+
 def save_dequantized(model: Any, tokenizer: Any, out_dir: str) -> None:
     """Save a model loaded from GGUF as plain safetensors (transformers refuses GGUF re-serialization)."""
     model.hf_quantizer = None

@@ -22,8 +22,9 @@ stack an :class:`Evaluator` runs.
 
 With ``Evaluator(compile=True)`` (``kvcompress eval --compile``) each sample of a stack runs in a
 static cache sized to the sample (``compress(model, stack, max_cache_len=N)``) and every decode step
-goes through one ``torch.compile(model.forward, **compile_options(device))`` shared by the samples
-(prefill stays eager); the baseline stays plain eager transformers.
+goes through one ``torch.compile(model.forward, **graph_compile_options(device))`` shared by the samples,
+on CUDA replayed as one CUDA graph per sample by :class:`kvcompress.graphs.GraphStep` (prefill stays eager);
+the baseline stays plain eager transformers.
 """
 
 from __future__ import annotations
@@ -337,6 +338,15 @@ def graph_step(model: Any, warmup: int = 2) -> Callable[..., Any]:
                      warmup=warmup)
 
 
+def eval_compile_options(device: Any) -> dict[str, Any]:
+    """How ``eval --compile`` runs a decode step (reported with its results): :func:`graph_compile_options`,
+    replayed as one CUDA graph by :class:`kvcompress.graphs.GraphStep` on CUDA."""
+    options = dict(graph_compile_options(device))
+    if torch.device(device).type == "cuda":
+        options["cuda_graph"] = "kvcompress GraphStep"
+    return options
+
+
 def generate_compile_config(device: Any) -> Any:
     """transformers' ``CompileConfig`` for ``model.generate(..., compile_config=...)`` with the options of
     :func:`compile_options` (``fullgraph=True``: a graph break is an error, not a silently slow step).
@@ -472,7 +482,7 @@ class Evaluator:
             cache_bytes=run.cache_bytes, dense_bytes=run.dense_bytes, baseline_cache_bytes=base.cache_bytes,
             wall_s=run.wall_s, baseline_wall_s=base.wall_s, baseline_reused=reused, details=details,
             notes=notes, env=environment(self.device),
-            compile=compile_options(self.device) if self.compile else None,
+            compile=eval_compile_options(self.device) if self.compile else None,
             end_cache_bytes=run.end_bytes, peak_cache_bytes=run.peak_bytes,
             baseline_end_cache_bytes=base.end_bytes, baseline_peak_cache_bytes=base.peak_bytes)
 
@@ -531,10 +541,12 @@ class Evaluator:
             jobs = [doc[o:o + settings.context]
                     for o in data.spread_offsets(len(doc), settings.context, settings.samples)]
             steps = settings.tokens
-        step = None
-        if compiled:
+        fn = None
+        if compiled:  # one compiled step shared by the samples; each sample's cache gets its own CUDA graph
+            from ..graphs import GraphStep
+
             torch.compiler.reset()
-            step = compiled_step(self.model)
+            fn = torch.compile(self.model.forward, **graph_compile_options(self.device))
         bar = Progress(len(jobs) * (1 + steps), f"{task} {desc}", enabled=self.progress)
         held = dense = end = peak = 0
         outputs = []
@@ -543,6 +555,7 @@ class Evaluator:
             for job in jobs:
                 ids = job.ids if task == "passkey" else job
                 capacity = len(ids) + settings.tokens if compiled else None
+                step = GraphStep(fn, warmup=2) if fn is not None else None
                 with DecodeSession(self.model, stack, capacity=capacity, step=step) as session:
                     if task == "ppl":
                         out = self._ppl_sample(session, job, settings, bar.update)
