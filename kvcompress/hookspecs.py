@@ -244,7 +244,7 @@ class CacheCompressor:
         target ``>= slot_count`` drops the column), replacing its lowest-scoring stored units one for one with
         incoming ones and filling free slots in the same order for every head, so every kv head of a row occupies
         the same slots and the memory stays flat.  The cache refuses to build when the store cannot honour slots
-        (:class:`~kvcompress.state.MiddleStore`: dense stores, the static KIVI store).
+        (:class:`~kvcompress.state.MiddleStore`: dense stores, KIVI's preallocated store).
 
         Args:
             layer: the layer.

@@ -152,7 +152,7 @@ class StackPipeline:
             kind = "static" if getattr(layer, "static", False) else "dynamic"
             raise ConfigError(
                 ", ".join(who), "a middle store with per-head slots: full precision (dynamic or static cache) or "
-                "KIVI in a static cache (max_cache_len)", f"{type(store).__name__} in a {kind} cache",
+                "KIVI under a token budget (its preallocated store)", f"{type(store).__name__} in a {kind} cache",
                 hint="this evictor replaces stored tokens per kv head while decoding (Layout.head_slots); use "
                      "phase: prefill, or a store that supports per-head slots")
         store.use_slots()

@@ -544,7 +544,7 @@ class MiddleStore:
     quantizing compressors return from ``kvcompress_quantize_store``.
 
     **Per-head slots** (optional; stores that declare ``supports_slots = True``: :class:`DenseStore`,
-    :class:`kvcompress.static.StaticDenseStore`, the static KIVI store).  When a layout of the stack sets
+    :class:`kvcompress.static.StaticDenseStore`, KIVI's preallocated store).  When a layout of the stack sets
     ``Layout.head_slots``, the cache calls :meth:`use_slots` once, when it builds the store, and the evictor
     places every block itself: ``block.slots`` ``[batch, kv_heads, tokens]`` gives each column's target token
     slot per head, in ``[0, slot_count)``; a target ``>= slot_count`` (and any invalid column) is dropped.

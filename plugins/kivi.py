@@ -383,6 +383,12 @@ class KiviCompressor(Compressor):
     def kvcompress_quantize_store(self, layer):
         if layer.static:
             return KiviStaticStore(self.config, layer.info.head_dim, layer.store_capacity)
+        lay = layer.layout
+        if lay.head_slots and lay.middle is not None:
+            # an evictor places blocks per head under a bound (decoding under a budget): the preallocated store,
+            # sized by the bound, is the one with per-head slots (whole G-token groups) - in a dynamic cache too
+            return KiviStaticStore(self.config, layer.info.head_dim, -(-lay.middle // self.config.group)
+                                   * self.config.group)
         return KiviStore(self.config, layer.info.head_dim)
 
     @hookimpl

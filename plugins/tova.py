@@ -11,8 +11,8 @@ token that stops being attended to leaves at the next step that needs room.
 
 Built on :class:`kvcompress.ScoreEvictor` with per-head slots: while decoding (``phase: decode`` or ``both``,
 the default), tokens leaving the full-precision window replace the lowest-scoring stored tokens of each head
-in place, so the cache's memory stays flat under the budget (dense middle, or KIVI in a static cache: then
-whole groups of G tokens, scored by their mean attention).  At prefill (``phase: both`` or ``prefill``) the
+in place, so the cache's memory stays flat under the budget (dense middle, or KIVI's preallocated store:
+then whole groups of G tokens, scored by their mean attention).  At prefill (``phase: both`` or ``prefill``) the
 prompt is cut to the budget by the last prompt query's attention, as kvpress' TOVAPress does.
 
 Parameters: ``budget`` (tokens per row and layer: sinks + recent + middle), ``sinks`` (0), ``recent`` (1:

@@ -188,9 +188,8 @@ def _middle(entries):
 
 @pytest.mark.parametrize("name", ["tova", "tova+kivi4", "snapkv-both", "expected_attention-both"])
 def test_static_equals_dynamic_and_holds_the_budget(name):
-    """Left-padded batch, dense and KIVI middles: the static cache decides and computes what the dynamic cache does
-    (KIVI: no dynamic store with per-head slots; the static one is checked against compiled decode below); the middle
-    sits at its budget, memory flat."""
+    """Left-padded batch, dense and KIVI middles: the static cache decides and computes what the dynamic cache does;
+    the middle sits at its budget, memory flat."""
     model = tiny_model("llama")
     entries = _stack_of(name)
     stack = {"compressors": entries}
@@ -198,9 +197,8 @@ def test_static_equals_dynamic_and_holds_the_budget(name):
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     static, cache = _run(model, stack, ids, mask, static=True)
-    if "kivi4" not in name:
-        dynamic, _ = _run(model, stack, ids, mask)
-        assert (static - dynamic).abs().max().item() <= 1e-5
+    dynamic, _ = _run(model, stack, ids, mask)
+    assert (static - dynamic).abs().max().item() <= 1e-5
     for layer in cache.compressed_layers:  # the middle is at its budget and evicts per head
         assert layer.middle.slot_valid().sum(1).tolist()[1] == _middle(entries)
 
@@ -230,11 +228,13 @@ def test_compiled_decode_equals_eager(name):
 
 
 def test_store_without_per_head_slots_is_refused_when_the_cache_is_built():
+    """KIVI under a ratio (no bound to preallocate by) in a dynamic cache, and a paged store: refused at build."""
     model = tiny_model("llama", layers=1)
-    stack = {"compressors": [TOVA, KIVI4]}
-    with pytest.raises(ConfigError, match=r"compressors\[0\]\.tova: expected a middle store with per-head slots.*"
+    stack = {"compressors": [{"snapkv": {"ratio": 0.5, "phase": "both", "sinks": 0, "recent": 16}}, KIVI4]}
+    with pytest.raises(ConfigError, match=r"compressors\[0\]\.snapkv: expected a middle store with per-head slots.*"
                                           r"got 'KiviStore in a dynamic cache'"):
         kvcompress.Cache(stack, model)
+    kvcompress.Cache(stack, model, max_cache_len=64)  # a static cache preallocates KIVI's store: accepted
     with pytest.raises(ConfigError, match=r"tova.*got 'PagedStore"):
         _paged_with_slots(model)
 
