@@ -115,16 +115,21 @@ def _steps(records, layer):
     return [r for i, r in records if i == layer]
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_mass_equals_eager_attention_probabilities_dense_middle(static):
-    model = tiny_model("llama")
+@pytest.mark.parametrize("arch,static", [("llama", False), ("llama", True), ("gemma2", False), ("gpt_oss", True)],
+                         ids=["dynamic", "static", "softcap-dynamic", "sink-logits-static"])
+def test_mass_equals_eager_attention_probabilities_dense_middle(arch, static):
+    """Gemma 2 soft-caps its logits, gpt-oss adds learned sink logits to each softmax (its eager attention returns
+    the probabilities of the tokens, the sink's share left out): the mass applies both as the model does."""
+    model = tiny_model(arch)
     ids = torch.randint(1, 256, (2, LENGTH), generator=torch.Generator().manual_seed(0))
     stack = parse_stack({"compressors": [{"observer": {}}]}, registry=_registry())
     records = _run(model, stack, ids, static)
     with eager(model), torch.no_grad():
         probs = model(ids, output_attentions=True).attentions  # per layer [b, hq, L, L]
     worst = 0.0
-    for layer in range(2):
+    layers = sorted({i for i, _ in records})
+    assert layers == ([0, 1] if arch == "llama" else [1])  # hybrids: only full-attention layers are compressed
+    for layer in layers:
         steps = _steps(records, layer)
         assert len(steps) == 1 + LENGTH - PROMPT
         p = probs[layer].float()
