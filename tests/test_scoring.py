@@ -274,32 +274,19 @@ def test_selector_with_a_per_head_evictor_is_refused():
 
 # ----------------------------------------------------------------------------- tiny models
 
+import test_compiled_decode as compiled_decode  # noqa: E402 - its prefill-then-steps runner
+
 SNAP = {"snapkv": {"ratio": 0.5, "sinks": 2, "recent": 8, "window": 8}}
 KIVI4 = {"kivi": {"bits": 4, "group": 16, "residual": 16}}
 PROMPT, STEPS = 48, 24
 
 
 def _ids(batch=2, length=PROMPT + STEPS, seed=0, pad=0):
-    ids = torch.randint(1, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
-    mask = torch.ones_like(ids)
-    if pad:
-        mask[0, :pad] = 0
-    return ids, mask
+    return compiled_decode._ids(batch, length, seed, pad)
 
 
 def _run(model, stack, ids, mask, *, static=False, compiled=False, prompt=PROMPT):
-    kw = {"max_cache_len": ids.shape[1] + 4} if static else {}
-    out = []
-    with kvcompress.compress(model, stack, **kw) as cache, torch.no_grad():
-        step = torch.compile(model.forward, backend="aot_eager", fullgraph=True) if compiled else model.forward
-        pos = (mask.cumsum(1) - 1).clamp(min=0)
-        first = model(ids[:, :prompt], attention_mask=mask[:, :prompt], position_ids=pos[:, :prompt], cache=cache)
-        out.append(first.logits[:, -1])
-        for t in range(prompt, ids.shape[1]):
-            o = step(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1].contiguous(),
-                     position_ids=pos[:, t:t + 1], cache=cache)
-            out.append(o.logits[:, -1])
-    return torch.stack(out).float(), cache
+    return compiled_decode._run(model, stack, ids, mask, static=static, compiled=compiled, prompt=prompt)
 
 
 @pytest.mark.parametrize("name,entries", [("snapkv", [SNAP]), ("knorm+kivi4", [
