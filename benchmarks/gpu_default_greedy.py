@@ -13,6 +13,7 @@ Prints, per stack and dtype, whether the compiled paths' tokens equal the eager 
 divergence), the number of compiled graphs and the max |logit difference| of the steps before any
 divergence.  Run on the GPU machine with kvcompress installed (benchmarks/gpu_eval.sh, phase ``greedy``):
     python benchmarks/gpu_default_greedy.py --out DIR [--steps 256] [--prompt 600] [--dtype bfloat16 float32]
+``--jobs N`` runs N stacks at once, one process each (each compile is mostly single-threaded host work).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import argparse
 import glob
 import json
 import os
+import subprocess
+import sys
 import time
 import traceback
 
@@ -67,9 +70,12 @@ def main() -> int:
     ap.add_argument("--stacks", nargs="*", default=None, help="stack files (default: examples/stacks/*.yaml)")
     ap.add_argument("--modes", nargs="+", default=["compiled", "graph"])
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--jobs", type=int, default=1, help="stacks run at once, one process each")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     files = args.stacks or sorted(glob.glob("examples/stacks/*.yaml"))
+    if args.jobs > 1 and len(files) > 1:
+        return run_jobs(args, files)
     rows = []
     for dtype_name in args.dtype:
         dtype = getattr(torch, dtype_name)
@@ -109,6 +115,36 @@ def main() -> int:
         if args.device == "cuda":
             torch.cuda.empty_cache()
     return 0 if all(r["ok"] for r in rows) else 1
+
+
+def run_jobs(args, files) -> int:
+    """One child process per stack file (``--jobs`` at a time); their rows merged into one JSON."""
+    pending, running, rows = list(files), [], []
+    while pending or running:
+        while pending and len(running) < args.jobs:
+            path = pending.pop(0)
+            sub = os.path.join(args.out, f"job-{os.path.basename(path)}")
+            cmd = [sys.executable, __file__, "--out", sub, "--steps", str(args.steps), "--prompt", str(args.prompt),
+                   "--device", args.device, "--dtype", *args.dtype, "--modes", *args.modes, "--stacks", path]
+            log = open(sub + ".log", "w")
+            running.append((path, sub, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+        time.sleep(1)
+        for item in [r for r in running if r[2].poll() is not None]:
+            running.remove(item)
+            path, sub, proc, log = item
+            log.close()
+            try:
+                with open(os.path.join(sub, "default_greedy.json")) as f:
+                    got = json.load(f)["rows"]
+            except (OSError, ValueError, KeyError):
+                got = [{"stack": os.path.basename(path), "ok": False, "error": f"child exit {proc.returncode}"}]
+            for row in got:
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+            with open(os.path.join(args.out, "default_greedy.json"), "w") as f:
+                json.dump({"torch": torch.__version__, "steps": args.steps, "prompt": args.prompt, "jobs": args.jobs,
+                           "rows": rows}, f, indent=1)
+    return 0 if all(r.get("ok") for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -38,6 +38,13 @@ run() {  # run NAME TIMEOUT CMD...: output to /tmp/res/NAME.log and the call's l
   timeout "$t" "$@" 2>&1 | grep -v "Warning\|warn(" | tee "/tmp/res/$name.log" | tail -40 >> "$OUT/log.txt"
   echo "== $name rc=${PIPESTATUS[0]}" | tee -a "$OUT/log.txt"
 }
+cli_compile() {  # generate and eval, eager and --compile, same tokens / windows (CLI_STACK, default kivi2)
+  local st=$S/${CLI_STACK:-kivi2}.yaml
+  for c in "" --compile; do
+    run "generate$c" 300 $K generate --device cuda --stack $st --max-new-tokens 64 $c "Explain what a KV cache is."
+    run "eval$c" 300 $E --stack $st --task ppl --samples 2 $c --json "/tmp/res/eval_ppl$c.json"
+  done
+}
 date -u | tee -a "$OUT/log.txt"
 case "$PHASE" in
   stage)
@@ -108,9 +115,13 @@ case "$PHASE" in
     ;;
   greedy)  # issue 16: default model, greedy tokens of compiled decode (reduce-overhead, GraphStep) vs eager
     model; install
-    run greedy ${GREEDY_S:-540} python benchmarks/gpu_default_greedy.py --out /tmp/res --steps ${STEPS:-256} \
+    run greedy ${GREEDY_S:-540} python benchmarks/gpu_default_greedy.py --out /tmp/res --steps ${STEPS:-256} --jobs ${JOBS:-1} \
       --dtype ${DTYPES:-bfloat16} --modes ${MODES:-compiled} --stacks ${GREEDY_STACKS:-$S/none.yaml $S/kivi2.yaml}
     cp /tmp/res/default_greedy.json "$OUT/" 2>/dev/null
+    [ -n "$CLI" ] && cli_compile
+    ;;
+  cli)  # issue 16: the CLI's --compile on CUDA (GraphStep inside generate and eval) against its eager run
+    model; install; cli_compile
     ;;
 esac
 tar czf "$OUT/res-$PHASE.tgz" -C /tmp/res . && date -u | tee -a "$OUT/log.txt"

@@ -1,18 +1,157 @@
 """Decode-step rows of kvcompress' own CUDA-graph replay (kvcompress.graphs.GraphStep) on the GPU machine:
     python benchmarks/gpu_graph_rows.py --stack kivi2 none --points 1x32768 8x16384 --out DIR
+    python benchmarks/gpu_graph_rows.py --stack none kivi4 paged-1024 --points 1x32768 --jobs 3 --out DIR
 Same measurement as benchmarks/e2e_decode.py (kvcompress.evaluation.e2e.measure_row), "graph" rows only:
 the Llama-3-8B shape with random bf16 weights, static cache, torch.compile(fullgraph=True) without CUDA-graph
-trees, captured once and replayed."""
+trees, captured once and replayed.
+
+``--jobs N`` prepares N stacks at once, one process each (compiling a 32-layer step takes ~130 s of
+mostly single-threaded host work, so one process per stack spreads it over the machine's cores).  The
+processes share one copy of the weights (built by the parent, passed to the workers as CUDA IPC tensors) and
+time one row at a time: each worker prefills, compiles and warms up, waits until every worker of the point
+is ready (or failed, or ``--ready-timeout`` passed), then takes a file lock for its timed and profiled
+steps, so no other process uses the GPU while a row is timed.  Rows are the same as those of a serial run.
+``--kind compiled`` measures reduce-overhead rows instead; ``--device cpu --shape tiny`` checks the
+machinery on the CPU (aot_eager, no graph)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
+import queue
+import sys
+import tempfile
+import time
 
 import torch
 
 from kvcompress.evaluation import e2e
+
+KEYS = ("label", "batch", "context", "wall_ms", "gpu_busy_ms", "wall_over_busy", "kernels_per_step", "compile_s",
+        "graphs", "cache_bytes", "error")
+
+
+class Turn:
+    """Barrier over ``n`` workers (ready files in ``folder``), then a file lock held while one row is timed."""
+
+    def __init__(self, folder: str, n: int, name: str, deadline: float):
+        self.folder, self.n, self.name, self.deadline = folder, n, name, deadline
+        self.fd = None
+
+    def mark_ready(self) -> None:
+        open(os.path.join(self.folder, f"ready.{self.name}"), "w").close()
+
+    def ready_count(self) -> int:
+        return sum(f.startswith("ready.") for f in os.listdir(self.folder))
+
+    @contextlib.contextmanager
+    def __call__(self):
+        self.mark_ready()
+        while self.ready_count() < self.n and time.time() < self.deadline:
+            time.sleep(0.25)
+        with open(os.path.join(self.folder, "lock"), "w") as fd:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def share(model) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer (persistent or not) of ``model`` by name: what a worker needs to rebuild it."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(dict(model.named_buffers(remove_duplicate=False)))
+    return {k: v.detach() for k, v in named.items()}
+
+
+def rebuild(shape: str, tensors: dict[str, torch.Tensor], dtype: torch.dtype):
+    """The model of ``e2e.random_model(shape)`` built on the meta device, then given ``tensors`` (no copy)."""
+    with torch.device("meta"):
+        model = e2e.random_model(shape, "meta", dtype)
+    for name, t in tensors.items():
+        owner, _, leaf = name.rpartition(".")
+        mod = model.get_submodule(owner)
+        if leaf in mod._parameters:
+            mod._parameters[leaf] = torch.nn.Parameter(t, requires_grad=False)
+        elif leaf in mod._buffers:
+            mod._buffers[leaf] = t
+        else:
+            raise KeyError(name)
+    left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+    if left:
+        raise RuntimeError(f"tensors not shared: {left[:5]}")
+    for mod in model.modules():  # plain tensor attributes (e.g. a rotary embedding's original_inv_freq)
+        for k, v in list(vars(mod).items()):
+            if isinstance(v, torch.Tensor) and v.is_meta:
+                ref = getattr(mod, k.removeprefix("original_"), None)
+                if isinstance(ref, torch.Tensor) and not ref.is_meta:
+                    setattr(mod, k, ref.clone())
+    return model
+
+
+def worker(args, name: str, tensors: dict[str, torch.Tensor], folder: str, n: int, deadline: float,
+           results) -> None:
+    turn = Turn(folder, n, name, deadline)
+    rows = []
+    try:
+        model = rebuild(args.shape, tensors, getattr(torch, args.dtype))
+        b, c = (int(x) for x in args.point.split("x"))
+        stack = e2e.resolve_stacks([name], model)[0]
+        label = f"{name} + compile" + (" + CUDA graph" if args.kind == "graph" else "")
+        row = e2e.measure_row(model, e2e.RowSpec(args.kind, label, stack), b, c, gate=turn)
+        rows.append(row)
+    except Exception as exc:  # noqa: BLE001 - report it as the row's error
+        rows.append({"label": name, "error": f"{type(exc).__name__}: {exc}"[:400]})
+    finally:
+        turn.mark_ready()  # a failed worker must not hold the others at the barrier
+        results.put(rows)
+
+
+def run_parallel(args, model, out_rows: list) -> None:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    tensors = share(model)
+    for point in args.points:
+        names = list(args.stack)
+        while names:
+            wave, names = names[:args.jobs], names[args.jobs:]
+            with tempfile.TemporaryDirectory() as folder:
+                results = ctx.Queue()
+                a = argparse.Namespace(**{**vars(args), "point": point})
+                deadline = time.time() + args.ready_timeout
+                procs = [ctx.Process(target=worker, args=(a, s, tensors, folder, len(wave), deadline, results))
+                         for s in wave]
+                for p in procs:
+                    p.start()
+                got = 0
+                while got < len(procs):
+                    try:
+                        rows = results.get(timeout=5)
+                    except queue.Empty:
+                        if not any(p.is_alive() for p in procs):
+                            break
+                        continue
+                    got += 1
+                    for row in rows:
+                        yield_row(args, row, out_rows)
+                for p in procs:
+                    p.join(timeout=30)
+                for s, p in zip(wave, procs):
+                    if p.exitcode not in (0, None) and not any(r.get("label", "").startswith(s) for r in out_rows):
+                        yield_row(args, {"label": s, "batch": point, "error": f"worker exit code {p.exitcode}"},
+                                  out_rows)
+
+
+def yield_row(args, row: dict, out_rows: list) -> None:
+    out_rows.append(row)
+    print(json.dumps({k: row.get(k) for k in KEYS}), flush=True)
+    with open(os.path.join(args.out, "graph_rows.json"), "w") as f:
+        json.dump({"environment": e2e.environment(torch.device(args.device)), "jobs": args.jobs,
+                   "rows": out_rows}, f, indent=1)
 
 
 def main() -> int:
@@ -20,23 +159,28 @@ def main() -> int:
     ap.add_argument("--stack", nargs="+", default=["kivi2"])
     ap.add_argument("--points", nargs="+", default=["1x32768"])
     ap.add_argument("--out", default="out")
+    ap.add_argument("--jobs", type=int, default=1, help="stacks prepared at once, one process each")
+    ap.add_argument("--kind", choices=("graph", "compiled"), default="graph")
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(e2e.SHAPES))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--ready-timeout", type=float, default=480.0,
+                    help="seconds after which a worker times its row even if others are not ready")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    model = e2e.random_model("llama3-8b", "cuda", torch.bfloat16)
-    rows = []
+    model = e2e.random_model(args.shape, args.device, getattr(torch, args.dtype))
+    rows: list = []
+    if args.jobs > 1:
+        run_parallel(args, model, rows)
+        return 0
     for point in args.points:
         b, c = (int(x) for x in point.split("x"))
         for name in args.stack:
             stack = e2e.resolve_stacks([name], model)[0]
-            row = e2e.measure_row(model, e2e.RowSpec("graph", f"{name} + compile + CUDA graph", stack), b, c)
-            rows.append(row)
-            print(json.dumps({k: row[k] for k in ("label", "batch", "context", "wall_ms", "gpu_busy_ms",
-                                                  "wall_over_busy", "kernels_per_step", "compile_s", "graphs",
-                                                  "cache_bytes", "error")}), flush=True)
-            with open(os.path.join(args.out, "graph_rows.json"), "w") as f:
-                json.dump({"environment": e2e.environment(torch.device("cuda")), "rows": rows}, f, indent=1)
+            label = f"{name} + compile" + (" + CUDA graph" if args.kind == "graph" else "")
+            yield_row(args, e2e.measure_row(model, e2e.RowSpec(args.kind, label, stack), b, c), rows)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -359,9 +359,12 @@ def _cleanup(device: torch.device) -> None:
 
 
 def measure_row(model: Any, spec: RowSpec, batch: int, ctx: int, *, steps: int = 32, warmup: int = 3,
-                profile_steps: int = 5, prefill_tokens: int = 32768, seed: int = 0) -> dict[str, Any]:
+                profile_steps: int = 5, prefill_tokens: int = 32768, seed: int = 0,
+                gate: Callable[[], contextlib.AbstractContextManager] | None = None) -> dict[str, Any]:
     """Prefill ``ctx`` random tokens per row, then warm-up, timed and profiled decode steps (module doc).
 
+    ``gate`` (optional) is entered after the warm-up steps and left after the profiled ones: a benchmark
+    that prepares several rows in parallel processes uses it to time one row at a time.
     Never raises for a failure of the row itself: the row's ``error`` says what happened.
     """
     from .runner import cache_memory, compile_options, graph_compile_options
@@ -410,6 +413,8 @@ def measure_row(model: Any, spec: RowSpec, batch: int, ctx: int, *, steps: int =
             if spec.compiled:
                 row["compile_s"] = row["warmup_s"]
             graphs_warm = _counter("stats", "unique_graphs")
+            if gate is not None:
+                scope.enter_context(gate())
             times = []
             for i in range(warmup, warmup + steps):
                 t0 = time.perf_counter()
