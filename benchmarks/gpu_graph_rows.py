@@ -31,7 +31,7 @@ import torch
 from kvcompress.evaluation import e2e
 
 KEYS = ("label", "batch", "context", "wall_ms", "gpu_busy_ms", "wall_over_busy", "kernels_per_step", "compile_s",
-        "graphs", "cache_bytes", "error")
+        "graphs", "cache_bytes", "timed_alone", "error")
 
 
 class Turn:
@@ -39,7 +39,7 @@ class Turn:
 
     def __init__(self, folder: str, n: int, name: str, deadline: float):
         self.folder, self.n, self.name, self.deadline = folder, n, name, deadline
-        self.fd = None
+        self.complete = None  # whether every worker was ready when this one was timed
 
     def mark_ready(self) -> None:
         open(os.path.join(self.folder, f"ready.{self.name}"), "w").close()
@@ -52,6 +52,7 @@ class Turn:
         self.mark_ready()
         while self.ready_count() < self.n and time.time() < self.deadline:
             time.sleep(0.25)
+        self.complete = self.ready_count() >= self.n
         with open(os.path.join(self.folder, "lock"), "w") as fd:
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
@@ -102,6 +103,7 @@ def worker(args, name: str, tensors: dict[str, torch.Tensor], folder: str, n: in
         stack = e2e.resolve_stacks([name], model)[0]
         label = f"{name} + compile" + (" + CUDA graph" if args.kind == "graph" else "")
         row = e2e.measure_row(model, e2e.RowSpec(args.kind, label, stack), b, c, gate=turn)
+        row["timed_alone"] = turn.complete
         rows.append(row)
     except Exception as exc:  # noqa: BLE001 - report it as the row's error
         rows.append({"label": name, "error": f"{type(exc).__name__}: {exc}"[:400]})
