@@ -8,7 +8,7 @@ trees, captured once and replayed.
 ``--jobs N`` prepares N stacks at once, one process each (compiling a 32-layer step takes ~130 s of
 mostly single-threaded host work, so one process per stack spreads it over the machine's cores).  The
 processes share one copy of the weights (built by the parent, passed to the workers as CUDA IPC tensors) and
-time one row at a time: each worker prefills, compiles and warms up, waits until every worker of the point
+prefill and time one row at a time: each worker prefills (one at a time), compiles and warms up, waits until every worker of the point
 is ready (or failed, or ``--ready-timeout`` passed), then takes a file lock for its timed and profiled
 steps, so no other process uses the GPU while a row is timed.  Rows are the same as those of a serial run.
 ``--kind compiled`` measures reduce-overhead rows instead; ``--device cpu --shape tiny`` checks the
@@ -35,7 +35,8 @@ KEYS = ("label", "batch", "context", "wall_ms", "gpu_busy_ms", "wall_over_busy",
 
 
 class Turn:
-    """Barrier over ``n`` workers (ready files in ``folder``), then a file lock held while one row is timed."""
+    """A file lock held while one worker prefills; for timing, first a barrier over ``n`` workers (ready files in
+    ``folder``), then the lock."""
 
     def __init__(self, folder: str, n: int, name: str, deadline: float):
         self.folder, self.n, self.name, self.deadline = folder, n, name, deadline
@@ -48,11 +49,12 @@ class Turn:
         return sum(f.startswith("ready.") for f in os.listdir(self.folder))
 
     @contextlib.contextmanager
-    def __call__(self):
-        self.mark_ready()
-        while self.ready_count() < self.n and time.time() < self.deadline:
-            time.sleep(0.25)
-        self.complete = self.ready_count() >= self.n
+    def __call__(self, phase: str):
+        if phase == "time":
+            self.mark_ready()
+            while self.ready_count() < self.n and time.time() < self.deadline:
+                time.sleep(0.25)
+            self.complete = self.ready_count() >= self.n
         with open(os.path.join(self.folder, "lock"), "w") as fd:
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:

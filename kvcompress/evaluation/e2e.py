@@ -360,11 +360,12 @@ def _cleanup(device: torch.device) -> None:
 
 def measure_row(model: Any, spec: RowSpec, batch: int, ctx: int, *, steps: int = 32, warmup: int = 3,
                 profile_steps: int = 5, prefill_tokens: int = 32768, seed: int = 0,
-                gate: Callable[[], contextlib.AbstractContextManager] | None = None) -> dict[str, Any]:
+                gate: Callable[[str], contextlib.AbstractContextManager] | None = None) -> dict[str, Any]:
     """Prefill ``ctx`` random tokens per row, then warm-up, timed and profiled decode steps (module doc).
 
-    ``gate`` (optional) is entered after the warm-up steps and left after the profiled ones: a benchmark
-    that prepares several rows in parallel processes uses it to time one row at a time.
+    ``gate`` (optional): ``gate("prefill")`` is entered around the prefill and ``gate("time")`` from the end of
+    the warm-up steps to the end of the profiled ones; a benchmark that prepares several rows in parallel
+    processes uses it to prefill and time one row at a time.
     Never raises for a failure of the row itself: the row's ``error`` says what happened.
     """
     from .runner import cache_memory, compile_options, graph_compile_options
@@ -399,10 +400,11 @@ def measure_row(model: Any, spec: RowSpec, batch: int, ctx: int, *, steps: int =
                 before = torch.cuda.memory_allocated(device)
             dec = _Decoder(model, spec, batch, capacity, scope)
             prompt = torch.randint(vocab, (batch, ctx), generator=torch.Generator().manual_seed(seed))
-            t0 = time.perf_counter()
-            dec.prefill(prompt, chunk)
-            _sync(device)
-            row["prefill_s"] = time.perf_counter() - t0
+            with gate("prefill") if gate is not None else contextlib.nullcontext():
+                t0 = time.perf_counter()
+                dec.prefill(prompt, chunk)
+                _sync(device)
+                row["prefill_s"] = time.perf_counter() - t0
             del prompt
             dec.prepare(ctx, total, vocab, seed)
             t0 = time.perf_counter()
@@ -414,7 +416,7 @@ def measure_row(model: Any, spec: RowSpec, batch: int, ctx: int, *, steps: int =
                 row["compile_s"] = row["warmup_s"]
             graphs_warm = _counter("stats", "unique_graphs")
             if gate is not None:
-                scope.enter_context(gate())
+                scope.enter_context(gate("time"))
             times = []
             for i in range(warmup, warmup + steps):
                 t0 = time.perf_counter()
