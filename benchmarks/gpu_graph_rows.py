@@ -60,6 +60,9 @@ class Turn:
             try:
                 yield
             finally:
+                if phase == "prefill" and torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()  # give the prefill's transient blocks back to the other workers
                 fcntl.flock(fd, fcntl.LOCK_UN)
 
 
@@ -104,7 +107,8 @@ def worker(args, name: str, tensors: dict[str, torch.Tensor], folder: str, n: in
         b, c = (int(x) for x in args.point.split("x"))
         stack = e2e.resolve_stacks([name], model)[0]
         label = f"{name} + compile" + (" + CUDA graph" if args.kind == "graph" else "")
-        row = e2e.measure_row(model, e2e.RowSpec(args.kind, label, stack), b, c, gate=turn)
+        row = e2e.measure_row(model, e2e.RowSpec(args.kind, label, stack), b, c, gate=turn,
+                              prefill_tokens=args.prefill_tokens)
         row["timed_alone"] = turn.complete
         rows.append(row)
     except Exception as exc:  # noqa: BLE001 - report it as the row's error
@@ -168,6 +172,7 @@ def main() -> int:
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(e2e.SHAPES))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prefill-tokens", type=int, default=32768, help="tokens per prefill chunk over the batch")
     ap.add_argument("--ready-timeout", type=float, default=480.0,
                     help="seconds after which a worker times its row even if others are not ready")
     args = ap.parse_args()
@@ -182,7 +187,8 @@ def main() -> int:
         for name in args.stack:
             stack = e2e.resolve_stacks([name], model)[0]
             label = f"{name} + compile" + (" + CUDA graph" if args.kind == "graph" else "")
-            yield_row(args, e2e.measure_row(model, e2e.RowSpec(args.kind, label, stack), b, c), rows)
+            yield_row(args, e2e.measure_row(model, e2e.RowSpec(args.kind, label, stack), b, c,
+                                            prefill_tokens=args.prefill_tokens), rows)
     return 0
 
 
