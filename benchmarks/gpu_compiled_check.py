@@ -88,11 +88,11 @@ def main() -> int:
     ap.add_argument("--out", default="out")
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--only", default="")
+    ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 greedy comparison")
+    args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dev = "cuda"
     results = []
-    ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 greedy comparison")
-    args = ap.parse_args()
     names = [n for n in (*STACKS, *ISSUE17) if not args.only or n in args.only.split(",")]
     fp32 = tiny_model("llama").to(dev)
     bf16 = tiny_model("llama").to(dev, torch.bfloat16)
