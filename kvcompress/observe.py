@@ -160,9 +160,10 @@ def attention_mass(query: torch.Tensor, segments: Sequence[Segment], q_positions
             sel = seg.select.unsqueeze(2)
             m = m & (sel if heads is None else sel.index_select(1, heads))
         s = s.masked_fill(~m, float("-inf"))
-        if heads is not None:
-            full = s.new_full((b, kv_heads, group, q_len, t), float("-inf"))
-            s = full.index_copy(1, heads, s)
+        if heads is not None:  # spread the segment's heads over all kv heads (-inf elsewhere), functionally
+            onehot = heads.view(-1, 1) == torch.arange(kv_heads, device=heads.device).view(1, -1)  # [n, kv_heads]
+            src = onehot.to(torch.int32).argmax(0)
+            s = torch.where(onehot.any(0).view(1, -1, 1, 1, 1), s.index_select(1, src), float("-inf"))
         scores.append(s)
     s = torch.cat(scores, dim=-1)
     if sink_logits is not None:

@@ -400,7 +400,11 @@ class StaticLayer:
                     out["new"] = parts[-1]
                 else:  # the decode step's token was read from its ring slot
                     out["new"] = out["recent"].index_select(-1, decode_slot)
-                    out["recent"] = out["recent"].index_fill(-1, decode_slot, 0.0)
+                    width = out["recent"].shape[-1]
+                    hit = torch.arange(width, device=decode_slot.device).view(-1, 1) == decode_slot.view(1, -1)
+                    # masked_fill, not index_fill: torch 2.11's functionalization turns an out-of-place index_fill of a
+                    # view into a copy_ into a fresh tensor, which AOT autograd then refuses (Inductor, CUDA)
+                    out["recent"] = out["recent"].masked_fill(hit.any(-1), 0.0)
                 return out
 
             obs._mass_fn = mass
