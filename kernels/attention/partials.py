@@ -8,10 +8,14 @@ equal to :func:`~.reference.segment_attention`, the oracle it is tested against.
 
 On CUDA, for a single query position (decode: every stored token precedes the
 query, so only ``valid`` masks keys), every full-precision segment without a
-read-time selection - sinks, window, new tokens and LeanK lanes (``Segment.channels``:
-the query is gathered to each head's kept channels) - is read by ONE launch of the
+read-time selection - sinks, window, new tokens, LeanK lanes (``Segment.channels``:
+the query is gathered to each head's kept channels) and low-rank lanes (a projecting
+``qmap``: the projected query ``q U`` is appended to the query as extra columns and the
+lane's channels point at them, :func:`_split_lanes`) - is read by ONE launch of the
 grouped split-KV kernel (:mod:`kvcompress.kernels.leank`), when its capability check
-accepts them.  CPU behaviour is the reference path below, unchanged.
+accepts them (query width up to 256 columns; low-rank lanes that do not fit, and lanes
+with an output map ``vmap``, take the PyTorch partial).  CPU behaviour is the reference
+path below, unchanged.
 
 Attention variants (see :mod:`.reference`): ``softcap`` goes to every partial (each kernel caps its own
 scores; a packed region whose ``attention_partial`` does not declare ``supports_softcap`` is read through the
@@ -37,28 +41,73 @@ def _kv_heads(segments: Sequence[Segment]) -> int:
     return max(int(s.heads.max()) + 1 for s in segments)
 
 
+def _readable(seg: Segment) -> bool:
+    """Full precision, no read-time selection, no output map: what the grouped kernel can read."""
+    return seg.packed is None and seg.select is None and seg.k is not None and seg.vmap is None
+
+
+def _projects(seg: Segment) -> bool:
+    """A low-rank lane: the query map projects (``q U``) instead of gathering channels."""
+    return _readable(seg) and seg.qmap is not None and seg.channels is None
+
+
 def _lane_of(seg: Segment):
-    """The segment as a grouped-kernel lane ``(heads, channels, k, v, valid)``, or ``None`` if it is not one."""
-    if seg.packed is not None or seg.select is not None or seg.k is None:
-        return None
-    if (seg.qmap is not None and seg.channels is None) or seg.vmap is not None:  # a projection
+    """The segment as a grouped-kernel lane ``(heads, channels, k, v, valid)`` over the model's query, or ``None``
+    if it is not one (a projecting segment is a lane over an extended query only: :func:`_split_lanes`)."""
+    if not _readable(seg) or _projects(seg):
         return None
     return (seg.heads, seg.channels, seg.k, seg.v, seg.valid)
 
 
-def _split_lanes(segments: Sequence[Segment]) -> tuple[list, list[Segment]]:
-    """(grouped-kernel lanes, the other segments)."""
-    lanes, rest = [], []
+def _split_lanes(q5: torch.Tensor, segments: Sequence[Segment], max_width: int):
+    """``(query [B, Hkv, M, D + R], lanes, their segments, the other segments)`` for one grouped launch.
+
+    Channel-gather and dense segments are lanes over the model's query.  A projecting segment (low-rank keys,
+    ``qmap`` without ``channels``) becomes a lane too: its projected query ``qmap(q)`` (``[B, h, M, r]``, on its
+    heads' rows, zeros on the others) is appended to the query as ``r`` more columns and the lane's channels
+    point at them, so the kernel's channel gather reads ``q U`` against the stored coordinates (the other lanes
+    then name their channels too: dense ones the first ``D`` columns).  Projecting segments are taken in order
+    while the query stays within ``max_width`` columns and the map returns the query's dtype and the
+    coordinates' width; the others stay with the PyTorch partial.  Decided from shapes and dtypes only (the same
+    decision for every call of one shape: nothing read from the device)."""
+    b, hkv, group, q_len, d = q5.shape
+    m = group * q_len
+    query = q5.reshape(b, hkv, m, d)
+    lanes, lane_segments, rest, extra = [], [], [], []
+    width = d
     for seg in segments:
         lane = _lane_of(seg)
-        (rest if lane is None else lanes).append(seg if lane is None else lane)
-    return lanes, rest
+        if lane is None and _projects(seg) and width + seg.k.shape[-1] <= max_width:
+            h, r = seg.k.shape[1], seg.k.shape[-1]
+            qs = seg.qmap(q5 if seg.heads is None else q5.index_select(1, seg.heads))
+            if tuple(qs.shape) == (b, h, group, q_len, r) and qs.dtype == query.dtype:
+                qs = qs.reshape(b, h, m, r)
+                if seg.heads is not None:  # the kernel reads the query by kv head: place the lane's rows there
+                    full = qs.new_zeros(b, hkv, m, r)
+                    full[:, seg.heads] = qs
+                    qs = full
+                extra.append(qs)
+                channels = torch.arange(width, width + r, device=query.device).view(1, r).expand(h, r)
+                lane = (seg.heads, channels, seg.k, seg.v, seg.valid)
+                width += r
+        if lane is None:
+            rest.append(seg)
+        else:
+            lanes.append(lane)
+            lane_segments.append(seg)
+    if extra:
+        query = torch.cat([query, *extra], dim=-1)
+        # a lane without channels reads the whole query; over the extended query it names its d columns instead
+        model_columns = torch.arange(d, device=query.device).view(1, d)
+        lanes = [lane if lane[1] is not None else (lane[0], model_columns.expand(lane[2].shape[1], d), *lane[2:])
+                 for lane in lanes]
+    return query, lanes, lane_segments, rest
 
 
 def _lanes_length(segments: Sequence[Segment]) -> torch.Tensor | None:
     """One bound for a launch over these lane segments: the largest :attr:`Segment.length`, or ``None``
     (no bound) when any segment has none."""
-    lengths = [seg.length for seg in segments if _lane_of(seg) is not None]
+    lengths = [seg.length for seg in segments]
     if not lengths or any(n is None for n in lengths):
         return None
     out = lengths[0]
@@ -67,29 +116,32 @@ def _lanes_length(segments: Sequence[Segment]) -> torch.Tensor | None:
     return out
 
 
-def _fused_dense(query4: torch.Tensor, segments: Sequence[Segment], q_len: int, scale: float,
-                 fused: bool | None = None, impl: str | None = None, softcap: float | None = None):
-    """CUDA decode: ``(partial, remaining segments)`` with the full-precision lanes read in one launch."""
+def _has_lanes(segments: Sequence[Segment]) -> bool:
+    return any(_lane_of(seg) is not None or _projects(seg) for seg in segments)
+
+
+def _fused_dense(q5: torch.Tensor, segments: Sequence[Segment], scale: float, fused: bool | None = None,
+                 impl: str | None = None, softcap: float | None = None):
+    """CUDA decode: ``(partial, remaining segments)`` with the full-precision lanes (low-rank ones included)
+    read in one launch.  ``q5``: the grouped query ``[B, Hkv, group, q_len, D]``."""
+    q_len = q5.shape[3]
     if impl is not None:  # chosen when the cache was built: the registered op, nothing decided here
-        if impl == "reference" or q_len != 1:
-            return None, segments
-        lanes, rest = _split_lanes(segments)
-        if not lanes:
+        if impl == "reference" or q_len != 1 or not _has_lanes(segments):
             return None, segments
         from kvcompress.kernels import leank
         from kvcompress.kernels.leank import triton_kernel
 
-        if not triton_kernel.supports(query4, lanes):  # shapes only: decided at trace time
+        query4, lanes, lane_segments, rest = _split_lanes(q5, segments, triton_kernel.MAX_DIM)
+        if not lanes or not triton_kernel.supports(query4, lanes):  # shapes only: decided at trace time
             return None, segments
-        return leank.grouped_partial_attention(query4, lanes, scale, impl=impl, length=_lanes_length(segments),
+        return leank.grouped_partial_attention(query4, lanes, scale, impl=impl, length=_lanes_length(lane_segments),
                                                softcap=softcap), rest
     if fused is False:
         return None, segments
     mode = "triton" if fused else os.environ.get("KVCOMPRESS_KERNELS", "auto")  # "triton" forces it
-    if q_len != 1 or mode == "reference" or not (query4.is_cuda or mode == "triton"):
+    if q_len != 1 or mode == "reference" or not (q5.is_cuda or mode == "triton"):
         return None, segments
-    lanes, rest = _split_lanes(segments)
-    if not lanes:
+    if not _has_lanes(segments):
         return None, segments
     from kvcompress.kernels import leank
 
@@ -97,7 +149,8 @@ def _fused_dense(query4: torch.Tensor, segments: Sequence[Segment], q_len: int, 
         return None, segments
     from kvcompress.kernels.leank import triton_kernel
 
-    if not triton_kernel.supports(query4, lanes):
+    query4, lanes, lane_segments, rest = _split_lanes(q5, segments, triton_kernel.MAX_DIM)
+    if not lanes or not triton_kernel.supports(query4, lanes):
         return None, segments
     return triton_kernel.grouped_partial_attention(query4, lanes, scale, softcap=softcap), rest
 
@@ -127,8 +180,7 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
     parts = []
     impls = impls or {}
     softcap = softcap or None
-    fused, segments = _fused_dense(q5.reshape(b, kv_heads, m_rows, d), segments, q_len, scale, fused,
-                                   impls.get("lanes_partial"), softcap)
+    fused, segments = _fused_dense(q5, segments, scale, fused, impls.get("lanes_partial"), softcap)
     if fused is not None:
         parts.append(fused)
     for seg in segments:
