@@ -334,7 +334,29 @@ def add_store_bytes(out: dict[str, int], middle: Any, state: dict[str, Any]) -> 
     if middle is not None:
         for key, n in middle.nbytes().items():
             out[key] = out.get(key, 0) + n
+    seen: set = set()
     for key, value in state.items():
         if hasattr(value, "nbytes"):
             out[f"state:{key}"] = value.nbytes()
+        else:  # plain containers: the tensors in them (each storage once)
+            n = _container_bytes(value, seen)
+            if n:
+                out[f"state:{key}"] = n
+    index = _container_bytes(getattr(middle, "index_tensors", list)(), seen)  # not already in a compressor's state
+    if index:
+        out["middle"] = out.get("middle", 0) + index
     return out
+
+
+def _container_bytes(value: Any, seen: set) -> int:
+    if isinstance(value, torch.Tensor):
+        key = (value.untyped_storage().data_ptr(), value.device)
+        if key in seen:
+            return 0
+        seen.add(key)
+        return value.untyped_storage().nbytes()
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_container_bytes(v, seen) for v in value)
+    return 0

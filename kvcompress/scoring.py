@@ -121,7 +121,7 @@ class ScoreState:
             self.target.copy_(self._initial)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.scores, self.target) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.scores, self.target, self._initial) if t is not None)
 
 
 class ScoreEvictor(Compressor):

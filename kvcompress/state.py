@@ -732,3 +732,7 @@ class DenseStore(MiddleStore):
 
     def nbytes(self) -> dict[str, int]:
         return {"middle": sum(buf.nbytes() for _, buf in self.lanes or [])}
+
+    def index_tensors(self) -> list[torch.Tensor]:
+        """The lanes' head / channel index tensors (a pruner's per-layer choice, which its state may share)."""
+        return [t for group, _ in self.lanes or [] for t in (group.heads, group.channels) if isinstance(t, torch.Tensor)]

@@ -174,8 +174,8 @@ class LabelCache:
                 self.aux = fn(self.aux)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.data, self.aux, self.valid_mask, self.positions)
-                   if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.channels, self.data, self.aux, self.valid_mask,
+                                                          self.positions) if t is not None)
 
 
 class StaticLabelCache:
@@ -248,8 +248,8 @@ class StaticLabelCache:
         self.ring.reset()
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.data, self.aux, self.ring.valid, self.ring.pos)
-                   if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.channels, self.data, self.aux, self.ring.valid,
+                                                          self.ring.pos) if t is not None)
 
 
 class DoubleSparseCompressor(Compressor):

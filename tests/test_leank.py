@@ -61,9 +61,10 @@ def test_regrouped_storage_and_zero_count_heads_hold_no_values(tmp_path):
     middle = 100 - 3 - 24 - (100 - 3 - 24) % 8  # flushed tokens
     assert layer1.middle.num_tokens == middle
     # real bytes (fp32): layer 0 holds K 2 heads x 8 channels + V 2 x 16; layer 1 K 1 x 16 + V 1 x 16;
-    # each lane also keeps a validity byte and a position (int64) per token
+    # each lane also keeps a validity byte and a position (int64) per token, and its head and channel indices
+    # (int64): layer 0 heads [2] + channels [2, 8], layer 1 heads [1] + channels [1, 16]
     held = cache.memory_report().segments["middle"]
-    assert held == middle * (4 * (2 * 8 + 2 * 16 + 16 + 16) + 2 * (1 + 8))
+    assert held == middle * (4 * (2 * 8 + 2 * 16 + 16 + 16) + 2 * (1 + 8)) + 8 * (2 + 16 + 1 + 16)
 
 
 def test_rope_mask_source_matches_oracle_with_the_same_mask():
