@@ -143,13 +143,35 @@ def partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
         ``(out [B, Hkv, M, Dv] float32, lse [B, Hkv, M] float32)``; rows with no visible key get
         ``lse = -inf`` and a zero output.
     """
-    s = soft_cap(torch.einsum("bhmd,bhtd->bhmt", query.float(), k.float()) * scale, softcap)
+    k, v = k.float(), v.float()
+    step = rows_per_chunk(query.shape[0], query.shape[1], query.shape[2], k.shape[2])
+    if step < query.shape[2]:  # many query rows (a prefill chunk over a long cache): bound the score tensor
+        outs, lses = [], []
+        for m0 in range(0, query.shape[2], step):
+            n = min(step, query.shape[2] - m0)
+            rows = mask if mask is None or mask.dim() < 2 or mask.shape[-2] == 1 else mask.narrow(-2, m0, n)
+            o, l = partial_attention(query[:, :, m0:m0 + step], k, v, rows, scale, softcap)
+            outs.append(o)
+            lses.append(l)
+        return torch.cat(outs, 2), torch.cat(lses, 2)
+    s = soft_cap(torch.einsum("bhmd,bhtd->bhmt", query.float(), k) * scale, softcap)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     finite = torch.isfinite(lse)
     p = torch.exp(s - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
-    return torch.einsum("bhmt,bhtd->bhmd", p, v.float()), lse
+    return torch.einsum("bhmt,bhtd->bhmd", p, v), lse
+
+
+#: most float32 scores a reference partial materializes at once (1 GiB); more query rows are read in chunks
+SCORE_ELEMENTS = 1 << 28
+
+
+def rows_per_chunk(batch: int, heads: int, rows: int, tokens: int) -> int:
+    """Query rows per chunk so that a ``[batch, heads, rows, tokens]`` score tensor stays within
+    :data:`SCORE_ELEMENTS` (all ``rows`` when it fits; at least one).  Shapes only: fixed in a compiled step."""
+    per_row = max(1, batch * heads * tokens)
+    return max(1, min(rows, SCORE_ELEMENTS // per_row))
 
 
 def merge_partials(parts: Sequence[tuple[torch.Tensor, torch.Tensor]],

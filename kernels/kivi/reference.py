@@ -275,16 +275,10 @@ def kivi_attention_partial(query: torch.Tensor, packed: PackedKV, scale: float, 
         zero output where no key is valid).  Merge regions with
         :func:`kvcompress.kernels.attention.reference.merge_partials`.
     """
-    from kvcompress.kernels.attention.reference import soft_cap
+    from kvcompress.kernels.attention.reference import partial_attention
 
-    k, v = packed.dequantize()
-    s = soft_cap(torch.einsum("bhmd,bhtd->bhmt", query.float(), k) * scale, softcap)
-    s = s.masked_fill(~packed.live_valid()[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    finite = torch.isfinite(lse)
-    p = torch.exp(s - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
-    out = torch.einsum("bhmt,bhtd->bhmd", p, v)
-    return out, lse
+    k, v = packed.dequantize()  # once; many query rows (a prefill chunk) are then read in bounded chunks
+    return partial_attention(query, k, v, packed.live_valid()[:, None, None, :], scale, softcap)
 
 
 def bits_per_element(bits: int, group: int) -> float:
