@@ -163,10 +163,12 @@ def run_model_case(shared: bool) -> dict:
     from reference import decode_chunks, streamed_logits
 
     model = tiny_model("llama", layers=3)
-    ids = torch.randint(1, 256, (1, 70), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(1, 256, (1, 56), generator=torch.Generator().manual_seed(3))
     stack = kvcompress.parse_stack({"compressors": [{"double_sparse": dict(
         channels="random", r=8, k=12, sinks=2, window=4, dense_layers=1, label_bits=4, group_shared=shared)}]})
-    chunks = decode_chunks(40, 70, extra=[(50, 3)])
+    # prefill (dense), 8 selecting steps (34+ middle tokens > k), a 3-token chunk (dense) that moves 3 tokens into the
+    # label cache at once, 5 selecting steps after it
+    chunks = decode_chunks(40, 56, extra=[(48, 3)])
 
     def run(mode):
         os.environ["KVCOMPRESS_KERNELS"] = mode
