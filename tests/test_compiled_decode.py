@@ -23,6 +23,8 @@ from reference import masked_logits, window_visibility
 
 PROMPT, STEPS = 40, 100
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny single-token steps (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def model():
@@ -67,6 +69,12 @@ STACKS = {
 }
 
 
+# Stacks whose compiled step is checked.  "kivi2" alone is left out: five other stacks run its store (2-bit, group 16,
+# residual 16) with the same flush schedule, without an evictor ("double_sparse-shared+kivi2": selection only) and
+# with one ("window+kivi2": the same steps as "kivi2" until its window starts evicting); it stays in the eager checks.
+COMPILED = [name for name in STACKS if name != "kivi2"]
+
+
 def _stack(name, basis):
     entries = [{"lowrank": {"basis": basis, "sinks": 4, "recent": 24, "flush": 16}} if e == "lowrank" else e
                for e in STACKS[name]]
@@ -98,7 +106,7 @@ def _run(model, stack, ids, mask, *, static=True, compiled=False, prompt=PROMPT)
     return torch.stack(out).float(), cache
 
 
-@pytest.mark.parametrize("name", list(STACKS))
+@pytest.mark.parametrize("name", COMPILED)
 def test_compiled_decode_equals_eager_within_two_graphs(model, lowrank_basis, name):
     stack = _stack(name, lowrank_basis)
     ids, mask = _ids(pad=3)
