@@ -10,11 +10,13 @@ must fail.  On a GPU (marker ``gpu``) the kernel itself runs against the referen
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import shutil
 import subprocess
 import sys
 import types
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
@@ -77,22 +79,56 @@ def check(out, lse, ref_out, ref_lse, m, dv):
 # ----------------------------------------------------------------------------- compile (no GPU needed)
 
 
-_REPORTS: dict[tuple, str] = {}  # ptxas reports of the builds compiled so far in this session
+# the cubin builds each compile test below asks for: (bits, dk, dv, arch, min_blocks, kfold, vfold, probe)
+_PROBED = (2, 128, 128, "90a", 4, 0, 0, 0)  # the timing probes' real kernel (the sm_90a test's r4 build)
+_SM80 = [(2, 128, 128, "80", 1, 0, 0, 0), (4, 64, 128, "80", 1, 1, 0, 0), (2, 128, 64, "80", 1, 2, 1, 0)]
+_BUILDS_OF = {
+    "test_cuda_source_compiles_for_sm90a_without_spills":
+        lambda bits, dk, dv, min_blocks: [(bits, dk, dv, "90a", min_blocks, 0, 0, 0)],
+    "test_timing_probe_builds_compile": lambda probe: [_PROBED, (*_PROBED[:-1], probe)],
+    "test_cuda_source_compiles_for_sm80": lambda: _SM80,
+    "test_kfold_source_compiles_for_sm90a_without_spills":
+        lambda bits, dk, dv, min_blocks, kfold, vfold: [(bits, dk, dv, "90a", min_blocks, kfold, vfold, 0)],
+}
 
 
-def _ptxas_report(bits: int, dk: int, dv: int, arch: str, tmp_path, min_blocks: int = 1, kfold: int = 0,
-                  vfold: int = 0, probe: int = 0) -> str:
-    """ptxas' report (-v) of one cubin build.  A build is compiled once per session: a test asking for a build that
-    another test already compiled (the timing-probe test's real kernel is the sm_90a test's r4 build) reads its
-    report."""
-    key = (bits, dk, dv, arch, min_blocks, kfold, vfold, probe)
-    if key not in _REPORTS:
-        _REPORTS[key] = _compile_report(bits, dk, dv, arch, tmp_path, min_blocks, kfold, vfold, probe)
-    return _REPORTS[key]
+@pytest.fixture(scope="module")
+def ptxas(request, tmp_path_factory):
+    """``ptxas(bits, dk, dv, arch, min_blocks=1, kfold=0, vfold=0, probe=0)``: ptxas' report (-v) of that cubin build.
+
+    nvcc compiles a build on one core and pytest runs the tests one after another, so the first compile test starts
+    every build the selected compile tests ask for (_BUILDS_OF), as many at a time as there are cores, in the tests'
+    order; each test then waits for its own builds, and fails with its build's error as before.  A build is compiled
+    once (the timing-probe tests' real kernel is the sm_90a test's r4 build)."""
+    if not ck.nvcc_path():
+        pytest.skip("nvcc not on the PATH")
+    out = tmp_path_factory.mktemp("cubins")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    pool = ThreadPoolExecutor(max_workers=max(1, min(4, cores)))
+    builds: dict[tuple, Future] = {}
+
+    def start(key: tuple) -> Future:
+        if key not in builds:
+            builds[key] = pool.submit(_compile_report, out, *key)
+        return builds[key]
+
+    for item in request.session.items:
+        builds_of = _BUILDS_OF.get(getattr(item, "originalname", None))
+        if builds_of is not None and getattr(item, "module", None) is request.module:
+            params = item.callspec.params if hasattr(item, "callspec") else {}
+            for key in builds_of(**params):
+                start(key)
+
+    def report(bits: int, dk: int, dv: int, arch: str, min_blocks: int = 1, kfold: int = 0, vfold: int = 0,
+               probe: int = 0) -> str:
+        return start((bits, dk, dv, arch, min_blocks, kfold, vfold, probe)).result()
+
+    yield report
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _compile_report(bits, dk, dv, arch, tmp_path, min_blocks, kfold, vfold, probe) -> str:
-    out = tmp_path / f"k{bits}_{dk}_{dv}_{arch}_{min_blocks}_{kfold}_{vfold}_{probe}.cubin"
+def _compile_report(out_dir, bits, dk, dv, arch, min_blocks, kfold, vfold, probe) -> str:
+    out = out_dir / f"k{bits}_{dk}_{dv}_{arch}_{min_blocks}_{kfold}_{vfold}_{probe}.cubin"
     cmd = [ck.nvcc_path(), "-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-cubin",
            f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v", f"-DKIVI_BITS={bits}",
            f"-DKIVI_DK={dk}", f"-DKIVI_DV={dv}", f"-DKIVI_MIN_BLOCKS={min_blocks}", f"-DKIVI_KFOLD={kfold}", f"-DKIVI_VFOLD={vfold}", f"-DKIVI_PROBE={probe}", "-o", str(out), str(ck.SOURCE)]
@@ -108,10 +144,8 @@ _COMPILED = [(2, 128, 128), (4, 128, 128), (2, 64, 64), (4, 64, 128)]
 @pytest.mark.parametrize("bits,dk,dv,min_blocks",
                          [(*d, mb) for d in _COMPILED for mb in (1, ck.DEFAULT_CONFIG["min_blocks"])]
                          + [(2, 128, 128, 5), (2, 64, 64, 5)])  # the r5 variant (<= 102 registers) at 2 bits
-def test_cuda_source_compiles_for_sm90a_without_spills(bits, dk, dv, min_blocks, tmp_path):
-    if not ck.nvcc_path():
-        pytest.skip("nvcc not on the PATH")
-    report = _ptxas_report(bits, dk, dv, "90a", tmp_path, min_blocks)
+def test_cuda_source_compiles_for_sm90a_without_spills(bits, dk, dv, min_blocks, ptxas):
+    report = ptxas(bits, dk, dv, "90a", min_blocks)
     entries = re.findall(r"Compiling entry function '(\w+)' for 'sm_90a'", report)
     kernels = [e for e in entries if "kivi_v3_kernel" in e]
     assert len(kernels) == 3, entries  # pipeline depth 2, 3, 4
@@ -124,13 +158,11 @@ def test_cuda_source_compiles_for_sm90a_without_spills(bits, dk, dv, min_blocks,
 
 
 @pytest.mark.parametrize("probe", [1, 2, 3])
-def test_timing_probe_builds_compile(probe, tmp_path):
+def test_timing_probe_builds_compile(probe, ptxas):
     """benchmarks/gpu_kivi_profile.py's leave-one-stage-out builds (-DKIVI_PROBE) compile for sm_90a, and a probe
     build uses fewer registers than the real kernel (it does strictly less work)."""
-    if not ck.nvcc_path():
-        pytest.skip("nvcc not on the PATH")
-    real = max(int(r) for r in re.findall(r"Used (\d+) registers", _ptxas_report(2, 128, 128, "90a", tmp_path, 4)))
-    report = _ptxas_report(2, 128, 128, "90a", tmp_path, 4, probe=probe)
+    real = max(int(r) for r in re.findall(r"Used (\d+) registers", ptxas(*_PROBED)))
+    report = ptxas(*_PROBED[:-1], probe=probe)
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
     assert regs and max(regs) < real
 
@@ -141,24 +173,19 @@ def test_probe_is_never_a_default_and_is_validated():
         ck.build(2, 128, 128, 4, probe=4)
 
 
-def test_cuda_source_compiles_for_sm80(tmp_path):
-    if not ck.nvcc_path():
-        pytest.skip("nvcc not on the PATH")
-    _ptxas_report(2, 128, 128, "80", tmp_path)
-    _ptxas_report(4, 64, 128, "80", tmp_path, kfold=1)
-    _ptxas_report(2, 128, 64, "80", tmp_path, kfold=2, vfold=1)
+def test_cuda_source_compiles_for_sm80(ptxas):
+    for build in _SM80:  # (2, 128, 128); (4, 64, 128) kfold 1; (2, 128, 64) kfold 2 + vfold
+        ptxas(*build)
 
 
 @pytest.mark.parametrize("bits,dk,dv,min_blocks,kfold,vfold",
                          [(b, k, v, ck.DEFAULT_CONFIG["min_blocks"], kf, vf) for b in (2, 4) for k in (64, 128)
                           for v in (64, 128) for kf, vf in ((1, 0), (2, 0), (0, 1), (1, 1), (2, 1))]
                          + [(2, 128, 128, 1, 1, 0), (2, 128, 128, 1, 2, 0), (2, 128, 128, 1, 1, 1)])
-def test_kfold_source_compiles_for_sm90a_without_spills(bits, dk, dv, min_blocks, kfold, vfold, tmp_path):
+def test_kfold_source_compiles_for_sm90a_without_spills(bits, dk, dv, min_blocks, kfold, vfold, ptxas):
     """The key-scale-fold / value-fold builds (-DKIVI_KFOLD=1 / 2, -DKIVI_VFOLD=1) for every (bits, Dk, Dv): no
     spills within the register cap."""
-    if not ck.nvcc_path():
-        pytest.skip("nvcc not on the PATH")
-    report = _ptxas_report(bits, dk, dv, "90a", tmp_path, min_blocks, kfold=kfold, vfold=vfold)
+    report = ptxas(bits, dk, dv, "90a", min_blocks, kfold=kfold, vfold=vfold)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), report
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
