@@ -225,10 +225,19 @@ def test_budget_holds_memory_flat_while_decoding(registry, model, basis, name):
     assert end.cache_bytes < end.dense_native_bytes / 4
 
 
+#: compressors whose compiled static decode step is already checked against eager, with longer runs crossing their
+#: flush / eviction / selection events (CI time: each compile costs seconds)
+COMPILED_ELSEWHERE = {name: "tests/test_compiled_decode.py" for name in
+                      ("window", "kivi", "leank", "lowrank", "paged_eviction", "double_sparse")}
+COMPILED_ELSEWHERE.update({name: "tests/test_bounded_decode.py" for name in ("tova", "expected_attention")})
+
+
 @names
 def test_compiled_decode_equals_eager(registry, model, basis, name):
     """The static cache's decode step under torch.compile(fullgraph=True, aot_eager): one graph, eager's logits.  A
     compressor that does not declare ``graph_safe`` gets a dynamic cache instead, with one warning naming it."""
+    if name in COMPILED_ELSEWHERE:
+        pytest.skip(f"compiled = eager over 100+ steps across its events in {COMPILED_ELSEWHERE[name]}")
     stack = _stack(registry, name, basis)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
