@@ -34,6 +34,8 @@ class MemoryReport:
     batch: int
     dense_native_bytes: int = 0
     native_dtype: str = "float16"
+    #: tensor-parallel ranks summed (``memory_report(all_ranks=True)``); 1: this process' own heads
+    ranks: int = 1
 
     @property
     def cache_bytes(self) -> int:
@@ -54,6 +56,9 @@ class MemoryReport:
         lines.insert(1, "-" * len(lines[0]))
         lines.append(f"compression ratio (dense fp16 / held): {self.ratio:.2f}x  "
                      f"({self.tokens} tokens x {self.batch} rows)")
+        if self.ranks > 1:
+            lines.append(f"summed over {self.ranks} tensor-parallel ranks (the whole model's KV heads; per-row "
+                         "bookkeeping such as validity masks and positions is held, and counted, on every rank)")
         if self.native_dtype != "float16" and self.cache_bytes:
             lines.append(f"the model runs in {self.native_dtype}: its dense cache would hold "
                          f"{self.dense_native_bytes:,} bytes, {self.dense_native_bytes / self.cache_bytes:.2f}x "
@@ -139,12 +144,15 @@ class Cache(hf.CacheBase):
                 max_cache_len = max_batch_size = None
         self.capacity = max_cache_len  # (transformers 5.17's Cache has a read-only max_cache_len)
         q_heads, kv_heads, head_dim = hf.head_counts(config)
+        self.shard = hf.head_shard(model)  # tensor parallelism: this rank compresses its own KV heads
+        if self.shard is not None:
+            q_heads, kv_heads = self.shard.local_q_heads, self.shard.local_kv_heads
         layout = hf.layer_layout(config)
         layers = []
         rope = hf.rope_inv_freq(model)
         for i, (layer_type, kwargs) in enumerate(layout):
             if layer_type in hf.COMPRESSED_LAYER_TYPES:
-                info = LayerInfo(i, len(layout), kv_heads, q_heads, head_dim, config, rope)
+                info = LayerInfo(i, len(layout), kv_heads, q_heads, head_dim, config, rope, self.shard)
                 self.pipeline.check_budgets(info, [e.path for e in stack.entries])
                 if max_cache_len is None:
                     core = CompressedLayer(info, self.pipeline)
@@ -164,8 +172,10 @@ class Cache(hf.CacheBase):
         self._expect: list[Any] = [kv_heads, head_dim, None]  # what keys must be (the dtype is learnt on the first call)
         if max_batch_size is not None:
             dtype, device = hf.model_dtype_device(model)
+            devices = hf.layer_devices(model)  # a model placed over devices: each layer's cache on its layer's
             for core in self.compressed_layers:
-                core.allocate(max_batch_size, kv_heads, head_dim, head_dim, dtype, device)
+                core.allocate(max_batch_size, kv_heads, head_dim, head_dim, dtype,
+                              devices.get(core.info.index, device))
 
     def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any):
         """transformers' ``Cache.update``, after the checks that keep a misused cache from running silently
@@ -225,7 +235,17 @@ class Cache(hf.CacheBase):
         """The core state of every compressed layer (what compressor hooks receive as ``layer``)."""
         return [layer.core for layer in self.layers if isinstance(layer, hf.CompressedCacheLayer)]
 
-    def memory_report(self) -> MemoryReport:
+    def memory_report(self, all_ranks: bool = False) -> MemoryReport:
+        """Bytes this cache holds, by region, against the dense fp16 cache of the same tokens.
+
+        Under tensor parallelism a rank's cache holds its own KV heads only: the report is this rank's (its bytes
+        against the dense size of its heads).  ``all_ranks=True`` sums every rank's report - the whole model's
+        bytes against its whole dense size - and is a collective: every rank of the tensor-parallel group must call
+        it.  Without tensor parallelism both are the same report."""
+        from .distributed import sum_reports
+
+        if all_ranks:
+            return sum_reports(self.memory_report(), self.shard)
         segments: dict[str, int] = {}
         dense = 0
         batch = 0

@@ -95,6 +95,9 @@ class LayerInfo:
             (keys and queries are rotated by ``position * rope_inv_freq`` in the rotate-half convention of
             Llama-family models: channel ``i`` pairs with ``i + rotary_dim / 2``; channels past ``rotary_dim`` are
             not rotated), or ``None`` when the model has none kvcompress found.
+        shard: under tensor parallelism, which of the model's KV heads this process holds
+            (:class:`kvcompress.distributed.HeadShard`; ``num_kv_heads`` / ``num_q_heads`` are then this rank's
+            counts), else ``None``.
     """
 
     index: int
@@ -104,6 +107,7 @@ class LayerInfo:
     head_dim: int
     model_config: Any = None
     rope_inv_freq: Any = None
+    shard: Any = None
 
 
 # ----------------------------------------------------------------------------- blocks and segments

@@ -260,10 +260,12 @@ class DoubleSparseCompressor(Compressor):
         super().__init__(config)
         self.table: torch.Tensor | None = None  # int64 [layers, kv_heads, r]
 
-    def load(self, model_config) -> torch.Tensor:
-        """Label channels ``[layers, kv_heads, r]`` for ``model_config`` (a file for another model is refused)."""
+    def load(self, model_config, info=None) -> torch.Tensor:
+        """Label channels ``[layers, kv_heads, r]`` for ``model_config`` (a file for another model is refused);
+        under tensor parallelism the KV heads of ``info``'s rank."""
         if self.table is None:
             from kvcompress.calibration.masks import geometry
+            from kvcompress.distributed import local_heads, naming_split
 
             c = self.config
             layers, kv, d = geometry(model_config)
@@ -280,7 +282,8 @@ class DoubleSparseCompressor(Compressor):
             else:
                 from kvcompress.calibration.doublesparse import load_channels
 
-                ranked = load_channels(c.channels, model_config).channels
+                with naming_split(info):
+                    ranked = load_channels(c.channels, model_config).channels
                 if c.r is not None and c.r > ranked.shape[-1]:
                     raise ConfigError("double_sparse.r", f"at most the file's {ranked.shape[-1]} channels", c.r)
                 table = ranked[..., :c.r] if c.r is not None else ranked
@@ -288,12 +291,12 @@ class DoubleSparseCompressor(Compressor):
             if c.label_bits != 16 and (r * c.label_bits) % 8:
                 raise ConfigError("double_sparse.r", f"a multiple of {8 // c.label_bits} at label_bits "
                                   f"{c.label_bits}", r)
-            self.table = table.sort(-1).values.contiguous()
+            self.table = local_heads(table.sort(-1).values, info).contiguous()
         return self.table
 
     @hookimpl
     def kvcompress_layer_layout(self, layer):
-        self.load(layer.model_config)  # fail at cache build, not at the first decode step
+        self.load(layer.model_config, layer)  # fail at cache build, not at the first decode step
         return Layout(sinks=self.config.sinks or None, recent=self.config.window, flush=1)
 
     def _cache(self, layer, device) -> LabelCache | StaticLabelCache:

@@ -69,20 +69,24 @@ class LeanKCompressor(Compressor):
         super().__init__(config)
         self.keep: torch.Tensor | None = None  # bool [layers, kv_heads, head_dim]
 
-    def load(self, model_config) -> torch.Tensor:
-        """The mask for ``model_config`` (a mask file for another model is refused)."""
+    def load(self, model_config, info=None) -> torch.Tensor:
+        """The mask for ``model_config`` (a mask file for another model is refused), narrowed to the KV heads of
+        ``info`` under tensor parallelism."""
         if self.keep is None:
             from kvcompress.calibration.masks import load_mask, rope_mask
+            from kvcompress.distributed import local_heads, naming_split
 
             if self.config.mask == "rope":
-                self.keep = rope_mask(model_config, self.config.ratio, self.config.align)
+                keep = rope_mask(model_config, self.config.ratio, self.config.align)
             else:
-                self.keep = load_mask(self.config.mask, model_config).keep.bool()
+                with naming_split(info):
+                    keep = load_mask(self.config.mask, model_config).keep.bool()
+            self.keep = local_heads(keep, info)  # [layers, this rank's kv heads, head_dim]
         return self.keep
 
     @hookimpl
     def kvcompress_layer_layout(self, layer):
-        self.load(layer.model_config)  # fail at cache build, not at the first flush
+        self.load(layer.model_config, layer)  # fail at cache build, not at the first flush
         return Layout(sinks=self.config.sinks or None, recent=self.config.local, flush=self.config.flush)
 
     def _plan(self, layer, device) -> list[tuple[int, torch.Tensor, torch.Tensor]]:

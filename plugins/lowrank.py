@@ -88,12 +88,18 @@ class LowRankCompressor(Compressor):
         super().__init__(config)
         self.groups: list[list[tuple]] | None = None  # per layer: (heads, U [h, d, r], U_v [h, d, r_v] or None)
 
-    def load(self, model_config) -> list[list[tuple]]:
-        """Per layer, heads grouped by (key rank, value rank) with their bases (refused for another model)."""
+    def load(self, model_config, info=None) -> list[list[tuple]]:
+        """Per layer, heads grouped by (key rank, value rank) with their bases (refused for another model); under
+        tensor parallelism the heads of ``info``'s rank only, numbered locally."""
         if self.groups is None:
             from kvcompress.calibration.lowrank import load_basis
+            from kvcompress.distributed import local_heads, naming_split
 
-            f = load_basis(self.config.basis, model_config)
+            with naming_split(info):
+                f = load_basis(self.config.basis, model_config)
+            f = dataclasses.replace(f, **{name: local_heads(getattr(f, name), info) for name in
+                                          ("basis", "rank", "value_basis", "value_rank")
+                                          if getattr(f, name) is not None})
             ranks = f.rank if self.config.rank is None else torch.full_like(f.rank, self.config.rank)
             v_ranks = torch.zeros_like(ranks) if self.config.value_rank is None else torch.full_like(
                 ranks, self.config.value_rank)
@@ -110,7 +116,7 @@ class LowRankCompressor(Compressor):
 
     @hookimpl
     def kvcompress_layer_layout(self, layer):
-        self.load(layer.model_config)  # fail at cache build, not at the first flush
+        self.load(layer.model_config, layer)  # fail at cache build, not at the first flush
         return Layout(sinks=self.config.sinks or None, recent=self.config.recent, flush=self.config.flush)
 
     def _plan(self, layer, device) -> list[tuple]:

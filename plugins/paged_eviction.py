@@ -49,6 +49,7 @@ import math
 import torch
 
 from kvcompress import Compressor, CompressorSpec, Layout, hookimpl, param
+from kvcompress.distributed import mean_over_heads
 from kvcompress.errors import ConfigError, PluginError
 from kvcompress.paged import PagedStore, StaticPagedStore, pack_rows, page_scores
 
@@ -82,12 +83,14 @@ class PagedEvictionConfig:
 
 
 def token_scores(config: PagedEvictionConfig, k: torch.Tensor, v: torch.Tensor, layer_index: int,
-                 first_position: int | torch.Tensor) -> torch.Tensor:
+                 first_position: int | torch.Tensor, info=None) -> torch.Tensor:
     """Per-token score ``[batch, tokens]`` (float32, mean over kv heads) of full-precision ``k``/``v``.
 
     ``first_position``: the block's first logical position; a tensor of every token's position in a
     static cache, where the ``random`` score is a hash of (seed, layer, row, position) computed on the
-    device instead of a host generator (the same baseline, other draws)."""
+    device instead of a host generator (the same baseline, other draws).  ``info`` (the layer's
+    :class:`kvcompress.LayerInfo`): under tensor parallelism the mean runs over the model's KV heads, reduced
+    over the ranks, so every rank evicts the pages one process would."""
     if config.score == "random":
         if isinstance(first_position, torch.Tensor):
             rows = torch.arange(k.shape[0], device=k.device).view(-1, 1)
@@ -103,7 +106,7 @@ def token_scores(config: PagedEvictionConfig, k: torch.Tensor, v: torch.Tensor, 
         s = 1.0 / kn.clamp(min=_EPS)
     else:
         s = kn
-    return s.mean(dim=1)
+    return mean_over_heads(s, info)
 
 
 class PagedEvictionCompressor(Compressor):
@@ -161,7 +164,7 @@ class PagedEvictionCompressor(Compressor):
             first = block.positions
         else:
             first = int(block.positions[0]) if block.num_tokens else 0
-        block.meta[META] = token_scores(self.config, block.k, block.v, layer.info.index, first)
+        block.meta[META] = token_scores(self.config, block.k, block.v, layer.info.index, first, layer.info)
 
     @hookimpl
     def kvcompress_evict_tokens(self, layer, block):

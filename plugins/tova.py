@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvcompress import CompressorSpec, hookimpl, param
+from kvcompress.distributed import sum_over_heads
 from kvcompress.scoring import PHASES, ScoreConfig, ScoreEvictor
 
 
@@ -44,16 +45,16 @@ class TOVACompressor(ScoreEvictor):
     name = "tova"
     attention = True
 
-    def _heads(self, scores):
-        if self.config.heads == "layer":
-            return scores.sum(dim=1, keepdim=True).expand_as(scores)
+    def _heads(self, scores, layer):
+        if self.config.heads == "layer":  # pooled over the model's heads (all-reduced under tensor parallelism)
+            return sum_over_heads(scores, layer.info, keepdim=True).expand_as(scores)
         return scores
 
     def score(self, layer, block, obs):
-        return self._heads(obs.token_mass(block.positions))
+        return self._heads(obs.token_mass(block.positions), layer)
 
     def stored_scores(self, layer, obs):
-        return self._heads(obs.mass["middle"])
+        return self._heads(obs.mass["middle"], layer)
 
 
 @hookimpl

@@ -133,6 +133,77 @@ def model_dtype_device(model: Any) -> tuple[torch.dtype, torch.device]:
     return param.dtype, param.device
 
 
+#: Projections whose column-wise split under a tensor-parallel plan splits the KV heads (fused or not).
+_KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv")
+
+
+def head_shard(model: Any) -> Any:
+    """The :class:`kvcompress.distributed.HeadShard` of a model split by transformers' tensor parallelism
+    (``from_pretrained(..., tp_plan=...)`` / ``distributed_config=...`` under ``torchrun``), or ``None`` when its
+    KV heads are not split (no tensor parallelism, or a plan that keeps every head on every rank).  Read once, when
+    a cache is built."""
+    size = getattr(model, "_tp_size", None) or 1
+    if size <= 1:
+        return None
+    from ..distributed import HeadShard
+
+    q_heads, kv_heads, head_dim = head_counts(text_config(model))
+    plan = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None) or {}
+    split = any(key.rsplit(".", 1)[-1] in _KEY_PROJECTIONS and "colwise" in str(style) and "gather" not in str(style)
+                for key, style in plan.items())
+    if not split:
+        return None
+    if kv_heads % size or q_heads % size:
+        raise UnsupportedModelError(
+            f"the model is split over {size} tensor-parallel ranks but has {kv_heads} KV heads and {q_heads} query "
+            "heads; kvcompress needs both divisible by the number of ranks (each rank holds whole heads)")
+    mesh = getattr(model, "_device_mesh", None) or getattr(model, "device_mesh", None)
+    if mesh is None:
+        raise UnsupportedModelError(f"the model reports {size} tensor-parallel ranks but no device mesh; kvcompress "
+                                    "cannot tell which KV heads this process holds")
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    tp_mesh = mesh["tp"] if "tp" in names else mesh
+    shard = HeadShard(rank=tp_mesh.get_local_rank(), size=tp_mesh.size(), kv_heads=kv_heads, q_heads=q_heads,
+                      group=tp_mesh.get_group())
+    # the heads a rank holds come from the column split of the key projection: check it on the first layer
+    for module in model.modules():
+        weight = getattr(getattr(module, "k_proj", None), "weight", None)
+        if weight is None or not hasattr(weight, "to_local"):
+            continue
+        rows, total = weight.to_local().shape[0], weight.shape[0]
+        if (rows, total) != (shard.local_kv_heads * head_dim, kv_heads * head_dim):
+            raise UnsupportedModelError(
+                f"the key projection of this rank holds {rows} of {total} output rows; kvcompress expects "
+                f"{shard.local_kv_heads * head_dim} of {kv_heads * head_dim} ({shard.describe()})")
+        break
+    return shard
+
+
+def layer_devices(model: Any) -> dict[int, torch.device]:
+    """The device each attention layer runs on, by layer index (a model placed over several devices with
+    ``device_map``): the execution device of accelerate's hook on the layer or a module above it (a layer whose
+    weights are offloaded to the CPU or disk runs there), else the device of its weights.  What a cache allocated
+    ahead of time allocates each layer on; a dynamic cache allocates where the layer's keys arrive."""
+    modules = dict(model.named_modules())
+    out: dict[int, torch.device] = {}
+    for name, module in modules.items():
+        index = getattr(module, "layer_idx", None)
+        if not isinstance(index, int) or index in out:
+            continue
+        parts = name.split(".")
+        for i in range(len(parts), -1, -1):
+            hook = getattr(modules.get(".".join(parts[:i])), "_hf_hook", None)
+            device = getattr(hook, "execution_device", None)
+            if device is not None:
+                out[index] = torch.device(device)
+                break
+        else:
+            param = next(module.parameters(), None)
+            if param is not None:
+                out[index] = param.device
+    return out
+
+
 # ----------------------------------------------------------------------------- cache layers
 
 _ACTIVE = threading.local()  # the core layer whose update() just ran, waiting for its attention

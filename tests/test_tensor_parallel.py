@@ -1,0 +1,285 @@
+"""Tensor parallelism (transformers' ``tp_plan="auto"`` under torchrun, 2 ranks, gloo on the CPU) and multi-device
+placement.
+
+One torchrun launch for the module (tests/tp_worker.py) runs every built-in stack, alone and stacked, on two tiny
+random models whose 4 KV heads split 2 + 2 (llama and qwen2, 8 query heads), with calibration files made here for
+each model: LeanK masks with different kept counts per head, low-rank bases with different ranks per head,
+DoubleSparse label channels.  Each stack's 64 teacher-forced decode steps must give the logits of the same stack in
+one process (fp32, 1e-4); the memory report summed over the ranks must give the single-process dense size and the
+single-process bytes plus the per-row bookkeeping every rank repeats; files for another head split or another model
+must be refused naming the file, the model and the split.
+
+The models have one decoder layer: the K/V a cache stores are then bit-identical in both runs (the embedding's
+all-reduce adds zeros, the key/value projections are split by output rows).  Past the first layer they are not:
+the row-split output projections sum their partial products across ranks in another order than one process does,
+and a quantizer's code sitting on a rounding boundary can flip - measured with two layers: window + KIVI-2 on llama
+differed by 2.0e-4 and KIVI-4 on qwen2 by 6.0e-5 from step 1, while every stack without a quantizer (paged_eviction
+included) stayed within 1.5e-6.  A flipped code is the model's arithmetic, not a different decision of kvcompress;
+the one-layer models keep the comparison exact for every stack.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).parent / "tp_worker.py"
+PROMPT, STEPS, TOL = 150, 64, 1e-4
+#: decoder layers of the matrix' models: one, so that the K/V a cache stores are bit-identical in both runs (see the
+#: module docstring); tests/test_tensor_parallel.py::test_two_layers... covers a deeper model
+LAYERS = 1
+ARCHS = ("llama", "qwen2")
+
+
+def tp_model(arch: str, layers: int = LAYERS, seed: int = 0):
+    """A tiny random model with 8 query heads and 4 KV heads (head_dim 16): 2 KV heads per rank on 2 ranks."""
+    import transformers as tf
+
+    common = dict(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)
+    if arch == "llama":
+        cfg, cls = tf.LlamaConfig(head_dim=16, **common), tf.LlamaForCausalLM
+    else:
+        cfg, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
+    cfg._name_or_path = f"tiny-{arch}-tp"
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    with torch.no_grad():  # sharpen the near-uniform random init, as tests/models.py does
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def calibration_files(model, arch: str, folder: Path) -> dict[str, str]:
+    """A LeanK mask (kept channels 0-16 in steps of 4, differing per head), a low-rank basis (ranks 4-16 per head)
+    and DoubleSparse channels (8 of 16), all made for ``model``; plus a mask sliced to 2 of its 4 heads."""
+    from kvcompress.calibration.doublesparse import rank_channels, save_channels
+    from kvcompress.calibration.lowrank import kv_spectra, save_basis
+    from kvcompress.calibration.masks import config_hash, save_mask
+
+    gen = torch.Generator().manual_seed(3)
+    layers, heads, d = model.config.num_hidden_layers, 4, 16
+    counts = torch.tensor([[16, 0, 8, 4], [12, 8, 16, 4]] * layers)[:layers]
+    order = torch.rand(layers, heads, d, generator=gen).argsort(-1)
+    keep = order < counts[..., None]
+    meta = {"model": f"tiny-{arch}-tp", "model_config_hash": config_hash(model.config), "ratio": 0.5, "align": 4,
+            "sinks": 4, "local": 16, "method": "trained", "settings": {}}
+    out = {"mask": str(folder / f"{arch}-mask.safetensors"), "split_mask": str(folder / f"{arch}-mask-2of4.safetensors")}
+    save_mask(out["mask"], keep, meta)
+    save_mask(out["split_mask"], keep[:, :2].contiguous(), meta)
+    tokens = torch.randint(1, 256, (4, 64), generator=gen)
+    (eigenvalues, vectors), _ = kv_spectra(model, tokens, skip=2)
+    ranks = torch.tensor([[16, 8, 12, 4], [4, 12, 8, 16]] * layers, dtype=torch.int32)[:layers]
+    out["basis"] = str(folder / f"{arch}-basis.safetensors")
+    save_basis(out["basis"], vectors, ranks, eigenvalues, {"model": f"tiny-{arch}-tp", "target": "test", "align": 1,
+                                                           "model_config_hash": config_hash(model.config),
+                                                           "settings": {}})
+    scores = torch.rand(layers, heads, d, generator=gen)
+    out["channels"] = str(folder / f"{arch}-channels.safetensors")
+    save_channels(out["channels"], rank_channels(scores, 8), scores, model.config, f"tiny-{arch}-tp", {})
+    return out
+
+
+def stacks(files: dict[str, str]) -> dict[str, list]:
+    def kivi(bits):
+        return {"kivi": {"bits": bits, "group": 16, "residual": 16}}
+
+    window = {"window": {"sinks": 4, "recent": 32}}
+    leank = {"leank": {"mask": files["mask"], "sinks": 4, "local": 16, "flush": 16}}
+    lowrank = {"lowrank": {"basis": files["basis"], "sinks": 4, "recent": 16, "flush": 16}}
+    paged = {"paged_eviction": {"budget": 96, "block": 16}}
+    ds = {"double_sparse": {"channels": files["channels"], "r": 8, "k": 24, "dense_layers": 0, "sinks": 4,
+                            "window": 8}}
+    snapkv = {"snapkv": {"ratio": 0.5, "window": 16, "sinks": 4, "recent": 16}}
+    return {
+        "none": [], "window": [window], "kivi2": [kivi(2)], "kivi4": [kivi(4)], "leank": [leank],
+        "paged_eviction": [paged], "double_sparse": [ds], "lowrank": [lowrank],
+        "snapkv": [snapkv], "knorm": [{"knorm": {"ratio": 0.5, "sinks": 4, "recent": 16}}],
+        "tova": [{"tova": {"budget": 64, "sinks": 4, "recent": 8}}],
+        "tova_layer": [{"tova": {"budget": 64, "sinks": 4, "recent": 8, "heads": "layer"}}],
+        "expected_attention": [{"expected_attention": {"budget": 64, "sinks": 4, "recent": 8, "window": 16,
+                                                       "n_future": 32, "phase": "both"}}],
+        "window+kivi2": [window, kivi(2)], "leank+kivi4": [leank, kivi(4)], "lowrank+kivi2": [lowrank, kivi(2)],
+        "paged_eviction+kivi2": [paged, kivi(2)], "snapkv+kivi4": [snapkv, kivi(4)],
+    }
+
+
+STACK_NAMES = tuple(stacks({"mask": "", "basis": "", "channels": ""}))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory):
+    """Saves the models and files, launches the worker once under torchrun (2 ranks), returns its outputs."""
+    from safetensors.torch import load_file
+
+    folder = tmp_path_factory.mktemp("tp")
+    spec = {"seed": 0, "prompt": PROMPT, "steps": STEPS, "models": {}, "stacks": {}, "refused": {}}
+    files = {}
+    for arch in ARCHS:
+        model = tp_model(arch)
+        model.save_pretrained(folder / arch)
+        spec["models"][arch] = str(folder / arch)
+        files[arch] = calibration_files(model, arch, folder)
+        spec["stacks"][arch] = {name: {"compressors": s} for name, s in stacks(files[arch]).items()}
+    for arch, other in zip(ARCHS, reversed(ARCHS)):
+        mine, theirs = files[arch], files[other]
+        spec["refused"][arch] = {
+            "split_mask": {"compressors": [{"leank": {"mask": mine["split_mask"], "sinks": 4, "local": 16,
+                                                      "flush": 16}}]},
+            "other_model_basis": {"compressors": [{"lowrank": {"basis": theirs["basis"], "sinks": 4, "recent": 16,
+                                                               "flush": 16}}]},
+        }
+    cases = folder / "cases.json"
+    cases.write_text(json.dumps(spec))
+    out = folder / "out"
+    out.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(WORKER), str(cases),
+           str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    logits, results = {}, []
+    for rank in range(2):
+        logits.update(load_file(out / f"logits_rank{rank}.safetensors"))
+        results.append(json.loads((out / f"results_rank{rank}.json").read_text()))
+    return {"logits": logits, "results": results, "files": files, "folders": spec["models"]}
+
+
+def _case(tp_run, key):
+    entries = [r[key] for r in tp_run["results"]]
+    for rank, e in enumerate(entries):
+        assert "error" not in e, f"rank {rank}: {e['error']}"
+        assert "ref_error" not in e, f"rank {rank} (single-process reference): {e['ref_error']}"
+    return entries
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("stack", STACK_NAMES)
+def test_tensor_parallel_logits_equal_single_process(tp_run, arch, stack):
+    key = f"{arch}/{stack}"
+    _case(tp_run, key)
+    tp, ref = tp_run["logits"][f"tp/{key}"], tp_run["logits"][f"ref/{key}"]
+    assert tp.shape == ref.shape == (1, STEPS + 1, 256)
+    diff = (tp - ref).abs().max().item()
+    assert diff <= TOL, f"{key}: the 2-rank logits differ from the single-process run by {diff:.3g}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("stack", STACK_NAMES)
+def test_summed_memory_report_is_the_whole_models(tp_run, arch, stack):
+    """The collective report sums what the ranks hold: the dense size, tokens and rows of the single-process report
+    exactly; its bytes are the single-process bytes plus the per-row bookkeeping (validity masks, positions, block
+    tables: no head dimension) that the second rank holds again - on these 4-head, head_dim-16 models 0.1-3% of the
+    cache, measured; per head-dimension byte, a real model's share is about 64x smaller."""
+    entries = _case(tp_run, f"{arch}/{stack}")
+    ref = next(e["ref_report"] for e in entries if "ref_report" in e)
+    local = [e["local_report"] for e in entries]
+    for rank, e in enumerate(entries):
+        summed = e["summed_report"]
+        assert summed["ranks"] == 2 and local[rank]["ranks"] == 1
+        assert e["shard"] == f"tensor-parallel rank {rank} of 2 holds KV heads {2 * rank}-{2 * rank + 1} of the model's 4"
+        for field in ("dense_fp16_bytes", "dense_native_bytes", "tokens", "batch"):
+            assert summed[field] == ref[field], (field, summed[field], ref[field])
+        names = set(local[0]["segments"]) | set(local[1]["segments"])
+        assert summed["segments"] == {n: sum(r["segments"].get(n, 0) for r in local) for n in names}
+        assert set(summed["segments"]) == set(ref["segments"])
+        for name, n in summed["segments"].items():
+            assert ref["segments"][name] <= n, (name, n, ref["segments"][name])
+        extra = sum(summed["segments"].values()) - sum(ref["segments"].values())
+        assert extra <= 0.04 * sum(ref["segments"].values()), (extra, summed["segments"], ref["segments"])
+    # each rank's own report is its half: the dense size of 2 of the 4 KV heads
+    assert [r["dense_fp16_bytes"] * 2 for r in local] == [ref["dense_fp16_bytes"]] * 2
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_calibration_file_for_another_split_is_refused(tp_run, arch):
+    for rank, results in enumerate(tp_run["results"]):
+        got = results[f"refused/{arch}/split_mask"]
+        msg = got["message"]
+        assert msg is not None, "a mask holding 2 of the model's 4 KV heads was accepted"
+        assert got["type"] == "MaskFileError"
+        assert tp_run["files"][arch]["split_mask"] in msg  # the file
+        assert f"tiny-{arch}-tp" in msg and "4 KV heads" in msg and "2 KV heads" in msg  # the model, the file's heads
+        assert f"tensor-parallel rank {rank} of 2 holds KV heads {2 * rank}-{2 * rank + 1}" in msg  # the split
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_calibration_file_for_another_model_is_refused(tp_run, arch):
+    other = next(a for a in ARCHS if a != arch)
+    for rank, results in enumerate(tp_run["results"]):
+        got = results[f"refused/{arch}/other_model_basis"]
+        msg = got["message"]
+        assert msg is not None and got["type"] == "BasisFileError"
+        assert tp_run["files"][other]["basis"] in msg  # the file
+        assert f"'{tp_run['folders'][arch]}' ({arch}, 1 layers, 4 KV heads" in msg  # the model given
+        assert f"made for 'tiny-{other}-tp'" in msg  # the model the file was made for
+        assert f"tensor-parallel rank {rank} of 2" in msg
+
+
+# ----------------------------------------------------------------------------- placement over devices
+
+
+def test_static_cache_allocates_each_layer_on_its_layers_device():
+    """A model whose layers sit on different devices (here layer 1 on 'meta', the only second device a CPU machine
+    has): a cache allocated ahead of time puts each layer's buffers on its own layer's device."""
+    import kvcompress
+    from kvcompress.adapters import hf
+
+    model = tp_model("llama", layers=2)
+    model.model.layers[1].to("meta")
+    assert hf.layer_devices(model) == {0: torch.device("cpu"), 1: torch.device("meta")}
+    stack = {"compressors": [{"kivi": {"bits": 2, "group": 16, "residual": 16}}]}
+    cache = kvcompress.Cache(stack, model, max_cache_len=64, max_batch_size=1)
+    devices = [{t.device for t in (core.k, core.v)} for core in cache.compressed_layers]
+    assert devices == [{torch.device("cpu")}, {torch.device("meta")}]
+
+
+def test_device_map_with_an_offloaded_layer_runs_stacks_like_the_plain_model(tmp_path):
+    """A model loaded with an explicit ``device_map`` whose layer 1 is offloaded (accelerate's hooks run it on the
+    CPU, its weights live on disk and show as 'meta'): each layer's cache lives where the layer runs - the static
+    cache's buffers of layer 1 on the CPU, not on 'meta' - and the stacks give the plain model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    import kvcompress
+    from kvcompress.adapters import hf
+
+    tp_model("qwen2", layers=2).save_pretrained(tmp_path / "model")
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": "cpu",
+                  "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    mapped = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map, dtype=torch.float32,
+                                                  offload_folder=tmp_path / "offload").eval()
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32).eval()
+    assert mapped.model.layers[1].self_attn.k_proj.weight.device.type == "meta"
+    assert hf.layer_devices(mapped) == {0: torch.device("cpu"), 1: torch.device("cpu")}
+    ids = torch.randint(1, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    kivi = {"kivi": {"bits": 4, "group": 16, "residual": 16}}
+    for stack, static in (({"compressors": [{"window": {"sinks": 4, "recent": 24}}, kivi]}, False),
+                          ({"compressors": [kivi]}, True)):
+        outs = []
+        for model in (mapped, plain):
+            kw = {"max_cache_len": 48, "max_batch_size": 1} if static else {}
+            with kvcompress.compress(model, stack, **kw) as cache, torch.no_grad():
+                if static:
+                    assert [c.k.device.type for c in cache.compressed_layers] == ["cpu", "cpu"]
+                logits = [model(input_ids=ids[:, :24], cache=cache).logits[:, -1]]
+                for t in range(24, 40):
+                    logits.append(model(input_ids=ids[:, t:t + 1], cache=cache).logits[:, -1])
+            outs.append(torch.stack(logits))
+        assert (outs[0] - outs[1]).abs().max().item() <= 1e-5
