@@ -83,7 +83,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
         check_compile_supported()
     device = _resolve_device(args.device)
-    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=device, **_placement(args))
+    device = _input_device(model, device)
     inputs = {k: v.to(device) for k, v in _prompt_inputs(tokenizer, args, hf.text_config(model)).items()}
     torch.manual_seed(args.seed)
     pad = tokenizer.pad_token_id or tokenizer.eos_token_id
@@ -103,7 +104,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     prompt_len = inputs["input_ids"].shape[1]
     print(tokenizer.decode(out[0, prompt_len:], skip_special_tokens=True))
     if args.report:
-        report = cache.memory_report()
+        report = cache.memory_report(all_ranks=True)  # under tensor parallelism: every rank's heads (a collective)
         print(f"\nKV cache memory, stack '{stack.label}' ({len(cache.compressed_layers)} compressed layers):")
         print(report.table())
     return 0
@@ -151,6 +152,39 @@ def _prompt_inputs(tokenizer: Any, args: argparse.Namespace, config: Any) -> Any
     return inputs
 
 
+def _launched_ranks() -> int:
+    """Processes of a ``torchrun`` launch (``WORLD_SIZE``; 1 when not launched by torchrun)."""
+    import os
+
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def _placement(args: argparse.Namespace) -> dict[str, Any]:
+    """How the model is loaded: split over the ranks of a torchrun launch (transformers' tensor parallelism,
+    ``tp_plan="auto"``), placed over devices (``--device-map auto``), or on ``--device``."""
+    ranks = _launched_ranks()
+    device_map = getattr(args, "device_map", None)
+    if ranks > 1 and device_map is not None:
+        raise ConfigError("--device-map", "omitted under a torchrun launch of several processes (the model is split "
+                          f"over the {ranks} ranks by tensor parallelism)", device_map)
+    if ranks > 1 and getattr(args, "compile", False):
+        raise ConfigError("--compile", "omitted under a torchrun launch (compiled tensor-parallel decoding is not "
+                          "tested yet)", True)
+    if ranks > 1:
+        return {"tp_plan": "auto"}
+    return {"device_map": device_map} if device_map is not None else {}
+
+
+def _input_device(model: Any, device: str) -> Any:
+    """Where inputs go: the model's (first) device when it was placed by transformers, else ``device``."""
+    if getattr(model, "hf_device_map", None) or (getattr(model, "_tp_size", None) or 1) > 1:
+        return model.device
+    return device
+
+
 def _resolve_device(name: str) -> str:
     import torch
 
@@ -183,6 +217,8 @@ def _check_outputs(args: argparse.Namespace, *outputs: tuple[str, str | None]) -
 def _write_json(path: str, obj: object) -> None:
     import json
 
+    if _rank() != 0:  # a torchrun launch: rank 0 writes
+        return
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(obj, fh, indent=2)
         fh.write("\n")
@@ -211,7 +247,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from .evaluation.runner import Evaluator
     from .models import load_model
 
-    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=device, **_placement(args))
     evaluator = Evaluator(model, tokenizer, _model_name(args.model), progress=not args.quiet, compile=args.compile)
     evaluator.check(settings)
     if not args.sweep:
@@ -235,6 +271,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from .stack import load_stack
 
     _check_outputs(args, ("--json", args.json))
+    if (args.model_shape is not None or args.kernels) and (args.device_map is not None or _launched_ranks() > 1):
+        raise ConfigError("--model-shape" if args.model_shape is not None else "--kernels", "omitted with "
+                          "--device-map or under a torchrun launch (they load no model to place or split)", True)
     if args.model_shape is not None:  # the end-to-end benchmark at a model shape (kvcompress/evaluation/e2e.py)
         from .evaluation import e2e
 
@@ -272,7 +311,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from .evaluation.data import document_tokens
     from .models import load_model
 
-    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=device, **_placement(args))
     tokens = document_tokens(tokenizer)
     extra = COMPILED_UNTIMED if args.compile else 0
     if args.context + extra + args.steps > len(tokens):
@@ -326,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "step, on CUDA replayed as one CUDA graph by kvcompress.GraphStep)")
     gen.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                      help="where the model runs (default: cuda when available)")
+    gen.add_argument("--device-map", default=None, choices=("auto",), help=_PLACEMENT_HELP)
     gen.set_defaults(func=_cmd_generate)
 
     val = sub.add_parser("validate", help="validate a stack file without loading a model")
@@ -355,6 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                     help="model and cache dtype (default bfloat16, SmolLM2's training dtype)")
     ev.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ev.add_argument("--device-map", default=None, choices=("auto",), help=_PLACEMENT_HELP)
     ev.add_argument("--json", metavar="OUT", help="write the result (one JSON object) to OUT")
     ev.add_argument("--plot", metavar="OUT.png", help="with --sweep: where to write the plot "
                     "(default kvcompress-sweep-TASK.png)")
@@ -408,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     e2e_opts.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens (default 0)")
     bn.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     bn.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    bn.add_argument("--device-map", default=None, choices=("auto",), help=_PLACEMENT_HELP)
     bn.add_argument("--json", metavar="OUT", help="write the result (one JSON object) to OUT")
     bn.add_argument("--kernels", action="store_true", help="run the per-kernel benchmarks "
                     "(kvcompress.kernels.benchutil) instead of the model-level ones")
@@ -429,18 +471,43 @@ def _show_warning(message, category, filename, lineno, file=None, line=None, _de
         _default(message, category, filename, lineno, file, line)
 
 
+def _rank() -> int:
+    import os
+
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+_PLACEMENT_HELP = ("place the model's layers over the available devices (transformers' device_map='auto'); each "
+                   "layer's cache lives on its layer's device. Under `torchrun --nproc-per-node N` the model is "
+                   "instead split over the N ranks by tensor parallelism (tp_plan='auto'); rank 0 prints")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning
         args = build_parser().parse_args(argv)
-        try:
-            return args.func(args)
-        except KVCompressError as exc:
-            print(f"kvcompress: error: {exc}", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt:
-            print("kvcompress: interrupted", file=sys.stderr)
-            return 130
+        if _rank() != 0 and getattr(args, "command", None) in ("generate", "eval", "bench"):
+            import contextlib
+            import os
+
+            with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):  # rank 0 prints
+                args.quiet = True
+                return _run(args)
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        return args.func(args)
+    except KVCompressError as exc:
+        print(f"kvcompress: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvcompress: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -118,17 +118,18 @@ def resolve_model_path(name: str | None) -> str:
     return name
 
 
-def load_model(name: str | None = None, dtype: torch.dtype = torch.float32, device: str | None = None
-               ) -> tuple[Any, Any]:
-    """(model, tokenizer) for ``name`` (a local folder or hub id), or the default model."""
+def load_model(name: str | None = None, dtype: torch.dtype = torch.float32, device: str | None = None,
+               **placement: Any) -> tuple[Any, Any]:
+    """(model, tokenizer) for ``name`` (a local folder or hub id), or the default model.  ``placement``: transformers'
+    ``device_map=`` or ``tp_plan=`` (the model is then not moved to ``device``)."""
     check_model_name(name)
     path = resolve_model_path(name)
     _log(f"loading {DEFAULT_MODEL if path != name else name}")
     try:
-        model, tokenizer = hf.load_pretrained(path, dtype=dtype)
+        model, tokenizer = hf.load_pretrained(path, dtype=dtype, **placement)
     except (OSError, ValueError) as exc:  # a folder without weights, an unreachable hub id, a broken config
         raise KVCompressError(f"could not load model {shorten(path, 200)!r}: {type(exc).__name__}: {shorten(exc)}") \
             from None
-    if device is not None:
+    if device is not None and not placement:
         model.to(device)
     return model, tokenizer

@@ -39,11 +39,11 @@ LAYERS = 1
 ARCHS = ("llama", "qwen2")
 
 
-def tp_model(arch: str, layers: int = LAYERS, seed: int = 0):
+def tp_model(arch: str, layers: int = LAYERS, seed: int = 0, vocab: int = 256):
     """A tiny random model with 8 query heads and 4 KV heads (head_dim 16): 2 KV heads per rank on 2 ranks."""
     import transformers as tf
 
-    common = dict(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=layers,
+    common = dict(vocab_size=vocab, hidden_size=128, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)
     if arch == "llama":
         cfg, cls = tf.LlamaConfig(head_dim=16, **common), tf.LlamaForCausalLM
@@ -114,6 +114,8 @@ def stacks(files: dict[str, str]) -> dict[str, list]:
     }
 
 
+CLI_ARGS = ["generate", "a prompt long enough for a few pages of the cache " * 3, "--max-new-tokens", "24",
+            "--dtype", "float32", "--raw", "--report"]
 STACK_NAMES = tuple(stacks({"mask": "", "basis": "", "channels": ""}))
 
 
@@ -145,6 +147,16 @@ def tp_run(tmp_path_factory):
             "other_model_basis": {"compressors": [{"lowrank": {"basis": theirs["basis"], "sinks": 4, "recent": 16,
                                                                "flush": 16}}]},
         }
+    # `kvcompress generate` under the same launch: a tiny llama with the default model's tokenizer (its vocabulary)
+    from transformers import AutoTokenizer
+
+    from kvcompress.models import resolve_model_path
+
+    tp_model("llama", vocab=49152).save_pretrained(folder / "cli-model")
+    AutoTokenizer.from_pretrained(resolve_model_path(None)).save_pretrained(folder / "cli-model")
+    stack_file = folder / "cli-stack.yaml"
+    stack_file.write_text("compressors:\n  - paged_eviction: {budget: 48, block: 16}\n")
+    spec["cli"] = CLI_ARGS + ["--model", str(folder / "cli-model"), "--stack", str(stack_file)]
     cases = folder / "cases.json"
     cases.write_text(json.dumps(spec))
     out = folder / "out"
@@ -159,7 +171,7 @@ def tp_run(tmp_path_factory):
     for rank in range(2):
         logits.update(load_file(out / f"logits_rank{rank}.safetensors"))
         results.append(json.loads((out / f"results_rank{rank}.json").read_text()))
-    return {"logits": logits, "results": results, "files": files, "folders": spec["models"]}
+    return {"logits": logits, "results": results, "files": files, "folders": spec["models"], "cli": spec["cli"]}
 
 
 def _case(tp_run, key):
@@ -231,6 +243,34 @@ def test_calibration_file_for_another_model_is_refused(tp_run, arch):
         assert f"'{tp_run['folders'][arch]}' ({arch}, 1 layers, 4 KV heads" in msg  # the model given
         assert f"made for 'tiny-{other}-tp'" in msg  # the model the file was made for
         assert f"tensor-parallel rank {rank} of 2" in msg
+
+
+def test_cli_generate_under_torchrun_prints_on_rank_0_what_one_process_prints(tp_run, monkeypatch, capsys):
+    """``torchrun --nproc-per-node 2 -m kvcompress.cli generate ...``: the model is split over the ranks (tp_plan
+    auto), rank 0 prints the continuation and the memory report summed over the ranks, rank 1 prints nothing; the
+    continuation and the report's dense size are those of ``kvcompress generate`` in one process."""
+    from kvcompress import cli
+
+    ranks = [r["cli"] for r in tp_run["results"]]
+    assert [r["code"] for r in ranks] == [0, 0]
+    assert ranks[1]["stdout"] == ""
+    tp_out = ranks[0]["stdout"]
+    assert "summed over 2 tensor-parallel ranks" in tp_out
+    for name in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert cli.main(tp_run["cli"]) == 0
+    single = capsys.readouterr().out
+    text = lambda out: out.split("\nKV cache memory")[0]  # noqa: E731
+    dense = lambda out: next(line for line in out.splitlines() if line.startswith("dense fp16"))  # noqa: E731
+    assert text(tp_out) == text(single) and text(single).strip()
+    assert dense(tp_out) == dense(single)
+
+
+def test_cli_refuses_device_map_with_a_model_shape(capsys):
+    from kvcompress import cli
+
+    code = cli.main(["bench", "--model-shape", "tiny", "--random-weights", "--device-map", "auto"])
+    assert code == 2 and "--model-shape: expected omitted with --device-map" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- placement over devices

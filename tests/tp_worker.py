@@ -100,6 +100,16 @@ def main() -> int:
             except Exception as exc:
                 results[f"refused/{model_name}/{label}"] = {"type": type(exc).__name__, "message": str(exc)}
         del tp, ref
+    if spec.get("cli"):  # `kvcompress generate` under this torchrun launch: tensor parallel, rank 0 prints
+        import contextlib
+        import io
+
+        from kvcompress import cli
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = cli.main(spec["cli"])
+        results["cli"] = {"code": code, "stdout": out.getvalue()}
     save_file(tensors, os.path.join(out_dir, f"logits_rank{rank}.safetensors"))
     with open(os.path.join(out_dir, f"results_rank{rank}.json"), "w") as fh:
         json.dump(results, fh, indent=1)

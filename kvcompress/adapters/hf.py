@@ -486,13 +486,18 @@ def output_cache(outputs: Any) -> Any:
 # ----------------------------------------------------------------------------- loading
 
 
-def load_pretrained(path: str, *, gguf_file: str | None = None, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) from a local folder or hub id, optionally from a GGUF file."""
+def load_pretrained(path: str, *, gguf_file: str | None = None, dtype: torch.dtype = torch.float32,
+                    device_map: Any = None, tp_plan: str | None = None):
+    """(model, tokenizer) from a local folder or hub id, optionally from a GGUF file; ``device_map`` places layers
+    over devices, ``tp_plan="auto"`` (under torchrun) splits the model over the launched ranks."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kw = {"gguf_file": gguf_file} if gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(path, **kw)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
+    placement = {"device_map": device_map} if device_map is not None else {}
+    if tp_plan is not None:
+        placement["tp_plan"] = tp_plan
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **placement, **kw)
     model.eval()
     return model, tokenizer
 
