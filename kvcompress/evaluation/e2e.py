@@ -322,10 +322,16 @@ class _Decoder:
             kw["use_cache"] = True
         return kw
 
-    def prefill(self, ids: torch.Tensor, chunk: int) -> None:
-        """Eager prefill of ``ids`` (``[batch, ctx]``, any device) in chunks of ``chunk`` tokens per row."""
+    def prefill(self, ids: torch.Tensor, chunk: int, progress: bool = False) -> None:
+        """Eager prefill of ``ids`` (``[batch, ctx]``, any device) in chunks of ``chunk`` tokens per row; with
+        ``progress``, a line at every tenth of the prompt (a large batch's prefill takes minutes)."""
         ctx = ids.shape[1]
+        t0, shown = time.perf_counter(), 0
         for s in range(0, ctx, chunk):
+            if progress and s * 10 // ctx > shown:
+                shown = s * 10 // ctx
+                _log(f"  prefill {s}/{ctx} tokens per row x {ids.shape[0]} rows, {time.perf_counter() - t0:.0f} s",
+                     True)
             e = min(ctx, s + chunk)
             out = self.model(input_ids=ids[:, s:e].to(self.device),
                              **self._kwargs(torch.arange(s, e, device=self.device)))
@@ -488,7 +494,7 @@ def _static_bytes(model: Any, spec: RowSpec, batch: int, ctx: int, prefill_token
 
 
 def measure_throughput(model: Any, spec: RowSpec, ctx: int, kv_bytes: float, *, steps: int = 32, warmup: int = 3,
-                       max_batch: int = 1024, prefill_tokens: int = 32768, seed: int = 0) -> dict[str, Any]:
+                       max_batch: int = 1024, prefill_tokens: int = 32768, seed: int = 0, progress: bool = False) -> dict[str, Any]:
     """Largest batch whose cache fits ``kv_bytes``, its decode tokens/s (module doc); errors go in the row."""
     from .runner import cache_memory, compile_options
 
@@ -519,7 +525,7 @@ def measure_throughput(model: Any, spec: RowSpec, ctx: int, kv_bytes: float, *, 
             dec = _Decoder(model, spec, batch, ctx + warmup + steps, scope)
             prompt = torch.randint(model.config.vocab_size, (batch, ctx), generator=torch.Generator().manual_seed(seed))
             t0 = time.perf_counter()
-            dec.prefill(prompt, max(1, min(ctx, prefill_tokens // batch)))
+            dec.prefill(prompt, max(1, min(ctx, prefill_tokens // batch)), progress=progress)
             _sync(device)
             row["prefill_s"] = time.perf_counter() - t0
             del prompt
@@ -638,7 +644,7 @@ def _log(msg: str, enabled: bool) -> None:
 def run(model: Any, stacks: Sequence[Any], *, shape: str, points: Sequence[tuple[int, int]] = ((1, 32768), (8, 16384)),
         steps: int = 32, warmup: int = 3, profile_steps: int = 5, prefill_tokens: int = 32768, eager: bool = True,
         compile: bool = False, throughput: bool = False, kv_gib: float = 100.0, context: int = 32768,
-        max_batch: int = 1024, time_budget: float | None = None, seed: int = 0,
+        max_batch: int = 1024, time_budget: float | None = None, seed: int = 0, baseline: bool = True,
         on_row: Callable[[E2EResult], None] | None = None, progress: bool = True) -> E2EResult:
     """The benchmark (module doc) on ``model``; ``on_row`` is called with the partial result after each row."""
     from .runner import compile_options
@@ -652,9 +658,9 @@ def run(model: Any, stacks: Sequence[Any], *, shape: str, points: Sequence[tuple
     env = environment(device)
     env["cuda"] = torch.version.cuda
     if throughput:
-        settings.update(kv_gib=kv_gib, context=context, max_batch=max_batch)
-        specs = [RowSpec("static", "transformers StaticCache + compile")] + [
-            RowSpec("compiled", f"{st.label} + compile", st) for st in stacks]
+        settings.update(kv_gib=kv_gib, context=context, max_batch=max_batch, baseline=baseline)
+        specs = [RowSpec("static", "transformers StaticCache + compile")] if baseline else []
+        specs += [RowSpec("compiled", f"{st.label} + compile", st) for st in stacks]
         jobs: list[tuple[RowSpec, Any]] = [(s, None) for s in specs]
     else:
         settings.update(points=[f"{b}x{c}" for b, c in points], profile_steps=profile_steps, eager=eager,
@@ -678,7 +684,8 @@ def run(model: Any, stacks: Sequence[Any], *, shape: str, points: Sequence[tuple
         _log(f"[{n}/{len(jobs)}] {spec.label}{where} ...", progress)
         if throughput:
             row = measure_throughput(model, spec, context, kv_gib * 2**30, steps=steps, warmup=warmup,
-                                     max_batch=max_batch, prefill_tokens=prefill_tokens, seed=seed)
+                                     max_batch=max_batch, prefill_tokens=prefill_tokens, seed=seed,
+                                     progress=progress)
             summary = (f"batch {row['batch']}, {row['decode_tok_s'] or 0:,.0f} tok/s" if not row["error"]
                        else row["error"])
         else:
@@ -738,6 +745,8 @@ def validate_args(args: Any) -> None:
             raise ConfigError("--kv-gib", "a positive number of GiB", args.kv_gib)
         if args.context is not None and not 1 <= args.context <= (1 << 20):
             raise ConfigError("--ctx", "an integer in [1, 1048576]", args.context)
+    elif getattr(args, "no_baseline", False):
+        raise ConfigError("--no-baseline", "used together with --throughput", True)
     elif not args.compile and args.no_eager:
         raise ConfigError("--no-eager", "used together with --compile (otherwise no row is left)", True)
     parse_points(args.points)
@@ -767,7 +776,8 @@ def main_from_args(args: Any, device: str) -> int:
                  warmup=args.warmup, profile_steps=args.profile_steps, prefill_tokens=args.prefill_tokens,
                  eager=not args.no_eager, compile=args.compile, throughput=args.throughput, kv_gib=args.kv_gib,
                  context=args.context if args.context is not None else 32768, max_batch=args.max_batch,
-                 time_budget=args.time_budget, seed=args.seed, on_row=write, progress=progress)
+                 time_budget=args.time_budget, seed=args.seed, baseline=not getattr(args, "no_baseline", False),
+                 on_row=write, progress=progress)
     print(result.table(markdown=args.markdown))
     if args.json:
         print(f"wrote {args.json}")
