@@ -41,6 +41,8 @@ Presses (``--configs`` picks some; names as in the table):
   decode step (bounded).  DecodingPress' default ``compression_interval=512`` would never fire within 256 steps.
 * ``knorm+decoding-1024-i64`` / ``-512-i64`` (only when named): the same with ``compression_interval=64``: the cache
   grows to the target + 64 between two cuts, so the newest tokens survive up to 64 steps.
+* ``snapkv-w128-0.5`` / ``-0.75``, ``snapkv-w256-0.5`` / ``-0.75`` (only when named): SnapKV with an observation
+  window of 128 / 256 queries instead of kvpress' default 64 (as kvcompress' example stacks).
 * ``streaming_llm-4+252-bounded-sorted`` (only when named): the bounded StreamingLLM with the kept indices sorted
   (``sorted_press``): kvpress' unsorted ``topk`` indices scramble the cache order, which StreamingLLMPress reads
   as age, so the unsorted bounded run does not evict the oldest token.
@@ -97,6 +99,9 @@ def _configs() -> dict[str, tuple[str, Callable[[], Any]]]:
         out[f"expected_attention-{c}"] = (f"ExpectedAttentionPress(compression_ratio={c})",
                                           lambda c=c: ExpectedAttentionPress(compression_ratio=c))
         out[f"knorm-{c}"] = (f"KnormPress(compression_ratio={c})", lambda c=c: KnormPress(compression_ratio=c))
+        for w in (128, 256):
+            out[f"snapkv-w{w}-{c}"] = (f"SnapKVPress(compression_ratio={c}, window_size={w})",
+                                       lambda c=c, w=w: SnapKVPress(compression_ratio=c, window_size=w))
     for c, n in ((0.5, 1024), (0.75, 512)):
         out[f"knorm+decoding-{n}"] = (
             f"PrefillDecodingPress(KnormPress({c}), DecodingPress(KnormPress(), compression_interval=1, "
@@ -127,7 +132,8 @@ DEFAULT_CONFIGS = ["none", "snapkv-0.5", "snapkv-0.75", "expected_attention-0.5"
                    "knorm-decoding-only-1024", "knorm-decoding-only-512", "streaming_llm-4+252",
                    "streaming_llm-4+252-bounded"]
 #: run only when named in --configs
-EXTRA_CONFIGS = ["knorm+decoding-1024-i64", "knorm+decoding-512-i64", "streaming_llm-4+252-bounded-sorted"]
+EXTRA_CONFIGS = ["knorm+decoding-1024-i64", "knorm+decoding-512-i64", "streaming_llm-4+252-bounded-sorted",
+                 "snapkv-w128-0.5", "snapkv-w128-0.75", "snapkv-w256-0.5", "snapkv-w256-0.75"]
 
 
 def sorted_press(cls: Any) -> Any:

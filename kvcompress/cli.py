@@ -230,7 +230,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from .stack import load_stack
 
     # Everything is validated before the model is loaded.
-    settings = EvalSettings.for_task(args.task, args.context, args.samples, args.tokens, args.seed)
+    settings = EvalSettings.for_task(args.task, args.context, args.samples, args.tokens, args.seed, args.question)
     files = args.sweep if args.sweep else [args.stack]
     if args.plot and not args.sweep:
         raise ConfigError("--plot", "used together with --sweep FILE...", args.plot)
@@ -393,6 +393,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--tokens", type=int, default=None, metavar="M",
                     help="scored tokens (ppl, default 256) or generated tokens (passkey 8, agreement 64) per sample")
     ev.add_argument("--seed", type=int_range(0, MAX_SEED), default=0, help="seed of the passkey keys (default 0)")
+    ev.add_argument("--question", default=None, metavar="WHERE",
+                    help="passkey: 'after' (default: the haystack is prefilled and compressed, then the question is "
+                    "fed; query-agnostic, as kvpress) or 'prefill' (the question ends the prefill: the standard "
+                    "passkey prompt, SnapKV's setting)")
     ev.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                     help="model and cache dtype (default bfloat16, SmolLM2's training dtype)")
     ev.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))

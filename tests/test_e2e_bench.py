@@ -110,6 +110,18 @@ def test_throughput_mode_picks_the_batch_from_the_budget(tmp_path, capsys):
     assert "decode tok/s" in capsys.readouterr().out
 
 
+def test_throughput_without_baseline_runs_only_the_stacks(tmp_path):
+    out = tmp_path / "tput.json"
+    rc = main(["bench", "--model-shape", "tiny", "--random-weights", "--throughput", "--kv-gib", "0.0001",
+               "--ctx", "32", "--steps", "2", "--warmup", "1", "--max-batch", "6", "--device", "cpu",
+               "--stack", "kivi2", "--no-baseline", "--json", str(out), "--quiet"])
+    assert rc == 0
+    obj = json.loads(out.read_text())
+    assert obj["settings"]["baseline"] is False
+    assert [r["label"] for r in obj["rows"]] == ["kivi2 + compile"]
+    assert obj["rows"][0]["error"] is None and obj["rows"][0]["batch"] >= 1
+
+
 def test_builtin_stacks_resolve_and_run_on_a_random_model():
     """Every built-in benchmark stack needs no calibration file of a particular model (head_dim 128 as
     Llama-3-8B; the low-rank stacks get a random basis made for the model)."""
@@ -133,6 +145,9 @@ def test_builtin_stacks_resolve_and_run_on_a_random_model():
     (["--model-shape", "tiny", "--random-weights", "--model", "x"], "--model: expected not given"),
     (["--random-weights"], "--random-weights: expected used together with --model-shape"),
     (["--throughput"], "--throughput: expected used together with --model-shape"),
+    (["--model-shape", "tiny", "--random-weights", "--no-baseline"], "--no-baseline: expected used together with "
+     "--throughput"),
+    (["--no-baseline"], "--no-baseline: expected used together with --model-shape"),
 ])
 def test_options_are_checked_before_the_model_is_built(no_model_built, capsys, argv, needle):
     assert main(["bench", *argv]) == 2

@@ -60,6 +60,28 @@ def test_passkey_window_that_evicts_the_key_fails_where_baseline_passes(evaluato
     assert "FAIL" in result.table() and "ok" in result.table()
 
 
+def test_passkey_question_in_prefill(evaluator):
+    """The standard passkey prompt (question inside the prefill): the uncompressed model answers as when the
+    question is fed after the prefill (same greedy tokens); the settings are a separate baseline; both round-trip."""
+    after = evaluator.run(NONE, EvalSettings.for_task("passkey", context=160, samples=1, tokens=6))
+    runs = evaluator.baseline_runs
+    inside = evaluator.run(NONE, EvalSettings.for_task("passkey", context=160, samples=1, tokens=6,
+                                                       question="prefill"))
+    assert evaluator.baseline_runs == runs + 1 and not inside.baseline_reused
+    assert inside.baseline["accuracy"] == after.baseline["accuracy"] == 1.0
+    assert [d["answer"] for d in inside.details] == [d["answer"] for d in after.details]
+    # the question was prefilled: the cache at the end of prefill holds all prompt tokens but the last
+    per_token = after.dense_bytes // (data.passkey_samples(evaluator.tokenizer, 160, 1)[0].question_start)
+    n = len(data.passkey_samples(evaluator.tokenizer, 160, 1)[0].ids)
+    assert inside.dense_bytes == (n - 1) * per_token
+    assert "question in the prefill" in inside.table() and "question after the prefill" in after.table()
+    assert type(inside).from_dict(inside.to_dict()).settings == inside.settings
+    with pytest.raises(ConfigError, match="--question"):
+        EvalSettings.for_task("ppl", question="prefill")
+    with pytest.raises(ConfigError, match="--question"):
+        EvalSettings.for_task("passkey", question="before")
+
+
 def test_passkey_prompt_layout(default_model):
     _, tok = default_model
     samples = data.passkey_samples(tok, 300, 3, seed=7)

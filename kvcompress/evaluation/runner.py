@@ -12,8 +12,12 @@ stack an :class:`Evaluator` runs.
   the logits of step *t* score token *t + 1*.  Reports perplexity, relative Δppl, mean
   KL(baseline‖stack) over scored positions and top-1 agreement with the baseline.
 * ``passkey``: ``samples`` prompts (see :mod:`~kvcompress.evaluation.data`) with the needle at
-  evenly spread depths.  The haystack is prefilled, the question is fed one token at a time,
-  then ``tokens`` tokens are decoded greedily.  Correct iff the first number generated is the key.
+  evenly spread depths.  ``question="after"`` (default): the haystack is prefilled (and compressed), the
+  question is fed one token at a time - the query-agnostic setting, as kvpress compresses a context before
+  its question; ``question="prefill"``: every prompt token but the last is prefilled, question included,
+  the last is a decode step - the standard passkey prompt, and SnapKV's own setting (its observation window
+  sees the question).  Then ``tokens`` tokens are decoded greedily.  Correct iff the first number
+  generated is the key.
 * ``agreement``: ``samples`` document windows of ``context`` tokens as prompts; all but the last
   prompt token are prefilled, the last is a decode step, then ``tokens`` tokens are decoded
   greedily (no stop at end-of-sequence).  ``agreement`` = fraction of generated positions whose
@@ -57,6 +61,8 @@ MIN_CONTEXT = 16
 MAX_CONTEXT = 1 << 17
 MAX_SAMPLES = 10_000
 MAX_TOKENS = 1 << 16
+#: passkey: where the question goes (module doc)
+QUESTION = ("after", "prefill")
 SCHEMA = "kvcompress.eval/1"
 _TOKEN_WORD = {"ppl": "scored", "passkey": "generated", "agreement": "generated"}
 
@@ -70,15 +76,20 @@ class EvalSettings:
     samples: int
     tokens: int
     seed: int = 0
+    question: str = "after"  #: passkey only: "after" the compressed prefill or inside it ("prefill")
 
     @classmethod
     def for_task(cls, task: str, context: int | None = None, samples: int | None = None,
-                 tokens: int | None = None, seed: int = 0) -> "EvalSettings":
+                 tokens: int | None = None, seed: int = 0, question: str | None = None) -> "EvalSettings":
         """Settings with the task's defaults for every size left as ``None``; validated."""
         check_settings(task, context, samples, tokens)
+        if question is not None and task != "passkey":
+            raise ConfigError("--question", "given only with --task passkey", question)
+        if question is not None and question not in QUESTION:
+            raise ConfigError("--question", "one of " + ", ".join(QUESTION), question)
         d = DEFAULTS[task]
         return cls(task, d["context"] if context is None else context, d["samples"] if samples is None else samples,
-                   d["tokens"] if tokens is None else tokens, seed)
+                   d["tokens"] if tokens is None else tokens, seed, question or "after")
 
 
 def check_settings(task: Any, context: Any = None, samples: Any = None, tokens: Any = None) -> None:
@@ -136,7 +147,9 @@ class EvalResult:
     def settings_line(self) -> str:
         s = self.settings
         return (f"task {s.task} | {self.model} {self.dtype} | context {s.context} | "
-                f"{s.samples} sample(s) x {s.tokens} {_TOKEN_WORD[s.task]} tokens")
+                f"{s.samples} sample(s) x {s.tokens} {_TOKEN_WORD[s.task]} tokens"
+                + (f" | question {'in the prefill' if s.question == 'prefill' else 'after the prefill'}"
+                   if s.task == "passkey" else ""))
 
     def title(self) -> str:
         compiled = f" | compiled decode step ({_describe_compile(self.compile)})" if self.compile else ""
@@ -191,6 +204,7 @@ class EvalResult:
             "samples": s.samples,
             "tokens": s.tokens,
             "seed": s.seed,
+            "question": s.question,
             "metrics": self.metrics,
             "baseline": self.baseline,
             "cache_bytes": self.cache_bytes,
@@ -215,7 +229,8 @@ class EvalResult:
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> "EvalResult":
         """Inverse of :meth:`to_dict` (e.g. to re-plot a sweep from its JSON file)."""
-        settings = EvalSettings(obj["task"], obj["context"], obj["samples"], obj["tokens"], obj.get("seed", 0))
+        settings = EvalSettings(obj["task"], obj["context"], obj["samples"], obj["tokens"], obj.get("seed", 0),
+                                obj.get("question", "after"))
         return cls(settings, obj["stack"], obj["stack_label"], obj["stack_source"], obj["model"], obj["dtype"],
                    obj["metrics"], obj["baseline"], obj["cache_bytes"], obj["dense_bytes"],
                    obj["baseline_cache_bytes"], obj["wall_s"], obj["baseline_wall_s"], obj["baseline_reused"],
@@ -560,7 +575,8 @@ class Evaluator:
                     if task == "ppl":
                         out = self._ppl_sample(session, job, settings, bar.update)
                     elif task == "passkey":
-                        out = self._generate(session, job.ids, job.question_start, settings.tokens, bar.update)
+                        prefill = job.question_start if settings.question == "after" else len(job.ids) - 1
+                        out = self._generate(session, job.ids, prefill, settings.tokens, bar.update)
                         out.update(key=job.key, depth=job.depth, needle_token=job.needle_start,
                                    prompt_tokens=len(job.ids))
                     else:
