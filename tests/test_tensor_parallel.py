@@ -117,6 +117,8 @@ def stacks(files: dict[str, str]) -> dict[str, list]:
 CLI_ARGS = ["generate", "a prompt long enough for a few pages of the cache " * 3, "--max-new-tokens", "24",
             "--dtype", "float32", "--raw", "--report"]
 STACK_NAMES = tuple(stacks({"mask": "", "basis": "", "channels": ""}))
+#: also run with a static cache (capacity preallocated): the ones whose static state differs most from the dynamic
+STATIC_STACKS = tuple(n for n in ("kivi2", "paged_eviction", "tova_layer", "snapkv") if n in STACK_NAMES)
 
 
 def _free_port() -> int:
@@ -131,7 +133,8 @@ def tp_run(tmp_path_factory):
     from safetensors.torch import load_file
 
     folder = tmp_path_factory.mktemp("tp")
-    spec = {"seed": 0, "prompt": PROMPT, "steps": STEPS, "models": {}, "stacks": {}, "refused": {}}
+    spec = {"seed": 0, "prompt": PROMPT, "steps": STEPS, "models": {}, "stacks": {}, "refused": {},
+            "static": list(STATIC_STACKS)}
     files = {}
     for arch in ARCHS:
         model = tp_model(arch)
@@ -191,6 +194,19 @@ def test_tensor_parallel_logits_equal_single_process(tp_run, arch, stack):
     assert tp.shape == ref.shape == (1, STEPS + 1, 256)
     diff = (tp - ref).abs().max().item()
     assert diff <= TOL, f"{key}: the 2-rank logits differ from the single-process run by {diff:.3g}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("stack", STATIC_STACKS)
+def test_static_cache_under_tensor_parallelism_equals_single_process(tp_run, arch, stack):
+    """A cache with a capacity (``compress(model, stack, max_cache_len=N)``, the graph-capturable state, run
+    eagerly) on the 2-rank model gives the single-process dynamic cache's logits."""
+    key = f"{arch}/{stack}"
+    assert all(e["is_static"] for e in _case(tp_run, key + "@static"))
+    tp, ref = tp_run["logits"][f"tp/{key}@static"], tp_run["logits"][f"ref/{key}"]
+    assert tp.shape == ref.shape == (1, STEPS + 1, 256)
+    diff = (tp - ref).abs().max().item()
+    assert diff <= TOL, f"{key}, static cache: the 2-rank logits differ from the single-process run by {diff:.3g}"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -22,16 +22,25 @@ import traceback
 import torch
 
 
-def run_case(model, stack, prompt, steps):
+def run_case(model, stack, prompt, steps, static=False):
+    """Prefill, then one step per token of ``steps``; ``static``: a cache with a capacity (the graph-capturable
+    static cache, run eagerly), positions passed explicitly as transformers' compiled decode does."""
     import kvcompress
     from kvcompress.adapters import hf
 
     kw = hf.cache_kwarg(model)
-    with kvcompress.compress(model, stack) as cache, torch.no_grad():
-        out = model(input_ids=prompt, **{kw: cache})
+    n = prompt.shape[1]
+    extra = {"max_cache_len": n + steps.shape[1] + 1, "max_batch_size": prompt.shape[0]} if static else {}
+
+    def pos(a, b):
+        return {"position_ids": torch.arange(a, b).unsqueeze(0), "cache_position": torch.arange(a, b)} if static \
+            else {}
+
+    with kvcompress.compress(model, stack, **extra) as cache, torch.no_grad():
+        out = model(input_ids=prompt, **{kw: cache}, **pos(0, n))
         logits = [out.logits[:, -1].float()]
         for t in range(steps.shape[1]):
-            out = model(input_ids=steps[:, t:t + 1], **{kw: cache})
+            out = model(input_ids=steps[:, t:t + 1], **{kw: cache}, **pos(n + t, n + t + 1))
             logits.append(out.logits[:, -1].float())
         return torch.stack(logits, 1).contiguous(), cache
 
@@ -75,6 +84,18 @@ def main() -> int:
                 if rank == 0:
                     tensors[f"tp/{key}"] = logits
             except Exception as exc:  # recorded per case: the test names the case and the error
+                entry["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"
+            entry["seconds"] = time.perf_counter() - start
+        for stack_name in spec.get("static", []):  # static caches (capacity preallocated) under the same split
+            key = f"{model_name}/{stack_name}@static"
+            entry = results[key] = {}
+            start = time.perf_counter()
+            try:
+                logits, cache = run_case(tp, spec["stacks"][model_name][stack_name], prompt, steps, static=True)
+                entry["is_static"] = cache.is_static
+                if rank == 0:
+                    tensors[f"tp/{key}"] = logits
+            except Exception as exc:
                 entry["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"
             entry["seconds"] = time.perf_counter() - start
         # the single-process references, half on each rank (both cores busy, no collective in between)
