@@ -16,7 +16,6 @@ ratio, W, K, SINKS = float(sys.argv[1]), int(sys.argv[2]), 7, 4
 model, tok = load_model(None, dtype=torch.float32, device="cpu")
 g = model.config.num_attention_heads // model.config.num_key_value_heads
 sel = {}
-state = {"n": None}
 def attn(module, q, k, v, attention_mask, scaling=None, dropout=0.0, **kw):
     i = module.layer_idx
     kk, vv = repeat_kv(k, g), repeat_kv(v, g)
@@ -34,7 +33,6 @@ def attn(module, q, k, v, attention_mask, scaling=None, dropout=0.0, **kw):
         pooled[:, :SINKS] = top + 1
         keep = torch.zeros_like(pooled, dtype=torch.bool).scatter_(1, pooled.topk(int(ratio * n), -1).indices, True)
         sel[i] = keep
-        state["n"] = n
     else:
         keep = sel[i]
         full = torch.ones(keep.shape[0], n, dtype=torch.bool)

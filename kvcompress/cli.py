@@ -154,12 +154,7 @@ def _prompt_inputs(tokenizer: Any, args: argparse.Namespace, config: Any) -> Any
 
 def _launched_ranks() -> int:
     """Processes of a ``torchrun`` launch (``WORLD_SIZE``; 1 when not launched by torchrun)."""
-    import os
-
-    try:
-        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
+    return max(1, _torchrun_env("WORLD_SIZE", 1))
 
 
 def _placement(args: argparse.Namespace) -> dict[str, Any]:
@@ -478,13 +473,19 @@ def _show_warning(message, category, filename, lineno, file=None, line=None, _de
         _default(message, category, filename, lineno, file, line)
 
 
-def _rank() -> int:
+def _torchrun_env(name: str, default: int) -> int:
+    """An integer torchrun sets in the environment (``RANK``, ``WORLD_SIZE``), ``default`` when absent or invalid."""
     import os
 
     try:
-        return int(os.environ.get("RANK", "0"))
+        return int(os.environ.get(name, default))
     except ValueError:
-        return 0
+        return default
+
+
+def _rank() -> int:
+    """This process' rank in a torchrun launch (0 when not launched by torchrun)."""
+    return _torchrun_env("RANK", 0)
 
 
 _PLACEMENT_HELP = ("place the model's layers over the available devices (transformers' device_map='auto'); each "

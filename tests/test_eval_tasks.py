@@ -71,9 +71,9 @@ def test_passkey_question_in_prefill(evaluator):
     assert inside.baseline["accuracy"] == after.baseline["accuracy"] == 1.0
     assert [d["answer"] for d in inside.details] == [d["answer"] for d in after.details]
     # the question was prefilled: the cache at the end of prefill holds all prompt tokens but the last
-    per_token = after.dense_bytes // (data.passkey_samples(evaluator.tokenizer, 160, 1)[0].question_start)
-    n = len(data.passkey_samples(evaluator.tokenizer, 160, 1)[0].ids)
-    assert inside.dense_bytes == (n - 1) * per_token
+    (sample,) = data.passkey_samples(evaluator.tokenizer, 160, 1)
+    per_token = after.dense_bytes // sample.question_start
+    assert inside.dense_bytes == (len(sample.ids) - 1) * per_token
     assert "question in the prefill" in inside.table() and "question after the prefill" in after.table()
     assert type(inside).from_dict(inside.to_dict()).settings == inside.settings
     with pytest.raises(ConfigError, match="--question"):

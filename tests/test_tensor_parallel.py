@@ -185,15 +185,19 @@ def _case(tp_run, key):
     return entries
 
 
+def _assert_logits_match(tp_run, tp_key, ref_key, what):
+    tp, ref = tp_run["logits"][f"tp/{tp_key}"], tp_run["logits"][f"ref/{ref_key}"]
+    assert tp.shape == ref.shape == (1, STEPS + 1, 256)
+    diff = (tp - ref).abs().max().item()
+    assert diff <= TOL, f"{what}: the 2-rank logits differ from the single-process run by {diff:.3g}"
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("stack", STACK_NAMES)
 def test_tensor_parallel_logits_equal_single_process(tp_run, arch, stack):
     key = f"{arch}/{stack}"
     _case(tp_run, key)
-    tp, ref = tp_run["logits"][f"tp/{key}"], tp_run["logits"][f"ref/{key}"]
-    assert tp.shape == ref.shape == (1, STEPS + 1, 256)
-    diff = (tp - ref).abs().max().item()
-    assert diff <= TOL, f"{key}: the 2-rank logits differ from the single-process run by {diff:.3g}"
+    _assert_logits_match(tp_run, key, key, key)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -203,10 +207,7 @@ def test_static_cache_under_tensor_parallelism_equals_single_process(tp_run, arc
     eagerly) on the 2-rank model gives the single-process dynamic cache's logits."""
     key = f"{arch}/{stack}"
     assert all(e["is_static"] for e in _case(tp_run, key + "@static"))
-    tp, ref = tp_run["logits"][f"tp/{key}@static"], tp_run["logits"][f"ref/{key}"]
-    assert tp.shape == ref.shape == (1, STEPS + 1, 256)
-    diff = (tp - ref).abs().max().item()
-    assert diff <= TOL, f"{key}, static cache: the 2-rank logits differ from the single-process run by {diff:.3g}"
+    _assert_logits_match(tp_run, key + "@static", key, f"{key}, static cache")
 
 
 @pytest.mark.parametrize("arch", ARCHS)

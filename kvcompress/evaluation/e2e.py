@@ -494,7 +494,8 @@ def _static_bytes(model: Any, spec: RowSpec, batch: int, ctx: int, prefill_token
 
 
 def measure_throughput(model: Any, spec: RowSpec, ctx: int, kv_bytes: float, *, steps: int = 32, warmup: int = 3,
-                       max_batch: int = 1024, prefill_tokens: int = 32768, seed: int = 0, progress: bool = False) -> dict[str, Any]:
+                       max_batch: int = 1024, prefill_tokens: int = 32768, seed: int = 0,
+                       progress: bool = False) -> dict[str, Any]:
     """Largest batch whose cache fits ``kv_bytes``, its decode tokens/s (module doc); errors go in the row."""
     from .runner import cache_memory, compile_options
 
@@ -745,7 +746,7 @@ def validate_args(args: Any) -> None:
             raise ConfigError("--kv-gib", "a positive number of GiB", args.kv_gib)
         if args.context is not None and not 1 <= args.context <= (1 << 20):
             raise ConfigError("--ctx", "an integer in [1, 1048576]", args.context)
-    elif getattr(args, "no_baseline", False):
+    elif args.no_baseline:
         raise ConfigError("--no-baseline", "used together with --throughput", True)
     elif not args.compile and args.no_eager:
         raise ConfigError("--no-eager", "used together with --compile (otherwise no row is left)", True)
@@ -776,7 +777,7 @@ def main_from_args(args: Any, device: str) -> int:
                  warmup=args.warmup, profile_steps=args.profile_steps, prefill_tokens=args.prefill_tokens,
                  eager=not args.no_eager, compile=args.compile, throughput=args.throughput, kv_gib=args.kv_gib,
                  context=args.context if args.context is not None else 32768, max_batch=args.max_batch,
-                 time_budget=args.time_budget, seed=args.seed, baseline=not getattr(args, "no_baseline", False),
+                 time_budget=args.time_budget, seed=args.seed, baseline=not args.no_baseline,
                  on_row=write, progress=progress)
     print(result.table(markdown=args.markdown))
     if args.json:
