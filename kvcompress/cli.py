@@ -276,7 +276,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return e2e.main_from_args(args, _resolve_device(args.device))
     for option, given in (("--random-weights", args.random_weights), ("--throughput", args.throughput),
                           ("--points", args.points is not None), ("--no-eager", args.no_eager),
-                          ("--no-baseline", args.no_baseline)):
+                          ("--no-baseline", args.no_baseline), ("--fill-rows", args.fill_rows)):
         if given:
             raise ConfigError(option, "used together with --model-shape", given)
     args.context = 1024 if args.context is None else args.context
@@ -446,6 +446,10 @@ def build_parser() -> argparse.ArgumentParser:
     e2e_opts.add_argument("--max-batch", type=int, default=1024, help="with --throughput: batch cap (default 1024)")
     e2e_opts.add_argument("--no-baseline", action="store_true", help="with --throughput: skip the transformers "
                           "StaticCache + compile row (measured before; gives the stacks the time)")
+    e2e_opts.add_argument("--fill-rows", type=int, default=0, metavar="K", help="with --throughput: prefill only K "
+                          "distinct prompts and repeat their cache rows over the batch (a decode step's time does not "
+                          "depend on the values; a batch of ~100 x 32k-token prefills takes many minutes); 0 (default): "
+                          "prefill every row")
     e2e_opts.add_argument("--time-budget", type=float, default=None, metavar="S", help="skip the rows that would "
                           "start after S seconds (they are listed as skipped; --json is written after every row)")
     e2e_opts.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens (default 0)")

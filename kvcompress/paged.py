@@ -757,11 +757,13 @@ class StaticPagedStore(MiddleStore):
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if self.lanes is None:
             return
-        for t in (self.valid, self.pos, self.live, self.score, self.age):
-            t.copy_(fn(t))
+        from .static import remap_rows
+
+        self.valid, self.pos, self.live, self.score, self.age = (
+            remap_rows(t, fn) for t in (self.valid, self.pos, self.live, self.score, self.age))
         for _, bufs in self.lanes:
-            for t in bufs.values():
-                t.copy_(fn(t))
+            for name, t in bufs.items():
+                bufs[name] = remap_rows(t, fn)
 
     def reset(self) -> None:
         if self.valid is not None:

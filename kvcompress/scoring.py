@@ -108,9 +108,11 @@ class ScoreState:
     def map_batch(self, fn) -> None:
         if self.scores is None:
             return
-        if self.static:  # in place: a compiled step keeps the addresses
-            self.scores.copy_(fn(self.scores))
-            self.target.copy_(fn(self.target))
+        if self.static:  # in place when the rows are only reordered: a compiled step keeps the addresses
+            from .static import remap_rows
+
+            self.scores, self.target = remap_rows(self.scores, fn), remap_rows(self.target, fn)
+            self._initial = fn(self._initial)
         else:
             self.scores, self.target, self._initial = fn(self.scores), fn(self.target), fn(self._initial)
 

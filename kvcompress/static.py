@@ -62,6 +62,22 @@ def mark_static(*tensors: torch.Tensor | None) -> None:
             torch._dynamo.mark_static_address(t)
 
 
+def remap_rows(t: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``fn(t)`` for a preallocated ``[batch, ...]`` buffer of a static cache (``map_batch``).
+
+    A reorder keeps the row count: the rows are written back in place and the buffer keeps its address (a captured
+    decode step stays valid; beam search).  A repeat or a selection changes it: the result is a new buffer, marked
+    static (``batch_repeat_interleave`` after the prefill; the next compiled step records with the new buffers).
+    Returns the tensor to keep.
+    """
+    new = fn(t)
+    if new.shape == t.shape:
+        return t.copy_(new)
+    new = new.contiguous()
+    mark_static(new)
+    return new
+
+
 def middle_capacity(layout: Layout, capacity: int) -> int:
     """Tokens the middle store must hold: all that can leave the window, bounded by ``Layout.middle``."""
     if layout.recent is None:
@@ -413,11 +429,12 @@ class StaticLayer:
 
     # -- batch operations ---------------------------------------------------------------------
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Reorder / select rows in place (beam search), keeping buffer addresses."""
+        """Reorder rows in place (beam search; buffer addresses kept), or repeat / select rows (new buffers: see
+        :func:`remap_rows`)."""
         if not self.is_initialized:
             return
-        for t in (self.k, self.v, self.valid, self.sink_pos, self.sink_count):
-            t.copy_(fn(t))
+        self.k, self.v, self.valid, self.sink_pos, self.sink_count = (
+            remap_rows(t, fn) for t in (self.k, self.v, self.valid, self.sink_pos, self.sink_count))
         if self.middle is not None:
             self.middle.map_batch(fn)
         for value in self.state.values():
@@ -604,10 +621,10 @@ class StaticRingStore(MiddleStore):
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if self.lanes is None:
             return
-        self.ring.valid.copy_(fn(self.ring.valid))
+        self.ring.valid = remap_rows(self.ring.valid, fn)
         for _, bufs in self.lanes:
-            for t in bufs.values():
-                t.copy_(fn(t))
+            for name, t in bufs.items():
+                bufs[name] = remap_rows(t, fn)
 
     def reset(self) -> None:
         self.ring.reset()

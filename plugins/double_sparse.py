@@ -240,9 +240,11 @@ class StaticLabelCache:
 
     def map_batch(self, fn) -> None:
         if self.data is not None:
-            for t in (self.data, self.aux, self.ring.valid):
-                if t is not None:
-                    t.copy_(fn(t))
+            from kvcompress.static import remap_rows  # in place unless the row count changes
+
+            self.data, self.ring.valid = remap_rows(self.data, fn), remap_rows(self.ring.valid, fn)
+            if self.aux is not None:
+                self.aux = remap_rows(self.aux, fn)
 
     def reset(self) -> None:
         self.ring.reset()

@@ -34,7 +34,7 @@ import torch
 from kvcompress import CompressorSpec, hookimpl, param
 from kvcompress.errors import ConfigError
 from kvcompress.scoring import ScoreConfig, ScoreEvictor
-from kvcompress.static import mark_static
+from kvcompress.static import mark_static, remap_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,9 +111,8 @@ class QueryRing:
     def map_batch(self, fn) -> None:
         if self.q is None:
             return
-        if self.static:
-            self.q.copy_(fn(self.q))
-            self.ok.copy_(fn(self.ok))
+        if self.static:  # in place unless the row count changes
+            self.q, self.ok = remap_rows(self.q, fn), remap_rows(self.ok, fn)
         else:
             self.q, self.ok = fn(self.q), fn(self.ok)
 

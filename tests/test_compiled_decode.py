@@ -237,3 +237,35 @@ def test_beam_search_with_static_cache_equals_dynamic(model):
         with kvcompress.compress(model, _stack("kivi2", None), **kw) as cache:  # no sinks: same groups
             outs.append(model.generate(ids, max_new_tokens=30, num_beams=2, do_sample=False, cache=cache))
     assert torch.equal(outs[0], outs[1])
+
+
+SNAP = {"snapkv": {"budget": 40, "sinks": 2, "recent": 16, "window": 8, "phase": "both"}}
+EXPECTED = {"expected_attention": {"budget": 40, "sinks": 2, "recent": 16, "window": 16, "phase": "both"}}
+
+
+@pytest.mark.parametrize("name", ["window+kivi2", "kivi4+sinks", "leank+kivi2", "paged+kivi2",
+                                  "double_sparse-shared+kivi2", "lowrank+kivi2", "snapkv", "expected_attention"])
+def test_static_rows_repeated_after_prefill_equal_a_batch_prefilled_whole(model, lowrank_basis, name):
+    """batch_repeat_interleave on a static cache (one prefilled row served as three; num_return_sequences,
+    benchmark fills) gives every row the state a real three-row prefill gives it: the decode logits of both caches
+    agree over flushes, page evictions and selections; batch_select_indices then keeps the chosen rows."""
+    extra = {"snapkv": SNAP, "expected_attention": EXPECTED}
+    stack = {"compressors": [extra[name]]} if name in extra else _stack(name, lowrank_basis)
+    ids, _ = _ids(batch=1, length=PROMPT)
+    steps = torch.randint(1, 256, (3, 40), generator=torch.Generator().manual_seed(5))
+    logits = []
+    for repeat in (False, True):
+        out = []
+        with kvcompress.compress(model, stack, max_cache_len=PROMPT + 48) as cache, torch.no_grad():
+            model(ids if repeat else ids.repeat(3, 1), cache=cache)
+            if repeat:
+                cache.batch_repeat_interleave(3)
+            for t in range(steps.shape[1]):
+                pos = torch.full((3, 1), PROMPT + t)
+                out.append(model(input_ids=steps[:, t:t + 1], position_ids=pos, cache=cache).logits[:, -1])
+            cache.batch_select_indices(torch.tensor([2, 0]))
+            pos = torch.full((2, 1), PROMPT + steps.shape[1])
+            out.append(torch.cat([model(input_ids=steps[[2, 0], :1], position_ids=pos, cache=cache).logits[:, -1],
+                                  torch.zeros(1, model.config.vocab_size)]))
+        logits.append(torch.stack(out))
+    assert (logits[0] - logits[1]).abs().max().item() <= 1e-5

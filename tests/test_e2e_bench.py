@@ -122,6 +122,23 @@ def test_throughput_without_baseline_runs_only_the_stacks(tmp_path):
     assert obj["rows"][0]["error"] is None and obj["rows"][0]["batch"] >= 1
 
 
+def test_throughput_fill_rows_repeats_prefilled_rows_to_the_same_cache(tmp_path):
+    """--fill-rows 2 prefills two prompts and repeats their rows over a batch of 5 (not a multiple): transformers'
+    StaticCache and a kvcompress stack end with the cache bytes of a batch of 5 prefilled whole."""
+    rows = {}
+    for fill in ("0", "2"):
+        out = tmp_path / f"tput{fill}.json"
+        rc = main(["bench", "--model-shape", "tiny", "--random-weights", "--throughput", "--kv-gib", "0.0001",
+                   "--ctx", "32", "--steps", "2", "--warmup", "1", "--max-batch", "5", "--device", "cpu",
+                   "--stack", "kivi2", "--fill-rows", fill, "--json", str(out), "--quiet"])
+        assert rc == 0
+        rows[fill] = json.loads(out.read_text())["rows"]
+    for whole, filled in zip(rows["0"], rows["2"]):
+        assert whole["error"] is None and filled["error"] is None, filled["traceback"]
+        assert filled["batch"] == whole["batch"] == 5 and filled["prefilled_rows"] == 2
+        assert filled["cache_bytes"] == whole["cache_bytes"] and filled["decode_tok_s"] > 0
+
+
 def test_builtin_stacks_resolve_and_run_on_a_random_model():
     """Every built-in benchmark stack needs no calibration file of a particular model (head_dim 128 as
     Llama-3-8B; the low-rank stacks get a random basis made for the model)."""
@@ -148,6 +165,10 @@ def test_builtin_stacks_resolve_and_run_on_a_random_model():
     (["--model-shape", "tiny", "--random-weights", "--no-baseline"], "--no-baseline: expected used together with "
      "--throughput"),
     (["--no-baseline"], "--no-baseline: expected used together with --model-shape"),
+    (["--model-shape", "tiny", "--random-weights", "--fill-rows", "2"], "--fill-rows: expected used together with "
+     "--throughput"),
+    (["--model-shape", "tiny", "--random-weights", "--throughput", "--fill-rows", "-1"], "--fill-rows: expected an "
+     "integer in [0, 65536], got -1"),
 ])
 def test_options_are_checked_before_the_model_is_built(no_model_built, capsys, argv, needle):
     assert main(["bench", *argv]) == 2

@@ -273,15 +273,12 @@ class CompressedCacheLayer(CacheLayerMixin):
         self.core.map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if getattr(self.core, "static", False):
-            raise UnsupportedOperationError(
-                "a static kvcompress cache has a fixed batch size; build it with the expanded batch size")
+        # a static cache gets new buffers of the new row count (kvcompress.static.remap_rows): call it between the
+        # prefill and the first compiled step, or the compiled step records again
         self.core.map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if getattr(self.core, "static", False):
-            raise UnsupportedOperationError("a static kvcompress cache has a fixed batch size")
-        self.core.map_batch(lambda t: t[indices])
+        self.core.map_batch(lambda t: t[indices.to(t.device)])
 
 
 def claim_pending(layer_idx: int, key: torch.Tensor) -> Any:
@@ -481,6 +478,22 @@ def cache_kwarg(model: Any) -> str:
 
 def output_cache(outputs: Any) -> Any:
     return getattr(outputs, "cache", None) or getattr(outputs, "past_key_values", None)
+
+
+def select_native_rows(cache: Any, index: torch.Tensor) -> None:
+    """Rows ``index`` of transformers' own StaticCache, as new buffers (the benchmark's ``--fill-rows``: prefill a
+    few rows, serve many).  Its layers have no ``batch_repeat_interleave``; keys and values are all a decode step
+    reads, and its step counter is shared by the rows."""
+    for layer in cache.layers:
+        if not isinstance(getattr(layer, "keys", None), torch.Tensor) or not getattr(layer, "is_initialized", False):
+            raise UnsupportedOperationError(f"cannot select the rows of a {type(layer).__name__} (a prefilled "
+                                            "StaticCache layer with keys/values buffers was expected)")
+        for name in ("keys", "values"):
+            t = getattr(layer, name).index_select(0, index.to(layer.keys.device))
+            torch._dynamo.mark_static_address(t)
+            setattr(layer, name, t)
+        if hasattr(layer, "batch_size"):
+            layer.batch_size = len(index)
 
 
 # ----------------------------------------------------------------------------- loading

@@ -33,7 +33,11 @@ what it measured.
 Throughput mode (``--throughput --kv-gib G --ctx N``): for ``StaticCache + compile`` and each stack
 compiled, the cache bytes of one and of two sequences after an ``N``-token prefill give the bytes
 per sequence; the largest batch whose cache fits ``G`` GiB is prefilled (chunked) and decoded:
-decode tokens/s = batch x steps / (wall time of ``steps`` back-to-back decode steps).
+decode tokens/s = batch x steps / (wall time of ``steps`` back-to-back decode steps).  With
+``--fill-rows K`` only K distinct prompts are prefilled and the cache's rows are then repeated to the
+batch (``batch_repeat_interleave`` of a static cache; transformers' StaticCache rows are copied the same
+way): a batch of ~100 rows x 32k tokens would otherwise spend most of a GPU session in prefill, and a
+decode step's time does not depend on the values the rows hold.
 """
 
 from __future__ import annotations
@@ -339,6 +343,18 @@ class _Decoder:
                 self.cache = self.hf.output_cache(out)
             del out
 
+    def repeat_rows(self, batch: int) -> None:
+        """After the prefill: serve ``batch`` rows, row ``i`` a copy of prefilled row ``i // ceil(batch / rows)``
+        (``--fill-rows``)."""
+        repeats = -(-batch // self.batch)
+        if self.spec.stack is None:  # transformers' StaticCache
+            self.hf.select_native_rows(self.cache, torch.arange(batch, device=self.device) // repeats)
+        else:
+            self.cache.batch_repeat_interleave(repeats)
+            if repeats * self.batch != batch:
+                self.cache.batch_select_indices(torch.arange(batch, device=self.device))
+        self.batch = batch
+
     def prepare(self, start: int, count: int, vocab: int, seed: int) -> None:
         """Precompute the inputs of ``count`` decode steps from position ``start`` (on the device)."""
         g = torch.Generator().manual_seed(seed + 1)
@@ -495,8 +511,9 @@ def _static_bytes(model: Any, spec: RowSpec, batch: int, ctx: int, prefill_token
 
 def measure_throughput(model: Any, spec: RowSpec, ctx: int, kv_bytes: float, *, steps: int = 32, warmup: int = 3,
                        max_batch: int = 1024, prefill_tokens: int = 32768, seed: int = 0,
-                       progress: bool = False) -> dict[str, Any]:
-    """Largest batch whose cache fits ``kv_bytes``, its decode tokens/s (module doc); errors go in the row."""
+                       progress: bool = False, fill_rows: int = 0) -> dict[str, Any]:
+    """Largest batch whose cache fits ``kv_bytes``, its decode tokens/s (module doc); errors go in the row.
+    ``fill_rows``: prefill only that many distinct rows and repeat them over the batch (0: every row)."""
     from .runner import cache_memory, compile_options
 
     device = next(model.parameters()).device
@@ -523,12 +540,16 @@ def measure_throughput(model: Any, spec: RowSpec, ctx: int, kv_bytes: float, *, 
                 _sync(device)
                 torch.cuda.reset_peak_memory_stats(device)
                 before = torch.cuda.memory_allocated(device)
-            dec = _Decoder(model, spec, batch, ctx + warmup + steps, scope)
-            prompt = torch.randint(model.config.vocab_size, (batch, ctx), generator=torch.Generator().manual_seed(seed))
+            rows = min(batch, fill_rows) if fill_rows else batch
+            dec = _Decoder(model, spec, rows, ctx + warmup + steps, scope)
+            prompt = torch.randint(model.config.vocab_size, (rows, ctx), generator=torch.Generator().manual_seed(seed))
             t0 = time.perf_counter()
-            dec.prefill(prompt, max(1, min(ctx, prefill_tokens // batch)), progress=progress)
+            dec.prefill(prompt, max(1, min(ctx, prefill_tokens // rows)), progress=progress)
+            if rows < batch:
+                dec.repeat_rows(batch)
             _sync(device)
             row["prefill_s"] = time.perf_counter() - t0
+            row["prefilled_rows"] = rows
             del prompt
             dec.prepare(ctx, warmup + steps, model.config.vocab_size, seed)
             t0 = time.perf_counter()
@@ -586,8 +607,10 @@ class E2EResult:
                 f"heads x {self.model['head_dim']}, random {s['dtype']} weights)")
         where = f"{e.get('gpu') or e.get('cpu')}, torch {e.get('torch')}, transformers {e.get('transformers')}, {e.get('date')}"
         if self.mode == "throughput":
+            fill = (f" ({s['fill_rows']} distinct prompts prefilled, their cache rows repeated over the batch)"
+                    if s.get("fill_rows") else "")
             return (f"decode throughput at a fixed KV budget of {s['kv_gib']} GiB: {what}, {s['context']}-token "
-                    f"prompts, {s['steps']} decode steps; {where}")
+                    f"prompts{fill}, {s['steps']} decode steps; {where}")
         busy = (f", GPU-busy over {s['profile_steps']} profiled steps" if s["device"].startswith("cuda")
                 else " (no GPU-busy time off CUDA)")
         return f"decode step: {what}, {s['steps']} timed steps after {s['warmup']} warm-up steps{busy}; {where}"
@@ -646,7 +669,7 @@ def run(model: Any, stacks: Sequence[Any], *, shape: str, points: Sequence[tuple
         steps: int = 32, warmup: int = 3, profile_steps: int = 5, prefill_tokens: int = 32768, eager: bool = True,
         compile: bool = False, throughput: bool = False, kv_gib: float = 100.0, context: int = 32768,
         max_batch: int = 1024, time_budget: float | None = None, seed: int = 0, baseline: bool = True,
-        on_row: Callable[[E2EResult], None] | None = None, progress: bool = True) -> E2EResult:
+        fill_rows: int = 0, on_row: Callable[[E2EResult], None] | None = None, progress: bool = True) -> E2EResult:
     """The benchmark (module doc) on ``model``; ``on_row`` is called with the partial result after each row."""
     from .runner import compile_options
 
@@ -659,7 +682,7 @@ def run(model: Any, stacks: Sequence[Any], *, shape: str, points: Sequence[tuple
     env = environment(device)
     env["cuda"] = torch.version.cuda
     if throughput:
-        settings.update(kv_gib=kv_gib, context=context, max_batch=max_batch, baseline=baseline)
+        settings.update(kv_gib=kv_gib, context=context, max_batch=max_batch, baseline=baseline, fill_rows=fill_rows)
         specs = [RowSpec("static", "transformers StaticCache + compile")] if baseline else []
         specs += [RowSpec("compiled", f"{st.label} + compile", st) for st in stacks]
         jobs: list[tuple[RowSpec, Any]] = [(s, None) for s in specs]
@@ -686,7 +709,7 @@ def run(model: Any, stacks: Sequence[Any], *, shape: str, points: Sequence[tuple
         if throughput:
             row = measure_throughput(model, spec, context, kv_gib * 2**30, steps=steps, warmup=warmup,
                                      max_batch=max_batch, prefill_tokens=prefill_tokens, seed=seed,
-                                     progress=progress)
+                                     progress=progress, fill_rows=fill_rows)
             summary = (f"batch {row['batch']}, {row['decode_tok_s'] or 0:,.0f} tok/s" if not row["error"]
                        else row["error"])
         else:
@@ -738,7 +761,8 @@ def validate_args(args: Any) -> None:
     for option, value, lo, hi in (("--steps", args.steps, 1, 1 << 16), ("--warmup", args.warmup, 0, 1 << 10),
                                   ("--profile-steps", args.profile_steps, 0, 1 << 10),
                                   ("--prefill-tokens", args.prefill_tokens, 1, 1 << 24),
-                                  ("--max-batch", args.max_batch, 1, 1 << 16)):
+                                  ("--max-batch", args.max_batch, 1, 1 << 16),
+                                  ("--fill-rows", args.fill_rows, 0, 1 << 16)):
         if not lo <= value <= hi:
             raise ConfigError(option, f"an integer in [{lo}, {hi}]", value)
     if args.throughput:
@@ -746,8 +770,9 @@ def validate_args(args: Any) -> None:
             raise ConfigError("--kv-gib", "a positive number of GiB", args.kv_gib)
         if args.context is not None and not 1 <= args.context <= (1 << 20):
             raise ConfigError("--ctx", "an integer in [1, 1048576]", args.context)
-    elif args.no_baseline:
-        raise ConfigError("--no-baseline", "used together with --throughput", True)
+    elif args.no_baseline or args.fill_rows:
+        raise ConfigError("--no-baseline" if args.no_baseline else "--fill-rows", "used together with --throughput",
+                          True if args.no_baseline else args.fill_rows)
     elif not args.compile and args.no_eager:
         raise ConfigError("--no-eager", "used together with --compile (otherwise no row is left)", True)
     parse_points(args.points)
@@ -778,7 +803,7 @@ def main_from_args(args: Any, device: str) -> int:
                  eager=not args.no_eager, compile=args.compile, throughput=args.throughput, kv_gib=args.kv_gib,
                  context=args.context if args.context is not None else 32768, max_batch=args.max_batch,
                  time_budget=args.time_budget, seed=args.seed, baseline=not args.no_baseline,
-                 on_row=write, progress=progress)
+                 fill_rows=args.fill_rows, on_row=write, progress=progress)
     print(result.table(markdown=args.markdown))
     if args.json:
         print(f"wrote {args.json}")
