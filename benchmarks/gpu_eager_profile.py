@@ -21,6 +21,7 @@ import time
 import torch
 
 import kvcompress
+from kvcompress.adapters import hf
 from kvcompress.evaluation import e2e
 
 
@@ -36,18 +37,19 @@ def main() -> None:
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = e2e.random_model(args.model_shape, dev, dtype, 0)
+    kw = hf.cache_kwarg(model)  # "past_key_values" before transformers 5.24: an unknown "cache=" is ignored
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     for stack in e2e.resolve_stacks(args.stack, model):
         for batch, ctx in e2e.parse_points(args.points):
             ids = torch.randint(model.config.vocab_size, (batch, ctx), device=dev)
             step = torch.randint(model.config.vocab_size, (batch, 1), device=dev)
             with kvcompress.compress(model, stack) as cache, torch.no_grad():
-                model(ids, cache=cache, logits_to_keep=1)
+                model(ids, logits_to_keep=1, **{kw: cache})
                 pos = ctx
 
                 def one() -> None:
                     nonlocal pos
-                    model(step, position_ids=torch.full((batch, 1), pos, device=dev), cache=cache, logits_to_keep=1)
+                    model(step, position_ids=torch.full((batch, 1), pos, device=dev), logits_to_keep=1, **{kw: cache})
                     pos += 1
 
                 for _ in range(3):
@@ -65,13 +67,18 @@ def main() -> None:
                     one()
                 sync()
                 prof.disable()
+            del cache
+            # the same row through the end-to-end benchmark's harness, in this process (session 12 saw its eager
+            # rows take up to 2x this script's steps; this line says whether the harness or the run differs)
+            row = e2e.measure_row(model, e2e.RowSpec("eager", stack.label, stack), batch, ctx, steps=args.steps,
+                                  warmup=3, profile_steps=0)
             print(f"\n==== {stack.label} B{batch}/{ctx}: median {statistics.median(times):.2f} ms/step "
-                  f"(eager, dynamic cache), cProfile over {args.steps} steps")
+                  f"(eager, dynamic cache; e2e.measure_row in this process: {row['wall_ms'] or float('nan'):.2f} ms, "
+                  f"error {row['error']}), cProfile over {args.steps} steps")
             for key in ("tottime", "cumulative"):
                 buf = io.StringIO()
                 pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(args.top)
                 print("\n".join(buf.getvalue().splitlines()[4:]))
-            del cache
             torch.cuda.empty_cache() if dev.type == "cuda" else None
 
 
