@@ -155,4 +155,9 @@ def as_stack(stack: "Stack | str | os.PathLike | Mapping[str, Any] | None") -> S
         return parse_stack({"compressors": []})
     if isinstance(stack, Mapping):
         return parse_stack(stack)
+    if not isinstance(stack, (str, os.PathLike)):
+        raise ConfigError("stack", "a kvcompress.Stack, a path to a YAML stack file, a mapping {'compressors': [...]} "
+                          "or None", stack,
+                          hint="a list of compressor entries goes under 'compressors': {'compressors': [...]}"
+                          if isinstance(stack, (list, tuple)) else None)
     return load_stack(stack)

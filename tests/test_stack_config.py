@@ -184,3 +184,15 @@ def test_any_compressor_declaring_a_budget_gets_the_check():
     with pytest.raises(ConfigError, match=r"8 sinks from compressors\[1\]\.windowed \+ a recent window of 32"):
         parse_stack({"compressors": [{"budgeted": {}}, {"windowed": {}}]}, registry=reg)
     assert Layout.combine([Layout(budget=40), Layout(budget=30), Layout()]).budget == 30
+
+
+@pytest.mark.parametrize("given", [[{"kivi": {"bits": 2}}], 3, b"stack.yaml"])
+def test_a_stack_of_the_wrong_type_is_a_config_error_naming_the_accepted_forms(given):
+    """kvcompress.compress(model, [...]) used to end in a TypeError from os.fspath; the error now says what a stack
+    may be, and for a list where it belongs."""
+    from kvcompress.stack import as_stack
+
+    with pytest.raises(ConfigError, match=r"^stack: expected a kvcompress\.Stack, a path to a YAML stack file, a "
+                                          r"mapping \{'compressors': \[\.\.\.\]\} or None, got ") as err:
+        as_stack(given)
+    assert ("goes under 'compressors'" in str(err.value)) == isinstance(given, list)
