@@ -13,6 +13,9 @@ however long the sequence):
 Timing, cold L2 and CUDA graphs come from :mod:`kvcompress.kernels.benchutil`.  Each row has the
 median latency, the bytes read (K, V, slot flags, block table, query), the bandwidth on them and
 the ratio to SDPA.  With ``--check`` the kernel is first compared with an fp64 reference.
+
+:func:`paged_pool` and :func:`static_kivi_pool` build pools with the stores' own code (``kvcompress.paged``) for the
+``paged-dense`` / ``paged-kivi2`` rows of :mod:`kvcompress.kernels.benchutil`.
 """
 
 from __future__ import annotations
@@ -43,6 +46,111 @@ def paged_inputs(batch: int, kv_heads: int, tokens: int, head_dim: int, m: int, 
 def paged_bytes(q, k, v, valid, table) -> int:
     heads = k.shape[1]
     return sum(t.numel() * t.element_size() for t in (q, k, v)) + (valid.numel() + table.numel() * 4) * heads
+
+
+# ----------------------------------------------------------------------------- pools built by the stores themselves
+# (``kernels.benchutil`` rows ``paged-dense`` / ``paged-kivi2`` / ``paged-kivi2-gather``)
+
+#: bytes of K per fill chunk (bounds the transient memory of building a large pool)
+FILL_CHUNK_BYTES = 256 * 1024**2
+
+
+def _chunk_tokens(batch: int, kv_heads: int, head_dim: int, unit: int, chunk_bytes: int = FILL_CHUNK_BYTES) -> int:
+    n = max(unit, chunk_bytes // max(1, batch * kv_heads * head_dim * 2))
+    return max(unit, n // unit * unit)
+
+
+def _tokens(batch, kv_heads, start, n, head_dim, device, gen, kv, dtype):
+    """Tokens ``[start, start + n)``: slices of ``kv = (K, V)`` when given (tests), else random."""
+    if kv is not None:
+        return kv[0][:, :, start:start + n].contiguous(), kv[1][:, :, start:start + n].contiguous()
+    shape = (batch, kv_heads, n, head_dim)
+    return (torch.randn(shape, device=device, dtype=dtype, generator=gen),
+            torch.randn(shape, device=device, dtype=dtype, generator=gen))
+
+
+def kivi_codec(head_dim: int, bits: int = 2, group: int = 32):
+    """The KIVI compressor's own codec (``plugins/kivi.py``), as a paged pool receives it from the stack."""
+    from kvcompress.plugins.kivi import KiviCodec, KiviConfig
+
+    return KiviCodec(KiviConfig(bits=bits, group=group, residual=group), head_dim)
+
+
+def paged_pool(batch: int, kv_heads: int, tokens: int, head_dim: int, device, gen=None, *, page: int = PAGE,
+               codec=None, kv=None, dtype=torch.float16, chunk_bytes: int = FILL_CHUNK_BYTES):
+    """A dynamic :class:`kvcompress.paged.PagedStore` (what ``paged_eviction`` builds in a dynamic cache) holding
+    ``tokens`` tokens per row, written by the store's own ``append`` in chunks (rows' pages interleave chunk by chunk,
+    as a pool fills during decoding); ``codec``: ``None`` for dense pages, :func:`kivi_codec` for KIVI pages.
+    Returns ``(store, view)``: ``view`` is the lane attention reads (:class:`kvcompress.paged.PagedView`)."""
+    from kvcompress.paged import PagedStore
+    from kvcompress.state import KVBlock
+
+    store = PagedStore(page, codec)
+    store.limit(tokens)  # the owner's bound: the pool grows to the pages it needs, not past them
+    if tokens % page:
+        raise ValueError(f"{tokens} tokens are not whole pages of {page}")
+    chunk = _chunk_tokens(batch, kv_heads, head_dim, page, chunk_bytes)
+    for start in range(0, tokens, chunk):
+        n = min(chunk, tokens - start)
+        k, v = _tokens(batch, kv_heads, start, n, head_dim, device, gen, kv, dtype)
+        store.append(KVBlock(k, v, torch.ones(batch, n, dtype=torch.bool, device=k.device),
+                             torch.arange(start, start + n, device=k.device)))
+    return store, store.segments()[0].packed
+
+
+def static_kivi_pool(batch: int, kv_heads: int, tokens: int, head_dim: int, device, gen=None, *, bits: int = 2,
+                     group: int = 32, page: int = 32, kv=None, dtype=torch.float16,
+                     chunk_bytes: int = FILL_CHUNK_BYTES):
+    """A :class:`kvcompress.paged.StaticPagedStore` of KIVI pages (what ``paged_eviction`` + ``kivi`` builds in a
+    static cache) holding ``tokens`` tokens per row, every row's pages written in order.
+
+    The store allocates and picks its encoder and read kernel through its own ``append`` (one page per row); the
+    other pages are encoded by the store's encoder (the codec with the store's chosen ``impl``) and written where
+    ``StaticPagedStore._write_page`` puts a row's ``j``-th page when its pages ``0..j-1`` are live: token slots
+    ``[j*P, (j+1)*P)`` of the row's payload (tests/test_benchutil.py checks every buffer against a pool written by
+    ``append`` alone).  Writing page by page through ``append`` costs a pass over the row's whole pool per page,
+    too slow for 128k-token rows.  Returns ``(store, packed)``: ``packed`` is the
+    :class:`~kvcompress.kernels.kivi.PackedKV` a decode step reads in place."""
+    from kvcompress.paged import StaticPagedStore
+    from kvcompress.state import KVBlock
+
+    if tokens % page or page % group:
+        raise ValueError(f"{tokens} tokens are not whole pages of {page} (a multiple of the KIVI group {group})")
+    codec = kivi_codec(head_dim, bits, group)
+    store = StaticPagedStore(page, tokens // page, codec)
+    k, v = _tokens(batch, kv_heads, 0, page, head_dim, device, gen, kv, dtype)
+    dev = k.device
+    store.append(KVBlock(k, v, torch.ones(batch, page, dtype=torch.bool, device=dev), torch.arange(page, device=dev)))
+    bufs = store.lanes[0][1]
+    impl = store.quantizers[0]
+    chunk = _chunk_tokens(batch, kv_heads, head_dim, page, chunk_bytes)
+    for start in range(page, tokens, chunk):
+        n = min(chunk, tokens - start)
+        k, v = _tokens(batch, kv_heads, start, n, head_dim, device, gen, kv, dtype)
+        valid = torch.ones(batch, n, dtype=torch.bool, device=dev)
+        kw = {} if impl is None else {"impl": impl}
+        for name, src in codec.encode(k, v, valid, fill=True, **kw).items():
+            lo, hi = (start, start + n) if codec.token_axis(name) else (start // codec.unit, (start + n) // codec.unit)
+            bufs[name][:, :, lo:hi].copy_(src.to(bufs[name].dtype))
+        store.valid[:, start:start + n] = True
+        store.pos[:, start:start + n] = torch.arange(start, start + n, device=dev)
+        first, last = start // page, (start + n) // page
+        store.live[:, first:last] = True
+        store.age[:, first:last] = store.clock + torch.arange(last - first, device=dev)  # written in page order
+        store.clock.add_(last - first)
+    return store, store.segments()[0].packed
+
+
+def pool_bytes(query, view) -> int:
+    """Bytes one read of a dynamic pool's lane must move: the pages its block tables name (K and V, or the KIVI
+    codes, scales and zeros), their slot flags and the table (both once per kv head), the query."""
+    table = view.table
+    used = int((table >= 0).sum())
+    heads = query.shape[1]
+    cap = view.store.capacity
+    payload = sum(t.numel() * t.element_size() for t in view.payload.values()) * used // max(1, cap)
+    page = view.page_size
+    return query.numel() * query.element_size() + payload + (used * page + table.numel() * 4) * heads
 
 
 def fp64_check(device, gen) -> dict:
