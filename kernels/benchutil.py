@@ -599,8 +599,9 @@ class _Case:
         return 2 * self.batch * s.kv_heads * self.ctx * s.head_dim * 2 + self.batch * s.q_heads * s.head_dim * 2
 
     def free(self) -> float:
-        """Device bytes an op may allocate now (85 % of what is free, after releasing cached blocks)."""
-        gc.collect()
+        """Device bytes an op may allocate now (85 % of what is free, after releasing cached blocks).  No
+        ``gc.collect()`` here (a third of a second with torch and Triton loaded): inputs are freed by reference
+        counting when an op's function returns; :func:`_run_ops` collects after an exception."""
         if self.cuda:
             torch.cuda.empty_cache()
         return _free_bytes(self.device) * 0.85
@@ -628,16 +629,20 @@ def _run_ops(c: _Case, names: Sequence[str], fn: Callable[[_Case], None]) -> Non
     if not any(n in c.ops for n in names):
         return
     first = len(c.rows)
+    failed = False
     try:
         fn(c)
     except Exception as exc:  # noqa: BLE001 - one op failing at one shape must not end the run
+        failed = True
         text = _error_text(exc)
         done = {r["op"] for r in c.rows[first:]}
         for name in names:
             if name in c.ops and name not in done:
                 c.emit(name, None, 0, error=text)
-    finally:
-        c.free()
+    if failed:  # the exception's frames held the op's inputs: release them before the next op allocates
+        gc.collect()
+    if c.cuda:
+        torch.cuda.empty_cache()
 
 
 def _attempt(c: _Case, name: str, fn: Callable[[], None]) -> None:
@@ -646,6 +651,11 @@ def _attempt(c: _Case, name: str, fn: Callable[[], None]) -> None:
         fn()
     except Exception as exc:  # noqa: BLE001
         c.emit(name, None, 0, error=_error_text(exc))
+    else:
+        return
+    gc.collect()
+    if c.cuda:
+        torch.cuda.empty_cache()
 
 
 def _bench_built(c: _Case, name: str, est: int, build: Callable[[], tuple], read: Callable,
