@@ -4,12 +4,13 @@ Each op the benchmark added for issue 19's grid is run on the CPU at a tiny shap
 benchmark builds it (a static layer of the stack filled through its own commit path; paged pools written by the
 stores), and compared with an independent dense oracle: masked softmax attention, in float64, over the tokens the op
 should read - the full-precision regions as written, the middle as the stack stores it (LeanK: each head's kept key
-channels only, no token of a head that keeps none; KIVI: keys quantized per channel in 32-token groups aligned to the
-flushed blocks, values per token; low rank: ``(q U) . (k U)``).  The static reads also run with the read kernels a
-CUDA layer chooses (``lanes_partial``: ``"triton"``, KIVI: ``"triton"``): the registered ops then run their CPU
-implementation (the references) through the CUDA control flow of the read path (one lanes launch, the low-rank query
-extension, ``length``), so what the GPU benchmark times is checked here up to the kernels themselves, which have
-their own interpreter tests.  The runner: grid and filters, error rows, the JSON after every shape, ``--resume``.
+channels only, no token of a head that keeps none; KIVI: the reference quantizer's codes of the original tokens, keys
+per channel in 32-token groups aligned to the flushed blocks, values per token; low rank: ``(q U) . (k U)``).  The
+static reads also run with the read kernels a CUDA layer chooses (``lanes_partial``: ``"triton"``, KIVI:
+``"triton"``): the registered ops then run their CPU implementation (the references) through the CUDA control flow of
+the read path (one lanes launch, the low-rank query extension, ``length``), so what the GPU benchmark times is checked
+here up to the kernels themselves, which have their own interpreter tests.  The runner: grid and filters, error rows,
+the JSON after every shape, ``--resume``.
 """
 
 from __future__ import annotations
@@ -37,10 +38,9 @@ def _tokens(tokens: int = TOKENS, seed: int = 0):
     return q, k, v
 
 
-def _oracle(qg, scores, values, mask):
-    """``softmax(scores * scale masked) @ values`` in float64: ``qg`` only for its shape ``[B, Hkv, M, ...]``;
-    ``scores [B, Hkv, M, T]`` (unscaled), ``values [B, Hkv, T, Dv]``, ``mask [B|1, Hkv|1, 1|M, T]``.
-    ``(out [B, Hkv, M, Dv], lse [B, Hkv, M])``."""
+def _oracle(scores, values, mask):
+    """``softmax(scores * scale masked) @ values`` in float64: ``scores [B, Hkv, M, T]`` (unscaled), ``values
+    [B, Hkv, T, Dv]``, ``mask [B|1, Hkv|1, 1|M, T]``.  ``(out [B, Hkv, M, Dv], lse [B, Hkv, M])``."""
     s = scores.double() * SHAPE.head_dim ** -0.5
     s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, -1)
@@ -91,7 +91,7 @@ def _static_oracle(op, layer, q, k, v):
         low = torch.einsum("bhgr,bhtr->bhgt", qc.double(), kc.double())
         scores = torch.where(mid, low, scores)
         mask = mask | mid.view(1, 1, 1, t)
-    out, _ = _oracle(qg, scores, values, mask)
+    out, _ = _oracle(scores, values, mask)
     return out.reshape(b, SHAPE.q_heads, d).unsqueeze(1)
 
 
@@ -148,7 +148,7 @@ def _pool_oracle(q, k, v, quantized: bool):
     if quantized:
         k, v = _kivi(k.float(), v.float())
     scores = torch.einsum("bhmd,bhtd->bhmt", q.double(), k.double())
-    return _oracle(q, scores, v, torch.ones(1, 1, 1, k.shape[2], dtype=torch.bool))
+    return _oracle(scores, v, torch.ones(1, 1, 1, k.shape[2], dtype=torch.bool))
 
 
 CHUNK = 64 * BATCH * SHAPE.kv_heads * SHAPE.head_dim * 2  # 64-token appends: the rows' pages interleave
