@@ -15,7 +15,7 @@ The grid (:func:`grid`): Llama-3-8B heads (``llama3-8b``: 32 query / 8 kv heads,
 device memory is recorded as ``skipped`` (the estimate is made before allocating).  ``--quick``: Llama B1 / 32k,
 Llama B16 / 32k, SmolLM2 B16 / 32k.  On the CPU: B1 / 4k at both head shapes, the PyTorch references only.
 
-Ops (``--ops``, default :data:`ALL_OPS`; each calls what a decode step calls on CUDA):
+Ops (``--ops``, default :data:`ALL_OPS`):
 
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on the uncompressed fp16 cache (GQA rows folded
   into the query length; the fastest of cuDNN / flash / efficient), **the baseline of every row's ``vs SDPA``**;
@@ -32,7 +32,7 @@ Ops (``--ops``, default :data:`ALL_OPS`; each calls what a decode step calls on 
   128)``) of that stack holding ``ctx`` tokens - exactly ``StaticLayer._read``, what a decode step runs after
   writing its token: the sinks + recent-window buffer and the middle store's segments, each read by the op the
   layer and its stores chose when they were built (``kernels.ops.choose``), merged by log-sum-exp.  The layer is
-  built by kvcompress itself (``StackPipeline`` of the registered compressors, ``StaticLayer.allocate``) and filled
+  built by kvcompress itself (``StackPipeline`` of the built-in compressors, ``StaticLayer.allocate``) and filled
   through its own prefill commit (sinks, ring, flushes through the stack's pipeline into its store, encoded by the
   store's encoder), so the layout is the real one.  ``none``: the empty stack, one fp16 buffer read by the lanes
   kernel up to its written prefix (``length``); ``leank70-kivi2``: ``examples/stacks/leank70_kivi.yaml`` (LeanK
@@ -61,7 +61,8 @@ one op failing at one shape - out of memory included - never ends the run).
 Run: ``python -m kvcompress.kernels.benchutil [--device cuda] [--out results.json]`` (or ``kvcompress bench
 --kernels``), with
 
-* ``--quick``: the three shapes above; ``--ops a,b``: these ops only (``--list-ops`` names them);
+* ``--quick``: the three shapes above; ``--ops a,b``: these ops only, ``--ops grid``: issue 19's ops
+  (:data:`GRID_OPS`), ``--ops all``: every op (``--list-ops`` names them);
 * ``--models llama3-8b,smollm2-135m``, ``--batches 1,4``, ``--contexts 4k,32k``: restrict the grid;
   ``--only-shapes llama3-8b:16:32k,smollm2-135m:1:128k``: exactly these (model:B:ctx) shapes;
 * ``--out f.json``: written after every shape (a run cut by a time limit keeps what it measured), with the shapes
