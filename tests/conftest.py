@@ -9,7 +9,40 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures"
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+# Intra-op threads: at most 2; under pytest-xdist (scripts/test.sh runs the whole suite with one worker per core) the
+# cores are shared out among the workers, so that two workers on two cores do not run four threads.
+torch.set_num_threads(max(1, min(2, _cores() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    """Under pytest-xdist, the controller converts the default model (once per machine, about 20 s; see
+    kvcompress/models.py) before the workers start, so that they do not all convert it at the same time.  Without
+    the package that ships the model nothing is done here: the tests that need it report that themselves."""
+    config = session.config
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return  # a worker, or no xdist
+    import contextlib
+    import io
+    import time
+
+    from kvcompress.models import converted_default_model
+
+    start, log = time.monotonic(), io.StringIO()
+    try:  # its progress bars would clutter the -q output
+        with contextlib.redirect_stderr(log), contextlib.redirect_stdout(log):
+            converted_default_model()
+    except Exception:  # noqa: BLE001 - no package, no space, ...: the tests that load the model fail or skip with it
+        return
+    if log.getvalue():
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"converted the default model for the workers ({time.monotonic() - start:.0f} s, once)")
 
 
 @pytest.fixture
