@@ -618,6 +618,15 @@ class _Case:
     def skip(self, op: str, est: int, why: str = "does not fit in device memory") -> None:
         self.emit(op, None, est, skipped=f"{why} (needs ~{est / 2**30:.1f} GiB)")
 
+    def copies(self, op: str, est: int) -> int:
+        """Input copies to rotate over for an op reading ``est`` bytes per call (a cold L2, within free memory), or
+        0 after recording ``op`` as skipped when one copy does not fit."""
+        free = self.free()
+        if est > free:
+            self.skip(op, est)
+            return 0
+        return min(copies_for(est), max(1, int(free // max(est, 1))))
+
 
 def _error_text(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
@@ -785,12 +794,9 @@ def _bench_leank(c: _Case, ratio: int) -> None:
     if not c.cuda or c.ctx <= LEANK_FP_TOKENS:
         return
     s = c.shape
-    est = int(c.dense_bytes * 0.8)
-    free = c.free()
-    if est > free:
-        c.skip(name, est)
+    n = c.copies(name, int(c.dense_bytes * 0.8))
+    if not n:
         return
-    n = min(copies_for(est), max(1, int(free // max(est, 1))))
     data = [leank_inputs(c.batch, s.kv_heads, c.ctx - LEANK_FP_TOKENS, s.head_dim, c.m, ratio, c.device, c.gen)
             for _ in range(n)]
     nbytes = leank_bytes(*data[0])
@@ -809,12 +815,9 @@ def _bench_doublesparse(c: _Case, frac: int, shared: bool) -> None:
     if not c.cuda:
         return
     s = c.shape
-    est = int(c.dense_bytes * 1.2)
-    free = c.free()
-    if est > free:
-        c.skip(name, est)
+    n = c.copies(name, int(c.dense_bytes * 1.2))
+    if not n:
         return
-    n = min(copies_for(est), max(1, int(free // max(est, 1))))
     data = [ds_inputs(c.batch, s.q_heads, s.kv_heads, c.ctx, s.head_dim, 16, 16, c.device, c.gen) for _ in range(n)]
     kk = c.ctx // frac
     t = time_op(lambda q, lab, ch, k, v: ds_decode(q, lab, ch, k, v, kk, c.scale, shared=shared), data, reps=c.reps)
