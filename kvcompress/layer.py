@@ -32,8 +32,11 @@ def _cat_blocks(a: KVBlock | None, b: KVBlock | None) -> KVBlock:
         return b
     if b is None:
         return a
-    return KVBlock(torch.cat([a.k, b.k], 2), torch.cat([a.v, b.v], 2), torch.cat([a.valid, b.valid], 1),
-                   torch.cat([a.positions, b.positions], 0))
+    block = KVBlock(torch.cat([a.k, b.k], 2), torch.cat([a.v, b.v], 2), torch.cat([a.valid, b.valid], 1),
+                    torch.cat([a.positions, b.positions], 0))
+    if a.all_valid and b.all_valid:
+        block.valid_true = block.valid
+    return block
 
 
 class CompressedLayer:
@@ -152,33 +155,38 @@ class CompressedLayer:
             return 0
         return self.sinks.num_tokens + self.middle.num_tokens + self.recent.size
 
-    def commit(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, seen_before: int) -> None:
-        """Store new tokens after their attention: sinks, then the ring; flush what leaves it."""
+    def commit(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, seen_before: int,
+               pos: torch.Tensor | None = None) -> None:
+        """Store new tokens after their attention: sinks, then the ring; flush what leaves it.  ``pos``: their
+        logical positions (``seen_before ..``) when the caller already made them."""
         b, q = k.shape[0], k.shape[2]
-        pos = torch.arange(seen_before, seen_before + q, device=k.device)
-        valid_given = valid is not None
-        if valid is None:
-            valid = torch.ones(b, q, dtype=torch.bool, device=k.device)
-        sinks_were_full = self.sinks.full
-        known_all_valid = sinks_were_full and not valid_given  # made by torch.ones above, untouched by the sinks
-        valid = self.sinks.take(k, v, valid, pos)
-        if not sinks_were_full or valid_given:
-            # Columns that are padding (or a sink) in every row are not stored in the ring.
+        if pos is None:
+            pos = torch.arange(seen_before, seen_before + q, device=k.device)
+        if valid is not None or not self.sinks.full:
+            # Sinks first; columns that are padding (or a sink) in every row are not stored in the ring.
+            if valid is None:
+                valid = torch.ones(b, q, dtype=torch.bool, device=k.device)
+            valid = self.sinks.take(k, v, valid, pos)
             block = KVBlock(k, v, valid, pos).compact()
             if block is None:
                 return
             k, v, valid, pos, q = block.k, block.v, block.valid, block.positions, block.num_tokens
+        # else every token is valid and the sinks are full: ``valid`` stays None (made only for a flushed block)
         ring, window, flush = self.recent, self.layout.recent, self.layout.flush
         total = ring.size + q
         m = ((total - window) // flush) * flush if window is not None and total >= window + flush else 0
         if m == 0:
-            ring.push(k, v, valid, pos, all_valid=known_all_valid)
+            ring.push(k, v, valid, pos)
             return
         m_old = min(m, ring.size)
         m_new = m - m_old
         old = ring.pop_oldest(m_old) if m_old else None
-        new = KVBlock(k[:, :, :m_new], v[:, :, :m_new], valid[:, :m_new], pos[:m_new]) if m_new else None
-        ring.push(k[:, :, m_new:], v[:, :, m_new:], valid[:, m_new:], pos[m_new:], all_valid=known_all_valid)
+        new = None
+        if m_new:
+            new_valid = torch.ones(b, m_new, dtype=torch.bool, device=k.device) if valid is None else valid[:, :m_new]
+            new = KVBlock(k[:, :, :m_new], v[:, :, :m_new], new_valid, pos[:m_new],
+                          valid_true=new_valid if valid is None else None)
+        ring.push(k[:, :, m_new:], v[:, :, m_new:], None if valid is None else valid[:, m_new:], pos[m_new:])
         self.pipeline.flush(self, _cat_blocks(old, new))
 
     # -- reads ----------------------------------------------------------------------------
@@ -217,7 +225,7 @@ class CompressedLayer:
                                       sink_logits=sink_logits).transpose(1, 2)
         if self.pipeline.observes:
             self._observe(query, new, scaling, softcap, sink_logits, sinks, middle, recent)
-        self.commit(k, v, valid_new, seen_before)
+        self.commit(k, v, valid_new, seen_before, q_pos)
         return out
 
     def _observe(self, query: torch.Tensor, new: Segment, scaling: float, softcap: float | None,
@@ -322,10 +330,15 @@ def dense_read(query, segs, q_pos, scaling, dense_attention):
     keys = torch.cat([s.k for s in segs], dim=2)
     values = torch.cat([s.v for s in segs], dim=2)
     mask = None
-    if query.shape[2] > 1 or any(s.valid is not None for s in segs):
-        b = query.shape[0]
+    b = query.shape[0]
+    if query.shape[2] > 1:
         parts = [segment_mask(s, q_pos).expand(b, 1, q_pos.numel(), s.num_tokens) for s in segs]
         mask = torch.cat(parts, dim=-1)
+    elif any(s.valid is not None for s in segs):
+        # one query (decode): every stored token precedes it (its own is at its position), so only validity masks
+        parts = [s.valid.expand(b, s.num_tokens) if s.valid is not None
+                 else torch.ones(b, s.num_tokens, dtype=torch.bool, device=query.device) for s in segs]
+        mask = torch.cat(parts, dim=-1).view(b, 1, 1, -1)
     return dense_attention(query, keys, values, mask, scaling)
 
 

@@ -124,6 +124,9 @@ class HeadGroup:
         channels: ``[h, kept]`` key channels each head keeps (``None`` = all, unmapped).
         qmap: custom query map (e.g. a projection); overrides ``channels`` when given.
         vmap: output map when ``v`` holds value coordinates (``[batch, h, n, v_dim] -> [..., head_dim]``).
+        every_head: ``heads`` lists every kv head of the layer, in order (known on the host when the group is
+            made): its segments are read as covering all heads (``Segment.heads`` ``None``), which spares the
+            read a gather of the query's heads and a scatter of the partial back to all heads.
     """
 
     heads: torch.Tensor | None
@@ -132,10 +135,11 @@ class HeadGroup:
     channels: torch.Tensor | None = None
     qmap: Callable[[torch.Tensor], torch.Tensor] | None = None
     vmap: Callable[[torch.Tensor], torch.Tensor] | None = None
+    every_head: bool = False
 
     def layout(self) -> "HeadGroup":
         """The static part (heads, channels, query and output maps) without token data."""
-        return HeadGroup(self.heads, None, None, self.channels, self.qmap, self.vmap)
+        return HeadGroup(self.heads, None, None, self.channels, self.qmap, self.vmap, self.every_head)
 
     def query_map(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         if self.qmap is not None or self.channels is None:
@@ -153,7 +157,8 @@ class HeadGroup:
         if self.heads is None and self.channels is None and self.qmap is None and self.vmap is None:
             return seg
         channels = self.channels if self.qmap is None else None
-        return dataclasses.replace(seg, heads=self.heads, qmap=self.query_map(), channels=channels, vmap=self.vmap)
+        heads = None if self.every_head else self.heads
+        return dataclasses.replace(seg, heads=heads, qmap=self.query_map(), channels=channels, vmap=self.vmap)
 
 
 @dataclasses.dataclass
@@ -181,6 +186,9 @@ class KVBlock:
             supports per-head slots (``MiddleStore.supports_slots``; set by an evictor whose layout declares
             ``head_slots``): the store writes column ``j`` of head ``h`` at slot ``slots[b, h, j]``; a target
             ``>= store.slot_count`` drops it (the trash).  ``None``: the store places the block itself.
+        valid_true: the ``valid`` tensor when the host knows every entry of it is True (the dynamic cache made it
+            so: no padding, no sink in the block), else ``None``; :attr:`all_valid` reads it.  Bound to the tensor:
+            a new ``valid`` (an evictor's keep mask applied) drops the knowledge.
     """
 
     k: torch.Tensor | None
@@ -192,10 +200,16 @@ class KVBlock:
     due: torch.Tensor | None = None
     head_positions: torch.Tensor | None = None
     slots: torch.Tensor | None = None
+    valid_true: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
         return self.positions.shape[0]
+
+    @property
+    def all_valid(self) -> bool:
+        """Whether the host knows every entry of ``valid`` is True (no device read; False means "unknown")."""
+        return self.valid_true is not None and self.valid_true is self.valid
 
     def parts(self) -> list[HeadGroup]:
         """The block as head groups (one group of every head when not regrouped)."""
@@ -240,6 +254,8 @@ class KVBlock:
 
     def compact(self) -> "KVBlock | None":
         """Drop token columns that are invalid in every row; ``None`` when nothing is left."""
+        if self.all_valid:
+            return self
         columns = self.valid.any(dim=0)
         if bool(columns.all()):
             return self
@@ -374,6 +390,7 @@ class SinkBuffer:
         self.positions = torch.zeros(b, capacity, dtype=torch.long, device=like_k.device)
         self.count = [0] * b
         self.full = capacity == 0
+        self._segment: Segment | None = None  # once every row is full the segment never changes: built once
 
     def take(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Move the first real tokens of each row into the sinks; return the updated ``valid``."""
@@ -399,11 +416,16 @@ class SinkBuffer:
         return valid
 
     def segment(self) -> Segment | None:
+        if self._segment is not None:
+            return self._segment
         used = max(self.count) if self.count else 0
         if used == 0:
             return None
         valid = None if all(c == used for c in self.count) else self.valid[:, :used]
-        return Segment(self.k[:, :, :used], self.v[:, :, :used], valid, self.positions[:, :used])
+        seg = Segment(self.k[:, :, :used], self.v[:, :, :used], valid, self.positions[:, :used])
+        if self.full:
+            self._segment = seg
+        return seg
 
     @property
     def num_tokens(self) -> int:
@@ -411,6 +433,7 @@ class SinkBuffer:
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.k, self.v, self.valid, self.positions = fn(self.k), fn(self.v), fn(self.valid), fn(self.positions)
+        self._segment = None
         idx = fn(torch.arange(len(self.count), device=self.k.device)).tolist()
         self.count = [self.count[i] for i in idx]
         self.full = all(c == self.capacity for c in self.count)
@@ -442,18 +465,25 @@ class RingBuffer:
     (:func:`grown_capacity`; amortised O(1) per token) and never wraps.
     """
 
-    def __init__(self, capacity: int | None, like_k: torch.Tensor, like_v: torch.Tensor, initial: int = 0):
+    def __init__(self, capacity: int | None, like_k: torch.Tensor, like_v: torch.Tensor, initial: int = 0,
+                 free_valid: bool = True):
         self.growable = capacity is None
         cap = max(initial, 16) if capacity is None else capacity
         b, h = like_k.shape[0], like_k.shape[1]
         self.k = like_k.new_zeros(b, h, cap, like_k.shape[-1])
         self.v = like_v.new_zeros(b, h, cap, like_v.shape[-1])
-        self.valid = torch.zeros(b, cap, dtype=torch.bool, device=like_k.device)
+        # Only occupied slots' validity is ever read, so free slots may start True (``free_valid``); then, while no
+        # False was ever written (``valid_all_true``), pushing tokens known to be valid writes no validity at all.
+        # Stores that read every slot's validity (per-head slot mode) pass ``free_valid=False``.
+        self.valid = (torch.ones if free_valid else torch.zeros)(b, cap, dtype=torch.bool, device=like_k.device)
+        self.valid_all_true = free_valid
         self.positions = torch.zeros(cap, dtype=torch.long, device=like_k.device)
         self.start = 0
         self.size = 0
         self.all_valid = True
         self.max_capacity: int | None = None  # growth cap for a growable buffer (e.g. a token budget)
+        self._segment: tuple | None = None  # (key, buffers, segment) of the last segment() of views (see segment)
+        self._index: torch.Tensor | None = None  # arange(capacity): slot indices (pop_oldest)
 
     @property
     def capacity(self) -> int:
@@ -474,19 +504,23 @@ class RingBuffer:
             new = old.new_zeros(old.shape[0], old.shape[1], new_cap, old.shape[3])
             new[:, :, : self.size] = old[:, :, order]
             setattr(self, name, new)
-        valid = self.valid.new_zeros(self.valid.shape[0], new_cap)
+        valid = (self.valid.new_ones if self.valid_all_true else self.valid.new_zeros)(self.valid.shape[0], new_cap)
         valid[:, : self.size] = self.valid[:, order]
         positions = self.positions.new_zeros(new_cap)
         positions[: self.size] = self.positions[order]
         self.valid, self.positions, self.start = valid, positions, 0
+        self._segment = None  # (holds the old buffers)
 
-    def push(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
+    def push(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, positions: torch.Tensor,
              all_valid: bool = False) -> None:
-        """Append tokens.  ``all_valid=True`` says the caller knows every entry of ``valid`` is True (e.g. it made it
-        with ``torch.ones``), which skips the device-to-host check (one sync per layer and decode step on a GPU)."""
+        """Append tokens.  ``all_valid=True`` (or ``valid=None``) says the caller knows every token is valid (e.g. it
+        made ``valid`` with ``torch.ones``), which skips the device-to-host check (one sync per layer and decode step
+        on a GPU) and, while the buffer never held an invalid entry, the write of the validity."""
         n = k.shape[2]
         if n == 0:
             return
+        if valid is None:
+            all_valid = True
         if self.size + n > self.capacity:
             if not self.growable:
                 raise RuntimeError(f"ring buffer overflow: {self.size} + {n} > {self.capacity}")
@@ -494,11 +528,14 @@ class RingBuffer:
         slots = self._slots(self.size, n)
         self.k[:, :, slots] = k
         self.v[:, :, slots] = v
-        self.valid[:, slots] = valid
+        if not (all_valid and self.valid_all_true):
+            self.valid[:, slots] = True if valid is None else valid
         self.positions[slots] = positions
         self.size += n
         if self.all_valid and not all_valid and not bool(valid.all()):
             self.all_valid = False
+        if not self.all_valid:  # (a check that passed above leaves every entry True)
+            self.valid_all_true = False
 
     def ordered(self) -> torch.Tensor | slice:
         """Slot indices of the stored tokens, oldest first."""
@@ -513,9 +550,14 @@ class RingBuffer:
 
     def pop_oldest(self, n: int) -> KVBlock:
         slots = self._slots(0, n)
-        block = KVBlock(self.k[:, :, slots], self.v[:, :, slots], self.valid[:, slots], self.positions[slots])
-        if isinstance(slots, slice):  # views would be overwritten by later pushes
-            block = KVBlock(block.k.clone(), block.v.clone(), block.valid.clone(), block.positions.clone())
+        if isinstance(slots, slice):  # copies (views would be overwritten by later pushes): one op per buffer
+            if self._index is None or self._index.shape[0] != self.capacity:
+                self._index = torch.arange(self.capacity, device=self.k.device)
+            slots = self._index[slots]
+        block = KVBlock(self.k.index_select(2, slots), self.v.index_select(2, slots), self.valid.index_select(1, slots),
+                        self.positions.index_select(0, slots))
+        if self.all_valid:
+            block.valid_true = block.valid
         self.start = (self.start + n) % self.capacity
         self.size -= n
         return block
@@ -524,18 +566,29 @@ class RingBuffer:
         if self.size == 0:
             return None
         cap = self.capacity
-        if self.start + self.size <= cap:
-            sl = slice(self.start, self.start + self.size)
-            valid = None if self.all_valid else self.valid[:, sl]
-            return Segment(self.k[:, :, sl], self.v[:, :, sl], valid, self.positions[sl])
-        if self.size == cap:
-            return Segment(self.k, self.v, None if self.all_valid else self.valid, self.positions)
+        if self.start + self.size <= cap or self.size == cap:
+            # views of the buffers: the same segment until the stored range or a buffer changes (a store's lanes
+            # change once per flush and are read every step)
+            key = (self.start, self.size, self.all_valid)
+            buffers = (self.k, self.v, self.valid, self.positions)
+            cached = self._segment
+            if cached is not None and cached[0] == key and all(a is b for a, b in zip(cached[1], buffers)):
+                return cached[2]
+            if self.size == cap:
+                seg = Segment(self.k, self.v, None if self.all_valid else self.valid, self.positions)
+            else:
+                sl = slice(self.start, self.start + self.size)
+                valid = None if self.all_valid else self.valid[:, sl]
+                seg = Segment(self.k[:, :, sl], self.v[:, :, sl], valid, self.positions[sl])
+            self._segment = (key, buffers, seg)
+            return seg
         occupied = torch.zeros(cap, dtype=torch.bool, device=self.k.device)
         occupied[self._slots(0, self.size)] = True
         return Segment(self.k, self.v, self.valid & occupied, self.positions)
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.k, self.v, self.valid = fn(self.k), fn(self.v), fn(self.valid)
+        self._segment = None  # (_index is not batch-major)
 
     def nbytes(self) -> int:
         return _nbytes(self.k, self.v, self.valid, self.positions)
@@ -599,6 +652,11 @@ class MiddleStore:
         """Evict the ``n`` oldest stored tokens (stores may require alignment)."""
         raise NotImplementedError
 
+    def known_all_valid(self) -> bool:
+        """Whether the host knows that every stored token is valid in every row (no padding, nothing evicted
+        per row), so that :meth:`valid_mask` is all True; ``False`` means "unknown".  No device read."""
+        return False
+
     def valid_mask(self) -> torch.Tensor | None:  # pragma: no cover - interface
         """Per-row validity ``[batch, tokens]`` of the stored tokens, oldest first (``None`` when empty)."""
         raise NotImplementedError
@@ -635,6 +693,7 @@ class DenseStore(MiddleStore):
         self.lanes: list[tuple[HeadGroup, RingBuffer]] | None = None
         self.max_tokens: int | None = None
         self.slotted = False  # per-head slot placement (use_slots): lanes of exactly slot_count slots
+        self._attached: list = []  # per lane: (buffer segment, the segment read) of the last read, or None
 
     @property
     def buf(self) -> RingBuffer | None:
@@ -664,7 +723,8 @@ class DenseStore(MiddleStore):
         if self.lanes is None:
             self.lanes = []
             for part in parts:
-                buf = RingBuffer(None, part.k, part.v, initial=self.slot_count if self.slotted else block.num_tokens)
+                buf = RingBuffer(None, part.k, part.v, initial=self.slot_count if self.slotted else block.num_tokens,
+                                 free_valid=not self.slotted)
                 buf.max_capacity = self.max_tokens
                 if self.slotted:  # every slot is a column of the segment, occupied or not
                     buf.size, buf.all_valid = self.slot_count, False
@@ -673,7 +733,7 @@ class DenseStore(MiddleStore):
             self._write_slots(block, parts)
             return
         for (_, buf), part in zip(self.lanes, parts):
-            buf.push(part.k, part.v, block.valid, block.positions)
+            buf.push(part.k, part.v, block.valid, block.positions, all_valid=block.all_valid)
 
     def _write_slots(self, block: KVBlock, parts: list[HeadGroup]) -> None:
         """Slot mode: column ``j`` of head ``h`` goes to slot ``block.slots[b, h, j]`` (eager: dropped columns are
@@ -697,10 +757,17 @@ class DenseStore(MiddleStore):
 
     def segments(self) -> list[Segment]:
         out = []
-        for group, buf in self.lanes or []:
+        lanes = self.lanes or []
+        if len(self._attached) != len(lanes):
+            self._attached = [None] * len(lanes)
+        for i, (group, buf) in enumerate(lanes):
             seg = buf.segment()
-            if seg is not None:
-                out.append(group.attach(seg))
+            if seg is None:
+                continue
+            cached = self._attached[i]
+            if cached is None or cached[0] is not seg:  # the lane's buffer segment changed since the last read
+                cached = self._attached[i] = (seg, group.attach(seg))
+            out.append(cached[1])
         return out
 
     @property
@@ -711,6 +778,9 @@ class DenseStore(MiddleStore):
         for _, buf in self.lanes or []:
             if n > 0:
                 buf.discard_oldest(min(n, buf.size))
+
+    def known_all_valid(self) -> bool:
+        return not self.slotted and all(buf.all_valid for _, buf in self.lanes or [])
 
     def valid_mask(self) -> torch.Tensor | None:
         """Per-row validity ``[batch, tokens]`` of the stored tokens, oldest first."""
@@ -727,7 +797,7 @@ class DenseStore(MiddleStore):
             slots = buf.ordered()
             buf.valid[:, slots] = buf.valid[:, slots] & keep
             if not bool(keep.all()):
-                buf.all_valid = False
+                buf.all_valid = buf.valid_all_true = False
             buf.discard_oldest(first)
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:

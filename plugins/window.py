@@ -60,8 +60,20 @@ class WindowCompressor(Compressor):
                     stored = stored | ~block.due
                 layer.middle.retain(stored.unsqueeze(0))
             return (block.positions >= horizon).unsqueeze(0).expand_as(block.valid)
-        layer.middle.limit(budget)
-        stored = layer.middle.valid_mask()
+        store = layer.middle
+        store.limit(budget)
+        if block.all_valid and store.known_all_valid():
+            # every stored and incoming token is valid in every row (known on the host, nothing read from the
+            # device): the budget newest are the last columns, so drop the oldest ones
+            stored, drop = store.num_tokens, store.num_tokens + block.num_tokens - budget
+            if drop <= 0:
+                return None
+            store.drop_oldest(min(drop, stored))
+            if drop <= stored:
+                return None
+            keep = torch.arange(block.num_tokens, device=block.valid.device) >= drop - stored
+            return keep.unsqueeze(0).expand_as(block.valid)
+        stored = store.valid_mask()
         combined = block.valid if stored is None else torch.cat([stored, block.valid], dim=1)
         # Rank tokens of each row from the newest; keep the `budget` newest real ones.
         rank = combined.flip(1).long().cumsum(1).flip(1)
