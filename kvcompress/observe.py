@@ -138,9 +138,11 @@ def attention_mass(query: torch.Tensor, segments: Sequence[Segment], q_positions
     """
     from kvcompress.kernels.attention.reference import segment_mask, soft_cap
 
+    from kvcompress.kernels.attention.reference import to_float32
+
     b, hq, q_len, d = query.shape
     group = hq // kv_heads
-    qg = query.float().view(b, kv_heads, group, q_len, d)
+    qg = to_float32(query).view(b, kv_heads, group, q_len, d)
     scores = []
     for seg in segments:
         k, _ = seg.keys_values()
@@ -148,9 +150,13 @@ def attention_mass(query: torch.Tensor, segments: Sequence[Segment], q_positions
         qs = qg if heads is None else qg.index_select(1, heads)
         if seg.qmap is not None:
             qs = seg.qmap(qs)
-        s = soft_cap(torch.einsum("bhgqd,bhtd->bhgqt", qs, k.float()) * scale, softcap)
+        s = soft_cap(torch.einsum("bhgqd,bhtd->bhgqt", qs, to_float32(k)) * scale, softcap)
         t = s.shape[-1]
-        m = segment_mask(seg, q_positions).unsqueeze(1)  # [b|1, 1, 1, q, t]
+        if q_len == 1 and seg.select is None and seg.packed is None:
+            # one query (decode): every stored token precedes it (its own is at its position): validity only
+            m = None if seg.valid is None else seg.valid.view(seg.valid.shape[0], 1, 1, 1, t)
+        else:
+            m = segment_mask(seg, q_positions).unsqueeze(1)  # [b|1, 1, 1, q, t]
         if seg.packed is not None:
             m = m & seg.packed.live_valid()[:, None, None, None, :]
         if isinstance(seg.select, TokenSelection):
@@ -159,7 +165,8 @@ def attention_mass(query: torch.Tensor, segments: Sequence[Segment], q_positions
         elif seg.select is not None:  # [b, kv_heads, q, t]
             sel = seg.select.unsqueeze(2)
             m = m & (sel if heads is None else sel.index_select(1, heads))
-        s = s.masked_fill(~m, float("-inf"))
+        if m is not None:
+            s = torch.where(m, s, float("-inf"))
         if heads is not None:  # spread the segment's heads over all kv heads (-inf elsewhere), functionally
             onehot = heads.view(-1, 1) == torch.arange(kv_heads, device=heads.device).view(1, -1)  # [n, kv_heads]
             src = onehot.to(torch.int32).argmax(0)
@@ -169,11 +176,10 @@ def attention_mass(query: torch.Tensor, segments: Sequence[Segment], q_positions
     if sink_logits is not None:
         sink = sink_logits.float().view(1, kv_heads, group, 1, 1).expand(b, kv_heads, group, q_len, 1)
         s = torch.cat([s, sink], dim=-1)
-    top = s.amax(dim=-1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    top = s.amax(dim=-1, keepdim=True).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # non-finite: shift by 0
     p = torch.exp(s - top)
     denom = p.sum(dim=-1, keepdim=True)
-    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))  # rows that see nothing: 0
+    p = p / torch.where(denom > 0, denom, 1.0)  # rows that see nothing: 0
     if sink_logits is not None:
         p = p[..., :-1]
     mass = p.sum(dim=(2, 3))  # [b, kv_heads, tokens]

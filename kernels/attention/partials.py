@@ -203,6 +203,15 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
                 index = index.index_select(1, seg.heads)
             out, lse = doublesparse.gather_partial_attention(qs, seg.k, seg.v, seg.valid, index, scale,
                                                              impl=impls.get("gather_partial"), softcap=softcap)
+        elif q_len == 1 and seg.select is None:
+            # decode: every stored token precedes the query (the step's own token is at its position), so
+            # only validity masks keys (as in the kernels' decode path)
+            k, v = seg.keys_values()
+            valid = seg.valid
+            if seg.packed is not None:
+                valid = seg.packed.valid if valid is None or valid is seg.packed.valid else valid & seg.packed.valid
+            mask = None if valid is None else valid.view(valid.shape[0], 1, 1, valid.shape[-1])  # (one op)
+            out, lse = partial_attention(qs, k, v, mask, scale, softcap)
         else:
             k, v = seg.keys_values()
             mask = segment_mask(seg, q_positions)  # [b|1, 1, q, t]
@@ -228,4 +237,5 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
     dv = max(o.shape[-1] for o, _ in parts)
     parts = [(o if o.shape[-1] == dv else torch.nn.functional.pad(o, (0, dv - o.shape[-1])), lse) for o, lse in parts]
     out = merge_partials(parts, None if sink_logits is None else sink_rows(sink_logits, kv_heads, q_len))
-    return out.view(b, kv_heads, group, q_len, dv).reshape(b, hq, q_len, dv).to(query.dtype)
+    out = out.reshape(b, hq, q_len, dv)  # rows g * q_len + i of kv head h are query head h * group + g
+    return out if out.dtype == query.dtype else out.to(query.dtype)

@@ -143,7 +143,7 @@ def partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
         ``(out [B, Hkv, M, Dv] float32, lse [B, Hkv, M] float32)``; rows with no visible key get
         ``lse = -inf`` and a zero output.
     """
-    k, v = k.float(), v.float()
+    k, v = to_float32(k), to_float32(v)
     step = rows_per_chunk(query.shape[0], query.shape[1], query.shape[2], k.shape[2])
     if step < query.shape[2]:  # many query rows (a prefill chunk over a long cache): bound the score tensor
         outs, lses = [], []
@@ -154,13 +154,18 @@ def partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
             outs.append(o)
             lses.append(l)
         return torch.cat(outs, 2), torch.cat(lses, 2)
-    s = soft_cap(torch.einsum("bhmd,bhtd->bhmt", query.float(), k) * scale, softcap)
+    s = soft_cap(torch.einsum("bhmd,bhtd->bhmt", to_float32(query), k) * scale, softcap)
     if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
+        s = torch.where(mask, s, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    finite = torch.isfinite(lse)
-    p = torch.exp(s - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
+    # rows without a visible key (lse = -inf) are shifted by 0: exp(-inf) = 0, a zero output
+    p = torch.exp(s - lse.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).unsqueeze(-1))
     return torch.einsum("bhmt,bhtd->bhmd", p, v), lse
+
+
+def to_float32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 (itself when it already is: no op dispatched)."""
+    return t if t.dtype == torch.float32 else t.float()
 
 
 #: most float32 scores a reference partial materializes at once (1 GiB); more query rows are read in chunks

@@ -62,6 +62,19 @@ def slots(bits: int, device=None) -> torch.Tensor:
     return j // 2 + (j % 2) * (per // 2)
 
 
+_SHIFTS: dict[int, torch.Tensor] = {}  # bits -> shifts on the CPU (made once: a CPU decode step unpacks every layer)
+
+
+def _shifts(bits: int, device) -> torch.Tensor:
+    """``slots(bits) * bits``: the shift of each code of a word; the CPU tensor is made once (not while tracing)."""
+    if torch.device(device).type != "cpu" or torch.compiler.is_compiling():
+        return slots(bits, device) * bits
+    out = _SHIFTS.get(bits)
+    if out is None:
+        out = _SHIFTS[bits] = slots(bits) * bits
+    return out
+
+
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer codes along the last axis into int32 words (``n`` divisible by ``32 // bits``).
 
@@ -72,7 +85,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if n % per:
         raise ValueError(f"cannot pack {n} codes into words of {per}")
     c = codes.to(torch.int32).reshape(*codes.shape[:-1], n // per, per)
-    shifts = slots(bits, codes.device) * bits
+    shifts = _shifts(bits, codes.device)
     # Disjoint bit fields: the sum is the bitwise OR (int32 wraps into the sign bit as intended).
     return (c << shifts).sum(dim=-1, dtype=torch.int32)
 
@@ -80,7 +93,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack`: int32 words ``[..., W]`` -> codes ``[..., W * 32 // bits]`` (int32)."""
     per = codes_per_word(bits)
-    shifts = slots(bits, words.device) * bits
+    shifts = _shifts(bits, words.device)
     codes = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     return codes.reshape(*words.shape[:-1], words.shape[-1] * per)
 
@@ -278,7 +291,8 @@ def kivi_attention_partial(query: torch.Tensor, packed: PackedKV, scale: float, 
     from kvcompress.kernels.attention.reference import partial_attention
 
     k, v = packed.dequantize()  # once; many query rows (a prefill chunk) are then read in bounded chunks
-    return partial_attention(query, k, v, packed.live_valid()[:, None, None, :], scale, softcap)
+    valid = packed.live_valid()
+    return partial_attention(query, k, v, valid.view(valid.shape[0], 1, 1, valid.shape[-1]), scale, softcap)
 
 
 def bits_per_element(bits: int, group: int) -> float:
