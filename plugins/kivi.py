@@ -152,6 +152,7 @@ class KiviStore(MiddleStore):
         self.max_groups: int | None = None
         self.lanes: list[tuple[HeadGroup, dict[str, torch.Tensor]]] | None = None
         self.valid: torch.Tensor | None = None  # [batch, capacity * G]
+        self._segments: list[Segment] | None = None  # views built once per change of the store (decode reads them)
 
     # -- capacity ---------------------------------------------------------------------
     @property
@@ -186,6 +187,7 @@ class KiviStore(MiddleStore):
                 yield name, bufs
 
     def _ensure(self, new_groups: int) -> None:
+        self._segments = None
         needed = self.groups + new_groups
         if needed <= self.capacity:
             return
@@ -206,6 +208,7 @@ class KiviStore(MiddleStore):
 
     # -- MiddleStore -------------------------------------------------------------------
     def append(self, block: KVBlock) -> None:
+        self._segments = None
         valid = block.valid
         pad = (-block.num_tokens) % self.group
         if pad:  # a block cut by eviction: fill the last group with masked slots
@@ -238,6 +241,11 @@ class KiviStore(MiddleStore):
     def segments(self) -> list[Segment]:
         if self.groups == 0:
             return []
+        if self._segments is None:
+            self._segments = self._build_segments()
+        return self._segments
+
+    def _build_segments(self) -> list[Segment]:
         e = self._extent()
         valid = self.valid[:, : e * self.group]
         # Middle tokens precede every query: their positions never mask anything.
@@ -275,11 +283,13 @@ class KiviStore(MiddleStore):
     def _free(self, groups: int) -> None:
         if groups <= 0:
             return
+        self._segments = None
         self.valid[:, self._token_slots(self._group_slots(0, groups))] = False
         self.start = (self.start + groups) % self.capacity
         self.groups -= groups
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._segments = None
         if self.lanes is not None:
             self.valid = fn(self.valid)
             self.lanes = [(group, {name: fn(t) for name, t in bufs.items()}) for group, bufs in self.lanes]
