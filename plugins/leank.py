@@ -119,8 +119,10 @@ class LeanKCompressor(Compressor):
             if count == 0:  # keeps nothing: no middle K and no middle V
                 continue
             gs = by_count[count]
+            # groups arrive in head order (_plan): a group of every head reads as all heads
             merged.append(HeadGroup(torch.cat([g.heads for g in gs]), torch.cat([g.k for g in gs], dim=1),
-                                    torch.cat([g.v for g in gs], dim=1), torch.cat([g.channels for g in gs])))
+                                    torch.cat([g.v for g in gs], dim=1), torch.cat([g.channels for g in gs]),
+                                    every_head=len(gs) == layer.info.num_kv_heads))
         return dataclasses.replace(block, k=None, v=None, groups=merged)
 
 

@@ -43,6 +43,7 @@ import torch
 
 from kvcompress import Compressor, CompressorSpec, Layout, hookimpl, param
 from kvcompress.errors import ConfigError
+from kvcompress.kernels.attention.reference import to_float32
 from kvcompress.state import HeadGroup
 
 _HINT = "make one with `kvcompress calibrate lowrank --rank 32 --out FILE.safetensors`"
@@ -128,14 +129,14 @@ class LowRankCompressor(Compressor):
                 heads, basis = heads.to(device), basis.to(device)
 
                 def project(q: torch.Tensor, basis: torch.Tensor = basis) -> torch.Tensor:
-                    return torch.einsum("bhgqd,hdr->bhgqr", q.float(), basis).to(q.dtype)
+                    return _like(torch.einsum("bhgqd,hdr->bhgqr", to_float32(q), basis), q)
 
                 unproject = None
                 if v_basis is not None:
                     v_basis = v_basis.to(device)
 
                     def unproject(o: torch.Tensor, v_basis: torch.Tensor = v_basis) -> torch.Tensor:
-                        return torch.einsum("bhnr,hdr->bhnd", o.float(), v_basis).to(o.dtype)
+                        return _like(torch.einsum("bhnr,hdr->bhnd", to_float32(o), v_basis), o)
 
                 plan.append((heads, basis, v_basis, project, unproject))
             layer.state["lowrank"] = plan
@@ -149,7 +150,9 @@ class LowRankCompressor(Compressor):
             v = block.v.index_select(1, heads)
             if v_basis is not None:
                 v = torch.einsum("bhtd,hdr->bhtr", v.float(), v_basis).to(block.v.dtype)
-            groups.append(HeadGroup(heads, k, v, qmap=project, vmap=unproject))
+            # heads come sorted (load): a group of every head reads as all heads
+            groups.append(HeadGroup(heads, k, v, qmap=project, vmap=unproject,
+                                    every_head=heads.shape[0] == layer.info.num_kv_heads))
         return dataclasses.replace(block, k=None, v=None, groups=groups)
 
     @hookimpl
@@ -165,6 +168,11 @@ class LowRankCompressor(Compressor):
                 raise ConfigError(f"compressors[{mine}].lowrank.value_rank", f"a multiple of kivi's group "
                                   f"({config.group}: KIVI quantizes values in groups of channels) or null",
                                   self.config.value_rank)
+
+
+def _like(t: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``t`` in ``other``'s dtype (no op dispatched when it already is: the maps run every decode step)."""
+    return t if t.dtype == other.dtype else t.to(other.dtype)
 
 
 @hookimpl
