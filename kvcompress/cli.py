@@ -419,8 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prefilled tokens (default 1024; with --model-shape --throughput: prompt tokens, "
                     "default 32768)")
     bn.add_argument("--steps", type=int, default=32, help="timed decode steps per round (default 32)")
-    bn.add_argument("--rounds", type=int, default=None, help="timed rounds per cache (default 3; not with "
-                    "--model-shape)")
+    bn.add_argument("--rounds", type=int, default=None, help="timed rounds per cache (default 3); with "
+                    "--model-shape: time the eager rows of each point together in this many interleaved rounds "
+                    "(default: each row alone)")
     bn.add_argument("--compile", action="store_true", help="also measure compiled rows; " + _COMPILE_HELP
                     + " (bench: transformers StaticCache + compile and every stack compiled; max_cache_len = "
                     "context + untimed + timed steps)")

@@ -483,7 +483,6 @@ class RingBuffer:
         self.all_valid = True
         self.max_capacity: int | None = None  # growth cap for a growable buffer (e.g. a token budget)
         self._segment: tuple | None = None  # (key, buffers, segment) of the last segment() of views (see segment)
-        self._index: torch.Tensor | None = None  # arange(capacity): slot indices (pop_oldest)
 
     @property
     def capacity(self) -> int:
@@ -551,9 +550,7 @@ class RingBuffer:
     def pop_oldest(self, n: int) -> KVBlock:
         slots = self._slots(0, n)
         if isinstance(slots, slice):  # copies (views would be overwritten by later pushes): one op per buffer
-            if self._index is None or self._index.shape[0] != self.capacity:
-                self._index = torch.arange(self.capacity, device=self.k.device)
-            slots = self._index[slots]
+            slots = torch.arange(slots.start, slots.stop, device=self.k.device)
         block = KVBlock(self.k.index_select(2, slots), self.v.index_select(2, slots), self.valid.index_select(1, slots),
                         self.positions.index_select(0, slots))
         if self.all_valid:
@@ -588,7 +585,7 @@ class RingBuffer:
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.k, self.v, self.valid = fn(self.k), fn(self.v), fn(self.valid)
-        self._segment = None  # (_index is not batch-major)
+        self._segment = None
 
     def nbytes(self) -> int:
         return _nbytes(self.k, self.v, self.valid, self.positions)

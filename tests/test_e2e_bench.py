@@ -93,6 +93,28 @@ def test_time_budget_skips_rows_and_keeps_them_listed():
     assert "skipped: time budget" in result.table(markdown=True)
 
 
+def test_interleaved_rounds_time_eager_rows_together(window_file):
+    """--rounds R: the eager rows of a point (plain, every stack's dynamic cache and static cache run eagerly)
+    prefill once and are timed in R rounds of --steps steps each; the compiled rows still run alone after them.
+    Each interleaved row's cache holds what the same row measured alone holds (same prompt, same steps)."""
+    model = e2e.random_model("tiny", "cpu", torch.float32)
+    stacks = e2e.resolve_stacks(["none", window_file], model)
+    compile = static_supported()
+    result = e2e.run(model, stacks, shape="tiny", points=[(2, 40)], steps=2, warmup=1, rounds=3, compile=compile,
+                     progress=False)
+    specs = e2e.row_specs(stacks, compile=compile)
+    eager = [s for s in specs if not s.compiled]
+    assert [r["label"] for r in result.rows] == [s.label for s in eager + [s for s in specs if s.compiled]]
+    assert result.settings["interleaved_rounds"] == 3 and len(eager) == (5 if compile else 3)
+    for spec, row in zip(eager, result.rows):
+        assert row["error"] is None, row["traceback"]
+        assert len(row["step_ms"]) == 6 and len(row["round_ms"]) == 3 and row["rounds"] == 3
+        alone = e2e.measure_row(model, spec, 2, 40, steps=6, warmup=1, profile_steps=5)
+        assert alone["error"] is None and alone["cache_bytes"] == row["cache_bytes"], spec.label
+    for row in result.rows[len(eager):]:
+        assert row["error"] is None and "round_ms" not in row
+
+
 def test_throughput_mode_picks_the_batch_from_the_budget(tmp_path, capsys):
     out = tmp_path / "tput.json"
     rc = main(["bench", "--model-shape", "tiny", "--random-weights", "--throughput", "--kv-gib", "0.0001",
@@ -167,6 +189,8 @@ def test_builtin_stacks_resolve_and_run_on_a_random_model():
     (["--no-baseline"], "--no-baseline: expected used together with --model-shape"),
     (["--model-shape", "tiny", "--random-weights", "--fill-rows", "2"], "--fill-rows: expected used together with "
      "--throughput"),
+    (["--model-shape", "tiny", "--random-weights", "--throughput", "--rounds", "2"], "--rounds: expected an integer "
+     "in [1, 64] without --throughput"),
     (["--model-shape", "tiny", "--random-weights", "--throughput", "--fill-rows", "-1"], "--fill-rows: expected an "
      "integer in [0, 65536], got -1"),
 ])

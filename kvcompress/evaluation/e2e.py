@@ -487,6 +487,118 @@ def measure_row(model: Any, spec: RowSpec, batch: int, ctx: int, *, steps: int =
     return row
 
 
+def measure_interleaved(model: Any, specs: Sequence[RowSpec], batch: int, ctx: int, *, rounds: int,
+                        steps: int = 32, warmup: int = 3, profile_steps: int = 5, prefill_tokens: int = 32768,
+                        seed: int = 0, progress: bool = False) -> list[dict[str, Any]]:
+    """Eager rows (``dynamic`` / ``eager`` / ``static-eager``) of one point timed in ``rounds`` interleaved rounds.
+
+    Every row's cache is prefilled first and kept; then each round times ``steps`` steps of every row in turn,
+    so a slower stretch of a shared host slows every row alike (a host-bound eager step varies by +-15% from
+    one minute to the next on the GPU machine).  ``wall_ms`` is the median over all timed steps of a row;
+    ``round_ms`` the median of each round.  GPU-busy time, cache bytes and errors as :func:`measure_row`.
+    Rows that fail at the prefill are reported with their error and leave the rounds."""
+    from .runner import cache_memory
+
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    total = warmup + rounds * steps + profile_steps
+    capacity = ctx + total
+    chunk = max(1, min(ctx, prefill_tokens // batch))
+    vocab = model.config.vocab_size
+    rows, decoders = [], []
+    with contextlib.ExitStack() as scope, torch.no_grad():
+        for spec in specs:
+            if spec.compiled:
+                raise ValueError(f"measure_interleaved: {spec.label} is a compiled row (eager rows only)")
+            row: dict[str, Any] = {
+                "label": spec.label, "kind": spec.kind, "compiled": False,
+                "stack": spec.stack.to_dict() if spec.stack is not None else None,
+                "stack_source": getattr(spec.stack, "source", None), "batch": batch, "context": ctx,
+                "capacity": capacity if spec.kind == "static-eager" else None, "prefill_chunk": chunk,
+                "compile_options": None, "wall_ms": None, "wall_p10_ms": None, "wall_p90_ms": None,
+                "step_ms": [], "round_ms": [], "rounds": rounds, "gpu_busy_ms": None, "kernels_per_step": None,
+                "wall_over_busy": None, "cache_bytes": None,
+                "dense_bytes": (ctx + total) * batch * dense_bytes_per_token(model), "prefill_s": None,
+                "compile_s": None, "warmup_s": None, "graphs": None, "recompiles": None, "graphs_after_warmup": None,
+                "cudagraph_skips": None, "peak_bytes": None, "error": None, "traceback": None, "row_s": 0.0,
+            }
+            rows.append(row)
+            t_row = time.perf_counter()
+            try:
+                dec = _Decoder(model, spec, batch, capacity, scope)
+                prompt = torch.randint(vocab, (batch, ctx), generator=torch.Generator().manual_seed(seed))
+                t0 = time.perf_counter()
+                dec.prefill(prompt, chunk)
+                _sync(device)
+                row["prefill_s"] = time.perf_counter() - t0
+                dec.prepare(ctx, total, vocab, seed)
+                t0 = time.perf_counter()
+                for i in range(warmup):
+                    dec.step(i)
+                _sync(device)
+                row["warmup_s"] = time.perf_counter() - t0
+                decoders.append((row, dec))
+            except Exception as exc:  # noqa: BLE001 - one failing row must not end the run
+                row["error"] = _error(exc)
+                row["traceback"] = traceback.format_exc()[-6000:]
+            row["row_s"] += time.perf_counter() - t_row
+            _log(f"  prepared {spec.label}" + (f": {row['error']}" if row["error"] else ""), progress)
+        for r in range(rounds):
+            for row, dec in decoders:
+                if row["error"]:
+                    continue
+                t_row = time.perf_counter()
+                times = []
+                try:
+                    for i in range(warmup + r * steps, warmup + (r + 1) * steps):
+                        t0 = time.perf_counter()
+                        dec.step(i)
+                        _sync(device)
+                        times.append((time.perf_counter() - t0) * 1e3)
+                except Exception as exc:  # noqa: BLE001
+                    row["error"] = _error(exc)
+                    row["traceback"] = traceback.format_exc()[-6000:]
+                row["step_ms"] += times
+                if times:
+                    row["round_ms"].append(statistics.median(times))
+                row["row_s"] += time.perf_counter() - t_row
+            _log(f"  round {r + 1}/{rounds}: " + ", ".join(
+                f"{row['label']} {row['round_ms'][-1]:.1f}" for row, _ in decoders if row["round_ms"]), progress)
+        for row, dec in decoders:
+            if row["error"]:
+                continue
+            xs = sorted(row["step_ms"])
+            row["wall_ms"] = statistics.median(xs)
+            row["wall_p10_ms"] = xs[round(0.1 * (len(xs) - 1))]
+            row["wall_p90_ms"] = xs[round(0.9 * (len(xs) - 1))]
+            first = warmup + rounds * steps
+            try:
+                if cuda and profile_steps:
+                    from torch.profiler import ProfilerActivity, profile
+
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        for i in range(first, total):
+                            dec.step(i)
+                        _sync(device)
+                    busy, kernels = kernel_time(prof)
+                    del prof
+                    if kernels:
+                        row["gpu_busy_ms"] = busy / profile_steps
+                        row["kernels_per_step"] = kernels / profile_steps
+                        row["wall_over_busy"] = row["wall_ms"] / row["gpu_busy_ms"]
+                else:  # the same steps unprofiled: the cache ends where measure_row's does
+                    for i in range(first, total):
+                        dec.step(i)
+                    _sync(device)
+                row["cache_bytes"] = cache_memory(dec.cache)[0]
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = _error(exc)
+                row["traceback"] = traceback.format_exc()[-6000:]
+        decoders.clear()
+    _cleanup(device)
+    return rows
+
+
 # ----------------------------------------------------------------------------- throughput
 
 
@@ -669,8 +781,11 @@ def run(model: Any, stacks: Sequence[Any], *, shape: str, points: Sequence[tuple
         steps: int = 32, warmup: int = 3, profile_steps: int = 5, prefill_tokens: int = 32768, eager: bool = True,
         compile: bool = False, throughput: bool = False, kv_gib: float = 100.0, context: int = 32768,
         max_batch: int = 1024, time_budget: float | None = None, seed: int = 0, baseline: bool = True,
-        fill_rows: int = 0, on_row: Callable[[E2EResult], None] | None = None, progress: bool = True) -> E2EResult:
-    """The benchmark (module doc) on ``model``; ``on_row`` is called with the partial result after each row."""
+        fill_rows: int = 0, rounds: int = 0, on_row: Callable[[E2EResult], None] | None = None,
+        progress: bool = True) -> E2EResult:
+    """The benchmark (module doc) on ``model``; ``on_row`` is called with the partial result after each row.
+    ``rounds`` (latency mode): time the eager rows of each point together in that many interleaved rounds
+    (:func:`measure_interleaved`); 0: every row alone, one after the other."""
     from .runner import compile_options
 
     device = next(model.parameters()).device
@@ -691,27 +806,52 @@ def run(model: Any, stacks: Sequence[Any], *, shape: str, points: Sequence[tuple
                         compile=compile)
         specs = row_specs(stacks, eager=eager, compile=compile, graph=compile and device.type == "cuda")
         jobs = [(s, p) for p in points for s in specs]
+        if rounds:  # the eager rows of each point go first, timed together in interleaved rounds
+            settings["interleaved_rounds"] = rounds
+            eager_specs = [s for s in specs if not s.compiled]
+            jobs = [j for p in points for j in [(tuple(eager_specs), p)] + [(s, p) for s in specs if s.compiled]
+                    if not isinstance(j[0], tuple) or j[0]]
     result = E2EResult("throughput" if throughput else "latency", settings, describe_model(model), [], env)
     start = time.perf_counter()
     for n, (spec, point) in enumerate(jobs, 1):
         elapsed = time.perf_counter() - start
         where = "" if point is None else f" at B{point[0]}/{point[1]}"
+        group = spec if isinstance(spec, tuple) else (spec,)
+        label = ", ".join(s.label for s in group)
         if time_budget is not None and n > 1 and elapsed > time_budget:  # the first row always runs
-            row = {"label": spec.label, "kind": spec.kind, "error": f"skipped: time budget of {time_budget:.0f} s spent"}
-            if point is not None:
-                row.update(batch=point[0], context=point[1])
-            result.rows.append(_skipped(row, throughput))
-            _log(f"[{n}/{len(jobs)}] {spec.label}{where}: skipped (time budget)", progress)
+            for one in group:
+                row = {"label": one.label, "kind": one.kind,
+                       "error": f"skipped: time budget of {time_budget:.0f} s spent"}
+                if point is not None:
+                    row.update(batch=point[0], context=point[1])
+                result.rows.append(_skipped(row, throughput))
+            _log(f"[{n}/{len(jobs)}] {label}{where}: skipped (time budget)", progress)
             if on_row is not None:
                 on_row(result)
             continue
-        _log(f"[{n}/{len(jobs)}] {spec.label}{where} ...", progress)
+        _log(f"[{n}/{len(jobs)}] {label}{where} ...", progress)
         if throughput:
             row = measure_throughput(model, spec, context, kv_gib * 2**30, steps=steps, warmup=warmup,
                                      max_batch=max_batch, prefill_tokens=prefill_tokens, seed=seed,
                                      progress=progress, fill_rows=fill_rows)
             summary = (f"batch {row['batch']}, {row['decode_tok_s'] or 0:,.0f} tok/s" if not row["error"]
                        else row["error"])
+        elif isinstance(spec, tuple):  # interleaved eager rows
+            t_group = time.perf_counter()
+            group_rows = measure_interleaved(model, spec, point[0], point[1], rounds=rounds, steps=steps,
+                                             warmup=warmup, profile_steps=profile_steps,
+                                             prefill_tokens=prefill_tokens, seed=seed, progress=progress)
+            for row in group_rows:
+                busy = "" if row["gpu_busy_ms"] is None else f", GPU-busy {row['gpu_busy_ms']:.2f} ms"
+                summary = f"{row['wall_ms']:.2f} ms/step{busy}" if not row["error"] else row["error"]
+                _log(f"[{n}/{len(jobs)}] {row['label']}{where}: {summary}", progress)
+            result.rows.extend(group_rows)
+            _log(f"[{n}/{len(jobs)}] eager rows{where} in {rounds} rounds ({time.perf_counter() - t_group:.1f} s)",
+                 progress)
+            result.wall_s = time.perf_counter() - start
+            if on_row is not None:
+                on_row(result)
+            continue
         else:
             row = measure_row(model, spec, point[0], point[1], steps=steps, warmup=warmup,
                               profile_steps=profile_steps, prefill_tokens=prefill_tokens, seed=seed)
@@ -753,8 +893,10 @@ def validate_args(args: Any) -> None:
         args.points = DEFAULT_POINTS
     if args.model_shape not in SHAPES:
         raise ConfigError("--model-shape", "one of " + ", ".join(SHAPES), args.model_shape)
-    if args.rounds is not None:
-        raise ConfigError("--rounds", "not given with --model-shape (each row runs once; see --steps)", args.rounds)
+    if args.rounds is not None and (args.throughput or not 1 <= args.rounds <= 64):
+        raise ConfigError("--rounds", "an integer in [1, 64] without --throughput (with --model-shape: the eager rows "
+                          "of each point timed together in that many interleaved rounds of --steps steps)",
+                          args.rounds)
     if not args.throughput and args.context is not None:
         raise ConfigError("--context", "not given with --model-shape unless --throughput (use --points BxCTX)",
                           args.context)
@@ -803,7 +945,7 @@ def main_from_args(args: Any, device: str) -> int:
                  eager=not args.no_eager, compile=args.compile, throughput=args.throughput, kv_gib=args.kv_gib,
                  context=args.context if args.context is not None else 32768, max_batch=args.max_batch,
                  time_budget=args.time_budget, seed=args.seed, baseline=not args.no_baseline,
-                 fill_rows=args.fill_rows, on_row=write, progress=progress)
+                 fill_rows=args.fill_rows, rounds=args.rounds or 0, on_row=write, progress=progress)
     print(result.table(markdown=args.markdown))
     if args.json:
         print(f"wrote {args.json}")
