@@ -368,6 +368,14 @@ class _Decoder:
         self.fn(input_ids=self.ids[i], **self.kwargs[i])
 
 
+def _alloc_stats(device: torch.device) -> tuple[int, int]:
+    """(cudaMalloc calls, allocator retries) so far on ``device`` (zeros off CUDA)."""
+    if device.type != "cuda":
+        return 0, 0
+    st = torch.cuda.memory_stats(device)
+    return int(st.get("num_device_alloc", 0)), int(st.get("num_alloc_retries", 0))
+
+
 def _error(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:300] if text else ''}".replace("|", "/")
@@ -543,12 +551,15 @@ def measure_interleaved(model: Any, specs: Sequence[RowSpec], batch: int, ctx: i
                 row["traceback"] = traceback.format_exc()[-6000:]
             row["row_s"] += time.perf_counter() - t_row
             _log(f"  prepared {spec.label}" + (f": {row['error']}" if row["error"] else ""), progress)
+        for row, _ in decoders:
+            row["device_mallocs"] = row["alloc_retries"] = 0 if cuda else None
         for r in range(rounds):
             for row, dec in decoders:
                 if row["error"]:
                     continue
                 t_row = time.perf_counter()
                 times = []
+                stats0 = _alloc_stats(device)
                 try:
                     for i in range(warmup + r * steps, warmup + (r + 1) * steps):
                         t0 = time.perf_counter()
@@ -558,6 +569,10 @@ def measure_interleaved(model: Any, specs: Sequence[RowSpec], batch: int, ctx: i
                 except Exception as exc:  # noqa: BLE001
                     row["error"] = _error(exc)
                     row["traceback"] = traceback.format_exc()[-6000:]
+                if cuda:  # cudaMalloc calls / allocator retries (a free-and-retry is a device sync) while timed
+                    stats1 = _alloc_stats(device)
+                    row["device_mallocs"] += stats1[0] - stats0[0]
+                    row["alloc_retries"] += stats1[1] - stats0[1]
                 row["step_ms"] += times
                 if times:
                     row["round_ms"].append(statistics.median(times))
@@ -753,11 +768,15 @@ class E2EResult:
                              f(r["decode_tok_s"] / base if r["decode_tok_s"] and base else None, "{:.2f}x"),
                              r["error"] or ""])
             return rows
-        rows = [["cache", "B x ctx", "wall ms/step", "GPU-busy ms/step", "wall/busy", "cache MiB", "vs dense",
-                 "compile s", "graphs", "recompiles", "note"]]
+        rows = [["cache", "B x ctx", "wall ms/step", "vs plain eager", "GPU-busy ms/step", "wall/busy", "cache MiB",
+                 "vs dense", "compile s", "graphs", "recompiles", "note"]]
+        plain = {(r["batch"], r["context"]): r["wall_ms"] for r in self.rows
+                 if r.get("kind") == "dynamic" and r.get("wall_ms")}
         for r in self.rows:
             dense = r.get("dense_bytes") or 0
-            rows.append([r["label"], f"{r['batch']}x{r['context']}", f(r["wall_ms"]), f(r["gpu_busy_ms"]),
+            base = plain.get((r.get("batch"), r.get("context")))
+            rows.append([r["label"], f"{r['batch']}x{r['context']}", f(r["wall_ms"]),
+                         f(r["wall_ms"] / base if r["wall_ms"] and base else None, "{:.2f}x"), f(r["gpu_busy_ms"]),
                          f(r["wall_over_busy"], "{:.2f}x"), mib(r["cache_bytes"]),
                          f(r["cache_bytes"] / dense if r["cache_bytes"] and dense else None, "{:.3f}x"),
                          f(r["compile_s"], "{:.1f}"), f(r["graphs"], "{}"), f(r["recompiles"], "{}"),
