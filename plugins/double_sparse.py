@@ -131,7 +131,9 @@ class LabelCache:
                 aux[..., :n] = self.aux[..., :n]
         self.data, self.valid_mask, self.aux, self.positions = data, valid, aux, positions
 
-    def append(self, k: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> None:
+    def append(self, k: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, known_valid: bool = False) -> None:
+        """Append the labels of ``k``; ``known_valid``: the caller knows every entry of ``valid`` is True
+        (:attr:`KVBlock.all_valid`), so no device read decides whether the cache stays all-valid."""
         from kvcompress.kernels.doublesparse import quantize_labels
 
         b, h, n, _ = k.shape
@@ -152,7 +154,7 @@ class LabelCache:
         self.valid_mask[:, sl] = valid
         self.positions[sl] = positions
         self.size += n
-        if self.all_valid and not bool(valid.all()):
+        if self.all_valid and not known_valid and not bool(valid.all()):
             self.all_valid = False
 
     def labels(self):
@@ -329,7 +331,7 @@ class DoubleSparseCompressor(Compressor):
             return
         kept = block.compact()  # the columns the middle store will receive (no evictor in the stack)
         if kept is not None:
-            self._cache(layer, block.k.device).append(kept.k, kept.valid, kept.positions)
+            self._cache(layer, block.k.device).append(kept.k, kept.valid, kept.positions, kept.all_valid)
 
     @hookimpl
     def kvcompress_select_tokens(self, layer, query):

@@ -533,6 +533,26 @@ def layout_probe(packed: PackedKV, b: int, h: int, tok0: int, min_blocks: int = 
     return out
 
 
+#: launch plans of the default configuration by problem shape (:func:`_forward`): a decode step reads the same
+#: shapes in every layer, so the plan (library, warps, stages, splits) is computed once, not per call
+_PLANS: dict[tuple, tuple] = {}
+
+
+def _plan(bits: int, dk: int, dv: int, rows: int, nt: int, index: int, softcap: float | None, c: dict,
+          splits: int | None) -> tuple:
+    """``(library, warps, stages, splits, tiles per split)`` of a launch over ``nt`` tokens and ``rows``
+    (batch x heads x row blocks) with configuration ``c``."""
+    lib = build_for(bits, dk, dv, c, softcap=bool(softcap))
+    ntiles = nt // TILE
+    nw, stages, cta_smem, _ = plan_launch(bits, dk, dv, int(c["nw"]), int(c["stages"]), _smem_limit(index))
+    if cta_smem != lib.kivi_v3_launch_smem(nw, stages):
+        raise RuntimeError("KIVI CUDA kernel: the library's shared-memory size disagrees with launch_smem()")
+    c = dict(c, nw=nw, stages=stages)
+    s = splits or num_splits(ntiles, rows, _sms(index), c, cta_smem)
+    tiles_per_split = -(-ntiles // max(1, min(s, ntiles)))
+    return lib, nw, stages, -(-ntiles // tiles_per_split), tiles_per_split
+
+
 def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict | None = None,
              splits: int | None = None, base: dict | None = None,
              softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -559,24 +579,24 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
         return out, lse
     if nt == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    c = dict(base if base is not None else config(bits))
-    if cfg:
-        c.update(cfg)
-    lib = build_for(bits, dk, dv, c, softcap=bool(softcap))
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    row_blocks = -(-m // 8)
+    if base is None and cfg is None and splits is None:  # the default plan: decided once per problem shape
+        key = (bits, dk, dv, b, h, m, nt, index, bool(softcap), os.environ.get("KVCOMPRESS_KIVI_CUDA_CONFIG"))
+        plan = _PLANS.get(key)
+        if plan is None:
+            if len(_PLANS) >= 4096:  # a dynamic store's length grows by a group at a time: keep the table bounded
+                _PLANS.clear()
+            plan = _PLANS[key] = _plan(bits, dk, dv, b * h * row_blocks, nt, index, softcap, config(bits), None)
+    else:
+        c = dict(base if base is not None else config(bits))
+        if cfg:
+            c.update(cfg)
+        plan = _plan(bits, dk, dv, b * h * row_blocks, nt, index, softcap, c, splits)
+    lib, nw, stages, s, tiles_per_split = plan
 
     q = _aligned(query.to(torch.float16), 1, 4)
     kv = _kv_tensors(packed)
-
-    row_blocks = -(-m // 8)
-    ntiles = nt // TILE
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    nw, stages, cta_smem, _ = plan_launch(bits, dk, dv, int(c["nw"]), int(c["stages"]), _smem_limit(index))
-    if cta_smem != lib.kivi_v3_launch_smem(nw, stages):
-        raise RuntimeError("KIVI CUDA kernel: the library's shared-memory size disagrees with launch_smem()")
-    c.update(nw=nw, stages=stages)
-    s = splits or num_splits(ntiles, b * h * row_blocks, _sms(index), c, cta_smem)
-    tiles_per_split = -(-ntiles // max(1, min(s, ntiles)))
-    s = -(-ntiles // tiles_per_split)
     if s == 1:
         po, pl = out, lse
     else:
