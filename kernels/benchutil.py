@@ -37,8 +37,10 @@ Ops (``--ops``, default :data:`ALL_OPS`):
   store's encoder), so the layout is the real one.  ``none``: the empty stack, one fp16 buffer read by the lanes
   kernel up to its written prefix (``length``); ``leank70-kivi2``: ``examples/stacks/leank70_kivi.yaml`` (LeanK
   70 % with :data:`LEANK_COUNTS` kept channels, 128 sinks, 768-token window, 128-token flushes, then KIVI-2 G = 32
-  on the regrouped lanes): today one lanes launch for the buffer plus one KIVI launch per lane (the issue asks for
-  one launch); ``lowrank``: ``examples/stacks/lowrank.yaml`` at rank r = d/2 (a random orthonormal basis per kv
+  on the regrouped lanes): one lanes launch (+ merge) for the buffer plus ONE launch (+ merge) for every KIVI lane
+  (``kvcompress::kivi_lanes_partial``, :mod:`kvcompress.kernels.kivi.lanes_triton`; impl ``kivi-lanes:triton``;
+  before: one KIVI launch, a query gather and a head scatter per lane, ``kivi:cuda``); ``lowrank``:
+  ``examples/stacks/lowrank.yaml`` at rank r = d/2 (a random orthonormal basis per kv
   head; the middle keys stored as r coordinates, the query projected; one lanes launch with the projected query
   appended);
 * ``paged-dense``: the dynamic paged pool (``kvcompress.paged.PagedStore``, 16-token pages, what
@@ -497,6 +499,14 @@ def segment_bytes(seg, kv_heads: int) -> int:
     live columns, the valid mask once per kv head, the channel list."""
     heads = kv_heads if seg.heads is None else seg.heads.numel()
     packed = seg.packed
+    lanes = getattr(packed, "lanes", None)
+    if lanes is not None:  # KIVI lanes read as one region (PackedLanes): every lane's payload, channel lists
+        cols = packed.valid.shape[-1]
+        live = _live_columns(packed.valid, packed.length, cols)
+        payload = sum(_nbytes(*(getattr(lane, n) for n in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale",
+                                                          "v_zero"))) for lane in lanes)
+        return (payload * live // max(1, cols) + packed.valid.shape[0] * live * heads
+                + sum(_nbytes(lane.channels, lane.heads) for lane in lanes))
     if packed is not None:
         if not hasattr(packed, "k_codes"):
             raise TypeError(f"no byte count for a {type(packed).__name__} region")
@@ -517,9 +527,14 @@ def static_read_bytes(layer, query: torch.Tensor) -> int:
 
 
 def static_impl(layer) -> str:
-    """The read kernels a static layer chose: the lanes op, then each KIVI lane's."""
-    kivi = [s.packed.impl for s in static_segments(layer)[1:] if s.packed is not None]
+    """The read kernels a static layer chose: the lanes op, then each KIVI lane's (``kivi-lanes:``: every KIVI lane
+    in one op, ``kvcompress::kivi_lanes_partial``)."""
+    packed = [s.packed for s in static_segments(layer)[1:] if s.packed is not None]
+    kivi = [p.impl for p in packed if not hasattr(p, "lanes")]
+    merged = [p.impl for p in packed if hasattr(p, "lanes")]
     lanes = f"lanes:{layer.kernels['lanes_partial']}"
+    if merged:
+        lanes += f" + kivi-lanes:{','.join(dict.fromkeys(str(i) for i in merged))}"
     return lanes + (f" + kivi:{','.join(dict.fromkeys(str(i) for i in kivi))}" if kivi else "")
 
 

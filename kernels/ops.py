@@ -5,17 +5,20 @@ kernel to be an op the compiler sees as one opaque call: these are registered wi
 :func:`torch.library.custom_op`, take only tensors / ints / floats / bools / strs (lists of tensors for LeanK's
 lanes), declare no mutation, and have a fake implementation giving output shapes and dtypes.
 
-============================  =========================================================================
-op                            semantics (the PyTorch reference, also the CPU implementation)
-============================  =========================================================================
-``kvcompress::kivi_partial``   :func:`kvcompress.kernels.kivi.reference.kivi_attention_partial`
-``kvcompress::paged_partial``  :func:`kvcompress.kernels.paged.reference.paged_attention_partial`
-``kvcompress::lanes_partial``  :func:`kvcompress.kernels.leank.reference.grouped_partial_attention`
-``kvcompress::select_topk``    :func:`kvcompress.kernels.doublesparse.reference.select_topk`
-``kvcompress::gather_partial`` :func:`kvcompress.kernels.doublesparse.reference.gather_partial_attention`
-``kvcompress::kivi_quantize``  :func:`kvcompress.kernels.kivi.reference.fill_masked`, ``quantize_keys``,
-                               ``quantize_values`` (Triton: :mod:`kvcompress.kernels.kivi.quantize_triton`)
-============================  =========================================================================
+====================================  =========================================================================
+op                                    semantics (the PyTorch reference, also the CPU implementation)
+====================================  =========================================================================
+``kvcompress::kivi_partial``          :func:`kvcompress.kernels.kivi.reference.kivi_attention_partial`
+``kvcompress::kivi_lanes_partial``    :func:`kvcompress.kernels.kivi.lanes_reference.kivi_lanes_attention_partial`
+                                      (every quantized lane of a stacked LeanK + KIVI middle, one op; Triton:
+                                      :mod:`kvcompress.kernels.kivi.lanes_triton`, one launch + one merge)
+``kvcompress::paged_partial``         :func:`kvcompress.kernels.paged.reference.paged_attention_partial`
+``kvcompress::lanes_partial``         :func:`kvcompress.kernels.leank.reference.grouped_partial_attention`
+``kvcompress::select_topk``           :func:`kvcompress.kernels.doublesparse.reference.select_topk`
+``kvcompress::gather_partial``        :func:`kvcompress.kernels.doublesparse.reference.gather_partial_attention`
+``kvcompress::kivi_quantize``         :func:`kvcompress.kernels.kivi.reference.fill_masked`, ``quantize_keys``,
+                                      ``quantize_values`` (Triton: :mod:`kvcompress.kernels.kivi.quantize_triton`)
+====================================  =========================================================================
 
 * **CPU**: always the reference (``impl`` is accepted and ignored: the references are the CPU path), except
   ``kivi_quantize``, which raises for ``impl="triton"`` on CPU tensors.
@@ -32,8 +35,8 @@ the choice of an implementation never depends on it.  Learned sink logits (gpt-o
 a partial never sees them; :func:`kvcompress.kernels.attention.reference.merge_partials` adds them once, when the
 partials are merged.
 
-``length`` (KIVI, paged, lanes; optional): a 0-dim int32 / int64 device tensor, the number of leading token slots
-that may hold live data.  Slots at or after it are treated as invalid by every implementation (the reference masks
+``length`` (KIVI, KIVI lanes, paged, lanes; optional): a 0-dim int32 / int64 device tensor, the number of leading
+token slots that may hold live data.  Slots at or after it are treated as invalid by every implementation (the reference masks
 them), and the Triton kernels do not read them: a static cache sized for ``max_cache_len`` passes its fill level
 and the kernels skip the empty capacity, with a grid that does not depend on the value (CUDA-graph safe).  The
 KIVI CUDA kernel (v3) has no such input: it reads the whole capacity with ``valid & (slot < length)``.
@@ -56,6 +59,7 @@ import torch
 from torch import Tensor
 
 from .doublesparse import reference as ds_ref
+from .kivi import lanes_reference as kivi_lanes_ref
 from .kivi import reference as kivi_ref
 from .leank import reference as leank_ref
 from .paged import reference as paged_ref
@@ -66,6 +70,7 @@ IMPLS = ("reference", "triton", "cuda")
 # op name -> implementations its CUDA kernel accepts
 OPS = {
     "kivi_partial": ("reference", "triton", "cuda"),
+    "kivi_lanes_partial": ("reference", "triton"),
     "paged_partial": ("reference", "triton"),
     "lanes_partial": ("reference", "triton"),
     "select_topk": ("reference", "triton"),
@@ -184,6 +189,73 @@ def kivi_attention(query: Tensor, packed, scale: float, *, impl: str, length: Op
         query, packed.k_codes, packed.k_scale, packed.k_zero, packed.v_codes, packed.v_scale, packed.v_zero,
         packed.valid, length, packed.bits, packed.group, float(scale), bool(packed.k_per_token),
         float(softcap or 0.0), impl)
+
+
+# ----------------------------------------------------------------------------- KIVI lanes (stacked LeanK + KIVI)
+
+
+def _kivi_region(heads, channels, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits, group,
+                 num_heads, head_dim):
+    n = len(k_codes)
+    if n == 0 or any(len(x) != n for x in (heads, channels, k_scale, k_zero, v_codes, v_scale, v_zero)):
+        raise ValueError("kvcompress::kivi_lanes_partial: one entry per lane in heads / channels / k_codes / "
+                         "k_scale / k_zero / v_codes / v_scale / v_zero, got "
+                         f"{[len(x) for x in (heads, channels, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)]}")
+    lanes = tuple(kivi_lanes_ref.KiviLane(*lane) for lane in zip(heads, channels, k_codes, k_scale, k_zero, v_codes,
+                                                                 v_scale, v_zero))
+    return kivi_lanes_ref.PackedLanes(bits, group, lanes, valid, num_heads, head_dim, length=length)
+
+
+@torch.library.custom_op("kvcompress::kivi_lanes_partial", mutates_args=(), device_types="cpu")
+def kivi_lanes_partial(query: Tensor, heads: list[Optional[Tensor]], channels: list[Optional[Tensor]],
+                       k_codes: list[Tensor], k_scale: list[Tensor], k_zero: list[Tensor], v_codes: list[Tensor],
+                       v_scale: list[Tensor], v_zero: list[Tensor], valid: Tensor, length: Optional[Tensor], bits: int,
+                       group: int, scale: float, softcap: float = 0.0,
+                       impl: str = "reference") -> tuple[Tensor, Tensor]:
+    """Attention of ``query [B, H, M, D]`` over KIVI lanes sharing their token slots (lane ``i`` = ``heads[i]``
+    (positions among the ``H`` heads, ``None`` = all), ``channels[i]`` (kept query channels, ``None`` = all) and its
+    packed payload; one ``valid [B, T]`` for all; see :mod:`kvcompress.kernels.kivi.lanes_reference`):
+    ``(out [B, H, M, Dv] fp32, lse [B, H, M] fp32)``.  CPU: the reference."""
+    _check_impl("kivi_lanes_partial", impl)
+    _check_length("kivi_lanes_partial", length)
+    region = _kivi_region(heads, channels, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits,
+                          group, query.shape[1], query.shape[-1])
+    return _fresh(*kivi_lanes_ref.kivi_lanes_attention_partial(query, region, scale, softcap=softcap))
+
+
+@kivi_lanes_partial.register_kernel("cuda")
+def _kivi_lanes_partial_cuda(query, heads, channels, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length,
+                             bits, group, scale, softcap=0.0, impl="reference"):
+    _check_impl("kivi_lanes_partial", impl)
+    _check_length("kivi_lanes_partial", length)
+    region = _kivi_region(heads, channels, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits,
+                          group, query.shape[1], query.shape[-1])
+    if impl == "triton":
+        from .kivi import lanes_triton
+
+        dv = v_codes[0].shape[-1] * (32 // bits)
+        base = _kivi_triton_base(bits, group, query.shape[-1], dv, dv // v_scale[0].shape[-1])
+        return _fresh(*lanes_triton.kivi_lanes_attention_partial(query, region, scale, base=base, softcap=softcap))
+    return _fresh(*kivi_lanes_ref.kivi_lanes_attention_partial(query, region, scale, softcap=softcap))
+
+
+@kivi_lanes_partial.register_fake
+def _kivi_lanes_partial_fake(query, heads, channels, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length,
+                             bits, group, scale, softcap=0.0, impl="reference"):
+    return _empty_partial(query, v_codes[0].shape[-1] * (32 // bits))
+
+
+def kivi_lanes_attention(query: Tensor, region, scale: float, *, impl: str, length: Optional[Tensor] = None,
+                         softcap: Optional[float] = None) -> tuple[Tensor, Tensor]:
+    """``kvcompress::kivi_lanes_partial`` over a :class:`~kvcompress.kernels.kivi.PackedLanes` (``length`` defaults
+    to ``region.length``)."""
+    lanes = region.lanes
+    return _OPS["kivi_lanes_partial"](
+        query, [ln.heads for ln in lanes], [ln.channels for ln in lanes], [ln.k_codes for ln in lanes],
+        [ln.k_scale for ln in lanes], [ln.k_zero for ln in lanes], [ln.v_codes for ln in lanes],
+        [ln.v_scale for ln in lanes], [ln.v_zero for ln in lanes], region.valid,
+        region.length if length is None else length, region.bits, region.group, float(scale), float(softcap or 0.0),
+        impl)
 
 
 # ----------------------------------------------------------------------------- KIVI quantizer
@@ -446,7 +518,8 @@ def gather_attention(query: Tensor, k: Tensor, v: Tensor, valid: Optional[Tensor
 # the registered ops by name (the wrappers call these), and their CUDA implementations as Python functions (what
 # tests/test_kernel_ops.py runs on CPU tensors under the Triton interpreter to check the CUDA glue without a GPU)
 _OPS = {name: getattr(torch.ops.kvcompress, name).default for name in OPS}
-CUDA_IMPLS = {"kivi_partial": _kivi_partial_cuda, "paged_partial": _paged_partial_cuda,
+CUDA_IMPLS = {"kivi_partial": _kivi_partial_cuda, "kivi_lanes_partial": _kivi_lanes_partial_cuda,
+              "paged_partial": _paged_partial_cuda,
               "lanes_partial": _lanes_partial_cuda, "select_topk": _select_topk_cuda,
               "gather_partial": _gather_partial_cuda, "kivi_quantize": _kivi_quantize_cuda}
 
@@ -493,6 +566,7 @@ def _pow2(n: int) -> bool:
 
 _FACTS = {
     "kivi_partial": {"bits", "group", "head_dim", "v_dim", "v_group", "k_per_token", "tokens"},
+    "kivi_lanes_partial": {"bits", "group", "head_dim", "v_dim", "v_group", "kept", "k_per_token"},
     "paged_partial": {"page_size", "head_dim", "v_dim", "dtype"},
     "lanes_partial": {"head_dim", "v_dim", "kept", "dtype"},
     "select_topk": {"label_bits", "label_channels", "query_dtype", "label_dtype"},
@@ -538,6 +612,20 @@ def _triton_problem(op: str, f: dict) -> Optional[str]:
         if not (_pow2(g) and 16 <= g <= 128):
             return f"key group {g} (a power of two in 16..128)"
         if dk > 256 or dk % 2 or dv > 256 or dv % (32 // bits) or not _pow2(gv) or gv < 2 or dv % gv:
+            return f"dims {dk} / {dv}, value group {gv}"
+        return None
+    if op == "kivi_lanes_partial":
+        bits, g, gv = f.get("bits", 2), f.get("group", 32), f.get("v_group", 32)
+        kept = f.get("kept") or ()
+        if f.get("k_per_token"):
+            return "per-token keys (ablation)"
+        if bits not in (2, 4):
+            return f"bits {bits}"
+        if not (_pow2(g) and 16 <= g <= 128):
+            return f"key group {g} (a power of two in 16..128)"
+        if any(c % 2 or c > 256 or c <= 0 for c in kept):
+            return f"kept channel counts {tuple(kept)} (even, up to 256)"
+        if dk > 256 or dv > 256 or dv % (32 // bits) or not _pow2(gv) or gv < 2 or dv % gv:
             return f"dims {dk} / {dv}, value group {gv}"
         return None
     if op == "paged_partial":
@@ -586,6 +674,8 @@ def choose(op: str, device, **static_facts) -> str:
 
     * ``kivi_partial``: ``bits``, ``group`` (key token group), ``head_dim`` (Dk), ``v_dim``, ``v_group``,
       ``k_per_token``, ``tokens`` (capacity);
+    * ``kivi_lanes_partial``: ``bits``, ``group``, ``head_dim`` (the query width D), ``v_dim``, ``v_group``, ``kept``
+      (the lanes' kept key-channel counts), ``k_per_token``;
     * ``paged_partial``: ``page_size``, ``head_dim``, ``v_dim``, ``dtype`` (of the pages);
     * ``lanes_partial``: ``head_dim``, ``v_dim``, ``kept`` (kept channel counts), ``dtype`` (of K/V);
     * ``select_topk``: ``label_bits``, ``label_channels``, ``query_dtype``, ``label_dtype``;
@@ -629,6 +719,11 @@ def choose(op: str, device, **static_facts) -> str:
         impl = "triton" if why["triton"] is None else "reference"
         if impl == "triton" and op == "lanes_partial":
             _leank_base()
+        elif impl == "triton" and op == "kivi_lanes_partial":  # tuning knobs read now, not per call
+            _kivi_triton_base(static_facts.get("bits", 2), static_facts.get("group", 32),
+                              static_facts.get("head_dim", 128),
+                              static_facts.get("v_dim", static_facts.get("head_dim", 128)),
+                              static_facts.get("v_group", 32))
     if device.type == "cuda" and impl != OPS[op][-1] and why:
         logger.info("kvcompress: %s on %s runs %r (%s)", op, device, impl,
                     "; ".join(f"{k}: {v}" for k, v in why.items() if v))
@@ -644,5 +739,6 @@ def kivi_facts(query: Tensor, packed) -> dict:
 
 
 __all__ = ["IMPLS", "OPS", "choose", "gather_attention", "gather_partial", "kivi_attention", "kivi_facts",
+           "kivi_lanes_attention", "kivi_lanes_partial",
            "kivi_order", "kivi_partial", "kernels_mode", "kivi_cuda_enabled", "lanes_attention", "lanes_partial",
            "live_slots", "paged_attention", "paged_partial", "select", "select_topk", "triton_available"]

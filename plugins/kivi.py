@@ -30,7 +30,11 @@ any of its tokens.
 
 Attention: the PyTorch reference dequantizes at read time; on CUDA a Triton
 kernel reads the packed codes in place (``kvcompress.kernels.kivi``), merged with
-the full-precision regions by log-sum-exp.
+the full-precision regions by log-sum-exp.  Stacked after a regrouping pruner (LeanK),
+the store holds one lane per head group; those lanes are read as ONE region
+(:class:`~kvcompress.kernels.kivi.PackedLanes`, op ``kvcompress::kivi_lanes_partial``:
+one Triton launch plus one merge on CUDA, whatever the number of lanes; the reference on
+the CPU), planned once when the lanes are made (:class:`MergedLanes`).
 
 Parameters: ``bits`` (2), ``group`` (32), ``residual`` (128), ``sinks`` (0),
 ``key_axis`` ("channel"; "token" is the paper's ablation of the wrong axis).
@@ -46,7 +50,7 @@ import torch
 
 from kvcompress import Compressor, CompressorSpec, Layout, hookimpl, param
 from kvcompress.errors import ConfigError
-from kvcompress.kernels.kivi import PackedKV
+from kvcompress.kernels.kivi import KiviLane, PackedKV, PackedLanes
 from kvcompress.state import HeadGroup, KVBlock, MiddleStore, Segment, grown_capacity
 from kvcompress.static import StaticRingStore, mark_static
 
@@ -136,6 +140,63 @@ class KiviCodec:
         return "middle: kivi codes" if name.endswith("codes") else "middle: kivi scales"
 
 
+@dataclasses.dataclass
+class MergedLanes:
+    """How a store's head-group lanes read as one region (a stacked LeanK + KIVI middle): decided once, when the
+    lanes are made, from host facts (one read of the lanes' head lists), never per step.
+
+    ``heads``: the kv heads the region's segment covers (``None``: every kv head, in order); ``lane_heads``: each
+    lane's heads as positions among them; ``num_heads``: their count; ``impl``: the ``kvcompress::kivi_lanes_partial``
+    implementation (:func:`kvcompress.kernels.ops.choose`).
+    """
+
+    heads: torch.Tensor | None
+    lane_heads: list[torch.Tensor | None]
+    num_heads: int
+    head_dim: int
+    impl: str
+
+    @classmethod
+    def plan(cls, codec: "KiviCodec", groups: list[HeadGroup], payloads: list[dict[str, torch.Tensor]],
+             head_dim: int, num_kv_heads: int | None) -> "MergedLanes | None":
+        """The plan, or ``None`` when the lanes stay separate segments: fewer than two lanes, per-token keys,
+        lanes with a query projection or an output map (low rank), lanes sharing a head, or a CUDA store whose
+        fused kernel does not take them (the per-lane KIVI kernels then read them as before)."""
+        if len(groups) < 2 or codec.per_token_keys:
+            return None
+        if any(g.heads is None or g.qmap is not None or g.vmap is not None for g in groups):
+            return None
+        if any(g.channels is None and p["k_scale"].shape[-1] != head_dim for g, p in zip(groups, payloads)):
+            return None
+        lists = [g.heads.tolist() for g in groups]  # one host read, once per store
+        union = sorted(h for hs in lists for h in hs)
+        if len(set(union)) != len(union):
+            return None  # a head in two lanes: the segments' dequantized keys could not hold it
+        from kvcompress.kernels import ops
+
+        device = groups[0].heads.device
+        dv = payloads[0]["v_codes"].shape[-1] * (32 // codec.bits)
+        impl = ops.choose("kivi_lanes_partial", device, bits=codec.bits, group=codec.group, head_dim=head_dim,
+                          v_dim=dv, v_group=codec.v_group, kept=tuple(p["k_scale"].shape[-1] for p in payloads))
+        if device.type == "cuda" and impl == "reference":
+            return None  # the per-lane KIVI kernels beat the reference on the GPU
+        if num_kv_heads is not None and union == list(range(num_kv_heads)):
+            return cls(None, [g.heads for g in groups], num_kv_heads, head_dim, impl)
+        where = {h: i for i, h in enumerate(union)}
+        lane_heads = [torch.tensor([where[h] for h in hs], dtype=torch.long, device=device) for hs in lists]
+        return cls(torch.tensor(union, dtype=torch.long, device=device), lane_heads, len(union), head_dim, impl)
+
+    def region(self, codec: "KiviCodec", groups: list[HeadGroup], payloads: list[dict[str, torch.Tensor]],
+               valid: torch.Tensor, impl: str | None = None) -> PackedLanes:
+        lanes = tuple(KiviLane(heads, g.channels, *(p[name] for name in codec.names))
+                      for heads, g, p in zip(self.lane_heads, groups, payloads))
+        return PackedLanes(codec.bits, codec.group, lanes, valid, self.num_heads, self.head_dim,
+                           impl=self.impl if impl is None else impl)
+
+    def segment(self, region: PackedLanes, valid: torch.Tensor, positions: torch.Tensor) -> Segment:
+        return Segment(None, None, valid, positions, heads=self.heads, packed=region)
+
+
 class KiviStore(MiddleStore):
     """Packed, append-only store of quantized middle tokens: a growable ring of G-token groups.
 
@@ -144,9 +205,11 @@ class KiviStore(MiddleStore):
     ``valid`` mask are shared by every lane.
     """
 
-    def __init__(self, config: KiviConfig, head_dim: int):
+    def __init__(self, config: KiviConfig, head_dim: int, num_kv_heads: int | None = None):
         self.codec = KiviCodec(config, head_dim)
         self.group = self.codec.group
+        self.head_dim, self.num_kv_heads = head_dim, num_kv_heads
+        self.merged: MergedLanes | None = None  # the lanes read as one region (planned when they are made)
         self.start = 0  # first live group slot
         self.groups = 0  # live groups
         self.max_groups: int | None = None
@@ -225,6 +288,8 @@ class KiviStore(MiddleStore):
             self.lanes = [(part.layout(), {name: self._resized(t, name, n) for name, t in data.items()})
                           for part, data in encoded]
             self.valid = self._resized(valid, "valid", n)
+            self.merged = MergedLanes.plan(self.codec, [g for g, _ in self.lanes], [b for _, b in self.lanes],
+                                           self.head_dim, self.num_kv_heads)
         self._ensure(n)
         gs = self._group_slots(self.groups, n)
         ts = self._token_slots(gs)
@@ -250,14 +315,16 @@ class KiviStore(MiddleStore):
         valid = self.valid[:, : e * self.group]
         # Middle tokens precede every query: their positions never mask anything.
         positions = torch.zeros((), dtype=torch.long, device=valid.device).expand(valid.shape[1])
-        out = []
-        for group, b in self.lanes:
-            def cut(name: str) -> torch.Tensor:
-                return b[name][:, :, : e * self.group] if self._token_dim(name) else b[name][:, :, :e]
 
-            packed = self.codec.packed({name: cut(name) for name in self.codec.names}, valid)
-            out.append(group.attach(Segment(None, None, valid, positions, packed=packed)))
-        return out
+        def cut(b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {name: b[name][:, :, : e * self.group] if self._token_dim(name) else b[name][:, :, :e]
+                    for name in self.codec.names}
+
+        if self.merged is not None:  # every lane in one region: one read
+            region = self.merged.region(self.codec, [g for g, _ in self.lanes], [cut(b) for _, b in self.lanes], valid)
+            return [self.merged.segment(region, valid, positions)]
+        return [group.attach(Segment(None, None, valid, positions, packed=self.codec.packed(cut(b), valid)))
+                for group, b in self.lanes]
 
     @property
     def num_tokens(self) -> int:
@@ -312,10 +379,14 @@ class KiviStaticStore(StaticRingStore):
     cursor reuses the oldest groups.
     """
 
-    def __init__(self, config: KiviConfig, head_dim: int, capacity: int):
+    def __init__(self, config: KiviConfig, head_dim: int, capacity: int, num_kv_heads: int | None = None):
         self.codec = KiviCodec(config, head_dim)
         self.group = self.codec.group
         super().__init__(capacity, unit=self.group)
+        self.head_dim, self.num_kv_heads = head_dim, num_kv_heads
+        self.merged: MergedLanes | None = None  # the lanes read as one region (planned at allocation)
+        self.lanes_kernel: str | None = None  # its kvcompress::kivi_lanes_partial implementation, chosen then
+        self._region: PackedLanes | None = None  # built once (the buffers are static), without the live length
         self.kernels: list[str] = []  # per lane, chosen at allocation
         self.quantizers: list[str] = []  # per lane: the kvcompress::kivi_quantize implementation, chosen with them
 
@@ -342,6 +413,12 @@ class KiviStaticStore(StaticRingStore):
                     mark_static(bufs[name])
                 self.lanes.append((part.layout(), bufs))
                 self.kernels.append(self.codec.choose_kernel(bufs, self.ring.columns))
+            if not self.slotted:  # slot mode (an evictor places blocks per head) keeps one segment per lane
+                self.merged = MergedLanes.plan(self.codec, [g for g, _ in self.lanes], [b for _, b in self.lanes],
+                                               self.head_dim, self.num_kv_heads)
+                self.lanes_kernel = None if self.merged is None else self.merged.impl
+                self._region = None if self.merged is None else self.merged.region(
+                    self.codec, [g for g, _ in self.lanes], [b for _, b in self.lanes], self.ring.valid)
         if block.slots is not None:  # slot mode: per-head unit targets chosen by the evictor (whole G-token groups)
             target = self.ring.route(block)  # [b, heads, n] token columns, unit-aligned
             b, h = target.shape[0], target.shape[1]
@@ -369,9 +446,19 @@ class KiviStaticStore(StaticRingStore):
         valid, positions = self.ring.valid, self.ring.zero_pos
         # slots past the cursor were never written (slot mode: the evictor writes anywhere)
         live = None if self.slotted else self.ring.cursor.clamp(max=self.ring.capacity)
+        if self.merged is not None:  # every lane in one region: one read
+            region = self._region
+            if region is None or region.impl != self.lanes_kernel:  # (map_batch drops it: new buffers)
+                region = self._region = self.merged.region(self.codec, [g for g, _ in self.lanes],
+                                                           [b for _, b in self.lanes], valid, self.lanes_kernel)
+            return [self.merged.segment(region.with_length(live), valid, positions)]
         return [group.attach(Segment(None, None, valid, positions,
                                      packed=self.codec.packed(bufs, valid, impl=impl, length=live)))
                 for (group, bufs), impl in zip(self.lanes, self.kernels)]
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().map_batch(fn)
+        self._region = None  # rows repeated or selected: new buffers
 
     def nbytes(self) -> dict[str, int]:
         out = {"middle: kivi codes": 0, "middle: kivi scales": 0, "middle: mask + positions": self._meta_bytes()}
@@ -392,14 +479,14 @@ class KiviCompressor(Compressor):
     @hookimpl
     def kvcompress_quantize_store(self, layer):
         if layer.static:
-            return KiviStaticStore(self.config, layer.info.head_dim, layer.store_capacity)
+            return KiviStaticStore(self.config, layer.info.head_dim, layer.store_capacity, layer.info.num_kv_heads)
         lay = layer.layout
         if lay.head_slots and lay.middle is not None:
             # an evictor places blocks per head under a bound (decoding under a budget): the preallocated store,
             # sized by the bound, is the one with per-head slots (whole G-token groups) - in a dynamic cache too
             return KiviStaticStore(self.config, layer.info.head_dim, -(-lay.middle // self.config.group)
-                                   * self.config.group)
-        return KiviStore(self.config, layer.info.head_dim)
+                                   * self.config.group, layer.info.num_kv_heads)
+        return KiviStore(self.config, layer.info.head_dim, layer.info.num_kv_heads)
 
     @hookimpl
     def kvcompress_middle_codec(self, layer):

@@ -23,6 +23,8 @@ from __future__ import annotations
 from .reference import (BITS, PackedKV, bits_per_element, dequantize_keys, dequantize_values,
                         fake_quantize_keys, fake_quantize_values, pack, quantize_keys, quantize_values, unpack)
 from .reference import kivi_attention_partial as kivi_attention_partial_reference
+from .lanes_reference import KiviLane, PackedLanes
+from .lanes_reference import kivi_lanes_attention_partial as kivi_lanes_attention_partial_reference
 
 
 def _triton_available() -> bool:
@@ -74,6 +76,32 @@ def kivi_attention_partial(query, packed, scale, *, impl: str | None = None, sof
     return kivi_attention_partial_reference(query, packed, scale, **cap)
 
 
-__all__ = ["BITS", "PackedKV", "bits_per_element", "dequantize_keys", "dequantize_values", "fake_quantize_keys",
+def lanes_attention_partial(query, region, scale, *, impl: str | None = None, softcap: float | None = None):
+    """Attention over every lane of a :class:`~.lanes_reference.PackedLanes` (a stacked LeanK + KIVI middle); see
+    :func:`.lanes_reference.kivi_lanes_attention_partial`.
+
+    ``impl`` (or ``region.impl``): run the registered op ``kvcompress::kivi_lanes_partial`` with that implementation
+    (``"reference"`` / ``"triton"``, chosen once by :func:`kvcompress.kernels.ops.choose`).  ``None``: decided per
+    call - the Triton kernel (:mod:`.lanes_triton`) for CUDA tensors when Triton is installed and it takes the call
+    (``KVCOMPRESS_KERNELS=triton`` also on CPU tensors, under ``TRITON_INTERPRET=1``), else the reference."""
+    impl = impl if impl is not None else getattr(region, "impl", None)
+    if impl is not None:
+        from kvcompress.kernels import ops
+
+        return ops.kivi_lanes_attention(query, region, scale, impl=impl, softcap=softcap)
+    from kvcompress.kernels.ops import kernels_mode
+
+    mode = kernels_mode()
+    if (query.is_cuda or mode == "triton") and mode != "reference" and _triton_available():
+        from . import lanes_triton  # compiled lazily, on first use
+
+        if lanes_triton.supports(query, region):
+            return lanes_triton.kivi_lanes_attention_partial(query, region, scale, softcap=softcap)
+    return kivi_lanes_attention_partial_reference(query, region, scale, softcap=softcap)
+
+
+__all__ = ["BITS", "KiviLane", "PackedKV", "PackedLanes", "lanes_attention_partial",
+           "kivi_lanes_attention_partial_reference", "bits_per_element",
+           "dequantize_keys", "dequantize_values", "fake_quantize_keys",
            "fake_quantize_values", "implementation", "kivi_attention_partial", "kivi_attention_partial_reference", "pack",
            "quantize_keys", "quantize_values", "unpack"]

@@ -1,0 +1,409 @@
+"""KIVI lanes in Triton: every quantized lane of a layer read in ONE split-KV launch (plus one small merge).
+
+Same signature and semantics as :func:`.lanes_reference.kivi_lanes_attention_partial`
+(``(out fp32 [B, H, M, Dv], lse fp32 [B, H, M])``).  Nothing is compiled at import.
+
+How it works (the LeanK lanes kernel's launch scheme, :mod:`kvcompress.kernels.leank.triton_kernel`, over the KIVI
+kernel's in-register dequantisation, :mod:`.triton_kernel`):
+
+* Every (lane, head) pair is one *row* of a flat row space.  Program ``(split, batch * row, row block)`` finds its
+  lane by a static loop over the lanes (one specialised copy of the inner loop per lane: the lane's kept-channel
+  count, its packed key words and their power-of-two padding are compile-time constants, so a 32-channel lane
+  unpacks 32 channels, not the 128 of a full head).  The lanes share their token slots (one ring, one ``valid``),
+  so every lane is split at the same token boundaries.
+* Inner loop: the KIVI v2 kernel's (:func:`.triton_kernel._kivi_split_kernel`) - the query rows of the head,
+  gathered in-kernel to the lane's kept channels (no gather launch) and pre-scaled by ``scale * log2(e)``, are
+  loaded once; per tile of ``BN`` tokens the packed key and value words are unpacked into fp16 tiles (two codes per
+  instruction, scales and zeros by one packed FMA), ``S = K q^T`` and ``O^T = V^T P^T`` run on tensor cores
+  (``tl.dot``, the GQA rows as the small N operand), with an online base-2 softmax.
+* Each program writes a normalised partial and its LSE; the LeanK lanes kernel's merge
+  (:func:`kvcompress.kernels.leank.triton_kernel._combine_kernel`) then folds, per (batch, head), every split of
+  every lane row that holds that head (heads no lane covers: ``-inf`` and zeros).
+
+Launches: one (or one per :data:`MAX_LANES` lanes) + one merge, whatever the number of lanes; before, a stacked
+layer ran a KIVI launch (plus its split merge), a query gather and a head scatter per lane.
+
+Launch configuration: the KIVI kernel's (:func:`.triton_kernel._config`, ``KVCOMPRESS_KIVI_CONFIG``), resolved once
+by :mod:`kvcompress.kernels.ops` and passed as ``base``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcompress.kernels.attention.triton_shared import cap_base2, soft_cap
+from kvcompress.kernels.attention.triton_shared import pow2 as _pow2
+from kvcompress.kernels.leank.triton_kernel import _combine_kernel
+
+from .lanes_reference import KiviLane, PackedLanes
+from .triton_kernel import (MAX_DIM, _asm_ok, _codes, _config, _fma, _inner_contiguous, _pair, _pairs,
+                            _small_loads, _target_programs, _to_f16)
+
+LOG2E = 1.4426950408889634
+MAX_LANES = 8
+
+
+@triton.jit
+def _lane_attend(Q, q_off, sq_m, CH, ch_off, kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, va_base,
+                 skc_g, sks_g, skz_g, svc_t, svs_t, svz_t, t_start, t_end, qk_scale, cap, M, pid_m,
+                 HAS_CHAN: tl.constexpr, DK: tl.constexpr, KW: tl.constexpr, KW_PAD: tl.constexpr,
+                 DV: tl.constexpr, VW_PAD: tl.constexpr, G: tl.constexpr, GV: tl.constexpr, BITS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BN: tl.constexpr, TRANS: tl.constexpr, LAZY: tl.constexpr,
+                 ASM: tl.constexpr, PREFETCH: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Flash decoding of one head of one lane over tokens ``[t_start, t_end)``: ``(out [BLOCK_M, DV_PAD]``
+    normalised, ``lse [BLOCK_M, 1]`` natural log, ``-inf`` where no token was valid)."""
+    PER: tl.constexpr = 32 // BITS
+    HP: tl.constexpr = PER // 2  # fields (code pairs) per word
+    DK_PAD: tl.constexpr = KW_PAD * PER
+    DV_PAD: tl.constexpr = VW_PAD * PER
+    NB: tl.constexpr = BN // G if BN > G else 1  # key groups per tile
+    GT: tl.constexpr = BN // NB  # tokens of one group in a tile
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    offs_c = tl.arange(0, DK_PAD)
+    c_ok = offs_c < DK
+    if HAS_CHAN:  # the lane's kept channels: the query is gathered here, not by a launch of its own
+        ch = tl.load(CH + ch_off + offs_c, mask=c_ok, other=0)
+    else:
+        ch = offs_c
+    q = tl.load(Q + q_off + offs_m[:, None] * sq_m + ch[None, :], mask=m_ok[:, None] & c_ok[None, :],
+                other=0.0).to(tl.float32)
+    q = (q * qk_scale).to(tl.float16)  # softmax scale * log2(e) folded in: exp2 below
+
+    j = tl.arange(0, BN)
+    offs_kw = tl.arange(0, KW_PAD)
+    kw_ok = offs_kw < KW
+    offs_nb = tl.arange(0, NB)
+    offs_gt = tl.arange(0, GT)
+    kw_off = offs_kw[:, None, None] * G + offs_nb[None, :, None] * skc_g + offs_gt[None, None, :]
+    f2 = tl.arange(0, 2)
+    if BITS == 2:
+        fld3 = f2[:, None, None] * 4 + f2[None, :, None] * 2 + f2[None, None, :]
+        fld = fld3[None, None, None, :, :, :]
+        kp_off = offs_kw[:, None, None, None, None, None] * HP + fld
+        nb_x = offs_nb[None, :, None, None, None, None]
+        kp_ok = kw_ok[:, None, None, None, None, None] & (fld < HP) & (kp_off < DK // 2)  # padded last word
+    else:
+        fld3 = f2[:, None] * 2 + f2[None, :]
+        fld = fld3[None, None, None, :, :]
+        kp_off = offs_kw[:, None, None, None, None] * HP + fld
+        nb_x = offs_nb[None, :, None, None, None]
+        kp_ok = kw_ok[:, None, None, None, None] & (fld < HP) & (kp_off < DK // 2)
+    offs_vw = tl.arange(0, VW_PAD)
+    vw_ok = offs_vw * PER < DV
+    if GV >= PER:  # one value group per word
+        vgrp = ((offs_vw * PER) // GV)[None, :]
+    elif BITS == 2:  # per field
+        vgrp = ((offs_vw[:, None, None, None] * PER + 2 * fld3[None, :, :, :]) // GV)[None, :, :, :, :]
+    else:
+        vgrp = ((offs_vw[:, None, None] * PER + 2 * fld3[None, :, :]) // GV)[None, :, :, :]
+
+    if TRANS:
+        m_i = tl.full([1, BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([1, BLOCK_M], tl.float32)
+        acc = tl.zeros([DV_PAD, BLOCK_M], tl.float32)
+        qt = tl.trans(q)
+        RED: tl.constexpr = 0
+    else:
+        m_i = tl.full([BLOCK_M, 1], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M, 1], tl.float32)
+        acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
+        RED: tl.constexpr = 1
+
+    if PREFETCH:
+        ok, vs, vz = _small_loads(va_base, vs_base, vz_base, t_start, t_end, j, svs_t, svz_t, vgrp, vw_ok, BITS,
+                                  PER, GV)
+    for t0 in range(t_start, t_end, BN):
+        t = t0 + j
+        t_ok = t < t_end
+        g0 = t0 // G
+        if PREFETCH:
+            ok_n, vs_n, vz_n = _small_loads(va_base, vs_base, vz_base, t0 + BN, t_end, j, svs_t, svz_t, vgrp, vw_ok,
+                                            BITS, PER, GV)
+        else:
+            ok, vs, vz = _small_loads(va_base, vs_base, vz_base, t0, t_end, j, svs_t, svz_t, vgrp, vw_ok, BITS,
+                                      PER, GV)
+        # ---- keys: [BN, DK_PAD] dequantized in registers
+        tk_ok = ((t0 + offs_nb * GT)[None, :, None] + offs_gt[None, None, :]) < t_end
+        kw = tl.load(kc_base + g0 * skc_g + (t0 % G) + kw_off, mask=kw_ok[:, None, None] & tk_ok, other=0)
+        ks = tl.load(ks_base + (g0 + nb_x) * sks_g + kp_off, mask=kp_ok, other=0)
+        kz = tl.load(kz_base + (g0 + nb_x) * skz_g + kp_off, mask=kp_ok, other=0)
+        kt = _to_f16(_fma(_codes(kw, BITS, ASM), ks, kz, ASM))  # [KW_PAD, NB, GT, 2, .., 2]
+        if BITS == 2:
+            kt = tl.permute(kt, (1, 2, 0, 3, 4, 5, 6))
+        else:
+            kt = tl.permute(kt, (1, 2, 0, 3, 4, 5))
+        k = tl.reshape(kt, (BN, DK_PAD))
+        if TRANS:
+            s = tl.dot(k, qt)  # [BN, BLOCK_M]
+        else:
+            s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BN]
+        if SOFTCAP:
+            s = soft_cap(s, cap)
+        if TRANS:
+            s = tl.where(ok[:, None], s, float("-inf"))
+        else:
+            s = tl.where(ok[None, :], s, float("-inf"))
+
+        # ---- online softmax (base 2)
+        m_blk = tl.max(s, axis=RED, keep_dims=True)
+        if LAZY:
+            if tl.max(m_blk - m_i) > 0:  # some row maximum grew: rescale (block-uniform branch)
+                m_new = tl.maximum(m_i, m_blk)
+                alpha = tl.exp2(m_i - m_new)
+                acc = acc * alpha
+                l_i = l_i * alpha
+                m_i = m_new
+            m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+            p = tl.exp2(s - m_safe)
+            l_i = l_i + tl.sum(p, axis=RED, keep_dims=True)
+        else:
+            m_new = tl.maximum(m_i, m_blk)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe)
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=RED, keep_dims=True)
+            acc = acc * alpha
+            m_i = m_new
+
+        # ---- values: [BN, DV_PAD] dequantized in registers
+        v_ok = t_ok[:, None] & vw_ok[None, :]
+        vw = tl.load(vc_base + t[:, None] * svc_t + offs_vw[None, :], mask=v_ok, other=0)
+        vsp = _pair(vs, vs)
+        vzp = _pair(vz, vz)
+        if GV >= PER:
+            if BITS == 2:
+                vsp = vsp[:, :, None, None, None]
+                vzp = vzp[:, :, None, None, None]
+            else:
+                vsp = vsp[:, :, None, None]
+                vzp = vzp[:, :, None, None]
+        vt = _to_f16(_fma(_codes(vw, BITS, ASM), vsp, vzp, ASM))  # [BN, VW_PAD, 2, .., 2]
+        v = tl.reshape(vt, (BN, DV_PAD))
+        if TRANS:
+            acc = tl.dot(tl.trans(v), p.to(tl.float16), acc)  # [DV_PAD, BLOCK_M]
+        else:
+            acc = tl.dot(p.to(tl.float16), v, acc)  # [BLOCK_M, DV_PAD]
+        if PREFETCH:
+            ok, vs, vz = ok_n, vs_n, vz_n
+
+    if TRANS:
+        acc = tl.trans(acc)
+        m_i = tl.reshape(m_i, [BLOCK_M, 1])
+        l_i = tl.reshape(l_i, [BLOCK_M, 1])
+    l_ok = l_i > 0.0
+    out = acc / tl.where(l_ok, l_i, 1.0)
+    lse = tl.where(l_ok, (m_i + tl.log2(tl.where(l_ok, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    return out, lse
+
+
+# Runtime sizes are not specialised (token counts, heads per lane, rows: one compile per layer layout, whatever
+# the cache length); strides stay specialised (stable per store, and they enable vector loads).
+@triton.jit(do_not_specialize=["NHS", "ROW0", "M", "R", "RLO", "RN", "NBATCH", "NT", "TPS"])
+def _kivi_lanes_kernel(
+    Q, sq_b, sq_h, sq_m, VALID, sva_b, LENGTH, PO, PL,
+    KCS, KSS, KZS, VCS, VSS, VZS, CHS, HDS,
+    SKC_B, SKC_H, SKC_G, SKS_B, SKS_H, SKS_G, SKZ_B, SKZ_H, SKZ_G,
+    SVC_B, SVC_H, SVC_T, SVS_B, SVS_H, SVS_T, SVZ_B, SVZ_H, SVZ_T, SCH, NHS, ROW0,
+    qk_scale, cap, M, R, RLO, RN, NBATCH, NT, TPS,
+    HAS_CHAN: tl.constexpr, HAS_HEADS: tl.constexpr, DK: tl.constexpr, KW: tl.constexpr, KW_PAD: tl.constexpr,
+    NL: tl.constexpr, DV: tl.constexpr, VW_PAD: tl.constexpr, G: tl.constexpr, GV: tl.constexpr,
+    BITS: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr, TRANS: tl.constexpr, LAZY: tl.constexpr,
+    ASM: tl.constexpr, PREFETCH: tl.constexpr, HAS_LENGTH: tl.constexpr, SOFTCAP: tl.constexpr,
+):
+    """One (split, batch * lane row, row block): the partial of one head of one lane over ``TPS`` token slots.
+
+    ``KSS`` / ``KZS``: each lane's key scales / zeros viewed as int32 pairs of adjacent channels (strides in
+    pairs).  ``HAS_LENGTH``: slots at or after ``*LENGTH`` are neither loaded nor attended (the splits stay sized
+    for the capacity, so a split beyond it writes an empty partial at once: the grid never depends on it)."""
+    DV_PAD: tl.constexpr = VW_PAD * (32 // BITS)
+    pid_s = tl.program_id(0)
+    pid_br = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    b = (pid_br // RN).to(tl.int64)
+    r = RLO + pid_br % RN
+    t_start = pid_s * TPS
+    t_end = tl.minimum(t_start + TPS, NT)
+    if HAS_LENGTH:
+        t_end = tl.minimum(t_end, tl.load(LENGTH).to(tl.int32))
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    offs_d = tl.arange(0, DV_PAD)
+    for i in tl.static_range(NL):
+        if (r >= ROW0[i]) & (r < ROW0[i] + NHS[i]):
+            j = (r - ROW0[i]).to(tl.int64)
+            if HAS_HEADS[i]:
+                head = tl.load(HDS[i] + j).to(tl.int64)
+            else:
+                head = j
+            out, lse = _lane_attend(
+                Q, b * sq_b + head * sq_h, sq_m, CHS[i], j * SCH[i],
+                KCS[i] + b * SKC_B[i] + j * SKC_H[i], KSS[i] + b * SKS_B[i] + j * SKS_H[i],
+                KZS[i] + b * SKZ_B[i] + j * SKZ_H[i], VCS[i] + b * SVC_B[i] + j * SVC_H[i],
+                VSS[i] + b * SVS_B[i] + j * SVS_H[i], VZS[i] + b * SVZ_B[i] + j * SVZ_H[i], VALID + b * sva_b,
+                SKC_G[i], SKS_G[i], SKZ_G[i], SVC_T[i], SVS_T[i], SVZ_T[i], t_start, t_end, qk_scale, cap, M, pid_m,
+                HAS_CHAN[i], DK[i], KW[i], KW_PAD[i], DV, VW_PAD, G, GV, BITS, BLOCK_M, BN, TRANS, LAZY, ASM,
+                PREFETCH, SOFTCAP)
+            row = (pid_s.to(tl.int64) * NBATCH + b) * R + r
+            tl.store(PO + (row * M + offs_m[:, None]) * DV + offs_d[None, :], out,
+                     mask=m_ok[:, None] & (offs_d < DV)[None, :])
+            tl.store(PL + row * M + offs_m[:, None], lse, mask=m_ok[:, None])
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def problem(query: torch.Tensor, region: PackedLanes) -> str | None:
+    """Why the kernel cannot take this call (``None``: it can): the capability check, shapes and dtypes only."""
+    bits, g = region.bits, region.group
+    if bits not in (2, 4):
+        return f"bits {bits}"
+    if g < 16 or g > 128 or g & (g - 1):
+        return f"key group {g} (a power of two in 16..128)"
+    if getattr(region, "k_per_token", False):
+        return "per-token keys (ablation)"
+    if query.dim() != 4 or not region.lanes:
+        return "query must be [B, H, M, D] and there must be at least one lane"
+    b, h, m, d = query.shape
+    per = 32 // bits
+    t = region.valid.shape[-1]
+    if tuple(region.valid.shape) != (b, t) or t % g:
+        return f"valid {tuple(region.valid.shape)}"
+    dv = region.lanes[0].v_codes.shape[-1] * per
+    gv = dv // max(1, region.lanes[0].v_scale.shape[-1])
+    if dv > MAX_DIM or gv < 2 or gv & (gv - 1) or dv % gv:
+        return f"value dim {dv} / group {gv}"
+    if d > MAX_DIM:
+        return f"query dim {d} (up to {MAX_DIM})"
+    for lane in region.lanes:
+        nh = h if lane.heads is None else lane.heads.shape[0]
+        c = lane.k_scale.shape[-1]
+        if c % 2 or c > MAX_DIM or (lane.channels is None and c != d):
+            return f"a lane of {c} key channels (even, up to {MAX_DIM}; all {d} without a channel list)"
+        if lane.channels is not None and tuple(lane.channels.shape) != (nh, c):
+            return f"channels {tuple(lane.channels.shape)} for {nh} heads of {c} channels"
+        if tuple(lane.k_codes.shape) != (b, nh, t // g, -(-c // per), g) or lane.k_zero.shape != lane.k_scale.shape \
+                or tuple(lane.k_scale.shape) != (b, nh, t // g, c):
+            return f"key payload {tuple(lane.k_codes.shape)} / {tuple(lane.k_scale.shape)}"
+        if tuple(lane.v_codes.shape) != (b, nh, t, dv // per) or lane.v_zero.shape != lane.v_scale.shape \
+                or tuple(lane.v_scale.shape) != (b, nh, t, dv // gv):
+            return f"value payload {tuple(lane.v_codes.shape)} / {tuple(lane.v_scale.shape)}"
+        if lane.k_codes.dtype != torch.int32 or lane.v_codes.dtype != torch.int32 \
+                or lane.k_scale.dtype != torch.float16 or lane.v_scale.dtype != torch.float16:
+            return "int32 codes and fp16 scales"
+    return None
+
+
+def supports(query: torch.Tensor, region: PackedLanes) -> bool:
+    return problem(query, region) is None
+
+
+def _lane_args(lane: KiviLane, dummy: torch.Tensor) -> dict:
+    """One lane's tensors and strides as the kernel reads them (innermost dims contiguous, scales as pairs)."""
+    kc = _inner_contiguous(lane.k_codes, 2)
+    ks, kz = _pairs(lane.k_scale), _pairs(lane.k_zero)
+    vc = _inner_contiguous(lane.v_codes, 1)
+    vs, vz = _inner_contiguous(lane.v_scale, 1), _inner_contiguous(lane.v_zero, 1)
+    ch = lane.channels
+    if ch is not None and ch.stride(-1) != 1:
+        ch = ch.contiguous()
+    return dict(t=(kc, ks, kz, vc, vs, vz, ch if ch is not None else dummy,
+                   lane.heads if lane.heads is not None else dummy),
+                s=(kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
+                   kz.stride(0), kz.stride(1), kz.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+                   vs.stride(0), vs.stride(1), vs.stride(2), vz.stride(0), vz.stride(1), vz.stride(2),
+                   ch.stride(0) if ch is not None else 0),
+                h=kc.shape[1], c=lane.k_scale.shape[-1], kw=kc.shape[3], has_chan=ch is not None,
+                has_heads=lane.heads is not None)
+
+
+def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale: float, *,
+                                 length: torch.Tensor | None = None, softcap: float | None = None,
+                                 splits: int | None = None, config: dict | None = None,
+                                 base: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention over every lane of ``region``; see :func:`.lanes_reference.kivi_lanes_attention_partial`.
+
+    ``length`` (default ``region.length``): 0-dim int device tensor, the leading token slots that may be live (later
+    slots are not read; the launch does not depend on its value: CUDA-graph safe).  ``base``: the launch
+    configuration to start from instead of :func:`.triton_kernel._config` (which reads ``KVCOMPRESS_KIVI_CONFIG``);
+    ``config`` entries override either.  ``splits``: force the number of token splits (tests)."""
+    why = problem(query, region)
+    if why is not None:
+        raise ValueError(f"the Triton KIVI lanes kernel does not take this call: {why}")
+    if length is None:
+        length = region.length
+    if length is not None and (length.dim() != 0 or length.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"length must be a 0-dim int32/int64 tensor, got {tuple(length.shape)} {length.dtype}")
+    b, hq, m, d = query.shape
+    bits, g = region.bits, region.group
+    per = 32 // bits
+    nt = region.valid.shape[-1]
+    lanes = region.lanes
+    dv = lanes[0].v_codes.shape[-1] * per
+    gv = dv // lanes[0].v_scale.shape[-1]
+    dev = query.device
+    out = torch.empty(b, hq, m, dv, device=dev, dtype=torch.float32)
+    lse = torch.empty(b, hq, m, device=dev, dtype=torch.float32)
+    if b * hq * m == 0:
+        return out, lse
+    if nt == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    q = query if query.stride(-1) == 1 else query.contiguous()
+    valid = _inner_contiguous(region.valid, 1)
+    if valid.dtype == torch.bool:
+        valid = valid.view(torch.uint8)
+
+    cfg = dict(base if base is not None else _config(bits, g, d, dv, gv))
+    if config:
+        cfg.update(config)
+    bn = int(cfg["BN"])
+    if bn > g and bn % g:
+        bn = g
+    block_m = min(64, max(cfg["min_rows"] if cfg["TRANS"] else 16, _pow2(m)))
+    m_blocks = triton.cdiv(m, block_m)
+    dummy = lanes[0].heads if lanes[0].heads is not None else valid  # placeholder pointer, never read
+    rows = [_lane_args(lane, dummy) for lane in lanes]
+    r0 = 0
+    for r in rows:
+        r["r0"] = r0
+        r0 += r["h"]
+    n_rows = r0
+    if splits is None:  # enough programs for a few full waves, each split a whole number of tiles
+        most = -(-nt // max(bn, cfg["min_split_tokens"])) if dev.type == "cuda" else -(-nt // bn)
+        want = -(-_target_programs(dev, cfg["waves"], cfg["num_warps"]) // (b * n_rows * m_blocks))
+        splits = max(1, min(most, want))
+    tps = -(-nt // max(1, min(splits, -(-nt // bn))))
+    tps = -(-tps // bn) * bn
+    splits = -(-nt // tps)
+    po = torch.empty(splits, b, n_rows, m, dv, device=dev, dtype=torch.float32)
+    pl = torch.empty(splits, b, n_rows, m, device=dev, dtype=torch.float32)
+    asm = bool(cfg["ASM"]) and (base is not None or _asm_ok(dev))
+    extra = {"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}
+    for first in range(0, len(rows), MAX_LANES):
+        chunk = rows[first:first + MAX_LANES]
+        n_chunk = sum(r["h"] for r in chunk)
+        tensors = tuple(tuple(r["t"][k] for r in chunk) for k in range(8))
+        strides = tuple(tuple(r["s"][k] for r in chunk) for k in range(19))
+        _kivi_lanes_kernel[(splits, b * n_chunk, m_blocks)](
+            q, q.stride(0), q.stride(1), q.stride(2), valid, valid.stride(0),
+            length if length is not None else valid, po, pl,
+            *tensors, *strides, tuple(r["h"] for r in chunk), tuple(r["r0"] for r in chunk),
+            float(scale) * LOG2E, cap_base2(softcap), m, n_rows, chunk[0]["r0"], n_chunk, b, nt, tps,
+            HAS_CHAN=tuple(r["has_chan"] for r in chunk), HAS_HEADS=tuple(r["has_heads"] for r in chunk),
+            DK=tuple(r["c"] for r in chunk), KW=tuple(r["kw"] for r in chunk),
+            KW_PAD=tuple(max(_pow2(r["kw"]), -(-16 // per)) for r in chunk), NL=len(chunk), DV=dv,
+            VW_PAD=max(_pow2(dv // per), -(-16 // per)), G=g, GV=gv, BITS=bits, BLOCK_M=block_m, BN=bn,
+            TRANS=cfg["TRANS"], LAZY=cfg["LAZY"], ASM=asm, PREFETCH=bool(cfg["PREFETCH"]),
+            HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra,
+        )
+    _combine_kernel[(b * hq, m_blocks)](
+        po, pl, out, lse, tuple(r["t"][7] for r in rows), tuple(r["h"] for r in rows), tuple(r["r0"] for r in rows),
+        splits, n_rows, m, hq, b, HAS_HEADS=tuple(r["has_heads"] for r in rows), NL=len(rows), DV=dv,
+        DVP=max(16, _pow2(dv)), BLOCK_M=block_m, num_warps=4)
+    return out, lse
+
+
+__all__ = ["MAX_LANES", "kivi_lanes_attention_partial", "problem", "supports"]

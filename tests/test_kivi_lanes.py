@@ -1,0 +1,409 @@
+"""KIVI lanes (a stacked LeanK + KIVI middle read as one region): ``kvcompress::kivi_lanes_partial``.
+
+* The Triton kernel (``kernels/kivi/lanes_triton.py``: one launch over every lane + one merge), run on CPU tensors under
+  the Triton interpreter in one worker subprocess (``tests/interpreter.py``), against the PyTorch reference beside it
+  and against an independent float64 dense-attention oracle (dequantized keys of each head's kept channels, values,
+  masked softmax): odd token counts and live lengths (not multiples of the tile), masked slots, left padding, a dead
+  row, lanes of different kept-channel counts, a head no lane covers, kivi bits 2 and 4, GQA group 4, d 128 and 64,
+  several token splits, the op's CUDA glue (``ops.CUDA_IMPLS``).
+* The reference against the same oracle; the registered op (opcheck, fake implementation, one node of a fullgraph
+  compiled graph, no recompilation when ``length`` changes).
+* End to end (CPU path): a tiny Llama with 4 kv heads and a LeanK mask of mixed kept counts stacked with KIVI-2, in a
+  dynamic and a static cache: the layer reads one merged segment, and its logits equal those of the per-lane read
+  and of the independent compressed-middle oracle (``tests/reference.py``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from interpreter import collect
+from interpreter import interpreted as run_interpreted
+
+
+def make_region(batch=2, heads=8, rows=4, head_dim=128, tokens=96, bits=2, group=32, counts=(0, 32, 96, 64, 32, 0, 128,
+                64), live=None, dead_row=True, seed=0, keep=0.85, pad=7):
+    """Query ``[B, H, M, D]`` fp16 and a :class:`PackedLanes` of one lane per kept count (0: no lane), quantized from
+    random keys / values; plus the float keys / values the oracle decodes."""
+    from kvcompress.kernels.kivi.lanes_reference import KiviLane, PackedLanes
+    from kvcompress.kernels.kivi.reference import quantize_keys, quantize_values
+
+    g = torch.Generator().manual_seed(seed)
+    v_group = min(32, head_dim)
+    lanes = []
+    for c in sorted(set(counts) - {0}, reverse=True):
+        hs = [h for h, n in enumerate(counts) if n == c]
+        channels = torch.stack([torch.randperm(head_dim, generator=g)[:c].sort().values for _ in hs])
+        k = torch.randn(batch, len(hs), tokens, c, generator=g) * 1.5 + 0.3
+        v = torch.randn(batch, len(hs), tokens, head_dim, generator=g)
+        lanes.append(KiviLane(torch.tensor(hs), None if c == head_dim and len(hs) == heads else channels,
+                              *quantize_keys(k, bits, group), *quantize_values(v, bits, v_group)))
+    valid = torch.rand(batch, tokens, generator=g) < keep
+    valid[0, :pad] = False  # left padding of row 0
+    if dead_row and batch > 1:
+        valid[batch - 1] = False
+    q = torch.randn(batch, heads, rows, head_dim, generator=g).half()
+    length = None if live is None else torch.tensor(live)
+    return q, PackedLanes(bits, group, tuple(lanes), valid, heads, head_dim, length=length)
+
+
+def oracle(q, region, scale):
+    """float64 masked softmax attention over each head's dequantized kept channels (independent of the kernels and
+    of the reference's per-lane merge): ``(out [B, H, M, Dv], lse [B, H, M])``."""
+    from kvcompress.kernels.kivi.reference import dequantize_keys, dequantize_values
+
+    b, h, m, d = q.shape
+    t = region.valid.shape[1]
+    ok = region.valid.clone()
+    if region.length is not None:
+        ok[:, int(region.length):] = False
+    scores = torch.full((b, h, m, t), float("-inf"), dtype=torch.float64)
+    values = torch.zeros(b, h, t, region.v_dim, dtype=torch.float64)
+    for lane in region.lanes:
+        k = dequantize_keys(lane.k_codes, lane.k_scale, lane.k_zero, region.bits).double()
+        v = dequantize_values(lane.v_codes, lane.v_scale, lane.v_zero, region.bits).double()
+        heads = range(h) if lane.heads is None else lane.heads.tolist()
+        for i, head in enumerate(heads):
+            ch = torch.arange(d) if lane.channels is None else lane.channels[i]
+            s = torch.einsum("bmc,btc->bmt", q[:, head][..., ch].double(), k[:, i]) * scale
+            scores[:, head] = s.masked_fill(~ok[:, None, :], float("-inf"))
+            values[:, head] = v[:, i]
+    lse = torch.logsumexp(scores, -1)
+    p = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
+    return torch.einsum("bhmt,bhtd->bhmd", p, values), lse
+
+
+def close(got, ref, atol=3e-3, rtol=1e-2, lse_atol=2e-3) -> str:
+    """'' when ``got`` matches ``ref`` (fp16 operands, fp32 accumulation), else what differs."""
+    out, lse = got
+    ref_out, ref_lse = (x.float() for x in ref)
+    if out.dtype != torch.float32 or out.shape != ref_out.shape or lse.shape != ref_lse.shape:
+        return f"shapes / dtype {tuple(out.shape)} {out.dtype}"
+    if torch.isnan(out).any() or torch.isnan(lse).any():
+        return "NaN"
+    fin = torch.isfinite(ref_lse)
+    if not torch.equal(torch.isfinite(lse), fin):
+        return "-inf LSE rows differ"
+    if (out[~fin] != 0).any():
+        return "rows without a valid key must be zero"
+    err = (out - ref_out).abs()
+    if not bool((err <= atol + rtol * ref_out.abs()).all()):
+        return f"max |out - ref| {err.max().item():.2e}"
+    if fin.any() and (lse[fin] - ref_lse[fin]).abs().max().item() > lse_atol:
+        return f"max |lse - ref| {(lse[fin] - ref_lse[fin]).abs().max().item():.2e}"
+    return ""
+
+
+# name -> (make_region kwargs, kernel kwargs, poison the slots after length): every case also runs the reference
+# and the oracle
+CASES = {
+    # Llama heads (8 kv, group 4, d 128), KIVI-2, lanes of 32 / 64 / 96 / 128 channels, two heads without a lane,
+    # 61 live of 64 slots (not a multiple of the 16-token tile), 2 splits
+    "llama-kivi2-live61-splits2": (dict(tokens=64, live=61), dict(splits=2), False),
+    # KIVI-4 (G 16), odd live length 45 (a tile cut by it), one split; slots after it poisoned (never read)
+    "llama-kivi4-live45": (dict(bits=4, group=16, live=45, seed=1), dict(splits=1), True),
+    # SmolLM-like d 64, 3 kv heads, 3 rows, lanes of 16 / 48 channels, odd live length, 5 splits (some past it)
+    "d64-kivi2-h3-live83": (dict(heads=3, rows=3, head_dim=64, counts=(16, 48, 16), tokens=96, live=83, seed=2),
+                            dict(splits=5), True),
+    # d 64, KIVI-4, G 32, two lanes covering every head (64 and 32 channels), left padding of 11, default splits
+    "d64-kivi4-live77": (dict(bits=4, heads=4, head_dim=64, counts=(64, 32, 32, 64), tokens=128, live=77, seed=3,
+                              pad=11), dict(), False),
+    # one row per head (GQA group 1), one lane of every head with all channels (no channel list), no dead row
+    "dense-lane-m1": (dict(heads=2, rows=1, head_dim=64, counts=(64, 64), tokens=64, seed=4, dead_row=False),
+                      dict(splits=2), False),
+}
+
+
+def _interpreter_cases() -> dict:
+    from kvcompress.kernels import ops
+    from kvcompress.kernels.kivi import lanes_reference, lanes_triton
+
+    def run(make_kw, kernel_kw, poison):
+        def go():
+            q, region = make_region(**make_kw)
+            scale = q.shape[-1] ** -0.5
+            ref = lanes_reference.kivi_lanes_attention_partial(q, region, scale)
+            got = lanes_triton.kivi_lanes_attention_partial(q, region, scale, **kernel_kw)
+            res = {"vs_reference": close(got, ref), "vs_oracle": close(got, oracle(q, region, scale)),
+                   "ref_vs_oracle": close(ref, oracle(q, region, scale), atol=1e-4, rtol=1e-4, lse_atol=1e-4)}
+            if poison:  # slots after length: poisoned scales (NaN) and valid flags must not be read
+                poisoned = region.valid.clone()
+                poisoned[:, int(region.length):] = True
+                lanes = []
+                for lane in region.lanes:
+                    ks, vs = lane.k_scale.clone(), lane.v_scale.clone()
+                    g0 = -(-int(region.length) // region.group)
+                    ks[:, :, g0:] = float("nan")
+                    vs[:, :, int(region.length):] = float("nan")
+                    lanes.append(lane._replace(k_scale=ks, v_scale=vs))
+                bad = lanes_reference.PackedLanes(region.bits, region.group, tuple(lanes), poisoned, region.num_heads,
+                                                  region.head_dim, length=region.length)
+                again = lanes_triton.kivi_lanes_attention_partial(q, bad, scale, **kernel_kw)
+                res["never_reads_after_length"] = close(again, got, atol=0, rtol=0, lse_atol=0)
+            return res
+        return go
+
+    def softcap():
+        q, region = make_region(heads=4, head_dim=64, counts=(0, 16, 32, 16), tokens=64, live=70 - 9, seed=5)
+        scale = q.shape[-1] ** -0.5
+        ref = lanes_reference.kivi_lanes_attention_partial(q, region, scale, softcap=0.5)
+        got = lanes_triton.kivi_lanes_attention_partial(q, region, scale, softcap=0.5, splits=2)
+        return {"vs_reference": close(got, ref)}
+
+    def op_glue():
+        """The registered op's CUDA implementation (what a CUDA layer runs) on CPU tensors, with ``impl="triton"``."""
+        q, region = make_region(batch=1, heads=8, rows=4, tokens=32, live=29, seed=6)
+        scale = q.shape[-1] ** -0.5
+        seen = {}
+        real = ops._OPS["kivi_lanes_partial"]
+
+        def spy(*args):
+            seen["args"] = args
+            return real(*args)
+
+        ops._OPS["kivi_lanes_partial"] = spy
+        try:
+            ref = ops.kivi_lanes_attention(q, region, scale, impl="reference")
+        finally:
+            ops._OPS["kivi_lanes_partial"] = real
+        got = ops.CUDA_IMPLS["kivi_lanes_partial"](*seen["args"][:-1], "triton")
+        return {"vs_reference": close(got, ref)}
+
+    def many_lanes():
+        """More lanes than one launch takes (MAX_LANES): two launches into the same partials, one merge."""
+        counts = tuple(2 * (i + 1) for i in range(lanes_triton.MAX_LANES + 2))
+        q, region = make_region(batch=1, heads=len(counts), rows=1, head_dim=32, tokens=32, counts=counts, seed=7,
+                                dead_row=False)
+        scale = q.shape[-1] ** -0.5
+        got = lanes_triton.kivi_lanes_attention_partial(q, region, scale, splits=1)
+        return {"vs_oracle": close(got, oracle(q, region, scale))}
+
+    cases = {name: run(*kw) for name, kw in CASES.items()}
+    cases.update({"softcap": softcap, "op-glue": op_glue, "many-lanes": many_lanes})
+    return cases
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    pytest.importorskip("triton")
+    return run_interpreted(__file__, tmp_path_factory.mktemp("kivi_lanes"), OMP_NUM_THREADS="1")
+
+
+@pytest.mark.parametrize("name", list(CASES) + ["softcap", "op-glue", "many-lanes"])
+def test_triton_kernel_under_interpreter(interpreted, name):
+    res = interpreted[name]
+    assert "error" not in res, res.get("error")
+    for key, msg in res.items():
+        assert msg == "", f"{name} {key}: {msg}"
+
+
+# ----------------------------------------------------------------------------- reference and registered op (CPU)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_reference_matches_float64_oracle(name):
+    from kvcompress.kernels.kivi.lanes_reference import kivi_lanes_attention_partial
+
+    q, region = make_region(**CASES[name][0])
+    scale = q.shape[-1] ** -0.5
+    assert close(kivi_lanes_attention_partial(q, region, scale), oracle(q, region, scale), atol=1e-4, rtol=1e-4,
+                 lse_atol=1e-4) == ""
+
+
+def test_dequantize_spreads_kept_channels_into_the_head():
+    """The fallback readers' view (selections, observers): D-wide keys, zeros on pruned channels - same scores."""
+    from kvcompress.kernels.attention.reference import partial_attention
+
+    q, region = make_region(heads=4, head_dim=64, counts=(16, 48, 16, 64), tokens=64, live=None, seed=8)
+    k, v = region.dequantize()
+    assert k.shape == (2, 4, 64, 64) and v.shape == (2, 4, 64, 64)
+    got = partial_attention(q, k, v, region.valid.view(2, 1, 1, 64), 0.125)
+    assert close(got, oracle(q, region, 0.125), atol=1e-4, rtol=1e-4, lse_atol=1e-4) == ""
+    assert region.k_codes.shape[:2] == (2, 4)  # the head-count view attend_segments reads
+
+
+def _op_args(q, region, scale):
+    from kvcompress.kernels import ops
+
+    seen = {}
+    real = ops._OPS["kivi_lanes_partial"]
+
+    def spy(*args):
+        seen["args"] = args
+        return real(*args)
+
+    ops._OPS["kivi_lanes_partial"] = spy
+    try:
+        ops.kivi_lanes_attention(q, region, scale, impl="reference")
+    finally:
+        ops._OPS["kivi_lanes_partial"] = real
+    return seen["args"]
+
+
+def test_registered_op_opcheck_and_compiled_graph():
+    from kvcompress.kernels import ops
+    from kvcompress.kernels.kivi.lanes_reference import kivi_lanes_attention_partial
+
+    q, region = make_region(batch=2, heads=4, rows=2, head_dim=64, counts=(0, 16, 32, 16), tokens=64, live=50, seed=9)
+    scale = 0.125
+    torch.library.opcheck(torch.ops.kvcompress.kivi_lanes_partial.default, _op_args(q, region, scale))
+    assert ops.choose("kivi_lanes_partial", "cpu", bits=2, group=32, head_dim=64, kept=(16, 32)) == "reference"
+
+    def step(q, length):
+        return region.with_length(length).attention_partial(q, scale)
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    region.impl = "reference"
+    torch._dynamo.reset()
+    f = torch.compile(step, fullgraph=True, backend=backend)
+    for live in (50, 41):
+        with torch._dynamo.config.patch(error_on_recompile=live == 41):
+            got = f(q, torch.tensor(live))
+        ref = kivi_lanes_attention_partial(q, region, scale, length=torch.tensor(live))
+        assert all(torch.equal(g, r) for g, r in zip(got, ref))
+    assert len(graphs) == 1
+    targets = {n.target for n in graphs[0].graph.nodes if n.op == "call_function"}
+    assert ops._OPS["kivi_lanes_partial"] in targets
+    torch._dynamo.reset()
+
+
+def test_choose_on_cuda_takes_triton_when_it_can(monkeypatch):
+    from kvcompress.kernels import ops
+
+    monkeypatch.setattr(ops, "triton_available", lambda: True)
+    monkeypatch.setattr(ops, "_kivi_triton_base", lambda *a: {})
+    monkeypatch.delenv("KVCOMPRESS_KERNELS", raising=False)
+    facts = dict(bits=2, group=32, head_dim=128, v_dim=128, v_group=32)
+    assert ops.choose("kivi_lanes_partial", "cuda", kept=(32, 64, 96), **facts) == "triton"
+    assert ops.choose("kivi_lanes_partial", "cuda", kept=(31, 64), **facts) == "reference"  # odd kept count
+    assert ops.choose("kivi_lanes_partial", "cuda", k_per_token=True, **facts) == "reference"
+    monkeypatch.setenv("KVCOMPRESS_KERNELS", "reference")
+    assert ops.choose("kivi_lanes_partial", "cuda", kept=(32,), **facts) == "reference"
+
+
+# ----------------------------------------------------------------------------- end to end (CPU path)
+
+
+KV_HEADS, HEAD_DIM = 4, 16
+
+
+def _model():
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4 * KV_HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                         max_position_embeddings=1024)
+    return tf.LlamaForCausalLM(cfg).eval()
+
+
+def _keep() -> torch.Tensor:
+    """Layer 0: kept counts 8 / 4 / 0 / 8 (lanes of 8 and 4 channels, head 2 without a lane: a segment over heads
+    0, 1, 3); layer 1: 16 / 8 / 8 / 4 (three lanes covering every head)."""
+    g = torch.Generator().manual_seed(1)
+    keep = torch.zeros(2, KV_HEADS, HEAD_DIM, dtype=torch.bool)
+    for layer, counts in enumerate(((8, 4, 0, 8), (16, 8, 8, 4))):
+        for h, c in enumerate(counts):
+            keep[layer, h, torch.randperm(HEAD_DIM, generator=g)[:c]] = True
+    return keep
+
+
+@pytest.fixture(scope="module")
+def stacked(tmp_path_factory):
+    from kvcompress.calibration.masks import config_hash, save_mask
+
+    model = _model()
+    path = tmp_path_factory.mktemp("mask") / "mask.safetensors"
+    save_mask(path, _keep(), {"model": "tiny-llama-4kv", "model_config_hash": config_hash(model.config), "ratio": 0.5,
+                              "align": 4, "sinks": 3, "local": 24, "method": "trained", "settings": {}})
+    stack = {"compressors": [{"leank": {"mask": str(path), "sinks": 3, "local": 24, "flush": 16}},
+                             {"kivi": {"bits": 2, "group": 16, "residual": 16}}]}
+    return model, stack
+
+
+def _logits(model, stack, ids, static: bool):
+    import kvcompress
+    from reference import decode_chunks, streamed_logits
+
+    kw = {"max_cache_len": ids.shape[1] + 8} if static else {}
+    with kvcompress.compress(model, stack, **kw) as cache, torch.no_grad():
+        got = streamed_logits(model, ids, cache, decode_chunks(70, ids.shape[1]))
+    return got, cache
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_stacked_leank_kivi_logits_unchanged(stacked, static, monkeypatch):
+    """The merged read (one op for every KIVI lane) gives the per-lane read's logits, and the independent oracle's."""
+    from kvcompress.kernels.kivi import PackedLanes
+    from kvcompress.plugins import kivi
+
+    model, stack = stacked
+    ids = torch.randint(1, 256, (1, 130), generator=torch.Generator().manual_seed(3))
+    merged, cache = _logits(model, stack, ids, static)
+    for i, heads in enumerate(([0, 1, 3], None)):
+        segs = cache.compressed_layers[i].middle.segments()
+        assert len(segs) == 1 and isinstance(segs[0].packed, PackedLanes)
+        assert (segs[0].heads is None) if heads is None else segs[0].heads.tolist() == heads
+        assert len(segs[0].packed.lanes) == (2 if i == 0 else 3)
+    with monkeypatch.context() as m:
+        m.setattr(kivi.MergedLanes, "plan", classmethod(lambda cls, *a: None))
+        per_lane, _ = _logits(model, stack, ids, static)
+    assert (merged - per_lane).abs().max().item() < 1e-5
+    if not static:
+        from reference import decode_chunks, middle_oracle_logits
+
+        ref = middle_oracle_logits(model, ids, decode_chunks(70, ids.shape[1]), sinks=3, recent=24, flush=16,
+                                   keep=_keep(), bits=2, group=16)
+        assert (merged - ref).abs().max().item() < 1e-4
+
+
+def test_compiled_static_read_is_one_graph_with_one_op():
+    """A static layer's decode read (``StaticLayer._read``: the sinks + window buffer and the middle's segments, what a
+    compiled decode step runs), LeanK 70 % + KIVI-2 as the GPU benchmark builds it, compiled in one graph
+    (``fullgraph``): every KIVI lane is read by one ``kvcompress::kivi_lanes_partial`` node, equal to eager, and the
+    live length moving (more tokens) recompiles nothing."""
+    from kvcompress.kernels import benchutil, ops
+
+    shape = benchutil.Shape("tiny", 16, 8, 32)  # LeanK 70 %: kept 0/8/8/8/8/8/16/24 -> 3 lanes, head 0 none
+    layer = benchutil.build_static_layer("leank70-kivi2", shape, 2, 150, "cpu", torch.Generator().manual_seed(5),
+                                         regions={"sinks": 4, "window": 16, "flush": 32})
+    seg = benchutil.static_segments(layer)[1:]
+    assert len(seg) == 1 and len(seg[0].packed.lanes) == 3 and seg[0].heads.tolist() == list(range(1, 8))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    q = torch.randn(2, 16, 1, 32, generator=torch.Generator().manual_seed(6)).half()
+    torch._dynamo.reset()
+    try:
+        f = torch.compile(lambda q: benchutil.static_read(layer, q, 32 ** -0.5), fullgraph=True, backend=backend)
+        got = f(q)
+        eager = benchutil.static_read(layer, q, 32 ** -0.5)
+        benchutil.fill_static_layer(layer, 32, torch.Generator().manual_seed(7))  # one more flushed block
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            again = f(q)
+        eager_again = benchutil.static_read(layer, q, 32 ** -0.5)
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert targets.count(ops._OPS["kivi_lanes_partial"]) == 1 and ops._OPS["kivi_partial"] not in targets
+    assert torch.equal(got, eager) and torch.equal(again, eager_again) and not torch.equal(got, again)
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    collect(_interpreter_cases(), sys.argv[sys.argv.index("--worker") + 1])
