@@ -235,7 +235,12 @@ class CacheCompressor:
         head's survivors densely (:meth:`kvcompress.state.KVBlock.pack_heads`): the block becomes as many columns
         as the fullest row keeps (a static cache's decode step keeps the block's size), column ``j`` of head ``h``
         holding head ``h``'s ``j``-th kept token, ``block.valid`` row-level, the per-head positions in
-        ``block.head_positions``.  The stages and stores downstream see an ordinary block.  Most evictors of this
+        ``block.head_positions``.  The stages and stores downstream see an ordinary block.  An evictor whose
+        layout sets ``Layout.head_valid`` (adaptive per-head budgets, AdaKV) may give the heads of a row different
+        counts ``c[b, h]``: the packed block is as long as the longest head and carries
+        ``block.head_valid`` ``[batch, kv_heads, tokens]`` (head ``h`` holds columns ``[0, c[b, h])``), which the
+        middle store keeps and every read masks with (stores declare ``supports_head_valid``; the cache refuses
+        to build over one that does not).  Most evictors of this
         kind subclass :class:`kvcompress.scoring.ScoreEvictor` and implement only a scoring function.
 
         An evictor whose layout sets ``Layout.head_slots`` (decoding under a budget) places blocks itself: it sets

@@ -154,9 +154,14 @@ def attention_mass(query: torch.Tensor, segments: Sequence[Segment], q_positions
         t = s.shape[-1]
         if q_len == 1 and seg.select is None and seg.packed is None:
             # one query (decode): every stored token precedes it (its own is at its position): validity only
-            m = None if seg.valid is None else seg.valid.view(seg.valid.shape[0], 1, 1, 1, t)
+            if seg.valid is None:
+                m = None
+            elif seg.valid.dim() == 3:  # a per-head validity (adaptive per-head budgets)
+                m = seg.valid[:, :, None, None, :]
+            else:
+                m = seg.valid.view(seg.valid.shape[0], 1, 1, 1, t)
         else:
-            m = segment_mask(seg, q_positions).unsqueeze(1)  # [b|1, 1, 1, q, t]
+            m = segment_mask(seg, q_positions).unsqueeze(2)  # [b|1, h|1, 1, q, t]
         if seg.packed is not None:
             m = m & seg.packed.live_valid()[:, None, None, None, :]
         if isinstance(seg.select, TokenSelection):

@@ -144,6 +144,17 @@ class StackPipeline:
         asks for them (``Layout.head_slots``); a store that cannot honour them is refused here, when the cache is
         built, naming the compressors involved."""
         store = self._build_store(layer)
+        if getattr(layer.layout, "head_valid", False):
+            if not getattr(store, "supports_head_valid", False):
+                who = [f"compressors[{i}].{self.compressors[i][0]}" for i, lay in self.layouts(layer.info)
+                       if lay.head_valid]
+                kind = "static" if getattr(layer, "static", False) else "dynamic"
+                raise ConfigError(
+                    ", ".join(who), "a middle store that keeps a per-head validity (adaptive per-head budgets): full "
+                    "precision, dynamic or static cache", f"{type(store).__name__} in a {kind} cache",
+                    hint="schedule 'adaptive' gives the kv heads of a row different numbers of tokens; use schedule "
+                         "'uniform' with this store")
+            store.use_head_valid()
         if not getattr(layer.layout, "head_slots", False):
             return store
         if not getattr(store, "supports_slots", False):
@@ -205,6 +216,8 @@ class StackPipeline:
                     block = self._pack_heads(layer, block, keep, fn)
                 else:
                     block.valid = block.valid & keep
+                    if block.head_valid is not None:
+                        block.head_valid = block.head_valid & keep.unsqueeze(1)
         if not getattr(layer, "static", False):
             block = block.compact()
             if block is None:
@@ -224,7 +237,9 @@ class StackPipeline:
     def _pack_heads(self, layer: Any, block: KVBlock, keep: torch.Tensor, fn: Callable[..., Any]) -> KVBlock:
         """A per-head keep mask ``[batch, kv_heads, tokens]``: each head's survivors packed densely
         (:meth:`KVBlock.pack_heads`).  Every kv head of a row must keep the same number of tokens (checked when
-        the step may read the device: never inside a compiled or captured step).  Dynamic caches keep as many
+        the step may read the device: never inside a compiled or captured step), unless the layer's layout sets
+        ``Layout.head_valid`` (adaptive per-head budgets: the block carries each head's count as
+        :attr:`KVBlock.head_valid`, the longest head sizes it).  Dynamic caches keep as many
         columns as the fullest row; static caches keep the block's size in a decode step (a fixed shape) and a
         multiple of ``Layout.flush`` otherwise (stores encode whole units)."""
         from .static import _device_only
@@ -236,10 +251,14 @@ class StackPipeline:
                 f"from kvcompress_evict_tokens; expected bool [batch, tokens] = {(b, n)} or [batch, kv_heads, tokens] "
                 f"= {(b, h, n)}"))
         keep = keep & block.valid.unsqueeze(1)
+        per_head = bool(getattr(layer.layout, "head_valid", False))
+        if per_head and block.head_valid is not None:
+            keep = keep & block.head_valid
         if block.due is not None and getattr(layer, "static", False):
-            return block.pack_heads(keep)  # a static decode step: fixed shape, nothing read on the host
+            # a static decode step: fixed shape, nothing read on the host
+            return block.pack_heads(keep, per_head=per_head)
         counts = keep.sum(-1)  # [b, h]
-        if not _device_only() and bool((counts != counts[:, :1]).any()):
+        if not per_head and not _device_only() and bool((counts != counts[:, :1]).any()):
             raise self.failure("", PluginError(
                 f"compressor {self._label(fn.owner)} returned a per-head keep mask whose kv heads keep different "
                 f"numbers of tokens in one row (per row and head: {counts.tolist()}); every kv head of a row must "
@@ -248,7 +267,7 @@ class StackPipeline:
         if getattr(layer, "static", False):
             f = layer.layout.flush or 1
             size = min(n, max(1, -(-size // f)) * f)
-        return block.pack_heads(keep, max(size, 1))
+        return block.pack_heads(keep, max(size, 1), per_head=per_head)
 
     def not_graph_safe(self) -> list[tuple[str, list[str]]]:
         """``(compressor name, hooks it implements)`` for each compressor that does not declare

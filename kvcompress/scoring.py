@@ -18,6 +18,18 @@ declares the layout, keeps the observation of the step, selects per kv head and 
 * per-layer schedule: ``uniform``, or ``pyramid`` (PyramidKV, arXiv 2406.02069: the middle's budget falls
   linearly from ``(2 - 1/beta)`` times the mean at the first layer to ``1/beta`` times it at the last, beta = 20,
   the mean unchanged).
+* per-head schedule ``adaptive`` (AdaKV, Feng et al., arXiv 2407.11550; ``phase: prefill`` only): the layer's
+  budget of a row, ``kv_heads x`` the uniform per-head budget, is allocated across its kv heads by one top-k over
+  every head's scores (flattened), after each head's top ``floor(alpha x`` the uniform budget``)`` tokens are
+  reserved for it (AdaKV's ``alpha_safeguard``; kvpress' ``AdaKVPress`` uses 0.20).  Head ``h`` of row ``b`` then
+  keeps its own count ``c[b, h]`` (same total as ``uniform``); the pipeline packs each head's survivors densely
+  (``Layout.head_valid``: head ``h`` holds columns ``[0, c[b, h])`` of the packed block) and the middle store keeps
+  that per-(row, head) validity, which every read path masks with.  **Bytes**: a store is one dense tensor per
+  layer, so it is as long as the row's *longest* head: the middle holds ``max_h c[b, h]`` columns for every head
+  (the shorter heads' extra columns are allocated but masked), between the kept tokens (when the heads keep equal
+  counts) and ``kv_heads x`` them; the memory report counts what is allocated.  Stores that keep a per-head
+  validity: the full-precision middle (dynamic and static caches, with or without a channel pruner's lanes); a
+  quantizer's store (KIVI) is refused at validation.
 
 Everything runs in eager steps and inside a static cache's compiled decode step (``graph_safe = True``: fixed
 shapes, no host reads there).
@@ -39,7 +51,9 @@ from .hookspecs import hookimpl
 from .state import KVBlock, LayerInfo, Layout
 
 PHASES = ("prefill", "decode", "both")
-SCHEDULES = ("uniform", "pyramid")
+SCHEDULES = ("uniform", "pyramid", "adaptive")
+#: AdaKV's default floor (kvpress' ``AdaKVPress.alpha_safeguard``): each head keeps >= alpha x the uniform budget
+ADAKV_ALPHA = 0.2
 #: PyramidKV's beta (its default, as in kvpress' PyramidKVPress): the last layer keeps 1/beta of the mean budget
 PYRAMID_BETA = 20
 
@@ -58,7 +72,10 @@ class ScoreConfig:
                         max=1 << 16)
     phase: str = param("prefill", "when to evict: 'prefill' (the prompt; decoding grows the cache), 'decode' (hold "
                        "the budget while decoding) or 'both'", choices=PHASES)
-    schedule: str = param("uniform", "per-layer budgets: 'uniform' or 'pyramid' (PyramidKV)", choices=SCHEDULES)
+    schedule: str = param("uniform", "budgets: 'uniform', 'pyramid' (PyramidKV, per layer) or 'adaptive' (AdaKV, "
+                          "per kv head; phase 'prefill')", choices=SCHEDULES)
+    alpha: float = param(ADAKV_ALPHA, "schedule 'adaptive': each kv head keeps at least alpha x the uniform per-head "
+                         "budget (AdaKV's alpha_safeguard)", type=float, min=0.0, max=1.0)
 
     def check(self, path: str) -> None:
         if (self.budget is None) == (self.ratio is None):
@@ -69,6 +86,10 @@ class ScoreConfig:
         if self.ratio is not None and self.phase == "decode":
             raise ConfigError(f"{path}.ratio", "null with phase 'decode' (decoding holds a token budget: set budget)",
                               self.ratio)
+        if self.schedule == "adaptive" and self.phase != "prefill":
+            raise ConfigError(f"{path}.schedule", "'uniform' or 'pyramid' with phase 'decode' or 'both' (adaptive "
+                              "per-head budgets are built for the prefill: phase 'prefill')", self.schedule,
+                              hint=f"phase is {self.phase!r}")
         if self.budget is not None and self.budget <= self.sinks + self.recent:
             raise ConfigError(f"{path}.budget", f"more than sinks + recent = {self.sinks + self.recent} (the tokens "
                               "never evicted)", self.budget,
@@ -159,7 +180,7 @@ class ScoreEvictor(Compressor):
     # -- budgets ----------------------------------------------------------------------------------------------
     def layer_factor(self, info: LayerInfo) -> float:
         """The per-layer budget schedule: the middle's budget on this layer over the mean (1 for ``uniform``)."""
-        if self.config.schedule == "uniform" or info.num_layers <= 1:
+        if self.config.schedule != "pyramid" or info.num_layers <= 1:
             return 1.0
         top, bottom = 2.0 - 1.0 / PYRAMID_BETA, 1.0 / PYRAMID_BETA
         return top - (top - bottom) * info.index / (info.num_layers - 1)
@@ -180,6 +201,11 @@ class ScoreEvictor(Compressor):
         if me is None:
             return
         for i, axis in enumerate(axes):
+            if axis == "quantize" and self.config.schedule == "adaptive":
+                raise ConfigError(f"compressors[{me}].{entries[me][0]}.schedule", "'uniform' or 'pyramid' in a stack "
+                                  "with a quantizer (adaptive per-head budgets need a middle store that keeps a "
+                                  "per-head validity: the full-precision one)", f"'adaptive' with {entries[i][0]} at "
+                                  f"compressors[{i}]")
             if axis == "select":
                 raise ConfigError(f"compressors[{me}].{entries[me][0]}", "a stack without a read-time selector (a "
                                   "selector keeps per-token state aligned with the middle's columns, which per-head "
@@ -192,7 +218,7 @@ class ScoreEvictor(Compressor):
         budget = self.layer_budget(layer) if bounded else None
         return Layout(sinks=c.sinks, recent=c.recent, flush=1, observe=c.window, attention=self.attention or None,
                       middle=None if budget is None else budget - c.sinks - c.recent, budget=budget,
-                      head_slots=(c.phase != "prefill") or None)
+                      head_slots=(c.phase != "prefill") or None, head_valid=(c.schedule == "adaptive") or None)
 
     @hookimpl
     def kvcompress_observe(self, layer, obs):
@@ -374,14 +400,40 @@ class ScoreEvictor(Compressor):
             total = held + stored + count
             target = ((c.ratio * total.double() - held.double()).clamp(min=0) * factor).floor().long()
             keep_n = (target - stored).clamp(min=0)
-        keep_n = torch.minimum(keep_n, count)
-        if cap is not None:
-            keep_n = torch.minimum(keep_n, (cap - stored).clamp(min=0))
         s = self._sanitize(scores)
         s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
         order = s.argsort(dim=-1, descending=True, stable=True)  # ties: the older token first
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=s.device).expand_as(order))
+        if c.schedule == "adaptive":
+            return self._adaptive_keep(layer, s, rank, valid, target, count)
+        keep_n = torch.minimum(keep_n, count)
+        if cap is not None:
+            keep_n = torch.minimum(keep_n, (cap - stored).clamp(min=0))
         return (rank < keep_n.view(b, 1, 1)) & valid.unsqueeze(1)
+
+    def _adaptive_keep(self, layer, s: torch.Tensor, rank: torch.Tensor, valid: torch.Tensor, target,
+                       count: torch.Tensor) -> torch.Tensor:
+        """AdaKV's allocation (arXiv 2407.11550) of one prefill block: the row's budget over all its kv heads
+        (``kv_heads x`` the per-head ``target`` less what the heads already hold) goes to the top scores of the
+        flattened ``[kv_heads x tokens]`` scores, after each head's top ``floor(alpha x`` the budget ``/ kv_heads)``
+        tokens are reserved for it.  ``s``: sanitized scores, ``-inf`` where invalid; ``rank``: each token's rank in
+        its head (0 = best).  Ties: the lower head, then the older token.  Fixed shapes, no host read."""
+        b, h, n = s.shape
+        held = layer.middle.head_valid_mask() if layer.middle is not None else None
+        if held is None:
+            rows = self._middle_count(layer)
+            stored = (torch.zeros(b, device=s.device, dtype=torch.long) if rows is None else rows) * h
+        else:
+            stored = held.sum(dim=(1, 2))
+        total = (target * h - stored).clamp(min=0) if isinstance(target, torch.Tensor) else (
+            (torch.full_like(count, target * h) - stored).clamp(min=0))
+        total = torch.minimum(total, count * h)  # [b]
+        floor = torch.minimum((self.config.alpha * total.double() / h).floor().long(), count)  # [b]
+        reserved = (rank < floor.view(b, 1, 1)) & valid.unsqueeze(1)
+        flat = torch.where(reserved, torch.full_like(s, float("inf")), s).reshape(b, h * n)
+        order = flat.argsort(dim=-1, descending=True, stable=True)
+        flat_rank = torch.empty_like(order).scatter_(-1, order, torch.arange(h * n, device=s.device).expand_as(order))
+        return (flat_rank.view(b, h, n) < total.view(b, 1, 1)) & valid.unsqueeze(1)
 
 
 __all__ = ["PHASES", "PYRAMID_BETA", "SCHEDULES", "ScoreConfig", "ScoreEvictor", "ScoreState"]

@@ -47,6 +47,10 @@ class Layout:
         head_slots: whether an evictor writes blocks to per-head store slots (:attr:`KVBlock.slots`): the
             middle store must support them (``supports_slots``; the cache refuses to build otherwise) and
             reserves a trash unit for dropped tokens; combined by "or".
+        head_valid: whether the kv heads of a row may keep different numbers of tokens (an evictor with adaptive
+            per-head budgets, AdaKV): the pipeline packs each head's survivors densely and the middle store keeps a
+            per-(row, kv head) validity (``MiddleStore.supports_head_valid``; the cache refuses to build
+            otherwise); its segments' ``valid`` is then ``[batch, heads, tokens]``; combined by "or".
     """
 
     sinks: int | None = None
@@ -57,11 +61,12 @@ class Layout:
     observe: int | None = None
     attention: bool | None = None
     head_slots: bool | None = None
+    head_valid: bool | None = None
 
     @staticmethod
     def combine(layouts: Iterable["Layout | None"]) -> "Layout":
         sinks = recent = middle = budget = observe = None
-        attention = head_slots = None
+        attention = head_slots = head_valid = None
         flush = 1
         for lay in layouts:
             if lay is None:
@@ -82,8 +87,10 @@ class Layout:
                 attention = True
             if lay.head_slots:
                 head_slots = True
+            if lay.head_valid:
+                head_valid = True
         return Layout(sinks=sinks or 0, recent=recent, flush=flush, middle=middle, budget=budget, observe=observe,
-                      attention=attention, head_slots=head_slots)
+                      attention=attention, head_slots=head_slots, head_valid=head_valid)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +193,11 @@ class KVBlock:
             supports per-head slots (``MiddleStore.supports_slots``; set by an evictor whose layout declares
             ``head_slots``): the store writes column ``j`` of head ``h`` at slot ``slots[b, h, j]``; a target
             ``>= store.slot_count`` drops it (the trash).  ``None``: the store places the block itself.
+        head_valid: ``[batch, kv_heads, tokens]`` bool, per-(row, kv head) validity, set when an evictor's per-head
+            keep mask gave the heads of a row different numbers of tokens (adaptive per-head budgets,
+            ``Layout.head_valid``): column ``j`` of head ``h`` holds a kept token iff ``head_valid[b, h, j]`` (after
+            :meth:`pack_heads`, head ``h`` keeps columns ``[0, count[b, h])``); ``valid`` is then their union over the
+            heads.  ``None``: every head of a row holds the columns ``valid`` says.
         valid_true: the ``valid`` tensor when the host knows every entry of it is True (the dynamic cache made it
             so: no padding, no sink in the block), else ``None``; :attr:`all_valid` reads it.  Bound to the tensor:
             a new ``valid`` (an evictor's keep mask applied) drops the knowledge.
@@ -200,6 +212,7 @@ class KVBlock:
     due: torch.Tensor | None = None
     head_positions: torch.Tensor | None = None
     slots: torch.Tensor | None = None
+    head_valid: torch.Tensor | None = None
     valid_true: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
@@ -225,21 +238,33 @@ class KVBlock:
         pick = (lambda t: None if t is None else t.index_select(2, index))
         return KVBlock(pick(self.k), pick(self.v), self.valid.index_select(1, index),
                        self.positions.index_select(0, index), meta, groups, self.due, pick(self.head_positions),
-                       pick(self.slots))
+                       pick(self.slots), pick(self.head_valid))
 
-    def pack_heads(self, keep: torch.Tensor, size: int | None = None) -> "KVBlock":
+    def pack_heads(self, keep: torch.Tensor, size: int | None = None, per_head: bool = False) -> "KVBlock":
         """Keep different tokens per kv head: ``keep`` ``[batch, kv_heads, tokens]``, the same number per head of a
-        row (the caller checks).  Column ``j`` of head ``h`` becomes head ``h``'s ``j``-th kept token (in token
-        order); ``size`` columns (default: all, fixed shape, no host read), ``valid`` the row's first ``count``
-        columns; :attr:`head_positions` and :attr:`slots` follow their tokens; row-level ``meta`` (``[batch,
-        tokens]``) no longer describes a column and is dropped, per-head meta (``[batch, kv_heads, tokens, ...]``)
-        is gathered.  Used by the pipeline before any head grouping (``groups`` is ``None``)."""
+        row (the caller checks) unless ``per_head``.  Column ``j`` of head ``h`` becomes head ``h``'s ``j``-th kept
+        token (in token order); ``size`` columns (default: all, fixed shape, no host read), ``valid`` the row's
+        first ``count`` columns; :attr:`head_positions` and :attr:`slots` follow their tokens; row-level ``meta``
+        (``[batch, tokens]``) no longer describes a column and is dropped, per-head meta (``[batch, kv_heads,
+        tokens, ...]``) is gathered.  ``per_head`` (adaptive per-head budgets): head ``h`` of row ``b`` may keep its
+        own count ``c[b, h]``; :attr:`head_valid` is then ``[batch, kv_heads, size]`` (columns ``[0, c[b, h])``) and
+        ``valid`` the longest head's columns.  Used by the pipeline before any head grouping (``groups`` is
+        ``None``)."""
         b, h, n = keep.shape
         size = n if size is None else size
         idx = torch.arange(n, device=keep.device)
+        if self.head_valid is not None:
+            keep = keep & self.head_valid
         order = torch.where(keep, idx, idx + n).argsort(dim=-1)[..., :size]  # kept tokens first, in order
-        count = keep[:, 0].sum(-1)  # [b]: every head of a row keeps as many
-        valid = torch.arange(size, device=keep.device).view(1, size) < count.view(b, 1)
+        cols = torch.arange(size, device=keep.device)
+        head_valid = None
+        if per_head:
+            counts = keep.sum(-1)  # [b, h]
+            head_valid = cols.view(1, 1, size) < counts.unsqueeze(-1)
+            count = counts.amax(-1)
+        else:
+            count = keep[:, 0].sum(-1)  # [b]: every head of a row keeps as many
+        valid = cols.view(1, size) < count.view(b, 1)
 
         def gather(t: torch.Tensor) -> torch.Tensor:
             index = order.view(b, h, size, *([1] * (t.dim() - 3))).expand(b, h, size, *t.shape[3:])
@@ -250,7 +275,7 @@ class KVBlock:
         head_pos = head_pos.gather(2, order)
         meta = {key: gather(t) for key, t in self.meta.items() if t.dim() >= 3}
         return KVBlock(gather(self.k), gather(self.v), valid, head_pos.amax(dim=(0, 1)), meta, None, self.due,
-                       head_pos, None if self.slots is None else self.slots.gather(2, order))
+                       head_pos, None if self.slots is None else self.slots.gather(2, order), head_valid)
 
     def compact(self) -> "KVBlock | None":
         """Drop token columns that are invalid in every row; ``None`` when nothing is left."""
@@ -308,7 +333,9 @@ class Segment:
 
     Attributes:
         k, v: ``[batch, len(heads) or kv_heads, tokens, dk / dv]``.
-        valid: ``[batch, tokens]`` bool, or ``None`` when every slot is valid.
+        valid: ``[batch, tokens]`` bool, or ``None`` when every slot is valid; or, in a middle store that keeps a
+            per-head validity (``Layout.head_valid``: adaptive per-head budgets), ``[batch, len(heads) or kv_heads,
+            tokens]`` (each head of the segment its own columns; :func:`head_mask` reads either form).
         positions: ``[batch, tokens]`` or ``[tokens]`` logical positions.
         heads: kv-head indices this segment covers, or ``None`` for all.
         qmap: maps the grouped query ``[batch, heads, group, q, head_dim]`` to ``dk`` dims.
@@ -341,7 +368,7 @@ class Segment:
     @property
     def is_dense(self) -> bool:
         return (self.heads is None and self.qmap is None and self.select is None and self.packed is None
-                and self.vmap is None)
+                and self.vmap is None and (self.valid is None or self.valid.dim() == 2))
 
     @property
     def num_tokens(self) -> int:
@@ -352,6 +379,12 @@ class Segment:
         if self.packed is not None:
             return self.packed.dequantize()
         return self.k, self.v
+
+
+def head_mask(valid: torch.Tensor) -> torch.Tensor:
+    """A segment's validity as ``[batch, heads or 1, tokens]``: per head (``[batch, heads, tokens]``, a store with
+    per-head validity) or one row-level mask for every head (``[batch, tokens]``)."""
+    return valid if valid.dim() == 3 else valid.unsqueeze(1)
 
 
 def new_token_validity(attention_mask: torch.Tensor | None, first: int | torch.Tensor, q: int) -> torch.Tensor | None:
@@ -466,7 +499,7 @@ class RingBuffer:
     """
 
     def __init__(self, capacity: int | None, like_k: torch.Tensor, like_v: torch.Tensor, initial: int = 0,
-                 free_valid: bool = True):
+                 free_valid: bool = True, heads_valid: bool = False):
         self.growable = capacity is None
         cap = max(initial, 16) if capacity is None else capacity
         b, h = like_k.shape[0], like_k.shape[1]
@@ -478,9 +511,12 @@ class RingBuffer:
         self.valid = (torch.ones if free_valid else torch.zeros)(b, cap, dtype=torch.bool, device=like_k.device)
         self.valid_all_true = free_valid
         self.positions = torch.zeros(cap, dtype=torch.long, device=like_k.device)
+        # per-(row, head) validity (``heads_valid``: a middle store under adaptive per-head budgets); ``valid`` is
+        # then the union over the heads, and segments read this one
+        self.hvalid = torch.zeros(b, h, cap, dtype=torch.bool, device=like_k.device) if heads_valid else None
         self.start = 0
         self.size = 0
-        self.all_valid = True
+        self.all_valid = not heads_valid
         self.max_capacity: int | None = None  # growth cap for a growable buffer (e.g. a token budget)
         self._segment: tuple | None = None  # (key, buffers, segment) of the last segment() of views (see segment)
 
@@ -507,14 +543,20 @@ class RingBuffer:
         valid[:, : self.size] = self.valid[:, order]
         positions = self.positions.new_zeros(new_cap)
         positions[: self.size] = self.positions[order]
+        if self.hvalid is not None:
+            hvalid = self.hvalid.new_zeros(*self.hvalid.shape[:2], new_cap)
+            hvalid[:, :, : self.size] = self.hvalid[:, :, order]
+            self.hvalid = hvalid
         self.valid, self.positions, self.start = valid, positions, 0
         self._segment = None  # (holds the old buffers)
 
     def push(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, positions: torch.Tensor,
-             all_valid: bool = False) -> None:
+             all_valid: bool = False, head_valid: torch.Tensor | None = None) -> None:
         """Append tokens.  ``all_valid=True`` (or ``valid=None``) says the caller knows every token is valid (e.g. it
         made ``valid`` with ``torch.ones``), which skips the device-to-host check (one sync per layer and decode step
-        on a GPU) and, while the buffer never held an invalid entry, the write of the validity."""
+        on a GPU) and, while the buffer never held an invalid entry, the write of the validity.  ``head_valid``
+        ``[batch, heads, n]``: the tokens' per-head validity (a buffer built with ``heads_valid``; default: ``valid``
+        for every head)."""
         n = k.shape[2]
         if n == 0:
             return
@@ -530,6 +572,10 @@ class RingBuffer:
         if not (all_valid and self.valid_all_true):
             self.valid[:, slots] = True if valid is None else valid
         self.positions[slots] = positions
+        if self.hvalid is not None:
+            if head_valid is None:
+                head_valid = True if valid is None else valid.unsqueeze(1)
+            self.hvalid[:, :, slots] = head_valid
         self.size += n
         if self.all_valid and not all_valid and not bool(valid.all()):
             self.all_valid = False
@@ -571,24 +617,27 @@ class RingBuffer:
             cached = self._segment
             if cached is not None and cached[0] == key and all(a is b for a, b in zip(cached[1], buffers)):
                 return cached[2]
+            rows = self.valid if self.hvalid is None else self.hvalid
             if self.size == cap:
-                seg = Segment(self.k, self.v, None if self.all_valid else self.valid, self.positions)
+                seg = Segment(self.k, self.v, None if self.all_valid else rows, self.positions)
             else:
                 sl = slice(self.start, self.start + self.size)
-                valid = None if self.all_valid else self.valid[:, sl]
+                valid = None if self.all_valid else rows[..., sl]
                 seg = Segment(self.k[:, :, sl], self.v[:, :, sl], valid, self.positions[sl])
             self._segment = (key, buffers, seg)
             return seg
         occupied = torch.zeros(cap, dtype=torch.bool, device=self.k.device)
         occupied[self._slots(0, self.size)] = True
-        return Segment(self.k, self.v, self.valid & occupied, self.positions)
+        return Segment(self.k, self.v, (self.valid if self.hvalid is None else self.hvalid) & occupied, self.positions)
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.k, self.v, self.valid = fn(self.k), fn(self.v), fn(self.valid)
+        if self.hvalid is not None:
+            self.hvalid = fn(self.hvalid)
         self._segment = None
 
     def nbytes(self) -> int:
-        return _nbytes(self.k, self.v, self.valid, self.positions)
+        return _nbytes(self.k, self.v, self.valid, self.positions, self.hvalid)
 
 
 class MiddleStore:
@@ -612,6 +661,9 @@ class MiddleStore:
     supports_slots = False
     #: tokens per slot unit (a unit is written, replaced and freed whole)
     slot_unit = 1
+    #: whether the store keeps a per-(row, kv head) validity after :meth:`use_head_valid` (adaptive per-head budgets,
+    #: ``Layout.head_valid``: :attr:`KVBlock.head_valid` honoured, segments with ``[batch, heads, tokens]`` validity)
+    supports_head_valid = False
 
     def append(self, block: KVBlock) -> None:  # pragma: no cover - interface
         """Encode and append a block (append-only: stored tokens are never re-encoded)."""
@@ -635,6 +687,19 @@ class MiddleStore:
         from .errors import UnsupportedOperationError
 
         raise UnsupportedOperationError(f"{type(self).__name__} does not support per-head slots")
+
+    def use_head_valid(self) -> None:
+        """Keep a per-(row, kv head) validity (called once, when the cache builds the store, for a stack whose
+        layout sets ``Layout.head_valid``).  Stores that do not support it keep this default, which refuses."""
+        from .errors import UnsupportedOperationError
+
+        raise UnsupportedOperationError(f"{type(self).__name__} does not keep a per-head validity")
+
+    def head_valid_mask(self) -> torch.Tensor | None:
+        """Per-(row, kv head) validity ``[batch, kv_heads, tokens]`` of the stored tokens (columns as
+        :meth:`valid_mask`'s), or ``None`` when the store keeps none (every head holds what :meth:`valid_mask`
+        says) or is empty."""
+        return None
 
     @property
     def slot_count(self) -> int:
@@ -685,11 +750,13 @@ class DenseStore(MiddleStore):
     """
 
     supports_slots = True
+    supports_head_valid = True
 
     def __init__(self) -> None:
         self.lanes: list[tuple[HeadGroup, RingBuffer]] | None = None
         self.max_tokens: int | None = None
         self.slotted = False  # per-head slot placement (use_slots): lanes of exactly slot_count slots
+        self.per_head = False  # per-(row, head) validity (use_head_valid): each lane's buffer keeps its heads' own
         self._attached: list = []  # per lane: (buffer segment, the segment read) of the last read, or None
 
     @property
@@ -704,6 +771,33 @@ class DenseStore(MiddleStore):
 
     def use_slots(self) -> None:
         self.slotted = True
+
+    def use_head_valid(self) -> None:
+        self.per_head = True
+
+    def head_valid_mask(self) -> torch.Tensor | None:
+        if not self.per_head or self.buf is None or self.buf.size == 0:
+            return None
+        lanes = self.lanes
+        if len(lanes) == 1 and lanes[0][0].heads is None:
+            buf = lanes[0][1]
+            return buf.hvalid[:, :, buf.ordered()]
+        buf = self.buf
+        heads = self._num_heads()
+        out = buf.valid[:, buf.ordered()].unsqueeze(1).repeat(1, heads, 1)  # heads no lane holds: the union
+        for group, lane in lanes:
+            part = lane.hvalid[:, :, lane.ordered()]
+            if group.heads is None:
+                out = part.clone()
+            else:
+                out[:, group.heads] = part
+        return out
+
+    def _num_heads(self) -> int:
+        n = 0
+        for group, buf in self.lanes or []:
+            n = max(n, buf.k.shape[1] if group.heads is None else int(group.heads.max()) + 1)
+        return n
 
     @property
     def slot_count(self) -> int:
@@ -721,7 +815,7 @@ class DenseStore(MiddleStore):
             self.lanes = []
             for part in parts:
                 buf = RingBuffer(None, part.k, part.v, initial=self.slot_count if self.slotted else block.num_tokens,
-                                 free_valid=not self.slotted)
+                                 free_valid=not self.slotted, heads_valid=self.per_head)
                 buf.max_capacity = self.max_tokens
                 if self.slotted:  # every slot is a column of the segment, occupied or not
                     buf.size, buf.all_valid = self.slot_count, False
@@ -729,8 +823,11 @@ class DenseStore(MiddleStore):
         if self.slotted:
             self._write_slots(block, parts)
             return
-        for (_, buf), part in zip(self.lanes, parts):
-            buf.push(part.k, part.v, block.valid, block.positions, all_valid=block.all_valid)
+        head_valid = block.head_valid if self.per_head else None
+        for (group, buf), part in zip(self.lanes, parts):
+            hv = None if head_valid is None or group.heads is None else head_valid.index_select(1, group.heads)
+            buf.push(part.k, part.v, block.valid, block.positions, all_valid=block.all_valid,
+                     head_valid=head_valid if group.heads is None else hv)
 
     def _write_slots(self, block: KVBlock, parts: list[HeadGroup]) -> None:
         """Slot mode: column ``j`` of head ``h`` goes to slot ``block.slots[b, h, j]`` (eager: dropped columns are
@@ -793,6 +890,8 @@ class DenseStore(MiddleStore):
         for _, buf in self.lanes or []:
             slots = buf.ordered()
             buf.valid[:, slots] = buf.valid[:, slots] & keep
+            if buf.hvalid is not None:
+                buf.hvalid[:, :, slots] = buf.hvalid[:, :, slots] & keep.unsqueeze(1)
             if not bool(keep.all()):
                 buf.all_valid = buf.valid_all_true = False
             buf.discard_oldest(first)

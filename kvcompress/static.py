@@ -637,8 +637,44 @@ class StaticDenseStore(StaticRingStore):
     """Full-precision static middle: one lane ``[batch, heads, capacity, dk]`` per head group.
 
     The static counterpart of :class:`~kvcompress.state.DenseStore` (same lanes, same segments),
-    read in place with a device-side validity mask.
+    read in place with a device-side validity mask.  With a per-head validity (:meth:`use_head_valid`, adaptive
+    per-head budgets) each lane also keeps ``hvalid`` ``[batch, heads, columns]`` (the ring's row-level ``valid``
+    is then the union over the heads) and its segment reads it.
     """
+
+    supports_head_valid = True
+    per_head = False
+
+    def use_head_valid(self) -> None:
+        if self.lanes is not None:
+            raise RuntimeError("use_head_valid() must be called before the store allocates")
+        self.per_head = True
+
+    def head_valid_mask(self) -> torch.Tensor | None:
+        if not self.per_head or self.lanes is None:
+            return None
+        if len(self.lanes) == 1 and self.lanes[0][0].heads is None:
+            return self.lanes[0][1]["hvalid"]
+        heads = max(bufs["k"].shape[1] if g.heads is None else int(g.heads.max()) + 1 for g, bufs in self.lanes)
+        out = self.ring.valid.unsqueeze(1).repeat(1, heads, 1)
+        for group, bufs in self.lanes:
+            if group.heads is None:
+                out = bufs["hvalid"].clone()
+            else:
+                out[:, group.heads] = bufs["hvalid"]
+        return out
+
+    def retain(self, keep: torch.Tensor) -> None:
+        super().retain(keep)
+        for _, bufs in self.lanes or []:
+            if "hvalid" in bufs:
+                bufs["hvalid"].copy_(bufs["hvalid"] & keep.unsqueeze(1))
+
+    def reset(self) -> None:
+        super().reset()
+        for _, bufs in self.lanes or []:
+            if "hvalid" in bufs:
+                bufs["hvalid"].zero_()
 
     def append(self, block: KVBlock) -> None:
         if block.slots is None:
@@ -651,6 +687,8 @@ class StaticDenseStore(StaticRingStore):
                 b, h = part.k.shape[0], part.k.shape[1]
                 bufs = {"k": part.k.new_zeros(b, h, self.ring.columns, part.k.shape[-1]),
                         "v": part.v.new_zeros(b, h, self.ring.columns, part.v.shape[-1])}
+                if self.per_head:
+                    bufs["hvalid"] = torch.zeros(b, h, self.ring.columns, dtype=torch.bool, device=part.k.device)
                 mark_static(*bufs.values())
                 self.lanes.append((part.layout(), bufs))
         if block.slots is not None:  # slot mode: per-head targets chosen by the evictor
@@ -663,16 +701,24 @@ class StaticDenseStore(StaticRingStore):
             return
         n = block.num_tokens
         slots = self.ring.slots(n)
-        for (_, bufs), part in zip(self.lanes, parts):
+        valid = block.valid if block.due is None else block.valid & block.due
+        for (group, bufs), part in zip(self.lanes, parts):
             bufs["k"].index_copy_(2, slots, part.k)
             bufs["v"].index_copy_(2, slots, part.v)
+            if "hvalid" in bufs:
+                if block.head_valid is None:
+                    hv = valid.unsqueeze(1).expand(valid.shape[0], bufs["hvalid"].shape[1], n)
+                else:
+                    hv = block.head_valid if group.heads is None else block.head_valid.index_select(1, group.heads)
+                    hv = hv & valid.unsqueeze(1)
+                bufs["hvalid"].index_copy_(2, slots, hv)
         self.ring.write_meta(slots, block)
         self.ring.advance(n, block.due)
 
     def segments(self) -> list[Segment]:
         if self.lanes is None:
             return []
-        return [group.attach(Segment(bufs["k"], bufs["v"], self.ring.valid, self.ring.zero_pos))
+        return [group.attach(Segment(bufs["k"], bufs["v"], bufs.get("hvalid", self.ring.valid), self.ring.zero_pos))
                 for group, bufs in self.lanes]
 
     def nbytes(self) -> dict[str, int]:

@@ -21,7 +21,8 @@ kvpress' runs over the whole prompt but its sinks.
 
 Parameters: ``ratio`` or ``budget``, ``window`` (256 queries), ``n_future`` (512), ``covariance`` (true),
 ``vnorm`` (true), ``epsilon`` (0), ``sinks`` (4, kvpress' n_sink), ``recent`` (64), ``phase`` ("prefill";
-"both" holds the budget while decoding), ``schedule`` (see :class:`kvcompress.scoring.ScoreConfig`).
+"both" holds the budget while decoding), ``schedule`` ("uniform", "pyramid" or "adaptive": AdaKV's per-head budgets,
+with ``alpha``, phase "prefill" only; see :class:`kvcompress.scoring.ScoreConfig`).
 """
 
 from __future__ import annotations

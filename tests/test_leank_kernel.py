@@ -22,7 +22,8 @@ from interpreter import interpreted as run_interpreted
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# name -> (batch, kv heads, rows M, D, Dv, lanes [(heads or None, kept count or None, tokens, valid?)], extras)
+# name -> (batch, kv heads, rows M, D, Dv, lanes [(heads or None, kept count or None, tokens, valid?)], extras);
+# valid? "head": a per-head validity [B, h, T] (adaptive per-head budgets: each head keeps a prefix of its own length)
 CASES = {
     "mixed-counts-uncovered-head": (2, 4, 4, 64, 64, [([0, 2], 32, 70, True), ([1], 16, 37, False)], {}),
     "dense-plus-lanes-gqa3": (2, 3, 3, 32, 32, [(None, None, 20, False), ([2, 0], 16, 50, True), ([1], 32, 9, True)],
@@ -37,6 +38,9 @@ CASES = {
     # canonical slots (counts 16 and 64 of d = 64; slots 32 and 48 empty; heads/channels None padded)
     "canonical-slots-empty": (2, 3, 2, 64, 64, [([2], 16, 40, True), (None, None, 25, True)], {"canonical": True}),
     "canonical-qlen3-one-lane": (1, 2, 12, 64, 32, [([1, 0], 48, 33, True)], {"canonical": True}),
+    "per-head-valid-dense-and-lane": (2, 3, 4, 32, 32, [(None, None, 40, "head"), ([2, 0], 16, 29, "head"),
+                                                        ([1], 32, 12, True)], {}),
+    "per-head-valid-strided": (2, 2, 3, 32, 32, [(None, None, 37, "head")], {"views": True}),
 }
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3
 
@@ -57,7 +61,11 @@ def make_case(name: str, device: str = "cpu"):
         k = torch.randn(b, h, t, c, generator=gen) * 1.3
         v = torch.randn(b, h, t, dv, generator=gen)
         valid = None
-        if has_valid:
+        if has_valid == "head":  # head j of row i keeps columns [0, n[i, j]) (one head keeps nothing)
+            n = torch.randint(0, t + 1, (b, h), generator=gen)
+            n[0, 0] = 0
+            valid = torch.arange(t).view(1, 1, t) < n.unsqueeze(-1)
+        elif has_valid:
             valid = torch.rand(b, t, generator=gen) > 0.2
             valid[0, :3] = False
             if extra.get("all_invalid"):
@@ -68,7 +76,7 @@ def make_case(name: str, device: str = "cpu"):
                 return big[:, 1:, 2:2 + x.shape[2]].copy_(x)
             k, v = widen(k), widen(v)
             if valid is not None:
-                valid = torch.zeros(b, t + 4, dtype=torch.bool)[:, 1:1 + t].copy_(valid)
+                valid = torch.zeros(*valid.shape[:-1], t + 4, dtype=torch.bool)[..., 1:1 + t].copy_(valid)
         lanes.append(Lane(None if heads is None else torch.tensor(heads, device=device),
                           None if channels is None else channels.to(device), k.to(dtype).to(device),
                           v.to(dtype).to(device), None if valid is None else valid.to(device)))
@@ -90,7 +98,7 @@ def oracle(query, lanes, scale):
             for bb in range(b):
                 s = (q[bb, hd].cpu() @ kf[bb].T) * scale  # [m, t]
                 if valid is not None:
-                    s = s.masked_fill(~valid[bb].cpu(), float("-inf"))
+                    s = s.masked_fill(~(valid[bb, i] if valid.dim() == 3 else valid[bb]).cpu(), float("-inf"))
                 scores[bb][hd].append(s)
                 values[bb][hd].append(v[bb, i].double().cpu())
     dv = lanes[0][3].shape[-1]
@@ -138,8 +146,9 @@ def run_case(name: str, device: str = "cpu") -> dict:
     return res
 
 
-def read_path_case(device: str = "cpu") -> dict:
-    """``attend_segments`` with the fused branch forced (``KVCOMPRESS_KERNELS=triton``) vs the joint-softmax oracle."""
+def read_path_case(device: str = "cpu", per_head: bool = False) -> dict:
+    """``attend_segments`` with the fused branch forced (``KVCOMPRESS_KERNELS=triton``) vs the joint-softmax oracle.
+    ``per_head``: the lanes' validity is per head (``[B, h, T]``: adaptive per-head budgets)."""
     from kvcompress.kernels.attention import attend_segments, segment_attention
     from kvcompress.state import HeadGroup, Segment
 
@@ -156,6 +165,9 @@ def read_path_case(device: str = "cpu") -> dict:
         ch = torch.stack([torch.randperm(d, generator=gen)[:count].sort().values for _ in heads]).to(device)
         grp = HeadGroup(torch.tensor(heads, device=device), None, None, ch)
         valid = (torch.rand(b, 40, generator=gen) > 0.1).to(device)
+        if per_head:
+            valid = (torch.arange(40).view(1, 1, 40) < torch.randint(0, 41, (b, len(heads), 1), generator=gen)).to(
+                device)
         seg = Segment(torch.randn(b, len(heads), 40, count, generator=gen).half().to(device),
                       torch.randn(b, len(heads), 40, d, generator=gen).half().to(device), valid,
                       torch.zeros(40, dtype=torch.long, device=device))
@@ -177,7 +189,12 @@ def _worker(path: str) -> None:
         os.environ["KVCOMPRESS_KERNELS"] = "triton"
         return read_path_case()
 
-    collect({**{name: (lambda n=name: run_case(n)) for name in CASES}, "read-path": read_path}, path)
+    def read_path_per_head() -> dict:
+        os.environ["KVCOMPRESS_KERNELS"] = "triton"
+        return read_path_case(per_head=True)
+
+    collect({**{name: (lambda n=name: run_case(n)) for name in CASES}, "read-path": read_path,
+             "read-path-per-head": read_path_per_head}, path)
 
 
 @pytest.fixture(scope="module")
@@ -266,8 +283,9 @@ def test_triton_interpreted(interpreted, name):
     _check(interpreted[name], name)
 
 
-def test_read_path_fused_branch_interpreted(interpreted):
-    res = interpreted["read-path"]
+@pytest.mark.parametrize("case", ["read-path", "read-path-per-head"])
+def test_read_path_fused_branch_interpreted(interpreted, case):
+    res = interpreted[case]
     assert "error" not in res, res.get("error")
     assert res["err"] < 3e-3
 

@@ -246,7 +246,8 @@ def test_unequal_per_head_counts_are_refused_naming_the_compressor():
     ({"knorm": {"budget": 60, "sinks": 4, "recent": 64}}, r"knorm\.budget: expected more than sinks \+ recent = 68"),
     ({"snapkv": {"ratio": 0.5, "kernel": 4}}, r"snapkv\.kernel: expected an odd number of tokens, got 4"),
     ({"snapkv": {"ratio": 0.5, "pool": "sum"}}, r"snapkv\.pool: expected one of 'max', 'avg', got 'sum'"),
-    ({"snapkv": {"ratio": 0.5, "schedule": "adaptive"}}, r"snapkv\.schedule: expected one of 'uniform', 'pyramid'"),
+    ({"snapkv": {"ratio": 0.5, "schedule": "flat"}},
+     r"snapkv\.schedule: expected one of 'uniform', 'pyramid', 'adaptive', got 'flat'"),
 ])
 def test_config_errors_name_key_allowed_and_given(entry, match):
     with pytest.raises(ConfigError, match=match):

@@ -210,14 +210,19 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
             valid = seg.valid
             if seg.packed is not None:
                 valid = seg.packed.valid if valid is None or valid is seg.packed.valid else valid & seg.packed.valid
-            mask = None if valid is None else valid.view(valid.shape[0], 1, 1, valid.shape[-1])  # (one op)
+            if valid is None:
+                mask = None
+            elif valid.dim() == 3:  # a per-head validity (adaptive per-head budgets): [b, h, 1, t]
+                mask = valid.unsqueeze(2)
+            else:
+                mask = valid.view(valid.shape[0], 1, 1, valid.shape[-1])  # (one op)
             out, lse = partial_attention(qs, k, v, mask, scale, softcap)
         else:
             k, v = seg.keys_values()
-            mask = segment_mask(seg, q_positions)  # [b|1, 1, q, t]
+            mask = segment_mask(seg, q_positions)  # [b|1, h|1, q, t] (h: a per-head validity)
             if seg.packed is not None:
                 mask = mask & seg.packed.valid[:, None, None, :]
-            mask = mask.unsqueeze(2).expand(mask.shape[0], 1, group, q_len, mask.shape[-1])
+            mask = mask.unsqueeze(2).expand(mask.shape[0], mask.shape[1], group, q_len, mask.shape[-1])
             if isinstance(seg.select, TokenSelection):  # [b, hq, q, t] -> [b, h, g, q, t]
                 sel = seg.select.mask(mask.shape[-1]).view(b, kv_heads, group, q_len, -1)
                 mask = mask & (sel if seg.heads is None else sel.index_select(1, seg.heads))

@@ -6,7 +6,8 @@ and the oracle GPU kernels are tested against.  It computes exactly::
     softmax(cap(scale * [qmap_s(q) . K_s^T for each segment s]), masked, [sink]) . [V_s]
 
 with one joint softmax across segments, in float32.  A key of a segment is
-visible to a query when its row is valid and its logical position is not
+visible to a query when its row (or, for a segment with a per-head validity
+``[batch, heads, tokens]``, its row and head) is valid and its logical position is not
 after the query's position; kv heads a segment does not cover see ``-inf``.
 Fully masked query rows return zeros (never NaN).
 
@@ -25,16 +26,17 @@ from typing import Sequence
 
 import torch
 
-from kvcompress.state import Segment, TokenSelection
+from kvcompress.state import Segment, TokenSelection, head_mask
 
 
 def segment_mask(seg: Segment, q_positions: torch.Tensor) -> torch.Tensor:
-    """Boolean visibility ``[batch or 1, 1, q_len, tokens]`` of one segment."""
+    """Boolean visibility ``[batch or 1, heads or 1, q_len, tokens]`` of one segment (``heads``: the segment's own
+    heads, when its validity is per head)."""
     pos = seg.positions if seg.positions.dim() == 2 else seg.positions.unsqueeze(0)
-    mask = pos.unsqueeze(1) <= q_positions.view(1, -1, 1)  # [b|1, q, t]
+    mask = (pos.unsqueeze(1) <= q_positions.view(1, -1, 1)).unsqueeze(1)  # [b|1, 1, q, t]
     if seg.valid is not None:
-        mask = mask & seg.valid.unsqueeze(1)
-    return mask.unsqueeze(1)
+        mask = mask & head_mask(seg.valid).unsqueeze(2)
+    return mask
 
 
 def soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -82,27 +84,28 @@ def segment_attention(
         kv_heads = max(int(s.heads.max()) + 1 for s in segments)
     group = hq // kv_heads
     qg = query.float().view(b, kv_heads, group, q_len, d)
-    scores, masks = [], []
+    scores = []
     for seg, (seg_k, _) in zip(segments, kvs):
         heads = seg.heads
         qs = qg if heads is None else qg.index_select(1, heads)
         if seg.qmap is not None:
             qs = seg.qmap(qs)
         s = soft_cap(torch.einsum("bhgqd,bhtd->bhgqt", qs, seg_k.float()) * scale, softcap)
+        t = s.shape[-1]
+        m = segment_mask(seg, q_positions).unsqueeze(2)  # [b|1, h_seg|1, 1, q, t] over the segment's heads
+        if isinstance(seg.select, TokenSelection):  # per query head: [b, hq, q, t] -> [b, h, g, q, t]
+            sel = seg.select.mask(t).view(b, kv_heads, group, q_len, t)
+            m = m & (sel if heads is None else sel.index_select(1, heads))
+        elif seg.select is not None:  # per kv head: [b, h, q, t] -> [b, h, 1, q, t]
+            sel = seg.select.unsqueeze(2)
+            m = m & (sel if heads is None else sel.index_select(1, heads))
+        s = s.masked_fill(~m, float("-inf"))
         if heads is not None:
-            full = s.new_full((b, kv_heads, group, q_len, s.shape[-1]), float("-inf"))
+            full = s.new_full((b, kv_heads, group, q_len, t), float("-inf"))
             full[:, heads] = s
             s = full
-        m = segment_mask(seg, q_positions).unsqueeze(1).expand(b, 1, 1, q_len, s.shape[-1])
-        if isinstance(seg.select, TokenSelection):  # per query head: [b, hq, q, t] -> [b, h, g, q, t]
-            m = m & seg.select.mask(s.shape[-1]).view(b, kv_heads, group, q_len, s.shape[-1])
-        elif seg.select is not None:  # per kv head: [b, h, q, t] -> [b, h, 1, q, t]
-            m = m & seg.select.unsqueeze(2)
         scores.append(s)
-        masks.append(m.expand(b, kv_heads, group, q_len, s.shape[-1]))
     s = torch.cat(scores, dim=-1)
-    m = torch.cat(masks, dim=-1)
-    s = s.masked_fill(~m, float("-inf"))
     if sink_logits is not None:  # one more logit per query head: in the denominator, with no value
         sink = sink_logits.float().view(1, kv_heads, group, 1, 1).expand(b, kv_heads, group, q_len, 1)
         s = torch.cat([s, sink], dim=-1)

@@ -14,7 +14,8 @@ A lane is ``(heads, channels, k, v, valid)`` (:class:`Lane`):
 * ``channels`` - LongTensor ``[h, c]``: the key channels each of those heads kept
   (``None`` = all ``D`` channels, i.e. an unpruned dense region such as the sinks or the window);
 * ``k`` ``[B, h, T, c]`` and ``v`` ``[B, h, T, Dv]``;
-* ``valid`` - bool ``[B, T]`` (``None`` = every slot valid).
+* ``valid`` - bool ``[B, T]`` (``None`` = every slot valid), or ``[B, h, T]``: a per-head validity (a middle
+  store under adaptive per-head budgets, where each head of a row keeps its own tokens).
 
 Every stored token precedes the query (decode), so only ``valid`` masks keys.
 A head that appears in several lanes gets the joint softmax over all of them.
@@ -69,7 +70,7 @@ def lane_partial(query: torch.Tensor, lane: Lane, scale: float,
     q = gather_query(query, heads, channels).float()
     s = soft_cap(torch.einsum("bhmd,bhtd->bhmt", q, k.float()) * scale, softcap)
     if valid is not None:
-        s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+        s = s.masked_fill(~(valid[:, :, None, :] if valid.dim() == 3 else valid[:, None, None, :]), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     finite = torch.isfinite(lse)
     p = torch.exp(s - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
@@ -104,7 +105,7 @@ def _bounded(lane: Lane, length: torch.Tensor) -> Lane:
     """``lane`` with ``valid`` restricted to the slots before ``length``."""
     b, _, t, _ = lane.k.shape
     ok = torch.arange(t, device=lane.k.device) < length.to(lane.k.device)
-    return lane._replace(valid=ok.expand(b, t) if lane.valid is None else lane.valid & ok)
+    return lane._replace(valid=ok.expand(b, t) if lane.valid is None else lane.valid & ok)  # (ok broadcasts)
 
 
 def combine_lanes(query: torch.Tensor, lanes: Sequence[Lane | tuple],

@@ -126,6 +126,9 @@ def lane_partial(query: torch.Tensor, lane: Lane, scale: float, *, splits: int |
     heads, channels, k, v, valid = lane
     if k.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError("the TileLang kernel takes fp16 / bf16 K and V")
+    if valid is not None and valid.dim() == 3:
+        raise ValueError("the TileLang kernel takes a row-level valid [B, T]; a per-head validity [B, h, T] "
+                         "(adaptive per-head budgets) is read by the Triton kernel or the reference")
     q = gather_query(query, heads, channels).to(k.dtype).contiguous()
     k, v = k.contiguous(), v.contiguous()
     b, h, t, c = k.shape

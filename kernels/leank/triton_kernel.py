@@ -28,6 +28,9 @@ How it works:
   merges, for each kv head, the partials of all splits of every lane row that holds
   that head (heads no lane covers get ``-inf`` and zeros).
 
+Validity: a lane's ``valid`` is ``[B, T]`` (one mask for every head of a row) or ``[B, h, T]`` (per head: a middle
+store under adaptive per-head budgets); the kernel reads it through a head stride (0 for the row-level form).
+
 Limits: ``k`` and ``v`` of a lane may be strided views (e.g. a ring buffer's live
 slots), but their last dimension must be contiguous; channel counts and ``Dv`` up to
 256; the same ``Dv`` and the same K/V dtype in every lane (fp16, bf16 or fp32; fp32
@@ -111,7 +114,7 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
 def _lanes_kernel(
     Q, sq_b, sq_h, sq_m,
     KS, VS, VAS, CHS, HDS,
-    SKB, SKH, SKT, SVB, SVH, SVT, SVAB, SCH, TS, NHS, CS, ROW0,
+    SKB, SKH, SKT, SVB, SVH, SVT, SVAB, SVAH, SCH, TS, NHS, CS, ROW0,
     PO, PL, LENGTH, qk_scale, M, R, RLO, RN, NBATCH, cap,
     HAS_VALID: tl.constexpr, HAS_CHAN: tl.constexpr, HAS_HEADS: tl.constexpr, DKP: tl.constexpr,
     NL: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
@@ -146,7 +149,8 @@ def _lanes_kernel(
                 end = tl.minimum(end, tl.load(LENGTH).to(tl.int32))
             acc, m_i, l_i = _attend(
                 Q, b64 * sq_b + head * sq_h, sq_m, CHS[i], j64 * SCH[i], KS[i], b64 * SKB[i] + j64 * SKH[i], SKT[i],
-                VS[i], b64 * SVB[i] + j64 * SVH[i], SVT[i], VAS[i], b64 * SVAB[i], CS[i], start, end, qk_scale, M,
+                VS[i], b64 * SVB[i] + j64 * SVH[i], SVT[i], VAS[i], b64 * SVAB[i] + j64 * SVAH[i], CS[i], start, end,
+                qk_scale, M,
                 pid_m, cap, HAS_CHAN[i], HAS_VALID[i], DKP[i], DV, DVP, BLOCK_M, BN, IEEE, SOFTCAP)
             l_ok = l_i > 0.0
             out = acc / tl.where(l_ok, l_i, 1.0)[:, None]
@@ -244,7 +248,7 @@ def supports(query: torch.Tensor, lanes: Sequence[Lane | tuple]) -> bool:
             return False
         if channels is None and c != d:
             return False
-        if valid is not None and tuple(valid.shape) != (b, k.shape[2]):
+        if valid is not None and tuple(valid.shape) not in ((b, k.shape[2]), (b, h, k.shape[2])):
             return False
     return True
 
@@ -386,6 +390,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
             tuple(_stride(r, "k", 2) for r in chunk), tuple(_stride(r, "v", 0) for r in chunk),
             tuple(_stride(r, "v", 1) for r in chunk), tuple(_stride(r, "v", 2) for r in chunk),
             tuple(_stride(r, "va", 0) if r["has_valid"] else 0 for r in chunk),
+            tuple(_stride(r, "va", 1) if r["has_valid"] and r["va"].dim() == 3 else 0 for r in chunk),
             tuple(_stride(r, "ch", 0) if r["has_chan"] else 0 for r in chunk),
             tup("t"), tup("h"), tup("c"), tup("r0"),
             po, pl, length if length is not None else pl, float(scale) * LOG2E, m, n_rows, chunk[0]["r0"], n_chunk, b,
