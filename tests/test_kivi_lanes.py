@@ -154,23 +154,46 @@ def _interpreter_cases() -> dict:
         return {"vs_reference": close(got, ref)}
 
     def op_glue():
-        """The registered op's CUDA implementation (what a CUDA layer runs) on CPU tensors, with ``impl="triton"``."""
+        """The registered op's CUDA implementation (what a CUDA layer runs) on CPU tensors, with ``impl="triton"``: its
+        launch plan is made once and cached on the region's mask; later calls reuse it and read the lanes' current
+        values (a store writes its buffers in place); a lane that needs a contiguous copy is planned at every call."""
         q, region = make_region(batch=1, heads=8, rows=4, tokens=32, live=29, seed=6)
         scale = q.shape[-1] ** -0.5
-        seen = {}
-        real = ops._OPS["kivi_lanes_partial"]
 
-        def spy(*args):
-            seen["args"] = args
-            return real(*args)
+        def via_op(region):
+            seen = {}
+            real = ops._OPS["kivi_lanes_partial"]
 
-        ops._OPS["kivi_lanes_partial"] = spy
-        try:
-            ref = ops.kivi_lanes_attention(q, region, scale, impl="reference")
-        finally:
-            ops._OPS["kivi_lanes_partial"] = real
-        got = ops.CUDA_IMPLS["kivi_lanes_partial"](*seen["args"][:-1], "triton")
-        return {"vs_reference": close(got, ref)}
+            def spy(*args):
+                seen["args"] = args
+                return real(*args)
+
+            ops._OPS["kivi_lanes_partial"] = spy
+            try:
+                ref = ops.kivi_lanes_attention(q, region, scale, impl="reference")
+            finally:
+                ops._OPS["kivi_lanes_partial"] = real
+            return ops.CUDA_IMPLS["kivi_lanes_partial"](*seen["args"][:-1], "triton"), ref
+
+        got, ref = via_op(region)
+        res = {"vs_reference": close(got, ref)}
+        plan = getattr(region.valid, lanes_triton.PLAN_ATTR, None)
+        res["plan_cached"] = "" if plan is not None else "no plan cached on the region's mask"
+        region.lanes[0].v_scale.mul_(2.0)  # the store writes in place: the cached plan must read the new values
+        region.lanes[1].k_zero.add_(0.5)
+        again, ref2 = via_op(region)
+        res["after_write"] = close(again, ref2)
+        res["same_plan"] = "" if getattr(region.valid, lanes_triton.PLAN_ATTR, None) is plan else "plan rebuilt"
+        res["values_moved"] = "" if not torch.equal(again[0], got[0]) else "the write changed nothing"
+        lane = region.lanes[0]  # a strided value-scale view (last dim not contiguous): copied, so never cached
+        strided = lane._replace(v_scale=lane.v_scale.transpose(-1, -2).contiguous().transpose(-1, -2))
+        other = lanes_reference.PackedLanes(region.bits, region.group, (strided, *region.lanes[1:]),
+                                            region.valid.clone(), region.num_heads, region.head_dim,
+                                            length=region.length)
+        got3, ref3 = via_op(other)
+        res["strided_lane"] = close(got3, ref3)
+        res["strided_not_cached"] = "" if getattr(other.valid, lanes_triton.PLAN_ATTR, None) is None else "cached"
+        return res
 
     def many_lanes():
         """More lanes than one launch takes (MAX_LANES): two launches into the same partials, one merge."""

@@ -309,7 +309,11 @@ def _lane_args(lane: KiviLane, dummy: torch.Tensor) -> dict:
     ch = lane.channels
     if ch is not None and ch.stride(-1) != 1:
         ch = ch.contiguous()
-    return dict(t=(kc, ks, kz, vc, vs, vz, ch if ch is not None else dummy,
+    pairs = ((kc, lane.k_codes), (ks, lane.k_scale), (kz, lane.k_zero), (vc, lane.v_codes), (vs, lane.v_scale),
+             (vz, lane.v_zero), (ch, lane.channels))
+    copied = any(t is not None and t.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
+                 for t, src in pairs)
+    return dict(copied=copied, t=(kc, ks, kz, vc, vs, vz, ch if ch is not None else dummy,
                    lane.heads if lane.heads is not None else dummy),
                 s=(kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
                    kz.stride(0), kz.stride(1), kz.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
@@ -317,6 +321,90 @@ def _lane_args(lane: KiviLane, dummy: torch.Tensor) -> dict:
                    ch.stride(0) if ch is not None else 0),
                 h=kc.shape[1], c=lane.k_scale.shape[-1], kw=kc.shape[3], has_chan=ch is not None,
                 has_heads=lane.heads is not None)
+
+
+#: attribute of a region's ``valid`` tensor holding the launch plan of its lanes (see :func:`_cached_plan`)
+PLAN_ATTR = "_kvcompress_kivi_lanes_plan"
+
+
+class _Plan:
+    """Everything a launch takes that depends on the lanes' tensors (pointers, strides, shapes), the query's shape and
+    the configuration, not on any value: built once per store change and reused by every call of a decode."""
+
+    __slots__ = ("base", "shape", "inputs", "copied", "chunks", "combine", "n_rows", "splits", "dv", "block_m",
+                 "m_blocks")
+
+
+def _make_plan(query: torch.Tensor, region: PackedLanes, cfg: dict, splits: int | None) -> _Plan:
+    b, hq, m, d = query.shape
+    bits, g = region.bits, region.group
+    per = 32 // bits
+    nt = region.valid.shape[-1]
+    lanes = region.lanes
+    dv = lanes[0].v_codes.shape[-1] * per
+    gv = dv // lanes[0].v_scale.shape[-1]
+    bn = int(cfg["BN"])
+    if bn > g and bn % g:
+        bn = g
+    block_m = min(64, max(cfg["min_rows"] if cfg["TRANS"] else 16, _pow2(m)))
+    m_blocks = triton.cdiv(m, block_m)
+    dummy = lanes[0].k_codes  # placeholder pointer of absent channel / head lists, never read
+    rows = [_lane_args(lane, dummy) for lane in lanes]
+    r0 = 0
+    for r in rows:
+        r["r0"] = r0
+        r0 += r["h"]
+    n_rows = r0
+    if splits is None:  # enough programs for a few full waves, each split a whole number of tiles
+        dev = query.device
+        most = -(-nt // max(bn, cfg["min_split_tokens"])) if dev.type == "cuda" else -(-nt // bn)
+        want = -(-_target_programs(dev, cfg["waves"], cfg["num_warps"]) // (b * n_rows * m_blocks))
+        splits = max(1, min(most, want))
+    tps = -(-nt // max(1, min(splits, -(-nt // bn))))
+    tps = -(-tps // bn) * bn
+    splits = -(-nt // tps)
+    asm = bool(cfg["ASM"])
+    options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if cfg.get("maxnreg"):
+        options["maxnreg"] = int(cfg["maxnreg"])
+    plan = _Plan()
+    plan.chunks = []
+    for first in range(0, len(rows), MAX_LANES):
+        chunk = rows[first:first + MAX_LANES]
+        n_chunk = sum(r["h"] for r in chunk)
+        tensors = tuple(tuple(r["t"][k] for r in chunk) for k in range(8))
+        strides = tuple(tuple(r["s"][k] for r in chunk) for k in range(19))
+        args = (*tensors, *strides, tuple(r["h"] for r in chunk), tuple(r["r0"] for r in chunk))
+        scalars = (m, n_rows, chunk[0]["r0"], n_chunk, b, nt, tps)
+        constexprs = dict(
+            HAS_CHAN=tuple(r["has_chan"] for r in chunk), HAS_HEADS=tuple(r["has_heads"] for r in chunk),
+            DK=tuple(r["c"] for r in chunk), KW=tuple(r["kw"] for r in chunk),
+            KW_PAD=tuple(max(_pow2(r["kw"]), -(-16 // per)) for r in chunk), NL=len(chunk), DV=dv,
+            VW_PAD=max(_pow2(dv // per), -(-16 // per)), G=g, GV=gv, BITS=bits, BLOCK_M=block_m, BN=bn,
+            TRANS=cfg["TRANS"], LAZY=cfg["LAZY"], ASM=asm, PREFETCH=bool(cfg["PREFETCH"]), **options)
+        plan.chunks.append(((splits, b * n_chunk, m_blocks), args, scalars, constexprs))
+    plan.combine = ((b * hq, m_blocks), (tuple(r["t"][7] for r in rows), tuple(r["h"] for r in rows),
+                                         tuple(r["r0"] for r in rows), splits, n_rows, m, hq, b),
+                    dict(HAS_HEADS=tuple(r["has_heads"] for r in rows), NL=len(rows), DV=dv, DVP=max(16, _pow2(dv)),
+                         BLOCK_M=block_m, num_warps=4))
+    plan.n_rows, plan.splits, plan.dv, plan.block_m, plan.m_blocks = n_rows, splits, dv, block_m, m_blocks
+    plan.copied = any(r["copied"] for r in rows)
+    plan.base = plan.shape = plan.inputs = None
+    return plan
+
+
+def _cached_plan(query: torch.Tensor, region: PackedLanes, base: dict) -> _Plan:
+    """The plan of ``region``'s lanes for queries shaped like ``query`` under configuration ``base``, cached on the
+    region's ``valid`` tensor.  A store builds its region's tensors once per change (a static store: once), so the
+    plan is made once per change; a call then checks only that the lanes are the same tensor objects (the plan holds
+    them while ``valid`` lives, and a store replaces its buffers and its mask together).  A lane whose tensors needed
+    a contiguous copy is planned again at every call (a copy would not see the store's later writes)."""
+    plan = _make_plan(query, region, base, None)
+    plan.base, plan.shape = base, query.shape
+    plan.inputs = tuple(x for lane in region.lanes for x in lane)
+    if not plan.copied:
+        setattr(region.valid, PLAN_ATTR, plan)
+    return plan
 
 
 def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale: float, *,
@@ -327,83 +415,63 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
 
     ``length`` (default ``region.length``): 0-dim int device tensor, the leading token slots that may be live (later
     slots are not read; the launch does not depend on its value: CUDA-graph safe).  ``base``: the launch
-    configuration to start from instead of :func:`.triton_kernel._config` (which reads ``KVCOMPRESS_KIVI_CONFIG``);
-    ``config`` entries override either.  ``splits``: force the number of token splits (tests)."""
-    why = problem(query, region)
-    if why is not None:
-        raise ValueError(f"the Triton KIVI lanes kernel does not take this call: {why}")
+    configuration (:func:`.triton_kernel.resolved_config`, what :mod:`kvcompress.kernels.ops` resolves once): with
+    it the launch plan is cached per region (:func:`_cached_plan`), and a call checks the region's shapes only when
+    it plans; without it :func:`.triton_kernel._config` (which reads ``KVCOMPRESS_KIVI_CONFIG``) is read and the call
+    planned.  ``config`` entries override either (no cache); ``splits``: force the number of token splits (tests)."""
     if length is None:
         length = region.length
     if length is not None and (length.dim() != 0 or length.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"length must be a 0-dim int32/int64 tensor, got {tuple(length.shape)} {length.dtype}")
     b, hq, m, d = query.shape
-    bits, g = region.bits, region.group
-    per = 32 // bits
-    nt = region.valid.shape[-1]
-    lanes = region.lanes
-    dv = lanes[0].v_codes.shape[-1] * per
-    gv = dv // lanes[0].v_scale.shape[-1]
     dev = query.device
-    out = torch.empty(b, hq, m, dv, device=dev, dtype=torch.float32)
+    cached = base is not None and not config and splits is None
+    plan = getattr(region.valid, PLAN_ATTR, None) if cached else None
+    if plan is None or plan.base is not base or plan.shape != query.shape or not _same_inputs(plan, region):
+        why = problem(query, region)
+        if why is not None:
+            raise ValueError(f"the Triton KIVI lanes kernel does not take this call: {why}")
+        if cached:
+            plan = _cached_plan(query, region, base)
+        else:
+            cfg = dict(base) if base is not None else _config(region.bits, region.group, d, region.v_dim,
+                                                              region.v_group)
+            cfg["ASM"] = bool(cfg["ASM"]) and (base is not None or _asm_ok(dev))  # a base is resolved already
+            if config:
+                cfg.update(config)
+            plan = _make_plan(query, region, cfg, splits)
+    out = torch.empty(b, hq, m, plan.dv, device=dev, dtype=torch.float32)
     lse = torch.empty(b, hq, m, device=dev, dtype=torch.float32)
     if b * hq * m == 0:
         return out, lse
-    if nt == 0:
+    if region.valid.shape[-1] == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     q = query if query.stride(-1) == 1 else query.contiguous()
-    valid = _inner_contiguous(region.valid, 1)
+    valid = region.valid if region.valid.stride(-1) == 1 else region.valid.contiguous()
     if valid.dtype == torch.bool:
         valid = valid.view(torch.uint8)
-
-    cfg = dict(base if base is not None else _config(bits, g, d, dv, gv))
-    if config:
-        cfg.update(config)
-    bn = int(cfg["BN"])
-    if bn > g and bn % g:
-        bn = g
-    block_m = min(64, max(cfg["min_rows"] if cfg["TRANS"] else 16, _pow2(m)))
-    m_blocks = triton.cdiv(m, block_m)
-    dummy = lanes[0].heads if lanes[0].heads is not None else valid  # placeholder pointer, never read
-    rows = [_lane_args(lane, dummy) for lane in lanes]
-    r0 = 0
-    for r in rows:
-        r["r0"] = r0
-        r0 += r["h"]
-    n_rows = r0
-    if splits is None:  # enough programs for a few full waves, each split a whole number of tiles
-        most = -(-nt // max(bn, cfg["min_split_tokens"])) if dev.type == "cuda" else -(-nt // bn)
-        want = -(-_target_programs(dev, cfg["waves"], cfg["num_warps"]) // (b * n_rows * m_blocks))
-        splits = max(1, min(most, want))
-    tps = -(-nt // max(1, min(splits, -(-nt // bn))))
-    tps = -(-tps // bn) * bn
-    splits = -(-nt // tps)
-    po = torch.empty(splits, b, n_rows, m, dv, device=dev, dtype=torch.float32)
-    pl = torch.empty(splits, b, n_rows, m, device=dev, dtype=torch.float32)
-    asm = bool(cfg["ASM"]) and (base is not None or _asm_ok(dev))
-    extra = {"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}
-    for first in range(0, len(rows), MAX_LANES):
-        chunk = rows[first:first + MAX_LANES]
-        n_chunk = sum(r["h"] for r in chunk)
-        tensors = tuple(tuple(r["t"][k] for r in chunk) for k in range(8))
-        strides = tuple(tuple(r["s"][k] for r in chunk) for k in range(19))
-        _kivi_lanes_kernel[(splits, b * n_chunk, m_blocks)](
-            q, q.stride(0), q.stride(1), q.stride(2), valid, valid.stride(0),
-            length if length is not None else valid, po, pl,
-            *tensors, *strides, tuple(r["h"] for r in chunk), tuple(r["r0"] for r in chunk),
-            float(scale) * LOG2E, cap_base2(softcap), m, n_rows, chunk[0]["r0"], n_chunk, b, nt, tps,
-            HAS_CHAN=tuple(r["has_chan"] for r in chunk), HAS_HEADS=tuple(r["has_heads"] for r in chunk),
-            DK=tuple(r["c"] for r in chunk), KW=tuple(r["kw"] for r in chunk),
-            KW_PAD=tuple(max(_pow2(r["kw"]), -(-16 // per)) for r in chunk), NL=len(chunk), DV=dv,
-            VW_PAD=max(_pow2(dv // per), -(-16 // per)), G=g, GV=gv, BITS=bits, BLOCK_M=block_m, BN=bn,
-            TRANS=cfg["TRANS"], LAZY=cfg["LAZY"], ASM=asm, PREFETCH=bool(cfg["PREFETCH"]),
-            HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra,
-        )
-    _combine_kernel[(b * hq, m_blocks)](
-        po, pl, out, lse, tuple(r["t"][7] for r in rows), tuple(r["h"] for r in rows), tuple(r["r0"] for r in rows),
-        splits, n_rows, m, hq, b, HAS_HEADS=tuple(r["has_heads"] for r in rows), NL=len(rows), DV=dv,
-        DVP=max(16, _pow2(dv)), BLOCK_M=block_m, num_warps=4)
+    po = torch.empty(plan.splits, b, plan.n_rows, m, plan.dv, device=dev, dtype=torch.float32)
+    pl = torch.empty(plan.splits, b, plan.n_rows, m, device=dev, dtype=torch.float32)
+    qk, cap = float(scale) * LOG2E, cap_base2(softcap)
+    for grid, args, scalars, constexprs in plan.chunks:
+        _kivi_lanes_kernel[grid](q, q.stride(0), q.stride(1), q.stride(2), valid, valid.stride(0),
+                                 length if length is not None else valid, po, pl, *args, qk, cap, *scalars,
+                                 HAS_LENGTH=length is not None, SOFTCAP=bool(softcap), **constexprs)
+    grid, args, constexprs = plan.combine
+    _combine_kernel[grid](po, pl, out, lse, *args, **constexprs)
     return out, lse
+
+
+def _same_inputs(plan: _Plan, region: PackedLanes) -> bool:
+    """Whether ``region``'s lanes are the very tensor objects ``plan`` was made for."""
+    inputs = plan.inputs
+    i = 0
+    for lane in region.lanes:
+        for x in lane:
+            if i >= len(inputs) or inputs[i] is not x:
+                return False
+            i += 1
+    return i == len(inputs)
 
 
 __all__ = ["MAX_LANES", "kivi_lanes_attention_partial", "problem", "supports"]
