@@ -1,0 +1,95 @@
+"""Launch-configuration sweep of the grouped lanes kernel (kernels/leank/triton_kernel.py) on issue 19's grid ops
+that read through it: ``none`` (the empty stack's dense read: the same bytes as SDPA), ``leank50`` / ``leank70``
+and ``lowrank``.  Each configuration runs ``python -m kvcompress.kernels.benchutil`` in its own process with
+``KVCOMPRESS_LEANK_CONFIG`` set (the kernel reads it once per process), on a few shapes, and the speed-ups over
+SDPA are tabulated side by side (one JSON per configuration under --out, plus sweep.json / sweep.md).
+
+    python benchmarks/gpu_lanes_sweep.py --out DIR [--configs default,bn128w8,...] [--shapes llama3-8b:1:32k,...]
+        [--max-seconds 480]
+
+Configurations stop being started after --max-seconds (each takes ~10-20 s: Triton compiles, then CUDA-graph
+timing); run on the GPU machine with kvcompress importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+#: entries override triton_kernel._config() (defaults: BN 64, num_warps 4, num_stages 4, waves 2,
+#: min_split_tokens 256)
+CONFIGS = {
+    "default": {},
+    "bn128": {"BN": 128},
+    "bn128w8": {"BN": 128, "num_warps": 8},
+    "bn128w8s3": {"BN": 128, "num_warps": 8, "num_stages": 3},
+    "bn128s3": {"BN": 128, "num_stages": 3},
+    "bn64s3": {"num_stages": 3},
+    "bn64w8": {"num_warps": 8},
+    "waves4": {"waves": 4},
+    "waves1": {"waves": 1},
+    "split512": {"min_split_tokens": 512},
+    "bn128w8waves4": {"BN": 128, "num_warps": 8, "waves": 4},
+    "bn32s5": {"BN": 32, "num_stages": 5},
+}
+
+SHAPES = ("llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:16:32k,llama3-8b:64:32k,"
+          "smollm2-135m:1:32k,smollm2-135m:16:32k")
+OPS = "none,leank50,leank70,lowrank"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--shapes", default=SHAPES)
+    ap.add_argument("--ops", default=OPS)
+    ap.add_argument("--max-seconds", type=float, default=480.0)
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    names = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in names if c not in CONFIGS]
+    if unknown:
+        ap.error(f"--configs: unknown {unknown}; known: {', '.join(CONFIGS)}")
+    t0 = time.time()
+    results: dict[str, dict] = {}
+    for name in names:
+        if time.time() - t0 > args.max_seconds:
+            print(f"[sweep] {name}: skipped (--max-seconds)", flush=True)
+            continue
+        out = os.path.join(args.out, f"{name}.json")
+        env = dict(os.environ, KVCOMPRESS_LEANK_CONFIG=json.dumps(CONFIGS[name]))
+        cmd = [sys.executable, "-m", "kvcompress.kernels.benchutil", "--device", "cuda", "--ops", args.ops,
+               "--only-shapes", args.shapes, "--out", out]
+        t1 = time.time()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        print(f"[sweep] {name} {CONFIGS[name]}: rc {proc.returncode}, {time.time() - t1:.0f} s", flush=True)
+        if proc.returncode:
+            print(proc.stderr[-2000:], flush=True)
+            continue
+        with open(out, encoding="utf-8") as fh:
+            rows = json.load(fh)["rows"]
+        results[name] = {f"{r['op']} {r['model']} B{r['batch']}/{r['ctx'] // 1024}k": r.get("speedup_vs_sdpa")
+                         for r in rows if r["op"] != "sdpa" and r.get("latency_us") is not None}
+    keys = sorted({k for res in results.values() for k in res})
+    lines = ["| op / shape | " + " | ".join(results) + " |", "|" + "---|" * (len(results) + 1)]
+    for k in keys:
+        vals = [results[n].get(k) for n in results]
+        best = max((v for v in vals if v is not None), default=None)
+        cells = ["-" if v is None else (f"**{v:.2f}**" if v == best else f"{v:.2f}") for v in vals]
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    print(table)
+    with open(os.path.join(args.out, "sweep.md"), "w", encoding="utf-8") as fh:
+        fh.write(table + "\n")
+    with open(os.path.join(args.out, "sweep.json"), "w", encoding="utf-8") as fh:
+        json.dump({"configs": {n: CONFIGS[n] for n in results}, "speedup_vs_sdpa": results}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
