@@ -202,9 +202,7 @@ class CompressedLayer:
         k, v, seen_before = self.pending
         self.pending = None
         q = k.shape[2]
-        valid_new = new_token_validity(attention_mask, seen_before, q)
-        if valid_new is not None and bool(valid_new.all()):
-            valid_new = None
+        valid_new = self._step_validity(attention_mask, seen_before, q)
         sinks, middle, recent = self.regions()
         segs = sinks + middle + recent
         q_pos = torch.arange(seen_before, seen_before + q, device=k.device)
@@ -227,6 +225,21 @@ class CompressedLayer:
             self._observe(query, new, scaling, softcap, sink_logits, sinks, middle, recent)
         self.commit(k, v, valid_new, seen_before, q_pos)
         return out
+
+    def _step_validity(self, attention_mask: torch.Tensor | None, seen_before: int, q: int) -> torch.Tensor | None:
+        """The step's tokens' validity ``[batch, q]``, ``None`` when all are valid.  Every layer of one forward call
+        gets the same mask object: the first layer reads it (one device sync when there is a mask), the others
+        reuse its answer (kept on the cache's pipeline, which its layers share, until the next call)."""
+        if attention_mask is None:
+            return None
+        memo = self.pipeline.step_validity
+        if memo is not None and memo[0] is attention_mask and memo[1] == seen_before and memo[2] == q:
+            return memo[3]
+        valid = new_token_validity(attention_mask, seen_before, q)
+        if valid is not None and bool(valid.all()):
+            valid = None
+        self.pipeline.step_validity = (attention_mask, seen_before, q, valid)
+        return valid
 
     def _observe(self, query: torch.Tensor, new: Segment, scaling: float, softcap: float | None,
                  sink_logits: torch.Tensor | None, sinks: list[Segment], middle: list[Segment],

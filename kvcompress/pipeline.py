@@ -63,6 +63,9 @@ class StackPipeline:
         #: where each compressor comes from ("built-in", "<distribution> <version>"), named in hook errors
         self.sources = list(sources) if sources is not None else [""] * len(self.compressors)
         self.failed: Exception | None = None  # set when a hook raised: the caches running this stack are unusable
+        #: (attention mask, first position, tokens, validity) of the current forward call, shared by the layers of
+        #: the cache running this pipeline (:meth:`kvcompress.layer.CompressedLayer.attend`: one mask read per call)
+        self.step_validity: tuple | None = None
         self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(CacheCompressor)
         order: dict[int, int] = {}

@@ -14,6 +14,9 @@ Stacked with a quantizer or a pruner, ``recent`` is the token budget of the
 whole window: the compressors downstream may keep their own full-precision
 recent tokens (e.g. KIVI's residual) and compress the rest of the budget.
 
+The window is over positions: a row keeps its tokens at the ``recent`` newest positions (for left-padded
+batches, exactly its ``recent`` newest real tokens; a mask with holes inside a row keeps fewer).
+
 Parameters: ``sinks`` (default 4, the paper's choice), ``recent`` (default 1024;
 the paper's streaming default is 4 + 1020 for Llama-2).
 """
@@ -25,6 +28,7 @@ import dataclasses
 import torch
 
 from kvcompress import Compressor, CompressorSpec, Layout, hookimpl, param
+from kvcompress.state import DenseStore
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +66,13 @@ class WindowCompressor(Compressor):
             return (block.positions >= horizon).unsqueeze(0).expand_as(block.valid)
         store = layer.middle
         store.limit(budget)
-        if block.all_valid and store.known_all_valid():
-            # every stored and incoming token is valid in every row (known on the host, nothing read from the
-            # device): the budget newest are the last columns, so drop the oldest ones
+        if isinstance(store, DenseStore) or (block.all_valid and store.known_all_valid()):
+            # The budget newest real tokens of a row are its last `budget` columns: columns are positions shared
+            # by every row, and a row's real tokens are a suffix of them (left padding; the sinks leave from the
+            # front) - the static cache's rule too.  So drop the oldest columns, decided on the host: nothing is
+            # read from the device (a padded batch used to sync ~3 times per layer and step here).  A full-
+            # precision store drops any number of columns; other stores only when every token is known valid
+            # (then the general path below would drop the same columns).
             stored, drop = store.num_tokens, store.num_tokens + block.num_tokens - budget
             if drop <= 0:
                 return None
@@ -73,6 +81,7 @@ class WindowCompressor(Compressor):
                 return None
             keep = torch.arange(block.num_tokens, device=block.valid.device) >= drop - stored
             return keep.unsqueeze(0).expand_as(block.valid)
+        # a store that evicts in units (e.g. KIVI's groups) with padded rows: mask per row
         stored = store.valid_mask()
         combined = block.valid if stored is None else torch.cat([stored, block.valid], dim=1)
         # Rank tokens of each row from the newest; keep the `budget` newest real ones.
