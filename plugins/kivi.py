@@ -145,9 +145,14 @@ class MergedLanes:
     """How a store's head-group lanes read as one region (a stacked LeanK + KIVI middle): decided once, when the
     lanes are made, from host facts (one read of the lanes' head lists), never per step.
 
-    ``heads``: the kv heads the region's segment covers (``None``: every kv head, in order); ``lane_heads``: each
-    lane's heads as positions among them; ``num_heads``: their count; ``impl``: the ``kvcompress::kivi_lanes_partial``
-    implementation (:func:`kvcompress.kernels.ops.choose`).
+    ``heads``: the kv heads the region's segment covers (``None``: every kv head, in order - always, when the
+    layer's kv head count is known); ``lane_heads``: each lane's heads as positions among them; ``num_heads``: their
+    count; ``impl``: the ``kvcompress::kivi_lanes_partial`` implementation (:func:`kvcompress.kernels.ops.choose`).
+    ``covered``: bool ``[num_heads]`` when some head has no lane (a pruner dropped it: it keeps no middle), else
+    ``None``.  The segment then covers every head anyway - the op gives such a head ``-inf`` - and its validity is
+    per head (``[batch, heads, tokens]``, those heads never valid), which is what the readers that decode the region
+    instead (read-time selections, attention-mass observers) mask with; so the read needs no gather of the query's
+    heads and no scatter of the partial.
     """
 
     heads: torch.Tensor | None
@@ -155,6 +160,7 @@ class MergedLanes:
     num_heads: int
     head_dim: int
     impl: str
+    covered: torch.Tensor | None = None
 
     @classmethod
     def plan(cls, codec: "KiviCodec", groups: list[HeadGroup], payloads: list[dict[str, torch.Tensor]],
@@ -170,7 +176,7 @@ class MergedLanes:
             return None
         lists = [g.heads.tolist() for g in groups]  # one host read, once per store
         union = sorted(h for hs in lists for h in hs)
-        if len(set(union)) != len(union):
+        if len(set(union)) != len(union) or (num_kv_heads is not None and union[-1] >= num_kv_heads):
             return None  # a head in two lanes: the segments' dequantized keys could not hold it
         from kvcompress.kernels import ops
 
@@ -180,8 +186,13 @@ class MergedLanes:
                           v_dim=dv, v_group=codec.v_group, kept=tuple(p["k_scale"].shape[-1] for p in payloads))
         if device.type == "cuda" and impl == "reference":
             return None  # the per-lane KIVI kernels beat the reference on the GPU
-        if num_kv_heads is not None and union == list(range(num_kv_heads)):
-            return cls(None, [g.heads for g in groups], num_kv_heads, head_dim, impl)
+        if num_kv_heads is not None:
+            covered = None
+            if len(union) != num_kv_heads:
+                covered = torch.zeros(num_kv_heads, dtype=torch.bool)
+                covered[union] = True
+                covered = covered.to(device)
+            return cls(None, [g.heads for g in groups], num_kv_heads, head_dim, impl, covered)
         where = {h: i for i, h in enumerate(union)}
         lane_heads = [torch.tensor([where[h] for h in hs], dtype=torch.long, device=device) for hs in lists]
         return cls(torch.tensor(union, dtype=torch.long, device=device), lane_heads, len(union), head_dim, impl)
@@ -194,6 +205,8 @@ class MergedLanes:
                            impl=self.impl if impl is None else impl)
 
     def segment(self, region: PackedLanes, valid: torch.Tensor, positions: torch.Tensor) -> Segment:
+        if self.covered is not None:  # heads without a lane: never valid (one small op per read)
+            valid = valid.unsqueeze(1) & self.covered.view(1, -1, 1)
         return Segment(None, None, valid, positions, heads=self.heads, packed=region)
 
 

@@ -314,6 +314,52 @@ def test_choose_on_cuda_takes_triton_when_it_can(monkeypatch):
     assert ops.choose("kivi_lanes_partial", "cuda", kept=(32,), **facts) == "reference"
 
 
+def test_merged_segment_fallback_readers_mask_heads_without_a_lane():
+    """The merged segment covers every head; a head without a lane (count 0) is invalid in its per-head validity.
+    The read (the op), a read-time selection (decoded through ``dequantize``), the attention-mass observer and the
+    joint-softmax oracle all equal the per-lane segments' results."""
+    import dataclasses
+
+    from kvcompress.kernels.attention import attend_segments, segment_attention
+    from kvcompress.observe import attention_mass
+    from kvcompress.plugins.kivi import KiviConfig, KiviStore
+    from kvcompress.state import HeadGroup, KVBlock, Segment, TokenSelection
+
+    g = torch.Generator().manual_seed(12)
+    b, hkv, d, t, group = 2, 4, 16, 48, 4
+    heads = {8: [0, 3], 4: [1]}  # head 2 keeps nothing
+    groups = [HeadGroup(torch.tensor(hs), torch.randn(b, len(hs), t, c, generator=g),
+                        torch.randn(b, len(hs), t, d, generator=g),
+                        torch.stack([torch.randperm(d, generator=g)[:c].sort().values for _ in hs]))
+              for c, hs in heads.items()]
+    valid = torch.rand(b, t, generator=g) < 0.8
+    store = KiviStore(KiviConfig(bits=2, group=16, residual=0), head_dim=d, num_kv_heads=hkv)
+    store.append(KVBlock(None, None, valid, torch.arange(t), groups=groups))
+    merged = store.segments()
+    assert len(merged) == 1 and merged[0].heads is None and merged[0].valid.shape == (b, hkv, t)
+    store.merged, store._segments = None, None
+    per_lane = store.segments()
+    assert len(per_lane) == 2
+    window = Segment(torch.randn(b, hkv, 8, d, generator=g), torch.randn(b, hkv, 8, d, generator=g), None,
+                     torch.arange(t, t + 8))
+    q = torch.randn(b, hkv * group, 1, d, generator=g)
+    q_pos = torch.tensor([t + 8])
+    scale = d ** -0.5
+
+    def read(middle, fn=attend_segments):
+        return fn(q, middle + [window], q_pos, scale)
+
+    torch.testing.assert_close(read(merged), read(per_lane), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(read(merged, segment_attention), read(per_lane), atol=1e-5, rtol=1e-5)
+    sel = TokenSelection(torch.rand(b, hkv * group, 1, t, generator=g).argsort(-1)[..., :20])
+    torch.testing.assert_close(read([dataclasses.replace(s, select=sel) for s in merged]),
+                               read([dataclasses.replace(s, select=sel) for s in per_lane]), atol=1e-5, rtol=1e-5)
+    mass = attention_mass(q, merged + [window], q_pos, scale, hkv)
+    lanes_mass = attention_mass(q, per_lane + [window], q_pos, scale, hkv)
+    torch.testing.assert_close(mass[0], lanes_mass[0] + lanes_mass[1], atol=1e-6, rtol=1e-5)
+    assert (mass[0][:, 2] == 0).all() and (mass[0][:, [0, 1, 3]] > 0).any()
+
+
 # ----------------------------------------------------------------------------- end to end (CPU path)
 
 
@@ -373,11 +419,11 @@ def test_stacked_leank_kivi_logits_unchanged(stacked, static, monkeypatch):
     model, stack = stacked
     ids = torch.randint(1, 256, (1, 130), generator=torch.Generator().manual_seed(3))
     merged, cache = _logits(model, stack, ids, static)
-    for i, heads in enumerate(([0, 1, 3], None)):
+    for i in range(2):  # one segment over every head; layer 0's head 2 (no lane) is never valid in it
         segs = cache.compressed_layers[i].middle.segments()
-        assert len(segs) == 1 and isinstance(segs[0].packed, PackedLanes)
-        assert (segs[0].heads is None) if heads is None else segs[0].heads.tolist() == heads
+        assert len(segs) == 1 and isinstance(segs[0].packed, PackedLanes) and segs[0].heads is None
         assert len(segs[0].packed.lanes) == (2 if i == 0 else 3)
+        assert (segs[0].valid.dim() == 3 and not segs[0].valid[:, 2].any()) if i == 0 else segs[0].valid.dim() == 2
     with monkeypatch.context() as m:
         m.setattr(kivi.MergedLanes, "plan", classmethod(lambda cls, *a: None))
         per_lane, _ = _logits(model, stack, ids, static)
@@ -401,7 +447,8 @@ def test_compiled_static_read_is_one_graph_with_one_op():
     layer = benchutil.build_static_layer("leank70-kivi2", shape, 2, 150, "cpu", torch.Generator().manual_seed(5),
                                          regions={"sinks": 4, "window": 16, "flush": 32})
     seg = benchutil.static_segments(layer)[1:]
-    assert len(seg) == 1 and len(seg[0].packed.lanes) == 3 and seg[0].heads.tolist() == list(range(1, 8))
+    assert len(seg) == 1 and len(seg[0].packed.lanes) == 3 and seg[0].heads is None
+    assert not seg[0].valid[:, 0].any()  # head 0 keeps no channel: no lane, never valid
     graphs = []
 
     def backend(gm, example_inputs):
@@ -426,6 +473,70 @@ def test_compiled_static_read_is_one_graph_with_one_op():
     targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert targets.count(ops._OPS["kivi_lanes_partial"]) == 1 and ops._OPS["kivi_partial"] not in targets
     assert torch.equal(got, eager) and torch.equal(again, eager_again) and not torch.equal(got, again)
+
+
+# ----------------------------------------------------------------------------- GPU (never in CI)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", list(CASES) + ["llama-b4-4k"])
+def test_triton_kernel_on_gpu_matches_reference(name):
+    """The compiled kernel (inline-PTX dequantisation, tensor-core dots, the op's resolved configuration and its
+    cached launch plan) against the reference and the float64 oracle, on a real GPU."""
+    from kvcompress.kernels import ops
+    from kvcompress.kernels.kivi import lanes_reference, lanes_triton
+
+    if name == "llama-b4-4k":  # the benchmark's Llama layout: kept 0/32/32/32/32/32/64/96, 4001 of 4096 slots live
+        make_kw = dict(batch=4, counts=(0, 32, 32, 32, 32, 32, 64, 96), tokens=4096, live=4001, seed=11)
+    else:
+        make_kw = CASES[name][0]
+    q, region = make_region(**make_kw)
+    q = q.cuda()
+    lanes = tuple(lanes_reference.KiviLane(*(None if x is None else x.cuda() for x in lane)) for lane in region.lanes)
+    region = lanes_reference.PackedLanes(region.bits, region.group, lanes, region.valid.cuda(), region.num_heads,
+                                         region.head_dim, length=None if region.length is None else
+                                         region.length.cuda())
+    scale = q.shape[-1] ** -0.5
+    ref = lanes_reference.kivi_lanes_attention_partial(q, region, scale)
+    base = ops._kivi_triton_base(region.bits, region.group, q.shape[-1], region.v_dim, region.v_group)
+    for _ in range(2):  # plans, then reuses the cached plan
+        got = lanes_triton.kivi_lanes_attention_partial(q, region, scale, base=base)
+        assert close(got, ref) == ""
+    assert getattr(region.valid, lanes_triton.PLAN_ATTR, None) is not None
+    exact = oracle(q.cpu(), lanes_reference.PackedLanes(
+        region.bits, region.group, tuple(lanes_reference.KiviLane(*(None if x is None else x.cpu() for x in lane))
+                                         for lane in region.lanes), region.valid.cpu(), region.num_heads,
+        region.head_dim, length=None if region.length is None else region.length.cpu()), scale)
+    assert close(tuple(x.cpu() for x in got), exact) == ""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_static_read_on_gpu_reduce_overhead():
+    """The benchmark's static layer (LeanK 70 % + KIVI-2, Llama heads) read by one kivi_lanes_partial launch, compiled
+    with CUDA graphs (``mode="reduce-overhead"``), equals the per-lane read."""
+    from kvcompress.kernels import benchutil
+
+    shape = benchutil.SHAPES[0]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layer = benchutil.build_static_layer("leank70-kivi2", shape, 2, 4096, "cuda", gen)
+    assert layer.middle.merged is not None and layer.middle.lanes_kernel == "triton"
+    q = torch.randn(2, shape.q_heads, 1, shape.head_dim, device="cuda", dtype=torch.float16, generator=gen)
+    scale = shape.head_dim ** -0.5
+    eager = benchutil.static_read(layer, q, scale)
+    torch._dynamo.reset()
+    f = torch.compile(lambda q: benchutil.static_read(layer, q, scale), fullgraph=True, mode="reduce-overhead")
+    for _ in range(3):
+        torch.compiler.cudagraph_mark_step_begin()
+        got = f(q).clone()
+    torch._dynamo.reset()
+    merged, region = layer.middle.merged, layer.middle._region
+    layer.middle.merged = None  # the per-lane read (one KIVI launch per lane)
+    per_lane = benchutil.static_read(layer, q, scale)
+    layer.middle.merged, layer.middle._region = merged, region
+    torch.testing.assert_close(got.float(), eager.float(), atol=2e-3, rtol=1e-2)
+    torch.testing.assert_close(eager.float(), per_lane.float(), atol=2e-3, rtol=1e-2)
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

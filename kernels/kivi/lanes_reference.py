@@ -63,8 +63,9 @@ class PackedLanes:
 
     Read in place by :meth:`attention_partial`.  :meth:`dequantize` (the fallback readers: selections, attention-mass
     observers, the joint-softmax oracle) spreads each lane's kept channels back into ``D``-wide keys (zeros on the
-    pruned channels, which leaves every score unchanged); it needs lanes that cover every head exactly once, which is
-    what the stores build (a layer whose pruner drops heads reads them as a segment over the covered heads only).
+    pruned channels, which leaves every score unchanged) and needs lanes that cover each head at most once (what the
+    stores build); a head no lane covers gets zero keys and values there, so a segment over this region masks it
+    with a per-head validity (``Segment.valid`` ``[B, H, T]``, :class:`kvcompress.plugins.kivi.MergedLanes`).
     """
 
     bits: int
