@@ -204,8 +204,14 @@ def _interpreter_cases() -> dict:
         got = lanes_triton.kivi_lanes_attention_partial(q, region, scale, splits=1)
         return {"vs_oracle": close(got, oracle(q, region, scale))}
 
+    def overlap():
+        """A head in two lanes: the merge folds both lanes' rows of that head (joint softmax)."""
+        q, region = overlapping_region()
+        got = lanes_triton.kivi_lanes_attention_partial(q, region, 0.2, splits=2)
+        return {"vs_reference": close(got, lanes_reference.kivi_lanes_attention_partial(q, region, 0.2))}
+
     cases = {name: run(*kw) for name, kw in CASES.items()}
-    cases.update({"softcap": softcap, "op-glue": op_glue, "many-lanes": many_lanes})
+    cases.update({"softcap": softcap, "op-glue": op_glue, "many-lanes": many_lanes, "overlap": overlap})
     return cases
 
 
@@ -215,7 +221,7 @@ def interpreted(tmp_path_factory):
     return run_interpreted(__file__, tmp_path_factory.mktemp("kivi_lanes"), OMP_NUM_THREADS="1")
 
 
-@pytest.mark.parametrize("name", list(CASES) + ["softcap", "op-glue", "many-lanes"])
+@pytest.mark.parametrize("name", list(CASES) + ["softcap", "op-glue", "many-lanes", "overlap"])
 def test_triton_kernel_under_interpreter(interpreted, name):
     res = interpreted[name]
     assert "error" not in res, res.get("error")
@@ -234,6 +240,43 @@ def test_reference_matches_float64_oracle(name):
     scale = q.shape[-1] ** -0.5
     assert close(kivi_lanes_attention_partial(q, region, scale), oracle(q, region, scale), atol=1e-4, rtol=1e-4,
                  lse_atol=1e-4) == ""
+
+
+def overlapping_region(seed=13):
+    """Two lanes sharing head 1 (not what the stores build; the op's semantics: that head's joint softmax)."""
+    from kvcompress.kernels.kivi.lanes_reference import KiviLane, PackedLanes
+    from kvcompress.kernels.kivi.reference import quantize_keys, quantize_values
+
+    g = torch.Generator().manual_seed(seed)
+    b, t, d = 2, 64, 32
+    lanes = []
+    for hs, c in (([0, 1], 16), ([1, 2], 8)):
+        k = torch.randn(b, 2, t, c, generator=g)
+        v = torch.randn(b, 2, t, d, generator=g)
+        ch = torch.stack([torch.randperm(d, generator=g)[:c].sort().values for _ in hs])
+        lanes.append(KiviLane(torch.tensor(hs), ch, *quantize_keys(k, 2, 32), *quantize_values(v, 2, 32)))
+    valid = torch.rand(b, t, generator=g) < 0.8
+    q = torch.randn(b, 4, 3, d, generator=g).half()  # head 3: no lane
+    return q, PackedLanes(2, 32, tuple(lanes), valid, 4, d)
+
+
+def test_reference_joint_softmax_of_a_head_in_two_lanes():
+    from kvcompress.kernels.kivi.lanes_reference import kivi_lanes_attention_partial
+    from kvcompress.kernels.kivi.reference import dequantize_keys, dequantize_values
+
+    q, region = overlapping_region()
+    out, lse = kivi_lanes_attention_partial(q, region, 0.2)
+    scores, values = [], []  # head 1: both lanes' tokens in one softmax (float64)
+    for lane, i in zip(region.lanes, (1, 0)):
+        k = dequantize_keys(lane.k_codes, lane.k_scale, lane.k_zero, 2)[:, i].double()
+        s = torch.einsum("bmc,btc->bmt", q[:, 1][..., lane.channels[i]].double(), k) * 0.2
+        scores.append(s.masked_fill(~region.valid[:, None], float("-inf")))
+        values.append(dequantize_values(lane.v_codes, lane.v_scale, lane.v_zero, 2)[:, i].double())
+    s, v = torch.cat(scores, -1), torch.cat(values, 1)
+    torch.testing.assert_close(lse[:, 1].double(), torch.logsumexp(s, -1), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out[:, 1].double(), torch.einsum("bmt,btd->bmd", torch.softmax(s, -1), v), atol=1e-4,
+                               rtol=1e-4)
+    assert torch.isinf(lse[:, 3]).all() and (out[:, 3] == 0).all()
 
 
 def test_dequantize_spreads_kept_channels_into_the_head():

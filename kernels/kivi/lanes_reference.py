@@ -188,20 +188,51 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
     valid = region.with_length(length).live_valid()
     b, hkv, m, _ = query.shape
     dv = region.v_dim
+    if not region.lanes:
+        raise ValueError("kivi_lanes_attention_partial needs at least one lane")
+    disjoint = _disjoint(region)
+    if disjoint:  # each head in one lane at most (what the stores build): partials placed, no merge
+        out = query.new_zeros((b, hkv, m, dv), dtype=torch.float32)
+        lse = query.new_full((b, hkv, m), float("-inf"), dtype=torch.float32)
     parts = []
     for lane in region.lanes:
         q = gather_query(query, lane.heads, lane.channels)
-        out, lse = _packed_partial(q, lane.packed(region.bits, region.group, valid), scale, softcap=softcap or None)
-        if lane.heads is not None:
-            full_out = out.new_zeros(b, hkv, m, dv)
-            full_lse = lse.new_full((b, hkv, m), float("-inf"))
-            full_out.index_copy_(1, lane.heads, out)
-            full_lse.index_copy_(1, lane.heads, lse)
-            out, lse = full_out, full_lse
-        parts.append((out, lse))
-    if not parts:
-        raise ValueError("kivi_lanes_attention_partial needs at least one lane")
+        o, l = _packed_partial(q, lane.packed(region.bits, region.group, valid), scale, softcap=softcap or None)
+        if lane.heads is None:  # every head
+            if len(region.lanes) == 1:
+                return o, l
+            parts.append((o, l))
+        elif disjoint:
+            out.index_copy_(1, lane.heads, o)
+            lse.index_copy_(1, lane.heads, l)
+        else:
+            full_out = o.new_zeros(b, hkv, m, dv)
+            full_lse = l.new_full((b, hkv, m), float("-inf"))
+            full_out.index_copy_(1, lane.heads, o)
+            full_lse.index_copy_(1, lane.heads, l)
+            parts.append((full_out, full_lse))
+    if disjoint:
+        return out, lse
     return parts[0] if len(parts) == 1 else merge(parts)
+
+
+#: attribute of a region's ``valid`` tensor: ``(the lanes' head tensors, whether no head is in two lanes)``
+DISJOINT_ATTR = "_kvcompress_kivi_lanes_disjoint"
+
+
+def _disjoint(region: PackedLanes) -> bool:
+    """Whether every lane lists its heads and no head is in two lanes: read from the head lists once per region
+    (cached on its ``valid`` tensor while the lanes' head tensors are the same objects), not at every call."""
+    heads = tuple(lane.heads for lane in region.lanes)
+    if any(h is None for h in heads):
+        return False
+    cached = getattr(region.valid, DISJOINT_ATTR, None)
+    if cached is not None and len(cached[0]) == len(heads) and all(a is c for a, c in zip(cached[0], heads)):
+        return cached[1]
+    flat = [h for t in heads for h in t.tolist()]  # once per region (a store change)
+    answer = len(set(flat)) == len(flat)
+    setattr(region.valid, DISJOINT_ATTR, (heads, answer))
+    return answer
 
 
 __all__ = ["KiviLane", "PAYLOAD", "PackedLanes", "gather_query", "kivi_lanes_attention_partial", "merge"]
