@@ -165,10 +165,11 @@ class MergedLanes:
     @classmethod
     def plan(cls, codec: "KiviCodec", groups: list[HeadGroup], payloads: list[dict[str, torch.Tensor]],
              head_dim: int, num_kv_heads: int | None) -> "MergedLanes | None":
-        """The plan, or ``None`` when the lanes stay separate segments: fewer than two lanes, per-token keys,
-        lanes with a query projection or an output map (low rank), lanes sharing a head, or a CUDA store whose
-        fused kernel does not take them (the per-lane KIVI kernels then read them as before)."""
-        if len(groups) < 2 or codec.per_token_keys:
+        """The plan, or ``None`` when the lanes stay separate segments: per-token keys, lanes with a query
+        projection or an output map (low rank), lanes sharing a head, a CUDA store whose fused kernel does not take
+        them (the per-lane KIVI kernels then read them as before), or a single lane that gains nothing (every head,
+        all channels) or that the KIVI CUDA kernel (v3) reads on its own."""
+        if not groups or codec.per_token_keys:
             return None
         if any(g.heads is None or g.qmap is not None or g.vmap is not None for g in groups):
             return None
@@ -186,13 +187,21 @@ class MergedLanes:
                           v_dim=dv, v_group=codec.v_group, kept=tuple(p["k_scale"].shape[-1] for p in payloads))
         if device.type == "cuda" and impl == "reference":
             return None  # the per-lane KIVI kernels beat the reference on the GPU
+        if len(groups) == 1:  # one lane: merged where it spares the read a query gather / head scatter
+            g = groups[0]
+            if g.every_head and g.channels is None:
+                return None
+            if device.type == "cuda" and codec.choose_kernel(payloads[0], payloads[0]["v_codes"].shape[2]) == "cuda":
+                return None  # the KIVI CUDA kernel (v3) reads one lane faster than the lanes kernel's v2 loop
         if num_kv_heads is not None:
             covered = None
             if len(union) != num_kv_heads:
                 covered = torch.zeros(num_kv_heads, dtype=torch.bool)
                 covered[union] = True
                 covered = covered.to(device)
-            return cls(None, [g.heads for g in groups], num_kv_heads, head_dim, impl, covered)
+            # a lane of every head in order reads the query as it is (no head list)
+            return cls(None, [None if g.every_head else g.heads for g in groups], num_kv_heads, head_dim, impl,
+                       covered)
         where = {h: i for i, h in enumerate(union)}
         lane_heads = [torch.tensor([where[h] for h in hs], dtype=torch.long, device=device) for hs in lists]
         return cls(torch.tensor(union, dtype=torch.long, device=device), lane_heads, len(union), head_dim, impl)
