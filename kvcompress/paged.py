@@ -774,5 +774,5 @@ class StaticPagedStore(MiddleStore):
         out = payload_nbytes(self.lanes, self.codec)
         size = (lambda t: 0 if t is None else t.numel() * t.element_size())
         out["middle: page valid + positions + state"] = sum(size(t) for t in (self.valid, self.pos, self.live,
-                                                                                    self.score, self.age))
+                                                                                    self.score, self.age, self.clock))
         return out

@@ -44,6 +44,21 @@ from .layer import add_store_bytes, apply_selection, dense_read
 from .state import HeadGroup, KVBlock, LayerInfo, Layout, MiddleStore, Segment, new_token_validity
 
 
+
+def storage_bytes(*tensors: "torch.Tensor | None") -> int:
+    """Bytes of the storages behind ``tensors``, each storage once (an expanded or sliced view costs what it
+    holds, not its shape)."""
+    seen: set = set()
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
 def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
@@ -461,8 +476,8 @@ class StaticLayer:
     def memory(self) -> dict[str, int]:
         if not self.is_initialized:
             return {"sinks + recent": 0}
-        n = sum(t.numel() * t.element_size() for t in (self.k, self.v, self.valid, self.ring_pos, self.sink_pos,
-                                                        self.sink_count, self.seen, self.flushed))
+        n = storage_bytes(self.k, self.v, self.valid, self.ring_pos, self.sink_pos, self.sink_count, self.seen,
+                          self.flushed, self._offsets, self._sink_index, self._true, self._zero_pos)
         return add_store_bytes({"sinks + recent": n}, self.middle, self.state)
 
     def tokens_seen(self) -> int:
@@ -512,6 +527,12 @@ class StaticRing:
         # middle tokens precede every query: their positions never mask anything
         self.zero_pos = torch.zeros((), dtype=torch.long, device=device).expand(self.columns)
         mark_static(self.valid, self.pos, self.cursor)
+
+    def nbytes(self) -> int:
+        """Bytes of the slot bookkeeping (validity, positions, cursor and the constant index tensors)."""
+        if self.valid is None:
+            return 0
+        return storage_bytes(self.valid, self.pos, self.cursor, self._offsets, self._real, self.zero_pos)
 
     def route(self, block: KVBlock) -> torch.Tensor:
         """Slot mode: the block's target token columns ``[batch, heads, tokens]`` (``block.slots``), a unit whose
@@ -630,7 +651,11 @@ class StaticRingStore(MiddleStore):
         self.ring.reset()
 
     def _meta_bytes(self) -> int:
-        return 0 if self.ring.valid is None else self.ring.valid.numel() + self.ring.pos.numel() * 8
+        return self.ring.nbytes()
+
+    def index_tensors(self) -> list[torch.Tensor]:
+        """The lanes' head / channel index tensors (a pruner's per-layer choice, which its state may share)."""
+        return [t for group, _ in self.lanes or [] for t in (group.heads, group.channels) if isinstance(t, torch.Tensor)]
 
 
 class StaticDenseStore(StaticRingStore):

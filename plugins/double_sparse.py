@@ -252,8 +252,8 @@ class StaticLabelCache:
         self.ring.reset()
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.channels, self.data, self.aux, self.ring.valid,
-                                                          self.ring.pos) if t is not None)
+        return self.ring.nbytes() + sum(t.numel() * t.element_size() for t in (self.channels, self.data, self.aux)
+                                        if t is not None)
 
 
 class DoubleSparseCompressor(Compressor):

@@ -267,6 +267,24 @@ def test_compiled_decode_equals_eager(registry, model, basis, name):
     assert (runs[1] - runs[0]).abs().max().item() <= 1e-5
 
 
+@names
+def test_static_memory_report_counts_every_tensor_held(registry, model, basis, name):
+    """A static cache's memory report after a left-padded prefill and decode steps equals the bytes of the tensors
+    its layers hold (each storage once; :func:`_tensors`), as the dynamic cache's does above."""
+    stack = _stack(registry, name, basis)
+    ids = torch.randint(1, 256, (2, PROMPT + PAD + STEPS), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :PAD] = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a plugin that is not graph-safe gets a dynamic cache: checked the same way
+        _, cache = _teacher_forced(model, stack, ids, mask, STEPS, max_cache_len=ids.shape[1] + 2)
+    held: list[int] = []
+    seen: set = set()
+    for core in cache.compressed_layers:
+        _tensors(core, seen, held)
+    assert cache.memory_report().cache_bytes == sum(held)
+
+
 def _tensors(obj, seen, out, depth=0):
     """Every tensor reachable from ``obj`` through kvcompress objects, lists, tuples and dicts (storages once)."""
     if isinstance(obj, torch.Tensor):
