@@ -603,7 +603,7 @@ def _kivi_cuda_problem(device: torch.device, f: dict) -> Optional[str]:
 def _triton_problem(op: str, f: dict) -> Optional[str]:
     dk = f.get("head_dim", 128)
     dv = f.get("v_dim", dk)
-    if op == "kivi_partial":
+    if op in ("kivi_partial", "kivi_lanes_partial"):
         bits, g, gv = f.get("bits", 2), f.get("group", 32), f.get("v_group", 32)
         if f.get("k_per_token"):
             return "per-token keys (ablation)"
@@ -611,18 +611,12 @@ def _triton_problem(op: str, f: dict) -> Optional[str]:
             return f"bits {bits}"
         if not (_pow2(g) and 16 <= g <= 128):
             return f"key group {g} (a power of two in 16..128)"
+    if op == "kivi_partial":
         if dk > 256 or dk % 2 or dv > 256 or dv % (32 // bits) or not _pow2(gv) or gv < 2 or dv % gv:
             return f"dims {dk} / {dv}, value group {gv}"
         return None
     if op == "kivi_lanes_partial":
-        bits, g, gv = f.get("bits", 2), f.get("group", 32), f.get("v_group", 32)
         kept = f.get("kept") or ()
-        if f.get("k_per_token"):
-            return "per-token keys (ablation)"
-        if bits not in (2, 4):
-            return f"bits {bits}"
-        if not (_pow2(g) and 16 <= g <= 128):
-            return f"key group {g} (a power of two in 16..128)"
         if any(c % 2 or c > 256 or c <= 0 for c in kept):
             return f"kept channel counts {tuple(kept)} (even, up to 256)"
         if dk > 256 or dv > 256 or dv % (32 // bits) or not _pow2(gv) or gv < 2 or dv % gv:

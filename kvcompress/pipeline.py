@@ -149,28 +149,29 @@ class StackPipeline:
         store = self._build_store(layer)
         if getattr(layer.layout, "head_valid", False):
             if not getattr(store, "supports_head_valid", False):
-                who = [f"compressors[{i}].{self.compressors[i][0]}" for i, lay in self.layouts(layer.info)
-                       if lay.head_valid]
-                kind = "static" if getattr(layer, "static", False) else "dynamic"
-                raise ConfigError(
-                    ", ".join(who), "a middle store that keeps a per-head validity (adaptive per-head budgets): full "
-                    "precision, dynamic or static cache", f"{type(store).__name__} in a {kind} cache",
-                    hint="schedule 'adaptive' gives the kv heads of a row different numbers of tokens; use schedule "
-                         "'uniform' with this store")
+                raise self._store_refusal(
+                    layer, store, "head_valid", "a middle store that keeps a per-head validity (adaptive per-head "
+                    "budgets): full precision, dynamic or static cache",
+                    "schedule 'adaptive' gives the kv heads of a row different numbers of tokens; use schedule "
+                    "'uniform' with this store")
             store.use_head_valid()
         if not getattr(layer.layout, "head_slots", False):
             return store
         if not getattr(store, "supports_slots", False):
-            who = [f"compressors[{i}].{self.compressors[i][0]}" for i, lay in self.layouts(layer.info)
-                   if lay.head_slots]
-            kind = "static" if getattr(layer, "static", False) else "dynamic"
-            raise ConfigError(
-                ", ".join(who), "a middle store with per-head slots: full precision (dynamic or static cache) or "
-                "KIVI under a token budget (its preallocated store)", f"{type(store).__name__} in a {kind} cache",
-                hint="this evictor replaces stored tokens per kv head while decoding (Layout.head_slots); use "
-                     "phase: prefill, or a store that supports per-head slots")
+            raise self._store_refusal(
+                layer, store, "head_slots", "a middle store with per-head slots: full precision (dynamic or static "
+                "cache) or KIVI under a token budget (its preallocated store)",
+                "this evictor replaces stored tokens per kv head while decoding (Layout.head_slots); use phase: "
+                "prefill, or a store that supports per-head slots")
         store.use_slots()
         return store
+
+    def _store_refusal(self, layer: Any, store: MiddleStore, flag: str, expected: str, hint: str) -> ConfigError:
+        """The ConfigError for a store that cannot honour layout ``flag``, naming the compressors that set it."""
+        who = [f"compressors[{i}].{self.compressors[i][0]}" for i, lay in self.layouts(layer.info)
+               if getattr(lay, flag)]
+        kind = "static" if getattr(layer, "static", False) else "dynamic"
+        return ConfigError(", ".join(who), expected, f"{type(store).__name__} in a {kind} cache", hint=hint)
 
     def _build_store(self, layer: Any) -> MiddleStore:
         """An evictor's own store (holding the quantizer's codec), else the quantizer's store, else full

@@ -388,6 +388,57 @@ def _cleanup(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _row_template(model: Any, spec: RowSpec, batch: int, ctx: int, capacity: int, chunk: int) -> dict[str, Any]:
+    """A latency row's fields before it is measured (the JSON schema of docs/evaluation.md)."""
+    from .runner import compile_options, graph_compile_options
+
+    device = next(model.parameters()).device
+    return {
+        "label": spec.label, "kind": spec.kind, "compiled": spec.compiled,
+        "stack": spec.stack.to_dict() if spec.stack is not None else None,
+        "stack_source": getattr(spec.stack, "source", None), "batch": batch, "context": ctx,
+        "capacity": capacity if spec.compiled or spec.kind == "static-eager" else None, "prefill_chunk": chunk,
+        "compile_options": (dict(graph_compile_options(device), cuda_graph="kvcompress GraphStep")
+                            if spec.kind == "graph" else compile_options(device) if spec.compiled else None),
+        "wall_ms": None, "wall_p10_ms": None, "wall_p90_ms": None, "step_ms": [], "gpu_busy_ms": None,
+        "kernels_per_step": None, "wall_over_busy": None, "cache_bytes": None,
+        "dense_bytes": capacity * batch * dense_bytes_per_token(model), "prefill_s": None,
+        "compile_s": None, "warmup_s": None, "graphs": None, "recompiles": None, "graphs_after_warmup": None,
+        "cudagraph_skips": None, "peak_bytes": None, "error": None, "traceback": None,
+    }
+
+
+def _wall_stats(row: dict[str, Any]) -> None:
+    """``wall_ms`` (median) and the 10th / 90th percentiles of ``row["step_ms"]``."""
+    xs = sorted(row["step_ms"])
+    row["wall_ms"] = statistics.median(xs)
+    row["wall_p10_ms"] = xs[round(0.1 * (len(xs) - 1))]
+    row["wall_p90_ms"] = xs[round(0.9 * (len(xs) - 1))]
+
+
+def _last_steps(dec: "_Decoder", row: dict[str, Any], first: int, total: int) -> None:
+    """Steps ``first .. total - 1`` after the timed ones: on CUDA under torch.profiler (``gpu_busy_ms``,
+    ``kernels_per_step``, ``wall_over_busy``), elsewhere unprofiled (the cache ends in the same state)."""
+    n = total - first
+    if dec.device.type == "cuda" and n:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(first, total):
+                dec.step(i)
+            _sync(dec.device)
+        busy, kernels = kernel_time(prof)
+        del prof
+        if kernels:
+            row["gpu_busy_ms"] = busy / n
+            row["kernels_per_step"] = kernels / n
+            row["wall_over_busy"] = row["wall_ms"] / row["gpu_busy_ms"]
+        return
+    for i in range(first, total):
+        dec.step(i)
+    _sync(dec.device)
+
+
 def measure_row(model: Any, spec: RowSpec, batch: int, ctx: int, *, steps: int = 32, warmup: int = 3,
                 profile_steps: int = 5, prefill_tokens: int = 32768, seed: int = 0,
                 gate: Callable[[str], contextlib.AbstractContextManager] | None = None) -> dict[str, Any]:
@@ -398,26 +449,14 @@ def measure_row(model: Any, spec: RowSpec, batch: int, ctx: int, *, steps: int =
     processes uses it to prefill and time one row at a time.
     Never raises for a failure of the row itself: the row's ``error`` says what happened.
     """
-    from .runner import cache_memory, compile_options, graph_compile_options
+    from .runner import cache_memory
 
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
     total = warmup + steps + profile_steps
     capacity = ctx + total
     chunk = max(1, min(ctx, prefill_tokens // batch))
-    row: dict[str, Any] = {
-        "label": spec.label, "kind": spec.kind, "compiled": spec.compiled,
-        "stack": spec.stack.to_dict() if spec.stack is not None else None,
-        "stack_source": getattr(spec.stack, "source", None), "batch": batch, "context": ctx,
-        "capacity": capacity if spec.compiled or spec.kind == "static-eager" else None, "prefill_chunk": chunk,
-        "compile_options": (dict(graph_compile_options(device), cuda_graph="kvcompress GraphStep")
-                            if spec.kind == "graph" else compile_options(device) if spec.compiled else None),
-        "wall_ms": None, "wall_p10_ms": None, "wall_p90_ms": None, "step_ms": [], "gpu_busy_ms": None,
-        "kernels_per_step": None, "wall_over_busy": None, "cache_bytes": None,
-        "dense_bytes": (ctx + total) * batch * dense_bytes_per_token(model), "prefill_s": None,
-        "compile_s": None, "warmup_s": None, "graphs": None, "recompiles": None, "graphs_after_warmup": None,
-        "cudagraph_skips": None, "peak_bytes": None, "error": None, "traceback": None,
-    }
+    row = _row_template(model, spec, batch, ctx, capacity, chunk)
     vocab = model.config.vocab_size
     graphs0, skips0 = _counter("stats", "unique_graphs"), _counter("inductor", "cudagraph_skips")
     t_row = time.perf_counter()
@@ -454,27 +493,8 @@ def measure_row(model: Any, spec: RowSpec, batch: int, ctx: int, *, steps: int =
                 _sync(device)
                 times.append((time.perf_counter() - t0) * 1e3)
             row["step_ms"] = times
-            row["wall_ms"] = statistics.median(times)
-            xs = sorted(times)
-            row["wall_p10_ms"] = xs[round(0.1 * (len(xs) - 1))]
-            row["wall_p90_ms"] = xs[round(0.9 * (len(xs) - 1))]
-            if cuda and profile_steps:
-                from torch.profiler import ProfilerActivity, profile
-
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for i in range(warmup + steps, total):
-                        dec.step(i)
-                    _sync(device)
-                busy, kernels = kernel_time(prof)
-                del prof
-                if kernels:
-                    row["gpu_busy_ms"] = busy / profile_steps
-                    row["kernels_per_step"] = kernels / profile_steps
-                    row["wall_over_busy"] = row["wall_ms"] / row["gpu_busy_ms"]
-            else:
-                for i in range(warmup + steps, total):
-                    dec.step(i)
-                _sync(device)
+            _wall_stats(row)
+            _last_steps(dec, row, warmup + steps, total)
             graphs = _counter("stats", "unique_graphs") - graphs0
             if spec.compiled:
                 row["graphs"] = graphs
@@ -518,18 +538,8 @@ def measure_interleaved(model: Any, specs: Sequence[RowSpec], batch: int, ctx: i
         for spec in specs:
             if spec.compiled:
                 raise ValueError(f"measure_interleaved: {spec.label} is a compiled row (eager rows only)")
-            row: dict[str, Any] = {
-                "label": spec.label, "kind": spec.kind, "compiled": False,
-                "stack": spec.stack.to_dict() if spec.stack is not None else None,
-                "stack_source": getattr(spec.stack, "source", None), "batch": batch, "context": ctx,
-                "capacity": capacity if spec.kind == "static-eager" else None, "prefill_chunk": chunk,
-                "compile_options": None, "wall_ms": None, "wall_p10_ms": None, "wall_p90_ms": None,
-                "step_ms": [], "round_ms": [], "rounds": rounds, "gpu_busy_ms": None, "kernels_per_step": None,
-                "wall_over_busy": None, "cache_bytes": None,
-                "dense_bytes": (ctx + total) * batch * dense_bytes_per_token(model), "prefill_s": None,
-                "compile_s": None, "warmup_s": None, "graphs": None, "recompiles": None, "graphs_after_warmup": None,
-                "cudagraph_skips": None, "peak_bytes": None, "error": None, "traceback": None, "row_s": 0.0,
-            }
+            row = _row_template(model, spec, batch, ctx, capacity, chunk)
+            row.update(round_ms=[], rounds=rounds, row_s=0.0)
             rows.append(row)
             t_row = time.perf_counter()
             try:
@@ -582,29 +592,9 @@ def measure_interleaved(model: Any, specs: Sequence[RowSpec], batch: int, ctx: i
         for row, dec in decoders:
             if row["error"]:
                 continue
-            xs = sorted(row["step_ms"])
-            row["wall_ms"] = statistics.median(xs)
-            row["wall_p10_ms"] = xs[round(0.1 * (len(xs) - 1))]
-            row["wall_p90_ms"] = xs[round(0.9 * (len(xs) - 1))]
-            first = warmup + rounds * steps
+            _wall_stats(row)
             try:
-                if cuda and profile_steps:
-                    from torch.profiler import ProfilerActivity, profile
-
-                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                        for i in range(first, total):
-                            dec.step(i)
-                        _sync(device)
-                    busy, kernels = kernel_time(prof)
-                    del prof
-                    if kernels:
-                        row["gpu_busy_ms"] = busy / profile_steps
-                        row["kernels_per_step"] = kernels / profile_steps
-                        row["wall_over_busy"] = row["wall_ms"] / row["gpu_busy_ms"]
-                else:  # the same steps unprofiled: the cache ends where measure_row's does
-                    for i in range(first, total):
-                        dec.step(i)
-                    _sync(device)
+                _last_steps(dec, row, warmup + rounds * steps, total)
                 row["cache_bytes"] = cache_memory(dec.cache)[0]
             except Exception as exc:  # noqa: BLE001
                 row["error"] = _error(exc)
