@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 #: entries override triton_kernel._config() (defaults: BN 64, num_warps 4, num_stages 4, waves 2,
@@ -63,18 +64,25 @@ def main(argv: list[str] | None = None) -> int:
             continue
         out = os.path.join(args.out, f"{name}.json")
         env = dict(os.environ, KVCOMPRESS_LEANK_CONFIG=json.dumps(CONFIGS[name]))
-        cmd = [sys.executable, "-m", "kvcompress.kernels.benchutil", "--device", "cuda", "--ops", args.ops,
-               "--only-shapes", args.shapes, "--out", out]
+        ops = ",".join(dict.fromkeys(["sdpa", *args.ops.split(",")]))  # each file carries its own SDPA baseline
+        cmd = [sys.executable, "-m", "kvcompress.kernels.benchutil", "--device", "cuda", "--ops", ops,
+               "--only-shapes", args.shapes, "--out", os.path.abspath(out)]
         t1 = time.time()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        # from outside any checkout: a repository's kvcompress/ (without kernels/ and plugins/) must not shadow the
+        # installed package
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())
         print(f"[sweep] {name} {CONFIGS[name]}: rc {proc.returncode}, {time.time() - t1:.0f} s", flush=True)
         if proc.returncode:
             print(proc.stderr[-2000:], flush=True)
             continue
         with open(out, encoding="utf-8") as fh:
             rows = json.load(fh)["rows"]
-        results[name] = {f"{r['op']} {r['model']} B{r['batch']}/{r['ctx'] // 1024}k": r.get("speedup_vs_sdpa")
-                         for r in rows if r["op"] != "sdpa" and r.get("latency_us") is not None}
+        sdpa = {(r["model"], r["batch"], r["ctx"]): r["latency_us"] for r in rows
+                if r["op"] == "sdpa" and r.get("latency_us")}
+        results[name] = {f"{r['op']} {r['model']} B{r['batch']}/{r['ctx'] // 1024}k":
+                         sdpa[(r["model"], r["batch"], r["ctx"])] / r["latency_us"]
+                         for r in rows if r["op"] != "sdpa" and r.get("latency_us")
+                         and (r["model"], r["batch"], r["ctx"]) in sdpa}
     keys = sorted({k for res in results.values() for k in res})
     lines = ["| op / shape | " + " | ".join(results) + " |", "|" + "---|" * (len(results) + 1)]
     for k in keys:

@@ -715,7 +715,10 @@ class StaticDenseStore(StaticRingStore):
                 if self.per_head:
                     bufs["hvalid"] = torch.zeros(b, h, self.ring.columns, dtype=torch.bool, device=part.k.device)
                 mark_static(*bufs.values())
-                self.lanes.append((part.layout(), bufs))
+                layout = part.layout()
+                # index tensors a captured read takes as inputs: fixed addresses, never copied per replay
+                mark_static(layout.heads, layout.channels)
+                self.lanes.append((layout, bufs))
         if block.slots is not None:  # slot mode: per-head targets chosen by the evictor
             target = self.ring.route(block)
             for (group, bufs), part in zip(self.lanes, parts):

@@ -193,6 +193,24 @@ def _interpreter_cases() -> dict:
         got3, ref3 = via_op(other)
         res["strided_lane"] = close(got3, ref3)
         res["strided_not_cached"] = "" if getattr(other.valid, lanes_triton.PLAN_ATTR, None) is None else "cached"
+        # the cached plan keeps no lane tensor alive (under reduce-overhead the tensors of a recorded call live in
+        # the CUDA graphs' pool, and one kept past the call fails the recording)
+        import gc
+        import weakref
+
+        fresh = lanes_reference.PackedLanes(
+            region.bits, region.group, tuple(lanes_reference.KiviLane(*(None if x is None else x.clone() for x in ln))
+                                             for ln in region.lanes),
+            region.valid.clone(), region.num_heads, region.head_dim, length=region.length)
+        via_op(fresh)
+        keep = fresh.valid
+        refs = [weakref.ref(x) for ln in fresh.lanes for x in ln if x is not None]
+        del fresh
+        gc.collect()
+        alive = sum(r() is not None for r in refs)
+        res["plan_holds_no_lane"] = ("" if getattr(keep, lanes_triton.PLAN_ATTR, None) is not None and alive == 0
+                                     else f"plan cached: {getattr(keep, lanes_triton.PLAN_ATTR, None) is not None}, "
+                                          f"{alive} of {len(refs)} lane tensors kept alive")
         return res
 
     def many_lanes():

@@ -25,6 +25,7 @@ gets the joint softmax over all of them; a head no lane covers gets ``lse = -inf
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import NamedTuple, Sequence
 
 import torch
@@ -216,7 +217,9 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
     return parts[0] if len(parts) == 1 else merge(parts)
 
 
-#: attribute of a region's ``valid`` tensor: ``(the lanes' head tensors, whether no head is in two lanes)``
+#: attribute of a region's ``valid`` tensor: ``(weak references to the lanes' head tensors, whether no head is in
+#: two lanes)`` - weak, so that the cache keeps no tensor alive (a call recorded into CUDA graphs sees tensors of the
+#: graphs' pool, and one kept past the call fails the recording)
 DISJOINT_ATTR = "_kvcompress_kivi_lanes_disjoint"
 
 
@@ -227,11 +230,11 @@ def _disjoint(region: PackedLanes) -> bool:
     if any(h is None for h in heads):
         return False
     cached = getattr(region.valid, DISJOINT_ATTR, None)
-    if cached is not None and len(cached[0]) == len(heads) and all(a is c for a, c in zip(cached[0], heads)):
+    if cached is not None and len(cached[0]) == len(heads) and all(a() is c for a, c in zip(cached[0], heads)):
         return cached[1]
     flat = [h for t in heads for h in t.tolist()]  # once per region (a store change)
     answer = len(set(flat)) == len(flat)
-    setattr(region.valid, DISJOINT_ATTR, (heads, answer))
+    setattr(region.valid, DISJOINT_ATTR, (tuple(weakref.ref(h) for h in heads), answer))
     return answer
 
 

@@ -28,6 +28,8 @@ by :mod:`kvcompress.kernels.ops` and passed as ``base``.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
@@ -300,8 +302,9 @@ def supports(query: torch.Tensor, region: PackedLanes) -> bool:
     return problem(query, region) is None
 
 
-def _lane_args(lane: KiviLane, dummy: torch.Tensor) -> dict:
-    """One lane's tensors and strides as the kernel reads them (innermost dims contiguous, scales as pairs)."""
+def _lane_tensors(lane: KiviLane, dummy: torch.Tensor) -> tuple:
+    """One lane's eight pointer arguments as the kernel reads them (innermost dims contiguous, scales as pairs;
+    ``dummy`` stands for an absent channel / head list), and its channel list (``None``: all channels)."""
     kc = _inner_contiguous(lane.k_codes, 2)
     ks, kz = _pairs(lane.k_scale), _pairs(lane.k_zero)
     vc = _inner_contiguous(lane.v_codes, 1)
@@ -309,12 +312,18 @@ def _lane_args(lane: KiviLane, dummy: torch.Tensor) -> dict:
     ch = lane.channels
     if ch is not None and ch.stride(-1) != 1:
         ch = ch.contiguous()
+    return (kc, ks, kz, vc, vs, vz, ch if ch is not None else dummy,
+            lane.heads if lane.heads is not None else dummy), ch
+
+
+def _lane_args(lane: KiviLane, dummy: torch.Tensor) -> dict:
+    """One lane's tensors and strides as the kernel reads them (:func:`_lane_tensors`)."""
+    (kc, ks, kz, vc, vs, vz, _, _), ch = t = _lane_tensors(lane, dummy)
     pairs = ((kc, lane.k_codes), (ks, lane.k_scale), (kz, lane.k_zero), (vc, lane.v_codes), (vs, lane.v_scale),
              (vz, lane.v_zero), (ch, lane.channels))
     copied = any(t is not None and t.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
                  for t, src in pairs)
-    return dict(copied=copied, t=(kc, ks, kz, vc, vs, vz, ch if ch is not None else dummy,
-                   lane.heads if lane.heads is not None else dummy),
+    return dict(copied=copied, t=t[0],
                 s=(kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
                    kz.stride(0), kz.stride(1), kz.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
                    vs.stride(0), vs.stride(1), vs.stride(2), vz.stride(0), vz.stride(1), vz.stride(2),
@@ -328,11 +337,17 @@ PLAN_ATTR = "_kvcompress_kivi_lanes_plan"
 
 
 class _Plan:
-    """Everything a launch takes that depends on the lanes' tensors (pointers, strides, shapes), the query's shape and
-    the configuration, not on any value: built once per store change and reused by every call of a decode."""
+    """Everything a launch takes that depends on the lanes' tensors (strides, shapes), the query's shape and the
+    configuration, not on any value: built once per store change and reused by every call of a decode.
+
+    A plan holds no tensor: the lanes it was made for are weak references (``inputs``, checked by identity), and the
+    pointer arguments are taken from the call's own lanes (:func:`_lane_tensors`).  A plan cached on a store's
+    ``valid`` therefore keeps nothing else alive - under ``torch.compile(mode="reduce-overhead")`` the tensors a call
+    sees while CUDA graphs are recorded live in the graphs' private pool, and a cache holding one of them fails the
+    recording ("tensors in the cudagraph pool not tracked as outputs")."""
 
     __slots__ = ("base", "shape", "inputs", "copied", "chunks", "combine", "n_rows", "splits", "dv", "block_m",
-                 "m_blocks")
+                 "m_blocks", "tensors")
 
 
 def _make_plan(query: torch.Tensor, region: PackedLanes, cfg: dict, splits: int | None) -> _Plan:
@@ -372,9 +387,8 @@ def _make_plan(query: torch.Tensor, region: PackedLanes, cfg: dict, splits: int 
     for first in range(0, len(rows), MAX_LANES):
         chunk = rows[first:first + MAX_LANES]
         n_chunk = sum(r["h"] for r in chunk)
-        tensors = tuple(tuple(r["t"][k] for r in chunk) for k in range(8))
         strides = tuple(tuple(r["s"][k] for r in chunk) for k in range(19))
-        args = (*tensors, *strides, tuple(r["h"] for r in chunk), tuple(r["r0"] for r in chunk))
+        args = (*strides, tuple(r["h"] for r in chunk), tuple(r["r0"] for r in chunk))
         scalars = (m, n_rows, chunk[0]["r0"], n_chunk, b, nt, tps)
         constexprs = dict(
             HAS_CHAN=tuple(r["has_chan"] for r in chunk), HAS_HEADS=tuple(r["has_heads"] for r in chunk),
@@ -382,14 +396,15 @@ def _make_plan(query: torch.Tensor, region: PackedLanes, cfg: dict, splits: int 
             KW_PAD=tuple(max(_pow2(r["kw"]), -(-16 // per)) for r in chunk), NL=len(chunk), DV=dv,
             VW_PAD=max(_pow2(dv // per), -(-16 // per)), G=g, GV=gv, BITS=bits, BLOCK_M=block_m, BN=bn,
             TRANS=cfg["TRANS"], LAZY=cfg["LAZY"], ASM=asm, PREFETCH=bool(cfg["PREFETCH"]), **options)
-        plan.chunks.append(((splits, b * n_chunk, m_blocks), args, scalars, constexprs))
-    plan.combine = ((b * hq, m_blocks), (tuple(r["t"][7] for r in rows), tuple(r["h"] for r in rows),
-                                         tuple(r["r0"] for r in rows), splits, n_rows, m, hq, b),
+        plan.chunks.append(((splits, b * n_chunk, m_blocks), (first, first + len(chunk)), args, scalars, constexprs))
+    plan.combine = ((b * hq, m_blocks), (tuple(r["h"] for r in rows), tuple(r["r0"] for r in rows), splits, n_rows,
+                                         m, hq, b),
                     dict(HAS_HEADS=tuple(r["has_heads"] for r in rows), NL=len(rows), DV=dv, DVP=max(16, _pow2(dv)),
                          BLOCK_M=block_m, num_warps=4))
     plan.n_rows, plan.splits, plan.dv, plan.block_m, plan.m_blocks = n_rows, splits, dv, block_m, m_blocks
     plan.copied = any(r["copied"] for r in rows)
     plan.base = plan.shape = plan.inputs = None
+    plan.tensors = [r["t"] for r in rows]  # this call's pointers (dropped before the plan is cached)
     return plan
 
 
@@ -401,7 +416,7 @@ def _cached_plan(query: torch.Tensor, region: PackedLanes, base: dict) -> _Plan:
     a contiguous copy is planned again at every call (a copy would not see the store's later writes)."""
     plan = _make_plan(query, region, base, None)
     plan.base, plan.shape = base, query.shape
-    plan.inputs = tuple(x for lane in region.lanes for x in lane)
+    plan.inputs = tuple(None if x is None else weakref.ref(x) for lane in region.lanes for x in lane)
     if not plan.copied:
         setattr(region.valid, PLAN_ATTR, plan)
     return plan
@@ -440,6 +455,7 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
             if config:
                 cfg.update(config)
             plan = _make_plan(query, region, cfg, splits)
+    rows, plan.tensors = plan.tensors, None  # a plan made by this call: its pointers; a cached plan holds none
     out = torch.empty(b, hq, m, plan.dv, device=dev, dtype=torch.float32)
     lse = torch.empty(b, hq, m, device=dev, dtype=torch.float32)
     if b * hq * m == 0:
@@ -453,22 +469,29 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
     po = torch.empty(plan.splits, b, plan.n_rows, m, plan.dv, device=dev, dtype=torch.float32)
     pl = torch.empty(plan.splits, b, plan.n_rows, m, device=dev, dtype=torch.float32)
     qk, cap = float(scale) * LOG2E, cap_base2(softcap)
-    for grid, args, scalars, constexprs in plan.chunks:
+    if rows is None:  # a cached plan: this call's lanes give the pointers
+        dummy = region.lanes[0].k_codes
+        rows = [_lane_tensors(lane, dummy)[0] for lane in region.lanes]
+    for grid, (first, stop), args, scalars, constexprs in plan.chunks:
+        tensors = tuple(tuple(t[k] for t in rows[first:stop]) for k in range(8))
         _kivi_lanes_kernel[grid](q, q.stride(0), q.stride(1), q.stride(2), valid, valid.stride(0),
-                                 length if length is not None else valid, po, pl, *args, qk, cap, *scalars,
+                                 length if length is not None else valid, po, pl, *tensors, *args, qk, cap, *scalars,
                                  HAS_LENGTH=length is not None, SOFTCAP=bool(softcap), **constexprs)
     grid, args, constexprs = plan.combine
-    _combine_kernel[grid](po, pl, out, lse, *args, **constexprs)
+    _combine_kernel[grid](po, pl, out, lse, tuple(t[7] for t in rows), *args, **constexprs)
     return out, lse
 
 
 def _same_inputs(plan: _Plan, region: PackedLanes) -> bool:
-    """Whether ``region``'s lanes are the very tensor objects ``plan`` was made for."""
+    """Whether ``region``'s lanes are the very tensor objects ``plan`` was made for (held by weak reference)."""
     inputs = plan.inputs
     i = 0
     for lane in region.lanes:
         for x in lane:
-            if i >= len(inputs) or inputs[i] is not x:
+            if i >= len(inputs):
+                return False
+            ref = inputs[i]
+            if (None if ref is None else ref()) is not x:
                 return False
             i += 1
     return i == len(inputs)
