@@ -7,6 +7,11 @@ SDPA are tabulated side by side (one JSON per configuration under --out, plus sw
     python benchmarks/gpu_lanes_sweep.py --out DIR [--configs default,bn128w8,...] [--shapes llama3-8b:1:32k,...]
         [--max-seconds 480]
 
+``--kernel kivi-lanes`` sweeps the one-launch KIVI lanes read (kernels/kivi/lanes_triton.py, op
+``leank70-kivi2``) instead, through ``KVCOMPRESS_KIVI_CONFIG`` (configurations :data:`KIVI_CONFIGS`; defaults BN 16,
+1 warp, 2 stages, 2 waves, splits of >= 512 tokens: at B1 / 4k that is 8 splits x 8 head rows = 64 one-warp
+programs on 132 SMs, the suspected cause of its 110 µs there).
+
 Configurations stop being started after --max-seconds (each takes ~10-20 s: Triton compiles, then CUDA-graph
 timing); run on the GPU machine with kvcompress importable.
 """
@@ -38,6 +43,19 @@ CONFIGS = {
     "bn32s5": {"BN": 32, "num_stages": 5},
 }
 
+#: entries override kernels/kivi/triton_kernel._config() (the KIVI lanes kernel's base)
+KIVI_CONFIGS = {
+    "default": {},
+    "split256": {"min_split_tokens": 256},
+    "split128": {"min_split_tokens": 128},
+    "split64": {"min_split_tokens": 64},
+    "split128w4": {"min_split_tokens": 128, "waves": 4},
+    "split128bn32": {"min_split_tokens": 128, "BN": 32},
+    "split128nw2": {"min_split_tokens": 128, "num_warps": 2},
+    "bn32nw2": {"BN": 32, "num_warps": 2},
+    "split64bn32nw2": {"min_split_tokens": 64, "BN": 32, "num_warps": 2},
+}
+
 SHAPES = ("llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:16:32k,llama3-8b:64:32k,"
           "smollm2-135m:1:32k,smollm2-135m:16:32k")
 OPS = "none,leank50,leank70,lowrank"
@@ -46,16 +64,24 @@ OPS = "none,leank50,leank70,lowrank"
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--kernel", choices=("lanes", "kivi-lanes"), default="lanes",
+                    help="lanes: the grouped lanes kernel (KVCOMPRESS_LEANK_CONFIG); kivi-lanes: the one-launch KIVI "
+                         "lanes read (KVCOMPRESS_KIVI_CONFIG)")
+    ap.add_argument("--configs", default=None, help="default: every configuration of the kernel")
     ap.add_argument("--shapes", default=SHAPES)
-    ap.add_argument("--ops", default=OPS)
+    ap.add_argument("--ops", default=None, help="default: none,leank50,leank70,lowrank (lanes) / leank70-kivi2 "
+                                                "(kivi-lanes)")
     ap.add_argument("--max-seconds", type=float, default=480.0)
     args = ap.parse_args(argv)
+    table, variable = (CONFIGS, "KVCOMPRESS_LEANK_CONFIG") if args.kernel == "lanes" else \
+        (KIVI_CONFIGS, "KVCOMPRESS_KIVI_CONFIG")
+    if args.ops is None:
+        args.ops = OPS if args.kernel == "lanes" else "leank70-kivi2"
     os.makedirs(args.out, exist_ok=True)
-    names = [c for c in args.configs.split(",") if c]
-    unknown = [c for c in names if c not in CONFIGS]
+    names = [c for c in (args.configs or ",".join(table)).split(",") if c]
+    unknown = [c for c in names if c not in table]
     if unknown:
-        ap.error(f"--configs: unknown {unknown}; known: {', '.join(CONFIGS)}")
+        ap.error(f"--configs: unknown {unknown}; known: {', '.join(table)}")
     t0 = time.time()
     results: dict[str, dict] = {}
     for name in names:
@@ -63,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[sweep] {name}: skipped (--max-seconds)", flush=True)
             continue
         out = os.path.join(args.out, f"{name}.json")
-        env = dict(os.environ, KVCOMPRESS_LEANK_CONFIG=json.dumps(CONFIGS[name]))
+        env = dict(os.environ, **{variable: json.dumps(table[name])})
         ops = ",".join(dict.fromkeys(["sdpa", *args.ops.split(",")]))  # each file carries its own SDPA baseline
         cmd = [sys.executable, "-m", "kvcompress.kernels.benchutil", "--device", "cuda", "--ops", ops,
                "--only-shapes", args.shapes, "--out", os.path.abspath(out)]
@@ -71,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         # from outside any checkout: a repository's kvcompress/ (without kernels/ and plugins/) must not shadow the
         # installed package
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())
-        print(f"[sweep] {name} {CONFIGS[name]}: rc {proc.returncode}, {time.time() - t1:.0f} s", flush=True)
+        print(f"[sweep] {name} {table[name]}: rc {proc.returncode}, {time.time() - t1:.0f} s", flush=True)
         if proc.returncode:
             print(proc.stderr[-2000:], flush=True)
             continue
@@ -95,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.out, "sweep.md"), "w", encoding="utf-8") as fh:
         fh.write(table + "\n")
     with open(os.path.join(args.out, "sweep.json"), "w", encoding="utf-8") as fh:
-        json.dump({"configs": {n: CONFIGS[n] for n in results}, "speedup_vs_sdpa": results}, fh, indent=1)
+        json.dump({"kernel": args.kernel, "configs": {n: table[n] for n in results}, "speedup_vs_sdpa": results}, fh,
+                  indent=1)
     return 0
 
 
