@@ -9,8 +9,8 @@ SDPA are tabulated side by side (one JSON per configuration under --out, plus sw
 
 ``--kernel kivi-lanes`` sweeps the one-launch KIVI lanes read (kernels/kivi/lanes_triton.py, op
 ``leank70-kivi2``) instead, through ``KVCOMPRESS_KIVI_CONFIG`` (configurations :data:`KIVI_CONFIGS`; defaults BN 16,
-1 warp, 2 stages, 2 waves, splits of >= 512 tokens: at B1 / 4k that is 8 splits x 8 head rows = 64 one-warp
-programs on 132 SMs, the suspected cause of its 110 µs there).
+1 warp, 2 stages, 2 waves, splits of >= 128 tokens; ``split512`` is session 14's measured setting, 64 one-warp
+programs at B1 / 4k on 132 SMs: 110 µs there).
 
 Configurations stop being started after --max-seconds (each takes ~10-20 s: Triton compiles, then CUDA-graph
 timing); run on the GPU machine with kvcompress importable.
@@ -45,15 +45,15 @@ CONFIGS = {
 
 #: entries override kernels/kivi/triton_kernel._config() (the KIVI lanes kernel's base)
 KIVI_CONFIGS = {
-    "default": {},
-    "split256": {"min_split_tokens": 256},
-    "split128": {"min_split_tokens": 128},
-    "split64": {"min_split_tokens": 64},
-    "split128w4": {"min_split_tokens": 128, "waves": 4},
-    "split128bn32": {"min_split_tokens": 128, "BN": 32},
-    "split128nw2": {"min_split_tokens": 128, "num_warps": 2},
+    "default": {},  # lanes_min_split_tokens 128 (kernels/kivi/lanes_triton.py, LANES_MIN_SPLIT_TOKENS)
+    "split512": {"lanes_min_split_tokens": 512},  # the session-14 measurement's setting
+    "split256": {"lanes_min_split_tokens": 256},
+    "split64": {"lanes_min_split_tokens": 64},
+    "waves4": {"waves": 4},
+    "bn32": {"BN": 32},
+    "nw2": {"num_warps": 2},
     "bn32nw2": {"BN": 32, "num_warps": 2},
-    "split64bn32nw2": {"min_split_tokens": 64, "BN": 32, "num_warps": 2},
+    "split64bn32nw2": {"lanes_min_split_tokens": 64, "BN": 32, "num_warps": 2},
 }
 
 SHAPES = ("llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:16:32k,llama3-8b:64:32k,"

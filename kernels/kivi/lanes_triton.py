@@ -332,6 +332,14 @@ def _lane_args(lane: KiviLane, dummy: torch.Tensor) -> dict:
                 has_heads=lane.heads is not None)
 
 
+#: fewest tokens per split on CUDA (``lanes_min_split_tokens`` in the configuration overrides it).  The per-lane KIVI
+#: kernel's 512 (tuned at B >= 16, where the wave target, not this floor, sets the splits) left B1 / 4k with 8 splits
+#: x 8 head rows = 64 one-warp programs on an H200's 132 SMs, each walking 32 tiles of 16 tokens in sequence: 110 µs
+#: for 5.8 MB (session 14).  128 gives 4x the programs and a quarter of the chain; the partials it adds are
+#: ``splits x rows x M x Dv`` floats (4 MB at B1 / 32k against 19 MB of lanes).  Chosen by that reasoning, not yet
+#: measured: ``benchmarks/gpu_lanes_sweep.py --kernel kivi-lanes`` compares it with 512, 256 and 64.
+LANES_MIN_SPLIT_TOKENS = 128
+
 #: attribute of a region's ``valid`` tensor holding the launch plan of its lanes (see :func:`_cached_plan`)
 PLAN_ATTR = "_kvcompress_kivi_lanes_plan"
 
@@ -372,7 +380,8 @@ def _make_plan(query: torch.Tensor, region: PackedLanes, cfg: dict, splits: int 
     n_rows = r0
     if splits is None:  # enough programs for a few full waves, each split a whole number of tiles
         dev = query.device
-        most = -(-nt // max(bn, cfg["min_split_tokens"])) if dev.type == "cuda" else -(-nt // bn)
+        floor = cfg.get("lanes_min_split_tokens", LANES_MIN_SPLIT_TOKENS)
+        most = -(-nt // max(bn, floor)) if dev.type == "cuda" else -(-nt // bn)
         want = -(-_target_programs(dev, cfg["waves"], cfg["num_warps"]) // (b * n_rows * m_blocks))
         splits = max(1, min(most, want))
     tps = -(-nt // max(1, min(splits, -(-nt // bn))))
