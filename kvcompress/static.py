@@ -77,6 +77,42 @@ def mark_static(*tensors: torch.Tensor | None) -> None:
             torch._dynamo.mark_static_address(t)
 
 
+def mark_held_static(root: Any) -> None:
+    """:func:`mark_static` on every tensor reachable from ``root`` (a static layer: its buffers, stores, per-layer
+    compressor state, the compressors of its pipeline and their calibration tensors) through attributes, slots,
+    lists, tuples and dicts; models (``torch.nn.Module``) are not walked.
+
+    A compiled step (``mode="reduce-overhead"``) takes every tensor it reads as a graph input, and cudagraph trees
+    copy each input not marked static into the graphs' pool before every replay: a host-side copy per constant index
+    tensor, offset table and basis, per layer and step.  Marking them once, eagerly (after allocation and after each
+    prefill), makes the replay take them in place."""
+    if _compiling():
+        return
+    seen: set[int] = set()
+    stack: list[tuple[Any, int]] = [(root, 0)]
+    while stack:
+        obj, depth = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            if not hasattr(obj, "_dynamo_static_input_type"):
+                torch._dynamo.mark_static_address(obj)
+            continue
+        if depth > 10 or id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool, type)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            items = list(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            items = list(obj)
+        elif isinstance(obj, torch.nn.Module) or callable(obj) and not hasattr(obj, "__dict__"):
+            continue
+        else:
+            items = list(vars(obj).values()) if hasattr(obj, "__dict__") else []
+            for cls in type(obj).__mro__:
+                for name in getattr(cls, "__slots__", ()):
+                    items.append(getattr(obj, name, None))
+        stack.extend((item, depth + 1) for item in items)
+
+
 def remap_rows(t: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``fn(t)`` for a preallocated ``[batch, ...]`` buffer of a static cache (``map_batch``).
 
@@ -160,6 +196,7 @@ class StaticLayer:
         self.is_initialized = True
         if self.middle is not None:
             self._flush_decode(warmup=True)
+        mark_held_static(self)
 
     @property
     def batch_size(self) -> int:
@@ -311,6 +348,7 @@ class StaticLayer:
         if valid_new is None:
             valid_new = torch.ones(k.shape[0], q, dtype=torch.bool, device=k.device)
         self._commit_host(k, v, valid_new.expand(k.shape[0], q), pos, seen, flushed)
+        mark_held_static(self)  # what the prefill built (per-layer plans, index tensors): taken in place by a graph
         return out
 
     def _commit_host(self, k, v, valid, pos, seen, flushed) -> None:
@@ -754,4 +792,4 @@ class StaticDenseStore(StaticRingStore):
         return {"middle": n + self._meta_bytes()}
 
 
-__all__ = ["StaticDenseStore", "StaticLayer", "StaticRing", "StaticRingStore", "mark_static", "middle_capacity"]
+__all__ = ["StaticDenseStore", "StaticLayer", "StaticRing", "StaticRingStore", "mark_held_static", "mark_static", "middle_capacity"]

@@ -89,19 +89,31 @@ def _ids(batch=2, length=PROMPT + STEPS, seed=0, pad=0):
     return ids, mask
 
 
-def _run(model, stack, ids, mask, *, static=True, compiled=False, prompt=PROMPT):
-    """Prefill ``prompt`` tokens eagerly, then one decode step per remaining token; logits of every step."""
+def _run(model, stack, ids, mask, *, static=True, compiled=False, prompt=PROMPT, record=None):
+    """Prefill ``prompt`` tokens eagerly, then one decode step per remaining token; logits of every step.
+    ``record`` (a dict): receives the compiled graphs' tensor inputs (``"graph"``) and the storages of the tensors
+    the steps were given (``"step"``: ids, mask, positions)."""
     kw = {"max_cache_len": ids.shape[1] + 4} if static else {}
     out = []
+
+    def backend(gm, example_inputs):  # aot_eager, recording the graph's inputs
+        if record is not None:
+            record.setdefault("graph", []).extend(x for x in example_inputs if isinstance(x, torch.Tensor))
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
     with kvcompress.compress(model, stack, **kw) as cache, torch.no_grad():
-        step = torch.compile(model.forward, backend="aot_eager", fullgraph=True) if compiled else model.forward
+        step = torch.compile(model.forward, backend=backend, fullgraph=True) if compiled else model.forward
         pos = (mask.cumsum(1) - 1).clamp(min=0)
+        if record is not None:
+            record["step"] = {ids.untyped_storage().data_ptr(), pos.untyped_storage().data_ptr()}
         first = model(ids[:, :prompt], attention_mask=mask[:, :prompt], position_ids=pos[:, :prompt], cache=cache)
         out.append(first.logits[:, -1])
         for t in range(prompt, ids.shape[1]):
             # generate's way: the 2-D mask grows by one column per step (a new contiguous tensor)
-            o = step(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1].contiguous(),
-                     position_ids=pos[:, t:t + 1], cache=cache)
+            step_mask = mask[:, :t + 1].contiguous()
+            if record is not None:
+                record["step"].add(step_mask.untyped_storage().data_ptr())
+            o = step(input_ids=ids[:, t:t + 1], attention_mask=step_mask, position_ids=pos[:, t:t + 1], cache=cache)
             out.append(o.logits[:, -1])
     return torch.stack(out).float(), cache
 
@@ -114,12 +126,21 @@ def test_compiled_decode_equals_eager_within_two_graphs(model, lowrank_basis, na
     assert cache.is_compileable
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    compiled, ccache = _run(model, stack, ids, mask, compiled=True)
+    record: dict = {}
+    compiled, ccache = _run(model, stack, ids, mask, compiled=True, record=record)
     stats = torch._dynamo.utils.counters["stats"]
     # the growing 2-D mask costs one recompilation with a dynamic length (as with transformers' StaticCache);
     # nothing else may recompile, whatever the cache does (flushes, evictions, selections)
     assert stats["unique_graphs"] <= 2, dict(stats)
     assert (compiled - eager).abs().max().item() <= 1e-5
+    # every tensor a compiled step reads, other than the step's own inputs and the model's weights, is marked as a
+    # static address: under mode="reduce-overhead" an unmarked input is copied into the CUDA graphs' pool before
+    # every replay (a host-side copy per layer and step)
+    weights = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    copied = [(tuple(x.shape), x.dtype) for x in record["graph"]
+              if x.untyped_storage().data_ptr() not in weights | record["step"]
+              and not hasattr(x, "_dynamo_static_input_type")]
+    assert not copied, f"{name}: graph inputs not marked static (copied before every replay): {copied}"
     for core in ccache.compressed_layers:  # the steps crossed lifecycle events
         if core.middle is not None:
             assert int(core.flushed) >= 4 * core.flush_size, name

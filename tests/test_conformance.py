@@ -249,22 +249,39 @@ def test_compiled_decode_equals_eager(registry, model, basis, name):
         return
     ids = torch.randint(1, 256, (2, PROMPT + 6), generator=torch.Generator().manual_seed(6))  # 6 steps: compile dominates
     kw = hf.cache_kwarg(model)
-    runs = []
+    graph_inputs: list = []
+
+    def backend(gm, example_inputs):  # aot_eager, recording the graph's inputs
+        graph_inputs.extend(x for x in example_inputs if isinstance(x, torch.Tensor))
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    runs, step_inputs = [], set()
     for compiled in (False, True):
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         out = []
         with kvcompress.compress(model, stack, max_cache_len=ids.shape[1] + 2) as cache, torch.no_grad():
-            step = torch.compile(model.forward, backend="aot_eager", fullgraph=True) if compiled else model.forward
+            step = torch.compile(model.forward, backend=backend, fullgraph=True) if compiled else model.forward
             model(ids[:, :PROMPT], **{kw: cache})
             for t in range(PROMPT, ids.shape[1]):
-                o = step(input_ids=ids[:, t:t + 1], position_ids=torch.full((2, 1), t), **{kw: cache})
+                pos = torch.full((2, 1), t)
+                step_inputs.add(pos.untyped_storage().data_ptr())
+                o = step(input_ids=ids[:, t:t + 1], position_ids=pos, **{kw: cache})
                 out.append(o.logits[:, -1])
         runs.append(torch.stack(out))
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
     assert graphs == 1
     assert (runs[1] - runs[0]).abs().max().item() <= 1e-5
+    # every tensor the compiled step reads, other than the step's own inputs and the model's weights, is marked as a
+    # static address: under mode="reduce-overhead" an unmarked input is copied into the CUDA graphs' pool before
+    # every replay (a host-side copy per layer and step)
+    weights = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    step_inputs.add(ids.untyped_storage().data_ptr())
+    copied = [(tuple(x.shape), x.dtype) for x in graph_inputs
+              if x.untyped_storage().data_ptr() not in weights | step_inputs
+              and not hasattr(x, "_dynamo_static_input_type")]
+    assert not copied, f"{name}: graph inputs not marked static (copied before every replay): {copied}"
 
 
 @names
