@@ -25,7 +25,8 @@ Layout of one layer (``S`` sinks, window ``R = Layout.recent``, flush ``F = Layo
 * ``valid`` ``[batch, S + C]``: slot holds a live token of that row (attention reads exactly these);
 * ``ring_pos`` ``[C]``: logical position in each ring slot (shared by all rows: left padding
   keeps rows aligned); ``sink_count`` ``[batch]``; ``seen``, ``flushed`` (0-dim int64):
-  tokens seen, and tokens that have left the ring.
+  tokens seen, and tokens that have left the ring (the leading columns that hold no ring token in any row -
+  left padding, then the sinks - count as flushed without entering it, as the dynamic cache drops them).
 
 The middle store (``Layout.middle`` bounds it under an evictor; otherwise it can hold the whole
 capacity) comes from the stack's hooks, as for dynamic caches; :class:`StaticDenseStore` is the
@@ -169,6 +170,7 @@ class StaticLayer:
         self.is_initialized = False
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._host: tuple[int, int] | None = (0, 0)  # (seen, flushed) while known on the host
+        self._lead_open = True  # no ring token stored yet: leading padding / sink columns are skipped
         self._sinks_full = self.sink_slots == 0
 
     # -- allocation ------------------------------------------------------------------------
@@ -354,11 +356,21 @@ class StaticLayer:
     def _commit_host(self, k, v, valid, pos, seen, flushed) -> None:
         q, s, c, f = k.shape[2], self.sink_slots, self.ring_slots, self.flush_size
         valid = self._take_sinks(k, v, valid, pos)
+        # Leading columns that hold no ring token in any row (left padding, then the sinks) never enter the ring:
+        # they count as flushed, so the window and the flush blocks start at the first real token after the
+        # sinks, as in the dynamic cache (which drops such columns) - the same blocks reach the compressors.
+        lead = 0
+        if self._lead_open and self.flushes:
+            live = valid.any(0)
+            lead = int(live.int().argmax()) if bool(live.any()) else q  # eager: host reads, until a token lands
+            self._lead_open = lead == q
+        flushed += lead
         total = seen + q - flushed
         recent = self.layout.recent
         m = ((total - recent) // f) * f if self.flushes and total >= recent + f else 0
-        m_old = min(m, seen - flushed)
+        m_old = min(m, max(0, seen - flushed))
         m_new = m - m_old
+        a = flushed + m_old - seen if m_new else 0  # the block's first column in this chunk
         block = None
         if m:
             parts = []
@@ -369,21 +381,22 @@ class StaticLayer:
                                      self.valid.index_select(1, slots), self.ring_pos.index_select(0, ring)))
                 self.valid.index_fill_(1, slots, False)
             if m_new:
-                parts.append(KVBlock(k[:, :, :m_new], v[:, :, :m_new], valid[:, :m_new], pos[:m_new]))
+                parts.append(KVBlock(k[:, :, a:a + m_new], v[:, :, a:a + m_new], valid[:, a:a + m_new],
+                                     pos[a:a + m_new]))
             block = parts[0] if len(parts) == 1 else KVBlock(
                 torch.cat([p.k for p in parts], 2), torch.cat([p.v for p in parts], 2),
                 torch.cat([p.valid for p in parts], 1), torch.cat([p.positions for p in parts]))
-        rest = q - m_new
-        if rest:  # into the ring first: the hooks see what the row keeps in the window
-            ring = pos[m_new:].remainder(c)
+        first = max(lead, a + m_new)  # columns before it were skipped or flushed
+        if first < q:  # into the ring first: the hooks see what the row keeps in the window
+            ring = pos[first:].remainder(c)
             slots = ring + s
-            self.k.index_copy_(2, slots, k[:, :, m_new:])
-            self.v.index_copy_(2, slots, v[:, :, m_new:])
-            self.valid.index_copy_(1, slots, valid[:, m_new:])
+            self.k.index_copy_(2, slots, k[:, :, first:])
+            self.v.index_copy_(2, slots, v[:, :, first:])
+            self.valid.index_copy_(1, slots, valid[:, first:])
             if self.flushes:
-                self.ring_pos.index_copy_(0, ring, pos[m_new:])
+                self.ring_pos.index_copy_(0, ring, pos[first:])
         self.seen.add_(q)
-        self.flushed.add_(m)
+        self.flushed.add_(lead + m)
         self._host = (seen + q, flushed + m)
         self._sinks_full = s == 0 or bool((self.sink_count == s).all())  # eager prefill: one host read
         if block is not None:
@@ -503,6 +516,7 @@ class StaticLayer:
                   self.flushed):
             t.zero_()
         self._host = (0, 0)
+        self._lead_open = True
         self._sinks_full = self.sink_slots == 0
         if self.middle is not None:
             self.middle.reset()

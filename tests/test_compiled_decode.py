@@ -66,6 +66,7 @@ STACKS = {
                                    {"kivi": {"bits": 2, "group": 16, "residual": 16}}],
     "lowrank": ["lowrank"],
     "lowrank+kivi2": ["lowrank", KIVI2],
+    "snapkv+leank": [{"snapkv": {"ratio": 0.5, "window": 8, "sinks": 4, "recent": 24}}, LEANK],
 }
 
 
@@ -147,15 +148,18 @@ def test_compiled_decode_equals_eager_within_two_graphs(model, lowrank_basis, na
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("name", ["none", "window", "window+kivi2", "kivi2", "paged", "paged+kivi2", "double_sparse"])
+@pytest.mark.parametrize("name", list(STACKS))
 def test_static_eager_equals_dynamic_cache(model, lowrank_basis, name):
-    """Stacks whose static and dynamic layouts coincide (no sinks beside quantization groups) decide and
-    compute the same: the dynamic cache is the reference."""
+    """Every stack decides and computes the same in a static cache as in a dynamic one (the reference), with a
+    left-padded row: the same blocks leave the window (leading padding and sink columns never enter the static
+    ring, as the dynamic cache drops them), so quantizers, pruners and projections see the same tokens."""
     stack = _stack(name, lowrank_basis)
     ids, mask = _ids(pad=3)
     static, _ = _run(model, stack, ids, mask)
     dynamic, _ = _run(model, stack, ids, mask, static=False)
-    assert (static - dynamic).abs().max().item() <= 1e-5
+    # fp32 summation order (kivi4+sinks with the padded row: up to 2.4e-5); a flush schedule that differed by the sink
+    # count gave 0.18 (leank) to 0.88 (snapkv + leank)
+    assert (static - dynamic).abs().max().item() <= 5e-5
 
 
 def test_empty_stack_equals_uncompressed_model(model):
