@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# GPU re-checks left by session 14 (H200 image: torch 2.11, triton 3.6, transformers 5.17), one phase per device call
+# (each fits the 10-minute limit).  From the repository root of an exported tree (git archive), on the device:
+#   bash benchmarks/gpu_recheck.sh OUTDIR PHASE
+# PHASE:
+#   compile  - GPU tests of the KIVI lanes read (reduce-overhead included) and the compiled-vs-eager check of every
+#              built-in stack (tiny llama, mode="reduce-overhead"): the cudagraph-pool failure of leank+kivi2 fixed in
+#              fef4d9c / 42c9d15 on CPU only; then the FlashAttention-2 probe (benchmarks/gpu_flash_probe.py)
+#   kernels  - the one-launch KIVI lanes read against SDPA with its new split floor, and the kivi-lanes config sweep
+#   rows     - reduce-overhead ("compiled") and GraphStep rows at B1/32k after the static-address marking (42c9d15):
+#              session 8 measured reduce-overhead at 1.29-1.59x its GPU-busy time
+set -o pipefail
+OUT=$(realpath "${1:-out}"); PHASE=${2:-compile}
+mkdir -p "$OUT" /tmp/site
+python -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . 2>&1 | tail -2
+export PATH=/usr/local/cuda/bin:$PATH PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+SRC=$PWD
+date -u | tee -a "$OUT/log.txt"
+# run from outside the checkout: its kvcompress/ (without kernels/ and plugins/) must not shadow the installed package
+cd /tmp/site
+case "$PHASE" in
+  compile)
+    timeout 120 python -m pytest -q -m gpu "$SRC/tests/test_kivi_lanes.py" -p no:cacheprovider -p no:logging 2>&1 \
+      | grep -v DEBUG | tail -15 | tee "$OUT/pytest_kivi_lanes.log"
+    timeout 330 python "$SRC/benchmarks/gpu_compiled_check.py" --out "$OUT/cc" --steps 64 2>&1 | grep '^{' \
+      | tee "$OUT/compiled_check.log"
+    timeout 90 python "$SRC/benchmarks/gpu_flash_probe.py" --out "$OUT" 2>&1 | tail -20 | tee "$OUT/flash_probe.log"
+    ;;
+  kernels)
+    timeout 150 python -m kvcompress.kernels.benchutil --device cuda --ops sdpa,kivi2,leank70-kivi2,leank70-kivi2-perlane \
+      --only-shapes llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:16:32k,llama3-8b:64:32k,smollm2-135m:1:4k,smollm2-135m:16:32k \
+      --out "$OUT/kivi_lanes.json" 2>&1 | grep '^|' | tee "$OUT/kivi_lanes.md"
+    timeout 380 python "$SRC/benchmarks/gpu_lanes_sweep.py" --kernel kivi-lanes --out "$OUT/sweep" --max-seconds 300 \
+      2>&1 | tail -20 | tee "$OUT/sweep.log"
+    ;;
+  rows)
+    timeout 560 python "$SRC/benchmarks/gpu_graph_rows.py" --kind compiled --stack kivi2 leank-rope70-kivi2 none \
+      --points 1x32768 --jobs 3 --out "$OUT/compiled" 2>&1 | grep '^{' | tee "$OUT/rows_compiled.log"
+    ;;
+  *) echo "unknown phase $PHASE (compile | kernels | rows)"; exit 2 ;;
+esac
+date -u | tee -a "$OUT/log.txt"
