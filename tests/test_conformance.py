@@ -144,6 +144,23 @@ def test_left_padded_batch_equals_rows_alone(registry, model, basis, name):
     assert cache.memory_report().cache_bytes == sum(held)
 
 
+@names
+def test_static_cache_equals_dynamic_cache(registry, model, basis, name):
+    """A cache with a capacity (static: device-side counters, a ring by position) decides and computes what the
+    dynamic cache does, on a batch with an unaligned left-padded row: the same blocks leave the window (sinks and
+    padding never enter the static ring), so every compressor sees the same tokens.  A compressor that is not
+    graph-safe gets a dynamic cache either way."""
+    stack = _stack(registry, name, basis)
+    ids = torch.randint(1, 256, (2, PROMPT + 5 + STEPS), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        static, _ = _teacher_forced(model, stack, ids, mask, STEPS, max_cache_len=ids.shape[1] + 2)
+    dynamic, _ = _teacher_forced(model, stack, ids, mask, STEPS)
+    assert (static - dynamic).abs().max().item() <= 5e-5
+
+
 #: compressors that decide token by token: a left-padded row equals the row alone whatever the padding.  The
 #: others form groups / pages / flush blocks over storage columns, so padding that is not a multiple of their
 #: unit puts different real tokens in one unit: checked above at a padding of 16 (a multiple of every unit here);
