@@ -47,11 +47,8 @@ def _oracle(scores, values, mask):
     return torch.einsum("bhmt,bhtd->bhmd", torch.softmax(s, -1), values.double()), lse
 
 
-def _kivi(k, v, valid=None):
-    """KIVI-2 (G = 32) keys and values as the codec stores them, decoded (float32); masked slots of ``valid``
-    ``[B, T]`` (sinks in the middle's first block) never widen a group's range."""
-    if valid is not None:
-        k = kivi_ref.fill_masked(k, valid, 32)
+def _kivi(k, v):
+    """KIVI-2 (G = 32) keys and values as the codec stores them, decoded (float32)."""
     kq = kivi_ref.dequantize_keys(*kivi_ref.quantize_keys(k, 2, 32), 2)
     vq = kivi_ref.dequantize_values(*kivi_ref.quantize_values(v, 2, 32), 2)
     return kq, vq
@@ -67,8 +64,8 @@ def _static_oracle(op, layer, q, k, v):
     assert seen == t
     if op == "none":
         flushed = s = 0  # one buffer: every token in full precision
-    else:  # every block of F tokens that left the window went to the middle: [sinks, flushed)
-        assert flushed == (t - window) // f * f and flushed > s
+    else:  # every block of F tokens after the sinks that left the window went to the middle: [sinks, flushed)
+        assert flushed == s + (t - s - window) // f * f and flushed > s
     pos = torch.arange(t)
     fp = (pos < s) | (pos >= flushed)
     mid = ~fp
@@ -77,12 +74,10 @@ def _static_oracle(op, layer, q, k, v):
     mask = fp.view(1, 1, 1, t).expand(b, hkv, 1, t).clone()
     if op.startswith("leank70-kivi2"):
         keep = benchutil.leank_keep(70, hkv, d)[0]  # the mask the benchmark gives LeanK
-        valid = (pos >= s).view(1, t)[:, :flushed].expand(b, flushed)
-        kq, vq = _kivi(k[:, :, :flushed].float(), v[:, :, :flushed].float(), valid)
+        kq, vq = _kivi(k[:, :, s:flushed].float(), v[:, :, s:flushed].float())  # groups start after the sinks
         pruned = kq * keep.view(1, hkv, 1, d)  # a head scores its kept channels only
-        scores[..., :flushed] = torch.where(mid[:flushed], torch.einsum("bhgd,bhtd->bhgt", qg.double(),
-                                                                          pruned.double()), scores[..., :flushed])
-        values[:, :, :flushed] = torch.where(mid[:flushed].view(1, 1, -1, 1), vq.double(), values[:, :, :flushed])
+        scores[..., s:flushed] = torch.einsum("bhgd,bhtd->bhgt", qg.double(), pruned.double())
+        values[:, :, s:flushed] = vq.double()
         mask = mask | (mid.view(1, 1, 1, t) & keep.any(-1).view(1, hkv, 1, 1))  # no middle for a head keeping none
     elif op == "lowrank":
         basis = benchutil.lowrank_basis(hkv, d, d // 2)  # [h, d, r]
