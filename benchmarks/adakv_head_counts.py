@@ -4,7 +4,9 @@
 
 Prefills the first TOKENS tokens of the eval document (the first perplexity window) through the stack (dynamic cache,
 fp32, CPU) and prints, per layer, the middle tokens each kv head kept; then the kept total against the head-columns
-allocated (each layer's middle is as long as its longest head) and the memory report.
+the middle allocates (one lane per kv head, each as long as its own head: ``kvcompress.state.DenseStore``) and against
+what one dense tensor per layer as long as its longest head allocated before (``DenseStore.head_lanes = False``), and
+the memory report.
 """
 
 from __future__ import annotations
@@ -26,15 +28,17 @@ def main() -> None:
     ids = torch.tensor([tok(document_text())["input_ids"][:tokens]])
     with kvcompress.compress(model, stack) as cache, torch.no_grad():
         model(ids, **{hf.cache_kwarg(model): cache})
-    kept = allocated = 0
+    kept = allocated = longest = 0
     rows = []
     for layer in cache.compressed_layers:
         counts = layer.middle.head_valid_mask().sum(-1)[0].tolist()
         rows.append(counts)
         kept += sum(counts)
-        allocated += max(counts) * len(counts)
+        longest += max(counts) * len(counts)
+        allocated += sum(buf.capacity * buf.k.shape[1] for _, buf in layer.middle.lanes)
     print("per layer, middle tokens per kv head:", rows)
-    print(f"kept middle tokens: {kept}; allocated head-columns: {allocated} ({allocated / kept:.2f}x)")
+    print(f"kept middle tokens: {kept}; allocated head-columns: {allocated} ({allocated / kept:.2f}x); "
+          f"as long as the longest head (the layout before per-head lanes): {longest} ({longest / kept:.2f}x)")
     print(cache.memory_report())
 
 

@@ -267,8 +267,12 @@ class CompressedLayer:
                 if sinks:
                     out["sinks"][..., :parts[0].shape[-1]] = parts[0]
                 lanes = parts[len(sinks):len(sinks) + len(middle)]
-                if len({m.shape[-1] for m in lanes}) > 1:
-                    raise ValueError(f"middle segments over different token columns: {[m.shape[-1] for m in lanes]}")
+                widths = [m.shape[-1] for m in lanes]
+                if len(set(widths)) > 1:
+                    if not self.layout.head_valid:
+                        raise ValueError(f"middle segments over different token columns: {widths}")
+                    # per-head lanes (adaptive per-head budgets): column j of a head is its j-th stored token
+                    lanes = [torch.nn.functional.pad(m, (0, max(widths) - m.shape[-1])) for m in lanes]
                 out["middle"] = sum(lanes[1:], lanes[0]) if lanes else zeros(0)
                 if recent:
                     m = parts[len(sinks) + len(middle)]

@@ -24,12 +24,14 @@ declares the layout, keeps the observation of the step, selects per kv head and 
   reserved for it (AdaKV's ``alpha_safeguard``; kvpress' ``AdaKVPress`` uses 0.20).  Head ``h`` of row ``b`` then
   keeps its own count ``c[b, h]`` (same total as ``uniform``); the pipeline packs each head's survivors densely
   (``Layout.head_valid``: head ``h`` holds columns ``[0, c[b, h])`` of the packed block) and the middle store keeps
-  that per-(row, head) validity, which every read path masks with.  **Bytes**: a store is one dense tensor per
-  layer, so it is as long as the row's *longest* head: the middle holds ``max_h c[b, h]`` columns for every head
-  (the shorter heads' extra columns are allocated but masked), between the kept tokens (when the heads keep equal
-  counts) and ``kv_heads x`` them; the memory report counts what is allocated.  Stores that keep a per-head
-  validity: the full-precision middle (dynamic and static caches, with or without a channel pruner's lanes); a
-  quantizer's store (KIVI) is refused at validation.
+  that per-(row, head) validity, which every read path masks with.  **Bytes**: the dynamic full-precision store
+  gives each kv head its own lane, as long as that head's longest row (``max_b c[b, h]``), so the head-columns held
+  are the kept tokens (one row: exactly; several rows: each head as long as its longest row) plus a validity and
+  positions per lane column (:class:`kvcompress.state.DenseStore`, "Per-head lanes"); the static store sizes every
+  head at the store's capacity, which the uniform schedule allocates too
+  (:class:`kvcompress.static.StaticDenseStore`).  The memory report counts what is allocated.  Stores that keep a
+  per-head validity: the full-precision middle (dynamic and static caches, with or without a channel pruner's
+  lanes); a quantizer's store (KIVI) is refused at validation.
 
 Everything runs in eager steps and inside a static cache's compiled decode step (``graph_safe = True``: fixed
 shapes, no host reads there).

@@ -747,26 +747,56 @@ class DenseStore(MiddleStore):
     regrouped by a pruner (``block.groups``) gets one lane per group, each a dense
     ``[batch, heads_in_group, tokens, kept_channels]`` buffer read with the
     group's query map.
+
+    **Per-head lanes** (:meth:`use_head_valid`: adaptive per-head budgets, where the heads of a row keep different
+    counts ``c[b, h]``): the first block splits every head group into one lane per kv head (the group's channels of
+    that head; a group with a custom query / output map, e.g. low-rank coordinates, stays one lane and keeps a
+    per-(row, head) validity ``hvalid``), decided once, when the store takes its first block.  Each lane is a
+    growable ``[batch, 1, tokens, dk]`` buffer as long as its own head's longest row (``max_b c[b, h]``, one host
+    read of the block's per-head counts per appended block that carries ``block.head_valid``; decode blocks carry
+    none and go to every lane alike), its row validity being that head's validity, so the head-columns held follow
+    the kept tokens (with one row, exactly; with several rows each head is as long as its longest row) where one
+    dense tensor would be as long as the longest head.  The lanes differ in length: they are read as separate
+    segments (one launch of the grouped lanes kernel on CUDA, one partial each on the CPU).  A zero-width lane
+    (``rows``: validity and positions only, no payload bytes) keeps the row-level union the store reports
+    (:meth:`valid_mask`, :attr:`num_tokens`).  Column ``j`` of head ``h`` in :meth:`head_valid_mask` is head
+    ``h``'s ``j``-th stored token; :meth:`retain` and :meth:`drop_oldest` apply to each head's own columns (its
+    oldest first).  Bookkeeping per lane: a ``[batch, tokens]`` bool validity and ``[tokens]`` int64 positions.
     """
 
     supports_slots = True
     supports_head_valid = True
+    #: under :meth:`use_head_valid`, one lane per kv head (True) or one masked lane per head group as long as its
+    #: longest head (False: the layout before per-head lanes, which tests compare against)
+    head_lanes = True
 
     def __init__(self) -> None:
         self.lanes: list[tuple[HeadGroup, RingBuffer]] | None = None
         self.max_tokens: int | None = None
         self.slotted = False  # per-head slot placement (use_slots): lanes of exactly slot_count slots
         self.per_head = False  # per-(row, head) validity (use_head_valid): each lane's buffer keeps its heads' own
+        # per-head lanes (per_head, not slotted; see the class docstring): per lane, (index of the block part it
+        # takes, head index within the part or None for a whole part, the lane's kv head or None)
+        self.plan: list[tuple[int, int | None, int | None]] | None = None
+        self.rows: RingBuffer | None = None  # per-head lanes: the row-level union (zero-width payload)
+        self.kv_heads = 0  # per-head lanes: the layer's kv heads (known at the first block)
         self._attached: list = []  # per lane: (buffer segment, the segment read) of the last read, or None
 
     @property
     def buf(self) -> RingBuffer | None:
-        """The first lane's buffer (the only one for ungrouped stacks)."""
+        """The first lane's buffer (the only one for ungrouped stacks); with per-head lanes the row-level union
+        (:attr:`rows`: validity and positions of the longest head of each row, no payload)."""
+        if self.rows is not None:
+            return self.rows
         return self.lanes[0][1] if self.lanes else None
+
+    def _buffers(self) -> list[RingBuffer]:
+        """Every buffer the store holds (lanes, and the row-level union of per-head lanes)."""
+        return [buf for _, buf in self.lanes or []] + ([self.rows] if self.rows is not None else [])
 
     def limit(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
-        for _, buf in self.lanes or []:
+        for buf in self._buffers():
             buf.max_capacity = max_tokens
 
     def use_slots(self) -> None:
@@ -778,6 +808,8 @@ class DenseStore(MiddleStore):
     def head_valid_mask(self) -> torch.Tensor | None:
         if not self.per_head or self.buf is None or self.buf.size == 0:
             return None
+        if self.plan is not None:
+            return self._head_lanes_mask()
         lanes = self.lanes
         if len(lanes) == 1 and lanes[0][0].heads is None:
             buf = lanes[0][1]
@@ -792,6 +824,23 @@ class DenseStore(MiddleStore):
             else:
                 out[:, group.heads] = part
         return out
+
+    def _head_lanes_mask(self) -> torch.Tensor:
+        """Per-head lanes: ``[batch, kv_heads, tokens]``, column ``j`` of head ``h`` its ``j``-th stored token
+        (``tokens``: the row-level union's width); heads no lane holds (a pruner dropped them) get the union."""
+        rows = self.rows
+        width = rows.size
+        out = rows.valid[:, rows.ordered()].unsqueeze(1).repeat(1, self.kv_heads, 1)
+        for (group, lane), (_, _, head) in zip(self.lanes, self.plan):
+            part = lane.valid[:, lane.ordered()] if lane.hvalid is None else lane.hvalid[:, :, lane.ordered()]
+            if head is not None:
+                out[:, head] = False
+                out[:, head, : lane.size] = part
+            elif group.heads is None:
+                out = part.clone()
+            else:
+                out[:, group.heads] = part
+        return out[..., :width]
 
     def _num_heads(self) -> int:
         n = 0
@@ -811,6 +860,9 @@ class DenseStore(MiddleStore):
 
     def append(self, block: KVBlock) -> None:
         parts = block.parts()
+        if self.per_head and self.head_lanes and not self.slotted:
+            self._append_heads(block, parts)
+            return
         if self.lanes is None:
             self.lanes = []
             for part in parts:
@@ -828,6 +880,65 @@ class DenseStore(MiddleStore):
             hv = None if head_valid is None or group.heads is None else head_valid.index_select(1, group.heads)
             buf.push(part.k, part.v, block.valid, block.positions, all_valid=block.all_valid,
                      head_valid=head_valid if group.heads is None else hv)
+
+    def _build_head_lanes(self, block: KVBlock, parts: list[HeadGroup], need: list[int] | None) -> None:
+        """Per-head lanes (once, at the first block): one lane per kv head of every part without a custom query /
+        output map, one lane per part otherwise, and the row-level union (see the class docstring); each lane
+        starts as long as the columns the first block gives it (``need``: per kv head; ``None``: all)."""
+        n = block.num_tokens
+        b, device = block.valid.shape[0], block.valid.device
+        count = max([p.k.shape[1] if p.heads is None else int(p.heads.max()) + 1 for p in parts] + [1])
+        self.kv_heads = block.head_valid.shape[1] if block.head_valid is not None else count
+        index = torch.arange(self.kv_heads, device=device)  # the lanes' head indices: views of one tensor
+        self.lanes, self.plan = [], []
+        for i, part in enumerate(parts):
+            if part.qmap is not None or part.vmap is not None:
+                buf = RingBuffer(None, part.k, part.v, initial=n, heads_valid=True)
+                buf.max_capacity = self.max_tokens
+                self.lanes.append((part.layout(), buf))
+                self.plan.append((i, None, None))
+                continue
+            heads = range(part.k.shape[1]) if part.heads is None else part.heads.tolist()
+            for j, head in enumerate(heads):
+                channels = None if part.channels is None else part.channels[j:j + 1]
+                group = HeadGroup(index[head:head + 1], None, None, channels)
+                first = n if need is None else need[head]
+                buf = RingBuffer(None, part.k[:, j:j + 1], part.v[:, j:j + 1], initial=first)
+                buf.max_capacity = self.max_tokens
+                self.lanes.append((group, buf))
+                self.plan.append((i, j, head))
+        empty = block.valid.new_zeros(b, 1, 0, 0, dtype=parts[0].k.dtype if parts else torch.float32)
+        self.rows = RingBuffer(None, empty, empty, initial=n)
+        self.rows.max_capacity = self.max_tokens
+
+    def _append_heads(self, block: KVBlock, parts: list[HeadGroup]) -> None:
+        """Per-head lanes: head ``h``'s lane takes the block's first ``max_b c[b, h]`` columns (all of them when the
+        block carries no per-head validity), the union lane every column."""
+        n = block.num_tokens
+        hv = block.head_valid
+        need = None
+        if hv is not None:
+            hv = hv & block.valid.unsqueeze(1)
+            cols = torch.arange(1, n + 1, device=hv.device)
+            need = torch.where(hv.any(0), cols, 0).amax(-1).tolist()  # [kv_heads]: one host read per block
+        if self.lanes is None:
+            self._build_head_lanes(block, parts, need)
+        for (group, buf), (i, j, head) in zip(self.lanes, self.plan):
+            part = parts[i]
+            if head is None:  # a whole part, per-(row, head) validity as in one-lane mode
+                sub = None if hv is None or group.heads is None else hv.index_select(1, group.heads)
+                buf.push(part.k, part.v, block.valid, block.positions, all_valid=block.all_valid,
+                         head_valid=hv if group.heads is None else sub)
+                continue
+            m = n if need is None else need[head]
+            if m == 0:
+                continue
+            valid = block.valid[:, :m] if hv is None else hv[:, head, :m]
+            buf.push(part.k[:, j:j + 1, :m], part.v[:, j:j + 1, :m], valid, block.positions[:m],
+                     all_valid=block.all_valid and hv is None)
+        rows = self.rows
+        payload = rows.k.new_zeros(block.valid.shape[0], 1, n, 0)
+        rows.push(payload, payload, block.valid, block.positions, all_valid=block.all_valid)
 
     def _write_slots(self, block: KVBlock, parts: list[HeadGroup]) -> None:
         """Slot mode: column ``j`` of head ``h`` goes to slot ``block.slots[b, h, j]`` (eager: dropped columns are
@@ -869,12 +980,12 @@ class DenseStore(MiddleStore):
         return self.buf.size if self.buf is not None else 0
 
     def drop_oldest(self, n: int) -> None:
-        for _, buf in self.lanes or []:
+        for buf in self._buffers():
             if n > 0:
                 buf.discard_oldest(min(n, buf.size))
 
     def known_all_valid(self) -> bool:
-        return not self.slotted and all(buf.all_valid for _, buf in self.lanes or [])
+        return not self.slotted and self.plan is None and all(buf.all_valid for _, buf in self.lanes or [])
 
     def valid_mask(self) -> torch.Tensor | None:
         """Per-row validity ``[batch, tokens]`` of the stored tokens, oldest first."""
@@ -887,21 +998,23 @@ class DenseStore(MiddleStore):
         """Evict per row: ``keep`` is ``[batch, tokens]`` (oldest first); leading all-evicted columns are freed."""
         alive = keep.any(dim=0)
         first = int(alive.long().argmax()) if bool(alive.any()) else keep.shape[1]
-        for _, buf in self.lanes or []:
+        every = bool(keep.all())
+        for buf in self._buffers():  # per-head lanes: a head's column j is its j-th stored token
             slots = buf.ordered()
-            buf.valid[:, slots] = buf.valid[:, slots] & keep
+            part = keep[:, : buf.size]
+            buf.valid[:, slots] = buf.valid[:, slots] & part
             if buf.hvalid is not None:
-                buf.hvalid[:, :, slots] = buf.hvalid[:, :, slots] & keep.unsqueeze(1)
-            if not bool(keep.all()):
+                buf.hvalid[:, :, slots] = buf.hvalid[:, :, slots] & part.unsqueeze(1)
+            if not every:
                 buf.all_valid = buf.valid_all_true = False
-            buf.discard_oldest(first)
+            buf.discard_oldest(min(first, buf.size))
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        for _, buf in self.lanes or []:
+        for buf in self._buffers():
             buf.map_batch(fn)
 
     def nbytes(self) -> dict[str, int]:
-        return {"middle": sum(buf.nbytes() for _, buf in self.lanes or [])}
+        return {"middle": sum(buf.nbytes() for buf in self._buffers())}
 
     def index_tensors(self) -> list[torch.Tensor]:
         """The lanes' head / channel index tensors (a pruner's per-layer choice, which its state may share)."""

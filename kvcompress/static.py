@@ -717,6 +717,15 @@ class StaticDenseStore(StaticRingStore):
     read in place with a device-side validity mask.  With a per-head validity (:meth:`use_head_valid`, adaptive
     per-head budgets) each lane also keeps ``hvalid`` ``[batch, heads, columns]`` (the ring's row-level ``valid``
     is then the union over the heads) and its segment reads it.
+
+    Per-head lengths are not known when a static store is built (capacities are decided once, no host read on the
+    decode path), so every head's columns are sized at the capacity one head can reach: the adaptive schedule is
+    prefill-only and declares no ``Layout.middle``, so one head may hold every token that leaves the window, i.e.
+    the store's capacity.  That is the capacity the uniform schedule allocates too: an adaptive static cache holds
+    the uniform one's bytes plus the per-head validity (one bool per row, head and column), nothing that grows with
+    the spread of the heads' counts.  Splitting the lanes per head (as the dynamic
+    :class:`~kvcompress.state.DenseStore` does, where lengths follow the counts) would keep the same bytes here and
+    read more segments.
     """
 
     supports_head_valid = True

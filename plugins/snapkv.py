@@ -25,8 +25,8 @@ window stays in full precision), ``phase`` ("prefill"), ``schedule`` ("uniform";
 "adaptive" is AdaKV over SnapKV's scores, kvpress' ``AdaKVPress(SnapKVPress)``: the layer's budget of a row goes to
 the top scores of all its kv heads together, each head keeping at least ``alpha`` x the uniform budget; phase
 "prefill" only; examples/stacks/adakv25.yaml), ``alpha`` (0.2, AdaKV's ``alpha_safeguard``; 1 = uniform).  With
-"adaptive" the heads of a row keep different numbers of tokens and the middle is as long as the longest head
-(docs/writing-a-plugin.md, "Adaptive per-head budgets").
+"adaptive" the heads of a row keep different numbers of tokens; in a dynamic cache each kv head's middle is a lane of
+its own length (docs/writing-a-plugin.md, "Adaptive per-head budgets").
 The default window is kvpress' 64 queries; the example stacks (examples/stacks/snapkv.yaml, snapkv25.yaml) observe
 128, which on the default model's perplexity windows loses a quarter to a half of what 64 loses (docs/results.md).
 """

@@ -200,9 +200,10 @@ def test_beam_search_reorders_each_heads_validity():
 
 
 def test_memory_report_is_the_bytes_held():
-    """Dynamic cache: the report equals the bytes of every tensor the layers hold, and the middle is as long as the
-    longest head of each row (what the docs say the bytes follow).  Static cache: what the per-head validity adds to
-    the report is exactly its tensors (the static buffers are allocated at capacity either way)."""
+    """Dynamic cache: the report equals the bytes of every tensor the layers hold; each kv head has its own lane, as
+    long as that head's longest row, and the row-level union (what :meth:`valid_mask` reports) is as long as the
+    longest head.  Static cache: what the per-head validity adds to the report is exactly its tensors (the static
+    buffers are allocated at capacity either way)."""
     model = tiny_model("llama")
     ids = torch.randint(1, 256, (2, 300), generator=torch.Generator().manual_seed(3))
 
@@ -219,7 +220,11 @@ def test_memory_report_is_the_bytes_held():
     for layer in cache.compressed_layers:
         counts = layer.middle.head_valid_mask().sum(-1)  # [b, h]
         assert int(counts.sum()) == 2 * 2 * (math.floor(0.25 * 300) - 36)  # rows x kv heads x uniform budget
-        assert layer.middle.buf.size == int(counts.max())  # the longest head sizes the middle
+        assert layer.middle.buf.size == int(counts.max())  # the row-level union: the longest head
+        lanes = {int(group.heads): buf for group, buf in layer.middle.lanes}  # one lane per kv head
+        assert sorted(lanes) == [0, 1]
+        for head, buf in lanes.items():
+            assert buf.size == int(counts[:, head].max()) and buf.k.shape[1] == 1
     reports = {}
     for schedule in ("uniform", "adaptive"):
         with kvcompress.compress(model, stack(schedule), max_cache_len=310) as cache, torch.no_grad():
@@ -227,6 +232,133 @@ def test_memory_report_is_the_bytes_held():
         reports[schedule] = cache.memory_report().cache_bytes
     hvalid = sum(bufs["hvalid"].numel() for layer in cache.compressed_layers for _, bufs in layer.middle.lanes)
     assert reports["adaptive"] - reports["uniform"] == hvalid > 0
+
+
+def _ratio_stack(schedule, ratio=0.25, *extra):
+    return {"compressors": [{"snapkv": {"ratio": ratio, "sinks": 4, "recent": 32, "window": 32,
+                                        "schedule": schedule}}, *extra]}
+
+
+def test_adaptive_bytes_follow_the_kept_tokens():
+    """One row at 25% kept: the adaptive middle's payload (each kv head its own lane, as long as its own count) is the
+    uniform middle's, the same total of head-columns; what it adds is exactly the per-lane bookkeeping (a bool
+    validity and int64 positions per lane column, the head index tensor, the row-level union: no payload), at most
+    9 bytes per kept head-column plus 9 per union column and 8 per kv head.  Here (head_dim 16, fp32: 128 payload bytes
+    per head-column) that is under 8% of the cache; on the default model (head_dim 64) under 2% (benchmarks/
+    adakv_head_counts.py).  Before, the middle followed the longest head (1.45x head-columns on the default model)."""
+    model = tiny_model("llama")
+    ids = torch.randint(1, 256, (1, 600), generator=torch.Generator().manual_seed(11))
+    reports, caches = {}, {}
+    for schedule in ("uniform", "adaptive"):
+        with kvcompress.compress(model, _ratio_stack(schedule)) as cache, torch.no_grad():
+            model(ids, cache=cache)
+        reports[schedule], caches[schedule] = cache.memory_report(), cache
+    def payload(buf):
+        return buf.k.numel() * buf.k.element_size() + buf.v.numel() * buf.v.element_size()
+
+    def bookkeeping(buf):
+        return buf.valid.numel() + buf.positions.numel() * 8
+
+    kept = extra = 0
+    for layer in caches["adaptive"].compressed_layers:
+        middle = layer.middle
+        counts = middle.head_valid_mask().sum(-1)[0]
+        assert int(counts.max()) > int(counts.min())  # the heads really keep different numbers
+        per_col = 2 * middle.lanes[0][1].k.shape[-1] * middle.lanes[0][1].k.element_size()
+        for group, buf in middle.lanes:  # each lane exactly its head's count (at least 16 columns)
+            assert payload(buf) == per_col * max(16, int(counts[int(group.heads)]))
+        assert middle.rows.k.numel() == 0
+        extra += sum(bookkeeping(buf) for _, buf in middle.lanes) + bookkeeping(middle.rows) + 8 * middle.kv_heads
+        kept += int(counts.sum())
+    uniform = [buf for layer in caches["uniform"].compressed_layers for _, buf in layer.middle.lanes]
+    assert sum(payload(buf) for buf in uniform) == per_col * kept  # the same head-columns
+    extra -= sum(bookkeeping(buf) for buf in uniform)
+    a, u = reports["adaptive"].cache_bytes, reports["uniform"].cache_bytes
+    assert a - u == extra  # nothing but the bookkeeping
+    assert extra <= 9 * kept + 9 * kept // 2 + 8 * 2 * len(uniform), (extra, kept)
+    assert a <= 1.08 * u, (a, u)
+
+
+@pytest.mark.parametrize("leank", [False, True], ids=["dense", "leank"])
+def test_per_head_lanes_decode_equals_the_masked_layout(leank, monkeypatch):
+    """Left-padded batch, fp32: decode logits with one lane per kv head (each as long as its own head; the decode
+    steps flush tokens into every lane) equal those of the masked layout (``DenseStore.head_lanes = False``: one lane
+    per head group as long as its longest head, a per-(row, head) validity masking the columns a head does not
+    hold), with and without LeanK channel lanes, and those of the static cache (its masked layout at capacity)."""
+    from kvcompress.state import DenseStore
+
+    model = tiny_model("llama", layers=2)
+    extra = [compiled_decode.LEANK] if leank else []
+    stack = _ratio_stack("adaptive", 0.4, *extra)
+    ids, mask = compiled_decode._ids(pad=5, length=224, seed=12)
+    lanes, cache = compiled_decode._run(model, stack, ids, mask, static=False, prompt=200)
+    middle = cache.compressed_layers[0].middle
+    assert len({buf.size for _, buf in middle.lanes}) > 1 and all(buf.k.shape[1] == 1 for _, buf in middle.lanes)
+    if leank:
+        assert any(group.channels is not None for group, _ in middle.lanes)
+    with monkeypatch.context() as m:
+        m.setattr(DenseStore, "head_lanes", False)
+        masked, mcache = compiled_decode._run(model, stack, ids, mask, static=False, prompt=200)
+    assert len(mcache.compressed_layers[0].middle.lanes) < len(middle.lanes)  # (the masked layout really ran)
+    assert (lanes - masked).abs().max().item() <= 1e-5
+    for a, b in zip(cache.compressed_layers, mcache.compressed_layers):  # the same tokens per head
+        assert torch.equal(a.middle.head_valid_mask().sum(-1), b.middle.head_valid_mask().sum(-1))
+    static, _ = compiled_decode._run(model, stack, ids, mask, static=True, prompt=200)
+    assert (static - lanes).abs().max().item() <= 1e-5
+
+
+def test_per_head_lanes_chunked_prefill_equals_the_masked_layout(monkeypatch):
+    """A prompt prefilled in two chunks (the second chunk's allocation reads what each head holds, and its
+    observation reads the lanes of different lengths) gives the masked layout's logits."""
+    from kvcompress.state import DenseStore
+
+    model = tiny_model("llama", layers=2)
+    ids = torch.randint(1, 256, (1, 230), generator=torch.Generator().manual_seed(15))
+
+    def run():
+        out = []
+        with kvcompress.compress(model, _ratio_stack("adaptive", 0.4)) as cache, torch.no_grad():
+            for lo, hi in ((0, 120), (120, 220)):
+                out.append(model(ids[:, lo:hi], cache=cache).logits[:, -1])
+            for t in range(220, 230):
+                out.append(model(ids[:, t:t + 1], cache=cache).logits[:, -1])
+        return torch.stack(out), cache
+
+    lanes, cache = run()
+    assert len({buf.size for _, buf in cache.compressed_layers[0].middle.lanes}) > 1
+    with monkeypatch.context() as m:
+        m.setattr(DenseStore, "head_lanes", False)
+        masked, _ = run()
+    assert (lanes - masked).abs().max().item() <= 1e-5
+
+
+def test_per_head_lanes_read_equals_a_masked_segment():
+    """The read of the per-head lanes (one segment per kv head, different lengths) equals the joint-softmax oracle
+    over one longest-head segment that masks each head's columns, rebuilt here from the lanes."""
+    from kvcompress.kernels.attention import attend_segments
+    from kvcompress.kernels.attention.reference import segment_attention
+    from kvcompress.state import Segment
+
+    q, k, v, valid = scoring._tensors(seed=13)
+    _, _, layer = scoring._prefill_selection(_stack(0.5), q, k, v, valid)
+    middle = layer.middle
+    lanes = middle.lanes
+    b, h, d = k.shape[0], k.shape[1], k.shape[-1]
+    width = max(buf.size for _, buf in lanes)
+    assert len({buf.size for _, buf in lanes}) > 1
+    kk, vv = k.new_zeros(b, h, width, d), v.new_zeros(b, h, width, d)
+    hv = torch.zeros(b, h, width, dtype=torch.bool)
+    for group, buf in lanes:
+        head, n, order = int(group.heads), buf.size, buf.ordered()
+        kk[:, head, :n], vv[:, head, :n] = buf.k[:, 0, order], buf.v[:, 0, order]
+        hv[:, head, :n] = buf.valid[:, order]
+    assert torch.equal(hv, middle.head_valid_mask())
+    masked = Segment(kk, vv, hv, torch.zeros(width, dtype=torch.long))
+    query = torch.randn(b, q.shape[1], 1, d, generator=torch.Generator().manual_seed(14))
+    pos = torch.tensor([10_000])
+    got = attend_segments(query, middle.segments(), pos, d ** -0.5)
+    ref = segment_attention(query, [masked], pos, d ** -0.5)
+    assert (got - ref).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("entry,match", [

@@ -41,6 +41,11 @@ CASES = {
     "per-head-valid-dense-and-lane": (2, 3, 4, 32, 32, [(None, None, 40, "head"), ([2, 0], 16, 29, "head"),
                                                         ([1], 32, 12, True)], {}),
     "per-head-valid-strided": (2, 2, 3, 32, 32, [(None, None, 37, "head")], {"views": True}),
+    # per-head lanes (adaptive per-head budgets, DenseStore.head_lanes): one lane per kv head, each its own length
+    "per-head-lanes-own-lengths": (2, 3, 4, 32, 32, [([0], None, 41, True), ([1], None, 7, True),
+                                                     ([2], None, 23, False)], {}),
+    "per-head-lanes-leank-channels": (1, 4, 2, 32, 32, [([0], 16, 33, True), ([2], 16, 5, True), ([3], 24, 18, True)],
+                                      {"views": True}),
 }
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3
 
@@ -146,9 +151,11 @@ def run_case(name: str, device: str = "cpu") -> dict:
     return res
 
 
-def read_path_case(device: str = "cpu", per_head: bool = False) -> dict:
+def read_path_case(device: str = "cpu", per_head: bool = False, head_lanes: bool = False) -> dict:
     """``attend_segments`` with the fused branch forced (``KVCOMPRESS_KERNELS=triton``) vs the joint-softmax oracle.
-    ``per_head``: the lanes' validity is per head (``[B, h, T]``: adaptive per-head budgets)."""
+    ``per_head``: the lanes' validity is per head (``[B, h, T]``: adaptive per-head budgets).  ``head_lanes``: the
+    middle as a per-head-lanes store reads it (one segment per kv head, each its own length, row validity; two with
+    kept channels, one full width)."""
     from kvcompress.kernels.attention import attend_segments, segment_attention
     from kvcompress.state import HeadGroup, Segment
 
@@ -161,16 +168,18 @@ def read_path_case(device: str = "cpu", per_head: bool = False) -> dict:
                    torch.randn(b, hkv, 4, d, generator=gen).half().to(device), None,
                    torch.arange(4, device=device))
     segs.append(sink)
-    for heads, count in (([0, 2], 16), ([1], 8)):
-        ch = torch.stack([torch.randperm(d, generator=gen)[:count].sort().values for _ in heads]).to(device)
+    middle = (([0], 16, 37), ([1], None, 6), ([2], 8, 21)) if head_lanes else (([0, 2], 16, 40), ([1], 8, 40))
+    for heads, count, t in middle:
+        ch = None if count is None else torch.stack([torch.randperm(d, generator=gen)[:count].sort().values
+                                                     for _ in heads]).to(device)
         grp = HeadGroup(torch.tensor(heads, device=device), None, None, ch)
-        valid = (torch.rand(b, 40, generator=gen) > 0.1).to(device)
+        valid = (torch.rand(b, t, generator=gen) > 0.1).to(device)
         if per_head:
-            valid = (torch.arange(40).view(1, 1, 40) < torch.randint(0, 41, (b, len(heads), 1), generator=gen)).to(
+            valid = (torch.arange(t).view(1, 1, t) < torch.randint(0, t + 1, (b, len(heads), 1), generator=gen)).to(
                 device)
-        seg = Segment(torch.randn(b, len(heads), 40, count, generator=gen).half().to(device),
-                      torch.randn(b, len(heads), 40, d, generator=gen).half().to(device), valid,
-                      torch.zeros(40, dtype=torch.long, device=device))
+        seg = Segment(torch.randn(b, len(heads), t, count or d, generator=gen).half().to(device),
+                      torch.randn(b, len(heads), t, d, generator=gen).half().to(device), valid,
+                      torch.zeros(t, dtype=torch.long, device=device))
         segs.append(grp.attach(seg))
     window = Segment(torch.randn(b, hkv, 9, d, generator=gen).half().to(device),
                      torch.randn(b, hkv, 9, d, generator=gen).half().to(device), None,
@@ -178,7 +187,7 @@ def read_path_case(device: str = "cpu", per_head: bool = False) -> dict:
     new = Segment(torch.randn(b, hkv, 1, d, generator=gen).half().to(device),
                   torch.randn(b, hkv, 1, d, generator=gen).half().to(device), None, pos_q)
     segs += [window, new]
-    assert all(s.channels is not None for s in segs[1:3])
+    assert head_lanes or all(s.channels is not None for s in segs[1:3])
     got = attend_segments(q, segs, pos_q, d ** -0.5)
     ref = segment_attention(q, segs, pos_q, d ** -0.5)
     return {"err": float((got.float() - ref.float()).abs().max()), "shape": list(got.shape)}
@@ -193,8 +202,12 @@ def _worker(path: str) -> None:
         os.environ["KVCOMPRESS_KERNELS"] = "triton"
         return read_path_case(per_head=True)
 
+    def read_path_head_lanes() -> dict:
+        os.environ["KVCOMPRESS_KERNELS"] = "triton"
+        return read_path_case(head_lanes=True)
+
     collect({**{name: (lambda n=name: run_case(n)) for name in CASES}, "read-path": read_path,
-             "read-path-per-head": read_path_per_head}, path)
+             "read-path-per-head": read_path_per_head, "read-path-head-lanes": read_path_head_lanes}, path)
 
 
 @pytest.fixture(scope="module")
@@ -283,7 +296,7 @@ def test_triton_interpreted(interpreted, name):
     _check(interpreted[name], name)
 
 
-@pytest.mark.parametrize("case", ["read-path", "read-path-per-head"])
+@pytest.mark.parametrize("case", ["read-path", "read-path-per-head", "read-path-head-lanes"])
 def test_read_path_fused_branch_interpreted(interpreted, case):
     res = interpreted[case]
     assert "error" not in res, res.get("error")
