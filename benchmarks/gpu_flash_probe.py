@@ -4,8 +4,9 @@
 returns the output AND the log-sum-exp, so it could serve as a dense-region partial (merged with other segments by
 LSE) if it (a) takes GQA natively, (b) takes a per-row used length from a device tensor (graph-capturable), and
 (c) reads our head-major ``[B, H, T, D]`` buffer through a transposed view, or needs token-major storage.  This
-script answers those on the GPU machine and times each variant against SDPA (CUDA graphs, warm L2, median of 5
-batches of 50 replays) on Llama-3-8B decode shapes.  It changes nothing in kvcompress.
+script answers those on the GPU machine and times each variant against SDPA (``benchutil.time_op``: CUDA-graph
+replay, median of 50; one buffer, so warm L2, unlike the kernel grid) on Llama-3-8B decode shapes.  It changes
+nothing in kvcompress.
 
     python benchmarks/gpu_flash_probe.py --out DIR [--shapes 1x4096,1x32768,16x32768]
 """
@@ -15,36 +16,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import traceback
 
 import torch
 import torch.nn.functional as F
 
+from kvcompress.kernels.benchutil import time_op
+
 HQ, HKV, D = 32, 8, 128
 
 
-def timed(fn, reps: int = 50) -> float:
-    """Median µs of one call, replayed from a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    out = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) * 1000 / reps)
-    return statistics.median(out)
+def timed(fn) -> float:
+    """µs of one call (:func:`kvcompress.kernels.benchutil.time_op`: CUDA-graph replay, median)."""
+    return time_op(fn, [()], reps=50, device="cuda").us
 
 
 def main() -> int:

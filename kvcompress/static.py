@@ -45,7 +45,6 @@ from .layer import add_store_bytes, apply_selection, dense_read
 from .state import HeadGroup, KVBlock, LayerInfo, Layout, MiddleStore, Segment, new_token_validity
 
 
-
 def storage_bytes(*tensors: "torch.Tensor | None") -> int:
     """Bytes of the storages behind ``tensors``, each storage once (an expanded or sliced view costs what it
     holds, not its shape)."""
@@ -59,6 +58,7 @@ def storage_bytes(*tensors: "torch.Tensor | None") -> int:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
+
 
 def _compiling() -> bool:
     return torch.compiler.is_compiling()
@@ -776,10 +776,7 @@ class StaticDenseStore(StaticRingStore):
                 if self.per_head:
                     bufs["hvalid"] = torch.zeros(b, h, self.ring.columns, dtype=torch.bool, device=part.k.device)
                 mark_static(*bufs.values())
-                layout = part.layout()
-                # index tensors a captured read takes as inputs: fixed addresses, never copied per replay
-                mark_static(layout.heads, layout.channels)
-                self.lanes.append((layout, bufs))
+                self.lanes.append((part.layout(), bufs))
         if block.slots is not None:  # slot mode: per-head targets chosen by the evictor
             target = self.ring.route(block)
             for (group, bufs), part in zip(self.lanes, parts):

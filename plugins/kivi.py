@@ -433,17 +433,12 @@ class KiviStaticStore(StaticRingStore):
                     shape[2] = self.ring.columns if self.codec.token_axis(name) else self.ring.columns // g
                     bufs[name] = t.new_zeros(shape)
                     mark_static(bufs[name])
-                layout = part.layout()
-                # index tensors a captured read takes as inputs: fixed addresses, never copied per replay
-                mark_static(layout.heads, layout.channels)
-                self.lanes.append((layout, bufs))
+                self.lanes.append((part.layout(), bufs))
                 self.kernels.append(self.codec.choose_kernel(bufs, self.ring.columns))
             if not self.slotted:  # slot mode (an evictor places blocks per head) keeps one segment per lane
                 self.merged = MergedLanes.plan(self.codec, [g for g, _ in self.lanes], [b for _, b in self.lanes],
                                                self.head_dim, self.num_kv_heads)
                 self.lanes_kernel = None if self.merged is None else self.merged.impl
-                if self.merged is not None:
-                    mark_static(self.merged.heads, self.merged.covered, *self.merged.lane_heads)
                 self._region = None if self.merged is None else self.merged.region(
                     self.codec, [g for g, _ in self.lanes], [b for _, b in self.lanes], self.ring.valid)
         if block.slots is not None:  # slot mode: per-head unit targets chosen by the evictor (whole G-token groups)

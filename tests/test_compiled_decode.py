@@ -18,6 +18,7 @@ import torch
 
 import kvcompress
 from kvcompress.errors import ConfigError, UnsupportedOperationError
+from graph_inputs import recording_backend, unmarked_inputs
 from models import tiny_model
 from reference import masked_logits, window_visibility
 
@@ -97,11 +98,7 @@ def _run(model, stack, ids, mask, *, static=True, compiled=False, prompt=PROMPT,
     kw = {"max_cache_len": ids.shape[1] + 4} if static else {}
     out = []
 
-    def backend(gm, example_inputs):  # aot_eager, recording the graph's inputs
-        if record is not None:
-            record.setdefault("graph", []).extend(x for x in example_inputs if isinstance(x, torch.Tensor))
-        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
-
+    backend = recording_backend(record.setdefault("graph", [])) if record is not None else "aot_eager"
     with kvcompress.compress(model, stack, **kw) as cache, torch.no_grad():
         step = torch.compile(model.forward, backend=backend, fullgraph=True) if compiled else model.forward
         pos = (mask.cumsum(1) - 1).clamp(min=0)
@@ -137,10 +134,7 @@ def test_compiled_decode_equals_eager_within_two_graphs(model, lowrank_basis, na
     # every tensor a compiled step reads, other than the step's own inputs and the model's weights, is marked as a
     # static address: under mode="reduce-overhead" an unmarked input is copied into the CUDA graphs' pool before
     # every replay (a host-side copy per layer and step)
-    weights = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    copied = [(tuple(x.shape), x.dtype) for x in record["graph"]
-              if x.untyped_storage().data_ptr() not in weights | record["step"]
-              and not hasattr(x, "_dynamo_static_input_type")]
+    copied = unmarked_inputs(record["graph"], model, record["step"])
     assert not copied, f"{name}: graph inputs not marked static (copied before every replay): {copied}"
     for core in ccache.compressed_layers:  # the steps crossed lifecycle events
         if core.middle is not None:

@@ -30,6 +30,7 @@ from kvcompress.errors import KVCompressError
 from kvcompress.manager import get_registry
 from kvcompress.registry import Registry
 from kvcompress.stack import parse_stack
+from graph_inputs import recording_backend, unmarked_inputs
 from models import tiny_model
 
 FIXTURE = Path(__file__).parent / "fixtures" / "kvcompress-stride" / "kvcompress_stride.py"
@@ -267,11 +268,7 @@ def test_compiled_decode_equals_eager(registry, model, basis, name):
     ids = torch.randint(1, 256, (2, PROMPT + 6), generator=torch.Generator().manual_seed(6))  # 6 steps: compile dominates
     kw = hf.cache_kwarg(model)
     graph_inputs: list = []
-
-    def backend(gm, example_inputs):  # aot_eager, recording the graph's inputs
-        graph_inputs.extend(x for x in example_inputs if isinstance(x, torch.Tensor))
-        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
-
+    backend = recording_backend(graph_inputs)
     runs, step_inputs = [], set()
     for compiled in (False, True):
         torch._dynamo.reset()
@@ -293,11 +290,8 @@ def test_compiled_decode_equals_eager(registry, model, basis, name):
     # every tensor the compiled step reads, other than the step's own inputs and the model's weights, is marked as a
     # static address: under mode="reduce-overhead" an unmarked input is copied into the CUDA graphs' pool before
     # every replay (a host-side copy per layer and step)
-    weights = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     step_inputs.add(ids.untyped_storage().data_ptr())
-    copied = [(tuple(x.shape), x.dtype) for x in graph_inputs
-              if x.untyped_storage().data_ptr() not in weights | step_inputs
-              and not hasattr(x, "_dynamo_static_input_type")]
+    copied = unmarked_inputs(graph_inputs, model, step_inputs)
     assert not copied, f"{name}: graph inputs not marked static (copied before every replay): {copied}"
 
 

@@ -318,12 +318,13 @@ def _lane_tensors(lane: KiviLane, dummy: torch.Tensor) -> tuple:
 
 def _lane_args(lane: KiviLane, dummy: torch.Tensor) -> dict:
     """One lane's tensors and strides as the kernel reads them (:func:`_lane_tensors`)."""
-    (kc, ks, kz, vc, vs, vz, _, _), ch = t = _lane_tensors(lane, dummy)
+    pointers, ch = _lane_tensors(lane, dummy)
+    kc, ks, kz, vc, vs, vz = pointers[:6]
     pairs = ((kc, lane.k_codes), (ks, lane.k_scale), (kz, lane.k_zero), (vc, lane.v_codes), (vs, lane.v_scale),
              (vz, lane.v_zero), (ch, lane.channels))
     copied = any(t is not None and t.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
                  for t, src in pairs)
-    return dict(copied=copied, t=t[0],
+    return dict(copied=copied, t=pointers,
                 s=(kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
                    kz.stride(0), kz.stride(1), kz.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
                    vs.stride(0), vs.stride(1), vs.stride(2), vz.stride(0), vz.stride(1), vz.stride(2),
