@@ -9,6 +9,9 @@
 #   kernels  - the one-launch KIVI lanes read against SDPA with its new split floor, and the kivi-lanes config sweep
 #   rows     - reduce-overhead ("compiled") and GraphStep rows at B1/32k after the static-address marking (42c9d15):
 #              session 8 measured reduce-overhead at 1.29-1.59x its GPU-busy time
+#   lanes    - session 15 found the GraphStep row of leank-rope70-kivi2 at B1/32k slower with the one-launch KIVI
+#              lanes read (10.67 ms GPU-busy) than with the per-lane read in session 9 (9.39): the same row with the
+#              lanes kernel's split floor at 512 tokens (session 13's value) against the default 128
 set -o pipefail
 OUT=$(realpath "${1:-out}"); PHASE=${2:-compile}
 mkdir -p "$OUT" /tmp/site
@@ -40,6 +43,13 @@ case "$PHASE" in
     timeout 220 python "$SRC/benchmarks/gpu_graph_rows.py" --kind graph --stack leank-rope70-kivi2 \
       --points 1x32768 --out "$OUT/graph" 2>&1 | grep '^{' | tee "$OUT/rows_graph.log"
     ;;
-  *) echo "unknown phase $PHASE (compile | kernels | rows)"; exit 2 ;;
+  lanes)
+    for floor in 512 128; do
+      KVCOMPRESS_KIVI_CONFIG="{\"lanes_min_split_tokens\": $floor}" timeout 280 python "$SRC/benchmarks/gpu_graph_rows.py" \
+        --kind graph --stack leank-rope70-kivi2 --points 1x32768 --out "$OUT/floor$floor" 2>&1 | grep '^{' \
+        | tee "$OUT/rows_floor$floor.log"
+    done
+    ;;
+  *) echo "unknown phase $PHASE (compile | kernels | rows | lanes)"; exit 2 ;;
 esac
 date -u | tee -a "$OUT/log.txt"
