@@ -27,6 +27,11 @@ the top scores of all its kv heads together, each head keeping at least ``alpha`
 "prefill" only; examples/stacks/adakv25.yaml), ``alpha`` (0.2, AdaKV's ``alpha_safeguard``; 1 = uniform).  With
 "adaptive" the heads of a row keep different numbers of tokens; in a dynamic cache each kv head's middle is a lane of
 its own length (docs/writing-a-plugin.md, "Adaptive per-head budgets").
+``value_norm`` (False): multiply each token's pooled score by the L1 norm of its value vector in its kv head, as
+VATP does (Guo, Kamigaito, Watanabe. *Attention Score is not All You Need for Token Importance Indicator in KV Cache
+Reduction: Value Also Matters.* EMNLP 2024, arXiv:2406.12335): a token that is attended but whose value is near zero
+adds little to the output.  On the default model at 25% kept it lowers the loss slightly (docs/results.md, issue 17,
+session 15).
 The default window is kvpress' 64 queries; the example stacks (examples/stacks/snapkv.yaml, snapkv25.yaml) observe
 128, which on the default model's perplexity windows loses a quarter to a half of what 64 loses (docs/results.md).
 """
@@ -48,6 +53,7 @@ class SnapKVConfig(ScoreConfig):
     kernel: int = param(7, "pooling kernel along the tokens (odd; 1 = no pooling)", min=1, max=63)
     pool: str = param("max", "pooling: 'max' (the SnapKV authors' configurations) or 'avg' (kvpress' SnapKVPress)",
                       choices=("max", "avg"))
+    value_norm: bool = param(False, "weight each token's pooled score by its value's L1 norm (VATP, arXiv 2406.12335)")
 
     def check(self, path: str) -> None:
         super().check(path)
@@ -82,7 +88,14 @@ class SnapKVCompressor(ScoreEvictor):
     attention = True
 
     def score(self, layer, block, obs):
-        return pooled_window_attention(obs, block.positions, self.config.kernel, self.config.pool)
+        s = pooled_window_attention(obs, block.positions, self.config.kernel, self.config.pool)
+        if self.config.value_norm:
+            n = block.positions.shape[0]
+            in_window = (block.positions >= obs.query_positions[0]).view(1, 1, n)
+            weighted = s * block.v.float().abs().sum(-1)  # [b, h, n]
+            s = torch.where(in_window | ~torch.isfinite(s), s.clamp(max=0.0), weighted)
+            s = torch.where(in_window, s.amax(dim=-1, keepdim=True).clamp(min=0) + 1.0, s)  # the window on top
+        return s
 
 
 @hookimpl

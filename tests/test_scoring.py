@@ -92,16 +92,17 @@ def _check(keep, positions, expected):
         assert bool((counts == counts[0]).all())
 
 
-@pytest.mark.parametrize("pool,kernel", [("max", 7), ("avg", 5)])
-def test_snapkv_selection_matches_reference(pool, kernel):
+@pytest.mark.parametrize("pool,kernel,value_norm", [("max", 7, False), ("avg", 5, False), ("max", 7, True)])
+def test_snapkv_selection_matches_reference(pool, kernel, value_norm):
     """SnapKV (arXiv 2404.14469): last-window queries' softmax over the prompt, averaged over the window, summed over
     each kv head's query heads, pooled along the tokens before the window (kvpress pads: -inf for max, zeros for avg);
     per head the top floor(ratio * prompt) - (sinks + window held) tokens among those leaving the window.  (kvpress
-    pools each query head before averaging the group: the same for avg pooling, not for max.)"""
+    pools each query head before averaging the group: the same for avg pooling, not for max.)  ``value_norm``: the
+    pooled score times the L1 norm of the token's value in its kv head (VATP, arXiv 2406.12335)."""
     sinks, recent, window, ratio = 2, 8, 6, 0.5
     q, k, v, valid = _tensors()
     stack = {"compressors": [{"snapkv": {"ratio": ratio, "sinks": sinks, "recent": recent, "window": window,
-                                         "kernel": kernel, "pool": pool}}]}
+                                         "kernel": kernel, "pool": pool, "value_norm": value_norm}}]}
     keep, positions, _ = _prefill_selection(stack, q, k, v, valid)
     b, hq, t, d = q.shape
     group = hq // k.shape[1]
@@ -114,6 +115,8 @@ def test_snapkv_selection_matches_reference(pool, kernel):
         scores = F.max_pool1d(w, kernel, stride=1, padding=kernel // 2)
     else:
         scores = F.avg_pool1d(w, kernel, stride=1, padding=kernel // 2, count_include_pad=True)
+    if value_norm:
+        scores = scores * v[:, :, : t - window].abs().sum(-1)
     expected = []
     for row in range(b):
         cand, held, real = _candidates(valid[row], sinks, recent)
