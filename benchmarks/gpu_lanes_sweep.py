@@ -9,8 +9,8 @@ SDPA are tabulated side by side (one JSON per configuration under --out, plus sw
 
 ``--kernel kivi-lanes`` sweeps the one-launch KIVI lanes read (kernels/kivi/lanes_triton.py, op
 ``leank70-kivi2``) instead, through ``KVCOMPRESS_KIVI_CONFIG`` (configurations :data:`KIVI_CONFIGS`; defaults BN 16,
-1 warp, 2 stages, 2 waves, splits of >= 128 tokens; ``split512`` is session 14's measured setting, 64 one-warp
-programs at B1 / 4k on 132 SMs: 110 µs there).
+1 warp, 2 stages, 2 waves, splits of >= 512 tokens - session 14's measured setting, 64 one-warp programs at B1 / 4k on
+132 SMs: 110 µs there; ``split128`` is the floor session 14 set without measuring and session 15 reverted).
 
 Configurations stop being started after --max-seconds (each takes ~10-20 s: Triton compiles, then CUDA-graph
 timing); run on the GPU machine with kvcompress importable.
@@ -45,8 +45,8 @@ CONFIGS = {
 
 #: entries override kernels/kivi/triton_kernel._config() (the KIVI lanes kernel's base)
 KIVI_CONFIGS = {
-    "default": {},  # lanes_min_split_tokens 128 (kernels/kivi/lanes_triton.py, LANES_MIN_SPLIT_TOKENS)
-    "split512": {"lanes_min_split_tokens": 512},  # the session-14 measurement's setting
+    "default": {},  # lanes_min_split_tokens 512 (kernels/kivi/lanes_triton.py, LANES_MIN_SPLIT_TOKENS)
+    "split128": {"lanes_min_split_tokens": 128},  # session 14's unmeasured default
     "split256": {"lanes_min_split_tokens": 256},
     "split64": {"lanes_min_split_tokens": 64},
     "waves4": {"waves": 4},

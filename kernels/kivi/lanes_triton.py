@@ -333,13 +333,14 @@ def _lane_args(lane: KiviLane, dummy: torch.Tensor) -> dict:
                 has_heads=lane.heads is not None)
 
 
-#: fewest tokens per split on CUDA (``lanes_min_split_tokens`` in the configuration overrides it).  The per-lane KIVI
-#: kernel's 512 (tuned at B >= 16, where the wave target, not this floor, sets the splits) left B1 / 4k with 8 splits
-#: x 8 head rows = 64 one-warp programs on an H200's 132 SMs, each walking 32 tiles of 16 tokens in sequence: 110 µs
-#: for 5.8 MB (session 14).  128 gives 4x the programs and a quarter of the chain; the partials it adds are
-#: ``splits x rows x M x Dv`` floats (4 MB at B1 / 32k against 19 MB of lanes).  Chosen by that reasoning, not yet
-#: measured: ``benchmarks/gpu_lanes_sweep.py --kernel kivi-lanes`` compares it with 512, 256 and 64.
-LANES_MIN_SPLIT_TOKENS = 128
+#: fewest tokens per split on CUDA (``lanes_min_split_tokens`` in the configuration overrides it): 512, the setting
+#: session 14's kernel benchmark measured (131 µs per layer read at Llama B1/32k, 1.8x the per-lane read).  Session 14
+#: lowered it to 128 without a measurement (more programs at B1/4k); session 15 then measured the leank-rope70-kivi2
+#: GraphStep step at B1/32k 1.28 ms slower than with the per-lane read (10.67 vs 9.39 ms GPU-busy).  At B1/32k a floor
+#: of 128 gives 256 splits instead of 64, and the combine kernel walks every split of a head in one program, so the
+#: lower floor is the first suspect; back to the measured value until ``bash benchmarks/gpu_recheck.sh OUT lanes``
+#: compares the two in the model.
+LANES_MIN_SPLIT_TOKENS = 512
 
 #: attribute of a region's ``valid`` tensor holding the launch plan of its lanes (see :func:`_cached_plan`)
 PLAN_ATTR = "_kvcompress_kivi_lanes_plan"
