@@ -10,8 +10,8 @@
 #   rows     - reduce-overhead ("compiled") and GraphStep rows at B1/32k after the static-address marking (42c9d15):
 #              session 8 measured reduce-overhead at 1.29-1.59x its GPU-busy time
 #   lanes    - session 15 found the GraphStep row of leank-rope70-kivi2 at B1/32k slower with the one-launch KIVI
-#              lanes read (10.67 ms GPU-busy) than with the per-lane read in session 9 (9.39): the same row with the
-#              lanes kernel's split floor at 512 tokens (session 13's value) against the default 128
+#              lanes read (10.67 ms GPU-busy, split floor 128) than with the per-lane read in session 9 (9.39): the
+#              same row with the lanes kernel's split floor at 512 tokens (the default again since session 15) and 128
 set -o pipefail
 OUT=$(realpath "${1:-out}"); PHASE=${2:-compile}
 mkdir -p "$OUT" /tmp/site
