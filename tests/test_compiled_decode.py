@@ -191,6 +191,31 @@ def test_generate_with_static_cache_equals_dynamic(model):
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("name", ["kivi2", "leank+kivi2"])
+def test_generate_auto_compile_traces_one_fixed_shape_graph(model, name):
+    """transformers' generate compiles the decode step itself for a compileable cache (its auto-compile; on CUDA with
+    mode="reduce-overhead", where a graph input whose shape changes per step would re-record the CUDA graphs every
+    step).  Through a ``compile_config`` that allows the CPU: one graph for 40 new tokens, no symbolic (per-step)
+    sizes among its inputs, and the eager generate's tokens."""
+    from kvcompress.adapters import hf
+
+    ids, _ = _ids(batch=1, length=30)
+    with kvcompress.compress(model, _stack(name, None), max_cache_len=80) as cache:
+        eager = model.generate(ids, max_new_tokens=40, do_sample=False, cache=cache)
+    graphs: list = []
+
+    def backend(gm, example_inputs):
+        graphs.append([x for x in example_inputs if not isinstance(x, torch.Tensor)])
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    torch._dynamo.reset()
+    with kvcompress.compress(model, _stack(name, None), max_cache_len=80) as cache:
+        compiled = model.generate(ids, max_new_tokens=40, do_sample=False, cache=cache,
+                                  compile_config=hf.compile_config({"backend": backend, "fullgraph": True}))
+    assert len(graphs) == 1 and graphs[0] == []
+    assert torch.equal(compiled, eager)
+
+
 def test_dropped_cache_is_freed_without_gc(model):
     ids, mask = _ids(batch=1, length=60)
     gc.disable()
