@@ -41,6 +41,8 @@ CONFIGS = {
     "split512": {"min_split_tokens": 512},
     "bn128w8waves4": {"BN": 128, "num_warps": 8, "waves": 4},
     "bn32s5": {"BN": 32, "num_stages": 5},
+    "combine_splits": {"combine": "splits"},  # the merge that folds several splits per step (session 15, unmeasured)
+    "split64_combine_splits": {"min_split_tokens": 64, "combine": "splits"},
 }
 
 #: entries override kernels/kivi/triton_kernel._config() (the KIVI lanes kernel's base)
@@ -54,6 +56,8 @@ KIVI_CONFIGS = {
     "nw2": {"num_warps": 2},
     "bn32nw2": {"BN": 32, "num_warps": 2},
     "split64bn32nw2": {"lanes_min_split_tokens": 64, "BN": 32, "num_warps": 2},
+    "combine_splits": {"combine": "splits"},  # the merge that folds several splits per step (session 15, unmeasured)
+    "split128_combine_splits": {"lanes_min_split_tokens": 128, "combine": "splits"},
 }
 
 SHAPES = ("llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:16:32k,llama3-8b:64:32k,"

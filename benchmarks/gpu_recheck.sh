@@ -12,6 +12,8 @@
 #   lanes    - session 15 found the GraphStep row of leank-rope70-kivi2 at B1/32k slower with the one-launch KIVI
 #              lanes read (10.67 ms GPU-busy, split floor 128) than with the per-lane read in session 9 (9.39): the
 #              same row with the lanes kernel's split floor at 512 tokens (the default again since session 15) and 128
+#   lanes2   - the same row with the merge that folds several splits per step (combine: "splits", session 15,
+#              unmeasured) at floors 128 and 512
 set -o pipefail
 OUT=$(realpath "${1:-out}"); PHASE=${2:-compile}
 mkdir -p "$OUT" /tmp/site
@@ -50,6 +52,13 @@ case "$PHASE" in
         | tee "$OUT/rows_floor$floor.log"
     done
     ;;
-  *) echo "unknown phase $PHASE (compile | kernels | rows | lanes)"; exit 2 ;;
+  lanes2)
+    for floor in 128 512; do
+      KVCOMPRESS_KIVI_CONFIG="{\"lanes_min_split_tokens\": $floor, \"combine\": \"splits\"}" timeout 280 \
+        python "$SRC/benchmarks/gpu_graph_rows.py" --kind graph --stack leank-rope70-kivi2 --points 1x32768 \
+        --out "$OUT/combine$floor" 2>&1 | grep '^{' | tee "$OUT/rows_combine$floor.log"
+    done
+    ;;
+  *) echo "unknown phase $PHASE (compile | kernels | rows | lanes | lanes2)"; exit 2 ;;
 esac
 date -u | tee -a "$OUT/log.txt"

@@ -114,6 +114,10 @@ CASES = {
     # one row per head (GQA group 1), one lane of every head with all channels (no channel list), no dead row
     "dense-lane-m1": (dict(heads=2, rows=1, head_dim=64, counts=(64, 64), tokens=64, seed=4, dead_row=False),
                       dict(splits=2), False),
+    # the split merge that folds several splits per step (config combine: "splits"): 5 splits (one block of SB 8),
+    # some past the live length, a head without a lane
+    "d64-kivi2-combine-splits": (dict(heads=3, rows=3, head_dim=64, counts=(16, 48, 0), tokens=96, live=83, seed=6),
+                                 dict(splits=5, config={"combine": "splits"}), True),
 }
 
 

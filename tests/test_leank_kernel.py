@@ -46,6 +46,14 @@ CASES = {
                                                      ([2], None, 23, False)], {}),
     "per-head-lanes-leank-channels": (1, 4, 2, 32, 32, [([0], 16, 33, True), ([2], 16, 5, True), ([3], 24, 18, True)],
                                       {"views": True}),
+    # the split merge that folds several splits per step (combine: "splits"): 7 splits (one block of SB = 8, one slot
+    # masked) with a head in two lanes and a lane shorter than the splits (empty partials); 35 splits (a block of 32
+    # and a partial one) over a row with dead columns; a lane with no valid token
+    "combine-splits-head-in-two-lanes": (2, 3, 3, 32, 32, [(None, None, 40, True), ([2, 0], 16, 50, True),
+                                                           ([1], 32, 5, True)], {"combine": "splits", "splits": 7}),
+    "combine-splits-35": (1, 2, 4, 32, 32, [([1, 0], 16, 90, True)], {"combine": "splits", "splits": 35, "BN": 16}),
+    "combine-splits-all-invalid": (1, 2, 4, 32, 32, [([0, 1], 16, 20, True)],
+                                   {"combine": "splits", "splits": 3, "all_invalid": True}),
 }
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3
 
@@ -143,8 +151,9 @@ def run_case(name: str, device: str = "cpu") -> dict:
     q, lanes = make_case(name, device)
     scale = q.shape[-1] ** -0.5
     assert triton_kernel.supports(q, lanes)
-    config = {"canonical": True} if CASES[name][-1].get("canonical") else None
-    out, lse = triton_kernel.grouped_partial_attention(q, lanes, scale, config=config)
+    extra = CASES[name][-1]
+    config = {key: extra[key] for key in ("canonical", "combine", "BN") if key in extra} or None
+    out, lse = triton_kernel.grouped_partial_attention(q, lanes, scale, config=config, splits=extra.get("splits"))
     ref_out, ref_lse = reference.grouped_partial_attention(q, lanes, scale)
     res = _compare(out, lse, ref_out, ref_lse)
     res["dtypes"] = [str(out.dtype), str(lse.dtype)]

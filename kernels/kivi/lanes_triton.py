@@ -17,8 +17,10 @@ kernel's in-register dequantisation, :mod:`.triton_kernel`):
   instruction, scales and zeros by one packed FMA), ``S = K q^T`` and ``O^T = V^T P^T`` run on tensor cores
   (``tl.dot``, the GQA rows as the small N operand), with an online base-2 softmax.
 * Each program writes a normalised partial and its LSE; the LeanK lanes kernel's merge
-  (:func:`kvcompress.kernels.leank.triton_kernel._combine_kernel`) then folds, per (batch, head), every split of
-  every lane row that holds that head (heads no lane covers: ``-inf`` and zeros).
+  (:func:`kvcompress.kernels.leank.triton_kernel._combine_kernel`, or with ``combine: "splits"`` in the
+  configuration :func:`~kvcompress.kernels.leank.triton_kernel._combine_splits_kernel`, which folds several splits
+  per step) then folds, per (batch, head), every split of every lane row that holds that head (heads no lane covers:
+  ``-inf`` and zeros).
 
 Launches: one (or one per :data:`MAX_LANES` lanes) + one merge, whatever the number of lanes; before, a stacked
 layer ran a KIVI launch (plus its split merge), a query gather and a head scatter per lane.
@@ -36,7 +38,7 @@ import triton.language as tl
 
 from kvcompress.kernels.attention.triton_shared import cap_base2, soft_cap
 from kvcompress.kernels.attention.triton_shared import pow2 as _pow2
-from kvcompress.kernels.leank.triton_kernel import _combine_kernel
+from kvcompress.kernels.leank.triton_kernel import launch_combine
 
 from .lanes_reference import KiviLane, PackedLanes
 from .triton_kernel import (MAX_DIM, _asm_ok, _codes, _config, _fma, _inner_contiguous, _pair, _pairs,
@@ -408,10 +410,10 @@ def _make_plan(query: torch.Tensor, region: PackedLanes, cfg: dict, splits: int 
             VW_PAD=max(_pow2(dv // per), -(-16 // per)), G=g, GV=gv, BITS=bits, BLOCK_M=block_m, BN=bn,
             TRANS=cfg["TRANS"], LAZY=cfg["LAZY"], ASM=asm, PREFETCH=bool(cfg["PREFETCH"]), **options)
         plan.chunks.append(((splits, b * n_chunk, m_blocks), (first, first + len(chunk)), args, scalars, constexprs))
-    plan.combine = ((b * hq, m_blocks), (tuple(r["h"] for r in rows), tuple(r["r0"] for r in rows), splits, n_rows,
-                                         m, hq, b),
+    kernel, grid, extra = launch_combine(cfg, splits, b, hq, m, block_m, m_blocks)
+    plan.combine = (kernel, grid, (tuple(r["h"] for r in rows), tuple(r["r0"] for r in rows), splits, n_rows, m, hq, b),
                     dict(HAS_HEADS=tuple(r["has_heads"] for r in rows), NL=len(rows), DV=dv, DVP=max(16, _pow2(dv)),
-                         BLOCK_M=block_m, num_warps=4))
+                         **extra))
     plan.n_rows, plan.splits, plan.dv, plan.block_m, plan.m_blocks = n_rows, splits, dv, block_m, m_blocks
     plan.copied = any(r["copied"] for r in rows)
     plan.base = plan.shape = plan.inputs = None
@@ -488,8 +490,8 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
         _kivi_lanes_kernel[grid](q, q.stride(0), q.stride(1), q.stride(2), valid, valid.stride(0),
                                  length if length is not None else valid, po, pl, *tensors, *args, qk, cap, *scalars,
                                  HAS_LENGTH=length is not None, SOFTCAP=bool(softcap), **constexprs)
-    grid, args, constexprs = plan.combine
-    _combine_kernel[grid](po, pl, out, lse, tuple(t[7] for t in rows), *args, **constexprs)
+    kernel, grid, args, constexprs = plan.combine
+    kernel[grid](po, pl, out, lse, tuple(t[7] for t in rows), *args, **constexprs)
     return out, lse
 
 

@@ -408,7 +408,7 @@ def _config(bits: int, group: int, dk: int, dv: int, v_group: int) -> dict:
     (``{"2": {...}, "4": {...}}``) - a tuning knob for benchmarks, not needed for correctness.
     """
     cfg = dict(BN=16, TRANS=True, LAZY=True, ASM=True, PREFETCH=True, num_warps=1, num_stages=2, waves=2, min_rows=8,
-               maxnreg=128, min_split_tokens=512)
+               maxnreg=128, min_split_tokens=512, combine="loop")
     env = os.environ.get("KVCOMPRESS_KIVI_CONFIG")
     if env:
         over = json.loads(env)

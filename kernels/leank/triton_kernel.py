@@ -38,7 +38,10 @@ products run in IEEE fp32).  :func:`supports` checks all of this; the dispatcher
 :mod:`kvcompress.kernels.leank` falls back to the reference otherwise.
 
 Tuning: :func:`_config` holds the defaults; ``KVCOMPRESS_LEANK_CONFIG`` (JSON)
-overrides them (``benchmarks/gpu_leank.py`` sweeps it).
+overrides them (``benchmarks/gpu_leank.py`` and ``benchmarks/gpu_lanes_sweep.py`` sweep it).  ``combine``:
+``"loop"`` (default: :func:`_combine_kernel`, one program per (batch, head, row block) walking the splits one by
+one) or ``"splits"`` (:func:`_combine_splits_kernel`, one program per (batch, head, row) folding up to 32 splits per
+step; added in session 15 for reads split many ways, not yet timed on a GPU).
 """
 from __future__ import annotations
 
@@ -201,6 +204,61 @@ def _combine_kernel(PO, PL, OUT, LSE, HDS, NHS, ROW0, S, R, M, H, NBATCH,
     tl.store(LSE + dst, tl.where(t_ok, top + tl.log(tl.where(t_ok, tot, 1.0)), float("-inf")), mask=m_ok)
 
 
+@triton.jit(do_not_specialize=["NHS", "ROW0", "S", "R", "M", "H", "NBATCH"])
+def _combine_splits_kernel(PO, PL, OUT, LSE, HDS, NHS, ROW0, S, R, M, H, NBATCH,
+                           HAS_HEADS: tl.constexpr, NL: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+                           SB: tl.constexpr):
+    """:func:`_combine_kernel` with one program per (batch, kv head, row) folding ``SB`` splits per step (a
+    ``[SB, DV]`` tile) instead of one: the merge's chain of dependent loads is ``S / SB`` long, not ``S`` - for reads
+    split many ways (small batches over long lanes).  Same arguments and result; the grid is ``(NBATCH * H, M)``."""
+    pid = tl.program_id(0)
+    m = tl.program_id(1)
+    b = (pid // H).to(tl.int64)
+    h = pid % H
+    offs_s = tl.arange(0, SB)
+    offs_d = tl.arange(0, DVP)
+    d_ok = offs_d < DV
+    top = tl.max(tl.full([SB], float("-inf"), tl.float32), axis=0)
+    tot = tl.sum(tl.zeros([SB], tl.float32), axis=0)
+    acc = tl.zeros([DVP], tl.float32)
+    for i in tl.static_range(NL):
+        for j in range(NHS[i]):
+            if HAS_HEADS[i]:
+                hh = tl.load(HDS[i] + j).to(tl.int32)
+            else:
+                hh = j
+            if hh == h:
+                for s0 in range(0, S, SB):
+                    sp = s0 + offs_s
+                    s_ok = sp < S
+                    row = (sp.to(tl.int64) * NBATCH + b) * R + ROW0[i] + j
+                    lse = tl.load(PL + row * M + m, mask=s_ok, other=float("-inf"))
+                    o = tl.load(PO + (row * M + m)[:, None] * DV + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                                other=0.0)
+                    new = tl.maximum(top, tl.max(lse, axis=0))
+                    safe = tl.where(new == float("-inf"), 0.0, new)
+                    a = tl.exp(top - safe)
+                    w = tl.exp(lse - safe)
+                    acc = acc * a + tl.sum(w[:, None] * o, axis=0)
+                    tot = tot * a + tl.sum(w, axis=0)
+                    top = new
+    t_ok = tot > 0.0
+    dst = (b * H + h) * M + m
+    tl.store(OUT + dst * DV + offs_d, acc / tl.where(t_ok, tot, 1.0), mask=d_ok)
+    tl.store(LSE + dst, tl.where(t_ok, top + tl.log(tl.where(t_ok, tot, 1.0)), float("-inf")))
+
+
+def launch_combine(cfg: dict, splits: int, b: int, hkv: int, m: int, block_m: int, m_blocks: int):
+    """``(kernel, grid, extra constexprs)`` of the split merge the configuration names: ``combine: "loop"`` (default,
+    :func:`_combine_kernel`, one split per step) or ``"splits"`` (:func:`_combine_splits_kernel`)."""
+    kind = cfg.get("combine", "loop")
+    if kind == "splits":
+        return _combine_splits_kernel, (b * hkv, m), dict(SB=max(2, min(32, _pow2(splits))), num_warps=4)
+    if kind != "loop":
+        raise ValueError(f"combine: expected 'loop' or 'splits', got {kind!r}")
+    return _combine_kernel, (b * hkv, m_blocks), dict(BLOCK_M=block_m, num_warps=4)
+
+
 # ----------------------------------------------------------------------------- host side
 
 
@@ -215,7 +273,7 @@ def _num_sms(device_index: int) -> int:
 
 def _config() -> dict:
     """Launch defaults (H200, Triton 3.6); ``KVCOMPRESS_LEANK_CONFIG`` (JSON) overrides entries."""
-    cfg = dict(BN=64, num_warps=4, num_stages=4, waves=2, min_split_tokens=256, canonical=False)
+    cfg = dict(BN=64, num_warps=4, num_stages=4, waves=2, min_split_tokens=256, canonical=False, combine="loop")
     env = os.environ.get("KVCOMPRESS_LEANK_CONFIG")
     if env:
         cfg.update(json.loads(env))
@@ -405,7 +463,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     def tup_all(key):
         return tuple(r[key] for r in rows)
 
-    _combine_kernel[(b * hkv, m_blocks)](
-        po, pl, out, lse, tup_all("hd"), tup_all("h"), tup_all("r0"), splits, n_rows, m, hkv, b,
-        HAS_HEADS=tup_all("has_heads"), NL=len(rows), DV=dv, DVP=max(16, _pow2(dv)), BLOCK_M=block_m, num_warps=4)
+    kernel, grid, extra = launch_combine(cfg, splits, b, hkv, m, block_m, m_blocks)
+    kernel[grid](po, pl, out, lse, tup_all("hd"), tup_all("h"), tup_all("r0"), splits, n_rows, m, hkv, b,
+                 HAS_HEADS=tup_all("has_heads"), NL=len(rows), DV=dv, DVP=max(16, _pow2(dv)), **extra)
     return out, lse
