@@ -312,6 +312,31 @@ def test_read_path_fused_branch_interpreted(interpreted, case):
     assert res["err"] < 3e-3
 
 
+@pytest.mark.parametrize("kernel", ["_combine_kernel", "_combine_splits_kernel"])
+def test_split_merges_compile_for_sm90_without_a_gpu(kernel):
+    """The interpreter accepts what the compiler may not (loop-carried scalar types, tuple arguments): build both split
+    merges with Triton's real pipeline for an sm_90 target (PTX and cubin; no GPU needed)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvcompress.kernels.leank import triton_kernel
+
+    fn = getattr(triton_kernel, kernel)
+    nl = 2
+    sig = {"PO": "*fp32", "PL": "*fp32", "OUT": "*fp32", "LSE": "*fp32", "HDS": ("*i64",) * nl, "NHS": ("i32",) * nl,
+           "ROW0": ("i32",) * nl, "S": "i32", "R": "i32", "M": "i32", "H": "i32", "NBATCH": "i32",
+           "HAS_HEADS": "constexpr", "NL": "constexpr", "DV": "constexpr", "DVP": "constexpr"}
+    consts = {"HAS_HEADS": (True, False), "NL": nl, "DV": 128, "DVP": 128}
+    extra = {"SB": 32} if kernel == "_combine_splits_kernel" else {"BLOCK_M": 16}
+    sig.update({key: "constexpr" for key in extra})
+    consts.update(extra)
+    names = list(sig)
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert ".entry" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 1000
+
+
 # ----------------------------------------------------------------------------- TileLang (code generation only)
 
 
