@@ -61,11 +61,13 @@ class SnapKVConfig(ScoreConfig):
             raise ConfigError(f"{path}.kernel", "an odd number of tokens", self.kernel)
 
 
-def pooled_window_attention(obs, positions: torch.Tensor, kernel: int, pool: str) -> torch.Tensor:
+def pooled_window_attention(obs, positions: torch.Tensor, kernel: int, pool: str,
+                            weight: torch.Tensor | None = None) -> torch.Tensor:
     """SnapKV's score ``[batch, kv_heads, n]`` of the tokens at ``positions`` (``[n]``, contiguous, ascending):
     the observed queries' attention mass (averaged over them, summed over each kv head's query heads), pooled over
     ``kernel`` neighbouring positions before the observation window; tokens inside the window score above every
-    other token of their head.  The average makes a decode step's score (one query) comparable to the prompt's."""
+    other token of their head.  The average makes a decode step's score (one query) comparable to the prompt's.
+    ``weight`` (``[batch, kv_heads, n]``, optional) multiplies the pooled scores before the window is ranked on top."""
     half = kernel // 2
     n = positions.shape[0]
     span = positions[0] - half + torch.arange(n + 2 * half, device=positions.device)
@@ -79,6 +81,8 @@ def pooled_window_attention(obs, positions: torch.Tensor, kernel: int, pool: str
     else:
         pooled = F.avg_pool1d((mass * inside).reshape(b * h, 1, length), kernel, stride=1)
     pooled = pooled.view(b, h, n) / obs.query.shape[2]  # averaged over the window: decode steps score alike
+    if weight is not None:
+        pooled = torch.where(torch.isfinite(pooled), pooled * weight, pooled)  # -inf (nothing pooled) stays -inf
     in_window = (positions >= first_query).view(1, 1, n)
     return torch.where(in_window, pooled.amax(dim=-1, keepdim=True).clamp(min=0) + 1.0, pooled)
 
@@ -88,14 +92,8 @@ class SnapKVCompressor(ScoreEvictor):
     attention = True
 
     def score(self, layer, block, obs):
-        s = pooled_window_attention(obs, block.positions, self.config.kernel, self.config.pool)
-        if self.config.value_norm:
-            n = block.positions.shape[0]
-            in_window = (block.positions >= obs.query_positions[0]).view(1, 1, n)
-            weighted = s * block.v.float().abs().sum(-1)  # [b, h, n]
-            s = torch.where(in_window | ~torch.isfinite(s), s.clamp(max=0.0), weighted)
-            s = torch.where(in_window, s.amax(dim=-1, keepdim=True).clamp(min=0) + 1.0, s)  # the window on top
-        return s
+        weight = block.v.float().abs().sum(-1) if self.config.value_norm else None  # VATP: |v|_1 per token
+        return pooled_window_attention(obs, block.positions, self.config.kernel, self.config.pool, weight)
 
 
 @hookimpl
