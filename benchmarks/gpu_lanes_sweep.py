@@ -47,17 +47,16 @@ CONFIGS = {
 
 #: entries override kernels/kivi/triton_kernel._config() (the KIVI lanes kernel's base)
 KIVI_CONFIGS = {
-    "default": {},  # lanes_min_split_tokens 512 (kernels/kivi/lanes_triton.py, LANES_MIN_SPLIT_TOKENS)
-    "split128": {"lanes_min_split_tokens": 128},  # session 14's unmeasured default
+    "default": {},  # split floor 128, combine "splits" (session 16: best of the session-16 sweep at B1 and B4)
+    "loop512": {"lanes_min_split_tokens": 512, "combine": "loop"},  # sessions 14-15's default
+    "loop128": {"lanes_min_split_tokens": 128, "combine": "loop"},
+    "split512": {"lanes_min_split_tokens": 512},
     "split256": {"lanes_min_split_tokens": 256},
     "split64": {"lanes_min_split_tokens": 64},
-    "waves4": {"waves": 4},
+    "waves4": {"waves": 4},  # best at B64/32k with the loop merge in session 16
     "bn32": {"BN": 32},
     "nw2": {"num_warps": 2},
     "bn32nw2": {"BN": 32, "num_warps": 2},
-    "split64bn32nw2": {"lanes_min_split_tokens": 64, "BN": 32, "num_warps": 2},
-    "combine_splits": {"combine": "splits"},  # the merge that folds several splits per step (session 15, unmeasured)
-    "split128_combine_splits": {"lanes_min_split_tokens": 128, "combine": "splits"},
 }
 
 SHAPES = ("llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:16:32k,llama3-8b:64:32k,"
@@ -120,10 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         best = max((v for v in vals if v is not None), default=None)
         cells = ["-" if v is None else (f"**{v:.2f}**" if v == best else f"{v:.2f}") for v in vals]
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
-    print(table)
+    markdown = "\n".join(lines)  # not ``table``: the configurations' table is written beside it below
+    print(markdown)
     with open(os.path.join(args.out, "sweep.md"), "w", encoding="utf-8") as fh:
-        fh.write(table + "\n")
+        fh.write(markdown + "\n")
     with open(os.path.join(args.out, "sweep.json"), "w", encoding="utf-8") as fh:
         json.dump({"kernel": args.kernel, "configs": {n: table[n] for n in results}, "speedup_vs_sdpa": results}, fh,
                   indent=1)

@@ -14,6 +14,8 @@
 #              same row with the lanes kernel's split floor at 512 tokens (the default again since session 15) and 128
 #   lanes2   - the same row with the merge that folds several splits per step (combine: "splits", session 15,
 #              unmeasured) at floors 128 and 512
+#   profile  - session 16: the KIVI lanes GPU tests with the new defaults (floor 128, combine "splits"), every kernel
+#              of one static read (benchmarks/gpu_read_profile.py) and the reads against SDPA, Triton KIVI included
 set -o pipefail
 OUT=$(realpath "${1:-out}"); PHASE=${2:-compile}
 mkdir -p "$OUT" /tmp/site
@@ -59,6 +61,17 @@ case "$PHASE" in
         --out "$OUT/combine$floor" 2>&1 | grep '^{' | tee "$OUT/rows_combine$floor.log"
     done
     ;;
-  *) echo "unknown phase $PHASE (compile | kernels | rows | lanes | lanes2)"; exit 2 ;;
+  profile)
+    timeout 150 python -m pytest -q -m gpu "$SRC/tests/test_kivi_lanes.py" -p no:cacheprovider -p no:logging 2>&1 \
+      | grep -v DEBUG | tail -15 | tee "$OUT/pytest_kivi_lanes.log"
+    timeout 200 python "$SRC/benchmarks/gpu_read_profile.py" --ops leank70-kivi2,none,lowrank \
+      --shapes llama3-8b:1:32k,llama3-8b:16:32k,smollm2-135m:1:32k --out "$OUT/read_profile.json" 2>&1 \
+      | tee "$OUT/read_profile.log"
+    timeout 200 python -m kvcompress.kernels.benchutil --device cuda \
+      --ops sdpa,kivi2,kivi2-triton,leank70,leank70-kivi2,none,lowrank \
+      --only-shapes llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:16:32k,smollm2-135m:1:32k,smollm2-135m:16:32k \
+      --out "$OUT/reads.json" 2>&1 | grep '^|' | tee "$OUT/reads.md"
+    ;;
+  *) echo "unknown phase $PHASE (compile | kernels | rows | lanes | lanes2 | profile)"; exit 2 ;;
 esac
 date -u | tee -a "$OUT/log.txt"

@@ -17,9 +17,9 @@ kernel's in-register dequantisation, :mod:`.triton_kernel`):
   instruction, scales and zeros by one packed FMA), ``S = K q^T`` and ``O^T = V^T P^T`` run on tensor cores
   (``tl.dot``, the GQA rows as the small N operand), with an online base-2 softmax.
 * Each program writes a normalised partial and its LSE; the LeanK lanes kernel's merge
-  (:func:`kvcompress.kernels.leank.triton_kernel._combine_kernel`, or with ``combine: "splits"`` in the
-  configuration :func:`~kvcompress.kernels.leank.triton_kernel._combine_splits_kernel`, which folds several splits
-  per step) then folds, per (batch, head), every split of every lane row that holds that head (heads no lane covers:
+  (:func:`~kvcompress.kernels.leank.triton_kernel._combine_splits_kernel`, which folds several splits per step - the
+  default since session 16 -, or with ``combine: "loop"`` in the configuration
+  :func:`kvcompress.kernels.leank.triton_kernel._combine_kernel`, one split per step) then folds, per (batch, head), every split of every lane row that holds that head (heads no lane covers:
   ``-inf`` and zeros).
 
 Launches: one (or one per :data:`MAX_LANES` lanes) + one merge, whatever the number of lanes; before, a stacked
@@ -335,14 +335,13 @@ def _lane_args(lane: KiviLane, dummy: torch.Tensor) -> dict:
                 has_heads=lane.heads is not None)
 
 
-#: fewest tokens per split on CUDA (``lanes_min_split_tokens`` in the configuration overrides it): 512, the setting
-#: session 14's kernel benchmark measured (131 µs per layer read at Llama B1/32k, 1.8x the per-lane read).  Session 14
-#: lowered it to 128 without a measurement (more programs at B1/4k); session 15 then measured the leank-rope70-kivi2
-#: GraphStep step at B1/32k 1.28 ms slower than with the per-lane read (10.67 vs 9.39 ms GPU-busy).  At B1/32k a floor
-#: of 128 gives 256 splits instead of 64, and the combine kernel walks every split of a head in one program, so the
-#: lower floor is the first suspect; back to the measured value until ``bash benchmarks/gpu_recheck.sh OUT lanes``
-#: compares the two in the model.
-LANES_MIN_SPLIT_TOKENS = 512
+#: fewest tokens per split on CUDA (``lanes_min_split_tokens`` in the configuration overrides it).  128 with the merge
+#: that folds several splits per step (``combine: "splits"``, the default of :func:`.triton_kernel._config`), measured
+#: in session 16 on an H200 (docs/results.md, issue 19): the leank-rope70-kivi2 GraphStep step at Llama B1/32k takes
+#: 8.60 ms GPU-busy (floor 512: 8.83; with the one-split-per-step merge 10.78 at floor 128 and 9.38 at 512; the
+#: per-lane read of session 9: 9.39), and the kernel sweep ranks it first or equal at B1/4k, B1/32k and B16/32k.
+#: The one-split merge walked 256 splits serially at B1/32k, which is why the low floor lost with it.
+LANES_MIN_SPLIT_TOKENS = 128
 
 #: attribute of a region's ``valid`` tensor holding the launch plan of its lanes (see :func:`_cached_plan`)
 PLAN_ATTR = "_kvcompress_kivi_lanes_plan"

@@ -404,11 +404,12 @@ def _config(bits: int, group: int, dk: int, dv: int, v_group: int) -> dict:
     """Kernel constexprs and launch options for one problem class (measured on an H200, Triton 3.6:
     ``benchmarks/gpu_kivi.py --sweep``; the 1-warp, 16-token configuration won at B >= 16 for both widths).
 
-    ``KVCOMPRESS_KIVI_CONFIG`` (JSON) overrides entries, either flat (``{"BN": 64}``) or per bit width
+    ``combine`` is read by the KIVI lanes kernel only (:mod:`.lanes_triton`: its split merge, "splits" measured best in
+    session 16).  ``KVCOMPRESS_KIVI_CONFIG`` (JSON) overrides entries, either flat (``{"BN": 64}``) or per bit width
     (``{"2": {...}, "4": {...}}``) - a tuning knob for benchmarks, not needed for correctness.
     """
     cfg = dict(BN=16, TRANS=True, LAZY=True, ASM=True, PREFETCH=True, num_warps=1, num_stages=2, waves=2, min_rows=8,
-               maxnreg=128, min_split_tokens=512, combine="loop")
+               maxnreg=128, min_split_tokens=512, combine="splits")
     env = os.environ.get("KVCOMPRESS_KIVI_CONFIG")
     if env:
         over = json.loads(env)

@@ -1,0 +1,80 @@
+"""Where one static layer's decode read spends its GPU time: every kernel it launches, with its mean duration.
+
+``kvcompress.kernels.benchutil`` times a whole read (``--ops none,leank70-kivi2,lowrank``); this script runs the same
+read (:func:`kvcompress.kernels.benchutil.static_read` over :func:`~kvcompress.kernels.benchutil.build_static_layer`)
+under ``torch.profiler`` and lists the CUDA kernels of one call: name, launches per call, mean µs, share of the
+read's kernel time.  It answers "is it the split kernel, the merge, or the small launches around them" before any
+kernel is tuned.  CUDA only::
+
+    python benchmarks/gpu_read_profile.py --ops leank70-kivi2,none --shapes llama3-8b:1:32k,llama3-8b:16:32k \
+        --out OUT/read_profile.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+
+def profile_read(op: str, shape_name: str, batch: int, ctx: int, iters: int = 20) -> dict:
+    from kvcompress.kernels import benchutil as bu
+
+    shape = bu._shape_named(shape_name)
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    layer = bu.build_static_layer(op, shape, batch, ctx, dev, gen)
+    q = torch.randn(batch, shape.q_heads, 1, shape.head_dim, device=dev, dtype=torch.float16, generator=gen)
+    scale = shape.head_dim ** -0.5
+    for _ in range(3):
+        bu.static_read(layer, q, scale)
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(iters):
+            bu.static_read(layer, q, scale)
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(ev.name, []).append(ev.device_time)  # µs
+    total = sum(sum(v) for v in kernels.values()) / iters
+    rows = sorted(({"kernel": k[:110], "per_call": len(v) / iters, "mean_us": sum(v) / len(v),
+                    "us_per_call": sum(v) / iters} for k, v in kernels.items()), key=lambda r: -r["us_per_call"])
+    return {"op": op, "shape": shape_name, "batch": batch, "ctx": ctx, "impl": bu.static_impl(layer),
+            "kernel_us_per_call": total, "kernels": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ops", default="leank70-kivi2,none")
+    ap.add_argument("--shapes", default="llama3-8b:1:32k,llama3-8b:16:32k")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from kvcompress.kernels.benchutil import parse_context
+
+    results = []
+    for spec in args.shapes.split(","):
+        model, b, ctx = spec.split(":")
+        for op in args.ops.split(","):
+            try:
+                r = profile_read(op, model, int(b), parse_context(ctx), args.iters)
+            except Exception as exc:  # one failing row must not lose the others
+                r = {"op": op, "shape": spec, "error": f"{type(exc).__name__}: {exc}"[:500]}
+            results.append(r)
+            print(f"## {op} {spec}: {r.get('impl', '')} - {r.get('kernel_us_per_call', float('nan')):.1f} µs of "
+                  f"kernels per read {r.get('error', '')}", flush=True)
+            for k in r.get("kernels", []):
+                print(f"  {k['us_per_call']:8.1f} µs  x{k['per_call']:.0f}  {k['mean_us']:8.1f} µs each  {k['kernel']}",
+                      flush=True)
+            torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as fh:
+            json.dump(results, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
