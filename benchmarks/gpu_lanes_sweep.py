@@ -41,8 +41,13 @@ CONFIGS = {
     "split512": {"min_split_tokens": 512},
     "bn128w8waves4": {"BN": 128, "num_warps": 8, "waves": 4},
     "bn32s5": {"BN": 32, "num_stages": 5},
-    "combine_splits": {"combine": "splits"},  # the merge that folds several splits per step (session 15, unmeasured)
+    "combine_splits": {"combine": "splits"},  # the merge that folds several splits per step (session 15)
     "split64_combine_splits": {"min_split_tokens": 64, "combine": "splits"},
+    "split128_combine_splits": {"min_split_tokens": 128, "combine": "splits"},
+    "bn64s3_combine_splits": {"num_stages": 3, "combine": "splits"},
+    "waves4_combine_splits": {"waves": 4, "combine": "splits"},
+    "waves1_combine_splits": {"waves": 1, "combine": "splits"},
+    "bn128s3_combine_splits": {"BN": 128, "num_stages": 3, "combine": "splits"},
 }
 
 #: entries override kernels/kivi/triton_kernel._config() (the KIVI lanes kernel's base)

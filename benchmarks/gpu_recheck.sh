@@ -14,6 +14,7 @@
 #              same row with the lanes kernel's split floor at 512 tokens (the default again since session 15) and 128
 #   lanes2   - the same row with the merge that folds several splits per step (combine: "splits", session 15,
 #              unmeasured) at floors 128 and 512
+#   sweep    - session 16: the grouped (dense) lanes kernel with the multi-split merge, against its defaults
 #   profile  - session 16: the KIVI lanes GPU tests with the new defaults (floor 128, combine "splits"), every kernel
 #              of one static read (benchmarks/gpu_read_profile.py) and the reads against SDPA, Triton KIVI included
 set -o pipefail
@@ -61,6 +62,11 @@ case "$PHASE" in
         --out "$OUT/combine$floor" 2>&1 | grep '^{' | tee "$OUT/rows_combine$floor.log"
     done
     ;;
+  sweep)
+    timeout 500 python "$SRC/benchmarks/gpu_lanes_sweep.py" --kernel lanes --out "$OUT/sweep" --max-seconds 420 \
+      --configs default,combine_splits,split128_combine_splits,split64_combine_splits,bn64s3_combine_splits,waves4_combine_splits,waves1_combine_splits,bn128s3_combine_splits,bn64s3,waves4 \
+      2>&1 | tail -45 | tee "$OUT/sweep.log"
+    ;;
   profile)
     timeout 150 python -m pytest -q -m gpu "$SRC/tests/test_kivi_lanes.py" -p no:cacheprovider -p no:logging 2>&1 \
       | grep -v DEBUG | tail -15 | tee "$OUT/pytest_kivi_lanes.log"
@@ -72,6 +78,6 @@ case "$PHASE" in
       --only-shapes llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:16:32k,smollm2-135m:1:32k,smollm2-135m:16:32k \
       --out "$OUT/reads.json" 2>&1 | grep '^|' | tee "$OUT/reads.md"
     ;;
-  *) echo "unknown phase $PHASE (compile | kernels | rows | lanes | lanes2 | profile)"; exit 2 ;;
+  *) echo "unknown phase $PHASE (compile | kernels | rows | lanes | lanes2 | sweep | profile)"; exit 2 ;;
 esac
 date -u | tee -a "$OUT/log.txt"
