@@ -15,6 +15,8 @@
 #   lanes2   - the same row with the merge that folds several splits per step (combine: "splits", session 15,
 #              unmeasured) at floors 128 and 512
 #   sweep    - session 16: the grouped (dense) lanes kernel with the multi-split merge, against its defaults
+#   confirm  - session 16: the issue-19 reads with the new lanes defaults (multi-split merge, 4 waves at 17-64 rows),
+#              the lanes kernels' GPU tests, and the leank-rope70-kivi2 GraphStep row at B1/32k
 #   profile  - session 16: the KIVI lanes GPU tests with the new defaults (floor 128, combine "splits"), every kernel
 #              of one static read (benchmarks/gpu_read_profile.py) and the reads against SDPA, Triton KIVI included
 set -o pipefail
@@ -67,6 +69,16 @@ case "$PHASE" in
       --configs default,combine_splits,split128_combine_splits,split64_combine_splits,bn64s3_combine_splits,waves4_combine_splits,waves1_combine_splits,bn128s3_combine_splits,bn64s3,waves4 \
       2>&1 | tail -45 | tee "$OUT/sweep.log"
     ;;
+  confirm)
+    timeout 200 python -m kvcompress.kernels.benchutil --device cuda \
+      --ops sdpa,leank50,leank70,none,lowrank,leank70-kivi2 \
+      --only-shapes llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:16:32k,llama3-8b:64:32k,smollm2-135m:1:32k,smollm2-135m:16:32k \
+      --out "$OUT/reads.json" 2>&1 | grep '^|' | tee "$OUT/reads.md"
+    timeout 120 python -m pytest -q -m gpu "$SRC/tests/test_leank_kernel.py" -p no:cacheprovider -p no:logging 2>&1 \
+      | grep -v DEBUG | tail -5 | tee "$OUT/pytest_leank.log"
+    timeout 150 python "$SRC/benchmarks/gpu_graph_rows.py" --kind graph --stack leank-rope70-kivi2 --points 1x32768 \
+      --out "$OUT/graph" 2>&1 | grep '^{' | tee "$OUT/rows_graph.log"
+    ;;
   profile)
     timeout 150 python -m pytest -q -m gpu "$SRC/tests/test_kivi_lanes.py" -p no:cacheprovider -p no:logging 2>&1 \
       | grep -v DEBUG | tail -15 | tee "$OUT/pytest_kivi_lanes.log"
@@ -78,6 +90,6 @@ case "$PHASE" in
       --only-shapes llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:16:32k,smollm2-135m:1:32k,smollm2-135m:16:32k \
       --out "$OUT/reads.json" 2>&1 | grep '^|' | tee "$OUT/reads.md"
     ;;
-  *) echo "unknown phase $PHASE (compile | kernels | rows | lanes | lanes2 | sweep | profile)"; exit 2 ;;
+  *) echo "unknown phase $PHASE (compile | kernels | rows | lanes | lanes2 | sweep | confirm | profile)"; exit 2 ;;
 esac
 date -u | tee -a "$OUT/log.txt"

@@ -126,6 +126,55 @@ def test_snapkv_selection_matches_reference(pool, kernel, value_norm):
     assert expected[0][0] != expected[0][1]  # heads really choose differently
 
 
+@pytest.mark.parametrize("seed", [2, 3])
+@pytest.mark.parametrize("chunk,heads", [(3, "shared"), (4, "each")])
+def test_snapkv_chunks_match_a_chunkkv_reference(chunk, heads, seed):
+    """ChunkKV (arXiv 2502.00299) over SnapKV's pooled scores: chunks of ``chunk`` consecutive candidate columns
+    starting at each row's first candidate (after its padding and sinks; row 1 is left-padded), a chunk's score the
+    mean of its tokens' scores (summed over the kv heads first when ``shared``, as kvpress' ChunkKVPress), and each
+    head keeps the top tokens by their chunk's score (ties: the older token), so whole chunks survive."""
+    sinks, recent, window, ratio, kernel = 2, 8, 6, 0.5, 7
+    q, k, v, valid = _tensors(seed=seed)
+    stack = {"compressors": [{"snapkv": {"ratio": ratio, "sinks": sinks, "recent": recent, "window": window,
+                                         "kernel": kernel, "pool": "max", "chunk": chunk, "chunk_heads": heads}}]}
+    keep, positions, _ = _prefill_selection(stack, q, k, v, valid)
+    b, hq, t, d = q.shape
+    group = hq // k.shape[1]
+    s = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(group, 1)) * d ** -0.5
+    visible = torch.ones(t, t, dtype=torch.bool).tril()[None, None] & valid[:, None, None, :]
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+    w = p[:, :, t - window:, : t - window].mean(dim=2).view(b, 2, group, t - window).sum(dim=2)
+    scores = F.max_pool1d(w, kernel, stride=1, padding=kernel // 2)
+    expected = []
+    for row in range(b):
+        cand, held, real = _candidates(valid[row], sinks, recent)
+        n_keep = max(0, min(len(cand), math.floor(ratio * real) - held))
+        first = cand[0]
+        members: dict[int, list[int]] = {}
+        for c in cand:
+            members.setdefault((c - first) // chunk, []).append(c)
+        per_head = []
+        for head in range(2):
+            def token(c, head=head):
+                return float(scores[row, :, c].sum()) if heads == "shared" else float(scores[row, head, c])
+            chunk_score = {i: sum(token(c) for c in cs) / len(cs) for i, cs in members.items()}
+            ranked = sorted(cand, key=lambda c: (-chunk_score[(c - first) // chunk], c))
+            per_head.append(set(ranked[:n_keep]))
+        expected.append(per_head)
+    _check(keep, positions, expected)
+    if heads == "shared":
+        assert expected[0][0] == expected[0][1]
+    else:
+        assert expected[0][0] != expected[0][1]
+    for row in range(b):  # whole chunks: at most one chunk of a head is partly kept
+        cand = _candidates(valid[row], sinks, recent)[0]
+        for head in range(2):
+            kept = expected[row][head]
+            partial = {(c - cand[0]) // chunk for c in cand if c in kept} & \
+                      {(c - cand[0]) // chunk for c in cand if c not in kept}
+            assert len(partial) <= 1
+
+
 def test_knorm_selection_matches_reference():
     """Key norm (kvpress KnormPress, arXiv 2406.11430): per head, keep the lowest ||K||."""
     sinks, recent, ratio = 3, 8, 0.4
@@ -293,7 +342,10 @@ def _run(model, stack, ids, mask, *, static=False, compiled=False, prompt=PROMPT
     return compiled_decode._run(model, stack, ids, mask, static=static, compiled=compiled, prompt=prompt)
 
 
-@pytest.mark.parametrize("name,entries", [("snapkv", [SNAP]), ("knorm+kivi4", [
+SNAP_CHUNK = {"snapkv": {**SNAP["snapkv"], "chunk": 4}}
+
+
+@pytest.mark.parametrize("name,entries", [("snapkv", [SNAP]), ("snapkv-chunk", [SNAP_CHUNK]), ("knorm+kivi4", [
     {"knorm": {"ratio": 0.5, "sinks": 0, "recent": 16, "schedule": "pyramid"}}, KIVI4])])
 def test_static_equals_dynamic(name, entries):
     """Left-padded batch.  (No sinks beside KIVI's groups: the static cache flushes sinks + window in group
@@ -347,8 +399,9 @@ def test_bytes_held_after_prefill_follow_the_kept_fraction(ratio):
         assert layer.held_tokens().item() + layer.middle.num_tokens == math.floor(ratio * 400)
 
 
+@pytest.mark.parametrize("entry", [SNAP, SNAP_CHUNK], ids=["snapkv", "snapkv-chunk"])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_padded_batch_rows_equal_rows_alone(static):
+def test_padded_batch_rows_equal_rows_alone(static, entry):
     model = tiny_model("qwen3")
     gen = torch.Generator().manual_seed(4)
     a = torch.randint(1, 256, (1, 44), generator=gen)
@@ -356,7 +409,7 @@ def test_padded_batch_rows_equal_rows_alone(static):
     ids = torch.cat([a, torch.cat([torch.zeros(1, 11, dtype=torch.long), b], 1)], 0)
     mask = torch.ones_like(ids)
     mask[1, :11] = 0
-    stack = {"compressors": [SNAP]}
+    stack = {"compressors": [entry]}
     kw = {"max_cache_len": 80} if static else {}
 
     def run(x, m):

@@ -39,9 +39,9 @@ products run in IEEE fp32).  :func:`supports` checks all of this; the dispatcher
 
 Tuning: :func:`_config` holds the defaults; ``KVCOMPRESS_LEANK_CONFIG`` (JSON)
 overrides them (``benchmarks/gpu_leank.py`` and ``benchmarks/gpu_lanes_sweep.py`` sweep it).  ``combine``:
-``"loop"`` (default: :func:`_combine_kernel`, one program per (batch, head, row block) walking the splits one by
-one) or ``"splits"`` (:func:`_combine_splits_kernel`, one program per (batch, head, row) folding up to 32 splits per
-step; added in session 15 for reads split many ways, not yet timed on a GPU).
+``"splits"`` (default since session 16: :func:`_combine_splits_kernel`, one program per (batch, head, row) folding up
+to 32 splits per step) or ``"loop"`` (:func:`_combine_kernel`, one program per (batch, head, row block) walking the
+splits one by one; session 16's H200 sweep: 1.1-2.3x slower reads at batch 1, equal elsewhere).
 """
 from __future__ import annotations
 
@@ -271,9 +271,24 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+#: programs per split (``batch x`` lane rows) above which, and up to :data:`MID_ROWS_MAX`, ``waves: None`` launches 4
+#: waves instead of 2 (session 16, H200: Llama B4 and SmolLM2 B16 gain 15-50%, B1 and B16 Llama lose; docs/results.md)
+MID_ROWS_MIN, MID_ROWS_MAX = 16, 64
+
+
+def _waves(cfg: dict, programs_per_split: int) -> int:
+    """Waves of programs a launch aims for: the configuration's ``waves``, or with ``None`` (the default) 4 for
+    ``MID_ROWS_MIN < batch x rows <= MID_ROWS_MAX`` and 2 otherwise."""
+    if cfg.get("waves") is not None:
+        return int(cfg["waves"])
+    return 4 if MID_ROWS_MIN < programs_per_split <= MID_ROWS_MAX else 2
+
+
 def _config() -> dict:
-    """Launch defaults (H200, Triton 3.6); ``KVCOMPRESS_LEANK_CONFIG`` (JSON) overrides entries."""
-    cfg = dict(BN=64, num_warps=4, num_stages=4, waves=2, min_split_tokens=256, canonical=False, combine="loop")
+    """Launch defaults (H200, Triton 3.6); ``KVCOMPRESS_LEANK_CONFIG`` (JSON) overrides entries.  ``combine:
+    "splits"`` since session 16: at batch 1 the one-split-per-step merge took 15-27 µs of a 40-60 µs read
+    (``benchmarks/gpu_read_profile.py``); ``waves: None`` is :func:`_waves`' rule."""
+    cfg = dict(BN=64, num_warps=4, num_stages=4, waves=None, min_split_tokens=256, canonical=False, combine="splits")
     env = os.environ.get("KVCOMPRESS_LEANK_CONFIG")
     if env:
         cfg.update(json.loads(env))
@@ -423,7 +438,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     t_max = max(r["t"] for r in rows)
     if splits is None:
         if dev.type == "cuda":
-            target = cfg["waves"] * _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+            target = _waves(cfg, b * n_rows) * _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
         else:
             target = 4  # interpreter: a few splits, so tests exercise the merge
         splits = -(-target // max(1, b * n_rows * m_blocks))
