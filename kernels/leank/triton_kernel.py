@@ -271,17 +271,20 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-#: programs per split (``batch x`` lane rows) above which, and up to :data:`MID_ROWS_MAX`, ``waves: None`` launches 4
-#: waves instead of 2 (session 16, H200: Llama B4 and SmolLM2 B16 gain 15-50%, B1 and B16 Llama lose; docs/results.md)
-MID_ROWS_MIN, MID_ROWS_MAX = 16, 64
+#: ``batch x kv_heads x head_dim`` above which, and up to :data:`MID_WORK_MAX`, ``waves: None`` launches 4 waves of
+#: programs instead of 2.  Session 16 on an H200 (docs/results.md, issue 19): 4 waves won for SmolLM2 heads at B4 and
+#: B16 (768 and 3072: LeanK-70 1.09x -> 1.31x and 0.97x -> 1.50x SDPA) and LeanK at Llama B4 (4096), lost for LeanK
+#: at Llama B8 / B16 (8192 / 16384: 1.24x -> 1.13x, 1.41x -> 1.22x) and SmolLM2 B1 (192); at Llama B1 (1024) LeanK
+#: gained and the empty stack's read lost (0.93x -> 0.81x), so the bound keeps 2 waves there.
+MID_WORK_MIN, MID_WORK_MAX = 1024, 4096
 
 
-def _waves(cfg: dict, programs_per_split: int) -> int:
-    """Waves of programs a launch aims for: the configuration's ``waves``, or with ``None`` (the default) 4 for
-    ``MID_ROWS_MIN < batch x rows <= MID_ROWS_MAX`` and 2 otherwise."""
+def _waves(cfg: dict, work: int) -> int:
+    """Waves of programs a launch aims for: the configuration's ``waves``, or with ``None`` (the default) 4 when
+    ``MID_WORK_MIN < batch x kv_heads x head_dim <= MID_WORK_MAX`` and 2 otherwise."""
     if cfg.get("waves") is not None:
         return int(cfg["waves"])
-    return 4 if MID_ROWS_MIN < programs_per_split <= MID_ROWS_MAX else 2
+    return 4 if MID_WORK_MIN < work <= MID_WORK_MAX else 2
 
 
 def _config() -> dict:
@@ -438,7 +441,8 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     t_max = max(r["t"] for r in rows)
     if splits is None:
         if dev.type == "cuda":
-            target = _waves(cfg, b * n_rows) * _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+            sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+            target = _waves(cfg, b * hkv * d) * sms
         else:
             target = 4  # interpreter: a few splits, so tests exercise the merge
         splits = -(-target // max(1, b * n_rows * m_blocks))
