@@ -17,6 +17,8 @@
 #   sweep    - session 16: the grouped (dense) lanes kernel with the multi-split merge, against its defaults
 #   confirm  - session 16: the issue-19 reads with the new lanes defaults (multi-split merge, 4 waves at 17-64 rows),
 #              the lanes kernels' GPU tests, and the leank-rope70-kivi2 GraphStep row at B1/32k
+#   confirm2 - session 16: the reads after the launch-shape rule (3 stages for full-width lanes up to 128 programs per
+#              split), and the lanes kernel's GPU tests
 #   profile  - session 16: the KIVI lanes GPU tests with the new defaults (floor 128, combine "splits"), every kernel
 #              of one static read (benchmarks/gpu_read_profile.py) and the reads against SDPA, Triton KIVI included
 set -o pipefail
@@ -79,6 +81,13 @@ case "$PHASE" in
     timeout 150 python "$SRC/benchmarks/gpu_graph_rows.py" --kind graph --stack leank-rope70-kivi2 --points 1x32768 \
       --out "$OUT/graph" 2>&1 | grep '^{' | tee "$OUT/rows_graph.log"
     ;;
+  confirm2)
+    timeout 150 python -m kvcompress.kernels.benchutil --device cuda --ops sdpa,none,leank70,lowrank,leank70-kivi2 \
+      --only-shapes llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:8:32k,llama3-8b:16:32k,llama3-8b:64:32k,smollm2-135m:1:32k,smollm2-135m:4:32k,smollm2-135m:16:32k \
+      --out "$OUT/reads.json" 2>&1 | grep '^|' | tee "$OUT/reads.md"
+    timeout 60 python -m pytest -q -m gpu "$SRC/tests/test_leank_kernel.py" -p no:cacheprovider -p no:logging 2>&1 \
+      | grep -v DEBUG | tail -3 | tee "$OUT/pytest_leank.log"
+    ;;
   profile)
     timeout 150 python -m pytest -q -m gpu "$SRC/tests/test_kivi_lanes.py" -p no:cacheprovider -p no:logging 2>&1 \
       | grep -v DEBUG | tail -15 | tee "$OUT/pytest_kivi_lanes.log"
@@ -90,6 +99,6 @@ case "$PHASE" in
       --only-shapes llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:16:32k,smollm2-135m:1:32k,smollm2-135m:16:32k \
       --out "$OUT/reads.json" 2>&1 | grep '^|' | tee "$OUT/reads.md"
     ;;
-  *) echo "unknown phase $PHASE (compile | kernels | rows | lanes | lanes2 | sweep | confirm | profile)"; exit 2 ;;
+  *) echo "unknown phase $PHASE (compile | kernels | rows | lanes | lanes2 | sweep | confirm | confirm2 | profile)"; exit 2 ;;
 esac
 date -u | tee -a "$OUT/log.txt"

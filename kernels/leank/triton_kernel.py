@@ -279,19 +279,28 @@ def _num_sms(device_index: int) -> int:
 MID_WORK_MIN, MID_WORK_MAX = 1024, 4096
 
 
-def _waves(cfg: dict, work: int) -> int:
-    """Waves of programs a launch aims for: the configuration's ``waves``, or with ``None`` (the default) 4 when
-    ``MID_WORK_MIN < batch x kv_heads x head_dim <= MID_WORK_MAX`` and 2 otherwise."""
+def _launch_shape(cfg: dict, b: int, hkv: int, d: int, full_width: bool) -> tuple[int, int]:
+    """``(waves, num_stages)`` of a launch: the configuration's values where set (not ``None``), else
+    session 16's rule (H200): every lane full width with ``d >= 128`` (the empty stack's read) and at most 128 programs
+    per split -> 3 stages and 2 waves (four 64 x 128 fp16 K and V stages fill the shared memory of an SM: Llama B4 /
+    B16 0.71x / 0.76x -> 0.96x / 0.99x SDPA; B64 lost with 3, 0.94x -> 0.78x); otherwise 4 stages, and 4 waves when
+    ``MID_WORK_MIN < batch x kv_heads x head_dim <= MID_WORK_MAX``, else 2."""
+    if full_width and d >= 128 and b * hkv <= 128:
+        waves, stages = 2, 3
+    else:
+        waves, stages = (4 if MID_WORK_MIN < b * hkv * d <= MID_WORK_MAX else 2), 4
     if cfg.get("waves") is not None:
-        return int(cfg["waves"])
-    return 4 if MID_WORK_MIN < work <= MID_WORK_MAX else 2
+        waves = int(cfg["waves"])
+    if cfg.get("num_stages") is not None:
+        stages = int(cfg["num_stages"])
+    return waves, stages
 
 
 def _config() -> dict:
     """Launch defaults (H200, Triton 3.6); ``KVCOMPRESS_LEANK_CONFIG`` (JSON) overrides entries.  ``combine:
     "splits"`` since session 16: at batch 1 the one-split-per-step merge took 15-27 µs of a 40-60 µs read
-    (``benchmarks/gpu_read_profile.py``); ``waves: None`` is :func:`_waves`' rule."""
-    cfg = dict(BN=64, num_warps=4, num_stages=4, waves=None, min_split_tokens=256, canonical=False, combine="splits")
+    (``benchmarks/gpu_read_profile.py``); ``waves`` / ``num_stages`` ``None`` follow :func:`_launch_shape`."""
+    cfg = dict(BN=64, num_warps=4, num_stages=None, waves=None, min_split_tokens=256, canonical=False, combine="splits")
     env = os.environ.get("KVCOMPRESS_LEANK_CONFIG")
     if env:
         cfg.update(json.loads(env))
@@ -439,10 +448,11 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     m_blocks = triton.cdiv(m, block_m)
     bn = cfg["BN"]
     t_max = max(r["t"] for r in rows)
+    waves, stages = _launch_shape(cfg, b, hkv, d, all(r["c"] == d for r in rows))
     if splits is None:
         if dev.type == "cuda":
             sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
-            target = _waves(cfg, b * hkv * d) * sms
+            target = waves * sms
         else:
             target = 4  # interpreter: a few splits, so tests exercise the merge
         splits = -(-target // max(1, b * n_rows * m_blocks))
@@ -476,7 +486,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
             DKP=tuple(max(16, _pow2(r["c"])) for r in chunk), NL=len(chunk), DV=dv, DVP=max(16, _pow2(dv)),
             BLOCK_M=block_m, BN=bn, IEEE=ieee, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
             num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
+            num_stages=stages,
         )
 
     def tup_all(key):
