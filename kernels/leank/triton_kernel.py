@@ -276,7 +276,7 @@ def _num_sms(device_index: int) -> int:
 #: B16 (768 and 3072: LeanK-70 1.09x -> 1.31x and 0.97x -> 1.50x SDPA) and LeanK at Llama B4 (4096), lost for LeanK
 #: at Llama B8 / B16 (8192 / 16384: 1.24x -> 1.13x, 1.41x -> 1.22x) and SmolLM2 B1 (192); at Llama B1 (1024) LeanK
 #: gained and the empty stack's read lost (0.93x -> 0.81x), so the bound keeps 2 waves there.
-MID_WORK_MIN, MID_WORK_MAX = 1024, 4096
+MID_WORK_MIN, MID_WORK_MAX = 512, 4096
 
 
 def _launch_shape(cfg: dict, b: int, hkv: int, d: int, full_width: bool) -> tuple[int, int]:
