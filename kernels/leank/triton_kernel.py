@@ -272,18 +272,19 @@ def _num_sms(device_index: int) -> int:
 
 
 #: ``batch x kv_heads x head_dim`` above which, and up to :data:`MID_WORK_MAX`, ``waves: None`` launches 4 waves of
-#: programs instead of 2.  Session 16 on an H200 (docs/results.md, issue 19): 4 waves won for SmolLM2 heads at B4 and
-#: B16 (768 and 3072: LeanK-70 1.09x -> 1.31x and 0.97x -> 1.50x SDPA) and LeanK at Llama B4 (4096), lost for LeanK
-#: at Llama B8 / B16 (8192 / 16384: 1.24x -> 1.13x, 1.41x -> 1.22x) and SmolLM2 B1 (192); at Llama B1 (1024) LeanK
-#: gained and the empty stack's read lost (0.93x -> 0.81x), so the bound keeps 2 waves there.
+#: programs instead of 2 (lanes not all full width; those take the 3-stage rule of :func:`_launch_shape` first).
+#: Session 16 on an H200 (docs/results.md, issue 19): 4 waves won for LeanK at Llama B1 / B4 (1024 / 4096: LeanK-70
+#: 1.12x -> 1.32x SDPA at B1/32k) and SmolLM2 B4 / B16 (768 / 3072: 1.09x -> 1.30x, 0.97x -> 1.50x), lost at Llama
+#: B8 / B16 (8192 / 16384: 1.24x -> 1.13x, 1.41x -> 1.22x) and SmolLM2 B1 (192).
 MID_WORK_MIN, MID_WORK_MAX = 512, 4096
 
 
 def _launch_shape(cfg: dict, b: int, hkv: int, d: int, full_width: bool) -> tuple[int, int]:
     """``(waves, num_stages)`` of a launch: the configuration's values where set (not ``None``), else
     session 16's rule (H200): every lane full width with ``d >= 128`` (the empty stack's read) and at most 128 programs
-    per split -> 3 stages and 2 waves (four 64 x 128 fp16 K and V stages fill the shared memory of an SM: Llama B4 /
-    B16 0.71x / 0.76x -> 0.96x / 0.99x SDPA; B64 lost with 3, 0.94x -> 0.78x); otherwise 4 stages, and 4 waves when
+    per split -> 3 stages and 2 waves (Llama B4 / B16 0.71x / 0.76x -> 0.98x / 0.98x SDPA; B64 lost with 3 stages,
+    0.94x -> 0.78x; presumably four stages of 64 x 128 fp16 K and V tiles, 128 KB of shared memory, leave one program
+    per SM, not profiled); otherwise 4 stages, and 4 waves when
     ``MID_WORK_MIN < batch x kv_heads x head_dim <= MID_WORK_MAX``, else 2."""
     if full_width and d >= 128 and b * hkv <= 128:
         waves, stages = 2, 3
