@@ -33,6 +33,12 @@ declares the layout, keeps the observation of the step, selects per kv head and 
   per-head validity: the full-precision middle (dynamic and static caches, with or without a channel pruner's
   lanes); a quantizer's store (KIVI) is refused at validation.
 
+* chunks (``chunk: N``, ChunkKV, Liu et al., arXiv 2502.00299; kvpress' ``ChunkKVPress`` wraps any scorer the same
+  way): at prefill every token is ranked by the mean score of its chunk of N consecutive tokens (summed over the kv
+  heads first with ``chunk_heads: shared``, ChunkKV's one ranking per layer; per head with ``each``), so each head keeps
+  whole chunks (:func:`chunk_scores`, :meth:`ScoreEvictor.entry_scores`); a scorer may exempt tokens it always keeps
+  (:meth:`ScoreEvictor.chunk_exempt`).  Decoding scores tokens one by one (``phase: decode`` refuses ``chunk``).
+
 Everything runs in eager steps and inside a static cache's compiled decode step (``graph_safe = True``: fixed
 shapes, no host reads there).
 """
@@ -54,6 +60,7 @@ from .state import KVBlock, LayerInfo, Layout
 
 PHASES = ("prefill", "decode", "both")
 SCHEDULES = ("uniform", "pyramid", "adaptive")
+CHUNK_HEADS = ("shared", "each")
 #: AdaKV's default floor (kvpress' ``AdaKVPress.alpha_safeguard``): each head keeps >= alpha x the uniform budget
 ADAKV_ALPHA = 0.2
 #: PyramidKV's beta (its default, as in kvpress' PyramidKVPress): the last layer keeps 1/beta of the mean budget
@@ -78,6 +85,11 @@ class ScoreConfig:
                           "per kv head; phase 'prefill')", choices=SCHEDULES)
     alpha: float = param(ADAKV_ALPHA, "schedule 'adaptive': each kv head keeps at least alpha x the uniform per-head "
                          "budget (AdaKV's alpha_safeguard)", type=float, min=0.0, max=1.0)
+    chunk: int = param(1, "prefill: score and keep tokens in chunks of this many consecutive tokens (ChunkKV, arXiv "
+                       "2502.00299; 1 = per token)", min=1, max=4096)
+    chunk_heads: str = param("shared", "chunk > 1: 'shared' (ChunkKV: one chunk ranking per layer from the scores "
+                             "summed over the kv heads) or 'each' (every kv head ranks chunks by its own scores)",
+                             choices=CHUNK_HEADS)
 
     def check(self, path: str) -> None:
         if (self.budget is None) == (self.ratio is None):
@@ -92,10 +104,38 @@ class ScoreConfig:
             raise ConfigError(f"{path}.schedule", "'uniform' or 'pyramid' with phase 'decode' or 'both' (adaptive "
                               "per-head budgets are built for the prefill: phase 'prefill')", self.schedule,
                               hint=f"phase is {self.phase!r}")
+        if self.chunk > 1 and self.phase == "decode":
+            raise ConfigError(f"{path}.chunk", "1 with phase 'decode' (chunks group the tokens of a prefill; decoding "
+                              "scores tokens one by one)", self.chunk, hint="use phase 'both' to chunk the prompt")
         if self.budget is not None and self.budget <= self.sinks + self.recent:
             raise ConfigError(f"{path}.budget", f"more than sinks + recent = {self.sinks + self.recent} (the tokens "
                               "never evicted)", self.budget,
                               hint="the budget would leave no middle token to choose")
+
+
+def chunk_scores(scores: torch.Tensor, valid: torch.Tensor, chunk: int, shared: bool) -> torch.Tensor:
+    """ChunkKV's scores (Liu et al., arXiv 2502.00299): every token of a chunk of ``chunk`` consecutive columns gets
+    the mean of its chunk's finite scores over the row's ``valid`` columns - summed over the kv heads when ``shared``
+    (one ranking per layer, as ChunkKV and kvpress' ``ChunkKVPress``), per kv head otherwise.  Chunks start at each
+    row's first valid column of the block (its first token after padding and sinks), so a left-padded row chunks as
+    it would alone.  ``scores``: ``[batch, kv_heads, n]``; ``valid``: ``[batch, n]``.  A chunk with no finite score
+    is ``-inf``.  Means are taken in float64: a chunk of equal scores (max pooling spreads a peak over several
+    tokens) then means exactly that score whatever its size, so such ties stay exact and break by age, as they do
+    per token.  Fixed shapes (``n // chunk + 1`` chunk slots per row), no host read."""
+    b, h, n = scores.shape
+    col = torch.arange(n, device=scores.device)
+    first = torch.where(valid, col, n).amin(dim=1, keepdim=True).clamp(max=max(n - 1, 0))  # [b, 1]
+    ids = torch.div((col - first).clamp(min=0), chunk, rounding_mode="floor")  # [b, n] in [0, n // chunk]
+    slots = n // chunk + 1
+    finite = torch.isfinite(scores) & valid.unsqueeze(1)
+    val = torch.where(finite, scores, torch.zeros_like(scores)).double()
+    if shared:
+        val, finite = val.sum(dim=1, keepdim=True), finite.any(dim=1, keepdim=True)
+    idx = ids.unsqueeze(1).expand(-1, val.shape[1], -1)
+    total = val.new_zeros(b, val.shape[1], slots).scatter_add_(-1, idx, val)
+    count = val.new_zeros(b, val.shape[1], slots).scatter_add_(-1, idx, finite.to(val.dtype))
+    mean = torch.where(count > 0, total / count.clamp(min=1), torch.full_like(total, float("-inf")))
+    return mean.gather(-1, idx).to(scores.dtype).expand(b, h, n)
 
 
 class ScoreState:
@@ -173,6 +213,23 @@ class ScoreEvictor(Compressor):
         """
         raise NotImplementedError
 
+    def chunk_exempt(self, layer: Any, block: KVBlock, obs: Any) -> torch.Tensor | None:
+        """With ``chunk > 1``: ``[batch|1, kv_heads|1, tokens]`` bool, the tokens whose own score stands outside any
+        chunk (e.g. tokens a scorer always keeps, scored above every other one), or ``None`` (the default)."""
+        return None
+
+    def entry_scores(self, layer: Any, block: KVBlock, obs: Any) -> torch.Tensor:
+        """The scores a prefill block's per-head top-k ranks: :meth:`score`, then with ``chunk > 1`` each token's
+        chunk's (:func:`chunk_scores` over the block's valid, non-exempt tokens; exempt tokens keep their own)."""
+        scores = self.score(layer, block, obs)
+        c = self.config
+        if c.chunk <= 1:
+            return scores
+        exempt = self.chunk_exempt(layer, block, obs)
+        valid = block.valid if exempt is None else block.valid & ~exempt.any(dim=1)  # exempt in any head: in none
+        chunked = chunk_scores(scores.float(), valid, c.chunk, c.chunk_heads == "shared")
+        return chunked if exempt is None else torch.where(exempt, scores.float(), chunked)
+
     def stored_scores(self, layer: Any, obs: Any) -> torch.Tensor | None:
         """While decoding under a budget: the current scores ``[batch, kv_heads, slot_count]`` of the tokens
         stored in each slot of the middle (``layer.middle``'s slots, e.g. ``obs.mass["middle"]``), or ``None`` to
@@ -242,7 +299,7 @@ class ScoreEvictor(Compressor):
                 self._allocate(layer, state, block.valid.shape[0], block.valid.device)
             return None
         if not slotted:  # phase prefill: the prompt's blocks are selected; decoding appends
-            return self._entry_keep(layer, block, self.score(layer, block, obs)) if obs.prefill else None
+            return self._entry_keep(layer, block, self.entry_scores(layer, block, obs)) if obs.prefill else None
         if state.scores is None:
             self._allocate(layer, state, block.valid.shape[0], block.valid.device)
         if block.due is None and obs.prefill and not state.entered:
@@ -273,7 +330,7 @@ class ScoreEvictor(Compressor):
         j-th kept token aimed at the row's j-th free slot (the pipeline packs the block; the slots follow)."""
         store = layer.middle
         unit = store.slot_unit
-        scores = self._sanitize(self.score(layer, block, obs))
+        scores = self._sanitize(self.entry_scores(layer, block, obs))
         budgeted = self.config.budget is not None
         keep = self._entry_keep(layer, block, scores, cap=state.target * unit if budgeted else None)
         b, h, n = keep.shape
@@ -438,4 +495,5 @@ class ScoreEvictor(Compressor):
         return (flat_rank.view(b, h, n) < total.view(b, 1, 1)) & valid.unsqueeze(1)
 
 
-__all__ = ["PHASES", "PYRAMID_BETA", "SCHEDULES", "ScoreConfig", "ScoreEvictor", "ScoreState"]
+__all__ = ["CHUNK_HEADS", "PHASES", "PYRAMID_BETA", "SCHEDULES", "ScoreConfig", "ScoreEvictor", "ScoreState",
+           "chunk_scores"]

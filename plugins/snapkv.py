@@ -32,11 +32,12 @@ VATP does (Guo, Kamigaito, Watanabe. *Attention Score is not All You Need for To
 Reduction: Value Also Matters.* EMNLP 2024, arXiv:2406.12335): a token that is attended but whose value is near zero
 adds little to the output.  On the default model at 25% kept it lowers the loss slightly (docs/results.md, issue 17,
 session 15).
-``chunk`` (1): keep whole chunks of ``chunk`` consecutive tokens, ranked by the mean of their tokens' scores, as
-ChunkKV does (Liu et al. *ChunkKV: Semantic-Preserving KV Cache Compression for Efficient
+``chunk`` (1, every :class:`kvcompress.ScoreEvictor` takes it): keep whole chunks of ``chunk`` consecutive tokens,
+ranked by the mean of their tokens' scores, as ChunkKV does (Liu et al. *ChunkKV: Semantic-Preserving KV Cache Compression for Efficient
 Long-Context LLM Inference.* NeurIPS 2025, arXiv:2502.00299; kvpress' ``ChunkKVPress``, chunk 20): a multi-token
 entity (a number split into several tokens) survives or goes as a whole.  ``chunk_heads`` ("shared"): one chunk
-ranking per layer from the scores summed over the kv heads (ChunkKV), or "each" kv head its own.
+ranking per layer from the scores summed over the kv heads (ChunkKV), or "each" kv head its own; the observation
+window's tokens stay outside the chunks (always kept).
 The default window is kvpress' 64 queries; the example stacks (examples/stacks/snapkv.yaml, snapkv25.yaml) observe
 128, which on the default model's perplexity windows loses a quarter to a half of what 64 loses (docs/results.md).
 """
@@ -59,10 +60,6 @@ class SnapKVConfig(ScoreConfig):
     pool: str = param("max", "pooling: 'max' (the SnapKV authors' configurations) or 'avg' (kvpress' SnapKVPress)",
                       choices=("max", "avg"))
     value_norm: bool = param(False, "weight each token's pooled score by its value's L1 norm (VATP, arXiv 2406.12335)")
-    chunk: int = param(1, "score and keep tokens in chunks of this many positions (ChunkKV, arXiv 2502.00299; "
-                       "1 = per token)", min=1, max=4096)
-    chunk_heads: str = param("shared", "chunk > 1: 'shared' (ChunkKV: one chunk score per layer, summed over the kv "
-                             "heads) or 'each' (every kv head ranks chunks by its own score)", choices=("shared", "each"))
 
     def check(self, path: str) -> None:
         super().check(path)
@@ -70,42 +67,13 @@ class SnapKVConfig(ScoreConfig):
             raise ConfigError(f"{path}.kernel", "an odd number of tokens", self.kernel)
 
 
-def chunk_scores(scores: torch.Tensor, valid: torch.Tensor, chunk: int, shared: bool) -> torch.Tensor:
-    """ChunkKV's scores (arXiv 2502.00299): every token of a chunk of ``chunk`` consecutive columns gets the mean of
-    its chunk's finite scores over the row's valid columns - summed over the kv heads when ``shared`` (one ranking
-    per layer, as ChunkKV and kvpress' ``ChunkKVPress``), per kv head otherwise.  Chunks start at each row's first
-    valid column of the block (its first token after padding and sinks), so a left-padded row chunks as it would
-    alone.  ``scores``: ``[batch, kv_heads, n]``; ``valid``: ``[batch, n]``.  Means are taken in float64 (exact for a
-    chunk of equal scores).  A chunk with no finite score stays
-    ``-inf``.  Fixed shapes (``n // chunk + 1`` chunk slots per row), no host read."""
-    b, h, n = scores.shape
-    col = torch.arange(n, device=scores.device)
-    first = torch.where(valid, col, n).amin(dim=1, keepdim=True).clamp(max=n - 1)  # [b, 1]
-    ids = torch.div((col - first).clamp(min=0), chunk, rounding_mode="floor")  # [b, n] in [0, n // chunk]
-    slots = n // chunk + 1
-    finite = torch.isfinite(scores) & valid.unsqueeze(1)
-    # float64: a chunk of equal scores (max pooling spreads a peak over ``kernel`` tokens) then means exactly that
-    # score whatever its size, so such ties between chunks stay exact and break by age, as they do per token
-    val = torch.where(finite, scores, torch.zeros_like(scores)).double()
-    if shared:
-        val, finite = val.sum(dim=1, keepdim=True), finite.any(dim=1, keepdim=True)
-    idx = ids.unsqueeze(1).expand(-1, val.shape[1], -1)
-    total = val.new_zeros(b, val.shape[1], slots).scatter_add_(-1, idx, val)
-    count = val.new_zeros(b, val.shape[1], slots).scatter_add_(-1, idx, finite.to(val.dtype))
-    mean = torch.where(count > 0, total / count.clamp(min=1), torch.full_like(total, float("-inf")))
-    return mean.gather(-1, idx).to(scores.dtype).expand(b, h, n)
-
-
 def pooled_window_attention(obs, positions: torch.Tensor, kernel: int, pool: str,
-                            weight: torch.Tensor | None = None, chunk: int = 1,
-                            chunk_shared: bool = True, valid: torch.Tensor | None = None) -> torch.Tensor:
+                            weight: torch.Tensor | None = None) -> torch.Tensor:
     """SnapKV's score ``[batch, kv_heads, n]`` of the tokens at ``positions`` (``[n]``, contiguous, ascending):
     the observed queries' attention mass (averaged over them, summed over each kv head's query heads), pooled over
     ``kernel`` neighbouring positions before the observation window; tokens inside the window score above every
     other token of their head.  The average makes a decode step's score (one query) comparable to the prompt's.
-    ``weight`` (``[batch, kv_heads, n]``, optional) multiplies the pooled scores before the window is ranked on top;
-    ``chunk`` > 1 then replaces each score by its chunk's (:func:`chunk_scores`, over the ``valid`` ``[batch, n]``
-    columns of the block)."""
+    ``weight`` (``[batch, kv_heads, n]``, optional) multiplies the pooled scores before the window is ranked on top."""
     half = kernel // 2
     n = positions.shape[0]
     span = positions[0] - half + torch.arange(n + 2 * half, device=positions.device)
@@ -122,9 +90,6 @@ def pooled_window_attention(obs, positions: torch.Tensor, kernel: int, pool: str
     if weight is not None:
         pooled = torch.where(torch.isfinite(pooled), pooled * weight, pooled)  # -inf (nothing pooled) stays -inf
     in_window = (positions >= first_query).view(1, 1, n)
-    if chunk > 1:  # the window's tokens are ranked on top below: they do not count in a chunk's mean
-        rows = torch.ones(b, n, dtype=torch.bool, device=pooled.device) if valid is None else valid
-        pooled = chunk_scores(pooled.masked_fill(in_window, float("-inf")), rows, chunk, chunk_shared)
     return torch.where(in_window, pooled.amax(dim=-1, keepdim=True).clamp(min=0) + 1.0, pooled)
 
 
@@ -134,9 +99,10 @@ class SnapKVCompressor(ScoreEvictor):
 
     def score(self, layer, block, obs):
         weight = block.v.float().abs().sum(-1) if self.config.value_norm else None  # VATP: |v|_1 per token
-        c = self.config
-        return pooled_window_attention(obs, block.positions, c.kernel, c.pool, weight, c.chunk,
-                                       c.chunk_heads == "shared", block.valid)
+        return pooled_window_attention(obs, block.positions, self.config.kernel, self.config.pool, weight)
+
+    def chunk_exempt(self, layer, block, obs):
+        return (block.positions >= obs.query_positions[0]).view(1, 1, -1)  # the observation window: always kept
 
 
 @hookimpl

@@ -196,6 +196,37 @@ def test_knorm_selection_matches_reference():
         assert torch.equal(stored_k[head, :kept], k[0, head, cols])
 
 
+@pytest.mark.parametrize("heads", ["shared", "each"])
+def test_knorm_chunks_match_a_chunkkv_reference(heads):
+    """Chunks are the base class's (any ScoreEvictor, as kvpress' ChunkKVPress wraps any scorer): knorm's -||K||
+    averaged over chunks of 3 candidate tokens from each row's first candidate (row 1 left-padded), summed over the
+    kv heads first when shared; ties to the older token."""
+    sinks, recent, ratio, chunk = 3, 8, 0.4, 3
+    q, k, v, valid = _tensors(seed=1)
+    stack = {"compressors": [{"knorm": {"ratio": ratio, "sinks": sinks, "recent": recent, "chunk": chunk,
+                                        "chunk_heads": heads}}]}
+    keep, positions, _ = _prefill_selection(stack, q, k, v, valid)
+    score = -k.norm(dim=-1)  # [b, h, t]
+    expected = []
+    for row in range(2):
+        cand, held, real = _candidates(valid[row], sinks, recent)
+        n_keep = max(0, min(len(cand), math.floor(ratio * real) - held))
+        members: dict[int, list[int]] = {}
+        for c in cand:
+            members.setdefault((c - cand[0]) // chunk, []).append(c)
+        per_head = []
+        for head in range(2):
+            def token(c, head=head):
+                return float(score[row, :, c].sum()) if heads == "shared" else float(score[row, head, c])
+            mean = {i: sum(token(c) for c in cs) / len(cs) for i, cs in members.items()}
+            per_head.append(set(sorted(cand, key=lambda c: (-mean[(c - cand[0]) // chunk], c))[:n_keep]))
+        expected.append(per_head)
+    _check(keep, positions, expected)
+    plain = _prefill_selection({"compressors": [{"knorm": {"ratio": ratio, "sinks": sinks, "recent": recent}}]},
+                               q, k, v, valid)[0]
+    assert not torch.equal(plain, keep)  # chunks changed the selection
+
+
 def _rope_matrix(theta: torch.Tensor, d: int) -> torch.Tensor:
     """kvpress' form of the rotate-half RoPE matrix: cos * I + sin * P (one angle per channel pair)."""
     half = theta.shape[-1]
@@ -300,6 +331,8 @@ def test_unequal_per_head_counts_are_refused_naming_the_compressor():
     ({"snapkv": {"ratio": 0.5, "pool": "sum"}}, r"snapkv\.pool: expected one of 'max', 'avg', got 'sum'"),
     ({"snapkv": {"ratio": 0.5, "schedule": "flat"}},
      r"snapkv\.schedule: expected one of 'uniform', 'pyramid', 'adaptive', got 'flat'"),
+    ({"knorm": {"budget": 100, "phase": "decode", "chunk": 8}}, r"knorm\.chunk: expected 1 with phase 'decode'"),
+    ({"tova": {"budget": 100, "chunk_heads": "all"}}, r"tova\.chunk_heads: expected one of 'shared', 'each', got 'all'"),
 ])
 def test_config_errors_name_key_allowed_and_given(entry, match):
     with pytest.raises(ConfigError, match=match):
