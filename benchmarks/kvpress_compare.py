@@ -43,6 +43,8 @@ Presses (``--configs`` picks some; names as in the table):
   grows to the target + 64 between two cuts, so the newest tokens survive up to 64 steps.
 * ``snapkv-w128-0.5`` / ``-0.75``, ``snapkv-w256-0.5`` / ``-0.75`` (only when named): SnapKV with an observation
   window of 128 / 256 queries instead of kvpress' default 64 (as kvcompress' example stacks).
+* ``chunkkv20-snapkv-w64-0.75``, ``chunkkv10-snapkv-w128-0.75`` (only when named): ChunkKVPress over SnapKV at 25%
+  kept (kvpress' defaults: chunks of 20, window 64; and chunks of 10 with window 128).
 * ``streaming_llm-4+252-bounded-sorted`` (only when named): the bounded StreamingLLM with the kept indices sorted
   (``sorted_press``): kvpress' unsorted ``topk`` indices scramble the cache order, which StreamingLLMPress reads
   as age, so the unsorted bounded run does not evict the oldest token.
@@ -86,8 +88,8 @@ SCHEMA = "kvcompress.kvpress_ppl/1"
 
 def _configs() -> dict[str, tuple[str, Callable[[], Any]]]:
     """name -> (description, factory of a fresh press or None); imported lazily (kvpress patches transformers)."""
-    from kvpress import (DecodingPress, ExpectedAttentionPress, KnormPress, PrefillDecodingPress, SnapKVPress,
-                         StreamingLLMPress)
+    from kvpress import (ChunkKVPress, DecodingPress, ExpectedAttentionPress, KnormPress, PrefillDecodingPress,
+                         SnapKVPress, StreamingLLMPress)
 
     def bounded(prefill: Any, scorer: Any, target: int, interval: int = 1) -> Any:
         return PrefillDecodingPress(prefilling_press=prefill, decoding_press=DecodingPress(
@@ -102,6 +104,10 @@ def _configs() -> dict[str, tuple[str, Callable[[], Any]]]:
         for w in (128, 256):
             out[f"snapkv-w{w}-{c}"] = (f"SnapKVPress(compression_ratio={c}, window_size={w})",
                                        lambda c=c, w=w: SnapKVPress(compression_ratio=c, window_size=w))
+    for w, n in ((64, 20), (128, 10)):  # ChunkKV (arXiv 2502.00299); kvpress' default chunk_length is 20
+        out[f"chunkkv{n}-snapkv-w{w}-0.75"] = (
+            f"ChunkKVPress(SnapKVPress(compression_ratio=0.75, window_size={w}), chunk_length={n})",
+            lambda w=w, n=n: ChunkKVPress(SnapKVPress(compression_ratio=0.75, window_size=w), chunk_length=n))
     for c, n in ((0.5, 1024), (0.75, 512)):
         out[f"knorm+decoding-{n}"] = (
             f"PrefillDecodingPress(KnormPress({c}), DecodingPress(KnormPress(), compression_interval=1, "
@@ -133,7 +139,8 @@ DEFAULT_CONFIGS = ["none", "snapkv-0.5", "snapkv-0.75", "expected_attention-0.5"
                    "streaming_llm-4+252-bounded"]
 #: run only when named in --configs
 EXTRA_CONFIGS = ["knorm+decoding-1024-i64", "knorm+decoding-512-i64", "streaming_llm-4+252-bounded-sorted",
-                 "snapkv-w128-0.5", "snapkv-w128-0.75", "snapkv-w256-0.5", "snapkv-w256-0.75"]
+                 "snapkv-w128-0.5", "snapkv-w128-0.75", "snapkv-w256-0.5", "snapkv-w256-0.75",
+                 "chunkkv20-snapkv-w64-0.75", "chunkkv10-snapkv-w128-0.75"]
 
 
 def sorted_press(cls: Any) -> Any:

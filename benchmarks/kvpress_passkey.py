@@ -73,7 +73,7 @@ def _log(msg: str) -> None:
 
 
 def configs() -> dict[str, tuple[str, Callable[[], Any]]]:
-    from kvpress import AdaKVPress, ExpectedAttentionPress, SnapKVPress
+    from kvpress import AdaKVPress, ChunkKVPress, ExpectedAttentionPress, SnapKVPress
 
     out: dict[str, tuple[str, Callable[[], Any]]] = {"none": ("no press", lambda: None)}
     for w in (64, 128):
@@ -84,6 +84,11 @@ def configs() -> dict[str, tuple[str, Callable[[], Any]]]:
         out[f"adakv-snapkv-w{w}-0.75"] = (
             f"AdaKVPress(SnapKVPress(compression_ratio=0.75, window_size={w}))",
             lambda w=w: AdaKVPress(SnapKVPress(compression_ratio=0.75, window_size=w)))
+    for w in (64, 128):
+        for n in (10, 20):  # ChunkKV (arXiv 2502.00299): kvpress' default chunk_length is 20
+            out[f"chunkkv{n}-snapkv-w{w}-0.75"] = (
+                f"ChunkKVPress(SnapKVPress(compression_ratio=0.75, window_size={w}), chunk_length={n})",
+                lambda w=w, n=n: ChunkKVPress(SnapKVPress(compression_ratio=0.75, window_size=w), chunk_length=n))
     out["expected_attention-0.75"] = ("ExpectedAttentionPress(compression_ratio=0.75)",
                                       lambda: ExpectedAttentionPress(compression_ratio=0.75))
     return out
