@@ -312,6 +312,21 @@ def test_read_path_fused_branch_interpreted(interpreted, case):
     assert res["err"] < 3e-3
 
 
+def test_launch_shape_rule_and_overrides():
+    """The launch shape a call gets (session 16's H200 rule) unless ``KVCOMPRESS_LEANK_CONFIG`` names waves / stages:
+    full-width lanes with d >= 128 and <= 128 programs per split take 3 stages; others 4 waves in the middle sizes."""
+    from kvcompress.kernels.leank import triton_kernel as tk
+
+    auto = {"waves": None, "num_stages": None}
+    assert tk._launch_shape(auto, 4, 8, 128, full_width=True) == (2, 3)  # the empty stack, Llama B4
+    assert tk._launch_shape(auto, 64, 8, 128, full_width=True) == (2, 4)  # B64: 512 programs per split
+    assert tk._launch_shape(auto, 4, 8, 128, full_width=False) == (4, 4)  # LeanK lanes, Llama B4 (4096)
+    assert tk._launch_shape(auto, 16, 8, 128, full_width=False) == (2, 4)  # Llama B16 (16384)
+    assert tk._launch_shape(auto, 1, 3, 64, full_width=False) == (2, 4)  # SmolLM2 B1 (192)
+    assert tk._launch_shape({"waves": 1, "num_stages": 5}, 4, 8, 128, full_width=True) == (1, 5)
+    assert tk._config()["combine"] == "splits"
+
+
 @pytest.mark.parametrize("kernel", ["_combine_kernel", "_combine_splits_kernel"])
 def test_split_merges_compile_for_sm90_without_a_gpu(kernel):
     """The interpreter accepts what the compiler may not (loop-carried scalar types, tuple arguments): build both split
