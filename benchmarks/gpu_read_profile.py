@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"## {op} {spec}: {r.get('impl', '')} - {r.get('kernel_us_per_call', float('nan')):.1f} µs of "
                   f"kernels per read {r.get('error', '')}", flush=True)
             for k in r.get("kernels", []):
-                print(f"  {k['us_per_call']:8.1f} µs  x{k['per_call']:.0f}  {k['mean_us']:8.1f} µs each  {k['kernel']}",
-                      flush=True)
+                print(f"  {k['us_per_call']:8.1f} µs  x{k['per_call']:.0f}  {k['mean_us']:8.1f} µs each  "
+                      f"{k['kernel']}", flush=True)
             torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w", encoding="utf-8") as fh:

@@ -33,8 +33,9 @@ Reduction: Value Also Matters.* EMNLP 2024, arXiv:2406.12335): a token that is a
 adds little to the output.  On the default model at 25% kept it lowers the loss slightly (docs/results.md, issue 17,
 session 15).
 ``chunk`` (1, every :class:`kvcompress.ScoreEvictor` takes it): keep whole chunks of ``chunk`` consecutive tokens,
-ranked by the mean of their tokens' scores, as ChunkKV does (Liu et al. *ChunkKV: Semantic-Preserving KV Cache Compression for Efficient
-Long-Context LLM Inference.* NeurIPS 2025, arXiv:2502.00299; kvpress' ``ChunkKVPress``, chunk 20): a multi-token
+ranked by the mean of their tokens' scores, as ChunkKV does (Liu et al. *ChunkKV: Semantic-Preserving KV Cache
+Compression for Efficient Long-Context LLM Inference.* NeurIPS 2025, arXiv:2502.00299; kvpress' ``ChunkKVPress``,
+chunk 20): a multi-token
 entity (a number split into several tokens) survives or goes as a whole.  ``chunk_heads`` ("shared"): one chunk
 ranking per layer from the scores summed over the kv heads (ChunkKV), or "each" kv head its own; the observation
 window's tokens stay outside the chunks (always kept).

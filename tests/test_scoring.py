@@ -92,6 +92,44 @@ def _check(keep, positions, expected):
         assert bool((counts == counts[0]).all())
 
 
+def _snapkv_reference_scores(q, k, valid, window, kernel, pool):
+    """SnapKV's scores ``[b, kv_heads, t - window]`` computed from scratch: the last ``window`` queries' softmax over
+    the prompt, averaged over the window, summed over each kv head's query heads, pooled along the tokens before the
+    window (kvpress pads: -inf for max, zeros for avg)."""
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    s = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(group, 1)) * d ** -0.5
+    visible = torch.ones(t, t, dtype=torch.bool).tril()[None, None] & valid[:, None, None, :]
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+    w = p[:, :, t - window:, : t - window].mean(dim=2)  # [b, hq, t - window]
+    w = w.view(b, hkv, group, t - window).sum(dim=2)  # per kv head (the observation's mass is; avg pooling commutes)
+    if pool == "max":
+        return F.max_pool1d(w, kernel, stride=1, padding=kernel // 2)
+    return F.avg_pool1d(w, kernel, stride=1, padding=kernel // 2, count_include_pad=True)
+
+
+def _chunk_reference(scores, valid, sinks, recent, ratio, chunk, heads):
+    """ChunkKV's selection from scratch: per row, the candidate columns in chunks of ``chunk`` from the row's first
+    candidate, a chunk's score the mean of its tokens' scores (``scores`` summed over the kv heads first when
+    ``heads == "shared"``), each head's top ``n_keep`` tokens by their chunk's score, ties to the older token."""
+    expected = []
+    for row in range(valid.shape[0]):
+        cand, held, real = _candidates(valid[row], sinks, recent)
+        n_keep = max(0, min(len(cand), math.floor(ratio * real) - held))
+        members: dict[int, list[int]] = {}
+        for c in cand:
+            members.setdefault((c - cand[0]) // chunk, []).append(c)
+        per_head = []
+        for head in range(scores.shape[1]):
+            def token(c, head=head):
+                return float(scores[row, :, c].sum()) if heads == "shared" else float(scores[row, head, c])
+            mean = {i: sum(token(c) for c in cs) / len(cs) for i, cs in members.items()}
+            per_head.append(set(sorted(cand, key=lambda c: (-mean[(c - cand[0]) // chunk], c))[:n_keep]))
+        expected.append(per_head)
+    return expected
+
+
 @pytest.mark.parametrize("pool,kernel,value_norm", [("max", 7, False), ("avg", 5, False), ("max", 7, True)])
 def test_snapkv_selection_matches_reference(pool, kernel, value_norm):
     """SnapKV (arXiv 2404.14469): last-window queries' softmax over the prompt, averaged over the window, summed over
@@ -104,17 +142,8 @@ def test_snapkv_selection_matches_reference(pool, kernel, value_norm):
     stack = {"compressors": [{"snapkv": {"ratio": ratio, "sinks": sinks, "recent": recent, "window": window,
                                          "kernel": kernel, "pool": pool, "value_norm": value_norm}}]}
     keep, positions, _ = _prefill_selection(stack, q, k, v, valid)
-    b, hq, t, d = q.shape
-    group = hq // k.shape[1]
-    s = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(group, 1)) * d ** -0.5
-    visible = torch.ones(t, t, dtype=torch.bool).tril()[None, None] & valid[:, None, None, :]
-    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
-    w = p[:, :, t - window:, : t - window].mean(dim=2)  # [b, hq, t - window]
-    w = w.view(b, 2, group, t - window).sum(dim=2)  # per kv head (the observation's mass is; avg pooling commutes)
-    if pool == "max":
-        scores = F.max_pool1d(w, kernel, stride=1, padding=kernel // 2)
-    else:
-        scores = F.avg_pool1d(w, kernel, stride=1, padding=kernel // 2, count_include_pad=True)
+    b, t = q.shape[0], q.shape[2]
+    scores = _snapkv_reference_scores(q, k, valid, window, kernel, pool)
     if value_norm:
         scores = scores * v[:, :, : t - window].abs().sum(-1)
     expected = []
@@ -138,35 +167,14 @@ def test_snapkv_chunks_match_a_chunkkv_reference(chunk, heads, seed):
     stack = {"compressors": [{"snapkv": {"ratio": ratio, "sinks": sinks, "recent": recent, "window": window,
                                          "kernel": kernel, "pool": "max", "chunk": chunk, "chunk_heads": heads}}]}
     keep, positions, _ = _prefill_selection(stack, q, k, v, valid)
-    b, hq, t, d = q.shape
-    group = hq // k.shape[1]
-    s = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(group, 1)) * d ** -0.5
-    visible = torch.ones(t, t, dtype=torch.bool).tril()[None, None] & valid[:, None, None, :]
-    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
-    w = p[:, :, t - window:, : t - window].mean(dim=2).view(b, 2, group, t - window).sum(dim=2)
-    scores = F.max_pool1d(w, kernel, stride=1, padding=kernel // 2)
-    expected = []
-    for row in range(b):
-        cand, held, real = _candidates(valid[row], sinks, recent)
-        n_keep = max(0, min(len(cand), math.floor(ratio * real) - held))
-        first = cand[0]
-        members: dict[int, list[int]] = {}
-        for c in cand:
-            members.setdefault((c - first) // chunk, []).append(c)
-        per_head = []
-        for head in range(2):
-            def token(c, head=head):
-                return float(scores[row, :, c].sum()) if heads == "shared" else float(scores[row, head, c])
-            chunk_score = {i: sum(token(c) for c in cs) / len(cs) for i, cs in members.items()}
-            ranked = sorted(cand, key=lambda c: (-chunk_score[(c - first) // chunk], c))
-            per_head.append(set(ranked[:n_keep]))
-        expected.append(per_head)
+    scores = _snapkv_reference_scores(q, k, valid, window, kernel, "max")
+    expected = _chunk_reference(scores, valid, sinks, recent, ratio, chunk, heads)
     _check(keep, positions, expected)
     if heads == "shared":
         assert expected[0][0] == expected[0][1]
     else:
         assert expected[0][0] != expected[0][1]
-    for row in range(b):  # whole chunks: at most one chunk of a head is partly kept
+    for row in range(valid.shape[0]):  # whole chunks: at most one chunk of a head is partly kept
         cand = _candidates(valid[row], sinks, recent)[0]
         for head in range(2):
             kept = expected[row][head]
@@ -206,21 +214,7 @@ def test_knorm_chunks_match_a_chunkkv_reference(heads):
     stack = {"compressors": [{"knorm": {"ratio": ratio, "sinks": sinks, "recent": recent, "chunk": chunk,
                                         "chunk_heads": heads}}]}
     keep, positions, _ = _prefill_selection(stack, q, k, v, valid)
-    score = -k.norm(dim=-1)  # [b, h, t]
-    expected = []
-    for row in range(2):
-        cand, held, real = _candidates(valid[row], sinks, recent)
-        n_keep = max(0, min(len(cand), math.floor(ratio * real) - held))
-        members: dict[int, list[int]] = {}
-        for c in cand:
-            members.setdefault((c - cand[0]) // chunk, []).append(c)
-        per_head = []
-        for head in range(2):
-            def token(c, head=head):
-                return float(score[row, :, c].sum()) if heads == "shared" else float(score[row, head, c])
-            mean = {i: sum(token(c) for c in cs) / len(cs) for i, cs in members.items()}
-            per_head.append(set(sorted(cand, key=lambda c: (-mean[(c - cand[0]) // chunk], c))[:n_keep]))
-        expected.append(per_head)
+    expected = _chunk_reference(-k.norm(dim=-1), valid, sinks, recent, ratio, chunk, heads)
     _check(keep, positions, expected)
     plain = _prefill_selection({"compressors": [{"knorm": {"ratio": ratio, "sinks": sinks, "recent": recent}}]},
                                q, k, v, valid)[0]
@@ -332,7 +326,8 @@ def test_unequal_per_head_counts_are_refused_naming_the_compressor():
     ({"snapkv": {"ratio": 0.5, "schedule": "flat"}},
      r"snapkv\.schedule: expected one of 'uniform', 'pyramid', 'adaptive', got 'flat'"),
     ({"knorm": {"budget": 100, "phase": "decode", "chunk": 8}}, r"knorm\.chunk: expected 1 with phase 'decode'"),
-    ({"tova": {"budget": 100, "chunk_heads": "all"}}, r"tova\.chunk_heads: expected one of 'shared', 'each', got 'all'"),
+    ({"tova": {"budget": 100, "chunk_heads": "all"}},
+     r"tova\.chunk_heads: expected one of 'shared', 'each', got 'all'"),
 ])
 def test_config_errors_name_key_allowed_and_given(entry, match):
     with pytest.raises(ConfigError, match=match):

@@ -19,8 +19,8 @@ kernel's in-register dequantisation, :mod:`.triton_kernel`):
 * Each program writes a normalised partial and its LSE; the LeanK lanes kernel's merge
   (:func:`~kvcompress.kernels.leank.triton_kernel._combine_splits_kernel`, which folds several splits per step - the
   default since session 16 -, or with ``combine: "loop"`` in the configuration
-  :func:`kvcompress.kernels.leank.triton_kernel._combine_kernel`, one split per step) then folds, per (batch, head), every split of every lane row that holds that head (heads no lane covers:
-  ``-inf`` and zeros).
+  :func:`kvcompress.kernels.leank.triton_kernel._combine_kernel`, one split per step) then folds, per (batch, head),
+  every split of every lane row that holds that head (heads no lane covers: ``-inf`` and zeros).
 
 Launches: one (or one per :data:`MAX_LANES` lanes) + one merge, whatever the number of lanes; before, a stacked
 layer ran a KIVI launch (plus its split merge), a query gather and a head scatter per lane.

@@ -452,8 +452,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     waves, stages = _launch_shape(cfg, b, hkv, d, all(r["c"] == d for r in rows))
     if splits is None:
         if dev.type == "cuda":
-            sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
-            target = waves * sms
+            target = waves * _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
         else:
             target = 4  # interpreter: a few splits, so tests exercise the merge
         splits = -(-target // max(1, b * n_rows * m_blocks))
