@@ -19,6 +19,10 @@
 #              the lanes kernels' GPU tests, and the leank-rope70-kivi2 GraphStep row at B1/32k
 #   confirm2 - session 16: the reads after the launch-shape rule (3 stages for full-width lanes up to 128 programs per
 #              split), and the lanes kernel's GPU tests
+#   scored   - session 17: the scored reads (kernels return their scores; decode-step attention mass from the read):
+#              their GPU tests, TOVA's compiled-vs-eager check, and GraphStep rows of TOVA-8192 (dense and KIVI-4
+#              middle) at B1/32k; ROWS_ONLY=1 runs the rows alone (the same rows of an older tree: pass its
+#              directory as SRC_STACKS=... for the stack files)
 #   profile  - session 16: the KIVI lanes GPU tests with the new defaults (floor 128, combine "splits"), every kernel
 #              of one static read (benchmarks/gpu_read_profile.py) and the reads against SDPA, Triton KIVI included
 set -o pipefail
@@ -99,6 +103,18 @@ case "$PHASE" in
       --only-shapes llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:16:32k,smollm2-135m:1:32k,smollm2-135m:16:32k \
       --out "$OUT/reads.json" 2>&1 | grep '^|' | tee "$OUT/reads.md"
     ;;
-  *) echo "unknown phase $PHASE (compile | kernels | rows | lanes | lanes2 | sweep | confirm | confirm2 | profile)"; exit 2 ;;
+  scored)
+    if [ -z "$ROWS_ONLY" ]; then
+      timeout 150 python -m pytest -q -m gpu "$SRC/tests/test_scored_reads.py" -p no:cacheprovider -p no:logging 2>&1 \
+        | grep -v DEBUG | tail -15 | tee "$OUT/pytest_scored.log"
+      timeout 150 python "$SRC/benchmarks/gpu_compiled_check.py" --only tova,tova+kivi4 --no-bf16 --steps 16 \
+        --out "$OUT/cc" 2>&1 | grep '^{' | tee "$OUT/compiled_check.log"
+    fi
+    STACKS=${SRC_STACKS:-$SRC}/benchmarks/stacks
+    timeout 420 python "$SRC/benchmarks/gpu_graph_rows.py" --kind graph --stack "$STACKS/tova-8192.yaml" \
+      "$STACKS/tova-8192-kivi4.yaml" --points 1x32768 --jobs 2 --out "$OUT/rows" 2>&1 | grep '^{' \
+      | tee "$OUT/rows.log"
+    ;;
+  *) echo "unknown phase $PHASE (compile | kernels | rows | lanes | lanes2 | sweep | confirm | confirm2 | profile | scored)"; exit 2 ;;
 esac
 date -u | tee -a "$OUT/log.txt"

@@ -76,7 +76,13 @@ OPS = {
     "select_topk": ("reference", "triton"),
     "gather_partial": ("reference", "triton"),
     "kivi_quantize": ("reference", "triton"),
+    "kivi_partial_scored": ("reference", "triton"),
+    "kivi_lanes_partial_scored": ("reference", "triton"),
+    "lanes_partial_scored": ("reference", "triton"),
 }
+#: the scored variant of an attention op -> the op it extends (same inputs; also returns what it scored)
+SCORED = {"kivi_partial_scored": "kivi_partial", "kivi_lanes_partial_scored": "kivi_lanes_partial",
+          "lanes_partial_scored": "lanes_partial"}
 
 
 def _check_impl(op: str, impl: str) -> None:
@@ -191,6 +197,80 @@ def kivi_attention(query: Tensor, packed, scale: float, *, impl: str, length: Op
         float(softcap or 0.0), impl)
 
 
+def scored_impl(impl: str) -> str:
+    """The implementation of a scored op for a region whose read op was chosen as ``impl``: the hand-written KIVI
+    CUDA kernel (v3) returns no scores, so its regions are scored by the Triton kernel (a static mapping of the
+    choice made when the cache was built: nothing is probed here)."""
+    return "triton" if impl == "cuda" else impl
+
+
+@torch.library.custom_op("kvcompress::kivi_partial_scored", mutates_args=(), device_types="cpu")
+def kivi_partial_scored(query: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor,
+                        v_scale: Tensor, v_zero: Tensor, valid: Tensor, length: Optional[Tensor], bits: int,
+                        group: int, scale: float, k_per_token: bool = False, softcap: float = 0.0,
+                        impl: str = "reference") -> tuple[Tensor, Tensor, Tensor]:
+    """``kvcompress::kivi_partial`` that also returns what it scored: ``(out, lse, logits [B, Hkv, M, T] fp32)``,
+    the scaled (soft-capped) scores in natural-log units, ``-inf`` on slots not attended
+    (:func:`kvcompress.kernels.kivi.reference.kivi_attention_scored`).  CPU: the reference."""
+    _check_impl("kivi_partial_scored", impl)
+    _check_length("kivi_partial_scored", length)
+    packed = kivi_ref.PackedKV(bits, group, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                               live_slots(valid, length, valid.shape[-1], valid.shape[0], valid.device), k_per_token)
+    return _fresh(*kivi_ref.kivi_attention_scored(query, packed, scale, softcap=softcap))
+
+
+@kivi_partial_scored.register_kernel("cuda")
+def _kivi_partial_scored_cuda(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits, group,
+                              scale, k_per_token=False, softcap=0.0, impl="reference"):
+    _check_impl("kivi_partial_scored", impl)
+    _check_length("kivi_partial_scored", length)
+    packed = kivi_ref.PackedKV(bits, group, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, k_per_token)
+    if impl == "triton":
+        from .kivi import triton_kernel
+
+        dk, dv = query.shape[-1], v_codes.shape[-1] * (32 // bits)
+        b, h, m, _ = query.shape
+        logits = query.new_full((b, h, m, valid.shape[-1]), float("-inf"), dtype=torch.float32)
+        out, lse = triton_kernel._forward(query, packed, scale, length=length,
+                                          base=_kivi_triton_base(bits, group, dk, dv, packed.v_group),
+                                          softcap=softcap, logits=logits)
+        return _fresh(out, lse, logits)
+    packed.valid = live_slots(valid, length, valid.shape[-1], valid.shape[0], valid.device)
+    return _fresh(*kivi_ref.kivi_attention_scored(query, packed, scale, softcap=softcap))
+
+
+@kivi_partial_scored.register_fake
+def _kivi_partial_scored_fake(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits, group,
+                              scale, k_per_token=False, softcap=0.0, impl="reference"):
+    b, h, m, _ = query.shape
+    return (*_empty_partial(query, v_codes.shape[-1] * (32 // bits)),
+            query.new_empty((b, h, m, valid.shape[-1]), dtype=torch.float32))
+
+
+def kivi_attention_scored(query: Tensor, packed, scale: float, *, impl: str, length: Optional[Tensor] = None,
+                          softcap: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``kvcompress::kivi_partial_scored`` over a :class:`~kvcompress.kernels.kivi.PackedKV`: ``(out, lse, logits)``.
+    ``impl``: the region's read implementation (``"cuda"`` is scored by ``"triton"``, :func:`scored_impl`)."""
+    if length is None:
+        length = packed.length
+    return _OPS["kivi_partial_scored"](
+        query, packed.k_codes, packed.k_scale, packed.k_zero, packed.v_codes, packed.v_scale, packed.v_zero,
+        packed.valid, length, packed.bits, packed.group, float(scale), bool(packed.k_per_token),
+        float(softcap or 0.0), scored_impl(impl))
+
+
+def lane_logit_shapes(batch: int, rows: int, lanes: Sequence[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+    """Shapes ``[B, h_i, M, T_i]`` of the lanes' logits in a scored lanes op's flat output (``lanes``: ``(h_i, T_i)``
+    per lane, in order)."""
+    return [(batch, h, rows, t) for h, t in lanes]
+
+
+def split_lane_logits(flat: Tensor, shapes: Sequence[tuple[int, int, int, int]]) -> list[Tensor]:
+    """The per-lane views ``[B, h_i, M, T_i]`` of a scored lanes op's flat logits (no copy)."""
+    sizes = [b * h * m * t for b, h, m, t in shapes]
+    return [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
+
+
 # ----------------------------------------------------------------------------- KIVI lanes (stacked LeanK + KIVI)
 
 
@@ -256,6 +336,71 @@ def kivi_lanes_attention(query: Tensor, region, scale: float, *, impl: str, leng
         [ln.v_scale for ln in lanes], [ln.v_zero for ln in lanes], region.valid,
         region.length if length is None else length, region.bits, region.group, float(scale), float(softcap or 0.0),
         impl)
+
+
+def _kivi_lane_shapes(query: Tensor, heads, valid: Tensor) -> list:
+    b, hq, m, _ = query.shape
+    return lane_logit_shapes(b, m, [(hq if h is None else h.shape[0], valid.shape[-1]) for h in heads])
+
+
+@torch.library.custom_op("kvcompress::kivi_lanes_partial_scored", mutates_args=(), device_types="cpu")
+def kivi_lanes_partial_scored(query: Tensor, heads: list[Optional[Tensor]], channels: list[Optional[Tensor]],
+                              k_codes: list[Tensor], k_scale: list[Tensor], k_zero: list[Tensor],
+                              v_codes: list[Tensor], v_scale: list[Tensor], v_zero: list[Tensor], valid: Tensor,
+                              length: Optional[Tensor], bits: int, group: int, scale: float, softcap: float = 0.0,
+                              impl: str = "reference") -> tuple[Tensor, Tensor, Tensor]:
+    """``kvcompress::kivi_lanes_partial`` that also returns what it scored: ``(out, lse, logits)``, ``logits`` flat
+    float32, lane ``i``'s ``[B, h_i, M, T]`` scores one after the other (:func:`split_lane_logits`; natural-log
+    units, ``-inf`` on slots not attended).  CPU: the reference."""
+    _check_impl("kivi_lanes_partial_scored", impl)
+    _check_length("kivi_lanes_partial_scored", length)
+    region = _kivi_region(heads, channels, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits,
+                          group, query.shape[1], query.shape[-1])
+    out, lse, logits = kivi_lanes_ref.kivi_lanes_attention_scored(query, region, scale, softcap=softcap)
+    return _fresh(out, lse, torch.cat([s.reshape(-1) for s in logits]))
+
+
+@kivi_lanes_partial_scored.register_kernel("cuda")
+def _kivi_lanes_partial_scored_cuda(query, heads, channels, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid,
+                                    length, bits, group, scale, softcap=0.0, impl="reference"):
+    _check_impl("kivi_lanes_partial_scored", impl)
+    _check_length("kivi_lanes_partial_scored", length)
+    region = _kivi_region(heads, channels, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits,
+                          group, query.shape[1], query.shape[-1])
+    if impl == "triton":
+        from .kivi import lanes_triton
+
+        dv = v_codes[0].shape[-1] * (32 // bits)
+        base = _kivi_triton_base(bits, group, query.shape[-1], dv, dv // v_scale[0].shape[-1])
+        shapes = _kivi_lane_shapes(query, heads, valid)
+        flat = query.new_full((sum(b * h * m * t for b, h, m, t in shapes),), float("-inf"), dtype=torch.float32)
+        out, lse = lanes_triton.kivi_lanes_attention_partial(query, region, scale, base=base, softcap=softcap,
+                                                             logits=split_lane_logits(flat, shapes))
+        return _fresh(out, lse, flat)
+    out, lse, logits = kivi_lanes_ref.kivi_lanes_attention_scored(query, region, scale, softcap=softcap)
+    return _fresh(out, lse, torch.cat([s.reshape(-1) for s in logits]))
+
+
+@kivi_lanes_partial_scored.register_fake
+def _kivi_lanes_partial_scored_fake(query, heads, channels, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid,
+                                    length, bits, group, scale, softcap=0.0, impl="reference"):
+    n = sum(b * h * m * t for b, h, m, t in _kivi_lane_shapes(query, heads, valid))
+    return (*_empty_partial(query, v_codes[0].shape[-1] * (32 // bits)),
+            query.new_empty((n,), dtype=torch.float32))
+
+
+def kivi_lanes_attention_scored(query: Tensor, region, scale: float, *, impl: str, length: Optional[Tensor] = None,
+                                softcap: Optional[float] = None) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """``kvcompress::kivi_lanes_partial_scored`` over a :class:`~kvcompress.kernels.kivi.PackedLanes`:
+    ``(out, lse, per-lane logits [B, h_i, M, T])``."""
+    lanes = region.lanes
+    out, lse, flat = _OPS["kivi_lanes_partial_scored"](
+        query, [ln.heads for ln in lanes], [ln.channels for ln in lanes], [ln.k_codes for ln in lanes],
+        [ln.k_scale for ln in lanes], [ln.k_zero for ln in lanes], [ln.v_codes for ln in lanes],
+        [ln.v_scale for ln in lanes], [ln.v_zero for ln in lanes], region.valid,
+        region.length if length is None else length, region.bits, region.group, float(scale), float(softcap or 0.0),
+        scored_impl(impl))
+    return out, lse, split_lane_logits(flat, _kivi_lane_shapes(query, [ln.heads for ln in lanes], region.valid))
 
 
 # ----------------------------------------------------------------------------- KIVI quantizer
@@ -430,6 +575,61 @@ def lanes_attention(query: Tensor, lanes: Sequence, scale: float, *, impl: str, 
         [ln.v for ln in lanes], [ln.valid for ln in lanes], length, float(scale), float(softcap or 0.0), impl)
 
 
+def _lane_shapes(query: Tensor, heads, k) -> list:
+    b, hq, m, _ = query.shape
+    return lane_logit_shapes(b, m, [(kk.shape[1], kk.shape[2]) for kk in k])
+
+
+@torch.library.custom_op("kvcompress::lanes_partial_scored", mutates_args=(), device_types="cpu")
+def lanes_partial_scored(query: Tensor, heads: list[Optional[Tensor]], channels: list[Optional[Tensor]],
+                         k: list[Tensor], v: list[Tensor], valid: list[Optional[Tensor]], length: Optional[Tensor],
+                         scale: float, softcap: float = 0.0, impl: str = "reference") -> tuple[Tensor, Tensor, Tensor]:
+    """``kvcompress::lanes_partial`` that also returns what it scored: ``(out, lse, logits)``, ``logits`` flat float32,
+    lane ``i``'s ``[B, h_i, M, T_i]`` scores one after the other (:func:`split_lane_logits`; natural-log units,
+    ``-inf`` on slots not attended; :func:`kvcompress.kernels.leank.reference.grouped_partial_scored`).  CPU: the
+    reference."""
+    _check_impl("lanes_partial_scored", impl)
+    _check_length("lanes_partial_scored", length)
+    lanes = _lanes(heads, channels, k, v, valid)
+    out, lse, logits = leank_ref.grouped_partial_scored(query, lanes, scale, length=length, softcap=softcap)
+    return _fresh(out, lse, torch.cat([s.reshape(-1) for s in logits]))
+
+
+@lanes_partial_scored.register_kernel("cuda")
+def _lanes_partial_scored_cuda(query, heads, channels, k, v, valid, length, scale, softcap=0.0, impl="reference"):
+    _check_impl("lanes_partial_scored", impl)
+    _check_length("lanes_partial_scored", length)
+    lanes = _lanes(heads, channels, k, v, valid)
+    if impl == "triton":
+        from .leank import triton_kernel
+
+        shapes = _lane_shapes(query, heads, k)
+        flat = query.new_full((sum(b * h * m * t for b, h, m, t in shapes),), float("-inf"), dtype=torch.float32)
+        out, lse = triton_kernel.grouped_partial_attention(query, lanes, scale, length=length, base=_leank_base(),
+                                                           softcap=softcap, logits=split_lane_logits(flat, shapes))
+        return _fresh(out, lse, flat)
+    out, lse, logits = leank_ref.grouped_partial_scored(query, lanes, scale, length=length, softcap=softcap)
+    return _fresh(out, lse, torch.cat([s.reshape(-1) for s in logits]))
+
+
+@lanes_partial_scored.register_fake
+def _lanes_partial_scored_fake(query, heads, channels, k, v, valid, length, scale, softcap=0.0, impl="reference"):
+    n = sum(b * h * m * t for b, h, m, t in _lane_shapes(query, heads, k))
+    return (*_empty_partial(query, v[0].shape[-1]), query.new_empty((n,), dtype=torch.float32))
+
+
+def lanes_attention_scored(query: Tensor, lanes: Sequence, scale: float, *, impl: str,
+                           length: Optional[Tensor] = None,
+                           softcap: Optional[float] = None) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """``kvcompress::lanes_partial_scored`` over ``lanes``: ``(out, lse, per-lane logits [B, h_i, M, T_i])``."""
+    lanes = [leank_ref.Lane(*lane) for lane in lanes]
+    k = [ln.k for ln in lanes]
+    out, lse, flat = _OPS["lanes_partial_scored"](
+        query, [ln.heads for ln in lanes], [ln.channels for ln in lanes], k, [ln.v for ln in lanes],
+        [ln.valid for ln in lanes], length, float(scale), float(softcap or 0.0), impl)
+    return out, lse, split_lane_logits(flat, _lane_shapes(query, None, k))
+
+
 # ----------------------------------------------------------------------------- DoubleSparse
 
 
@@ -521,7 +721,10 @@ _OPS = {name: getattr(torch.ops.kvcompress, name).default for name in OPS}
 CUDA_IMPLS = {"kivi_partial": _kivi_partial_cuda, "kivi_lanes_partial": _kivi_lanes_partial_cuda,
               "paged_partial": _paged_partial_cuda,
               "lanes_partial": _lanes_partial_cuda, "select_topk": _select_topk_cuda,
-              "gather_partial": _gather_partial_cuda, "kivi_quantize": _kivi_quantize_cuda}
+              "gather_partial": _gather_partial_cuda, "kivi_quantize": _kivi_quantize_cuda,
+              "kivi_partial_scored": _kivi_partial_scored_cuda,
+              "kivi_lanes_partial_scored": _kivi_lanes_partial_scored_cuda,
+              "lanes_partial_scored": _lanes_partial_scored_cuda}
 
 
 # ----------------------------------------------------------------------------- the chooser (environment read here)
@@ -573,6 +776,7 @@ _FACTS = {
     "gather_partial": {"head_dim", "v_dim", "dtype", "query_dtype"},
     "kivi_quantize": {"bits", "group", "v_group", "head_dim", "v_dim", "k_per_token", "dtype"},
 }
+_FACTS.update({scored: _FACTS[base] for scored, base in SCORED.items()})
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -601,6 +805,7 @@ def _kivi_cuda_problem(device: torch.device, f: dict) -> Optional[str]:
 
 
 def _triton_problem(op: str, f: dict) -> Optional[str]:
+    op = SCORED.get(op, op)
     dk = f.get("head_dim", 128)
     dv = f.get("v_dim", dk)
     if op in ("kivi_partial", "kivi_lanes_partial"):
@@ -711,9 +916,9 @@ def choose(op: str, device, **static_facts) -> str:
     else:
         why["triton"] = _triton_problem(op, static_facts)
         impl = "triton" if why["triton"] is None else "reference"
-        if impl == "triton" and op == "lanes_partial":
+        if impl == "triton" and op in ("lanes_partial", "lanes_partial_scored"):
             _leank_base()
-        elif impl == "triton" and op == "kivi_lanes_partial":  # tuning knobs read now, not per call
+        elif impl == "triton" and op in ("kivi_lanes_partial", "kivi_lanes_partial_scored", "kivi_partial_scored"):
             _kivi_triton_base(static_facts.get("bits", 2), static_facts.get("group", 32),
                               static_facts.get("head_dim", 128),
                               static_facts.get("v_dim", static_facts.get("head_dim", 128)),
@@ -732,7 +937,9 @@ def kivi_facts(query: Tensor, packed) -> dict:
                 tokens=packed.valid.shape[-1])
 
 
-__all__ = ["IMPLS", "OPS", "choose", "gather_attention", "gather_partial", "kivi_attention", "kivi_facts",
+__all__ = ["IMPLS", "OPS", "SCORED", "choose", "kivi_attention_scored", "kivi_lanes_attention_scored",
+           "kivi_lanes_partial_scored", "kivi_partial_scored", "lanes_attention_scored", "lanes_partial_scored",
+           "scored_impl", "split_lane_logits", "gather_attention", "gather_partial", "kivi_attention", "kivi_facts",
            "kivi_lanes_attention", "kivi_lanes_partial",
            "kivi_order", "kivi_partial", "kernels_mode", "kivi_cuda_enabled", "lanes_attention", "lanes_partial",
            "live_slots", "paged_attention", "paged_partial", "select", "select_topk", "triton_available"]

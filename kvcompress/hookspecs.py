@@ -185,7 +185,10 @@ class CacheCompressor:
         ``Layout.attention``, ``mass``: per region (``"sinks"``, ``"recent"``, ``"middle"``, ``"new"``) the
         attention probability each token received from the observed queries, summed over the query heads of
         its kv head and over the observed positions, ``[batch, kv_heads, slots]`` in the region's own slot
-        coordinates (an exact reference pass beside the read; see :mod:`kvcompress.observe`).
+        coordinates.  In decode steps of the phases ``Layout.attention`` names (``True``: both; ``"decode"``) the
+        read returns it from the scores its kernels computed (``exp(score - joint LSE)``, no second pass over the
+        keys); elsewhere - prefills, and decode steps of a ``"prefill"`` layout - it is one exact reference pass
+        beside the read, run on first access (see :mod:`kvcompress.observe`).
         ``obs.token_mass(positions)`` gives the mass of the tokens a flush of this step hands to the pipeline.
 
         In a static cache's decode step the hook runs inside the captured graph: the rules of the "Static
@@ -348,7 +351,11 @@ class CacheCompressor:
         * ``packed(payload, valid)``: a packed region (``attention_partial``, ``dequantize``) over
           payload tensors laid out like ``encode``'s output; a region whose ``attention_partial``
           takes ``softcap=`` (the model's logit soft-cap, Gemma 2) declares ``supports_softcap = True``,
-          otherwise models with a soft-cap read it dequantized through the reference;
+          otherwise models with a soft-cap read it dequantized through the reference; a region that also
+          returns its scores declares ``supports_scores = True`` and provides ``attention_scored(query, scale,
+          softcap=None) -> (out, lse, scores [batch, heads, rows, tokens])`` (natural-log units, ``-inf`` on
+          slots not attended), used by decode steps whose observers read the attention mass (otherwise such
+          steps read it dequantized through the reference);
         * optionally ``choose_quantizer(k, v) -> impl``: the encoder implementation, passed back as
           ``encode(..., impl=impl)``; a static store asks once, when it allocates;
         * ``report_key(name)``: the memory-report component of a payload.

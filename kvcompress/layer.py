@@ -207,6 +207,7 @@ class CompressedLayer:
         segs = sinks + middle + recent
         q_pos = torch.arange(seen_before, seen_before + q, device=k.device)
         new = Segment(k, v, valid_new, q_pos)
+        masses = None
         if not segs:
             out = dense_attention(query, k, v, attention_mask, scaling)
         else:
@@ -214,7 +215,14 @@ class CompressedLayer:
             if selection is not None:
                 middle = apply_selection(middle, selection)
                 segs = sinks + middle + recent
-            if all(s.is_dense for s in segs):
+            if q == 1 and self.layout.attention_at("decode") and self.pipeline.observes:
+                # a decode step observed with its attention mass: the read returns the mass from its own scores
+                from kvcompress.kernels.attention import attend_segments
+
+                out, masses = attend_segments(query, segs + [new], q_pos, scaling, softcap=softcap,
+                                              sink_logits=sink_logits, scored=True)
+                out = out.transpose(1, 2)
+            elif all(s.is_dense for s in segs):
                 out = dense_read(query, segs + [new], q_pos, scaling, dense_attention)
             else:
                 from kvcompress.kernels.attention import attend_segments
@@ -222,7 +230,7 @@ class CompressedLayer:
                 out = attend_segments(query, segs + [new], q_pos, scaling, softcap=softcap,
                                       sink_logits=sink_logits).transpose(1, 2)
         if self.pipeline.observes:
-            self._observe(query, new, scaling, softcap, sink_logits, sinks, middle, recent)
+            self._observe(query, new, scaling, softcap, sink_logits, sinks, middle, recent, masses)
         self.commit(k, v, valid_new, seen_before, q_pos)
         return out
 
@@ -243,9 +251,11 @@ class CompressedLayer:
 
     def _observe(self, query: torch.Tensor, new: Segment, scaling: float, softcap: float | None,
                  sink_logits: torch.Tensor | None, sinks: list[Segment], middle: list[Segment],
-                 recent: list[Segment]) -> None:
+                 recent: list[Segment], read_masses: list[torch.Tensor] | None = None) -> None:
         """Build this step's :class:`~kvcompress.observe.Observation` from what attention read and hand it to the
-        observers (before the commit)."""
+        observers (before the commit).  ``read_masses``: a decode step's attention mass per segment read (sinks,
+        middle, recent, new), as the read computed it from its own scores; without it (a prefill) the mass is one
+        reference pass over the observed queries."""
         from .observe import Observation, attention_mass, observe_window
 
         q = new.k.shape[2]
@@ -260,8 +270,11 @@ class CompressedLayer:
 
             def mass() -> dict[str, torch.Tensor]:
                 b, h = new.k.shape[0], new.k.shape[1]
-                parts = attention_mass(query_w, sinks + middle + recent + [new], pos_w, scaling, h, softcap,
-                                       sink_logits)
+                if read_masses is not None:  # a decode step: what the read scored
+                    parts = read_masses
+                else:
+                    parts = attention_mass(query_w, sinks + middle + recent + [new], pos_w, scaling, h, softcap,
+                                           sink_logits)
                 zeros = (lambda n: parts[-1].new_zeros(b, h, n))
                 out = {"sinks": zeros(sink_cap), "recent": zeros(ring_cap), "new": parts[-1]}
                 if sinks:

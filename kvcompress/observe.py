@@ -7,13 +7,22 @@ step's queries (the last ``Layout.observe`` positions of a multi-token step, the
 step), the step's own keys and values, and - when a layout asks for it (``Layout.attention``) - the
 attention probability *mass* every token received from the observed queries, per region of the layer.
 
-The mass is computed by :func:`attention_mass`, an exact reference pass (one joint softmax over exactly
-the segments attention read, with the model's soft-cap, learned sink logits, masks and read-time
-selections applied; packed segments are dequantized with :meth:`~kvcompress.state.Segment.keys_values`)
-run beside the read, not inside the read kernels.  Correctness first: returning the mass from inside
-the read kernels (their ``(out, lse)`` partials already hold what is needed) is a follow-up; until
-then a layer that asks for the mass pays one extra pass over what it reads (dense and transient: a
-packed middle is decoded for it), in eager and compiled steps alike.
+Where the mass comes from:
+
+* **decode steps** of the phases ``Layout.attention`` names (``True`` or ``"decode"``): from the read itself.  The
+  layer reads with :func:`kvcompress.kernels.attention.attend_segments` ``(scored=True)``: every kernel also
+  writes the scores it computed (the ``kvcompress::*_scored`` ops: the dense lanes kernel, the KIVI kernel - its
+  Triton version, the CUDA v3 kernel has no such output - and the KIVI lanes kernel), and the mass of a token is
+  ``exp(score - joint LSE)`` summed over its kv head's query heads, with the joint LSE of the merged partials.
+  The extra cost is writing ``[batch, q_heads, tokens]`` float32 scores, not a second pass over the keys.  Readers
+  without a score output (DoubleSparse's gather, a packed region that does not declare ``supports_scores``) read
+  their segment through the reference in such steps, scores included.
+* **prefills** (and decode steps of a ``"prefill"`` layout, if an observer reads the mass there):
+  :func:`attention_mass`, an exact reference pass over the observed queries (one joint softmax over exactly the
+  segments attention read, with the model's soft-cap, learned sink logits, masks and read-time selections applied;
+  packed segments are dequantized with :meth:`~kvcompress.state.Segment.keys_values`), run on first access.  The
+  prefill's own attention runs in the model's backend (SDPA, FlashAttention), which returns no scores; the pass
+  covers only the last ``Layout.observe`` query positions.
 """
 
 from __future__ import annotations

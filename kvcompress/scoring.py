@@ -275,7 +275,8 @@ class ScoreEvictor(Compressor):
         c = self.config
         bounded = c.phase != "prefill" and c.budget is not None
         budget = self.layer_budget(layer) if bounded else None
-        return Layout(sinks=c.sinks, recent=c.recent, flush=1, observe=c.window, attention=self.attention or None,
+        attention = ({"both": True}.get(c.phase, c.phase) if self.attention else None)  # the phases it reads mass in
+        return Layout(sinks=c.sinks, recent=c.recent, flush=1, observe=c.window, attention=attention,
                       middle=None if budget is None else budget - c.sinks - c.recent, budget=budget,
                       head_slots=(c.phase != "prefill") or None, head_valid=(c.schedule == "adaptive") or None)
 

@@ -43,7 +43,11 @@ class Layout:
         observe: query positions of a multi-token step an observation keeps (the last ``observe``;
             :class:`kvcompress.observe.Observation`); combined by maximum; ``None``: 1.
         attention: whether observations carry the attention mass each token received
-            (:attr:`kvcompress.observe.Observation.mass`); combined by "or".
+            (:attr:`kvcompress.observe.Observation.mass`): ``True`` (prefill and decode steps), ``"prefill"`` or
+            ``"decode"`` (the steps whose mass the compressor reads); combined by union.  In a decode step named
+            here the read itself returns the mass from the scores its kernels computed; elsewhere an observation
+            that carries the mass computes it on first access with one reference pass (prefills always, and a
+            decode step the layout did not name).  :meth:`attention_at` answers per phase.
         head_slots: whether an evictor writes blocks to per-head store slots (:attr:`KVBlock.slots`): the
             middle store must support them (``supports_slots``; the cache refuses to build otherwise) and
             reserves a trash unit for dropped tokens; combined by "or".
@@ -59,9 +63,16 @@ class Layout:
     middle: int | None = None
     budget: int | None = None
     observe: int | None = None
-    attention: bool | None = None
+    attention: bool | str | None = None
     head_slots: bool | None = None
     head_valid: bool | None = None
+
+    #: the values of :attr:`attention` that name one phase
+    ATTENTION_PHASES = ("prefill", "decode")
+
+    def attention_at(self, phase: str) -> bool:
+        """Whether observations of ``phase`` (``"prefill"`` / ``"decode"``) steps need the attention mass."""
+        return self.attention is True or self.attention == phase
 
     @staticmethod
     def combine(layouts: Iterable["Layout | None"]) -> "Layout":
@@ -84,7 +95,10 @@ class Layout:
             if lay.observe is not None:
                 observe = max(observe or 0, lay.observe)
             if lay.attention:
-                attention = True
+                if lay.attention is not True and lay.attention not in Layout.ATTENTION_PHASES:
+                    raise ValueError(f"Layout.attention must be True, False, None, 'prefill' or 'decode', got "
+                                     f"{lay.attention!r}")
+                attention = lay.attention if attention in (None, lay.attention) else True
             if lay.head_slots:
                 head_slots = True
             if lay.head_valid:

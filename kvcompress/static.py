@@ -288,10 +288,15 @@ class StaticLayer:
         if self.flushes:
             self.ring_pos.index_copy_(0, slot - self.sink_slots, pos)
         self.seen.add_(1)
-        out, middle = self._read(query, scaling, dense_attention, None, variant)
+        masses = None
+        if self.pipeline.observes and self.layout.attention_at("decode"):  # the mass comes from the read's scores
+            out, middle, masses = self._read(query, scaling, dense_attention, None, variant, scored=True)
+        else:
+            out, middle = self._read(query, scaling, dense_attention, None, variant)
         if self.pipeline.observes:
             new = Segment(k, v, token_valid, self.seen.view(1) - 1)  # (pos is a view of the advanced counter)
-            self._observe(query, new, scaling, variant, middle, None, decode_slot=slot - self.sink_slots)
+            self._observe(query, new, scaling, variant, middle, None, decode_slot=slot - self.sink_slots,
+                          read_masses=masses)
         if compiling:
             self._host = None
             if self.middle is not None:
@@ -426,13 +431,25 @@ class StaticLayer:
         return valid & ~is_sink
 
     # reads ----------------------------------------------------------------------------------
-    def _read(self, query, scaling, dense_attention, new: Segment | None, variant=(None, None)):
-        """``(attention output, the middle segments read)``."""
+    def _read(self, query, scaling, dense_attention, new: Segment | None, variant=(None, None),
+              scored: bool = False):
+        """``(attention output, the middle segments read)``; with ``scored`` (a decode step) also the attention mass
+        of every token read, from the read's own scores: ``[buffer mass, *middle masses]`` (see
+        :func:`kvcompress.kernels.attention.attend_segments`)."""
         middle = self.middle.segments() if self.middle is not None else []
         if middle:
             selection = self.pipeline.select(self, query)
             if selection is not None:
                 middle = apply_selection(middle, selection)
+        if scored:
+            from kvcompress.kernels.attention import attend_segments
+
+            length = None if middle else (self.seen + self.sink_slots).clamp(max=self.sink_slots + self.ring_slots)
+            segs = [Segment(self.k, self.v, self.valid, self._zero_pos, length=length)] + middle
+            out, masses = attend_segments(query, segs, self.seen.view(1) - 1, scaling, fused=False,
+                                          impls=self.kernels, softcap=variant[0], sink_logits=variant[1],
+                                          scored=True)
+            return out.transpose(1, 2), middle, masses
         if not middle and new is None and self.kernels["lanes_partial"] == "reference":
             # one dense region, no fused kernel: the backend's own attention behind the mask
             mask = self.valid.view(self.valid.shape[0], 1, 1, self.valid.shape[1])
@@ -452,10 +469,12 @@ class StaticLayer:
                                sink_logits=variant[1]).transpose(1, 2), middle
 
     def _observe(self, query, new: Segment, scaling, variant, middle: list[Segment], read_new: Segment | None,
-                 decode_slot: torch.Tensor | None = None) -> None:
+                 decode_slot: torch.Tensor | None = None, read_masses: list[torch.Tensor] | None = None) -> None:
         """Build this step's :class:`~kvcompress.observe.Observation` and hand it to the observers (before the
         commit).  ``read_new``: the step's tokens when read as their own segment (prefill); a decode step reads
-        its token from ring slot ``decode_slot`` instead.  Branch-free with fixed shapes in a decode step."""
+        its token from ring slot ``decode_slot`` instead.  ``read_masses``: a decode step's attention mass as its read
+        computed it (:meth:`_read` with ``scored``); without it (a prefill) the mass is one reference pass over the
+        observed queries.  Branch-free with fixed shapes in a decode step."""
         from .observe import Observation, attention_mass, observe_window
 
         q = new.k.shape[2]
@@ -471,7 +490,10 @@ class StaticLayer:
             segs = [buffer] + middle + ([read_new] if read_new is not None else [])
 
             def mass() -> dict[str, torch.Tensor]:
-                parts = attention_mass(query_w, segs, pos_w, scaling, new.k.shape[1], variant[0], variant[1])
+                if read_masses is not None:  # a decode step: what the read's kernels scored
+                    parts = read_masses
+                else:  # a prefill: one reference pass over the observed queries
+                    parts = attention_mass(query_w, segs, pos_w, scaling, new.k.shape[1], variant[0], variant[1])
                 lanes = parts[1:1 + len(middle)]
                 if len({m.shape[-1] for m in lanes}) > 1:
                     raise ValueError(f"middle segments over different token columns: {[m.shape[-1] for m in lanes]}")

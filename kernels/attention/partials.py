@@ -31,7 +31,7 @@ import torch
 
 from kvcompress.state import Segment, TokenSelection
 
-from .reference import merge_partials, partial_attention, segment_mask, sink_rows
+from .reference import merge_partials, merged_lse, partial_attention, partial_scored, segment_mask, sink_rows
 
 
 def _kv_heads(segments: Sequence[Segment]) -> int:
@@ -121,38 +121,51 @@ def _has_lanes(segments: Sequence[Segment]) -> bool:
 
 
 def _fused_dense(q5: torch.Tensor, segments: Sequence[Segment], scale: float, fused: bool | None = None,
-                 impl: str | None = None, softcap: float | None = None):
-    """CUDA decode: ``(partial, remaining segments)`` with the full-precision lanes (low-rank ones included)
-    read in one launch.  ``q5``: the grouped query ``[B, Hkv, group, q_len, D]``."""
+                 impl: str | None = None, softcap: float | None = None, scored: bool = False):
+    """CUDA decode: ``(partial, remaining segments, scores)`` with the full-precision lanes (low-rank ones included)
+    read in one launch.  ``q5``: the grouped query ``[B, Hkv, group, q_len, D]``.  ``scored``: the launch also
+    returns its scores, and ``scores`` pairs each segment it read with them (``[B, h, M, T]``); else ``[]``."""
     q_len = q5.shape[3]
     if impl is not None:  # chosen when the cache was built: the registered op, nothing decided here
         if impl == "reference" or q_len != 1 or not _has_lanes(segments):
-            return None, segments
+            return None, segments, []
         from kvcompress.kernels import leank
         from kvcompress.kernels.leank import triton_kernel
 
         query4, lanes, lane_segments, rest = _split_lanes(q5, segments, triton_kernel.MAX_DIM)
         if not lanes or not triton_kernel.supports(query4, lanes):  # shapes only: decided at trace time
-            return None, segments
-        return leank.grouped_partial_attention(query4, lanes, scale, impl=impl, length=_lanes_length(lane_segments),
-                                               softcap=softcap), rest
+            return None, segments, []
+        length = _lanes_length(lane_segments)
+        if scored:
+            from kvcompress.kernels import ops
+
+            out, lse, logits = ops.lanes_attention_scored(query4, lanes, scale, impl=impl, length=length,
+                                                          softcap=softcap)
+            return (out, lse), rest, list(zip(lane_segments, logits))
+        return leank.grouped_partial_attention(query4, lanes, scale, impl=impl, length=length,
+                                               softcap=softcap), rest, []
     if fused is False:
-        return None, segments
+        return None, segments, []
     mode = "triton" if fused else os.environ.get("KVCOMPRESS_KERNELS", "auto")  # "triton" forces it
     if q_len != 1 or mode == "reference" or not (q5.is_cuda or mode == "triton"):
-        return None, segments
+        return None, segments, []
     if not _has_lanes(segments):
-        return None, segments
+        return None, segments, []
     from kvcompress.kernels import leank
 
     if not leank.triton_available():
-        return None, segments
+        return None, segments, []
     from kvcompress.kernels.leank import triton_kernel
 
     query4, lanes, lane_segments, rest = _split_lanes(q5, segments, triton_kernel.MAX_DIM)
     if not lanes or not triton_kernel.supports(query4, lanes):
-        return None, segments
-    return triton_kernel.grouped_partial_attention(query4, lanes, scale, softcap=softcap), rest
+        return None, segments, []
+    if scored:
+        logits = [query4.new_full((query4.shape[0], ln[2].shape[1], query4.shape[2], ln[2].shape[2]), float("-inf"),
+                                  dtype=torch.float32) for ln in lanes]
+        out, lse = triton_kernel.grouped_partial_attention(query4, lanes, scale, softcap=softcap, logits=logits)
+        return (out, lse), rest, list(zip(lane_segments, logits))
+    return triton_kernel.grouped_partial_attention(query4, lanes, scale, softcap=softcap), rest, []
 
 
 def _reads_softcap(packed) -> bool:
@@ -162,7 +175,7 @@ def _reads_softcap(packed) -> bool:
 
 def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_positions: torch.Tensor,
                     scale: float, fused: bool | None = None, impls: dict[str, str] | None = None,
-                    softcap: float | None = None, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+                    softcap: float | None = None, sink_logits: torch.Tensor | None = None, scored: bool = False):
     """Same contract as :func:`~.reference.segment_attention`: ``[batch, q_heads, q_len, v_dim]``.
 
     ``fused``: read the full-precision lanes with the grouped kernel (True), never (False), or as the
@@ -171,29 +184,45 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
     (``"lanes_partial"``, ``"gather_partial"``): the registered ops run them and nothing is decided
     per call (packed regions carry their own choice).  ``softcap`` / ``sink_logits``: the model's attention variants
     (:func:`~.reference.segment_attention`).
+
+    ``scored`` (a single query position, decode): also return the attention probability *mass* each stored token
+    received, ``(out, masses)`` with ``masses[i]`` ``[batch, kv_heads, tokens_i]`` float32 for ``segments[i]``,
+    summed over the query heads of its kv head (0 on heads a segment does not cover).  The mass comes from the
+    read itself: the kernels return the scores they computed (the ``*_scored`` ops), and the mass is
+    ``exp(score - joint LSE)`` with the joint LSE of the merged partials - no second pass over the keys.  Readers
+    without such an output (DoubleSparse's gather, a packed region that does not declare ``supports_scores``, a
+    segment with a value map's output... see :func:`_reads_scores`) read their segment through the reference
+    instead, scores included.
     """
     b, hq, q_len, d = query.shape
+    if scored and q_len != 1:
+        raise ValueError(f"attend_segments(scored=True) reads a single query position (decode), got {q_len}")
     kv_heads = _kv_heads(segments)
     group = hq // kv_heads
     m_rows = group * q_len
     q5 = query.view(b, kv_heads, group, q_len, d)
     parts = []
+    scores: dict[int, torch.Tensor] = {}  # id(segment) -> its scores [b, h_seg, m_rows, t]
     impls = impls or {}
     softcap = softcap or None
-    fused, segments = _fused_dense(q5, segments, scale, fused, impls.get("lanes_partial"), softcap)
+    fused, segments_left, fused_scores = _fused_dense(q5, segments, scale, fused, impls.get("lanes_partial"), softcap,
+                                                      scored)
     if fused is not None:
         parts.append(fused)
-    for seg in segments:
+        scores.update((id(seg), s) for seg, s in fused_scores)
+    for seg in segments_left:
         qs = q5 if seg.heads is None else q5.index_select(1, seg.heads)
         if seg.qmap is not None:
             qs = seg.qmap(qs)
         qs = qs.reshape(qs.shape[0], qs.shape[1], m_rows, qs.shape[-1])
-        if seg.packed is not None and seg.select is None and (softcap is None or _reads_softcap(seg.packed)):
-            if softcap is None:
-                out, lse = seg.packed.attention_partial(qs, scale)
+        if seg.packed is not None and seg.select is None and (softcap is None or _reads_softcap(seg.packed)) \
+                and (not scored or _reads_scores(seg.packed)):
+            cap = {} if softcap is None else {"softcap": softcap}
+            if scored:
+                out, lse, scores[id(seg)] = seg.packed.attention_scored(qs, scale, **cap)
             else:
-                out, lse = seg.packed.attention_partial(qs, scale, softcap=softcap)
-        elif isinstance(seg.select, TokenSelection) and seg.packed is None and q_len == 1:
+                out, lse = seg.packed.attention_partial(qs, scale, **cap)
+        elif isinstance(seg.select, TokenSelection) and seg.packed is None and q_len == 1 and not scored:
             # per-query-head indices (DoubleSparse): gather exactly the selected tokens (decode:
             # every stored token precedes the query, so only ``valid`` masks keys)
             from kvcompress.kernels import doublesparse
@@ -216,7 +245,10 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
                 mask = valid.unsqueeze(2)
             else:
                 mask = valid.view(valid.shape[0], 1, 1, valid.shape[-1])  # (one op)
-            out, lse = partial_attention(qs, k, v, mask, scale, softcap)
+            if scored:
+                out, lse, scores[id(seg)] = partial_scored(qs, k, v, mask, scale, softcap)
+            else:
+                out, lse = partial_attention(qs, k, v, mask, scale, softcap)
         else:
             k, v = seg.keys_values()
             mask = segment_mask(seg, q_positions)  # [b|1, h|1, q, t] (h: a per-head validity)
@@ -229,7 +261,10 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
             elif seg.select is not None:  # [b, h, q, t]
                 mask = mask & seg.select.unsqueeze(2)
             mask = mask.reshape(mask.shape[0], mask.shape[1], m_rows, mask.shape[-1])
-            out, lse = partial_attention(qs, k, v, mask, scale, softcap)
+            if scored:
+                out, lse, scores[id(seg)] = partial_scored(qs, k, v, mask, scale, softcap)
+            else:
+                out, lse = partial_attention(qs, k, v, mask, scale, softcap)
         if seg.vmap is not None:  # value coordinates: the output is mapped back to the head dimension
             out = seg.vmap(out)
         if seg.heads is not None:
@@ -241,6 +276,28 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
         parts.append((out, lse))
     dv = max(o.shape[-1] for o, _ in parts)
     parts = [(o if o.shape[-1] == dv else torch.nn.functional.pad(o, (0, dv - o.shape[-1])), lse) for o, lse in parts]
-    out = merge_partials(parts, None if sink_logits is None else sink_rows(sink_logits, kv_heads, q_len))
+    sinks = None if sink_logits is None else sink_rows(sink_logits, kv_heads, q_len)
+    out = merge_partials(parts, sinks)
     out = out.reshape(b, hq, q_len, dv)  # rows g * q_len + i of kv head h are query head h * group + g
-    return out if out.dtype == query.dtype else out.to(query.dtype)
+    out = out if out.dtype == query.dtype else out.to(query.dtype)
+    if not scored:
+        return out
+    # rows that see nothing have lse -inf and only -inf scores: shifted by 0, their mass is 0
+    total = merged_lse([lse for _, lse in parts], sinks).nan_to_num(neginf=0.0)
+    return out, [_mass(scores[id(seg)], total, seg.heads, kv_heads) for seg in segments]
+
+
+def _reads_scores(packed) -> bool:
+    """Whether a packed region's reader returns its scores (``attention_scored``, declared by its class)."""
+    return bool(getattr(packed, "supports_scores", False))
+
+
+def _mass(logits: torch.Tensor, lse: torch.Tensor, heads: torch.Tensor | None, kv_heads: int) -> torch.Tensor:
+    """``[B, kv_heads, T]``: ``exp(logits - lse)`` summed over the query rows of each kv head (``logits``
+    ``[B, h, M, T]`` over ``heads``, or every head; 0 for the other heads)."""
+    if heads is not None:
+        lse = lse.index_select(1, heads)
+    mass = torch.exp(logits - lse.unsqueeze(-1)).sum(2)
+    if heads is None:
+        return mass
+    return mass.new_zeros(mass.shape[0], kv_heads, mass.shape[-1]).index_copy(1, heads, mass)

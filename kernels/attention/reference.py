@@ -166,6 +166,29 @@ def partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
     return torch.einsum("bhmt,bhtd->bhmd", p, v), lse
 
 
+def partial_scored(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                   softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`partial_attention` that also returns its scores: ``(out, lse, logits [B, Hkv, M, T] float32)``, the
+    scaled (soft-capped) scores in natural-log units, ``-inf`` where ``mask`` hides a key.  For decode-sized query
+    rows (the scores are materialized whole)."""
+    s = soft_cap(torch.einsum("bhmd,bhtd->bhmt", to_float32(query), to_float32(k)) * scale, softcap)
+    if mask is not None:
+        s = torch.where(mask, s, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).unsqueeze(-1))
+    return torch.einsum("bhmt,bhtd->bhmd", p, to_float32(v)), lse, s
+
+
+def merged_lse(lses: Sequence[torch.Tensor], sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """The joint log-sum-exp of partials' ``lse`` (``[B, Hkv, M]`` each) and, when given, the learned sink logits
+    (:func:`sink_rows`): the denominator of the joint softmax that :func:`merge_partials` computes.  ``-inf`` for
+    rows that see nothing."""
+    stacked = torch.stack(list(lses))
+    if sink_logits is not None:
+        stacked = torch.cat([stacked, sink_logits.expand_as(stacked[0]).unsqueeze(0)])
+    return torch.logsumexp(stacked, dim=0)
+
+
 def to_float32(t: torch.Tensor) -> torch.Tensor:
     """``t`` in float32 (itself when it already is: no op dispatched)."""
     return t if t.dtype == torch.float32 else t.float()

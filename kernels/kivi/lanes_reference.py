@@ -80,6 +80,8 @@ class PackedLanes:
 
     #: :meth:`attention_partial` takes ``softcap=`` (every implementation applies it)
     supports_softcap = True
+    #: :meth:`attention_scored` returns the scores the read computed (attention-mass observers use them)
+    supports_scores = True
     k_per_token = False
 
     @property
@@ -142,6 +144,27 @@ class PackedLanes:
         from . import lanes_attention_partial
 
         return lanes_attention_partial(query, self, scale, softcap=softcap)
+
+    def attention_scored(self, query: torch.Tensor, scale: float, softcap: float | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`attention_partial` that also returns its scores as ``[B, H, M, T]`` (natural-log units; ``-inf`` on
+        slots not attended and on heads no lane covers; a head in two lanes gets ``logaddexp`` of their scores, so
+        ``exp(score - lse)`` is still the slot's probability): through ``kvcompress::kivi_lanes_partial_scored`` with the
+        region's ``impl``, without one the reference."""
+        if self.impl is not None:
+            from kvcompress.kernels import ops
+
+            out, lse, logits = ops.kivi_lanes_attention_scored(query, self, scale, impl=self.impl, softcap=softcap)
+        else:
+            out, lse, logits = kivi_lanes_attention_scored(query, self, scale, softcap=softcap)
+        b, hkv, m, _ = query.shape
+        full = None
+        for lane, s in zip(self.lanes, logits):
+            if lane.heads is not None:
+                s = s.new_full((b, hkv, m, s.shape[-1]), float("-inf")).index_copy(1, lane.heads, s)
+            # a slot's probability is exp(score - lse): two lanes holding one head add theirs (logaddexp)
+            full = s if full is None else torch.logaddexp(full, s)
+        return out, lse, full
 
 
 def gather_query(query: torch.Tensor, heads: torch.Tensor | None, channels: torch.Tensor | None) -> torch.Tensor:
@@ -217,6 +240,38 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
     return parts[0] if len(parts) == 1 else merge(parts)
 
 
+def kivi_lanes_attention_scored(query: torch.Tensor, region: PackedLanes, scale: float, *,
+                                length: torch.Tensor | None = None, softcap: float | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """:func:`kivi_lanes_attention_partial` that also returns what it scored: ``(out, lse, logits)``, ``logits[i]``
+    ``[B, h_i, M, T]`` float32 for lane ``i`` (``h_i``: its heads, all ``H`` for a lane without a head list), the
+    scaled (soft-capped) scores of its dequantized keys in natural-log units, ``-inf`` on slots not attended."""
+    from .reference import kivi_attention_scored
+
+    if length is None:
+        length = region.length
+    valid = region.with_length(length).live_valid()
+    b, hkv, m, _ = query.shape
+    dv = region.v_dim
+    if not region.lanes:
+        raise ValueError("kivi_lanes_attention_scored needs at least one lane")
+    parts, logits = [], []
+    for lane in region.lanes:
+        q = gather_query(query, lane.heads, lane.channels)
+        o, l, s = kivi_attention_scored(q, lane.packed(region.bits, region.group, valid), scale,
+                                        softcap=softcap or None)
+        logits.append(s)
+        if lane.heads is not None:
+            full_out = o.new_zeros(b, hkv, m, dv)
+            full_lse = l.new_full((b, hkv, m), float("-inf"))
+            full_out.index_copy_(1, lane.heads, o)
+            full_lse.index_copy_(1, lane.heads, l)
+            o, l = full_out, full_lse
+        parts.append((o, l))
+    out, lse = parts[0] if len(parts) == 1 else merge(parts)
+    return out, lse, logits
+
+
 #: attribute of a region's ``valid`` tensor: ``(weak references to the lanes' head tensors, whether no head is in
 #: two lanes)`` - weak, so that the cache keeps no tensor alive (a call recorded into CUDA graphs sees tensors of the
 #: graphs' pool, and one kept past the call fails the recording)
@@ -238,4 +293,5 @@ def _disjoint(region: PackedLanes) -> bool:
     return answer
 
 
-__all__ = ["KiviLane", "PAYLOAD", "PackedLanes", "gather_query", "kivi_lanes_attention_partial", "merge"]
+__all__ = ["KiviLane", "PAYLOAD", "PackedLanes", "gather_query", "kivi_lanes_attention_partial",
+           "kivi_lanes_attention_scored", "merge"]

@@ -50,13 +50,14 @@ MAX_LANES = 8
 
 @triton.jit
 def _lane_attend(Q, q_off, sq_m, CH, ch_off, kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, va_base,
-                 skc_g, sks_g, skz_g, svc_t, svs_t, svz_t, t_start, t_end, qk_scale, cap, M, pid_m,
+                 skc_g, sks_g, skz_g, svc_t, svs_t, svz_t, t_start, t_end, qk_scale, cap, M, pid_m, LG, lg_off, slg_m,
                  HAS_CHAN: tl.constexpr, DK: tl.constexpr, KW: tl.constexpr, KW_PAD: tl.constexpr,
                  DV: tl.constexpr, VW_PAD: tl.constexpr, G: tl.constexpr, GV: tl.constexpr, BITS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BN: tl.constexpr, TRANS: tl.constexpr, LAZY: tl.constexpr,
-                 ASM: tl.constexpr, PREFETCH: tl.constexpr, SOFTCAP: tl.constexpr):
+                 ASM: tl.constexpr, PREFETCH: tl.constexpr, SOFTCAP: tl.constexpr, LOGITS: tl.constexpr):
     """Flash decoding of one head of one lane over tokens ``[t_start, t_end)``: ``(out [BLOCK_M, DV_PAD]``
-    normalised, ``lse [BLOCK_M, 1]`` natural log, ``-inf`` where no token was valid)."""
+    normalised, ``lse [BLOCK_M, 1]`` natural log, ``-inf`` where no token was valid).  ``LOGITS``: every score is
+    also stored (natural-log units, ``-inf`` where masked) at ``LG + lg_off + row * slg_m + token``."""
     PER: tl.constexpr = 32 // BITS
     HP: tl.constexpr = PER // 2  # fields (code pairs) per word
     DK_PAD: tl.constexpr = KW_PAD * PER
@@ -150,6 +151,13 @@ def _lane_attend(Q, q_off, sq_m, CH, ch_off, kc_base, ks_base, kz_base, vc_base,
             s = tl.where(ok[:, None], s, float("-inf"))
         else:
             s = tl.where(ok[None, :], s, float("-inf"))
+        if LOGITS:
+            if TRANS:
+                tl.store(LG + lg_off + offs_m[None, :] * slg_m + t[:, None], s * 0.6931471805599453,
+                         mask=t_ok[:, None] & m_ok[None, :])
+            else:
+                tl.store(LG + lg_off + offs_m[:, None] * slg_m + t[None, :], s * 0.6931471805599453,
+                         mask=m_ok[:, None] & t_ok[None, :])
 
         # ---- online softmax (base 2)
         m_blk = tl.max(s, axis=RED, keep_dims=True)
@@ -211,11 +219,12 @@ def _kivi_lanes_kernel(
     KCS, KSS, KZS, VCS, VSS, VZS, CHS, HDS,
     SKC_B, SKC_H, SKC_G, SKS_B, SKS_H, SKS_G, SKZ_B, SKZ_H, SKZ_G,
     SVC_B, SVC_H, SVC_T, SVS_B, SVS_H, SVS_T, SVZ_B, SVZ_H, SVZ_T, SCH, NHS, ROW0,
-    qk_scale, cap, M, R, RLO, RN, NBATCH, NT, TPS,
+    qk_scale, cap, M, R, RLO, RN, NBATCH, NT, TPS, LGS,
     HAS_CHAN: tl.constexpr, HAS_HEADS: tl.constexpr, DK: tl.constexpr, KW: tl.constexpr, KW_PAD: tl.constexpr,
     NL: tl.constexpr, DV: tl.constexpr, VW_PAD: tl.constexpr, G: tl.constexpr, GV: tl.constexpr,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr, TRANS: tl.constexpr, LAZY: tl.constexpr,
     ASM: tl.constexpr, PREFETCH: tl.constexpr, HAS_LENGTH: tl.constexpr, SOFTCAP: tl.constexpr,
+    LOGITS: tl.constexpr,
 ):
     """One (split, batch * lane row, row block): the partial of one head of one lane over ``TPS`` token slots.
 
@@ -248,8 +257,9 @@ def _kivi_lanes_kernel(
                 KZS[i] + b * SKZ_B[i] + j * SKZ_H[i], VCS[i] + b * SVC_B[i] + j * SVC_H[i],
                 VSS[i] + b * SVS_B[i] + j * SVS_H[i], VZS[i] + b * SVZ_B[i] + j * SVZ_H[i], VALID + b * sva_b,
                 SKC_G[i], SKS_G[i], SKZ_G[i], SVC_T[i], SVS_T[i], SVZ_T[i], t_start, t_end, qk_scale, cap, M, pid_m,
+                LGS[i], (b * NHS[i] + j) * M * NT, NT,
                 HAS_CHAN[i], DK[i], KW[i], KW_PAD[i], DV, VW_PAD, G, GV, BITS, BLOCK_M, BN, TRANS, LAZY, ASM,
-                PREFETCH, SOFTCAP)
+                PREFETCH, SOFTCAP, LOGITS)
             row = (pid_s.to(tl.int64) * NBATCH + b) * R + r
             tl.store(PO + (row * M + offs_m[:, None]) * DV + offs_d[None, :], out,
                      mask=m_ok[:, None] & (offs_d < DV)[None, :])
@@ -437,7 +447,8 @@ def _cached_plan(query: torch.Tensor, region: PackedLanes, base: dict) -> _Plan:
 def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale: float, *,
                                  length: torch.Tensor | None = None, softcap: float | None = None,
                                  splits: int | None = None, config: dict | None = None,
-                                 base: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                 base: dict | None = None,
+                                 logits: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention over every lane of ``region``; see :func:`.lanes_reference.kivi_lanes_attention_partial`.
 
     ``length`` (default ``region.length``): 0-dim int device tensor, the leading token slots that may be live (later
@@ -445,7 +456,10 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
     configuration (:func:`.triton_kernel.resolved_config`, what :mod:`kvcompress.kernels.ops` resolves once): with
     it the launch plan is cached per region (:func:`_cached_plan`), and a call checks the region's shapes only when
     it plans; without it :func:`.triton_kernel._config` (which reads ``KVCOMPRESS_KIVI_CONFIG``) is read and the call
-    planned.  ``config`` entries override either (no cache); ``splits``: force the number of token splits (tests)."""
+    planned.  ``config`` entries override either (no cache); ``splits``: force the number of token splits (tests).
+    ``logits``: one contiguous float32 tensor ``[B, h_i, M, T]`` per lane, filled with the scores the kernel
+    computes (natural-log units, ``-inf`` on invalid slots; slots not read keep their content: pass them filled
+    with ``-inf``), as :func:`.lanes_reference.kivi_lanes_attention_scored` returns them (a compile-time switch)."""
     if length is None:
         length = region.length
     if length is not None and (length.dim() != 0 or length.dtype not in (torch.int32, torch.int64)):
@@ -474,6 +488,12 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
         return out, lse
     if region.valid.shape[-1] == 0:
         return out.zero_(), lse.fill_(float("-inf"))
+    if logits is not None:
+        shapes = [(b, hq if lane.heads is None else lane.heads.shape[0], m, region.valid.shape[-1])
+                  for lane in region.lanes]
+        if len(logits) != len(shapes) or any(tuple(x.shape) != sh or x.dtype != torch.float32
+                                             or not x.is_contiguous() for x, sh in zip(logits, shapes)):
+            raise ValueError(f"logits must be one contiguous float32 tensor per lane shaped {shapes}")
     q = query if query.stride(-1) == 1 else query.contiguous()
     valid = region.valid if region.valid.stride(-1) == 1 else region.valid.contiguous()
     if valid.dtype == torch.bool:
@@ -486,9 +506,11 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
         rows = [_lane_tensors(lane, dummy)[0] for lane in region.lanes]
     for grid, (first, stop), args, scalars, constexprs in plan.chunks:
         tensors = tuple(tuple(t[k] for t in rows[first:stop]) for k in range(8))
+        lgs = tuple(logits[first:stop]) if logits is not None else (pl,) * (stop - first)
         _kivi_lanes_kernel[grid](q, q.stride(0), q.stride(1), q.stride(2), valid, valid.stride(0),
                                  length if length is not None else valid, po, pl, *tensors, *args, qk, cap, *scalars,
-                                 HAS_LENGTH=length is not None, SOFTCAP=bool(softcap), **constexprs)
+                                 lgs, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
+                                 LOGITS=logits is not None, **constexprs)
     kernel, grid, args, constexprs = plan.combine
     kernel[grid](po, pl, out, lse, tuple(t[7] for t in rows), *args, **constexprs)
     return out, lse

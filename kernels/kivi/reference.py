@@ -221,6 +221,8 @@ class PackedKV:
 
     #: :meth:`attention_partial` takes ``softcap=`` (every implementation applies it)
     supports_softcap = True
+    #: :meth:`attention_scored` returns the scores the read computed (attention-mass observers use them)
+    supports_scores = True
 
     @property
     def num_tokens(self) -> int:
@@ -258,6 +260,15 @@ class PackedKV:
 
         return dispatch(query, self, scale, softcap=softcap)
 
+    def attention_scored(self, query: torch.Tensor, scale: float, softcap: float | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`attention_partial` that also returns its scores ``[B, H, M, T]`` (natural-log units, ``-inf`` on
+        slots not attended): the registered op ``kvcompress::kivi_partial_scored`` with the region's ``impl`` (the
+        CUDA v3 choice is scored by the Triton kernel); without one, the reference."""
+        if self.impl is not None:
+            return _ops().kivi_attention_scored(query, self, scale, impl=self.impl, softcap=softcap)
+        return kivi_attention_scored(query, self, scale, softcap=softcap)
+
 
 def _ops():
     from kvcompress.kernels import ops  # registers the ops on first use (it imports this module)
@@ -293,6 +304,17 @@ def kivi_attention_partial(query: torch.Tensor, packed: PackedKV, scale: float, 
     k, v = packed.dequantize()  # once; many query rows (a prefill chunk) are then read in bounded chunks
     valid = packed.live_valid()
     return partial_attention(query, k, v, valid.view(valid.shape[0], 1, 1, valid.shape[-1]), scale, softcap)
+
+
+def kivi_attention_scored(query: torch.Tensor, packed: PackedKV, scale: float, *,
+                          softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`kivi_attention_partial` that also returns its scores: ``(out, lse, logits [B, Hkv, M, T] float32)``,
+    the scaled (soft-capped) scores of the dequantized keys in natural-log units, ``-inf`` on slots not attended."""
+    from kvcompress.kernels.attention.reference import partial_scored
+
+    k, v = packed.dequantize()
+    valid = packed.live_valid()
+    return partial_scored(query, k, v, valid.view(valid.shape[0], 1, 1, valid.shape[-1]), scale, softcap)
 
 
 def bits_per_element(bits: int, group: int) -> float:

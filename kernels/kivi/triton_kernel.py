@@ -189,12 +189,16 @@ def _kivi_split_kernel(
     sva_b,
     so_s, so_b, so_h, so_m,
     sl_s, sl_b, sl_h,
+    LG, slg_b, slg_h,
     DK: tl.constexpr, KW: tl.constexpr, KW_PAD: tl.constexpr, DV: tl.constexpr, VW_PAD: tl.constexpr,
     G: tl.constexpr, GV: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
     TRANS: tl.constexpr, LAZY: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, HAS_LENGTH: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, LOGITS: tl.constexpr,
 ):
     """One (split, batch*kv-head, row block): flash-decoding over ``tokens_per_split`` tokens.
+
+    ``LOGITS``: every score is also stored (natural-log units, ``-inf`` where masked) at
+    ``LG + b * slg_b + h * slg_h + row * NT + token`` (a contiguous ``[B, H, M, NT]`` float32 tensor).
 
     ``KS`` / ``KZ`` are the key scales / zeros viewed as int32 pairs of adjacent channels (strides in pairs).
     ``HAS_LENGTH``: ``LENGTH`` points to the number of leading token slots that may be live (a 0-dim device
@@ -312,6 +316,14 @@ def _kivi_split_kernel(
             s = tl.where(ok[:, None], s, float("-inf"))
         else:
             s = tl.where(ok[None, :], s, float("-inf"))
+        if LOGITS:
+            lg_base = LG + b * slg_b + h * slg_h
+            if TRANS:
+                tl.store(lg_base + offs_m[None, :] * NT + t[:, None], s * 0.6931471805599453,
+                         mask=t_ok[:, None] & m_ok[None, :])
+            else:
+                tl.store(lg_base + offs_m[:, None] * NT + t[None, :], s * 0.6931471805599453,
+                         mask=m_ok[:, None] & t_ok[None, :])
 
         # ---- online softmax (base 2)
         m_blk = tl.max(s, axis=RED, keep_dims=True)
@@ -453,13 +465,17 @@ def _validate(query: torch.Tensor, packed: PackedKV) -> None:
 
 def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, splits: int | None = None,
              config: dict | None = None, length: torch.Tensor | None = None,
-             base: dict | None = None, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             base: dict | None = None, softcap: float | None = None,
+             logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The launch.  ``length`` (default ``packed.length``): 0-dim int device tensor, the number of leading token
     slots that may be live
     (slots at or after it are treated as invalid and not read; the grid stays sized for the whole capacity, so
     the launch is the same whatever its value: CUDA-graph safe).  ``base``: the launch configuration to start from
     instead of :func:`_config` (which reads ``KVCOMPRESS_KIVI_CONFIG``); ``config`` entries override either.
-    ``softcap``: logit soft-cap of the scores (``None`` / 0: none; a compile-time switch of the kernel)."""
+    ``softcap``: logit soft-cap of the scores (``None`` / 0: none; a compile-time switch of the kernel).
+    ``logits``: a contiguous float32 ``[B, H, M, T]`` tensor the kernel fills with the scores it computes
+    (natural-log units, ``-inf`` on invalid slots; slots it does not read keep their content: pass it filled with
+    ``-inf``), as :func:`.reference.kivi_attention_scored` returns them (a compile-time switch)."""
     _validate(query, packed)
     if length is None:
         length = getattr(packed, "length", None)
@@ -475,6 +491,10 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, splits: int
     dev = query.device
     out = torch.empty(b, h, m, dv, device=dev, dtype=torch.float32)
     lse = torch.empty(b, h, m, device=dev, dtype=torch.float32)
+    if logits is not None and (tuple(logits.shape) != (b, h, m, nt) or logits.dtype != torch.float32
+                               or not logits.is_contiguous()):
+        raise ValueError(f"logits must be a contiguous float32 tensor {(b, h, m, nt)}, got {tuple(logits.shape)} "
+                         f"{logits.dtype}")
     if b * h * m == 0:
         return out, lse
     if ng == 0:
@@ -529,10 +549,11 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, splits: int
         vz.stride(0), vz.stride(1), vz.stride(2),
         valid.stride(0),
         *po_strides, *pl_strides,
+        logits if logits is not None else pl, h * m * nt if logits is not None else 0, m * nt,
         DK=dk, KW=kw, KW_PAD=max(_pow2(kw), -(-16 // per)), DV=dv, VW_PAD=max(_pow2(vw), -(-16 // per)),
         G=g, GV=gv, BITS=bits, BLOCK_M=block_m, BN=bn, TRANS=cfg["TRANS"], LAZY=cfg["LAZY"],
         ASM=bool(cfg["ASM"]) and (base is not None or _asm_ok(dev)), PREFETCH=bool(cfg["PREFETCH"]),
-        HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
+        HAS_LENGTH=length is not None, SOFTCAP=bool(softcap), LOGITS=logits is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),
     )

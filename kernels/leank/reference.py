@@ -61,9 +61,8 @@ def merge_with_lse(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[
     return out, lse
 
 
-def lane_partial(query: torch.Tensor, lane: Lane, scale: float,
-                 softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [B, h, M, Dv], lse [B, h, M])`` of one lane's heads (float32); ``softcap``: logit soft-cap."""
+def lane_logits(query: torch.Tensor, lane: Lane, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """The scaled (soft-capped) scores ``[B, h, M, T]`` float32 of one lane's heads, ``-inf`` on invalid slots."""
     from kvcompress.kernels.attention.reference import soft_cap
 
     heads, channels, k, v, valid = lane
@@ -71,10 +70,37 @@ def lane_partial(query: torch.Tensor, lane: Lane, scale: float,
     s = soft_cap(torch.einsum("bhmd,bhtd->bhmt", q, k.float()) * scale, softcap)
     if valid is not None:
         s = s.masked_fill(~(valid[:, :, None, :] if valid.dim() == 3 else valid[:, None, None, :]), float("-inf"))
+    return s
+
+
+def lane_partial(query: torch.Tensor, lane: Lane, scale: float,
+                 softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, h, M, Dv], lse [B, h, M])`` of one lane's heads (float32); ``softcap``: logit soft-cap."""
+    return _partial_from_logits(lane_logits(query, lane, scale, softcap), lane.v)
+
+
+def _partial_from_logits(s: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lse = torch.logsumexp(s, dim=-1)
     finite = torch.isfinite(lse)
     p = torch.exp(s - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
     return torch.einsum("bhmt,bhtd->bhmd", p, v.float()), lse
+
+
+def grouped_partial_scored(query: torch.Tensor, lanes: Sequence[Lane | tuple], scale: float, *,
+                           length: torch.Tensor | None = None, softcap: float | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """:func:`grouped_partial_attention` that also returns what it scored: ``(out, lse, logits)`` with ``logits[i]``
+    ``[B, h_i, M, T_i]`` float32, lane ``i``'s scaled (soft-capped) scores in natural-log units, ``-inf`` on the
+    slots it does not attend (invalid, or at or after ``length``).  The attention probability of a token is
+    ``exp(logits - lse_joint)`` with the joint LSE of every region read (what attention-mass observers need,
+    without a second pass over the keys)."""
+    lanes = [Lane(*lane) for lane in lanes]
+    if length is not None:
+        lanes = [_bounded(lane, length) for lane in lanes]
+    logits = [lane_logits(query, lane, scale, softcap) for lane in lanes]
+    it = iter(logits)
+    out, lse = combine_lanes(query, lanes, lambda lane: _partial_from_logits(next(it), lane.v))
+    return out, lse, logits
 
 
 def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple], scale: float, *,

@@ -65,9 +65,12 @@ MAX_DIM = 256
 
 @triton.jit
 def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_off, C, start, end, qk_scale, M, pid_m,
-            cap, HAS_CHAN: tl.constexpr, HAS_VALID: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr,
-            DVP: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
-    """Flash-decoding over tokens ``[start, end)`` of one head of one lane: ``(acc, m, l)`` (base 2)."""
+            cap, LG, lg_off, slg_m, HAS_CHAN: tl.constexpr, HAS_VALID: tl.constexpr, DKP: tl.constexpr,
+            DV: tl.constexpr, DVP: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
+            SOFTCAP: tl.constexpr, LOGITS: tl.constexpr):
+    """Flash-decoding over tokens ``[start, end)`` of one head of one lane: ``(acc, m, l)`` (base 2).  ``LOGITS``:
+    also store every score it computed (natural-log units, ``-inf`` where masked) at ``LG + lg_off + row * slg_m +
+    token``."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_c = tl.arange(0, DKP)
@@ -97,6 +100,9 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
         if HAS_VALID:
             ok = ok & (tl.load(VA + va_off + t, mask=t_ok, other=0) != 0)
         s = tl.where(ok[None, :], s, float("-inf"))
+        if LOGITS:
+            tl.store(LG + lg_off + offs_m[:, None] * slg_m + t[None, :], s * 0.6931471805599453,
+                     mask=m_ok[:, None] & t_ok[None, :])
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
@@ -118,15 +124,17 @@ def _lanes_kernel(
     Q, sq_b, sq_h, sq_m,
     KS, VS, VAS, CHS, HDS,
     SKB, SKH, SKT, SVB, SVH, SVT, SVAB, SVAH, SCH, TS, NHS, CS, ROW0,
-    PO, PL, LENGTH, qk_scale, M, R, RLO, RN, NBATCH, cap,
+    PO, PL, LENGTH, qk_scale, M, R, RLO, RN, NBATCH, cap, LGS,
     HAS_VALID: tl.constexpr, HAS_CHAN: tl.constexpr, HAS_HEADS: tl.constexpr, DKP: tl.constexpr,
     NL: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
-    IEEE: tl.constexpr, HAS_LENGTH: tl.constexpr, SOFTCAP: tl.constexpr,
+    IEEE: tl.constexpr, HAS_LENGTH: tl.constexpr, SOFTCAP: tl.constexpr, LOGITS: tl.constexpr,
 ):
     """One (split, batch * lane row, row block): the partial of one head of one lane over one token range.
 
     ``HAS_LENGTH``: every lane's token slots at or after ``*LENGTH`` are dead (not read); the splits stay sized
-    for the lanes' capacity, so a split beyond the live length writes an empty partial at once."""
+    for the lanes' capacity, so a split beyond the live length writes an empty partial at once.  ``LOGITS``: the
+    scores are also stored, lane ``i``'s in ``LGS[i]`` (contiguous ``[B, h_i, M, T_i]``; slots not read keep what
+    the caller put there)."""
     pid_s = tl.program_id(0)
     pid_br = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -154,7 +162,8 @@ def _lanes_kernel(
                 Q, b64 * sq_b + head * sq_h, sq_m, CHS[i], j64 * SCH[i], KS[i], b64 * SKB[i] + j64 * SKH[i], SKT[i],
                 VS[i], b64 * SVB[i] + j64 * SVH[i], SVT[i], VAS[i], b64 * SVAB[i] + j64 * SVAH[i], CS[i], start, end,
                 qk_scale, M,
-                pid_m, cap, HAS_CHAN[i], HAS_VALID[i], DKP[i], DV, DVP, BLOCK_M, BN, IEEE, SOFTCAP)
+                pid_m, cap, LGS[i], (b64 * NHS[i] + j64) * M * TS[i], TS[i], HAS_CHAN[i], HAS_VALID[i], DKP[i], DV,
+                DVP, BLOCK_M, BN, IEEE, SOFTCAP, LOGITS)
             l_ok = l_i > 0.0
             out = acc / tl.where(l_ok, l_i, 1.0)[:, None]
             lse = tl.where(l_ok, (m_i + tl.log2(tl.where(l_ok, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -417,8 +426,14 @@ def launch_layout(lanes: Sequence[Lane | tuple], d: int, canonical: bool = True)
 def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple], scale: float, *,
                               splits: int | None = None, config: dict | None = None,
                               length: torch.Tensor | None = None, base: dict | None = None,
-                              softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                              softcap: float | None = None,
+                              logits: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused grouped partial attention; see :func:`.reference.grouped_partial_attention`.
+
+    ``logits``: one contiguous float32 tensor ``[B, h_i, M, T_i]`` per lane, which the kernel fills with the scores
+    it computes (natural-log units, ``-inf`` on invalid slots; slots it does not read - at or after ``length`` -
+    keep their content: pass them filled with ``-inf``), as
+    :func:`.reference.grouped_partial_scored` returns them (attention-mass observers; a compile-time switch).
 
     ``softcap``: logit soft-cap of the scores, applied in the kernel (``None`` or 0: none; a compile-time switch).
 
@@ -443,7 +458,14 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     if b * hkv * m == 0:
         return out, lse
     q = query if query.stride(-1) == 1 else query.contiguous()
-    rows = _lane_rows(lanes, d, dev, cfg["canonical"])
+    if logits is not None:
+        shapes = [(b, lane.k.shape[1], m, lane.k.shape[2]) for lane in lanes]
+        if len(logits) != len(lanes) or any(tuple(x.shape) != sh or x.dtype != torch.float32 or not x.is_contiguous()
+                                            for x, sh in zip(logits, shapes)):
+            raise ValueError(f"logits must be one contiguous float32 tensor per lane shaped {shapes}")
+    rows = _lane_rows(lanes, d, dev, cfg["canonical"] and logits is None)  # canonical slots reorder the lanes
+    for r, x in zip(rows, logits if logits is not None else [None] * len(rows)):
+        r["lg"] = x if x is not None else lse  # a placeholder pointer when no scores are stored (never written)
     n_rows = sum(r["h"] for r in rows)
     block_m = min(64, max(16, _pow2(m)))
     m_blocks = triton.cdiv(m, block_m)
@@ -481,10 +503,11 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
             tuple(_stride(r, "ch", 0) if r["has_chan"] else 0 for r in chunk),
             tup("t"), tup("h"), tup("c"), tup("r0"),
             po, pl, length if length is not None else pl, float(scale) * LOG2E, m, n_rows, chunk[0]["r0"], n_chunk, b,
-            cap_base2(softcap),
+            cap_base2(softcap), tup("lg"),
             HAS_VALID=tup("has_valid"), HAS_CHAN=tup("has_chan"), HAS_HEADS=tup("has_heads"),
             DKP=tuple(max(16, _pow2(r["c"])) for r in chunk), NL=len(chunk), DV=dv, DVP=max(16, _pow2(dv)),
             BLOCK_M=block_m, BN=bn, IEEE=ieee, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
+            LOGITS=logits is not None,
             num_warps=cfg["num_warps"],
             num_stages=stages,
         )
