@@ -100,7 +100,7 @@ def rebuild(shape: str, tensors: dict[str, torch.Tensor], dtype: torch.dtype):
 
 def worker(args, name: str, tensors: dict[str, torch.Tensor], folder: str, n: int, deadline: float,
            results) -> None:
-    turn = Turn(folder, n, name, deadline)
+    turn = Turn(folder, n, "".join(c if c.isalnum() or c in "_.-" else "_" for c in name), deadline)  # a file name
     rows = []
     try:
         model = rebuild(args.shape, tensors, getattr(torch, args.dtype))

@@ -508,9 +508,9 @@ def test_decode_mass_on_gpu_equals_cpu(quantized):
         model = tiny_model("llama").to(device)
         stack = parse_stack({"compressors": entries}, registry=_registry())
         with kvcompress.compress(model, stack, max_cache_len=76) as cache, torch.no_grad():
-            model(ids[:, :40].to(device), cache=cache)
+            model(ids[:, :40].to(device), past_key_values=cache)
             for t in range(40, 70):
-                model(ids[:, t:t + 1].to(device), cache=cache)
+                model(ids[:, t:t + 1].to(device), past_key_values=cache)
         rec = [r for _, r in cache.pipeline.compressors[0][1].seen if r["obs"].keys.shape[2] == 1]
         masses[device] = [{k: m.cpu() for k, m in r["mass"].items()} for r in rec]
     assert len(masses["cpu"]) == len(masses["cuda"]) == 60
