@@ -306,7 +306,27 @@ def _interpreter_cases() -> dict:
         res["kivi_lanes"] = same_partial((o, l), (ro, rl), atol=5e-3) or same_scores(s, rs, 1e-2, 1e-2)
         return res
 
+    def fused_read(softcap):
+        """attend_segments(fused=True, scored=True): the dense and LeanK-lane segments in one Triton lanes launch
+        with scores, the packed ones by their readers; masses against the reference pass."""
+        from kvcompress.kernels.attention import attend_segments
+        from kvcompress.observe import attention_mass
+
+        def go():
+            q, segs, pos = rich_segments()
+            scale = q.shape[-1] ** -0.5
+            out, masses = attend_segments(q, segs, pos, scale, fused=True, softcap=softcap, scored=True)
+            plain = attend_segments(q, segs, pos, scale, fused=False, softcap=softcap)
+            res = {"out": "" if (out - plain).abs().max() < 1e-5 else f"out {(out - plain).abs().max():.2e}"}
+            for i, (got, want) in enumerate(zip(masses, attention_mass(q, segs, pos, scale, 4, softcap))):
+                err = (got - want).abs().max().item()
+                res[f"segment{i}"] = "" if err < 1e-5 else f"max |mass - ref| {err:.2e}"
+            return res
+        return go
+
     return {
+        "attend-fused": fused_read(None),
+        "attend-fused-softcap": fused_read(0.9),
         "lanes-fp32-live52-splits3": lanes(torch.float32, 52, None, 3),
         "lanes-fp16-full-softcap-splits2": lanes(torch.float16, None, 0.8, 2),
         "lanes-fp16-live40-splits1": lanes(torch.float16, 40, None, 1),
@@ -318,7 +338,7 @@ def _interpreter_cases() -> dict:
     }
 
 
-INTERPRETER_CASES = ["lanes-fp32-live52-splits3", "lanes-fp16-full-softcap-splits2", "lanes-fp16-live40-splits1",
+INTERPRETER_CASES = ["attend-fused", "attend-fused-softcap", "lanes-fp32-live52-splits3", "lanes-fp16-full-softcap-splits2", "lanes-fp16-live40-splits1",
                      "kivi2-g32", "kivi4-g16-notrans-softcap", "kivi-lanes-trans", "kivi-lanes-notrans", "glue"]
 
 
@@ -383,6 +403,76 @@ def test_decode_mass_comes_from_the_read(monkeypatch, static, quantized):
         assert torch.allclose(total, torch.full_like(total, float(group)), atol=1e-5)
     assert any(r["mass"]["middle"].sum() > 0 for r in decode)
     assert math.isfinite(float(sum(r["mass"]["middle"].sum() for r in decode)))
+
+
+def rich_segments(dtype=torch.float32, seed=7):
+    """``(query [B, Hq, 1, D], segments, q_positions)``: every kind of segment a decode read meets - a dense buffer
+    with a live length and masked slots, LeanK lanes (a head subset with kept channels, per lane), a per-head
+    validity (AdaKV), a KIVI-2 region, KIVI lanes over a head subset, the step's own token."""
+    from kvcompress.kernels.kivi.lanes_reference import KiviLane, PackedLanes
+    from kvcompress.kernels.kivi.reference import PackedKV, quantize_keys, quantize_values
+    from kvcompress.state import HeadGroup, Segment
+
+    g = torch.Generator().manual_seed(seed)
+    b, hkv, group, d = 2, 4, 2, 32
+    t0 = torch.zeros((), dtype=torch.long)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    def valid(*shape, p=0.85):
+        return torch.rand(*shape, generator=g) < p
+
+    segs = []
+    va = valid(b, 19)
+    va[:, 15:] = False  # nothing valid at or after a segment's length (the contract of Segment.length)
+    segs.append(Segment(rnd(b, hkv, 19, d), rnd(b, hkv, 19, d), va, t0.expand(19), length=torch.tensor(15)))
+    for heads, kept in (([1, 3], 12), ([0], 20)):  # LeanK lanes: head subsets, kept channels
+        ch = torch.stack([torch.randperm(d, generator=g)[:kept].sort().values for _ in heads])
+        grp = HeadGroup(torch.tensor(heads), None, None, channels=ch)
+        segs.append(grp.attach(Segment(rnd(b, len(heads), 23, kept), rnd(b, len(heads), 23, d), valid(b, 23),
+                                       t0.expand(23))))
+    segs.append(Segment(rnd(b, hkv, 11, d), rnd(b, hkv, 11, d), valid(b, hkv, 11), t0.expand(11)))  # per head
+    kq = quantize_keys(torch.randn(b, hkv, 32, d, generator=g), 2, 16)
+    vq = quantize_values(torch.randn(b, hkv, 32, d, generator=g), 2, 16)
+    kv_valid = valid(b, 32)
+    kv_valid[:, 29:] = False
+    segs.append(Segment(None, None, kv_valid, t0.expand(32),
+                        packed=PackedKV(2, 16, *kq, *vq, kv_valid, length=torch.tensor(29))))
+    lanes = []
+    for heads, kept in (([0, 2], 8), ([1, 3], 16)):  # every head in one lane (a store masks heads it lacks)
+        ch = torch.stack([torch.randperm(d, generator=g)[:kept].sort().values for _ in heads])
+        lanes.append(KiviLane(torch.tensor(heads), ch,
+                              *quantize_keys(torch.randn(b, len(heads), 32, kept, generator=g), 2, 16),
+                              *quantize_values(torch.randn(b, len(heads), 32, d, generator=g), 2, 16)))
+    lv = valid(b, 32)
+    segs.append(Segment(None, None, lv, t0.expand(32), packed=PackedLanes(2, 16, tuple(lanes), lv, hkv, d)))
+    segs.append(Segment(rnd(b, hkv, 1, d), rnd(b, hkv, 1, d), None, torch.tensor([200])))  # the step's token
+    return rnd(b, hkv * group, 1, d), segs, torch.tensor([200])
+
+
+@pytest.mark.parametrize("variant", ["plain", "softcap", "sinks"])
+def test_scored_read_mass_equals_reference_pass(variant):
+    """attend_segments(scored=True) over every kind of segment (reference readers, CPU): the same output as the
+    unscored read, and per segment the mass of the reference pass (kvcompress.observe.attention_mass, which
+    tests/test_observe.py checks against eager oracles)."""
+    from kvcompress.kernels.attention import attend_segments
+    from kvcompress.observe import attention_mass
+
+    q, segs, pos = rich_segments()
+    softcap = 0.9 if variant == "softcap" else None
+    sinks = torch.randn(q.shape[1], generator=torch.Generator().manual_seed(1)) if variant == "sinks" else None
+    scale = q.shape[-1] ** -0.5
+    out, masses = attend_segments(q, segs, pos, scale, softcap=softcap, sink_logits=sinks, scored=True)
+    plain = attend_segments(q, segs, pos, scale, softcap=softcap, sink_logits=sinks)
+    assert (out - plain).abs().max() < 1e-6
+    ref = attention_mass(q, segs, pos, scale, 4, softcap, sinks)
+    assert len(masses) == len(ref) == len(segs)
+    for i, (got, want) in enumerate(zip(masses, ref)):
+        assert got.shape == want.shape, i
+        assert (got - want).abs().max() < 1e-5, i
+    total = sum(m.sum(-1) for m in masses)  # the group's 2 query heads, less the sinks' share
+    assert (total <= 2 + 1e-5).all() and (variant == "sinks" or torch.allclose(total, torch.full_like(total, 2.0)))
 
 
 def test_layout_attention_phases():
