@@ -21,8 +21,9 @@
 #              split), and the lanes kernel's GPU tests
 #   scored   - session 17: the scored reads (kernels return their scores; decode-step attention mass from the read):
 #              their GPU tests, TOVA's compiled-vs-eager check, and GraphStep rows of TOVA-8192 (dense and KIVI-4
-#              middle) at B1/32k; ROWS_ONLY=1 runs the rows alone (the same rows of an older tree: pass its
-#              directory as SRC_STACKS=... for the stack files)
+#              middle) at B1/32k; ROWS_ONLY=1 runs the rows alone.  The rows of an older tree (the reference mass
+#              pass before session 17): from inside that tree, ROWS_ONLY=1 bash NEWTREE/benchmarks/gpu_recheck.sh
+#              OUT scored (it installs the current folder; the rows script and stack files come from NEWTREE)
 #   profile  - session 16: the KIVI lanes GPU tests with the new defaults (floor 128, combine "splits"), every kernel
 #              of one static read (benchmarks/gpu_read_profile.py) and the reads against SDPA, Triton KIVI included
 set -o pipefail
@@ -31,6 +32,7 @@ mkdir -p "$OUT" /tmp/site
 python -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . 2>&1 | tail -2
 export PATH=/usr/local/cuda/bin:$PATH PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 SRC=$PWD
+HERE=$(cd "$(dirname "$0")" && pwd)  # this script's folder (the scored phase's rows may time another tree)
 date -u | tee -a "$OUT/log.txt"
 # run from outside the checkout: its kvcompress/ (without kernels/ and plugins/) must not shadow the installed package
 cd /tmp/site
@@ -110,8 +112,8 @@ case "$PHASE" in
       timeout 150 python "$SRC/benchmarks/gpu_compiled_check.py" --only tova,tova+kivi4 --no-bf16 --steps 16 \
         --out "$OUT/cc" 2>&1 | grep '^{' | tee "$OUT/compiled_check.log"
     fi
-    STACKS=${SRC_STACKS:-$SRC}/benchmarks/stacks
-    timeout 420 python "$SRC/benchmarks/gpu_graph_rows.py" --kind graph --stack "$STACKS/tova-8192.yaml" \
+    STACKS=$HERE/stacks
+    timeout 420 python "$HERE/gpu_graph_rows.py" --kind graph --stack "$STACKS/tova-8192.yaml" \
       "$STACKS/tova-8192-kivi4.yaml" --points 1x32768 --jobs 2 --out "$OUT/rows" 2>&1 | grep '^{' \
       | tee "$OUT/rows.log"
     ;;
