@@ -259,16 +259,21 @@ def kivi_attention_scored(query: Tensor, packed, scale: float, *, impl: str, len
         float(softcap or 0.0), scored_impl(impl))
 
 
-def lane_logit_shapes(batch: int, rows: int, lanes: Sequence[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
-    """Shapes ``[B, h_i, M, T_i]`` of the lanes' logits in a scored lanes op's flat output (``lanes``: ``(h_i, T_i)``
-    per lane, in order)."""
-    return [(batch, h, rows, t) for h, t in lanes]
-
-
 def split_lane_logits(flat: Tensor, shapes: Sequence[tuple[int, int, int, int]]) -> list[Tensor]:
     """The per-lane views ``[B, h_i, M, T_i]`` of a scored lanes op's flat logits (no copy)."""
     sizes = [b * h * m * t for b, h, m, t in shapes]
     return [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
+
+
+def _flat_logits(query: Tensor, shapes: Sequence[tuple[int, int, int, int]]) -> Tensor:
+    """A scored lanes op's flat float32 logits for lanes of ``shapes``, filled with ``-inf`` (slots a kernel does not
+    read keep it)."""
+    return query.new_full((sum(b * h * m * t for b, h, m, t in shapes),), float("-inf"), dtype=torch.float32)
+
+
+def _flatten(per_lane: Sequence[Tensor]) -> Tensor:
+    """Per-lane logits as a scored lanes op's one flat output."""
+    return torch.cat([x.reshape(-1) for x in per_lane])
 
 
 # ----------------------------------------------------------------------------- KIVI lanes (stacked LeanK + KIVI)
@@ -329,18 +334,23 @@ def kivi_lanes_attention(query: Tensor, region, scale: float, *, impl: str, leng
                          softcap: Optional[float] = None) -> tuple[Tensor, Tensor]:
     """``kvcompress::kivi_lanes_partial`` over a :class:`~kvcompress.kernels.kivi.PackedLanes` (``length`` defaults
     to ``region.length``)."""
+    return _OPS["kivi_lanes_partial"](*_kivi_lanes_args(query, region, scale, length, softcap), impl)
+
+
+def _kivi_lanes_args(query: Tensor, region, scale: float, length: Optional[Tensor], softcap: Optional[float]) -> tuple:
+    """The KIVI lanes ops' arguments (all but ``impl``) for a :class:`~kvcompress.kernels.kivi.PackedLanes`."""
     lanes = region.lanes
-    return _OPS["kivi_lanes_partial"](
-        query, [ln.heads for ln in lanes], [ln.channels for ln in lanes], [ln.k_codes for ln in lanes],
-        [ln.k_scale for ln in lanes], [ln.k_zero for ln in lanes], [ln.v_codes for ln in lanes],
-        [ln.v_scale for ln in lanes], [ln.v_zero for ln in lanes], region.valid,
-        region.length if length is None else length, region.bits, region.group, float(scale), float(softcap or 0.0),
-        impl)
+    return (query, [ln.heads for ln in lanes], [ln.channels for ln in lanes], [ln.k_codes for ln in lanes],
+            [ln.k_scale for ln in lanes], [ln.k_zero for ln in lanes], [ln.v_codes for ln in lanes],
+            [ln.v_scale for ln in lanes], [ln.v_zero for ln in lanes], region.valid,
+            region.length if length is None else length, region.bits, region.group, float(scale),
+            float(softcap or 0.0))
 
 
 def _kivi_lane_shapes(query: Tensor, heads, valid: Tensor) -> list:
+    """Each KIVI lane's logits shape ``[B, h_i, M, T]`` (its head list ``heads[i]``, ``None``: every head)."""
     b, hq, m, _ = query.shape
-    return lane_logit_shapes(b, m, [(hq if h is None else h.shape[0], valid.shape[-1]) for h in heads])
+    return [(b, hq if h is None else h.shape[0], m, valid.shape[-1]) for h in heads]
 
 
 @torch.library.custom_op("kvcompress::kivi_lanes_partial_scored", mutates_args=(), device_types="cpu")
@@ -357,7 +367,7 @@ def kivi_lanes_partial_scored(query: Tensor, heads: list[Optional[Tensor]], chan
     region = _kivi_region(heads, channels, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits,
                           group, query.shape[1], query.shape[-1])
     out, lse, logits = kivi_lanes_ref.kivi_lanes_attention_scored(query, region, scale, softcap=softcap)
-    return _fresh(out, lse, torch.cat([s.reshape(-1) for s in logits]))
+    return _fresh(out, lse, _flatten(logits))
 
 
 @kivi_lanes_partial_scored.register_kernel("cuda")
@@ -373,12 +383,12 @@ def _kivi_lanes_partial_scored_cuda(query, heads, channels, k_codes, k_scale, k_
         dv = v_codes[0].shape[-1] * (32 // bits)
         base = _kivi_triton_base(bits, group, query.shape[-1], dv, dv // v_scale[0].shape[-1])
         shapes = _kivi_lane_shapes(query, heads, valid)
-        flat = query.new_full((sum(b * h * m * t for b, h, m, t in shapes),), float("-inf"), dtype=torch.float32)
+        flat = _flat_logits(query, shapes)
         out, lse = lanes_triton.kivi_lanes_attention_partial(query, region, scale, base=base, softcap=softcap,
                                                              logits=split_lane_logits(flat, shapes))
         return _fresh(out, lse, flat)
     out, lse, logits = kivi_lanes_ref.kivi_lanes_attention_scored(query, region, scale, softcap=softcap)
-    return _fresh(out, lse, torch.cat([s.reshape(-1) for s in logits]))
+    return _fresh(out, lse, _flatten(logits))
 
 
 @kivi_lanes_partial_scored.register_fake
@@ -393,14 +403,10 @@ def kivi_lanes_attention_scored(query: Tensor, region, scale: float, *, impl: st
                                 softcap: Optional[float] = None) -> tuple[Tensor, Tensor, list[Tensor]]:
     """``kvcompress::kivi_lanes_partial_scored`` over a :class:`~kvcompress.kernels.kivi.PackedLanes`:
     ``(out, lse, per-lane logits [B, h_i, M, T])``."""
-    lanes = region.lanes
-    out, lse, flat = _OPS["kivi_lanes_partial_scored"](
-        query, [ln.heads for ln in lanes], [ln.channels for ln in lanes], [ln.k_codes for ln in lanes],
-        [ln.k_scale for ln in lanes], [ln.k_zero for ln in lanes], [ln.v_codes for ln in lanes],
-        [ln.v_scale for ln in lanes], [ln.v_zero for ln in lanes], region.valid,
-        region.length if length is None else length, region.bits, region.group, float(scale), float(softcap or 0.0),
-        scored_impl(impl))
-    return out, lse, split_lane_logits(flat, _kivi_lane_shapes(query, [ln.heads for ln in lanes], region.valid))
+    out, lse, flat = _OPS["kivi_lanes_partial_scored"](*_kivi_lanes_args(query, region, scale, length, softcap),
+                                                        scored_impl(impl))
+    return out, lse, split_lane_logits(flat, _kivi_lane_shapes(query, [ln.heads for ln in region.lanes],
+                                                                region.valid))
 
 
 # ----------------------------------------------------------------------------- KIVI quantizer
@@ -569,15 +575,21 @@ def _lanes_partial_fake(query, heads, channels, k, v, valid, length, scale, soft
 def lanes_attention(query: Tensor, lanes: Sequence, scale: float, *, impl: str, length: Optional[Tensor] = None,
                     softcap: Optional[float] = None) -> tuple[Tensor, Tensor]:
     """``kvcompress::lanes_partial`` over ``lanes`` (tuples ``(heads, channels, k, v[, valid])``)."""
+    return _OPS["lanes_partial"](*_lanes_args(query, lanes, scale, length, softcap), impl)
+
+
+def _lanes_args(query: Tensor, lanes: Sequence, scale: float, length: Optional[Tensor],
+                softcap: Optional[float]) -> tuple:
+    """The lanes ops' arguments (all but ``impl``) for lanes ``(heads, channels, k, v[, valid])``."""
     lanes = [leank_ref.Lane(*lane) for lane in lanes]
-    return _OPS["lanes_partial"](
-        query, [ln.heads for ln in lanes], [ln.channels for ln in lanes], [ln.k for ln in lanes],
-        [ln.v for ln in lanes], [ln.valid for ln in lanes], length, float(scale), float(softcap or 0.0), impl)
+    return (query, [ln.heads for ln in lanes], [ln.channels for ln in lanes], [ln.k for ln in lanes],
+            [ln.v for ln in lanes], [ln.valid for ln in lanes], length, float(scale), float(softcap or 0.0))
 
 
-def _lane_shapes(query: Tensor, heads, k) -> list:
-    b, hq, m, _ = query.shape
-    return lane_logit_shapes(b, m, [(kk.shape[1], kk.shape[2]) for kk in k])
+def _lane_shapes(query: Tensor, k) -> list:
+    """Each lane's logits shape ``[B, h_i, M, T_i]`` (its keys ``k[i]``: ``[B, h_i, T_i, c_i]``)."""
+    b, _, m, _ = query.shape
+    return [(b, kk.shape[1], m, kk.shape[2]) for kk in k]
 
 
 @torch.library.custom_op("kvcompress::lanes_partial_scored", mutates_args=(), device_types="cpu")
@@ -592,7 +604,7 @@ def lanes_partial_scored(query: Tensor, heads: list[Optional[Tensor]], channels:
     _check_length("lanes_partial_scored", length)
     lanes = _lanes(heads, channels, k, v, valid)
     out, lse, logits = leank_ref.grouped_partial_scored(query, lanes, scale, length=length, softcap=softcap)
-    return _fresh(out, lse, torch.cat([s.reshape(-1) for s in logits]))
+    return _fresh(out, lse, _flatten(logits))
 
 
 @lanes_partial_scored.register_kernel("cuda")
@@ -603,18 +615,18 @@ def _lanes_partial_scored_cuda(query, heads, channels, k, v, valid, length, scal
     if impl == "triton":
         from .leank import triton_kernel
 
-        shapes = _lane_shapes(query, heads, k)
-        flat = query.new_full((sum(b * h * m * t for b, h, m, t in shapes),), float("-inf"), dtype=torch.float32)
+        shapes = _lane_shapes(query, k)
+        flat = _flat_logits(query, shapes)
         out, lse = triton_kernel.grouped_partial_attention(query, lanes, scale, length=length, base=_leank_base(),
                                                            softcap=softcap, logits=split_lane_logits(flat, shapes))
         return _fresh(out, lse, flat)
     out, lse, logits = leank_ref.grouped_partial_scored(query, lanes, scale, length=length, softcap=softcap)
-    return _fresh(out, lse, torch.cat([s.reshape(-1) for s in logits]))
+    return _fresh(out, lse, _flatten(logits))
 
 
 @lanes_partial_scored.register_fake
 def _lanes_partial_scored_fake(query, heads, channels, k, v, valid, length, scale, softcap=0.0, impl="reference"):
-    n = sum(b * h * m * t for b, h, m, t in _lane_shapes(query, heads, k))
+    n = sum(b * h * m * t for b, h, m, t in _lane_shapes(query, k))
     return (*_empty_partial(query, v[0].shape[-1]), query.new_empty((n,), dtype=torch.float32))
 
 
@@ -622,12 +634,9 @@ def lanes_attention_scored(query: Tensor, lanes: Sequence, scale: float, *, impl
                            length: Optional[Tensor] = None,
                            softcap: Optional[float] = None) -> tuple[Tensor, Tensor, list[Tensor]]:
     """``kvcompress::lanes_partial_scored`` over ``lanes``: ``(out, lse, per-lane logits [B, h_i, M, T_i])``."""
-    lanes = [leank_ref.Lane(*lane) for lane in lanes]
-    k = [ln.k for ln in lanes]
-    out, lse, flat = _OPS["lanes_partial_scored"](
-        query, [ln.heads for ln in lanes], [ln.channels for ln in lanes], k, [ln.v for ln in lanes],
-        [ln.valid for ln in lanes], length, float(scale), float(softcap or 0.0), impl)
-    return out, lse, split_lane_logits(flat, _lane_shapes(query, None, k))
+    args = _lanes_args(query, lanes, scale, length, softcap)
+    out, lse, flat = _OPS["lanes_partial_scored"](*args, impl)
+    return out, lse, split_lane_logits(flat, _lane_shapes(query, args[3]))
 
 
 # ----------------------------------------------------------------------------- DoubleSparse

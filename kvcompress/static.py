@@ -441,16 +441,7 @@ class StaticLayer:
             selection = self.pipeline.select(self, query)
             if selection is not None:
                 middle = apply_selection(middle, selection)
-        if scored:
-            from kvcompress.kernels.attention import attend_segments
-
-            length = None if middle else (self.seen + self.sink_slots).clamp(max=self.sink_slots + self.ring_slots)
-            segs = [Segment(self.k, self.v, self.valid, self._zero_pos, length=length)] + middle
-            out, masses = attend_segments(query, segs, self.seen.view(1) - 1, scaling, fused=False,
-                                          impls=self.kernels, softcap=variant[0], sink_logits=variant[1],
-                                          scored=True)
-            return out.transpose(1, 2), middle, masses
-        if not middle and new is None and self.kernels["lanes_partial"] == "reference":
+        if not scored and not middle and new is None and self.kernels["lanes_partial"] == "reference":
             # one dense region, no fused kernel: the backend's own attention behind the mask
             mask = self.valid.view(self.valid.shape[0], 1, 1, self.valid.shape[1])
             return dense_attention(query, self.k, self.v, mask, scaling), middle
@@ -465,8 +456,11 @@ class StaticLayer:
                 return dense_read(query, segs, q_pos, scaling, dense_attention), middle
         from kvcompress.kernels.attention import attend_segments
 
-        return attend_segments(query, segs, q_pos, scaling, fused=False, impls=self.kernels, softcap=variant[0],
-                               sink_logits=variant[1]).transpose(1, 2), middle
+        out = attend_segments(query, segs, q_pos, scaling, fused=False, impls=self.kernels, softcap=variant[0],
+                              sink_logits=variant[1], scored=scored)
+        if scored:
+            return out[0].transpose(1, 2), middle, out[1]
+        return out.transpose(1, 2), middle
 
     def _observe(self, query, new: Segment, scaling, variant, middle: list[Segment], read_new: Segment | None,
                  decode_slot: torch.Tensor | None = None, read_masses: list[torch.Tensor] | None = None) -> None:

@@ -157,13 +157,8 @@ def partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
             outs.append(o)
             lses.append(l)
         return torch.cat(outs, 2), torch.cat(lses, 2)
-    s = soft_cap(torch.einsum("bhmd,bhtd->bhmt", to_float32(query), k) * scale, softcap)
-    if mask is not None:
-        s = torch.where(mask, s, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    # rows without a visible key (lse = -inf) are shifted by 0: exp(-inf) = 0, a zero output
-    p = torch.exp(s - lse.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).unsqueeze(-1))
-    return torch.einsum("bhmt,bhtd->bhmd", p, v), lse
+    out, lse, _ = partial_scored(query, k, v, mask, scale, softcap)
+    return out, lse
 
 
 def partial_scored(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -175,6 +170,7 @@ def partial_scored(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     if mask is not None:
         s = torch.where(mask, s, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
+    # rows without a visible key (lse = -inf) are shifted by 0: exp(-inf) = 0, a zero output
     p = torch.exp(s - lse.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).unsqueeze(-1))
     return torch.einsum("bhmt,bhtd->bhmd", p, to_float32(v)), lse, s
 

@@ -207,6 +207,33 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
     Returns:
         ``(out [B, H, M, Dv] float32, lse [B, H, M] float32)``; heads no lane covers get ``lse = -inf`` and zeros.
     """
+    return _read_lanes(query, region, length,
+                       lambda q, packed: _packed_partial(q, packed, scale, softcap=softcap or None))
+
+
+def kivi_lanes_attention_scored(query: torch.Tensor, region: PackedLanes, scale: float, *,
+                                length: torch.Tensor | None = None, softcap: float | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """:func:`kivi_lanes_attention_partial` that also returns what it scored: ``(out, lse, logits)``, ``logits[i]``
+    ``[B, h_i, M, T]`` float32 for lane ``i`` (``h_i``: its heads, all ``H`` for a lane without a head list), the
+    scaled (soft-capped) scores of its dequantized keys in natural-log units, ``-inf`` on slots not attended."""
+    from .reference import kivi_attention_scored
+
+    logits = []
+
+    def read(q, packed):
+        o, l, s = kivi_attention_scored(q, packed, scale, softcap=softcap or None)
+        logits.append(s)
+        return o, l
+
+    out, lse = _read_lanes(query, region, length, read)
+    return out, lse, logits
+
+
+def _read_lanes(query: torch.Tensor, region: PackedLanes, length: torch.Tensor | None, read
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every lane's partial (``read(lane query [B, h, M, c], lane region)``, called once per lane in order) placed on
+    its heads and merged: :func:`kivi_lanes_attention_partial`'s ``(out, lse)``."""
     if length is None:
         length = region.length
     valid = region.with_length(length).live_valid()
@@ -220,8 +247,7 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
         lse = query.new_full((b, hkv, m), float("-inf"), dtype=torch.float32)
     parts = []
     for lane in region.lanes:
-        q = gather_query(query, lane.heads, lane.channels)
-        o, l = _packed_partial(q, lane.packed(region.bits, region.group, valid), scale, softcap=softcap or None)
+        o, l = read(gather_query(query, lane.heads, lane.channels), lane.packed(region.bits, region.group, valid))
         if lane.heads is None:  # every head
             if len(region.lanes) == 1:
                 return o, l
@@ -238,38 +264,6 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
     if disjoint:
         return out, lse
     return parts[0] if len(parts) == 1 else merge(parts)
-
-
-def kivi_lanes_attention_scored(query: torch.Tensor, region: PackedLanes, scale: float, *,
-                                length: torch.Tensor | None = None, softcap: float | None = None
-                                ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """:func:`kivi_lanes_attention_partial` that also returns what it scored: ``(out, lse, logits)``, ``logits[i]``
-    ``[B, h_i, M, T]`` float32 for lane ``i`` (``h_i``: its heads, all ``H`` for a lane without a head list), the
-    scaled (soft-capped) scores of its dequantized keys in natural-log units, ``-inf`` on slots not attended."""
-    from .reference import kivi_attention_scored
-
-    if length is None:
-        length = region.length
-    valid = region.with_length(length).live_valid()
-    b, hkv, m, _ = query.shape
-    dv = region.v_dim
-    if not region.lanes:
-        raise ValueError("kivi_lanes_attention_scored needs at least one lane")
-    parts, logits = [], []
-    for lane in region.lanes:
-        q = gather_query(query, lane.heads, lane.channels)
-        o, l, s = kivi_attention_scored(q, lane.packed(region.bits, region.group, valid), scale,
-                                        softcap=softcap or None)
-        logits.append(s)
-        if lane.heads is not None:
-            full_out = o.new_zeros(b, hkv, m, dv)
-            full_lse = l.new_full((b, hkv, m), float("-inf"))
-            full_out.index_copy_(1, lane.heads, o)
-            full_lse.index_copy_(1, lane.heads, l)
-            o, l = full_out, full_lse
-        parts.append((o, l))
-    out, lse = parts[0] if len(parts) == 1 else merge(parts)
-    return out, lse, logits
 
 
 #: attribute of a region's ``valid`` tensor: ``(weak references to the lanes' head tensors, whether no head is in
