@@ -24,6 +24,10 @@
 #              middle) at B1/32k; ROWS_ONLY=1 runs the rows alone.  The rows of an older tree (the reference mass
 #              pass before session 17): from inside that tree, ROWS_ONLY=1 bash NEWTREE/benchmarks/gpu_recheck.sh
 #              OUT scored (it installs the current folder; the rows script and stack files come from NEWTREE)
+#   rows18   - session 18: TOVA's one-unit replacement and SnapKV's static store sized at the first prefill: the
+#              compiled-vs-eager check of tova, tova+kivi4, snapkv+leank, then GraphStep rows at B1/32k of
+#              ROW_STACKS (default: tova-8192, snapkv25, none); ROWS_ONLY=1 rows alone; from inside an older tree
+#              (ROWS_ONLY=1 ROW_STACKS=... bash NEWTREE/benchmarks/gpu_recheck.sh OUT rows18) times that tree
 #   profile  - session 16: the KIVI lanes GPU tests with the new defaults (floor 128, combine "splits"), every kernel
 #              of one static read (benchmarks/gpu_read_profile.py) and the reads against SDPA, Triton KIVI included
 set -o pipefail
@@ -117,6 +121,17 @@ case "$PHASE" in
       "$STACKS/tova-8192-kivi4.yaml" --points 1x32768 --jobs 2 --out "$OUT/rows" 2>&1 | grep '^{' \
       | tee "$OUT/rows.log"
     ;;
-  *) echo "unknown phase $PHASE (compile | kernels | rows | lanes | lanes2 | sweep | confirm | confirm2 | profile | scored)"; exit 2 ;;
+  rows18)
+    if [ -z "$ROWS_ONLY" ]; then
+      timeout 150 python "$SRC/benchmarks/gpu_compiled_check.py" --only tova,tova+kivi4,snapkv+leank --no-bf16 \
+        --steps 16 --out "$OUT/cc" 2>&1 | grep '^{' | tee "$OUT/compiled_check.log"
+    fi
+    # shellcheck disable=SC2086  # ROW_STACKS: a list of stacks
+    STACKS=${ROW_STACKS:-"$HERE/stacks/tova-8192.yaml $SRC/examples/stacks/snapkv25.yaml none"}
+    set -- $STACKS
+    timeout 450 python "$HERE/gpu_graph_rows.py" --kind graph --stack "$@" --points 1x32768 --jobs $# \
+      --out "$OUT/rows" 2>&1 | grep '^{' | tee "$OUT/rows.log"
+    ;;
+  *) echo "unknown phase $PHASE (compile | kernels | rows | lanes | lanes2 | sweep | confirm | confirm2 | profile | scored | rows18)"; exit 2 ;;
 esac
 date -u | tee -a "$OUT/log.txt"

@@ -60,7 +60,10 @@ compressor follows these rules in a static layer:
 * **Build time runs eagerly.**  When a static layer allocates (on its first call or, with
   ``max_batch_size``, when the cache is built) every hook runs once on an all-invalid block
   (``due`` False), eagerly: per-layer plans and buffers are built then, never inside the
-  compiled step.
+  compiled step.  Under a prefill-time evictor (``Layout.prefill_ratio`` / ``prefill_middle``)
+  the store is built, and this warm-up block run, at the first prefill (the prompt's length sizes
+  it); after ``reset()`` a prompt that needs more slots rebuilds the store and clears
+  ``layer.state``, so per-layer state is built again at the next warm-up block.
 * **Evictors declare a bound** (``Layout.middle``) so the store is sized by it, and evict by
   masking stored tokens (``layer.middle.retain(keep)``) or freeing whole storage units; slots are
   reused by the store's cursor - or, with ``Layout.head_slots``, by the evictor itself, per kv head
@@ -156,7 +159,10 @@ class CacheCompressor:
         Called once per compressed layer when the cache is built.  The pipeline
         combines the answers of every compressor: ``sinks`` and ``recent`` take the
         maximum, ``flush`` the least common multiple, ``middle`` (an evictor's bound on
-        the middle's tokens, which sizes a static cache's store) the minimum.
+        the middle's tokens, which sizes a static cache's store) the minimum, and so do
+        ``prefill_ratio`` / ``prefill_middle`` (a prefill-time evictor's bound on what a
+        prompt leaves in the middle: a static cache sizes its store at its first prefill
+        from it, so its bytes follow the kept fraction).
 
         Args:
             layer: static facts of the layer (index, kv heads, head_dim, model config).

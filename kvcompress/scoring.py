@@ -28,8 +28,10 @@ declares the layout, keeps the observation of the step, selects per kv head and 
   gives each kv head its own lane, as long as that head's longest row (``max_b c[b, h]``), so the head-columns held
   are the kept tokens (one row: exactly; several rows: each head as long as its longest row) plus a validity and
   positions per lane column (:class:`kvcompress.state.DenseStore`, "Per-head lanes"); the static store sizes every
-  head at the store's capacity, which the uniform schedule allocates too
-  (:class:`kvcompress.static.StaticDenseStore`).  The memory report counts what is allocated.  Stores that keep a
+  head for what one head may keep (the budget of all the row's kv heads) (:class:`kvcompress.static.StaticDenseStore`).
+* static caches: the layout declares what a prompt leaves in the middle (``Layout.prefill_ratio`` under ``ratio``,
+  ``Layout.prefill_middle`` under a prefill-only ``budget``), so a static cache builds its middle store at the first
+  prefill for that plus the tokens that can follow the prompt: its bytes follow the kept fraction.  The memory report counts what is allocated.  Stores that keep a
   per-head validity: the full-precision middle (dynamic and static caches, with or without a channel pruner's
   lanes); a quantizer's store (KIVI) is refused at validation.
 
@@ -276,9 +278,18 @@ class ScoreEvictor(Compressor):
         bounded = c.phase != "prefill" and c.budget is not None
         budget = self.layer_budget(layer) if bounded else None
         attention = ({"both": True}.get(c.phase, c.phase) if self.attention else None)  # the phases it reads mass in
+        # what a prompt leaves in the middle (a static cache sizes its middle by it at the first prefill): the
+        # ratio under the layer's schedule; AdaKV may give one kv head the budget of all of its row's heads
+        heads = layer.num_kv_heads if c.schedule == "adaptive" else 1
+        prefill_ratio = prefill_middle = None
+        if c.ratio is not None:
+            prefill_ratio = min(1.0, c.ratio * self.layer_factor(layer) * heads)
+        elif c.phase == "prefill":
+            prefill_middle = max(0, self.layer_budget(layer) - c.sinks - c.recent) * heads
         return Layout(sinks=c.sinks, recent=c.recent, flush=1, observe=c.window, attention=attention,
                       middle=None if budget is None else budget - c.sinks - c.recent, budget=budget,
-                      head_slots=(c.phase != "prefill") or None, head_valid=(c.schedule == "adaptive") or None)
+                      head_slots=(c.phase != "prefill") or None, head_valid=(c.schedule == "adaptive") or None,
+                      prefill_ratio=prefill_ratio, prefill_middle=prefill_middle)
 
     @hookimpl
     def kvcompress_observe(self, layer, obs):
@@ -379,7 +390,8 @@ class ScoreEvictor(Compressor):
         """Decoding under a budget (and every block after the first prefill one): per head, the incoming units
         that score above that head's lowest stored units replace them one for one; new units fill the row's free
         slots (the same ones for every head) while the row is under its budget.  Sets ``block.slots``; fixed
-        shapes, no host read (a static cache's decode step runs it every step, ``block.due`` gating)."""
+        shapes, no host read (a static cache's decode step runs it every step, ``block.due`` gating).  The
+        decision is :func:`replace_units` (:func:`replace_one_unit` for a block of one unit: a decode step)."""
         store = layer.middle
         unit, count = store.slot_unit, store.slot_count
         units = count // unit
@@ -391,37 +403,20 @@ class ScoreEvictor(Compressor):
         dev = block.valid.device
         valid = block.valid if block.due is None else block.valid & block.due
         incoming_ok = valid.view(b, nu, unit).all(-1)  # [b, nu]: a unit enters whole or not at all
-        incoming = self._sanitize(self.score(layer, block, obs)).view(b, h, nu, unit).mean(-1)
+        incoming = self._sanitize(self.score(layer, block, obs))
+        incoming = incoming.view(b, h, nu) if unit == 1 else incoming.view(b, h, nu, unit).mean(-1)
         occupied = store.slot_valid()
         live = (torch.zeros(b, units, dtype=torch.bool, device=dev) if occupied is None
-                else occupied.view(b, units, unit).any(-1))
+                else occupied if unit == 1 else occupied.view(b, units, unit).any(-1))
         fresh = self.stored_scores(layer, obs)
         if fresh is not None and fresh.shape[-1] >= count:
-            state.scores[..., :units] = self._sanitize(fresh[..., :count]).view(b, h, units, unit).mean(-1)
-        stored = state.scores[..., :units]
-        inf = torch.full((), float("-inf"), device=dev)
-        cand = torch.cat([torch.where(live.unsqueeze(1), stored, inf), torch.where(incoming_ok.unsqueeze(1),
-                                                                                     incoming, inf)], dim=-1)
-        held = live.sum(1)
-        # at most the target; never fewer than held (an evictor never frees a slot it does not refill)
-        most = torch.maximum(torch.minimum(state.target, held + incoming_ok.sum(1)), held)
-        order = cand.argsort(dim=-1, descending=True, stable=True)
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(units + nu, device=dev).expand_as(order))
-        kept = (rank < most.view(b, 1, 1)) & torch.cat([live, incoming_ok], dim=1).unsqueeze(1)
-        kept_in = kept[..., units:]  # [b, h, nu]
-        victim = live.unsqueeze(1) & ~kept[..., :units]  # [b, h, units]
-        n_victims = victim.sum(-1, keepdim=True)
-        idx = torch.arange(units, device=dev)
-        victims = torch.where(victim, idx, idx + units).argsort(dim=-1)  # each head's victims first, lowest first
-        free = self._free_units(store, b, units, dev).unsqueeze(1).expand(b, h, units)
-        j = kept_in.long().cumsum(-1) - 1  # the j-th kept incoming unit of a head
-        to_victim = victims.gather(-1, j.clamp(0, units - 1))
-        to_free = free.gather(-1, (j - n_victims).clamp(0, units - 1))
-        target = torch.where(j < n_victims, to_victim, to_free)
-        target = torch.where(kept_in, target, torch.full_like(target, units))  # dropped: the trash unit
+            fresh = self._sanitize(fresh[..., :count])
+            state.scores[..., :units] = fresh if unit == 1 else fresh.view(b, h, units, unit).mean(-1)
+        decide = replace_one_unit if nu == 1 else replace_units
+        target = decide(state.scores[..., :units], live, state.target, incoming, incoming_ok)
         state.scores.scatter_(2, target, incoming)
-        offsets = torch.arange(unit, device=dev)
-        block.slots = (target.unsqueeze(-1) * unit + offsets).view(b, h, n)
+        block.slots = target if unit == 1 else (target.unsqueeze(-1) * unit
+                                                + torch.arange(unit, device=dev)).view(b, h, n)
 
     @staticmethod
     def _sanitize(scores: torch.Tensor) -> torch.Tensor:
@@ -496,5 +491,60 @@ class ScoreEvictor(Compressor):
         return (flat_rank.view(b, h, n) < total.view(b, 1, 1)) & valid.unsqueeze(1)
 
 
+def replace_units(stored: torch.Tensor, live: torch.Tensor, target: torch.Tensor, incoming: torch.Tensor,
+                  incoming_ok: torch.Tensor) -> torch.Tensor:
+    """Where each incoming unit of a budgeted middle goes (:meth:`ScoreEvictor._replace`), per kv head.
+
+    ``stored`` ``[batch, kv_heads, units]``: each head's score of the unit in each slot unit (read where ``live``);
+    ``live`` ``[batch, units]``: slot units that hold tokens; ``target`` ``[batch]``: units a row holds at most;
+    ``incoming`` ``[batch, kv_heads, n]`` the incoming units' scores, ``incoming_ok`` ``[batch, n]`` the units that
+    may enter.  A row keeps its ``min(target, held + incoming)`` best units (never fewer than it holds; ties: a
+    stored unit before an incoming one, an older slot before a newer one, an earlier incoming before a later one);
+    each kept incoming unit takes the slot of one of its head's dropped stored units (lowest slot first), then
+    the row's free slots (lowest first, the same for every head).  Returns ``[batch, kv_heads, n]`` int64 slot
+    units; ``units`` (the trash unit) for a unit that does not enter.  Fixed shapes, no host read."""
+    b, h, units = stored.shape
+    nu = incoming.shape[-1]
+    dev = stored.device
+    inf = torch.full((), float("-inf"), device=dev)
+    cand = torch.cat([torch.where(live.unsqueeze(1), stored, inf), torch.where(incoming_ok.unsqueeze(1), incoming,
+                                                                                 inf)], dim=-1)
+    held = live.sum(1)
+    # at most the target; never fewer than held (an evictor never frees a slot it does not refill)
+    most = torch.maximum(torch.minimum(target, held + incoming_ok.sum(1)), held)
+    order = cand.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(units + nu, device=dev).expand_as(order))
+    kept = (rank < most.view(b, 1, 1)) & torch.cat([live, incoming_ok], dim=1).unsqueeze(1)
+    kept_in = kept[..., units:]  # [b, h, nu]
+    victim = live.unsqueeze(1) & ~kept[..., :units]  # [b, h, units]
+    n_victims = victim.sum(-1, keepdim=True)
+    idx = torch.arange(units, device=dev)
+    victims = torch.where(victim, idx, idx + units).argsort(dim=-1)  # each head's victims first, lowest first
+    free = torch.where(live, idx + units, idx).argsort(dim=-1).unsqueeze(1).expand(b, h, units)  # free first
+    j = kept_in.long().cumsum(-1) - 1  # the j-th kept incoming unit of a head
+    to_victim = victims.gather(-1, j.clamp(0, units - 1))
+    to_free = free.gather(-1, (j - n_victims).clamp(0, units - 1))
+    slot = torch.where(j < n_victims, to_victim, to_free)
+    return torch.where(kept_in, slot, torch.full_like(slot, units))  # dropped: the trash unit
+
+
+def replace_one_unit(stored: torch.Tensor, live: torch.Tensor, target: torch.Tensor, incoming: torch.Tensor,
+                     incoming_ok: torch.Tensor) -> torch.Tensor:
+    """:func:`replace_units` for one incoming unit (``n == 1``: a decode step), the same decision in a handful of
+    kernels instead of two sorts: a row under its target puts the unit in its lowest free slot; a full row lets it
+    replace, per head, that head's lowest-scoring stored unit (ties: the newest slot) when it scores strictly
+    higher."""
+    b, h, units = stored.shape
+    ok = incoming_ok[:, 0]  # [b]
+    inc = incoming[..., 0]  # [b, h]
+    masked = torch.where(live.unsqueeze(1), stored, float("inf"))
+    low, last = masked.flip(-1).min(-1)  # the first minimum of the reversed slots: the newest lowest one
+    victim = units - 1 - last  # [b, h]
+    room = live.sum(1) < target  # [b]
+    free = (~live).to(torch.uint8).argmax(1)  # [b]: the lowest free slot (one exists while under the target)
+    slot = torch.where(room.unsqueeze(1), free.unsqueeze(1), torch.where(inc > low, victim, units))
+    return torch.where(ok.unsqueeze(1), slot, units).unsqueeze(-1)
+
+
 __all__ = ["CHUNK_HEADS", "PHASES", "PYRAMID_BETA", "SCHEDULES", "ScoreConfig", "ScoreEvictor", "ScoreState",
-           "chunk_scores"]
+           "chunk_scores", "replace_one_unit", "replace_units"]

@@ -55,6 +55,14 @@ class Layout:
             per-head budgets, AdaKV): the pipeline packs each head's survivors densely and the middle store keeps a
             per-(row, kv head) validity (``MiddleStore.supports_head_valid``; the cache refuses to build
             otherwise); its segments' ``valid`` is then ``[batch, heads, tokens]``; combined by "or".
+        prefill_ratio: a prefill-time evictor's bound on what a prompt leaves in the middle: after the prompt's
+            ``P`` tokens, any one kv head of a row holds at most ``ceil(prefill_ratio x P)`` middle tokens (a
+            ``ratio`` of the prompt kept; tokens that arrive after the prompt come on top).  A static cache, which
+            cannot grow, sizes its middle store at its first prefill from it (:func:`kvcompress.static.middle_capacity`:
+            the bound plus the tokens the capacity leaves after the prompt), so held bytes follow the kept
+            fraction instead of the capacity.  Combined by minimum (every evictor's keep mask applies).
+        prefill_middle: the same bound as a token count (a prefill-time evictor with a token budget and no bound
+            while decoding); combined by minimum.
     """
 
     sinks: int | None = None
@@ -66,6 +74,8 @@ class Layout:
     attention: bool | str | None = None
     head_slots: bool | None = None
     head_valid: bool | None = None
+    prefill_ratio: float | None = None
+    prefill_middle: int | None = None
 
     #: the values of :attr:`attention` that name one phase
     ATTENTION_PHASES = ("prefill", "decode")
@@ -77,7 +87,7 @@ class Layout:
     @staticmethod
     def combine(layouts: Iterable["Layout | None"]) -> "Layout":
         sinks = recent = middle = budget = observe = None
-        attention = head_slots = head_valid = None
+        attention = head_slots = head_valid = prefill_ratio = prefill_middle = None
         flush = 1
         for lay in layouts:
             if lay is None:
@@ -103,8 +113,14 @@ class Layout:
                 head_slots = True
             if lay.head_valid:
                 head_valid = True
+            if lay.prefill_ratio is not None:
+                prefill_ratio = lay.prefill_ratio if prefill_ratio is None else min(prefill_ratio, lay.prefill_ratio)
+            if lay.prefill_middle is not None:
+                prefill_middle = (lay.prefill_middle if prefill_middle is None
+                                  else min(prefill_middle, lay.prefill_middle))
         return Layout(sinks=sinks or 0, recent=recent, flush=flush, middle=middle, budget=budget, observe=observe,
-                      attention=attention, head_slots=head_slots, head_valid=head_valid)
+                      attention=attention, head_slots=head_slots, head_valid=head_valid, prefill_ratio=prefill_ratio,
+                      prefill_middle=prefill_middle)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,12 +30,18 @@ Layout of one layer (``S`` sinks, window ``R = Layout.recent``, flush ``F = Layo
 
 The middle store (``Layout.middle`` bounds it under an evictor; otherwise it can hold the whole
 capacity) comes from the stack's hooks, as for dynamic caches; :class:`StaticDenseStore` is the
-full-precision one.  This module never imports transformers (the adapter owns the transformers
+full-precision one.  Under a prefill-time evictor (``Layout.prefill_ratio`` / ``prefill_middle``: a
+prompt leaves at most that in the middle) the store is built at the first prefill, once the prompt's
+length ``P`` is known, for what the prompt keeps plus the ``capacity - P`` tokens that can follow it
+(:func:`middle_capacity`): a SnapKV cache at 25% holds about a quarter of the prompt, not the capacity.
+After :meth:`StaticLayer.reset` a prompt that needs a larger store rebuilds it (a compiled step then
+recompiles once for the new buffers); a smaller one keeps the store.  This module never imports transformers (the adapter owns the transformers
 layer class and the attention function).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -130,14 +136,29 @@ def remap_rows(t: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> t
     return new
 
 
-def middle_capacity(layout: Layout, capacity: int) -> int:
-    """Tokens the middle store must hold: all that can leave the window, bounded by ``Layout.middle``."""
+def middle_capacity(layout: Layout, capacity: int, prompt: int | None = None) -> int:
+    """Tokens the middle store must hold: all that can leave the window, bounded by ``Layout.middle`` and, once
+    the first prompt's length ``prompt`` is known, by what it leaves (``Layout.prefill_ratio`` /
+    ``prefill_middle``) plus the ``capacity - prompt`` tokens that can follow it."""
     if layout.recent is None:
         return 0
     most = max(capacity - layout.recent, 0)
     if layout.middle is not None:
         most = min(most, layout.middle)
+    if prompt is not None and sized_by_prompt(layout):
+        p = min(max(prompt, 0), capacity)
+        kept = p
+        if layout.prefill_ratio is not None:
+            kept = min(kept, math.ceil(layout.prefill_ratio * p))
+        if layout.prefill_middle is not None:
+            kept = min(kept, layout.prefill_middle)
+        most = min(most, kept + capacity - p)
     return most
+
+
+def sized_by_prompt(layout: Layout) -> bool:
+    """Whether a static middle is sized at the first prefill (a prefill-time evictor bounds what a prompt leaves)."""
+    return layout.prefill_ratio is not None or layout.prefill_middle is not None
 
 
 class StaticLayer:
@@ -164,9 +185,12 @@ class StaticLayer:
         self.ring_slots = recent + self.flush_size if self.flushes else capacity
         #: token slots a static middle store needs: the middle's bound plus one block in flight, a multiple
         #: of the flush (so every store and a selector's label cache wrap at the same slot)
-        f = self.flush_size
-        self.store_capacity = (-(-middle_capacity(self.layout, capacity) // f) + 1) * f if self.flushes else 0
-        self.middle: MiddleStore | None = pipeline.make_store(self) if self.flushes else None
+        self.store_capacity = self._store_slots(None)
+        #: whether the middle store waits for the first prompt to be sized (``Layout.prefill_ratio``, module docs)
+        self.sized_by_prompt = self.flushes and sized_by_prompt(self.layout)
+        self._size_due = self.sized_by_prompt
+        self.middle: MiddleStore | None = (pipeline.make_store(self) if self.flushes and not self.sized_by_prompt
+                                           else None)
         self.is_initialized = False
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._host: tuple[int, int] | None = (0, 0)  # (seen, flushed) while known on the host
@@ -174,6 +198,32 @@ class StaticLayer:
         self._sinks_full = self.sink_slots == 0
 
     # -- allocation ------------------------------------------------------------------------
+    def _store_slots(self, prompt: int | None) -> int:
+        if not self.flushes:
+            return 0
+        f = self.flush_size
+        return (-(-middle_capacity(self.layout, self.capacity, prompt) // f) + 1) * f
+
+    def _size_middle(self, prompt: int) -> None:
+        """The first call after the cache was built or reset, under a prefill-time evictor: build the middle store
+        for a prompt of ``prompt`` tokens (eagerly: a prefill).  A store already large enough is kept (its buffers
+        keep their addresses); a larger one replaces it, and the compressors' per-layer state is rebuilt with it."""
+        self._size_due = False
+        slots = self._store_slots(prompt)
+        if self.middle is not None and slots <= self.store_capacity:
+            return
+        if self.middle is not None and _compiling():
+            raise UnsupportedOperationError(
+                f"this static cache's middle store was sized for a longer first prompt ({self.store_capacity} slots); "
+                f"a {prompt}-token one needs {slots}: run the prefill eagerly (as transformers' generate does) so the "
+                "store can be rebuilt")
+        self.store_capacity = slots
+        self.state.clear()
+        self.middle = self.pipeline.make_store(self)
+        if self.is_initialized:
+            self._flush_decode(warmup=True)
+            mark_held_static(self)
+
     def allocate(self, batch: int, kv_heads: int, head_dim: int, v_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         """Allocate every buffer at capacity and run the pipeline once on an empty block (eagerly),
@@ -233,6 +283,8 @@ class StaticLayer:
             raise UnsupportedOperationError(
                 f"this static cache was built for batch size {self.batch_size}, the model was called with "
                 f"{key.shape[0]} rows; build a new cache for this batch size")
+        if self._size_due:
+            self._size_middle(key.shape[2])
         self.pending = (key, value)
         return key, value
 
@@ -534,6 +586,7 @@ class StaticLayer:
         self._host = (0, 0)
         self._lead_open = True
         self._sinks_full = self.sink_slots == 0
+        self._size_due = self.sized_by_prompt  # the next prompt may need a larger middle
         if self.middle is not None:
             self.middle.reset()
         for value in self.state.values():
@@ -735,13 +788,11 @@ class StaticDenseStore(StaticRingStore):
     is then the union over the heads) and its segment reads it.
 
     Per-head lengths are not known when a static store is built (capacities are decided once, no host read on the
-    decode path), so every head's columns are sized at the capacity one head can reach: the adaptive schedule is
-    prefill-only and declares no ``Layout.middle``, so one head may hold every token that leaves the window, i.e.
-    the store's capacity.  That is the capacity the uniform schedule allocates too: an adaptive static cache holds
-    the uniform one's bytes plus the per-head validity (one bool per row, head and column), nothing that grows with
-    the spread of the heads' counts.  Splitting the lanes per head (as the dynamic
-    :class:`~kvcompress.state.DenseStore` does, where lengths follow the counts) would keep the same bytes here and
-    read more segments.
+    decode path), so every head's columns are sized at the capacity one head can reach: under the adaptive schedule
+    (``Layout.prefill_ratio``: the budget of all the row's kv heads, up to the prompt) that is more than the uniform
+    schedule's (a ratio of the prompt), plus the per-head validity (one bool per row, head and column).  Splitting
+    the lanes per head (as the dynamic :class:`~kvcompress.state.DenseStore` does, where lengths follow the counts)
+    would need the counts when the store is built.
     """
 
     supports_head_valid = True
@@ -828,4 +879,5 @@ class StaticDenseStore(StaticRingStore):
         return {"middle": n + self._meta_bytes()}
 
 
-__all__ = ["StaticDenseStore", "StaticLayer", "StaticRing", "StaticRingStore", "mark_held_static", "mark_static", "middle_capacity"]
+__all__ = ["StaticDenseStore", "StaticLayer", "StaticRing", "StaticRingStore", "mark_held_static", "mark_static",
+           "middle_capacity", "sized_by_prompt"]

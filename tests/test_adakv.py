@@ -202,8 +202,8 @@ def test_beam_search_reorders_each_heads_validity():
 def test_memory_report_is_the_bytes_held():
     """Dynamic cache: the report equals the bytes of every tensor the layers hold; each kv head has its own lane, as
     long as that head's longest row, and the row-level union (what :meth:`valid_mask` reports) is as long as the
-    longest head.  Static cache: what the per-head validity adds to the report is exactly its tensors (the static
-    buffers are allocated at capacity either way)."""
+    longest head.  Static cache: the report equals the bytes held too, the store sized at the first prefill for what
+    one head may keep (a quarter of the prompt, or the budget of the row's heads under AdaKV)."""
     model = tiny_model("llama")
     ids = torch.randint(1, 256, (2, 300), generator=torch.Generator().manual_seed(3))
 
@@ -225,13 +225,22 @@ def test_memory_report_is_the_bytes_held():
         assert sorted(lanes) == [0, 1]
         for head, buf in lanes.items():
             assert buf.size == int(counts[:, head].max()) and buf.k.shape[1] == 1
-    reports = {}
+    slots = {}
     for schedule in ("uniform", "adaptive"):
         with kvcompress.compress(model, stack(schedule), max_cache_len=310) as cache, torch.no_grad():
             model(ids, cache=cache)
-        reports[schedule] = cache.memory_report().cache_bytes
-    hvalid = sum(bufs["hvalid"].numel() for layer in cache.compressed_layers for _, bufs in layer.middle.lanes)
-    assert reports["adaptive"] - reports["uniform"] == hvalid > 0
+        seen, sizes = set(), []
+        for layer in cache.compressed_layers:
+            _tensors(layer, seen, sizes)
+        assert cache.memory_report().cache_bytes == sum(sizes)
+        layer = cache.compressed_layers[0]
+        slots[schedule] = layer.middle.ring.capacity
+        # every head's columns can hold what one head may keep: a quarter of the prompt (uniform), or under AdaKV
+        # the budget of all the row's kv heads (2 here), plus the 10 tokens the capacity leaves after the prompt
+        counts = (layer.middle.head_valid_mask() if schedule == "adaptive" else layer.middle.valid_mask()
+                  .unsqueeze(1)).sum(-1)
+        assert int(counts.max()) <= slots[schedule] < 300 - 36
+    assert slots["uniform"] < slots["adaptive"]
 
 
 def _ratio_stack(schedule, ratio=0.25, *extra):

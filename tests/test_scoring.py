@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import kvcompress
 from kvcompress import CompressorSpec, Layout, hookimpl, param
 from kvcompress.errors import ConfigError, PluginError
+from kvcompress import scoring as score_mod
 from kvcompress.registry import Registry
 from kvcompress.stack import parse_stack
 from models import tiny_model
@@ -452,3 +453,81 @@ def test_padded_batch_rows_equal_rows_alone(static, entry):
         got = torch.stack([s[row] for s in both.scores])
         ref = torch.stack([s[0] for s in one.scores])
         assert (got - ref).abs().max().item() <= 1e-4
+
+
+def _static_vs_dynamic(model, stack, ids, prompt, cache=None):
+    """Logits of a prefill of ``prompt`` tokens then one decode step per token of ``ids``, through ``cache`` (a
+    static cache, reset first) and through a fresh dynamic cache; ``(static, dynamic)``."""
+    runs = []
+    for c in (cache, None):
+        with torch.no_grad():
+            if c is None:
+                ctx = kvcompress.compress(model, stack)
+                c = ctx.__enter__()
+            else:
+                ctx = None
+                c.reset()
+            out = [model(ids[:, :prompt], cache=c).logits[:, -1]]
+            for t in range(prompt, ids.shape[1]):
+                out.append(model(ids[:, t:t + 1], position_ids=torch.full((ids.shape[0], 1), t), cache=c).logits[:, -1])
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
+        runs.append(torch.stack(out))
+    return runs
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.25])
+def test_static_bytes_follow_the_kept_fraction(ratio):
+    """A static cache under a prefill-time evictor sizes its middle at the first prefill: after a 400-token prompt
+    and decoding to its capacity it holds about the kept fraction of an uncompressed cache of the same tokens (not
+    the capacity), decodes as the dynamic cache does, and a shorter prompt after a reset (which needs more slots)
+    rebuilds the store; a longer one keeps it."""
+    model = tiny_model("llama")
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.randint(1, 256, (1, 424), generator=gen)
+    stack = {"compressors": [{"snapkv": {"ratio": ratio, "sinks": 4, "recent": 32, "window": 32}}]}
+    with kvcompress.compress(model, stack, max_cache_len=424) as cache:
+        static, dynamic = _static_vs_dynamic(model, stack, ids, 400, cache)
+        assert (static - dynamic).abs().max().item() <= 1e-5
+        report = cache.memory_report()
+        assert report.tokens == 424
+        held = report.cache_bytes / report.dense_native_bytes
+        # sinks + window + the middle's slots: ceil(ratio x 400) kept at most, 24 that follow, one in flight; each
+        # slot's validity and position add ~7% to the tiny model's 256-byte tokens (uncompressed, held 1.0 or more)
+        assert held <= (4 + 33 + math.ceil(ratio * 400) + 24 + 1) / 424 * 1.1, held
+        first = cache.compressed_layers[0].middle
+        slots = first.ring.capacity
+        # a shorter prompt leaves more for the tokens that follow: a larger store, the same logits as dynamic
+        short = torch.randint(1, 256, (1, 300), generator=gen)
+        static, dynamic = _static_vs_dynamic(model, stack, short, 200, cache)
+        assert (static - dynamic).abs().max().item() <= 1e-5
+        assert cache.compressed_layers[0].middle is not first and cache.compressed_layers[0].middle.ring.capacity > slots
+        grown = cache.compressed_layers[0].middle
+        static, dynamic = _static_vs_dynamic(model, stack, ids, 400, cache)
+        assert (static - dynamic).abs().max().item() <= 1e-5
+        assert cache.compressed_layers[0].middle is grown  # large enough: kept, same buffers
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_one_unit_replacement_is_the_general_decision(seed):
+    """A decode step's replacement (one incoming unit) decides as the general sort-based one does: free slots while
+    under the target, else per head the newest of the lowest stored units when the incoming one scores strictly
+    higher; ties (scores drawn from a few values), full and empty rows, rows over the target, units that may not
+    enter."""
+    gen = torch.Generator().manual_seed(seed)
+    b, h, units = 6, 3, 9
+    stored = torch.randint(0, 4, (b, h, units + 1), generator=gen).float()  # few values: many ties
+    live = torch.rand(b, units, generator=gen) < torch.tensor([0.0, 0.3, 0.7, 1.0, 1.0, 0.9]).view(b, 1)
+    held = live.sum(1)
+    target = torch.stack([held[0] + 2, held[1] + 1, held[2], held[3], held[4] - 1, held[5]]).clamp(min=1)
+    incoming = torch.randint(0, 4, (b, h, 1), generator=gen).float()
+    ok = torch.tensor([True, True, True, True, True, False]).view(b, 1)
+    fast = score_mod.replace_one_unit(stored[..., :units], live, target, incoming, ok)
+    general = score_mod.replace_units(stored[..., :units], live, target, incoming, ok)
+    assert torch.equal(fast, general)
+    # and what that decision is, spelled out for one full row: the incoming unit beats the lowest stored one
+    row = 3
+    for head in range(h):
+        low = stored[row, head, :units].min()
+        expect = int((stored[row, head, :units] == low).nonzero().max()) if incoming[row, head, 0] > low else units
+        assert int(fast[row, head, 0]) == expect
