@@ -140,6 +140,12 @@ class KiviCodec:
         return "middle: kivi codes" if name.endswith("codes") else "middle: kivi scales"
 
 
+#: batch x kv heads from which a CUDA store reads its lanes one by one instead of merged (H200, LeanK-70 + KIVI-2,
+#: docs/results.md "Session 18": merged faster at Llama B1-B16 and SmolLM2 B16-B64 (<= 192), per-lane at Llama B64
+#: (512: 1.07x / 1.22x SDPA against 0.93x / 0.98x at 32k / 128k))
+MERGE_MAX_ROW_HEADS = 512
+
+
 @dataclasses.dataclass
 class MergedLanes:
     """How a store's head-group lanes read as one region (a stacked LeanK + KIVI middle): decided once, when the
@@ -167,8 +173,9 @@ class MergedLanes:
              head_dim: int, num_kv_heads: int | None) -> "MergedLanes | None":
         """The plan, or ``None`` when the lanes stay separate segments: per-token keys, lanes with a query
         projection or an output map (low rank), lanes sharing a head, a CUDA store whose fused kernel does not take
-        them (the per-lane KIVI kernels then read them as before), or a single lane that gains nothing (every head,
-        all channels) or that the KIVI CUDA kernel (v3) reads on its own."""
+        them (the per-lane KIVI kernels then read them as before), a CUDA store of at least
+        :data:`MERGE_MAX_ROW_HEADS` rows x kv heads (the per-lane reads are faster there), or a single lane that
+        gains nothing (every head, all channels) or that the KIVI CUDA kernel (v3) reads on its own."""
         if not groups or codec.per_token_keys:
             return None
         if any(g.heads is None or g.qmap is not None or g.vmap is not None for g in groups):
@@ -187,6 +194,9 @@ class MergedLanes:
                           v_dim=dv, v_group=codec.v_group, kept=tuple(p["k_scale"].shape[-1] for p in payloads))
         if device.type == "cuda" and impl == "reference":
             return None  # the per-lane KIVI kernels beat the reference on the GPU
+        rows = payloads[0]["v_codes"].shape[0] * (num_kv_heads or len(union))
+        if device.type == "cuda" and rows >= MERGE_MAX_ROW_HEADS:
+            return None  # large batches: the per-lane reads (KIVI CUDA v3 where it takes a lane) are faster
         if len(groups) == 1:  # one lane: merged where it spares the read a query gather / head scatter
             g = groups[0]
             if g.every_head and g.channels is None:

@@ -606,3 +606,25 @@ def test_static_read_on_gpu_reduce_overhead():
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     collect(_interpreter_cases(), sys.argv[sys.argv.index("--worker") + 1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_large_batch_reads_lanes_one_by_one():
+    """From MERGE_MAX_ROW_HEADS rows x kv heads a CUDA store keeps its lanes as separate segments (the per-lane
+    reads were faster there on the H200); the read still equals the reference read of the same layer."""
+    from kvcompress.kernels import benchutil
+    from kvcompress.plugins.kivi import MERGE_MAX_ROW_HEADS
+
+    shape = benchutil.SHAPES[0]
+    batch = -(-MERGE_MAX_ROW_HEADS // shape.kv_heads)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layer = benchutil.build_static_layer("leank70-kivi2", shape, batch, 1024, "cuda", gen)
+    assert layer.middle.merged is None and len(layer.middle.segments()) == len(layer.middle.lanes) > 1
+    q = torch.randn(batch, shape.q_heads, 1, shape.head_dim, device="cuda", dtype=torch.float16, generator=gen)
+    scale = shape.head_dim ** -0.5
+    got = benchutil.static_read(layer, q, scale)  # [B, 1, Hq, Dv]
+    from kvcompress.kernels.attention.reference import segment_attention
+
+    ref = segment_attention(q.float(), benchutil.static_segments(layer), layer.seen.view(1) - 1, scale)
+    assert (got.float().transpose(1, 2) - ref.float()).abs().max().item() <= 2e-2
