@@ -140,10 +140,12 @@ class KiviCodec:
         return "middle: kivi codes" if name.endswith("codes") else "middle: kivi scales"
 
 
-#: batch x kv heads from which a CUDA store reads its lanes one by one instead of merged (H200, LeanK-70 + KIVI-2,
-#: docs/results.md "Session 18": merged faster at Llama B1-B16 and SmolLM2 B16-B64 (<= 192), per-lane at Llama B64
-#: (512: 1.07x / 1.22x SDPA against 0.93x / 0.98x at 32k / 128k))
+#: batch x kv heads and slots from which a static CUDA store reads its lanes one by one instead of merged (H200,
+#: LeanK-70 + KIVI-2, docs/results.md "Session 18"): merged faster at Llama B1-B16 and SmolLM2 B16-B64 (<= 192 rows
+#: x heads) and at Llama B64 / 4k (341 vs 422 us); per-lane at Llama B64 / 32k and 128k (1.09x / 1.36x SDPA against
+#: 0.93x / 0.98x merged)
 MERGE_MAX_ROW_HEADS = 512
+PER_LANE_MIN_TOKENS = 16384
 
 
 @dataclasses.dataclass
@@ -170,12 +172,13 @@ class MergedLanes:
 
     @classmethod
     def plan(cls, codec: "KiviCodec", groups: list[HeadGroup], payloads: list[dict[str, torch.Tensor]],
-             head_dim: int, num_kv_heads: int | None) -> "MergedLanes | None":
+             head_dim: int, num_kv_heads: int | None, tokens: int | None = None) -> "MergedLanes | None":
         """The plan, or ``None`` when the lanes stay separate segments: per-token keys, lanes with a query
         projection or an output map (low rank), lanes sharing a head, a CUDA store whose fused kernel does not take
-        them (the per-lane KIVI kernels then read them as before), a CUDA store of at least
-        :data:`MERGE_MAX_ROW_HEADS` rows x kv heads (the per-lane reads are faster there), or a single lane that
-        gains nothing (every head, all channels) or that the KIVI CUDA kernel (v3) reads on its own."""
+        them (the per-lane KIVI kernels then read them as before), a static CUDA store (``tokens``: its slots) of at
+        least :data:`MERGE_MAX_ROW_HEADS` rows x kv heads and :data:`PER_LANE_MIN_TOKENS` slots (the per-lane reads
+        are faster there), or a single lane that gains nothing (every head, all channels) or that the KIVI CUDA
+        kernel (v3) reads on its own."""
         if not groups or codec.per_token_keys:
             return None
         if any(g.heads is None or g.qmap is not None or g.vmap is not None for g in groups):
@@ -195,8 +198,9 @@ class MergedLanes:
         if device.type == "cuda" and impl == "reference":
             return None  # the per-lane KIVI kernels beat the reference on the GPU
         rows = payloads[0]["v_codes"].shape[0] * (num_kv_heads or len(union))
-        if device.type == "cuda" and rows >= MERGE_MAX_ROW_HEADS:
-            return None  # large batches: the per-lane reads (KIVI CUDA v3 where it takes a lane) are faster
+        if device.type == "cuda" and rows >= MERGE_MAX_ROW_HEADS and tokens is not None \
+                and tokens >= PER_LANE_MIN_TOKENS:
+            return None  # large, long static stores: the per-lane reads (KIVI CUDA v3 where it takes a lane) are faster
         if len(groups) == 1:  # one lane: merged where it spares the read a query gather / head scatter
             g = groups[0]
             if g.every_head and g.channels is None:
@@ -447,7 +451,7 @@ class KiviStaticStore(StaticRingStore):
                 self.kernels.append(self.codec.choose_kernel(bufs, self.ring.columns))
             if not self.slotted:  # slot mode (an evictor places blocks per head) keeps one segment per lane
                 self.merged = MergedLanes.plan(self.codec, [g for g, _ in self.lanes], [b for _, b in self.lanes],
-                                               self.head_dim, self.num_kv_heads)
+                                               self.head_dim, self.num_kv_heads, tokens=self.ring.columns)
                 self.lanes_kernel = None if self.merged is None else self.merged.impl
                 self._region = None if self.merged is None else self.merged.region(
                     self.codec, [g for g, _ in self.lanes], [b for _, b in self.lanes], self.ring.valid)

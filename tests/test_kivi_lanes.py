@@ -490,7 +490,7 @@ def test_stacked_leank_kivi_logits_unchanged(stacked, static, monkeypatch):
         assert len(segs[0].packed.lanes) == (2 if i == 0 else 3)
         assert (segs[0].valid.dim() == 3 and not segs[0].valid[:, 2].any()) if i == 0 else segs[0].valid.dim() == 2
     with monkeypatch.context() as m:
-        m.setattr(kivi.MergedLanes, "plan", classmethod(lambda cls, *a: None))
+        m.setattr(kivi.MergedLanes, "plan", classmethod(lambda cls, *a, **k: None))
         per_lane, _ = _logits(model, stack, ids, static)
     assert (merged - per_lane).abs().max().item() < 1e-5
     if not static:
@@ -611,15 +611,19 @@ if __name__ == "__main__" and "--worker" in sys.argv:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_large_batch_reads_lanes_one_by_one():
-    """From MERGE_MAX_ROW_HEADS rows x kv heads a CUDA store keeps its lanes as separate segments (the per-lane
-    reads were faster there on the H200); the read still equals the reference read of the same layer."""
+    """From MERGE_MAX_ROW_HEADS rows x kv heads and PER_LANE_MIN_TOKENS slots a static CUDA store keeps its lanes as
+    separate segments (the per-lane reads were faster there on the H200); the read still equals the reference read
+    of the same layer.  A shorter store of as many rows stays merged."""
     from kvcompress.kernels import benchutil
-    from kvcompress.plugins.kivi import MERGE_MAX_ROW_HEADS
+    from kvcompress.plugins.kivi import MERGE_MAX_ROW_HEADS, PER_LANE_MIN_TOKENS
 
     shape = benchutil.SHAPES[0]
     batch = -(-MERGE_MAX_ROW_HEADS // shape.kv_heads)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    layer = benchutil.build_static_layer("leank70-kivi2", shape, batch, 1024, "cuda", gen)
+    short = benchutil.build_static_layer("leank70-kivi2", shape, batch, 1024, "cuda", gen)
+    assert short.middle.merged is not None
+    del short
+    layer = benchutil.build_static_layer("leank70-kivi2", shape, batch, PER_LANE_MIN_TOKENS, "cuda", gen)
     assert layer.middle.merged is None and len(layer.middle.segments()) == len(layer.middle.lanes) > 1
     q = torch.randn(batch, shape.q_heads, 1, shape.head_dim, device="cuda", dtype=torch.float16, generator=gen)
     scale = shape.head_dim ** -0.5
