@@ -35,7 +35,9 @@ prompt leaves at most that in the middle) the store is built at the first prefil
 length ``P`` is known, for what the prompt keeps plus the ``capacity - P`` tokens that can follow it
 (:func:`middle_capacity`): a SnapKV cache at 25% holds about a quarter of the prompt, not the capacity.
 After :meth:`StaticLayer.reset` a prompt that needs a larger store rebuilds it (a compiled step then
-recompiles once for the new buffers); a smaller one keeps the store.  This module never imports transformers (the adapter owns the transformers
+recompiles once for the new buffers); a smaller one keeps the store.  A prompt prefilled in chunks is sized by
+its first chunk (the rest of the prompt is not known yet): safe, but the store then holds what a prompt of that
+chunk's length would leave plus everything after it, i.e. less saving the more chunks.  This module never imports transformers (the adapter owns the transformers
 layer class and the attention function).
 """
 
