@@ -623,7 +623,8 @@ def test_large_batch_reads_lanes_one_by_one():
     short = benchutil.build_static_layer("leank70-kivi2", shape, batch, 1024, "cuda", gen)
     assert short.middle.merged is not None
     del short
-    layer = benchutil.build_static_layer("leank70-kivi2", shape, batch, PER_LANE_MIN_TOKENS, "cuda", gen)
+    layer = benchutil.build_static_layer("leank70-kivi2", shape, batch, 2 * PER_LANE_MIN_TOKENS, "cuda", gen)
+    assert layer.middle.ring.columns >= PER_LANE_MIN_TOKENS
     assert layer.middle.merged is None and len(layer.middle.segments()) == len(layer.middle.lanes) > 1
     q = torch.randn(batch, shape.q_heads, 1, shape.head_dim, device="cuda", dtype=torch.float16, generator=gen)
     scale = shape.head_dim ** -0.5
