@@ -22,7 +22,9 @@ Where the mass comes from:
   segments attention read, with the model's soft-cap, learned sink logits, masks and read-time selections applied;
   packed segments are dequantized with :meth:`~kvcompress.state.Segment.keys_values`), run on first access.  The
   prefill's own attention runs in the model's backend (SDPA, FlashAttention), which returns no scores; the pass
-  covers only the last ``Layout.observe`` query positions.
+  covers only the last ``Layout.observe`` query positions, and past :data:`MASS_CHUNK_ELEMENTS` scores it runs over
+  token chunks in two passes (log-sum-exp, then mass), so a long prompt's observation never holds all of its
+  ``queries x tokens`` scores at once.
 """
 
 from __future__ import annotations
@@ -126,9 +128,15 @@ class Observation:
         return out
 
 
+#: most score elements (``batch x q_heads x observed queries x tokens``) :func:`attention_mass` materialises at once;
+#: past it the mass is computed in token chunks with two passes (the log-sum-exp first), so a 32k-token prefill's
+#: observation at batch 8 holds ~256 MB of scores instead of several GB
+MASS_CHUNK_ELEMENTS = 1 << 26
+
+
 def attention_mass(query: torch.Tensor, segments: Sequence[Segment], q_positions: torch.Tensor, scale: float,
                    kv_heads: int, softcap: float | None = None,
-                   sink_logits: torch.Tensor | None = None) -> list[torch.Tensor]:
+                   sink_logits: torch.Tensor | None = None, max_elements: int | None = None) -> list[torch.Tensor]:
     """Attention probability mass per segment: ``[batch, kv_heads, tokens]`` float32 for each of ``segments``.
 
     One joint softmax over every segment, as :func:`kvcompress.kernels.attention.segment_attention` computes it
@@ -137,6 +145,11 @@ def attention_mass(query: torch.Tensor, segments: Sequence[Segment], q_positions
     positions.  A segment covering some kv heads (``heads``) reports 0 for the others.  Fixed shapes and no host
     read: it runs inside a compiled decode step.
 
+    Past ``max_elements`` scores (default :data:`MASS_CHUNK_ELEMENTS`) the scores are never held all at once: a
+    first pass over token chunks accumulates each query's log-sum-exp, a second recomputes each chunk's scores and
+    sums ``exp(score - LSE)`` (the same mass, to float rounding; twice the ``q x tokens`` products, which are a
+    ``w / P`` share of a prefill's attention).
+
     Args:
         query: ``[batch, q_heads, q_len, head_dim]``.
         segments: what attention read.
@@ -144,23 +157,21 @@ def attention_mass(query: torch.Tensor, segments: Sequence[Segment], q_positions
         scale: the softmax scale.
         kv_heads: the layer's kv heads.
         softcap, sink_logits: the model's attention variants (``None``: none).
+        max_elements: the chunking threshold (tests use a small one).
     """
-    from kvcompress.kernels.attention.reference import segment_mask, soft_cap
-
-    from kvcompress.kernels.attention.reference import to_float32
+    from kvcompress.kernels.attention.reference import segment_mask, soft_cap, to_float32
 
     b, hq, q_len, d = query.shape
     group = hq // kv_heads
     qg = to_float32(query).view(b, kv_heads, group, q_len, d)
-    scores = []
+    plans = []  # per segment: (queries, keys, mask or None, head spreading or None)
     for seg in segments:
         k, _ = seg.keys_values()
         heads = seg.heads
         qs = qg if heads is None else qg.index_select(1, heads)
         if seg.qmap is not None:
             qs = seg.qmap(qs)
-        s = soft_cap(torch.einsum("bhgqd,bhtd->bhgqt", qs, to_float32(k)) * scale, softcap)
-        t = s.shape[-1]
+        t = k.shape[2]
         if q_len == 1 and seg.select is None and seg.packed is None:
             # one query (decode): every stored token precedes it (its own is at its position): validity only
             if seg.valid is None:
@@ -179,25 +190,53 @@ def attention_mass(query: torch.Tensor, segments: Sequence[Segment], q_positions
         elif seg.select is not None:  # [b, kv_heads, q, t]
             sel = seg.select.unsqueeze(2)
             m = m & (sel if heads is None else sel.index_select(1, heads))
-        if m is not None:
-            s = torch.where(m, s, float("-inf"))
+        src = spread = None
         if heads is not None:  # spread the segment's heads over all kv heads (-inf elsewhere), functionally
             onehot = heads.view(-1, 1) == torch.arange(kv_heads, device=heads.device).view(1, -1)  # [n, kv_heads]
-            src = onehot.to(torch.int32).argmax(0)
-            s = torch.where(onehot.any(0).view(1, -1, 1, 1, 1), s.index_select(1, src), float("-inf"))
-        scores.append(s)
-    s = torch.cat(scores, dim=-1)
+            src, spread = onehot.to(torch.int32).argmax(0), onehot.any(0).view(1, -1, 1, 1, 1)
+        plans.append((qs, k, m, src, spread))  # keys in their dtype: a chunk is converted when it is scored
+
+    def scores(plan, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+        qs, k, m, src, spread = plan
+        if lo is not None:
+            k = k[:, :, lo:hi]
+            m = None if m is None else m[..., lo:hi]
+        s = soft_cap(torch.einsum("bhgqd,bhtd->bhgqt", qs, to_float32(k)) * scale, softcap)
+        if m is not None:
+            s = torch.where(m, s, float("-inf"))
+        if src is not None:
+            s = torch.where(spread, s.index_select(1, src), float("-inf"))
+        return s
+
+    sizes = [plan[1].shape[2] for plan in plans]
+    total = b * hq * q_len * sum(sizes)
+    limit = MASS_CHUNK_ELEMENTS if max_elements is None else max_elements
+    if total <= limit:  # one pass over every score
+        s = torch.cat([scores(plan) for plan in plans], dim=-1)
+        if sink_logits is not None:
+            sink = sink_logits.float().view(1, kv_heads, group, 1, 1).expand(b, kv_heads, group, q_len, 1)
+            s = torch.cat([s, sink], dim=-1)
+        top = s.amax(dim=-1, keepdim=True).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # non-finite: shift by 0
+        p = torch.exp(s - top)
+        denom = p.sum(dim=-1, keepdim=True)
+        p = p / torch.where(denom > 0, denom, 1.0)  # rows that see nothing: 0
+        if sink_logits is not None:
+            p = p[..., :-1]
+        mass = p.sum(dim=(2, 3))  # [b, kv_heads, tokens]
+        return list(mass.split(sizes, dim=-1))
+    chunk = max(1, limit // max(1, b * hq * q_len))
+    spans = [(i, lo, min(lo + chunk, n)) for i, n in enumerate(sizes) for lo in range(0, n, chunk)]
+    lse = torch.full((b, kv_heads, group, q_len), float("-inf"), device=query.device)
     if sink_logits is not None:
-        sink = sink_logits.float().view(1, kv_heads, group, 1, 1).expand(b, kv_heads, group, q_len, 1)
-        s = torch.cat([s, sink], dim=-1)
-    top = s.amax(dim=-1, keepdim=True).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # non-finite: shift by 0
-    p = torch.exp(s - top)
-    denom = p.sum(dim=-1, keepdim=True)
-    p = p / torch.where(denom > 0, denom, 1.0)  # rows that see nothing: 0
-    if sink_logits is not None:
-        p = p[..., :-1]
-    mass = p.sum(dim=(2, 3))  # [b, kv_heads, tokens]
-    return list(mass.split([sc.shape[-1] for sc in scores], dim=-1))
+        lse = sink_logits.float().view(1, kv_heads, group, 1).expand(b, kv_heads, group, q_len).clone()
+    for i, lo, hi in spans:  # pass 1: each query's log-sum-exp over everything it read
+        lse = torch.logaddexp(lse, scores(plans[i], lo, hi).logsumexp(dim=-1))
+    shift = torch.where(torch.isfinite(lse), lse, float("inf")).unsqueeze(-1)  # rows that see nothing: 0
+    out = [[] for _ in plans]
+    for i, lo, hi in spans:  # pass 2: exp(score - LSE), summed over the query heads of a kv head and the queries
+        out[i].append(torch.exp(scores(plans[i], lo, hi) - shift).sum(dim=(2, 3)))
+    return [torch.cat(parts, dim=-1) if parts else torch.zeros(b, kv_heads, 0, device=query.device)
+            for parts in out]
 
 
 def observe_window(layout, q: int) -> int:
@@ -205,4 +244,4 @@ def observe_window(layout, q: int) -> int:
     return max(1, min(q, layout.observe or 1))
 
 
-__all__ = ["Observation", "REGIONS", "attention_mass", "observe_window"]
+__all__ = ["MASS_CHUNK_ELEMENTS", "Observation", "REGIONS", "attention_mass", "observe_window"]

@@ -612,3 +612,42 @@ def test_decode_mass_on_gpu_equals_cpu(quantized):
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     collect(_interpreter_cases(), sys.argv[sys.argv.index("--worker") + 1])
+
+
+@pytest.mark.parametrize("variant", ["plain", "softcap", "sinks"])
+@pytest.mark.parametrize("case", ["decode", "prefill-window"])
+def test_chunked_mass_equals_one_pass(case, variant):
+    """attention_mass past its element limit (two passes over token chunks, the LSE first) gives the one-pass mass:
+    every kind of segment of a decode read, and a prefill's observation window (8 queries: a stored dense region with
+    masked slots, a LeanK-style head subset with kept channels, the step's own 18 tokens read causally), with
+    chunks that split segments unevenly."""
+    from kvcompress.observe import attention_mass
+    from kvcompress.state import HeadGroup, Segment
+
+    if case == "decode":
+        q, segs, pos = rich_segments()
+        kv = 4
+    else:
+        g = torch.Generator().manual_seed(3)
+        b, kv, group, d = 2, 2, 3, 16
+        q = torch.randn(b, kv * group, 8, d, generator=g)
+        valid = torch.rand(b, 30, generator=g) > 0.3
+        stored = Segment(torch.randn(b, kv, 30, d, generator=g), torch.randn(b, kv, 30, d, generator=g), valid,
+                         torch.arange(30))
+        ch = torch.tensor([[1, 4, 5, 9, 11]])
+        lane = HeadGroup(torch.tensor([1]), None, None, channels=ch).attach(Segment(torch.randn(b, 1, 12, 5, generator=g),
+                                                               torch.randn(b, 1, 12, d, generator=g),
+                                                               torch.rand(b, 12, generator=g) > 0.2, torch.arange(12)))
+        new = Segment(torch.randn(b, kv, 18, d, generator=g), torch.randn(b, kv, 18, d, generator=g), None,
+                      torch.arange(30, 48))
+        segs, pos = [stored, lane, new], torch.arange(40, 48)
+    softcap = 0.9 if variant == "softcap" else None
+    sinks = torch.randn(q.shape[1], generator=torch.Generator().manual_seed(1)) if variant == "sinks" else None
+    scale = q.shape[-1] ** -0.5
+    one = attention_mass(q, segs, pos, scale, kv, softcap, sinks)
+    for limit in (1, q.shape[0] * q.shape[1] * q.shape[2] * 7):  # one token per chunk; 7 tokens per chunk
+        chunked = attention_mass(q, segs, pos, scale, kv, softcap, sinks, max_elements=limit)
+        assert len(chunked) == len(one)
+        for i, (got, want) in enumerate(zip(chunked, one)):
+            assert got.shape == want.shape, i
+            assert (got - want).abs().max() < 1e-6, (i, limit)
