@@ -62,8 +62,9 @@ compressor follows these rules in a static layer:
   (``due`` False), eagerly: per-layer plans and buffers are built then, never inside the
   compiled step.  Under a prefill-time evictor (``Layout.prefill_ratio`` / ``prefill_middle``)
   the store is built, and this warm-up block run, at the first prefill (the prompt's length sizes
-  it); after ``reset()`` a prompt that needs more slots rebuilds the store and clears
-  ``layer.state``, so per-layer state is built again at the next warm-up block.
+  it; later chunks of a chunked prefill shrink it through ``StaticRingStore.shrink``); after
+  ``reset()`` a prompt that needs more slots rebuilds the store and clears ``layer.state``, so
+  per-layer state is built again at the next warm-up block.
 * **Evictors declare a bound** (``Layout.middle``) so the store is sized by it, and evict by
   masking stored tokens (``layer.middle.retain(keep)``) or freeing whole storage units; slots are
   reused by the store's cursor - or, with ``Layout.head_slots``, by the evictor itself, per kv head

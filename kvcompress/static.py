@@ -36,8 +36,9 @@ length ``P`` is known, for what the prompt keeps plus the ``capacity - P`` token
 (:func:`middle_capacity`): a SnapKV cache at 25% holds about a quarter of the prompt, not the capacity.
 After :meth:`StaticLayer.reset` a prompt that needs a larger store rebuilds it (a compiled step then
 recompiles once for the new buffers); a smaller one keeps the store.  A prompt prefilled in chunks is sized by
-its first chunk (the rest of the prompt is not known yet): safe, but the store then holds what a prompt of that
-chunk's length would leave plus everything after it, i.e. less saving the more chunks.  This module never imports transformers (the adapter owns the transformers
+its first chunk (the rest is not known yet), and each later chunk, before any decode step, shrinks the store to
+the longer prompt's bound (:meth:`StaticRingStore.shrink`: the stored tokens keep their slots; a store without
+``shrink``, or an evictor with per-head slots, keeps the first chunk's size).  This module never imports transformers (the adapter owns the transformers
 layer class and the attention function).
 """
 
@@ -191,6 +192,9 @@ class StaticLayer:
         #: whether the middle store waits for the first prompt to be sized (``Layout.prefill_ratio``, module docs)
         self.sized_by_prompt = self.flushes and sized_by_prompt(self.layout)
         self._size_due = self.sized_by_prompt
+        #: tokens the prefill chunks of the first prompt committed since the store was sized (while a later chunk
+        #: equals ``seen``, no decode step ran and the store may still shrink); -1: it never shrinks
+        self._prompt_tokens = -1
         self.middle: MiddleStore | None = (pipeline.make_store(self) if self.flushes and not self.sized_by_prompt
                                            else None)
         self.is_initialized = False
@@ -211,6 +215,7 @@ class StaticLayer:
         for a prompt of ``prompt`` tokens (eagerly: a prefill).  A store already large enough is kept (its buffers
         keep their addresses); a larger one replaces it, and the compressors' per-layer state is rebuilt with it."""
         self._size_due = False
+        self._prompt_tokens = 0 if self.sized_by_prompt and not self.layout.head_slots else -1
         slots = self._store_slots(prompt)
         if self.middle is not None and slots <= self.store_capacity:
             return
@@ -224,6 +229,18 @@ class StaticLayer:
         self.middle = self.pipeline.make_store(self)
         if self.is_initialized:
             self._flush_decode(warmup=True)
+            mark_held_static(self)
+
+    def _shrink_middle(self, prompt: int) -> None:
+        """A later chunk of the first prompt (prefill-only eviction, no per-head slots): the store was sized for a
+        prompt as long as the chunks so far; a longer prompt leaves fewer slots after it, so the store shrinks to
+        the longer prompt's bound when that saves a quarter or more (its stored tokens stay where they are)."""
+        slots = self._store_slots(prompt)
+        shrink = getattr(self.middle, "shrink", None)
+        if shrink is None or slots * 4 > self.store_capacity * 3:
+            return
+        if shrink(slots):
+            self.store_capacity = slots
             mark_held_static(self)
 
     def allocate(self, batch: int, kv_heads: int, head_dim: int, v_dim: int, dtype: torch.dtype,
@@ -391,6 +408,8 @@ class StaticLayer:
                 "multi-token chunks) eagerly: call the uncompiled model for them, as transformers' generate does")
         seen, flushed = self.host_counts()
         q = k.shape[2]
+        if self._prompt_tokens == seen > 0 and seen + q <= self.capacity:  # a later chunk of the first prompt
+            self._shrink_middle(seen + q)
         if seen + q > self.capacity:
             raise UnsupportedOperationError(
                 f"the static cache holds at most max_cache_len={self.capacity} tokens; {seen} are cached and "
@@ -409,6 +428,8 @@ class StaticLayer:
         if valid_new is None:
             valid_new = torch.ones(k.shape[0], q, dtype=torch.bool, device=k.device)
         self._commit_host(k, v, valid_new.expand(k.shape[0], q), pos, seen, flushed)
+        if self._prompt_tokens == seen:
+            self._prompt_tokens = seen + q  # still the prompt: no decode step since the store was sized
         mark_held_static(self)  # what the prefill built (per-layer plans, index tensors): taken in place by a graph
         return out
 
@@ -589,6 +610,7 @@ class StaticLayer:
         self._lead_open = True
         self._sinks_full = self.sink_slots == 0
         self._size_due = self.sized_by_prompt  # the next prompt may need a larger middle
+        self._prompt_tokens = -1
         if self.middle is not None:
             self.middle.reset()
         for value in self.state.values():
@@ -775,6 +797,43 @@ class StaticRingStore(MiddleStore):
 
     def _meta_bytes(self) -> int:
         return self.ring.nbytes()
+
+    def shrink(self, capacity: int) -> bool:
+        """Keep only the first ``capacity`` slots (eagerly, between prefill chunks, before any decode step: every
+        stored token lies in slots ``[0, cursor)`` and the ring has not wrapped).  Every payload buffer is
+        ``[batch, heads, columns or columns / unit, ...]``: its leading part is copied into a smaller buffer and
+        the old one freed.  Returns False (nothing changed) when ``capacity`` is not smaller or the stored tokens
+        would not fit with one block in flight."""
+        old = self.ring
+        new = StaticRing(capacity, old.unit)
+        new.trash = old.trash
+        if new.capacity >= old.capacity:
+            return False
+        if old.valid is None:  # nothing allocated yet
+            self.ring = new
+            return True
+        buffers = [t for _, bufs in self.lanes or [] for t in bufs.values()]
+        if any(t.shape[2] not in (old.columns, old.columns // old.unit) for t in buffers):
+            return False  # a buffer laid out otherwise: left as it is
+        if int(old.cursor) + old.unit > new.capacity:  # one device read (eager prefill)
+            return False
+        new.allocate(old.valid.shape[0], old.valid.device)
+        keep = new.capacity
+        new.valid[:, :keep].copy_(old.valid[:, :keep])
+        new.pos[:keep].copy_(old.pos[:keep])
+        new.cursor.copy_(old.cursor)
+        for _, bufs in self.lanes or []:
+            for name, t in bufs.items():
+                per_token = t.shape[2] == old.columns  # else one entry per unit of tokens (e.g. KIVI's key scales)
+                shape = list(t.shape)
+                shape[2] = new.columns if per_token else new.columns // new.unit
+                n = keep if per_token else keep // new.unit
+                small = t.new_zeros(shape)
+                small[:, :, :n].copy_(t[:, :, :n])
+                mark_static(small)
+                bufs[name] = small
+        self.ring = new
+        return True
 
     def index_tensors(self) -> list[torch.Tensor]:
         """The lanes' head / channel index tensors (a pruner's per-layer choice, which its state may share)."""

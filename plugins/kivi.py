@@ -448,13 +448,7 @@ class KiviStaticStore(StaticRingStore):
                     bufs[name] = t.new_zeros(shape)
                     mark_static(bufs[name])
                 self.lanes.append((part.layout(), bufs))
-                self.kernels.append(self.codec.choose_kernel(bufs, self.ring.columns))
-            if not self.slotted:  # slot mode (an evictor places blocks per head) keeps one segment per lane
-                self.merged = MergedLanes.plan(self.codec, [g for g, _ in self.lanes], [b for _, b in self.lanes],
-                                               self.head_dim, self.num_kv_heads, tokens=self.ring.columns)
-                self.lanes_kernel = None if self.merged is None else self.merged.impl
-                self._region = None if self.merged is None else self.merged.region(
-                    self.codec, [g for g, _ in self.lanes], [b for _, b in self.lanes], self.ring.valid)
+            self._plan_reads()
         if block.slots is not None:  # slot mode: per-head unit targets chosen by the evictor (whole G-token groups)
             target = self.ring.route(block)  # [b, heads, n] token columns, unit-aligned
             b, h = target.shape[0], target.shape[1]
@@ -475,6 +469,24 @@ class KiviStaticStore(StaticRingStore):
                 bufs[name].index_copy_(2, tslots if self.codec.token_axis(name) else gslots, src)
         self.ring.write_meta(tslots, block)
         self.ring.advance(n, block.due)
+
+    def _plan_reads(self) -> None:
+        """Each lane's KIVI kernel and, outside slot mode, the merged read of the lanes: chosen once for the
+        buffers' shapes (when they are allocated, and again if :meth:`shrink` replaced them)."""
+        self.kernels = [self.codec.choose_kernel(bufs, self.ring.columns) for _, bufs in self.lanes]
+        if not self.slotted:  # slot mode (an evictor places blocks per head) keeps one segment per lane
+            self.merged = MergedLanes.plan(self.codec, [g for g, _ in self.lanes], [b for _, b in self.lanes],
+                                           self.head_dim, self.num_kv_heads, tokens=self.ring.columns)
+            self.lanes_kernel = None if self.merged is None else self.merged.impl
+            self._region = None if self.merged is None else self.merged.region(
+                self.codec, [g for g, _ in self.lanes], [b for _, b in self.lanes], self.ring.valid)
+
+    def shrink(self, capacity: int) -> bool:
+        if not super().shrink(capacity):
+            return False
+        if self.lanes is not None:
+            self._plan_reads()
+        return True
 
     def segments(self) -> list[Segment]:
         if self.lanes is None:

@@ -531,3 +531,39 @@ def test_one_unit_replacement_is_the_general_decision(seed):
         low = stored[row, head, :units].min()
         expect = int((stored[row, head, :units] == low).nonzero().max()) if incoming[row, head, 0] > low else units
         assert int(fast[row, head, 0]) == expect
+
+
+@pytest.mark.parametrize("name,entries", [
+    ("snapkv", [{"snapkv": {"ratio": 0.25, "sinks": 4, "recent": 32, "window": 32}}]),
+    ("knorm+kivi4", [{"knorm": {"ratio": 0.25, "sinks": 0, "recent": 16}}, KIVI4])])
+def test_chunked_prefill_shrinks_the_static_store(name, entries):
+    """A prompt prefilled in 4 chunks: the store sized by the first chunk shrinks at each later one to the longer
+    prompt's bound, its tokens kept in place - the logits equal the dynamic cache's under the same chunks, and the
+    bytes held at the capacity come close to a one-chunk prefill's."""
+    model = tiny_model("llama")
+    ids = torch.randint(1, 256, (1, 424), generator=torch.Generator().manual_seed(11))
+    stack = {"compressors": entries}
+
+    def run(static, chunks):
+        kw = {"max_cache_len": 424} if static else {}
+        with kvcompress.compress(model, stack, **kw) as cache, torch.no_grad():
+            out = []
+            for lo in range(0, 400, 400 // chunks):
+                hi = lo + 400 // chunks
+                out.append(model(ids[:, lo:hi], position_ids=torch.arange(lo, hi).view(1, -1),
+                                 cache=cache).logits[:, -1])
+            for t in range(400, 424):
+                out.append(model(ids[:, t:t + 1], position_ids=torch.full((1, 1), t), cache=cache).logits[:, -1])
+        return torch.stack(out), cache
+
+    static, cache = run(True, 4)
+    dynamic, _ = run(False, 4)
+    assert (static - dynamic).abs().max().item() <= 1e-5
+    one, one_cache = run(True, 1)
+    slots = cache.compressed_layers[0].middle.ring.capacity
+    with kvcompress.compress(model, stack, max_cache_len=424) as probe, torch.no_grad():
+        model(ids[:, :100], cache=probe)  # the first chunk alone: what the store was sized for
+        first = probe.compressed_layers[0].middle.ring.capacity
+    whole = one_cache.compressed_layers[0].middle.ring.capacity  # the prompt in one call
+    assert slots < 0.75 * first and slots <= whole + 32, (slots, first, whole)
+    assert cache.memory_report().cache_bytes <= 1.15 * one_cache.memory_report().cache_bytes
