@@ -27,7 +27,9 @@
 #   rows18   - session 18: TOVA's one-unit replacement and SnapKV's static store sized at the first prefill: the
 #              compiled-vs-eager check of tova, tova+kivi4, snapkv+leank, then GraphStep rows at B1/32k of
 #              ROW_STACKS (default: tova-8192, snapkv25, none); ROWS_ONLY=1 rows alone; from inside an older tree
-#              (ROWS_ONLY=1 ROW_STACKS=... bash NEWTREE/benchmarks/gpu_recheck.sh OUT rows18) times that tree
+#              (ROWS_ONLY=1 ROW_STACKS=... bash NEWTREE/benchmarks/gpu_recheck.sh OUT rows18) times that tree;
+#              ROW_POINTS (default 1x32768): e.g. ROW_POINTS=8x32768 ROW_STACKS=".../snapkv25.yaml" for the chunked
+#              prefill's store shrink (session 18, not yet measured)
 #   profile  - session 16: the KIVI lanes GPU tests with the new defaults (floor 128, combine "splits"), every kernel
 #              of one static read (benchmarks/gpu_read_profile.py) and the reads against SDPA, Triton KIVI included
 set -o pipefail
@@ -129,7 +131,8 @@ case "$PHASE" in
     # shellcheck disable=SC2086  # ROW_STACKS: a list of stacks
     STACKS=${ROW_STACKS:-"$HERE/stacks/tova-8192.yaml $SRC/examples/stacks/snapkv25.yaml none"}
     set -- $STACKS
-    timeout 450 python "$HERE/gpu_graph_rows.py" --kind graph --stack "$@" --points 1x32768 --jobs $# \
+    # shellcheck disable=SC2086  # ROW_POINTS: a list of BxCTX points (8x32768 prefills in 4096-token chunks)
+    timeout 450 python "$HERE/gpu_graph_rows.py" --kind graph --stack "$@" --points ${ROW_POINTS:-1x32768} --jobs $# \
       --out "$OUT/rows" 2>&1 | grep '^{' | tee "$OUT/rows.log"
     ;;
   *) echo "unknown phase $PHASE (compile | kernels | rows | lanes | lanes2 | sweep | confirm | confirm2 | profile | scored | rows18)"; exit 2 ;;
