@@ -29,11 +29,12 @@ declares the layout, keeps the observation of the step, selects per kv head and 
   are the kept tokens (one row: exactly; several rows: each head as long as its longest row) plus a validity and
   positions per lane column (:class:`kvcompress.state.DenseStore`, "Per-head lanes"); the static store sizes every
   head for what one head may keep (the budget of all the row's kv heads) (:class:`kvcompress.static.StaticDenseStore`).
+  The memory report counts what is allocated.  Stores that keep a per-head validity: the full-precision middle
+  (dynamic and static caches, with or without a channel pruner's lanes); a quantizer's store (KIVI) is refused at
+  validation.
 * static caches: the layout declares what a prompt leaves in the middle (``Layout.prefill_ratio`` under ``ratio``,
   ``Layout.prefill_middle`` under a prefill-only ``budget``), so a static cache builds its middle store at the first
-  prefill for that plus the tokens that can follow the prompt: its bytes follow the kept fraction.  The memory report counts what is allocated.  Stores that keep a
-  per-head validity: the full-precision middle (dynamic and static caches, with or without a channel pruner's
-  lanes); a quantizer's store (KIVI) is refused at validation.
+  prefill for that plus the tokens that can follow the prompt: its bytes follow the kept fraction.
 
 * chunks (``chunk: N``, ChunkKV, Liu et al., arXiv 2502.00299; kvpress' ``ChunkKVPress`` wraps any scorer the same
   way): at prefill every token is ranked by the mean score of its chunk of N consecutive tokens (summed over the kv

@@ -38,8 +38,8 @@ After :meth:`StaticLayer.reset` a prompt that needs a larger store rebuilds it (
 recompiles once for the new buffers); a smaller one keeps the store.  A prompt prefilled in chunks is sized by
 its first chunk (the rest is not known yet), and each later chunk, before any decode step, shrinks the store to
 the longer prompt's bound (:meth:`StaticRingStore.shrink`: the stored tokens keep their slots; a store without
-``shrink``, or an evictor with per-head slots, keeps the first chunk's size).  This module never imports transformers (the adapter owns the transformers
-layer class and the attention function).
+``shrink``, or an evictor with per-head slots, keeps the first chunk's size).  This module never imports
+transformers (the adapter owns the transformers layer class and the attention function).
 """
 
 from __future__ import annotations
