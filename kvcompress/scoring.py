@@ -381,11 +381,9 @@ class ScoreEvictor(Compressor):
     def _free_units(store, batch: int, units: int, device) -> torch.Tensor:
         """``[batch, units]``: each row's free slot units first (lowest index first), then the occupied ones."""
         occupied = store.slot_valid()
-        idx = torch.arange(units, device=device)
         if occupied is None:
-            return idx.expand(batch, units)
-        live = occupied.view(batch, units, -1).any(-1)
-        return torch.where(live, idx + units, idx).argsort(dim=-1)
+            return torch.arange(units, device=device).expand(batch, units)
+        return free_first(occupied.view(batch, units, -1).any(-1))
 
     def _replace(self, layer, block: KVBlock, obs, state: ScoreState) -> None:
         """Decoding under a budget (and every block after the first prefill one): per head, the incoming units
@@ -492,6 +490,12 @@ class ScoreEvictor(Compressor):
         return (flat_rank.view(b, h, n) < total.view(b, 1, 1)) & valid.unsqueeze(1)
 
 
+def free_first(live: torch.Tensor) -> torch.Tensor:
+    """``[batch, units]``: each row's slot units not ``live`` first (lowest index first), then the live ones."""
+    idx = torch.arange(live.shape[-1], device=live.device)
+    return torch.where(live, idx + live.shape[-1], idx).argsort(dim=-1)
+
+
 def replace_units(stored: torch.Tensor, live: torch.Tensor, target: torch.Tensor, incoming: torch.Tensor,
                   incoming_ok: torch.Tensor) -> torch.Tensor:
     """Where each incoming unit of a budgeted middle goes (:meth:`ScoreEvictor._replace`), per kv head.
@@ -521,7 +525,7 @@ def replace_units(stored: torch.Tensor, live: torch.Tensor, target: torch.Tensor
     n_victims = victim.sum(-1, keepdim=True)
     idx = torch.arange(units, device=dev)
     victims = torch.where(victim, idx, idx + units).argsort(dim=-1)  # each head's victims first, lowest first
-    free = torch.where(live, idx + units, idx).argsort(dim=-1).unsqueeze(1).expand(b, h, units)  # free first
+    free = free_first(live).unsqueeze(1).expand(b, h, units)
     j = kept_in.long().cumsum(-1) - 1  # the j-th kept incoming unit of a head
     to_victim = victims.gather(-1, j.clamp(0, units - 1))
     to_free = free.gather(-1, (j - n_victims).clamp(0, units - 1))
@@ -548,4 +552,4 @@ def replace_one_unit(stored: torch.Tensor, live: torch.Tensor, target: torch.Ten
 
 
 __all__ = ["CHUNK_HEADS", "PHASES", "PYRAMID_BETA", "SCHEDULES", "ScoreConfig", "ScoreEvictor", "ScoreState",
-           "chunk_scores", "replace_one_unit", "replace_units"]
+           "chunk_scores", "free_first", "replace_one_unit", "replace_units"]

@@ -215,7 +215,7 @@ class StaticLayer:
         for a prompt of ``prompt`` tokens (eagerly: a prefill).  A store already large enough is kept (its buffers
         keep their addresses); a larger one replaces it, and the compressors' per-layer state is rebuilt with it."""
         self._size_due = False
-        self._prompt_tokens = 0 if self.sized_by_prompt and not self.layout.head_slots else -1
+        self._prompt_tokens = -1 if self.layout.head_slots else 0  # (per-head slots: the evictor's state is sized too)
         slots = self._store_slots(prompt)
         if self.middle is not None and slots <= self.store_capacity:
             return

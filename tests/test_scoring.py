@@ -458,22 +458,17 @@ def test_padded_batch_rows_equal_rows_alone(static, entry):
 def _static_vs_dynamic(model, stack, ids, prompt, cache=None):
     """Logits of a prefill of ``prompt`` tokens then one decode step per token of ``ids``, through ``cache`` (a
     static cache, reset first) and through a fresh dynamic cache; ``(static, dynamic)``."""
-    runs = []
-    for c in (cache, None):
+    def steps(c):
         with torch.no_grad():
-            if c is None:
-                ctx = kvcompress.compress(model, stack)
-                c = ctx.__enter__()
-            else:
-                ctx = None
-                c.reset()
             out = [model(ids[:, :prompt], cache=c).logits[:, -1]]
             for t in range(prompt, ids.shape[1]):
                 out.append(model(ids[:, t:t + 1], position_ids=torch.full((ids.shape[0], 1), t), cache=c).logits[:, -1])
-            if ctx is not None:
-                ctx.__exit__(None, None, None)
-        runs.append(torch.stack(out))
-    return runs
+        return torch.stack(out)
+
+    cache.reset()
+    static = steps(cache)
+    with kvcompress.compress(model, stack) as dynamic_cache:
+        return [static, steps(dynamic_cache)]
 
 
 @pytest.mark.parametrize("ratio", [0.5, 0.25])
