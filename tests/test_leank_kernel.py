@@ -327,6 +327,27 @@ def test_launch_shape_rule_and_overrides():
     assert tk._config()["combine"] == "splits"
 
 
+def test_split_count_counts_short_lanes_by_their_work():
+    """Splits of a launch: ``split_rows: "lanes"`` counts every lane's heads alike, so a short full-precision lane
+    (1k slots) beside a long middle lane (32k) halves the long lane's splits; ``"work"`` weighs each head by its
+    lane's tokens.  Checked against the arithmetic of the rule (132 SMs, H200), not against the code's own output."""
+    from kvcompress.kernels.leank import triton_kernel as tk
+
+    cfg = dict(tk._config(), split_rows="lanes")
+    lanes = [(3, 1024), (3, 32256)]  # SmolLM2 heads: the buffer lane, the low-rank middle lane
+    # B16, 4 waves: 528 programs over 16 x 6 rows -> 6 splits; by work: 16 x (3 + 3 x 1024 / 32256) rows -> 11
+    assert tk.split_count(cfg, 16, lanes, 1, 4, 132) == 6
+    assert tk.split_count(dict(cfg, split_rows="work"), 16, lanes, 1, 4, 132) == 11
+    # one lane: both count the same (the empty stack's read)
+    for mode in ("lanes", "work"):
+        assert tk.split_count(dict(cfg, split_rows=mode), 16, [(3, 32768)], 1, 4, 132) == 11
+    # the floor: at most ceil(tokens / min_split_tokens) splits; at least one; the interpreter: 4 programs
+    assert tk.split_count(dict(cfg, split_rows="work"), 1, [(1, 1000)], 1, 4, 132) == 4  # 1000 / 256
+    assert tk.split_count(cfg, 64, lanes, 1, 2, 132) == 1
+    assert tk.split_count(cfg, 1, [(2, 4096)], 1, 2, 0) == 2
+    assert tk.split_count(cfg, 1, [(2, 10)], 1, 2, 0) == 1  # fewer tokens than one BN block
+
+
 @pytest.mark.parametrize("kernel", ["_combine_kernel", "_combine_splits_kernel"])
 def test_split_merges_compile_for_sm90_without_a_gpu(kernel):
     """The interpreter accepts what the compiler may not (loop-carried scalar types, tuple arguments): build both split

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from typing import Sequence
 
@@ -306,11 +307,37 @@ def _launch_shape(cfg: dict, b: int, hkv: int, d: int, full_width: bool) -> tupl
     return waves, stages
 
 
+def split_count(cfg: dict, b: int, lanes: Sequence[tuple[int, int]], m_blocks: int, waves: int, sms: int) -> int:
+    """Token splits of a launch over lanes of ``(heads, token slots)``: enough programs for ``waves x sms``, each
+    split at least ``min_split_tokens`` (and ``BN``) tokens of the longest lane.  ``sms`` 0 (the interpreter): 4
+    programs in all, so the tests exercise the merge.
+
+    ``split_rows`` says what a row of programs counts for: ``"lanes"`` (until session 19) every lane's heads count
+    alike, ``"work"`` each head counts for its lane's share of the longest lane's tokens.  A short full-precision
+    lane (the sinks + recent window, ~1k slots) beside a long middle lane (LeanK's pruned keys, low-rank
+    coordinates) then no longer halves the splits of the long lane: its programs finish at once and leave the long
+    lane's programs ``waves / 2`` waves (session 19, ``benchmarks/gpu_read_profile.py``: low-rank SmolLM2 B16 / 32k
+    read 32k tokens in 3 splits, 245 µs against 104 µs for the empty stack's 11)."""
+    bn = cfg["BN"]
+    t_max = max((t for _, t in lanes), default=0)
+    if cfg.get("split_rows", "lanes") == "work" and t_max > 0:
+        n_rows = sum(h * t for h, t in lanes) / t_max
+    else:
+        n_rows = sum(h for h, _ in lanes)
+    programs = b * max(n_rows, 1e-9) * m_blocks
+    if sms <= 0:
+        splits = math.ceil(4 / programs)
+    else:
+        splits = min(math.ceil(waves * sms / programs), -(-t_max // max(bn, cfg["min_split_tokens"])))
+    return max(1, min(splits, -(-max(t_max, 1) // bn)))
+
+
 def _config() -> dict:
     """Launch defaults (H200, Triton 3.6); ``KVCOMPRESS_LEANK_CONFIG`` (JSON) overrides entries.  ``combine:
     "splits"`` since session 16: at batch 1 the one-split-per-step merge took 15-27 µs of a 40-60 µs read
     (``benchmarks/gpu_read_profile.py``); ``waves`` / ``num_stages`` ``None`` follow :func:`_launch_shape`."""
-    cfg = dict(BN=64, num_warps=4, num_stages=None, waves=None, min_split_tokens=256, canonical=False, combine="splits")
+    cfg = dict(BN=64, num_warps=4, num_stages=None, waves=None, min_split_tokens=256, canonical=False, combine="splits",
+               split_rows="lanes")
     env = os.environ.get("KVCOMPRESS_LEANK_CONFIG")
     if env:
         cfg.update(json.loads(env))
@@ -470,16 +497,11 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     block_m = min(64, max(16, _pow2(m)))
     m_blocks = triton.cdiv(m, block_m)
     bn = cfg["BN"]
-    t_max = max(r["t"] for r in rows)
-    waves, stages = _launch_shape(cfg, b, hkv, d, all(r["c"] == d for r in rows))
+    # the rule's head dimension is the values' (a low-rank lane appends its projected query: d = head_dim + r)
+    waves, stages = _launch_shape(cfg, b, hkv, dv, all(r["c"] == d for r in rows))
     if splits is None:
-        if dev.type == "cuda":
-            target = waves * _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
-        else:
-            target = 4  # interpreter: a few splits, so tests exercise the merge
-        splits = -(-target // max(1, b * n_rows * m_blocks))
-        splits = max(1, min(splits, -(-t_max // max(bn, cfg["min_split_tokens"])) if dev.type == "cuda" else splits,
-                            -(-max(t_max, 1) // bn)))
+        sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 0
+        splits = split_count(cfg, b, [(r["h"], r["t"]) for r in rows], m_blocks, waves, sms)
     po = torch.empty(splits, b, n_rows, m, dv, device=dev, dtype=torch.float32)
     pl = torch.empty(splits, b, n_rows, m, device=dev, dtype=torch.float32)
     ieee = lanes[0].k.dtype == torch.float32
