@@ -488,6 +488,13 @@ def _quantize_labels_fake(x, bits):
 # ----------------------------------------------------------------------------- paged
 
 
+@functools.lru_cache(maxsize=None)
+def _paged_base() -> dict:
+    from .paged import triton_kernel
+
+    return triton_kernel._config()
+
+
 @torch.library.custom_op("kvcompress::paged_partial", mutates_args=(), device_types="cpu")
 def paged_partial(query: Tensor, k_pages: Tensor, v_pages: Tensor, page_valid: Tensor, block_table: Tensor,
                   length: Optional[Tensor], scale: float, softcap: float = 0.0,
@@ -510,7 +517,7 @@ def _paged_partial_cuda(query, k_pages, v_pages, page_valid, block_table, length
         from .paged import triton_kernel
 
         return _fresh(*triton_kernel._forward(query, k_pages, v_pages, page_valid, block_table, scale,
-                                              length=length, softcap=softcap))
+                                              length=length, softcap=softcap, base=_paged_base()))
     return _fresh(*paged_ref.paged_attention_partial(query, k_pages, v_pages, page_valid, block_table, scale,
                                                      length=length, softcap=softcap))
 

@@ -30,6 +30,9 @@ CASES = {
     "b2-p64-one-page-per-step": (2, 1, 4, 64, 64, 64, 6, 3, "float16", {"pages_per_step": 1}),
     "b2-strided-query": (2, 2, 4, 64, 64, 16, 8, 4, "float16", {"strided": True}),
     "pool-after-eviction": (2, 2, 4, 64, 64, 16, 0, 0, "float16", {"pool": True}),
+    # a launch configuration other than the default (what KVCOMPRESS_PAGED_CONFIG / ops pass as ``base``)
+    "b2-p16-config-base": (2, 2, 4, 64, 64, 16, 20, 9, "float16",
+                           {"base": {"pages_per_step": 8, "num_warps": 8, "num_stages": 3, "waves": 1}}),
 }
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3
 
@@ -87,7 +90,7 @@ def run_case(name: str, device: str = "cpu") -> dict:
     (q, k, v, valid, table), extra = make_case(name, device)
     scale = q.shape[-1] ** -0.5
     out, lse = triton_kernel._forward(q, k, v, valid, table, scale, splits=extra.get("splits"),
-                                      pages_per_step=extra.get("pages_per_step"))
+                                      pages_per_step=extra.get("pages_per_step"), base=extra.get("base"))
     ref_out, ref_lse = paged_attention_partial(q, k, v, valid, table, scale)
     finite = torch.isfinite(ref_lse)
     return {
@@ -154,6 +157,23 @@ def test_invalid_arguments_raise():
         triton_kernel._forward(q[..., :32], k, v, valid, table, 0.1)
     with pytest.raises(ValueError, match="block_table"):
         triton_kernel._forward(q, k, v, valid, table[:1], 0.1)
+
+
+def test_launch_config_reads_the_environment_once_through_ops(monkeypatch):
+    """``KVCOMPRESS_PAGED_CONFIG`` overrides the launch defaults (JSON entries); the ops read it once (cached)."""
+    from kvcompress.kernels import ops
+    from kvcompress.kernels.paged import triton_kernel
+
+    assert triton_kernel._config() == {"pages_per_step": None, "num_warps": 4, "num_stages": 2, "waves": 4}
+    monkeypatch.setenv("KVCOMPRESS_PAGED_CONFIG", '{"num_stages": 3, "pages_per_step": 8}')
+    assert triton_kernel._config() == {"pages_per_step": 8, "num_warps": 4, "num_stages": 3, "waves": 4}
+    ops._paged_base.cache_clear()
+    try:
+        first = ops._paged_base()
+        monkeypatch.setenv("KVCOMPRESS_PAGED_CONFIG", '{"num_stages": 4}')
+        assert ops._paged_base() is first and first["num_stages"] == 3
+    finally:
+        ops._paged_base.cache_clear()
 
 
 def test_import_compiles_nothing():

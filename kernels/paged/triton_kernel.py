@@ -25,6 +25,8 @@ dtype); fp32 pages use ``input_precision="ieee"``.  Limits: ``P`` a power of two
 
 from __future__ import annotations
 
+import json
+import os
 
 import torch
 import triton
@@ -126,10 +128,21 @@ def _paged_split_kernel(
     tl.store(LSE + pid_s * sl_s + b * sl_b + h * sl_h + offs_m, lse, mask=m_ok)
 
 
-def _target_programs(device: torch.device) -> int:
+def _target_programs(device: torch.device, waves: int = 4) -> int:
     if device.type == "cuda":
-        return 4 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+        return waves * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     return 8  # interpreter: a few splits, so tests exercise the combine
+
+
+def _config() -> dict:
+    """Launch defaults (H200, Triton 3.6); ``KVCOMPRESS_PAGED_CONFIG`` (JSON) overrides entries, read once by
+    :mod:`kvcompress.kernels.ops` (passed as ``base``).  ``pages_per_step`` ``None``: ``64 // P`` pages (64 tokens)
+    per step; ``waves``: programs aimed at, in multiples of the SM count."""
+    cfg = dict(pages_per_step=None, num_warps=4, num_stages=2, waves=4)
+    env = os.environ.get("KVCOMPRESS_PAGED_CONFIG")
+    if env:
+        cfg.update(json.loads(env))
+    return cfg
 
 
 def _validate(query, k_pages, v_pages, page_valid, block_table) -> None:
@@ -152,10 +165,12 @@ def _validate(query, k_pages, v_pages, page_valid, block_table) -> None:
 def _forward(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_valid: torch.Tensor,
              block_table: torch.Tensor, scale: float, *, splits: int | None = None,
              pages_per_step: int | None = None, length: torch.Tensor | None = None,
-             softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             softcap: float | None = None, base: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The launch.  ``length``: 0-dim int device tensor, the number of leading token slots (block-table position
     ``w`` holds slots ``w*P .. w*P+P-1``) that may be live; later slots are treated as invalid and their pages are
-    not read.  The grid stays sized for the whole table (CUDA-graph safe)."""
+    not read.  The grid stays sized for the whole table (CUDA-graph safe).  ``base``: the launch configuration
+    (:func:`_config`, what :mod:`kvcompress.kernels.ops` resolves once); ``None`` reads :func:`_config`."""
+    cfg = base if base is not None else _config()
     _validate(query, k_pages, v_pages, page_valid, block_table)
     if length is not None and (length.dim() != 0 or length.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"length must be a 0-dim int32/int64 tensor, got {tuple(length.shape)} {length.dtype}")
@@ -180,11 +195,11 @@ def _forward(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     table = block_table.to(torch.int32)
     table = table if table.stride(-1) == 1 else table.contiguous()
 
-    nbp = pages_per_step or max(1, 64 // p)
+    nbp = pages_per_step or cfg.get("pages_per_step") or max(1, 64 // p)
     block_m = min(64, max(16, _pow2(m)))
     m_blocks = triton.cdiv(m, block_m)
     if splits is None:  # enough programs for a few waves, each split a whole number of NBP-page steps
-        splits = max(1, min(-(-w // nbp), -(-_target_programs(dev) // (b * h * m_blocks))))
+        splits = max(1, min(-(-w // nbp), -(-_target_programs(dev, int(cfg["waves"])) // (b * h * m_blocks))))
     pps = -(-w // splits)
     pps = -(-pps // nbp) * nbp if splits > 1 else pps
     splits = -(-w // pps)
@@ -206,8 +221,8 @@ def _forward(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
         valid.stride(0), table.stride(0),
         *po_strides, *pl_strides,
         DK=dk, DK_PAD=max(16, _pow2(dk)), DV=dv, DV_PAD=max(16, _pow2(dv)), P=p, NBP=nbp, BLOCK_M=block_m,
-        IEEE=k.dtype == torch.float32, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap), num_warps=4,
-        num_stages=2,
+        IEEE=k.dtype == torch.float32, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
+        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
     )
     if splits > 1:
         combine_splits(po, pl, out, lse, splits, m, b * h, dv, block_m)
