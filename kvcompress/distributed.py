@@ -141,11 +141,12 @@ def sum_reports(report: Any, shard: HeadShard | None) -> Any:
     """The memory report of the whole model: every rank's segments and dense sizes summed (a collective: every
     rank of the group must call it).  Tokens and rows are the same on every rank.
 
-    The bytes are what the ranks really hold together: per-head storage (K, V, codes, scales, labels, pruned
-    lanes) adds up to what one process holds for all the heads, while per-row bookkeeping that has no head
-    dimension (validity masks, positions, block tables, counters) is held by every rank and appears once per rank
-    in the sum - a few bytes per token, so the summed bytes exceed the single-process report by that much; the
-    dense size is the whole model's."""
+    The segments are the whole model's cache, as one process would hold it: per-head storage (K, V, codes, scales,
+    labels, pruned lanes) adds up over the ranks, and per-row bookkeeping with no head dimension (regions named
+    with :data:`kvcompress.state.ROWS`: validity masks, positions, block tables, counters, head-pooled scores) is the
+    same on every rank and counted once.  The copies the other ranks hold of it are ``replicated_bytes`` (what the
+    ranks hold together is ``cache_bytes + replicated_bytes``).  A bookkeeping region that differs between ranks
+    (it should not) is summed like the others.  The dense size is the whole model's."""
     if shard is None or shard.size == 1:
         return report
     import torch.distributed as dist
@@ -153,12 +154,21 @@ def sum_reports(report: Any, shard: HeadShard | None) -> Any:
     gathered: list[Any] = [None] * shard.size
     dist.all_gather_object(gathered, (report.segments, report.dense_fp16_bytes, report.dense_native_bytes),
                            group=shard.group)
+    from .state import ROWS
+
     segments: dict[str, int] = {}
-    for part, _, _ in gathered:
-        for name, n in part.items():
-            segments[name] = segments.get(name, 0) + n
+    replicated = 0
+    names = {name for part, _, _ in gathered for name in part}
+    for name in names:
+        values = [part.get(name, 0) for part, _, _ in gathered]
+        if name.endswith(ROWS) and len(set(values)) == 1:  # the same bookkeeping on every rank: one copy
+            segments[name] = values[0]
+            replicated += values[0] * (len(values) - 1)
+        else:
+            segments[name] = sum(values)
     return dataclasses.replace(report, segments=segments, dense_fp16_bytes=sum(g[1] for g in gathered),
-                               dense_native_bytes=sum(g[2] for g in gathered), ranks=shard.size)
+                               dense_native_bytes=sum(g[2] for g in gathered), ranks=shard.size,
+                               replicated_bytes=replicated)
 
 
 __all__ = ["HeadShard", "local_heads", "mean_over_heads", "naming_split", "shard_of", "sum_over_heads", "sum_reports"]

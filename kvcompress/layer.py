@@ -24,7 +24,8 @@ from typing import Any, Callable
 import torch
 
 from .errors import UnsupportedOperationError
-from .state import KVBlock, LayerInfo, Layout, RingBuffer, Segment, SinkBuffer, TokenSelection, new_token_validity
+from .state import (ROWS, KVBlock, LayerInfo, Layout, RingBuffer, Segment, SinkBuffer, TokenSelection,
+                    new_token_validity)
 
 
 def _cat_blocks(a: KVBlock | None, b: KVBlock | None) -> KVBlock:
@@ -328,7 +329,11 @@ class CompressedLayer:
         """Bytes this layer allocates, by region."""
         if not self.is_initialized:
             return {"sinks": 0, "recent": 0, "middle": 0}
-        return add_store_bytes({"sinks": self.sinks.nbytes(), "recent": self.recent.nbytes()}, self.middle, self.state)
+        out: dict[str, int] = {}
+        for name, buf in (("sinks", self.sinks), ("recent", self.recent)):
+            rows = buf.row_nbytes()
+            out[name], out[name + ROWS] = buf.nbytes() - rows, rows
+        return add_store_bytes(out, self.middle, self.state)
 
 
 def apply_selection(middle: list[Segment], selection) -> list[Segment]:
@@ -380,7 +385,10 @@ def add_store_bytes(out: dict[str, int], middle: Any, state: dict[str, Any]) -> 
     seen: set = set()
     for key, value in state.items():
         if hasattr(value, "nbytes"):
-            out[f"state:{key}"] = value.nbytes()
+            rows = value.row_nbytes() if hasattr(value, "row_nbytes") else 0
+            out[f"state:{key}"] = value.nbytes() - rows
+            if hasattr(value, "row_nbytes"):
+                out[f"state:{key}{ROWS}"] = rows
         else:  # plain containers: the tensors in them (each storage once)
             n = _container_bytes(value, seen)
             if n:

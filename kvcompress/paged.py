@@ -39,7 +39,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from .state import HeadGroup, KVBlock, MiddleStore, Segment, grown_capacity
+from .state import ROWS, HeadGroup, KVBlock, MiddleStore, Segment, grown_capacity
 
 
 class MiddleCodec(Protocol):
@@ -522,9 +522,10 @@ class PagedStore(MiddleStore):
     def nbytes(self) -> dict[str, int]:
         out = payload_nbytes(self.lanes, self.codec)
         size = (lambda t: 0 if t is None else t.numel() * t.element_size())
-        out["middle: page valid + positions"] = size(self.valid) + size(self.positions)
-        out["middle: page scores"] = size(self.score)
-        out["middle: block table"] = size(self.table()) if self.rows else 0
+        # per-row bookkeeping (page scores are pooled over the heads: the same on every tensor-parallel rank)
+        out["middle: page valid + positions" + ROWS] = size(self.valid) + size(self.positions)
+        out["middle: page scores" + ROWS] = size(self.score)
+        out["middle: block table" + ROWS] = size(self.table()) if self.rows else 0
         return out
 
 
@@ -773,6 +774,6 @@ class StaticPagedStore(MiddleStore):
     def nbytes(self) -> dict[str, int]:
         out = payload_nbytes(self.lanes, self.codec)
         size = (lambda t: 0 if t is None else t.numel() * t.element_size())
-        out["middle: page valid + positions + state"] = sum(size(t) for t in (self.valid, self.pos, self.live,
+        out["middle: page valid + positions + state" + ROWS] = sum(size(t) for t in (self.valid, self.pos, self.live,
                                                                                     self.score, self.age, self.clock))
         return out

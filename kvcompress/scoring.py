@@ -191,6 +191,10 @@ class ScoreState:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.scores, self.target, self._initial) if t is not None)
 
+    def row_nbytes(self) -> int:
+        """The part of :meth:`nbytes` held per row (the budget targets; the scores are per head)."""
+        return sum(t.numel() * t.element_size() for t in (self.target, self._initial) if t is not None)
+
 
 class ScoreEvictor(Compressor):
     """Base class of score-based evictors (see the module docstring).

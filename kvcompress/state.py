@@ -441,6 +441,15 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+#: Suffix of a memory-report region that holds per-row bookkeeping with no head dimension (validity masks,
+#: positions, block tables, counters, head-pooled scores).  Under tensor parallelism every rank holds the same copy of
+#: such a region, so :func:`kvcompress.distributed.sum_reports` counts it once (and reports the other ranks' copies
+#: as ``replicated_bytes``), while per-head regions add up over the ranks.  A store or state object names its
+#: bookkeeping this way (``nbytes()`` keys ending in it; state objects: an optional ``row_nbytes()``, the part of
+#: their ``nbytes()`` that is per row).
+ROWS = " (rows)"
+
+
 class SinkBuffer:
     """First ``capacity`` real tokens of each row, full precision."""
 
@@ -503,6 +512,10 @@ class SinkBuffer:
 
     def nbytes(self) -> int:
         return _nbytes(self.k, self.v, self.valid, self.positions)
+
+    def row_nbytes(self) -> int:
+        """The part of :meth:`nbytes` held per row, not per head (validity, positions)."""
+        return _nbytes(self.valid, self.positions)
 
 
 GROWTH_FRACTION = 4  # a growable buffer grows by 1/GROWTH_FRACTION of its capacity ...
@@ -669,6 +682,10 @@ class RingBuffer:
     def nbytes(self) -> int:
         return _nbytes(self.k, self.v, self.valid, self.positions, self.hvalid)
 
+    def row_nbytes(self) -> int:
+        """The part of :meth:`nbytes` held per row, not per head (validity, positions; ``hvalid`` is per head)."""
+        return _nbytes(self.valid, self.positions)
+
 
 class MiddleStore:
     """Interface of the store that holds the middle region of one layer.
@@ -766,7 +783,8 @@ class MiddleStore:
         raise NotImplementedError
 
     def nbytes(self) -> dict[str, int]:  # pragma: no cover - interface
-        """Bytes allocated, by component (e.g. ``{"codes": ..., "scales": ...}``)."""
+        """Bytes allocated, by component (e.g. ``{"codes": ..., "scales": ...}``); components of per-row bookkeeping
+        (no head dimension: validity, positions, block tables) end in :data:`ROWS`."""
         raise NotImplementedError
 
 
@@ -1044,7 +1062,13 @@ class DenseStore(MiddleStore):
             buf.map_batch(fn)
 
     def nbytes(self) -> dict[str, int]:
-        return {"middle": sum(buf.nbytes() for buf in self._buffers())}
+        # a lane of every head keeps the row's validity and positions (:data:`ROWS`); a lane of some heads (LeanK's
+        # regrouped lanes) keeps its own copy, which belongs to its heads: a split over tensor-parallel ranks
+        # groups the heads into other lanes, so those copies add up over the ranks like the heads' data
+        rows = sum(buf.row_nbytes() for group, buf in self.lanes or [] if group.heads is None or group.every_head)
+        if self.rows is not None:
+            rows += self.rows.nbytes()
+        return {"middle": sum(buf.nbytes() for buf in self._buffers()) - rows, "middle" + ROWS: rows}
 
     def index_tensors(self) -> list[torch.Tensor]:
         """The lanes' head / channel index tensors (a pruner's per-layer choice, which its state may share)."""

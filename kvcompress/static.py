@@ -51,7 +51,7 @@ import torch
 
 from .errors import UnsupportedOperationError
 from .layer import add_store_bytes, apply_selection, dense_read
-from .state import HeadGroup, KVBlock, LayerInfo, Layout, MiddleStore, Segment, new_token_validity
+from .state import ROWS, HeadGroup, KVBlock, LayerInfo, Layout, MiddleStore, Segment, new_token_validity
 
 
 def storage_bytes(*tensors: "torch.Tensor | None") -> int:
@@ -621,9 +621,10 @@ class StaticLayer:
     def memory(self) -> dict[str, int]:
         if not self.is_initialized:
             return {"sinks + recent": 0}
-        n = storage_bytes(self.k, self.v, self.valid, self.ring_pos, self.sink_pos, self.sink_count, self.seen,
-                          self.flushed, self._offsets, self._sink_index, self._true, self._zero_pos)
-        return add_store_bytes({"sinks + recent": n}, self.middle, self.state)
+        rows = storage_bytes(self.valid, self.ring_pos, self.sink_pos, self.sink_count, self.seen, self.flushed,
+                             self._offsets, self._sink_index, self._true, self._zero_pos)
+        return add_store_bytes({"sinks + recent": storage_bytes(self.k, self.v), "sinks + recent" + ROWS: rows},
+                               self.middle, self.state)
 
     def tokens_seen(self) -> int:
         return self.host_counts()[0] if self.is_initialized else 0
@@ -937,7 +938,7 @@ class StaticDenseStore(StaticRingStore):
 
     def nbytes(self) -> dict[str, int]:
         n = sum(t.numel() * t.element_size() for _, bufs in self.lanes or [] for t in bufs.values())
-        return {"middle": n + self._meta_bytes()}
+        return {"middle": n, "middle" + ROWS: self._meta_bytes()}
 
 
 __all__ = ["StaticDenseStore", "StaticLayer", "StaticRing", "StaticRingStore", "mark_held_static", "mark_static",

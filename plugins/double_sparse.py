@@ -179,6 +179,10 @@ class LabelCache:
         return sum(t.numel() * t.element_size() for t in (self.channels, self.data, self.aux, self.valid_mask,
                                                           self.positions) if t is not None)
 
+    def row_nbytes(self) -> int:
+        """The part of :meth:`nbytes` held per row (validity, positions; channels and labels are per head)."""
+        return sum(t.numel() * t.element_size() for t in (self.valid_mask, self.positions) if t is not None)
+
 
 class StaticLabelCache:
     """The label cache of a static cache: preallocated for the middle store's ``capacity`` slots.
@@ -254,6 +258,10 @@ class StaticLabelCache:
     def nbytes(self) -> int:
         return self.ring.nbytes() + sum(t.numel() * t.element_size() for t in (self.channels, self.data, self.aux)
                                         if t is not None)
+
+    def row_nbytes(self) -> int:
+        """The part of :meth:`nbytes` held per row: the slot ring's bookkeeping."""
+        return self.ring.nbytes()
 
 
 class DoubleSparseCompressor(Compressor):

@@ -127,6 +127,10 @@ class QueryRing:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.ok, self.count) if t is not None)
 
+    def row_nbytes(self) -> int:
+        """The part of :meth:`nbytes` held per row (which slots hold a query, the count; the queries are per head)."""
+        return sum(t.numel() * t.element_size() for t in (self.ok, self.count) if t is not None)
+
 
 class ExpectedAttentionCompressor(ScoreEvictor):
     name = "expected_attention"

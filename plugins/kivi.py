@@ -51,7 +51,7 @@ import torch
 from kvcompress import Compressor, CompressorSpec, Layout, hookimpl, param
 from kvcompress.errors import ConfigError
 from kvcompress.kernels.kivi import KiviLane, PackedKV, PackedLanes
-from kvcompress.state import HeadGroup, KVBlock, MiddleStore, Segment, grown_capacity
+from kvcompress.state import ROWS, HeadGroup, KVBlock, MiddleStore, Segment, grown_capacity
 from kvcompress.static import StaticRingStore, mark_static
 
 
@@ -399,7 +399,7 @@ class KiviStore(MiddleStore):
 
     def nbytes(self) -> dict[str, int]:
         out = {"middle: kivi codes": 0, "middle: kivi scales": 0,
-               "middle: mask": self.valid.numel() if self.valid is not None else 0}
+               "middle: mask" + ROWS: self.valid.numel() if self.valid is not None else 0}
         for _, bufs in self.lanes or []:
             for name, t in bufs.items():
                 out[self.codec.report_key(name)] += t.numel() * t.element_size()
@@ -509,7 +509,7 @@ class KiviStaticStore(StaticRingStore):
         self._region = None  # rows repeated or selected: new buffers
 
     def nbytes(self) -> dict[str, int]:
-        out = {"middle: kivi codes": 0, "middle: kivi scales": 0, "middle: mask + positions": self._meta_bytes()}
+        out = {"middle: kivi codes": 0, "middle: kivi scales": 0, "middle: mask + positions" + ROWS: self._meta_bytes()}
         for _, bufs in self.lanes or []:
             for name, t in bufs.items():
                 out[self.codec.report_key(name)] += t.numel() * t.element_size()

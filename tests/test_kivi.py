@@ -187,7 +187,7 @@ def test_memory_report_three_bits_per_element():
     elements = 2 * h * t * d
     assert sizes["middle: kivi codes"] * 8 / elements == 2.0
     assert sizes["middle: kivi scales"] * 8 / elements == 1.0  # fp16 scale + zero per 32 elements
-    assert sizes["middle: mask"] == t  # one byte per token per row
+    assert sizes["middle: mask (rows)"] == t  # one byte per token per row (row bookkeeping)
 
 
 def test_real_memory_saving_on_generation():

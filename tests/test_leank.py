@@ -62,9 +62,12 @@ def test_regrouped_storage_and_zero_count_heads_hold_no_values(tmp_path):
     assert layer1.middle.num_tokens == middle
     # real bytes (fp32): layer 0 holds K 2 heads x 8 channels + V 2 x 16; layer 1 K 1 x 16 + V 1 x 16;
     # each lane also keeps a validity byte and a position (int64) per token, and its head and channel indices
-    # (int64): layer 0 heads [2] + channels [2, 8], layer 1 heads [1] + channels [1, 16]
-    held = cache.memory_report().segments["middle"]
-    assert held == middle * (4 * (2 * 8 + 2 * 16 + 16 + 16) + 2 * (1 + 8)) + 8 * (2 + 16 + 1 + 16)
+    # (int64): layer 0 heads [2] + channels [2, 8], layer 1 heads [1] + channels [1, 16].  Layer 0's lane holds
+    # every head: its validity and positions are the row's bookkeeping ("middle (rows)"); layer 1's lane of one
+    # head keeps its own copy, counted with its head
+    segments = cache.memory_report().segments
+    assert segments["middle"] == middle * (4 * (2 * 8 + 2 * 16 + 16 + 16) + (1 + 8)) + 8 * (2 + 16 + 1 + 16)
+    assert segments["middle (rows)"] == middle * (1 + 8)
 
 
 def test_rope_mask_source_matches_oracle_with_the_same_mask():

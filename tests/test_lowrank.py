@@ -184,9 +184,11 @@ def test_memory_report_holds_rank_over_head_dim_of_middle_keys(model, full_basis
         assert buf.size == middle
         assert buf.k.nbytes / (middle * 2 * 16 * 4) == rank / 16  # K: rank of head_dim 16 channels, fp32
         assert buf.v.nbytes == middle * 2 * 16 * 4  # V unchanged
-    # per layer: K 2 heads x rank + V 2 heads x 16 (fp32), a validity byte and an int64 position per token
-    held = cache.memory_report().segments["middle"]
-    assert held == 2 * middle * (4 * (2 * rank + 2 * 16) + 1 + 8)
+    # per layer: K 2 heads x rank + V 2 heads x 16 (fp32); the lane of every head keeps the row's validity byte
+    # and int64 position per token (the row bookkeeping, "middle (rows)")
+    segments = cache.memory_report().segments
+    assert segments["middle"] == 2 * middle * 4 * (2 * rank + 2 * 16)
+    assert segments["middle (rows)"] == 2 * middle * (1 + 8)
 
 
 # ----------------------------------------------------------------------------- config and files

@@ -376,9 +376,9 @@ def test_pool_store_interface_pack_retain_drop():
     with pytest.raises(ValueError, match="whole pages"):
         store.drop_oldest(3)
     sizes = store.nbytes()
-    assert set(sizes) == {"middle: pages", "middle: page valid + positions", "middle: page scores",
-                          "middle: block table"}
-    assert sizes["middle: block table"] == 2 * 3 * 4
+    assert set(sizes) == {"middle: pages", "middle: page valid + positions (rows)", "middle: page scores (rows)",
+                          "middle: block table (rows)"}
+    assert sizes["middle: block table (rows)"] == 2 * 3 * 4
 
 
 # ----------------------------------------------------------------------------- configuration

@@ -48,7 +48,7 @@ def run_case(model, stack, prompt, steps, static=False):
 def report_dict(report):
     return {"segments": report.segments, "dense_fp16_bytes": report.dense_fp16_bytes,
             "dense_native_bytes": report.dense_native_bytes, "tokens": report.tokens, "batch": report.batch,
-            "ranks": report.ranks}
+            "ranks": report.ranks, "replicated_bytes": report.replicated_bytes}
 
 
 def main() -> int:
@@ -93,6 +93,9 @@ def main() -> int:
             try:
                 logits, cache = run_case(tp, spec["stacks"][model_name][stack_name], prompt, steps, static=True)
                 entry["is_static"] = cache.is_static
+                entry["local_report"] = report_dict(cache.memory_report())
+                entry["summed_report"] = report_dict(cache.memory_report(all_ranks=True))
+                entry["shard"] = cache.shard.describe() if cache.shard is not None else None
                 if rank == 0:
                     tensors[f"tp/{key}"] = logits
             except Exception as exc:
@@ -113,6 +116,16 @@ def main() -> int:
             except Exception as exc:
                 entry["ref_error"] = f"{type(exc).__name__}: {exc}"
             entry["ref_seconds"] = time.perf_counter() - start
+        for stack_name in spec.get("static", []):  # the static caches' single-process reports (memory only)
+            index += 1
+            if index % 2 != rank:
+                continue
+            entry = results[f"{model_name}/{stack_name}@static"]
+            try:
+                _, cache = run_case(ref, spec["stacks"][model_name][stack_name], prompt, steps, static=True)
+                entry["ref_report"] = report_dict(cache.memory_report())
+            except Exception as exc:
+                entry["ref_error"] = f"{type(exc).__name__}: {exc}"
         for label, stack in spec["refused"].get(model_name, {}).items():
             try:
                 with kvcompress_compress(tp, stack):
