@@ -317,13 +317,23 @@ def test_launch_shape_rule_and_overrides():
     full-width lanes with d >= 128 and <= 128 programs per split take 3 stages; others 4 waves in the middle sizes."""
     from kvcompress.kernels.leank import triton_kernel as tk
 
-    auto = {"waves": None, "num_stages": None}
+    auto = {"waves": None, "num_stages": None, "split_rows": "lanes"}
     assert tk._launch_shape(auto, 4, 8, 128, full_width=True) == (2, 3)  # the empty stack, Llama B4
     assert tk._launch_shape(auto, 64, 8, 128, full_width=True) == (2, 4)  # B64: 512 programs per split
     assert tk._launch_shape(auto, 4, 8, 128, full_width=False) == (4, 4)  # LeanK lanes, Llama B4 (4096)
     assert tk._launch_shape(auto, 16, 8, 128, full_width=False) == (2, 4)  # Llama B16 (16384)
     assert tk._launch_shape(auto, 1, 3, 64, full_width=False) == (2, 4)  # SmolLM2 B1 (192)
     assert tk._launch_shape({"waves": 1, "num_stages": 5}, 4, 8, 128, full_width=True) == (1, 5)
+    # counted by work (the default): waves of the programs that do the work
+    work = dict(auto, split_rows="work")
+    assert tk._config()["split_rows"] == "work"
+    assert tk._launch_shape(work, 4, 8, 128, full_width=True) == (2, 3)  # one lane: as before
+    assert tk._launch_shape(work, 16, 3, 64, full_width=True) == (4, 4)
+    assert tk._launch_shape(work, 1, 8, 128, full_width=False) == (2, 4)  # LeanK, Llama B1 (8 rows x heads)
+    assert tk._launch_shape(work, 16, 8, 128, full_width=False) == (1, 4)  # Llama B16 (128)
+    assert tk._launch_shape(work, 1, 3, 64, full_width=False) == (1, 4)  # SmolLM2 B1 (192)
+    assert tk._launch_shape(work, 16, 3, 64, full_width=False) == (4, 4)  # SmolLM2 B16 (3072)
+    assert tk._launch_shape(work, 64, 3, 64, full_width=False) == (2, 4)  # SmolLM2 B64 (12288)
     assert tk._config()["combine"] == "splits"
 
 

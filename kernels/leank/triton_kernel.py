@@ -290,16 +290,30 @@ MID_WORK_MIN, MID_WORK_MAX = 512, 4096
 
 
 def _launch_shape(cfg: dict, b: int, hkv: int, d: int, full_width: bool) -> tuple[int, int]:
-    """``(waves, num_stages)`` of a launch: the configuration's values where set (not ``None``), else
-    session 16's rule (H200): every lane full width with ``d >= 128`` (the empty stack's read) and at most 128 programs
-    per split -> 3 stages and 2 waves (Llama B4 / B16 0.71x / 0.76x -> 0.98x / 0.98x SDPA; B64 lost with 3 stages,
-    0.94x -> 0.78x; presumably four stages of 64 x 128 fp16 K and V tiles, 128 KB of shared memory, leave one program
-    per SM, not profiled); otherwise 4 stages, and 4 waves when
-    ``MID_WORK_MIN < batch x kv_heads x head_dim <= MID_WORK_MAX``, else 2."""
+    """``(waves, num_stages)`` of a launch: the configuration's values where set (not ``None``), else the H200 rule.
+
+    Every lane full width (the empty stack's read, one lane): session 16's rule - ``d >= 128`` and at most 128
+    programs per split -> 3 stages and 2 waves (Llama B4 / B16 0.71x / 0.76x -> 0.98x / 0.98x SDPA; B64 lost with 3
+    stages, 0.94x -> 0.78x; presumably four stages of 64 x 128 fp16 K and V tiles, 128 KB of shared memory, leave one
+    program per SM, not profiled); otherwise 4 stages, and 4 waves when ``MID_WORK_MIN < batch x kv_heads x
+    head_dim <= MID_WORK_MAX``, else 2.
+
+    Lanes of several widths (LeanK's pruned lanes, low-rank coordinates, beside the full-precision buffer lane), 4
+    stages: with ``split_rows: "lanes"`` session 16's waves as above, counted over every lane's heads; with
+    ``"work"`` (the default since session 19; :func:`split_count`) waves of the programs that do the work: for
+    ``head_dim >= 128`` 2 waves up to 32 rows x kv heads, else 1 (LeanK Llama B1 / B16: what the session-16 rule
+    gave in effect, measured best); for smaller heads 1 wave up to ``MID_WORK_MIN``, 4 up to ``MID_WORK_MAX``, else 2
+    (SmolLM2 heads, H200, 32k: LeanK-70 B4 / B16 / B64 1.29x / 1.46x / 0.89x -> 1.41x / 1.78x / 1.44x, low-rank
+    B4 / B16 / B64 0.59x / 0.66x / 0.50x -> 0.66x / 0.83x / 0.85x; docs/results.md, issue 19, session 19)."""
+    work = b * hkv * d
     if full_width and d >= 128 and b * hkv <= 128:
         waves, stages = 2, 3
+    elif full_width or cfg.get("split_rows", "lanes") != "work":
+        waves, stages = (4 if MID_WORK_MIN < work <= MID_WORK_MAX else 2), 4
+    elif d >= 128:
+        waves, stages = (2 if b * hkv <= 32 else 1), 4
     else:
-        waves, stages = (4 if MID_WORK_MIN < b * hkv * d <= MID_WORK_MAX else 2), 4
+        waves, stages = (1 if work <= MID_WORK_MIN else 4 if work <= MID_WORK_MAX else 2), 4
     if cfg.get("waves") is not None:
         waves = int(cfg["waves"])
     if cfg.get("num_stages") is not None:
@@ -337,7 +351,7 @@ def _config() -> dict:
     "splits"`` since session 16: at batch 1 the one-split-per-step merge took 15-27 µs of a 40-60 µs read
     (``benchmarks/gpu_read_profile.py``); ``waves`` / ``num_stages`` ``None`` follow :func:`_launch_shape`."""
     cfg = dict(BN=64, num_warps=4, num_stages=None, waves=None, min_split_tokens=256, canonical=False, combine="splits",
-               split_rows="lanes")
+               split_rows="work")
     env = os.environ.get("KVCOMPRESS_LEANK_CONFIG")
     if env:
         cfg.update(json.loads(env))
