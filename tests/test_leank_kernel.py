@@ -317,42 +317,41 @@ def test_launch_shape_rule_and_overrides():
     full-width lanes with d >= 128 and <= 128 programs per split take 3 stages; others 4 waves in the middle sizes."""
     from kvcompress.kernels.leank import triton_kernel as tk
 
-    auto = {"waves": None, "num_stages": None, "split_rows": "lanes"}
+    auto = {"waves": None, "num_stages": None}
     assert tk._launch_shape(auto, 4, 8, 128, full_width=True) == (2, 3)  # the empty stack, Llama B4
     assert tk._launch_shape(auto, 64, 8, 128, full_width=True) == (2, 4)  # B64: 512 programs per split
     assert tk._launch_shape(auto, 4, 8, 128, full_width=False) == (4, 4)  # LeanK lanes, Llama B4 (4096)
     assert tk._launch_shape(auto, 16, 8, 128, full_width=False) == (2, 4)  # Llama B16 (16384)
-    assert tk._launch_shape(auto, 1, 3, 64, full_width=False) == (2, 4)  # SmolLM2 B1 (192)
+    assert tk._launch_shape(auto, 1, 3, 64, full_width=False) == (2, 4)  # SmolLM2 B1 (192), counted per lane
     assert tk._launch_shape({"waves": 1, "num_stages": 5}, 4, 8, 128, full_width=True) == (1, 5)
-    # counted by work (the default): waves of the programs that do the work
-    work = dict(auto, split_rows="work")
-    assert tk._config()["split_rows"] == "work"
-    assert tk._launch_shape(work, 4, 8, 128, full_width=True) == (2, 3)  # one lane: as before
-    assert tk._launch_shape(work, 16, 3, 64, full_width=True) == (4, 4)
-    assert tk._launch_shape(work, 1, 8, 128, full_width=False) == (2, 4)  # LeanK, Llama B1 (8 rows x heads)
-    assert tk._launch_shape(work, 16, 8, 128, full_width=False) == (1, 4)  # Llama B16 (128)
-    assert tk._launch_shape(work, 1, 3, 64, full_width=False) == (1, 4)  # SmolLM2 B1 (192)
-    assert tk._launch_shape(work, 16, 3, 64, full_width=False) == (4, 4)  # SmolLM2 B16 (3072)
-    assert tk._launch_shape(work, 64, 3, 64, full_width=False) == (2, 4)  # SmolLM2 B64 (12288)
+    # counted by work: waves of the programs that do the work (1 / 4 / 2); one lane: as before
+    assert tk._launch_shape(auto, 16, 3, 64, full_width=True, work=True) == (4, 4)
+    assert tk._launch_shape(auto, 1, 3, 64, full_width=False, work=True) == (1, 4)  # SmolLM2 B1 (192)
+    assert tk._launch_shape(auto, 16, 3, 64, full_width=False, work=True) == (4, 4)  # SmolLM2 B16 (3072)
+    assert tk._launch_shape(auto, 64, 3, 64, full_width=False, work=True) == (2, 4)  # SmolLM2 B64 (12288)
+    # the default ("auto"): by work under head dim 128 only
+    cfg = tk._config()
+    assert cfg["split_rows"] == "auto" and tk.counts_work(cfg, 64) and not tk.counts_work(cfg, 128)
+    assert tk.counts_work(dict(cfg, split_rows="work"), 128) and not tk.counts_work(dict(cfg, split_rows="lanes"), 64)
     assert tk._config()["combine"] == "splits"
 
 
 def test_split_count_counts_short_lanes_by_their_work():
-    """Splits of a launch: ``split_rows: "lanes"`` counts every lane's heads alike, so a short full-precision lane
-    (1k slots) beside a long middle lane (32k) halves the long lane's splits; ``"work"`` weighs each head by its
-    lane's tokens.  Checked against the arithmetic of the rule (132 SMs, H200), not against the code's own output."""
+    """Splits of a launch: counted per lane, every lane's heads alike, so a short full-precision lane (1k slots)
+    beside a long middle lane (32k) halves the long lane's splits; counted by work, each head weighs its lane's
+    tokens.  Checked against the arithmetic of the rule (132 SMs, H200), not against the code's own output."""
     from kvcompress.kernels.leank import triton_kernel as tk
 
-    cfg = dict(tk._config(), split_rows="lanes")
+    cfg = tk._config()
     lanes = [(3, 1024), (3, 32256)]  # SmolLM2 heads: the buffer lane, the low-rank middle lane
     # B16, 4 waves: 528 programs over 16 x 6 rows -> 6 splits; by work: 16 x (3 + 3 x 1024 / 32256) rows -> 11
     assert tk.split_count(cfg, 16, lanes, 1, 4, 132) == 6
-    assert tk.split_count(dict(cfg, split_rows="work"), 16, lanes, 1, 4, 132) == 11
+    assert tk.split_count(cfg, 16, lanes, 1, 4, 132, work=True) == 11
     # one lane: both count the same (the empty stack's read)
-    for mode in ("lanes", "work"):
-        assert tk.split_count(dict(cfg, split_rows=mode), 16, [(3, 32768)], 1, 4, 132) == 11
+    for work in (False, True):
+        assert tk.split_count(cfg, 16, [(3, 32768)], 1, 4, 132, work=work) == 11
     # the floor: at most ceil(tokens / min_split_tokens) splits; at least one; the interpreter: 4 programs
-    assert tk.split_count(dict(cfg, split_rows="work"), 1, [(1, 1000)], 1, 4, 132) == 4  # 1000 / 256
+    assert tk.split_count(cfg, 1, [(1, 1000)], 1, 4, 132, work=True) == 4  # 1000 / 256
     assert tk.split_count(cfg, 64, lanes, 1, 2, 132) == 1
     assert tk.split_count(cfg, 1, [(2, 4096)], 1, 2, 0) == 2
     assert tk.split_count(cfg, 1, [(2, 10)], 1, 2, 0) == 1  # fewer tokens than one BN block

@@ -289,7 +289,15 @@ def _num_sms(device_index: int) -> int:
 MID_WORK_MIN, MID_WORK_MAX = 512, 4096
 
 
-def _launch_shape(cfg: dict, b: int, hkv: int, d: int, full_width: bool) -> tuple[int, int]:
+def counts_work(cfg: dict, head_dim: int) -> bool:
+    """Whether a launch counts its rows of programs by work (:func:`split_count`): ``split_rows`` "work", or "auto"
+    (the default) with a head dim under 128 - where it was measured faster at every shape of issue 19's grid, while
+    at Llama heads (128) the per-lane count stays (session 19, docs/results.md)."""
+    mode = cfg.get("split_rows", "auto")
+    return mode == "work" or (mode == "auto" and head_dim < 128)
+
+
+def _launch_shape(cfg: dict, b: int, hkv: int, d: int, full_width: bool, work: bool = False) -> tuple[int, int]:
     """``(waves, num_stages)`` of a launch: the configuration's values where set (not ``None``), else the H200 rule.
 
     Every lane full width (the empty stack's read, one lane): session 16's rule - ``d >= 128`` and at most 128
@@ -299,21 +307,18 @@ def _launch_shape(cfg: dict, b: int, hkv: int, d: int, full_width: bool) -> tupl
     head_dim <= MID_WORK_MAX``, else 2.
 
     Lanes of several widths (LeanK's pruned lanes, low-rank coordinates, beside the full-precision buffer lane), 4
-    stages: with ``split_rows: "lanes"`` session 16's waves as above, counted over every lane's heads; with
-    ``"work"`` (the default since session 19; :func:`split_count`) waves of the programs that do the work: for
-    ``head_dim >= 128`` 2 waves up to 32 rows x kv heads, else 1 (LeanK Llama B1 / B16: what the session-16 rule
-    gave in effect, measured best); for smaller heads 1 wave up to ``MID_WORK_MIN``, 4 up to ``MID_WORK_MAX``, else 2
-    (SmolLM2 heads, H200, 32k: LeanK-70 B4 / B16 / B64 1.29x / 1.46x / 0.89x -> 1.41x / 1.78x / 1.44x, low-rank
-    B4 / B16 / B64 0.59x / 0.66x / 0.50x -> 0.66x / 0.83x / 0.85x; docs/results.md, issue 19, session 19)."""
-    work = b * hkv * d
+    stages: counted over every lane's heads (``work`` False), session 16's waves as above; counted by work
+    (:func:`counts_work`, :func:`split_count`), waves of the programs that do the work: 1 wave up to
+    ``MID_WORK_MIN``, 4 up to ``MID_WORK_MAX``, else 2 (SmolLM2 heads, H200, 32k: LeanK-70 B4 / B16 / B64 1.29x /
+    1.46x / 0.89x -> 1.45x / 1.81x / 1.47x, low-rank 0.59x / 0.66x / 0.50x -> 0.66x / 0.85x / 0.87x; docs/results.md,
+    issue 19, session 19)."""
+    size = b * hkv * d
     if full_width and d >= 128 and b * hkv <= 128:
         waves, stages = 2, 3
-    elif full_width or cfg.get("split_rows", "lanes") != "work":
-        waves, stages = (4 if MID_WORK_MIN < work <= MID_WORK_MAX else 2), 4
-    elif d >= 128:
-        waves, stages = (2 if b * hkv <= 32 else 1), 4
+    elif full_width or not work:
+        waves, stages = (4 if MID_WORK_MIN < size <= MID_WORK_MAX else 2), 4
     else:
-        waves, stages = (1 if work <= MID_WORK_MIN else 4 if work <= MID_WORK_MAX else 2), 4
+        waves, stages = (1 if size <= MID_WORK_MIN else 4 if size <= MID_WORK_MAX else 2), 4
     if cfg.get("waves") is not None:
         waves = int(cfg["waves"])
     if cfg.get("num_stages") is not None:
@@ -321,20 +326,21 @@ def _launch_shape(cfg: dict, b: int, hkv: int, d: int, full_width: bool) -> tupl
     return waves, stages
 
 
-def split_count(cfg: dict, b: int, lanes: Sequence[tuple[int, int]], m_blocks: int, waves: int, sms: int) -> int:
+def split_count(cfg: dict, b: int, lanes: Sequence[tuple[int, int]], m_blocks: int, waves: int, sms: int,
+                work: bool = False) -> int:
     """Token splits of a launch over lanes of ``(heads, token slots)``: enough programs for ``waves x sms``, each
     split at least ``min_split_tokens`` (and ``BN``) tokens of the longest lane.  ``sms`` 0 (the interpreter): 4
     programs in all, so the tests exercise the merge.
 
-    ``split_rows`` says what a row of programs counts for: ``"lanes"`` (until session 19) every lane's heads count
-    alike, ``"work"`` each head counts for its lane's share of the longest lane's tokens.  A short full-precision
+    ``work`` (:func:`counts_work`) says what a row of programs counts for: False every lane's heads count alike (the
+    only count until session 19), True each head counts for its lane's share of the longest lane's tokens.  A short full-precision
     lane (the sinks + recent window, ~1k slots) beside a long middle lane (LeanK's pruned keys, low-rank
     coordinates) then no longer halves the splits of the long lane: its programs finish at once and leave the long
     lane's programs ``waves / 2`` waves (session 19, ``benchmarks/gpu_read_profile.py``: low-rank SmolLM2 B16 / 32k
     read 32k tokens in 3 splits, 245 µs against 104 µs for the empty stack's 11)."""
     bn = cfg["BN"]
     t_max = max((t for _, t in lanes), default=0)
-    if cfg.get("split_rows", "lanes") == "work" and t_max > 0:
+    if work and t_max > 0:
         n_rows = sum(h * t for h, t in lanes) / t_max
     else:
         n_rows = sum(h for h, _ in lanes)
@@ -351,7 +357,7 @@ def _config() -> dict:
     "splits"`` since session 16: at batch 1 the one-split-per-step merge took 15-27 µs of a 40-60 µs read
     (``benchmarks/gpu_read_profile.py``); ``waves`` / ``num_stages`` ``None`` follow :func:`_launch_shape`."""
     cfg = dict(BN=64, num_warps=4, num_stages=None, waves=None, min_split_tokens=256, canonical=False, combine="splits",
-               split_rows="work")
+               split_rows="auto")
     env = os.environ.get("KVCOMPRESS_LEANK_CONFIG")
     if env:
         cfg.update(json.loads(env))
@@ -512,10 +518,11 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     m_blocks = triton.cdiv(m, block_m)
     bn = cfg["BN"]
     # the rule's head dimension is the values' (a low-rank lane appends its projected query: d = head_dim + r)
-    waves, stages = _launch_shape(cfg, b, hkv, dv, all(r["c"] == d for r in rows))
+    work = counts_work(cfg, dv)
+    waves, stages = _launch_shape(cfg, b, hkv, dv, all(r["c"] == d for r in rows), work)
     if splits is None:
         sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 0
-        splits = split_count(cfg, b, [(r["h"], r["t"]) for r in rows], m_blocks, waves, sms)
+        splits = split_count(cfg, b, [(r["h"], r["t"]) for r in rows], m_blocks, waves, sms, work)
     po = torch.empty(splits, b, n_rows, m, dv, device=dev, dtype=torch.float32)
     pl = torch.empty(splits, b, n_rows, m, device=dev, dtype=torch.float32)
     ieee = lanes[0].k.dtype == torch.float32
