@@ -41,7 +41,9 @@ Tuning: :func:`_config` holds the defaults; ``KVCOMPRESS_LEANK_CONFIG`` (JSON)
 overrides them (``benchmarks/gpu_leank.py`` and ``benchmarks/gpu_lanes_sweep.py`` sweep it).  ``combine``:
 ``"splits"`` (default since session 16: :func:`_combine_splits_kernel`, one program per (batch, head, row) folding up
 to 32 splits per step) or ``"loop"`` (:func:`_combine_kernel`, one program per (batch, head, row block) walking the
-splits one by one; session 16's H200 sweep: 1.1-2.3x slower reads at batch 1, equal elsewhere).
+splits one by one; session 16's H200 sweep: 1.1-2.3x slower reads at batch 1, equal elsewhere).  ``split_rows``:
+how the token splits count the rows of programs (:func:`counts_work`, :func:`split_count`): ``"auto"`` (default since
+session 19: by each lane's work under head dim 128, per lane at 128 and above), ``"work"`` or ``"lanes"``.
 """
 from __future__ import annotations
 
