@@ -359,3 +359,29 @@ def test_device_map_with_an_offloaded_layer_runs_stacks_like_the_plain_model(tmp
                     logits.append(model(input_ids=ids[:, t:t + 1], cache=cache).logits[:, -1])
             outs.append(torch.stack(logits))
         assert (outs[0] - outs[1]).abs().max().item() <= 1e-5
+
+
+def test_sum_reports_counts_equal_bookkeeping_once_and_sums_the_rest(monkeypatch):
+    """``sum_reports`` without a process group (the gather replaced by two fixed rank reports): a ``(rows)`` region
+    that both ranks hold alike is counted once and its second copy is ``replicated_bytes``; one that differs between
+    the ranks (it should not) and every per-head region are summed; the table names both totals."""
+    import torch.distributed as dist
+
+    from kvcompress.cache import MemoryReport
+    from kvcompress.distributed import HeadShard, sum_reports
+
+    ranks = [({"middle": 100, "middle (rows)": 40, "odd (rows)": 3}, 500, 1000),
+             ({"middle": 120, "middle (rows)": 40, "odd (rows)": 5}, 500, 1000)]
+
+    def gather(out, obj, group=None):
+        out[:] = ranks
+
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    mine = MemoryReport(dict(ranks[0][0]), 500, tokens=7, batch=1, dense_native_bytes=1000)
+    summed = sum_reports(mine, HeadShard(rank=0, size=2, kv_heads=4, q_heads=8))
+    assert summed.segments == {"middle": 220, "middle (rows)": 40, "odd (rows)": 8}
+    assert summed.replicated_bytes == 40 and summed.ranks == 2
+    assert (summed.dense_fp16_bytes, summed.dense_native_bytes, summed.tokens) == (1000, 2000, 7)
+    held = sum(sum(part.values()) for part, _, _ in ranks)  # what the two ranks hold: 143 + 165
+    assert summed.cache_bytes + summed.replicated_bytes == held == 308
+    assert "308 bytes held by the ranks together" in summed.table()
