@@ -60,10 +60,10 @@ class MemoryReport:
         lines.append(f"compression ratio (dense fp16 / held): {self.ratio:.2f}x  "
                      f"({self.tokens} tokens x {self.batch} rows)")
         if self.ranks > 1:
-            lines.append(f"summed over {self.ranks} tensor-parallel ranks: the whole model's KV heads, with the per-row "
-                         "bookkeeping (segments marked (rows)) counted once; every rank holds its own copy of it, "
-                         f"{self.replicated_bytes:,} bytes more in all ({self.cache_bytes + self.replicated_bytes:,} "
-                         "bytes held by the ranks together)")
+            lines.append(f"summed over {self.ranks} tensor-parallel ranks: the whole model's KV heads, with the "
+                         "per-row bookkeeping (segments marked (rows)) counted once; every rank holds its own copy "
+                         f"of it, {self.replicated_bytes:,} bytes more in all "
+                         f"({self.cache_bytes + self.replicated_bytes:,} bytes held by the ranks together)")
         if self.native_dtype != "float16" and self.cache_bytes:
             lines.append(f"the model runs in {self.native_dtype}: its dense cache would hold "
                          f"{self.dense_native_bytes:,} bytes, {self.dense_native_bytes / self.cache_bytes:.2f}x "

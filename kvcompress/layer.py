@@ -385,9 +385,9 @@ def add_store_bytes(out: dict[str, int], middle: Any, state: dict[str, Any]) -> 
     seen: set = set()
     for key, value in state.items():
         if hasattr(value, "nbytes"):
-            rows = value.row_nbytes() if hasattr(value, "row_nbytes") else 0
-            out[f"state:{key}"] = value.nbytes() - rows
-            if hasattr(value, "row_nbytes"):
+            rows = value.row_nbytes() if hasattr(value, "row_nbytes") else None
+            out[f"state:{key}"] = value.nbytes() - (rows or 0)
+            if rows is not None:
                 out[f"state:{key}{ROWS}"] = rows
         else:  # plain containers: the tensors in them (each storage once)
             n = _container_bytes(value, seen)

@@ -774,6 +774,6 @@ class StaticPagedStore(MiddleStore):
     def nbytes(self) -> dict[str, int]:
         out = payload_nbytes(self.lanes, self.codec)
         size = (lambda t: 0 if t is None else t.numel() * t.element_size())
-        out["middle: page valid + positions + state" + ROWS] = sum(size(t) for t in (self.valid, self.pos, self.live,
-                                                                                    self.score, self.age, self.clock))
+        out["middle: page valid + positions + state" + ROWS] = sum(
+            size(t) for t in (self.valid, self.pos, self.live, self.score, self.age, self.clock))
         return out

@@ -335,11 +335,11 @@ def split_count(cfg: dict, b: int, lanes: Sequence[tuple[int, int]], m_blocks: i
     programs in all, so the tests exercise the merge.
 
     ``work`` (:func:`counts_work`) says what a row of programs counts for: False every lane's heads count alike (the
-    only count until session 19), True each head counts for its lane's share of the longest lane's tokens.  A short full-precision
-    lane (the sinks + recent window, ~1k slots) beside a long middle lane (LeanK's pruned keys, low-rank
-    coordinates) then no longer halves the splits of the long lane: its programs finish at once and leave the long
-    lane's programs ``waves / 2`` waves (session 19, ``benchmarks/gpu_read_profile.py``: low-rank SmolLM2 B16 / 32k
-    read 32k tokens in 3 splits, 245 µs against 104 µs for the empty stack's 11)."""
+    only count until session 19), True each head counts for its lane's share of the longest lane's tokens.  A short
+    full-precision lane (the sinks + recent window, ~1k slots) beside a long middle lane (LeanK's pruned keys,
+    low-rank coordinates) then no longer halves the splits of the long lane (counted per lane, its programs finish
+    at once and leave the long lane's programs ``waves / 2`` waves; session 19, ``benchmarks/gpu_read_profile.py``:
+    low-rank SmolLM2 B16 / 32k read 32k tokens in 3 splits, 245 µs against 104 µs for the empty stack's 11)."""
     bn = cfg["BN"]
     t_max = max((t for _, t in lanes), default=0)
     if work and t_max > 0:

@@ -169,8 +169,12 @@ def _forward(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     """The launch.  ``length``: 0-dim int device tensor, the number of leading token slots (block-table position
     ``w`` holds slots ``w*P .. w*P+P-1``) that may be live; later slots are treated as invalid and their pages are
     not read.  The grid stays sized for the whole table (CUDA-graph safe).  ``base``: the launch configuration
-    (:func:`_config`, what :mod:`kvcompress.kernels.ops` resolves once); ``None`` reads :func:`_config`."""
-    cfg = base if base is not None else _config()
+    (:func:`_config`); ``None``: the one :mod:`kvcompress.kernels.ops` resolved once (no environment read per call)."""
+    if base is None:
+        from kvcompress.kernels.ops import _paged_base
+
+        base = _paged_base()
+    cfg = base
     _validate(query, k_pages, v_pages, page_valid, block_table)
     if length is not None and (length.dim() != 0 or length.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"length must be a 0-dim int32/int64 tensor, got {tuple(length.shape)} {length.dtype}")
