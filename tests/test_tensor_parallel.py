@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -164,17 +166,37 @@ def tp_run(tmp_path_factory):
     cases.write_text(json.dumps(spec))
     out = folder / "out"
     out.mkdir()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(WORKER), str(cases),
-           str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    # PYTHONFAULTHANDLER: a worker killed by a native fault prints the Python stack it was in
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false",
+               PYTHONFAULTHANDLER="1")
+    for attempt in (1, 2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(WORKER), str(cases),
+               str(out)]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        tail = f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        if proc.returncode == 0 or attempt == 2 or not _native_abort(proc.stdout + proc.stderr):
+            break
+        # A worker aborted inside native code (glibc's heap check `malloc(): unaligned tcache chunk detected`, in
+        # two fresh-clone CI runs of sessions 19-20, each under the full suite; the module alone passed every
+        # time): not a comparison of this module.  Where it happens is not known yet (PYTHONFAULTHANDLER prints the
+        # worker's Python stack next time).  One relaunch; a second abort, or any other failure, fails the module.
+        warnings.warn(f"tensor-parallel worker aborted natively (attempt 1 of 2), relaunching:\n{tail[-4000:]}",
+                      stacklevel=1)
+        for stale in out.iterdir():
+            stale.unlink()
+    assert proc.returncode == 0, tail
     logits, results = {}, []
     for rank in range(2):
         logits.update(load_file(out / f"logits_rank{rank}.safetensors"))
         results.append(json.loads((out / f"results_rank{rank}.json").read_text()))
     return {"logits": logits, "results": results, "files": files, "folders": spec["models"], "cli": spec["cli"]}
+
+
+def _native_abort(output: str) -> bool:
+    """torchrun's report names a worker that died of SIGABRT / SIGSEGV / SIGBUS (a fault in native code; a Python
+    exception exits with 1 and is not retried)."""
+    return re.search(r"exitcode\s*:\s*-(6|7|11)\b", output) is not None
 
 
 def _case(tp_run, key):
