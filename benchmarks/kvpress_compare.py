@@ -45,6 +45,8 @@ Presses (``--configs`` picks some; names as in the table):
   window of 128 / 256 queries instead of kvpress' default 64 (as kvcompress' example stacks).
 * ``chunkkv20-snapkv-w64-0.75``, ``chunkkv10-snapkv-w128-0.75`` (only when named): ChunkKVPress over SnapKV at 25%
   kept (kvpress' defaults: chunks of 20, window 64; and chunks of 10 with window 128).
+* ``keydiff-0.5`` / ``-0.75``, ``keydiff+decoding-1024`` / ``-512`` (only when named): KeyDiffPress (arXiv
+  2504.15364) at prefill only, and bounded as the Knorm rows above (``compression_interval=1``).
 * ``streaming_llm-4+252-bounded-sorted`` (only when named): the bounded StreamingLLM with the kept indices sorted
   (``sorted_press``): kvpress' unsorted ``topk`` indices scramble the cache order, which StreamingLLMPress reads
   as age, so the unsorted bounded run does not evict the oldest token.
@@ -88,8 +90,8 @@ SCHEMA = "kvcompress.kvpress_ppl/1"
 
 def _configs() -> dict[str, tuple[str, Callable[[], Any]]]:
     """name -> (description, factory of a fresh press or None); imported lazily (kvpress patches transformers)."""
-    from kvpress import (ChunkKVPress, DecodingPress, ExpectedAttentionPress, KnormPress, PrefillDecodingPress,
-                         SnapKVPress, StreamingLLMPress)
+    from kvpress import (ChunkKVPress, DecodingPress, ExpectedAttentionPress, KeyDiffPress, KnormPress,
+                         PrefillDecodingPress, SnapKVPress, StreamingLLMPress)
 
     def bounded(prefill: Any, scorer: Any, target: int, interval: int = 1) -> Any:
         return PrefillDecodingPress(prefilling_press=prefill, decoding_press=DecodingPress(
@@ -101,6 +103,7 @@ def _configs() -> dict[str, tuple[str, Callable[[], Any]]]:
         out[f"expected_attention-{c}"] = (f"ExpectedAttentionPress(compression_ratio={c})",
                                           lambda c=c: ExpectedAttentionPress(compression_ratio=c))
         out[f"knorm-{c}"] = (f"KnormPress(compression_ratio={c})", lambda c=c: KnormPress(compression_ratio=c))
+        out[f"keydiff-{c}"] = (f"KeyDiffPress(compression_ratio={c})", lambda c=c: KeyDiffPress(compression_ratio=c))
         for w in (128, 256):
             out[f"snapkv-w{w}-{c}"] = (f"SnapKVPress(compression_ratio={c}, window_size={w})",
                                        lambda c=c, w=w: SnapKVPress(compression_ratio=c, window_size=w))
@@ -116,6 +119,10 @@ def _configs() -> dict[str, tuple[str, Callable[[], Any]]]:
         out[f"knorm+decoding-{n}-i64"] = (
             f"PrefillDecodingPress(KnormPress({c}), DecodingPress(KnormPress(), compression_interval=64, "
             f"target_size={n}))", lambda c=c, n=n: bounded(KnormPress(compression_ratio=c), KnormPress(), n, 64))
+    for c, n in ((0.5, 1024), (0.75, 512)):
+        out[f"keydiff+decoding-{n}"] = (
+            f"PrefillDecodingPress(KeyDiffPress({c}), DecodingPress(KeyDiffPress(), compression_interval=1, "
+            f"target_size={n}))", lambda c=c, n=n: bounded(KeyDiffPress(compression_ratio=c), KeyDiffPress(), n))
     for n in (1024, 512):
         out[f"knorm-decoding-only-{n}"] = (
             f"DecodingPress(KnormPress(), compression_interval=1, target_size={n})",
@@ -140,7 +147,8 @@ DEFAULT_CONFIGS = ["none", "snapkv-0.5", "snapkv-0.75", "expected_attention-0.5"
 #: run only when named in --configs
 EXTRA_CONFIGS = ["knorm+decoding-1024-i64", "knorm+decoding-512-i64", "streaming_llm-4+252-bounded-sorted",
                  "snapkv-w128-0.5", "snapkv-w128-0.75", "snapkv-w256-0.5", "snapkv-w256-0.75",
-                 "chunkkv20-snapkv-w64-0.75", "chunkkv10-snapkv-w128-0.75"]
+                 "chunkkv20-snapkv-w64-0.75", "chunkkv10-snapkv-w128-0.75", "keydiff-0.5", "keydiff-0.75",
+                 "keydiff+decoding-1024", "keydiff+decoding-512"]
 
 
 def sorted_press(cls: Any) -> Any:

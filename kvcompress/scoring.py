@@ -243,6 +243,27 @@ class ScoreEvictor(Compressor):
         keep the score each token had when it entered (the default)."""
         return None
 
+    def stored_tokens(self, layer: Any, block: KVBlock, obs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For a scorer whose scores depend on what the cache holds (expected attention, KeyDiff): while decoding
+        under a budget (slot mode, after the prefill's entry), ``(keys, values, valid)`` of the middle's slots -
+        ``[batch, kv_heads, slots, head_dim]`` full precision (a quantized middle decoded, transient) and ``[batch,
+        slots]`` bool - when the middle is one lane of every head; else ``None`` (the entry block; pruned, low-rank
+        or regrouped lanes: stored tokens then keep the score they entered with).  A scorer that uses it scores the stored tokens in
+        :meth:`score` and hands them over through :meth:`stored_scores`."""
+        state = layer.state.get(self.name)
+        entry = block.due is None and obs.prefill and not (state is not None and state.entered)
+        if not layer.layout.head_slots or entry or layer.middle.slot_valid() is None:
+            return None
+        segments = layer.middle.segments()
+        if len(segments) != 1 or segments[0].heads is not None or segments[0].qmap is not None \
+                or segments[0].vmap is not None:
+            return None
+        keys, values = segments[0].keys_values()
+        occupied = layer.middle.slot_valid()
+        pad = keys.shape[2] - occupied.shape[1]
+        ok = torch.cat([occupied, occupied.new_zeros(occupied.shape[0], pad)], 1) if pad else occupied
+        return keys, values, ok
+
     # -- budgets ----------------------------------------------------------------------------------------------
     def layer_factor(self, info: LayerInfo) -> float:
         """The per-layer budget schedule: the middle's budget on this layer over the mean (1 for ``uniform``)."""

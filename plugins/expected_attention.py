@@ -193,7 +193,7 @@ class ExpectedAttentionCompressor(ScoreEvictor):
         mu, cov = self._statistics(layer, obs)
         valid = block.valid if block.due is None else block.valid & block.due
         logits = self._logits(block.k, mu, cov)
-        stored = self._stored(layer, block, obs)
+        stored = self.stored_tokens(layer, block, obs)
         if stored is None:
             return self._score(logits, valid, block.v, h)
         keys, values, ok = stored  # decoding under a budget: the stored tokens compete under the same statistics
@@ -202,23 +202,6 @@ class ExpectedAttentionCompressor(ScoreEvictor):
                             torch.cat([values, block.v.to(values.dtype)], dim=2), h)
         self._ring(layer).stored = joint[..., :n]
         return joint[..., n:]
-
-    def _stored(self, layer, block, obs):
-        """``(keys, values, valid)`` of the middle's slots when the block competes with them (slot mode, after the
-        prefill's entry), from a single dense or KIVI lane; else ``None``."""
-        state = layer.state.get(self.name)
-        entry = block.due is None and obs.prefill and not (state is not None and state.entered)
-        if not layer.layout.head_slots or entry or layer.middle.slot_valid() is None:
-            return None
-        segments = layer.middle.segments()
-        if len(segments) != 1 or segments[0].heads is not None or segments[0].qmap is not None \
-                or segments[0].vmap is not None:
-            return None  # pruned / regrouped lanes: stored tokens keep the score they entered with
-        keys, values = segments[0].keys_values()
-        occupied = layer.middle.slot_valid()
-        pad = keys.shape[2] - occupied.shape[1]
-        ok = torch.cat([occupied, occupied.new_zeros(occupied.shape[0], pad)], 1) if pad else occupied
-        return keys, values, ok
 
     def stored_scores(self, layer, obs):
         ring = self._ring(layer)

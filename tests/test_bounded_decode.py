@@ -94,9 +94,48 @@ class TovaReference:
                         kept.discard(min(kept, key=lambda x: (score(x), -x if x != p else -10**9)))
 
 
-def _layer_outputs(static, steps=30, prompt=20):
+class KeyDiffReference(TovaReference):
+    """KeyDiff (arXiv 2504.15364) with per-kv-head token sets, written from the paper's block-wise rule: the prompt's
+    tokens leaving the window are ranked by minus the cosine of their key with the mean of their unit keys (top
+    budget per head); then each token leaving the window joins its head's set and, while the set exceeds the budget,
+    the token whose key is the most similar to the mean unit key of the set (the newcomer included) leaves."""
+
+    def commit(self, first, t, mass):
+        b, h = mass.shape[:2]
+        end = first + t
+        if self.sets is None:
+            self.sets = [[set() for _ in range(h)] for _ in range(b)]
+        for row in range(b):
+            real = [p for p in range(end) if self.valid[row, p]]
+            sinks = real[:SINKS]
+            rest = [p for p in real if p not in sinks]
+            leaving = rest[:-RECENT] if len(rest) > RECENT else []
+            before = [p for p in range(first) if self.valid[row, p] and p not in sinks]
+            old_left = before[:-RECENT] if len(before) > RECENT else []
+            new_left = [p for p in leaving if p not in old_left]
+            for head in range(h):
+                kept = self.sets[row][head]
+                unit = {p: F.normalize(self.keys[row, head, p], dim=0) for p in range(end)}
+
+                def scores(tokens):
+                    anchor = F.normalize(torch.stack([unit[p] for p in tokens]).sum(0), dim=0)
+                    return {p: -float(unit[p] @ anchor) for p in tokens}
+
+                if first == 0:
+                    s = scores(new_left)
+                    kept |= set(sorted(new_left, key=lambda p: (-s[p], p))[:MIDDLE])
+                    continue
+                for p in new_left:
+                    kept.add(p)
+                    while len(kept) > MIDDLE:
+                        s = scores(sorted(kept))
+                        kept.discard(min(kept, key=lambda x: (s[x], -x if x != p else -10**9)))
+
+
+def _layer_outputs(static, steps=30, prompt=20, name="tova"):
     model = tiny_model("llama", layers=1)
-    stack = {"compressors": [{"tova": {"budget": BUDGET, "sinks": SINKS, "recent": RECENT}}]}
+    stack = {"compressors": [{name: {"budget": BUDGET, "sinks": SINKS, "recent": RECENT,
+                                     **({"phase": "both"} if name == "keydiff" else {})}}]}
     length = prompt + steps
     kw = {"max_cache_len": length + 2} if static else {}
     cache = kvcompress.Cache(stack, model, **kw)
@@ -108,7 +147,7 @@ def _layer_outputs(static, steps=30, prompt=20):
     v = torch.randn(b, 2, length, 16, generator=gen)
     valid = torch.ones(b, length, dtype=torch.bool)
     valid[1, :4] = False
-    ref = TovaReference(valid)
+    ref = (KeyDiffReference if name == "keydiff" else TovaReference)(valid)
     width = (length + 2) if static else None
     worst = 0.0
     chunks = [(0, prompt)] + [(t, t + 1) for t in range(prompt, length)]
@@ -130,6 +169,15 @@ def _layer_outputs(static, steps=30, prompt=20):
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_tova_matches_independent_simulation(static):
     worst, layer = _layer_outputs(static)
+    assert worst <= 1e-5
+    assert layer.middle.slot_valid().sum(1).tolist() == [MIDDLE, MIDDLE]
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_keydiff_matches_independent_simulation(static):
+    """KeyDiff while decoding under a budget (``phase: both``): the stored tokens are rescored against the anchor of
+    the held keys and the incoming one at every step, each head replacing its most redundant key."""
+    worst, layer = _layer_outputs(static, name="keydiff")
     assert worst <= 1e-5
     assert layer.middle.slot_valid().sum(1).tolist() == [MIDDLE, MIDDLE]
 
@@ -177,7 +225,9 @@ def _stack_of(name):
     return {"tova": [TOVA], "tova+kivi4": [{"tova": dict(TOVA["tova"], sinks=0)}, KIVI4],
             "snapkv-both": [{"snapkv": {"budget": 40, "sinks": 2, "recent": 16, "window": 8, "phase": "both"}}],
             "expected_attention-both": [{"expected_attention": {"budget": 40, "sinks": 2, "recent": 16, "window": 16,
-                                                                "n_future": 32, "phase": "both"}}]}[name]
+                                                                "n_future": 32, "phase": "both"}}],
+            "keydiff-both": [{"keydiff": {"budget": 40, "sinks": 2, "recent": 16, "phase": "both"}}],
+            "keydiff+kivi4": [{"keydiff": {"budget": 40, "sinks": 0, "recent": 16, "phase": "both"}}, KIVI4]}[name]
 
 
 def _middle(entries):
@@ -186,7 +236,8 @@ def _middle(entries):
     return middle // 16 * 16 if len(entries) > 1 else middle  # KIVI: whole groups
 
 
-@pytest.mark.parametrize("name", ["tova", "tova+kivi4", "snapkv-both", "expected_attention-both"])
+@pytest.mark.parametrize("name", ["tova", "tova+kivi4", "snapkv-both", "expected_attention-both", "keydiff-both",
+                                  "keydiff+kivi4"])
 def test_static_equals_dynamic_and_holds_the_budget(name):
     """Left-padded batch, dense and KIVI middles: the static cache decides and computes what the dynamic cache does;
     the middle sits at its budget, memory flat."""
@@ -203,7 +254,7 @@ def test_static_equals_dynamic_and_holds_the_budget(name):
         assert layer.middle.slot_valid().sum(1).tolist()[1] == _middle(entries)
 
 
-@pytest.mark.parametrize("name", ["tova", "tova+kivi4", "expected_attention-both"])
+@pytest.mark.parametrize("name", ["tova", "tova+kivi4", "expected_attention-both", "keydiff-both"])
 def test_compiled_decode_equals_eager(name):
     """torch.compile(fullgraph=True) of the static decode step - observation, attention mass, per-head replacement
     and slot writes inside the graph - gives the eager static step's logits, one graph for every step."""

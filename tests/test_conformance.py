@@ -46,6 +46,7 @@ CONFIGS = {
     "double_sparse": ({"channels": "random", "r": 8, "k": 12, "dense_layers": 0, "sinks": 2, "window": 4}, None),
     "snapkv": ({"ratio": 0.5, "window": 8, "sinks": 2, "recent": 8}, None),
     "knorm": ({"ratio": 0.5, "sinks": 2, "recent": 8}, None),
+    "keydiff": ({"budget": 24, "sinks": 2, "recent": 4, "phase": "both"}, 24),
     "tova": ({"budget": 24, "sinks": 2, "recent": 4}, 24),
     "expected_attention": ({"budget": 24, "sinks": 2, "recent": 4, "window": 8, "n_future": 16, "phase": "both"}, 24),
     "stride": ({"every": 2, "recent": 8}, None),
@@ -166,7 +167,7 @@ def test_static_cache_equals_dynamic_cache(registry, model, basis, name):
 #: others form groups / pages / flush blocks over storage columns, so padding that is not a multiple of their
 #: unit puts different real tokens in one unit: checked above at a padding of 16 (a multiple of every unit here);
 #: at a padding of 3 they differ (docs/results.md, "Conformance").
-TOKENWISE = ("window", "double_sparse", "snapkv", "knorm", "tova", "expected_attention")
+TOKENWISE = ("window", "double_sparse", "snapkv", "knorm", "keydiff", "tova", "expected_attention")
 
 
 @pytest.mark.parametrize("name", TOKENWISE)

@@ -877,8 +877,8 @@ ENV_CASES = [
     ("KVCOMPRESS_KIVI_CUDA", "yes", "one of '0', '1'"),
     ("KVCOMPRESS_BLOCK_PLUGINS", "window;kivi", "comma-separated entry point names"),
     ("KVCOMPRESS_BLOCK_PLUGINS", "no_such_plugin", "names of installed 'kvcompress' entry points: double_sparse, "
-                                                   "expected_attention, kivi, knorm, leank, lowrank, paged_eviction, "
-                                                   "snapkv, tova, window"),
+                                                   "expected_attention, keydiff, kivi, knorm, leank, lowrank, "
+                                                   "paged_eviction, snapkv, tova, window"),
     ("KVCOMPRESS_KIVI_CONFIG", "{not json", "a JSON object"),
     ("KVCOMPRESS_LEANK_CONFIG", "[1, 2]", "a JSON object"),
     ("KVCOMPRESS_KIVI_CUDA_CONFIG", "7", "a JSON object"),

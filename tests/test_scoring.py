@@ -1,4 +1,4 @@
-"""Score-based eviction (kvcompress.ScoreEvictor) and its built-ins snapkv / knorm.
+"""Score-based eviction (kvcompress.ScoreEvictor) and its built-ins snapkv / knorm / keydiff.
 
 Selections are checked against independent references of each paper's rule on small tensors (a layer fed
 directly: the reference computes its own softmax and norms); on the tiny models the dynamic cache, the static
@@ -204,6 +204,27 @@ def test_knorm_selection_matches_reference():
         cols = sorted(expected[0][head])
         assert torch.equal(stored_k[head, :kept], k[0, head, cols])
 
+
+
+def test_keydiff_selection_matches_reference():
+    """KeyDiff (arXiv 2504.15364, kvpress KeyDiffPress): per head, keep the keys of lowest cosine similarity to the
+    anchor, the mean of the unit keys of the tokens that leave the window (here: every candidate of the row)."""
+    sinks, recent, ratio = 3, 8, 0.4
+    q, k, v, valid = _tensors(seed=4)
+    stack = {"compressors": [{"keydiff": {"ratio": ratio, "sinks": sinks, "recent": recent}}]}
+    keep, positions, _ = _prefill_selection(stack, q, k, v, valid)
+    expected = []
+    for row in range(2):
+        cand, held, real = _candidates(valid[row], sinks, recent)
+        n_keep = max(0, min(len(cand), math.floor(ratio * real) - held))
+        heads = []
+        for head in range(2):
+            unit = k[row, head] / k[row, head].norm(dim=-1, keepdim=True)
+            anchor = unit[cand].mean(0)
+            heads.append(_top(-(unit @ anchor) / anchor.norm(), cand, n_keep))
+        expected.append(heads)
+    _check(keep, positions, expected)
+    assert expected[0][0] != expected[0][1]  # the heads decide apart
 
 @pytest.mark.parametrize("heads", ["shared", "each"])
 def test_knorm_chunks_match_a_chunkkv_reference(heads):

@@ -18,7 +18,7 @@ BAD = [
     ("compressors: {window: {}}", "compressors", "a list of one-key mappings"),
     ("compressors: [window]", "compressors[0]", "one-key mapping"),
     ("compressors:\n  - {window: {}, extra: {}}", "compressors[0]", "one-key mapping"),
-    ("compressors:\n  - windw: {recent: 8}", "compressors[0].windw", "a registered compressor: double_sparse, expected_attention, kivi, knorm, leank, lowrank, paged_eviction, snapkv, tova, window"),
+    ("compressors:\n  - windw: {recent: 8}", "compressors[0].windw", "a registered compressor: double_sparse, expected_attention, keydiff, kivi, knorm, leank, lowrank, paged_eviction, snapkv, tova, window"),
     ("compressors:\n  - window: {recent: -1}", "compressors[0].window.recent", "an integer in [1, 16777216]"),
     ("compressors:\n  - window: {recent: 0}", "compressors[0].window.recent", "got 0"),
     ("compressors:\n  - window: {recent: 1.5}", "compressors[0].window.recent", "got 1.5"),
