@@ -75,7 +75,6 @@ def merge_evicted(k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, valid: t
     sim = (kn @ kn.transpose(-1, -2)).masked_fill(~keep.unsqueeze(-2), float("-inf"))
     best, dest = sim.max(-1)  # [b, h, n]
     w = weight.float().clamp(min=0) * (ev & (best > tau))
-    d = v.shape[-1]
     acc_w = torch.zeros_like(w).scatter_add_(2, dest, w)
     own = weight.float().clamp(min=0) * keep
     total = (own + acc_w).clamp(min=1e-30).unsqueeze(-1)

@@ -243,13 +243,14 @@ class ScoreEvictor(Compressor):
         keep the score each token had when it entered (the default)."""
         return None
 
-    def stored_tokens(self, layer: Any, block: KVBlock, obs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def stored_tokens(self, layer: Any, block: KVBlock,
+                      obs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """For a scorer whose scores depend on what the cache holds (expected attention, KeyDiff): while decoding
         under a budget (slot mode, after the prefill's entry), ``(keys, values, valid)`` of the middle's slots -
         ``[batch, kv_heads, slots, head_dim]`` full precision (a quantized middle decoded, transient) and ``[batch,
         slots]`` bool - when the middle is one lane of every head; else ``None`` (the entry block; pruned, low-rank
-        or regrouped lanes: stored tokens then keep the score they entered with).  A scorer that uses it scores the stored tokens in
-        :meth:`score` and hands them over through :meth:`stored_scores`."""
+        or regrouped lanes: stored tokens then keep the score they entered with).  A scorer that uses it scores the
+        stored tokens in :meth:`score` and hands them over through :meth:`stored_scores`."""
         state = layer.state.get(self.name)
         entry = block.due is None and obs.prefill and not (state is not None and state.entered)
         if not layer.layout.head_slots or entry or layer.middle.slot_valid() is None:

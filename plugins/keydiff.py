@@ -95,10 +95,9 @@ class KeyDiffCompressor(ScoreEvictor):
         valid = block.valid if block.due is None else block.valid & block.due
         unit = F.normalize(block.k.float(), dim=-1)
         running = self._sum(layer)
-        total = running.add(unit, valid)
         stored = self.stored_tokens(layer, block, obs)
         if stored is None:
-            return keydiff_scores(unit, total)
+            return keydiff_scores(unit, running.add(unit, valid))
         keys, _, ok = stored  # the paper's block-wise rule: anchor over the held keys and the block's
         held = F.normalize(keys.float(), dim=-1)
         direction = (held * ok[:, None, :, None]).sum(2) + (unit * valid[:, None, :, None]).sum(2)

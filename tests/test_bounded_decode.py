@@ -69,6 +69,7 @@ class TovaReference:
         return outs, mass
 
     def commit(self, first, t, mass):
+        """The tokens that left the window in this step join each head's set by :meth:`admit`."""
         b, h = mass.shape[:2]
         end = first + t
         if self.sets is None:
@@ -82,16 +83,19 @@ class TovaReference:
             old_left = before[:-RECENT] if len(before) > RECENT else []
             new_left = [p for p in leaving if p not in old_left]
             for head in range(h):
-                kept = self.sets[row][head]
-                score = lambda p: float(mass[row, head, p])  # noqa: E731
-                if first == 0:  # the prompt: its last query's attention, top MIDDLE per head
-                    ranked = sorted(new_left, key=lambda p: (-score(p), p))
-                    kept |= set(ranked[:MIDDLE])
-                    continue
-                for p in new_left:
-                    kept.add(p)
-                    while len(kept) > MIDDLE:
-                        kept.discard(min(kept, key=lambda x: (score(x), -x if x != p else -10**9)))
+                self.admit(row, head, new_left, first, end, mass)
+
+    def admit(self, row, head, new_left, first, end, mass):
+        kept = self.sets[row][head]
+        score = lambda p: float(mass[row, head, p])  # noqa: E731
+        if first == 0:  # the prompt: its last query's attention, top MIDDLE per head
+            ranked = sorted(new_left, key=lambda p: (-score(p), p))
+            kept |= set(ranked[:MIDDLE])
+            return
+        for p in new_left:
+            kept.add(p)
+            while len(kept) > MIDDLE:
+                kept.discard(min(kept, key=lambda x: (score(x), -x if x != p else -10**9)))
 
 
 class KeyDiffReference(TovaReference):
@@ -100,36 +104,23 @@ class KeyDiffReference(TovaReference):
     budget per head); then each token leaving the window joins its head's set and, while the set exceeds the budget,
     the token whose key is the most similar to the mean unit key of the set (the newcomer included) leaves."""
 
-    def commit(self, first, t, mass):
-        b, h = mass.shape[:2]
-        end = first + t
-        if self.sets is None:
-            self.sets = [[set() for _ in range(h)] for _ in range(b)]
-        for row in range(b):
-            real = [p for p in range(end) if self.valid[row, p]]
-            sinks = real[:SINKS]
-            rest = [p for p in real if p not in sinks]
-            leaving = rest[:-RECENT] if len(rest) > RECENT else []
-            before = [p for p in range(first) if self.valid[row, p] and p not in sinks]
-            old_left = before[:-RECENT] if len(before) > RECENT else []
-            new_left = [p for p in leaving if p not in old_left]
-            for head in range(h):
-                kept = self.sets[row][head]
-                unit = {p: F.normalize(self.keys[row, head, p], dim=0) for p in range(end)}
+    def admit(self, row, head, new_left, first, end, mass):
+        kept = self.sets[row][head]
+        unit = {p: F.normalize(self.keys[row, head, p], dim=0) for p in range(end)}
 
-                def scores(tokens):
-                    anchor = F.normalize(torch.stack([unit[p] for p in tokens]).sum(0), dim=0)
-                    return {p: -float(unit[p] @ anchor) for p in tokens}
+        def scores(tokens):
+            anchor = F.normalize(torch.stack([unit[p] for p in tokens]).sum(0), dim=0)
+            return {p: -float(unit[p] @ anchor) for p in tokens}
 
-                if first == 0:
-                    s = scores(new_left)
-                    kept |= set(sorted(new_left, key=lambda p: (-s[p], p))[:MIDDLE])
-                    continue
-                for p in new_left:
-                    kept.add(p)
-                    while len(kept) > MIDDLE:
-                        s = scores(sorted(kept))
-                        kept.discard(min(kept, key=lambda x: (s[x], -x if x != p else -10**9)))
+        if first == 0:
+            s = scores(new_left)
+            kept |= set(sorted(new_left, key=lambda p: (-s[p], p))[:MIDDLE])
+            return
+        for p in new_left:
+            kept.add(p)
+            while len(kept) > MIDDLE:
+                s = scores(sorted(kept))
+                kept.discard(min(kept, key=lambda x: (s[x], -x if x != p else -10**9)))
 
 
 def _layer_outputs(static, steps=30, prompt=20, name="tova"):
