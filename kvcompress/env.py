@@ -60,6 +60,8 @@ SWITCHES: dict[str, Callable[[str], str | None]] = {
     "KVCOMPRESS_KIVI_CONFIG": _json_object,
     "KVCOMPRESS_KIVI_CUDA_CONFIG": _json_object,
     "KVCOMPRESS_LEANK_CONFIG": _json_object,
+    "KVCOMPRESS_PAGED_CONFIG": _json_object,
+    "KVCOMPRESS_DS_CONFIG": _json_object,
 }
 
 _WARNED: set[str] = set()

@@ -43,6 +43,19 @@ GATHER_CASES = {
     "shared-dead-row-dv-differs": (2, 1, 2, 90, 32, 64, 20, {"shared": True, "pad": 90}),
 }
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3
+# the top-k search of the select kernels (``_top_slots``) on constructed uint32 keys: name -> (lanes, K, HIGH,
+# SMALL, how the search must finish: "exit" = an exact count during the high rounds, "packed" = the undecided
+# lanes fit the scratch row, "full" = they do not, "plain" = HIGH 32)
+SEARCH_CASES = {
+    "distinct-spread-exit": (256, 37, 12, 16, "exit"),
+    "cluster-packed": (256, 70, 12, 16, "packed"),
+    "cluster-overflow-full": (256, 70, 12, 16, "full"),
+    "ties-straddle-packed": (256, 70, 12, 16, "packed"),
+    "ties-straddle-full": (512, 300, 12, 32, "full"),
+    "absent-lanes-zero-prefix": (128, 10, 8, 16, "packed"),
+    "plain-32-rounds": (256, 37, 32, 16, "plain"),
+    "high-4-packed": (1024, 100, 4, 128, "packed"),
+}
 
 
 def score_case(name: str, device: str = "cpu"):
@@ -142,6 +155,71 @@ def run_gather_case(name: str, device: str = "cpu") -> dict:
             "shared_kernel": triton_kernel.shared_rows(index)}
 
 
+def search_keys(name: str) -> tuple[torch.Tensor, int]:
+    """Keys (uint32 values in int64, 0 = an absent lane) built so that the search finishes the way the case says."""
+    lanes, k, high, small, _ = SEARCH_CASES[name]
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    low = 1 << (32 - min(high, 31))
+    # distinct high prefixes (sign bits of both kinds: keys of negative and positive scores)
+    prefixes = torch.randperm(4096, generator=gen)[:lanes].to(torch.int64) * (1 << 20)
+    keys = prefixes + torch.randint(1, 1 << 20, (lanes,), generator=gen)
+    kth_lane = keys.argsort(descending=True)[k - 1]
+    if name.startswith("cluster") or name.startswith("ties"):
+        n = {"cluster-packed": 12, "cluster-overflow-full": 40, "ties-straddle-packed": 10,
+             "ties-straddle-full": 60}[name]
+        members = torch.randperm(lanes, generator=gen)[:n]
+        base = (keys[kth_lane] // low) * low
+        if name.startswith("ties"):
+            keys[members] = base + 12345  # identical keys: the K-th falls among them (ties to the lowest lanes)
+        else:
+            keys[members] = base + torch.randperm(low - 1, generator=gen)[:n].to(torch.int64) + 1
+        # move the cluster's prefix so that about half the cluster is above the K-th rank
+        order = keys.argsort(descending=True)
+        above = int((keys > base + low - 1).sum())
+        shift = k - above - n // 2
+        if shift:
+            ranked = [i for i in order.tolist() if not bool((members == i).any())]
+            donors = ranked[above: above + shift] if shift > 0 else ranked[above + shift: above]
+            for i in donors:  # lanes just below (above) the cluster jump over (under) it
+                keys[i] = base + low + int(torch.randint(1, 1 << 18, (1,), generator=gen)) if shift > 0 \
+                    else base - int(torch.randint(1, 1 << 18, (1,), generator=gen))
+    if name.startswith("absent"):  # 12 present lanes, all below the first decided bit (prefix 0), among 116 absent
+        keys.zero_()
+        keys[torch.randperm(lanes, generator=gen)[:12]] = torch.randperm(low - 1, generator=gen)[:12].to(torch.int64) + 1
+    return keys, k
+
+
+def search_path(keys: torch.Tensor, k: int, high: int, small: int) -> str:
+    """How the search must finish on ``keys`` (from the keys alone, not from the kernel)."""
+    if high >= 32:
+        return "plain"
+    low = 1 << (32 - high)
+    kth = int(keys.sort(descending=True).values[k - 1])
+    prefix = kth // low * low
+    if int((keys >= prefix).sum()) == k:
+        return "exit"
+    undecided = int(((keys // low * low == prefix) & (keys != 0)).sum())
+    return "packed" if undecided <= small else "full"
+
+
+def run_search_case(name: str, device: str = "cpu") -> dict:
+    lanes, k, high, small, want = SEARCH_CASES[name]
+    keys, k = search_keys(name)
+    # the oracle: keys descending, ties to the lowest lane; the chosen lanes' slots are their order among the chosen
+    order = sorted(range(lanes), key=lambda i: (-int(keys[i]), i))[:k]
+    ref_chosen = torch.zeros(lanes, dtype=torch.int32)
+    ref_chosen[order] = 1
+    ref_slot = torch.full((lanes,), -1, dtype=torch.int32)
+    ref_slot[ref_chosen.bool()] = torch.arange(k, dtype=torch.int32)
+    from kvcompress.kernels.doublesparse.triton_kernel import top_lanes
+
+    as_i32 = torch.where(keys >= 1 << 31, keys - (1 << 32), keys).to(torch.int32).to(device)
+    chosen, slot = top_lanes(as_i32, k, high, small)
+    return {"path": search_path(keys, k, high, small), "want": want,
+            "chosen_ok": bool(torch.equal(chosen.cpu(), ref_chosen)), "slot_ok": bool(torch.equal(slot.cpu(), ref_slot)),
+            "ties": int((keys == keys.sort(descending=True).values[k - 1]).sum())}
+
+
 def run_decode_case(device: str = "cpu") -> dict:
     """The benchmark's sparse decode read (kernels/doublesparse/bench.py) vs the reference ops, 4-bit labels."""
     from kvcompress.kernels.doublesparse import reference
@@ -187,6 +265,7 @@ def _worker(path: str) -> None:
              "model:group-shared": lambda: run_model_case(True)}
     cases.update({f"score:{n}": (lambda n=n: run_score_case(n)) for n in SCORE_CASES})
     cases.update({f"gather:{n}": (lambda n=n: run_gather_case(n)) for n in GATHER_CASES})
+    cases.update({f"search:{n}": (lambda n=n: run_search_case(n)) for n in SEARCH_CASES})
     collect(cases, path)
 
 
@@ -232,6 +311,22 @@ def test_scores_interpreted(interpreted, name):
 @pytest.mark.parametrize("name", list(GATHER_CASES))
 def test_gather_interpreted(interpreted, name):
     _check_gather(interpreted[f"gather:{name}"], name)
+
+
+def _check_search(res: dict, name: str) -> None:
+    assert "error" not in res, res.get("error")
+    assert res["path"] == res["want"], f"the keys do not exercise the {res['want']} path"
+    if name.startswith("ties"):
+        assert res["ties"] > 1
+    assert res["chosen_ok"], "the chosen lanes are not the K largest (ties to the lowest lanes)"
+    assert res["slot_ok"], "the chosen lanes' slots are not their order among the chosen"
+
+
+@pytest.mark.parametrize("name", list(SEARCH_CASES))
+def test_topk_search_interpreted(interpreted, name):
+    """The exact top-k of the select kernels - early exit, undecided lanes packed into scratch, the fallback
+    over every lane, ties - against a sort on the host."""
+    _check_search(interpreted[f"search:{name}"], name)
 
 
 def test_sparse_decode_read_interpreted(interpreted):
@@ -298,6 +393,13 @@ def test_scores_on_gpu(name):
 @pytest.mark.parametrize("name", list(GATHER_CASES))
 def test_gather_on_gpu(name):
     _check_gather(run_gather_case(name, "cuda"), name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(SEARCH_CASES))
+def test_topk_search_on_gpu(name):
+    _check_search(run_search_case(name, "cuda"), name)
 
 
 if __name__ == "__main__":
