@@ -51,6 +51,7 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="*", default=list(CONFIGS))
     ap.add_argument("--best", default=None, help="write the best correct configuration here (JSON)")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--only", default=None, help="comma-separated model:B:ctx shapes of SHAPES to run")
     ap.add_argument("--smoke", action="store_true",
                     help="one tiny shape on the CPU (run under TRITON_INTERPRET=1): checks the script, times nothing real")
     args = ap.parse_args(argv)
@@ -61,6 +62,9 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device("cpu" if args.smoke else "cuda")
     shapes = (("tiny", 4, 2, 32, 2, 600),) if args.smoke else SHAPES
+    if args.only:
+        want = set(args.only.split(","))
+        shapes = tuple(s for s in shapes if f"{s[0]}:{s[4]}:{s[5] // 1024}k" in want)
     variants = [(c, tk, json.loads(c)) for c in args.configs]
     if args.old:
         variants.insert(0, ("old", importlib.import_module(args.old), None))

@@ -6,8 +6,9 @@ Same signatures and semantics as :mod:`.reference`.  Nothing is compiled at impo
   to :data:`FUSED_MAX_TOKENS` tokens reads the chunk's labels (token-contiguous: the plugin's label
   cache is channel-major), computes the label scores **in registers** (4/2-bit codes unpacked in place,
   ``s = scale * (q . codes) + zero * sum(q)``), maps them to order-preserving uint32 keys and finds the
-  k-th largest key exactly by a bitwise binary search (32 block-wide counts), then compacts the chosen
-  token indices with two prefix sums.  No score tensor is written.  Longer contexts: each chunk keeps
+  k-th largest key exactly by a bitwise binary search (up to 32 block-wide counts; it stops at the first
+  count of exactly k, when the keys at or above the tried prefix are the top-k set), then compacts the
+  chosen token indices with one prefix sum.  No score tensor is written.  Longer contexts: each chunk keeps
   its ``min(k, chunk)`` best (key, token) pairs - a superset of its share of the global top-k - and a
   merge kernel picks the k best of them (:func:`fused_plan`).  Beyond that, or for token-major labels:
   :func:`select_topk_unfused` = :func:`label_scores` (fp32 scores of every head, labels read once per
@@ -314,9 +315,11 @@ def top_lanes(keys: torch.Tensor, k: int, high: int, small: int) -> tuple[torch.
 FUSED_MAX_TOKENS = 16384  # per program: the label scores stay in registers (~3 registers per token)
 # 16 warps for 16384 tokens: ~94 registers, no spills (sm_90); chunk_tokens < FUSED_MAX_TOKENS exercises
 # the chunk + merge path on small inputs (tests)
-# search_high: rounds over every lane before the undecided lanes are packed (32: never packed); search_small:
-# scratch slots for them, as a fraction of the program's lanes (at least 16)
-SELECT_CONFIG = dict(elems_per_thread=None, chunk_tokens=FUSED_MAX_TOKENS, unroll=4, search_high=12,
+# search_high: rounds over every lane before the undecided lanes are packed into scratch (32: never packed, the
+# default: on an H200 the plain search with its early stop was 1.17-1.24x faster in geometric mean than packing
+# after 10-16 rounds, docs/results.md "Session 21"); search_small: scratch slots for them, as a fraction of the
+# program's lanes (at least 16)
+SELECT_CONFIG = dict(elems_per_thread=None, chunk_tokens=FUSED_MAX_TOKENS, unroll=4, search_high=32,
                      search_small=1 / 16)
 
 
