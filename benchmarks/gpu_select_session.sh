@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Session 21 (issue 19): the DoubleSparse select kernel's new top-k search on the H200, in one device call.
+# Session 21 (issue 19): the DoubleSparse select kernel's top-k search on the H200, in one device call (first run:
+# the early stop and the scratch packing, since removed; second run: 1 or 2 bits per round, launch widths).
 #   bash benchmarks/gpu_select_session.sh OUTDIR [OLD_MODULE]
 # 1. GPU tests of the DoubleSparse kernels (the search on constructed keys, scores + top-k, gathers);
 # 2. benchmarks/gpu_select_sweep.py: select latency of each search configuration (and OLD_MODULE, an earlier copy
-#    of the kernel module placed in the tree, as "old"), the best correct one written to OUT/best.json;
+#    of the kernel module placed in the tree, as "old"; the sweep script's default configurations), the best
+#    correct one written to OUT/best.json;
 # 3. the DoubleSparse rows of issue 19's grid (both head shapes, every B x ctx) with that configuration
 #    (KVCOMPRESS_DS_CONFIG).
 set -o pipefail
@@ -18,8 +20,7 @@ timeout 150 python -m pytest -q -m gpu "$SRC/tests/test_doublesparse_kernel.py" 
   | grep -v DEBUG | tail -15 | tee "$OUT/pytest_ds.log"
 date -u | tee -a "$OUT/log.txt"
 timeout 220 python "$SRC/benchmarks/gpu_select_sweep.py" --out "$OUT" ${OLD:+--old "$OLD"} --best "$OUT/best.json" \
-  --configs '{"search_high": 32}' '{"search_high": 10}' '{"search_high": 12}' '{"search_high": 14}' \
-  '{"search_high": 16}' '{"search_high": 12, "search_small": 0.125}' 2>"$OUT/sweep.err" | grep '^|' | tee "$OUT/sweep.md"
+  2>"$OUT/sweep.err" | grep '^|' | tee "$OUT/sweep.md"
 tail -3 "$OUT/sweep.err"
 date -u | tee -a "$OUT/log.txt"
 BEST=$(cat "$OUT/best.json" 2>/dev/null || echo '{}')

@@ -43,18 +43,19 @@ GATHER_CASES = {
     "shared-dead-row-dv-differs": (2, 1, 2, 90, 32, 64, 20, {"shared": True, "pad": 90}),
 }
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3
-# the top-k search of the select kernels (``_top_slots``) on constructed uint32 keys: name -> (lanes, K, HIGH,
-# SMALL, how the search must finish: "exit" = an exact count during the high rounds, "packed" = the undecided
-# lanes fit the scratch row, "full" = they do not, "plain" = HIGH 32)
+# the top-k search of the select kernels (``_top_slots``) on constructed uint32 keys: name -> (lanes, K, bits per
+# round, whether the search must stop at an exact count before the last bit)
 SEARCH_CASES = {
-    "distinct-spread-exit": (256, 37, 12, 16, "exit"),
-    "cluster-packed": (256, 70, 12, 16, "packed"),
-    "cluster-overflow-full": (256, 70, 12, 16, "full"),
-    "ties-straddle-packed": (256, 70, 12, 16, "packed"),
-    "ties-straddle-full": (512, 300, 12, 32, "full"),
-    "absent-lanes-zero-prefix": (128, 10, 8, 16, "packed"),
-    "plain-32-rounds": (256, 37, 32, 16, "plain"),
-    "high-4-packed": (1024, 100, 4, 128, "packed"),
+    "distinct-stops-early-1bit": (256, 37, 1, True),
+    "distinct-stops-early-2bit": (256, 37, 2, True),
+    "adjacent-kth-all-bits-1bit": (300, 70, 1, False),
+    "adjacent-kth-all-bits-2bit": (300, 70, 2, False),
+    "ties-straddle-1bit": (256, 70, 1, False),
+    "ties-straddle-2bit": (512, 300, 2, False),
+    "all-equal-2bit": (100, 33, 2, False),
+    "absent-lanes-small-keys-1bit": (128, 10, 1, True),
+    "absent-lanes-small-keys-2bit": (128, 10, 2, True),
+    "16384-lanes-large-k-2bit": (16384, 10000, 2, True),
 }
 
 
@@ -103,7 +104,7 @@ def run_score_case(name: str, device: str = "cpu") -> dict:
     cfg = {"chunk_tokens": extra["chunk"]} if "chunk" in extra else None
     fused = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k, config=cfg)
     unrolled1 = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k,
-                                          config=dict(cfg or {}, unroll=1, elems_per_thread=16))
+                                          config=dict(cfg or {}, unroll=1, elems_per_thread=16, search_bits=2))
     return {"shape": list(got.shape), "same_inf": bool(torch.equal(torch.isfinite(got), fin)),
             "err": float((got[fin] - ref[fin]).abs().max()), "err_cm": float((got_cm[fin] - ref[fin]).abs().max()),
             "scale": float(ref[fin].abs().max()), "k": k,
@@ -156,54 +157,34 @@ def run_gather_case(name: str, device: str = "cpu") -> dict:
 
 
 def search_keys(name: str) -> tuple[torch.Tensor, int]:
-    """Keys (uint32 values in int64, 0 = an absent lane) built so that the search finishes the way the case says."""
-    lanes, k, high, small, _ = SEARCH_CASES[name]
+    """Keys (uint32 values in int64, 0 = an absent lane) built for the case (see :data:`SEARCH_CASES`)."""
+    lanes, k, _, _ = SEARCH_CASES[name]
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
-    low = 1 << (32 - min(high, 31))
-    # distinct high prefixes (sign bits of both kinds: keys of negative and positive scores)
-    prefixes = torch.randperm(4096, generator=gen)[:lanes].to(torch.int64) * (1 << 20)
-    keys = prefixes + torch.randint(1, 1 << 20, (lanes,), generator=gen)
-    kth_lane = keys.argsort(descending=True)[k - 1]
-    if name.startswith("cluster") or name.startswith("ties"):
-        n = {"cluster-packed": 12, "cluster-overflow-full": 40, "ties-straddle-packed": 10,
-             "ties-straddle-full": 60}[name]
-        members = torch.randperm(lanes, generator=gen)[:n]
-        base = (keys[kth_lane] // low) * low
-        if name.startswith("ties"):
-            keys[members] = base + 12345  # identical keys: the K-th falls among them (ties to the lowest lanes)
-        else:
-            keys[members] = base + torch.randperm(low - 1, generator=gen)[:n].to(torch.int64) + 1
-        # move the cluster's prefix so that about half the cluster is above the K-th rank
-        order = keys.argsort(descending=True)
-        above = int((keys > base + low - 1).sum())
-        shift = k - above - n // 2
-        if shift:
-            ranked = [i for i in order.tolist() if not bool((members == i).any())]
-            donors = ranked[above: above + shift] if shift > 0 else ranked[above + shift: above]
-            for i in donors:  # lanes just below (above) the cluster jump over (under) it
-                keys[i] = base + low + int(torch.randint(1, 1 << 18, (1,), generator=gen)) if shift > 0 \
-                    else base - int(torch.randint(1, 1 << 18, (1,), generator=gen))
-    if name.startswith("absent"):  # 12 present lanes, all below the first decided bit (prefix 0), among 116 absent
+    # distinct keys over the whole range (both halves: keys of negative and of positive scores)
+    keys = torch.randperm(1 << 20, generator=gen)[:lanes].to(torch.int64) * 4096 + 1 \
+        + torch.randint(0, 4096, (lanes,), generator=gen)
+    order = keys.argsort(descending=True)
+    if name.startswith("adjacent"):  # the K-th and (K+1)-th keys differ in the last bit only
+        kth = int(keys[order[k - 1]]) | 1
+        keys[order[k - 1]], keys[order[k]] = kth, kth - 1
+    elif name.startswith("ties"):  # 9 identical keys at ranks K-4 .. K+4: ties to the lowest lanes
+        keys[order[k - 5: k + 4]] = int(keys[order[k - 5]])
+    elif name.startswith("all-equal"):
+        keys[:] = 123456789
+    elif name.startswith("absent"):  # 20 present lanes with keys below 2^16 among 108 absent ones
         keys.zero_()
-        keys[torch.randperm(lanes, generator=gen)[:12]] = torch.randperm(low - 1, generator=gen)[:12].to(torch.int64) + 1
+        keys[torch.randperm(lanes, generator=gen)[:20]] = torch.randperm((1 << 16) - 1, generator=gen)[:20] + 1
     return keys, k
 
 
-def search_path(keys: torch.Tensor, k: int, high: int, small: int) -> str:
-    """How the search must finish on ``keys`` (from the keys alone, not from the kernel)."""
-    if high >= 32:
-        return "plain"
-    low = 1 << (32 - high)
+def stops_early(keys: torch.Tensor, k: int) -> bool:
+    """Whether some prefix of the K-th largest key (shorter than 32 bits) has exactly K keys at or above it."""
     kth = int(keys.sort(descending=True).values[k - 1])
-    prefix = kth // low * low
-    if int((keys >= prefix).sum()) == k:
-        return "exit"
-    undecided = int(((keys // low * low == prefix) & (keys != 0)).sum())
-    return "packed" if undecided <= small else "full"
+    return any(int((keys >= (kth >> s << s)).sum()) == k for s in range(1, 32) if kth >> s << s)
 
 
 def run_search_case(name: str, device: str = "cpu") -> dict:
-    lanes, k, high, small, want = SEARCH_CASES[name]
+    lanes, k, radix, _ = SEARCH_CASES[name]
     keys, k = search_keys(name)
     # the oracle: keys descending, ties to the lowest lane; the chosen lanes' slots are their order among the chosen
     order = sorted(range(lanes), key=lambda i: (-int(keys[i]), i))[:k]
@@ -214,9 +195,9 @@ def run_search_case(name: str, device: str = "cpu") -> dict:
     from kvcompress.kernels.doublesparse.triton_kernel import top_lanes
 
     as_i32 = torch.where(keys >= 1 << 31, keys - (1 << 32), keys).to(torch.int32).to(device)
-    chosen, slot = top_lanes(as_i32, k, high, small)
-    return {"path": search_path(keys, k, high, small), "want": want,
-            "chosen_ok": bool(torch.equal(chosen.cpu(), ref_chosen)), "slot_ok": bool(torch.equal(slot.cpu(), ref_slot)),
+    chosen, slot = top_lanes(as_i32, k, radix)
+    return {"stops_early": stops_early(keys, k), "chosen_ok": bool(torch.equal(chosen.cpu(), ref_chosen)),
+            "slot_ok": bool(torch.equal(slot.cpu(), ref_slot)),
             "ties": int((keys == keys.sort(descending=True).values[k - 1]).sum())}
 
 
@@ -315,8 +296,8 @@ def test_gather_interpreted(interpreted, name):
 
 def _check_search(res: dict, name: str) -> None:
     assert "error" not in res, res.get("error")
-    assert res["path"] == res["want"], f"the keys do not exercise the {res['want']} path"
-    if name.startswith("ties"):
+    assert res["stops_early"] == SEARCH_CASES[name][3], "the keys do not exercise the case's path"
+    if name.startswith("ties") or name.startswith("all-equal"):
         assert res["ties"] > 1
     assert res["chosen_ok"], "the chosen lanes are not the K largest (ties to the lowest lanes)"
     assert res["slot_ok"], "the chosen lanes' slots are not their order among the chosen"
@@ -324,8 +305,8 @@ def _check_search(res: dict, name: str) -> None:
 
 @pytest.mark.parametrize("name", list(SEARCH_CASES))
 def test_topk_search_interpreted(interpreted, name):
-    """The exact top-k of the select kernels - early exit, undecided lanes packed into scratch, the fallback
-    over every lane, ties - against a sort on the host."""
+    """The exact top-k of the select kernels (1 and 2 bits per round) - stopping at an exact count, all 32 bits,
+    ties at the K-th key, absent lanes, 16384 lanes - against a sort on the host."""
     _check_search(interpreted[f"search:{name}"], name)
 
 
