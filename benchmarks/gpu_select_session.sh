@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 21 (issue 19): the DoubleSparse select kernel's top-k search on the H200, in one device call (first run:
-# the early stop and the scratch packing, since removed; second run: 1 or 2 bits per round, launch widths).
+# the early stop and the scratch packing, since removed; second run: 1 or 2 bits per round, launch widths;
+# the 2-bit rounds were removed after it).
 #   bash benchmarks/gpu_select_session.sh OUTDIR [OLD_MODULE]
 # 1. GPU tests of the DoubleSparse kernels (the search on constructed keys, scores + top-k, gathers);
 # 2. benchmarks/gpu_select_sweep.py: select latency of each search configuration (and OLD_MODULE, an earlier copy

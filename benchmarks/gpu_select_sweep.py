@@ -3,7 +3,7 @@
 Times ``kernels.doublesparse.triton_kernel.select_topk`` (fused label scores + exact top-k, channel-major fp16
 labels, r = 16) per query head (``q [B, Hq, D]``) and group-shared (the group's summed query, ``[B, Hkv, D]``) at
 k = ctx/16 and ctx/8, for the configurations of ``--configs`` (JSON objects for ``select_topk(config=)``: the
-search's ``search_bits``, ``elems_per_thread``, ``chunk_tokens``, ...), and ``--old MODULE`` (an earlier copy of the
+launch's ``elems_per_thread``, ``unroll``, ``chunk_tokens``), and ``--old MODULE`` (an earlier copy of the
 kernel module, e.g. ``kvcompress.kernels.doublesparse.triton_kernel_old``) for a before / after.  Every
 configuration's selection is checked against the fp32 label scores once per shape (``reference.is_topk``).
 
@@ -30,8 +30,7 @@ SHAPES = (("llama3-8b", 32, 8, 128, 1, 4096), ("llama3-8b", 32, 8, 128, 1, 32768
           ("llama3-8b", 32, 8, 128, 4, 32768), ("llama3-8b", 32, 8, 128, 16, 32768),
           ("llama3-8b", 32, 8, 128, 64, 32768), ("llama3-8b", 32, 8, 128, 16, 4096),
           ("smollm2-135m", 9, 3, 64, 1, 32768), ("smollm2-135m", 9, 3, 64, 16, 32768))
-CONFIGS = ('{}', '{"search_bits": 2}', '{"search_bits": "auto"}', '{"search_bits": 2, "elems_per_thread": 16}',
-           '{"search_bits": 2, "elems_per_thread": 64}', '{"elems_per_thread": 16}')
+CONFIGS = ('{}', '{"elems_per_thread": 16}', '{"elems_per_thread": 64}', '{"unroll": 2}')
 
 
 def labels_for(b, hq, hkv, ctx, d, r, dev, gen):

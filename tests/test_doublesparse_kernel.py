@@ -43,19 +43,15 @@ GATHER_CASES = {
     "shared-dead-row-dv-differs": (2, 1, 2, 90, 32, 64, 20, {"shared": True, "pad": 90}),
 }
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3
-# the top-k search of the select kernels (``_top_slots``) on constructed uint32 keys: name -> (lanes, K, bits per
-# round, whether the search must stop at an exact count before the last bit)
+# the top-k search of the select kernels (``_top_slots``) on constructed uint32 keys: name -> (lanes, K, whether
+# the search must stop at an exact count before the last bit)
 SEARCH_CASES = {
-    "distinct-stops-early-1bit": (256, 37, 1, True),
-    "distinct-stops-early-2bit": (256, 37, 2, True),
-    "adjacent-kth-all-bits-1bit": (300, 70, 1, False),
-    "adjacent-kth-all-bits-2bit": (300, 70, 2, False),
-    "ties-straddle-1bit": (256, 70, 1, False),
-    "ties-straddle-2bit": (512, 300, 2, False),
-    "all-equal-2bit": (100, 33, 2, False),
-    "absent-lanes-small-keys-1bit": (128, 10, 1, True),
-    "absent-lanes-small-keys-2bit": (128, 10, 2, True),
-    "16384-lanes-large-k-2bit": (16384, 10000, 2, True),
+    "distinct-stops-early": (256, 37, True),
+    "adjacent-kth-all-bits": (300, 70, False),
+    "ties-straddle": (512, 300, False),
+    "all-equal": (100, 33, False),
+    "absent-lanes-small-keys": (128, 10, True),
+    "16384-lanes-large-k": (16384, 10000, True),
 }
 
 
@@ -104,7 +100,7 @@ def run_score_case(name: str, device: str = "cpu") -> dict:
     cfg = {"chunk_tokens": extra["chunk"]} if "chunk" in extra else None
     fused = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k, config=cfg)
     unrolled1 = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k,
-                                          config=dict(cfg or {}, unroll=1, elems_per_thread=16, search_bits=2))
+                                          config=dict(cfg or {}, unroll=1, elems_per_thread=16))
     return {"shape": list(got.shape), "same_inf": bool(torch.equal(torch.isfinite(got), fin)),
             "err": float((got[fin] - ref[fin]).abs().max()), "err_cm": float((got_cm[fin] - ref[fin]).abs().max()),
             "scale": float(ref[fin].abs().max()), "k": k,
@@ -158,7 +154,7 @@ def run_gather_case(name: str, device: str = "cpu") -> dict:
 
 def search_keys(name: str) -> tuple[torch.Tensor, int]:
     """Keys (uint32 values in int64, 0 = an absent lane) built for the case (see :data:`SEARCH_CASES`)."""
-    lanes, k, _, _ = SEARCH_CASES[name]
+    lanes, k, _ = SEARCH_CASES[name]
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
     # distinct keys over the whole range (both halves: keys of negative and of positive scores)
     keys = torch.randperm(1 << 20, generator=gen)[:lanes].to(torch.int64) * 4096 + 1 \
@@ -184,7 +180,7 @@ def stops_early(keys: torch.Tensor, k: int) -> bool:
 
 
 def run_search_case(name: str, device: str = "cpu") -> dict:
-    lanes, k, radix, _ = SEARCH_CASES[name]
+    lanes, k, _ = SEARCH_CASES[name]
     keys, k = search_keys(name)
     # the oracle: keys descending, ties to the lowest lane; the chosen lanes' slots are their order among the chosen
     order = sorted(range(lanes), key=lambda i: (-int(keys[i]), i))[:k]
@@ -195,7 +191,7 @@ def run_search_case(name: str, device: str = "cpu") -> dict:
     from kvcompress.kernels.doublesparse.triton_kernel import top_lanes
 
     as_i32 = torch.where(keys >= 1 << 31, keys - (1 << 32), keys).to(torch.int32).to(device)
-    chosen, slot = top_lanes(as_i32, k, radix)
+    chosen, slot = top_lanes(as_i32, k)
     return {"stops_early": stops_early(keys, k), "chosen_ok": bool(torch.equal(chosen.cpu(), ref_chosen)),
             "slot_ok": bool(torch.equal(slot.cpu(), ref_slot)),
             "ties": int((keys == keys.sort(descending=True).values[k - 1]).sum())}
@@ -296,7 +292,7 @@ def test_gather_interpreted(interpreted, name):
 
 def _check_search(res: dict, name: str) -> None:
     assert "error" not in res, res.get("error")
-    assert res["stops_early"] == SEARCH_CASES[name][3], "the keys do not exercise the case's path"
+    assert res["stops_early"] == SEARCH_CASES[name][2], "the keys do not exercise the case's path"
     if name.startswith("ties") or name.startswith("all-equal"):
         assert res["ties"] > 1
     assert res["chosen_ok"], "the chosen lanes are not the K largest (ties to the lowest lanes)"
@@ -305,8 +301,8 @@ def _check_search(res: dict, name: str) -> None:
 
 @pytest.mark.parametrize("name", list(SEARCH_CASES))
 def test_topk_search_interpreted(interpreted, name):
-    """The exact top-k of the select kernels (1 and 2 bits per round) - stopping at an exact count, all 32 bits,
-    ties at the K-th key, absent lanes, 16384 lanes - against a sort on the host."""
+    """The exact top-k of the select kernels - stopping at an exact count, all 32 bits, ties at the K-th key,
+    absent lanes, 16384 lanes - against a sort on the host."""
     _check_search(interpreted[f"search:{name}"], name)
 
 

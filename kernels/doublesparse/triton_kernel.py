@@ -181,46 +181,32 @@ def _label_keys(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, sz_
 
 
 @triton.jit
-def _kth_key(key, K, RADIX: tl.constexpr):
+def _kth_key(key, K):
     """A threshold of the ``K`` largest of ``key`` (uint32, 0 = absent; at least ``K`` present), exactly: a
-    binary search over the key bits from the top, ``RADIX`` (1 or 2) bits per round, each round one block-wide
-    reduction (two bits: the counts at three candidate prefixes packed in one int64 sum - fewer dependent rounds,
-    more compares).  It stops at the first count of exactly ``K``: the keys at or above that prefix are then
-    already the top-``K`` set (ties at the K-th key included), which is all :func:`_top_slots` needs; otherwise it
-    ends with the K-th largest key itself.  Absent lanes (0) are never counted: every tried prefix is >= 1."""
+    binary search over the key bits from the top, one block-wide count of ``key >= prefix`` per bit.  It stops at
+    the first count of exactly ``K``: the keys at or above that prefix are then already the top-``K`` set (ties at
+    the K-th key included), which is all :func:`_top_slots` needs; otherwise it ends with the K-th largest key
+    itself after 32 rounds.  Absent lanes (0) are never counted: every tried prefix is >= 1."""
     found = tl.zeros([], tl.uint32)
     bit = tl.full([], 1, tl.uint32) << 31
     cnt = K + 1
     while (bit != 0) & (cnt != K):
-        if RADIX == 2:
-            lo = bit >> 1  # bit 31 - 2i and the one below it (both exist: 32 bits, two per round)
-            c_lo, c_hi, c_both = found | lo, found | bit, found | bit | lo
-            packed = (key >= c_both).to(tl.int64) + ((key >= c_hi).to(tl.int64) << 21) \
-                + ((key >= c_lo).to(tl.int64) << 42)
-            tot = tl.sum(packed, axis=0)  # at most 16384 lanes: each count fits 21 bits
-            n_both = (tot & 0x1FFFFF).to(tl.int32)
-            n_hi = ((tot >> 21) & 0x1FFFFF).to(tl.int32)
-            n_lo = (tot >> 42).to(tl.int32)
-            # the largest candidate with at least K keys at or above it (n_lo >= n_hi >= n_both)
-            cnt = tl.where(n_both >= K, n_both, tl.where(n_hi >= K, n_hi, tl.where(n_lo >= K, n_lo, 0)))
-            found = tl.where(n_both >= K, c_both, tl.where(n_hi >= K, c_hi, tl.where(n_lo >= K, c_lo, found)))
-            bit = lo >> 1
-        else:
-            cand = found | bit
-            cnt = tl.sum((key >= cand).to(tl.int32), axis=0)
-            found = tl.where(cnt >= K, cand, found)
-            bit = bit >> 1
+        cand = found | bit
+        cnt = tl.sum((key >= cand).to(tl.int32), axis=0)
+        found = tl.where(cnt >= K, cand, found)
+        bit = bit >> 1
     return found
 
 
 @triton.jit
-def _top_slots(key, K, RADIX: tl.constexpr):
+def _top_slots(key, K):
     """The ``K`` largest of ``key`` (uint32, 0 = absent; at least ``K`` present): ``(chosen, slot)`` with
     ``slot`` the rank of a chosen lane in lane order.  The threshold comes from :func:`_kth_key` (exact); ties at
     the K-th key go to the lowest lanes.  One prefix sum packs both counts (ties in the low 16 bits: at most
-    16384 lanes).  (An 8-bit radix select over ``tl.histogram``, and packing the lanes still undecided after
-    10-16 rounds into a scratch row to finish over those alone, were both slower on an H200: docs/results.md.)"""
-    found = _kth_key(key, K, RADIX)
+    16384 lanes).  (Slower on an H200, docs/results.md: an 8-bit radix select over ``tl.histogram``; two bits per
+    round from packed counts; packing the lanes still undecided after 10-16 rounds into a scratch row to finish
+    the search over those alone.)"""
+    found = _kth_key(key, K)
     above = key > found
     need = K - tl.sum(above.to(tl.int32), axis=0)
     tie = key == found
@@ -234,8 +220,7 @@ def _top_slots(key, K, RADIX: tl.constexpr):
 def _select_kernel(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, sz_h, VA, sva_b,
                    IDX, CKEY, T, K, KC, CHUNK, HQ, G,
                    W: tl.constexpr, PER: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
-                   HAS_VALID: tl.constexpr, CANDIDATES: tl.constexpr, UNROLL: tl.constexpr, NP: tl.constexpr,
-                   RADIX: tl.constexpr):
+                   HAS_VALID: tl.constexpr, CANDIDATES: tl.constexpr, UNROLL: tl.constexpr, NP: tl.constexpr):
     """One query head and one chunk of ``CHUNK`` tokens: label scores in registers, then either the head's
     ``K`` token indices (one chunk) or the chunk's ``KC`` best (key, token) candidates (``CANDIDATES``)."""
     pid = tl.program_id(0)  # b * HQ + hq
@@ -253,54 +238,52 @@ def _select_kernel(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, 
                       offs, ok, W, PER, BITS, QUANT, HAS_VALID, UNROLL, NP)
     if CANDIDATES:
         n = tl.minimum(CHUNK, T - chunk * CHUNK)
-        chosen, slot = _top_slots(key, tl.minimum(KC, n), RADIX)
+        chosen, slot = _top_slots(key, tl.minimum(KC, n))
         row = (pid.to(tl.int64) * tl.num_programs(1) + chunk) * KC
         tl.store(CKEY + row + slot, key.to(tl.int32, bitcast=True), mask=chosen)
         tl.store(IDX + row + slot, offs, mask=chosen)
     else:
-        chosen, slot = _top_slots(key, K, RADIX)
+        chosen, slot = _top_slots(key, K)
         tl.store(IDX + pid.to(tl.int64) * K + slot, offs.to(tl.int64), mask=chosen)
 
 
 @triton.jit
-def _merge_kernel(CKEY, CIDX, OUT, N, K, NP: tl.constexpr, RADIX: tl.constexpr):
+def _merge_kernel(CKEY, CIDX, OUT, N, K, NP: tl.constexpr):
     """The ``K`` best of one head's ``N`` candidates (keys, token indices): the head's token indices."""
     pid = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, NP)
     ok = offs < N
     key = tl.load(CKEY + pid * N + offs, mask=ok, other=0).to(tl.uint32, bitcast=True)
-    chosen, slot = _top_slots(key, K, RADIX)
+    chosen, slot = _top_slots(key, K)
     tl.store(OUT + pid * K + slot, tl.load(CIDX + pid * N + offs, mask=chosen, other=0).to(tl.int64), mask=chosen)
 
 
 @triton.jit
-def _top_lanes_kernel(KEY, CHOSEN, SLOT, N, K, NP: tl.constexpr, RADIX: tl.constexpr):
+def _top_lanes_kernel(KEY, CHOSEN, SLOT, N, K, NP: tl.constexpr):
     offs = tl.arange(0, NP)
     key = tl.load(KEY + offs, mask=offs < N, other=0).to(tl.uint32, bitcast=True)
-    chosen, slot = _top_slots(key, K, RADIX)
+    chosen, slot = _top_slots(key, K)
     tl.store(CHOSEN + offs, chosen.to(tl.int32), mask=offs < N)
     tl.store(SLOT + offs, tl.where(chosen, slot, -1), mask=offs < N)
 
 
-def top_lanes(keys: torch.Tensor, k: int, radix: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def top_lanes(keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The select kernels' top-``k`` search (:func:`_top_slots`) on given keys, in one program: ``keys`` int32
-    ``[N]`` (N <= 16384) holding uint32 bit patterns (0 = absent, at least ``k`` present), ``radix`` bits per
-    round (:func:`_kth_key`).  Returns ``(chosen [N] int32 0/1, slot [N] int32, -1 where not chosen)``.  For
-    tests and benchmarks of the search alone."""
+    ``[N]`` (N <= 16384) holding uint32 bit patterns (0 = absent, at least ``k`` present).  Returns ``(chosen
+    [N] int32 0/1, slot [N] int32, -1 where not chosen)``.  For tests and benchmarks of the search alone."""
     n = keys.numel()
+    if not 0 < n <= FUSED_MAX_TOKENS:
+        raise ValueError(f"top_lanes takes 1 to {FUSED_MAX_TOKENS} keys, got {n}")
     chosen = torch.empty(n, dtype=torch.int32, device=keys.device)
     slot = torch.empty(n, dtype=torch.int32, device=keys.device)
-    if radix not in (1, 2) or not 0 < n <= FUSED_MAX_TOKENS:
-        raise ValueError(f"radix must be 1 or 2 and 0 < N <= {FUSED_MAX_TOKENS}; got radix {radix}, N {n}")
-    _top_lanes_kernel[(1,)](keys, chosen, slot, n, k, NP=max(16, pow2(n)), RADIX=radix)
+    _top_lanes_kernel[(1,)](keys, chosen, slot, n, k, NP=max(16, pow2(n)))
     return chosen, slot
 
 
 FUSED_MAX_TOKENS = 16384  # per program: the label scores stay in registers (~3 registers per token)
 # 16 warps for 16384 tokens: ~94 registers, no spills (sm_90); chunk_tokens < FUSED_MAX_TOKENS exercises
 # the chunk + merge path on small inputs (tests)
-# search_bits: key bits decided per round of the top-k search (1 or 2, _kth_key)
-SELECT_CONFIG = dict(elems_per_thread=None, chunk_tokens=FUSED_MAX_TOKENS, unroll=4, search_bits=1)
+SELECT_CONFIG = dict(elems_per_thread=None, chunk_tokens=FUSED_MAX_TOKENS, unroll=4)
 
 
 @functools.lru_cache(maxsize=None)
@@ -315,17 +298,6 @@ def _select_base() -> dict:
             raise ValueError(f"KVCOMPRESS_DS_CONFIG: unknown entries {unknown}; known: {sorted(cfg)}")
         cfg.update(extra)
     return cfg
-
-
-def _search_bits(cfg: dict, programs: int, sms: int) -> int:
-    """Bits per round of the top-k search: ``search_bits`` 1 or 2, or ``"auto"`` (2 when fewer than two
-    programs per SM run - a latency-bound launch, where fewer dependent rounds pay - else 1)."""
-    bits = cfg["search_bits"]
-    if bits == "auto":
-        return 2 if programs < 2 * sms else 1
-    if bits not in (1, 2):
-        raise ValueError(f"search_bits must be 1, 2 or 'auto', got {bits!r}")
-    return int(bits)
 
 
 def fused_plan(tokens: int, k: int, chunk: int = FUSED_MAX_TOKENS) -> tuple[int, int, int] | None:
@@ -392,8 +364,8 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
     va = valid.view(torch.uint8) if valid is not None else out
     np_ = max(16, pow2(chunk))
     ept = cfg["elems_per_thread"]  # scores per thread (registers)
-    sms = num_sms(dev.index or 0) if dev.type == "cuda" else 4
     if ept is None:  # measured on an H200 (benchmarks/gpu_doublesparse.py): wide CTAs when few programs run
+        sms = num_sms(dev.index or 0) if dev.type == "cuda" else 4
         ept = 32 if b * hq * chunks < 2 * sms else 64
     ept = int(ept)
     warps = max(1, min(16, np_ // (32 * ept)))
@@ -410,13 +382,11 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
         cidx, ckey, t, k, kc, chunk, hq, hq // hkv,
         W=lab.shape[-1], PER=8 // labels.bits if quant else 1, BITS=labels.bits if quant else 16, QUANT=quant,
         HAS_VALID=valid is not None, CANDIDATES=chunks > 1,
-        UNROLL=_divisor(lab.shape[-1], int(cfg["unroll"])), NP=np_,
-        RADIX=_search_bits(cfg, b * hq * chunks, sms), num_warps=warps)
+        UNROLL=_divisor(lab.shape[-1], int(cfg["unroll"])), NP=np_, num_warps=warps)
     if chunks > 1:
         n = chunks * kc
         np2 = max(16, pow2(n))
-        _merge_kernel[(b * hq,)](ckey, cidx, out, n, k, NP=np2, RADIX=_search_bits(cfg, b * hq, sms),
-                                 num_warps=max(1, min(16, np2 // (32 * ept))))
+        _merge_kernel[(b * hq,)](ckey, cidx, out, n, k, NP=np2, num_warps=max(1, min(16, np2 // (32 * ept))))
     return out
 
 
