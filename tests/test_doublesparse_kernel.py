@@ -358,6 +358,25 @@ def test_dispatch_uses_reference_on_cpu_and_import_compiles_nothing():
     assert out == ["0"]
 
 
+def test_ds_config_from_the_environment(monkeypatch):
+    """``KVCOMPRESS_DS_CONFIG`` sets the select's and the gather's launch entries; an unknown entry is refused with
+    the known ones named."""
+    pytest.importorskip("triton")
+    from kvcompress.kernels.doublesparse import triton_kernel as tk
+
+    monkeypatch.setenv("KVCOMPRESS_DS_CONFIG", '{"chunk_tokens": 4096, "min_per_split": 512}')
+    tk._env_config.cache_clear()
+    try:
+        assert tk._select_base()["chunk_tokens"] == 4096 and tk._select_base()["unroll"] == tk.SELECT_CONFIG["unroll"]
+        assert tk._env_config()["min_per_split"] == 512
+        monkeypatch.setenv("KVCOMPRESS_DS_CONFIG", '{"chunk_tokns": 4096}')
+        tk._env_config.cache_clear()
+        with pytest.raises(ValueError, match="chunk_tokns.*min_per_split"):
+            tk._select_base()
+    finally:
+        tk._env_config.cache_clear()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", list(SCORE_CASES))

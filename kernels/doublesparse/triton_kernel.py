@@ -287,17 +287,21 @@ SELECT_CONFIG = dict(elems_per_thread=None, chunk_tokens=FUSED_MAX_TOKENS, unrol
 
 
 @functools.lru_cache(maxsize=None)
-def _select_base() -> dict:
-    """:data:`SELECT_CONFIG` with ``KVCOMPRESS_DS_CONFIG`` (JSON) entries over it, read once (first call)."""
-    cfg = dict(SELECT_CONFIG)
+def _env_config() -> dict:
+    """``KVCOMPRESS_DS_CONFIG`` (JSON), read once (first call): entries over :data:`SELECT_CONFIG` and
+    :data:`GATHER_CONFIG` (a key of either; anything else is refused)."""
     env = os.environ.get("KVCOMPRESS_DS_CONFIG")
-    if env:
-        extra = json.loads(env)
-        unknown = sorted(set(extra) - set(cfg))
-        if unknown:
-            raise ValueError(f"KVCOMPRESS_DS_CONFIG: unknown entries {unknown}; known: {sorted(cfg)}")
-        cfg.update(extra)
-    return cfg
+    extra = json.loads(env) if env else {}
+    unknown = sorted(set(extra) - set(SELECT_CONFIG) - set(GATHER_CONFIG))
+    if unknown:
+        raise ValueError(f"KVCOMPRESS_DS_CONFIG: unknown entries {unknown}; known: "
+                         f"{sorted(set(SELECT_CONFIG) | set(GATHER_CONFIG))}")
+    return extra
+
+
+def _select_base() -> dict:
+    """:data:`SELECT_CONFIG` with the select's ``KVCOMPRESS_DS_CONFIG`` entries over it."""
+    return {**SELECT_CONFIG, **{k: v for k, v in _env_config().items() if k in SELECT_CONFIG}}
 
 
 def fused_plan(tokens: int, k: int, chunk: int = FUSED_MAX_TOKENS) -> tuple[int, int, int] | None:
@@ -530,8 +534,9 @@ def supports_gather(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
 # measured on an H200 (benchmarks/gpu_doublesparse.py sweep, Llama heads, 32k tokens, B 1 and 16): per-row
 # programs want 2 warps, 64 indices per step and ~4 (few rows) to 8 (many rows) programs per SM; the shared
 # (tensor-core) kernel 4 warps, 128 indices per step, 4 programs per SM.  programs_per_sm None = that rule.
+# min_per_split: indices a split reads at least (a split of a few steps costs the merge launch more than it saves)
 GATHER_CONFIG = dict(block_k=64, programs_per_sm=None, num_warps=2, num_stages=3, shared_warps=4, shared_block_k=128,
-                     shared_programs_per_sm=4)
+                     shared_programs_per_sm=4, min_per_split=64)
 
 
 def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
@@ -540,10 +545,11 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
                              softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`.reference.gather_partial_attention` (``softcap``: applied in the kernels).
 
-    ``config`` overrides :data:`GATHER_CONFIG` (indices per step, programs per SM for the split count, warps,
-    stages; ``shared_*`` for the group-shared kernel): a benchmark knob, not needed for correctness.
+    ``config`` overrides :data:`GATHER_CONFIG` (indices per step, programs per SM and indices per split for the
+    split count, warps, stages; ``shared_*`` for the group-shared kernel; ``KVCOMPRESS_DS_CONFIG`` entries come
+    between the two): a benchmark knob, not needed for correctness.
     """
-    cfg = dict(GATHER_CONFIG, **(config or {}))
+    cfg = {**GATHER_CONFIG, **{k: v for k, v in _env_config().items() if k in GATHER_CONFIG}, **(config or {})}
     if not supports_gather(query, k, v, index):
         raise ValueError("gather_partial_attention: unsupported arguments (see supports_gather)")
     b, h, m, d = query.shape
@@ -566,7 +572,8 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
         per_sm = cfg["shared_programs_per_sm"] if shared else cfg["programs_per_sm"]
         if per_sm is None:
             per_sm = 4 if programs < 2 * sms else 8
-        splits = max(1, min(triton.cdiv(nk, block_k), triton.cdiv(int(per_sm * sms), programs)))
+        splits = max(1, min(triton.cdiv(nk, max(block_k, int(cfg["min_per_split"]))),
+                            triton.cdiv(int(per_sm * sms), programs)))
     per_split = triton.cdiv(triton.cdiv(nk, splits), block_k) * block_k
     splits = triton.cdiv(nk, per_split)
     po = torch.empty(splits, rows, dv, device=query.device, dtype=torch.float32)
