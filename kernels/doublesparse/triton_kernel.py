@@ -534,7 +534,8 @@ def supports_gather(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
 # measured on an H200 (benchmarks/gpu_doublesparse.py sweep, Llama heads, 32k tokens, B 1 and 16): per-row
 # programs want 2 warps, 64 indices per step and ~4 (few rows) to 8 (many rows) programs per SM; the shared
 # (tensor-core) kernel 4 warps, 128 indices per step, 4 programs per SM.  programs_per_sm None = that rule.
-# min_per_split: indices a split reads at least (a split of a few steps costs the merge launch more than it saves)
+# min_per_split: indices a split reads at least (fewer splits were slower for the per-row gather at every shape
+# measured and 2-7% faster for the shared one at B1-B4 with 256: docs/results.md "Session 21")
 GATHER_CONFIG = dict(block_k=64, programs_per_sm=None, num_warps=2, num_stages=3, shared_warps=4, shared_block_k=128,
                      shared_programs_per_sm=4, min_per_split=64)
 
