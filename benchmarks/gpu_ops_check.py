@@ -35,9 +35,10 @@ from kvcompress.kernels import opcases, ops
 LIVE = {1024: 1001, 16384: 16001}  # capacity -> live tokens (odd, below the capacity)
 
 
-def llama_cases(batch: int, capacity: int, live: int, device: str, only: set[str]) -> list:
-    """Builders (name, op, thunk) of the Llama-3-8B-shaped cases: 8 kv heads x 4 query rows, d = 128."""
-    kv, rows, d = 8, 4, 128
+def head_cases(batch: int, capacity: int, live: int, device: str, only: set[str], kv: int = 8, rows: int = 4,
+               d: int = 128) -> list:
+    """Builders (op, thunk) of the cases of one head shape (default Llama-3-8B: 8 kv heads x 4 query rows, d = 128;
+    SmolLM2: 3 x 3, d = 64)."""
     todo = []
 
     def add(op, make):
@@ -48,9 +49,12 @@ def llama_cases(batch: int, capacity: int, live: int, device: str, only: set[str
         add("kivi_partial", lambda bits=bits: opcases.kivi_case(batch, kv, rows, d, capacity, live, bits=bits,
                                                                 device=device, seed=bits))
     add("paged_partial", lambda: opcases.paged_case(batch, kv, rows, d, capacity, live, page=16, device=device))
-    counts = tuple((0, 32, 32, 64, 64, 96, 96, 128)[i] for i in range(kv))  # a LeanK-like mix of kept channels
+    counts = tuple((0, 1, 1, 2, 2, 3, 3, 4)[i % 8] * d // 4 for i in range(kv))  # a LeanK-like mix of kept channels
     add("lanes_partial", lambda: opcases.lanes_case(batch, kv, rows, d, capacity, live, counts=counts,
                                                     dense_tokens=1024, device=device))
+    for bits in (2, 4):  # the stacked LeanK + KIVI middle, one region of lanes
+        add("kivi_lanes_partial", lambda bits=bits: opcases.kivi_lanes_case(
+            batch, kv, rows, d, capacity, live, bits=bits, counts=counts, device=device, seed=20 + bits))
     k = max(16, live // 16)
     for bits in (16, 4):
         add("select_topk", lambda bits=bits: opcases.select_case(batch, kv, rows, capacity, d, r=16, bits=bits, k=k,
@@ -61,9 +65,35 @@ def llama_cases(batch: int, capacity: int, live: int, device: str, only: set[str
     return todo
 
 
+def llama_cases(batch: int, capacity: int, live: int, device: str, only: set[str]) -> list:
+    """Builders (op, thunk) of the Llama-3-8B-shaped cases: 8 kv heads x 4 query rows, d = 128."""
+    return head_cases(batch, capacity, live, device, only)
+
+
+# issue 19's grid (kernels.benchutil): head shapes, batches, contexts; the check reads ctx - 37 live tokens (odd, not
+# a multiple of any tile) of a capacity of ctx + 128 slots, with the cases' random valid masks (left padding of row
+# 0, evicted slots, a dead last row)
+GRID_HEADS = {"llama3-8b": (8, 4, 128), "smollm2-135m": (3, 3, 64)}
+GRID_BATCHES = (1, 4, 16, 64)
+GRID_CONTEXTS = (4096, 32768, 131072)
+
+
+def grid_plan(only: set[str], device: str) -> list[tuple[str, str, object]]:
+    out = []
+    for model, (kv, rows, d) in GRID_HEADS.items():
+        for batch in GRID_BATCHES:
+            for ctx in GRID_CONTEXTS:
+                live = ctx - 37
+                for op, make in head_cases(batch, ctx + 128, live, device, only, kv, rows, d):
+                    out.append((f"grid-{model}-b{batch}-{ctx // 1024}k-live{live}", op, make))
+    return out
+
+
 def plan(args) -> list[tuple[str, str, object]]:
     """``(shape label, op, thunk building the case)`` for every case to run."""
     only = set(args.ops.split(",")) if args.ops else set(ops.OPS)
+    if args.grid:
+        return grid_plan(only, args.device)
     out = [("small", c.op, (lambda c=c: c)) for c in opcases.small_cases(args.device) if c.op in only]
     shapes = [(1, 1024), (8, 16384)] if args.quick else [(b, c) for b in (1, 8) for c in (1024, 16384)]
     for batch, capacity in shapes:
@@ -74,6 +104,14 @@ def plan(args) -> list[tuple[str, str, object]]:
                                                                           "lanes_partial"}):
             out.append(("llama-b8-cap16384-live1001", op, make))
     return out
+
+
+def check_eager(case, impl: str) -> dict:
+    """``case.fn(impl)`` uncompiled against the eager reference on the same device."""
+    ref = case.reference()
+    ok, err, msg = case.check(case.fn(impl)(*case.args), ref)
+    return {"ok": bool(ok), "max_abs_err": float(err), "message": msg, "ms_per_call": None,
+            "eager_ms_per_call": None}
 
 
 def environment() -> dict:
@@ -96,6 +134,11 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="", help="comma-separated substrings of the shape labels to run (e.g. "
                    "small,llama-b1); default all")
     p.add_argument("--calls", type=int, default=50, help="timed calls per case")
+    p.add_argument("--grid", action="store_true", help="issue 19's grid instead: both head shapes, B 1-64, 4k-128k "
+                   "contexts, ctx - 37 live tokens with padding and a dead row (with --eager: ~10 min on an H200 "
+                   "for all ops; split it with --shapes)")
+    p.add_argument("--eager", action="store_true", help="check each impl uncompiled against the reference (no "
+                   "compile, no timings)")
     p.add_argument("--device", default="cuda", help="cuda; cpu only as a smoke test of this script (the ops' CPU "
                    "implementation is the reference whatever impl says; no timings)")
     args = p.parse_args(argv)
@@ -136,8 +179,11 @@ def main(argv=None) -> int:
                 continue
             t0 = time.perf_counter()
             try:
-                torch._dynamo.reset()
-                row.update(opcases.check_compiled(case, impl, mode="reduce-overhead", time_calls=args.calls))
+                if args.eager:
+                    row.update(check_eager(case, impl))
+                else:
+                    torch._dynamo.reset()
+                    row.update(opcases.check_compiled(case, impl, mode="reduce-overhead", time_calls=args.calls))
             except Exception as exc:  # one failing op / impl never stops the others
                 row.update(ok=None, error=f"{type(exc).__name__}: {exc}"[:2000],
                            traceback=traceback.format_exc()[-3000:])

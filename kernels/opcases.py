@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3  # as the kernels' own tests (fp16 operands, fp32 accumulation)
-OUTPUT_OPS = ("kivi_partial", "paged_partial", "lanes_partial", "gather_partial")
+OUTPUT_OPS = ("kivi_partial", "paged_partial", "lanes_partial", "gather_partial", "kivi_lanes_partial")
 
 
 @dataclasses.dataclass
@@ -213,6 +213,56 @@ def lanes_case(batch: int = 2, kv_heads: int = 4, rows: int = 3, head_dim: int =
                   args, fn, facts, static=static)
 
 
+# ----------------------------------------------------------------------------- KIVI lanes (LeanK + KIVI stacked)
+
+
+def kivi_lanes_case(batch: int = 2, kv_heads: int = 4, rows: int = 3, head_dim: int = 64, capacity: int = 96,
+                    live: int | None = 71, bits: int = 2, group: int = 32, counts: tuple[int, ...] | None = None,
+                    query_dtype=torch.float16, dead_row: bool = True, device="cpu", seed: int = 10,
+                    softcap: float | None = None) -> OpCase:
+    """A stacked LeanK + KIVI middle (``PackedLanes``): one KIVI lane per kept count (``counts`` per kv head; 0 = the
+    head keeps nothing) over ``capacity`` slots (a multiple of ``group``), quantized from random keys / values."""
+    from .kivi.lanes_reference import KiviLane, PackedLanes
+    from .kivi.reference import quantize_keys, quantize_values
+
+    gen = _gen(seed, device)
+    t = -(-capacity // group) * group
+    v_group = min(32, head_dim)
+    if counts is None:
+        mix = (0, 1, 2, 3, 4)
+        counts = tuple(mix[(i + 1) % len(mix)] * head_dim // 4 for i in range(kv_heads))
+    parts = []
+    for c in sorted(set(counts) - {0}, reverse=True):
+        hs = [h for h, n in enumerate(counts) if n == c]
+        channels = torch.stack([torch.randperm(head_dim, generator=gen, device=gen.device)[:c].sort().values
+                                for _ in hs])
+        k = torch.randn(batch, len(hs), t, c, generator=gen, device=gen.device) * 1.5 + 0.3
+        v = torch.randn(batch, len(hs), t, head_dim, generator=gen, device=gen.device)
+        full = c == head_dim and len(hs) == kv_heads
+        parts.append((torch.tensor(hs, device=gen.device), None if full else channels,
+                      *quantize_keys(k, bits, group), *quantize_values(v, bits, v_group)))
+    valid = _valid(batch, t, gen, dead_row)
+    q = torch.randn(batch, kv_heads, rows, head_dim, generator=gen, device=gen.device).to(query_dtype)
+    mv = (lambda x: None if x is None else x.to(device))
+    n = len(parts)
+    flat = [mv(x) for part in parts for x in part]
+    args = (q.to(device), valid.to(device), _length(live, device), *flat)
+    scale = head_dim ** -0.5
+
+    def fn(impl: str):
+        def f(q, valid, length, *rest):
+            lanes = tuple(KiviLane(*rest[8 * i: 8 * i + 8]) for i in range(n))
+            region = PackedLanes(bits, group, lanes, valid, kv_heads, head_dim, impl=impl, length=length)
+            return region.attention_partial(q, scale, softcap=softcap)
+        return f
+
+    facts = dict(bits=bits, group=group, head_dim=head_dim, v_dim=head_dim, v_group=v_group,
+                 kept=tuple(sorted(set(counts) - {0})), k_per_token=False)
+    static = (1,) + tuple(3 + 8 * i + j for i in range(n) for j in range(2, 8))  # valid and every lane's payload
+    return OpCase(f"kivi{bits}-lanes-b{batch}-h{kv_heads}-m{rows}-d{head_dim}-t{t}-lanes{n}-live{live}{_cap(softcap)}",
+                  "kivi_lanes_partial", args, fn, facts, static=static)
+
+
 # ----------------------------------------------------------------------------- DoubleSparse
 
 
@@ -291,6 +341,9 @@ def small_cases(device="cpu", softcap: float | None = None) -> list[OpCase]:
         paged_case(live=None, page=32, rows=1, head_dim=64, v_dim=32, device=device, seed=6, **cap),
         lanes_case(device=device, **cap),
         lanes_case(live=None, dead_row=False, kv_heads=3, rows=1, device=device, seed=7, **cap),
+        kivi_lanes_case(device=device, **cap),
+        kivi_lanes_case(bits=4, group=16, kv_heads=3, rows=1, head_dim=128, capacity=80, live=None, dead_row=False,
+                        device=device, seed=11, **cap),
         select_case(device=device),
         select_case(bits=4, r=16, k=20, tokens=131, group=4, device=device, seed=8),
         gather_case(device=device, **cap),

@@ -268,6 +268,13 @@ def test_dispatchers_without_impl_keep_their_per_call_behaviour():
             n = (len(a) - 2) // 5
             lanes = [tuple(a[1 + j * n + i] for j in range(5)) for i in range(n)]
             got = leank.grouped_partial_attention(a[0], lanes, a[0].shape[-1] ** -0.5, length=a[-1])
+        elif case.op == "kivi_lanes_partial":
+            from kvcompress.kernels.kivi.lanes_reference import KiviLane, PackedLanes
+
+            lanes = tuple(KiviLane(*a[3 + 8 * i: 11 + 8 * i]) for i in range((len(a) - 3) // 8))
+            region = PackedLanes(case.facts["bits"], case.facts["group"], lanes, a[1], a[0].shape[1], a[0].shape[-1],
+                                 length=a[2])
+            got = region.attention_partial(a[0], a[0].shape[-1] ** -0.5)
         elif case.op == "select_topk":
             continue  # same reference function; its result is checked through opcheck / compile
         else:
