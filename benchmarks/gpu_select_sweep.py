@@ -29,7 +29,10 @@ import torch
 SHAPES = (("llama3-8b", 32, 8, 128, 1, 4096), ("llama3-8b", 32, 8, 128, 1, 32768),
           ("llama3-8b", 32, 8, 128, 4, 32768), ("llama3-8b", 32, 8, 128, 16, 32768),
           ("llama3-8b", 32, 8, 128, 64, 32768), ("llama3-8b", 32, 8, 128, 16, 4096),
-          ("smollm2-135m", 9, 3, 64, 1, 32768), ("smollm2-135m", 9, 3, 64, 16, 32768))
+          ("smollm2-135m", 9, 3, 64, 1, 32768), ("smollm2-135m", 9, 3, 64, 16, 32768),
+          # beyond 32k (the fused plan's limit at ctx/16: '{"multilevel": true}' against the two-step fallback)
+          ("llama3-8b", 32, 8, 128, 1, 65536), ("llama3-8b", 32, 8, 128, 1, 131072),
+          ("llama3-8b", 32, 8, 128, 16, 131072), ("smollm2-135m", 9, 3, 64, 4, 131072))
 CONFIGS = ('{}', '{"elems_per_thread": 16}', '{"elems_per_thread": 64}', '{"unroll": 2}')
 
 

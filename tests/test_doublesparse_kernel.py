@@ -30,6 +30,12 @@ SCORE_CASES = {
     "2bit-one-token": (1, 1, 2, 1, 32, 8, 2, {"k": 1}),
     "fp16-chunks-merge": (2, 2, 3, 300, 64, 16, 16, {"k": 20, "chunk": 128, "pad": 70}),
     "4bit-chunks-merge-short-tail": (1, 2, 2, 131, 64, 16, 4, {"k": 12, "chunk": 128}),
+    # 40 chunks of 64 keep 20 each: 800 candidates -> 260 -> 100 -> 40 in three merge levels (groups cut short),
+    # left padding
+    "fp16-multilevel-three-levels": (1, 2, 2, 2500, 64, 16, 16, {"k": 20, "chunk": 64, "multilevel": True,
+                                                                  "pad": 300, "levels": 3}),
+    # 4-bit labels, one level, fewer present candidates in the last group (a short last chunk)
+    "4bit-multilevel-one-level": (2, 1, 3, 1001, 32, 8, 4, {"k": 30, "chunk": 128, "multilevel": True, "levels": 1}),
 }
 # gather attention: name -> (batch, kv_heads, rows M, tokens, D, Dv, selected K, extras)
 GATHER_CASES = {
@@ -97,7 +103,7 @@ def run_score_case(name: str, device: str = "cpu") -> dict:
     k = extra.get("k", max(1, labels.num_tokens // 8))
     tol = 1e-3 * max(1.0, float(ref[fin].abs().max()))
     unfused = triton_kernel.select_topk(q, labels, channels, valid, k)  # token-major labels: two-step path
-    cfg = {"chunk_tokens": extra["chunk"]} if "chunk" in extra else None
+    cfg = {"chunk_tokens": extra["chunk"], "multilevel": extra.get("multilevel", False)} if "chunk" in extra else None
     fused = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k, config=cfg)
     unrolled1 = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k,
                                           config=dict(cfg or {}, unroll=1, elems_per_thread=16))
@@ -105,8 +111,13 @@ def run_score_case(name: str, device: str = "cpu") -> dict:
             "err": float((got[fin] - ref[fin]).abs().max()), "err_cm": float((got_cm[fin] - ref[fin]).abs().max()),
             "scale": float(ref[fin].abs().max()), "k": k,
             "fused_used": bool(triton_kernel.supports_fused(q, channel_major(labels), channels, k,
-                                                            extra.get("chunk", triton_kernel.FUSED_MAX_TOKENS))),
-            "chunks": triton_kernel.fused_plan(labels.num_tokens, k, extra.get("chunk", 1 << 30))[0],
+                                                            extra.get("chunk", triton_kernel.FUSED_MAX_TOKENS),
+                                                            extra.get("multilevel", False))),
+            "chunks": (triton_kernel.fused_levels if extra.get("multilevel") else triton_kernel.fused_plan)(
+                labels.num_tokens, k, extra.get("chunk", 1 << 30))[0],
+            "levels": len(triton_kernel.fused_levels(labels.num_tokens, k, extra["chunk"])[3])
+            if extra.get("multilevel") else 0,
+            "classic_plan": triton_kernel.fused_plan(labels.num_tokens, k, extra.get("chunk", 1 << 30)) is not None,
             "topk_unfused": reference.is_topk(unfused, ref, k, tol), "topk_fused": reference.is_topk(fused, ref, k, tol),
             "topk_fused_other_launch": reference.is_topk(unrolled1, ref, k, tol),
             "topk_reference": reference.is_topk(reference.select_topk(q, labels, channels, valid, k), ref, k, tol)}
@@ -261,6 +272,9 @@ def _check_score(res: dict, name: str) -> None:
     assert res["fused_used"], "channel-major labels take the fused select kernel"
     if "chunk" in SCORE_CASES[name][-1]:
         assert res["chunks"] > 1, "the case runs the chunk + merge path"
+    if SCORE_CASES[name][-1].get("multilevel"):
+        assert not res["classic_plan"] and res["levels"] == SCORE_CASES[name][-1]["levels"], \
+            "the case runs the multi-level merge"
     assert res["topk_reference"], "the oracle check accepts torch.topk"
     assert res["topk_unfused"], "scores + torch.topk select a top-k"
     assert res["topk_fused"], "the fused kernel selects a top-k"

@@ -259,6 +259,22 @@ def _merge_kernel(CKEY, CIDX, OUT, N, K, NP: tl.constexpr):
 
 
 @triton.jit
+def _merge_level_kernel(CKEY, CIDX, OKEY, OIDX, N, GS, KC, NP: tl.constexpr):
+    """One group of ``GS`` of a head's ``N`` candidates keeps its ``min(KC, present)`` best (absent = key 0) in
+    the group's ``KC`` output slots: a superset of the group's share of the head's top-``KC``."""
+    pid = tl.program_id(0).to(tl.int64)
+    grp = tl.program_id(1).to(tl.int64)
+    offs = grp * GS + tl.arange(0, NP)
+    ok = (tl.arange(0, NP) < GS) & (offs < N)
+    key = tl.load(CKEY + pid * N + offs, mask=ok, other=0).to(tl.uint32, bitcast=True)
+    kk = tl.minimum(KC, tl.sum((key != 0).to(tl.int32), axis=0))
+    chosen, slot = _top_slots(key, kk)
+    row = (pid * tl.num_programs(1) + grp) * KC
+    tl.store(OKEY + row + slot, key.to(tl.int32, bitcast=True), mask=chosen)
+    tl.store(OIDX + row + slot, tl.load(CIDX + pid * N + offs, mask=chosen, other=0), mask=chosen)
+
+
+@triton.jit
 def _top_lanes_kernel(KEY, CHOSEN, SLOT, N, K, NP: tl.constexpr):
     offs = tl.arange(0, NP)
     key = tl.load(KEY + offs, mask=offs < N, other=0).to(tl.uint32, bitcast=True)
@@ -283,7 +299,9 @@ def top_lanes(keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 FUSED_MAX_TOKENS = 16384  # per program: the label scores stay in registers (~3 registers per token)
 # 16 warps for 16384 tokens: ~94 registers, no spills (sm_90); chunk_tokens < FUSED_MAX_TOKENS exercises
 # the chunk + merge path on small inputs (tests)
-SELECT_CONFIG = dict(elems_per_thread=None, chunk_tokens=FUSED_MAX_TOKENS, unroll=4)
+# multilevel: where fused_plan has no plan (contexts above 32k at ctx/16), merge the chunks' candidates in levels
+# (fused_levels) instead of the two-step fallback - off until it is timed against that fallback on a GPU
+SELECT_CONFIG = dict(elems_per_thread=None, chunk_tokens=FUSED_MAX_TOKENS, unroll=4, multilevel=False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -321,13 +339,37 @@ def fused_plan(tokens: int, k: int, chunk: int = FUSED_MAX_TOKENS) -> tuple[int,
     return (chunks, per, kc) if chunks * kc <= chunk else None
 
 
+def fused_levels(tokens: int, k: int, chunk: int = FUSED_MAX_TOKENS
+                 ) -> tuple[int, int, int, list[tuple[int, int, int]], int] | None:
+    """The multi-level fused selection: ``(chunks, tokens per chunk, candidates per chunk, levels, final)`` or
+    ``None``.
+
+    Chunks of ``chunk`` tokens each keep their ``min(k, chunk)`` best (key, token) pairs; while more candidates
+    are left than one program holds (``chunk``), a level (``(candidates, group, kept per group)``) splits them
+    into groups of ``chunk`` that each keep their ``min(k, chunk)`` best - every group's share of the global top-k
+    survives, so the result stays exact - and the last ``final`` candidates go to the merge kernel.  ``None``
+    when a stage would keep everything it reads (``k >= chunk``) or one chunk holds every token."""
+    chunk = min(chunk, FUSED_MAX_TOKENS)
+    if tokens <= chunk or k >= chunk:
+        return None
+    chunks = -(-tokens // chunk)
+    n = chunks * k
+    levels = []
+    while n > chunk:
+        groups = -(-n // chunk)
+        levels.append((n, chunk, k))
+        n = groups * k
+    return chunks, chunk, k, levels, n
+
+
 def supports_fused(query: torch.Tensor, labels: Labels, channels: torch.Tensor, k: int = 1,
-                   chunk: int = FUSED_MAX_TOKENS) -> bool:
+                   chunk: int = FUSED_MAX_TOKENS, multilevel: bool = False) -> bool:
     """Whether :func:`select_topk` runs the fused kernels: token-contiguous labels (the plugin's channel-major
-    label cache) and a :func:`fused_plan`."""
+    label cache) and a :func:`fused_plan` (or, with ``multilevel``, :func:`fused_levels`)."""
     t = labels.num_tokens
+    planned = fused_plan(t, k, chunk) is not None or (multilevel and fused_levels(t, k, chunk) is not None)
     return supports_scores(query, labels, channels) and t > 0 and (labels.data.stride(2) == 1 or t == 1) \
-        and fused_plan(t, k, chunk) is not None
+        and planned
 
 
 def _divisor(n: int, most: int) -> int:
@@ -345,17 +387,22 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
     Fused (:func:`supports_fused`): one program per query head (and chunk of up to
     :data:`FUSED_MAX_TOKENS` tokens) computes the label scores in registers and selects by an exact
     radix (bitwise binary) search - no score tensor is written; longer contexts pass each chunk's best
-    ``k`` (key, token) pairs to a merge kernel (:func:`fused_plan`).  Otherwise
-    :func:`select_topk_unfused`.  Ties at the k-th score go to the lowest token index.  ``config``
+    ``k`` (key, token) pairs to a merge kernel (:func:`fused_plan`); with ``multilevel`` (off by default),
+    contexts beyond that merge in levels (:func:`fused_levels`).  Otherwise :func:`select_topk_unfused`.  Ties at the k-th score go to the lowest token index.  ``config``
     overrides :data:`SELECT_CONFIG` (a benchmark knob).
     """
     t = labels.num_tokens
     if not 0 < k <= t:
         raise ValueError(f"k must be in [1, {t}], got {k}")
     cfg = dict(_select_base(), **(config or {}))
-    if not supports_fused(query, labels, channels, k, cfg["chunk_tokens"]):
+    if not supports_fused(query, labels, channels, k, cfg["chunk_tokens"], bool(cfg["multilevel"])):
         return select_topk_unfused(query, labels, channels, valid, k)
-    chunks, chunk, kc = fused_plan(t, k, cfg["chunk_tokens"])
+    plan = fused_plan(t, k, cfg["chunk_tokens"])
+    levels = []
+    if plan is None:  # multilevel
+        chunks, chunk, kc, levels, _ = fused_levels(t, k, cfg["chunk_tokens"])
+    else:
+        chunks, chunk, kc = plan
     b, hq, _ = query.shape
     hkv, r = channels.shape
     quant = labels.bits != 16
@@ -387,8 +434,16 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
         W=lab.shape[-1], PER=8 // labels.bits if quant else 1, BITS=labels.bits if quant else 16, QUANT=quant,
         HAS_VALID=valid is not None, CANDIDATES=chunks > 1,
         UNROLL=_divisor(lab.shape[-1], int(cfg["unroll"])), NP=np_, num_warps=warps)
+    n = chunks * kc
+    for n, group, keep in levels:
+        groups = -(-n // group)
+        okey = torch.zeros(b * hq, groups * keep, device=dev, dtype=torch.int32)
+        oidx = torch.empty(b * hq, groups * keep, device=dev, dtype=torch.int32)
+        np2 = max(16, pow2(group))
+        _merge_level_kernel[(b * hq, groups)](ckey, cidx, okey, oidx, n, group, keep, NP=np2,
+                                              num_warps=max(1, min(16, np2 // (32 * ept))))
+        ckey, cidx, n = okey, oidx, groups * keep
     if chunks > 1:
-        n = chunks * kc
         np2 = max(16, pow2(n))
         _merge_kernel[(b * hq,)](ckey, cidx, out, n, k, NP=np2, num_warps=max(1, min(16, np2 // (32 * ept))))
     return out
