@@ -5,14 +5,7 @@
 #   bash benchmarks/gpu_gather_splits.sh OUTDIR
 set -o pipefail
 OUT=$(realpath "${1:-out}")
-mkdir -p "$OUT" /tmp/site
-python -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . 2>&1 | tail -2
-export PATH=/usr/local/cuda/bin:$PATH PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-SRC=$PWD
-cd /tmp/site
-date -u | tee -a "$OUT/log.txt"
-timeout 100 python -m pytest -q -m gpu "$SRC/tests/test_doublesparse_kernel.py" -p no:cacheprovider -p no:logging 2>&1 \
-  | grep -v DEBUG | tail -5 | tee "$OUT/pytest_ds.log"
+source "$(dirname "$0")/gpu_ds_common.sh"  # install under /tmp/site, cd there, DS GPU tests
 SHAPES=llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:1:128k,llama3-8b:4:4k,llama3-8b:4:32k,llama3-8b:16:4k
 SHAPES=$SHAPES,smollm2-135m:1:4k,smollm2-135m:1:32k,smollm2-135m:4:4k,smollm2-135m:4:32k
 for N in 64 256 1024 4096 64; do

@@ -4,14 +4,7 @@
 #   bash benchmarks/gpu_grid_session.sh OUTDIR
 set -o pipefail
 OUT=$(realpath "${1:-out}")
-mkdir -p "$OUT" /tmp/site
-python -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . 2>&1 | tail -2
-export PATH=/usr/local/cuda/bin:$PATH PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-SRC=$PWD
-cd /tmp/site
-date -u | tee -a "$OUT/log.txt"
-timeout 100 python -m pytest -q -m gpu "$SRC/tests/test_doublesparse_kernel.py" -p no:cacheprovider -p no:logging 2>&1 \
-  | grep -v DEBUG | tail -5 | tee "$OUT/pytest_ds.log"
+source "$(dirname "$0")/gpu_ds_common.sh"  # install under /tmp/site, cd there, DS GPU tests
 for M in llama3-8b smollm2-135m; do
   date -u | tee -a "$OUT/log.txt"
   timeout 200 python -m kvcompress.kernels.benchutil --device cuda --ops grid --models $M --max-seconds 170 \

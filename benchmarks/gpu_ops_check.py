@@ -65,11 +65,6 @@ def head_cases(batch: int, capacity: int, live: int, device: str, only: set[str]
     return todo
 
 
-def llama_cases(batch: int, capacity: int, live: int, device: str, only: set[str]) -> list:
-    """Builders (op, thunk) of the Llama-3-8B-shaped cases: 8 kv heads x 4 query rows, d = 128."""
-    return head_cases(batch, capacity, live, device, only)
-
-
 # issue 19's grid (kernels.benchutil): head shapes, batches, contexts; the check reads ctx - 37 live tokens (odd, not
 # a multiple of any tile) of a capacity of ctx + 128 slots, with the cases' random valid masks (left padding of row
 # 0, evicted slots, a dead last row)
@@ -97,10 +92,10 @@ def plan(args) -> list[tuple[str, str, object]]:
     out = [("small", c.op, (lambda c=c: c)) for c in opcases.small_cases(args.device) if c.op in only]
     shapes = [(1, 1024), (8, 16384)] if args.quick else [(b, c) for b in (1, 8) for c in (1024, 16384)]
     for batch, capacity in shapes:
-        for op, make in llama_cases(batch, capacity, LIVE[capacity], args.device, only):
+        for op, make in head_cases(batch, capacity, LIVE[capacity], args.device, only):
             out.append((f"llama-b{batch}-cap{capacity}-live{LIVE[capacity]}", op, make))
     if not args.quick:  # a static cache barely filled: what skipping the dead capacity buys (Triton) or not (v3)
-        for op, make in llama_cases(8, 16384, 1001, args.device, only & {"kivi_partial", "paged_partial",
+        for op, make in head_cases(8, 16384, 1001, args.device, only & {"kivi_partial", "paged_partial",
                                                                           "lanes_partial"}):
             out.append(("llama-b8-cap16384-live1001", op, make))
     return out

@@ -11,14 +11,7 @@
 #    (KVCOMPRESS_DS_CONFIG).
 set -o pipefail
 OUT=$(realpath "${1:-out}"); OLD=${2:-}
-mkdir -p "$OUT" /tmp/site
-python -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . 2>&1 | tail -2
-export PATH=/usr/local/cuda/bin:$PATH PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-SRC=$PWD
-cd /tmp/site
-date -u | tee -a "$OUT/log.txt"
-timeout 150 python -m pytest -q -m gpu "$SRC/tests/test_doublesparse_kernel.py" -p no:cacheprovider -p no:logging 2>&1 \
-  | grep -v DEBUG | tail -15 | tee "$OUT/pytest_ds.log"
+source "$(dirname "$0")/gpu_ds_common.sh"  # install under /tmp/site, cd there, DS GPU tests
 date -u | tee -a "$OUT/log.txt"
 timeout 220 python "$SRC/benchmarks/gpu_select_sweep.py" --out "$OUT" ${OLD:+--old "$OLD"} --best "$OUT/best.json" \
   2>"$OUT/sweep.err" | grep '^|' | tee "$OUT/sweep.md"

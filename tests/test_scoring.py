@@ -205,7 +205,6 @@ def test_knorm_selection_matches_reference():
         assert torch.equal(stored_k[head, :kept], k[0, head, cols])
 
 
-
 def test_keydiff_selection_matches_reference():
     """KeyDiff (arXiv 2504.15364, kvpress KeyDiffPress): per head, keep the keys of lowest cosine similarity to the
     anchor, the mean of the unit keys of the tokens that leave the window (here: every candidate of the row)."""
@@ -225,6 +224,7 @@ def test_keydiff_selection_matches_reference():
         expected.append(heads)
     _check(keep, positions, expected)
     assert expected[0][0] != expected[0][1]  # the heads decide apart
+
 
 @pytest.mark.parametrize("heads", ["shared", "each"])
 def test_knorm_chunks_match_a_chunkkv_reference(heads):

@@ -434,8 +434,8 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
         W=lab.shape[-1], PER=8 // labels.bits if quant else 1, BITS=labels.bits if quant else 16, QUANT=quant,
         HAS_VALID=valid is not None, CANDIDATES=chunks > 1,
         UNROLL=_divisor(lab.shape[-1], int(cfg["unroll"])), NP=np_, num_warps=warps)
-    n = chunks * kc
-    for n, group, keep in levels:
+    n = chunks * kc  # candidates left
+    for _, group, keep in levels:  # fused_levels' candidate counts are the n of each step here
         groups = -(-n // group)
         okey = torch.zeros(b * hq, groups * keep, device=dev, dtype=torch.int32)
         oidx = torch.empty(b * hq, groups * keep, device=dev, dtype=torch.int32)
