@@ -38,9 +38,10 @@ Ops (``--ops``, default :data:`ALL_OPS`):
   kernel up to its written prefix (``length``); ``leank70-kivi2``: ``examples/stacks/leank70_kivi.yaml`` (LeanK
   70 % with :data:`LEANK_COUNTS` kept channels, 128 sinks, 768-token window, 128-token flushes, then KIVI-2 G = 32
   on the regrouped lanes): one lanes launch (+ merge) for the buffer plus ONE launch (+ merge) for every KIVI lane
-  (``kvcompress::kivi_lanes_partial``, :mod:`kvcompress.kernels.kivi.lanes_triton`; impl ``kivi-lanes:triton``;
-  before: one KIVI launch, a query gather and a head scatter per lane, ``kivi:cuda``; the extra op
-  ``leank70-kivi2-perlane`` is the same layer read that way, for comparison); ``lowrank``:
+  (``kvcompress::kivi_lanes_partial``: the CUDA lanes kernel, :mod:`kvcompress.kernels.kivi.lanes_cuda`, impl
+  ``kivi-lanes:cuda``, where nvcc is found, else the Triton one, :mod:`kvcompress.kernels.kivi.lanes_triton`; the
+  extra op ``leank70-kivi2-triton`` is the same layer read by the Triton lanes kernel; before that: one KIVI launch,
+  a query gather and a head scatter per lane, ``kivi:cuda``, the extra op ``leank70-kivi2-perlane``); ``lowrank``:
   ``examples/stacks/lowrank.yaml`` at rank r = d/2 (a random orthonormal basis per kv
   head; the middle keys stored as r coordinates, the query projected; one lanes launch with the projected query
   appended);
@@ -352,7 +353,7 @@ REGIONS = {"sinks": 128, "window": 768, "flush": 128}
 CAPACITY_SLACK = 128
 #: K bytes per chunk when a layer or pool is filled (bounds the transient memory of building a large one)
 FILL_CHUNK_BYTES = 256 * 1024**2
-STATIC_OPS = ("none", "leank70-kivi2", "lowrank", "leank70-kivi2-perlane")
+STATIC_OPS = ("none", "leank70-kivi2", "lowrank", "leank70-kivi2-perlane", "leank70-kivi2-triton")
 
 
 def leank_keep(ratio: int, kv_heads: int, head_dim: int, seed: int = 0) -> torch.Tensor:
@@ -380,7 +381,7 @@ def static_stack(op: str, shape: Shape, regions: dict | None = None):
     r = {**REGIONS, **(regions or {})}
     if op == "none":
         return [], None
-    if op in ("leank70-kivi2", "leank70-kivi2-perlane"):
+    if op in ("leank70-kivi2", "leank70-kivi2-perlane", "leank70-kivi2-triton"):
         keep = leank_keep(70, shape.kv_heads, shape.head_dim)
 
         def setup(compressors):
@@ -434,6 +435,8 @@ def build_static_layer(op: str, shape: Shape, batch: int, ctx: int, device, gen:
     fill_static_layer(layer, ctx, gen, kv=kv, chunk_bytes=chunk_bytes)
     if op == "leank70-kivi2-perlane" and getattr(layer.middle, "merged", None) is not None:
         layer.middle.merged = layer.middle._region = None  # the read before kivi_lanes_partial: a segment per lane
+    if op == "leank70-kivi2-triton" and getattr(layer.middle, "merged", None) is not None:
+        layer.middle.lanes_kernel = "triton"  # the merged read on the Triton lanes kernel (before the CUDA one)
     return layer
 
 
@@ -865,7 +868,7 @@ def _static_estimate(c: _Case, op: str) -> int:
         return 2 * b * s.kv_heads * cap * s.head_dim * 2 + b * cap + transient
     window = REGIONS["sinks"] + REGIONS["window"] + 2 * REGIONS["flush"]
     buffer = 2 * b * s.kv_heads * window * s.head_dim * 2 + b * window
-    if op in ("leank70-kivi2", "leank70-kivi2-perlane"):  # bounded by KIVI-2 over every channel
+    if op in ("leank70-kivi2", "leank70-kivi2-perlane", "leank70-kivi2-triton"):  # bounded by KIVI-2, all channels
         return buffer + b * _kivi_region_bytes(cap, s.kv_heads, s.head_dim) + transient
     return buffer + b * s.kv_heads * cap * (s.head_dim // 2 + s.head_dim) * 2 + b * cap * 9 + transient
 
@@ -983,7 +986,7 @@ ALL_OPS = ("sdpa", "dense-ref", "kivi2", "kivi4", "kivi2-ref", "kivi4-ref", "kiv
            "leank50", "leank70", "ds8", "ds16", "ds8-shared", "ds16-shared", "none", "leank70-kivi2", "lowrank",
            "paged-dense", "paged-kivi2")
 #: ops that run only when named in ``--ops``
-EXTRA_OPS = ("paged-kivi2-gather", "leank70-kivi2-perlane")
+EXTRA_OPS = ("paged-kivi2-gather", "leank70-kivi2-perlane", "leank70-kivi2-triton")
 #: the ops of issue 19's grid (``--ops`` default minus the references and the Triton KIVI rows)
 GRID_OPS = ("sdpa", "kivi2", "kivi4", "leank50", "leank70", "leank70-kivi2", "ds8", "ds16", "ds8-shared",
             "ds16-shared", "paged-dense", "paged-kivi2", "lowrank", "none")

@@ -70,7 +70,7 @@ IMPLS = ("reference", "triton", "cuda")
 # op name -> implementations its CUDA kernel accepts
 OPS = {
     "kivi_partial": ("reference", "triton", "cuda"),
-    "kivi_lanes_partial": ("reference", "triton"),
+    "kivi_lanes_partial": ("reference", "triton", "cuda"),
     "paged_partial": ("reference", "triton"),
     "lanes_partial": ("reference", "triton"),
     "select_topk": ("reference", "triton"),
@@ -315,6 +315,11 @@ def _kivi_lanes_partial_cuda(query, heads, channels, k_codes, k_scale, k_zero, v
     _check_length("kivi_lanes_partial", length)
     region = _kivi_region(heads, channels, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits,
                           group, query.shape[1], query.shape[-1])
+    if impl == "cuda":
+        from .kivi import lanes_cuda
+
+        return _fresh(*lanes_cuda.kivi_lanes_attention_partial(query, region, scale, base=_kivi_cuda_base(bits),
+                                                                softcap=softcap))
     if impl == "triton":
         from .kivi import lanes_triton
 
@@ -377,6 +382,11 @@ def _kivi_lanes_partial_scored_cuda(query, heads, channels, k_codes, k_scale, k_
     _check_length("kivi_lanes_partial_scored", length)
     region = _kivi_region(heads, channels, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits,
                           group, query.shape[1], query.shape[-1])
+    if impl == "cuda":
+        from .kivi import lanes_cuda
+
+        return _fresh(*lanes_cuda.kivi_lanes_attention_partial(query, region, scale, base=_kivi_cuda_base(bits),
+                                                                softcap=softcap))
     if impl == "triton":
         from .kivi import lanes_triton
 
@@ -820,6 +830,22 @@ def _kivi_cuda_problem(device: torch.device, f: dict) -> Optional[str]:
     return None
 
 
+def _kivi_lanes_cuda_problem(device: torch.device, f: dict) -> Optional[str]:
+    """The CUDA lanes kernel (:mod:`.kivi.lanes_cuda`): the plain CUDA kernel's conditions on bits, groups and the
+    value width, lanes of at most 8 distinct kept counts, each a multiple of 16 up to 128."""
+    from .kivi import cuda_kernel, lanes_cuda
+
+    why = _kivi_cuda_problem(device, {k: v for k, v in f.items() if k not in ("kept", "head_dim")})
+    if why is not None:
+        return why
+    kept = tuple(f.get("kept") or ())
+    if any(c not in cuda_kernel.LANE_DIMS for c in kept):
+        return f"kept channel counts {kept} (multiples of 16 up to 128)"
+    if len(set(kept)) > lanes_cuda.MAX_LANES:
+        return f"{len(set(kept))} distinct kept counts (at most {lanes_cuda.MAX_LANES})"
+    return None
+
+
 def _triton_problem(op: str, f: dict) -> Optional[str]:
     op = SCORED.get(op, op)
     dk = f.get("head_dim", 128)
@@ -908,9 +934,10 @@ def choose(op: str, device, **static_facts) -> str:
         raise TypeError(f"choose({op!r}): unknown static facts {sorted(unknown)}; known: {sorted(_FACTS[op])}")
     device = torch.device(device)
     why: dict[str, Optional[str]] = {}
-    if op == "kivi_partial":
+    if op in ("kivi_partial", "kivi_lanes_partial"):
         def cuda_ok():
-            why["cuda"] = _kivi_cuda_problem(device, static_facts)
+            problem = _kivi_cuda_problem if op == "kivi_partial" else _kivi_lanes_cuda_problem
+            why["cuda"] = problem(device, static_facts)
             return why["cuda"] is None
 
         def triton_ok():

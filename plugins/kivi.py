@@ -176,8 +176,8 @@ class MergedLanes:
         """The plan, or ``None`` when the lanes stay separate segments: per-token keys, lanes with a query
         projection or an output map (low rank), lanes sharing a head, a CUDA store whose fused kernel does not take
         them (the per-lane KIVI kernels then read them as before), a static CUDA store (``tokens``: its slots) of at
-        least :data:`MERGE_MAX_ROW_HEADS` rows x kv heads and :data:`PER_LANE_MIN_TOKENS` slots (the per-lane reads
-        are faster there), or a single lane that gains nothing (every head, all channels) or that the KIVI CUDA
+        least :data:`MERGE_MAX_ROW_HEADS` rows x kv heads and :data:`PER_LANE_MIN_TOKENS` slots whose merged read
+        would be the Triton lanes kernel (the per-lane reads are faster there; the CUDA lanes kernel keeps it), or a single lane that gains nothing (every head, all channels) or that the KIVI CUDA
         kernel (v3) reads on its own."""
         if not groups or codec.per_token_keys:
             return None
@@ -198,9 +198,9 @@ class MergedLanes:
         if device.type == "cuda" and impl == "reference":
             return None  # the per-lane KIVI kernels beat the reference on the GPU
         rows = payloads[0]["v_codes"].shape[0] * (num_kv_heads or len(union))
-        if device.type == "cuda" and rows >= MERGE_MAX_ROW_HEADS and tokens is not None \
-                and tokens >= PER_LANE_MIN_TOKENS:
-            return None  # large, long static stores: the per-lane reads (KIVI CUDA v3 where it takes a lane) are faster
+        if impl == "triton" and rows >= MERGE_MAX_ROW_HEADS and tokens is not None and tokens >= PER_LANE_MIN_TOKENS:
+            return None  # large, long static stores: the per-lane reads (KIVI CUDA v3 where it takes a lane) beat the
+            # Triton lanes kernel there (measured before the CUDA lanes kernel, which takes the merged read)
         if len(groups) == 1:  # one lane: merged where it spares the read a query gather / head scatter
             g = groups[0]
             if g.every_head and g.channels is None:

@@ -215,11 +215,15 @@ def _widen(x: torch.Tensor, dim: int, extra: int = 32) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bits,dk,dv,g,gv", [(2, 128, 128, 32, 32), (4, 128, 128, 32, 32), (2, 64, 64, 64, 32),
-                                             (4, 64, 64, 32, 16), (2, 64, 128, 32, 16), (4, 128, 64, 128, 64)])
+                                             (4, 64, 64, 32, 16), (2, 64, 128, 32, 16), (4, 128, 64, 128, 64),
+                                             # lanes of a stacked LeanK + KIVI layer: shared (quarter) key words
+                                             (2, 32, 128, 32, 32), (2, 96, 128, 32, 32), (2, 16, 64, 32, 32),
+                                             (2, 48, 64, 64, 32), (4, 16, 64, 32, 16), (4, 48, 128, 32, 32)])
 def test_tile_copies_and_shared_memory_reads(bits, dk, dv, g, gv):
     """The kernel's own TileCopier / Layout code, replayed on the host (kivi_v3_layout_probe): every lane reads
     the key words, scale pairs, valid flags and value words / scales its fragments need (by the mapping helpers
-    above), and no read touches shared memory that no copy wrote."""
+    above: whole words, then quarter ``t`` of each shared word), and no read touches shared memory that no copy
+    wrote."""
     if not ck.nvcc_path():
         pytest.skip("nvcc not on the PATH")
     import numpy as np
@@ -242,21 +246,25 @@ def test_tile_copies_and_shared_memory_reads(bits, dk, dv, g, gv):
     ksp, kzp = u32(ks.view(torch.int32)), u32(kz.view(torch.int32))
     vsh = vs.view(torch.int16).numpy().view(np.uint16)
     vzh = vz.view(torch.int16).numpy().view(np.uint16)
-    kwt, hp = dk // per // 4, per // 2
+    kwt, rw, qp = ck.key_words(bits, dk)
+    hp = per // 2
     for b, h, tok0 in [(1, 2, 32), (0, 1, t - 32), (1, 0, 64), (0, 0, 0)]:
         res = ck.layout_probe(packed, b, h, tok0)
         assert res["missing"] == 0, "a lane read shared memory that no copy wrote"
         grp, toff = divmod(tok0, g)
         for lane in range(32):
             gl, tl = lane // 4, lane % 4
-            for jw in range(kwt):
-                word = tl * kwt + jw
-                assert list(res["kwords"][lane, jw]) == [kcw[b, h, grp, word, toff + ck.score_token(mt, gl + 8 * e)]
-                                                         for mt in range(2) for e in range(2)]
-                pairs = [tl * (dk // 8) + jw * hp + i for i in range(hp)]
-                assert list(res["kscale"][lane, jw]) == [ksp[b, h, grp, p] for p in pairs]
-                assert list(res["kzero"][lane, jw]) == [kzp[b, h, grp, p] for p in pairs]
-                assert [ck.key_word_field(bits, dk, tl, jw * hp + i)[0] for i in range(hp)] == [word] * hp
+            words = [tl * kwt + jw for jw in range(kwt)] + [4 * kwt + q for q in range(rw)]
+            for slot, word in enumerate(words):
+                assert list(res["kwords"][lane, slot]) == [kcw[b, h, grp, word, toff + ck.score_token(mt, gl + 8 * e)]
+                                                           for mt in range(2) for e in range(2)]
+            # the scale / zero pair of every local pair, and the word the mapping helpers read it from
+            pairs = [ck.local_pair(bits, dk, tl, local) for local in range(dk // 8)]
+            assert list(res["kscale"][lane]) == [ksp[b, h, grp, p] for p in pairs]
+            assert list(res["kzero"][lane]) == [kzp[b, h, grp, p] for p in pairs]
+            for local, p in enumerate(pairs):
+                word, shift, bit = ck.key_word_field(bits, dk, tl, local)
+                assert word == p // hp and word in words
             flags = [int(valid[b, tok0 + 4 * gl + j]) for j in range(4)]
             assert res["valid4"][lane] == sum(f << (8 * j) for j, f in enumerate(flags))
             units = ck.value_units(bits, dv, gl)
@@ -276,10 +284,12 @@ def test_tile_copies_and_shared_memory_reads(bits, dk, dv, g, gv):
 # ----------------------------------------------------------------------------- fragment mapping (pure PyTorch)
 
 
-@pytest.mark.parametrize("bits,dk,dv", [(2, 128, 128), (4, 128, 128), (2, 64, 64), (4, 64, 64), (2, 64, 128)])
+@pytest.mark.parametrize("bits,dk,dv", [(2, 128, 128), (4, 128, 128), (2, 64, 64), (4, 64, 64), (2, 64, 128),
+                                        (2, 32, 128), (2, 96, 128), (2, 16, 64), (2, 48, 64), (2, 80, 128),
+                                        (4, 16, 64), (4, 48, 128), (4, 96, 128)])
 def test_mapping_is_a_permutation(bits, dk, dv):
     # every key channel pair is fed exactly once per token, by one (quad lane, slice, register)
-    pairs = sorted(ck.key_pair(dk, t, s, r) for t in range(4) for s in range(dk // 16) for r in range(2))
+    pairs = sorted(ck.key_pair(dk, t, s, r, bits) for t in range(4) for s in range(dk // 16) for r in range(2))
     assert pairs == list(range(dk // 2))
     # and it is read from the word / field where reference.pack put it
     per = 32 // bits
@@ -289,7 +299,7 @@ def test_mapping_is_a_permutation(bits, dk, dv):
     for t in range(4):
         for local in range(dk // 8):
             word, shift, bit = ck.key_word_field(bits, dk, t, local)
-            p = t * (dk // 8) + local
+            p = ck.local_pair(bits, dk, t, local)
             assert word == (2 * p) // per
             assert shift + bit == bits * sl[(2 * p) % per]  # even channel: low half
             assert shift + bit + 16 == bits * sl[(2 * p + 1) % per]  # odd channel: same place, high half

@@ -370,6 +370,7 @@ def test_choose_on_cuda_takes_triton_when_it_can(monkeypatch):
 
     monkeypatch.setattr(ops, "triton_available", lambda: True)
     monkeypatch.setattr(ops, "_kivi_triton_base", lambda *a: {})
+    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA", "0")  # the CUDA lanes kernel: test_choose_on_cuda_takes_the_cuda_...
     monkeypatch.delenv("KVCOMPRESS_KERNELS", raising=False)
     facts = dict(bits=2, group=32, head_dim=128, v_dim=128, v_group=32)
     assert ops.choose("kivi_lanes_partial", "cuda", kept=(32, 64, 96), **facts) == "triton"
@@ -377,6 +378,80 @@ def test_choose_on_cuda_takes_triton_when_it_can(monkeypatch):
     assert ops.choose("kivi_lanes_partial", "cuda", k_per_token=True, **facts) == "reference"
     monkeypatch.setenv("KVCOMPRESS_KERNELS", "reference")
     assert ops.choose("kivi_lanes_partial", "cuda", kept=(32,), **facts) == "reference"
+
+
+def test_choose_on_cuda_takes_the_cuda_lanes_kernel_when_it_can(monkeypatch):
+    """With nvcc and a GPU (faked here: the capability facts are what is checked), the CUDA lanes kernel; kept counts
+    it cannot read (not a multiple of 16, more than 8 distinct) and a disabled KIVI CUDA kernel fall back to Triton."""
+    from kvcompress.kernels import ops
+    from kvcompress.kernels.kivi import cuda_kernel
+
+    monkeypatch.setattr(ops, "triton_available", lambda: True)
+    monkeypatch.setattr(ops, "_kivi_triton_base", lambda *a: {})
+    monkeypatch.setattr(ops, "_kivi_cuda_base", lambda *a: {})
+    monkeypatch.setattr(cuda_kernel, "nvcc_path", lambda: "/usr/bin/nvcc")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.delenv("KVCOMPRESS_KERNELS", raising=False)
+    monkeypatch.delenv("KVCOMPRESS_KIVI_CUDA", raising=False)
+    facts = dict(bits=2, group=32, head_dim=128, v_dim=128, v_group=32)
+    assert ops.choose("kivi_lanes_partial", "cuda", kept=(32, 64, 96), **facts) == "cuda"
+    assert ops.choose("kivi_lanes_partial", "cuda", kept=(16, 48), bits=4, group=32, head_dim=64, v_dim=64,
+                      v_group=16) == "cuda"
+    assert ops.choose("kivi_lanes_partial", "cuda", kept=(24, 64), **facts) == "triton"  # not a multiple of 16
+    assert ops.choose("kivi_lanes_partial", "cuda", kept=tuple(range(16, 160, 16)), **facts) == "triton"
+    assert ops.choose("kivi_lanes_partial", "cuda", kept=(32, 64), **{**facts, "v_group": 8}) == "triton"
+    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA", "0")
+    assert ops.choose("kivi_lanes_partial", "cuda", kept=(32, 64, 96), **facts) == "triton"
+
+
+# small regions for the CUDA lanes kernel's CPU emulator (Python loops over lanes and fragments: slow): name ->
+# make_region kwargs.  Lanes of 32 / 96 / 64 channels at 2 bits (32 and 96: shared quarter words), a head without a
+# lane, left padding; d 64 with 16 / 48 (one and three shared words); 4 bits with 16 / 48 and no channel list.
+EMULATED = {
+    "llama-kivi2-32-96-64": dict(batch=1, heads=4, rows=4, counts=(32, 96, 0, 64), tokens=64, live=61, seed=21),
+    "d64-kivi2-16-48": dict(batch=1, heads=3, rows=3, head_dim=64, counts=(16, 48, 16), tokens=64, seed=22),
+    "d64-kivi4-16-48-64": dict(batch=1, heads=3, rows=2, head_dim=64, bits=4, counts=(48, 64, 16), tokens=64,
+                               seed=23, live=50),
+}
+
+
+@pytest.mark.parametrize("name", list(EMULATED))
+def test_cuda_lanes_emulated_matches_oracle(name):
+    """The CUDA lanes kernel's dataflow (kvcompress.kernels.kivi.lanes_cuda.emulate: the host head tables, the query
+    gathered to each lane's channels, the plain kernel's fragments with shared quarter key words) against the float64
+    oracle and the reference."""
+    from kvcompress.kernels.kivi import lanes_cuda
+
+    q, region = make_region(**EMULATED[name])
+    scale = q.shape[-1] ** -0.5
+    from kvcompress.kernels.kivi.lanes_reference import kivi_lanes_attention_partial
+
+    got = lanes_cuda.emulate(q, region, scale, nw=2, splits=2)
+    assert close(got, oracle(q, region, scale)) == ""
+    assert close(got, kivi_lanes_attention_partial(q, region, scale)) == ""
+
+
+def test_cuda_lanes_head_tables_and_problem():
+    """The launcher's tables (head -> lane, head -> row; -1 where no lane holds a head) and the capability check's
+    refusals: a head in two lanes, an fp32 query, a lane of 24 channels."""
+    from kvcompress.kernels.kivi import lanes_cuda
+    from kvcompress.kernels.kivi.lanes_reference import KiviLane, PackedLanes
+
+    q, region = make_region(batch=1, heads=5, counts=(32, 0, 96, 32, 64), tokens=64)
+    lane_of, row_of, covered = lanes_cuda.head_tables(region)
+    kept = [lane.k_scale.shape[-1] for lane in region.lanes]
+    assert [kept[x] if x < 128 else None for x in lane_of] == [32, None, 96, 32, 64]
+    assert list(row_of)[:1] + list(row_of)[3:4] == [0, 1] and covered == 4
+    assert lanes_cuda.problem(q, region) is None
+    assert "fp16" in lanes_cuda.problem(q.float(), region)
+    lanes = region.lanes
+    two = PackedLanes(region.bits, region.group, (lanes[0], lanes[1]._replace(heads=lanes[0].heads)), region.valid,
+                      5, 128)
+    assert "two lanes" in lanes_cuda.problem(q, two)
+    odd = lanes[0]._replace(channels=lanes[0].channels[:, :24], k_scale=lanes[0].k_scale[..., :24],
+                            k_zero=lanes[0].k_zero[..., :24])
+    assert "24" in lanes_cuda.problem(q, PackedLanes(region.bits, region.group, (odd,), region.valid, 5, 128))
 
 
 def test_merged_segment_fallback_readers_mask_heads_without_a_lane():
@@ -578,6 +653,47 @@ def test_triton_kernel_on_gpu_matches_reference(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", list(CASES) + list(EMULATED) + ["llama-b4-4k", "smollm2-b3-4k", "llama-b2-kivi4"])
+def test_cuda_lanes_kernel_on_gpu_matches_reference(name):
+    """The CUDA lanes kernel (one launch over every lane, the plain CUDA kernel's inner loop) against the reference and
+    the float64 oracle, on a real GPU: every CASES / EMULATED region (odd live lengths, left padding, dead rows, heads
+    without a lane, shared quarter key words) and the benchmark's layouts at 4k slots."""
+    from kvcompress.kernels import ops
+    from kvcompress.kernels.kivi import cuda_kernel, lanes_cuda, lanes_reference
+
+    if not cuda_kernel.nvcc_path():
+        pytest.skip("no nvcc")
+    if name == "llama-b4-4k":  # the benchmark's Llama layout: kept 0/32/32/32/32/32/64/96, 4001 of 4096 slots live
+        make_kw = dict(batch=4, counts=(0, 32, 32, 32, 32, 32, 64, 96), tokens=4096, live=4001, seed=11)
+    elif name == "smollm2-b3-4k":  # SmolLM2 heads at LeanK 70 %: kept 0 / 16 / 16 ... (3 kv heads, d 64)
+        make_kw = dict(batch=3, heads=3, rows=3, head_dim=64, counts=(0, 16, 48), tokens=4096, live=4093, seed=12)
+    elif name == "llama-b2-kivi4":
+        make_kw = dict(batch=2, bits=4, counts=(0, 32, 32, 48, 32, 32, 64, 96), tokens=2048, live=1999, seed=13)
+    else:
+        make_kw = CASES[name][0] if name in CASES else EMULATED[name]
+    q, region = make_region(**make_kw)
+    q = q.cuda()
+    lanes = tuple(lanes_reference.KiviLane(*(None if x is None else x.cuda() for x in lane)) for lane in region.lanes)
+    region = lanes_reference.PackedLanes(region.bits, region.group, lanes, region.valid.cuda(), region.num_heads,
+                                         region.head_dim, length=None if region.length is None else
+                                         region.length.cuda())
+    scale = q.shape[-1] ** -0.5
+    assert lanes_cuda.supports(q, region)
+    ref = lanes_reference.kivi_lanes_attention_partial(q, region, scale)
+    for _ in range(2):  # plans, then reuses the cached plan
+        got = lanes_cuda.kivi_lanes_attention_partial(q, region, scale, base=ops._kivi_cuda_base(region.bits))
+        assert close(got, ref) == ""
+    via_op = ops.kivi_lanes_attention(q, region, scale, impl="cuda")
+    assert close(via_op, ref) == ""
+    exact = oracle(q.cpu(), lanes_reference.PackedLanes(
+        region.bits, region.group, tuple(lanes_reference.KiviLane(*(None if x is None else x.cpu() for x in lane))
+                                         for lane in region.lanes), region.valid.cpu(), region.num_heads,
+        region.head_dim, length=None if region.length is None else region.length.cpu()), scale)
+    assert close(tuple(x.cpu() for x in got), exact) == ""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_static_read_on_gpu_reduce_overhead():
     """The benchmark's static layer (LeanK 70 % + KIVI-2, Llama heads) read by one kivi_lanes_partial launch, compiled
     with CUDA graphs (``mode="reduce-overhead"``), equals the per-lane read."""
@@ -586,7 +702,7 @@ def test_static_read_on_gpu_reduce_overhead():
     shape = benchutil.SHAPES[0]
     gen = torch.Generator(device="cuda").manual_seed(0)
     layer = benchutil.build_static_layer("leank70-kivi2", shape, 2, 4096, "cuda", gen)
-    assert layer.middle.merged is not None and layer.middle.lanes_kernel == "triton"
+    assert layer.middle.merged is not None and layer.middle.lanes_kernel in ("cuda", "triton")
     q = torch.randn(2, shape.q_heads, 1, shape.head_dim, device="cuda", dtype=torch.float16, generator=gen)
     scale = shape.head_dim ** -0.5
     eager = benchutil.static_read(layer, q, scale)

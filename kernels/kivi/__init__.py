@@ -81,17 +81,24 @@ def lanes_attention_partial(query, region, scale, *, impl: str | None = None, so
     :func:`.lanes_reference.kivi_lanes_attention_partial`.
 
     ``impl`` (or ``region.impl``): run the registered op ``kvcompress::kivi_lanes_partial`` with that implementation
-    (``"reference"`` / ``"triton"``, chosen once by :func:`kvcompress.kernels.ops.choose`).  ``None``: decided per
-    call - the Triton kernel (:mod:`.lanes_triton`) for CUDA tensors when Triton is installed and it takes the call
-    (``KVCOMPRESS_KERNELS=triton`` also on CPU tensors, under ``TRITON_INTERPRET=1``), else the reference."""
+    (``"reference"`` / ``"triton"`` / ``"cuda"``, chosen once by :func:`kvcompress.kernels.ops.choose`).  ``None``:
+    decided per call, in the order of :func:`kivi_attention_partial` - the CUDA lanes kernel (:mod:`.lanes_cuda`) for
+    CUDA tensors when it is enabled, an nvcc is found and it takes the call, else the Triton kernel (:mod:`.lanes_triton`)
+    when Triton is installed and it takes the call (``KVCOMPRESS_KERNELS=triton`` also on CPU tensors, under
+    ``TRITON_INTERPRET=1``), else the reference."""
     impl = impl if impl is not None else getattr(region, "impl", None)
     if impl is not None:
         from kvcompress.kernels import ops
 
         return ops.kivi_lanes_attention(query, region, scale, impl=impl, softcap=softcap)
-    from kvcompress.kernels.ops import kernels_mode
+    from kvcompress.kernels.ops import kernels_mode, kivi_cuda_enabled
 
     mode = kernels_mode()
+    if query.is_cuda and mode == "auto" and kivi_cuda_enabled():
+        from . import lanes_cuda
+
+        if lanes_cuda.supports(query, region):
+            return lanes_cuda.kivi_lanes_attention_partial(query, region, scale, softcap=softcap)
     if (query.is_cuda or mode == "triton") and mode != "reference" and _triton_available():
         from . import lanes_triton  # compiled lazily, on first use
 

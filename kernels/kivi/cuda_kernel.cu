@@ -43,6 +43,9 @@ constexpr int MAX_NW = 4;
 #define KIVI_SOFTCAP 0  // 1: scores are soft-capped (Params::softcap, log2 units) before masking; a separate build,
                         // so the default kernel's code is unchanged
 #endif
+#ifndef KIVI_LANES
+#define KIVI_LANES 0  // 1: also build kivi_v3_lanes_kernel for lanes of KIVI_LANE_DK0 .. KIVI_LANE_DK7 kept channels
+#endif
 #ifndef KIVI_KFOLD
 #define KIVI_KFOLD 0  // 1: key scale folded into the query, offsets / zero points through 2 correction MMAs per slice;
                       // 2: the same, codes centred on the middle code (error like the default, 16 HFMA2 per tile more)
@@ -99,7 +102,11 @@ struct Cfg {
   static constexpr int PER = 32 / BITS;          // codes per int32 word
   static constexpr int HP = PER / 2;              // code pairs (fields) per word
   static constexpr int KW = DK / PER;             // key words per token
-  static constexpr int KWT = KW / 4;              // key words per token a quad lane owns
+  static constexpr int KWT = KW / 4;              // whole key words per token a quad lane owns
+  // DK not a multiple of 4 words (lanes of a stacked LeanK + KIVI layer: 16, 32, 48, 96 kept channels at 2 bits,
+  // 16, 48 at 4): the last RW words are shared by the 4 quad lanes, lane t taking quarter t of each (QP pairs)
+  static constexpr int RW = KW % 4;
+  static constexpr int QP = HP / 4;               // pairs of a quarter word: 2 at 2 bits, 1 at 4
   static constexpr int VW = DV / PER;             // value words per token
   static constexpr int NVW = VW >= 8 ? VW / 8 : 1;  // value words per token a lane column (g) owns
   static constexpr int NU = VW >= 8 ? 2 * NVW : 1;  // (word, half) units per token a lane column owns
@@ -117,7 +124,8 @@ struct Cfg {
   static constexpr int OFF_VZ = OFF_VS + TILE * NGV_MAX * 2;
   static constexpr int OFF_VA = OFF_VZ + TILE * NGV_MAX * 2;
   static constexpr int STAGE = OFF_VA + TILE;
-  static_assert(DK % 64 == 0 || (BITS == 4 && DK % 32 == 0), "key words must split evenly over 4 quad lanes");
+  static_assert(DK % 16 == 0 && DK <= 128, "key channels: a multiple of 16 (k16 slices), at most 128");
+  static_assert(RW % 2 == 0 || QP == 2, "4-bit quarter words come in pairs (one k16 slice per two)");
   static_assert(VW >= 4, "value words per token");
   static_assert(STAGE % 16 == 0, "stage alignment");
 };
@@ -383,9 +391,19 @@ struct Layout {
   using C = Cfg<BITS, DK, DV>;
   // 16 bytes: key word t*KWT + jw of tokens 4g .. 4g+3
   __host__ __device__ static int k_words(int g, int t, int jw) { return C::OFF_K + (t * C::KWT + jw) * KROW + 16 * g; }
-  // 16 bytes: scale (or zero) pairs 4c .. 4c+3 of key word t*KWT + jw (channel pairs t*DK/8 + jw*HP + ..)
-  __host__ __device__ static int k_scales(int t, int jw, int c) { return C::OFF_KS + t * (DK / 2) + jw * C::HP * 4 + 16 * c; }
-  __host__ __device__ static int k_zeros(int t, int jw, int c) { return C::OFF_KZ + t * (DK / 2) + jw * C::HP * 4 + 16 * c; }
+  // 16 bytes: scale (or zero) pairs 4c .. 4c+3 of key word t*KWT + jw (channel pairs (t*KWT + jw)*HP + ..)
+  __host__ __device__ static int k_scales(int t, int jw, int c) { return C::OFF_KS + t * (C::KWT * C::HP * 4) + jw * C::HP * 4 + 16 * c; }
+  __host__ __device__ static int k_zeros(int t, int jw, int c) { return C::OFF_KZ + t * (C::KWT * C::HP * 4) + jw * C::HP * 4 + 16 * c; }
+  // quarter words (C::RW > 0): 16 bytes of shared key word 4*KWT + q (tokens 4g .. 4g+3); QP * 4 bytes: the scale
+  // (zero) pairs of its quarter t, channel pairs (4*KWT + q)*HP + t*QP + ..
+  __host__ __device__ static int k_qwords(int g, int q) { return C::OFF_K + (4 * C::KWT + q) * KROW + 16 * g; }
+  __host__ __device__ static int k_qscales(int t, int q) { return C::OFF_KS + ((4 * C::KWT + q) * C::HP + t * C::QP) * 4; }
+  __host__ __device__ static int k_qzeros(int t, int q) { return C::OFF_KZ + ((4 * C::KWT + q) * C::HP + t * C::QP) * 4; }
+  // channel pair of local pair l (0 .. DK/8-1) of quad lane t: the lane's whole words first, then its quarters
+  __host__ __device__ static constexpr int key_pair(int t, int l) {
+    return l < C::KWT * C::HP ? t * C::KWT * C::HP + l
+                              : (4 * C::KWT + (l - C::KWT * C::HP) / C::QP) * C::HP + t * C::QP + (l - C::KWT * C::HP) % C::QP;
+  }
   // 4 bytes: valid flags of tokens 4g .. 4g+3
   __host__ __device__ static int valid4(int g) { return C::OFF_VA + 4 * g; }
   // value word `word` of token `tok`
@@ -406,9 +424,10 @@ template <int BITS, int DK, int DV>
 struct TileCopier {
   using C = Cfg<BITS, DK, DV>;
   static constexpr int NK = C::KW * 8 / 32;  // key chunks per lane (KW word rows of 8 chunks)
+  static constexpr int NK_REM = C::KW * 8 % 32;  // lanes that copy one chunk more (KW not a multiple of 4)
   static constexpr int VCH = C::VW / 4;      // value chunks per token row
   static constexpr int NV = TILE * VCH / 32;  // value chunks per lane
-  static_assert((C::KW * 8) % 32 == 0 && (TILE * VCH) % 32 == 0 && DK / 8 <= 32, "chunk counts");
+  static_assert((TILE * VCH) % 32 == 0 && DK / 8 <= 32, "chunk counts");
   static_assert((32 / VCH) % 8 == 0, "value chunk rows advance by whole vrow blocks");
   const int* kc;
   const __half* ks;
@@ -420,11 +439,13 @@ struct TileCopier {
   int kc_sg, ks_sg, kz_sg, vc_st, gshift, ngv, lane;
   int k_src, k_step, k_dst, v_src, v_step, v_dst;
 
-  __host__ __device__ __forceinline__ TileCopier(const Params& p, const int* kc_, const __half* ks_,
-                                                 const __half* kz_, const int* vc_, const __half* vs_,
-                                                 const __half* vz_, const uint8_t* va_, int lane_)
-      : kc(kc_), ks(ks_), kz(kz_), vc(vc_), vs(vs_), vz(vz_), va(va_), kc_sg((int)p.kc_sg), ks_sg((int)p.ks_sg),
-        kz_sg((int)p.kz_sg), vc_st((int)p.vc_st), gshift(p.gshift), ngv(p.ngv), lane(lane_) {
+  __host__ __device__ __forceinline__ TileCopier(const Params& p, const Slice& sp, int lane_)
+      : TileCopier(p, sp, (int)p.kc_sg, (int)p.ks_sg, (int)p.kz_sg, (int)p.vc_st, lane_) {}
+  // a slice with its own group / token strides (a lane of kivi_v3_lanes_kernel)
+  __host__ __device__ __forceinline__ TileCopier(const Params& p, const Slice& sp, int kc_sg_, int ks_sg_,
+                                                 int kz_sg_, int vc_st_, int lane_)
+      : kc(sp.kc), ks(sp.ks), kz(sp.kz), vc(sp.vc), vs(sp.vs), vz(sp.vz), va(sp.va), kc_sg(kc_sg_), ks_sg(ks_sg_),
+        kz_sg(kz_sg_), vc_st(vc_st_), gshift(p.gshift), ngv(p.ngv), lane(lane_) {
     k_src = ((lane >> 3) << gshift) + 4 * (lane & 7);  // word row lane/8 (rows are G ints apart), chunk lane%8
     k_step = 4 << gshift;                              // + 4 word rows per chunk round
     k_dst = C::OFF_K + (lane >> 3) * KROW + 16 * (lane & 7);
@@ -440,6 +461,7 @@ struct TileCopier {
     const int* kt = kc + (grp * kc_sg + (tok0 & ((1 << gshift) - 1)) + k_src);
 #pragma unroll
     for (int it = 0; it < NK; ++it) cp(k_dst + it * 4 * KROW, kt + it * k_step);
+    if (NK_REM > 0 && lane < NK_REM) cp(k_dst + NK * 4 * KROW, kt + NK * k_step);
     if (lane < DK / 8) {
       cp(C::OFF_KS + 16 * lane, ks + (grp * ks_sg + 8 * lane));
       cp(C::OFF_KZ + 16 * lane, kz + (grp * kz_sg + 8 * lane));
@@ -470,8 +492,13 @@ struct TileCopier {
 //   S^T = K Q^T   A = K [16 tokens x 16 channels], B = Q^T [16 channels x 8 rows], C = S^T [16 tokens x 8 rows]
 //   O^T += V^T P^T  A = V^T [16 channels x 16 tokens], B = P^T [16 tokens x 8 rows] (movmatrix of the S^T C
 //                   fragment), C = O^T [16 channels x 8 rows]
-template <int BITS, int DK, int DV, int ST>
-__global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(const Params p) {
+// The body of one CTA: (split blockIdx.x, row block blockIdx.z) of one (batch, kv head) slice `sp`, its query head at
+// `qh` (channel c of query row r at qh[r * q_sm + c]), its partial written to output row `bh` (batch * H + head).
+// GATHER (kivi_v3_lanes_kernel): the slice keeps DK of the head's channels, `ch` lists them (int64; nullptr: the
+// first DK), and the query is gathered here.
+template <int BITS, int DK, int DV, int ST, bool GATHER>
+__device__ __forceinline__ void attend(const Params& p, const Slice& sp, const int (&strides)[4], const __half* qh,
+                                       const long long* ch, int bh) {
   using C = Cfg<BITS, DK, DV>;
   using L = Layout<BITS, DK, DV>;
   constexpr int MT = 8;
@@ -479,23 +506,31 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
   extern __shared__ __align__(16) uint8_t smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int split = blockIdx.x, bh = blockIdx.y, rb = blockIdx.z;
-  const int b = bh / p.H, h = bh - b * p.H;
-
-  const Slice sp(p, b, h);
+  const int split = blockIdx.x, rb = blockIdx.z;
 
   // ---- Q^T B fragments (column g = query row rb*8 + g), pre-scaled by softmax scale * log2(e).  Lane (g, t)
-  // owns the channels [t*DK/4, (t+1)*DK/4): its local pair l = 2s + r is k-pair (2t, 2t+1) (r = 0) or
-  // (2t+8, 2t+9) (r = 1) of k16 slice s.  The keys use the same channel permutation, so S is unchanged.
+  // owns the channel pairs L::key_pair(t, l) (with DK a multiple of 64 at 2 bits / 32 at 4 bits: channels
+  // [t*DK/4, (t+1)*DK/4)): its local pair l = 2s + r is k-pair (2t, 2t+1) (r = 0) or (2t+8, 2t+9) (r = 1) of k16
+  // slice s.  The keys use the same channel permutation, so S is unchanged.
   uint32_t qb[C::NKS][2];
   {
     const int r0 = rb * MT + g;
-    const __half* q0 = p.q + b * p.q_sb + h * p.q_sh + (long long)r0 * p.q_sm + t * (DK / 4);
+    const __half* q0 = qh + (long long)r0 * p.q_sm;
+    const __half* qt = q0 + t * (DK / 4);  // whole words only: the lane's channels are contiguous
 #pragma unroll
     for (int l = 0; l < DK / 8; ++l) {
       uint32_t x0 = 0u;
       if (r0 < p.M) {
-        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(q0 + 2 * l));
+        float2 f;
+        if constexpr (GATHER) {
+          const int c = 2 * L::key_pair(t, l);
+          const int c0 = ch ? (int)ch[c] : c, c1 = ch ? (int)ch[c + 1] : c + 1;
+          f = make_float2(__half2float(q0[c0]), __half2float(q0[c1]));
+        } else if constexpr (C::RW > 0) {
+          f = __half22float2(*reinterpret_cast<const __half2*>(q0 + 2 * L::key_pair(t, l)));
+        } else {
+          f = __half22float2(*reinterpret_cast<const __half2*>(qt + 2 * l));
+        }
         x0 = pack_f16x2(f.x * p.qk_scale, f.y * p.qk_scale);
       }
 #if KIVI_KFOLD
@@ -524,7 +559,7 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
   const int nmine = (ntiles * (warp + 1)) / nw - wbeg;
   uint8_t* wsm = smem + warp * (ST * C::STAGE);
   const uint32_t wsm_addr = smem_addr(wsm);
-  const TileCopier<BITS, DK, DV> copy(p, sp.kc, sp.ks, sp.kz, sp.vc, sp.vs, sp.vz, sp.va, lane);
+  const TileCopier<BITS, DK, DV> copy(p, sp, strides[0], strides[1], strides[2], strides[3], lane);
   const int tstride = TILE;  // tokens between two tiles of this warp
   int tok_next = t_begin + wbeg * TILE;
 
@@ -574,6 +609,7 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.f;
 #if KIVI_KFOLD
+    static_assert(C::RW == 0, "the key-scale fold builds need DK a multiple of 4 key words");
     // corrections: rows g of ca (slices j = 0) / rows g+8 of cb (j = 1) hold -sum q' E + sum q z over the lane's
     // slices of that parity (the other rows: unused cross terms); query rows 2t / 2t+1
     float ca[4] = {0.f, 0.f, 0.f, 0.f}, cb[4] = {0.f, 0.f, 0.f, 0.f};
@@ -642,6 +678,48 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
           uint32_t a0, a1, a2, a3;
           field2<BITS>(i, w0, h0, w1, h1, ksc[i], kzr[i], a0, a1);
           field2<BITS>(i + 1, w0, h0, w1, h1, ksc[i + 1], kzr[i + 1], a2, a3);
+          mma(s[mt], a0, a1, a2, a3, qb[sl][0], qb[sl][1]);
+        }
+      }
+    }
+    if constexpr (C::RW > 0) {  // shared words: quarter t of each, brought to fields 0 .. QP-1 by one shift
+      const int qsh = BITS * C::QP * t;  // 4t bits at 2 and 4 bits
+#pragma unroll
+      for (int q = 0; q < C::RW; q += (C::QP == 2 ? 1 : 2)) {
+        // 2 bits: quarter word q = one k16 slice (its pairs 0 / 1 = r 0 / 1); 4 bits: words q, q+1 (r 0 / 1)
+        constexpr int NQ = C::QP == 2 ? 1 : 2;
+        uint32_t wq[NQ][4], sq[2], zq[2];
+#pragma unroll
+        for (int j = 0; j < NQ; ++j) {
+          const uint4 wv = *reinterpret_cast<const uint4*>(sb + L::k_qwords(g, q + j));
+          wq[j][0] = wv.x >> qsh; wq[j][1] = wv.y >> qsh; wq[j][2] = wv.z >> qsh; wq[j][3] = wv.w >> qsh;
+        }
+        if constexpr (C::QP == 2) {
+          const uint2 a = *reinterpret_cast<const uint2*>(sb + L::k_qscales(t, q));
+          const uint2 z = *reinterpret_cast<const uint2*>(sb + L::k_qzeros(t, q));
+          sq[0] = a.x; sq[1] = a.y; zq[0] = z.x; zq[1] = z.y;
+        } else {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            sq[j] = *reinterpret_cast<const uint32_t*>(sb + L::k_qscales(t, q + j));
+            zq[j] = *reinterpret_cast<const uint32_t*>(sb + L::k_qzeros(t, q + j));
+          }
+        }
+        const int sl = (C::KWT * C::HP + q * C::QP) >> 1;
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          uint32_t a0, a1, a2, a3;
+          if constexpr (C::QP == 2) {  // fields 0 (r = 0) and 1 (r = 1) of the shifted word
+            a0 = deq<BITS, 0>(wq[0][2 * mt], sq[0], zq[0]);
+            a1 = deq<BITS, 0>(wq[0][2 * mt + 1], sq[0], zq[0]);
+            a2 = deq<BITS, BITS>(wq[0][2 * mt], sq[1], zq[1]);
+            a3 = deq<BITS, BITS>(wq[0][2 * mt + 1], sq[1], zq[1]);
+          } else {  // field 0 of word q (r = 0) and of word q+1 (r = 1)
+            a0 = deq<BITS, 0>(wq[0][2 * mt], sq[0], zq[0]);
+            a1 = deq<BITS, 0>(wq[0][2 * mt + 1], sq[0], zq[0]);
+            a2 = deq<BITS, 0>(wq[1][2 * mt], sq[1], zq[1]);
+            a3 = deq<BITS, 0>(wq[1][2 * mt + 1], sq[1], zq[1]);
+          }
           mma(s[mt], a0, a1, a2, a3, qb[sl][0], qb[sl][1]);
         }
       }
@@ -858,6 +936,119 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
   }
 }
 
+// grid (nsplit, B*H, row blocks of 8), block NW warps: one (batch, kv head) slice of one packed region per CTA row.
+template <int BITS, int DK, int DV, int ST>
+__global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(const Params p) {
+  const int bh = blockIdx.y;
+  const int b = bh / p.H, h = bh - b * p.H;
+  const Slice sp(p, b, h);
+  const int strides[4] = {(int)p.kc_sg, (int)p.ks_sg, (int)p.kz_sg, (int)p.vc_st};
+  attend<BITS, DK, DV, ST, false>(p, sp, strides, p.q + b * p.q_sb + h * p.q_sh, nullptr, bh);
+}
+
+#if KIVI_LANES
+// ---- KIVI lanes (a stacked LeanK + KIVI layer, kvcompress.kernels.kivi.lanes_reference): every lane holds some of
+// the region's kv heads with DK of their channels kept (its own packed payload), all lanes share the token slots.
+// One launch reads all of them: grid (nsplit, B*H, row blocks of 8) over the REGION's heads; the CTA of head h finds
+// its lane and row from the host-built tables and runs the body specialised for that lane's DK (the DKs this library
+// was built for: KIVI_LANE_DK0..7); a head no lane holds writes LSE -inf and zeros, so the split merge needs nothing
+// else.
+constexpr int MAX_LANES = 8;
+constexpr int MAX_LANE_HEADS = 256;  // region heads the tables cover
+
+struct LaneParams {
+  const int* kc;
+  const __half* ks;
+  const __half* kz;
+  const int* vc;
+  const __half* vs;
+  const __half* vz;
+  const long long* ch;  // [heads of the lane, ch_sh] kept query channels (int64); nullptr: the first dk
+  long long ch_sh;
+  long long kc_sb, kc_sh, kc_sg, ks_sb, ks_sh, ks_sg, kz_sb, kz_sh, kz_sg, vc_sb, vc_sh, vc_st, vs_sb, vs_sh, vz_sb,
+      vz_sh;
+  int dk;
+};
+
+struct LanesParams {
+  Params p;  // the region: query, valid, outputs, M, H (region heads), NT, group, splits, value groups, BH = B*H
+  LaneParams lane[MAX_LANES];
+  int nlanes;
+  signed char head_lane[MAX_LANE_HEADS];  // region head -> lane (-1: none)
+  unsigned char head_row[MAX_LANE_HEADS];  // region head -> its row among the lane's heads
+};
+
+__device__ __forceinline__ void write_empty(const Params& p, int bh) {
+  const int rows = min(8, p.M - (int)blockIdx.z * 8);
+  const long long orow = ((long long)blockIdx.x * p.BH + bh) * p.M + blockIdx.z * 8;
+  for (int i = threadIdx.x; i < rows * KIVI_DV; i += blockDim.x) p.po[orow * KIVI_DV + i] = 0.f;
+  for (int i = threadIdx.x; i < rows; i += blockDim.x) p.pl[orow + i] = -INFINITY;
+}
+
+template <int DK, int ST>
+__device__ __forceinline__ void attend_lane(const LanesParams& lp, const LaneParams& ln, int b, int row, int h,
+                                            int bh) {
+  const Params& p = lp.p;
+  Slice sp(p, b, 0);  // the region's valid row; the payload pointers are the lane's
+  sp.kc = ln.kc + b * ln.kc_sb + row * ln.kc_sh;
+  sp.ks = ln.ks + b * ln.ks_sb + row * ln.ks_sh;
+  sp.kz = ln.kz + b * ln.kz_sb + row * ln.kz_sh;
+  sp.vc = ln.vc + b * ln.vc_sb + row * ln.vc_sh;
+  sp.vs = ln.vs + b * ln.vs_sb + row * ln.vs_sh;
+  sp.vz = ln.vz + b * ln.vz_sb + row * ln.vz_sh;
+  const int strides[4] = {(int)ln.kc_sg, (int)ln.ks_sg, (int)ln.kz_sg, (int)ln.vc_st};
+  attend<KIVI_BITS, DK, KIVI_DV, ST, true>(p, sp, strides, p.q + b * p.q_sb + h * p.q_sh,
+                                           ln.ch ? ln.ch + row * ln.ch_sh : nullptr, bh);
+}
+
+template <int ST>
+__global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_lanes_kernel(
+    const __grid_constant__ LanesParams lp) {
+  const int bh = blockIdx.y;
+  const int b = bh / lp.p.H, h = bh - b * lp.p.H;
+  const int li = lp.head_lane[h];
+  if (li < 0) {
+    write_empty(lp.p, bh);
+    return;
+  }
+  const LaneParams& ln = lp.lane[li];
+  const int row = lp.head_row[h];
+#define KIVI_LANE_CASE(D) \
+  case D:                 \
+    attend_lane<D, ST>(lp, ln, b, row, h, bh); \
+    return;
+  switch (ln.dk) {
+#ifdef KIVI_LANE_DK0
+    KIVI_LANE_CASE(KIVI_LANE_DK0)
+#endif
+#ifdef KIVI_LANE_DK1
+    KIVI_LANE_CASE(KIVI_LANE_DK1)
+#endif
+#ifdef KIVI_LANE_DK2
+    KIVI_LANE_CASE(KIVI_LANE_DK2)
+#endif
+#ifdef KIVI_LANE_DK3
+    KIVI_LANE_CASE(KIVI_LANE_DK3)
+#endif
+#ifdef KIVI_LANE_DK4
+    KIVI_LANE_CASE(KIVI_LANE_DK4)
+#endif
+#ifdef KIVI_LANE_DK5
+    KIVI_LANE_CASE(KIVI_LANE_DK5)
+#endif
+#ifdef KIVI_LANE_DK6
+    KIVI_LANE_CASE(KIVI_LANE_DK6)
+#endif
+#ifdef KIVI_LANE_DK7
+    KIVI_LANE_CASE(KIVI_LANE_DK7)
+#endif
+    default:
+      write_empty(lp.p, bh);  // not reached: the host checks every lane's dk against the build
+  }
+#undef KIVI_LANE_CASE
+}
+#endif  // KIVI_LANES
+
 // Merge nsplit partials [S, R, DV] / [S, R] (R = B*H*M rows) into out [R, DV] / lse [R] by log-sum-exp.
 // One CTA of 8 warps per row: the warps stride over the splits (one coalesced DV-float row per split and warp),
 // so a long split list is read with 8-way parallelism instead of one serial loop per output element.
@@ -961,10 +1152,32 @@ int launch_variant(const Params& p, int nw, dim3 grid, size_t smem, int device, 
   return (int)cudaGetLastError();
 }
 
+#if KIVI_LANES
+namespace {
+size_t g_lanes_smem_set[3][MAX_DEVICES];
+}
+
+template <int ST>
+int launch_lanes_variant(const LanesParams& lp, int nw, dim3 grid, size_t smem, int device, cudaStream_t stream) {
+  auto kern = kivi_v3_lanes_kernel<ST>;
+  if (smem > DEFAULT_SMEM) {
+    size_t* done = device >= 0 && device < MAX_DEVICES ? &g_lanes_smem_set[ST - 2][device] : nullptr;
+    if (done == nullptr || smem > *done) {
+      cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+      if (e != cudaSuccess) return (int)e;
+      if (done) *done = smem;
+    }
+  }
+  kern<<<grid, nw * 32, smem, stream>>>(lp);
+  return (int)cudaGetLastError();
+}
+#endif
+
 }  // namespace kivi_v3
 
 #include <string.h>
 
+#define KIVI_PARAMS_INTS 39  // int64 entries parse_params reads (pointers, strides, sizes): cuda_kernel.py::_args
 static kivi_v3::Params parse_params(const long long* a, double qk_scale, double softcap = 0.0) {
   using namespace kivi_v3;
   Params p;
@@ -989,6 +1202,7 @@ static kivi_v3::Params parse_params(const long long* a, double qk_scale, double 
   p.va_sb = a[i++];
   p.M = (int)a[i++]; p.H = (int)a[i++]; p.NT = (int)a[i++]; p.gshift = (int)a[i++]; p.tps = (int)a[i++];
   p.nsplit = (int)a[i++]; p.ngv = (int)a[i++]; p.gv = (int)a[i++]; p.BH = (int)a[i++];
+  // i == KIVI_PARAMS_INTS here
   p.qk_scale = (float)qk_scale;
   p.softcap = (float)softcap;
   return p;
@@ -1034,11 +1248,65 @@ KIVI_EXPORT int kivi_v3_launch(const long long* a, double qk_scale, double softc
   return (int)cudaErrorInvalidValue;
 }
 
+#if KIVI_LANES
+// a: the region's Params (as kivi_v3_launch) followed by nlanes, then per lane: kc, ks, kz, vc, vs, vz, ch pointers,
+// ch_sh, the 18 strides of LaneParams in order, dk; head_lane / head_row: H entries each.  The library's KIVI_DK is
+// the largest lane dk (it sizes the shared memory).
+KIVI_EXPORT int kivi_v3_lanes_launch(const long long* a, const signed char* head_lane, const unsigned char* head_row,
+                                     double qk_scale, double softcap, int nw, int stages, int row_blocks, int device,
+                                     void* stream) {
+  using namespace kivi_v3;
+  cudaError_t e = cudaSetDevice(device);
+  if (e != cudaSuccess) return (int)e;
+  static LanesParams lp;  // large: not on the stack; filled and copied into the launch under the caller's lock
+  memset(&lp, 0, sizeof(lp));
+  lp.p = parse_params(a, qk_scale, softcap);
+  int i = KIVI_PARAMS_INTS;
+  lp.nlanes = (int)a[i++];
+  if (lp.nlanes < 1 || lp.nlanes > MAX_LANES || lp.p.H > MAX_LANE_HEADS) return (int)cudaErrorInvalidValue;
+  for (int l = 0; l < lp.nlanes; ++l) {
+    LaneParams& ln = lp.lane[l];
+    ln.kc = reinterpret_cast<const int*>(a[i++]);
+    ln.ks = reinterpret_cast<const __half*>(a[i++]);
+    ln.kz = reinterpret_cast<const __half*>(a[i++]);
+    ln.vc = reinterpret_cast<const int*>(a[i++]);
+    ln.vs = reinterpret_cast<const __half*>(a[i++]);
+    ln.vz = reinterpret_cast<const __half*>(a[i++]);
+    ln.ch = reinterpret_cast<const long long*>(a[i++]);
+    ln.ch_sh = a[i++];
+    ln.kc_sb = a[i++]; ln.kc_sh = a[i++]; ln.kc_sg = a[i++];
+    ln.ks_sb = a[i++]; ln.ks_sh = a[i++]; ln.ks_sg = a[i++];
+    ln.kz_sb = a[i++]; ln.kz_sh = a[i++]; ln.kz_sg = a[i++];
+    ln.vc_sb = a[i++]; ln.vc_sh = a[i++]; ln.vc_st = a[i++];
+    ln.vs_sb = a[i++]; ln.vs_sh = a[i++];
+    ln.vz_sb = a[i++]; ln.vz_sh = a[i++];
+    ln.dk = (int)a[i++];
+  }
+  for (int h = 0; h < lp.p.H; ++h) {
+    lp.head_lane[h] = head_lane[h];
+    lp.head_row[h] = head_row[h];
+  }
+  if (nw < 1 || nw > MAX_NW || stages < 2 || stages > 4) return (int)cudaErrorInvalidValue;
+  const size_t smem = launch_smem(nw, stages);
+  int limit = 0;
+  e = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (e != cudaSuccess) return (int)e;
+  if (smem > (size_t)limit) return (int)cudaErrorInvalidConfiguration;
+  dim3 grid(lp.p.nsplit, lp.p.BH, row_blocks);
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  if (stages == 2) return launch_lanes_variant<2>(lp, nw, grid, smem, device, s);
+  if (stages == 3) return launch_lanes_variant<3>(lp, nw, grid, smem, device, s);
+  if (stages == 4) return launch_lanes_variant<4>(lp, nw, grid, smem, device, s);
+  return (int)cudaErrorInvalidValue;
+}
+KIVI_EXPORT int kivi_v3_lanes() { return 1; }
+#endif
+
 // Host replay of one tile's copies and of the compute loop's shared-memory reads, for every lane, with the
 // same TileCopier / Layout code as the kernel (no GPU involved; `a` holds host pointers).  Outputs, per lane
 // (g, t) = (lane / 4, lane % 4):
-//   kwords [32][KWT][4]: key word t*KWT + jw of tokens 4g .. 4g+3
-//   kscale, kzero [32][KWT][HP]: scale / zero pairs of that word's channel pairs
+//   kwords [32][KWT + RW][4]: key word t*KWT + jw of tokens 4g .. 4g+3, then the shared words 4*KWT + q (raw)
+//   kscale, kzero [32][DK/8]: scale / zero pairs of the lane's local pairs (Layout::key_pair order)
 //   valid4 [32]: valid flags of tokens 4g .. 4g+3
 //   vwords [32][2 kk][2 r][2 (token a, b)][NVW]: value words of tokens (8t+2kk+r, +4) from the lane column's first
 //   vscale, vzero [32][2][2][2]: their value scale / zero (bits) for the lane column's value group
@@ -1054,7 +1322,7 @@ KIVI_EXPORT int kivi_v3_layout_probe(const long long* a, int b, int h, int tok0,
   memset(stage, 0xAB, sizeof(stage));
   memset(written, 0, sizeof(written));
   for (int lane = 0; lane < 32; ++lane) {
-    const TileCopier<KIVI_BITS, KIVI_DK, KIVI_DV> copy(p, sl.kc, sl.ks, sl.kz, sl.vc, sl.vs, sl.vz, sl.va, lane);
+    const TileCopier<KIVI_BITS, KIVI_DK, KIVI_DV> copy(p, sl, lane);
     copy.issue([](int dst, const void* src) {
       memcpy(stage + dst, src, 16);
       memset(written + dst, 1, 16);
@@ -1066,14 +1334,21 @@ KIVI_EXPORT int kivi_v3_layout_probe(const long long* a, int b, int h, int tok0,
     memcpy(dst, stage + off, n);
   };
   constexpr int NVWR = C::VW >= 8 ? C::NVW : 1;
+  constexpr int DK_PAIRS_PER_LANE = KIVI_DK / 8;
   for (int lane = 0; lane < 32; ++lane) {
     const int g = lane >> 2, t = lane & 3;
+    constexpr int NW = C::KWT + C::RW, NP = DK_PAIRS_PER_LANE;
     for (int jw = 0; jw < C::KWT; ++jw) {
-      rd(L::k_words(g, t, jw), kwords + (lane * C::KWT + jw) * 4, 16);
+      rd(L::k_words(g, t, jw), kwords + (lane * NW + jw) * 4, 16);
       for (int c = 0; c < C::HP / 4; ++c) {
-        rd(L::k_scales(t, jw, c), kscale + (lane * C::KWT + jw) * C::HP + 4 * c, 16);
-        rd(L::k_zeros(t, jw, c), kzero + (lane * C::KWT + jw) * C::HP + 4 * c, 16);
+        rd(L::k_scales(t, jw, c), kscale + lane * NP + jw * C::HP + 4 * c, 16);
+        rd(L::k_zeros(t, jw, c), kzero + lane * NP + jw * C::HP + 4 * c, 16);
       }
+    }
+    for (int q = 0; q < C::RW; ++q) {  // shared words: the raw words (the kernel shifts them by 4t), quarter t's pairs
+      rd(L::k_qwords(g, q), kwords + (lane * NW + C::KWT + q) * 4, 16);
+      rd(L::k_qscales(t, q), kscale + lane * NP + C::KWT * C::HP + q * C::QP, 4 * C::QP);
+      rd(L::k_qzeros(t, q), kzero + lane * NP + C::KWT * C::HP + q * C::QP, 4 * C::QP);
     }
     rd(L::valid4(g), valid4 + lane, 4);
     const int grp = L::v_group(g, p.gv), w0 = L::v_first_word(g);

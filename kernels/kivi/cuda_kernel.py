@@ -112,6 +112,8 @@ from .reference import PackedKV, codes_per_word
 LOG2E = 1.4426950408889634
 TILE = 32
 DIMS = (64, 128)
+#: key widths of a lane of the lanes kernel (kept channels of a LeanK head): multiples of 16 (one k16 slice) up to 128
+LANE_DIMS = tuple(range(16, 129, 16))
 SOURCE = Path(__file__).with_name("cuda_kernel.cu")
 # -fvisibility=hidden: only the extern "C" entry points are exported, so no symbol of one library (e.g. a template's
 # function-local static, which g++ makes STB_GNU_UNIQUE) is bound across the several libraries loaded side by side
@@ -143,17 +145,41 @@ BUILD_SECONDS: dict[tuple[int, ...], float] = {}
 # ----------------------------------------------------------------------------- fragment mapping (also used by emulate)
 
 
-def key_pair(dk: int, t: int, s: int, r: int) -> int:
+def key_words(bits: int, dk: int) -> tuple[int, int, int]:
+    """``(kwt, rw, qp)``: whole key words per quad lane, words shared by the 4 quad lanes (lane ``t`` takes quarter ``t``
+    of each: ``qp`` pairs), pairs per quarter - ``Cfg::KWT / RW / QP`` in the .cu.  ``rw`` is 0 when ``dk`` is a multiple
+    of 64 (2 bits) / 32 (4 bits); the lanes of a stacked LeanK + KIVI layer keep 16, 32, 48, 96 ... channels."""
+    per = codes_per_word(bits)
+    kw = dk // per
+    return kw // 4, kw % 4, per // 8
+
+
+def local_pair(bits: int, dk: int, t: int, local: int) -> int:
+    """Channel pair (channels ``2p, 2p+1``) of local pair ``local`` (0 .. dk/8 - 1) of quad lane ``t``: the lane's whole
+    words first, then quarter ``t`` of each shared word (``Layout::key_pair``)."""
+    kwt, rw, qp = key_words(bits, dk)
+    hp = codes_per_word(bits) // 2
+    if local < kwt * hp:
+        return t * kwt * hp + local
+    rest = local - kwt * hp
+    return (4 * kwt + rest // qp) * hp + t * qp + rest % qp
+
+
+def key_pair(dk: int, t: int, s: int, r: int, bits: int = 2) -> int:
     """Channel pair (channels ``2p, 2p+1``) that quad lane ``t`` feeds as register ``r`` of k16 slice ``s``."""
-    return t * (dk // 8) + 2 * s + r
+    return local_pair(bits, dk, t, 2 * s + r)
 
 
 def key_word_field(bits: int, dk: int, t: int, local: int) -> tuple[int, int, int]:
     """``(word, shift, bit)`` of local pair ``local`` of quad lane ``t``: the pair sits at ``bit`` of
-    ``word >> shift`` in both 16-bit halves (shift 0 for the fields inside the 10-bit mantissa)."""
+    ``word >> shift`` in both 16-bit halves (shift 0 for the fields inside the 10-bit mantissa of a whole word; a
+    shared word is shifted by ``4 t`` bits, which brings quarter ``t`` to fields ``0 .. qp-1``)."""
     per = codes_per_word(bits)
     hp = per // 2
-    kwt = dk // per // 4
+    kwt, _, qp = key_words(bits, dk)
+    if local >= kwt * hp:
+        rest = local - kwt * hp
+        return 4 * kwt + rest // qp, bits * qp * t, bits * (rest % qp)
     word, i = t * kwt + local // hp, local % hp
     direct = 10 // bits
     return (word, 0, bits * i) if i < direct else (word, bits * direct, bits * (i - direct))
@@ -228,8 +254,9 @@ def value_span(bits: int, dv: int) -> int:
 # ----------------------------------------------------------------------------- capability check
 
 
-def _problem(query: torch.Tensor, packed: PackedKV) -> str | None:
-    """Why the kernel cannot take this call (``None`` when it can)."""
+def _problem(query: torch.Tensor, packed: PackedKV, key_dims: tuple[int, ...] = DIMS) -> str | None:
+    """Why the kernel cannot take this call (``None`` when it can).  ``key_dims``: the key widths accepted (the lanes
+    kernel reads any multiple of 16 up to 128: :data:`LANE_DIMS`)."""
     if getattr(packed, "k_per_token", False):
         return "per-token keys (ablation) are not supported"
     if packed.bits not in (2, 4):
@@ -240,8 +267,8 @@ def _problem(query: torch.Tensor, packed: PackedKV) -> str | None:
     per = 32 // packed.bits
     g = packed.group
     kc = packed.k_codes
-    if dk not in DIMS:
-        return f"key dim {dk} not in {DIMS}"
+    if dk not in key_dims:
+        return f"key dim {dk} not in {key_dims}"
     if g % TILE or g & (g - 1) or kc.dim() != 5 or tuple(kc.shape[:2]) != (b, h) or kc.shape[3] != dk // per or kc.shape[4] != g:
         return f"k_codes {tuple(kc.shape)} / group {g} (needs a power of two >= {TILE})"
     if tuple(packed.k_scale.shape) != (b, h, kc.shape[2], dk) or packed.k_zero.shape != packed.k_scale.shape:
@@ -309,7 +336,7 @@ def nvcc_command(bits: int, dk: int, dv: int, out: str, extra: tuple[str, ...] =
 
 
 def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfold: int = 0,
-          probe: int = 0, softcap: bool = False) -> ctypes.CDLL:
+          probe: int = 0, softcap: bool = False, lane_dks: tuple[int, ...] = ()) -> ctypes.CDLL:
     """Compile (or load from the cache) the library for ``(bits, dk, dv)`` and bind its launchers.
 
     ``min_blocks`` > 1 caps the registers (``__launch_bounds__(128, min_blocks)``) - a tuning knob.  ``kfold`` 1 / 2
@@ -318,20 +345,29 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
     WRONG results (``-DKIVI_PROBE``: copies only / no P.V / dequantization as the LOP3 alone), for
     benchmarks/gpu_kivi_profile.py only.  ``softcap``: the build for models with logit soft-capping (Gemma 2;
     ``-DKIVI_SOFTCAP=1``: scores are capped at ``kivi_v3_launch``'s ``softcap`` before masking; a launch of it must
-    pass a positive cap), a separate library so that the default kernel's code is unchanged."""
+    pass a positive cap), a separate library so that the default kernel's code is unchanged.  ``lane_dks``: also build
+    the lanes kernel (``kivi_v3_lanes_launch``, :mod:`.lanes_cuda`) for lanes of these kept-channel counts (distinct
+    multiples of 16, at most 8; ``dk`` must be the largest, it sizes the shared memory)."""
     if kfold not in (0, 1, 2) or vfold not in (0, 1) or probe not in (0, 1, 2, 3):
         raise ValueError(f"kfold {kfold} (0, 1 or 2), vfold {vfold} (0 or 1), probe {probe} (0..3)")
+    lane_dks = tuple(sorted(set(int(d) for d in lane_dks)))
+    if lane_dks and (len(lane_dks) > 8 or any(d not in LANE_DIMS for d in lane_dks) or dk != lane_dks[-1]
+                     or kfold or vfold or probe):
+        raise ValueError(f"lane_dks {lane_dks}: at most 8 of {LANE_DIMS}, dk = the largest ({dk}), no fold / probe")
     key = (bits, dk, dv, min_blocks) if not (kfold or vfold) else (bits, dk, dv, min_blocks, kfold, vfold)
     if probe:
         key = (*key, "probe", probe)
     if softcap:
         key = (*key, "softcap")
+    if lane_dks:
+        key = (*key, "lanes", *lane_dks)
     with _LOCK:
         if key in _LIBS:
             return _LIBS[key]
     src = SOURCE.read_bytes()
     tag = hashlib.sha256(src + repr((NVCC_FLAGS, key)).encode()).hexdigest()[:16]
-    path = cache_dir() / f"libkivi_v3_b{bits}_k{dk}_v{dv}_r{min_blocks}{f'_kf{kfold}' if kfold else ''}{'_vf' if vfold else ''}{f'_p{probe}' if probe else ''}{'_sc' if softcap else ''}_{tag}.so"
+    lanes_tag = "_l" + "-".join(map(str, lane_dks)) if lane_dks else ""
+    path = cache_dir() / f"libkivi_v3_b{bits}_k{dk}_v{dv}_r{min_blocks}{f'_kf{kfold}' if kfold else ''}{'_vf' if vfold else ''}{f'_p{probe}' if probe else ''}{'_sc' if softcap else ''}{lanes_tag}_{tag}.so"
     t0 = time.time()
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -339,7 +375,9 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
         os.close(fd)
         cmd = nvcc_command(bits, dk, dv, tmp, (f"-DKIVI_MIN_BLOCKS={min_blocks}", f"-DKIVI_KFOLD={kfold}",
                                                        f"-DKIVI_VFOLD={vfold}", f"-DKIVI_PROBE={probe}",
-                                                       f"-DKIVI_SOFTCAP={int(bool(softcap))}"))
+                                                       f"-DKIVI_SOFTCAP={int(bool(softcap))}",
+                                                       *(("-DKIVI_LANES=1",) if lane_dks else ()),
+                                                       *(f"-DKIVI_LANE_DK{i}={d}" for i, d in enumerate(lane_dks))))
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode:
             os.unlink(tmp)
@@ -363,6 +401,11 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
     lib.kivi_v3_needs_smem_optin.argtypes = [ctypes.c_int, ctypes.c_int]
     if (lib.kivi_v3_bits(), lib.kivi_v3_dk(), lib.kivi_v3_dv()) != key[:3] or lib.kivi_v3_softcap() != bool(softcap):
         raise RuntimeError(f"{path} was built for another configuration")
+    if lane_dks:
+        lib.kivi_v3_lanes_launch.restype = ctypes.c_int
+        lib.kivi_v3_lanes_launch.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_char_p, ctypes.c_char_p,
+                                             ctypes.c_double, ctypes.c_double, ctypes.c_int, ctypes.c_int,
+                                             ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     with _LOCK:
         _LIBS[key] = lib
         BUILD_SECONDS.setdefault(key, time.time() - t0)
@@ -518,10 +561,11 @@ def layout_probe(packed: PackedKV, b: int, h: int, tok0: int, min_blocks: int = 
     lib = build(bits, dk, dv, min_blocks)
     kv = _kv_tensors(packed)
     per = 32 // bits
-    kwt, hp, vw = dk // per // 4, per // 2, dv // per
+    kwt, rw, _ = key_words(bits, dk)
+    vw = dv // per
     nvwr = vw // 8 if vw >= 8 else 1
-    out = {"kwords": np.zeros((32, kwt, 4), np.uint32), "kscale": np.zeros((32, kwt, hp), np.uint32),
-           "kzero": np.zeros((32, kwt, hp), np.uint32), "valid4": np.zeros(32, np.uint32),
+    out = {"kwords": np.zeros((32, kwt + rw, 4), np.uint32), "kscale": np.zeros((32, dk // 8), np.uint32),
+           "kzero": np.zeros((32, dk // 8), np.uint32), "valid4": np.zeros(32, np.uint32),
            "vwords": np.zeros((32, 2, 2, 2, nvwr), np.uint32), "vscale": np.zeros((32, 2, 2, 2), np.uint16),
            "vzero": np.zeros((32, 2, 2, 2), np.uint16)}
     arr = _args(packed, kv, 0, (0, 0, 0), 0, 0, 1, TILE, 1)
@@ -660,7 +704,7 @@ def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
     lane column's zero pairs, and added to that lane column's output channels).  ``softcap``: the soft-cap the kernel
     applies to every score fragment (log2 units, ``tanh`` from one ``exp2``) before masking.
     """
-    why = _problem(query, packed)
+    why = _problem(query, packed, LANE_DIMS)
     if why is not None:
         raise ValueError(why)
     b, h, m, dk = query.shape
@@ -745,7 +789,7 @@ def _emulate_warp(query, packed, bi, hi, rb, tiles, qk, lanes, kfold=0, vfold=0,
     qrow[:rows] = query[bi, hi, rb * 8: rb * 8 + rows].float()
     qrow = (qrow * qk).to(torch.float16).float()
     Bq = torch.zeros(nks, 16, 8)  # Q^T B fragments, built lane by lane
-    kpair = key_pair_kfold if kfold else key_pair
+    kpair = key_pair_kfold if kfold else functools.partial(key_pair, bits=bits)
     for g, t in lanes:
         for s in range(nks):
             for r in range(2):
@@ -798,7 +842,7 @@ def _emulate_warp(query, packed, bi, hi, rb, tiles, qk, lanes, kfold=0, vfold=0,
                         else:
                             local = 2 * s + r
                             word, shift, bit = key_word_field(bits, dk, t, local)
-                        p = t * (dk // 8) + local
+                        p = t * (dk // 8) + local if kfold else local_pair(bits, dk, t, local)
                         assert p == kpair(dk, t, s, r)
                         for row in (g, g + 8):
                             w = kc[grp, word, toff + score_token(mt, row)]

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Session 22 (issue 19): the KIVI lanes read (LeanK-70 + KIVI-2, one launch over every lane) on the CUDA v3 kernel's
+# inner loop, in one device call.
+#   bash benchmarks/gpu_lanes_cuda_session.sh OUTDIR [MODELS] [BATCHES]
+# 1. GPU tests: the CUDA lanes kernel and the Triton one against the reference / float64 oracle
+#    (tests/test_kivi_lanes.py -m gpu), the plain CUDA kernel after its body became a device function shared with the
+#    lanes kernel (tests/test_kivi_cuda.py -m gpu);
+# 2. issue 19's grid for sdpa, kivi2, kivi4, leank70-kivi2 (now the CUDA lanes kernel) and leank70-kivi2-triton (the
+#    same layer read by the Triton lanes kernel, the session-21 read), MODELS (default both) x BATCHES (default
+#    1,4,16,64) x 4k / 32k / 128k.
+set -o pipefail
+OUT=$(realpath "${1:-out}"); MODELS=${2:-llama3-8b,smollm2-135m}; BATCHES=${3:-1,4,16,64}
+mkdir -p "$OUT" /tmp/site
+python -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . 2>&1 | tail -2
+export PATH=/usr/local/cuda/bin:$PATH PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+SRC=$PWD
+cd /tmp/site
+date -u | tee -a "$OUT/log.txt"
+timeout 220 python -m pytest -q -m gpu "$SRC/tests/test_kivi_lanes.py" -p no:cacheprovider -p no:logging -x 2>&1 \
+  | grep -v DEBUG | tail -25 | tee "$OUT/pytest_lanes.log"
+date -u | tee -a "$OUT/log.txt"
+timeout 120 python -m pytest -q -m gpu "$SRC/tests/test_kivi_cuda.py" -p no:cacheprovider -p no:logging \
+  -k "matches_reference_on_gpu or configs_and_splits_on_gpu or side_by_side or graph_capture" 2>&1 \
+  | grep -v DEBUG | tail -15 | tee "$OUT/pytest_cuda.log"
+date -u | tee -a "$OUT/log.txt"
+timeout "${GRID_SECONDS:-330}" python -m kvcompress.kernels.benchutil --device cuda \
+  --ops sdpa,kivi2,kivi4,leank70-kivi2,leank70-kivi2-triton --models "$MODELS" --batches "$BATCHES" \
+  --max-seconds "$(( ${GRID_SECONDS:-330} - 40 ))" --out "$OUT/lanes_grid.json" 2>"$OUT/grid.err" | grep '^|' \
+  | tee "$OUT/lanes_grid.md"
+tail -3 "$OUT/grid.err"
+date -u | tee -a "$OUT/log.txt"

@@ -1,0 +1,237 @@
+"""KIVI lanes on the hand-written CUDA kernel (v3): every lane of a stacked LeanK + KIVI layer in ONE launch.
+
+Same signature and semantics as :func:`.lanes_reference.kivi_lanes_attention_partial` (``(out fp32 [B, H, M, Dv],
+lse fp32 [B, H, M])``), for regions whose lanes hold disjoint heads (what the stores build).  Nothing is compiled at
+import: the first call builds the library for the region's ``(bits, Dv)`` and its lanes' kept-channel counts
+(:func:`.cuda_kernel.build` with ``lane_dks``; cached like the plain kernel's).
+
+How it works (``kivi_v3_lanes_kernel`` in ``cuda_kernel.cu``): the grid is the plain kernel's - ``(splits, B*H,
+row blocks of 8)`` - over the REGION's heads; the CTA of head ``h`` looks up its lane and its row among the lane's
+heads in two small tables built on the host once per region (:func:`head_tables`), and runs the plain kernel's body
+(``attend``) specialised for that lane's kept-channel count ``c``: the query rows of the head are gathered to the
+lane's kept channels while the B fragments are built (no gather launch), the packed keys of ``c`` channels are
+dequantized in registers as in the plain kernel - with ``c`` not a multiple of 4 key words (16, 32, 48, 96 ... at 2
+bits), the last words are shared by the 4 quad lanes, quad lane ``t`` taking quarter ``t`` of each after one shift
+(:func:`.cuda_kernel.key_words`, :func:`.cuda_kernel.local_pair`; the CPU emulator :func:`.cuda_kernel.emulate` runs
+the same mapping) - and the values as in the plain kernel.  A head no lane holds writes LSE ``-inf`` and zeros, so
+the plain kernel's split merge (``kivi_v3_combine``) finishes the read: 2 launches whatever the number of lanes.
+
+Before this, a stacked layer read its lanes with the Triton lanes kernel (:mod:`.lanes_triton`, the KIVI v2 inner
+loop, about 3x slower per byte than this kernel's) or one launch per lane.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import weakref
+
+import torch
+
+from . import cuda_kernel as ck
+from .lanes_reference import PackedLanes
+from .reference import PackedKV
+
+#: the most lanes one launch takes (``kivi_v3::MAX_LANES``) and the most region heads its tables cover
+MAX_LANES = 8
+MAX_HEADS = 256
+#: ints of one lane's entry in the launcher's argument array (``kivi_v3_lanes_launch``)
+LANE_INTS = 25
+HEADS_ATTR = "_kvcompress_kivi_lanes_cuda_heads"
+
+_LOCK = threading.Lock()  # the launcher fills one static parameter block
+_PLANS: dict[tuple, tuple] = {}
+
+
+def head_tables(region: PackedLanes) -> tuple[bytes, bytes, int] | None:
+    """``(head -> lane, head -> row in the lane, heads covered)`` as the launcher's byte tables (lane ``-1``: none),
+    or ``None`` when a head is in two lanes or a lane without a head list shares the region with others.  Read from
+    the head lists once per region (one host read; cached on its ``valid`` tensor while the lanes' head tensors are the
+    same objects, weakly, as :func:`.lanes_reference._disjoint` does), not at every call."""
+    heads = tuple(lane.heads for lane in region.lanes)
+    cached = getattr(region.valid, HEADS_ATTR, None)
+    if cached is not None and len(cached[0]) == len(heads) and all(
+            (a is None and c is None) or (a is not None and a() is c) for a, c in zip(cached[0], heads)):
+        return cached[1]
+    n = region.num_heads
+    lane_of, row_of = [-1] * n, [0] * n
+    answer = None
+    if len(heads) == 1 and heads[0] is None:
+        lane_of, row_of = [0] * n, list(range(n))
+        answer = (bytes(x & 0xFF for x in lane_of), bytes(row_of), n)
+    elif all(h is not None for h in heads):
+        ok = True
+        for li, h in enumerate(heads):
+            for row, head in enumerate(h.tolist()):  # once per region (a store change)
+                if not 0 <= head < n or lane_of[head] >= 0 or row > 255:
+                    ok = False
+                lane_of[min(max(head, 0), n - 1)] = li
+                row_of[min(max(head, 0), n - 1)] = min(row, 255)
+        if ok:
+            answer = (bytes(x & 0xFF for x in lane_of), bytes(row_of), sum(x >= 0 for x in lane_of))
+    setattr(region.valid, HEADS_ATTR, (tuple(None if h is None else weakref.ref(h) for h in heads), answer))
+    return answer
+
+
+def _lane_packed(region: PackedLanes, lane) -> PackedKV:
+    return PackedKV(region.bits, region.group, lane.k_codes, lane.k_scale, lane.k_zero, lane.v_codes, lane.v_scale,
+                    lane.v_zero, region.valid)
+
+
+def problem(query: torch.Tensor, region: PackedLanes) -> str | None:
+    """Why this kernel cannot read ``region`` for ``query`` (``None`` when it can); shapes only, no device work."""
+    if not isinstance(region, PackedLanes):
+        return "not a PackedLanes region"
+    if not region.lanes or len(region.lanes) > MAX_LANES:
+        return f"{len(region.lanes)} lanes (1 .. {MAX_LANES})"
+    if query.dim() != 4 or query.dtype != torch.float16:
+        return f"query {tuple(query.shape)} {query.dtype} (fp16 [B, H, M, D])"
+    b, h, m, d = query.shape
+    if h != region.num_heads or h > MAX_HEADS:
+        return f"{h} query heads for a region of {region.num_heads} (at most {MAX_HEADS})"
+    if query.stride(-1) != 1:
+        return "query channels must be contiguous"
+    if head_tables(region) is None:
+        return "a head in two lanes (or an all-heads lane beside others)"
+    dv = None
+    for lane in region.lanes:
+        c = lane.k_scale.shape[-1]
+        rows = region.num_heads if lane.heads is None else lane.heads.numel()
+        if lane.channels is None and c != d:
+            return f"a lane without a channel list keeps {c} of {d} channels"
+        if lane.channels is not None and (lane.channels.dtype != torch.int64 or tuple(lane.channels.shape) != (rows, c)
+                                          or lane.channels.stride(-1) != 1):
+            return f"channels {tuple(lane.channels.shape)} {lane.channels.dtype} (int64 [{rows}, {c}], rows dense)"
+        why = ck._problem(torch.empty((b, rows, m, c), dtype=query.dtype, device="meta"), _lane_packed(region, lane),
+                          ck.LANE_DIMS)
+        if why is not None:
+            return f"lane of {c} channels: {why}"
+        lane_dv = lane.v_codes.shape[-1] * (32 // region.bits)
+        if dv is not None and lane_dv != dv:
+            return "lanes of different value widths"
+        dv = lane_dv
+    return None
+
+
+def supports(query: torch.Tensor, region: PackedLanes) -> bool:
+    """The explicit capability check: a CUDA device with nvcc, and :func:`problem` finds nothing."""
+    return ck._device_ok(query.device) and problem(query, region) is None
+
+
+def _plan(region: PackedLanes, query: torch.Tensor, covered: int, index: int, softcap, c: dict) -> tuple:
+    """``(library, warps, stages, splits, tiles per split)`` for this region's shapes, decided once per shape."""
+    dks = tuple(sorted({lane.k_scale.shape[-1] for lane in region.lanes}))
+    dv = region.v_dim
+    b, _, m, _ = query.shape
+    nt = region.num_tokens
+    lib = ck.build(region.bits, dks[-1], dv, int(c.get("min_blocks", 1)), softcap=bool(softcap), lane_dks=dks)
+    nw, stages, cta_smem, _ = ck.plan_launch(region.bits, dks[-1], dv, int(c["nw"]), int(c["stages"]),
+                                             ck._smem_limit(index))
+    if cta_smem != lib.kivi_v3_launch_smem(nw, stages):
+        raise RuntimeError("KIVI CUDA lanes kernel: the library's shared-memory size disagrees with launch_smem()")
+    ntiles = nt // ck.TILE
+    s = ck.num_splits(ntiles, max(1, b * covered * -(-m // 8)), ck._sms(index), dict(c, nw=nw, stages=stages),
+                      cta_smem)
+    tps = -(-ntiles // max(1, min(s, ntiles)))
+    return lib, nw, stages, -(-ntiles // tps), tps
+
+
+def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale: float, *,
+                                 softcap: float | None = None, base: dict | None = None
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention over every lane of ``region``; see :func:`.lanes_reference.kivi_lanes_attention_partial`.
+    ``base``: the launch configuration (:func:`.cuda_kernel.config`, resolved once by :mod:`kvcompress.kernels.ops`);
+    ``None`` reads it here."""
+    valid = region.live_valid() if region.length is not None else region.valid
+    b, h, m, _ = query.shape
+    dv = region.v_dim
+    dev = query.device
+    out = torch.empty(b, h, m, dv, device=dev, dtype=torch.float32)
+    lse = torch.empty(b, h, m, device=dev, dtype=torch.float32)
+    nt = region.num_tokens
+    if b * h * m == 0:
+        return out, lse
+    if nt == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    tables = head_tables(region)
+    if tables is None:
+        raise ValueError("KIVI CUDA lanes kernel: a head in two lanes (or an all-heads lane beside others)")
+    lane_of, row_of, covered = tables
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    c = dict(base if base is not None else ck.config(region.bits))
+    key = (region.bits, region.group, dv, b, h, m, nt, tuple(ln.k_scale.shape[-1] for ln in region.lanes), covered,
+           index, bool(softcap), tuple(sorted(c.items())), query.dtype)
+    plan = _PLANS.get(key)
+    if plan is None:  # a new shape: checked once (a decode step reads the same shapes in every layer)
+        why = problem(query, region)
+        if why is not None:
+            raise ValueError(f"KIVI CUDA lanes kernel: {why}")
+        if len(_PLANS) >= 4096:
+            _PLANS.clear()
+        plan = _PLANS[key] = _plan(region, query, covered, index, softcap, c)
+    lib, nw, stages, s, tps = plan
+
+    valid8 = valid.view(torch.uint8) if valid.dtype == torch.bool else valid.to(torch.uint8)
+    valid8 = ck._aligned(valid8, 1, 16)
+    q = ck._aligned(query, 1, 4)
+    if s == 1:
+        po, pl = out, lse
+    else:
+        po = torch.empty(s, b * h * m, dv, device=dev, dtype=torch.float32)
+        pl = torch.empty(s, b * h * m, device=dev, dtype=torch.float32)
+    ngv = region.lanes[0].v_scale.shape[-1]
+    args = [q.data_ptr(), 0, 0, 0, 0, 0, 0, valid8.data_ptr(), po.data_ptr(), pl.data_ptr(),
+            *q.stride()[:3], *([0] * 17), valid8.stride(0),
+            m, h, nt, region.group.bit_length() - 1, tps * ck.TILE, s, ngv, dv // ngv, b * h, len(region.lanes)]
+    keep = [valid8, q]  # alive until the launch is issued
+    for lane in region.lanes:
+        kc, ks, kz, vc, vs, vz, _ = ck._kv_tensors(_lane_packed(region, lane))
+        keep += [kc, ks, kz, vc, vs, vz]
+        ch = lane.channels
+        args += [kc.data_ptr(), ks.data_ptr(), kz.data_ptr(), vc.data_ptr(), vs.data_ptr(), vz.data_ptr(),
+                 0 if ch is None else ch.data_ptr(), 0 if ch is None else ch.stride(0),
+                 *kc.stride()[:3], *ks.stride()[:3], *kz.stride()[:3], *vc.stride()[:3], *vs.stride()[:2],
+                 *vz.stride()[:2], ks.shape[-1]]
+    arr = (ctypes.c_longlong * len(args))(*args)
+    stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)
+    with _LOCK:
+        rc = lib.kivi_v3_lanes_launch(arr, lane_of, row_of, float(scale) * ck.LOG2E, float(softcap or 0.0) * ck.LOG2E,
+                                      nw, stages, -(-m // 8), index, stream)
+    if rc:
+        raise RuntimeError(f"KIVI CUDA lanes kernel launch failed: {lib.kivi_v3_error_string(rc).decode()}")
+    if s > 1:
+        rc = lib.kivi_v3_combine_launch(po.data_ptr(), pl.data_ptr(), out.data_ptr(), lse.data_ptr(), s, b * h * m,
+                                        dv, index, stream)
+        if rc:
+            raise RuntimeError(f"KIVI CUDA combine launch failed: {lib.kivi_v3_error_string(rc).decode()}")
+    del keep
+    return out, lse
+
+
+def emulate(query: torch.Tensor, region: PackedLanes, scale: float, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's dataflow on the CPU: each lane's head rows through :func:`.cuda_kernel.emulate` (the same key
+    mapping, quarter words included) on the query gathered to the lane's channels, placed on the lane's heads by the
+    host tables (:func:`head_tables`); heads no lane holds get ``-inf`` and zeros.  Slow; for tests."""
+    why = problem(query, region)
+    if why is not None:
+        raise ValueError(why)
+    from .lanes_reference import gather_query
+
+    lane_of, row_of, _ = head_tables(region)
+    valid = region.live_valid() if region.length is not None else region.valid
+    b, h, m, _ = query.shape
+    out = torch.zeros(b, h, m, region.v_dim)
+    lse = torch.full((b, h, m), float("-inf"))
+    parts = [ck.emulate(gather_query(query, lane.heads, lane.channels).float().half(),
+                        PackedKV(region.bits, region.group, lane.k_codes, lane.k_scale, lane.k_zero, lane.v_codes,
+                                 lane.v_scale, lane.v_zero, valid), scale, **kw)
+             for lane in region.lanes]
+    for head in range(h):
+        li = lane_of[head] if lane_of[head] < 128 else lane_of[head] - 256
+        if li >= 0:
+            out[:, head], lse[:, head] = parts[li][0][:, row_of[head]], parts[li][1][:, row_of[head]]
+    return out, lse
+
+
+__all__ = ["MAX_HEADS", "MAX_LANES", "emulate", "head_tables", "kivi_lanes_attention_partial", "problem", "supports"]
