@@ -432,6 +432,31 @@ def test_cuda_lanes_emulated_matches_oracle(name):
     assert close(got, kivi_lanes_attention_partial(q, region, scale)) == ""
 
 
+def test_cuda_lanes_launch_arguments_parse_as_the_launcher_reads_them():
+    """The argument array lanes_cuda builds, parsed by the library's own parse code on the host
+    (kivi_v3_lanes_parse_probe; needs nvcc to build, no GPU): sizes, lane count, each lane's kept count, channel
+    stride, last stride and first pointer land where the launcher reads them."""
+    from kvcompress.kernels.kivi import cuda_kernel as ck
+    from kvcompress.kernels.kivi import lanes_cuda
+
+    if not ck.nvcc_path():
+        pytest.skip("nvcc not on the PATH")
+    import ctypes
+
+    q, region = make_region(batch=2, heads=5, counts=(32, 0, 96, 32, 64), tokens=64)
+    dks = tuple(sorted({lane.k_scale.shape[-1] for lane in region.lanes}))
+    lib = ck.build(2, dks[-1], 128, 4, lane_dks=dks)
+    valid8 = region.valid.view(torch.uint8)
+    args, keep = lanes_cuda.launch_args(q, region, valid8, 1111, 2222, 3, 1)
+    out = (ctypes.c_longlong * 64)()
+    used = lib.kivi_v3_lanes_parse_probe((ctypes.c_longlong * len(args))(*args), out)
+    assert used == len(args)
+    want = [q.shape[2], 5, 64, 2 * 5, 3, len(region.lanes)]
+    for lane, kept in zip(region.lanes, keep[2::6]):
+        want += [lane.k_scale.shape[-1], lane.channels.stride(0), lane.v_zero.stride(1), kept.data_ptr()]
+    assert list(out[:len(want)]) == want
+
+
 def test_cuda_lanes_head_tables_and_problem():
     """The launcher's tables (head -> lane, head -> row; -1 where no lane holds a head) and the capability check's
     refusals: a head in two lanes, an fp32 query, a lane of 24 channels."""

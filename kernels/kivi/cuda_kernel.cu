@@ -1299,7 +1299,21 @@ KIVI_EXPORT int kivi_v3_lanes_launch(const long long* a, const signed char* head
   if (stages == 4) return launch_lanes_variant<4>(lp, nw, grid, smem, device, s);
   return (int)cudaErrorInvalidValue;
 }
-KIVI_EXPORT int kivi_v3_lanes() { return 1; }
+// Host check of the argument array's layout (no GPU): parses `a` as kivi_v3_lanes_launch does and writes back, in
+// order, M, H, NT, BH, nsplit, nlanes, then per lane dk, ch_sh, vz_sh and its kc pointer; returns the entries used.
+KIVI_EXPORT int kivi_v3_lanes_parse_probe(const long long* a, long long* out) {
+  using namespace kivi_v3;
+  const Params p = parse_params(a, 1.0);
+  int i = KIVI_PARAMS_INTS, o = 0;
+  const int n = (int)a[i++];
+  out[o++] = p.M; out[o++] = p.H; out[o++] = p.NT; out[o++] = p.BH; out[o++] = p.nsplit; out[o++] = n;
+  for (int l = 0; l < n && l < MAX_LANES; ++l) {
+    const long long* e = a + i + l * 25;
+    out[o++] = e[24]; out[o++] = e[7]; out[o++] = e[23]; out[o++] = e[0];
+  }
+  return i + n * 25;
+}
+KIVI_EXPORT int kivi_v3_params_ints() { return KIVI_PARAMS_INTS; }
 #endif
 
 // Host replay of one tile's copies and of the compute loop's shared-memory reads, for every lane, with the

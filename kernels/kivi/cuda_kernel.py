@@ -112,6 +112,9 @@ from .reference import PackedKV, codes_per_word
 LOG2E = 1.4426950408889634
 TILE = 32
 DIMS = (64, 128)
+#: int64 entries of one ``kivi_v3::Params`` in a launcher's argument array (10 pointers, 20 strides, 9 sizes:
+#: :func:`_args`; ``KIVI_PARAMS_INTS`` in the .cu)
+PARAMS_INTS = 39
 #: key widths of a lane of the lanes kernel (kept channels of a LeanK head): multiples of 16 (one k16 slice) up to 128
 LANE_DIMS = tuple(range(16, 129, 16))
 SOURCE = Path(__file__).with_name("cuda_kernel.cu")
@@ -406,6 +409,12 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
         lib.kivi_v3_lanes_launch.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_char_p, ctypes.c_char_p,
                                              ctypes.c_double, ctypes.c_double, ctypes.c_int, ctypes.c_int,
                                              ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        lib.kivi_v3_lanes_parse_probe.restype = ctypes.c_int
+        lib.kivi_v3_lanes_parse_probe.argtypes = [ctypes.POINTER(ctypes.c_longlong),
+                                                  ctypes.POINTER(ctypes.c_longlong)]
+        if lib.kivi_v3_params_ints() != PARAMS_INTS:
+            raise RuntimeError(f"{path}: the launcher reads {lib.kivi_v3_params_ints()} region entries, not "
+                               f"{PARAMS_INTS}")
     with _LOCK:
         _LIBS[key] = lib
         BUILD_SECONDS.setdefault(key, time.time() - t0)

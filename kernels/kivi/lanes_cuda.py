@@ -137,6 +137,39 @@ def _plan(region: PackedLanes, query: torch.Tensor, covered: int, index: int, so
     return lib, nw, stages, -(-ntiles // tps), tps
 
 
+PARAMS_INTS = ck.PARAMS_INTS  # the region's part of the argument array (kivi_v3::Params)
+
+
+def launch_args(q: torch.Tensor, region: PackedLanes, valid8: torch.Tensor, po: int, pl: int, splits: int,
+                tiles_per_split: int) -> tuple[list[int], list[torch.Tensor]]:
+    """The launcher's int64 argument array (``kivi_v3_lanes_launch``: the region's ``Params`` - query, valid flags,
+    outputs, sizes; the payload pointers and strides there unused -, the lane count, then :data:`LANE_INTS` per lane)
+    and the tensors it points into (aligned copies where needed; keep them alive until the launch is issued)."""
+    b, h, m, _ = q.shape
+    dv = region.v_dim
+    ngv = region.lanes[0].v_scale.shape[-1]
+    args = [q.data_ptr(), 0, 0, 0, 0, 0, 0, valid8.data_ptr(), po, pl,
+            *q.stride()[:3], *([0] * 16), valid8.stride(0),
+            m, h, region.num_tokens, region.group.bit_length() - 1, tiles_per_split * ck.TILE, splits, ngv, dv // ngv,
+            b * h]
+    if len(args) != PARAMS_INTS:
+        raise RuntimeError(f"KIVI CUDA lanes kernel: {len(args)} region entries, the launcher reads {PARAMS_INTS}")
+    args.append(len(region.lanes))
+    keep = [valid8, q]
+    for lane in region.lanes:
+        kc, ks, kz, vc, vs, vz, _ = ck._kv_tensors(_lane_packed(region, lane))
+        keep += [kc, ks, kz, vc, vs, vz]
+        ch = lane.channels
+        entry = [kc.data_ptr(), ks.data_ptr(), kz.data_ptr(), vc.data_ptr(), vs.data_ptr(), vz.data_ptr(),
+                 0 if ch is None else ch.data_ptr(), 0 if ch is None else ch.stride(0),
+                 *kc.stride()[:3], *ks.stride()[:3], *kz.stride()[:3], *vc.stride()[:3], *vs.stride()[:2],
+                 *vz.stride()[:2], ks.shape[-1]]
+        if len(entry) != LANE_INTS:
+            raise RuntimeError(f"KIVI CUDA lanes kernel: {len(entry)} entries per lane, the launcher reads {LANE_INTS}")
+        args += entry
+    return args, keep
+
+
 def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale: float, *,
                                  softcap: float | None = None, base: dict | None = None
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,19 +213,7 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
     else:
         po = torch.empty(s, b * h * m, dv, device=dev, dtype=torch.float32)
         pl = torch.empty(s, b * h * m, device=dev, dtype=torch.float32)
-    ngv = region.lanes[0].v_scale.shape[-1]
-    args = [q.data_ptr(), 0, 0, 0, 0, 0, 0, valid8.data_ptr(), po.data_ptr(), pl.data_ptr(),
-            *q.stride()[:3], *([0] * 17), valid8.stride(0),
-            m, h, nt, region.group.bit_length() - 1, tps * ck.TILE, s, ngv, dv // ngv, b * h, len(region.lanes)]
-    keep = [valid8, q]  # alive until the launch is issued
-    for lane in region.lanes:
-        kc, ks, kz, vc, vs, vz, _ = ck._kv_tensors(_lane_packed(region, lane))
-        keep += [kc, ks, kz, vc, vs, vz]
-        ch = lane.channels
-        args += [kc.data_ptr(), ks.data_ptr(), kz.data_ptr(), vc.data_ptr(), vs.data_ptr(), vz.data_ptr(),
-                 0 if ch is None else ch.data_ptr(), 0 if ch is None else ch.stride(0),
-                 *kc.stride()[:3], *ks.stride()[:3], *kz.stride()[:3], *vc.stride()[:3], *vs.stride()[:2],
-                 *vz.stride()[:2], ks.shape[-1]]
+    args, keep = launch_args(q, region, valid8, po.data_ptr(), pl.data_ptr(), s, tps)
     arr = (ctypes.c_longlong * len(args))(*args)
     stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)
     with _LOCK:
