@@ -12,7 +12,7 @@
 # 4. with CHECKS=1: benchmarks/gpu_ops_check.py for kvcompress::kivi_lanes_partial (every impl, the CUDA one included):
 #    compiled with CUDA graphs at its small shapes (OUT/ops_small), and eager at every shape of issue 19's grid
 #    (OUT/ops_grid).
-# SKIP_CUDA_TESTS=1 skips the plain kernel's tests; GRID_SECONDS bounds step 2 (default 330).
+# LANES_K: a pytest -k filter for the lanes tests; SKIP_CUDA_TESTS=1 skips the plain kernel's tests; GRID_SECONDS bounds step 2 (default 330).
 set -o pipefail
 OUT=$(realpath "${1:-out}"); MODELS=${2:-llama3-8b,smollm2-135m}; BATCHES=${3:-1,4,16,64}
 mkdir -p "$OUT" /tmp/site
@@ -21,7 +21,7 @@ export PATH=/usr/local/cuda/bin:$PATH PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHON
 SRC=$PWD
 cd /tmp/site
 date -u | tee -a "$OUT/log.txt"
-timeout 220 python -m pytest -q -m gpu "$SRC/tests/test_kivi_lanes.py" -p no:cacheprovider -p no:logging 2>&1 \
+timeout 220 python -m pytest -q -m gpu "$SRC/tests/test_kivi_lanes.py" -p no:cacheprovider -p no:logging ${LANES_K:+-k "$LANES_K"} 2>&1 \
   | grep -v DEBUG | tail -25 | tee "$OUT/pytest_lanes.log"
 date -u | tee -a "$OUT/log.txt"
 [ -n "$SKIP_CUDA_TESTS" ] || timeout 120 python -m pytest -q -m gpu "$SRC/tests/test_kivi_cuda.py" -p no:cacheprovider -p no:logging \
@@ -39,10 +39,10 @@ if [ -n "$PROFILE" ]; then
     --out "$OUT/read_profile.json" 2>&1 | tail -40 | tee "$OUT/read_profile.txt"
   date -u | tee -a "$OUT/log.txt"
 fi
-if [ -n "$CHECKS" ]; then
+if [ -n "$CHECKS" ]; then  # CHECKS=small: the compiled small shapes only
   timeout 150 python "$SRC/benchmarks/gpu_ops_check.py" --out "$OUT/ops_small" --ops kivi_lanes_partial --shapes small \
     2>&1 | grep -v "^PASS" | tail -8 | tee -a "$OUT/log.txt"
-  timeout 200 python "$SRC/benchmarks/gpu_ops_check.py" --out "$OUT/ops_grid" --ops kivi_lanes_partial --grid --eager \
-    2>&1 | grep -v "^PASS" | tail -8 | tee -a "$OUT/log.txt"
+  [ "$CHECKS" = small ] || timeout 200 python "$SRC/benchmarks/gpu_ops_check.py" --out "$OUT/ops_grid" \
+    --ops kivi_lanes_partial --grid --eager 2>&1 | grep -v "^PASS" | tail -8 | tee -a "$OUT/log.txt"
   date -u | tee -a "$OUT/log.txt"
 fi

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -435,7 +436,7 @@ def test_cuda_lanes_emulated_matches_oracle(name):
 def test_cuda_lanes_launch_arguments_parse_as_the_launcher_reads_them():
     """The argument array lanes_cuda builds, parsed by the library's own parse code on the host
     (kivi_v3_lanes_parse_probe; needs nvcc to build, no GPU): sizes, lane count, each lane's kept count, channel
-    stride, last stride and first pointer land where the launcher reads them."""
+    stride, head count, last stride and first pointer land where the launcher reads them."""
     from kvcompress.kernels.kivi import cuda_kernel as ck
     from kvcompress.kernels.kivi import lanes_cuda
 
@@ -453,23 +454,24 @@ def test_cuda_lanes_launch_arguments_parse_as_the_launcher_reads_them():
     assert used == len(args)
     want = [q.shape[2], 5, 64, 2 * 5, 3, len(region.lanes)]
     for lane, kept in zip(region.lanes, keep[2::6]):
-        want += [lane.k_scale.shape[-1], lane.channels.stride(0), lane.v_zero.stride(1), kept.data_ptr()]
+        want += [lane.k_scale.shape[-1], lane.channels.stride(0), lane.heads.numel(), lane.v_zero.stride(1),
+                 kept.data_ptr()]
     assert list(out[:len(want)]) == want
 
 
-def test_cuda_lanes_head_tables_and_problem():
-    """The launcher's tables (head -> lane, head -> row; -1 where no lane holds a head) and the capability check's
-    refusals: a head in two lanes, an fp32 query, a lane of 24 channels."""
+def test_cuda_lanes_covered_heads_and_problem():
+    """The heads some lane holds (split sizing) and the capability check's refusals: a head in two lanes, an fp32
+    query, a lane of 24 channels, int32 head lists."""
     from kvcompress.kernels.kivi import lanes_cuda
     from kvcompress.kernels.kivi.lanes_reference import KiviLane, PackedLanes
 
     q, region = make_region(batch=1, heads=5, counts=(32, 0, 96, 32, 64), tokens=64)
-    lane_of, row_of, covered = lanes_cuda.head_tables(region)
-    kept = [lane.k_scale.shape[-1] for lane in region.lanes]
-    assert [kept[x] if x < 128 else None for x in lane_of] == [32, None, 96, 32, 64]
-    assert list(row_of)[:1] + list(row_of)[3:4] == [0, 1] and covered == 4
+    assert lanes_cuda.covered_heads(region) == 4
     assert lanes_cuda.problem(q, region) is None
     assert "fp16" in lanes_cuda.problem(q.float(), region)
+    narrow = region.lanes[0]._replace(heads=region.lanes[0].heads.int())
+    assert "int64" in lanes_cuda.problem(q, PackedLanes(region.bits, region.group, (narrow, *region.lanes[1:]),
+                                                        region.valid, 5, 128))
     lanes = region.lanes
     two = PackedLanes(region.bits, region.group, (lanes[0], lanes[1]._replace(heads=lanes[0].heads)), region.valid,
                       5, 128)
@@ -761,6 +763,14 @@ def test_large_batch_reads_lanes_one_by_one():
     from kvcompress.kernels import benchutil
     from kvcompress.plugins.kivi import MERGE_MAX_ROW_HEADS, PER_LANE_MIN_TOKENS
 
+    os.environ["KVCOMPRESS_KIVI_CUDA"] = "0"  # the rule is the Triton lanes kernel's (the CUDA one stays merged)
+    try:
+        _large_batch_reads_lanes_one_by_one(benchutil, MERGE_MAX_ROW_HEADS, PER_LANE_MIN_TOKENS)
+    finally:
+        del os.environ["KVCOMPRESS_KIVI_CUDA"]
+
+
+def _large_batch_reads_lanes_one_by_one(benchutil, MERGE_MAX_ROW_HEADS, PER_LANE_MIN_TOKENS):
     shape = benchutil.SHAPES[0]
     batch = -(-MERGE_MAX_ROW_HEADS // shape.kv_heads)
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -950,11 +950,10 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
 // ---- KIVI lanes (a stacked LeanK + KIVI layer, kvcompress.kernels.kivi.lanes_reference): every lane holds some of
 // the region's kv heads with DK of their channels kept (its own packed payload), all lanes share the token slots.
 // One launch reads all of them: grid (nsplit, B*H, row blocks of 8) over the REGION's heads; the CTA of head h finds
-// its lane and row from the host-built tables and runs the body specialised for that lane's DK (the DKs this library
+// its lane and row in the lanes' head lists and runs the body specialised for that lane's DK (the DKs this library
 // was built for: KIVI_LANE_DK0..7); a head no lane holds writes LSE -inf and zeros, so the split merge needs nothing
-// else.
+// else.  The lanes hold disjoint heads (the host checks it once per region).
 constexpr int MAX_LANES = 8;
-constexpr int MAX_LANE_HEADS = 256;  // region heads the tables cover
 
 struct LaneParams {
   const int* kc;
@@ -965,6 +964,8 @@ struct LaneParams {
   const __half* vz;
   const long long* ch;  // [heads of the lane, ch_sh] kept query channels (int64); nullptr: the first dk
   long long ch_sh;
+  const long long* heads;  // [nheads] the region heads the lane holds (int64); nullptr: heads 0 .. nheads-1
+  long long nheads;
   long long kc_sb, kc_sh, kc_sg, ks_sb, ks_sh, ks_sg, kz_sb, kz_sh, kz_sg, vc_sb, vc_sh, vc_st, vs_sb, vs_sh, vz_sb,
       vz_sh;
   int dk;
@@ -974,8 +975,6 @@ struct LanesParams {
   Params p;  // the region: query, valid, outputs, M, H (region heads), NT, group, splits, value groups, BH = B*H
   LaneParams lane[MAX_LANES];
   int nlanes;
-  signed char head_lane[MAX_LANE_HEADS];  // region head -> lane (-1: none)
-  unsigned char head_row[MAX_LANE_HEADS];  // region head -> its row among the lane's heads
 };
 
 __device__ __forceinline__ void write_empty(const Params& p, int bh) {
@@ -1006,13 +1005,28 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_lanes_ke
     const __grid_constant__ LanesParams lp) {
   const int bh = blockIdx.y;
   const int b = bh / lp.p.H, h = bh - b * lp.p.H;
-  const int li = lp.head_lane[h];
+  // the lane holding head h and its row there, looked up on the device (the head lists stay device tensors: nothing
+  // is read on the host per call, so a call captured into a CUDA graph with copied inputs needs no host read)
+  __shared__ int found[2];
+  if (threadIdx.x == 0) found[0] = -1;
+  __syncthreads();
+  for (int l = 0; l < lp.nlanes; ++l) {
+    const LaneParams& cand = lp.lane[l];
+    if (cand.heads == nullptr) {
+      if (threadIdx.x == 0 && h < cand.nheads) { found[0] = l; found[1] = h; }
+    } else {
+      for (int i = threadIdx.x; i < cand.nheads; i += blockDim.x) {
+        if (cand.heads[i] == h) { found[0] = l; found[1] = i; }
+      }
+    }
+  }
+  __syncthreads();
+  const int li = found[0], row = found[1];
   if (li < 0) {
     write_empty(lp.p, bh);
     return;
   }
   const LaneParams& ln = lp.lane[li];
-  const int row = lp.head_row[h];
 #define KIVI_LANE_CASE(D) \
   case D:                 \
     attend_lane<D, ST>(lp, ln, b, row, h, bh); \
@@ -1250,11 +1264,10 @@ KIVI_EXPORT int kivi_v3_launch(const long long* a, double qk_scale, double softc
 
 #if KIVI_LANES
 // a: the region's Params (as kivi_v3_launch) followed by nlanes, then per lane: kc, ks, kz, vc, vs, vz, ch pointers,
-// ch_sh, the 18 strides of LaneParams in order, dk; head_lane / head_row: H entries each.  The library's KIVI_DK is
-// the largest lane dk (it sizes the shared memory).
-KIVI_EXPORT int kivi_v3_lanes_launch(const long long* a, const signed char* head_lane, const unsigned char* head_row,
-                                     double qk_scale, double softcap, int nw, int stages, int row_blocks, int device,
-                                     void* stream) {
+// ch_sh, heads pointer, nheads, the 16 strides of LaneParams in order, dk.  The library's KIVI_DK is the largest lane
+// dk (it sizes the shared memory).
+KIVI_EXPORT int kivi_v3_lanes_launch(const long long* a, double qk_scale, double softcap, int nw, int stages,
+                                     int row_blocks, int device, void* stream) {
   using namespace kivi_v3;
   cudaError_t e = cudaSetDevice(device);
   if (e != cudaSuccess) return (int)e;
@@ -1263,7 +1276,7 @@ KIVI_EXPORT int kivi_v3_lanes_launch(const long long* a, const signed char* head
   lp.p = parse_params(a, qk_scale, softcap);
   int i = KIVI_PARAMS_INTS;
   lp.nlanes = (int)a[i++];
-  if (lp.nlanes < 1 || lp.nlanes > MAX_LANES || lp.p.H > MAX_LANE_HEADS) return (int)cudaErrorInvalidValue;
+  if (lp.nlanes < 1 || lp.nlanes > MAX_LANES) return (int)cudaErrorInvalidValue;
   for (int l = 0; l < lp.nlanes; ++l) {
     LaneParams& ln = lp.lane[l];
     ln.kc = reinterpret_cast<const int*>(a[i++]);
@@ -1274,6 +1287,8 @@ KIVI_EXPORT int kivi_v3_lanes_launch(const long long* a, const signed char* head
     ln.vz = reinterpret_cast<const __half*>(a[i++]);
     ln.ch = reinterpret_cast<const long long*>(a[i++]);
     ln.ch_sh = a[i++];
+    ln.heads = reinterpret_cast<const long long*>(a[i++]);
+    ln.nheads = a[i++];
     ln.kc_sb = a[i++]; ln.kc_sh = a[i++]; ln.kc_sg = a[i++];
     ln.ks_sb = a[i++]; ln.ks_sh = a[i++]; ln.ks_sg = a[i++];
     ln.kz_sb = a[i++]; ln.kz_sh = a[i++]; ln.kz_sg = a[i++];
@@ -1281,10 +1296,6 @@ KIVI_EXPORT int kivi_v3_lanes_launch(const long long* a, const signed char* head
     ln.vs_sb = a[i++]; ln.vs_sh = a[i++];
     ln.vz_sb = a[i++]; ln.vz_sh = a[i++];
     ln.dk = (int)a[i++];
-  }
-  for (int h = 0; h < lp.p.H; ++h) {
-    lp.head_lane[h] = head_lane[h];
-    lp.head_row[h] = head_row[h];
   }
   if (nw < 1 || nw > MAX_NW || stages < 2 || stages > 4) return (int)cudaErrorInvalidValue;
   const size_t smem = launch_smem(nw, stages);
@@ -1300,7 +1311,8 @@ KIVI_EXPORT int kivi_v3_lanes_launch(const long long* a, const signed char* head
   return (int)cudaErrorInvalidValue;
 }
 // Host check of the argument array's layout (no GPU): parses `a` as kivi_v3_lanes_launch does and writes back, in
-// order, M, H, NT, BH, nsplit, nlanes, then per lane dk, ch_sh, vz_sh and its kc pointer; returns the entries used.
+// order, M, H, NT, BH, nsplit, nlanes, then per lane dk, ch_sh, nheads, vz_sh and its kc pointer; returns the
+// entries used.
 KIVI_EXPORT int kivi_v3_lanes_parse_probe(const long long* a, long long* out) {
   using namespace kivi_v3;
   const Params p = parse_params(a, 1.0);
@@ -1308,10 +1320,10 @@ KIVI_EXPORT int kivi_v3_lanes_parse_probe(const long long* a, long long* out) {
   const int n = (int)a[i++];
   out[o++] = p.M; out[o++] = p.H; out[o++] = p.NT; out[o++] = p.BH; out[o++] = p.nsplit; out[o++] = n;
   for (int l = 0; l < n && l < MAX_LANES; ++l) {
-    const long long* e = a + i + l * 25;
-    out[o++] = e[24]; out[o++] = e[7]; out[o++] = e[23]; out[o++] = e[0];
+    const long long* e = a + i + l * 27;
+    out[o++] = e[26]; out[o++] = e[7]; out[o++] = e[9]; out[o++] = e[25]; out[o++] = e[0];
   }
-  return i + n * 25;
+  return i + n * 27;
 }
 KIVI_EXPORT int kivi_v3_params_ints() { return KIVI_PARAMS_INTS; }
 #endif

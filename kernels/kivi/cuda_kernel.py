@@ -406,9 +406,8 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
         raise RuntimeError(f"{path} was built for another configuration")
     if lane_dks:
         lib.kivi_v3_lanes_launch.restype = ctypes.c_int
-        lib.kivi_v3_lanes_launch.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_char_p, ctypes.c_char_p,
-                                             ctypes.c_double, ctypes.c_double, ctypes.c_int, ctypes.c_int,
-                                             ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        lib.kivi_v3_lanes_launch.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_double, ctypes.c_double,
+                                             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
         lib.kivi_v3_lanes_parse_probe.restype = ctypes.c_int
         lib.kivi_v3_lanes_parse_probe.argtypes = [ctypes.POINTER(ctypes.c_longlong),
                                                   ctypes.POINTER(ctypes.c_longlong)]

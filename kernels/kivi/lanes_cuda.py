@@ -7,7 +7,8 @@ import: the first call builds the library for the region's ``(bits, Dv)`` and it
 
 How it works (``kivi_v3_lanes_kernel`` in ``cuda_kernel.cu``): the grid is the plain kernel's - ``(splits, B*H,
 row blocks of 8)`` - over the REGION's heads; the CTA of head ``h`` looks up its lane and its row among the lane's
-heads in two small tables built on the host once per region (:func:`head_tables`), and runs the plain kernel's body
+heads in the lanes' head lists (device tensors: nothing is read on the host per call, so the launch is captured into
+CUDA graphs like any other; the lanes must be disjoint, checked once per region), and runs the plain kernel's body
 (``attend``) specialised for that lane's kept-channel count ``c``: the query rows of the head are gathered to the
 lane's kept channels while the B fragments are built (no gather launch), the packed keys of ``c`` channels are
 dequantized in registers as in the plain kernel - with ``c`` not a multiple of 4 key words (16, 32, 48, 96 ... at 2
@@ -30,48 +31,21 @@ import weakref
 import torch
 
 from . import cuda_kernel as ck
-from .lanes_reference import PackedLanes
+from .lanes_reference import PackedLanes, _disjoint
 from .reference import PackedKV
 
-#: the most lanes one launch takes (``kivi_v3::MAX_LANES``) and the most region heads its tables cover
+#: the most lanes one launch takes (``kivi_v3::MAX_LANES``)
 MAX_LANES = 8
-MAX_HEADS = 256
 #: ints of one lane's entry in the launcher's argument array (``kivi_v3_lanes_launch``)
-LANE_INTS = 25
-HEADS_ATTR = "_kvcompress_kivi_lanes_cuda_heads"
+LANE_INTS = 27
 
 _LOCK = threading.Lock()  # the launcher fills one static parameter block
 _PLANS: dict[tuple, tuple] = {}
 
 
-def head_tables(region: PackedLanes) -> tuple[bytes, bytes, int] | None:
-    """``(head -> lane, head -> row in the lane, heads covered)`` as the launcher's byte tables (lane ``-1``: none),
-    or ``None`` when a head is in two lanes or a lane without a head list shares the region with others.  Read from
-    the head lists once per region (one host read; cached on its ``valid`` tensor while the lanes' head tensors are the
-    same objects, weakly, as :func:`.lanes_reference._disjoint` does), not at every call."""
-    heads = tuple(lane.heads for lane in region.lanes)
-    cached = getattr(region.valid, HEADS_ATTR, None)
-    if cached is not None and len(cached[0]) == len(heads) and all(
-            (a is None and c is None) or (a is not None and a() is c) for a, c in zip(cached[0], heads)):
-        return cached[1]
-    n = region.num_heads
-    lane_of, row_of = [-1] * n, [0] * n
-    answer = None
-    if len(heads) == 1 and heads[0] is None:
-        lane_of, row_of = [0] * n, list(range(n))
-        answer = (bytes(x & 0xFF for x in lane_of), bytes(row_of), n)
-    elif all(h is not None for h in heads):
-        ok = True
-        for li, h in enumerate(heads):
-            for row, head in enumerate(h.tolist()):  # once per region (a store change)
-                if not 0 <= head < n or lane_of[head] >= 0 or row > 255:
-                    ok = False
-                lane_of[min(max(head, 0), n - 1)] = li
-                row_of[min(max(head, 0), n - 1)] = min(row, 255)
-        if ok:
-            answer = (bytes(x & 0xFF for x in lane_of), bytes(row_of), sum(x >= 0 for x in lane_of))
-    setattr(region.valid, HEADS_ATTR, (tuple(None if h is None else weakref.ref(h) for h in heads), answer))
-    return answer
+def covered_heads(region: PackedLanes) -> int:
+    """How many of the region's heads some lane holds (from the lanes' shapes; the lanes are disjoint)."""
+    return sum(region.num_heads if lane.heads is None else lane.heads.numel() for lane in region.lanes)
 
 
 def _lane_packed(region: PackedLanes, lane) -> PackedKV:
@@ -88,12 +62,17 @@ def problem(query: torch.Tensor, region: PackedLanes) -> str | None:
     if query.dim() != 4 or query.dtype != torch.float16:
         return f"query {tuple(query.shape)} {query.dtype} (fp16 [B, H, M, D])"
     b, h, m, d = query.shape
-    if h != region.num_heads or h > MAX_HEADS:
-        return f"{h} query heads for a region of {region.num_heads} (at most {MAX_HEADS})"
+    if h != region.num_heads:
+        return f"{h} query heads for a region of {region.num_heads}"
     if query.stride(-1) != 1:
         return "query channels must be contiguous"
-    if head_tables(region) is None:
-        return "a head in two lanes (or an all-heads lane beside others)"
+    if any(lane.heads is None for lane in region.lanes) and len(region.lanes) > 1:
+        return "an all-heads lane beside others"
+    if any(lane.heads is not None and (lane.heads.dtype != torch.int64 or lane.heads.dim() != 1
+                                       or lane.heads.stride(0) != 1) for lane in region.lanes):
+        return "lane head lists must be dense int64 vectors"
+    if len(region.lanes) > 1 and not _disjoint(region):  # one host read per region (cached on its valid tensor)
+        return "a head in two lanes"
     dv = None
     for lane in region.lanes:
         c = lane.k_scale.shape[-1]
@@ -160,8 +139,10 @@ def launch_args(q: torch.Tensor, region: PackedLanes, valid8: torch.Tensor, po: 
         kc, ks, kz, vc, vs, vz, _ = ck._kv_tensors(_lane_packed(region, lane))
         keep += [kc, ks, kz, vc, vs, vz]
         ch = lane.channels
+        heads = lane.heads
         entry = [kc.data_ptr(), ks.data_ptr(), kz.data_ptr(), vc.data_ptr(), vs.data_ptr(), vz.data_ptr(),
                  0 if ch is None else ch.data_ptr(), 0 if ch is None else ch.stride(0),
+                 0 if heads is None else heads.data_ptr(), region.num_heads if heads is None else heads.numel(),
                  *kc.stride()[:3], *ks.stride()[:3], *kz.stride()[:3], *vc.stride()[:3], *vs.stride()[:2],
                  *vz.stride()[:2], ks.shape[-1]]
         if len(entry) != LANE_INTS:
@@ -187,12 +168,9 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
         return out, lse
     if nt == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    tables = head_tables(region)
-    if tables is None:
-        raise ValueError("KIVI CUDA lanes kernel: a head in two lanes (or an all-heads lane beside others)")
-    lane_of, row_of, covered = tables
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     c = dict(base if base is not None else ck.config(region.bits))
+    covered = covered_heads(region)
     key = (region.bits, region.group, dv, b, h, m, nt, tuple(ln.k_scale.shape[-1] for ln in region.lanes), covered,
            index, bool(softcap), tuple(sorted(c.items())), query.dtype)
     plan = _PLANS.get(key)
@@ -217,8 +195,8 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
     arr = (ctypes.c_longlong * len(args))(*args)
     stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)
     with _LOCK:
-        rc = lib.kivi_v3_lanes_launch(arr, lane_of, row_of, float(scale) * ck.LOG2E, float(softcap or 0.0) * ck.LOG2E,
-                                      nw, stages, -(-m // 8), index, stream)
+        rc = lib.kivi_v3_lanes_launch(arr, float(scale) * ck.LOG2E, float(softcap or 0.0) * ck.LOG2E, nw, stages,
+                                      -(-m // 8), index, stream)
     if rc:
         raise RuntimeError(f"KIVI CUDA lanes kernel launch failed: {lib.kivi_v3_error_string(rc).decode()}")
     if s > 1:
@@ -233,26 +211,25 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
 def emulate(query: torch.Tensor, region: PackedLanes, scale: float, **kw) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's dataflow on the CPU: each lane's head rows through :func:`.cuda_kernel.emulate` (the same key
     mapping, quarter words included) on the query gathered to the lane's channels, placed on the lane's heads by the
-    host tables (:func:`head_tables`); heads no lane holds get ``-inf`` and zeros.  Slow; for tests."""
+    lanes' head lists as the kernel looks them up; heads no lane holds get ``-inf`` and zeros.  Slow; for tests."""
     why = problem(query, region)
     if why is not None:
         raise ValueError(why)
     from .lanes_reference import gather_query
 
-    lane_of, row_of, _ = head_tables(region)
     valid = region.live_valid() if region.length is not None else region.valid
     b, h, m, _ = query.shape
     out = torch.zeros(b, h, m, region.v_dim)
     lse = torch.full((b, h, m), float("-inf"))
-    parts = [ck.emulate(gather_query(query, lane.heads, lane.channels).float().half(),
-                        PackedKV(region.bits, region.group, lane.k_codes, lane.k_scale, lane.k_zero, lane.v_codes,
-                                 lane.v_scale, lane.v_zero, valid), scale, **kw)
-             for lane in region.lanes]
-    for head in range(h):
-        li = lane_of[head] if lane_of[head] < 128 else lane_of[head] - 256
-        if li >= 0:
-            out[:, head], lse[:, head] = parts[li][0][:, row_of[head]], parts[li][1][:, row_of[head]]
+    for lane in region.lanes:  # the kernel's lookup: head -> (lane, row among the lane's heads)
+        o, l = ck.emulate(gather_query(query, lane.heads, lane.channels).float().half(),
+                          PackedKV(region.bits, region.group, lane.k_codes, lane.k_scale, lane.k_zero, lane.v_codes,
+                                   lane.v_scale, lane.v_zero, valid), scale, **kw)
+        heads = range(h) if lane.heads is None else lane.heads.tolist()
+        for row, head in enumerate(heads):
+            out[:, head], lse[:, head] = o[:, row], l[:, row]
     return out, lse
 
 
-__all__ = ["MAX_HEADS", "MAX_LANES", "emulate", "head_tables", "kivi_lanes_attention_partial", "problem", "supports"]
+__all__ = ["MAX_LANES", "covered_heads", "emulate", "kivi_lanes_attention_partial", "launch_args", "problem",
+           "supports"]
