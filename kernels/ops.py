@@ -10,8 +10,9 @@ op                                    semantics (the PyTorch reference, also the
 ====================================  =========================================================================
 ``kvcompress::kivi_partial``          :func:`kvcompress.kernels.kivi.reference.kivi_attention_partial`
 ``kvcompress::kivi_lanes_partial``    :func:`kvcompress.kernels.kivi.lanes_reference.kivi_lanes_attention_partial`
-                                      (every quantized lane of a stacked LeanK + KIVI middle, one op; Triton:
-                                      :mod:`kvcompress.kernels.kivi.lanes_triton`, one launch + one merge)
+                                      (every quantized lane of a stacked LeanK + KIVI middle, one op; CUDA:
+                                      :mod:`kvcompress.kernels.kivi.lanes_cuda`, Triton:
+                                      :mod:`kvcompress.kernels.kivi.lanes_triton`, one launch + one merge each)
 ``kvcompress::paged_partial``         :func:`kvcompress.kernels.paged.reference.paged_attention_partial`
 ``kvcompress::lanes_partial``         :func:`kvcompress.kernels.leank.reference.grouped_partial_attention`
 ``kvcompress::select_topk``           :func:`kvcompress.kernels.doublesparse.reference.select_topk`
@@ -23,7 +24,8 @@ op                                    semantics (the PyTorch reference, also the
 * **CPU**: always the reference (``impl`` is accepted and ignored: the references are the CPU path), except
   ``kivi_quantize``, which raises for ``impl="triton"`` on CPU tensors.
 * **CUDA**: the implementation named by the explicit ``impl`` argument - ``"reference"``, ``"triton"`` (every op)
-  or ``"cuda"`` (KIVI only: the hand-written v3 kernel, built with nvcc at its first call, bound with ctypes).  The op
+  or ``"cuda"`` (KIVI and KIVI lanes: the hand-written v3 kernel, built with nvcc at its first call, bound with
+  ctypes).  The op
   never reads the environment, looks up nvcc or probes the device: :func:`choose` does that once, when a cache is
   built, and the caller passes its answer with every call.  A named kernel that cannot take the call raises
   (``ValueError`` naming the op and the implementation); nothing falls back silently.
