@@ -47,6 +47,8 @@ class OpCase:
 
             ok = is_topk(got, self.extra["scores"], self.extra["k"], self.extra["tol"])
             return ok, 0.0 if ok else float("inf"), "" if ok else "not a top-k of the reference label scores"
+        if self.op == "merge_partials":
+            return check_merged(got, ref)
         return check_partial(got, ref)
 
 
@@ -71,6 +73,24 @@ def check_partial(got, ref, atol: float = ATOL, rtol: float = RTOL, lse_atol: fl
     worst = max(err.max().item() if err.numel() else 0.0, lerr)
     ok = bool((err <= atol + rtol * ref_out.float().abs()).all()) and lerr <= lse_atol
     return ok, worst, "" if ok else f"max |out - ref| {err.max().item():.2e}, max |lse - ref| {lerr:.2e}"
+
+
+def check_merged(got: torch.Tensor, ref: torch.Tensor, atol: float = 1e-3, rtol: float = 1e-2
+                 ) -> tuple[bool, float, str]:
+    """``(ok, max abs error, message)`` of a merged output against the reference merge: same shape and dtype, no NaN,
+    zeros exactly where the reference's rows are zero (no region saw them), within ``atol + rtol * |ref|`` (the
+    outputs are rounded to the query's dtype once, by both)."""
+    if got.shape != ref.shape or got.dtype != ref.dtype:
+        return False, float("inf"), f"shape / dtype {tuple(got.shape)} {got.dtype} against {tuple(ref.shape)} {ref.dtype}"
+    if torch.isnan(got).any():
+        return False, float("nan"), "NaN"
+    dead = (ref == 0).all(-1)
+    if (got[dead] != 0).any():
+        return False, float("inf"), "rows no region sees must be zero"
+    err = (got.float() - ref.float()).abs()
+    worst = err.max().item() if err.numel() else 0.0
+    ok = bool((err <= atol + rtol * ref.float().abs()).all())
+    return ok, worst, "" if ok else f"max |out - ref| {worst:.2e}"
 
 
 def _gen(seed: int, device) -> torch.Generator:
@@ -329,6 +349,35 @@ def _cap(softcap: float | None) -> str:
     return f"-cap{softcap:g}" if softcap else ""
 
 
+# ----------------------------------------------------------------------------- the region merge
+
+
+def merge_case(batch: int = 2, kv_heads: int = 3, rows: int = 5, v_dim: int = 48, parts: int = 3,
+               dtype: torch.dtype = torch.float16, device="cpu", seed: int = 0) -> OpCase:
+    """``parts`` region partials ``(out [B, H, M, Dv] fp32, lse [B, H, M] fp32)`` as a read makes them: normalised
+    outputs, LSEs spread over tens of units (one region dominates some rows), a region that sees nothing on some rows
+    (LSE ``-inf``, zero output), rows no region sees (the last batch row); merged into ``dtype``."""
+    from . import ops
+
+    gen = _gen(seed, device)
+    outs, lses = [], []
+    for i in range(parts):
+        out = torch.randn(batch, kv_heads, rows, v_dim, generator=gen, device=device)
+        lse = torch.randn(batch, kv_heads, rows, generator=gen, device=device) * 20
+        empty = torch.rand(batch, kv_heads, rows, generator=gen, device=device) < 0.3 * (i > 0)
+        if batch > 1:
+            empty[batch - 1] = True
+        lse = lse.masked_fill(empty, float("-inf"))
+        outs.append(out.masked_fill(empty.unsqueeze(-1), 0.0))
+        lses.append(lse)
+
+    def fn(impl):
+        return lambda *a: ops.merge_attention(list(zip(a[:parts], a[parts:])), dtype, impl=impl)
+
+    name = f"merge-{parts}parts-b{batch}-h{kv_heads}-m{rows}-dv{v_dim}-{str(dtype).split('.')[-1]}"
+    return OpCase(name, "merge_partials", (*outs, *lses), fn, dict(v_dim=v_dim))
+
+
 def small_cases(device="cpu", softcap: float | None = None) -> list[OpCase]:
     """Small odd shapes of every op (CPU tests; the GPU tests and the GPU check's "small" shapes).  ``softcap``: the
     attention ops' cases read with that logit soft-cap (the selection op's are unchanged)."""
@@ -348,6 +397,8 @@ def small_cases(device="cpu", softcap: float | None = None) -> list[OpCase]:
         select_case(bits=4, r=16, k=20, tokens=131, group=4, device=device, seed=8),
         gather_case(device=device, **cap),
         gather_case(shared=True, rows=4, v_dim=64, device=device, seed=9, **cap),
+        merge_case(device=device),
+        merge_case(batch=1, kv_heads=8, rows=4, v_dim=128, parts=2, dtype=torch.float32, device=device, seed=10),
     ]
 
 

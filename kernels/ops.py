@@ -19,6 +19,9 @@ op                                    semantics (the PyTorch reference, also the
 ``kvcompress::gather_partial``        :func:`kvcompress.kernels.doublesparse.reference.gather_partial_attention`
 ``kvcompress::kivi_quantize``         :func:`kvcompress.kernels.kivi.reference.fill_masked`, ``quantize_keys``,
                                       ``quantize_values`` (Triton: :mod:`kvcompress.kernels.kivi.quantize_triton`)
+``kvcompress::merge_partials``        :func:`kvcompress.kernels.attention.reference.merge_partials` + the cast to
+                                      the query's dtype (a read's region partials; Triton:
+                                      :mod:`kvcompress.kernels.attention.merge_triton`, one launch)
 ====================================  =========================================================================
 
 * **CPU**: always the reference (``impl`` is accepted and ignored: the references are the CPU path), except
@@ -60,6 +63,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from .attention.partials import MERGE_MAX_PARTS  # the most region partials one merge_partials call merges
 from .doublesparse import reference as ds_ref
 from .kivi import lanes_reference as kivi_lanes_ref
 from .kivi import reference as kivi_ref
@@ -81,7 +85,9 @@ OPS = {
     "kivi_partial_scored": ("reference", "triton"),
     "kivi_lanes_partial_scored": ("reference", "triton"),
     "lanes_partial_scored": ("reference", "triton"),
+    "merge_partials": ("reference", "triton"),
 }
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 #: the scored variant of an attention op -> the op it extends (same inputs; also returns what it scored)
 SCORED = {"kivi_partial_scored": "kivi_partial", "kivi_lanes_partial_scored": "kivi_lanes_partial",
           "lanes_partial_scored": "lanes_partial"}
@@ -743,6 +749,56 @@ def gather_attention(query: Tensor, k: Tensor, v: Tensor, valid: Optional[Tensor
     return _OPS["gather_partial"](query, k, v, valid, index, float(scale), float(softcap or 0.0), impl)
 
 
+# ----------------------------------------------------------------------------- region merge
+
+
+def _merge_reference(outs, lses, dtype: str) -> Tensor:
+    from .attention.reference import merge_partials as reference_merge
+
+    if len(outs) == 0 or len(outs) != len(lses) or dtype not in _DTYPES:
+        raise ValueError(f"kvcompress::merge_partials: one lse per output (at least one), dtype one of "
+                         f"{sorted(_DTYPES)}; got {len(outs)} outputs, {len(lses)} lses, dtype {dtype!r}")
+    if len(outs) == 1:
+        return outs[0].to(_DTYPES[dtype], copy=True)  # a fresh tensor (an op's output never aliases an input)
+    return reference_merge(list(zip(outs, lses))).to(_DTYPES[dtype]).contiguous()
+
+
+@torch.library.custom_op("kvcompress::merge_partials", mutates_args=(), device_types="cpu")
+def merge_partials(outs: list[Tensor], lses: list[Tensor], dtype: str, impl: str = "reference") -> Tensor:
+    """The joint softmax output of partials ``(outs[i] [..., Dv] float32, lses[i] [...] float32)`` over disjoint key
+    regions, as ``dtype`` (``"float32"`` / ``"float16"`` / ``"bfloat16"``):
+    :func:`kvcompress.kernels.attention.reference.merge_partials` (no learned sinks) and the cast, in one op (on CUDA
+    with ``impl="triton"`` one launch, :mod:`kvcompress.kernels.attention.merge_triton`, for at most
+    :data:`MERGE_MAX_PARTS` partials of one shape).  CPU: the reference."""
+    _check_impl("merge_partials", impl)
+    return _merge_reference(outs, lses, dtype)
+
+
+@merge_partials.register_kernel("cuda")
+def _merge_partials_cuda(outs, lses, dtype, impl="reference"):
+    _check_impl("merge_partials", impl)
+    if impl == "triton":
+        from .attention import merge_triton
+
+        if dtype not in _DTYPES or len(outs) != len(lses):
+            return _merge_reference(outs, lses, dtype)  # raises the op's error
+        return merge_triton.merge_partials(list(zip(outs, lses)), _DTYPES[dtype])
+    return _merge_reference(outs, lses, dtype)
+
+
+@merge_partials.register_fake
+def _merge_partials_fake(outs, lses, dtype, impl="reference"):
+    return outs[0].new_empty(outs[0].shape, dtype=_DTYPES.get(dtype, torch.float32))
+
+
+def merge_attention(parts: Sequence[tuple[Tensor, Tensor]], dtype: torch.dtype, *, impl: str) -> Tensor:
+    """``kvcompress::merge_partials`` over ``(out, lse)`` partials, output in ``dtype``."""
+    name = {v: k for k, v in _DTYPES.items()}.get(dtype)
+    if name is None:
+        raise ValueError(f"kvcompress::merge_partials: dtype one of {sorted(_DTYPES)}, got {dtype}")
+    return _OPS["merge_partials"]([o for o, _ in parts], [lse for _, lse in parts], name, impl)
+
+
 # the registered ops by name (the wrappers call these), and their CUDA implementations as Python functions (what
 # tests/test_kernel_ops.py runs on CPU tensors under the Triton interpreter to check the CUDA glue without a GPU)
 _OPS = {name: getattr(torch.ops.kvcompress, name).default for name in OPS}
@@ -752,7 +808,7 @@ CUDA_IMPLS = {"kivi_partial": _kivi_partial_cuda, "kivi_lanes_partial": _kivi_la
               "gather_partial": _gather_partial_cuda, "kivi_quantize": _kivi_quantize_cuda,
               "kivi_partial_scored": _kivi_partial_scored_cuda,
               "kivi_lanes_partial_scored": _kivi_lanes_partial_scored_cuda,
-              "lanes_partial_scored": _lanes_partial_scored_cuda}
+              "lanes_partial_scored": _lanes_partial_scored_cuda, "merge_partials": _merge_partials_cuda}
 
 
 # ----------------------------------------------------------------------------- the chooser (environment read here)
@@ -803,6 +859,7 @@ _FACTS = {
     "select_topk": {"label_bits", "label_channels", "query_dtype", "label_dtype"},
     "gather_partial": {"head_dim", "v_dim", "dtype", "query_dtype"},
     "kivi_quantize": {"bits", "group", "v_group", "head_dim", "v_dim", "k_per_token", "dtype"},
+    "merge_partials": {"v_dim"},
 }
 _FACTS.update({scored: _FACTS[base] for scored, base in SCORED.items()})
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -924,7 +981,8 @@ def choose(op: str, device, **static_facts) -> str:
     * ``select_topk``: ``label_bits``, ``label_channels``, ``query_dtype``, ``label_dtype``;
     * ``gather_partial``: ``head_dim``, ``v_dim``, ``dtype`` (of K/V), ``query_dtype``;
     * ``kivi_quantize``: ``bits``, ``group``, ``v_group``, ``head_dim`` (Dk), ``v_dim``, ``k_per_token``, ``dtype``
-      (of K/V).
+      (of K/V);
+    * ``merge_partials``: ``v_dim``.
 
     Example: ``impl = choose("kivi_partial", torch.device("cuda"), bits=2, group=32, head_dim=128, v_group=32)``.
     When the fused kernel is not taken on CUDA, the reason is logged (``logging``, level INFO).

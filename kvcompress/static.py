@@ -637,7 +637,8 @@ def choose_kernels(device: torch.device, head_dim: int, v_dim: int, dtype: torch
 
     return {"lanes_partial": ops.choose("lanes_partial", device, head_dim=head_dim, v_dim=v_dim, dtype=dtype),
             "gather_partial": ops.choose("gather_partial", device, head_dim=head_dim, v_dim=v_dim, dtype=dtype,
-                                         query_dtype=dtype)}
+                                         query_dtype=dtype),
+            "merge_partials": ops.choose("merge_partials", device, v_dim=v_dim)}
 
 
 # ----------------------------------------------------------------------------- stores

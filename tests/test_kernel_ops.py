@@ -277,6 +277,11 @@ def test_dispatchers_without_impl_keep_their_per_call_behaviour():
             got = region.attention_partial(a[0], a[0].shape[-1] ** -0.5)
         elif case.op == "select_topk":
             continue  # same reference function; its result is checked through opcheck / compile
+        elif case.op == "merge_partials":  # the per-op merge and the cast (what a read without the op runs)
+            from kvcompress.kernels.attention import merge_partials
+
+            n = len(a) // 2
+            got = merge_partials(list(zip(a[:n], a[n:]))).to(ref.dtype)
         else:
             index = a[4].expand(*a[4].shape[:2], a[0].shape[2], a[4].shape[3])
             got = doublesparse.gather_partial_attention(*a[:4], index, a[0].shape[-1] ** -0.5)

@@ -574,7 +574,10 @@ def test_chunked_prefill_shrinks_the_static_store(name, entries):
 
     static, cache = run(True, 4)
     dynamic, _ = run(False, 4)
-    assert (static - dynamic).abs().max().item() <= 1e-5
+    # the two caches read the same tokens in a different float32 order (merged regions vs one dense read): on an
+    # AMD EPYC CPU (session 22) knorm + KIVI-4 differed by up to 1.3e-5 (most logits by ~1e-6); a wrong token is
+    # ~1e-2 and more
+    assert (static - dynamic).abs().max().item() <= 5e-5
     one, one_cache = run(True, 1)
     slots = cache.compressed_layers[0].middle.ring.capacity
     with kvcompress.compress(model, stack, max_cache_len=424) as probe, torch.no_grad():

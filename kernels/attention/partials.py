@@ -33,6 +33,9 @@ from kvcompress.state import Segment, TokenSelection
 
 from .reference import merge_partials, merged_lse, partial_attention, partial_scored, segment_mask, sink_rows
 
+#: the most region partials one ``kvcompress::merge_partials`` call merges (one Triton launch; more: the reference)
+MERGE_MAX_PARTS = 4
+
 
 def _kv_heads(segments: Sequence[Segment]) -> int:
     for seg in segments:
@@ -181,8 +184,9 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
     ``fused``: read the full-precision lanes with the grouped kernel (True), never (False), or as the
     environment says (``None``: ``KVCOMPRESS_KERNELS``, CUDA tensors only).  ``impls``: implementations
     chosen once when a static cache was built (:func:`kvcompress.kernels.ops.choose`), by op name
-    (``"lanes_partial"``, ``"gather_partial"``): the registered ops run them and nothing is decided
-    per call (packed regions carry their own choice).  ``softcap`` / ``sink_logits``: the model's attention variants
+    (``"lanes_partial"``, ``"gather_partial"``, ``"merge_partials"`` - the log-sum-exp merge of the regions' partials
+    and the cast, one launch instead of about ten, for up to 4 regions without learned sinks): the registered ops
+    run them and nothing is decided per call (packed regions carry their own choice).  ``softcap`` / ``sink_logits``: the model's attention variants
     (:func:`~.reference.segment_attention`).
 
     ``scored`` (a single query position, decode): also return the attention probability *mass* each stored token
@@ -277,7 +281,13 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
     dv = max(o.shape[-1] for o, _ in parts)
     parts = [(o if o.shape[-1] == dv else torch.nn.functional.pad(o, (0, dv - o.shape[-1])), lse) for o, lse in parts]
     sinks = None if sink_logits is None else sink_rows(sink_logits, kv_heads, q_len)
-    out = merge_partials(parts, sinks)
+    merge = impls.get("merge_partials", "reference")
+    if merge != "reference" and sinks is None and 1 < len(parts) <= MERGE_MAX_PARTS:
+        from kvcompress.kernels import ops
+
+        out = ops.merge_attention(parts, query.dtype, impl=merge)  # one launch: the merge and the cast
+    else:
+        out = merge_partials(parts, sinks)
     out = out.reshape(b, hq, q_len, dv)  # rows g * q_len + i of kv head h are query head h * group + g
     out = out if out.dtype == query.dtype else out.to(query.dtype)
     if not scored:
