@@ -10,6 +10,8 @@
 //   nvcc -O3 --use_fast_math -lineinfo -std=c++17 -shared -Xcompiler -fPIC \
 //        -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=sm_80 \
 //        -DKIVI_BITS=2 -DKIVI_DK=128 -DKIVI_DV=128 -o libkivi.so cuda_kernel.cu
+// The lanes build (a stacked LeanK + KIVI layer's lanes in one launch, lanes_cuda.py) adds -DKIVI_LANES=1 and the
+// lanes' kept-channel counts -DKIVI_LANE_DK0=32 -DKIVI_LANE_DK1=64 ..., with KIVI_DK the largest of them.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -484,18 +486,20 @@ struct TileCopier {
 #endif
 };
 
-// grid (nsplit, B*H, row blocks of 8), block NW warps.  Each warp walks its own contiguous run of 32-token
-// tiles of the split through a ST-deep cp.async pipeline, keeps an online softmax in registers, and the
-// warps are merged through shared memory at the end.
+// The body of both kernels (kivi_v3_kernel, kivi_v3_lanes_kernel: grid (nsplit, B*H, row blocks of 8), block NW
+// warps).  Each warp walks its own contiguous run of 32-token tiles of the split through a ST-deep cp.async pipeline,
+// keeps an online softmax in registers, and the warps are merged through shared memory at the end.
 //
 // Transposed products (the GQA rows are the N = 8 side of m16n8k16, tokens / channels the M = 16 side):
 //   S^T = K Q^T   A = K [16 tokens x 16 channels], B = Q^T [16 channels x 8 rows], C = S^T [16 tokens x 8 rows]
 //   O^T += V^T P^T  A = V^T [16 channels x 16 tokens], B = P^T [16 tokens x 8 rows] (movmatrix of the S^T C
 //                   fragment), C = O^T [16 channels x 8 rows]
-// The body of one CTA: (split blockIdx.x, row block blockIdx.z) of one (batch, kv head) slice `sp`, its query head at
+//
+// One CTA: (split blockIdx.x, row block blockIdx.z) of one (batch, kv head) slice `sp`, its query head at
 // `qh` (channel c of query row r at qh[r * q_sm + c]), its partial written to output row `bh` (batch * H + head).
 // GATHER (kivi_v3_lanes_kernel): the slice keeps DK of the head's channels, `ch` lists them (int64; nullptr: the
-// first DK), and the query is gathered here.
+// first DK), and the query is gathered here.  `strides`: the slice's key-code group, key-scale group, key-zero group
+// and value-code token strides (elements).
 template <int BITS, int DK, int DV, int ST, bool GATHER>
 __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const int (&strides)[4], const __half* qh,
                                        const long long* ch, int bh) {
