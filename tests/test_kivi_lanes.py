@@ -433,6 +433,27 @@ def test_cuda_lanes_emulated_matches_oracle(name):
     assert close(got, kivi_lanes_attention_partial(q, region, scale)) == ""
 
 
+def test_reads_during_a_capture_need_no_host_read_of_the_heads(monkeypatch):
+    """A region whose head tensors are new objects read during a CUDA-graph capture (torch.compile's CUDA graphs copy
+    their inputs): the reference takes the joint-softmax path without reading the heads on the host (a capture
+    forbids it) - the same result -, and the CUDA lanes kernel's check asks for a warm-up call instead of guessing."""
+    from kvcompress.kernels.kivi import lanes_cuda, lanes_reference
+
+    q, region = make_region(batch=2, heads=5, counts=(32, 0, 96, 32, 64), tokens=64, seed=5)
+    scale = q.shape[-1] ** -0.5
+    plain = lanes_reference.kivi_lanes_attention_partial(q, region, scale)
+    copied = lanes_reference.PackedLanes(region.bits, region.group,
+                                         tuple(lane._replace(heads=lane.heads.clone()) for lane in region.lanes),
+                                         region.valid.clone(), region.num_heads, region.head_dim)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("a host read during the capture"))
+    assert lanes_reference.disjoint_or_none(copied) is None
+    got = lanes_reference.kivi_lanes_attention_partial(q, copied, scale)
+    assert close(got, plain, atol=1e-6, rtol=1e-6, lse_atol=1e-6) == ""
+    assert "warm" in lanes_cuda.problem(q, copied) or "before capturing" in lanes_cuda.problem(q, copied)
+
+
 def test_cuda_lanes_launch_arguments_parse_as_the_launcher_reads_them():
     """The argument array lanes_cuda builds, parsed by the library's own parse code on the host
     (kivi_v3_lanes_parse_probe; needs nvcc to build, no GPU): sizes, lane count, each lane's kept count, channel

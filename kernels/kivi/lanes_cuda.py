@@ -31,7 +31,7 @@ import weakref
 import torch
 
 from . import cuda_kernel as ck
-from .lanes_reference import PackedLanes, _disjoint
+from .lanes_reference import PackedLanes, disjoint_or_none
 from .reference import PackedKV
 
 #: the most lanes one launch takes (``kivi_v3::MAX_LANES``)
@@ -71,7 +71,10 @@ def problem(query: torch.Tensor, region: PackedLanes) -> str | None:
     if any(lane.heads is not None and (lane.heads.dtype != torch.int64 or lane.heads.dim() != 1
                                        or lane.heads.stride(0) != 1) for lane in region.lanes):
         return "lane head lists must be dense int64 vectors"
-    if len(region.lanes) > 1 and not _disjoint(region):  # one host read per region (cached on its valid tensor)
+    disjoint = True if len(region.lanes) == 1 else disjoint_or_none(region)  # one host read per region (cached)
+    if disjoint is None:
+        return "a new region during CUDA-graph capture: run one call before capturing (it checks the lanes' heads)"
+    if not disjoint:
         return "a head in two lanes"
     dv = None
     for lane in region.lanes:

@@ -274,18 +274,28 @@ DISJOINT_ATTR = "_kvcompress_kivi_lanes_disjoint"
 
 def _disjoint(region: PackedLanes) -> bool:
     """Whether every lane lists its heads and no head is in two lanes: read from the head lists once per region
-    (cached on its ``valid`` tensor while the lanes' head tensors are the same objects), not at every call."""
+    (cached on its ``valid`` tensor while the lanes' head tensors are the same objects), not at every call.  ``False``
+    when it is not known without a host read during a CUDA-graph capture (:func:`disjoint_or_none`): the
+    joint-softmax path, right for disjoint lanes too."""
+    return bool(disjoint_or_none(region))
+
+
+def disjoint_or_none(region: PackedLanes) -> bool | None:
+    """:func:`_disjoint`, or ``None`` during a CUDA-graph capture of a call whose head tensors are not the cached ones
+    (``torch.compile``'s CUDA graphs copy their inputs; a capture forbids the host read that would decide it)."""
     heads = tuple(lane.heads for lane in region.lanes)
     if any(h is None for h in heads):
         return False
     cached = getattr(region.valid, DISJOINT_ATTR, None)
     if cached is not None and len(cached[0]) == len(heads) and all(a() is c for a, c in zip(cached[0], heads)):
         return cached[1]
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return None
     flat = [h for t in heads for h in t.tolist()]  # once per region (a store change)
     answer = len(set(flat)) == len(flat)
     setattr(region.valid, DISJOINT_ATTR, (tuple(weakref.ref(h) for h in heads), answer))
     return answer
 
 
-__all__ = ["KiviLane", "PAYLOAD", "PackedLanes", "gather_query", "kivi_lanes_attention_partial",
+__all__ = ["KiviLane", "PAYLOAD", "PackedLanes", "disjoint_or_none", "gather_query", "kivi_lanes_attention_partial",
            "kivi_lanes_attention_scored", "merge"]
