@@ -481,15 +481,16 @@ def test_cuda_lanes_launch_arguments_parse_as_the_launcher_reads_them():
 
 
 def test_cuda_lanes_covered_heads_and_problem():
-    """The heads some lane holds (split sizing) and the capability check's refusals: a head in two lanes, an fp32
-    query, a lane of 24 channels, int32 head lists."""
+    """The heads some lane holds (split sizing) and the capability check's refusals: a head in two lanes, an fp64
+    query (fp16 / bf16 / fp32 are read as fp16), a lane of 24 channels, int32 head lists."""
     from kvcompress.kernels.kivi import lanes_cuda
     from kvcompress.kernels.kivi.lanes_reference import KiviLane, PackedLanes
 
     q, region = make_region(batch=1, heads=5, counts=(32, 0, 96, 32, 64), tokens=64)
     assert lanes_cuda.covered_heads(region) == 4
     assert lanes_cuda.problem(q, region) is None
-    assert "fp16" in lanes_cuda.problem(q.float(), region)
+    assert lanes_cuda.problem(q.float(), region) is None and lanes_cuda.problem(q.bfloat16(), region) is None
+    assert "fp16" in lanes_cuda.problem(q.double(), region)
     narrow = region.lanes[0]._replace(heads=region.lanes[0].heads.int())
     assert "int64" in lanes_cuda.problem(q, PackedLanes(region.bits, region.group, (narrow, *region.lanes[1:]),
                                                         region.valid, 5, 128))
@@ -701,7 +702,8 @@ def test_triton_kernel_on_gpu_matches_reference(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", list(CASES) + list(EMULATED) + ["llama-b4-4k", "smollm2-b3-4k", "llama-b2-kivi4"])
+@pytest.mark.parametrize("name", list(CASES) + list(EMULATED) + ["llama-b4-4k", "smollm2-b3-4k", "llama-b2-kivi4",
+                                  "llama-b2-bf16"])
 def test_cuda_lanes_kernel_on_gpu_matches_reference(name):
     """The CUDA lanes kernel (one launch over every lane, the plain CUDA kernel's inner loop) against the reference and
     the float64 oracle, on a real GPU: every CASES / EMULATED region (odd live lengths, left padding, dead rows, heads
@@ -717,10 +719,12 @@ def test_cuda_lanes_kernel_on_gpu_matches_reference(name):
         make_kw = dict(batch=3, heads=3, rows=3, head_dim=64, counts=(0, 16, 48), tokens=4096, live=4093, seed=12)
     elif name == "llama-b2-kivi4":
         make_kw = dict(batch=2, bits=4, counts=(0, 32, 32, 48, 32, 32, 64, 96), tokens=2048, live=1999, seed=13)
+    elif name == "llama-b2-bf16":  # a bf16 model's query (read as fp16, one cast)
+        make_kw = dict(batch=2, counts=(0, 32, 32, 48, 32, 32, 64, 96), tokens=1024, live=1001, seed=14)
     else:
         make_kw = CASES[name][0] if name in CASES else EMULATED[name]
     q, region = make_region(**make_kw)
-    q = q.cuda()
+    q = q.cuda() if name != "llama-b2-bf16" else q.cuda().bfloat16()
     lanes = tuple(lanes_reference.KiviLane(*(None if x is None else x.cuda() for x in lane)) for lane in region.lanes)
     region = lanes_reference.PackedLanes(region.bits, region.group, lanes, region.valid.cuda(), region.num_heads,
                                          region.head_dim, length=None if region.length is None else

@@ -59,13 +59,11 @@ def problem(query: torch.Tensor, region: PackedLanes) -> str | None:
         return "not a PackedLanes region"
     if not region.lanes or len(region.lanes) > MAX_LANES:
         return f"{len(region.lanes)} lanes (1 .. {MAX_LANES})"
-    if query.dim() != 4 or query.dtype != torch.float16:
-        return f"query {tuple(query.shape)} {query.dtype} (fp16 [B, H, M, D])"
+    if query.dim() != 4 or query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"query {tuple(query.shape)} {query.dtype} ([B, H, M, D] fp16 / bf16 / fp32: read as fp16)"
     b, h, m, d = query.shape
     if h != region.num_heads:
         return f"{h} query heads for a region of {region.num_heads}"
-    if query.stride(-1) != 1:
-        return "query channels must be contiguous"
     if any(lane.heads is None for lane in region.lanes) and len(region.lanes) > 1:
         return "an all-heads lane beside others"
     if any(lane.heads is not None and (lane.heads.dtype != torch.int64 or lane.heads.dim() != 1
@@ -188,7 +186,7 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
 
     valid8 = valid.view(torch.uint8) if valid.dtype == torch.bool else valid.to(torch.uint8)
     valid8 = ck._aligned(valid8, 1, 16)
-    q = ck._aligned(query, 1, 4)
+    q = ck._aligned(query.to(torch.float16), 1, 4)  # the kernel's operands are fp16 (a bf16 model: one cast)
     if s == 1:
         po, pl = out, lse
     else:
