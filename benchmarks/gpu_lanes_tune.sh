@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 19 follow-up of session 22 (prepared, not yet run): what the CUDA lanes kernel and the one-launch merge give in
+# the model, and the CUDA KIVI launch configuration at batch 1, in one device call.
+#   bash benchmarks/gpu_lanes_tune.sh OUTDIR [CONFIGS...]
+# 1. GraphStep decode rows (compiled + one CUDA graph, Llama-3-8B shape, random bf16 weights) of kivi2 and
+#    leank-rope70-kivi2 at B1/32k (benchmarks/gpu_graph_rows.py; session 16: leank-rope70-kivi2 8.44 ms GPU-busy with
+#    the Triton lanes kernel, kivi2 7.6 ms) - the first model-level timing of the CUDA lanes read and the merge op;
+# 2. the batch-1 reads under each KVCOMPRESS_KIVI_CUDA_CONFIG in CONFIGS (default: the defaults, 4 and 2 tiles per
+#    warp, 2 waves), each in its own process (the configuration is read once): kivi2 and leank70-kivi2 at Llama
+#    B1/4k, B1/32k, SmolLM2 B1/32k and Llama B16/32k (the configuration is shared by the plain and the lanes kernel).
+set -o pipefail
+OUT=$(realpath "${1:-out}"); shift || true
+CONFIGS=("$@")
+[ ${#CONFIGS[@]} -gt 0 ] || CONFIGS=('{}' '{"min_tiles": 4}' '{"min_tiles": 2}' '{"waves": 2}')
+mkdir -p "$OUT" /tmp/site
+python -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . 2>&1 | tail -2
+export PATH=/usr/local/cuda/bin:$PATH PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+SRC=$PWD
+cd /tmp/site
+date -u | tee -a "$OUT/log.txt"
+timeout 330 python "$SRC/benchmarks/gpu_graph_rows.py" --kind graph --stack kivi2 leank-rope70-kivi2 --jobs 2 \
+  --points 1x32768 --out "$OUT/graph_rows" 2>&1 | tail -6 | tee -a "$OUT/log.txt"
+date -u | tee -a "$OUT/log.txt"
+i=0
+for cfg in "${CONFIGS[@]}"; do
+  echo "KVCOMPRESS_KIVI_CUDA_CONFIG=$cfg" | tee -a "$OUT/log.txt"
+  KVCOMPRESS_KIVI_CUDA_CONFIG="$cfg" timeout 60 python -m kvcompress.kernels.benchutil --device cuda \
+    --ops sdpa,kivi2,leank70-kivi2 --only-shapes llama3-8b:1:4k,llama3-8b:1:32k,smollm2-135m:1:32k,llama3-8b:16:32k \
+    --out "$OUT/tune_$i.json" 2>/dev/null | grep '^|' | tee -a "$OUT/tune.md"
+  i=$((i + 1))
+done
+date -u | tee -a "$OUT/log.txt"
