@@ -498,6 +498,10 @@ def test_cuda_lanes_covered_heads_and_problem():
     two = PackedLanes(region.bits, region.group, (lanes[0], lanes[1]._replace(heads=lanes[0].heads)), region.valid,
                       5, 128)
     assert "two lanes" in lanes_cuda.problem(q, two)
+    coarse = lanes[1]._replace(v_scale=lanes[1].v_scale[..., :2].contiguous(),
+                               v_zero=lanes[1].v_zero[..., :2].contiguous())  # value groups of 64, not 32
+    assert "value groups" in lanes_cuda.problem(q, PackedLanes(region.bits, region.group, (lanes[0], coarse, lanes[2]),
+                                                               region.valid, 5, 128))
     odd = lanes[0]._replace(channels=lanes[0].channels[:, :24], k_scale=lanes[0].k_scale[..., :24],
                             k_zero=lanes[0].k_zero[..., :24])
     assert "24" in lanes_cuda.problem(q, PackedLanes(region.bits, region.group, (odd,), region.valid, 5, 128))

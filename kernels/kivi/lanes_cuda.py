@@ -87,9 +87,9 @@ def problem(query: torch.Tensor, region: PackedLanes) -> str | None:
                           ck.LANE_DIMS)
         if why is not None:
             return f"lane of {c} channels: {why}"
-        lane_dv = lane.v_codes.shape[-1] * (32 // region.bits)
+        lane_dv = (lane.v_codes.shape[-1] * (32 // region.bits), lane.v_scale.shape[-1])
         if dv is not None and lane_dv != dv:
-            return "lanes of different value widths"
+            return "lanes of different value widths or value groups"
         dv = lane_dv
     return None
 
