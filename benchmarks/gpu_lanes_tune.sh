@@ -7,7 +7,8 @@
 #    the Triton lanes kernel, kivi2 7.6 ms) - the first model-level timing of the CUDA lanes read and the merge op;
 # 2. the batch-1 reads under each KVCOMPRESS_KIVI_CUDA_CONFIG in CONFIGS (default: the defaults, 4 and 2 tiles per
 #    warp, 2 waves), each in its own process (the configuration is read once): kivi2 and leank70-kivi2 at Llama
-#    B1/4k, B1/32k, SmolLM2 B1/32k and Llama B16/32k (the configuration is shared by the plain and the lanes kernel).
+#    B1/4k, B1/32k, SmolLM2 B1/32k and Llama B16/32k (the launch settings are shared by the plain and the lanes
+#    kernel; the fold builds, timed in session 6 at 1-2%, apply to the plain kernel only).
 set -o pipefail
 OUT=$(realpath "${1:-out}"); shift || true
 CONFIGS=("$@")

@@ -65,7 +65,8 @@ Folding the key scale into the query (``q * s`` per group, the zero
 point as a bias MMA) was tried and measured by instruction count: it removes the 64 key HFMA2 per tile but
 the operand shuffles around the bias MMA cost more (708 against 697 per tile), so it is not used.
 
-Key-scale fold (build option ``KIVI_KFOLD``, config ``kfold``; 0 = default, not yet timed on a GPU).  Each key field is
+Key-scale fold (build option ``KIVI_KFOLD``, config ``kfold``; 0 = default: timed on the H200 in session 6, 1-2% at
+most, docs/results.md "Third run").  Each key field is
 moved (one shift per word and "version": ``w << 4``, ``w``, ``w >> 6`` at 2 bits) to bit 4, 6 or 8 of its 16-bit half
 and one LOP3 (mask | exponent) makes it the exact fp16 ``E + code`` with ``E = 2**(10 - bit) <= 64``: no HSUB2 and no
 HFMA2 per register.  The channel scale goes into the B operand (``q' = q * s``, one HMUL2 per channel pair and tile,
@@ -134,8 +135,8 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # or faster than 3 on all 7 shapes measured (e.g. B=1 32k 23.9 against 25.4 us, B=64 4k 98.1 against 100.2), and at
 # 4 bits, Dk = Dv = 128 they need 47360 B instead of 71040 B of shared memory: 4 CTAs per SM instead of 3.
 # kfold / vfold: 0 = the measured default; kfold 1 / 2 = the key-scale-fold builds, vfold 1 = the value-fold build
-# (KIVI_KFOLD / KIVI_VFOLD, see "Key-scale fold" above), not yet timed on a GPU - flip with
-# KVCOMPRESS_KIVI_CUDA_CONFIG='{"kfold": 1, "vfold": 1}' (or another combination) once a GPU run shows it faster.
+# (KIVI_KFOLD / KIVI_VFOLD, see "Key-scale fold" above); timed on the H200 in session 6 at 1-2% at most (some shapes
+# slower), so off - KVCOMPRESS_KIVI_CUDA_CONFIG='{"kfold": 1, "vfold": 1}' (or another combination) turns them on.
 DEFAULT_CONFIG = dict(nw=4, stages=2, waves=1.0, warps_per_sm=16, min_tiles="auto", min_blocks=4, kfold=0, vfold=0)
 SMEM_DEFAULT = 48 * 1024  # dynamic shared memory a kernel gets without cudaFuncAttributeMaxDynamicSharedMemorySize
 SMEM_OPTIN_MAX = 227 * 1024  # the largest opt-in limit of any supported GPU (sm_90); the device's own limit is used
