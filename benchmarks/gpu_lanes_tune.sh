@@ -13,12 +13,7 @@ set -o pipefail
 OUT=$(realpath "${1:-out}"); shift || true
 CONFIGS=("$@")
 [ ${#CONFIGS[@]} -gt 0 ] || CONFIGS=('{}' '{"min_tiles": 4}' '{"min_tiles": 2}' '{"waves": 2}')
-mkdir -p "$OUT" /tmp/site
-python -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . 2>&1 | tail -2
-export PATH=/usr/local/cuda/bin:$PATH PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-SRC=$PWD
-cd /tmp/site
-date -u | tee -a "$OUT/log.txt"
+source "$(dirname "$0")/gpu_site.sh"  # install under /tmp/site, cd there
 timeout 330 python "$SRC/benchmarks/gpu_graph_rows.py" --kind graph --stack kivi2 leank-rope70-kivi2 --jobs 2 \
   --points 1x32768 --out "$OUT/graph_rows" 2>&1 | tail -6 | tee -a "$OUT/log.txt"
 date -u | tee -a "$OUT/log.txt"

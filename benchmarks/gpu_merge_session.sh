@@ -9,12 +9,7 @@
 #    session 21's grid (docs/data), which ran the ~10-op PyTorch merge.
 set -o pipefail
 OUT=$(realpath "${1:-out}"); SHAPES=${2:-llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:16:32k,smollm2-135m:1:32k}
-mkdir -p "$OUT" /tmp/site
-python -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . 2>&1 | tail -2
-export PATH=/usr/local/cuda/bin:$PATH PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-SRC=$PWD
-cd /tmp/site
-date -u | tee -a "$OUT/log.txt"
+source "$(dirname "$0")/gpu_site.sh"  # install under /tmp/site, cd there
 timeout 100 python -m pytest -q -m gpu "$SRC/tests/test_kernel_ops.py" "$SRC/tests/test_kivi_lanes.py" \
   -k "merge or static_read" -p no:cacheprovider -p no:logging 2>&1 | grep -v DEBUG | tail -12 | tee "$OUT/pytest.log"
 date -u | tee -a "$OUT/log.txt"
