@@ -752,12 +752,16 @@ def gather_attention(query: Tensor, k: Tensor, v: Tensor, valid: Optional[Tensor
 # ----------------------------------------------------------------------------- region merge
 
 
-def _merge_reference(outs, lses, dtype: str) -> Tensor:
-    from .attention.reference import merge_partials as reference_merge
-
+def _check_merge(outs, lses, dtype: str) -> None:
     if len(outs) == 0 or len(outs) != len(lses) or dtype not in _DTYPES:
         raise ValueError(f"kvcompress::merge_partials: one lse per output (at least one), dtype one of "
                          f"{sorted(_DTYPES)}; got {len(outs)} outputs, {len(lses)} lses, dtype {dtype!r}")
+
+
+def _merge_reference(outs, lses, dtype: str) -> Tensor:
+    from .attention.reference import merge_partials as reference_merge
+
+    _check_merge(outs, lses, dtype)
     if len(outs) == 1:
         return outs[0].to(_DTYPES[dtype], copy=True)  # a fresh tensor (an op's output never aliases an input)
     return reference_merge(list(zip(outs, lses))).to(_DTYPES[dtype]).contiguous()
@@ -780,8 +784,7 @@ def _merge_partials_cuda(outs, lses, dtype, impl="reference"):
     if impl == "triton":
         from .attention import merge_triton
 
-        if dtype not in _DTYPES or len(outs) != len(lses):
-            return _merge_reference(outs, lses, dtype)  # raises the op's error
+        _check_merge(outs, lses, dtype)
         return merge_triton.merge_partials(list(zip(outs, lses)), _DTYPES[dtype])
     return _merge_reference(outs, lses, dtype)
 

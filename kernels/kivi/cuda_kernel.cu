@@ -1152,44 +1152,35 @@ constexpr size_t DEFAULT_SMEM = 48 * 1024;  // above this a kernel needs cudaFun
 // below that and its launch failed with "invalid argument" (the H200 run's (4, 128, 64) M = 12, 4-bit
 // dk 64 / dv 128 and min_blocks = 1 failures).  The libraries are also built with -fvisibility=hidden.
 namespace {
-size_t g_smem_set[3][MAX_DEVICES];
+size_t g_smem_set[2][3][MAX_DEVICES];  // [kivi_v3_kernel / kivi_v3_lanes_kernel][stages - 2][device]
 }
 
-template <int ST>
-int launch_variant(const Params& p, int nw, dim3 grid, size_t smem, int device, cudaStream_t stream) {
-  auto kern = kivi_v3_kernel<KIVI_BITS, KIVI_DK, KIVI_DV, ST>;
+// nw / stages in range and their dynamic shared memory (`*smem`) within the device's opt-in limit: 0, else the error.
+inline int check_launch(int nw, int stages, int device, size_t* smem) {
+  if (nw < 1 || nw > MAX_NW || stages < 2 || stages > 4) return (int)cudaErrorInvalidValue;
+  *smem = launch_smem(nw, stages);
+  int limit = 0;
+  const cudaError_t e = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (e != cudaSuccess) return (int)e;
+  return *smem > (size_t)limit ? (int)cudaErrorInvalidConfiguration : 0;  // the Python side never asks for more
+}
+
+// Launches `kern` (kernel kind `kind`, pipeline depth `st`) with `smem` bytes of dynamic shared memory, raising the
+// kernel's limit first when that is above 48 KB (once per library, kind, depth and device).
+template <class P>
+int launch_variant(void (*kern)(P), const P& params, int kind, int st, int nw, dim3 grid, size_t smem, int device,
+                   cudaStream_t stream) {
   if (smem > DEFAULT_SMEM) {
-    size_t* done = device >= 0 && device < MAX_DEVICES ? &g_smem_set[ST - 2][device] : nullptr;
+    size_t* done = device >= 0 && device < MAX_DEVICES ? &g_smem_set[kind][st - 2][device] : nullptr;
     if (done == nullptr || smem > *done) {
       cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
       if (e != cudaSuccess) return (int)e;
       if (done) *done = smem;
     }
   }
-  kern<<<grid, nw * 32, smem, stream>>>(p);
+  kern<<<grid, nw * 32, smem, stream>>>(params);
   return (int)cudaGetLastError();
 }
-
-#if KIVI_LANES
-namespace {
-size_t g_lanes_smem_set[3][MAX_DEVICES];
-}
-
-template <int ST>
-int launch_lanes_variant(const LanesParams& lp, int nw, dim3 grid, size_t smem, int device, cudaStream_t stream) {
-  auto kern = kivi_v3_lanes_kernel<ST>;
-  if (smem > DEFAULT_SMEM) {
-    size_t* done = device >= 0 && device < MAX_DEVICES ? &g_lanes_smem_set[ST - 2][device] : nullptr;
-    if (done == nullptr || smem > *done) {
-      cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-      if (e != cudaSuccess) return (int)e;
-      if (done) *done = smem;
-    }
-  }
-  kern<<<grid, nw * 32, smem, stream>>>(lp);
-  return (int)cudaGetLastError();
-}
-#endif
 
 }  // namespace kivi_v3
 
@@ -1252,18 +1243,16 @@ KIVI_EXPORT int kivi_v3_launch(const long long* a, double qk_scale, double softc
   cudaError_t e = cudaSetDevice(device);
   if (e != cudaSuccess) return (int)e;
   Params p = parse_params(a, qk_scale, softcap);
-  if (nw < 1 || nw > MAX_NW || stages < 2 || stages > 4) return (int)cudaErrorInvalidValue;
-  const size_t smem = launch_smem(nw, stages);
-  int limit = 0;
-  e = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (e != cudaSuccess) return (int)e;
-  if (smem > (size_t)limit) return (int)cudaErrorInvalidConfiguration;  // the Python side never asks for this
+  size_t smem = 0;
+  const int rc = check_launch(nw, stages, device, &smem);
+  if (rc) return rc;
   dim3 grid(p.nsplit, p.BH, row_blocks);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  if (stages == 2) return launch_variant<2>(p, nw, grid, smem, device, s);
-  if (stages == 3) return launch_variant<3>(p, nw, grid, smem, device, s);
-  if (stages == 4) return launch_variant<4>(p, nw, grid, smem, device, s);
-  return (int)cudaErrorInvalidValue;
+  if (stages == 2) return launch_variant(kivi_v3_kernel<KIVI_BITS, KIVI_DK, KIVI_DV, 2>, p, 0, 2, nw, grid, smem,
+                                         device, s);
+  if (stages == 3) return launch_variant(kivi_v3_kernel<KIVI_BITS, KIVI_DK, KIVI_DV, 3>, p, 0, 3, nw, grid, smem,
+                                         device, s);
+  return launch_variant(kivi_v3_kernel<KIVI_BITS, KIVI_DK, KIVI_DV, 4>, p, 0, 4, nw, grid, smem, device, s);
 }
 
 #if KIVI_LANES
@@ -1301,18 +1290,14 @@ KIVI_EXPORT int kivi_v3_lanes_launch(const long long* a, double qk_scale, double
     ln.vz_sb = a[i++]; ln.vz_sh = a[i++];
     ln.dk = (int)a[i++];
   }
-  if (nw < 1 || nw > MAX_NW || stages < 2 || stages > 4) return (int)cudaErrorInvalidValue;
-  const size_t smem = launch_smem(nw, stages);
-  int limit = 0;
-  e = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (e != cudaSuccess) return (int)e;
-  if (smem > (size_t)limit) return (int)cudaErrorInvalidConfiguration;
+  size_t smem = 0;
+  const int rc = check_launch(nw, stages, device, &smem);
+  if (rc) return rc;
   dim3 grid(lp.p.nsplit, lp.p.BH, row_blocks);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  if (stages == 2) return launch_lanes_variant<2>(lp, nw, grid, smem, device, s);
-  if (stages == 3) return launch_lanes_variant<3>(lp, nw, grid, smem, device, s);
-  if (stages == 4) return launch_lanes_variant<4>(lp, nw, grid, smem, device, s);
-  return (int)cudaErrorInvalidValue;
+  if (stages == 2) return launch_variant(kivi_v3_lanes_kernel<2>, lp, 1, 2, nw, grid, smem, device, s);
+  if (stages == 3) return launch_variant(kivi_v3_lanes_kernel<3>, lp, 1, 3, nw, grid, smem, device, s);
+  return launch_variant(kivi_v3_lanes_kernel<4>, lp, 1, 4, nw, grid, smem, device, s);
 }
 // Host check of the argument array's layout (no GPU): parses `a` as kivi_v3_lanes_launch does and writes back, in
 // order, M, H, NT, BH, nsplit, nlanes, then per lane dk, ch_sh, nheads, vz_sh and its kc pointer; returns the

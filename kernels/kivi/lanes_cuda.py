@@ -117,9 +117,6 @@ def _plan(region: PackedLanes, query: torch.Tensor, covered: int, index: int, so
     return lib, nw, stages, -(-ntiles // tps), tps
 
 
-PARAMS_INTS = ck.PARAMS_INTS  # the region's part of the argument array (kivi_v3::Params)
-
-
 def launch_args(q: torch.Tensor, region: PackedLanes, valid8: torch.Tensor, po: int, pl: int, splits: int,
                 tiles_per_split: int) -> tuple[list[int], list[torch.Tensor]]:
     """The launcher's int64 argument array (``kivi_v3_lanes_launch``: the region's ``Params`` - query, valid flags,
@@ -132,8 +129,8 @@ def launch_args(q: torch.Tensor, region: PackedLanes, valid8: torch.Tensor, po: 
             *q.stride()[:3], *([0] * 16), valid8.stride(0),
             m, h, region.num_tokens, region.group.bit_length() - 1, tiles_per_split * ck.TILE, splits, ngv, dv // ngv,
             b * h]
-    if len(args) != PARAMS_INTS:
-        raise RuntimeError(f"KIVI CUDA lanes kernel: {len(args)} region entries, the launcher reads {PARAMS_INTS}")
+    if len(args) != ck.PARAMS_INTS:
+        raise RuntimeError(f"KIVI CUDA lanes kernel: {len(args)} region entries, the launcher reads {ck.PARAMS_INTS}")
     args.append(len(region.lanes))
     keep = [valid8, q]
     for lane in region.lanes:
