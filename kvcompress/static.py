@@ -521,10 +521,12 @@ class StaticLayer:
             mask = self.valid.view(self.valid.shape[0], 1, 1, self.valid.shape[1])
             return dense_attention(query, self.k, self.v, mask, scaling), middle
         # the sinks + ring buffer; without a middle the ring never wraps, so slots past sinks + seen were
-        # never written and a fused kernel reads only the written prefix (not the whole capacity)
-        length = None if middle else (self.seen + self.sink_slots).clamp(max=self.sink_slots + self.ring_slots)
+        # never written and a fused kernel reads only the written prefix (not the whole capacity); every reader
+        # bounds a length by the buffer's slots itself (no clamp op per read)
+        length = None if middle else (self.seen if self.sink_slots == 0 else self.seen + self.sink_slots)
         segs = [Segment(self.k, self.v, self.valid, self._zero_pos, length=length)] + middle
-        q_pos = new.positions if new is not None else self.seen.view(1) - 1
+        # a decode step's query follows every stored token: no position masks anything (None: no op per read)
+        q_pos = new.positions if new is not None else None
         if new is not None:
             segs.append(new)
             if all(seg.is_dense for seg in segs):  # a prefill chunk over dense regions: the backend's attention

@@ -492,8 +492,9 @@ class KiviStaticStore(StaticRingStore):
         if self.lanes is None:
             return []
         valid, positions = self.ring.valid, self.ring.zero_pos
-        # slots past the cursor were never written (slot mode: the evictor writes anywhere)
-        live = None if self.slotted else self.ring.cursor.clamp(max=self.ring.capacity)
+        # slots past the cursor were never written (slot mode: the evictor writes anywhere); a length past the
+        # capacity (the ring wrapped) bounds nothing - every reader takes min(length, slots) - so no clamp op per read
+        live = None if self.slotted else self.ring.cursor
         if self.merged is not None:  # every lane in one region: one read
             region = self._region
             if region is None or region.impl != self.lanes_kernel:  # (map_batch drops it: new buffers)

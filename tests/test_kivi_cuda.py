@@ -9,6 +9,7 @@ must fail.  On a GPU (marker ``gpu``) the kernel itself runs against the referen
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import re
@@ -328,6 +329,24 @@ def test_emulated_kernel_matches_reference(name):
     out, lse = ck.emulate(q, packed, scale)
     ref_out, ref_lse = kivi_attention_partial(q, packed, scale)
     check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
+
+
+@pytest.mark.parametrize("name,length", [("b2-d128-gqa4-pad-dead-row", 0), ("b2-d128-gqa4-pad-dead-row", 45),
+                                         ("b4-d64-gqa3-g64", 97), ("b4-d64-gqa3-g64", 128),
+                                         ("b2-dk128-dv64-rows12", 500)])
+def test_emulated_kernel_with_length_matches_reference(name, length):
+    """The live length (``Params::len``): tiles after the one holding the last live slot skipped (a split past it
+    writes an empty partial), the slots after it masked in that tile - against the reference, which masks
+    ``valid & (slot < length)``; lengths 0, inside a tile, on a tile boundary and past the capacity."""
+    q, packed = make_case(name, emulated=True)
+    packed = dataclasses.replace(packed, length=torch.tensor(length))
+    scale = q.shape[-1] ** -0.5
+    out, lse = ck.emulate(q, packed, scale, splits=3)
+    ref_out, ref_lse = kivi_attention_partial(q, packed, scale)
+    check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
+    if 0 < length < packed.num_tokens:  # the bound changes the result (the test would catch an ignored length)
+        full_out, _ = kivi_attention_partial(q, dataclasses.replace(packed, length=None), scale)
+        assert not torch.allclose(full_out, ref_out, atol=ATOL, rtol=RTOL)
 
 
 # The fold builds change one side of the dataflow each: the key-scale fold (kfold 1 / 2) the key fragments -
@@ -762,3 +781,38 @@ def test_strided_views_bf16_query_and_graph_capture_on_gpu():
     g.replay()
     torch.cuda.synchronize()
     check(gout, glse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or ck.nvcc_path() is None, reason="needs CUDA and nvcc")
+def test_length_bounds_the_read_on_gpu():
+    """``packed.length`` read by the kernel from the device (``Params::len``): every case at lengths 0, inside a
+    tile, on a tile boundary, one short of the capacity and past it (int64 and int32), with 1 and several splits,
+    against the reference (``valid & (slot < length)``); then one captured CUDA graph replayed after the length
+    tensor changes in place (the kernel reads it on the device: no host value is baked into the graph)."""
+    for name in CASES:
+        q, packed = make_case(name, "cuda")
+        scale = q.shape[-1] ** -0.5
+        nt = packed.num_tokens
+        for length, dtype in [(0, torch.int64), (37, torch.int64), (64, torch.int64), (nt - 1, torch.int32),
+                              (nt + 40, torch.int64)]:
+            p = dataclasses.replace(packed, length=torch.tensor(length, dtype=dtype, device="cuda"))
+            ref_out, ref_lse = kivi_attention_partial(q, p, scale)
+            for splits in (None, 1, 3):
+                out, lse = ck._forward(q, p, scale, splits=splits)
+                check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
+    q, packed = make_case("b4-d128-gqa4", "cuda")
+    scale = q.shape[-1] ** -0.5
+    length = torch.tensor(packed.num_tokens, device="cuda")
+    p = dataclasses.replace(packed, length=length)
+    ck.kivi_attention_partial(q, p, scale)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gout, glse = ck.kivi_attention_partial(q, p, scale)
+    for n in (packed.num_tokens, 50, 0, 33):
+        length.fill_(n)
+        g.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = kivi_attention_partial(q, p, scale)
+        check(gout, glse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])

@@ -457,7 +457,8 @@ def test_reads_during_a_capture_need_no_host_read_of_the_heads(monkeypatch):
 def test_cuda_lanes_launch_arguments_parse_as_the_launcher_reads_them():
     """The argument array lanes_cuda builds, parsed by the library's own parse code on the host
     (kivi_v3_lanes_parse_probe; needs nvcc to build, no GPU): sizes, lane count, each lane's kept count, channel
-    stride, head count, last stride and first pointer land where the launcher reads them."""
+    stride, head count, last stride and first pointer, and the live length's pointer land where the launcher reads
+    them."""
     from kvcompress.kernels.kivi import cuda_kernel as ck
     from kvcompress.kernels.kivi import lanes_cuda
 
@@ -469,12 +470,13 @@ def test_cuda_lanes_launch_arguments_parse_as_the_launcher_reads_them():
     dks = tuple(sorted({lane.k_scale.shape[-1] for lane in region.lanes}))
     lib = ck.build(2, dks[-1], 128, 4, lane_dks=dks)
     valid8 = region.valid.view(torch.uint8)
-    args, keep = lanes_cuda.launch_args(q, region, valid8, 1111, 2222, 3, 1)
+    length = torch.tensor(40)
+    args, keep = lanes_cuda.launch_args(q, region, valid8, 1111, 2222, 3, 1, length)
     out = (ctypes.c_longlong * 64)()
     used = lib.kivi_v3_lanes_parse_probe((ctypes.c_longlong * len(args))(*args), out)
     assert used == len(args)
-    want = [q.shape[2], 5, 64, 2 * 5, 3, len(region.lanes)]
-    for lane, kept in zip(region.lanes, keep[2::6]):
+    want = [q.shape[2], 5, 64, 2 * 5, 3, length.data_ptr(), len(region.lanes)]
+    for lane, kept in zip(region.lanes, keep[3::6]):
         want += [lane.k_scale.shape[-1], lane.channels.stride(0), lane.heads.numel(), lane.v_zero.stride(1),
                  kept.data_ptr()]
     assert list(out[:len(want)]) == want
@@ -816,3 +818,32 @@ def _large_batch_reads_lanes_one_by_one(benchutil, MERGE_MAX_ROW_HEADS, PER_LANE
 
     ref = segment_attention(q.float(), benchutil.static_segments(layer), layer.seen.view(1) - 1, scale)
     assert (got.float().transpose(1, 2) - ref.float()).abs().max().item() <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_lanes_length_read_on_device_in_a_graph():
+    """The CUDA lanes kernel reads the region's live length on the device (``Params::len``): one captured CUDA graph,
+    replayed after the length tensor changes in place (0, inside a tile, a tile boundary, past the capacity), matches
+    the reference at each length."""
+    from kvcompress.kernels.kivi import cuda_kernel, lanes_cuda, lanes_reference
+
+    if not cuda_kernel.nvcc_path():
+        pytest.skip("no nvcc")
+    q, region = make_region(batch=3, counts=(0, 32, 32, 48, 32, 32, 64, 96), tokens=256, live=256, seed=21)
+    q = q.cuda()
+    lanes = tuple(lanes_reference.KiviLane(*(None if x is None else x.cuda() for x in lane)) for lane in region.lanes)
+    length = torch.tensor(256, device="cuda")
+    region = lanes_reference.PackedLanes(region.bits, region.group, lanes, region.valid.cuda(), region.num_heads,
+                                         region.head_dim, length=length)
+    scale = q.shape[-1] ** -0.5
+    lanes_cuda.kivi_lanes_attention_partial(q, region, scale)  # plans (one host check of the lanes) before capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = lanes_cuda.kivi_lanes_attention_partial(q, region, scale)
+    for n in (256, 0, 77, 128, 300):
+        length.fill_(n)
+        g.replay()
+        torch.cuda.synchronize()
+        assert close(got, lanes_reference.kivi_lanes_attention_partial(q, region, scale)) == "", n

@@ -176,10 +176,12 @@ def _reads_softcap(packed) -> bool:
     return bool(getattr(packed, "supports_softcap", False))
 
 
-def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_positions: torch.Tensor,
+def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_positions: torch.Tensor | None,
                     scale: float, fused: bool | None = None, impls: dict[str, str] | None = None,
                     softcap: float | None = None, sink_logits: torch.Tensor | None = None, scored: bool = False):
-    """Same contract as :func:`~.reference.segment_attention`: ``[batch, q_heads, q_len, v_dim]``.
+    """Same contract as :func:`~.reference.segment_attention`: ``[batch, q_heads, q_len, v_dim]``.  ``q_positions``
+    ``None``: a single query position at or after every stored token (a static cache's decode step: only validity
+    masks keys, and no position tensor is made per read).
 
     ``fused``: read the full-precision lanes with the grouped kernel (True), never (False), or as the
     environment says (``None``: ``KVCOMPRESS_KERNELS``, CUDA tensors only).  ``impls``: implementations
@@ -199,6 +201,8 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
     instead, scores included.
     """
     b, hq, q_len, d = query.shape
+    if q_positions is None and q_len != 1:
+        raise ValueError(f"attend_segments(q_positions=None) reads a single query position (decode), got {q_len}")
     if scored and q_len != 1:
         raise ValueError(f"attend_segments(scored=True) reads a single query position (decode), got {q_len}")
     kv_heads = _kv_heads(segments)

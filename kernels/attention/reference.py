@@ -29,9 +29,14 @@ import torch
 from kvcompress.state import Segment, TokenSelection, head_mask
 
 
-def segment_mask(seg: Segment, q_positions: torch.Tensor) -> torch.Tensor:
+def segment_mask(seg: Segment, q_positions: torch.Tensor | None) -> torch.Tensor:
     """Boolean visibility ``[batch or 1, heads or 1, q_len, tokens]`` of one segment (``heads``: the segment's own
-    heads, when its validity is per head)."""
+    heads, when its validity is per head).  ``q_positions`` ``None``: one query position at or after every stored
+    token (a decode step's), so only validity masks (``q_len`` 1)."""
+    if q_positions is None:
+        if seg.valid is None:
+            return torch.ones(1, 1, 1, seg.num_tokens, dtype=torch.bool, device=seg.positions.device)
+        return head_mask(seg.valid).unsqueeze(2)
     pos = seg.positions if seg.positions.dim() == 2 else seg.positions.unsqueeze(0)
     mask = (pos.unsqueeze(1) <= q_positions.view(1, -1, 1)).unsqueeze(1)  # [b|1, 1, q, t]
     if seg.valid is not None:

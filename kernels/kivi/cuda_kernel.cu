@@ -73,6 +73,9 @@ struct Params {
   long long vz_sb, vz_sh;
   long long va_sb;
   int M, H, NT, gshift, tps, nsplit, ngv, gv, BH;
+  // the live length (0-dim int64 device tensor; nullptr: none): slots at or after min(*len, NT) are neither read nor
+  // attended - a split past it writes an empty partial at once (the grid never depends on it: CUDA-graph safe)
+  const long long* len;
   float qk_scale;  // softmax scale * log2(e)
   float softcap;   // logit soft-cap (Gemma 2) in log2 units: softcap * log2(e); 0 = none
 };
@@ -555,10 +558,11 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
   float m_run[2] = {-INFINITY, -INFINITY};  // query rows 2t, 2t+1 (log2 units)
   float l_run[2] = {0.f, 0.f};              // lane-local partial sums, reduced over g at the end
 
-  // tiles of this split owned by this warp
+  // tiles of this split owned by this warp, up to the tile holding the last live slot
+  const int live = p.len ? (int)max(0LL, min((long long)p.NT, *p.len)) : p.NT;
   const int t_begin = split * p.tps;
-  const int t_end = min(t_begin + p.tps, p.NT);
-  const int ntiles = (t_end - t_begin) / TILE;
+  const int t_end = min(t_begin + p.tps, (live + TILE - 1) / TILE * TILE);
+  const int ntiles = max(0, t_end - t_begin) / TILE;
   const int wbeg = (ntiles * warp) / nw;  // this warp's tiles: a contiguous run of the split
   const int nmine = (ntiles * (warp + 1)) / nw - wbeg;
   uint8_t* wsm = smem + warp * (ST * C::STAGE);
@@ -566,6 +570,7 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
   const TileCopier<BITS, DK, DV> copy(p, sp, strides[0], strides[1], strides[2], strides[3], lane);
   const int tstride = TILE;  // tokens between two tiles of this warp
   int tok_next = t_begin + wbeg * TILE;
+  int live_left = live - tok_next - 4 * g;  // live slots from this lane's first token (4g) of the current tile
 
 #pragma unroll
   for (int i = 0; i < ST - 1; ++i) {
@@ -731,7 +736,9 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
 #endif
 
     // ---- (logit soft-cap) + mask + online softmax (base 2) per query row (2t, 2t+1); lane-local sums
-    const uint32_t vb = *reinterpret_cast<const uint32_t*>(sb + L::valid4(g));  // tokens 4g..4g+3
+    uint32_t vb = *reinterpret_cast<const uint32_t*>(sb + L::valid4(g));  // tokens 4g..4g+3
+    if (live_left < 4) vb = live_left <= 0 ? 0u : vb & ((1u << (8 * live_left)) - 1u);  // the last live tile
+    live_left -= TILE;
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
@@ -1186,7 +1193,7 @@ int launch_variant(void (*kern)(P), const P& params, int kind, int st, int nw, d
 
 #include <string.h>
 
-#define KIVI_PARAMS_INTS 39  // int64 entries parse_params reads (pointers, strides, sizes): cuda_kernel.py::_args
+#define KIVI_PARAMS_INTS 40  // int64 entries parse_params reads (pointers, strides, sizes): cuda_kernel.py::_args
 static kivi_v3::Params parse_params(const long long* a, double qk_scale, double softcap = 0.0) {
   using namespace kivi_v3;
   Params p;
@@ -1211,6 +1218,7 @@ static kivi_v3::Params parse_params(const long long* a, double qk_scale, double 
   p.va_sb = a[i++];
   p.M = (int)a[i++]; p.H = (int)a[i++]; p.NT = (int)a[i++]; p.gshift = (int)a[i++]; p.tps = (int)a[i++];
   p.nsplit = (int)a[i++]; p.ngv = (int)a[i++]; p.gv = (int)a[i++]; p.BH = (int)a[i++];
+  p.len = reinterpret_cast<const long long*>(a[i++]);
   // i == KIVI_PARAMS_INTS here
   p.qk_scale = (float)qk_scale;
   p.softcap = (float)softcap;
@@ -1300,14 +1308,15 @@ KIVI_EXPORT int kivi_v3_lanes_launch(const long long* a, double qk_scale, double
   return launch_variant(kivi_v3_lanes_kernel<4>, lp, 1, 4, nw, grid, smem, device, s);
 }
 // Host check of the argument array's layout (no GPU): parses `a` as kivi_v3_lanes_launch does and writes back, in
-// order, M, H, NT, BH, nsplit, nlanes, then per lane dk, ch_sh, nheads, vz_sh and its kc pointer; returns the
-// entries used.
+// order, M, H, NT, BH, nsplit, the length pointer, nlanes, then per lane dk, ch_sh, nheads, vz_sh and its kc pointer;
+// returns the entries used.
 KIVI_EXPORT int kivi_v3_lanes_parse_probe(const long long* a, long long* out) {
   using namespace kivi_v3;
   const Params p = parse_params(a, 1.0);
   int i = KIVI_PARAMS_INTS, o = 0;
   const int n = (int)a[i++];
-  out[o++] = p.M; out[o++] = p.H; out[o++] = p.NT; out[o++] = p.BH; out[o++] = p.nsplit; out[o++] = n;
+  out[o++] = p.M; out[o++] = p.H; out[o++] = p.NT; out[o++] = p.BH; out[o++] = p.nsplit;
+  out[o++] = reinterpret_cast<long long>(p.len); out[o++] = n;
   for (int l = 0; l < n && l < MAX_LANES; ++l) {
     const long long* e = a + i + l * 27;
     out[o++] = e[26]; out[o++] = e[7]; out[o++] = e[9]; out[o++] = e[25]; out[o++] = e[0];

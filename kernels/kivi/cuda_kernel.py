@@ -115,7 +115,7 @@ TILE = 32
 DIMS = (64, 128)
 #: int64 entries of one ``kivi_v3::Params`` in a launcher's argument array (10 pointers, 20 strides, 9 sizes:
 #: :func:`_args`; ``KIVI_PARAMS_INTS`` in the .cu)
-PARAMS_INTS = 39
+PARAMS_INTS = 40
 #: key widths of a lane of the lanes kernel (kept channels of a LeanK head): multiples of 16 (one k16 slice) up to 128
 LANE_DIMS = tuple(range(16, 129, 16))
 SOURCE = Path(__file__).with_name("cuda_kernel.cu")
@@ -542,9 +542,20 @@ def _kv_tensors(packed: PackedKV) -> list[torch.Tensor]:
             _aligned(valid, 1, 16)]
 
 
+def live_length(length: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """``length`` as the kernels read it (``Params::len``): a 0-dim int64 tensor on ``device`` (converted only when
+    it is not one already; ``None``: no bound)."""
+    if length is None:
+        return None
+    if length.dim() != 0 or length.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"length must be a 0-dim int32/int64 tensor, got {tuple(length.shape)} {length.dtype}")
+    return length if length.dtype == torch.int64 and length.device == device else length.to(device, torch.int64)
+
+
 def _args(packed: PackedKV, kv: list[torch.Tensor], q_ptr: int, q_strides, po_ptr: int, pl_ptr: int, m: int,
-          tps: int, splits: int):
-    """The launcher's int64 argument array, in the order of ``kivi_v3::Params``."""
+          tps: int, splits: int, len_ptr: int = 0):
+    """The launcher's int64 argument array, in the order of ``kivi_v3::Params`` (``len_ptr``: the live length's
+    int64 device pointer, 0 for none)."""
     kc, ks, kz, vc, vs, vz, valid = kv
     b, h = kc.shape[:2]
     nt = kc.shape[2] * packed.group
@@ -554,7 +565,7 @@ def _args(packed: PackedKV, kv: list[torch.Tensor], q_ptr: int, q_strides, po_pt
             valid.data_ptr(), po_ptr, pl_ptr,
             *q_strides, *kc.stride()[:3], *ks.stride()[:3], *kz.stride()[:3], *vc.stride()[:3],
             *vs.stride()[:2], *vz.stride()[:2], valid.stride(0),
-            m, h, nt, packed.group.bit_length() - 1, tps, splits, ngv, dv // ngv, b * h]
+            m, h, nt, packed.group.bit_length() - 1, tps, splits, ngv, dv // ngv, b * h, len_ptr]
     return (ctypes.c_longlong * len(args))(*args)
 
 
@@ -609,13 +620,12 @@ def _plan(bits: int, dk: int, dv: int, rows: int, nt: int, index: int, softcap: 
 def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict | None = None,
              splits: int | None = None, base: dict | None = None,
              softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The launch.  ``packed.length`` is not an input of this kernel: with a length it reads the whole capacity with
-    :meth:`PackedKV.live_valid` (``valid & (slot < length)``, one small elementwise op).  ``base``: the launch
+    """The launch.  ``packed.length`` (a 0-dim device tensor) bounds the slots read: the kernel reads
+    ``min(length, capacity)`` from the device, skips the tiles after it and masks the slots after it in the last
+    one (the grid stays sized for the capacity: CUDA-graph safe, no host read).  ``base``: the launch
     configuration to start from instead of :func:`config` (which reads ``KVCOMPRESS_KIVI_CUDA_CONFIG``); ``cfg``
     entries override either.  ``softcap``: logit soft-cap of the scores (``None`` / 0: none), applied in the
     kernel."""
-    if getattr(packed, "length", None) is not None:
-        packed = dataclasses.replace(packed, valid=packed.live_valid(), length=None)
     why = _problem(query, packed)
     if why is not None:
         raise ValueError(f"KIVI CUDA kernel: {why}")
@@ -650,12 +660,14 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
 
     q = _aligned(query.to(torch.float16), 1, 4)
     kv = _kv_tensors(packed)
+    length = live_length(getattr(packed, "length", None), dev)
     if s == 1:
         po, pl = out, lse
     else:
         po = torch.empty(s, b * h * m, dv, device=dev, dtype=torch.float32)
         pl = torch.empty(s, b * h * m, device=dev, dtype=torch.float32)
-    arr = _args(packed, kv, q.data_ptr(), q.stride()[:3], po.data_ptr(), pl.data_ptr(), m, tiles_per_split * TILE, s)
+    arr = _args(packed, kv, q.data_ptr(), q.stride()[:3], po.data_ptr(), pl.data_ptr(), m, tiles_per_split * TILE, s,
+                0 if length is None else length.data_ptr())
     stream = torch.cuda.current_stream(dev).cuda_stream
     rc = lib.kivi_v3_launch(arr, float(scale) * LOG2E, float(softcap or 0.0) * LOG2E, nw, stages, row_blocks,
                             index, ctypes.c_void_p(stream))
@@ -723,12 +735,17 @@ def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
     ntiles = nt // TILE
     tps = -(-ntiles // splits)
     lanes = [(ln // 4, ln % 4) for ln in range(32)]
+    # the live length as the kernel reads it: tiles past the one holding the last live slot are skipped (their split
+    # writes an empty partial) and the slots after it in that tile are masked (_emulate_warp)
+    length = getattr(packed, "length", None)
+    live = nt if length is None else max(0, min(nt, int(length)))
+    live_tiles = -(-live // TILE)
     for bi in range(b):
         for hi in range(h):
             for rb in range(-(-m // 8)):
                 parts = []
                 for sp in range(-(-ntiles // tps)):
-                    tiles = list(range(sp * tps, min((sp + 1) * tps, ntiles)))
+                    tiles = list(range(sp * tps, min((sp + 1) * tps, live_tiles)))
                     n = len(tiles)  # each warp: a contiguous run of the split's tiles, as in the kernel
                     warps = [_emulate_warp(query, packed, bi, hi, rb, tiles[n * w // nw: n * (w + 1) // nw],
                                            float(scale) * LOG2E, lanes, kfold, vfold,
@@ -811,6 +828,8 @@ def _emulate_warp(query, packed, bi, hi, rb, tiles, qk, lanes, kfold=0, vfold=0,
     vs = packed.v_scale[bi, hi]
     vz = packed.v_zero[bi, hi]
     valid = packed.valid[bi]
+    length = getattr(packed, "length", None)
+    live = None if length is None else max(0, min(valid.shape[-1], int(length)))
     m_run = torch.full((8,), float("-inf"))
     l_run = torch.zeros(8)
     acc = torch.zeros(8, dv)  # indexed by output channel
@@ -870,6 +889,9 @@ def _emulate_warp(query, packed, bi, hi, rb, tiles, qk, lanes, kfold=0, vfold=0,
             for row in range(16):
                 S[:, score_token(mt, row)] = C[row]
         ok = valid[tok0: tok0 + TILE]
+        if live is not None:  # Params::len: lane g's live_left = live - tok0 - 4g keeps flags j < live_left of its 4
+            live_left = live - tok0 - 4 * torch.arange(TILE // 4).repeat_interleave(4)
+            ok = ok & (torch.arange(4).repeat(TILE // 4) < live_left)
         S = torch.where(ok[None, :], S, float("-inf"))
         mx = S.max(1).values
         if bool((mx > m_run).any()):

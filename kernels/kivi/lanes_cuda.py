@@ -118,21 +118,22 @@ def _plan(region: PackedLanes, query: torch.Tensor, covered: int, index: int, so
 
 
 def launch_args(q: torch.Tensor, region: PackedLanes, valid8: torch.Tensor, po: int, pl: int, splits: int,
-                tiles_per_split: int) -> tuple[list[int], list[torch.Tensor]]:
+                tiles_per_split: int, length: torch.Tensor | None = None) -> tuple[list[int], list[torch.Tensor]]:
     """The launcher's int64 argument array (``kivi_v3_lanes_launch``: the region's ``Params`` - query, valid flags,
-    outputs, sizes; the payload pointers and strides there unused -, the lane count, then :data:`LANE_INTS` per lane)
-    and the tensors it points into (aligned copies where needed; keep them alive until the launch is issued)."""
+    outputs, sizes, the live length (``length``: 0-dim int64 device tensor, or none); the payload pointers and
+    strides there unused -, the lane count, then :data:`LANE_INTS` per lane) and the tensors it points into (aligned
+    copies where needed; keep them alive until the launch is issued)."""
     b, h, m, _ = q.shape
     dv = region.v_dim
     ngv = region.lanes[0].v_scale.shape[-1]
     args = [q.data_ptr(), 0, 0, 0, 0, 0, 0, valid8.data_ptr(), po, pl,
             *q.stride()[:3], *([0] * 16), valid8.stride(0),
             m, h, region.num_tokens, region.group.bit_length() - 1, tiles_per_split * ck.TILE, splits, ngv, dv // ngv,
-            b * h]
+            b * h, 0 if length is None else length.data_ptr()]
     if len(args) != ck.PARAMS_INTS:
         raise RuntimeError(f"KIVI CUDA lanes kernel: {len(args)} region entries, the launcher reads {ck.PARAMS_INTS}")
     args.append(len(region.lanes))
-    keep = [valid8, q]
+    keep = [valid8, q] + ([length] if length is not None else [])
     for lane in region.lanes:
         kc, ks, kz, vc, vs, vz, _ = ck._kv_tensors(_lane_packed(region, lane))
         keep += [kc, ks, kz, vc, vs, vz]
@@ -155,10 +156,11 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
     """Fused attention over every lane of ``region``; see :func:`.lanes_reference.kivi_lanes_attention_partial`.
     ``base``: the launch configuration (:func:`.cuda_kernel.config`, resolved once by :mod:`kvcompress.kernels.ops`);
     ``None`` reads it here."""
-    valid = region.live_valid() if region.length is not None else region.valid
     b, h, m, _ = query.shape
     dv = region.v_dim
     dev = query.device
+    valid = region.valid
+    length = ck.live_length(region.length, dev)  # read by the kernel: slots after it neither read nor attended
     out = torch.empty(b, h, m, dv, device=dev, dtype=torch.float32)
     lse = torch.empty(b, h, m, device=dev, dtype=torch.float32)
     nt = region.num_tokens
@@ -189,7 +191,7 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
     else:
         po = torch.empty(s, b * h * m, dv, device=dev, dtype=torch.float32)
         pl = torch.empty(s, b * h * m, device=dev, dtype=torch.float32)
-    args, keep = launch_args(q, region, valid8, po.data_ptr(), pl.data_ptr(), s, tps)
+    args, keep = launch_args(q, region, valid8, po.data_ptr(), pl.data_ptr(), s, tps, length)
     arr = (ctypes.c_longlong * len(args))(*args)
     stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)
     with _LOCK:
@@ -215,14 +217,13 @@ def emulate(query: torch.Tensor, region: PackedLanes, scale: float, **kw) -> tup
         raise ValueError(why)
     from .lanes_reference import gather_query
 
-    valid = region.live_valid() if region.length is not None else region.valid
     b, h, m, _ = query.shape
     out = torch.zeros(b, h, m, region.v_dim)
     lse = torch.full((b, h, m), float("-inf"))
     for lane in region.lanes:  # the kernel's lookup: head -> (lane, row among the lane's heads)
         o, l = ck.emulate(gather_query(query, lane.heads, lane.channels).float().half(),
                           PackedKV(region.bits, region.group, lane.k_codes, lane.k_scale, lane.k_zero, lane.v_codes,
-                                   lane.v_scale, lane.v_zero, valid), scale, **kw)
+                                   lane.v_scale, lane.v_zero, region.valid, length=region.length), scale, **kw)
         heads = range(h) if lane.heads is None else lane.heads.tolist()
         for row, head in enumerate(heads):
             out[:, head], lse[:, head] = o[:, row], l[:, row]
