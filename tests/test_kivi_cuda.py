@@ -160,12 +160,16 @@ def test_cuda_source_compiles_for_sm90a_without_spills(bits, dk, dv, min_blocks,
 
 @pytest.mark.parametrize("probe", [1, 2, 3])
 def test_timing_probe_builds_compile(probe, ptxas):
-    """benchmarks/gpu_kivi_profile.py's leave-one-stage-out builds (-DKIVI_PROBE) compile for sm_90a, and a probe
-    build uses fewer registers than the real kernel (it does strictly less work)."""
-    real = max(int(r) for r in re.findall(r"Used (\d+) registers", ptxas(*_PROBED)))
+    """benchmarks/gpu_kivi_profile.py's leave-one-stage-out builds (-DKIVI_PROBE) compile for sm_90a without spills,
+    and the probe is a different build from the real kernel (the macro is honoured: its kernels' register counts
+    differ).  Not "fewer registers": ptxas' allocation is not monotone in the work (session 23's length bound took
+    the real 2-bit kernel from 121-123 to 110-114 registers, below the no-P.V probe's 113-115)."""
+    real = [int(r) for r in re.findall(r"Used (\d+) registers", ptxas(*_PROBED))]
     report = ptxas(*_PROBED[:-1], probe=probe)
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
-    assert regs and max(regs) < real
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert regs and all(s == ("0", "0") for s in spills), report
+    assert regs != real, (regs, real)
 
 
 def test_probe_is_never_a_default_and_is_validated():
