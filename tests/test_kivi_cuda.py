@@ -228,7 +228,7 @@ def test_tile_copies_and_shared_memory_reads(bits, dk, dv, g, gv):
     """The kernel's own TileCopier / Layout code, replayed on the host (kivi_v3_layout_probe): every lane reads
     the key words, scale pairs, valid flags and value words / scales its fragments need (by the mapping helpers
     above: whole words, then quarter ``t`` of each shared word), and no read touches shared memory that no copy
-    wrote."""
+    wrote; with a live length, the valid flags of later slots are copied as zeros."""
     if not ck.nvcc_path():
         pytest.skip("nvcc not on the PATH")
     import numpy as np
@@ -284,6 +284,14 @@ def test_tile_copies_and_shared_memory_reads(bits, dk, dv, g, gv):
                         assert sorted({w for w, _ in units}) == [first + w for w in range(len(words))]
                         assert res["vscale"][lane, kk, r, e] == vsh[b, h, tok0 + tok, vgrp]
                         assert res["vzero"][lane, kk, r, e] == vzh[b, h, tok0 + tok, vgrp]
+    # the live length (Params::len): the copy of the tile holding the last live slot zero-fills the later flags
+    for b, h, tok0, live in [(1, 2, 32, 37), (0, 1, t - 32, t - 13), (1, 0, 64, 64), (0, 0, 0, 1), (1, 1, 32, 10 * t)]:
+        res = ck.layout_probe(dataclasses.replace(packed, length=torch.tensor(live)), b, h, tok0)
+        assert res["missing"] == 0
+        for lane in range(32):
+            gl = lane // 4
+            flags = [int(valid[b, tok0 + 4 * gl + j]) * int(tok0 + 4 * gl + j < live) for j in range(4)]
+            assert res["valid4"][lane] == sum(f << (8 * j) for j, f in enumerate(flags)), (tok0, live, lane)
 
 
 # ----------------------------------------------------------------------------- fragment mapping (pure PyTorch)

@@ -87,6 +87,13 @@ __device__ __forceinline__ float soft_cap(float x, float cap) {
   return copysignf(cap * ((1.f - e) / (1.f + e)), y);
 }
 
+// Slots a read covers: min(*len, NT) with a live length (a 0-dim int64 tensor, read once per CTA), else NT.
+__host__ __device__ __forceinline__ int live_slots(const Params& p) {
+  if (p.len == nullptr) return p.NT;
+  const long long n = *p.len;
+  return n <= 0 ? 0 : (n >= p.NT ? p.NT : (int)n);
+}
+
 // Pointers of one (batch, kv head) slice.
 struct Slice {
   const int* kc;
@@ -141,6 +148,10 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 
 __device__ __forceinline__ void cp16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+// one 16-byte copy of which only the first n bytes are read, the rest of the destination zero-filled (n in 0..16)
+__device__ __forceinline__ void cp16z(uint32_t dst, const void* src, int n) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -442,15 +453,16 @@ struct TileCopier {
   const __half* vz;
   const uint8_t* va;
   int kc_sg, ks_sg, kz_sg, vc_st, gshift, ngv, lane;
+  int live;  // live slots (Params::len bounded by NT): the valid flags of later slots are copied as zeros
   int k_src, k_step, k_dst, v_src, v_step, v_dst;
 
   __host__ __device__ __forceinline__ TileCopier(const Params& p, const Slice& sp, int lane_)
-      : TileCopier(p, sp, (int)p.kc_sg, (int)p.ks_sg, (int)p.kz_sg, (int)p.vc_st, lane_) {}
+      : TileCopier(p, sp, (int)p.kc_sg, (int)p.ks_sg, (int)p.kz_sg, (int)p.vc_st, lane_, live_slots(p)) {}
   // a slice with its own group / token strides (a lane of kivi_v3_lanes_kernel)
   __host__ __device__ __forceinline__ TileCopier(const Params& p, const Slice& sp, int kc_sg_, int ks_sg_,
-                                                 int kz_sg_, int vc_st_, int lane_)
+                                                 int kz_sg_, int vc_st_, int lane_, int live_)
       : kc(sp.kc), ks(sp.ks), kz(sp.kz), vc(sp.vc), vs(sp.vs), vz(sp.vz), va(sp.va), kc_sg(kc_sg_), ks_sg(ks_sg_),
-        kz_sg(kz_sg_), vc_st(vc_st_), gshift(p.gshift), ngv(p.ngv), lane(lane_) {
+        kz_sg(kz_sg_), vc_st(vc_st_), gshift(p.gshift), ngv(p.ngv), lane(lane_), live(live_) {
     k_src = ((lane >> 3) << gshift) + 4 * (lane & 7);  // word row lane/8 (rows are G ints apart), chunk lane%8
     k_step = 4 << gshift;                              // + 4 word rows per chunk round
     k_dst = C::OFF_K + (lane >> 3) * KROW + 16 * (lane & 7);
@@ -459,9 +471,10 @@ struct TileCopier {
     v_dst = C::OFF_V + vrow(lane / VCH) * C::VROW + 16 * (lane % VCH);
   }
 
-  // cp(dst byte offset in the stage, src pointer): one 16-byte copy
-  template <class CP>
-  __host__ __device__ __forceinline__ void issue(CP&& cp, int tok0) const {
+  // cp(dst byte offset in the stage, src pointer): one 16-byte copy; cpz(dst, src, n): the same, reading only the
+  // first n bytes and zero-filling the rest (the valid flags of the tile holding the last live slot)
+  template <class CP, class CPZ>
+  __host__ __device__ __forceinline__ void issue(CP&& cp, CPZ&& cpz, int tok0) const {
     const int grp = tok0 >> gshift;
     const int* kt = kc + (grp * kc_sg + (tok0 & ((1 << gshift) - 1)) + k_src);
 #pragma unroll
@@ -479,12 +492,17 @@ struct TileCopier {
       cp(C::OFF_VS + 16 * lane, vs + o);
       cp(C::OFF_VZ + 16 * lane, vz + o);
     }
-    if (lane < 2) cp(C::OFF_VA + 16 * lane, va + (tok0 + 16 * lane));
+    if (lane < 2) {
+      const int tok = tok0 + 16 * lane;
+      const int n = live - tok;
+      cpz(C::OFF_VA + 16 * lane, va + tok, n <= 0 ? 0 : (n >= 16 ? 16 : n));
+    }
   }
 
 #ifdef __CUDA_ARCH__
   __device__ __forceinline__ void operator()(uint32_t stage, int tok0) const {
-    issue([stage](int dst, const void* src) { cp16(stage + dst, src); }, tok0);
+    issue([stage](int dst, const void* src) { cp16(stage + dst, src); },
+          [stage](int dst, const void* src, int n) { cp16z(stage + dst, src, n); }, tok0);
   }
 #endif
 };
@@ -558,8 +576,9 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
   float m_run[2] = {-INFINITY, -INFINITY};  // query rows 2t, 2t+1 (log2 units)
   float l_run[2] = {0.f, 0.f};              // lane-local partial sums, reduced over g at the end
 
-  // tiles of this split owned by this warp, up to the tile holding the last live slot
-  const int live = p.len ? (int)max(0LL, min((long long)p.NT, *p.len)) : p.NT;
+  // tiles of this split owned by this warp, up to the tile holding the last live slot (whose later slots' valid
+  // flags the copy zero-fills: nothing in the compute loop)
+  const int live = live_slots(p);
   const int t_begin = split * p.tps;
   const int t_end = min(t_begin + p.tps, (live + TILE - 1) / TILE * TILE);
   const int ntiles = max(0, t_end - t_begin) / TILE;
@@ -567,10 +586,9 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
   const int nmine = (ntiles * (warp + 1)) / nw - wbeg;
   uint8_t* wsm = smem + warp * (ST * C::STAGE);
   const uint32_t wsm_addr = smem_addr(wsm);
-  const TileCopier<BITS, DK, DV> copy(p, sp, strides[0], strides[1], strides[2], strides[3], lane);
+  const TileCopier<BITS, DK, DV> copy(p, sp, strides[0], strides[1], strides[2], strides[3], lane, live);
   const int tstride = TILE;  // tokens between two tiles of this warp
   int tok_next = t_begin + wbeg * TILE;
-  int live_left = live - tok_next - 4 * g;  // live slots from this lane's first token (4g) of the current tile
 
 #pragma unroll
   for (int i = 0; i < ST - 1; ++i) {
@@ -736,9 +754,7 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
 #endif
 
     // ---- (logit soft-cap) + mask + online softmax (base 2) per query row (2t, 2t+1); lane-local sums
-    uint32_t vb = *reinterpret_cast<const uint32_t*>(sb + L::valid4(g));  // tokens 4g..4g+3
-    if (live_left < 4) vb = live_left <= 0 ? 0u : vb & ((1u << (8 * live_left)) - 1u);  // the last live tile
-    live_left -= TILE;
+    const uint32_t vb = *reinterpret_cast<const uint32_t*>(sb + L::valid4(g));  // tokens 4g..4g+3
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
@@ -1349,6 +1365,10 @@ KIVI_EXPORT int kivi_v3_layout_probe(const long long* a, int b, int h, int tok0,
     const TileCopier<KIVI_BITS, KIVI_DK, KIVI_DV> copy(p, sl, lane);
     copy.issue([](int dst, const void* src) {
       memcpy(stage + dst, src, 16);
+      memset(written + dst, 1, 16);
+    }, [](int dst, const void* src, int n) {  // cp.async with a source size: the rest zero-filled
+      memset(stage + dst, 0, 16);
+      memcpy(stage + dst, src, n);
       memset(written + dst, 1, 16);
     }, tok0);
   }

@@ -572,7 +572,8 @@ def _args(packed: PackedKV, kv: list[torch.Tensor], q_ptr: int, q_strides, po_pt
 def layout_probe(packed: PackedKV, b: int, h: int, tok0: int, min_blocks: int = 1) -> dict:
     """Replay, on the CPU, one tile's ``cp.async`` copies and the compute loop's shared-memory reads for all 32
     lanes with the kernel's own ``TileCopier`` / ``Layout`` code (the library's ``kivi_v3_layout_probe``; needs
-    nvcc to build, no GPU).  ``packed`` holds CPU tensors.  Returns what each lane reads (see the .cu)."""
+    nvcc to build, no GPU).  ``packed`` holds CPU tensors (its ``length``, if set, bounds the copied valid flags as
+    the kernel's zero-filling copy does).  Returns what each lane reads (see the .cu)."""
     import numpy as np
 
     bits = packed.bits
@@ -588,7 +589,9 @@ def layout_probe(packed: PackedKV, b: int, h: int, tok0: int, min_blocks: int = 
            "kzero": np.zeros((32, dk // 8), np.uint32), "valid4": np.zeros(32, np.uint32),
            "vwords": np.zeros((32, 2, 2, 2, nvwr), np.uint32), "vscale": np.zeros((32, 2, 2, 2), np.uint16),
            "vzero": np.zeros((32, 2, 2, 2), np.uint16)}
-    arr = _args(packed, kv, 0, (0, 0, 0), 0, 0, 1, TILE, 1)
+    length = getattr(packed, "length", None)  # host memory here: the probe's copies read it as the kernel does
+    length = None if length is None else length.to("cpu", torch.int64).contiguous()
+    arr = _args(packed, kv, 0, (0, 0, 0), 0, 0, 1, TILE, 1, 0 if length is None else length.data_ptr())
     fn = lib.kivi_v3_layout_probe
     fn.restype = ctypes.c_int
     ptrs = [out[k].ctypes.data_as(ctypes.c_void_p) for k in ("kwords", "kscale", "kzero", "valid4", "vwords",
@@ -889,9 +892,8 @@ def _emulate_warp(query, packed, bi, hi, rb, tiles, qk, lanes, kfold=0, vfold=0,
             for row in range(16):
                 S[:, score_token(mt, row)] = C[row]
         ok = valid[tok0: tok0 + TILE]
-        if live is not None:  # Params::len: lane g's live_left = live - tok0 - 4g keeps flags j < live_left of its 4
-            live_left = live - tok0 - 4 * torch.arange(TILE // 4).repeat_interleave(4)
-            ok = ok & (torch.arange(4).repeat(TILE // 4) < live_left)
+        if live is not None:  # Params::len: the copy of the valid flags zero-fills the slots at or after it
+            ok = ok & (torch.arange(tok0, tok0 + TILE) < live)
         S = torch.where(ok[None, :], S, float("-inf"))
         mx = S.max(1).values
         if bool((mx > m_run).any()):
