@@ -24,9 +24,16 @@ if [ "${PART:-tests}" = tests ]; then
   exit 0
 fi
 timeout 200 python -m kvcompress.kernels.benchutil --device cuda --ops sdpa,kivi2,kivi4,leank70-kivi2,none,lowrank \
-  --only-shapes llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:16:32k,smollm2-135m:1:4k,smollm2-135m:1:32k \
+  --only-shapes llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:16:32k,llama3-8b:64:4k,smollm2-135m:1:4k,smollm2-135m:1:32k \
   --out "$OUT/rows.json" 2>/tmp/rows.err | grep '^|' | tee "$OUT/rows.md"
 tail -2 /tmp/rows.err | tee -a "$OUT/log.txt"
+date -u | tee -a "$OUT/log.txt"
+for cfg in '{"interleave": 0}'; do  # the contiguous tile assignment (the default before session 23's interleave)
+  KVCOMPRESS_KIVI_CUDA_CONFIG="$cfg" timeout 60 python -m kvcompress.kernels.benchutil --device cuda \
+    --ops sdpa,kivi2,kivi4,leank70-kivi2 \
+    --only-shapes llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:16:32k,llama3-8b:64:4k,smollm2-135m:1:32k \
+    --out "$OUT/rows_contiguous.json" 2>/dev/null | grep '^|' | tee "$OUT/rows_contiguous.md"
+done
 date -u | tee -a "$OUT/log.txt"
 timeout 200 python "$SRC/benchmarks/gpu_live_length.py" --out "$OUT/live_length.json" 2>&1 | tail -20 \
   | tee "$OUT/live_length.md"

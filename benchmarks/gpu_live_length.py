@@ -5,12 +5,15 @@ Before session 23 the KIVI CUDA kernel (v3) read every slot of the capacity (the
 (``Params::len``), skips the tiles after it and masks the last one.  This times, per (batch, capacity, live), the
 KIVI-2 read (Llama-3-8B heads: 8 kv heads, 4 query rows each, d 128) of
 
-* ``cuda, length``: the CUDA kernel given the length (what a static store reads now),
+* ``cuda, length``: the CUDA kernel given the length (what a static store reads now: tiles interleaved over the
+  grid's warps), and ``cuda, length, contiguous splits``: the same with ``interleave`` 0 (each split a contiguous
+  run of tiles sized for the capacity),
 * ``cuda, whole capacity``: the same kernel without it (the work it did before; the old ``live_valid`` op not
   counted),
 * ``triton, length``: the Triton kernel (v2), which always skipped by length,
-* ``sdpa, capacity``: SDPA on an uncompressed static cache of that capacity behind a mask (what transformers'
-  StaticCache reads), and ``sdpa, live``: SDPA on exactly the live tokens (the uncompressed lower bound).
+* ``sdpa, capacity + mask``: SDPA on an uncompressed cache of that capacity behind a boolean mask (a masked SDPA
+  call cannot take the flash kernel), and ``sdpa, live only``: SDPA on exactly the live tokens (the uncompressed
+  cache's lower bound, what the last column compares with).
 
 CUDA graphs, inputs rotated past L2 (:func:`kvcompress.kernels.benchutil.time_op`).  CUDA only::
 
@@ -41,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     kvh, rows, d = 8, 4, 128
     scale = d ** -0.5
     out = []
-    print("| B | capacity | live | cuda, length (µs) | cuda, whole capacity | triton, length | sdpa, capacity | "
-          "sdpa, live | cuda length vs sdpa capacity |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| B | capacity | live | cuda, length (µs) | cuda, length, contiguous splits | cuda, whole capacity | "
+          "triton, length | sdpa, capacity + mask | sdpa, live only | cuda length vs sdpa live only |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for b in map(int, args.batches.split(",")):
         for cap in map(int, args.capacity.split(",")):
             for live in map(int, args.live.split(",")):
@@ -62,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 plain = [(q, p) for p in stores]
                 inputs = [(q, dataclasses.replace(p, length=length)) for p in stores]
                 t_len = bu.time_op(lambda qq, p: ck.kivi_attention_partial(qq, p, scale), inputs)
+                t_run = bu.time_op(lambda qq, p: ck._forward(qq, p, scale, cfg={"interleave": 0}), inputs)
                 t_all = bu.time_op(lambda qq, p: ck.kivi_attention_partial(qq, p, scale), plain)
                 t_tri = bu.time_op(lambda qq, p: tk.kivi_attention_partial(qq, p, scale), inputs)
                 with_len = inputs[0][1]
@@ -88,11 +92,12 @@ def main(argv: list[str] | None = None) -> int:
                 exp = ck.kivi_attention_partial(q, cut, scale)  # the same kernel on exactly the live slots
                 err = max((ref[0] - exp[0]).abs().max().item(), (ref[1] - exp[1]).abs().max().item())
                 row = {"batch": b, "capacity": cap, "live": live, "cuda_length_us": t_len.us,
+                       "cuda_length_contiguous_us": t_run.us,
                        "cuda_capacity_us": t_all.us, "triton_length_us": t_tri.us, "sdpa_capacity_us": t_cap.us,
                        "sdpa_live_us": t_live.us, "max_abs_diff_vs_live_only": err}
                 out.append(row)
-                print(f"| {b} | {cap // 1024}k | {live // 1024}k | {t_len.us:.1f} | {t_all.us:.1f} | {t_tri.us:.1f} | "
-                      f"{t_cap.us:.1f} | {t_live.us:.1f} | {t_cap.us / t_len.us:.2f}x |", flush=True)
+                print(f"| {b} | {cap // 1024}k | {live // 1024}k | {t_len.us:.1f} | {t_run.us:.1f} | {t_all.us:.1f} | "
+                      f"{t_tri.us:.1f} | {t_cap.us:.1f} | {t_live.us:.1f} | {t_live.us / t_len.us:.2f}x |", flush=True)
                 del k, v, packed, with_len
                 torch.cuda.empty_cache()
     if args.out:

@@ -343,17 +343,18 @@ def test_emulated_kernel_matches_reference(name):
     check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
 
 
-@pytest.mark.parametrize("name,length", [("b2-d128-gqa4-pad-dead-row", 0), ("b2-d128-gqa4-pad-dead-row", 45),
-                                         ("b4-d64-gqa3-g64", 97), ("b4-d64-gqa3-g64", 128),
-                                         ("b2-dk128-dv64-rows12", 500)])
-def test_emulated_kernel_with_length_matches_reference(name, length):
-    """The live length (``Params::len``): tiles after the one holding the last live slot skipped (a split past it
-    writes an empty partial), the slots after it masked in that tile - against the reference, which masks
-    ``valid & (slot < length)``; lengths 0, inside a tile, on a tile boundary and past the capacity."""
+@pytest.mark.parametrize("name,length,interleave", [
+    ("b2-d128-gqa4-pad-dead-row", 0, 1), ("b2-d128-gqa4-pad-dead-row", 45, 1), ("b2-d128-gqa4-pad-dead-row", 45, 0),
+    ("b4-d64-gqa3-g64", 97, 1), ("b4-d64-gqa3-g64", 128, 0), ("b2-dk128-dv64-rows12", 500, 1)])
+def test_emulated_kernel_with_length_matches_reference(name, length, interleave):
+    """The live length (``Params::len``): tiles after the one holding the last live slot not read (a warp or split
+    without tiles writes an empty partial), the slots after it masked in that tile - against the reference, which
+    masks ``valid & (slot < length)``; lengths 0, inside a tile, on a tile boundary and past the capacity; tiles
+    interleaved over the grid's warps (the default) or in contiguous runs per split."""
     q, packed = make_case(name, emulated=True)
     packed = dataclasses.replace(packed, length=torch.tensor(length))
     scale = q.shape[-1] ** -0.5
-    out, lse = ck.emulate(q, packed, scale, splits=3)
+    out, lse = ck.emulate(q, packed, scale, splits=3, interleave=interleave)
     ref_out, ref_lse = kivi_attention_partial(q, packed, scale)
     check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
     if 0 < length < packed.num_tokens:  # the bound changes the result (the test would catch an ignored length)
@@ -701,7 +702,8 @@ def test_kernel_matches_reference_on_gpu(name):
 @pytest.mark.parametrize("cfg,splits", [({"nw": 1, "stages": 2}, 1), ({"nw": 2, "stages": 4}, 3),
                                         ({"nw": 4, "stages": 3}, 7), ({"nw": 4, "stages": 2}, None),
                                         ({"nw": 4, "stages": 4}, 2), ({"min_blocks": 5, "warps_per_sm": 20}, None),
-                                        ({"min_blocks": 1}, None), ({"waves": 2.0, "min_tiles": 4}, None)])
+                                        ({"min_blocks": 1}, None), ({"waves": 2.0, "min_tiles": 4}, None),
+                                        ({"interleave": 0}, None), ({"interleave": 0, "nw": 2, "stages": 3}, 5)])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or ck.nvcc_path() is None, reason="needs CUDA and nvcc")
 def test_configs_and_splits_on_gpu(cfg, splits):
@@ -799,8 +801,8 @@ def test_strided_views_bf16_query_and_graph_capture_on_gpu():
 @pytest.mark.skipif(not torch.cuda.is_available() or ck.nvcc_path() is None, reason="needs CUDA and nvcc")
 def test_length_bounds_the_read_on_gpu():
     """``packed.length`` read by the kernel from the device (``Params::len``): every case at lengths 0, inside a
-    tile, on a tile boundary, one short of the capacity and past it (int64 and int32), with 1 and several splits,
-    against the reference (``valid & (slot < length)``); then one captured CUDA graph replayed after the length
+    tile, on a tile boundary, one short of the capacity and past it (int64 and int32), with 1 and several splits and
+    both tile assignments (interleaved, contiguous), against the reference (``valid & (slot < length)``); then one captured CUDA graph replayed after the length
     tensor changes in place (the kernel reads it on the device: no host value is baked into the graph)."""
     for name in CASES:
         q, packed = make_case(name, "cuda")
@@ -811,8 +813,9 @@ def test_length_bounds_the_read_on_gpu():
             p = dataclasses.replace(packed, length=torch.tensor(length, dtype=dtype, device="cuda"))
             ref_out, ref_lse = kivi_attention_partial(q, p, scale)
             for splits in (None, 1, 3):
-                out, lse = ck._forward(q, p, scale, splits=splits)
-                check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
+                for cfg in ({}, {"interleave": 0}):  # tiles over the grid's warps / contiguous runs per split
+                    out, lse = ck._forward(q, p, scale, splits=splits, cfg=cfg)
+                    check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
     q, packed = make_case("b4-d128-gqa4", "cuda")
     scale = q.shape[-1] ** -0.5
     length = torch.tensor(packed.num_tokens, device="cuda")

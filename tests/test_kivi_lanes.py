@@ -457,8 +457,8 @@ def test_reads_during_a_capture_need_no_host_read_of_the_heads(monkeypatch):
 def test_cuda_lanes_launch_arguments_parse_as_the_launcher_reads_them():
     """The argument array lanes_cuda builds, parsed by the library's own parse code on the host
     (kivi_v3_lanes_parse_probe; needs nvcc to build, no GPU): sizes, lane count, each lane's kept count, channel
-    stride, head count, last stride and first pointer, and the live length's pointer land where the launcher reads
-    them."""
+    stride, head count, last stride and first pointer, the live length's pointer and the tile assignment land where
+    the launcher reads them."""
     from kvcompress.kernels.kivi import cuda_kernel as ck
     from kvcompress.kernels.kivi import lanes_cuda
 
@@ -471,11 +471,11 @@ def test_cuda_lanes_launch_arguments_parse_as_the_launcher_reads_them():
     lib = ck.build(2, dks[-1], 128, 4, lane_dks=dks)
     valid8 = region.valid.view(torch.uint8)
     length = torch.tensor(40)
-    args, keep = lanes_cuda.launch_args(q, region, valid8, 1111, 2222, 3, 1, length)
+    args, keep = lanes_cuda.launch_args(q, region, valid8, 1111, 2222, 3, 1, length, interleave=0)
     out = (ctypes.c_longlong * 64)()
     used = lib.kivi_v3_lanes_parse_probe((ctypes.c_longlong * len(args))(*args), out)
     assert used == len(args)
-    want = [q.shape[2], 5, 64, 2 * 5, 3, length.data_ptr(), len(region.lanes)]
+    want = [q.shape[2], 5, 64, 2 * 5, 3, length.data_ptr(), 0, len(region.lanes)]
     for lane, kept in zip(region.lanes, keep[3::6]):
         want += [lane.k_scale.shape[-1], lane.channels.stride(0), lane.heads.numel(), lane.v_zero.stride(1),
                  kept.data_ptr()]

@@ -76,6 +76,7 @@ struct Params {
   // the live length (0-dim int64 device tensor; nullptr: none): slots at or after min(*len, NT) are neither read nor
   // attended - a split past it writes an empty partial at once (the grid never depends on it: CUDA-graph safe)
   const long long* len;
+  int interleave;  // 1: tile j to warp j mod (nsplit * warps); 0: contiguous runs per split (tps tiles) and warp
   float qk_scale;  // softmax scale * log2(e)
   float softcap;   // logit soft-cap (Gemma 2) in log2 units: softcap * log2(e); 0 = none
 };
@@ -579,16 +580,27 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
   // tiles of this split owned by this warp, up to the tile holding the last live slot (whose later slots' valid
   // flags the copy zero-fills: nothing in the compute loop)
   const int live = live_slots(p);
-  const int t_begin = split * p.tps;
-  const int t_end = min(t_begin + p.tps, (live + TILE - 1) / TILE * TILE);
-  const int ntiles = max(0, t_end - t_begin) / TILE;
-  const int wbeg = (ntiles * warp) / nw;  // this warp's tiles: a contiguous run of the split
-  const int nmine = (ntiles * (warp + 1)) / nw - wbeg;
+  const int live_tiles = (live + TILE - 1) / TILE;
+  int nmine, tok_next, tstride;  // this warp's tile count, first token, tokens between two of its tiles
+  if (p.interleave) {
+    // tile j goes to warp j mod W of the grid's W = nsplit * nw warps (warp w of split s is warp s * nw + w):
+    // every warp gets its share of the LIVE tiles whatever the live length, so a store read early in a long
+    // generation keeps the whole grid busy (contiguous runs sized for the capacity would leave most splits empty)
+    const int nwarps = p.nsplit * nw, r = split * nw + warp;
+    nmine = live_tiles > r ? (live_tiles - 1 - r) / nwarps + 1 : 0;
+    tok_next = r * TILE;
+    tstride = nwarps * TILE;
+  } else {  // a contiguous run of the split's tiles per warp, the split's run sized for the capacity
+    const int t_begin = split * p.tps;
+    const int ntiles = max(0, min(t_begin + p.tps, live_tiles * TILE) - t_begin) / TILE;
+    const int wbeg = (ntiles * warp) / nw;
+    nmine = (ntiles * (warp + 1)) / nw - wbeg;
+    tok_next = t_begin + wbeg * TILE;
+    tstride = TILE;
+  }
   uint8_t* wsm = smem + warp * (ST * C::STAGE);
   const uint32_t wsm_addr = smem_addr(wsm);
   const TileCopier<BITS, DK, DV> copy(p, sp, strides[0], strides[1], strides[2], strides[3], lane, live);
-  const int tstride = TILE;  // tokens between two tiles of this warp
-  int tok_next = t_begin + wbeg * TILE;
 
 #pragma unroll
   for (int i = 0; i < ST - 1; ++i) {
@@ -1209,7 +1221,7 @@ int launch_variant(void (*kern)(P), const P& params, int kind, int st, int nw, d
 
 #include <string.h>
 
-#define KIVI_PARAMS_INTS 40  // int64 entries parse_params reads (pointers, strides, sizes): cuda_kernel.py::_args
+#define KIVI_PARAMS_INTS 41  // int64 entries parse_params reads (pointers, strides, sizes): cuda_kernel.py::_args
 static kivi_v3::Params parse_params(const long long* a, double qk_scale, double softcap = 0.0) {
   using namespace kivi_v3;
   Params p;
@@ -1235,6 +1247,7 @@ static kivi_v3::Params parse_params(const long long* a, double qk_scale, double 
   p.M = (int)a[i++]; p.H = (int)a[i++]; p.NT = (int)a[i++]; p.gshift = (int)a[i++]; p.tps = (int)a[i++];
   p.nsplit = (int)a[i++]; p.ngv = (int)a[i++]; p.gv = (int)a[i++]; p.BH = (int)a[i++];
   p.len = reinterpret_cast<const long long*>(a[i++]);
+  p.interleave = (int)a[i++];
   // i == KIVI_PARAMS_INTS here
   p.qk_scale = (float)qk_scale;
   p.softcap = (float)softcap;
@@ -1324,7 +1337,7 @@ KIVI_EXPORT int kivi_v3_lanes_launch(const long long* a, double qk_scale, double
   return launch_variant(kivi_v3_lanes_kernel<4>, lp, 1, 4, nw, grid, smem, device, s);
 }
 // Host check of the argument array's layout (no GPU): parses `a` as kivi_v3_lanes_launch does and writes back, in
-// order, M, H, NT, BH, nsplit, the length pointer, nlanes, then per lane dk, ch_sh, nheads, vz_sh and its kc pointer;
+// order, M, H, NT, BH, nsplit, the length pointer, interleave, nlanes, then per lane dk, ch_sh, nheads, vz_sh and its kc pointer;
 // returns the entries used.
 KIVI_EXPORT int kivi_v3_lanes_parse_probe(const long long* a, long long* out) {
   using namespace kivi_v3;
@@ -1332,7 +1345,7 @@ KIVI_EXPORT int kivi_v3_lanes_parse_probe(const long long* a, long long* out) {
   int i = KIVI_PARAMS_INTS, o = 0;
   const int n = (int)a[i++];
   out[o++] = p.M; out[o++] = p.H; out[o++] = p.NT; out[o++] = p.BH; out[o++] = p.nsplit;
-  out[o++] = reinterpret_cast<long long>(p.len); out[o++] = n;
+  out[o++] = reinterpret_cast<long long>(p.len); out[o++] = p.interleave; out[o++] = n;
   for (int l = 0; l < n && l < MAX_LANES; ++l) {
     const long long* e = a + i + l * 27;
     out[o++] = e[26]; out[o++] = e[7]; out[o++] = e[9]; out[o++] = e[25]; out[o++] = e[0];

@@ -115,7 +115,7 @@ TILE = 32
 DIMS = (64, 128)
 #: int64 entries of one ``kivi_v3::Params`` in a launcher's argument array (10 pointers, 20 strides, 9 sizes:
 #: :func:`_args`; ``KIVI_PARAMS_INTS`` in the .cu)
-PARAMS_INTS = 40
+PARAMS_INTS = 41
 #: key widths of a lane of the lanes kernel (kept channels of a LeanK head): multiples of 16 (one k16 slice) up to 128
 LANE_DIMS = tuple(range(16, 129, 16))
 SOURCE = Path(__file__).with_name("cuda_kernel.cu")
@@ -137,7 +137,11 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # kfold / vfold: 0 = the measured default; kfold 1 / 2 = the key-scale-fold builds, vfold 1 = the value-fold build
 # (KIVI_KFOLD / KIVI_VFOLD, see "Key-scale fold" above); timed on the H200 in session 6 at 1-2% at most (some shapes
 # slower), so off - KVCOMPRESS_KIVI_CUDA_CONFIG='{"kfold": 1, "vfold": 1}' (or another combination) turns them on.
-DEFAULT_CONFIG = dict(nw=4, stages=2, waves=1.0, warps_per_sm=16, min_tiles="auto", min_blocks=4, kfold=0, vfold=0)
+# interleave = 1: tile j of the live prefix is read by warp j mod (splits x nw) of the grid (Params::interleave), so a
+# read bounded by a live length far below the capacity (a static store early in a long generation) keeps every split
+# busy; 0: each split reads a contiguous run of tiles sized for the capacity, each warp a contiguous part of it.
+DEFAULT_CONFIG = dict(nw=4, stages=2, waves=1.0, warps_per_sm=16, min_tiles="auto", min_blocks=4, kfold=0, vfold=0,
+                      interleave=1)
 SMEM_DEFAULT = 48 * 1024  # dynamic shared memory a kernel gets without cudaFuncAttributeMaxDynamicSharedMemorySize
 SMEM_OPTIN_MAX = 227 * 1024  # the largest opt-in limit of any supported GPU (sm_90); the device's own limit is used
 
@@ -553,9 +557,9 @@ def live_length(length: torch.Tensor | None, device: torch.device) -> torch.Tens
 
 
 def _args(packed: PackedKV, kv: list[torch.Tensor], q_ptr: int, q_strides, po_ptr: int, pl_ptr: int, m: int,
-          tps: int, splits: int, len_ptr: int = 0):
+          tps: int, splits: int, len_ptr: int = 0, interleave: int = 1):
     """The launcher's int64 argument array, in the order of ``kivi_v3::Params`` (``len_ptr``: the live length's
-    int64 device pointer, 0 for none)."""
+    int64 device pointer, 0 for none; ``interleave``: the tile-to-warp assignment, see :data:`DEFAULT_CONFIG`)."""
     kc, ks, kz, vc, vs, vz, valid = kv
     b, h = kc.shape[:2]
     nt = kc.shape[2] * packed.group
@@ -565,7 +569,7 @@ def _args(packed: PackedKV, kv: list[torch.Tensor], q_ptr: int, q_strides, po_pt
             valid.data_ptr(), po_ptr, pl_ptr,
             *q_strides, *kc.stride()[:3], *ks.stride()[:3], *kz.stride()[:3], *vc.stride()[:3],
             *vs.stride()[:2], *vz.stride()[:2], valid.stride(0),
-            m, h, nt, packed.group.bit_length() - 1, tps, splits, ngv, dv // ngv, b * h, len_ptr]
+            m, h, nt, packed.group.bit_length() - 1, tps, splits, ngv, dv // ngv, b * h, len_ptr, int(interleave)]
     return (ctypes.c_longlong * len(args))(*args)
 
 
@@ -617,7 +621,7 @@ def _plan(bits: int, dk: int, dv: int, rows: int, nt: int, index: int, softcap: 
     c = dict(c, nw=nw, stages=stages)
     s = splits or num_splits(ntiles, rows, _sms(index), c, cta_smem)
     tiles_per_split = -(-ntiles // max(1, min(s, ntiles)))
-    return lib, nw, stages, -(-ntiles // tiles_per_split), tiles_per_split
+    return lib, nw, stages, -(-ntiles // tiles_per_split), tiles_per_split, int(c.get("interleave", 1))
 
 
 def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict | None = None,
@@ -659,7 +663,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
         if cfg:
             c.update(cfg)
         plan = _plan(bits, dk, dv, b * h * row_blocks, nt, index, softcap, c, splits)
-    lib, nw, stages, s, tiles_per_split = plan
+    lib, nw, stages, s, tiles_per_split, interleave = plan
 
     q = _aligned(query.to(torch.float16), 1, 4)
     kv = _kv_tensors(packed)
@@ -670,7 +674,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
         po = torch.empty(s, b * h * m, dv, device=dev, dtype=torch.float32)
         pl = torch.empty(s, b * h * m, device=dev, dtype=torch.float32)
     arr = _args(packed, kv, q.data_ptr(), q.stride()[:3], po.data_ptr(), pl.data_ptr(), m, tiles_per_split * TILE, s,
-                0 if length is None else length.data_ptr())
+                0 if length is None else length.data_ptr(), interleave)
     stream = torch.cuda.current_stream(dev).cuda_stream
     rc = lib.kivi_v3_launch(arr, float(scale) * LOG2E, float(softcap or 0.0) * LOG2E, nw, stages, row_blocks,
                             index, ctypes.c_void_p(stream))
@@ -713,7 +717,7 @@ def _pairs(x: torch.Tensor) -> torch.Tensor:
 
 def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
             splits: int = 2, kfold: int = 0, vfold: int = 0,
-            softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            softcap: float | None = None, interleave: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's dataflow in PyTorch (CPU): the same lane/fragment mapping, token and channel permutations,
     bit-field extraction, ``movmatrix`` transposes, fp16 rounding points, online softmax per warp, warp merge and
     split combine.
@@ -726,7 +730,9 @@ def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
     ``-sum q' (E + mid) + sum q fp16(z + mid * s)`` with ``mid = (2**bits - 1) / 2``).  ``vfold``: the value-fold
     build (V^T A = fp16(code * s) rounded once, the zero points summed by a separate MMA per k-step, A row ``g`` = the
     lane column's zero pairs, and added to that lane column's output channels).  ``softcap``: the soft-cap the kernel
-    applies to every score fragment (log2 units, ``tanh`` from one ``exp2``) before masking.
+    applies to every score fragment (log2 units, ``tanh`` from one ``exp2``) before masking.  ``interleave``: the
+    tile-to-warp assignment (:data:`DEFAULT_CONFIG`); the live length (``packed.length``) bounds the tiles read and
+    masks the slots after it as the kernel's zero-filling copy of the valid flags does.
     """
     why = _problem(query, packed, LANE_DIMS)
     if why is not None:
@@ -738,8 +744,8 @@ def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
     ntiles = nt // TILE
     tps = -(-ntiles // splits)
     lanes = [(ln // 4, ln % 4) for ln in range(32)]
-    # the live length as the kernel reads it: tiles past the one holding the last live slot are skipped (their split
-    # writes an empty partial) and the slots after it in that tile are masked (_emulate_warp)
+    # the live length as the kernel reads it: tiles past the one holding the last live slot are not read (a warp or
+    # split without tiles writes an empty partial) and the slots after it in that tile are masked (_emulate_warp)
     length = getattr(packed, "length", None)
     live = nt if length is None else max(0, min(nt, int(length)))
     live_tiles = -(-live // TILE)
@@ -747,12 +753,16 @@ def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
         for hi in range(h):
             for rb in range(-(-m // 8)):
                 parts = []
-                for sp in range(-(-ntiles // tps)):
-                    tiles = list(range(sp * tps, min((sp + 1) * tps, live_tiles)))
-                    n = len(tiles)  # each warp: a contiguous run of the split's tiles, as in the kernel
-                    warps = [_emulate_warp(query, packed, bi, hi, rb, tiles[n * w // nw: n * (w + 1) // nw],
-                                           float(scale) * LOG2E, lanes, kfold, vfold,
-                                           float(softcap or 0.0) * LOG2E) for w in range(nw)]
+                nsplit = -(-ntiles // tps)
+                for sp in range(nsplit):
+                    if interleave:  # tile j to warp j mod (nsplit * nw), warp w of split sp being sp * nw + w
+                        mine = [list(range(sp * nw + w, live_tiles, nsplit * nw)) for w in range(nw)]
+                    else:  # each warp: a contiguous run of the split's tiles
+                        tiles = list(range(sp * tps, min((sp + 1) * tps, live_tiles)))
+                        n = len(tiles)
+                        mine = [tiles[n * w // nw: n * (w + 1) // nw] for w in range(nw)]
+                    warps = [_emulate_warp(query, packed, bi, hi, rb, mine[w], float(scale) * LOG2E, lanes, kfold,
+                                           vfold, float(softcap or 0.0) * LOG2E) for w in range(nw)]
                     # warp merge (shared memory)
                     mm = torch.stack([x[0] for x in warps])  # [nw, 8]
                     lm = torch.stack([x[1] for x in warps])

@@ -114,13 +114,15 @@ def _plan(region: PackedLanes, query: torch.Tensor, covered: int, index: int, so
     s = ck.num_splits(ntiles, max(1, b * covered * -(-m // 8)), ck._sms(index), dict(c, nw=nw, stages=stages),
                       cta_smem)
     tps = -(-ntiles // max(1, min(s, ntiles)))
-    return lib, nw, stages, -(-ntiles // tps), tps
+    return lib, nw, stages, -(-ntiles // tps), tps, int(c.get("interleave", 1))
 
 
 def launch_args(q: torch.Tensor, region: PackedLanes, valid8: torch.Tensor, po: int, pl: int, splits: int,
-                tiles_per_split: int, length: torch.Tensor | None = None) -> tuple[list[int], list[torch.Tensor]]:
+                tiles_per_split: int, length: torch.Tensor | None = None,
+                interleave: int = 1) -> tuple[list[int], list[torch.Tensor]]:
     """The launcher's int64 argument array (``kivi_v3_lanes_launch``: the region's ``Params`` - query, valid flags,
-    outputs, sizes, the live length (``length``: 0-dim int64 device tensor, or none); the payload pointers and
+    outputs, sizes, the live length (``length``: 0-dim int64 device tensor, or none), the tile-to-warp assignment
+    (:data:`.cuda_kernel.DEFAULT_CONFIG`'s ``interleave``); the payload pointers and
     strides there unused -, the lane count, then :data:`LANE_INTS` per lane) and the tensors it points into (aligned
     copies where needed; keep them alive until the launch is issued)."""
     b, h, m, _ = q.shape
@@ -129,7 +131,7 @@ def launch_args(q: torch.Tensor, region: PackedLanes, valid8: torch.Tensor, po: 
     args = [q.data_ptr(), 0, 0, 0, 0, 0, 0, valid8.data_ptr(), po, pl,
             *q.stride()[:3], *([0] * 16), valid8.stride(0),
             m, h, region.num_tokens, region.group.bit_length() - 1, tiles_per_split * ck.TILE, splits, ngv, dv // ngv,
-            b * h, 0 if length is None else length.data_ptr()]
+            b * h, 0 if length is None else length.data_ptr(), int(interleave)]
     if len(args) != ck.PARAMS_INTS:
         raise RuntimeError(f"KIVI CUDA lanes kernel: {len(args)} region entries, the launcher reads {ck.PARAMS_INTS}")
     args.append(len(region.lanes))
@@ -181,7 +183,7 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
         if len(_PLANS) >= 4096:
             _PLANS.clear()
         plan = _PLANS[key] = _plan(region, query, covered, index, softcap, c)
-    lib, nw, stages, s, tps = plan
+    lib, nw, stages, s, tps, interleave = plan
 
     valid8 = valid.view(torch.uint8) if valid.dtype == torch.bool else valid.to(torch.uint8)
     valid8 = ck._aligned(valid8, 1, 16)
@@ -191,7 +193,7 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
     else:
         po = torch.empty(s, b * h * m, dv, device=dev, dtype=torch.float32)
         pl = torch.empty(s, b * h * m, device=dev, dtype=torch.float32)
-    args, keep = launch_args(q, region, valid8, po.data_ptr(), pl.data_ptr(), s, tps, length)
+    args, keep = launch_args(q, region, valid8, po.data_ptr(), pl.data_ptr(), s, tps, length, interleave)
     arr = (ctypes.c_longlong * len(args))(*args)
     stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)
     with _LOCK:
