@@ -6,7 +6,7 @@
 # tests: every KIVI CUDA library the tests load compiled in parallel, then tests/test_kivi_cuda.py -m gpu (incl. the
 #   new length test: every case at 5 lengths x 3 split counts, a graph replayed after the length changes in place)
 #   and tests/test_kivi_lanes.py -m gpu (the lanes cases with odd live lengths now go through Params::len; a graph
-#   test of the lanes kernel's length).
+#   test of the lanes kernel's length; LANES_K: a pytest -k filter).
 # bench: issue 19's rows at the small shapes where the launches around the kernels matter (sdpa, kivi2, kivi4,
 #   leank70-kivi2, none, lowrank); benchmarks/gpu_live_length.py (a KIVI-2 store early in a long generation:
 #   capacity 32k / 128k, 1k-16k live tokens); the kernels of the leank70-kivi2 / none reads at Llama B1/4k.
@@ -18,7 +18,8 @@ if [ "${PART:-tests}" = tests ]; then
   timeout 150 python -m pytest -q -m gpu "$SRC/tests/test_kivi_cuda.py" -p no:cacheprovider -p no:logging 2>&1 \
     | grep -v DEBUG | tail -15 | tee "$OUT/pytest_cuda.log"
   date -u | tee -a "$OUT/log.txt"
-  timeout 260 python -m pytest -q -m gpu "$SRC/tests/test_kivi_lanes.py" -p no:cacheprovider -p no:logging 2>&1 \
+  timeout 260 python -m pytest -q -m gpu "$SRC/tests/test_kivi_lanes.py" -p no:cacheprovider -p no:logging \
+    ${LANES_K:+-k "$LANES_K"} 2>&1 \
     | grep -v DEBUG | tail -25 | tee "$OUT/pytest_lanes.log"
   date -u | tee -a "$OUT/log.txt"
   exit 0
