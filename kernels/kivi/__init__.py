@@ -66,7 +66,7 @@ def kivi_attention_partial(query, packed, scale, *, impl: str | None = None, sof
     chosen = implementation(query, packed)
     cap = {} if softcap is None else {"softcap": softcap}
     if chosen == "cuda-v3":
-        from . import cuda_kernel  # no length input: it reads the capacity with valid & (slot < length)
+        from . import cuda_kernel  # reads packed.length on the device: skips the slots after it
 
         return cuda_kernel.kivi_attention_partial(query, packed, scale, **cap)
     if chosen == "triton-v2":

@@ -16,12 +16,17 @@ dynamic shared-memory limit above 48 KB, remembering that per library and device
 function-local static of a template was an ``STB_GNU_UNIQUE`` symbol shared by all loaded libraries: the first H200
 run's "invalid argument" launches).
 
-Work split (flash decoding): grid ``(splits, B*Hkv, row blocks)``; a CTA of ``nw`` warps takes a range of
-tokens; every warp walks its own contiguous run of 32-token tiles of it through a ``stages``-deep ``cp.async``
-pipeline into its own shared-memory buffers (16-byte copies, per-lane offsets computed once), keeps an
+Work split (flash decoding): grid ``(splits, B*Hkv, row blocks)``; the ``splits x nw`` warps of a (batch, kv head)
+share its 32-token tiles - tile ``j`` goes to warp ``j mod (splits x nw)`` (``interleave`` 1, the default; 0: each CTA
+a contiguous range, each warp a contiguous run of it) - and every warp walks its tiles through a ``stages``-deep
+``cp.async`` pipeline into its own shared-memory buffers (16-byte copies, per-lane offsets computed once), keeps an
 online softmax (base 2, lazy rescale) in registers, and the warps are merged through shared memory at the
 end; a second small kernel (one 8-warp CTA per output row) merges the splits by log-sum-exp.  The split
-count aims at ``waves`` full waves of resident CTAs (:func:`num_splits`).
+count aims at ``waves`` full waves of resident CTAs (:func:`num_splits`).  A live length (``packed.length``, a
+0-dim device tensor: a static store's written slots) is read on the device once per CTA: tiles after the one
+holding the last live slot are not read (the grid stays sized for the capacity: CUDA-graph safe), and that tile's
+valid flags are copied with a zero-filling ``cp.async`` (source size = its live slots), so the compute loop is the
+same with or without a length.
 
 Both products run on tensor cores (``mma.sync.m16n8k16``, fp16 in, fp32 accumulate), transposed so that
 the (up to 8) GQA query rows of a kv head are the N = 8 side and tokens / channels the M = 16 side (no

@@ -203,7 +203,8 @@ class PackedKV:
     ``kvcompress::kivi_partial`` (graph-capturable).  ``None`` (default): decided per call
     (:func:`kvcompress.kernels.kivi.kivi_attention_partial`).
     ``length`` (optional): 0-dim int device tensor, the number of leading token slots that may be live; slots at or
-    after it are treated as invalid by every implementation (the Triton kernel does not read them).
+    after it are treated as invalid by every implementation (the Triton and CUDA kernels do not read them; a length
+    past the slots bounds nothing).
     """
 
     bits: int
