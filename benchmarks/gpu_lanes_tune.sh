@@ -20,13 +20,7 @@ CONFIGS=("$@")
 [ ${#CONFIGS[@]} -gt 0 ] || CONFIGS=('{}' '{"min_tiles": 4}' '{"min_tiles": 2}' '{"waves": 2}')
 source "$(dirname "$0")/gpu_site.sh"  # install under /tmp/site, cd there
 if [ "${PART:-tests}" = tests ]; then
-  timeout 120 python "$SRC/benchmarks/gpu_prebuild_kivi.py" 2>&1 | tail -3 | tee -a "$OUT/log.txt"
-  timeout 200 python -m pytest -q -m gpu "$SRC/tests/test_kivi_cuda.py" -p no:cacheprovider -p no:logging 2>&1 \
-    | grep -v DEBUG | tail -15 | tee "$OUT/pytest_cuda.log"
-  date -u | tee -a "$OUT/log.txt"
-  timeout 220 python -m pytest -q -m gpu "$SRC/tests/test_kivi_lanes.py" -p no:cacheprovider -p no:logging 2>&1 \
-    | grep -v DEBUG | tail -25 | tee "$OUT/pytest_lanes.log"
-  date -u | tee -a "$OUT/log.txt"
+  source "$SRC/benchmarks/gpu_kivi_tests.sh"  # prebuild, then the KIVI CUDA / lanes GPU tests
   exit 0
 fi
 timeout 330 python "$SRC/benchmarks/gpu_graph_rows.py" --kind graph --stack kivi2 leank-rope70-kivi2 --jobs 2 \

@@ -14,14 +14,7 @@ set -o pipefail
 OUT=$(realpath "${1:-out}")
 source "$(dirname "$0")/gpu_site.sh"  # install under /tmp/site, cd there
 if [ "${PART:-tests}" = tests ]; then
-  timeout 120 python "$SRC/benchmarks/gpu_prebuild_kivi.py" 2>&1 | tail -3 | tee -a "$OUT/log.txt"
-  timeout 150 python -m pytest -q -m gpu "$SRC/tests/test_kivi_cuda.py" -p no:cacheprovider -p no:logging 2>&1 \
-    | grep -v DEBUG | tail -15 | tee "$OUT/pytest_cuda.log"
-  date -u | tee -a "$OUT/log.txt"
-  timeout 260 python -m pytest -q -m gpu "$SRC/tests/test_kivi_lanes.py" -p no:cacheprovider -p no:logging \
-    ${LANES_K:+-k "$LANES_K"} 2>&1 \
-    | grep -v DEBUG | tail -25 | tee "$OUT/pytest_lanes.log"
-  date -u | tee -a "$OUT/log.txt"
+  source "$SRC/benchmarks/gpu_kivi_tests.sh"  # prebuild, then the KIVI CUDA / lanes GPU tests
   exit 0
 fi
 timeout 200 python -m kvcompress.kernels.benchutil --device cuda --ops sdpa,kivi2,kivi4,leank70-kivi2,none,lowrank \

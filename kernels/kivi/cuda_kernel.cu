@@ -509,8 +509,9 @@ struct TileCopier {
 };
 
 // The body of both kernels (kivi_v3_kernel, kivi_v3_lanes_kernel: grid (nsplit, B*H, row blocks of 8), block NW
-// warps).  Each warp walks its own contiguous run of 32-token tiles of the split through a ST-deep cp.async pipeline,
-// keeps an online softmax in registers, and the warps are merged through shared memory at the end.
+// warps).  Each warp walks its 32-token tiles (interleaved over the grid's warps, or a contiguous run of the split:
+// Params::interleave) through a ST-deep cp.async pipeline, keeps an online softmax in registers, and the warps are
+// merged through shared memory at the end.
 //
 // Transposed products (the GQA rows are the N = 8 side of m16n8k16, tokens / channels the M = 16 side):
 //   S^T = K Q^T   A = K [16 tokens x 16 channels], B = Q^T [16 channels x 8 rows], C = S^T [16 tokens x 8 rows]
