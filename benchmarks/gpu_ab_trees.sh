@@ -22,8 +22,8 @@ for t in "${TREES[@]}"; do
 done
 if [ "${AB_TESTS:-0}" = 1 ]; then
   name=$(basename "$(realpath "$ROOT/${TREES[0]}")")
-  (SRC=$(realpath "$ROOT/${TREES[0]}"); cd "/tmp/site_$name" && PYTHONPATH="/tmp/site_$name" \
-    KVCOMPRESS_CACHE="/tmp/kc_$name" source "$SRC/benchmarks/gpu_kivi_tests.sh")
+  (export SRC=$(realpath "$ROOT/${TREES[0]}") PYTHONPATH="/tmp/site_$name" KVCOMPRESS_CACHE="/tmp/kc_$name"
+   cd "/tmp/site_$name" && source "$SRC/benchmarks/gpu_kivi_tests.sh")
 fi
 for r in $(seq 1 "${AB_ROUNDS:-2}"); do
   for t in "${TREES[@]}"; do
