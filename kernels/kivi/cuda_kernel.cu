@@ -493,13 +493,10 @@ struct TileCopier {
       cp(C::OFF_VS + 16 * lane, vs + o);
       cp(C::OFF_VZ + 16 * lane, vz + o);
     }
-    if (lane < 2) {  // a wholly live chunk: the plain copy; the one holding the last live slot: the zero-filling one
+    if (lane < 2) {
       const int tok = tok0 + 16 * lane;
       const int n = live - tok;
-      if (n >= 16)
-        cp(C::OFF_VA + 16 * lane, va + tok);
-      else
-        cpz(C::OFF_VA + 16 * lane, va + tok, n <= 0 ? 0 : n);
+      cpz(C::OFF_VA + 16 * lane, va + tok, n <= 0 ? 0 : (n >= 16 ? 16 : n));
     }
   }
 
