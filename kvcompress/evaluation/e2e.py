@@ -290,6 +290,25 @@ def kernel_time(prof: Any) -> tuple[float, int]:
     return total_us / 1e3, count
 
 
+def kernel_table(prof: Any, steps: int, top: int = 60) -> list[dict[str, Any]]:
+    """The CUDA kernels of a ``torch.profiler`` run over ``steps`` decode steps, by name (longest first):
+    ``{"kernel", "per_step", "us_per_step"}`` for the ``top`` largest (memory copies and sets excluded, as in
+    :func:`kernel_time`) - where a step's GPU time and launches go."""
+    acc: dict[str, list[float]] = {}
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CUDA or evt.name.startswith(("Memcpy", "Memset", "[memory]")):
+            continue
+        try:
+            us = evt.self_device_time_total
+        except (AssertionError, AttributeError):
+            us = evt.time_range.elapsed_us()
+        a = acc.setdefault(evt.name[:160], [0.0, 0.0])
+        a[0] += 1
+        a[1] += us
+    rows = sorted(acc.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"kernel": k, "per_step": c / steps, "us_per_step": us / steps} for k, (c, us) in rows]
+
+
 class _Decoder:
     """A cache for one row, its prefill and its decode step (eager or compiled)."""
 
@@ -401,7 +420,7 @@ def _row_template(model: Any, spec: RowSpec, batch: int, ctx: int, capacity: int
         "compile_options": (dict(graph_compile_options(device), cuda_graph="kvcompress GraphStep")
                             if spec.kind == "graph" else compile_options(device) if spec.compiled else None),
         "wall_ms": None, "wall_p10_ms": None, "wall_p90_ms": None, "step_ms": [], "gpu_busy_ms": None,
-        "kernels_per_step": None, "wall_over_busy": None, "cache_bytes": None,
+        "kernels_per_step": None, "kernel_table": None, "wall_over_busy": None, "cache_bytes": None,
         "dense_bytes": capacity * batch * dense_bytes_per_token(model), "prefill_s": None,
         "compile_s": None, "warmup_s": None, "graphs": None, "recompiles": None, "graphs_after_warmup": None,
         "cudagraph_skips": None, "peak_bytes": None, "error": None, "traceback": None,
@@ -428,6 +447,7 @@ def _last_steps(dec: "_Decoder", row: dict[str, Any], first: int, total: int) ->
                 dec.step(i)
             _sync(dec.device)
         busy, kernels = kernel_time(prof)
+        row["kernel_table"] = kernel_table(prof, n)
         del prof
         if kernels:
             row["gpu_busy_ms"] = busy / n
