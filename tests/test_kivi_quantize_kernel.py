@@ -60,6 +60,12 @@ CASES = {
     "constant-and-tiny-ranges-bf16": (2, 2, 2, 32, 64, 64, 32, 4, "bfloat16", True, "dead_group",
                                       {"data": "flat", "scale": 1e-6}),
     "large-magnitude-bf16": (1, 2, 2, 64, 128, 128, 64, 2, "bfloat16", False, "dead_group", {"data": "large"}),
+    # groups with no valid token over negative data (x * 0 sums to -0) holding inf / nan in their masked slots: the
+    # reference fills them with exactly +0, the kernel writes the same constants without reading them
+    "deadgroup-negative-nonfinite-bf16": (2, 2, 3, 32, 64, 64, 32, 2, "bfloat16", False, "dead_group",
+                                          {"data": "negative", "dead": "nonfinite"}),
+    "deadgroup-negative-nonfinite-kpt-fp32": (2, 1, 2, 32, 64, 96, 32, 4, "float32", True, "dead_group",
+                                              {"data": "negative", "dead": "nonfinite"}),
 }
 
 
@@ -86,6 +92,9 @@ def make_case(name: str, device: str = "cpu"):
     elif kind == "large":
         k = torch.randn(b, h, t, dk, generator=gen) * 3e4 + 1e4
         v = torch.randn(b, h, t, dv, generator=gen) * 500
+    elif kind == "negative":
+        k = -torch.rand(b, h, t, dk, generator=gen) - 0.05
+        v = -torch.rand(b, h, t, dv, generator=gen) - 0.05
     else:
         k = torch.randn(b, h, t, dk, generator=gen) * 1.7 + 0.4
         v = torch.randn(b, h, t, dv, generator=gen)
@@ -96,6 +105,10 @@ def make_case(name: str, device: str = "cpu"):
         if mask == "dead_group":
             for row in range(b):
                 valid[row, (row % ng) * g: (row % ng + 1) * g] = False
+                if extra.get("dead") == "nonfinite":  # in the masked slots of the dead group only
+                    t0 = (row % ng) * g
+                    k[row, :, t0, 0], k[row, :, t0 + 1, 1], k[row, :, t0 + 2, :] = float("inf"), float("nan"), -1e30
+                    v[row, :, t0, 3], v[row, :, t0 + 5, :] = float("-inf"), float("nan")
         elif mask == "dead_row":
             valid[b - 1] = False
         elif mask == "all":
@@ -213,6 +226,27 @@ def test_bit_identical_to_reference_interpreted(interpreted, name):
 
 
 # ----------------------------------------------------------------------------- in-process: op, choose, plumbing
+
+
+def test_groups_without_a_valid_token_encode_as_constants():
+    """The reference's rule the kernel relies on (it writes these constants without reading such a group): codes 0,
+    scales 1, zeros +0 (bits, not just values: x * 0 over negative data sums to -0), whatever the masked slots hold;
+    the groups with valid tokens keep finite, data-dependent encodings."""
+    for name in ("deadgroup-negative-nonfinite-bf16", "deadgroup-negative-nonfinite-kpt-fp32"):
+        k, v, valid, bits, g, gv, kpt = make_case(name)
+        kc, ks, kz, vc, vs, vz = reference((k, v, valid, bits, g, gv, kpt))
+        b, ng = valid.shape[0], valid.shape[1] // g
+        dead = ~valid.view(b, ng, g).any(-1)  # [b, ng]
+        assert dead.any() and not dead.all()
+        tok = dead.repeat_interleave(g, dim=1)  # [b, t]
+        for codes, scale, zero, per_group in ((kc, ks, kz, not kpt), (vc, vs, vz, False)):
+            sel = dead if per_group else tok
+            assert int(codes[sel[:, None].expand(-1, codes.shape[1], -1)].abs().sum()) == 0
+            sc, zr = scale[sel[:, None].expand(-1, scale.shape[1], -1)], zero[sel[:, None].expand(-1, zero.shape[1], -1)]
+            assert bool((sc == 1).all()) and bool((zr.view(torch.int16) == 0).all()) if zr.dtype == torch.float16 \
+                else bool((zr == 0).all())
+            live = ~sel[:, None].expand(-1, scale.shape[1], -1)
+            assert bool(torch.isfinite(scale[live].float()).all()) and bool((scale[live] != 1).any())
 
 
 def test_invalid_arguments_raise_before_launching():

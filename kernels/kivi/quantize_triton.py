@@ -10,7 +10,9 @@ One program per (batch * head, G-token group) holds the group's key tile ``[G, D
 
 * **fill** (with ``valid``): a masked slot takes the mean of its group's valid tokens per channel, as the reference
   computes it in ``x``'s dtype: the fp32 sum of ``x * valid`` rounded to that dtype, divided (IEEE, fp32) by the
-  count (at least 1), rounded again - 0 when no slot is valid.  bf16 rounding is done on the fp32 bits (round to
+  count (at least 1), rounded again.  A group with no valid slot is not read at all: it encodes as codes 0,
+  scales 1, zeros +0 (the reference fills it with exactly +0) - a static cache's decode step offers a block every step
+  and only one in G leaves the window, so most calls take this branch.  bf16 rounding is done on the fp32 bits (round to
   nearest even): the Triton interpreter's fp32 -> bf16 cast truncates;
 * **quantize**: min / max in fp32; ``scale = fp16((max - min) / qmax)`` divided as the reference divides on the same
   device: on CUDA PyTorch divides a tensor by a Python scalar as a multiplication by its fp32 reciprocal
@@ -206,6 +208,34 @@ def _per_token(src, s_t, s_c, w, n, codes, scales, zeros, row,
 
 
 @triton.jit
+def _per_channel_empty(codes, scales, zeros, grp, DK: tl.constexpr, KW: tl.constexpr, KW_PAD: tl.constexpr,
+                       G: tl.constexpr, PER: tl.constexpr):
+    """What :func:`_per_channel` writes for a group with no valid token (every slot filled with +0): codes 0,
+    scales 1, zeros +0 - without reading the keys."""
+    t2 = tl.arange(0, G)[:, None]
+    w2 = tl.arange(0, KW_PAD)[None, :]
+    tl.store(codes + (grp * KW + w2) * G + t2, tl.zeros((G, KW_PAD), tl.int32), mask=w2 < KW)
+    c1 = tl.arange(0, KW_PAD * PER)
+    tl.store(scales + grp * DK + c1, tl.full((KW_PAD * PER,), 1.0, tl.float16), mask=c1 < DK)
+    tl.store(zeros + grp * DK + c1, tl.zeros((KW_PAD * PER,), tl.float16), mask=c1 < DK)
+
+
+@triton.jit
+def _per_token_empty(codes, scales, zeros, row, D: tl.constexpr, GV: tl.constexpr, G: tl.constexpr,
+                     BITS: tl.constexpr, NW_PAD: tl.constexpr, NS_PAD: tl.constexpr):
+    """What :func:`_per_token` writes for a group with no valid token: codes 0, scales 1, zeros +0 per token."""
+    PER: tl.constexpr = 32 // BITS
+    NW: tl.constexpr = D // PER
+    NS: tl.constexpr = D // GV
+    t2 = tl.arange(0, G)[:, None]
+    wd = tl.arange(0, NW_PAD)[None, :]
+    tl.store(codes + (row + t2) * NW + wd, tl.zeros((G, NW_PAD), tl.int32), mask=wd < NW)
+    gi = tl.arange(0, NS_PAD)[None, :]
+    tl.store(scales + (row + t2) * NS + gi, tl.full((G, NS_PAD), 1.0, tl.float16), mask=gi < NS)
+    tl.store(zeros + (row + t2) * NS + gi, tl.zeros((G, NS_PAD), tl.float16), mask=gi < NS)
+
+
+@triton.jit
 def _kivi_quantize_kernel(
     K, V, VALID, KC, KS, KZ, VC, VS, VZ,
     H, T, NG,
@@ -215,6 +245,7 @@ def _kivi_quantize_kernel(
     DK: tl.constexpr, DV: tl.constexpr, G: tl.constexpr, GV: tl.constexpr, BITS: tl.constexpr,
     KW: tl.constexpr, KW_PAD: tl.constexpr, KA_PAD: tl.constexpr, VA_PAD: tl.constexpr,
     KXD: tl.constexpr, VXD: tl.constexpr, K_PER_TOKEN: tl.constexpr, HAS_VALID: tl.constexpr, INV: tl.constexpr,
+    KNW_PAD: tl.constexpr, KNS_PAD: tl.constexpr, VNW_PAD: tl.constexpr, VNS_PAD: tl.constexpr,
 ):
     """One (G-token group, batch * head): its keys, then its values."""
     g = tl.program_id(0).to(tl.int64)
@@ -223,19 +254,28 @@ def _kivi_quantize_kernel(
     h = bh % H
     t0 = g * G
     n = 1.0
+    live = 1
     w = tl.full((G,), 1, tl.int1)
     if HAS_VALID:
         w = tl.load(VALID + b * sva_b + (t0 + tl.arange(0, G)) * sva_t) != 0
-        n = tl.maximum(tl.sum(w.to(tl.float32), axis=0), 1.0)
+        live = tl.sum(w.to(tl.int32), axis=0)
+        n = tl.maximum(live.to(tl.float32), 1.0)
     k_src = K + b * sk_b + h * sk_h + t0 * sk_t
     v_src = V + b * sv_b + h * sv_h + t0 * sv_t
     row = bh * T + t0  # first token row of the group in [B*H*T, ...] outputs
-    if K_PER_TOKEN:
-        _per_token(k_src, sk_t, sk_c, w, n, KC, KS, KZ, row, DK, GV, KA_PAD, G, BITS, KXD, HAS_VALID, INV)
-    else:
-        _per_channel(k_src, sk_t, sk_c, w, n, KC, KS, KZ, bh * NG + g, DK, KW, KW_PAD, G, BITS, KXD,
-                     HAS_VALID, INV)
-    _per_token(v_src, sv_t, sv_c, w, n, VC, VS, VZ, row, DV, GV, VA_PAD, G, BITS, VXD, HAS_VALID, INV)
+    if live > 0:
+        if K_PER_TOKEN:
+            _per_token(k_src, sk_t, sk_c, w, n, KC, KS, KZ, row, DK, GV, KA_PAD, G, BITS, KXD, HAS_VALID, INV)
+        else:
+            _per_channel(k_src, sk_t, sk_c, w, n, KC, KS, KZ, bh * NG + g, DK, KW, KW_PAD, G, BITS, KXD,
+                         HAS_VALID, INV)
+        _per_token(v_src, sv_t, sv_c, w, n, VC, VS, VZ, row, DV, GV, VA_PAD, G, BITS, VXD, HAS_VALID, INV)
+    else:  # no valid token (a static cache's decode step offers a block every step; most are not due): constants
+        if K_PER_TOKEN:
+            _per_token_empty(KC, KS, KZ, row, DK, GV, G, BITS, KNW_PAD, KNS_PAD)
+        else:
+            _per_channel_empty(KC, KS, KZ, bh * NG + g, DK, KW, KW_PAD, G, 32 // BITS)
+        _per_token_empty(VC, VS, VZ, row, DV, GV, G, BITS, VNW_PAD, VNS_PAD)
 
 
 # ----------------------------------------------------------------------------- host wrapper
@@ -303,6 +343,9 @@ def kivi_quantize_triton(k: torch.Tensor, v: torch.Tensor, valid: Optional[torch
         VA_PAD=_groups_pad(dv, v_group, per), KXD=_DTYPES[k.dtype], VXD=_DTYPES[v.dtype],
         K_PER_TOKEN=bool(k_per_token), HAS_VALID=valid is not None,
         INV=_reciprocal(bits) if (k.is_cuda if scale_reciprocal is None else scale_reciprocal) else 0,
+        KNW_PAD=triton.next_power_of_2(dk // per) if k_per_token else 1,
+        KNS_PAD=triton.next_power_of_2(dk // v_group) if k_per_token else 1,
+        VNW_PAD=triton.next_power_of_2(dv // per), VNS_PAD=triton.next_power_of_2(dv // v_group),
         num_warps=8 if tile > 4096 else 4,
     )
     return kc, ks, kz, vc, vs, vz

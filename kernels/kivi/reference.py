@@ -145,7 +145,11 @@ def fill_masked(x: torch.Tensor, valid: torch.Tensor, group: int) -> torch.Tenso
     b, h, t, d = x.shape
     w = valid.view(b, 1, t // group, group, 1)
     xg = x.view(b, h, t // group, group, d)
-    mean = (xg * w).sum(dim=3, keepdim=True) / w.sum(dim=3, keepdim=True).clamp(min=1)
+    n = w.sum(dim=3, keepdim=True)
+    mean = (xg * w).sum(dim=3, keepdim=True) / n.clamp(min=1)
+    # a group with no valid token: exactly +0 (the sum of x * 0 would be -0 where every x is negative, NaN where one
+    # is infinite), so such a group always encodes as codes 0, scale 1, zero +0 - what the kernels write for it
+    mean = mean.masked_fill(n == 0, 0)
     return torch.where(w, xg, mean.to(x.dtype)).view(b, h, t, d)
 
 
