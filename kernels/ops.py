@@ -179,11 +179,12 @@ def _kivi_partial_cuda(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
         return _fresh(*triton_kernel._forward(query, packed, scale, length=length,
                                               base=_kivi_triton_base(bits, group, dk, dv, packed.v_group),
                                               softcap=softcap))
-    packed.valid = live_slots(valid, length, valid.shape[-1], valid.shape[0], valid.device)
-    if impl == "cuda":
+    if impl == "cuda":  # the kernel reads the length on the device: tiles after it are not read, no mask op here
         from .kivi import cuda_kernel
 
+        packed.length = length
         return _fresh(*cuda_kernel._forward(query, packed, scale, base=_kivi_cuda_base(bits), softcap=softcap))
+    packed.valid = live_slots(valid, length, valid.shape[-1], valid.shape[0], valid.device)
     return _fresh(*kivi_ref.kivi_attention_partial(query, packed, scale, softcap=softcap))
 
 
@@ -200,7 +201,7 @@ def kivi_attention(query: Tensor, packed, scale: float, *, impl: str, length: Op
     if length is None:
         length = packed.length
     return _OPS["kivi_partial"](
-        query, packed.k_codes, packed.k_scale, packed.k_zero, packed.v_codes, packed.v_scale, packed.v_zero,
+        _cuda_query(query, impl), packed.k_codes, packed.k_scale, packed.k_zero, packed.v_codes, packed.v_scale, packed.v_zero,
         packed.valid, length, packed.bits, packed.group, float(scale), bool(packed.k_per_token),
         float(softcap or 0.0), impl)
 
@@ -347,7 +348,15 @@ def kivi_lanes_attention(query: Tensor, region, scale: float, *, impl: str, leng
                          softcap: Optional[float] = None) -> tuple[Tensor, Tensor]:
     """``kvcompress::kivi_lanes_partial`` over a :class:`~kvcompress.kernels.kivi.PackedLanes` (``length`` defaults
     to ``region.length``)."""
-    return _OPS["kivi_lanes_partial"](*_kivi_lanes_args(query, region, scale, length, softcap), impl)
+    return _OPS["kivi_lanes_partial"](*_kivi_lanes_args(_cuda_query(query, impl), region, scale, length, softcap),
+                                      impl)
+
+
+def _cuda_query(query: Tensor, impl: str) -> Tensor:
+    """The query as the KIVI CUDA kernels read it (fp16 operands) when ``impl`` is ``"cuda"``: cast here, in the
+    caller's graph, where a compiled step fuses the cast into the kernel that makes the query; inside the op it
+    would be a launch of its own per layer and step.  The op casts the same way, so nothing else changes."""
+    return query.to(torch.float16) if impl == "cuda" and query.dtype != torch.float16 else query
 
 
 def _kivi_lanes_args(query: Tensor, region, scale: float, length: Optional[Tensor], softcap: Optional[float]) -> tuple:

@@ -385,3 +385,36 @@ def test_compiled_reduce_overhead_on_gpu_equals_reference(name, impl):
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     collect(_interpreter_cases(), sys.argv[sys.argv.index("--worker") + 1])
+
+
+def test_kivi_partial_cuda_glue_hands_the_length_to_the_kernel(monkeypatch):
+    """The op's CUDA implementation with impl "cuda" gives the KIVI CUDA kernel the live length itself (the kernel
+    reads it on the device and skips the tiles after it) and the stored validity unchanged - no ``valid & (slot <
+    length)`` ops and no whole-capacity read.  The kernel is replaced by its CPU emulator (which models the length),
+    so the result is also checked against the reference over exactly the live slots."""
+    from kvcompress.kernels import ops
+    from kvcompress.kernels.kivi import cuda_kernel, reference as kivi_ref
+
+    gen = torch.Generator().manual_seed(3)
+    b, h, m, d, t, live = 2, 2, 4, 64, 128, 70
+    k = torch.randn(b, h, t, d, generator=gen)
+    v = torch.randn(b, h, t, d, generator=gen)
+    valid = torch.rand(b, t, generator=gen) > 0.2
+    kq = kivi_ref.quantize_keys(k, 2, 32)
+    vq = kivi_ref.quantize_values(v, 2, 32)
+    q = torch.randn(b, h, m, d, generator=gen).half()
+    length = torch.tensor(live)
+    seen = {}
+
+    def fake_forward(query, packed, scale, *, base=None, softcap=None, **kw):
+        seen["length"], seen["valid"] = packed.length, packed.valid
+        return cuda_kernel.emulate(query, packed, scale)
+
+    monkeypatch.setattr(cuda_kernel, "_forward", fake_forward)
+    out, lse = ops.CUDA_IMPLS["kivi_partial"](q, *kq, *vq, valid, length, 2, 32, 0.125, False, 0.0, "cuda")
+    assert seen["length"] is length and seen["valid"] is valid
+    cut = valid.clone()
+    cut[:, live:] = False
+    ref_out, ref_lse = kivi_ref.kivi_attention_partial(
+        q, kivi_ref.PackedKV(2, 32, *kq, *vq, cut), 0.125)
+    assert torch.allclose(out, ref_out, atol=2e-3, rtol=1e-3) and torch.allclose(lse, ref_lse, atol=2e-3, rtol=1e-3)
