@@ -54,6 +54,10 @@ CASES = {
     "combine-splits-35": (1, 2, 4, 32, 32, [([1, 0], 16, 90, True)], {"combine": "splits", "splits": 35, "BN": 16}),
     "combine-splits-all-invalid": (1, 2, 4, 32, 32, [([0, 1], 16, 20, True)],
                                    {"combine": "splits", "splits": 3, "all_invalid": True}),
+    # one split of one lane of every head (a short buffer's read): the kernel's partial is returned without the merge
+    "one-lane-every-head-one-split": (2, 4, 4, 32, 32, [(None, None, 45, True)], {"splits": 1}),
+    "one-lane-every-head-one-split-all-invalid": (1, 2, 4, 32, 32, [(None, None, 20, True)],
+                                                  {"splits": 1, "all_invalid": True}),
 }
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3
 
