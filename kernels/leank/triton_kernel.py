@@ -442,15 +442,17 @@ def _stride(r: dict, key: str, dim: int) -> int:
 
 def _lane_rows(lanes: Sequence[Lane], d: int, dev: torch.device, canonical: bool) -> list[dict]:
     """Per lane (or canonical slot): the tensors, sizes and flags one launch takes."""
-    # identity heads / channels and the placeholder pointer of absent tensors (never read): views of one
-    # index tensor made per call. Never a module-level cache of device tensors: made during a CUDA-graph
-    # warm-up it would live in the graph's private pool untracked, and recording the graph would fail.
-    iota = torch.arange(max([d, 1] + [lane.k.shape[1] for lane in lanes]), device=dev, dtype=torch.int64)
-    dummy = iota[:1]
+    # canonical slots: identity heads / channels as views of one index tensor made per call (never a module-level
+    # cache of device tensors: made during a CUDA-graph warm-up it would live in the graph's private pool untracked,
+    # and recording the graph would fail).  Otherwise absent tensors get the lane's own keys as a placeholder pointer
+    # (never read: their HAS_* flag is off), so a read makes no index tensor (an arange launch per layer and step).
+    iota = (torch.arange(max([d, 1] + [lane.k.shape[1] for lane in lanes]), device=dev, dtype=torch.int64)
+            if canonical else None)
     rows = []  # per lane: tensors and strides
     r0 = 0
     for heads, channels, k, v, valid in lanes:
         k, v = _last_contiguous(k), _last_contiguous(v)
+        dummy = iota[:1] if canonical else k
         h, t, c = k.shape[1], k.shape[2], k.shape[3]
         if valid is not None:
             valid = valid if valid.stride(-1) == 1 else valid.contiguous()
