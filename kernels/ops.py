@@ -201,8 +201,8 @@ def kivi_attention(query: Tensor, packed, scale: float, *, impl: str, length: Op
     if length is None:
         length = packed.length
     return _OPS["kivi_partial"](
-        _cuda_query(query, impl), packed.k_codes, packed.k_scale, packed.k_zero, packed.v_codes, packed.v_scale, packed.v_zero,
-        packed.valid, length, packed.bits, packed.group, float(scale), bool(packed.k_per_token),
+        _cuda_query(query, impl), packed.k_codes, packed.k_scale, packed.k_zero, packed.v_codes, packed.v_scale,
+        packed.v_zero, packed.valid, length, packed.bits, packed.group, float(scale), bool(packed.k_per_token),
         float(softcap or 0.0), impl)
 
 

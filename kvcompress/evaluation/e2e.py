@@ -273,19 +273,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def kernel_time(prof: Any) -> tuple[float, int]:
-    """(summed duration in ms, count) of the CUDA kernels a ``torch.profiler`` run recorded
-    (memory copies and sets excluded)."""
-    total_us, count = 0.0, 0
+def _kernel_events(prof: Any):
+    """``(name, µs)`` of each CUDA kernel a ``torch.profiler`` run recorded (memory copies and sets excluded)."""
     for evt in prof.events():
         if evt.device_type != torch.autograd.DeviceType.CUDA:
             continue
         if evt.name.startswith(("Memcpy", "Memset", "[memory]")):
             continue
         try:
-            total_us += evt.self_device_time_total
+            us = evt.self_device_time_total
         except (AssertionError, AttributeError):  # older FunctionEvent APIs
-            total_us += evt.time_range.elapsed_us()
+            us = evt.time_range.elapsed_us()
+        yield evt.name, us
+
+
+def kernel_time(prof: Any) -> tuple[float, int]:
+    """(summed duration in ms, count) of the CUDA kernels a ``torch.profiler`` run recorded
+    (memory copies and sets excluded)."""
+    total_us, count = 0.0, 0
+    for _, us in _kernel_events(prof):
+        total_us += us
         count += 1
     return total_us / 1e3, count
 
@@ -295,14 +302,8 @@ def kernel_table(prof: Any, steps: int, top: int = 60) -> list[dict[str, Any]]:
     ``{"kernel", "per_step", "us_per_step"}`` for the ``top`` largest (memory copies and sets excluded, as in
     :func:`kernel_time`) - where a step's GPU time and launches go."""
     acc: dict[str, list[float]] = {}
-    for evt in prof.events():
-        if evt.device_type != torch.autograd.DeviceType.CUDA or evt.name.startswith(("Memcpy", "Memset", "[memory]")):
-            continue
-        try:
-            us = evt.self_device_time_total
-        except (AssertionError, AttributeError):
-            us = evt.time_range.elapsed_us()
-        a = acc.setdefault(evt.name[:160], [0.0, 0.0])
+    for name, us in _kernel_events(prof):
+        a = acc.setdefault(name[:160], [0.0, 0.0])
         a[0] += 1
         a[1] += us
     rows = sorted(acc.items(), key=lambda kv: -kv[1][1])[:top]
