@@ -1,7 +1,9 @@
 """Decode-step rows of kvcompress' own CUDA-graph replay (kvcompress.graphs.GraphStep) on the GPU machine:
     python benchmarks/gpu_graph_rows.py --stack kivi2 none --points 1x32768 8x16384 --out DIR
     python benchmarks/gpu_graph_rows.py --stack none kivi4 paged-1024 --points 1x32768 --jobs 3 --out DIR
-Same measurement as benchmarks/e2e_decode.py (kvcompress.evaluation.e2e.measure_row), "graph" rows only:
+Same measurement as benchmarks/e2e_decode.py (kvcompress.evaluation.e2e.measure_row), "graph" rows only
+(warm-up until the planned step's flush variant is captured too - ``graph_warmup``; 32 timed and 32 profiled
+steps, each window holding one KIVI flush: ``wall_mean_ms`` and ``gpu_busy_ms`` average over the flush period):
 the Llama-3-8B shape with random bf16 weights, static cache, torch.compile(fullgraph=True) without CUDA-graph
 trees, captured once and replayed.
 
@@ -30,7 +32,7 @@ import torch
 
 from kvcompress.evaluation import e2e
 
-KEYS = ("label", "batch", "context", "wall_ms", "gpu_busy_ms", "wall_over_busy", "kernels_per_step", "compile_s",
+KEYS = ("label", "batch", "context", "wall_ms", "wall_mean_ms", "gpu_busy_ms", "graph_variants", "graph_direct_timed", "wall_over_busy", "kernels_per_step", "compile_s",
         "graphs", "cache_bytes", "timed_alone", "error")
 
 
@@ -108,7 +110,7 @@ def worker(args, name: str, tensors: dict[str, torch.Tensor], folder: str, n: in
         stack = e2e.resolve_stacks([name], model)[0]
         label = f"{name} + compile" + (" + CUDA graph" if args.kind == "graph" else "")
         row = e2e.measure_row(model, e2e.RowSpec(args.kind, label, stack), b, c, gate=turn,
-                              prefill_tokens=args.prefill_tokens)
+                              prefill_tokens=args.prefill_tokens, **steps(args))
         row["timed_alone"] = turn.complete
         rows.append(row)
     except Exception as exc:  # noqa: BLE001 - report it as the row's error
@@ -162,6 +164,10 @@ def yield_row(args, row: dict, out_rows: list) -> None:
                    "rows": out_rows}, f, indent=1)
 
 
+def steps(args) -> dict[str, int]:
+    return {"warmup": args.warmup, "steps": args.steps, "profile_steps": args.profile_steps}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stack", nargs="+", default=["kivi2"])
@@ -175,6 +181,10 @@ def main() -> int:
     ap.add_argument("--prefill-tokens", type=int, default=32768, help="tokens per prefill chunk over the batch")
     ap.add_argument("--ready-timeout", type=float, default=480.0,
                     help="seconds after which a worker times its row even if others are not ready")
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="untimed steps first (at least what captures every plan's graph: e2e.graph_warmup)")
+    ap.add_argument("--steps", type=int, default=32, help="timed steps (32: one KIVI flush among them)")
+    ap.add_argument("--profile-steps", type=int, default=32, help="profiled steps (GPU-busy time, kernel table)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     model = e2e.random_model(args.shape, args.device, getattr(torch, args.dtype))
@@ -188,7 +198,7 @@ def main() -> int:
             stack = e2e.resolve_stacks([name], model)[0]
             label = f"{name} + compile" + (" + CUDA graph" if args.kind == "graph" else "")
             yield_row(args, e2e.measure_row(model, e2e.RowSpec(args.kind, label, stack), b, c,
-                                            prefill_tokens=args.prefill_tokens), rows)
+                                            prefill_tokens=args.prefill_tokens, **steps(args)), rows)
     return 0
 
 

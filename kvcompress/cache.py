@@ -221,6 +221,34 @@ class Cache(hf.CacheBase):
         super().reset()
         self._expect[2] = None  # the next call is a first call again
 
+    def plan_step(self) -> Any:
+        """Plan the coming single-token decode step on the host (a static cache; ``None`` for a dynamic one).
+
+        Returns a hashable key of the device program the step runs: the compressed layers that flush a block in
+        it and those that still fill their sink slots.  A compiled step branches on the plan (one compiled variant
+        per key, a CUDA graph each under :class:`kvcompress.GraphStep`, which calls this before and
+        :meth:`finish_step` after every call), so steps that flush nothing run no flush kernels, and the host
+        counts stay exact without reading the device.  Unplanned compiled steps (``generate``'s own compiled
+        forward) offer a block every step and let the device decide.  Raises if the cache is full.
+        """
+        if not self.is_static:
+            return None
+        layers = self.compressed_layers
+        try:
+            plans = [core.plan_decode() for core in layers]
+        except BaseException:
+            self.finish_step(False)
+            raise
+        return (tuple(i for i, (flush, _) in enumerate(plans) if flush),
+                tuple(i for i, (_, sinks) in enumerate(plans) if sinks))
+
+    def finish_step(self, completed: bool = True) -> None:
+        """End the step planned by :meth:`plan_step`; ``completed=False`` (the call raised) makes the host counts
+        unknown (read once from the device at the next plan)."""
+        if self.is_static:
+            for core in self.compressed_layers:
+                core.finish_decode(completed)
+
     @staticmethod
     def _other_model(what: str) -> str:
         return (f"the model calling this kvcompress cache passes {what}: a cache serves the one model (and dtype) "

@@ -20,6 +20,15 @@ the device with buffers at fixed addresses - :class:`kvcompress.Cache` with ``ma
 
 The returned outputs are copies (``clone_outputs=True``) or the captured buffers themselves, which the
 next call overwrites.  Off CUDA, or with ``enabled=False``, calls go straight to ``fn``.
+
+**Planned steps.**  An argument with ``plan_step()`` and ``finish_step(completed)`` methods (a static
+:class:`kvcompress.Cache`) is asked before every call which device program the step runs - for a
+kvcompress cache, whether a block of tokens leaves the recent window in it - and told after the call whether
+it ran.  ``fn`` branches on that plan in Python (a compiled ``fn`` gets one variant per plan), and the step
+keeps one CUDA graph per plan key: each key's first ``warmup`` calls (``variant_warmup`` for keys after the
+first) run directly, the next one is captured, later ones replay.  The graphs share one memory pool (they
+never run at the same time).  So a KIVI step that flushes nothing (31 of 32) replays a graph without the flush
+kernels.  :attr:`variants` lists the captured keys; :attr:`direct_calls` counts calls that ran ``fn`` directly.
 """
 
 from __future__ import annotations
@@ -36,22 +45,39 @@ class GraphStep:
 
     The first ``warmup`` calls run ``fn`` directly (they are real steps: compilation, kernel selection
     and lazy allocations happen there, outside any graph); the next call captures ``fn`` (on a side
-    stream, into a private memory pool) and replays the capture; every later call only replays.  :attr:`replays` counts replayed calls.
+    stream, into a private memory pool) and replays the capture; every later call only replays.  Under a
+    planning argument (module docstring) this holds per plan key, with ``variant_warmup`` direct calls for
+    each key after the first (its compilation happens there).  :attr:`replays` counts replayed calls.
     """
 
     def __init__(self, fn: Callable[..., Any], *, warmup: int = 3, clone_outputs: bool = True,
-                 enabled: bool | None = None):
+                 enabled: bool | None = None, variant_warmup: int = 1):
         if warmup < 1:
             raise ValueError(f"warmup must be >= 1 (a capture needs compiled kernels and lazy state), got {warmup}")
+        if variant_warmup < 1:
+            raise ValueError(f"variant_warmup must be >= 1 (a new variant compiles in a direct call), got "
+                             f"{variant_warmup}")
         self.fn = fn
         self.warmup = warmup
+        self.variant_warmup = variant_warmup
         self.clone_outputs = clone_outputs
         self.enabled = enabled
         self.calls = 0
         self.replays = 0
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self._static: dict[str, Any] | None = None  # the captured call's arguments
-        self._out: Any = None  # the captured call's outputs (graph-owned buffers)
+        self.direct_calls = 0
+        self._captures: dict[Any, _Capture] = {}  # plan key -> its capture
+        self._pool: Any = None  # the graphs' shared memory pool
+        self._static: dict[str, Any] | None = None  # the captured calls' arguments (shared by every variant)
+
+    @property
+    def graph(self) -> "torch.cuda.CUDAGraph | None":
+        """The first captured graph (``None`` before any capture)."""
+        return next((c.graph for c in self._captures.values() if c.graph is not None), None)
+
+    @property
+    def variants(self) -> list[Any]:
+        """Plan keys with a captured graph, in capture order."""
+        return [key for key, c in self._captures.items() if c.graph is not None]
 
     # -- arguments ------------------------------------------------------------------------------
     def _device(self, kwargs: dict[str, Any]) -> torch.device | None:
@@ -84,51 +110,86 @@ class GraphStep:
                     f"a CUDA-graph decode step replays the call it captured: argument {name!r} changed "
                     f"({type(held).__name__} -> {type(value).__name__}); a new cache or setting needs a new step")
 
+    @staticmethod
+    def _planners(kwargs: dict[str, Any]) -> list[Any]:
+        return [v for v in kwargs.values() if not isinstance(v, torch.Tensor) and callable(getattr(v, "plan_step", None))
+                and callable(getattr(v, "finish_step", None))]
+
     # -- the call -------------------------------------------------------------------------------
     def __call__(self, **kwargs: Any) -> Any:
+        planners = self._planners(kwargs)
+        key = tuple(p.plan_step() for p in planners) if planners else None
+        completed = False
+        try:
+            out = self._run(key, kwargs)
+            completed = True
+        finally:
+            for p in planners:
+                p.finish_step(completed)
+        return out
+
+    def _run(self, key: Any, kwargs: dict[str, Any]) -> Any:
         device = self._device(kwargs)
         on = self.enabled if self.enabled is not None else (device is not None and device.type == "cuda")
         if not on:
             self.calls += 1
+            self.direct_calls += 1
             return self.fn(**kwargs)
         if self._static is None:  # every call runs on these buffers: warm-up calls trace what the graph captures
             self._static = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
         else:
             self._bind(kwargs)
-        if self.graph is not None:
-            self.graph.replay()
+        capture = self._captures.get(key)
+        if capture is None:
+            capture = self._captures[key] = _Capture(self.warmup if not self._captures else self.variant_warmup)
+        if capture.graph is not None:
+            capture.graph.replay()
             self.calls += 1
             self.replays += 1
-            return self._outputs()
-        if self.calls < self.warmup:  # a real step, outside any graph
+            return self._outputs(capture)
+        if capture.calls < capture.warmup:  # a real step, outside any graph
+            capture.calls += 1
             self.calls += 1
+            self.direct_calls += 1
             return self.fn(**self._static)
         # capture this call, then run the step by replaying the capture
         graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         try:
-            with torch.cuda.graph(graph):
-                self._out = self.fn(**self._static)
+            with torch.cuda.graph(graph, pool=self._pool):
+                capture.out = self.fn(**self._static)
         except RuntimeError as exc:
-            self._out = None
+            capture.out = None
             raise UnsupportedOperationError(
                 f"the decode step could not be captured as a CUDA graph ({str(exc).splitlines()[0][:200]}); "
                 "pass a step without host synchronisation, e.g. torch.compile(model.forward, fullgraph=True) "
                 "over a static cache (kvcompress.Cache(..., max_cache_len=N))") from exc
-        self.graph = graph
+        capture.graph = graph
         graph.replay()
         self.calls += 1
         self.replays += 1
-        return self._outputs()
+        return self._outputs(capture)
 
-    def _outputs(self) -> Any:
-        return _clone(self._out) if self.clone_outputs else self._out
+    def _outputs(self, capture: "_Capture") -> Any:
+        return _clone(capture.out) if self.clone_outputs else capture.out
 
     def reset(self) -> None:
-        """Forget the capture (its memory is released); the next calls warm up and capture again."""
-        self.graph = None
+        """Forget the captures (their memory is released); the next calls warm up and capture again."""
+        self._captures = {}
+        self._pool = None
         self._static = None
-        self._out = None
         self.calls = 0
+
+
+class _Capture:
+    """One plan key's state: direct calls so far, its graph and the graph's output buffers."""
+
+    def __init__(self, warmup: int):
+        self.warmup = warmup
+        self.calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: Any = None
 
 
 def _clone(x: Any) -> Any:

@@ -12,7 +12,10 @@ single-token decode step or a multi-token prefill / chunk:
   (``block.due``, a 0-dim bool tensor) is computed on the device; stores write the block into
   slots that hold no live token and advance their device cursors by it, so a step that flushes
   and a step that does not run the same kernels.  Nothing reads a tensor value on the host,
-  allocates, concatenates stored segments or reads the environment.
+  allocates, concatenates stored segments or reads the environment.  A *planned* step
+  (:meth:`StaticLayer.plan_decode`, which :class:`kvcompress.GraphStep` calls through
+  :meth:`kvcompress.Cache.plan_step`) knows from the host counts whether it flushes: the compiled
+  step then has two variants, and the 31 of 32 KIVI steps that flush nothing run no flush kernels.
 * **prefill / chunk** (``q_len > 1``) - eager, with host-side counts (one device-to-host read of
   the layer's counters per call): the step's tokens are read as their own segment, then every
   block that leaves the window is flushed at once (``block.due`` is ``None``: real).
@@ -200,6 +203,9 @@ class StaticLayer:
         self.is_initialized = False
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._host: tuple[int, int] | None = (0, 0)  # (seen, flushed) while known on the host
+        #: the coming decode step as the host planned it (:meth:`plan_decode`): ``(flush, take_sinks)``, or ``None``
+        #: (unplanned: a compiled step offers a block every step and the device decides)
+        self._planned: tuple[bool, bool] | None = None
         self._lead_open = True  # no ring token stored yet: leading padding / sink columns are skipped
         self._sinks_full = self.sink_slots == 0
 
@@ -285,6 +291,38 @@ class StaticLayer:
             self._host = (int(self.seen), int(self.flushed))
         return self._host
 
+    # -- host-planned decode steps -------------------------------------------------------------
+    def plan_decode(self) -> tuple[bool, bool]:
+        """Plan the coming single-token decode step on the host, before a compiled or captured call runs it.
+
+        Returns ``(flush, take_sinks)``: whether a block leaves the window in this step, and whether the step
+        still moves tokens into the sink slots.  The compiled step branches on the plan (one compiled variant
+        per distinct plan: a step that does not flush runs no flush kernels at all, instead of offering a block
+        that the device finds not due), and the host counts advance to what they are after the step, so a
+        graph replay that runs no Python keeps them exact.  Every planned call must be followed by
+        :meth:`finish_decode`.  Raises if the cache is full (what an unplanned compiled step cannot check).
+        """
+        if self._planned is not None:
+            raise UnsupportedOperationError(
+                "a decode step was planned twice without running it: call finish_decode() after each planned step")
+        seen, flushed = self.host_counts()  # one device read only after unplanned compiled steps
+        if seen >= self.capacity:
+            raise UnsupportedOperationError(
+                f"the static cache holds at most max_cache_len={self.capacity} tokens and is full; build it with a "
+                "larger max_cache_len")
+        seen += 1
+        flush = self.middle is not None and seen - flushed >= self.layout.recent + self.flush_size
+        self._planned = (flush, not self._sinks_full)
+        self._host = (seen, flushed + self.flush_size if flush else flushed)
+        return self._planned
+
+    def finish_decode(self, completed: bool) -> None:
+        """End a planned step: ``completed`` False (the call raised) forgets the host counts (the next plan
+        reads them from the device once)."""
+        if self._planned is not None and not completed:
+            self._host = None
+        self._planned = None
+
     def get_seq_length(self) -> torch.Tensor | int:
         """Tokens seen, as a device tensor (read by compiled code without a host sync)."""
         return self.seen if self.is_initialized else 0
@@ -343,14 +381,16 @@ class StaticLayer:
             valid_new = torch.ones(k.shape[0], 1, dtype=torch.bool, device=k.device)
         valid_new = valid_new.expand(k.shape[0], 1)
         compiling = _device_only()
-        if not compiling:
-            host = self.host_counts()  # (seen, flushed); one device read only after compiled steps
+        planned = self._planned  # (a compiled step branches on it: one variant per plan)
+        if not compiling and planned is None:
+            host = self.host_counts()  # (seen, flushed); one device read only after unplanned compiled steps
             if host[0] >= self.capacity:
                 raise UnsupportedOperationError(
                     f"the static cache holds at most max_cache_len={self.capacity} tokens and is full; build it "
-                    "with a larger max_cache_len (a compiled step cannot check this: it must fit)")
+                    "with a larger max_cache_len (an unplanned compiled step cannot check this: it must fit)")
         token_valid = valid_new
-        if compiling or not self._sinks_full:  # eager steps skip what the host knows changes nothing
+        # steps the host planned, and eager steps, skip what the host knows changes nothing
+        if planned[1] if planned is not None else (compiling or not self._sinks_full):
             valid_new = self._take_sinks(k, v, valid_new, pos)
         slot = self.sink_slots + pos.remainder(self.ring_slots)
         self.k.index_copy_(2, slot, k)
@@ -368,7 +408,11 @@ class StaticLayer:
             new = Segment(k, v, token_valid, self.seen.view(1) - 1)  # (pos is a view of the advanced counter)
             self._observe(query, new, scaling, variant, middle, None, decode_slot=slot - self.sink_slots,
                           read_masses=masses)
-        if compiling:
+        if planned is not None:  # the host counts were advanced by the plan
+            if planned[0]:
+                self._flush_decode(due=self._true)
+            return out
+        if compiling:  # unplanned: a block is offered every step, the device decides whether it is due
             self._host = None
             if self.middle is not None:
                 self._flush_decode()
@@ -402,6 +446,10 @@ class StaticLayer:
 
     # prefill / chunks: host counts ---------------------------------------------------------
     def _prefill(self, query, k, v, attention_mask, scaling, dense_attention, variant=(None, None)):
+        if self._planned is not None:
+            raise UnsupportedOperationError(
+                f"a single-token decode step was planned (plan_step), but the model was called with {k.shape[2]} "
+                "tokens; plan only decode steps (kvcompress.GraphStep does this for the calls it runs)")
         if _compiling():
             raise UnsupportedOperationError(
                 "a static kvcompress cache compiles single-token decode steps; run the prefill (and "
@@ -609,6 +657,7 @@ class StaticLayer:
                   self.flushed):
             t.zero_()
         self._host = (0, 0)
+        self._planned = None
         self._lead_open = True
         self._sinks_full = self.sink_slots == 0
         self._size_due = self.sized_by_prompt  # the next prompt may need a larger middle

@@ -71,6 +71,112 @@ def test_cpu_graph_step_decodes_like_the_eager_static_cache():
     torch.testing.assert_close(replayed, eager, rtol=0, atol=1e-5)
 
 
+KIVI_SMALL = {"compressors": [{"kivi": {"bits": 2, "group": 16, "residual": 16}}]}
+
+
+def test_cpu_planned_steps_compile_one_variant_per_plan_and_keep_host_counts(monkeypatch):
+    """Through a GraphStep the static cache plans every decode step on the host: the compiled step has one
+    variant that flushes and one that does not (compiled once each; the one that does not flush is the smallest
+    graph: no flush pipeline), the logits equal the unplanned compiled step's (which offers a block every step
+    and lets the device decide) and the eager step's, and the plans advance the host counts step by step."""
+    model = tiny_model("llama")
+    stack = kvcompress.parse_stack(KIVI_SMALL)
+    eager, _ = _decode(model, stack, 40)
+    sizes = []
+
+    def backend(gm, example_inputs):  # records each compiled graph's size, runs it as traced
+        sizes.append(len(gm.graph.nodes))
+        return gm.forward
+
+    hosts = []
+    plan_step = kvcompress.Cache.plan_step
+
+    def spy(cache):
+        key = plan_step(cache)
+        hosts.append(cache.compressed_layers[0].host_counts())
+        return key
+
+    monkeypatch.setattr(kvcompress.Cache, "plan_step", spy)
+    torch._dynamo.reset()
+    planned, step = _decode(model, stack, 40, step_fn=lambda m: GraphStep(
+        torch.compile(m.forward, backend=backend, fullgraph=True), warmup=2))
+    assert len(sizes) == 2 and step.direct_calls == 40  # two variants, nothing recompiled; no graph on the CPU
+    no_flush, flush = sizes
+    torch.testing.assert_close(planned, eager, rtol=0, atol=1e-5)
+    # the host counts after each plan: one more token seen, a block of 16 flushed when 32 are past the flushed
+    assert [h[0] for h in hosts] == list(range(25, 65))
+    flushed = [h[1] for h in hosts]
+    assert flushed == [16 * ((n - 16) // 16) for n in range(25, 65)]
+    monkeypatch.undo()
+    torch._dynamo.reset()
+    sizes.clear()
+    unplanned, _ = _decode(model, stack, 40, step_fn=lambda m: torch.compile(m.forward, backend=backend,
+                                                                                fullgraph=True))
+    assert len(sizes) == 1 and no_flush < sizes[0]  # the unplanned step offers a block every step
+    torch.testing.assert_close(unplanned, planned, rtol=0, atol=1e-5)
+
+
+def test_planned_host_counts_equal_the_device_counters_and_misuse_is_refused():
+    model = tiny_model("llama")
+    stack = kvcompress.parse_stack(KIVI_SMALL)
+    ids = torch.randint(1, 256, (2, 60), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(60).expand(2, -1)
+    with kvcompress.compress(model, stack, max_cache_len=44) as cache, torch.no_grad():
+        model(ids[:, :24], position_ids=pos[:, :24], past_key_values=cache)
+        flushes = []
+        for i in range(24, 44):
+            key = cache.plan_step()
+            flushes.append(bool(key[0]))
+            model(input_ids=ids[:, i:i + 1], position_ids=pos[:, i:i + 1], past_key_values=cache)
+            cache.finish_step(True)
+            for core in cache.compressed_layers:
+                assert core._host is not None and core._host == (int(core.seen), int(core.flushed))
+        # residual 16 + group 16: a block leaves whenever 32 tokens are past the flushed ones
+        assert sum(flushes) == sum(1 for n in range(25, 45) if (n - 16) % 16 == 0)
+        with pytest.raises(UnsupportedOperationError, match="is full"):
+            cache.plan_step()
+        assert all(core._planned is None for core in cache.compressed_layers)
+        cache.reset()
+        model(ids[:, :24], position_ids=pos[:, :24], past_key_values=cache)
+        cache.plan_step()
+        with pytest.raises(UnsupportedOperationError, match="planned twice"):
+            cache.plan_step()
+        cache.finish_step(False)
+        cache.plan_step()
+        with pytest.raises(UnsupportedOperationError, match="was called with 3 tokens"):
+            model(input_ids=ids[:, 24:27], position_ids=pos[:, 24:27], past_key_values=cache)
+        cache.finish_step(False)  # the counts are forgotten and read again from the device
+        assert all(core._host is None for core in cache.compressed_layers)
+        assert cache.compressed_layers[0].host_counts()[0] == 24
+
+
+def test_graph_step_plans_around_each_call_and_reports_a_failed_call():
+    events = []
+
+    class Planner:
+        def plan_step(self):
+            events.append("plan")
+            return len(events)
+
+        def finish_step(self, completed):
+            events.append(("finish", completed))
+
+    def fn(x, cache, fail=False):
+        events.append("call")
+        if fail:
+            raise RuntimeError("boom")
+        return x + 1
+
+    step = GraphStep(fn, warmup=1)
+    planner = Planner()
+    step(x=torch.zeros(2), cache=planner)
+    with pytest.raises(RuntimeError, match="boom"):
+        step(x=torch.zeros(2), cache=planner, fail=True)
+    assert events == ["plan", "call", ("finish", True), "plan", "call", ("finish", False)]
+    with pytest.raises(ValueError, match="variant_warmup must be >= 1"):
+        GraphStep(fn, variant_warmup=0)
+
+
 def _bind_step(static):
     step = GraphStep(lambda **kw: None, warmup=1)
     step._static = static
@@ -111,8 +217,13 @@ def test_cuda_graph_replay_equals_eager(name):
     torch._dynamo.reset()
     eager, _ = _decode(model, stack, 48, device="cuda")
     replayed, fn = _decode(model, stack, 48, step_fn=lambda m: graph_step(m, warmup=2), device="cuda")
-    assert fn.replays == 46 and fn.graph is not None
-    # the replay runs exactly the compiled step's kernels: bit-identical to that step called without a graph
+    # one graph per plan: the steps that flush a block (every 16th for KIVI) have their own, captured after one
+    # direct call (where that variant compiles)
+    flushes = name in ("kivi2", "paged+kivi2")
+    assert len(fn.variants) == (2 if flushes else 1) and fn.direct_calls == (3 if flushes else 2)
+    assert fn.replays == 48 - fn.direct_calls
+    # the replay runs the compiled step's kernels: bit-identical to that step called without a graph (there
+    # unplanned: a block offered every step, the device deciding)
     torch._dynamo.reset()
     compiled, _ = _decode(model, stack, 48, device="cuda", step_fn=lambda m: torch.compile(
         m.forward, **graph_compile_options(torch.device("cuda"))))

@@ -420,7 +420,8 @@ def _row_template(model: Any, spec: RowSpec, batch: int, ctx: int, capacity: int
         "capacity": capacity if spec.compiled or spec.kind == "static-eager" else None, "prefill_chunk": chunk,
         "compile_options": (dict(graph_compile_options(device), cuda_graph="kvcompress GraphStep")
                             if spec.kind == "graph" else compile_options(device) if spec.compiled else None),
-        "wall_ms": None, "wall_p10_ms": None, "wall_p90_ms": None, "step_ms": [], "gpu_busy_ms": None,
+        "wall_ms": None, "wall_mean_ms": None, "wall_p10_ms": None, "wall_p90_ms": None, "step_ms": [],
+        "gpu_busy_ms": None, "graph_variants": None, "graph_direct_timed": None,
         "kernels_per_step": None, "kernel_table": None, "wall_over_busy": None, "cache_bytes": None,
         "dense_bytes": capacity * batch * dense_bytes_per_token(model), "prefill_s": None,
         "compile_s": None, "warmup_s": None, "graphs": None, "recompiles": None, "graphs_after_warmup": None,
@@ -432,6 +433,7 @@ def _wall_stats(row: dict[str, Any]) -> None:
     """``wall_ms`` (median) and the 10th / 90th percentiles of ``row["step_ms"]``."""
     xs = sorted(row["step_ms"])
     row["wall_ms"] = statistics.median(xs)
+    row["wall_mean_ms"] = statistics.fmean(xs)
     row["wall_p10_ms"] = xs[round(0.1 * (len(xs) - 1))]
     row["wall_p90_ms"] = xs[round(0.9 * (len(xs) - 1))]
 
@@ -460,6 +462,29 @@ def _last_steps(dec: "_Decoder", row: dict[str, Any], first: int, total: int) ->
     _sync(dec.device)
 
 
+def graph_warmup(model: Any, stack: Any, capacity: int) -> int:
+    """Decode steps after which a GraphStep (:func:`kvcompress.evaluation.runner.graph_step`, 2 direct calls) over
+    a static cache of ``stack`` has captured the graph of every plan: the step that flushes a block is first met
+    within one flush period (it compiles there) and captured at the next, so two periods of the longest flush
+    and the first capture.  0 for a cache that never flushes (one plan)."""
+    if stack is None:
+        return 0
+    from ..cache import Cache
+
+    probe = Cache(stack, model, max_cache_len=capacity)  # nothing is allocated
+    period = max((core.flush_size for core in probe.compressed_layers if core.flushes), default=0)
+    return 2 * period + 3 if period else 0
+
+
+def _graph_counts(dec: "_Decoder", row: dict[str, Any], direct_warm: int | None) -> None:
+    """A GraphStep row: ``graph_variants`` (graphs captured: one per plan of the step, e.g. with and without a
+    flush) and ``graph_direct_timed`` (timed or profiled steps that ran the compiled step directly instead of a
+    graph - a plan first met after the warm-up, where that variant compiled: 0 when every one was a replay)."""
+    if direct_warm is not None:
+        row["graph_variants"] = len(dec.fn.variants)
+        row["graph_direct_timed"] = dec.fn.direct_calls - direct_warm
+
+
 def measure_row(model: Any, spec: RowSpec, batch: int, ctx: int, *, steps: int = 32, warmup: int = 3,
                 profile_steps: int = 5, prefill_tokens: int = 32768, seed: int = 0,
                 gate: Callable[[str], contextlib.AbstractContextManager] | None = None) -> dict[str, Any]:
@@ -474,10 +499,13 @@ def measure_row(model: Any, spec: RowSpec, batch: int, ctx: int, *, steps: int =
 
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
+    if spec.kind == "graph":  # every plan's graph captured before the timed steps
+        warmup = max(warmup, graph_warmup(model, spec.stack, ctx + warmup + steps + profile_steps))
     total = warmup + steps + profile_steps
     capacity = ctx + total
     chunk = max(1, min(ctx, prefill_tokens // batch))
     row = _row_template(model, spec, batch, ctx, capacity, chunk)
+    row["warmup_steps"] = warmup
     vocab = model.config.vocab_size
     graphs0, skips0 = _counter("stats", "unique_graphs"), _counter("inductor", "cudagraph_skips")
     t_row = time.perf_counter()
@@ -505,6 +533,7 @@ def measure_row(model: Any, spec: RowSpec, batch: int, ctx: int, *, steps: int =
             if spec.compiled:
                 row["compile_s"] = row["warmup_s"]
             graphs_warm = _counter("stats", "unique_graphs")
+            direct_warm = getattr(dec.fn, "direct_calls", None)
             if gate is not None:
                 scope.enter_context(gate("time"))
             times = []
@@ -516,6 +545,7 @@ def measure_row(model: Any, spec: RowSpec, batch: int, ctx: int, *, steps: int =
             row["step_ms"] = times
             _wall_stats(row)
             _last_steps(dec, row, warmup + steps, total)
+            _graph_counts(dec, row, direct_warm)
             graphs = _counter("stats", "unique_graphs") - graphs0
             if spec.compiled:
                 row["graphs"] = graphs
