@@ -3,13 +3,14 @@
 # trees in ONE device call, so a code change is not confused with a different machine start.  Each run is
 # TREE:STACKS:POINTS (stacks and points comma-separated); each tree is installed once under /tmp/site_<name>, and every
 # run uses the current tree's gpu_graph_rows.py (older trees' e2e.measure_row takes the same arguments).
-#   bash benchmarks/gpu_graph_ab.sh OUTDIR .gpusrc:kivi2,none:1x32768 .gpusrc_old:kivi2,none:1x32768
+#   bash benchmarks/gpu_graph_ab.sh OUTDIR  (from the repository root; trees relative to it)
+#   .gpusrc:kivi2,none:1x32768 .gpusrc_old:kivi2,none:1x32768
 # Environment: GRAPH_TESTS=1 first runs tests/test_graph_step.py -m gpu of the first run's tree; GRAPH_TIMEOUT
-# (seconds per run, default 300).
+# (seconds per run, default 300); GRAPH_ARGS: more gpu_graph_rows.py arguments (e.g. "--device cpu --shape tiny").
 set -o pipefail
 OUT=$(realpath "${1:-out}"); shift
 ROOT=$PWD
-SCRIPT=$ROOT/benchmarks/gpu_graph_rows.py
+SCRIPT=$(dirname "$(realpath "$0")")/gpu_graph_rows.py  # this tree's
 mkdir -p "$OUT"
 export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1
 declare -A DONE
@@ -39,7 +40,7 @@ for run in "$@"; do
   n=$(tr ',' '\n' <<<"$stacks" | wc -l)
   (cd "/tmp/site_$name" && PYTHONPATH="/tmp/site_$name" KVCOMPRESS_CACHE="/tmp/kc_$name" timeout "${GRAPH_TIMEOUT:-300}" \
     python "$SCRIPT" --kind graph --stack ${stacks//,/ } --points ${points//,/ } --jobs "$n" \
-    --out "$OUT/graph_${i}_$name" 2>&1 | grep -E '^\{|Error' | tee -a "$OUT/log.txt")
+    --out "$OUT/graph_${i}_$name" ${GRAPH_ARGS:-} 2>&1 | grep -E '^\{|Error' | tee -a "$OUT/log.txt")
   date -u | tee -a "$OUT/log.txt"
   i=$((i + 1))
 done
