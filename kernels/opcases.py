@@ -19,7 +19,8 @@ from typing import Any, Callable
 import torch
 
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3  # as the kernels' own tests (fp16 operands, fp32 accumulation)
-OUTPUT_OPS = ("kivi_partial", "paged_partial", "lanes_partial", "gather_partial", "kivi_lanes_partial")
+OUTPUT_OPS = ("kivi_partial", "kivi_buffer_partial", "paged_partial", "lanes_partial", "gather_partial",
+              "kivi_lanes_partial")
 
 
 @dataclasses.dataclass
@@ -142,6 +143,42 @@ def kivi_case(batch: int = 2, kv_heads: int = 1, rows: int = 3, head_dim: int = 
     return OpCase(f"kivi{bits}-b{batch}-h{kv_heads}-m{rows}-d{head_dim}-t{t}-live{live}{_cap(softcap)}", "kivi_partial",
                   args, fn,
                   facts, static=tuple(range(1, 8)))
+
+
+def kivi_buffer_case(batch: int = 2, kv_heads: int = 1, rows: int = 3, head_dim: int = 64, capacity: int = 96,
+                     live: int | None = 71, slots: int = 45, buffer_live: int | None = 41, bits: int = 2,
+                     group: int = 32, v_group: int = 32, dtype=torch.float16, query_dtype=torch.float16,
+                     dead_row: bool = True, device="cpu", seed: int = 0, softcap: float | None = None) -> OpCase:
+    """A packed KIVI region (as :func:`kivi_case`) read together with a full-precision buffer of ``slots`` slots in
+    ``dtype`` (a static layer's sinks + recent window), ``buffer_live`` of them live."""
+    from . import ops
+    from .kivi.reference import PackedKV, quantize_keys, quantize_values
+
+    gen = _gen(seed, device)
+    t = -(-capacity // group) * group
+    k = torch.randn(batch, kv_heads, t, head_dim, generator=gen, device=gen.device) * 1.5 + 0.3
+    v = torch.randn(batch, kv_heads, t, head_dim, generator=gen, device=gen.device)
+    q = torch.randn(batch, kv_heads, rows, head_dim, generator=gen, device=gen.device).to(query_dtype)
+    kc, ks, kz = quantize_keys(k, bits, group)
+    vc, vs, vz = quantize_values(v, bits, v_group)
+    valid = _valid(batch, t, gen, dead_row)
+    bk = (torch.randn(batch, kv_heads, slots, head_dim, generator=gen, device=gen.device) * 1.5).to(dtype)
+    bv = torch.randn(batch, kv_heads, slots, head_dim, generator=gen, device=gen.device).to(dtype)
+    bvalid = _valid(batch, slots, gen, dead_row)
+    args = tuple(x.to(device) for x in (q, kc, ks, kz, vc, vs, vz, valid)) + (_length(live, device),) + tuple(
+        x.to(device) for x in (bk, bv, bvalid)) + (_length(buffer_live, device),)
+    scale = head_dim ** -0.5
+
+    def fn(impl: str):
+        def f(q, kc, ks, kz, vc, vs, vz, valid, length, bk, bv, bvalid, blen):
+            packed = PackedKV(bits, group, kc, ks, kz, vc, vs, vz, valid, impl=impl, length=length)
+            return ops.kivi_buffer_attention(q, packed, scale, bk, bv, bvalid, blen, impl=impl, softcap=softcap)
+        return f
+
+    facts = dict(bits=bits, group=group, head_dim=head_dim, v_dim=head_dim, v_group=v_group, tokens=t)
+    name = (f"kivi{bits}-buffer-b{batch}-h{kv_heads}-m{rows}-d{head_dim}-t{t}-live{live}-s{slots}-blive{buffer_live}"
+            f"-{str(dtype).removeprefix('torch.')}{_cap(softcap)}")
+    return OpCase(name, "kivi_buffer_partial", args, fn, facts, static=tuple(range(1, 8)) + (9, 10, 11))
 
 
 # ----------------------------------------------------------------------------- paged
@@ -386,6 +423,9 @@ def small_cases(device="cpu", softcap: float | None = None) -> list[OpCase]:
         kivi_case(device=device, **cap),
         kivi_case(bits=4, group=16, v_group=16, rows=5, capacity=80, live=53, head_dim=32, v_dim=64, batch=1,
                   kv_heads=2, device=device, seed=5, **cap),
+        kivi_buffer_case(device=device, **cap),
+        kivi_buffer_case(bits=4, rows=12, head_dim=128, capacity=160, live=None, slots=200, buffer_live=None,
+                         dtype=torch.bfloat16, batch=1, kv_heads=2, dead_row=False, device=device, seed=12, **cap),
         paged_case(device=device, **cap),
         paged_case(live=None, page=32, rows=1, head_dim=64, v_dim=32, device=device, seed=6, **cap),
         lanes_case(device=device, **cap),

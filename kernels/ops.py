@@ -76,6 +76,7 @@ IMPLS = ("reference", "triton", "cuda")
 # op name -> implementations its CUDA kernel accepts
 OPS = {
     "kivi_partial": ("reference", "triton", "cuda"),
+    "kivi_buffer_partial": ("reference", "triton", "cuda"),
     "kivi_lanes_partial": ("reference", "triton", "cuda"),
     "paged_partial": ("reference", "triton"),
     "lanes_partial": ("reference", "triton"),
@@ -204,6 +205,80 @@ def kivi_attention(query: Tensor, packed, scale: float, *, impl: str, length: Op
         _cuda_query(query, impl), packed.k_codes, packed.k_scale, packed.k_zero, packed.v_codes, packed.v_scale,
         packed.v_zero, packed.valid, length, packed.bits, packed.group, float(scale), bool(packed.k_per_token),
         float(softcap or 0.0), impl)
+
+
+@torch.library.custom_op("kvcompress::kivi_buffer_partial", mutates_args=(), device_types="cpu")
+def kivi_buffer_partial(query: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor,
+                        v_scale: Tensor, v_zero: Tensor, valid: Tensor, length: Optional[Tensor], bits: int, group: int,
+                        scale: float, buffer_k: Tensor, buffer_v: Tensor, buffer_valid: Tensor,
+                        buffer_length: Optional[Tensor], k_per_token: bool = False, softcap: float = 0.0,
+                        impl: str = "reference") -> tuple[Tensor, Tensor]:
+    """Attention of ``query [B, Hkv, M, Dk]`` over a packed KIVI region (as ``kivi_partial``) and a full-precision
+    buffer ``buffer_k`` / ``buffer_v`` ``[B, Hkv, T, Dk / Dv]`` (validity ``buffer_valid [B, T]``, slots before
+    ``buffer_length``) together: ``(out, lse)`` of the joint softmax.  ``impl`` ``"cuda"``: one launch of the
+    hand-written kernel (its buffer CTAs) and its split combine; ``"triton"``: the two regions read apart (the KIVI
+    Triton kernel, the grouped lanes kernel) and merged; CPU: the reference."""
+    _check_impl("kivi_buffer_partial", impl)
+    _check_length("kivi_buffer_partial", length)
+    _check_length("kivi_buffer_partial", buffer_length)
+    packed = kivi_ref.PackedKV(bits, group, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                               live_slots(valid, length, valid.shape[-1], valid.shape[0], valid.device), k_per_token)
+    return _fresh(*kivi_ref.kivi_buffer_attention_partial(query, packed, scale, buffer_k, buffer_v, buffer_valid,
+                                                          buffer_length, softcap=softcap))
+
+
+@kivi_buffer_partial.register_kernel("cuda")
+def _kivi_buffer_partial_cuda(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits, group,
+                              scale, buffer_k, buffer_v, buffer_valid, buffer_length, k_per_token=False, softcap=0.0,
+                              impl="reference"):
+    _check_impl("kivi_buffer_partial", impl)
+    _check_length("kivi_buffer_partial", length)
+    _check_length("kivi_buffer_partial", buffer_length)
+    if impl == "cuda":  # one launch: the packed region's splits and the buffer's CTAs, then the split combine
+        from .kivi import cuda_kernel
+
+        packed = kivi_ref.PackedKV(bits, group, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, k_per_token)
+        packed.length = length
+        return _fresh(*cuda_kernel._forward(query, packed, scale, base=_kivi_cuda_base(bits), softcap=softcap,
+                                            buffer=(buffer_k, buffer_v, buffer_valid, buffer_length)))
+    if impl == "triton":  # the two regions apart, merged
+        from .attention.reference import merge_partials, merged_lse
+
+        region = _kivi_partial_cuda(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits,
+                                    group, scale, k_per_token, softcap, "triton")
+        if query.dtype == buffer_k.dtype:  # (the lanes kernel reads the query in the keys' dtype)
+            buffer = _lanes_partial_cuda(query, [None], [None], [buffer_k], [buffer_v], [buffer_valid], buffer_length,
+                                         scale, softcap, "triton")
+        else:
+            from .attention.reference import partial_attention
+
+            keep = live_slots(buffer_valid, buffer_length, buffer_valid.shape[-1], buffer_valid.shape[0],
+                              buffer_valid.device)
+            buffer = partial_attention(query, buffer_k, buffer_v, keep.view(keep.shape[0], 1, 1, keep.shape[-1]),
+                                       scale, softcap or None)
+        return _fresh(merge_partials([region, buffer]), merged_lse([region[1], buffer[1]]))
+    packed = kivi_ref.PackedKV(bits, group, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                               live_slots(valid, length, valid.shape[-1], valid.shape[0], valid.device), k_per_token)
+    return _fresh(*kivi_ref.kivi_buffer_attention_partial(query, packed, scale, buffer_k, buffer_v, buffer_valid,
+                                                          buffer_length, softcap=softcap))
+
+
+@kivi_buffer_partial.register_fake
+def _kivi_buffer_partial_fake(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits, group,
+                              scale, buffer_k, buffer_v, buffer_valid, buffer_length, k_per_token=False, softcap=0.0,
+                              impl="reference"):
+    return _empty_partial(query, v_codes.shape[-1] * (32 // bits))
+
+
+def kivi_buffer_attention(query: Tensor, packed, scale: float, k: Tensor, v: Tensor, valid: Tensor,
+                          length: Optional[Tensor] = None, *, impl: str,
+                          softcap: Optional[float] = None) -> tuple[Tensor, Tensor]:
+    """``kvcompress::kivi_buffer_partial`` over a :class:`~kvcompress.kernels.kivi.PackedKV` (its ``length`` bounds
+    the packed slots) and a full-precision buffer ``k`` / ``v`` / ``valid`` bounded by ``length``."""
+    return _OPS["kivi_buffer_partial"](
+        _cuda_query(query, impl), packed.k_codes, packed.k_scale, packed.k_zero, packed.v_codes, packed.v_scale,
+        packed.v_zero, packed.valid, packed.length, packed.bits, packed.group, float(scale), k, v, valid, length,
+        bool(packed.k_per_token), float(softcap or 0.0), impl)
 
 
 def scored_impl(impl: str) -> str:
@@ -814,7 +889,8 @@ def merge_attention(parts: Sequence[tuple[Tensor, Tensor]], dtype: torch.dtype, 
 # the registered ops by name (the wrappers call these), and their CUDA implementations as Python functions (what
 # tests/test_kernel_ops.py runs on CPU tensors under the Triton interpreter to check the CUDA glue without a GPU)
 _OPS = {name: getattr(torch.ops.kvcompress, name).default for name in OPS}
-CUDA_IMPLS = {"kivi_partial": _kivi_partial_cuda, "kivi_lanes_partial": _kivi_lanes_partial_cuda,
+CUDA_IMPLS = {"kivi_partial": _kivi_partial_cuda, "kivi_buffer_partial": _kivi_buffer_partial_cuda,
+              "kivi_lanes_partial": _kivi_lanes_partial_cuda,
               "paged_partial": _paged_partial_cuda,
               "lanes_partial": _lanes_partial_cuda, "select_topk": _select_topk_cuda,
               "gather_partial": _gather_partial_cuda, "kivi_quantize": _kivi_quantize_cuda,
@@ -865,6 +941,7 @@ def _pow2(n: int) -> bool:
 
 _FACTS = {
     "kivi_partial": {"bits", "group", "head_dim", "v_dim", "v_group", "k_per_token", "tokens"},
+    "kivi_buffer_partial": {"bits", "group", "head_dim", "v_dim", "v_group", "k_per_token", "tokens"},
     "kivi_lanes_partial": {"bits", "group", "head_dim", "v_dim", "v_group", "kept", "k_per_token"},
     "paged_partial": {"page_size", "head_dim", "v_dim", "dtype"},
     "lanes_partial": {"head_dim", "v_dim", "kept", "dtype"},
@@ -919,6 +996,9 @@ def _kivi_lanes_cuda_problem(device: torch.device, f: dict) -> Optional[str]:
 
 def _triton_problem(op: str, f: dict) -> Optional[str]:
     op = SCORED.get(op, op)
+    if op == "kivi_buffer_partial":  # the KIVI region through its Triton kernel, the buffer through the lanes kernel
+        dims = dict(head_dim=f.get("head_dim", 128), v_dim=f.get("v_dim", f.get("head_dim", 128)))
+        return _triton_problem("kivi_partial", f) or _triton_problem("lanes_partial", dims)
     dk = f.get("head_dim", 128)
     dv = f.get("v_dim", dk)
     if op in ("kivi_partial", "kivi_lanes_partial"):
@@ -1006,9 +1086,9 @@ def choose(op: str, device, **static_facts) -> str:
         raise TypeError(f"choose({op!r}): unknown static facts {sorted(unknown)}; known: {sorted(_FACTS[op])}")
     device = torch.device(device)
     why: dict[str, Optional[str]] = {}
-    if op in ("kivi_partial", "kivi_lanes_partial"):
+    if op in ("kivi_partial", "kivi_buffer_partial", "kivi_lanes_partial"):
         def cuda_ok():
-            problem = _kivi_cuda_problem if op == "kivi_partial" else _kivi_lanes_cuda_problem
+            problem = _kivi_lanes_cuda_problem if op == "kivi_lanes_partial" else _kivi_cuda_problem
             why["cuda"] = problem(device, static_facts)
             return why["cuda"] is None
 
@@ -1052,7 +1132,7 @@ def kivi_facts(query: Tensor, packed) -> dict:
                 tokens=packed.valid.shape[-1])
 
 
-__all__ = ["IMPLS", "OPS", "SCORED", "choose", "kivi_attention_scored", "kivi_lanes_attention_scored",
+__all__ = ["IMPLS", "OPS", "SCORED", "choose", "kivi_attention_scored", "kivi_buffer_attention", "kivi_buffer_partial", "kivi_lanes_attention_scored",
            "kivi_lanes_partial_scored", "kivi_partial_scored", "lanes_attention_scored", "lanes_partial_scored",
            "scored_impl", "split_lane_logits", "gather_attention", "gather_partial", "kivi_attention", "kivi_facts",
            "kivi_lanes_attention", "kivi_lanes_partial",

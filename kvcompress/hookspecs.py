@@ -365,7 +365,10 @@ class CacheCompressor:
           returns its scores declares ``supports_scores = True`` and provides ``attention_scored(query, scale,
           softcap=None) -> (out, lse, scores [batch, heads, rows, tokens])`` (natural-log units, ``-inf`` on
           slots not attended), used by decode steps whose observers read the attention mass (otherwise such
-          steps read it dequantized through the reference);
+          steps read it dequantized through the reference); optionally
+          ``attention_partial_with_buffer(query, scale, k, v, valid, length, softcap=None)``: ``(out, lse)`` over the
+          region and a full-precision buffer (a static layer's sinks + recent window, ``[batch, heads, T, d]``) in one
+          launch, or ``None`` when it cannot (the two are then read apart and merged);
         * optionally ``choose_quantizer(k, v) -> impl``: the encoder implementation, passed back as
           ``encode(..., impl=impl)``; a static store asks once, when it allocates;
         * ``report_key(name)``: the memory-report component of a payload.

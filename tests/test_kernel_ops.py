@@ -234,7 +234,7 @@ def test_choose_on_cuda_order_and_switches(monkeypatch):
 def test_impl_is_validated_and_ops_read_no_environment(monkeypatch):
     from kvcompress.kernels import opcases, ops
 
-    case = _cases()[CASE_NAMES[2]]  # paged
+    case = next(c for c in _cases().values() if c.op == "paged_partial")
     args = opcases.op_args(case)
     with pytest.raises(ValueError, match="impl must be one of"):
         getattr(torch.ops.kvcompress, case.op).default(*args[:-1], "cuda")
@@ -275,6 +275,10 @@ def test_dispatchers_without_impl_keep_their_per_call_behaviour():
             region = PackedLanes(case.facts["bits"], case.facts["group"], lanes, a[1], a[0].shape[1], a[0].shape[-1],
                                  length=a[2])
             got = region.attention_partial(a[0], a[0].shape[-1] ** -0.5)
+        elif case.op == "kivi_buffer_partial":  # no per-call dispatch: a region without impl reads the two apart
+            packed = PackedKV(2 if "kivi2" in case.name else 4, 32, *a[1:8], length=a[8])
+            assert packed.attention_partial_with_buffer(a[0], a[0].shape[-1] ** -0.5, *a[9:13]) is None
+            continue
         elif case.op == "select_topk":
             continue  # same reference function; its result is checked through opcheck / compile
         elif case.op == "merge_partials":  # the per-op merge and the cast (what a read without the op runs)

@@ -213,8 +213,13 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
     scores: dict[int, torch.Tensor] = {}  # id(segment) -> its scores [b, h_seg, m_rows, t]
     impls = impls or {}
     softcap = softcap or None
-    fused, segments_left, fused_scores = _fused_dense(q5, segments, scale, fused, impls.get("lanes_partial"), softcap,
-                                                      scored)
+    together = None if scored or q_len != 1 else _buffer_with_region(q5, segments, scale, softcap)
+    if together is not None:  # a full-precision buffer and a packed region in one launch: one partial
+        parts.append(together)
+        fused, segments_left, fused_scores = None, [], []
+    else:
+        fused, segments_left, fused_scores = _fused_dense(q5, segments, scale, fused, impls.get("lanes_partial"),
+                                                          softcap, scored)
     if fused is not None:
         parts.append(fused)
         scores.update((id(seg), s) for seg, s in fused_scores)
@@ -299,6 +304,30 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
     # rows that see nothing have lse -inf and only -inf scores: shifted by 0, their mass is 0
     total = merged_lse([lse for _, lse in parts], sinks).nan_to_num(neginf=0.0)
     return out, [_mass(scores[id(seg)], total, seg.heads, kv_heads) for seg in segments]
+
+
+def _buffer_with_region(q5: torch.Tensor, segments: Sequence[Segment], scale: float, softcap: float | None):
+    """A decode read of exactly ``[full-precision buffer, packed region]`` (a static layer's sinks + recent window and
+    a quantized middle) by the region's reader in ONE launch, when it offers that
+    (``packed.attention_partial_with_buffer``, e.g. the KIVI CUDA kernel's buffer CTAs): the joint ``(out, lse)``, or
+    ``None`` (the segments are then read apart).  Decided from shapes and dtypes only."""
+    if len(segments) != 2:
+        return None
+    buf, region = segments
+    packed = region.packed
+    if packed is None or region.select is not None or region.heads is not None or region.qmap is not None \
+            or region.vmap is not None or (region.valid is not None and region.valid is not packed.valid):
+        return None
+    if not callable(getattr(packed, "attention_partial_with_buffer", None)) or (
+            softcap is not None and not _reads_softcap(packed)):
+        return None
+    if _lane_of(buf) is None or buf.heads is not None or buf.channels is not None or buf.valid is None \
+            or buf.valid.dim() != 2:
+        return None
+    b, hkv, group, q_len, d = q5.shape
+    cap = {} if softcap is None else {"softcap": softcap}
+    return packed.attention_partial_with_buffer(q5.reshape(b, hkv, group * q_len, d), scale, buf.k, buf.v, buf.valid,
+                                                buf.length, **cap)
 
 
 def _reads_scores(packed) -> bool:

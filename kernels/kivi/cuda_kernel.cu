@@ -12,6 +12,7 @@
 //        -DKIVI_BITS=2 -DKIVI_DK=128 -DKIVI_DV=128 -o libkivi.so cuda_kernel.cu
 // The lanes build (a stacked LeanK + KIVI layer's lanes in one launch, lanes_cuda.py) adds -DKIVI_LANES=1 and the
 // lanes' kept-channel counts -DKIVI_LANE_DK0=32 -DKIVI_LANE_DK1=64 ..., with KIVI_DK the largest of them.
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -77,6 +78,16 @@ struct Params {
   // attended - a split past it writes an empty partial at once (the grid never depends on it: CUDA-graph safe)
   const long long* len;
   int interleave;  // 1: tile j to warp j mod (nsplit * warps); 0: contiguous runs per split (tps tiles) and warp
+  // A full-precision buffer read in the same launch (a static layer's sinks + recent ring, kivi_v3_kernel only):
+  // CTAs blockIdx.x in [nsplit, nsplit + bsplit) read btps of its bNT slots each and write their partials as splits
+  // nsplit.. of po / pl, merged by the same combine.  bk / bv [B, H, bNT, DK / DV] fp16 or bf16 (bbf16), channels
+  // dense; bva [B, bNT] bool; blen: its live length (0-dim int64, nullptr: none).  bsplit 0: no buffer.
+  const void* bk;
+  const void* bv;
+  const uint8_t* bva;
+  const long long* blen;
+  long long bk_sb, bk_sh, bk_st, bv_sb, bv_sh, bv_st, bva_sb;
+  int bNT, bsplit, btps, bbf16;
   float qk_scale;  // softmax scale * log2(e)
   float softcap;   // logit soft-cap (Gemma 2) in log2 units: softcap * log2(e); 0 = none
 };
@@ -976,11 +987,131 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
   }
 }
 
-// grid (nsplit, B*H, row blocks of 8), block NW warps: one (batch, kv head) slice of one packed region per CTA row.
-template <int BITS, int DK, int DV, int ST>
+__device__ __forceinline__ float load_f(const void* base, long long i, int bf16) {
+  return bf16 ? __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(base)[i])
+              : __half2float(reinterpret_cast<const __half*>(base)[i]);
+}
+
+// One CTA of the full-precision buffer (Params::bk): slots [j * btps, (j + 1) * btps) of slice (b, h), row block
+// blockIdx.z, written as split blockIdx.x.  SIMT: a buffer is a few hundred slots (sinks + the recent window), read
+// once per step; the launch it shares is what counts.  Lane l holds channels [l * DK / 32, (l + 1) * DK / 32) of the
+// query rows and [l * DV / 32, ...) of the output; warp w takes slots w, w + nw, ...; the warps merge through shared
+// memory as attend() does (same buffers: launch_smem covers them).
+template <int DK, int DV>
+__device__ __forceinline__ void attend_buffer(const Params& p, int b, int h, int bh, int j) {
+  constexpr int MT = 8, CK = DK / 32, CV = DV / 32;
+  static_assert(DK % 64 == 0 && DV % 32 == 0, "buffer read: key dims a multiple of 64, value dims of 32");
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const int split = blockIdx.x, rb = blockIdx.z;
+  const int rows = min(MT, p.M - rb * MT);
+  int n = p.bNT;
+  if (p.blen != nullptr) {
+    const long long live = *p.blen;
+    n = live <= 0 ? 0 : (live >= n ? n : (int)live);
+  }
+  const int t0 = j * p.btps, t1 = min(t0 + p.btps, n);
+  // the query rows pre-scaled by scale * log2(e) and held as fp16 pairs (as the region's MMA operands are): half
+  // the registers of fp32, so the buffer path fits the register caps of the min_blocks builds without spilling
+  __half2 q[MT][CK / 2];
+  const __half* qh = p.q + b * p.q_sb + h * p.q_sh;
+#pragma unroll
+  for (int r = 0; r < MT; ++r) {
+#pragma unroll
+    for (int c = 0; c < CK / 2; ++c) {
+      float2 f = make_float2(0.f, 0.f);
+      if (r < rows) {
+        f = __half22float2(*reinterpret_cast<const __half2*>(qh + (long long)(rb * MT + r) * p.q_sm + lane * CK + 2 * c));
+      }
+      q[r][c] = __floats2half2_rn(f.x * p.qk_scale, f.y * p.qk_scale);
+    }
+  }
+  float m[MT], l[MT], acc[MT][CV];
+#pragma unroll
+  for (int r = 0; r < MT; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+#pragma unroll
+    for (int c = 0; c < CV; ++c) acc[r][c] = 0.f;
+  }
+  const uint8_t* va = p.bva + b * p.bva_sb;
+  const long long kb = b * p.bk_sb + h * p.bk_sh + lane * CK, vb = b * p.bv_sb + h * p.bv_sh + lane * CV;
+  for (int t = t0 + warp; t < t1; t += nw) {
+    if (!va[t]) continue;  // the same slot for the whole warp
+    float kf[CK], vf[CV];
+#pragma unroll
+    for (int c = 0; c < CK; ++c) kf[c] = load_f(p.bk, kb + t * p.bk_st + c, p.bbf16);
+#pragma unroll
+    for (int c = 0; c < CV; ++c) vf[c] = load_f(p.bv, vb + t * p.bv_st + c, p.bbf16);
+#pragma unroll
+    for (int r = 0; r < MT; ++r) {
+      float sc = 0.f;
+#pragma unroll
+      for (int c = 0; c < CK / 2; ++c) {
+        const float2 qf = __half22float2(q[r][c]);
+        sc = fmaf(qf.x, kf[2 * c], fmaf(qf.y, kf[2 * c + 1], sc));
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
+#if KIVI_SOFTCAP
+      sc = soft_cap(sc, p.softcap);
+#endif
+      const float mn = fmaxf(m[r], sc), a = exp2f(m[r] - mn), pr = exp2f(sc - mn);
+      l[r] = l[r] * a + pr;
+#pragma unroll
+      for (int c = 0; c < CV; ++c) acc[r][c] = fmaf(acc[r][c], a, pr * vf[c]);
+      m[r] = mn;
+    }
+  }
+  float* om = reinterpret_cast<float*>(smem);  // [nw][MT][DV]
+  float* mm = om + nw * MT * DV;               // [nw][MT]
+  float* lm = mm + nw * MT;                    // [nw][MT]
+#pragma unroll
+  for (int r = 0; r < MT; ++r) {
+#pragma unroll
+    for (int c = 0; c < CV; ++c) om[(warp * MT + r) * DV + lane * CV + c] = acc[r][c];
+    if (lane == 0) {
+      mm[warp * MT + r] = m[r];
+      lm[warp * MT + r] = l[r];
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < rows * DV; idx += blockDim.x) {
+    const int row = idx / DV, ch = idx - row * DV;
+    float top = -INFINITY;
+    for (int w = 0; w < nw; ++w) top = fmaxf(top, mm[w * MT + row]);
+    const long long orow = ((long long)split * p.BH + bh) * p.M + rb * MT + row;
+    if (top == -INFINITY) {
+      p.po[orow * DV + ch] = 0.f;
+      if (ch == 0) p.pl[orow] = -INFINITY;
+      continue;
+    }
+    float num = 0.f, den = 0.f;
+    for (int w = 0; w < nw; ++w) {
+      const float f = exp2f(mm[w * MT + row] - top);
+      num += f * om[(w * MT + row) * DV + ch];
+      den += f * lm[w * MT + row];
+    }
+    p.po[orow * DV + ch] = num / den;
+    if (ch == 0) p.pl[orow] = (top + log2f(den)) * 0.69314718055994531f;
+  }
+}
+
+// grid (nsplit + bsplit, B*H, row blocks of 8), block NW warps: one (batch, kv head) slice of one packed region per
+// CTA row; with BUF (a separate instantiation, so the plain kernel's code and registers are unchanged) the last
+// bsplit CTAs of a row read the full-precision buffer (Params::bk) instead.
+template <int BITS, int DK, int DV, int ST, bool BUF>
 __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(const Params p) {
   const int bh = blockIdx.y;
   const int b = bh / p.H, h = bh - b * p.H;
+  // (the launcher refuses a buffer for other widths, and under the register cap of min_blocks > 4, where the buffer
+  // path would spill)
+  if constexpr (BUF && DK % 64 == 0 && DV % 32 == 0 && KIVI_MIN_BLOCKS <= 4) {
+    if ((int)blockIdx.x >= p.nsplit) {
+      attend_buffer<DK, DV>(p, b, h, bh, blockIdx.x - p.nsplit);
+      return;
+    }
+  }
   const Slice sp(p, b, h);
   const int strides[4] = {(int)p.kc_sg, (int)p.ks_sg, (int)p.kz_sg, (int)p.vc_st};
   attend<BITS, DK, DV, ST, false>(p, sp, strides, p.q + b * p.q_sb + h * p.q_sh, nullptr, bh);
@@ -1188,7 +1319,7 @@ constexpr size_t DEFAULT_SMEM = 48 * 1024;  // above this a kernel needs cudaFun
 // below that and its launch failed with "invalid argument" (the H200 run's (4, 128, 64) M = 12, 4-bit
 // dk 64 / dv 128 and min_blocks = 1 failures).  The libraries are also built with -fvisibility=hidden.
 namespace {
-size_t g_smem_set[2][3][MAX_DEVICES];  // [kivi_v3_kernel / kivi_v3_lanes_kernel][stages - 2][device]
+size_t g_smem_set[3][3][MAX_DEVICES];  // [kivi_v3_kernel / kivi_v3_lanes_kernel / with a buffer][stages - 2][device]
 }
 
 // nw / stages in range and their dynamic shared memory (`*smem`) within the device's opt-in limit: 0, else the error.
@@ -1222,7 +1353,7 @@ int launch_variant(void (*kern)(P), const P& params, int kind, int st, int nw, d
 
 #include <string.h>
 
-#define KIVI_PARAMS_INTS 41  // int64 entries parse_params reads (pointers, strides, sizes): cuda_kernel.py::_args
+#define KIVI_PARAMS_INTS 56  // int64 entries parse_params reads (pointers, strides, sizes): cuda_kernel.py::_args
 static kivi_v3::Params parse_params(const long long* a, double qk_scale, double softcap = 0.0) {
   using namespace kivi_v3;
   Params p;
@@ -1249,6 +1380,14 @@ static kivi_v3::Params parse_params(const long long* a, double qk_scale, double 
   p.nsplit = (int)a[i++]; p.ngv = (int)a[i++]; p.gv = (int)a[i++]; p.BH = (int)a[i++];
   p.len = reinterpret_cast<const long long*>(a[i++]);
   p.interleave = (int)a[i++];
+  p.bk = reinterpret_cast<const void*>(a[i++]);
+  p.bv = reinterpret_cast<const void*>(a[i++]);
+  p.bva = reinterpret_cast<const uint8_t*>(a[i++]);
+  p.blen = reinterpret_cast<const long long*>(a[i++]);
+  p.bk_sb = a[i++]; p.bk_sh = a[i++]; p.bk_st = a[i++];
+  p.bv_sb = a[i++]; p.bv_sh = a[i++]; p.bv_st = a[i++];
+  p.bva_sb = a[i++];
+  p.bNT = (int)a[i++]; p.bsplit = (int)a[i++]; p.btps = (int)a[i++]; p.bbf16 = (int)a[i++];
   // i == KIVI_PARAMS_INTS here
   p.qk_scale = (float)qk_scale;
   p.softcap = (float)softcap;
@@ -1284,13 +1423,22 @@ KIVI_EXPORT int kivi_v3_launch(const long long* a, double qk_scale, double softc
   size_t smem = 0;
   const int rc = check_launch(nw, stages, device, &smem);
   if (rc) return rc;
-  dim3 grid(p.nsplit, p.BH, row_blocks);
+  if (p.bsplit < 0 || (p.bsplit > 0 && (p.btps < 1 || p.bNT < 1))) return (int)cudaErrorInvalidValue;
+  dim3 grid(p.nsplit + p.bsplit, p.BH, row_blocks);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  if (stages == 2) return launch_variant(kivi_v3_kernel<KIVI_BITS, KIVI_DK, KIVI_DV, 2>, p, 0, 2, nw, grid, smem,
-                                         device, s);
-  if (stages == 3) return launch_variant(kivi_v3_kernel<KIVI_BITS, KIVI_DK, KIVI_DV, 3>, p, 0, 3, nw, grid, smem,
-                                         device, s);
-  return launch_variant(kivi_v3_kernel<KIVI_BITS, KIVI_DK, KIVI_DV, 4>, p, 0, 4, nw, grid, smem, device, s);
+  if (p.bsplit > 0) {
+    if constexpr (KIVI_DK % 64 != 0 || KIVI_DV % 32 != 0 || KIVI_MIN_BLOCKS > 4) return (int)cudaErrorInvalidValue;
+    if (stages == 2) return launch_variant(kivi_v3_kernel<KIVI_BITS, KIVI_DK, KIVI_DV, 2, true>, p, 2, 2, nw, grid,
+                                           smem, device, s);
+    if (stages == 3) return launch_variant(kivi_v3_kernel<KIVI_BITS, KIVI_DK, KIVI_DV, 3, true>, p, 2, 3, nw, grid,
+                                           smem, device, s);
+    return launch_variant(kivi_v3_kernel<KIVI_BITS, KIVI_DK, KIVI_DV, 4, true>, p, 2, 4, nw, grid, smem, device, s);
+  }
+  if (stages == 2) return launch_variant(kivi_v3_kernel<KIVI_BITS, KIVI_DK, KIVI_DV, 2, false>, p, 0, 2, nw, grid,
+                                         smem, device, s);
+  if (stages == 3) return launch_variant(kivi_v3_kernel<KIVI_BITS, KIVI_DK, KIVI_DV, 3, false>, p, 0, 3, nw, grid,
+                                         smem, device, s);
+  return launch_variant(kivi_v3_kernel<KIVI_BITS, KIVI_DK, KIVI_DV, 4, false>, p, 0, 4, nw, grid, smem, device, s);
 }
 
 #if KIVI_LANES

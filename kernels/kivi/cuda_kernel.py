@@ -118,9 +118,14 @@ from .reference import PackedKV, codes_per_word
 LOG2E = 1.4426950408889634
 TILE = 32
 DIMS = (64, 128)
-#: int64 entries of one ``kivi_v3::Params`` in a launcher's argument array (10 pointers, 20 strides, 9 sizes:
+#: int64 entries of one ``kivi_v3::Params`` in a launcher's argument array (10 pointers, 20 strides, 9 sizes, the
+#: length pointer and the tile assignment, then the full-precision buffer: 4 pointers, 7 strides, 4 sizes -
 #: :func:`_args`; ``KIVI_PARAMS_INTS`` in the .cu)
-PARAMS_INTS = 41
+PARAMS_INTS = 56
+#: the buffer entries of a launch without a buffer (``Params::bsplit`` 0)
+NO_BUFFER = (0,) * 15
+#: buffer slots one CTA of the buffer read takes (:func:`buffer_plan`)
+BUFFER_TOKENS = 32
 #: key widths of a lane of the lanes kernel (kept channels of a LeanK head): multiples of 16 (one k16 slice) up to 128
 LANE_DIMS = tuple(range(16, 129, 16))
 SOURCE = Path(__file__).with_name("cuda_kernel.cu")
@@ -561,10 +566,70 @@ def live_length(length: torch.Tensor | None, device: torch.device) -> torch.Tens
     return length if length.dtype == torch.int64 and length.device == device else length.to(device, torch.int64)
 
 
+def buffer_problem(query: torch.Tensor, packed: PackedKV, k: torch.Tensor, v: torch.Tensor,
+                   valid: torch.Tensor) -> str | None:
+    """Why the kernel cannot read the full-precision buffer ``k`` / ``v`` ``[B, H, T, Dk / Dv]`` (fp16 or bf16, channels
+    dense) with validity ``valid [B, T]`` (bool) in the same launch as ``packed`` (``None`` when it can)."""
+    why = _problem(query, packed)
+    if why is not None:
+        return why
+    if packed.k_codes.shape[2] == 0:
+        return "an empty packed region"
+    if _buffer_capped(packed.bits):
+        return "the min_blocks > 4 builds read no buffer (the buffer path would spill under their register cap)"
+    b, h, _, dk = query.shape
+    dv = packed.v_codes.shape[-1] * 32 // packed.bits
+    if k.dim() != 4 or v.dim() != 4 or tuple(k.shape[:2]) != (b, h) or tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        return f"buffer keys {tuple(k.shape)} / values {tuple(v.shape)} for query {tuple(query.shape)}"
+    if k.shape[-1] != dk or v.shape[-1] != dv:
+        return f"buffer head dims {k.shape[-1]} / {v.shape[-1]}, the region's {dk} / {dv}"
+    if k.dtype not in (torch.float16, torch.bfloat16) or v.dtype != k.dtype:
+        return f"buffer dtypes {k.dtype} / {v.dtype} (fp16 or bf16, the same)"
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k.device != query.device or v.device != query.device:
+        return "buffer channels must be dense, on the query's device"
+    if valid.dtype != torch.bool or tuple(valid.shape) != (b, k.shape[2]) or valid.stride(-1) != 1:
+        return f"buffer validity {tuple(valid.shape)} {valid.dtype}"
+    if k.shape[2] * max(k.stride(2), v.stride(2)) >= 2**31:
+        return "buffer offsets inside one slice must fit in 32 bits"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _buffer_capped(bits: int) -> bool:
+    """Whether the launch configuration (read once, as the op's tuning snapshot) caps registers below the buffer path's
+    needs (``min_blocks`` > 4)."""
+    return int(config(bits).get("min_blocks", 1)) > 4
+
+
+def supports_buffer(query: torch.Tensor, packed: PackedKV, k: torch.Tensor, v: torch.Tensor,
+                    valid: torch.Tensor) -> bool:
+    """Whether :func:`kivi_attention_partial` can read this buffer in the same launch (shapes only, no compilation)."""
+    return _device_ok(query.device) and buffer_problem(query, packed, k, v, valid) is None
+
+
+def buffer_plan(slots: int) -> tuple[int, int]:
+    """``(CTAs per (batch, head, row block), slots per CTA)`` of a buffer of ``slots`` slots: :data:`BUFFER_TOKENS`
+    slots per CTA, at most 16 CTAs (a longer buffer gets longer runs)."""
+    tps = max(BUFFER_TOKENS, -(-slots // 16))
+    return -(-slots // tps), tps
+
+
+def _buffer_args(buffer: tuple | None) -> tuple:
+    """The 15 buffer entries of ``Params`` for ``buffer`` = ``(k, v, valid uint8, length or None)``."""
+    if buffer is None:
+        return NO_BUFFER
+    k, v, valid8, length = buffer
+    splits, tps = buffer_plan(k.shape[2])
+    return (k.data_ptr(), v.data_ptr(), valid8.data_ptr(), 0 if length is None else length.data_ptr(),
+            *k.stride()[:3], *v.stride()[:3], valid8.stride(0), k.shape[2], splits, tps,
+            int(k.dtype == torch.bfloat16))
+
+
 def _args(packed: PackedKV, kv: list[torch.Tensor], q_ptr: int, q_strides, po_ptr: int, pl_ptr: int, m: int,
-          tps: int, splits: int, len_ptr: int = 0, interleave: int = 1):
+          tps: int, splits: int, len_ptr: int = 0, interleave: int = 1, buffer: tuple | None = None):
     """The launcher's int64 argument array, in the order of ``kivi_v3::Params`` (``len_ptr``: the live length's
-    int64 device pointer, 0 for none; ``interleave``: the tile-to-warp assignment, see :data:`DEFAULT_CONFIG`)."""
+    int64 device pointer, 0 for none; ``interleave``: the tile-to-warp assignment, see :data:`DEFAULT_CONFIG`;
+    ``buffer``: ``(k, v, valid as uint8, length or None)`` of a full-precision buffer read in the same launch)."""
     kc, ks, kz, vc, vs, vz, valid = kv
     b, h = kc.shape[:2]
     nt = kc.shape[2] * packed.group
@@ -574,7 +639,8 @@ def _args(packed: PackedKV, kv: list[torch.Tensor], q_ptr: int, q_strides, po_pt
             valid.data_ptr(), po_ptr, pl_ptr,
             *q_strides, *kc.stride()[:3], *ks.stride()[:3], *kz.stride()[:3], *vc.stride()[:3],
             *vs.stride()[:2], *vz.stride()[:2], valid.stride(0),
-            m, h, nt, packed.group.bit_length() - 1, tps, splits, ngv, dv // ngv, b * h, len_ptr, int(interleave)]
+            m, h, nt, packed.group.bit_length() - 1, tps, splits, ngv, dv // ngv, b * h, len_ptr, int(interleave),
+            *_buffer_args(buffer)]
     return (ctypes.c_longlong * len(args))(*args)
 
 
@@ -631,14 +697,17 @@ def _plan(bits: int, dk: int, dv: int, rows: int, nt: int, index: int, softcap: 
 
 def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict | None = None,
              splits: int | None = None, base: dict | None = None,
-             softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             softcap: float | None = None, buffer: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The launch.  ``packed.length`` (a 0-dim device tensor) bounds the slots read: the kernel reads
     ``min(length, capacity)`` from the device, skips the tiles after it and masks the slots after it in the last
     one (the grid stays sized for the capacity: CUDA-graph safe, no host read).  ``base``: the launch
     configuration to start from instead of :func:`config` (which reads ``KVCOMPRESS_KIVI_CUDA_CONFIG``); ``cfg``
     entries override either.  ``softcap``: logit soft-cap of the scores (``None`` / 0: none), applied in the
-    kernel."""
-    why = _problem(query, packed)
+    kernel.  ``buffer``: ``(k, v, valid, length)`` of a full-precision region (a static layer's sinks + recent
+    window, :func:`buffer_problem`; ``length`` a 0-dim int tensor bounding its slots, or ``None``) read by more CTAs
+    of the same launch (:func:`buffer_plan`) and merged with the packed region's splits by the same combine: one
+    ``(out, lse)`` over both regions."""
+    why = _problem(query, packed) if buffer is None else buffer_problem(query, packed, *buffer[:3])
     if why is not None:
         raise ValueError(f"KIVI CUDA kernel: {why}")
     bits, g = packed.bits, packed.group
@@ -652,7 +721,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
     lse = torch.empty(b, h, m, device=dev, dtype=torch.float32)
     if b * h * m == 0:
         return out, lse
-    if nt == 0:
+    if nt == 0 and buffer is None:
         return out.zero_(), lse.fill_(float("-inf"))
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     row_blocks = -(-m // 8)
@@ -673,30 +742,36 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
     q = _aligned(query.to(torch.float16), 1, 4)
     kv = _kv_tensors(packed)
     length = live_length(getattr(packed, "length", None), dev)
-    if s == 1:
+    if buffer is not None:
+        bk, bv, bvalid, blen = buffer
+        buffer = (bk, bv, bvalid.view(torch.uint8), live_length(blen, dev))
+    total = s + (buffer_plan(buffer[0].shape[2])[0] if buffer is not None else 0)
+    if total == 1:
         po, pl = out, lse
     else:
-        po = torch.empty(s, b * h * m, dv, device=dev, dtype=torch.float32)
-        pl = torch.empty(s, b * h * m, device=dev, dtype=torch.float32)
+        po = torch.empty(total, b * h * m, dv, device=dev, dtype=torch.float32)
+        pl = torch.empty(total, b * h * m, device=dev, dtype=torch.float32)
     arr = _args(packed, kv, q.data_ptr(), q.stride()[:3], po.data_ptr(), pl.data_ptr(), m, tiles_per_split * TILE, s,
-                0 if length is None else length.data_ptr(), interleave)
+                0 if length is None else length.data_ptr(), interleave, buffer)
     stream = torch.cuda.current_stream(dev).cuda_stream
     rc = lib.kivi_v3_launch(arr, float(scale) * LOG2E, float(softcap or 0.0) * LOG2E, nw, stages, row_blocks,
                             index, ctypes.c_void_p(stream))
     if rc:
         raise RuntimeError(f"KIVI CUDA kernel launch failed: {lib.kivi_v3_error_string(rc).decode()}")
-    if s > 1:
-        rc = lib.kivi_v3_combine_launch(po.data_ptr(), pl.data_ptr(), out.data_ptr(), lse.data_ptr(), s, b * h * m, dv,
-                                        index, ctypes.c_void_p(stream))
+    if total > 1:
+        rc = lib.kivi_v3_combine_launch(po.data_ptr(), pl.data_ptr(), out.data_ptr(), lse.data_ptr(), total, b * h * m,
+                                        dv, index, ctypes.c_void_p(stream))
         if rc:
             raise RuntimeError(f"KIVI CUDA combine launch failed: {lib.kivi_v3_error_string(rc).decode()}")
     return out, lse
 
 
 def kivi_attention_partial(query: torch.Tensor, packed: PackedKV, scale: float, *,
-                           softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused attention over a packed KIVI region; see :func:`.reference.kivi_attention_partial`."""
-    return _forward(query, packed, scale, softcap=softcap)
+                           softcap: float | None = None, buffer: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention over a packed KIVI region; see :func:`.reference.kivi_attention_partial`.  ``buffer``: a
+    full-precision region read in the same launch (:func:`_forward`; reference:
+    :func:`.reference.kivi_buffer_attention_partial`)."""
+    return _forward(query, packed, scale, softcap=softcap, buffer=buffer)
 
 
 # ----------------------------------------------------------------------------- pure-PyTorch model of the kernel
@@ -720,9 +795,55 @@ def _pairs(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
 
 
+def _emulate_buffer(query: torch.Tensor, buffer: tuple, bi: int, hi: int, rb: int, nw: int, qk: float,
+                    cap: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The buffer CTAs of one (batch, head, row block) (``attend_buffer`` in the .cu): per CTA, each warp's online
+    softmax over its slots (fp32, log2 units, the query rounded to fp16), the warps merged; ``[(po [8, Dv], pl [8])]``
+    one per CTA, as the split combine reads them."""
+    k, v, valid, length = buffer
+    slots = k.shape[2]
+    n = slots if length is None else max(0, min(slots, int(length)))
+    ctas, tps = buffer_plan(slots)
+    m = query.shape[2]
+    rows = min(8, m - rb * 8)
+    q = torch.zeros(8, query.shape[-1])
+    q[:rows] = query[bi, hi, rb * 8: rb * 8 + rows].to(torch.float16).float() * qk
+    out = []
+    for j in range(ctas):
+        t0, t1 = j * tps, min((j + 1) * tps, n)
+        warps = []
+        for w in range(nw):
+            mw = torch.full((8,), float("-inf"))
+            lw = torch.zeros(8)
+            ow = torch.zeros(8, v.shape[-1])
+            for t in range(t0 + w, t1, nw):
+                if not bool(valid[bi, t]):
+                    continue
+                sc = q @ k[bi, hi, t].float()
+                if cap:
+                    sc = _emulate_softcap(sc, cap)
+                mn = torch.maximum(mw, sc)
+                a, pr = torch.exp2(mw - mn), torch.exp2(sc - mn)
+                lw = lw * a + pr
+                ow = ow * a[:, None] + pr[:, None] * v[bi, hi, t].float()
+                mw = mn
+            warps.append((mw, lw, ow))
+        mm = torch.stack([x[0] for x in warps])
+        lm = torch.stack([x[1] for x in warps])
+        om = torch.stack([x[2] for x in warps])
+        top = mm.max(0).values
+        f = torch.where(mm == float("-inf"), 0.0, torch.exp2(mm - torch.where(top == float("-inf"), 0.0, top)))
+        den = (f * lm).sum(0)
+        o = (f[..., None] * om).sum(0) / torch.where(den > 0, den, 1.0)[:, None]
+        pl = torch.where(top == float("-inf"), float("-inf"), (top + torch.log2(den)) * 0.6931471805599453)
+        out.append((torch.where((top == float("-inf"))[:, None], 0.0, o), pl))
+    return out
+
+
 def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
             splits: int = 2, kfold: int = 0, vfold: int = 0,
-            softcap: float | None = None, interleave: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+            softcap: float | None = None, interleave: int = 1,
+            buffer: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's dataflow in PyTorch (CPU): the same lane/fragment mapping, token and channel permutations,
     bit-field extraction, ``movmatrix`` transposes, fp16 rounding points, online softmax per warp, warp merge and
     split combine.
@@ -737,9 +858,11 @@ def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
     lane column's zero pairs, and added to that lane column's output channels).  ``softcap``: the soft-cap the kernel
     applies to every score fragment (log2 units, ``tanh`` from one ``exp2``) before masking.  ``interleave``: the
     tile-to-warp assignment (:data:`DEFAULT_CONFIG`); the live length (``packed.length``) bounds the tiles read and
-    masks the slots after it as the kernel's zero-filling copy of the valid flags does.
+    masks the slots after it as the kernel's zero-filling copy of the valid flags does.  ``buffer``: ``(k, v, valid,
+    length)`` of a full-precision buffer read by more CTAs of the launch (:func:`_emulate_buffer`), merged by the same
+    split combine.
     """
-    why = _problem(query, packed, LANE_DIMS)
+    why = _problem(query, packed, LANE_DIMS) if buffer is None else buffer_problem(query, packed, *buffer[:3])
     if why is not None:
         raise ValueError(why)
     b, h, m, dk = query.shape
@@ -779,6 +902,9 @@ def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
                     o = (f[..., None] * om).sum(0) / torch.where(den > 0, den, 1.0)[:, None]
                     pl = torch.where(top == float("-inf"), float("-inf"), (top + torch.log2(den)) * 0.6931471805599453)
                     parts.append((torch.where((top == float("-inf"))[:, None], 0.0, o), pl))
+                if buffer is not None:
+                    parts += _emulate_buffer(query, buffer, bi, hi, rb, nw, float(scale) * LOG2E,
+                                             float(softcap or 0.0) * LOG2E)
                 po = torch.stack([x[0] for x in parts])
                 pls = torch.stack([x[1] for x in parts])
                 top = pls.max(0).values

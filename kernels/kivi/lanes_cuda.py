@@ -131,7 +131,7 @@ def launch_args(q: torch.Tensor, region: PackedLanes, valid8: torch.Tensor, po: 
     args = [q.data_ptr(), 0, 0, 0, 0, 0, 0, valid8.data_ptr(), po, pl,
             *q.stride()[:3], *([0] * 16), valid8.stride(0),
             m, h, region.num_tokens, region.group.bit_length() - 1, tiles_per_split * ck.TILE, splits, ngv, dv // ngv,
-            b * h, 0 if length is None else length.data_ptr(), int(interleave)]
+            b * h, 0 if length is None else length.data_ptr(), int(interleave), *ck.NO_BUFFER]
     if len(args) != ck.PARAMS_INTS:
         raise RuntimeError(f"KIVI CUDA lanes kernel: {len(args)} region entries, the launcher reads {ck.PARAMS_INTS}")
     args.append(len(region.lanes))

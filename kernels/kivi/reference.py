@@ -265,6 +265,21 @@ class PackedKV:
 
         return dispatch(query, self, scale, softcap=softcap)
 
+    def attention_partial_with_buffer(self, query: torch.Tensor, scale: float, k: torch.Tensor, v: torch.Tensor,
+                                      valid: torch.Tensor, length: torch.Tensor | None = None,
+                                      softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(out, lse)`` over this region and a full-precision buffer ``k`` / ``v`` ``[B, H, T, Dk / Dv]`` (validity
+        ``valid [B, T]``, ``length`` bounding its slots) in ONE launch - the hand-written CUDA kernel's buffer CTAs
+        (registered op ``kvcompress::kivi_buffer_partial``) - or ``None`` when the region's implementation cannot
+        (not ``"cuda"``, or shapes / dtypes it does not take): the caller then reads the two regions apart."""
+        if self.impl != "cuda" or self.k_per_token:
+            return None
+        from . import cuda_kernel
+
+        if cuda_kernel.buffer_problem(query, self, k, v, valid) is not None:  # shapes only: decided at trace time
+            return None
+        return _ops().kivi_buffer_attention(query, self, scale, k, v, valid, length, impl=self.impl, softcap=softcap)
+
     def attention_scored(self, query: torch.Tensor, scale: float, softcap: float | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`attention_partial` that also returns its scores ``[B, H, M, T]`` (natural-log units, ``-inf`` on
@@ -309,6 +324,23 @@ def kivi_attention_partial(query: torch.Tensor, packed: PackedKV, scale: float, 
     k, v = packed.dequantize()  # once; many query rows (a prefill chunk) are then read in bounded chunks
     valid = packed.live_valid()
     return partial_attention(query, k, v, valid.view(valid.shape[0], 1, 1, valid.shape[-1]), scale, softcap)
+
+
+def kivi_buffer_attention_partial(query: torch.Tensor, packed: PackedKV, scale: float, k: torch.Tensor,
+                                  v: torch.Tensor, valid: torch.Tensor, length: torch.Tensor | None = None, *,
+                                  softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over a packed region and a full-precision buffer together (what the CUDA kernel reads in one launch,
+    :meth:`PackedKV.attention_partial_with_buffer`): the two regions' partials merged by log-sum-exp.  ``k`` / ``v``
+    ``[B, H, T, Dk / Dv]``, ``valid [B, T]``; ``length`` (0-dim int tensor or ``None``): only the buffer's slots before
+    it may be live.  Returns ``(out [B, H, M, Dv] float32, lse [B, H, M] float32)`` as
+    :func:`kivi_attention_partial`."""
+    from kvcompress.kernels.attention.reference import merge_partials, merged_lse, partial_attention
+
+    region = kivi_attention_partial(query, packed, scale, softcap=softcap)
+    if length is not None:
+        valid = valid & (torch.arange(valid.shape[-1], device=valid.device) < length.to(valid.device))
+    buffer = partial_attention(query, k, v, valid.view(valid.shape[0], 1, 1, valid.shape[-1]), scale, softcap)
+    return merge_partials([region, buffer]), merged_lse([region[1], buffer[1]])
 
 
 def kivi_attention_scored(query: torch.Tensor, packed: PackedKV, scale: float, *,
