@@ -5,7 +5,8 @@
 # 1. every KIVI CUDA library compiled in parallel; the GPU tests of the one-launch read (tests/test_kivi_buffer_read.py),
 #    the registered op's compiled cases (tests/test_kernel_ops.py -k buffer) and the plain kernel's reference checks
 #    (tests/test_kivi_cuda.py -k matches_reference_on_gpu: Params grew by the buffer's entries);
-# 2. only if they pass: GraphStep rows of kivi2 and the empty stack (benchmarks/gpu_graph_rows.py) at POINTS.
+# 2. only if they pass: the static KIVI-2 read against SDPA (benchutil op kivi2-static), then GraphStep rows of kivi2
+#    and the empty stack (benchmarks/gpu_graph_rows.py) at POINTS.
 set -o pipefail
 OUT=$(realpath "${1:-out}"); shift || true
 POINTS=("$@")
@@ -21,6 +22,10 @@ if grep -q "failed\|FAILED\|error" "$OUT/pytest.log" || ! grep -q "passed" "$OUT
   echo "GPU tests did not pass: no timing" | tee -a "$OUT/log.txt"
   exit 1
 fi
+# the static KIVI-2 layer's read (buffer + middle in one launch) against SDPA, the middle alone and the empty stack
+timeout 120 python -m kvcompress.kernels.benchutil --device cuda --ops sdpa,kivi2,none,kivi2-static \
+  --only-shapes llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:16:32k,smollm2-135m:1:32k --out "$OUT/static_read.json" \
+  2>/dev/null | grep '^|' | tee -a "$OUT/static_read.md"
 timeout 330 python "$SRC/benchmarks/gpu_graph_rows.py" --kind graph --stack kivi2 none --jobs 2 \
   --points "${POINTS[@]}" --out "$OUT/graph_rows" 2>&1 | grep -E '^\{|Error' | cut -c1-420 | tee -a "$OUT/log.txt"
 date -u | tee -a "$OUT/log.txt"

@@ -28,14 +28,17 @@ Ops (``--ops``, default :data:`ALL_OPS`):
   channels per head :data:`LEANK_COUNTS`) plus the 1024 full-precision sink + window tokens, one launch;
 * ``ds8`` / ``ds16`` (``-shared``): one DoubleSparse decode read (fused label scoring + exact top-k of ctx/8 or
   ctx/16 tokens per query head, or per kv head when shared, + gather attention);
-* ``none``, ``leank70-kivi2``, ``lowrank``: the decode read of a **static cache** (``Cache(..., max_cache_len=ctx +
+* ``none``, ``kivi2-static``, ``leank70-kivi2``, ``lowrank``: the decode read of a **static cache** (``Cache(..., max_cache_len=ctx +
   128)``) of that stack holding ``ctx`` tokens - exactly ``StaticLayer._read``, what a decode step runs after
   writing its token: the sinks + recent-window buffer and the middle store's segments, each read by the op the
   layer and its stores chose when they were built (``kernels.ops.choose``), merged by log-sum-exp.  The layer is
   built by kvcompress itself (``StackPipeline`` of the built-in compressors, ``StaticLayer.allocate``) and filled
   through its own prefill commit (sinks, ring, flushes through the stack's pipeline into its store, encoded by the
   store's encoder), so the layout is the real one.  ``none``: the empty stack, one fp16 buffer read by the lanes
-  kernel up to its written prefix (``length``); ``leank70-kivi2``: ``examples/stacks/leank70_kivi.yaml`` (LeanK
+  kernel up to its written prefix (``length``); ``kivi2-static``: KIVI-2 as its compressor lays a layer out (the
+  128-token residual window + one 32-token group in full precision, the rest quantized): on CUDA the KIVI kernel
+  reads the buffer and the quantized middle in ONE launch (``kvcompress::kivi_buffer_partial``, impl ``kivi:cuda``),
+  else the lanes kernel, the KIVI kernel and the merge; ``leank70-kivi2``: ``examples/stacks/leank70_kivi.yaml`` (LeanK
   70 % with :data:`LEANK_COUNTS` kept channels, 128 sinks, 768-token window, 128-token flushes, then KIVI-2 G = 32
   on the regrouped lanes): one lanes launch (+ merge) for the buffer plus ONE launch (+ merge) for every KIVI lane
   (``kvcompress::kivi_lanes_partial``: the CUDA lanes kernel, :mod:`kvcompress.kernels.kivi.lanes_cuda`, impl
@@ -77,7 +80,7 @@ Run: ``python -m kvcompress.kernels.benchutil [--device cuda] [--out results.jso
 Splitting the full grid over GPU calls of at most 9 minutes (estimated from ``docs/data/kernels_h200_v3.json``: that
 run timed 72 rows - 18 shapes x sdpa, kivi2, kivi4, kivi2-triton - in 60 s including data generation, about 0.8 s
 per row; the static-cache and pool rows also build their layer or pool, a few seconds at B64 / 128k and a deep copy
-per rotated copy at small shapes, so count 2-3 s per row): ``--ops grid`` (:data:`GRID_OPS`, 14 rows per shape) takes
+per rotated copy at small shapes, so count 2-3 s per row): ``--ops grid`` (:data:`GRID_OPS`, 15 rows per shape) takes
 about 30-45 s per shape, so the 6 shapes of one model and two batch sizes take 3-5 minutes, plus the first call's
 Triton compilations and KIVI CUDA build on a fresh machine.  Four calls cover the grid::
 
@@ -353,7 +356,7 @@ REGIONS = {"sinks": 128, "window": 768, "flush": 128}
 CAPACITY_SLACK = 128
 #: K bytes per chunk when a layer or pool is filled (bounds the transient memory of building a large one)
 FILL_CHUNK_BYTES = 256 * 1024**2
-STATIC_OPS = ("none", "leank70-kivi2", "lowrank", "leank70-kivi2-perlane", "leank70-kivi2-triton")
+STATIC_OPS = ("none", "kivi2-static", "leank70-kivi2", "lowrank", "leank70-kivi2-perlane", "leank70-kivi2-triton")
 
 
 def leank_keep(ratio: int, kv_heads: int, head_dim: int, seed: int = 0) -> torch.Tensor:
@@ -381,6 +384,8 @@ def static_stack(op: str, shape: Shape, regions: dict | None = None):
     r = {**REGIONS, **(regions or {})}
     if op == "none":
         return [], None
+    if op == "kivi2-static":  # KIVI's own layout: no sinks, the residual window of 128 + one group in flight
+        return [("kivi", {"bits": 2, "group": KEY_GROUP, "residual": r["flush"]})], None
     if op in ("leank70-kivi2", "leank70-kivi2-perlane", "leank70-kivi2-triton"):
         keep = leank_keep(70, shape.kv_heads, shape.head_dim)
 
@@ -866,8 +871,11 @@ def _static_estimate(c: _Case, op: str) -> int:
     transient = _fill_transient(c, FILL_CHUNK_BYTES)
     if op == "none":
         return 2 * b * s.kv_heads * cap * s.head_dim * 2 + b * cap + transient
-    window = REGIONS["sinks"] + REGIONS["window"] + 2 * REGIONS["flush"]
+    window = (REGIONS["flush"] + KEY_GROUP if op == "kivi2-static"
+              else REGIONS["sinks"] + REGIONS["window"] + 2 * REGIONS["flush"])
     buffer = 2 * b * s.kv_heads * window * s.head_dim * 2 + b * window
+    if op == "kivi2-static":
+        return buffer + b * _kivi_region_bytes(cap, s.kv_heads, s.head_dim) + transient
     if op in ("leank70-kivi2", "leank70-kivi2-perlane", "leank70-kivi2-triton"):  # bounded by KIVI-2, all channels
         return buffer + b * _kivi_region_bytes(cap, s.kv_heads, s.head_dim) + transient
     return buffer + b * s.kv_heads * cap * (s.head_dim // 2 + s.head_dim) * 2 + b * cap * 9 + transient
@@ -983,13 +991,13 @@ def _op_groups() -> list[tuple[tuple[str, ...], Callable[[_Case], None]]]:
 
 
 ALL_OPS = ("sdpa", "dense-ref", "kivi2", "kivi4", "kivi2-ref", "kivi4-ref", "kivi2-triton", "kivi4-triton",
-           "leank50", "leank70", "ds8", "ds16", "ds8-shared", "ds16-shared", "none", "leank70-kivi2", "lowrank",
-           "paged-dense", "paged-kivi2")
+           "leank50", "leank70", "ds8", "ds16", "ds8-shared", "ds16-shared", "none", "kivi2-static", "leank70-kivi2",
+           "lowrank", "paged-dense", "paged-kivi2")
 #: ops that run only when named in ``--ops``
 EXTRA_OPS = ("paged-kivi2-gather", "leank70-kivi2-perlane", "leank70-kivi2-triton")
 #: the ops of issue 19's grid (``--ops`` default minus the references and the Triton KIVI rows)
 GRID_OPS = ("sdpa", "kivi2", "kivi4", "leank50", "leank70", "leank70-kivi2", "ds8", "ds16", "ds8-shared",
-            "ds16-shared", "paged-dense", "paged-kivi2", "lowrank", "none")
+            "ds16-shared", "paged-dense", "paged-kivi2", "lowrank", "none", "kivi2-static")
 
 
 def _bench_case(shape: Shape, batch: int, ctx: int, device: torch.device, rows: list[dict],

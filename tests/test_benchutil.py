@@ -64,6 +64,9 @@ def _static_oracle(op, layer, q, k, v):
     assert seen == t
     if op == "none":
         flushed = s = 0  # one buffer: every token in full precision
+    elif op == "kivi2-static":  # KIVI keeps no sinks: every block that left the window is quantized
+        s = 0
+        assert flushed == (t - window) // f * f and flushed > 0
     else:  # every block of F tokens after the sinks that left the window went to the middle: [sinks, flushed)
         assert flushed == s + (t - s - window) // f * f and flushed > s
     pos = torch.arange(t)
@@ -79,6 +82,11 @@ def _static_oracle(op, layer, q, k, v):
         scores[..., s:flushed] = torch.einsum("bhgd,bhtd->bhgt", qg.double(), pruned.double())
         values[:, :, s:flushed] = vq.double()
         mask = mask | (mid.view(1, 1, 1, t) & keep.any(-1).view(1, hkv, 1, 1))  # no middle for a head keeping none
+    elif op == "kivi2-static":
+        kq, vq = _kivi(k[:, :, :flushed].float(), v[:, :, :flushed].float())
+        scores[..., :flushed] = torch.einsum("bhgd,bhtd->bhgt", qg.double(), kq.double())
+        values[:, :, :flushed] = vq.double()
+        mask = mask | mid.view(1, 1, 1, t)
     elif op == "lowrank":
         basis = benchutil.lowrank_basis(hkv, d, d // 2)  # [h, d, r]
         kc = torch.einsum("bhtd,hdr->bhtr", k.float(), basis).half()  # stored coordinates (the model's dtype)
@@ -122,7 +130,7 @@ def test_static_read_matches_the_dense_oracle(op, kernels, monkeypatch):
         assert len(layer.middle.lanes) == 3  # kept counts 24, 16, 8; the head keeping none has no lane
     got = benchutil.static_read(layer, q, SHAPE.head_dim ** -0.5)
     if kernels == "cuda-choice":  # one lanes launch (buffer, and the low-rank lane); one launch for all KIVI lanes
-        assert calls == {"lanes_partial": 1, "kivi_partial": 3 if op == "leank70-kivi2-perlane" else 0,
+        assert calls == {"lanes_partial": 1, "kivi_partial": {"leank70-kivi2-perlane": 3, "kivi2-static": 1}.get(op, 0),
                          "kivi_lanes_partial": int(op in ("leank70-kivi2", "leank70-kivi2-triton"))}
     assert got.shape == (BATCH, 1, SHAPE.q_heads, SHAPE.head_dim)
     torch.testing.assert_close(got.double(), _static_oracle(op, layer, q, k, v), atol=ATOL, rtol=RTOL)
