@@ -59,15 +59,29 @@ def test_clone_copies_tensors_of_model_outputs():
     assert torch.equal(out.logits, logits) and out.logits.data_ptr() != logits.data_ptr()
 
 
-def test_cpu_graph_step_decodes_like_the_eager_static_cache():
+PLANNED_STACKS = {
+    "kivi2": [{"kivi": {"bits": 2, "group": 16, "residual": 16}}],
+    "window+sinks": [{"window": {"sinks": 2, "recent": 16}}],
+    "paged+kivi2": [{"paged_eviction": {"budget": 64, "block": 16}}, {"kivi": {"bits": 2, "group": 16, "residual": 16}}],
+    "double_sparse-shared+kivi2": [{"double_sparse": {"channels": "random", "r": 8, "k": 24, "dense_layers": 0,
+                                                      "sinks": 2, "window": 8, "group_shared": True, "label_bits": 4}},
+                                   {"kivi": {"bits": 2, "group": 16, "residual": 16}}],
+}
+
+
+@pytest.mark.parametrize("name", list(PLANNED_STACKS))
+def test_cpu_graph_step_decodes_like_the_eager_static_cache(name):
+    """The planned compiled step (GraphStep off CUDA: direct calls, a plan before each) of every kind of stack - a
+    quantizer, a window with sinks, an evictor + quantizer, a selector + quantizer - over 40 steps that cross several
+    flushes: the logits of the eager static cache."""
     from kvcompress.evaluation.runner import graph_step
 
     model = tiny_model("llama")
-    stack = kvcompress.parse_stack({"compressors": [{"kivi": {"bits": 2, "group": 16, "residual": 16}}]})
+    stack = kvcompress.parse_stack({"compressors": PLANNED_STACKS[name]})
     torch._dynamo.reset()
-    eager, _ = _decode(model, stack, 20)
-    replayed, fn = _decode(model, stack, 20, step_fn=lambda m: graph_step(m, warmup=2))
-    assert fn.calls == 20 and fn.replays == 0  # no graph off CUDA
+    eager, _ = _decode(model, stack, 40)
+    replayed, fn = _decode(model, stack, 40, step_fn=lambda m: graph_step(m, warmup=2))
+    assert fn.calls == 40 and fn.replays == 0  # no graph off CUDA
     torch.testing.assert_close(replayed, eager, rtol=0, atol=1e-5)
 
 
