@@ -149,24 +149,19 @@ def kivi_buffer_case(batch: int = 2, kv_heads: int = 1, rows: int = 3, head_dim:
                      live: int | None = 71, slots: int = 45, buffer_live: int | None = 41, bits: int = 2,
                      group: int = 32, v_group: int = 32, dtype=torch.float16, query_dtype=torch.float16,
                      dead_row: bool = True, device="cpu", seed: int = 0, softcap: float | None = None) -> OpCase:
-    """A packed KIVI region (as :func:`kivi_case`) read together with a full-precision buffer of ``slots`` slots in
+    """The packed KIVI region of :func:`kivi_case` read together with a full-precision buffer of ``slots`` slots in
     ``dtype`` (a static layer's sinks + recent window), ``buffer_live`` of them live."""
     from . import ops
-    from .kivi.reference import PackedKV, quantize_keys, quantize_values
+    from .kivi.reference import PackedKV
 
-    gen = _gen(seed, device)
-    t = -(-capacity // group) * group
-    k = torch.randn(batch, kv_heads, t, head_dim, generator=gen, device=gen.device) * 1.5 + 0.3
-    v = torch.randn(batch, kv_heads, t, head_dim, generator=gen, device=gen.device)
-    q = torch.randn(batch, kv_heads, rows, head_dim, generator=gen, device=gen.device).to(query_dtype)
-    kc, ks, kz = quantize_keys(k, bits, group)
-    vc, vs, vz = quantize_values(v, bits, v_group)
-    valid = _valid(batch, t, gen, dead_row)
+    region = kivi_case(batch=batch, kv_heads=kv_heads, rows=rows, head_dim=head_dim, capacity=capacity, live=live,
+                       bits=bits, group=group, v_group=v_group, query_dtype=query_dtype, dead_row=dead_row,
+                       device=device, seed=seed)
+    gen = _gen(seed + 1000, device)
     bk = (torch.randn(batch, kv_heads, slots, head_dim, generator=gen, device=gen.device) * 1.5).to(dtype)
     bv = torch.randn(batch, kv_heads, slots, head_dim, generator=gen, device=gen.device).to(dtype)
     bvalid = _valid(batch, slots, gen, dead_row)
-    args = tuple(x.to(device) for x in (q, kc, ks, kz, vc, vs, vz, valid)) + (_length(live, device),) + tuple(
-        x.to(device) for x in (bk, bv, bvalid)) + (_length(buffer_live, device),)
+    args = region.args + tuple(x.to(device) for x in (bk, bv, bvalid)) + (_length(buffer_live, device),)
     scale = head_dim ** -0.5
 
     def fn(impl: str):
@@ -175,10 +170,9 @@ def kivi_buffer_case(batch: int = 2, kv_heads: int = 1, rows: int = 3, head_dim:
             return ops.kivi_buffer_attention(q, packed, scale, bk, bv, bvalid, blen, impl=impl, softcap=softcap)
         return f
 
-    facts = dict(bits=bits, group=group, head_dim=head_dim, v_dim=head_dim, v_group=v_group, tokens=t)
-    name = (f"kivi{bits}-buffer-b{batch}-h{kv_heads}-m{rows}-d{head_dim}-t{t}-live{live}-s{slots}-blive{buffer_live}"
+    name = (f"{region.name.replace(f'kivi{bits}-', f'kivi{bits}-buffer-', 1)}-s{slots}-blive{buffer_live}"
             f"-{str(dtype).removeprefix('torch.')}{_cap(softcap)}")
-    return OpCase(name, "kivi_buffer_partial", args, fn, facts, static=tuple(range(1, 8)) + (9, 10, 11))
+    return OpCase(name, "kivi_buffer_partial", args, fn, region.facts, static=region.static + (9, 10, 11))
 
 
 # ----------------------------------------------------------------------------- paged

@@ -221,6 +221,12 @@ def kivi_buffer_partial(query: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero:
     _check_impl("kivi_buffer_partial", impl)
     _check_length("kivi_buffer_partial", length)
     _check_length("kivi_buffer_partial", buffer_length)
+    return _kivi_buffer_reference(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits,
+                                  group, scale, buffer_k, buffer_v, buffer_valid, buffer_length, k_per_token, softcap)
+
+
+def _kivi_buffer_reference(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits, group,
+                           scale, buffer_k, buffer_v, buffer_valid, buffer_length, k_per_token, softcap):
     packed = kivi_ref.PackedKV(bits, group, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                live_slots(valid, length, valid.shape[-1], valid.shape[0], valid.device), k_per_token)
     return _fresh(*kivi_ref.kivi_buffer_attention_partial(query, packed, scale, buffer_k, buffer_v, buffer_valid,
@@ -250,17 +256,11 @@ def _kivi_buffer_partial_cuda(query, k_codes, k_scale, k_zero, v_codes, v_scale,
             buffer = _lanes_partial_cuda(query, [None], [None], [buffer_k], [buffer_v], [buffer_valid], buffer_length,
                                          scale, softcap, "triton")
         else:
-            from .attention.reference import partial_attention
-
-            keep = live_slots(buffer_valid, buffer_length, buffer_valid.shape[-1], buffer_valid.shape[0],
-                              buffer_valid.device)
-            buffer = partial_attention(query, buffer_k, buffer_v, keep.view(keep.shape[0], 1, 1, keep.shape[-1]),
-                                       scale, softcap or None)
+            buffer = kivi_ref.buffer_attention_partial(query, buffer_k, buffer_v, buffer_valid, buffer_length, scale,
+                                                       softcap=softcap)
         return _fresh(merge_partials([region, buffer]), merged_lse([region[1], buffer[1]]))
-    packed = kivi_ref.PackedKV(bits, group, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                               live_slots(valid, length, valid.shape[-1], valid.shape[0], valid.device), k_per_token)
-    return _fresh(*kivi_ref.kivi_buffer_attention_partial(query, packed, scale, buffer_k, buffer_v, buffer_valid,
-                                                          buffer_length, softcap=softcap))
+    return _kivi_buffer_reference(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits,
+                                  group, scale, buffer_k, buffer_v, buffer_valid, buffer_length, k_per_token, softcap)
 
 
 @kivi_buffer_partial.register_fake

@@ -306,15 +306,20 @@ class StaticLayer:
             raise UnsupportedOperationError(
                 "a decode step was planned twice without running it: call finish_decode() after each planned step")
         seen, flushed = self.host_counts()  # one device read only after unplanned compiled steps
-        if seen >= self.capacity:
-            raise UnsupportedOperationError(
-                f"the static cache holds at most max_cache_len={self.capacity} tokens and is full; build it with a "
-                "larger max_cache_len")
+        self._check_room(seen)
         seen += 1
         flush = self.middle is not None and seen - flushed >= self.layout.recent + self.flush_size
         self._planned = (flush, not self._sinks_full)
         self._host = (seen, flushed + self.flush_size if flush else flushed)
         return self._planned
+
+    def _check_room(self, seen: int) -> None:
+        """A decode step's token must fit: refused when ``seen`` tokens already fill the capacity (host counts: an
+        unplanned compiled step cannot check this, it must fit)."""
+        if seen >= self.capacity:
+            raise UnsupportedOperationError(
+                f"the static cache holds at most max_cache_len={self.capacity} tokens and is full; build it with a "
+                "larger max_cache_len (a compiled step that GraphStep does not plan cannot check this: it must fit)")
 
     def finish_decode(self, completed: bool) -> None:
         """End a planned step: ``completed`` False (the call raised) forgets the host counts (the next plan
@@ -384,10 +389,7 @@ class StaticLayer:
         planned = self._planned  # (a compiled step branches on it: one variant per plan)
         if not compiling and planned is None:
             host = self.host_counts()  # (seen, flushed); one device read only after unplanned compiled steps
-            if host[0] >= self.capacity:
-                raise UnsupportedOperationError(
-                    f"the static cache holds at most max_cache_len={self.capacity} tokens and is full; build it "
-                    "with a larger max_cache_len (an unplanned compiled step cannot check this: it must fit)")
+            self._check_room(host[0])
         token_valid = valid_new
         # steps the host planned, and eager steps, skip what the host knows changes nothing
         if planned[1] if planned is not None else (compiling or not self._sinks_full):

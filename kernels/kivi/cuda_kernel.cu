@@ -534,6 +534,34 @@ struct TileCopier {
 // GATHER (kivi_v3_lanes_kernel): the slice keeps DK of the head's channels, `ch` lists them (int64; nullptr: the
 // first DK), and the query is gathered here.  `strides`: the slice's key-code group, key-scale group, key-zero group
 // and value-code token strides (elements).
+// The warp merge's last step, shared by attend() and attend_buffer(): each warp's unnormalised output rows om
+// [nw][8][DV], running max mm [nw][8] (log2 units) and sum lm [nw][8] in shared memory become the CTA's normalised
+// partial po and natural-log LSE pl of split `split` (a row no warp saw: zeros and -inf).
+template <int DV>
+__device__ __forceinline__ void write_partial(const Params& p, const float* om, const float* mm, const float* lm,
+                                              int nw, int rows, int split, int bh, int rb) {
+  constexpr int MT = 8;
+  for (int idx = threadIdx.x; idx < rows * DV; idx += blockDim.x) {
+    const int row = idx / DV, ch = idx - row * DV;
+    float top = -INFINITY;
+    for (int w = 0; w < nw; ++w) top = fmaxf(top, mm[w * MT + row]);
+    const long long orow = ((long long)split * p.BH + bh) * p.M + rb * MT + row;
+    if (top == -INFINITY) {
+      p.po[orow * DV + ch] = 0.f;
+      if (ch == 0) p.pl[orow] = -INFINITY;
+      continue;
+    }
+    float num = 0.f, den = 0.f;
+    for (int w = 0; w < nw; ++w) {
+      const float f = exp2f(mm[w * MT + row] - top);
+      num += f * om[(w * MT + row) * DV + ch];
+      den += f * lm[w * MT + row];
+    }
+    p.po[orow * DV + ch] = num / den;
+    if (ch == 0) p.pl[orow] = (top + log2f(den)) * 0.69314718055994531f;
+  }
+}
+
 template <int BITS, int DK, int DV, int ST, bool GATHER>
 __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const int (&strides)[4], const __half* qh,
                                        const long long* ch, int bh) {
@@ -966,25 +994,7 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
   }
   __syncthreads();
   const int rows = min(MT, p.M - rb * MT);
-  for (int idx = threadIdx.x; idx < rows * DV; idx += blockDim.x) {
-    const int row = idx / DV, ch = idx - row * DV;
-    float top = -INFINITY;
-    for (int w = 0; w < nw; ++w) top = fmaxf(top, mm[w * MT + row]);
-    const long long orow = ((long long)split * p.BH + bh) * p.M + rb * MT + row;
-    if (top == -INFINITY) {
-      p.po[orow * DV + ch] = 0.f;
-      if (ch == 0) p.pl[orow] = -INFINITY;
-      continue;
-    }
-    float num = 0.f, den = 0.f;
-    for (int w = 0; w < nw; ++w) {
-      const float f = exp2f(mm[w * MT + row] - top);
-      num += f * om[(w * MT + row) * DV + ch];
-      den += f * lm[w * MT + row];
-    }
-    p.po[orow * DV + ch] = num / den;
-    if (ch == 0) p.pl[orow] = (top + log2f(den)) * 0.69314718055994531f;
-  }
+  write_partial<DV>(p, om, mm, lm, nw, rows, split, bh, rb);
 }
 
 __device__ __forceinline__ float load_f(const void* base, long long i, int bf16) {
@@ -1076,25 +1086,7 @@ __device__ __forceinline__ void attend_buffer(const Params& p, int b, int h, int
     }
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < rows * DV; idx += blockDim.x) {
-    const int row = idx / DV, ch = idx - row * DV;
-    float top = -INFINITY;
-    for (int w = 0; w < nw; ++w) top = fmaxf(top, mm[w * MT + row]);
-    const long long orow = ((long long)split * p.BH + bh) * p.M + rb * MT + row;
-    if (top == -INFINITY) {
-      p.po[orow * DV + ch] = 0.f;
-      if (ch == 0) p.pl[orow] = -INFINITY;
-      continue;
-    }
-    float num = 0.f, den = 0.f;
-    for (int w = 0; w < nw; ++w) {
-      const float f = exp2f(mm[w * MT + row] - top);
-      num += f * om[(w * MT + row) * DV + ch];
-      den += f * lm[w * MT + row];
-    }
-    p.po[orow * DV + ch] = num / den;
-    if (ch == 0) p.pl[orow] = (top + log2f(den)) * 0.69314718055994531f;
-  }
+  write_partial<DV>(p, om, mm, lm, nw, rows, split, bh, rb);
 }
 
 // grid (nsplit + bsplit, B*H, row blocks of 8), block NW warps: one (batch, kv head) slice of one packed region per

@@ -334,13 +334,23 @@ def kivi_buffer_attention_partial(query: torch.Tensor, packed: PackedKV, scale: 
     ``[B, H, T, Dk / Dv]``, ``valid [B, T]``; ``length`` (0-dim int tensor or ``None``): only the buffer's slots before
     it may be live.  Returns ``(out [B, H, M, Dv] float32, lse [B, H, M] float32)`` as
     :func:`kivi_attention_partial`."""
-    from kvcompress.kernels.attention.reference import merge_partials, merged_lse, partial_attention
+    from kvcompress.kernels.attention.reference import merge_partials, merged_lse
 
     region = kivi_attention_partial(query, packed, scale, softcap=softcap)
+    buffer = buffer_attention_partial(query, k, v, valid, length, scale, softcap=softcap)
+    return merge_partials([region, buffer]), merged_lse([region[1], buffer[1]])
+
+
+def buffer_attention_partial(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                             length: torch.Tensor | None, scale: float, *,
+                             softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full-precision buffer's partial of :func:`kivi_buffer_attention_partial`: ``valid [B, T]`` restricted to the
+    slots before ``length``."""
+    from kvcompress.kernels.attention.reference import partial_attention
+
     if length is not None:
         valid = valid & (torch.arange(valid.shape[-1], device=valid.device) < length.to(valid.device))
-    buffer = partial_attention(query, k, v, valid.view(valid.shape[0], 1, 1, valid.shape[-1]), scale, softcap)
-    return merge_partials([region, buffer]), merged_lse([region[1], buffer[1]])
+    return partial_attention(query, k, v, valid.view(valid.shape[0], 1, 1, valid.shape[-1]), scale, softcap or None)
 
 
 def kivi_attention_scored(query: torch.Tensor, packed: PackedKV, scale: float, *,
