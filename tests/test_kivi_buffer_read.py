@@ -63,12 +63,13 @@ def _buffer(gen, b, h, slots, d, dtype, live):
     return k, v, valid, (None if live is None else torch.tensor(live))
 
 
-@pytest.mark.parametrize("bits,m,d,slots,live,dtype,cap", [
-    (2, 4, 128, 160, None, torch.bfloat16, None),   # a Llama KIVI-2 layer's ring: 5 buffer CTAs
-    (4, 12, 64, 45, 41, torch.float16, None),       # two row blocks, a live length inside the last CTA
-    (2, 3, 64, 600, 333, torch.bfloat16, 0.9),      # a longer buffer (longer runs per CTA), soft-capped
+@pytest.mark.parametrize("bits,m,d,slots,live,dtype,cap,tokens", [
+    (2, 4, 128, 160, None, torch.bfloat16, None, 32),   # a Llama KIVI-2 layer's ring: 5 buffer CTAs
+    (2, 4, 128, 160, 150, torch.bfloat16, None, 256),   # the same ring in ONE buffer CTA (buffer_tokens 256)
+    (4, 12, 64, 45, 41, torch.float16, None, 32),       # two row blocks, a live length inside the last CTA
+    (2, 3, 64, 600, 333, torch.bfloat16, 0.9, 64),      # a longer buffer (longer runs per CTA), soft-capped
 ])
-def test_emulated_buffer_ctas_equal_the_reference(bits, m, d, slots, live, dtype, cap):
+def test_emulated_buffer_ctas_equal_the_reference(bits, m, d, slots, live, dtype, cap, tokens):
     """The kernel's dataflow (CPU emulator: the region's warps and splits, the buffer CTAs' per-warp online softmax and
     warp merge, the split combine over both) against the reference."""
     gen = torch.Generator().manual_seed(bits * 100 + slots)
@@ -79,7 +80,7 @@ def test_emulated_buffer_ctas_equal_the_reference(bits, m, d, slots, live, dtype
     packed = PackedKV(bits, 32, kc, ks, kz, vc, vs, vz, valid, length=torch.tensor(70))
     buffer = _buffer(gen, b, h, slots, d, dtype, live)
     q = torch.randn(b, h, m, d, generator=gen).half()
-    out, lse = ck.emulate(q, packed, d ** -0.5, buffer=buffer, softcap=cap)
+    out, lse = ck.emulate(q, packed, d ** -0.5, buffer=buffer, softcap=cap, buffer_tokens=tokens)
     ref = ops.kivi_buffer_partial(q, kc, ks, kz, vc, vs, vz, valid, torch.tensor(70), bits, 32, d ** -0.5,
                                   *buffer, softcap=float(cap or 0.0))
     ok, err, msg = opcases.check_partial((out, lse), ref)
@@ -104,6 +105,25 @@ def test_cuda_glue_hands_both_regions_to_one_launch(monkeypatch):
     assert length is args[8] and buffer[0] is args[12] and buffer[2] is args[14] and buffer[3] is args[15]
     ok, err, msg = opcases.check_partial(got, case.reference())
     assert ok, msg
+
+
+def test_buffer_tokens_set_the_buffer_ctas_and_zero_reads_the_regions_apart(monkeypatch):
+    """The launch setting ``buffer_tokens``: slots per buffer CTA (at most 16 CTAs); 0 turns the one-launch read
+    off (``attention_partial_with_buffer`` answers None, so the caller reads the two regions apart)."""
+    assert ck.buffer_plan(160, 64) == (3, 64) and ck.buffer_plan(160, 256) == (1, 256)
+    assert ck.buffer_plan(160) == (5, 32) and ck.buffer_plan(1000, 32) == (16, 63)
+    with pytest.raises(ValueError, match="buffer_tokens"):
+        ck.buffer_plan(160, 0)
+    gen = torch.Generator().manual_seed(8)
+    segs = _segments("cuda", gen)
+    packed, (k, v, valid) = segs[1].packed, (segs[0].k, segs[0].v, segs[0].valid)
+    q = torch.randn(2, 2, 1, 64, generator=gen).half()
+    calls = []
+    real = ops.kivi_buffer_attention
+    monkeypatch.setattr(ops, "kivi_buffer_attention", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is not None and len(calls) == 1
+    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"buffer_tokens": 0}')
+    assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is None and len(calls) == 1
 
 
 def _segments(impl, gen, b=2, h=2, d=64, slots=45, length=None):

@@ -150,8 +150,11 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # interleave = 1: tile j of the live prefix is read by warp j mod (splits x nw) of the grid (Params::interleave), so a
 # read bounded by a live length far below the capacity (a static store early in a long generation) keeps every split
 # busy; 0: each split reads a contiguous run of tiles sized for the capacity, each warp a contiguous part of it.
+# buffer_tokens: slots one buffer CTA takes when the launch also reads a static layer's full-precision buffer
+# (:func:`buffer_plan`; fewer, longer buffer CTAs when larger); 0: no one-launch read - the buffer and the region are
+# read apart (PackedKV.attention_partial_with_buffer returns None), for A/B timing.
 DEFAULT_CONFIG = dict(nw=4, stages=2, waves=1.0, warps_per_sm=16, min_tiles="auto", min_blocks=4, kfold=0, vfold=0,
-                      interleave=1)
+                      interleave=1, buffer_tokens=BUFFER_TOKENS)
 SMEM_DEFAULT = 48 * 1024  # dynamic shared memory a kernel gets without cudaFuncAttributeMaxDynamicSharedMemorySize
 SMEM_OPTIN_MAX = 227 * 1024  # the largest opt-in limit of any supported GPU (sm_90); the device's own limit is used
 
@@ -607,29 +610,34 @@ def supports_buffer(query: torch.Tensor, packed: PackedKV, k: torch.Tensor, v: t
     return _device_ok(query.device) and buffer_problem(query, packed, k, v, valid) is None
 
 
-def buffer_plan(slots: int) -> tuple[int, int]:
-    """``(CTAs per (batch, head, row block), slots per CTA)`` of a buffer of ``slots`` slots: :data:`BUFFER_TOKENS`
-    slots per CTA, at most 16 CTAs (a longer buffer gets longer runs)."""
-    tps = max(BUFFER_TOKENS, -(-slots // 16))
+def buffer_plan(slots: int, tokens: int = BUFFER_TOKENS) -> tuple[int, int]:
+    """``(CTAs per (batch, head, row block), slots per CTA)`` of a buffer of ``slots`` slots: ``tokens`` (the launch
+    setting ``buffer_tokens``) slots per CTA, at most 16 CTAs (a longer buffer gets longer runs)."""
+    if tokens < 1:
+        raise ValueError(f"KIVI CUDA kernel: buffer_tokens {tokens} (>= 1 for a one-launch read)")
+    tps = max(tokens, -(-slots // 16))
     return -(-slots // tps), tps
 
 
-def _buffer_args(buffer: tuple | None) -> tuple:
-    """The 15 buffer entries of ``Params`` for ``buffer`` = ``(k, v, valid uint8, length or None)``."""
+def _buffer_args(buffer: tuple | None, tokens: int = BUFFER_TOKENS) -> tuple:
+    """The 15 buffer entries of ``Params`` for ``buffer`` = ``(k, v, valid uint8, length or None)``, ``tokens`` slots
+    per buffer CTA (:func:`buffer_plan`)."""
     if buffer is None:
         return NO_BUFFER
     k, v, valid8, length = buffer
-    splits, tps = buffer_plan(k.shape[2])
+    splits, tps = buffer_plan(k.shape[2], tokens)
     return (k.data_ptr(), v.data_ptr(), valid8.data_ptr(), 0 if length is None else length.data_ptr(),
             *k.stride()[:3], *v.stride()[:3], valid8.stride(0), k.shape[2], splits, tps,
             int(k.dtype == torch.bfloat16))
 
 
 def _args(packed: PackedKV, kv: list[torch.Tensor], q_ptr: int, q_strides, po_ptr: int, pl_ptr: int, m: int,
-          tps: int, splits: int, len_ptr: int = 0, interleave: int = 1, buffer: tuple | None = None):
+          tps: int, splits: int, len_ptr: int = 0, interleave: int = 1, buffer: tuple | None = None,
+          buffer_tokens: int = BUFFER_TOKENS):
     """The launcher's int64 argument array, in the order of ``kivi_v3::Params`` (``len_ptr``: the live length's
     int64 device pointer, 0 for none; ``interleave``: the tile-to-warp assignment, see :data:`DEFAULT_CONFIG`;
-    ``buffer``: ``(k, v, valid as uint8, length or None)`` of a full-precision buffer read in the same launch)."""
+    ``buffer``: ``(k, v, valid as uint8, length or None)`` of a full-precision buffer read in the same launch,
+    ``buffer_tokens`` slots per buffer CTA)."""
     kc, ks, kz, vc, vs, vz, valid = kv
     b, h = kc.shape[:2]
     nt = kc.shape[2] * packed.group
@@ -640,7 +648,7 @@ def _args(packed: PackedKV, kv: list[torch.Tensor], q_ptr: int, q_strides, po_pt
             *q_strides, *kc.stride()[:3], *ks.stride()[:3], *kz.stride()[:3], *vc.stride()[:3],
             *vs.stride()[:2], *vz.stride()[:2], valid.stride(0),
             m, h, nt, packed.group.bit_length() - 1, tps, splits, ngv, dv // ngv, b * h, len_ptr, int(interleave),
-            *_buffer_args(buffer)]
+            *_buffer_args(buffer, buffer_tokens)]
     return (ctypes.c_longlong * len(args))(*args)
 
 
@@ -682,8 +690,8 @@ _PLANS: dict[tuple, tuple] = {}
 
 def _plan(bits: int, dk: int, dv: int, rows: int, nt: int, index: int, softcap: float | None, c: dict,
           splits: int | None) -> tuple:
-    """``(library, warps, stages, splits, tiles per split)`` of a launch over ``nt`` tokens and ``rows``
-    (batch x heads x row blocks) with configuration ``c``."""
+    """``(library, warps, stages, splits, tiles per split, interleave, buffer tokens)`` of a launch over ``nt``
+    tokens and ``rows`` (batch x heads x row blocks) with configuration ``c``."""
     lib = build_for(bits, dk, dv, c, softcap=bool(softcap))
     ntiles = nt // TILE
     nw, stages, cta_smem, _ = plan_launch(bits, dk, dv, int(c["nw"]), int(c["stages"]), _smem_limit(index))
@@ -692,7 +700,8 @@ def _plan(bits: int, dk: int, dv: int, rows: int, nt: int, index: int, softcap: 
     c = dict(c, nw=nw, stages=stages)
     s = splits or num_splits(ntiles, rows, _sms(index), c, cta_smem)
     tiles_per_split = -(-ntiles // max(1, min(s, ntiles)))
-    return lib, nw, stages, -(-ntiles // tiles_per_split), tiles_per_split, int(c.get("interleave", 1))
+    return (lib, nw, stages, -(-ntiles // tiles_per_split), tiles_per_split, int(c.get("interleave", 1)),
+            int(c.get("buffer_tokens", BUFFER_TOKENS)))
 
 
 def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict | None = None,
@@ -737,7 +746,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
         if cfg:
             c.update(cfg)
         plan = _plan(bits, dk, dv, b * h * row_blocks, nt, index, softcap, c, splits)
-    lib, nw, stages, s, tiles_per_split, interleave = plan
+    lib, nw, stages, s, tiles_per_split, interleave, btok = plan
 
     q = _aligned(query.to(torch.float16), 1, 4)
     kv = _kv_tensors(packed)
@@ -745,14 +754,14 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
     if buffer is not None:
         bk, bv, bvalid, blen = buffer
         buffer = (bk, bv, bvalid.view(torch.uint8), live_length(blen, dev))
-    total = s + (buffer_plan(buffer[0].shape[2])[0] if buffer is not None else 0)
+    total = s + (buffer_plan(buffer[0].shape[2], btok)[0] if buffer is not None else 0)
     if total == 1:
         po, pl = out, lse
     else:
         po = torch.empty(total, b * h * m, dv, device=dev, dtype=torch.float32)
         pl = torch.empty(total, b * h * m, device=dev, dtype=torch.float32)
     arr = _args(packed, kv, q.data_ptr(), q.stride()[:3], po.data_ptr(), pl.data_ptr(), m, tiles_per_split * TILE, s,
-                0 if length is None else length.data_ptr(), interleave, buffer)
+                0 if length is None else length.data_ptr(), interleave, buffer, btok)
     stream = torch.cuda.current_stream(dev).cuda_stream
     rc = lib.kivi_v3_launch(arr, float(scale) * LOG2E, float(softcap or 0.0) * LOG2E, nw, stages, row_blocks,
                             index, ctypes.c_void_p(stream))
@@ -796,14 +805,14 @@ def _pairs(x: torch.Tensor) -> torch.Tensor:
 
 
 def _emulate_buffer(query: torch.Tensor, buffer: tuple, bi: int, hi: int, rb: int, nw: int, qk: float,
-                    cap: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                    cap: float, tokens: int = BUFFER_TOKENS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The buffer CTAs of one (batch, head, row block) (``attend_buffer`` in the .cu): per CTA, each warp's online
     softmax over its slots (fp32, log2 units, the query rounded to fp16), the warps merged; ``[(po [8, Dv], pl [8])]``
     one per CTA, as the split combine reads them."""
     k, v, valid, length = buffer
     slots = k.shape[2]
     n = slots if length is None else max(0, min(slots, int(length)))
-    ctas, tps = buffer_plan(slots)
+    ctas, tps = buffer_plan(slots, tokens)
     m = query.shape[2]
     rows = min(8, m - rb * 8)
     q = torch.zeros(8, query.shape[-1])
@@ -843,7 +852,7 @@ def _emulate_buffer(query: torch.Tensor, buffer: tuple, bi: int, hi: int, rb: in
 def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
             splits: int = 2, kfold: int = 0, vfold: int = 0,
             softcap: float | None = None, interleave: int = 1,
-            buffer: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            buffer: tuple | None = None, buffer_tokens: int = BUFFER_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's dataflow in PyTorch (CPU): the same lane/fragment mapping, token and channel permutations,
     bit-field extraction, ``movmatrix`` transposes, fp16 rounding points, online softmax per warp, warp merge and
     split combine.
@@ -859,8 +868,8 @@ def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
     applies to every score fragment (log2 units, ``tanh`` from one ``exp2``) before masking.  ``interleave``: the
     tile-to-warp assignment (:data:`DEFAULT_CONFIG`); the live length (``packed.length``) bounds the tiles read and
     masks the slots after it as the kernel's zero-filling copy of the valid flags does.  ``buffer``: ``(k, v, valid,
-    length)`` of a full-precision buffer read by more CTAs of the launch (:func:`_emulate_buffer`), merged by the same
-    split combine.
+    length)`` of a full-precision buffer read by more CTAs of the launch (:func:`_emulate_buffer`, ``buffer_tokens``
+    slots per CTA), merged by the same split combine.
     """
     why = _problem(query, packed, LANE_DIMS) if buffer is None else buffer_problem(query, packed, *buffer[:3])
     if why is not None:
@@ -904,7 +913,7 @@ def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
                     parts.append((torch.where((top == float("-inf"))[:, None], 0.0, o), pl))
                 if buffer is not None:
                     parts += _emulate_buffer(query, buffer, bi, hi, rb, nw, float(scale) * LOG2E,
-                                             float(softcap or 0.0) * LOG2E)
+                                             float(softcap or 0.0) * LOG2E, buffer_tokens)
                 po = torch.stack([x[0] for x in parts])
                 pls = torch.stack([x[1] for x in parts])
                 top = pls.max(0).values

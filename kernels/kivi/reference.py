@@ -278,6 +278,8 @@ class PackedKV:
 
         if cuda_kernel.buffer_problem(query, self, k, v, valid) is not None:  # shapes only: decided at trace time
             return None
+        if int(cuda_kernel.config(self.bits).get("buffer_tokens", 1)) == 0:  # the launch setting: read them apart
+            return None
         return _ops().kivi_buffer_attention(query, self, scale, k, v, valid, length, impl=self.impl, softcap=softcap)
 
     def attention_scored(self, query: torch.Tensor, scale: float, softcap: float | None = None
