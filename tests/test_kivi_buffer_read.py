@@ -107,9 +107,10 @@ def test_cuda_glue_hands_both_regions_to_one_launch(monkeypatch):
     assert ok, msg
 
 
-def test_buffer_tokens_set_the_buffer_ctas_and_zero_reads_the_regions_apart(monkeypatch):
+def test_buffer_settings_choose_the_one_launch_read(monkeypatch):
     """The launch setting ``buffer_tokens``: slots per buffer CTA (at most 16 CTAs); 0 turns the one-launch read
-    off (``attention_partial_with_buffer`` answers None, so the caller reads the two regions apart)."""
+    off (``attention_partial_with_buffer`` answers None, so the caller reads the two regions apart), as do more
+    batch x head x row-block rows than ``buffer_rows``."""
     assert ck.buffer_plan(160, 64) == (3, 64) and ck.buffer_plan(160, 256) == (1, 256)
     assert ck.buffer_plan(160) == (5, 32) and ck.buffer_plan(1000, 32) == (16, 63)
     with pytest.raises(ValueError, match="buffer_tokens"):
@@ -122,8 +123,15 @@ def test_buffer_tokens_set_the_buffer_ctas_and_zero_reads_the_regions_apart(monk
     real = ops.kivi_buffer_attention
     monkeypatch.setattr(ops, "kivi_buffer_attention", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is not None and len(calls) == 1
+    assert ck.fuses_buffer(2, 1, 8, 4) and ck.fuses_buffer(2, 4, 8, 4)  # 8, 32 rows (Llama B1, B4)
+    assert not ck.fuses_buffer(2, 16, 8, 4) and not ck.fuses_buffer(2, 4, 8, 12)  # 128 rows; 64 (2 row blocks)
+    assert ck.fuses_buffer(2, 4, 4, 9) and not ck.fuses_buffer(2, 4, 4, 17)  # 4 x 4 x 2 = 32 rows; 48
     monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"buffer_tokens": 0}')
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is None and len(calls) == 1
+    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"buffer_rows": 3}')  # this read has 2 x 2 x 1 = 4 rows
+    assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is None and len(calls) == 1
+    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"buffer_rows": 4}')
+    assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is not None and len(calls) == 2
 
 
 def _segments(impl, gen, b=2, h=2, d=64, slots=45, length=None):
