@@ -109,8 +109,8 @@ def test_cuda_glue_hands_both_regions_to_one_launch(monkeypatch):
 
 def test_buffer_settings_choose_the_one_launch_read(monkeypatch):
     """The launch setting ``buffer_tokens``: slots per buffer CTA (at most 16 CTAs); 0 turns the one-launch read
-    off (``attention_partial_with_buffer`` answers None, so the caller reads the two regions apart), as do more
-    batch x head x row-block rows than ``buffer_rows``."""
+    off (``attention_partial_with_buffer`` answers None, so the caller reads the two regions apart), as does a read
+    with more batch x head x row-block rows than ``buffer_rows`` and more rows x region slots than ``buffer_work``."""
     assert ck.buffer_plan(160, 64) == (3, 64) and ck.buffer_plan(160, 256) == (1, 256)
     assert ck.buffer_plan(160) == (5, 32) and ck.buffer_plan(1000, 32) == (16, 63)
     with pytest.raises(ValueError, match="buffer_tokens"):
@@ -123,15 +123,19 @@ def test_buffer_settings_choose_the_one_launch_read(monkeypatch):
     real = ops.kivi_buffer_attention
     monkeypatch.setattr(ops, "kivi_buffer_attention", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is not None and len(calls) == 1
-    assert ck.fuses_buffer(2, 1, 8, 4) and ck.fuses_buffer(2, 4, 8, 4)  # 8, 32 rows (Llama B1, B4)
-    assert not ck.fuses_buffer(2, 16, 8, 4) and not ck.fuses_buffer(2, 4, 8, 12)  # 128 rows; 64 (2 row blocks)
-    assert ck.fuses_buffer(2, 4, 4, 9) and not ck.fuses_buffer(2, 4, 4, 17)  # 4 x 4 x 2 = 32 rows; 48
+    k128 = 128 * 1024
+    assert ck.fuses_buffer(2, 1, 8, 4, 4 * k128) and ck.fuses_buffer(2, 2, 8, 4, 4 * k128)  # 8 / 16 rows: always
+    assert ck.fuses_buffer(2, 4, 8, 4, 8192) and not ck.fuses_buffer(2, 4, 8, 4, 32768)  # 32 rows x 8k / x 32k
+    assert not ck.fuses_buffer(2, 16, 8, 4, 4096) and not ck.fuses_buffer(2, 4, 4, 17, 32768)  # 128 rows; 48
     monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"buffer_tokens": 0}')
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is None and len(calls) == 1
-    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"buffer_rows": 3}')  # this read has 2 x 2 x 1 = 4 rows
+    # this read: 2 x 2 x 1 = 4 rows over 96 slots
+    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"buffer_rows": 3, "buffer_work": 383}')
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is None and len(calls) == 1
-    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"buffer_rows": 4}')
+    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"buffer_rows": 3, "buffer_work": 384}')
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is not None and len(calls) == 2
+    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"buffer_rows": 4, "buffer_work": 0}')
+    assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is not None and len(calls) == 3
 
 
 def _segments(impl, gen, b=2, h=2, d=64, slots=45, length=None):

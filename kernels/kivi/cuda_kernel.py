@@ -126,8 +126,10 @@ PARAMS_INTS = 56
 NO_BUFFER = (0,) * 15
 #: buffer slots one CTA of the buffer read takes (:func:`buffer_plan`)
 BUFFER_TOKENS = 32
-#: the most (batch x kv head x row block) rows a one-launch buffer read is used for (:func:`fuses_buffer`)
-BUFFER_ROWS = 32
+#: a one-launch buffer read is used for at most this many (batch x kv head x row block) rows (:func:`fuses_buffer`)
+BUFFER_ROWS = 16
+#: ... or for at most this many rows x region slots
+BUFFER_WORK = 256 * 1024
 #: key widths of a lane of the lanes kernel (kept channels of a LeanK head): multiples of 16 (one k16 slice) up to 128
 LANE_DIMS = tuple(range(16, 129, 16))
 SOURCE = Path(__file__).with_name("cuda_kernel.cu")
@@ -154,13 +156,16 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # busy; 0: each split reads a contiguous run of tiles sized for the capacity, each warp a contiguous part of it.
 # buffer_tokens: slots one buffer CTA takes when the launch also reads a static layer's full-precision buffer
 # (:func:`buffer_plan`; fewer, longer buffer CTAs when larger); 0: no one-launch read - the buffer and the region are
-# read apart (PackedKV.attention_partial_with_buffer returns None), for A/B timing.  buffer_rows: the one-launch read
-# only when batch x kv heads x row blocks is at most this many (:func:`fuses_buffer`); above it the buffer CTAs (SIMT,
-# latency-bound) finish last and reading the two regions apart is faster (session 26 sweep on the H200, static KIVI-2
-# read: Llama B1/4k 16.0 us in one launch against 19.9 apart, SmolLM2 B1/32k 14.7 against 19.6, but Llama B16/32k
-# 200 against 185 and B64/4k 172 against 116, SmolLM2 B16/32k 66 against 58).
+# read apart (PackedKV.attention_partial_with_buffer returns None), for A/B timing.  buffer_rows / buffer_work: the
+# one-launch read only for at most buffer_rows rows (batch x kv heads x row blocks), or at most buffer_work rows x
+# region slots (:func:`fuses_buffer`).  A small read is latency-bound and saves a launch and a merge; a large one is
+# throughput-bound, where the buffer CTAs (SIMT, latency-bound) hold CTA slots the region's splits need and the two
+# regions read apart are faster.  Session 26 sweep on the H200, static KIVI-2 read, one launch against apart (us):
+# Llama (8 rows per batch row) B1/4k 16.0 / 19.9, B1/32k 28.4 / 31.0, B4/4k 24.1 / 25.5, but B4/32k 74.3 / 64.4,
+# B16/32k 200 / 185, B64/4k 172 / 116; SmolLM2 (3 rows) B1/32k 14.7 / 19.6, B4/32k 22.7 / 26.1, B16/4k 22.2 / 23.0,
+# B16/32k 66 / 58.
 DEFAULT_CONFIG = dict(nw=4, stages=2, waves=1.0, warps_per_sm=16, min_tiles="auto", min_blocks=4, kfold=0, vfold=0,
-                      interleave=1, buffer_tokens=BUFFER_TOKENS, buffer_rows=BUFFER_ROWS)
+                      interleave=1, buffer_tokens=BUFFER_TOKENS, buffer_rows=BUFFER_ROWS, buffer_work=BUFFER_WORK)
 SMEM_DEFAULT = 48 * 1024  # dynamic shared memory a kernel gets without cudaFuncAttributeMaxDynamicSharedMemorySize
 SMEM_OPTIN_MAX = 227 * 1024  # the largest opt-in limit of any supported GPU (sm_90); the device's own limit is used
 
@@ -616,12 +621,15 @@ def supports_buffer(query: torch.Tensor, packed: PackedKV, k: torch.Tensor, v: t
     return _device_ok(query.device) and buffer_problem(query, packed, k, v, valid) is None
 
 
-def fuses_buffer(bits: int, b: int, h: int, m: int) -> bool:
-    """Whether a decode read of ``b`` rows x ``h`` kv heads x ``m`` query rows per head takes the buffer in the same
-    launch (launch settings ``buffer_tokens`` > 0 and ``buffer_rows`` >= ``b * h * ceil(m / 8)``, see
-    :data:`DEFAULT_CONFIG`): shapes only, so decided at trace time under ``torch.compile``."""
+def fuses_buffer(bits: int, b: int, h: int, m: int, slots: int) -> bool:
+    """Whether a decode read of ``b`` rows x ``h`` kv heads x ``m`` query rows per head over a region of ``slots``
+    slots takes the buffer in the same launch: launch setting ``buffer_tokens`` > 0, and ``rows = b * h * ceil(m /
+    8)`` at most ``buffer_rows`` or ``rows * slots`` at most ``buffer_work`` (see :data:`DEFAULT_CONFIG`).  Shapes
+    only, so decided at trace time under ``torch.compile``."""
     c = config(bits)
-    return int(c.get("buffer_tokens", BUFFER_TOKENS)) > 0 and b * h * -(-m // 8) <= int(c.get("buffer_rows", BUFFER_ROWS))
+    rows = b * h * -(-m // 8)
+    return int(c.get("buffer_tokens", BUFFER_TOKENS)) > 0 and (
+        rows <= int(c.get("buffer_rows", BUFFER_ROWS)) or rows * slots <= int(c.get("buffer_work", BUFFER_WORK)))
 
 
 def buffer_plan(slots: int, tokens: int = BUFFER_TOKENS) -> tuple[int, int]:

@@ -271,16 +271,16 @@ class PackedKV:
         """``(out, lse)`` over this region and a full-precision buffer ``k`` / ``v`` ``[B, H, T, Dk / Dv]`` (validity
         ``valid [B, T]``, ``length`` bounding its slots) in ONE launch - the hand-written CUDA kernel's buffer CTAs
         (registered op ``kvcompress::kivi_buffer_partial``) - or ``None`` when the region's implementation cannot
-        (not ``"cuda"``, or shapes / dtypes it does not take) or should not (more batch x head x row-block rows than
-        the launch setting ``buffer_rows``: :func:`.cuda_kernel.fuses_buffer`): the caller then reads the two regions
-        apart."""
+        (not ``"cuda"``, or shapes / dtypes it does not take) or should not (a read large enough that the two
+        regions apart are faster: :func:`.cuda_kernel.fuses_buffer`): the caller then reads the two regions apart."""
         if self.impl != "cuda" or self.k_per_token:
             return None
         from . import cuda_kernel
 
         if cuda_kernel.buffer_problem(query, self, k, v, valid) is not None:  # shapes only: decided at trace time
             return None
-        if not cuda_kernel.fuses_buffer(self.bits, *query.shape[:3]):  # many rows: the two regions apart are faster
+        slots = self.k_codes.shape[2] * self.group
+        if not cuda_kernel.fuses_buffer(self.bits, *query.shape[:3], slots):  # a large read: apart is faster
             return None
         return _ops().kivi_buffer_attention(query, self, scale, k, v, valid, length, impl=self.impl, softcap=softcap)
 
