@@ -140,6 +140,7 @@ def _kivi_triton_base(bits: int, group: int, dk: int, dv: int, v_group: int) -> 
 def _kivi_cuda_base(bits: int) -> dict:
     from .kivi import cuda_kernel
 
+    cuda_kernel.read_buffer_settings(bits)  # what fuses_buffer decides from (inside compiled steps too)
     return cuda_kernel.config(bits)
 
 

@@ -115,6 +115,7 @@ def test_buffer_settings_choose_the_one_launch_read(monkeypatch):
     assert ck.buffer_plan(160) == (5, 32) and ck.buffer_plan(1000, 32) == (16, 63)
     with pytest.raises(ValueError, match="buffer_tokens"):
         ck.buffer_plan(160, 0)
+    monkeypatch.setattr(ck, "_BUFFER_SETTINGS", {})  # (read_buffer_settings below writes it)
     gen = torch.Generator().manual_seed(8)
     segs = _segments("cuda", gen)
     packed, (k, v, valid) = segs[1].packed, (segs[0].k, segs[0].v, segs[0].valid)
@@ -128,14 +129,48 @@ def test_buffer_settings_choose_the_one_launch_read(monkeypatch):
     assert ck.fuses_buffer(2, 4, 8, 4, 8192) and not ck.fuses_buffer(2, 4, 8, 4, 32768)  # 32 rows x 8k / x 32k
     assert not ck.fuses_buffer(2, 16, 8, 4, 4096) and not ck.fuses_buffer(2, 4, 4, 17, 32768)  # 128 rows; 48
     monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"buffer_tokens": 0}')
+    ck.read_buffer_settings(2)  # (what ops.choose does when a cache picks the CUDA kernel)
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is None and len(calls) == 1
     # this read: 2 x 2 x 1 = 4 rows over 96 slots
     monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"buffer_rows": 3, "buffer_work": 383}')
+    ck.read_buffer_settings(2)  # (what ops.choose does when a cache picks the CUDA kernel)
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is None and len(calls) == 1
     monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"buffer_rows": 3, "buffer_work": 384}')
+    ck.read_buffer_settings(2)  # (what ops.choose does when a cache picks the CUDA kernel)
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is not None and len(calls) == 2
     monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"buffer_rows": 4, "buffer_work": 0}')
+    ck.read_buffer_settings(2)  # (what ops.choose does when a cache picks the CUDA kernel)
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is not None and len(calls) == 3
+    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"buffer_rows": 0}')  # the environment alone changes nothing
+    assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is not None and len(calls) == 4
+    for bad in ('{"buffer_rows": -1}', '{"buffer_work": 1.5}', '{"buffer_tokens": "all"}'):
+        monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", bad)
+        with pytest.raises(ValueError, match="must be an integer >= 0"):
+            ck.read_buffer_settings(2)
+
+
+def test_fused_or_apart_traces_under_torch_compile(monkeypatch):
+    """``fuses_buffer`` runs inside the compiled step: with settings read from the environment it must trace with
+    fullgraph and without a dynamo warning (reading the configuration there traced an lru_cache wrapper and
+    ``json.loads``), and decide as it does eagerly at every shape, dynamic shapes included."""
+    import warnings
+
+    monkeypatch.setattr(ck, "_BUFFER_SETTINGS", {})
+    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"buffer_rows": 16, "buffer_work": 262144}')
+    ck.read_buffer_settings(2)
+
+    def step(q, slots):
+        return q + 1 if ck.fuses_buffer(2, *q.shape[:3], slots) else q - 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for shape, slots in (((1, 8, 4, 8), 4096), ((16, 8, 4, 8), 32768), ((2, 8, 4, 8), 4096),
+                             ((16, 8, 4, 8), 4096), ((4, 8, 4, 8), 8192)):
+            q = torch.zeros(shape)
+            want = q + 1 if ck.fuses_buffer(2, *shape[:3], slots) else q - 1
+            assert torch.equal(compiled(q, slots), want), (shape, slots)
 
 
 def _segments(impl, gen, b=2, h=2, d=64, slots=45, length=None):

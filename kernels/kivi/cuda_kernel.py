@@ -156,7 +156,8 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # busy; 0: each split reads a contiguous run of tiles sized for the capacity, each warp a contiguous part of it.
 # buffer_tokens: slots one buffer CTA takes when the launch also reads a static layer's full-precision buffer
 # (:func:`buffer_plan`; fewer, longer buffer CTAs when larger); 0: no one-launch read - the buffer and the region are
-# read apart (PackedKV.attention_partial_with_buffer returns None), for A/B timing.  buffer_rows / buffer_work: the
+# read apart (PackedKV.attention_partial_with_buffer returns None), for A/B timing.  These three are read when a cache
+# chooses the CUDA kernel (read_buffer_settings), not per call.  buffer_rows / buffer_work: the
 # one-launch read only for at most buffer_rows rows (batch x kv heads x row blocks), or at most buffer_work rows x
 # region slots (:func:`fuses_buffer`).  A small read is latency-bound and saves a launch and a merge; a large one is
 # throughput-bound, where the buffer CTAs (SIMT, latency-bound) hold CTA slots the region's splits need and the two
@@ -621,15 +622,33 @@ def supports_buffer(query: torch.Tensor, packed: PackedKV, k: torch.Tensor, v: t
     return _device_ok(query.device) and buffer_problem(query, packed, k, v, valid) is None
 
 
+#: bits -> (buffer_tokens, buffer_rows, buffer_work) of the one-launch buffer read, as :func:`read_buffer_settings`
+#: last read them from the launch configuration (when a cache chose the CUDA kernel: ``ops.choose``); the defaults
+#: until then.  :func:`fuses_buffer` reads only this, so a compiled step traces no environment read or JSON parse.
+_BUFFER_SETTINGS: dict[int, tuple[int, int, int]] = {}
+
+
+def read_buffer_settings(bits: int) -> tuple[int, int, int]:
+    """Read ``(buffer_tokens, buffer_rows, buffer_work)`` from the launch configuration (:func:`config`: the
+    defaults, ``KVCOMPRESS_KIVI_CUDA_CONFIG`` overriding) for the reads of ``bits``-bit regions from now on."""
+    c = config(bits)
+    names = ("buffer_tokens", "buffer_rows", "buffer_work")
+    values = tuple(c.get(n, d) for n, d in zip(names, (BUFFER_TOKENS, BUFFER_ROWS, BUFFER_WORK)))
+    for n, v in zip(names, values):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"KVCOMPRESS_KIVI_CUDA_CONFIG: {n} must be an integer >= 0, got {v!r}")
+    _BUFFER_SETTINGS[bits] = values
+    return values
+
+
 def fuses_buffer(bits: int, b: int, h: int, m: int, slots: int) -> bool:
     """Whether a decode read of ``b`` rows x ``h`` kv heads x ``m`` query rows per head over a region of ``slots``
     slots takes the buffer in the same launch: launch setting ``buffer_tokens`` > 0, and ``rows = b * h * ceil(m /
-    8)`` at most ``buffer_rows`` or ``rows * slots`` at most ``buffer_work`` (see :data:`DEFAULT_CONFIG`).  Shapes
-    only, so decided at trace time under ``torch.compile``."""
-    c = config(bits)
+    8)`` at most ``buffer_rows`` or ``rows * slots`` at most ``buffer_work`` (see :data:`DEFAULT_CONFIG`; as
+    :func:`read_buffer_settings` last read them).  Shapes only, so decided at trace time under ``torch.compile``."""
+    tokens, max_rows, max_work = _BUFFER_SETTINGS.get(bits, (BUFFER_TOKENS, BUFFER_ROWS, BUFFER_WORK))
     rows = b * h * -(-m // 8)
-    return int(c.get("buffer_tokens", BUFFER_TOKENS)) > 0 and (
-        rows <= int(c.get("buffer_rows", BUFFER_ROWS)) or rows * slots <= int(c.get("buffer_work", BUFFER_WORK)))
+    return tokens > 0 and (rows <= max_rows or rows * slots <= max_work)
 
 
 def buffer_plan(slots: int, tokens: int = BUFFER_TOKENS) -> tuple[int, int]:
