@@ -2,8 +2,8 @@
 # Issue 19, session 26: when, and with how many buffer CTAs, the KIVI kernel should read a static layer's buffer in the
 # same launch as its middle.  One device call: the static KIVI-2 layer's whole decode read (benchutil op kivi2-static:
 # CUDA graphs, cold L2) under each launch configuration given (KVCOMPRESS_KIVI_CUDA_CONFIG JSON: buffer_tokens = slots
-# per buffer CTA, 0 = the buffer and the region read apart; buffer_rows = the most batch x head x row-block rows read
-# in one launch), beside SDPA and the region alone (kivi2).
+# per buffer CTA, 0 = the buffer and the region read apart; buffer_rows / buffer_work = the most batch x head x
+# row-block rows, or rows x region slots, read in one launch), beside SDPA and the region alone (kivi2).
 #   bash benchmarks/gpu_buffer_tokens.sh OUTDIR [CONFIG_JSON...]
 #   default configs: '{"buffer_tokens": 0}' '{"buffer_rows": 1000000}' '{}' (apart, always one launch, the default)
 #   BT_SHAPES: benchutil --only-shapes; BT_ROUNDS: rounds over the configs (default 1)

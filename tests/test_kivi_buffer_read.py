@@ -116,6 +116,11 @@ def test_buffer_settings_choose_the_one_launch_read(monkeypatch):
     with pytest.raises(ValueError, match="buffer_tokens"):
         ck.buffer_plan(160, 0)
     monkeypatch.setattr(ck, "_BUFFER_SETTINGS", {})  # (read_buffer_settings below writes it)
+
+    def settings(cfg):  # the configuration, read as ops.choose reads it when a cache picks the CUDA kernel
+        monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", cfg)
+        ck.read_buffer_settings(2)
+
     gen = torch.Generator().manual_seed(8)
     segs = _segments("cuda", gen)
     packed, (k, v, valid) = segs[1].packed, (segs[0].k, segs[0].v, segs[0].valid)
@@ -128,25 +133,20 @@ def test_buffer_settings_choose_the_one_launch_read(monkeypatch):
     assert ck.fuses_buffer(2, 1, 8, 4, 4 * k128) and ck.fuses_buffer(2, 2, 8, 4, 4 * k128)  # 8 / 16 rows: always
     assert ck.fuses_buffer(2, 4, 8, 4, 8192) and not ck.fuses_buffer(2, 4, 8, 4, 32768)  # 32 rows x 8k / x 32k
     assert not ck.fuses_buffer(2, 16, 8, 4, 4096) and not ck.fuses_buffer(2, 4, 4, 17, 32768)  # 128 rows; 48
-    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"buffer_tokens": 0}')
-    ck.read_buffer_settings(2)  # (what ops.choose does when a cache picks the CUDA kernel)
+    settings('{"buffer_tokens": 0}')
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is None and len(calls) == 1
     # this read: 2 x 2 x 1 = 4 rows over 96 slots
-    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"buffer_rows": 3, "buffer_work": 383}')
-    ck.read_buffer_settings(2)  # (what ops.choose does when a cache picks the CUDA kernel)
+    settings('{"buffer_rows": 3, "buffer_work": 383}')
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is None and len(calls) == 1
-    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"buffer_rows": 3, "buffer_work": 384}')
-    ck.read_buffer_settings(2)  # (what ops.choose does when a cache picks the CUDA kernel)
+    settings('{"buffer_rows": 3, "buffer_work": 384}')
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is not None and len(calls) == 2
-    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"buffer_rows": 4, "buffer_work": 0}')
-    ck.read_buffer_settings(2)  # (what ops.choose does when a cache picks the CUDA kernel)
+    settings('{"buffer_rows": 4, "buffer_work": 0}')
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is not None and len(calls) == 3
     monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"buffer_rows": 0}')  # the environment alone changes nothing
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is not None and len(calls) == 4
     for bad in ('{"buffer_rows": -1}', '{"buffer_work": 1.5}', '{"buffer_tokens": "all"}'):
-        monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", bad)
         with pytest.raises(ValueError, match="must be an integer >= 0"):
-            ck.read_buffer_settings(2)
+            settings(bad)
 
 
 def test_fused_or_apart_traces_under_torch_compile(monkeypatch):

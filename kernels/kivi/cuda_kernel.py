@@ -130,6 +130,8 @@ BUFFER_TOKENS = 32
 BUFFER_ROWS = 16
 #: ... or for at most this many rows x region slots
 BUFFER_WORK = 256 * 1024
+#: the launch settings of the one-launch buffer read, in the order :func:`read_buffer_settings` returns them
+BUFFER_SETTINGS = ("buffer_tokens", "buffer_rows", "buffer_work")
 #: key widths of a lane of the lanes kernel (kept channels of a LeanK head): multiples of 16 (one k16 slice) up to 128
 LANE_DIMS = tuple(range(16, 129, 16))
 SOURCE = Path(__file__).with_name("cuda_kernel.cu")
@@ -156,10 +158,10 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # busy; 0: each split reads a contiguous run of tiles sized for the capacity, each warp a contiguous part of it.
 # buffer_tokens: slots one buffer CTA takes when the launch also reads a static layer's full-precision buffer
 # (:func:`buffer_plan`; fewer, longer buffer CTAs when larger); 0: no one-launch read - the buffer and the region are
-# read apart (PackedKV.attention_partial_with_buffer returns None), for A/B timing.  These three are read when a cache
-# chooses the CUDA kernel (read_buffer_settings), not per call.  buffer_rows / buffer_work: the
+# read apart (PackedKV.attention_partial_with_buffer returns None), for A/B timing.  buffer_rows / buffer_work: the
 # one-launch read only for at most buffer_rows rows (batch x kv heads x row blocks), or at most buffer_work rows x
-# region slots (:func:`fuses_buffer`).  A small read is latency-bound and saves a launch and a merge; a large one is
+# region slots (:func:`fuses_buffer`).  These three are read when a cache chooses the CUDA kernel
+# (:func:`read_buffer_settings`), not per call.  A small read is latency-bound and saves a launch and a merge; a large one is
 # throughput-bound, where the buffer CTAs (SIMT, latency-bound) hold CTA slots the region's splits need and the two
 # regions read apart are faster.  Session 26 sweep on the H200, static KIVI-2 read, one launch against apart (us):
 # Llama (8 rows per batch row) B1/4k 16.0 / 19.9, B1/32k 28.4 / 31.0, B4/4k 24.1 / 25.5, but B4/32k 74.3 / 64.4,
@@ -626,15 +628,15 @@ def supports_buffer(query: torch.Tensor, packed: PackedKV, k: torch.Tensor, v: t
 #: last read them from the launch configuration (when a cache chose the CUDA kernel: ``ops.choose``); the defaults
 #: until then.  :func:`fuses_buffer` reads only this, so a compiled step traces no environment read or JSON parse.
 _BUFFER_SETTINGS: dict[int, tuple[int, int, int]] = {}
+_BUFFER_DEFAULTS = tuple(DEFAULT_CONFIG[n] for n in BUFFER_SETTINGS)
 
 
 def read_buffer_settings(bits: int) -> tuple[int, int, int]:
     """Read ``(buffer_tokens, buffer_rows, buffer_work)`` from the launch configuration (:func:`config`: the
     defaults, ``KVCOMPRESS_KIVI_CUDA_CONFIG`` overriding) for the reads of ``bits``-bit regions from now on."""
     c = config(bits)
-    names = ("buffer_tokens", "buffer_rows", "buffer_work")
-    values = tuple(c.get(n, d) for n, d in zip(names, (BUFFER_TOKENS, BUFFER_ROWS, BUFFER_WORK)))
-    for n, v in zip(names, values):
+    values = tuple(c[n] for n in BUFFER_SETTINGS)
+    for n, v in zip(BUFFER_SETTINGS, values):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"KVCOMPRESS_KIVI_CUDA_CONFIG: {n} must be an integer >= 0, got {v!r}")
     _BUFFER_SETTINGS[bits] = values
@@ -646,7 +648,7 @@ def fuses_buffer(bits: int, b: int, h: int, m: int, slots: int) -> bool:
     slots takes the buffer in the same launch: launch setting ``buffer_tokens`` > 0, and ``rows = b * h * ceil(m /
     8)`` at most ``buffer_rows`` or ``rows * slots`` at most ``buffer_work`` (see :data:`DEFAULT_CONFIG`; as
     :func:`read_buffer_settings` last read them).  Shapes only, so decided at trace time under ``torch.compile``."""
-    tokens, max_rows, max_work = _BUFFER_SETTINGS.get(bits, (BUFFER_TOKENS, BUFFER_ROWS, BUFFER_WORK))
+    tokens, max_rows, max_work = _BUFFER_SETTINGS.get(bits, _BUFFER_DEFAULTS)
     rows = b * h * -(-m // 8)
     return tokens > 0 and (rows <= max_rows or rows * slots <= max_work)
 
