@@ -33,6 +33,18 @@ CASES = {
     # a launch configuration other than the default (what KVCOMPRESS_PAGED_CONFIG / ops pass as ``base``)
     "b2-p16-config-base": (2, 2, 4, 64, 64, 16, 20, 9, "float16",
                            {"base": {"pages_per_step": 8, "num_warps": 8, "num_stages": 3, "waves": 1}}),
+    # NaN / inf written into the slots the flags mark dead (and into unused pool pages): none may reach the output,
+    # whether the K / V loads are masked by the flags or only by the table (``late_mask``), with the page ids
+    # prefetched one step ahead or not
+    "b2-p16-poisoned-dead-slots": (2, 2, 4, 64, 64, 16, 20, 9, "float16", {"poison": True, "splits": 2}),
+    "b2-p16-poisoned-late-mask": (2, 2, 4, 64, 64, 16, 20, 9, "float16",
+                                  {"poison": True, "splits": 2, "short_row": 3,
+                                   "base": {"pages_per_step": 2, "num_warps": 4, "num_stages": 2, "waves": 4,
+                                            "late_mask": True}}),
+    "b2-p16-late-mask-prefetch": (2, 2, 4, 64, 64, 16, 20, 9, "float16",
+                                  {"poison": True, "splits": 3, "short_row": 2,
+                                   "base": {"pages_per_step": 4, "num_warps": 4, "num_stages": 2, "waves": 4,
+                                            "late_mask": True, "prefetch": True}}),
 }
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3
 
@@ -78,6 +90,14 @@ def make_case(name: str, device: str = "cpu"):
             used += n
         if "dead_row" in extra:
             table[extra["dead_row"]] = -1
+        if extra.get("poison"):  # dead slots hold NaN keys and inf values, pages no row uses NaN
+            extra = dict(extra, clean=(k.clone(), v.clone()))
+            dead = ~valid
+            k[dead.nonzero(as_tuple=True)[0], :, dead.nonzero(as_tuple=True)[1]] = float("nan")
+            v[dead.nonzero(as_tuple=True)[0], :, dead.nonzero(as_tuple=True)[1]] = float("inf")
+            unused = torch.ones(n_pages, dtype=torch.bool)
+            unused[table[table >= 0].long()] = False
+            k[unused], v[unused] = float("nan"), float("nan")
         if extra.get("strided"):
             q = q.transpose(1, 2).contiguous().transpose(1, 2)
     return tuple(x.to(device) for x in (q, k, v, valid, table)), extra
@@ -91,6 +111,8 @@ def run_case(name: str, device: str = "cpu") -> dict:
     scale = q.shape[-1] ** -0.5
     out, lse = triton_kernel._forward(q, k, v, valid, table, scale, splits=extra.get("splits"),
                                       pages_per_step=extra.get("pages_per_step"), base=extra.get("base"))
+    if extra.get("poison"):  # the oracle reads the pool as it was before its dead slots were poisoned
+        k, v = (x.to(device) for x in extra["clean"])
     ref_out, ref_lse = paged_attention_partial(q, k, v, valid, table, scale)
     finite = torch.isfinite(ref_lse)
     return {
@@ -164,9 +186,11 @@ def test_launch_config_reads_the_environment_once_through_ops(monkeypatch):
     from kvcompress.kernels import ops
     from kvcompress.kernels.paged import triton_kernel
 
-    assert triton_kernel._config() == {"pages_per_step": None, "num_warps": 4, "num_stages": 2, "waves": 4}
+    default = {"pages_per_step": None, "num_warps": 4, "num_stages": 2, "waves": 4, "late_mask": False,
+               "prefetch": False}
+    assert triton_kernel._config() == default
     monkeypatch.setenv("KVCOMPRESS_PAGED_CONFIG", '{"num_stages": 3, "pages_per_step": 8}')
-    assert triton_kernel._config() == {"pages_per_step": 8, "num_warps": 4, "num_stages": 3, "waves": 4}
+    assert triton_kernel._config() == {**default, "pages_per_step": 8, "num_stages": 3}
     ops._paged_base.cache_clear()
     try:
         first = ops._paged_base()

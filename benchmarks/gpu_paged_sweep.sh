@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 19, session 27: the paged kernel's dense read (benchutil op paged-dense: PagedStore pool, 16-token pages,
+# CUDA graphs, cold L2) under each launch configuration given (KVCOMPRESS_PAGED_CONFIG JSON, see
+# kernels/paged/triton_kernel.py _config: late_mask, prefetch, pages_per_step, num_warps, num_stages, waves), beside
+# SDPA; first the paged kernel's GPU tests (every configuration case of tests/test_paged_kernel.py, natively).
+#   bash benchmarks/gpu_paged_sweep.sh OUTDIR [CONFIG_JSON...]
+#   PS_SHAPES: benchutil --only-shapes; PS_ROUNDS: rounds over the configs (default 1); PS_PROFILE: also
+#   gpu_read_profile.py --ops $PS_PROFILE at PS_PROFILE_SHAPES
+set -o pipefail
+OUT=$(realpath "${1:-out}"); shift || true
+CONFIGS=("$@")
+[ ${#CONFIGS[@]} -gt 0 ] || CONFIGS=('{}' '{"late_mask": true}')
+SHAPES=${PS_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:32k,smollm2-135m:1:32k,smollm2-135m:16:32k}
+TREE=$PWD
+source "$(dirname "$0")/gpu_site.sh"  # install under /tmp/site, cd there
+(cd "$TREE" && PYTHONPATH=/tmp/site timeout 200 python -m pytest -q -m gpu -p no:cacheprovider \
+  tests/test_paged_kernel.py 2>&1 | tail -3) | tee -a "$OUT/tests.txt"
+timeout 100 python -m kvcompress.kernels.benchutil --device cuda --ops sdpa --only-shapes "$SHAPES" \
+  --out "$OUT/base.json" 2>/dev/null | grep '^|' | tee -a "$OUT/rows.md"
+i=0
+for r in $(seq 1 "${PS_ROUNDS:-1}"); do
+  for c in "${CONFIGS[@]}"; do
+    i=$((i + 1))
+    echo "## round $r config $c" | tee -a "$OUT/rows.md"
+    KVCOMPRESS_PAGED_CONFIG="$c" timeout 150 python -m kvcompress.kernels.benchutil \
+      --device cuda --ops sdpa,paged-dense --only-shapes "$SHAPES" --out "$OUT/config_$i.json" 2>/dev/null \
+      | grep '^|' | grep -v '^|---\|^| op' | tee -a "$OUT/rows.md"
+  done
+done
+if [ -n "${PS_PROFILE:-}" ]; then
+  timeout 150 python "$TREE/benchmarks/gpu_read_profile.py" --ops "$PS_PROFILE" \
+    --shapes "${PS_PROFILE_SHAPES:-llama3-8b:1:4k,llama3-8b:16:4k,smollm2-135m:1:4k}" --out "$OUT/profile.json" \
+    2>&1 | tail -60 | tee -a "$OUT/profile.txt"
+fi
+date -u | tee -a "$OUT/log.txt"
