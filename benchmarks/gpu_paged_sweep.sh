@@ -11,10 +11,9 @@ OUT=$(realpath "${1:-out}"); shift || true
 CONFIGS=("$@")
 [ ${#CONFIGS[@]} -gt 0 ] || CONFIGS=('{}' '{"late_mask": true}')
 SHAPES=${PS_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:32k,smollm2-135m:1:32k,smollm2-135m:16:32k}
-TREE=$PWD
 source "$(dirname "$0")/gpu_site.sh"  # install under /tmp/site, cd there
-(cd "$TREE" && PYTHONPATH=/tmp/site timeout 200 python -m pytest -q -m gpu -p no:cacheprovider \
-  tests/test_paged_kernel.py 2>&1 | tail -3) | tee -a "$OUT/tests.txt"
+timeout 200 python -m pytest -q -m gpu -p no:cacheprovider "$SRC/tests/test_paged_kernel.py" 2>&1 | tail -3 \
+  | tee -a "$OUT/tests.txt"
 timeout 100 python -m kvcompress.kernels.benchutil --device cuda --ops sdpa --only-shapes "$SHAPES" \
   --out "$OUT/base.json" 2>/dev/null | grep '^|' | tee -a "$OUT/rows.md"
 i=0
@@ -28,8 +27,16 @@ for r in $(seq 1 "${PS_ROUNDS:-1}"); do
   done
 done
 if [ -n "${PS_PROFILE:-}" ]; then
-  timeout 150 python "$TREE/benchmarks/gpu_read_profile.py" --ops "$PS_PROFILE" \
+  timeout 150 python "$SRC/benchmarks/gpu_read_profile.py" --ops "$PS_PROFILE" \
     --shapes "${PS_PROFILE_SHAPES:-llama3-8b:1:4k,llama3-8b:16:4k,smollm2-135m:1:4k}" --out "$OUT/profile.json" \
     2>&1 | tail -60 | tee -a "$OUT/profile.txt"
 fi
+python - "$OUT" <<'PY'  # one JSON of every config's rows (few files come back from a device call)
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+runs = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("config_*.json"))}
+(out / "configs.json").write_text(json.dumps(runs))
+for p in out.glob("config_*.json"):
+    p.unlink()
+PY
 date -u | tee -a "$OUT/log.txt"
