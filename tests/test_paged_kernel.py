@@ -33,18 +33,13 @@ CASES = {
     # a launch configuration other than the default (what KVCOMPRESS_PAGED_CONFIG / ops pass as ``base``)
     "b2-p16-config-base": (2, 2, 4, 64, 64, 16, 20, 9, "float16",
                            {"base": {"pages_per_step": 8, "num_warps": 8, "num_stages": 3, "waves": 1}}),
-    # NaN / inf written into the slots the flags mark dead (and into unused pool pages): none may reach the output,
-    # whether the K / V loads are masked by the flags or only by the table (``late_mask``), with the page ids
-    # prefetched one step ahead or not
+    # NaN / inf written into the slots the flags mark dead (and into unused pool pages): none may reach the output
     "b2-p16-poisoned-dead-slots": (2, 2, 4, 64, 64, 16, 20, 9, "float16", {"poison": True, "splits": 2}),
-    "b2-p16-poisoned-late-mask": (2, 2, 4, 64, 64, 16, 20, 9, "float16",
-                                  {"poison": True, "splits": 2, "short_row": 3,
-                                   "base": {"pages_per_step": 2, "num_warps": 4, "num_stages": 2, "waves": 4,
-                                            "late_mask": True}}),
-    "b2-p16-late-mask-prefetch": (2, 2, 4, 64, 64, 16, 20, 9, "float16",
-                                  {"poison": True, "splits": 3, "short_row": 2,
-                                   "base": {"pages_per_step": 4, "num_warps": 4, "num_stages": 2, "waves": 4,
-                                            "late_mask": True, "prefetch": True}}),
+    # a merge over more splits than one step of the tile merge folds (COMBINE_TILE_SPLITS = 32): 70 one-page splits
+    # (3 steps, the last short); with a short row and a dead row, whole steps of empty partials
+    "b1-p16-seventy-splits": (1, 2, 4, 32, 32, 16, 72, 70, "float32", {"splits": 70, "pages_per_step": 1}),
+    "b3-p16-forty-splits-dead-row": (3, 1, 3, 32, 48, 16, 130, 40, "float16",
+                                     {"splits": 40, "pages_per_step": 1, "short_row": 9, "dead_row": 2}),
 }
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3
 
@@ -186,8 +181,7 @@ def test_launch_config_reads_the_environment_once_through_ops(monkeypatch):
     from kvcompress.kernels import ops
     from kvcompress.kernels.paged import triton_kernel
 
-    default = {"pages_per_step": None, "num_warps": 4, "num_stages": 2, "waves": 4, "late_mask": False,
-               "prefetch": False}
+    default = {"pages_per_step": None, "num_warps": 4, "num_stages": 2, "waves": 4}
     assert triton_kernel._config() == default
     monkeypatch.setenv("KVCOMPRESS_PAGED_CONFIG", '{"num_stages": 3, "pages_per_step": 8}')
     assert triton_kernel._config() == {**default, "pages_per_step": 8, "num_stages": 3}

@@ -33,34 +33,6 @@ def cap_base2(softcap: float | None) -> float:
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
-def _combine_kernel(PO, PL, OUT, LSE, S, M,
-                    spo_s, spl_s,
-                    DV: tl.constexpr, DV_PAD: tl.constexpr, S_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Merge ``S`` split partials (contiguous ``[S, B*H, M, Dv]`` / ``[S, B*H, M]``) by log-sum-exp."""
-    pid_bh = tl.program_id(0).to(tl.int64)
-    pid_m = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_s = tl.arange(0, S_PAD)
-    offs_d = tl.arange(0, DV_PAD)
-    m_ok = offs_m < M
-    lse = tl.load(PL + offs_s[:, None] * spl_s + pid_bh * M + offs_m[None, :],
-                  mask=(offs_s < S)[:, None] & m_ok[None, :], other=float("-inf"))
-    top = tl.max(lse, axis=0)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.sum(tl.exp(lse - top[None, :]), axis=0)
-    acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
-    row = pid_bh * M * DV + offs_m[:, None] * DV + offs_d[None, :]
-    ok = m_ok[:, None] & (offs_d < DV)[None, :]
-    for s in range(S):
-        w = tl.exp(tl.load(PL + s * spl_s + pid_bh * M + offs_m, mask=m_ok, other=float("-inf")) - top)
-        acc += w[:, None] * tl.load(PO + s * spo_s + row, mask=ok, other=0.0)
-    t_ok = total > 0.0
-    tl.store(OUT + row, acc / tl.where(t_ok, total, 1.0)[:, None], mask=ok)
-    tl.store(LSE + pid_bh * M + offs_m, tl.where(t_ok, top + tl.log(tl.where(t_ok, total, 1.0)), float("-inf")),
-             mask=m_ok)
-
-
 def pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -70,11 +42,46 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@triton.jit
+def _combine_tiles_kernel(PO, PL, OUT, LSE, S, spo_s, spl_s, DV: tl.constexpr, DV_PAD: tl.constexpr,
+                          SB: tl.constexpr):
+    """Log-sum-exp merge of ``S`` split partials of one query row (contiguous ``[S, rows, Dv]`` / ``[S, rows]``),
+    ``SB`` splits per step as one ``[SB, Dv]`` tile: the loads of a step are independent, so a row split many ways
+    (batch 1: 64-256 splits) waits on ``S / SB`` rounds of loads, not ``S``."""
+    row = tl.program_id(0).to(tl.int64)  # (batch x head) * M + query row
+    offs_s = tl.arange(0, SB)
+    offs_d = tl.arange(0, DV_PAD)
+    d_ok = offs_d < DV
+    top = tl.max(tl.full([SB], float("-inf"), tl.float32), axis=0)
+    tot = tl.sum(tl.zeros([SB], tl.float32), axis=0)
+    acc = tl.zeros([DV_PAD], tl.float32)
+    for s0 in range(0, S, SB):
+        sp = (s0 + offs_s).to(tl.int64)
+        s_ok = sp < S
+        lse = tl.load(PL + sp * spl_s + row, mask=s_ok, other=float("-inf"))
+        o = tl.load(PO + sp[:, None] * spo_s + row * DV + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        new = tl.maximum(top, tl.max(lse, axis=0))
+        safe = tl.where(new == float("-inf"), 0.0, new)
+        a = tl.exp(top - safe)
+        w = tl.exp(lse - safe)
+        acc = acc * a + tl.sum(w[:, None] * o, axis=0)
+        tot = tot * a + tl.sum(w, axis=0)
+        top = new
+    t_ok = tot > 0.0
+    tl.store(OUT + row * DV + offs_d, acc / tl.where(t_ok, tot, 1.0), mask=d_ok)
+    tl.store(LSE + row, tl.where(t_ok, top + tl.log(tl.where(t_ok, tot, 1.0)), float("-inf")))
 
 
-def combine_splits(po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, splits: int, m: int,
-                   rows: int, dv: int, block_m: int) -> None:
-    """Merge contiguous partials ``po [S, rows*M, Dv]`` / ``pl [S, rows*M]`` into ``out`` / ``lse``."""
-    _combine_kernel[(rows, triton.cdiv(m, block_m))](
-        po, pl, out, lse, splits, m, po.stride(0), pl.stride(0),
-        DV=dv, DV_PAD=max(16, pow2(dv)), S_PAD=max(2, pow2(splits)), BLOCK_M=block_m, num_warps=4)
+#: the most splits a row's merge folds per step (:func:`_combine_tiles_kernel`)
+COMBINE_TILE_SPLITS = 32
+
+
+def combine_splits(po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, splits: int,
+                   rows: int, dv: int) -> None:
+    """Merge contiguous partials ``po [S, rows, Dv]`` / ``pl [S, rows]`` (``rows``: batch x heads x query rows)
+    into ``out`` / ``lse`` (contiguous ``[rows, Dv]`` / ``[rows]``): one program per row, folding up to
+    :data:`COMBINE_TILE_SPLITS` splits per step (:func:`_combine_tiles_kernel`)."""
+    _combine_tiles_kernel[(rows,)](
+        po, pl, out, lse, splits, po.stride(0), pl.stride(0),
+        DV=dv, DV_PAD=max(16, pow2(dv)), SB=max(2, min(COMBINE_TILE_SPLITS, pow2(splits))), num_warps=4)

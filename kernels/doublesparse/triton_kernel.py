@@ -655,5 +655,5 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
             SOFTCAP=bool(softcap), num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
     if splits == 1:
         return po.view(b, h, m, dv), pl.view(b, h, m)
-    combine_splits(po, pl, out, lse, splits, m, b * h, dv, max(2, min(16, pow2(m))))
+    combine_splits(po, pl, out, lse, splits, b * h * m, dv)
     return out, lse

@@ -558,7 +558,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, splits: int
         **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),
     )
     if splits > 1:
-        combine_splits(po, pl, out, lse, splits, m, b * h, dv, block_m)
+        combine_splits(po, pl, out, lse, splits, b * h * m, dv)
     return out, lse
 
 

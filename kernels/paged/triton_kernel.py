@@ -51,7 +51,7 @@ def _paged_split_kernel(
     sl_s, sl_b, sl_h,
     DK: tl.constexpr, DK_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
     P: tl.constexpr, NBP: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr, HAS_LENGTH: tl.constexpr,
-    SOFTCAP: tl.constexpr, LATE_MASK: tl.constexpr, PREFETCH: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     BN: tl.constexpr = NBP * P
     pid_s = tl.program_id(0)
@@ -87,28 +87,16 @@ def _paged_split_kernel(
     if HAS_LENGTH:  # token slots at or after LENGTH (in block-table order) are dead: their pages are not read
         n_live = tl.load(LENGTH).to(tl.int32)
         w_end = tl.minimum(w_end, tl.cdiv(n_live, P))
-    if PREFETCH:  # the first step's page ids; each step loads the next step's before its own loads
-        wi_next = w_start + page_local
-        page_next = tl.load(table_row + wi_next, mask=wi_next < w_end, other=-1)
     for w0 in range(w_start, w_end, NBP):
         wi = w0 + page_local
-        if PREFETCH:
-            page = page_next
-            wi_next = wi + NBP
-            page_next = tl.load(table_row + wi_next, mask=wi_next < w_end, other=-1)
-        else:
-            page = tl.load(table_row + wi, mask=wi < w_end, other=-1)
+        page = tl.load(table_row + wi, mask=wi < w_end, other=-1)
         p_ok = page >= 0
         if HAS_LENGTH:
             p_ok = p_ok & (wi * P + slot < n_live)
         page = tl.where(p_ok, page, 0).to(tl.int64)
         ok = p_ok & (tl.load(VALID + page * sva_p + slot, mask=p_ok, other=0) != 0)
-        # LATE_MASK: K / V addresses and masks depend on the table only (not on the slot flags), so their loads
-        # can be issued before the flags arrive; invalid slots are removed from the scores and their values zeroed
-        # after the loads (a NaN / inf left in a dead slot cannot reach the output either way)
-        ld_ok = p_ok if LATE_MASK else ok
         k = tl.load(k_head + page[:, None] * sk_p + slot[:, None] * sk_t + offs_dk[None, :],
-                    mask=ld_ok[:, None] & dk_ok[None, :], other=0.0)  # [BN, DK_PAD]
+                    mask=ok[:, None] & dk_ok[None, :], other=0.0)  # [BN, DK_PAD]
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -126,9 +114,7 @@ def _paged_split_kernel(
         m_i = m_new
 
         v = tl.load(v_head + page[:, None] * sv_p + slot[:, None] * sv_t + offs_dv[None, :],
-                    mask=ld_ok[:, None] & dv_ok[None, :], other=0.0)  # [BN, DV_PAD]
-        if LATE_MASK:
-            v = tl.where(ok[:, None], v, 0.0)
+                    mask=ok[:, None] & dv_ok[None, :], other=0.0)  # [BN, DV_PAD]
         if IEEE:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
         else:
@@ -151,10 +137,8 @@ def _target_programs(device: torch.device, waves: int = 4) -> int:
 def _config() -> dict:
     """Launch defaults (H200, Triton 3.6); ``KVCOMPRESS_PAGED_CONFIG`` (JSON) overrides entries, read once by
     :mod:`kvcompress.kernels.ops` (passed as ``base``).  ``pages_per_step`` ``None``: ``64 // P`` pages (64 tokens)
-    per step; ``waves``: programs aimed at, in multiples of the SM count; ``late_mask``: K / V loads masked by the
-    block table only, the slot flags applied to the scores and values after the loads; ``prefetch``: each step loads
-    the next step's page ids first."""
-    cfg = dict(pages_per_step=None, num_warps=4, num_stages=2, waves=4, late_mask=False, prefetch=False)
+    per step; ``waves``: programs aimed at, in multiples of the SM count."""
+    cfg = dict(pages_per_step=None, num_warps=4, num_stages=2, waves=4)
     env = os.environ.get("KVCOMPRESS_PAGED_CONFIG")
     if env:
         cfg.update(json.loads(env))
@@ -218,8 +202,10 @@ def _forward(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     nbp = pages_per_step or cfg.get("pages_per_step") or max(1, 64 // p)
     block_m = min(64, max(16, _pow2(m)))
     m_blocks = triton.cdiv(m, block_m)
-    if splits is None:  # enough programs for a few waves, each split a whole number of NBP-page steps
-        splits = max(1, min(-(-w // nbp), -(-_target_programs(dev, int(cfg["waves"])) // (b * h * m_blocks))))
+    if splits is None:  # at most `waves` programs per SM (4 fit one at a time: registers and shared memory), each
+        # split a whole number of NBP-page steps; rounded down: one program too many starts a second, nearly empty
+        # wave (Nsight Compute, B16 / 32k Llama heads: 5 splits = 640 programs on 528 slots, a tail of 113)
+        splits = max(1, min(-(-w // nbp), _target_programs(dev, int(cfg["waves"])) // (b * h * m_blocks)))
     pps = -(-w // splits)
     pps = -(-pps // nbp) * nbp if splits > 1 else pps
     splits = -(-w // pps)
@@ -242,11 +228,10 @@ def _forward(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
         *po_strides, *pl_strides,
         DK=dk, DK_PAD=max(16, _pow2(dk)), DV=dv, DV_PAD=max(16, _pow2(dv)), P=p, NBP=nbp, BLOCK_M=block_m,
         IEEE=k.dtype == torch.float32, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
-        LATE_MASK=bool(cfg.get("late_mask")), PREFETCH=bool(cfg.get("prefetch")),
         num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
     )
     if splits > 1:
-        combine_splits(po, pl, out, lse, splits, m, b * h, dv, block_m)
+        combine_splits(po, pl, out, lse, splits, b * h * m, dv)
     return out, lse
 
 
