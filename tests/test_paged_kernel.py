@@ -181,7 +181,7 @@ def test_launch_config_reads_the_environment_once_through_ops(monkeypatch):
     from kvcompress.kernels import ops
     from kvcompress.kernels.paged import triton_kernel
 
-    default = {"pages_per_step": None, "num_warps": 4, "num_stages": 2, "waves": 4}
+    default = {"pages_per_step": None, "num_warps": 4, "num_stages": 2, "waves": 1}
     assert triton_kernel._config() == default
     monkeypatch.setenv("KVCOMPRESS_PAGED_CONFIG", '{"num_stages": 3, "pages_per_step": 8}')
     assert triton_kernel._config() == {**default, "pages_per_step": 8, "num_stages": 3}
@@ -206,6 +206,38 @@ def test_import_compiles_nothing():
 @pytest.mark.parametrize("name", list(CASES))
 def test_cases_on_gpu(name):
     _check(run_case(name, "cuda"), name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dims", [(128, 128), (64, 64)])
+def test_programs_per_sm_matches_the_driver(dims):
+    """The split count's programs per SM (from the compiled kernel's registers and shared memory) equals what the
+    CUDA driver's occupancy calculator says for the same compiled function."""
+    cu = pytest.importorskip("cuda.bindings.driver")
+    from kvcompress.kernels.paged import triton_kernel
+
+    dk, dv = dims
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 4, dk, generator=gen).half().cuda()
+    k = torch.randn(64, 4, 16, dk, generator=gen).half().cuda()
+    v = torch.randn(64, 4, 16, dv, generator=gen).half().cuda()
+    valid = torch.ones(64, 16, dtype=torch.bool, device="cuda")
+    table = torch.arange(64, dtype=torch.int32, device="cuda").view(2, 32)
+    triton_kernel._forward(q, k, v, valid, table, 0.1)
+    (key,) = [key for key in triton_kernel._RESIDENT if dict(key[1])["DK"] == dk]
+    consts, warps, stages = dict(key[1]), key[2], key[3]
+    out = torch.empty(2, 4, 4, dv, device="cuda")
+    lse = torch.empty(2, 4, 4, device="cuda")
+    args = (q, k, v, valid.view(torch.uint8), table, table, out, lse, 0.1, 0.0, 4, 4, 32, 32, *q.stride()[:3],
+            *k.stride()[:3], *v.stride()[:3], 16, 32, 0, *out.stride()[:3], 0, *lse.stride()[:2])
+    kernel = triton_kernel._paged_split_kernel.warmup(*args, grid=(1, 1, 1), num_warps=warps, num_stages=stages,
+                                                      **consts)
+    kernel._init_handles()
+    err, blocks = cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(cu.CUfunction(kernel.function), 32 * warps,
+                                                                 kernel.metadata.shared)
+    assert err == cu.CUresult.CUDA_SUCCESS
+    assert triton_kernel._RESIDENT[key] == blocks
 
 
 @pytest.mark.gpu

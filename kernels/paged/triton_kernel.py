@@ -128,17 +128,33 @@ def _paged_split_kernel(
     tl.store(LSE + pid_s * sl_s + b * sl_b + h * sl_h + offs_m, lse, mask=m_ok)
 
 
-def _target_programs(device: torch.device, waves: int = 4) -> int:
-    if device.type == "cuda":
-        return waves * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return 8  # interpreter: a few splits, so tests exercise the combine
+_RESIDENT: dict = {}  # (device, constexprs, warps, stages) -> programs of the split kernel one SM holds at a time
+
+
+def _programs_per_sm(device: torch.device, args: tuple, consts: dict, num_warps: int, num_stages: int) -> int:
+    """How many split programs one SM runs at a time, from the compiled kernel's registers and shared memory (its
+    first use compiles it, ahead of the launch; cached per configuration).  An H200 holds 4 at head dim 128 (112
+    registers x 128 threads; Nsight Compute, session 27)."""
+    key = (device.index, tuple(sorted(consts.items())), num_warps, num_stages)
+    if key not in _RESIDENT:
+        kernel = _paged_split_kernel.warmup(*args, grid=(1, 1, 1), num_warps=num_warps, num_stages=num_stages,
+                                            **consts)
+        kernel._init_handles()
+        props = torch.cuda.get_device_properties(device)
+        warp_regs = -(-max(1, kernel.n_regs) * 32 // 256) * 256  # registers are allocated per warp, 256 at a time
+        by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (warp_regs * num_warps)
+        by_smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // (kernel.metadata.shared + 1024)
+        by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * num_warps)
+        _RESIDENT[key] = max(1, min(by_regs, by_smem, by_threads, 32))
+    return _RESIDENT[key]
 
 
 def _config() -> dict:
     """Launch defaults (H200, Triton 3.6); ``KVCOMPRESS_PAGED_CONFIG`` (JSON) overrides entries, read once by
     :mod:`kvcompress.kernels.ops` (passed as ``base``).  ``pages_per_step`` ``None``: ``64 // P`` pages (64 tokens)
-    per step; ``waves``: programs aimed at, in multiples of the SM count."""
-    cfg = dict(pages_per_step=None, num_warps=4, num_stages=2, waves=4)
+    per step; ``waves``: programs aimed at, in waves (programs the GPU holds at a time: :func:`_programs_per_sm` x
+    SMs), rounded down."""
+    cfg = dict(pages_per_step=None, num_warps=4, num_stages=2, waves=1)
     env = os.environ.get("KVCOMPRESS_PAGED_CONFIG")
     if env:
         cfg.update(json.loads(env))
@@ -202,34 +218,40 @@ def _forward(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     nbp = pages_per_step or cfg.get("pages_per_step") or max(1, 64 // p)
     block_m = min(64, max(16, _pow2(m)))
     m_blocks = triton.cdiv(m, block_m)
-    if splits is None:  # at most `waves` programs per SM (4 fit one at a time: registers and shared memory), each
-        # split a whole number of NBP-page steps; rounded down: one program too many starts a second, nearly empty
-        # wave (Nsight Compute, B16 / 32k Llama heads: 5 splits = 640 programs on 528 slots, a tail of 113)
-        splits = max(1, min(-(-w // nbp), _target_programs(dev, int(cfg["waves"])) // (b * h * m_blocks)))
+    consts = dict(DK=dk, DK_PAD=max(16, _pow2(dk)), DV=dv, DV_PAD=max(16, _pow2(dv)), P=p, NBP=nbp, BLOCK_M=block_m,
+                  IEEE=k.dtype == torch.float32, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap))
+    warps, stages = int(cfg["num_warps"]), int(cfg["num_stages"])
+
+    def args(po, pl, pps, po_strides, pl_strides):
+        return (q, k, v, valid, table, length if length is not None else table, po, pl,
+                float(scale) * LOG2E, cap_base2(softcap), m, h, w, pps,
+                q.stride(0), q.stride(1), q.stride(2),
+                k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2),
+                valid.stride(0), table.stride(0),
+                *po_strides, *pl_strides)
+
+    one = (out, lse, w, (0, *out.stride()[:3]), (0, *lse.stride()[:2]))  # the launch of one split
+    if splits is None:  # whole waves of programs, each split a whole number of NBP-page steps; rounded down: one
+        # program too many starts a second, nearly empty wave (Nsight Compute, B16 / 32k Llama heads: 5 splits = 640
+        # programs where 528 run at a time, a tail of 113)
+        if dev.type == "cuda":
+            slots = _programs_per_sm(dev, args(*one), consts, warps, stages) * _num_sms(
+                dev.index if dev.index is not None else torch.cuda.current_device())
+        else:
+            slots = 8  # interpreter: a few splits, so tests exercise the merge
+        splits = max(1, min(-(-w // nbp), int(cfg["waves"]) * slots // (b * h * m_blocks)))
     pps = -(-w // splits)
     pps = -(-pps // nbp) * nbp if splits > 1 else pps
     splits = -(-w // pps)
 
     if splits == 1:
-        po, pl = out, lse
-        po_strides, pl_strides = (0, *out.stride()[:3]), (0, *lse.stride()[:2])
+        launch = one
     else:
         po = torch.empty(splits, b, h, m, dv, device=dev, dtype=torch.float32)
         pl = torch.empty(splits, b, h, m, device=dev, dtype=torch.float32)
-        po_strides, pl_strides = po.stride()[:4], pl.stride()[:3]
-
-    _paged_split_kernel[(splits, b * h, m_blocks)](
-        q, k, v, valid, table, length if length is not None else table, po, pl,
-        float(scale) * LOG2E, cap_base2(softcap), m, h, w, pps,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        valid.stride(0), table.stride(0),
-        *po_strides, *pl_strides,
-        DK=dk, DK_PAD=max(16, _pow2(dk)), DV=dv, DV_PAD=max(16, _pow2(dv)), P=p, NBP=nbp, BLOCK_M=block_m,
-        IEEE=k.dtype == torch.float32, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
-        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
-    )
+        launch = (po, pl, pps, po.stride()[:4], pl.stride()[:3])
+    _paged_split_kernel[(splits, b * h, m_blocks)](*args(*launch), num_warps=warps, num_stages=stages, **consts)
     if splits > 1:
         combine_splits(po, pl, out, lse, splits, b * h * m, dv)
     return out, lse
