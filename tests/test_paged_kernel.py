@@ -224,8 +224,9 @@ def test_programs_per_sm_matches_the_driver(dims):
     v = torch.randn(64, 4, 16, dv, generator=gen).half().cuda()
     valid = torch.ones(64, 16, dtype=torch.bool, device="cuda")
     table = torch.arange(64, dtype=torch.int32, device="cuda").view(2, 32)
+    triton_kernel._RESIDENT.clear()  # the other tests' configurations
     triton_kernel._forward(q, k, v, valid, table, 0.1)
-    (key,) = [key for key in triton_kernel._RESIDENT if dict(key[1])["DK"] == dk]
+    (key,) = triton_kernel._RESIDENT
     consts, warps, stages = dict(key[1]), key[2], key[3]
     out = torch.empty(2, 4, 4, dv, device="cuda")
     lse = torch.empty(2, 4, 4, device="cuda")
