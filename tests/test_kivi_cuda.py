@@ -544,16 +544,14 @@ ALL_DIMS = [(bits, dk, dv) for bits in (2, 4) for dk in (64, 128) for dv in (64,
 
 
 def test_stage_bytes_formula_matches_layout():
-    """stage_bytes() by hand for two builds (Cfg: key rows, key scales/zeros, values from a 128-byte line, value
-    scales/zeros, valid flags, the stage rounded to 128 bytes), and the three launch sizes of the H200 run's failed
-    launches (those ran with padded key rows, 16 bytes more per row: 52608 / 54144 / 71040 B then)."""
-    # 4-bit Dk 128 Dv 64: keys 16 rows x 128 B, 2 x 256 B key scale/zero, 32 x 32 B values, 2 x 256 B, 32 B
-    assert ck.stage_bytes(4, 128, 64) == 16 * 128 + 512 + 32 * 32 + 512 + 32 + 96 == 4224
-    assert ck.stage_bytes(2, 128, 128) == 8 * 128 + 512 + 32 * 32 + 1024 + 32 + 96 == 3712  # 12 x: 44544 < 48 KB
-    assert ck.stage_bytes(2, 64, 64) == 4 * 128 + 256 + 32 * 16 + 512 + 32 + 96 == 1920  # + 96: the stage rounded up
-    assert ck.launch_smem(4, 128, 64, 4, 3) == 50688  # (2, 2, 12, 128, 64, 960, 4, 32, 32), default config
-    assert ck.launch_smem(4, 64, 128, 4, 3) == 53760  # b4-dk64-dv128-gv16-rows20 / cfg2-7
-    assert ck.launch_smem(4, 128, 128, 4, 3) == 69120  # 4-bit Llama (the build that ran first and worked)
+    """stage_bytes() by hand for two builds (Cfg: padded key rows, key scales/zeros, values, value scales/zeros,
+    valid flags), and the three launch sizes of the H200 run's failed launches."""
+    # 4-bit Dk 128 Dv 64: keys 16 rows x 144 B, 2 x 256 B key scale/zero, 32 x 32 B values, 2 x 256 B, 32 B
+    assert ck.stage_bytes(4, 128, 64) == 16 * 144 + 512 + 32 * 32 + 512 + 32 == 4384
+    assert ck.stage_bytes(2, 128, 128) == 8 * 144 + 512 + 32 * 32 + 1024 + 32 == 3744  # 12 x: 44928 < 48 KB
+    assert ck.launch_smem(4, 128, 64, 4, 3) == 52608  # (2, 2, 12, 128, 64, 960, 4, 32, 32), default config
+    assert ck.launch_smem(4, 64, 128, 4, 3) == 54144  # b4-dk64-dv128-gv16-rows20 / cfg2-7
+    assert ck.launch_smem(4, 128, 128, 4, 3) == 71040  # 4-bit Llama (the build that ran first and worked)
     assert ck.launch_smem(2, 64, 64, 1, 2) == 2 * ck.stage_bytes(2, 64, 64) > 8 * 66 * 4  # pipeline > merge buffers
 
 
@@ -677,7 +675,7 @@ def test_split_rule_on_the_measured_h200_shapes():
     assert splits(2, 128, 1, 8, 32768) == 32  # v3-mt8: 20.8 us against 25.4 with 64 splits
     assert splits(2, 128, 16, 8, 4096) == 4  # v3-waves1 / mt8: 34.1 / 33.6 against 40.3 with 8
     assert splits(2, 128, 16, 8, 32768) == 4  # v3-waves1: 166.8 against 169.9 with 8
-    assert splits(4, 128, 16, 8, 32768) == 4  # 2 stages: 46080 B, 4 CTAs per SM (3 stages: 3 per SM, 3 splits)
+    assert splits(4, 128, 16, 8, 32768) == 4  # 2 stages: 47360 B, 4 CTAs per SM (3 stages: 3 per SM, 3 splits)
     cfg3 = {**cfg, "stages": 3}
     assert ck.num_splits(1024, 128, 132, cfg3, ck.launch_smem(4, 128, 128, 4, 3)) == 3  # v3-waves1: 192.7 vs 196.5
     assert splits(2, 128, 64, 8, 4096) == 1  # v3-waves1: 89.3 against 100.2 with 2
@@ -753,7 +751,7 @@ def test_libraries_side_by_side_on_gpu():
     other libraries ask for 48..71 KB (each must raise its own kernel's limit), then the uncapped build."""
     from kvcompress.kernels import kivi
 
-    st3 = {"stages": 3}  # the first run's default pipeline depth: 69120 / 50688 / 53760 B (2 stages stay < 48 KB)
+    st3 = {"stages": 3}  # the first run's default pipeline depth: 71040 / 52608 / 54144 B (2 stages stay < 48 KB)
     for name, cfg in [("b4-d128-gqa4", st3), ("b4-dk128-dv64-rows12", st3), ("b4-dk64-dv128-gv16-rows20", st3),
                       ("b4-d128-gqa4", {"min_blocks": 1, **st3}), ("b4-dk128-dv64-rows12", {"min_blocks": 1, **st3}),
                       ("b4-d128-gqa4", {"min_blocks": 5, "warps_per_sm": 20, **st3}), ("b4-dk128-dv64-rows12", {}),

@@ -30,7 +30,7 @@
 namespace kivi_v3 {
 
 constexpr int TILE = 32;       // tokens per warp iteration (4 n8 score tiles, 2 k16 steps of P.V)
-constexpr int KROW = TILE * 4;  // bytes of one key word row of a tile in shared memory (16-byte chunks swizzled)
+constexpr int KROW = TILE * 4 + 16;  // bytes of one key word row of a tile in shared memory (padded: no conflicts)
 constexpr int MAX_NW = 4;
 #ifndef KIVI_MIN_BLOCKS
 #define KIVI_MIN_BLOCKS 1  // >1 caps registers (65536 / (128 * N)); a build option, swept by the benchmark
@@ -138,17 +138,16 @@ struct Cfg {
   static constexpr int NTV = DV / 8;              // n8 tiles of the output
   static constexpr int DIRECT = 10 / BITS;        // fields that sit inside the 10-bit mantissa unshifted
   static constexpr int NGV_MAX = DV / 16;
-  // shared-memory layout of one pipeline stage (bytes, every region 16-byte aligned; the key rows and the values
-  // start on 128-byte lines, so the swizzles of Layout below work on whole lines)
+  // shared-memory layout of one pipeline stage (bytes, every region 16-byte aligned)
   static constexpr int OFF_K = 0;
   static constexpr int OFF_KS = OFF_K + KW * KROW;
   static constexpr int OFF_KZ = OFF_KS + DK * 2;
-  static constexpr int OFF_V = (OFF_KZ + DK * 2 + 127) / 128 * 128;
+  static constexpr int OFF_V = OFF_KZ + DK * 2;
   static constexpr int VROW = VW * 4;
   static constexpr int OFF_VS = OFF_V + TILE * VROW;
   static constexpr int OFF_VZ = OFF_VS + TILE * NGV_MAX * 2;
   static constexpr int OFF_VA = OFF_VZ + TILE * NGV_MAX * 2;
-  static constexpr int STAGE = (OFF_VA + TILE + 127) / 128 * 128;
+  static constexpr int STAGE = OFF_VA + TILE;
   static_assert(DK % 16 == 0 && DK <= 128, "key channels: a multiple of 16 (k16 slices), at most 128");
   static_assert(RW % 2 == 0 || QP == 2, "4-bit quarter words come in pairs (one k16 slice per two)");
   static_assert(VW >= 4, "value words per token");
@@ -413,41 +412,21 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
 // transposed (row = 4*(tok%8) + tok/8) to spread the four t's over the banks
 __host__ __device__ __forceinline__ int vrow(int tok) { return (tok & 7) * 4 + (tok >> 3); }
 
-// Bank-conflict swizzles (Nsight Compute, session 27: half of the kernel's shared-memory wavefronts were excess).
-// Each maps a byte offset inside its region to where it is stored, permuting 16-byte chunks (the unit of every copy
-// and of the widest read), so that the 8 lanes of one quarter-warp phase hit 8 distinct 16-byte bank groups both
-// when a tile is copied in and when it is read:
-// * key rows (KROW = 128 bytes, one line each): chunk c of row r at position c ^ 2*((r / KWT) & 3) - the reads of
-//   lanes t = 0..3 (rows t*KWT + jw, chunk g) land on positions g ^ 2t; the copies write whole rows;
-// * key scales / zeros: chunk o at o ^ ((o >> 3) & 1) - quad lanes t read chunks 4t + k (64 bytes apart at
-//   Dk 128, so t and t + 2 shared banks) and now meet in 4 distinct chunks;
-// * values: chunk q at line q / 8, position (q % 8) ^ 2*((q / 8) & 3) - a copy phase writes tokens 4 rows apart
-//   (128 bytes apart at 2 bits, Dv 128: a 4-way conflict), now in 4 distinct positions; the reads of rows 4j + t
-//   stay one line.
-template <int KWT>
-__host__ __device__ __forceinline__ int kswz(int row, int chunk) {
-  return chunk ^ (2 * (((KWT > 0 ? row / KWT : row)) & 3));  // KWT 0 (< 4 words a token): every row is shared
-}
-__host__ __device__ __forceinline__ int sswz(int off) { return off ^ (((off >> 7) & 1) << 4); }
-__host__ __device__ __forceinline__ int vswz(int off) { return off ^ (((off >> 7) & 3) << 5); }
-
 // Where the compute loop reads a stage (byte offsets from the stage base).  Shared by the kernel and the host
 // probe kivi_v3_layout_probe, which replays the copies and these reads on the CPU for the tests.
 template <int BITS, int DK, int DV>
 struct Layout {
   using C = Cfg<BITS, DK, DV>;
-  // 16 bytes at chunk c of key word row r (tokens 4c .. 4c+3)
-  __host__ __device__ static int k_chunk(int r, int c) { return C::OFF_K + r * KROW + 16 * kswz<C::KWT>(r, c); }
   // 16 bytes: key word t*KWT + jw of tokens 4g .. 4g+3
-  __host__ __device__ static int k_words(int g, int t, int jw) { return k_chunk(t * C::KWT + jw, g); }
+  __host__ __device__ static int k_words(int g, int t, int jw) { return C::OFF_K + (t * C::KWT + jw) * KROW + 16 * g; }
   // 16 bytes: scale (or zero) pairs 4c .. 4c+3 of key word t*KWT + jw (channel pairs (t*KWT + jw)*HP + ..)
-  __host__ __device__ static int k_scales(int t, int jw, int c) { return C::OFF_KS + sswz(t * (C::KWT * C::HP * 4) + jw * C::HP * 4 + 16 * c); }
-  __host__ __device__ static int k_zeros(int t, int jw, int c) { return C::OFF_KZ + sswz(t * (C::KWT * C::HP * 4) + jw * C::HP * 4 + 16 * c); }
+  __host__ __device__ static int k_scales(int t, int jw, int c) { return C::OFF_KS + t * (C::KWT * C::HP * 4) + jw * C::HP * 4 + 16 * c; }
+  __host__ __device__ static int k_zeros(int t, int jw, int c) { return C::OFF_KZ + t * (C::KWT * C::HP * 4) + jw * C::HP * 4 + 16 * c; }
   // quarter words (C::RW > 0): 16 bytes of shared key word 4*KWT + q (tokens 4g .. 4g+3); QP * 4 bytes: the scale
   // (zero) pairs of its quarter t, channel pairs (4*KWT + q)*HP + t*QP + ..
-  __host__ __device__ static int k_qwords(int g, int q) { return k_chunk(4 * C::KWT + q, g); }
-  __host__ __device__ static int k_qscales(int t, int q) { return C::OFF_KS + sswz(((4 * C::KWT + q) * C::HP + t * C::QP) * 4); }
-  __host__ __device__ static int k_qzeros(int t, int q) { return C::OFF_KZ + sswz(((4 * C::KWT + q) * C::HP + t * C::QP) * 4); }
+  __host__ __device__ static int k_qwords(int g, int q) { return C::OFF_K + (4 * C::KWT + q) * KROW + 16 * g; }
+  __host__ __device__ static int k_qscales(int t, int q) { return C::OFF_KS + ((4 * C::KWT + q) * C::HP + t * C::QP) * 4; }
+  __host__ __device__ static int k_qzeros(int t, int q) { return C::OFF_KZ + ((4 * C::KWT + q) * C::HP + t * C::QP) * 4; }
   // channel pair of local pair l (0 .. DK/8-1) of quad lane t: the lane's whole words first, then its quarters
   __host__ __device__ static constexpr int key_pair(int t, int l) {
     return l < C::KWT * C::HP ? t * C::KWT * C::HP + l
@@ -456,7 +435,7 @@ struct Layout {
   // 4 bytes: valid flags of tokens 4g .. 4g+3
   __host__ __device__ static int valid4(int g) { return C::OFF_VA + 4 * g; }
   // value word `word` of token `tok`
-  __host__ __device__ static int v_word(int tok, int word) { return C::OFF_V + vswz(vrow(tok) * C::VROW + 4 * word); }
+  __host__ __device__ static int v_word(int tok, int word) { return C::OFF_V + vrow(tok) * C::VROW + 4 * word; }
   // first value word of lane column g (NVW words when a token has >= 8, else word g/2 of which half g%2)
   __host__ __device__ static int v_first_word(int g) { return C::VW >= 8 ? g * C::NVW : (g >> 1); }
   __host__ __device__ static int v_group(int g, int gv) { return (v_first_word(g) * C::PER) / gv; }
@@ -487,7 +466,7 @@ struct TileCopier {
   const uint8_t* va;
   int kc_sg, ks_sg, kz_sg, vc_st, gshift, ngv, lane;
   int live;  // live slots (Params::len bounded by NT): the valid flags of later slots are copied as zeros
-  int k_src, k_step, v_src, v_step;
+  int k_src, k_step, k_dst, v_src, v_step, v_dst;
 
   __host__ __device__ __forceinline__ TileCopier(const Params& p, const Slice& sp, int lane_)
       : TileCopier(p, sp, (int)p.kc_sg, (int)p.ks_sg, (int)p.kz_sg, (int)p.vc_st, lane_, live_slots(p)) {}
@@ -498,15 +477,10 @@ struct TileCopier {
         kz_sg(kz_sg_), vc_st(vc_st_), gshift(p.gshift), ngv(p.ngv), lane(lane_), live(live_) {
     k_src = ((lane >> 3) << gshift) + 4 * (lane & 7);  // word row lane/8 (rows are G ints apart), chunk lane%8
     k_step = 4 << gshift;                              // + 4 word rows per chunk round
+    k_dst = C::OFF_K + (lane >> 3) * KROW + 16 * (lane & 7);
     v_src = (lane / VCH) * vc_st + 4 * (lane % VCH);
     v_step = (32 / VCH) * vc_st;
-  }
-  // stage offsets of a lane's copy `it` (Layout's swizzles; the compiler folds them per unrolled it)
-  __host__ __device__ __forceinline__ int k_dst(int it) const {
-    return Layout<BITS, DK, DV>::k_chunk((lane >> 3) + 4 * it, lane & 7);
-  }
-  __host__ __device__ __forceinline__ int v_dst(int it) const {
-    return C::OFF_V + vswz(vrow(lane / VCH + it * (32 / VCH)) * C::VROW + 16 * (lane % VCH));
+    v_dst = C::OFF_V + vrow(lane / VCH) * C::VROW + 16 * (lane % VCH);
   }
 
   // cp(dst byte offset in the stage, src pointer): one 16-byte copy; cpz(dst, src, n): the same, reading only the
@@ -516,15 +490,15 @@ struct TileCopier {
     const int grp = tok0 >> gshift;
     const int* kt = kc + (grp * kc_sg + (tok0 & ((1 << gshift) - 1)) + k_src);
 #pragma unroll
-    for (int it = 0; it < NK; ++it) cp(k_dst(it), kt + it * k_step);
-    if (NK_REM > 0 && lane < NK_REM) cp(k_dst(NK), kt + NK * k_step);
+    for (int it = 0; it < NK; ++it) cp(k_dst + it * 4 * KROW, kt + it * k_step);
+    if (NK_REM > 0 && lane < NK_REM) cp(k_dst + NK * 4 * KROW, kt + NK * k_step);
     if (lane < DK / 8) {
-      cp(C::OFF_KS + sswz(16 * lane), ks + (grp * ks_sg + 8 * lane));
-      cp(C::OFF_KZ + sswz(16 * lane), kz + (grp * kz_sg + 8 * lane));
+      cp(C::OFF_KS + 16 * lane, ks + (grp * ks_sg + 8 * lane));
+      cp(C::OFF_KZ + 16 * lane, kz + (grp * kz_sg + 8 * lane));
     }
     const int* vt = vc + (tok0 * vc_st + v_src);
 #pragma unroll
-    for (int it = 0; it < NV; ++it) cp(v_dst(it), vt + it * v_step);
+    for (int it = 0; it < NV; ++it) cp(v_dst + it * (4 / VCH) * C::VROW, vt + it * v_step);
     if (lane < 4 * ngv) {  // TILE * ngv halves, 8 per chunk
       const int o = tok0 * ngv + 8 * lane;
       cp(C::OFF_VS + 16 * lane, vs + o);

@@ -149,8 +149,7 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # 20.8 us with 8 tiles per warp against 25.4 - while B=1 4k (128 tiles for 8 rows) was fastest with 2 tiles per
 # warp (9.6 against 10.5 us with 4, 13.7 with 8).  stages = 2: at 2 bits (same split counts) 2 stages were as fast as
 # or faster than 3 on all 7 shapes measured (e.g. B=1 32k 23.9 against 25.4 us, B=64 4k 98.1 against 100.2), and at
-# 4 bits, Dk = Dv = 128 they needed 47360 B instead of 71040 B of shared memory: 4 CTAs per SM instead of 3 (46080 /
-# 69120 B since the key rows lost their padding to the swizzles, session 27).
+# 4 bits, Dk = Dv = 128 they need 47360 B instead of 71040 B of shared memory: 4 CTAs per SM instead of 3.
 # kfold / vfold: 0 = the measured default; kfold 1 / 2 = the key-scale-fold builds, vfold 1 = the value-fold build
 # (KIVI_KFOLD / KIVI_VFOLD, see "Key-scale fold" above); timed on the H200 in session 6 at 1-2% at most (some shapes
 # slower), so off - KVCOMPRESS_KIVI_CUDA_CONFIG='{"kfold": 1, "vfold": 1}' (or another combination) turns them on.
@@ -498,9 +497,8 @@ def stage_bytes(bits: int, dk: int, dv: int) -> int:
     ``kivi_v3_stage_bytes``; a test checks the two agree)."""
     per = 32 // bits
     kw, vw = dk // per, dv // per
-    off_v = -(-(kw * TILE * 4 + 2 * dk * 2) // 128) * 128  # key word rows, key scales, key zeros; a 128-byte line
-    end = off_v + TILE * vw * 4 + 2 * TILE * (dv // 16) * 2 + TILE  # values, value scales / zeros, valid flags
-    return -(-end // 128) * 128
+    off_v = kw * (TILE * 4 + 16) + 2 * dk * 2  # key word rows (padded), key scales, key zeros
+    return off_v + TILE * vw * 4 + 2 * TILE * (dv // 16) * 2 + TILE  # values, value scales / zeros, valid flags
 
 
 def launch_smem(bits: int, dk: int, dv: int, nw: int, stages: int) -> int:
