@@ -40,6 +40,11 @@ CASES = {
     "b1-p16-seventy-splits": (1, 2, 4, 32, 32, 16, 72, 70, "float32", {"splits": 70, "pages_per_step": 1}),
     "b3-p16-forty-splits-dead-row": (3, 1, 3, 32, 48, 16, 130, 40, "float16",
                                      {"splits": 40, "pages_per_step": 1, "short_row": 9, "dead_row": 2}),
+    # page ids loaded TSTEPS steps at a time (``table_steps``): whole and cut blocks, a short and a dead row, poison
+    "b3-p16-table-steps": (3, 2, 4, 64, 64, 16, 60, 17, "float16",
+                           {"splits": 2, "short_row": 3, "dead_row": 2, "poison": True,
+                            "base": {"pages_per_step": 2, "num_warps": 4, "num_stages": 2, "waves": 1,
+                                     "table_steps": 4}}),
 }
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3
 
@@ -181,7 +186,7 @@ def test_launch_config_reads_the_environment_once_through_ops(monkeypatch):
     from kvcompress.kernels import ops
     from kvcompress.kernels.paged import triton_kernel
 
-    default = {"pages_per_step": None, "num_warps": 4, "num_stages": 2, "waves": 1}
+    default = {"pages_per_step": None, "num_warps": 4, "num_stages": 2, "waves": 1, "table_steps": 0}
     assert triton_kernel._config() == default
     monkeypatch.setenv("KVCOMPRESS_PAGED_CONFIG", '{"num_stages": 3, "pages_per_step": 8}')
     assert triton_kernel._config() == {**default, "pages_per_step": 8, "num_stages": 3}

@@ -40,6 +40,43 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _page_step(q, page, wi, slot, n_live, k_head, v_head, VALID, m_i, l_i, acc, offs_dk, offs_dv, dk_ok, dv_ok,
+               cap, sk_p, sk_t, sv_p, sv_t, sva_p, P: tl.constexpr, IEEE: tl.constexpr, HAS_LENGTH: tl.constexpr,
+               SOFTCAP: tl.constexpr):
+    """One step of the split loop: the ``[BN]`` token slots of block-table positions ``wi`` (page ids ``page``,
+    ``-1`` for none) folded into the online softmax ``(m_i, l_i, acc)``."""
+    p_ok = page >= 0
+    if HAS_LENGTH:
+        p_ok = p_ok & (wi * P + slot < n_live)
+    page = tl.where(p_ok, page, 0).to(tl.int64)
+    ok = p_ok & (tl.load(VALID + page * sva_p + slot, mask=p_ok, other=0) != 0)
+    k = tl.load(k_head + page[:, None] * sk_p + slot[:, None] * sk_t + offs_dk[None, :],
+                mask=ok[:, None] & dk_ok[None, :], other=0.0)  # [BN, DK_PAD]
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if SOFTCAP:
+        s = soft_cap(s, cap)
+    s = tl.where(ok[None, :], s, float("-inf"))  # [BLOCK_M, BN]
+
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+
+    v = tl.load(v_head + page[:, None] * sv_p + slot[:, None] * sv_t + offs_dv[None, :],
+                mask=ok[:, None] & dv_ok[None, :], other=0.0)  # [BN, DV_PAD]
+    if IEEE:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_split_kernel(
     Q, K, V, VALID, TABLE, LENGTH, OUT, LSE,
     qk_scale, cap, M, H, W, pages_per_split,
@@ -51,7 +88,7 @@ def _paged_split_kernel(
     sl_s, sl_b, sl_h,
     DK: tl.constexpr, DK_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
     P: tl.constexpr, NBP: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr, HAS_LENGTH: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, TSTEPS: tl.constexpr,
 ):
     BN: tl.constexpr = NBP * P
     pid_s = tl.program_id(0)
@@ -87,38 +124,26 @@ def _paged_split_kernel(
     if HAS_LENGTH:  # token slots at or after LENGTH (in block-table order) are dead: their pages are not read
         n_live = tl.load(LENGTH).to(tl.int32)
         w_end = tl.minimum(w_end, tl.cdiv(n_live, P))
-    for w0 in range(w_start, w_end, NBP):
-        wi = w0 + page_local
-        page = tl.load(table_row + wi, mask=wi < w_end, other=-1)
-        p_ok = page >= 0
-        if HAS_LENGTH:
-            p_ok = p_ok & (wi * P + slot < n_live)
-        page = tl.where(p_ok, page, 0).to(tl.int64)
-        ok = p_ok & (tl.load(VALID + page * sva_p + slot, mask=p_ok, other=0) != 0)
-        k = tl.load(k_head + page[:, None] * sk_p + slot[:, None] * sk_t + offs_dk[None, :],
-                    mask=ok[:, None] & dk_ok[None, :], other=0.0)  # [BN, DK_PAD]
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if SOFTCAP:
-            s = soft_cap(s, cap)
-        s = tl.where(ok[None, :], s, float("-inf"))  # [BLOCK_M, BN]
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        m_i = m_new
-
-        v = tl.load(v_head + page[:, None] * sv_p + slot[:, None] * sv_t + offs_dv[None, :],
-                    mask=ok[:, None] & dv_ok[None, :], other=0.0)  # [BN, DV_PAD]
-        if IEEE:
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
+    if not HAS_LENGTH:
+        n_live = 0
+    if TSTEPS > 1:  # the page ids of TSTEPS steps loaded at once; the steps take theirs from registers
+        TB: tl.constexpr = TSTEPS * NBP
+        tb_local = tl.arange(0, TB)
+        for b0 in range(w_start, w_end, TB):
+            wb = b0 + tb_local
+            blk = tl.load(table_row + wb, mask=wb < w_end, other=-1)
+            for s0 in range(0, tl.minimum(TB, w_end - b0), NBP):
+                idx = s0 + page_local
+                m_i, l_i, acc = _page_step(q, tl.gather(blk, idx, 0), b0 + idx, slot, n_live, k_head, v_head, VALID,
+                                           m_i, l_i, acc, offs_dk, offs_dv, dk_ok, dv_ok, cap, sk_p, sk_t, sv_p,
+                                           sv_t, sva_p, P, IEEE, HAS_LENGTH, SOFTCAP)
+    else:
+        for w0 in range(w_start, w_end, NBP):
+            wi = w0 + page_local
+            page = tl.load(table_row + wi, mask=wi < w_end, other=-1)
+            m_i, l_i, acc = _page_step(q, page, wi, slot, n_live, k_head, v_head, VALID, m_i, l_i, acc, offs_dk,
+                                       offs_dv, dk_ok, dv_ok, cap, sk_p, sk_t, sv_p, sv_t, sva_p, P, IEEE,
+                                       HAS_LENGTH, SOFTCAP)
 
     l_ok = l_i > 0.0
     out = acc / tl.where(l_ok, l_i, 1.0)[:, None]
@@ -153,8 +178,9 @@ def _config() -> dict:
     """Launch defaults (H200, Triton 3.6); ``KVCOMPRESS_PAGED_CONFIG`` (JSON) overrides entries, read once by
     :mod:`kvcompress.kernels.ops` (passed as ``base``).  ``pages_per_step`` ``None``: ``64 // P`` pages (64 tokens)
     per step; ``waves``: programs aimed at, in waves (programs the GPU holds at a time: :func:`_programs_per_sm` x
-    SMs), rounded down."""
-    cfg = dict(pages_per_step=None, num_warps=4, num_stages=2, waves=1)
+    SMs), rounded down; ``table_steps``: > 1 loads the page ids of that many steps at once (the steps take theirs
+    from registers, so their K / V loads wait on no table load)."""
+    cfg = dict(pages_per_step=None, num_warps=4, num_stages=2, waves=1, table_steps=0)
     env = os.environ.get("KVCOMPRESS_PAGED_CONFIG")
     if env:
         cfg.update(json.loads(env))
@@ -219,7 +245,8 @@ def _forward(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     block_m = min(64, max(16, _pow2(m)))
     m_blocks = triton.cdiv(m, block_m)
     consts = dict(DK=dk, DK_PAD=max(16, _pow2(dk)), DV=dv, DV_PAD=max(16, _pow2(dv)), P=p, NBP=nbp, BLOCK_M=block_m,
-                  IEEE=k.dtype == torch.float32, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap))
+                  IEEE=k.dtype == torch.float32, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
+                  TSTEPS=int(cfg.get("table_steps") or 0))
     warps, stages = int(cfg["num_warps"]), int(cfg["num_stages"])
 
     def args(po, pl, pps, po_strides, pl_strides):
