@@ -186,7 +186,7 @@ def test_launch_config_reads_the_environment_once_through_ops(monkeypatch):
     from kvcompress.kernels import ops
     from kvcompress.kernels.paged import triton_kernel
 
-    default = {"pages_per_step": None, "num_warps": 4, "num_stages": 2, "waves": 1, "table_steps": 0}
+    default = {"pages_per_step": None, "num_warps": 4, "num_stages": None, "waves": 1, "table_steps": 16}
     assert triton_kernel._config() == default
     monkeypatch.setenv("KVCOMPRESS_PAGED_CONFIG", '{"num_stages": 3, "pages_per_step": 8}')
     assert triton_kernel._config() == {**default, "pages_per_step": 8, "num_stages": 3}
@@ -230,20 +230,22 @@ def test_programs_per_sm_matches_the_driver(dims):
     valid = torch.ones(64, 16, dtype=torch.bool, device="cuda")
     table = torch.arange(64, dtype=torch.int32, device="cuda").view(2, 32)
     triton_kernel._RESIDENT.clear()  # the other tests' configurations
-    triton_kernel._forward(q, k, v, valid, table, 0.1)
-    (key,) = triton_kernel._RESIDENT
-    consts, warps, stages = dict(key[1]), key[2], key[3]
+    for stages in (None, 2):  # automatic depth (3 here: the read splits) and 2
+        triton_kernel._forward(q, k, v, valid, table, 0.1, base={**triton_kernel._config(), "num_stages": stages})
+    assert len(triton_kernel._RESIDENT) == 2
     out = torch.empty(2, 4, 4, dv, device="cuda")
     lse = torch.empty(2, 4, 4, device="cuda")
     args = (q, k, v, valid.view(torch.uint8), table, table, out, lse, 0.1, 0.0, 4, 4, 32, 32, *q.stride()[:3],
             *k.stride()[:3], *v.stride()[:3], 16, 32, 0, *out.stride()[:3], 0, *lse.stride()[:2])
-    kernel = triton_kernel._paged_split_kernel.warmup(*args, grid=(1, 1, 1), num_warps=warps, num_stages=stages,
-                                                      **consts)
-    kernel._init_handles()
-    err, blocks = cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(cu.CUfunction(kernel.function), 32 * warps,
-                                                                 kernel.metadata.shared)
-    assert err == cu.CUresult.CUDA_SUCCESS
-    assert triton_kernel._RESIDENT[key] == blocks
+    for key, resident in triton_kernel._RESIDENT.items():
+        consts, warps, stages = dict(key[1]), key[2], key[3]
+        kernel = triton_kernel._paged_split_kernel.warmup(*args, grid=(1, 1, 1), num_warps=warps,
+                                                          num_stages=stages, **consts)
+        kernel._init_handles()
+        err, blocks = cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(cu.CUfunction(kernel.function), 32 * warps,
+                                                                     kernel.metadata.shared)
+        assert err == cu.CUresult.CUDA_SUCCESS
+        assert resident == blocks, (stages, resident, blocks)
 
 
 @pytest.mark.gpu
