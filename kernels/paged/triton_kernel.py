@@ -180,8 +180,8 @@ def _config() -> dict:
     per step; ``waves``: programs aimed at, in waves (programs the GPU holds at a time: :func:`_programs_per_sm` x
     SMs), rounded down; ``table_steps``: > 1 loads the page ids of that many steps at once (the steps take theirs
     from registers, so their K / V loads wait on no table load); ``num_stages`` ``None``: 3 where the read splits at
-    least twice, else 2 (H200, session 27: table_steps 16 with 3 stages 1.03-1.10x faster than the old loop from
-    B1 to B16, 0.77x at Llama B64/32k - one split per row - where 2 stages keep 4 programs per SM)."""
+    least twice, else 2 (H200, session 27: table_steps 16 with 3 stages 1.04-1.13x faster than the old loop at Llama
+    B1-B16 and SmolLM2 B16-B64, 0.78x at Llama B64/32k - one split per row - where 2 stages keep 4 programs per SM)."""
     cfg = dict(pages_per_step=None, num_warps=4, num_stages=None, waves=1, table_steps=16)
     env = os.environ.get("KVCOMPRESS_PAGED_CONFIG")
     if env:
