@@ -199,6 +199,20 @@ def test_launch_config_reads_the_environment_once_through_ops(monkeypatch):
         ops._paged_base.cache_clear()
 
 
+def test_split_plan_fills_whole_waves_and_picks_the_depth():
+    """Splits round down to whole waves; 3 stages while the read still splits at least twice, else 2 with its own
+    (larger) slot count; never more splits than steps."""
+    from kvcompress.kernels.paged.triton_kernel import split_plan
+
+    slots = {3: 396, 2: 528}.__getitem__  # an H200 at head dim 128: 3 / 4 programs per SM
+    assert split_plan(2048, 4, 128, 1, (3, 2), slots) == (3, 3)  # B16 Llama: 396 // 128, not 4 (= 512 > 396)
+    assert split_plan(2048, 4, 8, 1, (3, 2), slots) == (49, 3)  # B1: 396 // 8
+    assert split_plan(2048, 4, 512, 1, (3, 2), slots) == (1, 2)  # B64: one split at either depth -> 2 stages
+    assert split_plan(2048, 4, 264, 1, (3, 2), slots) == (2, 2)  # 396 // 264 = 1 at 3 stages, 528 // 264 = 2 at 2
+    assert split_plan(6, 4, 8, 1, (3, 2), slots) == (2, 3)  # capped by the 2 steps of a 6-page table
+    assert split_plan(2048, 4, 128, 2, (2,), slots) == (8, 2)  # a given depth, two waves
+
+
 def test_import_compiles_nothing():
     code = ("import kvcompress.kernels.paged.triton_kernel as t; "
             "print(len(getattr(t._paged_split_kernel, 'device_caches', {})))")

@@ -174,6 +174,20 @@ def _programs_per_sm(device: torch.device, args: tuple, consts: dict, num_warps:
     return _RESIDENT[key]
 
 
+def split_plan(table_width: int, pages_per_step: int, programs_per_split: int, waves: int, depths: tuple,
+               slots) -> tuple[int, int]:
+    """``(splits, pipeline depth)`` of a read: ``waves`` whole waves of programs (``slots(depth)``: how many the GPU
+    holds at a time at that depth), each split a whole number of steps, rounded down - one program too many starts a
+    second, nearly empty wave (Nsight Compute, B16 / 32k Llama heads: 5 splits = 640 programs where 528 run at a
+    time, a tail of 113).  The first of ``depths`` at which the read still splits at least twice wins, else the last
+    (3 stages hold fewer programs per SM, which costs where one wave of single-split programs is all there is)."""
+    for depth in depths:
+        splits = max(1, min(-(-table_width // pages_per_step), waves * slots(depth) // programs_per_split))
+        if splits > 1:
+            break
+    return splits, depth
+
+
 def _config() -> dict:
     """Launch defaults (H200, Triton 3.6); ``KVCOMPRESS_PAGED_CONFIG`` (JSON) overrides entries, read once by
     :mod:`kvcompress.kernels.ops` (passed as ``base``).  ``pages_per_step`` ``None``: ``64 // P`` pages (64 tokens)
@@ -263,19 +277,16 @@ def _forward(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
                 *po_strides, *pl_strides)
 
     one = (out, lse, w, (0, *out.stride()[:3]), (0, *lse.stride()[:2]))  # the launch of one split
-    if splits is None:  # whole waves of programs, each split a whole number of NBP-page steps; rounded down: one
-        # program too many starts a second, nearly empty wave (Nsight Compute, B16 / 32k Llama heads: 5 splits = 640
-        # programs where 528 run at a time, a tail of 113)
-        for stages in stage_choice:  # automatic depth: 3 stages where the read still splits, else 2 (3 stages hold
-            # fewer programs per SM, which costs where one wave of single-split programs is all there is)
-            if dev.type == "cuda":
-                slots = _programs_per_sm(dev, args(*one), consts, warps, stages) * _num_sms(
-                    dev.index if dev.index is not None else torch.cuda.current_device())
-            else:
-                slots = 8  # interpreter: a few splits, so tests exercise the merge
-            splits = max(1, min(-(-w // nbp), int(cfg["waves"]) * slots // (b * h * m_blocks)))
-            if splits > 1:
-                break
+    if splits is None:
+        if dev.type == "cuda":
+            sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+
+            def slots(depth: int) -> int:
+                return _programs_per_sm(dev, args(*one), consts, warps, depth) * sms
+        else:
+            def slots(depth: int) -> int:
+                return 8  # interpreter: a few splits, so tests exercise the merge
+        splits, stages = split_plan(w, nbp, b * h * m_blocks, int(cfg["waves"]), stage_choice, slots)
     pps = -(-w // splits)
     pps = -(-pps // nbp) * nbp if splits > 1 else pps
     splits = -(-w // pps)
