@@ -511,29 +511,12 @@ def _gather_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_h, sv_t
 
 
 @triton.jit
-def _gather_shared_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_h, sv_t, VA, sva_b,
-                          IDX, si_b, si_h, PO, PL, HKV, M, NK, per_split, qk_scale, cap,
-                          MP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-                          HAS_VALID: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
-    """All ``M`` query rows of one kv head over one split of their *shared* selected indices: each K/V row
-    is gathered once for the group and both products run on tensor cores (rows padded to ``MP``)."""
-    pid_bh = tl.program_id(0)  # b * HKV + h
-    pid_s = tl.program_id(1)
-    h = (pid_bh % HKV).to(tl.int64)
-    b = (pid_bh // HKV).to(tl.int64)
-    offs_m = tl.arange(0, MP)
-    offs_d = tl.arange(0, DP)
-    offs_v = tl.arange(0, DVP)
-    m_ok = offs_m < M
-    d_ok = offs_d < D
-    v_ok = offs_v < DV
-    q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None].to(tl.int64) * sq_m + offs_d[None, :],
-                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    k_base = K + b * sk_b + h * sk_h
-    v_base = V + b * sv_b + h * sv_h
-    i_base = IDX + b * si_b + h * si_h
-    start = pid_s * per_split
-    end = tl.minimum(start + per_split, NK)
+def _dot_gather(q, k_base, sk_t, v_base, sv_t, i_base, VA, b, sva_b, start, end, qk_scale, cap, offs_d, d_ok, offs_v,
+                v_ok, MP: tl.constexpr, DVP: tl.constexpr, HAS_VALID: tl.constexpr, BK: tl.constexpr,
+                IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Flash decoding of the ``[MP, D]`` query rows ``q`` over selected indices ``start .. end`` of one list, ``BK``
+    per step, both products on tensor cores: ``(acc, m, l)`` (base 2).  The K / V rows are gathered with per-row
+    addresses that depend only on the index list, so Triton's pipeliner copies them ahead (``cp.async``)."""
     m_i = tl.full([MP], float("-inf"), tl.float32)
     l_i = tl.zeros([MP], tl.float32)
     acc = tl.zeros([MP, DVP], tl.float32)
@@ -560,6 +543,33 @@ def _gather_shared_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_
         acc = acc * alpha[:, None] + pv
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _gather_shared_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_h, sv_t, VA, sva_b,
+                          IDX, si_b, si_h, PO, PL, HKV, M, NK, per_split, qk_scale, cap,
+                          MP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+                          HAS_VALID: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
+    """All ``M`` query rows of one kv head over one split of their *shared* selected indices: each K/V row
+    is gathered once for the group and both products run on tensor cores (rows padded to ``MP``)."""
+    pid_bh = tl.program_id(0)  # b * HKV + h
+    pid_s = tl.program_id(1)
+    h = (pid_bh % HKV).to(tl.int64)
+    b = (pid_bh // HKV).to(tl.int64)
+    offs_m = tl.arange(0, MP)
+    offs_d = tl.arange(0, DP)
+    offs_v = tl.arange(0, DVP)
+    m_ok = offs_m < M
+    d_ok = offs_d < D
+    v_ok = offs_v < DV
+    q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None].to(tl.int64) * sq_m + offs_d[None, :],
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    start = pid_s * per_split
+    end = tl.minimum(start + per_split, NK)
+    acc, m_i, l_i = _dot_gather(q, K + b * sk_b + h * sk_h, sk_t, V + b * sv_b + h * sv_h, sv_t,
+                                IDX + b * si_b + h * si_h, VA, b, sva_b, start, end, qk_scale, cap, offs_d, d_ok,
+                                offs_v, v_ok, MP, DVP, HAS_VALID, BK, IEEE, SOFTCAP)
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -567,6 +577,41 @@ def _gather_shared_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_
     row = pid_bh.to(tl.int64) * M + offs_m
     tl.store(PO + pid_s * rows * DV + row[:, None] * DV + offs_v[None, :], out, mask=m_ok[:, None] & v_ok[None, :])
     tl.store(PL + pid_s * rows + row, lse, mask=m_ok)
+
+
+@triton.jit
+def _gather_rows_dot_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_h, sv_t, VA, sva_b,
+                            IDX, si_b, si_h, si_m, PO, PL, HKV, M, NK, per_split, qk_scale, cap,
+                            D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+                            HAS_VALID: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
+    """:func:`_gather_kernel` (one query row, its own indices) on tensor cores: the row is row 0 of a 16-row tile
+    (the rest zero and never stored), so the gathered K / V rows take the pipelined ``cp.async`` path of
+    :func:`_dot_gather` instead of the per-row kernel's synchronous index -> K -> V loads."""
+    pid_row = tl.program_id(0)  # b * HKV * M + h * M + m
+    pid_s = tl.program_id(1)
+    rows = tl.num_programs(0)
+    m = (pid_row % M).to(tl.int64)
+    h = ((pid_row // M) % HKV).to(tl.int64)
+    b = (pid_row // (M * HKV)).to(tl.int64)
+    offs_r = tl.arange(0, 16)
+    offs_d = tl.arange(0, DP)
+    offs_v = tl.arange(0, DVP)
+    d_ok = offs_d < D
+    v_ok = offs_v < DV
+    q = tl.load(Q + b * sq_b + h * sq_h + m * sq_m + offs_r[:, None] * 0 + offs_d[None, :],
+                mask=(offs_r == 0)[:, None] & d_ok[None, :], other=0.0)
+    start = pid_s * per_split
+    end = tl.minimum(start + per_split, NK)
+    acc, m_i, l_i = _dot_gather(q, K + b * sk_b + h * sk_h, sk_t, V + b * sv_b + h * sv_h, sv_t,
+                                IDX + b * si_b + h * si_h + m * si_m, VA, b, sva_b, start, end, qk_scale, cap,
+                                offs_d, d_ok, offs_v, v_ok, 16, DVP, HAS_VALID, BK, IEEE, SOFTCAP)
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    first = offs_r == 0
+    tl.store(PO + pid_s * rows * DV + pid_row.to(tl.int64) * DV + offs_r[:, None] * 0 + offs_v[None, :], out,
+             mask=first[:, None] & v_ok[None, :])
+    tl.store(PL + pid_s * rows + pid_row + offs_r * 0, lse, mask=first)
 
 
 def shared_rows(index: torch.Tensor) -> bool:
@@ -591,8 +636,10 @@ def supports_gather(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
 # (tensor-core) kernel 4 warps, 128 indices per step, 4 programs per SM.  programs_per_sm None = that rule.
 # min_per_split: indices a split reads at least (fewer splits were slower for the per-row gather at every shape
 # measured and 2-7% faster for the shared one at B1-B4 with 256: docs/results.md "Session 21")
+# rows_dot: per-row selections read by _gather_rows_dot_kernel (tensor cores, pipelined gathers; shared_warps warps)
+# instead of _gather_kernel - off until timed on a GPU
 GATHER_CONFIG = dict(block_k=64, programs_per_sm=None, num_warps=2, num_stages=3, shared_warps=4, shared_block_k=128,
-                     shared_programs_per_sm=4, min_per_split=64)
+                     shared_programs_per_sm=4, min_per_split=64, rows_dot=False)
 
 
 def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
@@ -644,6 +691,16 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
             cap_base2(softcap), MP=max(16, pow2(m)), D=d, DP=max(16, pow2(d)), DV=dv, DVP=max(16, pow2(dv)),
             HAS_VALID=valid is not None, BK=block_k, IEEE=k.dtype == torch.float32, SOFTCAP=bool(softcap),
             num_warps=int(cfg["shared_warps"]), num_stages=int(cfg["num_stages"]))
+    elif cfg["rows_dot"]:
+        _gather_rows_dot_kernel[(rows, splits)](
+            query, query.stride(0), query.stride(1), query.stride(2),
+            k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1), v.stride(2),
+            va, va.stride(0) if valid is not None else 0,
+            index, index.stride(0), index.stride(1), index.stride(2), po, pl, h, m, nk, per_split,
+            scale * 1.4426950408889634, cap_base2(softcap),
+            D=d, DP=max(16, pow2(d)), DV=dv, DVP=max(16, pow2(dv)), HAS_VALID=valid is not None, BK=block_k,
+            IEEE=k.dtype == torch.float32, SOFTCAP=bool(softcap), num_warps=int(cfg["shared_warps"]),
+            num_stages=int(cfg["num_stages"]))
     else:
         _gather_kernel[(rows, splits)](
             query, query.stride(0), query.stride(1), query.stride(2),
