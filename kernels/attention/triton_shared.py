@@ -43,6 +43,17 @@ def num_sms(device_index: int) -> int:
 
 
 @triton.jit
+def fold_splits(top, tot, acc, lse, o):
+    """One step of a log-sum-exp merge: the ``[SB]`` LSEs ``lse`` (natural log, ``-inf`` for none) and their
+    ``[SB, Dv]`` partials ``o`` folded into the running ``(top, tot, acc)`` (max LSE, weight sum, weighted sum)."""
+    new = tl.maximum(top, tl.max(lse, axis=0))
+    safe = tl.where(new == float("-inf"), 0.0, new)
+    a = tl.exp(top - safe)
+    w = tl.exp(lse - safe)
+    return new, tot * a + tl.sum(w, axis=0), acc * a + tl.sum(w[:, None] * o, axis=0)
+
+
+@triton.jit
 def _combine_tiles_kernel(PO, PL, OUT, LSE, S, spo_s, spl_s, DV: tl.constexpr, DV_PAD: tl.constexpr,
                           SB: tl.constexpr):
     """Log-sum-exp merge of ``S`` split partials of one query row (contiguous ``[S, rows, Dv]`` / ``[S, rows]``),
@@ -61,13 +72,7 @@ def _combine_tiles_kernel(PO, PL, OUT, LSE, S, spo_s, spl_s, DV: tl.constexpr, D
         lse = tl.load(PL + sp * spl_s + row, mask=s_ok, other=float("-inf"))
         o = tl.load(PO + sp[:, None] * spo_s + row * DV + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
                     other=0.0)
-        new = tl.maximum(top, tl.max(lse, axis=0))
-        safe = tl.where(new == float("-inf"), 0.0, new)
-        a = tl.exp(top - safe)
-        w = tl.exp(lse - safe)
-        acc = acc * a + tl.sum(w[:, None] * o, axis=0)
-        tot = tot * a + tl.sum(w, axis=0)
-        top = new
+        top, tot, acc = fold_splits(top, tot, acc, lse, o)
     t_ok = tot > 0.0
     tl.store(OUT + row * DV + offs_d, acc / tl.where(t_ok, tot, 1.0), mask=d_ok)
     tl.store(LSE + row, tl.where(t_ok, top + tl.log(tl.where(t_ok, tot, 1.0)), float("-inf")))

@@ -691,25 +691,20 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
             cap_base2(softcap), MP=max(16, pow2(m)), D=d, DP=max(16, pow2(d)), DV=dv, DVP=max(16, pow2(dv)),
             HAS_VALID=valid is not None, BK=block_k, IEEE=k.dtype == torch.float32, SOFTCAP=bool(softcap),
             num_warps=int(cfg["shared_warps"]), num_stages=int(cfg["num_stages"]))
-    elif cfg["rows_dot"]:
-        _gather_rows_dot_kernel[(rows, splits)](
+    else:  # per-row selections: on tensor cores (rows_dot) or CUDA cores, the same arguments
+        if cfg["rows_dot"]:
+            kernel = _gather_rows_dot_kernel
+            extra = dict(IEEE=k.dtype == torch.float32, num_warps=int(cfg["shared_warps"]))
+        else:
+            kernel, extra = _gather_kernel, dict(num_warps=int(cfg["num_warps"]))
+        kernel[(rows, splits)](
             query, query.stride(0), query.stride(1), query.stride(2),
             k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1), v.stride(2),
             va, va.stride(0) if valid is not None else 0,
             index, index.stride(0), index.stride(1), index.stride(2), po, pl, h, m, nk, per_split,
             scale * 1.4426950408889634, cap_base2(softcap),
             D=d, DP=max(16, pow2(d)), DV=dv, DVP=max(16, pow2(dv)), HAS_VALID=valid is not None, BK=block_k,
-            IEEE=k.dtype == torch.float32, SOFTCAP=bool(softcap), num_warps=int(cfg["shared_warps"]),
-            num_stages=int(cfg["num_stages"]))
-    else:
-        _gather_kernel[(rows, splits)](
-            query, query.stride(0), query.stride(1), query.stride(2),
-            k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1), v.stride(2),
-            va, va.stride(0) if valid is not None else 0,
-            index, index.stride(0), index.stride(1), index.stride(2), po, pl, h, m, nk, per_split,
-            scale * 1.4426950408889634, cap_base2(softcap),
-            D=d, DP=max(16, pow2(d)), DV=dv, DVP=max(16, pow2(dv)), HAS_VALID=valid is not None, BK=block_k,
-            SOFTCAP=bool(softcap), num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
+            SOFTCAP=bool(softcap), num_stages=int(cfg["num_stages"]), **extra)
     if splits == 1:
         return po.view(b, h, m, dv), pl.view(b, h, m)
     combine_splits(po, pl, out, lse, splits, b * h * m, dv)

@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcompress.kernels.attention.triton_shared import cap_base2, soft_cap
+from kvcompress.kernels.attention.triton_shared import cap_base2, fold_splits, soft_cap
 
 from .reference import Lane
 
@@ -247,13 +247,7 @@ def _combine_splits_kernel(PO, PL, OUT, LSE, HDS, NHS, ROW0, S, R, M, H, NBATCH,
                     lse = tl.load(PL + row * M + m, mask=s_ok, other=float("-inf"))
                     o = tl.load(PO + (row * M + m)[:, None] * DV + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
                                 other=0.0)
-                    new = tl.maximum(top, tl.max(lse, axis=0))
-                    safe = tl.where(new == float("-inf"), 0.0, new)
-                    a = tl.exp(top - safe)
-                    w = tl.exp(lse - safe)
-                    acc = acc * a + tl.sum(w[:, None] * o, axis=0)
-                    tot = tot * a + tl.sum(w, axis=0)
-                    top = new
+                    top, tot, acc = fold_splits(top, tot, acc, lse, o)
     t_ok = tot > 0.0
     dst = (b * H + h) * M + m
     tl.store(OUT + dst * DV + offs_d, acc / tl.where(t_ok, tot, 1.0), mask=d_ok)
