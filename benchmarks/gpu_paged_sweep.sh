@@ -5,14 +5,22 @@
 # SDPA; first the paged kernel's GPU tests (every configuration case of tests/test_paged_kernel.py, natively).
 #   bash benchmarks/gpu_paged_sweep.sh OUTDIR [CONFIG_JSON...]
 #   PS_SHAPES: benchutil --only-shapes; PS_ROUNDS: rounds over the configs (default 1); PS_PROFILE: also
-#   gpu_read_profile.py --ops $PS_PROFILE at PS_PROFILE_SHAPES
+#   gpu_read_profile.py --ops $PS_PROFILE at PS_PROFILE_SHAPES.
+#   Other kernels' configuration knobs (session 28): PS_VAR (the environment variable, default
+#   KVCOMPRESS_PAGED_CONFIG), PS_OPS (benchutil ops beside sdpa, default paged-dense), PS_TESTS (GPU test files,
+#   default tests/test_paged_kernel.py), e.g. PS_VAR=KVCOMPRESS_DS_CONFIG PS_OPS=ds8,ds16
+#   PS_TESTS=tests/test_doublesparse_kernel.py
 set -o pipefail
 OUT=$(realpath "${1:-out}"); shift || true
 CONFIGS=("$@")
 [ ${#CONFIGS[@]} -gt 0 ] || CONFIGS=('{}' '{"late_mask": true}')
 SHAPES=${PS_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:32k,smollm2-135m:1:32k,smollm2-135m:16:32k}
 source "$(dirname "$0")/gpu_site.sh"  # install under /tmp/site, cd there
-timeout 200 python -m pytest -q -m gpu -p no:cacheprovider "$SRC/tests/test_paged_kernel.py" 2>&1 | tail -3 \
+VAR=${PS_VAR:-KVCOMPRESS_PAGED_CONFIG}
+OPS=${PS_OPS:-paged-dense}
+TESTS=()
+for t in ${PS_TESTS:-tests/test_paged_kernel.py}; do TESTS+=("$SRC/$t"); done
+timeout 200 python -m pytest -q -m gpu -p no:cacheprovider "${TESTS[@]}" 2>&1 | tail -3 \
   | tee -a "$OUT/tests.txt"
 timeout 100 python -m kvcompress.kernels.benchutil --device cuda --ops sdpa --only-shapes "$SHAPES" \
   --out "$OUT/base.json" 2>/dev/null | grep '^|' | tee -a "$OUT/rows.md"
@@ -21,8 +29,8 @@ for r in $(seq 1 "${PS_ROUNDS:-1}"); do
   for c in "${CONFIGS[@]}"; do
     i=$((i + 1))
     echo "## round $r config $c" | tee -a "$OUT/rows.md"
-    KVCOMPRESS_PAGED_CONFIG="$c" timeout 150 python -m kvcompress.kernels.benchutil \
-      --device cuda --ops sdpa,paged-dense --only-shapes "$SHAPES" --out "$OUT/config_$i.json" 2>/dev/null \
+    env "$VAR=$c" timeout 150 python -m kvcompress.kernels.benchutil \
+      --device cuda --ops "sdpa,$OPS" --only-shapes "$SHAPES" --out "$OUT/config_$i.json" 2>/dev/null \
       | grep '^|' | grep -v '^|---\|^| op' | tee -a "$OUT/rows.md"
   done
 done
