@@ -9,15 +9,15 @@ tree):
    gather-attention kernel against the PyTorch references (kernels/doublesparse/reference.py) on
    CUDA, at Llama-like and odd shapes: max errors, identical top-k sets (fp32 scores), -inf rows.
 2. **Time** (CUDA graphs, cold L2 via rotating buffers, CUDA events; kvcompress.kernels.benchutil):
-   Llama-like heads (32 q / 8 kv, d 128), B in {1, 4, 16}, ctx in {4k, 16k, 32k}, sparsity 1/8 and
-   1/16 (k = ctx/8, ctx/16 tokens per query head), r = 16 label channels (fp16 and 4-bit):
+   Llama-like heads (32 q / 8 kv, d 128; ``--model smollm2-135m``: 9 / 3, d 64), B in {1, 4, 16},
+   ctx in {4k, 16k, 32k}, sparsity 1/8 and 1/16 (k = ctx/8, ctx/16 tokens per query head), r = 16 label channels (fp16 and 4-bit):
    ``select`` (the fused score + top-k kernel on channel-major labels), ``score`` + ``topk`` (the
    two-step path: Triton scores, torch.topk), ``gather`` (attention over the selected tokens),
    ``ds`` (fused select + gather: one sparse decode read as the plugin runs it), the two-step sum
    and ``sdpa`` (best backend on the full fp16 cache of ctx tokens).  Speed-up = sdpa / ds.
    Then a sweep of the select and gather launch settings (B 1 and 16, 32k, 1/16).
 
-Writes DIR/doublesparse_check.json and DIR/doublesparse_bench.json and prints Markdown tables.
+Writes DIR/doublesparse_check.json and DIR/doublesparse_bench_MODEL.json and prints Markdown tables.
 Takes about 1-2 minutes on an H200 (``--quick``: B 1 and 16 at 32k only; ``--sweep`` adds the
 launch-setting sweep that chose the defaults).
 """
@@ -116,12 +116,16 @@ def check_fused(device: str) -> list[dict]:
     return rows
 
 
-def bench(device: str, quick: bool, sweep: bool = False) -> list[dict]:
+HEADS = {"llama3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}  # query heads, kv heads, head dim
+
+
+def bench(device: str, quick: bool, sweep: bool = False, model: str = "llama3-8b") -> list[dict]:
     benchutil, ref, tk = _imports()
     from kvcompress.kernels.doublesparse.bench import ds_decode, ds_inputs, ds_read_bytes
 
     dev = torch.device(device)
-    hq, hkv, d, r = 32, 8, 128, 16
+    hq, hkv, d = HEADS[model]
+    r = 16
     g = hq // hkv
     scale = d ** -0.5
     cases = [(1, 32768), (16, 32768)] if quick else [(b, c) for b in (1, 4, 16) for c in (4096, 16384, 32768)]
@@ -131,7 +135,7 @@ def bench(device: str, quick: bool, sweep: bool = False) -> list[dict]:
         kv_bytes = 2 * b * hkv * ctx * d * 2
         free = torch.cuda.mem_get_info(dev)[0] * 0.6
         n = max(1, min(benchutil.copies_for(kv_bytes), int(free // (kv_bytes * 1.3))))
-        row0 = {"batch": b, "ctx": ctx, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "r": r}
+        row0 = {"model": model, "batch": b, "ctx": ctx, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "r": r}
         base = None
         for bits in (16, 4):
             data = [ds_inputs(b, hq, hkv, ctx, d, r, bits, dev, gen) for _ in range(n)]
@@ -243,6 +247,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="B 1 and 16 at 32k only")
     ap.add_argument("--sweep", action="store_true", help="also sweep the kernels' launch settings (B x 32k, 1/16)")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--model", choices=sorted(HEADS), default="llama3-8b", help="head shape (default llama3-8b)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -263,8 +268,8 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, "doublesparse_check.json"), "w") as fh:
             json.dump({"conditions": info, "rows": rows, "all_ok": ok}, fh, indent=1)
         print(f"check: {'OK' if ok else 'FAILED'} ({time.time() - t0:.0f} s)")
-    rows = bench("cuda", args.quick, args.sweep)
-    with open(os.path.join(args.out, "doublesparse_bench.json"), "w") as fh:
+    rows = bench("cuda", args.quick, args.sweep, args.model)
+    with open(os.path.join(args.out, f"doublesparse_bench_{args.model}.json"), "w") as fh:
         json.dump({"conditions": info, "rows": rows}, fh, indent=1)
     print(table(rows))
     for r in rows:

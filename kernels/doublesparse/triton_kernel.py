@@ -15,7 +15,8 @@ Same signatures and semantics as :mod:`.reference`.  Nothing is compiled at impo
   GQA group) + ``torch.topk``.
 * :func:`gather_partial_attention` - split-K flash decoding over selected indices.  Per query row
   (each row its own indices): per block of ``BK`` indices the kernel gathers K and V rows of the row's
-  kv head, computes the scores on CUDA cores in fp32 and runs an online softmax.  Group-shared
+  kv head (copied a step ahead, ``cp.async``) and runs both products on tensor cores with the row as row 0 of
+  a 16-row tile, with an online softmax (``rows_dot``; off: scores on CUDA cores in fp32).  Group-shared
   indices (every row of a kv head reads the same tokens, a stride-0 view:
   ``TokenSelection(group=...)``): one program per kv head gathers each row once for the whole group
   and runs both products on tensor cores.  Partials + LSE per split are merged by the shared combine
@@ -636,10 +637,12 @@ def supports_gather(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
 # (tensor-core) kernel 4 warps, 128 indices per step, 4 programs per SM.  programs_per_sm None = that rule.
 # min_per_split: indices a split reads at least (fewer splits were slower for the per-row gather at every shape
 # measured and 2-7% faster for the shared one at B1-B4 with 256: docs/results.md "Session 21")
-# rows_dot: per-row selections read by _gather_rows_dot_kernel (tensor cores, pipelined gathers; shared_warps warps)
-# instead of _gather_kernel - off until timed on a GPU
+# rows_dot: per-row selections read by _gather_rows_dot_kernel (tensor cores, pipelined gathers; num_warps warps)
+# instead of _gather_kernel (CUDA cores, synchronous index -> K -> V loads).  Session 28 (gpu_paged_sweep.sh with
+# PS_VAR=KVCOMPRESS_DS_CONFIG, 8 shapes, ds8 / ds16): with 2 warps as fast or faster at every shape, up to 1.38x
+# (SmolLM2 B16/32k ds8 217.7 -> 157.3 us); 4 warps or 4 stages or 32 indices per step no better
 GATHER_CONFIG = dict(block_k=64, programs_per_sm=None, num_warps=2, num_stages=3, shared_warps=4, shared_block_k=128,
-                     shared_programs_per_sm=4, min_per_split=64, rows_dot=False)
+                     shared_programs_per_sm=4, min_per_split=64, rows_dot=True)
 
 
 def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
@@ -694,7 +697,7 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
     else:  # per-row selections: on tensor cores (rows_dot) or CUDA cores, the same arguments
         if cfg["rows_dot"]:
             kernel = _gather_rows_dot_kernel
-            extra = dict(IEEE=k.dtype == torch.float32, num_warps=int(cfg["shared_warps"]))
+            extra = dict(IEEE=k.dtype == torch.float32, num_warps=int(cfg["num_warps"]))
         else:
             kernel, extra = _gather_kernel, dict(num_warps=int(cfg["num_warps"]))
         kernel[(rows, splits)](
