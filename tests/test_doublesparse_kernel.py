@@ -61,6 +61,47 @@ SEARCH_CASES = {
 }
 
 
+# the radix select's exact tie rule on integer scores (exact in any summation order, many ties): name ->
+# (batch, kv_heads, group, tokens, k, left padding, config over RADIX_CONFIG)
+SMALL_CHUNKS = {"min_chunk": 64, "block_t": 32, "programs_per_sm": 64}
+RADIX_TIE_CASES = {
+    "k1-many-chunks": (1, 2, 3, 700, 1, 0, SMALL_CHUNKS),
+    "ties-straddle-kth-8bit": (2, 1, 4, 500, 137, 0, SMALL_CHUNKS),
+    "ties-straddle-kth-11bit": (2, 1, 4, 500, 137, 0, dict(SMALL_CHUNKS, bits=11)),
+    "5bit-digits-7-passes": (1, 2, 2, 300, 90, 0, dict(SMALL_CHUNKS, bits=5)),
+    # k above the valid tokens: every valid token, then the lowest padded (-inf) ones
+    "k-beyond-valid-padding": (1, 2, 2, 400, 380, 60, SMALL_CHUNKS),
+    "k-equals-tokens-one-chunk": (1, 1, 3, 200, 200, 10, {}),
+}
+
+
+def run_radix_tie_case(name: str, device: str = "cpu") -> dict:
+    """The radix select on integer labels and queries against a stable sort on the host: the k best scores, ties
+    at the k-th score to the lowest token index (the fused kernel's rule), the same set on every run."""
+    from kvcompress.kernels.doublesparse import radix_triton, reference
+    from kvcompress.kernels.doublesparse.reference import Labels
+
+    b, h, g, t, k, pad, cfg = RADIX_TIE_CASES[name]
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    r, d = 4, 32
+    lab = torch.randint(-2, 3, (b, h, t, r), generator=gen).half()
+    q = torch.randint(-2, 3, (b, h * g, d), generator=gen).half()
+    channels = torch.stack([torch.randperm(d, generator=gen)[:r] for _ in range(h)])
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[0, :pad] = False
+    labels = channel_major(Labels(lab))
+    dev = (lambda x: x.to(device))
+    got = radix_triton.select_topk_radix(dev(q), Labels(dev(labels.data)), dev(channels), dev(valid), k, config=cfg)
+    again = radix_triton.select_topk_radix(dev(q), Labels(dev(labels.data)), dev(channels), dev(valid), k, config=cfg)
+    scores = reference.label_scores(q.float(), Labels(lab.float()), channels, valid)
+    want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    kth = scores.topk(k, dim=-1).values[..., -1:]
+    return {"exact": bool(torch.equal(got.cpu().sort(-1).values, want.sort(-1).values)),
+            "same_twice": bool(torch.equal(got, again)),
+            "ties_cut": bool(((scores == kth).sum(-1) > (scores.topk(k, dim=-1).values == kth).sum(-1)).any()),
+            "chunks": radix_triton.radix_plan(b * h * g, t, 4, {**radix_triton.RADIX_CONFIG, **cfg})[0]}
+
+
 def score_case(name: str, device: str = "cpu"):
     from kvcompress.kernels.doublesparse.reference import quantize_labels
 
@@ -102,11 +143,20 @@ def run_score_case(name: str, device: str = "cpu") -> dict:
     fin = torch.isfinite(ref)
     k = extra.get("k", max(1, labels.num_tokens // 8))
     tol = 1e-3 * max(1.0, float(ref[fin].abs().max()))
-    unfused = triton_kernel.select_topk(q, labels, channels, valid, k)  # token-major labels: two-step path
-    cfg = {"chunk_tokens": extra["chunk"], "multilevel": extra.get("multilevel", False)} if "chunk" in extra else None
+    # token-major labels: the fused kernel has no plan, the two-step path runs
+    unfused = triton_kernel.select_topk(q, labels, channels, valid, k, config={"method": "fused"})
+    cfg = {"chunk_tokens": extra["chunk"], "multilevel": extra.get("multilevel", False)} if "chunk" in extra else {}
+    cfg["method"] = "fused"
     fused = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k, config=cfg)
     unrolled1 = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k,
-                                          config=dict(cfg or {}, unroll=1, elems_per_thread=16))
+                                          config=dict(cfg, unroll=1, elems_per_thread=16))
+    # the radix select (the default): small chunks (many per head, several loop steps each) with 8-bit digits on
+    # channel-major labels, and 11-bit digits on token-major labels
+    from kvcompress.kernels.doublesparse import radix_triton
+
+    small = {"min_chunk": 64, "block_t": 64, "programs_per_sm": 16}
+    radix = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k, config={"radix": small})
+    radix11 = radix_triton.select_topk_radix(q, labels, channels, valid, k, config={"bits": 11})
     return {"shape": list(got.shape), "same_inf": bool(torch.equal(torch.isfinite(got), fin)),
             "err": float((got[fin] - ref[fin]).abs().max()), "err_cm": float((got_cm[fin] - ref[fin]).abs().max()),
             "scale": float(ref[fin].abs().max()), "k": k,
@@ -120,6 +170,9 @@ def run_score_case(name: str, device: str = "cpu") -> dict:
             "classic_plan": triton_kernel.fused_plan(labels.num_tokens, k, extra.get("chunk", 1 << 30)) is not None,
             "topk_unfused": reference.is_topk(unfused, ref, k, tol), "topk_fused": reference.is_topk(fused, ref, k, tol),
             "topk_fused_other_launch": reference.is_topk(unrolled1, ref, k, tol),
+            "topk_radix": reference.is_topk(radix, ref, k, tol), "topk_radix11": reference.is_topk(radix11, ref, k, tol),
+            "radix_chunks": radix_triton.radix_plan(q.shape[0] * q.shape[1], labels.num_tokens, 4,
+                                                    {**radix_triton.RADIX_CONFIG, **small})[0],
             "topk_reference": reference.is_topk(reference.select_topk(q, labels, channels, valid, k), ref, k, tol)}
 
 
@@ -261,6 +314,7 @@ def _worker(path: str) -> None:
     cases.update({f"score:{n}": (lambda n=n: run_score_case(n)) for n in SCORE_CASES})
     cases.update({f"gather:{n}": (lambda n=n: run_gather_case(n)) for n in GATHER_CASES})
     cases.update({f"search:{n}": (lambda n=n: run_search_case(n)) for n in SEARCH_CASES})
+    cases.update({f"radix:{n}": (lambda n=n: run_radix_tie_case(n)) for n in RADIX_TIE_CASES})
     collect(cases, path)
 
 
@@ -286,6 +340,9 @@ def _check_score(res: dict, name: str) -> None:
     assert res["topk_unfused"], "scores + torch.topk select a top-k"
     assert res["topk_fused"], "the fused kernel selects a top-k"
     assert res["topk_fused_other_launch"], "the fused kernel with other launch settings selects a top-k"
+    assert res["topk_radix"], "the radix select (8-bit digits, small chunks) selects a top-k"
+    assert res["topk_radix11"], "the radix select (11-bit digits, token-major labels) selects a top-k"
+    assert res["radix_chunks"] > 1 or SCORE_CASES[name][3] <= 64, "the radix case splits each head into chunks"
 
 
 def _check_gather(res: dict, name: str) -> None:
@@ -326,6 +383,43 @@ def test_topk_search_interpreted(interpreted, name):
     """The exact top-k of the select kernels - stopping at an exact count, all 32 bits, ties at the K-th key,
     absent lanes, 16384 lanes - against a sort on the host."""
     _check_search(interpreted[f"search:{name}"], name)
+
+
+def _check_radix(res: dict, name: str) -> None:
+    assert "error" not in res, res.get("error")
+    assert res["exact"], "the radix select's set is not the k best (ties at the k-th score to the lowest tokens)"
+    assert res["same_twice"], "the radix select wrote the indices in a different order on a second run"
+    if "straddle" in name or "beyond" in name:
+        assert res["ties_cut"], "the case's k-th score is not shared with unchosen tokens"
+    if RADIX_TIE_CASES[name][-1]:
+        assert res["chunks"] > 1, "the case splits each head into chunks"
+
+
+@pytest.mark.parametrize("name", list(RADIX_TIE_CASES))
+def test_radix_select_exact_ties_interpreted(interpreted, name):
+    """The radix select against a stable sort on integer scores: top-1, ties straddling the k-th score (8- and
+    11-bit digits), 5-bit digits (7 passes), k beyond the valid tokens, k = every token."""
+    _check_radix(interpreted[f"radix:{name}"], name)
+
+
+def test_radix_digit_widths_and_plan():
+    """Digit widths cover the 32 key bits; the plan's chunks are whole loop steps, cover every token and give a
+    pass about programs_per_sm programs per SM (fewer only where min_chunk stops it)."""
+    pytest.importorskip("triton")
+    from kvcompress.kernels.doublesparse import radix_triton as rt
+
+    assert rt.digit_widths(8) == [8, 8, 8, 8] and rt.digit_widths(11) == [11, 11, 10]
+    assert sum(rt.digit_widths(5)) == 32 and len(rt.digit_widths(5)) == 7
+    with pytest.raises(ValueError, match="4, 12"):
+        rt.digit_widths(16)
+    cfg = dict(rt.RADIX_CONFIG)
+    for rows, tokens in ((32, 32768), (9, 32768), (512, 32768), (1, 5000), (2048, 131072), (9, 1000)):
+        chunks, chunk = rt.radix_plan(rows, tokens, 132, cfg)
+        assert chunk % cfg["block_t"] == 0 and chunk >= cfg["min_chunk"]
+        assert (chunks - 1) * chunk < tokens <= chunks * chunk
+        if chunk > cfg["min_chunk"] + cfg["block_t"]:  # not stopped by min_chunk: about the programs asked for
+            assert chunks == 1 or rows * chunks <= cfg["programs_per_sm"] * 132 * 2
+    assert rt.radix_plan(32, 32768, 132, cfg)[0] >= 8, "batch 1, Llama heads: several programs per head"
 
 
 def test_sparse_decode_read_interpreted(interpreted):
@@ -411,6 +505,13 @@ def test_scores_on_gpu(name):
 @pytest.mark.parametrize("name", list(GATHER_CASES))
 def test_gather_on_gpu(name):
     _check_gather(run_gather_case(name, "cuda"), name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(RADIX_TIE_CASES))
+def test_radix_select_exact_ties_on_gpu(name):
+    _check_radix(run_radix_tie_case(name, "cuda"), name)
 
 
 @pytest.mark.gpu

@@ -302,7 +302,10 @@ FUSED_MAX_TOKENS = 16384  # per program: the label scores stay in registers (~3 
 # the chunk + merge path on small inputs (tests)
 # multilevel: where fused_plan has no plan (contexts above 32k at ctx/16), merge the chunks' candidates in levels
 # (fused_levels) instead of the two-step fallback - off until it is timed against that fallback on a GPU
-SELECT_CONFIG = dict(elems_per_thread=None, chunk_tokens=FUSED_MAX_TOKENS, unroll=4, multilevel=False)
+# method: "fused" (this module's select), "radix" (radix_triton.select_topk_radix: many programs per head, any
+# length) or "auto" (select_method); radix: entries over radix_triton.RADIX_CONFIG
+SELECT_CONFIG = dict(elems_per_thread=None, chunk_tokens=FUSED_MAX_TOKENS, unroll=4, multilevel=False, method="auto",
+                     radix={})
 
 
 @functools.lru_cache(maxsize=None)
@@ -373,6 +376,20 @@ def supports_fused(query: torch.Tensor, labels: Labels, channels: torch.Tensor, 
         and planned
 
 
+def select_method(query: torch.Tensor, labels: Labels, channels: torch.Tensor, k: int, cfg: dict) -> str:
+    """Which select :func:`select_topk` runs: ``"fused"`` (:func:`supports_fused`), ``"radix"``
+    (:mod:`.radix_triton`) or ``"unfused"`` (scores + ``torch.topk``).  ``cfg["method"]`` ``"fused"`` / ``"radix"``
+    asks for one (``"fused"`` falls back to ``"unfused"`` without a plan); ``"auto"``: the radix select."""
+    method = cfg["method"]
+    if method not in ("auto", "fused", "radix"):
+        raise ValueError(f"select method must be 'auto', 'fused' or 'radix', got {method!r}")
+    if method in ("auto", "radix") and supports_scores(query, labels, channels):
+        return "radix"
+    if supports_fused(query, labels, channels, k, cfg["chunk_tokens"], bool(cfg["multilevel"])):
+        return "fused"
+    return "unfused"
+
+
 def _divisor(n: int, most: int) -> int:
     """The largest power of two <= ``most`` that divides ``n``."""
     d = 1
@@ -396,7 +413,12 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
     if not 0 < k <= t:
         raise ValueError(f"k must be in [1, {t}], got {k}")
     cfg = dict(_select_base(), **(config or {}))
-    if not supports_fused(query, labels, channels, k, cfg["chunk_tokens"], bool(cfg["multilevel"])):
+    method = select_method(query, labels, channels, k, cfg)
+    if method == "radix":
+        from .radix_triton import select_topk_radix
+
+        return select_topk_radix(query, labels, channels, valid, k, config=cfg["radix"])
+    if method == "unfused":
         return select_topk_unfused(query, labels, channels, valid, k)
     plan = fused_plan(t, k, cfg["chunk_tokens"])
     levels = []
