@@ -144,18 +144,19 @@ def run_score_case(name: str, device: str = "cpu") -> dict:
     k = extra.get("k", max(1, labels.num_tokens // 8))
     tol = 1e-3 * max(1.0, float(ref[fin].abs().max()))
     # token-major labels: the fused kernel has no plan, the two-step path runs
-    unfused = triton_kernel.select_topk(q, labels, channels, valid, k, config={"method": "fused"})
+    unfused = triton_kernel.select_topk(q, labels, channels, valid, k)
     cfg = {"chunk_tokens": extra["chunk"], "multilevel": extra.get("multilevel", False)} if "chunk" in extra else {}
     cfg["method"] = "fused"
     fused = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k, config=cfg)
     unrolled1 = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k,
                                           config=dict(cfg, unroll=1, elems_per_thread=16))
-    # the radix select (the default): small chunks (many per head, several loop steps each) with 8-bit digits on
+    # the radix select (opt-in): small chunks (many per head, several loop steps each) with 8-bit digits on
     # channel-major labels, and 11-bit digits on token-major labels
     from kvcompress.kernels.doublesparse import radix_triton
 
     small = {"min_chunk": 64, "block_t": 64, "programs_per_sm": 16}
-    radix = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k, config={"radix": small})
+    radix = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k,
+                                      config={"method": "radix", "radix": small})
     radix11 = radix_triton.select_topk_radix(q, labels, channels, valid, k, config={"bits": 11})
     return {"shape": list(got.shape), "same_inf": bool(torch.equal(torch.isfinite(got), fin)),
             "err": float((got[fin] - ref[fin]).abs().max()), "err_cm": float((got_cm[fin] - ref[fin]).abs().max()),

@@ -303,7 +303,7 @@ FUSED_MAX_TOKENS = 16384  # per program: the label scores stay in registers (~3 
 # multilevel: where fused_plan has no plan (contexts above 32k at ctx/16), merge the chunks' candidates in levels
 # (fused_levels) instead of the two-step fallback - off until it is timed against that fallback on a GPU
 # method: "fused" (this module's select), "radix" (radix_triton.select_topk_radix: many programs per head, any
-# length) or "auto" (select_method); radix: entries over radix_triton.RADIX_CONFIG
+# length; slower, opt-in) or "auto" (select_method); radix: entries over radix_triton.RADIX_CONFIG
 SELECT_CONFIG = dict(elems_per_thread=None, chunk_tokens=FUSED_MAX_TOKENS, unroll=4, multilevel=False, method="auto",
                      radix={})
 
@@ -379,11 +379,13 @@ def supports_fused(query: torch.Tensor, labels: Labels, channels: torch.Tensor, 
 def select_method(query: torch.Tensor, labels: Labels, channels: torch.Tensor, k: int, cfg: dict) -> str:
     """Which select :func:`select_topk` runs: ``"fused"`` (:func:`supports_fused`), ``"radix"``
     (:mod:`.radix_triton`) or ``"unfused"`` (scores + ``torch.topk``).  ``cfg["method"]`` ``"fused"`` / ``"radix"``
-    asks for one (``"fused"`` falls back to ``"unfused"`` without a plan); ``"auto"``: the radix select."""
+    asks for one (``"fused"`` falls back to ``"unfused"`` without a plan); ``"auto"``: the fused select, else the
+    two-step path.  (The radix select is not chosen by ``"auto"``: 1.2-4.7x slower than these at every shape timed
+    on an H200, docs/results.md "Session 28".)"""
     method = cfg["method"]
     if method not in ("auto", "fused", "radix"):
         raise ValueError(f"select method must be 'auto', 'fused' or 'radix', got {method!r}")
-    if method in ("auto", "radix") and supports_scores(query, labels, channels):
+    if method == "radix" and supports_scores(query, labels, channels):
         return "radix"
     if supports_fused(query, labels, channels, k, cfg["chunk_tokens"], bool(cfg["multilevel"])):
         return "fused"
