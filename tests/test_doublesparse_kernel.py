@@ -475,6 +475,19 @@ def test_dispatch_uses_reference_on_cpu_and_import_compiles_nothing():
     assert out == ["0"]
 
 
+def test_multilevel_merge_where_enough_heads_run():
+    """``multilevel`` None: the multi-level merge where the select runs at least half as many query heads as the
+    device has SMs (4 stand for SMs off CUDA); True / False are kept as given."""
+    pytest.importorskip("triton")
+    from kvcompress.kernels.doublesparse import triton_kernel as tk
+
+    cfg = dict(tk.SELECT_CONFIG)
+    assert cfg["multilevel"] is None
+    assert tk.multilevel_auto(torch.zeros(1, 2, 8), cfg) and not tk.multilevel_auto(torch.zeros(1, 1, 8), cfg)
+    assert not tk.multilevel_auto(torch.zeros(1, 2, 8), dict(cfg, multilevel=False))
+    assert tk.multilevel_auto(torch.zeros(1, 1, 8), dict(cfg, multilevel=True))
+
+
 def test_ds_config_from_the_environment(monkeypatch):
     """``KVCOMPRESS_DS_CONFIG`` sets the select's and the gather's launch entries; an unknown entry is refused with
     the known ones named."""

@@ -301,10 +301,12 @@ FUSED_MAX_TOKENS = 16384  # per program: the label scores stay in registers (~3 
 # 16 warps for 16384 tokens: ~94 registers, no spills (sm_90); chunk_tokens < FUSED_MAX_TOKENS exercises
 # the chunk + merge path on small inputs (tests)
 # multilevel: where fused_plan has no plan (contexts above 32k at ctx/16), merge the chunks' candidates in levels
-# (fused_levels) instead of the two-step fallback - off until it is timed against that fallback on a GPU
+# (fused_levels) instead of the two-step fallback; None = where the select runs at least half as many query heads as
+# the GPU has SMs (session 28, H200, 128k at ctx/16: 1.03-1.26x faster than the fallback from 128 heads - Llama B4 -
+# on, 0.78-0.97x at 9-36 heads: multilevel_auto)
 # method: "fused" (this module's select), "radix" (radix_triton.select_topk_radix: many programs per head, any
 # length; slower, opt-in) or "auto" (select_method); radix: entries over radix_triton.RADIX_CONFIG
-SELECT_CONFIG = dict(elems_per_thread=None, chunk_tokens=FUSED_MAX_TOKENS, unroll=4, multilevel=False, method="auto",
+SELECT_CONFIG = dict(elems_per_thread=None, chunk_tokens=FUSED_MAX_TOKENS, unroll=4, multilevel=None, method="auto",
                      radix={})
 
 
@@ -376,6 +378,15 @@ def supports_fused(query: torch.Tensor, labels: Labels, channels: torch.Tensor, 
         and planned
 
 
+def multilevel_auto(query: torch.Tensor, cfg: dict) -> bool:
+    """``cfg["multilevel"]``, or where it is None, whether the select runs at least half as many query heads
+    (``B * Hq`` rows of ``query``) as the device has SMs."""
+    if cfg["multilevel"] is not None:
+        return bool(cfg["multilevel"])
+    sms = num_sms(query.device.index or 0) if query.is_cuda else 4
+    return query.shape[0] * query.shape[1] * 2 >= sms
+
+
 def select_method(query: torch.Tensor, labels: Labels, channels: torch.Tensor, k: int, cfg: dict) -> str:
     """Which select :func:`select_topk` runs: ``"fused"`` (:func:`supports_fused`), ``"radix"``
     (:mod:`.radix_triton`) or ``"unfused"`` (scores + ``torch.topk``).  ``cfg["method"]`` ``"fused"`` / ``"radix"``
@@ -387,7 +398,7 @@ def select_method(query: torch.Tensor, labels: Labels, channels: torch.Tensor, k
         raise ValueError(f"select method must be 'auto', 'fused' or 'radix', got {method!r}")
     if method == "radix" and supports_scores(query, labels, channels):
         return "radix"
-    if supports_fused(query, labels, channels, k, cfg["chunk_tokens"], bool(cfg["multilevel"])):
+    if supports_fused(query, labels, channels, k, cfg["chunk_tokens"], multilevel_auto(query, cfg)):
         return "fused"
     return "unfused"
 
@@ -407,9 +418,9 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
     Fused (:func:`supports_fused`): one program per query head (and chunk of up to
     :data:`FUSED_MAX_TOKENS` tokens) computes the label scores in registers and selects by an exact
     radix (bitwise binary) search - no score tensor is written; longer contexts pass each chunk's best
-    ``k`` (key, token) pairs to a merge kernel (:func:`fused_plan`); with ``multilevel`` (off by default),
-    contexts beyond that merge in levels (:func:`fused_levels`).  Otherwise :func:`select_topk_unfused`.  Ties at the k-th score go to the lowest token index.  ``config``
-    overrides :data:`SELECT_CONFIG` (a benchmark knob).
+    ``k`` (key, token) pairs to a merge kernel (:func:`fused_plan`); with ``multilevel`` (:func:`multilevel_auto`),
+    contexts beyond that merge in levels (:func:`fused_levels`).  Otherwise :func:`select_topk_unfused`.  Ties at
+    the k-th score go to the lowest token index.  ``config`` overrides :data:`SELECT_CONFIG` (a benchmark knob).
     """
     t = labels.num_tokens
     if not 0 < k <= t:
