@@ -150,14 +150,14 @@ def run_score_case(name: str, device: str = "cpu") -> dict:
     fused = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k, config=cfg)
     unrolled1 = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k,
                                           config=dict(cfg, unroll=1, elems_per_thread=16))
-    # the radix select (opt-in): small chunks (many per head, several loop steps each) with 8-bit digits on
-    # channel-major labels, and 11-bit digits on token-major labels
+    # the radix select (opt-in): small chunks (many per head, several loop steps each) on channel-major labels, and
+    # the default plan on token-major labels (11-bit digits: the tie cases below)
     from kvcompress.kernels.doublesparse import radix_triton
 
     small = {"min_chunk": 64, "block_t": 64, "programs_per_sm": 16}
     radix = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k,
                                       config={"method": "radix", "radix": small})
-    radix11 = radix_triton.select_topk_radix(q, labels, channels, valid, k, config={"bits": 11})
+    radix_tm = radix_triton.select_topk_radix(q, labels, channels, valid, k)
     return {"shape": list(got.shape), "same_inf": bool(torch.equal(torch.isfinite(got), fin)),
             "err": float((got[fin] - ref[fin]).abs().max()), "err_cm": float((got_cm[fin] - ref[fin]).abs().max()),
             "scale": float(ref[fin].abs().max()), "k": k,
@@ -171,7 +171,7 @@ def run_score_case(name: str, device: str = "cpu") -> dict:
             "classic_plan": triton_kernel.fused_plan(labels.num_tokens, k, extra.get("chunk", 1 << 30)) is not None,
             "topk_unfused": reference.is_topk(unfused, ref, k, tol), "topk_fused": reference.is_topk(fused, ref, k, tol),
             "topk_fused_other_launch": reference.is_topk(unrolled1, ref, k, tol),
-            "topk_radix": reference.is_topk(radix, ref, k, tol), "topk_radix11": reference.is_topk(radix11, ref, k, tol),
+            "topk_radix": reference.is_topk(radix, ref, k, tol), "topk_radix_tm": reference.is_topk(radix_tm, ref, k, tol),
             "radix_chunks": radix_triton.radix_plan(q.shape[0] * q.shape[1], labels.num_tokens, 4,
                                                     {**radix_triton.RADIX_CONFIG, **small})[0],
             "topk_reference": reference.is_topk(reference.select_topk(q, labels, channels, valid, k), ref, k, tol)}
@@ -342,7 +342,7 @@ def _check_score(res: dict, name: str) -> None:
     assert res["topk_fused"], "the fused kernel selects a top-k"
     assert res["topk_fused_other_launch"], "the fused kernel with other launch settings selects a top-k"
     assert res["topk_radix"], "the radix select (8-bit digits, small chunks) selects a top-k"
-    assert res["topk_radix11"], "the radix select (11-bit digits, token-major labels) selects a top-k"
+    assert res["topk_radix_tm"], "the radix select on token-major labels selects a top-k"
     assert res["radix_chunks"] > 1 or SCORE_CASES[name][3] <= 64, "the radix case splits each head into chunks"
 
 

@@ -391,8 +391,8 @@ def select_method(query: torch.Tensor, labels: Labels, channels: torch.Tensor, k
     """Which select :func:`select_topk` runs: ``"fused"`` (:func:`supports_fused`), ``"radix"``
     (:mod:`.radix_triton`) or ``"unfused"`` (scores + ``torch.topk``).  ``cfg["method"]`` ``"fused"`` / ``"radix"``
     asks for one (``"fused"`` falls back to ``"unfused"`` without a plan); ``"auto"``: the fused select, else the
-    two-step path.  (The radix select is not chosen by ``"auto"``: 1.2-4.7x slower than these at every shape timed
-    on an H200, docs/results.md "Session 28".)"""
+    two-step path.  (The radix select is not chosen by ``"auto"``: slower at 39 of 40 cells timed on an H200, up to
+    3.8x per read, docs/results.md "Session 28".)"""
     method = cfg["method"]
     if method not in ("auto", "fused", "radix"):
         raise ValueError(f"select method must be 'auto', 'fused' or 'radix', got {method!r}")
