@@ -35,6 +35,8 @@ def main(argv=None) -> int:
     from kvcompress.kernels.doublesparse import triton_kernel as tk
     from kvcompress.kernels.doublesparse.bench import ds_inputs
 
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "select_profile.json")
     extra = json.loads(args.configs)
     extra = extra if isinstance(extra, list) else [extra]
     runs = [(m, {"method": m}) for m in args.methods.split(",")]
@@ -68,11 +70,10 @@ def main(argv=None) -> int:
             except Exception as exc:  # noqa: BLE001 - a run that fails is a result too
                 rows.append({"shape": spec, "method": name, "error": repr(exc)[:400]})
                 print(f"## {spec} {name}: ERROR {repr(exc)[:400]}")
+            with open(path, "w") as fh:  # after every run: a device call cut short keeps what it measured
+                json.dump(rows, fh, indent=1)
         del q, lab, ch
         torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "select_profile.json"), "w") as fh:
-        json.dump(rows, fh, indent=1)
     return 0
 
 

@@ -34,9 +34,16 @@ SCORE_CASES = {
     # left padding
     "fp16-multilevel-three-levels": (1, 2, 2, 2500, 64, 16, 16, {"k": 20, "chunk": 64, "multilevel": True,
                                                                   "pad": 300, "levels": 3}),
+    # chunks shorter than the merge's capacity (merge_tokens): 19 chunks of 32 keep 32 each, 608 candidates for one
+    # merge program that a 64-candidate merge could not take
+    "fp16-short-chunks-wide-merge": (1, 2, 2, 600, 64, 16, 16, {"k": 40, "chunk": 64, "merge": 1024, "pad": 45}),
     # 4-bit labels, one level, fewer present candidates in the last group (a short last chunk)
     "4bit-multilevel-one-level": (2, 1, 3, 1001, 32, 8, 4, {"k": 30, "chunk": 128, "multilevel": True, "levels": 1}),
 }
+# the score cases that also run the (opt-in) radix select: fp16 / 4-bit / 2-bit labels, bf16 query, one query head per
+# kv head, padding, k beyond the valid tokens (each radix build compiles five kernels: a few cases keep the GPU run short)
+RADIX_SCORE_CASES = ("fp16-gqa4-r16-odd-t", "2bit-gqa2-r8-padding", "4bit-gqa1-r32-bf16-query",
+                     "fp16-k-exceeds-valid-tokens")
 # gather attention: name -> (batch, kv_heads, rows M, tokens, D, Dv, selected K, extras)
 GATHER_CASES = {
     "gqa4-k37-two-splits": (2, 2, 4, 120, 64, 64, 37, {"splits": 2}),
@@ -145,33 +152,38 @@ def run_score_case(name: str, device: str = "cpu") -> dict:
     tol = 1e-3 * max(1.0, float(ref[fin].abs().max()))
     # token-major labels: the fused kernel has no plan, the two-step path runs
     unfused = triton_kernel.select_topk(q, labels, channels, valid, k)
-    cfg = {"chunk_tokens": extra["chunk"], "multilevel": extra.get("multilevel", False)} if "chunk" in extra else {}
+    cfg = {"chunk_tokens": extra["chunk"], "multilevel": extra.get("multilevel", False),
+           "merge_tokens": extra.get("merge")} if "chunk" in extra else {}
     cfg["method"] = "fused"
     fused = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k, config=cfg)
     unrolled1 = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k,
                                           config=dict(cfg, unroll=1, elems_per_thread=16))
-    # the radix select (opt-in): small chunks (many per head, several loop steps each) on channel-major labels, and
-    # the default plan on token-major labels (11-bit digits: the tie cases below)
+    # the radix select (opt-in), on the label formats of RADIX_SCORE_CASES: small chunks (many per head, several loop
+    # steps each) on channel-major labels, and the default plan on token-major labels (11-bit digits: the tie cases)
     from kvcompress.kernels.doublesparse import radix_triton
 
     small = {"min_chunk": 64, "block_t": 64, "programs_per_sm": 16}
-    radix = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k,
-                                      config={"method": "radix", "radix": small})
-    radix_tm = radix_triton.select_topk_radix(q, labels, channels, valid, k)
+    radix = radix_tm = None
+    if name in RADIX_SCORE_CASES:
+        radix = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k,
+                                          config={"method": "radix", "radix": small})
+        radix_tm = radix_triton.select_topk_radix(q, labels, channels, valid, k)
     return {"shape": list(got.shape), "same_inf": bool(torch.equal(torch.isfinite(got), fin)),
             "err": float((got[fin] - ref[fin]).abs().max()), "err_cm": float((got_cm[fin] - ref[fin]).abs().max()),
             "scale": float(ref[fin].abs().max()), "k": k,
             "fused_used": bool(triton_kernel.supports_fused(q, channel_major(labels), channels, k,
                                                             extra.get("chunk", triton_kernel.FUSED_MAX_TOKENS),
-                                                            extra.get("multilevel", False))),
-            "chunks": (triton_kernel.fused_levels if extra.get("multilevel") else triton_kernel.fused_plan)(
-                labels.num_tokens, k, extra.get("chunk", 1 << 30))[0],
+                                                            extra.get("multilevel", False), extra.get("merge"))),
+            "chunks": (triton_kernel.fused_levels(labels.num_tokens, k, extra["chunk"]) if extra.get("multilevel")
+                       else triton_kernel.fused_plan(labels.num_tokens, k, extra.get("chunk", 1 << 30),
+                                                     extra.get("merge")))[0],
             "levels": len(triton_kernel.fused_levels(labels.num_tokens, k, extra["chunk"])[3])
             if extra.get("multilevel") else 0,
             "classic_plan": triton_kernel.fused_plan(labels.num_tokens, k, extra.get("chunk", 1 << 30)) is not None,
             "topk_unfused": reference.is_topk(unfused, ref, k, tol), "topk_fused": reference.is_topk(fused, ref, k, tol),
             "topk_fused_other_launch": reference.is_topk(unrolled1, ref, k, tol),
-            "topk_radix": reference.is_topk(radix, ref, k, tol), "topk_radix_tm": reference.is_topk(radix_tm, ref, k, tol),
+            "topk_radix": radix is None or reference.is_topk(radix, ref, k, tol),
+            "topk_radix_tm": radix_tm is None or reference.is_topk(radix_tm, ref, k, tol),
             "radix_chunks": radix_triton.radix_plan(q.shape[0] * q.shape[1], labels.num_tokens, 4,
                                                     {**radix_triton.RADIX_CONFIG, **small})[0],
             "topk_reference": reference.is_topk(reference.select_topk(q, labels, channels, valid, k), ref, k, tol)}
@@ -334,6 +346,8 @@ def _check_score(res: dict, name: str) -> None:
     assert res["fused_used"], "channel-major labels take the fused select kernel"
     if "chunk" in SCORE_CASES[name][-1]:
         assert res["chunks"] > 1, "the case runs the chunk + merge path"
+    if "merge" in SCORE_CASES[name][-1]:
+        assert not res["classic_plan"], "the case needs the merge wider than a chunk"
     if SCORE_CASES[name][-1].get("multilevel"):
         assert not res["classic_plan"] and res["levels"] == SCORE_CASES[name][-1]["levels"], \
             "the case runs the multi-level merge"
@@ -343,7 +357,8 @@ def _check_score(res: dict, name: str) -> None:
     assert res["topk_fused_other_launch"], "the fused kernel with other launch settings selects a top-k"
     assert res["topk_radix"], "the radix select (8-bit digits, small chunks) selects a top-k"
     assert res["topk_radix_tm"], "the radix select on token-major labels selects a top-k"
-    assert res["radix_chunks"] > 1 or SCORE_CASES[name][3] <= 64, "the radix case splits each head into chunks"
+    if name in RADIX_SCORE_CASES:
+        assert res["radix_chunks"] > 1 or SCORE_CASES[name][3] <= 64, "the radix case splits each head into chunks"
 
 
 def _check_gather(res: dict, name: str) -> None:
@@ -409,6 +424,7 @@ def test_radix_digit_widths_and_plan():
     pytest.importorskip("triton")
     from kvcompress.kernels.doublesparse import radix_triton as rt
 
+    assert set(RADIX_SCORE_CASES) <= set(SCORE_CASES)
     assert rt.digit_widths(8) == [8, 8, 8, 8] and rt.digit_widths(11) == [11, 11, 10]
     assert sum(rt.digit_widths(5)) == 32 and len(rt.digit_widths(5)) == 7
     with pytest.raises(ValueError, match="4, 12"):
@@ -486,6 +502,20 @@ def test_multilevel_merge_where_enough_heads_run():
     assert tk.multilevel_auto(torch.zeros(1, 2, 8), cfg) and not tk.multilevel_auto(torch.zeros(1, 1, 8), cfg)
     assert not tk.multilevel_auto(torch.zeros(1, 2, 8), dict(cfg, multilevel=False))
     assert tk.multilevel_auto(torch.zeros(1, 1, 8), dict(cfg, multilevel=True))
+
+
+def test_fused_plan_merge_capacity():
+    """Chunks shorter than the merge program (merge_tokens): a batch-1 head at 32k, k = ctx/16, over 8 select
+    programs of 4096 tokens instead of 4 of 8192, where a merge sized by the chunk has no plan; never beyond
+    FUSED_MAX_TOKENS candidates."""
+    pytest.importorskip("triton")
+    from kvcompress.kernels.doublesparse import triton_kernel as tk
+
+    assert tk.fused_plan(32768, 2048) == (4, 8192, 2048)
+    assert tk.fused_plan(32768, 2048, 8192) is None
+    assert tk.fused_plan(32768, 2048, 8192, 16384) == (8, 4096, 2048)
+    assert tk.fused_plan(32768, 4096, 8192, 1 << 20) is None, "32768 candidates exceed one merge program"
+    assert tk.fused_plan(4096, 256, 2048, 16384) == (4, 1024, 256)
 
 
 def test_ds_config_from_the_environment(monkeypatch):

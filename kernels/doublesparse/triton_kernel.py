@@ -306,8 +306,9 @@ FUSED_MAX_TOKENS = 16384  # per program: the label scores stay in registers (~3 
 # on, 0.78-0.97x at 9-36 heads: multilevel_auto)
 # method: "fused" (this module's select), "radix" (radix_triton.select_topk_radix: many programs per head, any
 # length; slower, opt-in) or "auto" (select_method); radix: entries over radix_triton.RADIX_CONFIG
+# merge_tokens: candidates the merge program takes at most (fused_plan; None = chunk_tokens)
 SELECT_CONFIG = dict(elems_per_thread=None, chunk_tokens=FUSED_MAX_TOKENS, unroll=4, multilevel=None, method="auto",
-                     radix={})
+                     radix={}, merge_tokens=None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -328,21 +329,25 @@ def _select_base() -> dict:
     return {**SELECT_CONFIG, **{k: v for k, v in _env_config().items() if k in SELECT_CONFIG}}
 
 
-def fused_plan(tokens: int, k: int, chunk: int = FUSED_MAX_TOKENS) -> tuple[int, int, int] | None:
+def fused_plan(tokens: int, k: int, chunk: int = FUSED_MAX_TOKENS,
+               merge: int | None = None) -> tuple[int, int, int] | None:
     """``(chunks, tokens per chunk, candidates per chunk)`` of the fused selection, or ``None``.
 
     One chunk (``tokens <= chunk``): one kernel, indices straight out.  More: chunks of ``chunk // 2``
     tokens (a candidate program holds keys and token indices: half the tokens fit its registers) each keep
     their ``min(k, chunk // 2)`` best - a superset of their share of the global top-k - and a merge kernel
-    picks the ``k`` best candidates; this needs the candidates to fit one program (at most ``chunk``).
+    picks the ``k`` best candidates; this needs the candidates to fit the merge program: at most ``merge``
+    (``None``: ``chunk``; never more than :data:`FUSED_MAX_TOKENS`).  A ``chunk`` below the merge's capacity
+    spreads a head over more, shorter select programs (more of them at batch 1) for a longer merge.
     """
     chunk = min(chunk, FUSED_MAX_TOKENS)
+    merge = min(chunk if merge is None else merge, FUSED_MAX_TOKENS)
     if tokens <= chunk:
         return 1, tokens, k
     per = max(1, chunk // 2)
     chunks = -(-tokens // per)
     kc = min(k, per)
-    return (chunks, per, kc) if chunks * kc <= chunk else None
+    return (chunks, per, kc) if chunks * kc <= merge else None
 
 
 def fused_levels(tokens: int, k: int, chunk: int = FUSED_MAX_TOKENS
@@ -369,11 +374,11 @@ def fused_levels(tokens: int, k: int, chunk: int = FUSED_MAX_TOKENS
 
 
 def supports_fused(query: torch.Tensor, labels: Labels, channels: torch.Tensor, k: int = 1,
-                   chunk: int = FUSED_MAX_TOKENS, multilevel: bool = False) -> bool:
+                   chunk: int = FUSED_MAX_TOKENS, multilevel: bool = False, merge: int | None = None) -> bool:
     """Whether :func:`select_topk` runs the fused kernels: token-contiguous labels (the plugin's channel-major
     label cache) and a :func:`fused_plan` (or, with ``multilevel``, :func:`fused_levels`)."""
     t = labels.num_tokens
-    planned = fused_plan(t, k, chunk) is not None or (multilevel and fused_levels(t, k, chunk) is not None)
+    planned = fused_plan(t, k, chunk, merge) is not None or (multilevel and fused_levels(t, k, chunk) is not None)
     return supports_scores(query, labels, channels) and t > 0 and (labels.data.stride(2) == 1 or t == 1) \
         and planned
 
@@ -398,7 +403,8 @@ def select_method(query: torch.Tensor, labels: Labels, channels: torch.Tensor, k
         raise ValueError(f"select method must be 'auto', 'fused' or 'radix', got {method!r}")
     if method == "radix" and supports_scores(query, labels, channels):
         return "radix"
-    if supports_fused(query, labels, channels, k, cfg["chunk_tokens"], multilevel_auto(query, cfg)):
+    if supports_fused(query, labels, channels, k, cfg["chunk_tokens"], multilevel_auto(query, cfg),
+                      cfg["merge_tokens"]):
         return "fused"
     return "unfused"
 
@@ -433,7 +439,7 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
         return select_topk_radix(query, labels, channels, valid, k, config=cfg["radix"])
     if method == "unfused":
         return select_topk_unfused(query, labels, channels, valid, k)
-    plan = fused_plan(t, k, cfg["chunk_tokens"])
+    plan = fused_plan(t, k, cfg["chunk_tokens"], cfg["merge_tokens"])
     levels = []
     if plan is None:  # multilevel
         chunks, chunk, kc, levels, _ = fused_levels(t, k, cfg["chunk_tokens"])
