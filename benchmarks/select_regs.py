@@ -12,7 +12,8 @@ Use the GPU image's Triton for numbers that hold there (it is 3.6 on the lent H2
     PYTHONPATH=/tmp/t36 python benchmarks/select_regs.py [--out FILE.json]
 
 Rows: the select kernel at each (tokens per program, warps) the launch rule picks (``elems_per_thread`` 16 / 32 / 64
-over 4096-16384 tokens), with and without candidate output, and the merge kernel.
+over 4096-16384 tokens), with and without candidate output, with the placement in blocks (``compact_block``), and the
+merge kernel.
 """
 
 from __future__ import annotations
@@ -63,24 +64,29 @@ def main(argv=None) -> int:
     from kvcompress.kernels.doublesparse import triton_kernel as tk
 
     rows = []
-    for np_, warps in ((16384, 16), (8192, 16), (8192, 8), (8192, 4), (4096, 8), (4096, 4), (2048, 2)):
-        for cand in (True, False):
-            consts = dict(W=16, PER=1, BITS=16, QUANT=False, HAS_VALID=False, CANDIDATES=cand, UNROLL=4, NP=np_)
-            ptr = dict(SELECT_PTR, IDX="*i32" if cand else "*i64")
-            r = resources(tk._select_kernel, consts, warps, ptr, SELECT_DIV)
-            rows.append({"kernel": "select", "tokens": np_, "warps": warps, "elems_per_thread": np_ // (32 * warps),
-                         "candidates": cand, **r})
-    for np_, warps in ((16384, 16), (8192, 8), (8192, 16)):
-        r = resources(tk._merge_kernel, dict(NP=np_), warps, {"CKEY": "*i32", "CIDX": "*i32", "OUT": "*i64"},
-                      ("N", "K"))
+    configs = [(np_, warps, cand, np_) for np_, warps in ((16384, 16), (8192, 16), (8192, 8), (8192, 4), (4096, 8),
+                                                          (4096, 4), (2048, 2)) for cand in (True, False)]
+    # compact_block: the placement a block at a time (SUB lanes), the keys computed again
+    configs += [(8192, warps, True, sub) for warps in (8, 4) for sub in (2048, 1024)]
+    configs += [(16384, 16, False, 2048)]
+    for np_, warps, cand, sub in configs:
+        consts = dict(W=16, PER=1, BITS=16, QUANT=False, HAS_VALID=False, CANDIDATES=cand, UNROLL=4, NP=np_, SUB=sub)
+        ptr = dict(SELECT_PTR, IDX="*i32" if cand else "*i64")
+        r = resources(tk._select_kernel, consts, warps, ptr, SELECT_DIV)
+        rows.append({"kernel": "select", "tokens": np_, "warps": warps, "elems_per_thread": np_ // (32 * warps),
+                     "candidates": cand, "compact_block": sub if sub < np_ else None, **r})
+    for np_, warps, sub in ((16384, 16, 16384), (8192, 8, 8192), (8192, 16, 8192), (16384, 16, 2048),
+                            (8192, 8, 1024)):
+        r = resources(tk._merge_kernel, dict(NP=np_, SUB=sub), warps,
+                      {"CKEY": "*i32", "CIDX": "*i32", "OUT": "*i64"}, ("N", "K"))
         rows.append({"kernel": "merge", "tokens": np_, "warps": warps, "elems_per_thread": np_ // (32 * warps),
-                     "candidates": None, **r})
+                     "candidates": None, "compact_block": sub if sub < np_ else None, **r})
     print(f"Triton {rows[0]['triton']}, sm_90 (fp16 labels, r = 16)")
-    print("| kernel | tokens | warps | per thread | candidates | registers | stack (B) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| kernel | tokens | warps | per thread | candidates | compact_block | registers | stack (B) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['kernel']} | {r['tokens']} | {r['warps']} | {r['elems_per_thread']} | {r['candidates']} | "
-              f"{r['registers']} | {r['stack_bytes']} |")
+              f"{r['compact_block'] or '-'} | {r['registers']} | {r['stack_bytes']} |")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(rows, fh, indent=1)

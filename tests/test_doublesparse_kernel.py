@@ -158,6 +158,8 @@ def run_score_case(name: str, device: str = "cpu") -> dict:
     fused = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k, config=cfg)
     unrolled1 = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k,
                                           config=dict(cfg, unroll=1, elems_per_thread=16))
+    # the placement in blocks of 32 lanes (keys computed again per block): the same indices in the same order
+    blocked = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k, config=dict(cfg, compact_block=32))
     # the radix select (opt-in), on the label formats of RADIX_SCORE_CASES: small chunks (many per head, several loop
     # steps each) on channel-major labels, and the default plan on token-major labels (11-bit digits: the tie cases)
     from kvcompress.kernels.doublesparse import radix_triton
@@ -182,6 +184,7 @@ def run_score_case(name: str, device: str = "cpu") -> dict:
             "classic_plan": triton_kernel.fused_plan(labels.num_tokens, k, extra.get("chunk", 1 << 30)) is not None,
             "topk_unfused": reference.is_topk(unfused, ref, k, tol), "topk_fused": reference.is_topk(fused, ref, k, tol),
             "topk_fused_other_launch": reference.is_topk(unrolled1, ref, k, tol),
+            "blocked_same": bool(torch.equal(blocked, fused)),
             "topk_radix": radix is None or reference.is_topk(radix, ref, k, tol),
             "topk_radix_tm": radix_tm is None or reference.is_topk(radix_tm, ref, k, tol),
             "radix_chunks": radix_triton.radix_plan(q.shape[0] * q.shape[1], labels.num_tokens, 4,
@@ -355,6 +358,7 @@ def _check_score(res: dict, name: str) -> None:
     assert res["topk_unfused"], "scores + torch.topk select a top-k"
     assert res["topk_fused"], "the fused kernel selects a top-k"
     assert res["topk_fused_other_launch"], "the fused kernel with other launch settings selects a top-k"
+    assert res["blocked_same"], "the placement in blocks (compact_block) changed the indices or their order"
     assert res["topk_radix"], "the radix select (8-bit digits, small chunks) selects a top-k"
     assert res["topk_radix_tm"], "the radix select on token-major labels selects a top-k"
     if name in RADIX_SCORE_CASES:

@@ -208,55 +208,100 @@ def _top_slots(key, K):
     round from packed counts; packing the lanes still undecided after 10-16 rounds into a scratch row to finish
     the search over those alone.)"""
     found = _kth_key(key, K)
+    need = K - tl.sum((key > found).to(tl.int32), axis=0)
+    chosen, slot, _ = _place(key, found, need, tl.zeros([], tl.int32))
+    return chosen, slot
+
+
+@triton.jit
+def _place(key, found, need, base):
+    """Chosen lanes and their slots given the threshold ``found`` and the ``need`` ties at it to take (lowest lanes
+    first): ``base`` packs the keys above ``found`` (high 16 bits) and the ties (low 16 bits) of lanes before
+    these, so a block can be placed in parts; returns the packed count after them too."""
     above = key > found
-    need = K - tl.sum(above.to(tl.int32), axis=0)
     tie = key == found
-    run = tl.cumsum(tie.to(tl.int32) + (above.to(tl.int32) << 16), axis=0)
+    inc = tie.to(tl.int32) + (above.to(tl.int32) << 16)
+    run = tl.cumsum(inc, axis=0) + base
     ties = run & 0xFFFF
     chosen = above | (tie & (ties <= need))
-    return chosen, (run >> 16) + tl.minimum(ties, need) - 1
+    return chosen, (run >> 16) + tl.minimum(ties, need) - 1, base + tl.sum(inc, axis=0)
 
 
 @triton.jit
 def _select_kernel(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, sz_h, VA, sva_b,
                    IDX, CKEY, T, K, KC, CHUNK, HQ, G,
                    W: tl.constexpr, PER: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
-                   HAS_VALID: tl.constexpr, CANDIDATES: tl.constexpr, UNROLL: tl.constexpr, NP: tl.constexpr):
+                   HAS_VALID: tl.constexpr, CANDIDATES: tl.constexpr, UNROLL: tl.constexpr, NP: tl.constexpr,
+                   SUB: tl.constexpr):
     """One query head and one chunk of ``CHUNK`` tokens: label scores in registers, then either the head's
-    ``K`` token indices (one chunk) or the chunk's ``KC`` best (key, token) candidates (``CANDIDATES``)."""
+    ``K`` token indices (one chunk) or the chunk's ``KC`` best (key, token) candidates (``CANDIDATES``).
+    ``SUB < NP``: once the threshold is found the keys are dropped and recomputed ``SUB`` lanes at a time for the
+    placement (the prefix sum and the scattered stores then hold ``SUB`` lanes' state, not ``NP``: fewer
+    registers for a second label read, :data:`SELECT_CONFIG` ``compact_block``); the same indices in the same
+    order as in one pass."""
     pid = tl.program_id(0)  # b * HQ + hq
     chunk = tl.program_id(1)
     hq = (pid % HQ).to(tl.int64)
     b = (pid // HQ).to(tl.int64)
     h = hq // G
-    if CANDIDATES:
-        offs = chunk * CHUNK + tl.arange(0, NP)
-        ok = (tl.arange(0, NP) < CHUNK) & (offs < T)
-    else:  # one chunk of every token
-        offs = tl.arange(0, NP)
-        ok = offs < T
+    first = chunk * CHUNK if CANDIDATES else 0
+    end = tl.minimum(first + CHUNK, T) if CANDIDATES else T
+    offs = first + tl.arange(0, NP)
+    ok = offs < end
     key = _label_keys(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, sz_h, VA, sva_b, b, hq, h,
                       offs, ok, W, PER, BITS, QUANT, HAS_VALID, UNROLL, NP)
     if CANDIDATES:
-        n = tl.minimum(CHUNK, T - chunk * CHUNK)
-        chosen, slot = _top_slots(key, tl.minimum(KC, n))
+        kk = tl.minimum(KC, end - first)
         row = (pid.to(tl.int64) * tl.num_programs(1) + chunk) * KC
-        tl.store(CKEY + row + slot, key.to(tl.int32, bitcast=True), mask=chosen)
-        tl.store(IDX + row + slot, offs, mask=chosen)
     else:
-        chosen, slot = _top_slots(key, K)
-        tl.store(IDX + pid.to(tl.int64) * K + slot, offs.to(tl.int64), mask=chosen)
+        kk = K
+        row = pid.to(tl.int64) * K
+    if SUB >= NP:
+        chosen, slot = _top_slots(key, kk)
+        if CANDIDATES:
+            tl.store(CKEY + row + slot, key.to(tl.int32, bitcast=True), mask=chosen)
+            tl.store(IDX + row + slot, offs, mask=chosen)
+        else:
+            tl.store(IDX + row + slot, offs.to(tl.int64), mask=chosen)
+    else:
+        found = _kth_key(key, kk)
+        need = kk - tl.sum((key > found).to(tl.int32), axis=0)
+        base = tl.zeros([], tl.int32)
+        for s0 in range(0, NP, SUB):
+            offs_s = first + s0 + tl.arange(0, SUB)
+            ok_s = offs_s < end
+            key_s = _label_keys(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, sz_h, VA, sva_b, b, hq,
+                                h, offs_s, ok_s, W, PER, BITS, QUANT, HAS_VALID, UNROLL, SUB)
+            chosen, slot, base = _place(key_s, found, need, base)
+            if CANDIDATES:
+                tl.store(CKEY + row + slot, key_s.to(tl.int32, bitcast=True), mask=chosen)
+                tl.store(IDX + row + slot, offs_s, mask=chosen)
+            else:
+                tl.store(IDX + row + slot, offs_s.to(tl.int64), mask=chosen)
 
 
 @triton.jit
-def _merge_kernel(CKEY, CIDX, OUT, N, K, NP: tl.constexpr):
-    """The ``K`` best of one head's ``N`` candidates (keys, token indices): the head's token indices."""
+def _merge_kernel(CKEY, CIDX, OUT, N, K, NP: tl.constexpr, SUB: tl.constexpr):
+    """The ``K`` best of one head's ``N`` candidates (keys, token indices): the head's token indices.  ``SUB <
+    NP``: placed ``SUB`` at a time, the keys loaded again (as :func:`_select_kernel`)."""
     pid = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, NP)
     ok = offs < N
     key = tl.load(CKEY + pid * N + offs, mask=ok, other=0).to(tl.uint32, bitcast=True)
-    chosen, slot = _top_slots(key, K)
-    tl.store(OUT + pid * K + slot, tl.load(CIDX + pid * N + offs, mask=chosen, other=0).to(tl.int64), mask=chosen)
+    if SUB >= NP:
+        chosen, slot = _top_slots(key, K)
+        tl.store(OUT + pid * K + slot, tl.load(CIDX + pid * N + offs, mask=chosen, other=0).to(tl.int64),
+                 mask=chosen)
+    else:
+        found = _kth_key(key, K)
+        need = K - tl.sum((key > found).to(tl.int32), axis=0)
+        base = tl.zeros([], tl.int32)
+        for s0 in range(0, NP, SUB):
+            offs_s = s0 + tl.arange(0, SUB)
+            key_s = tl.load(CKEY + pid * N + offs_s, mask=offs_s < N, other=0).to(tl.uint32, bitcast=True)
+            chosen, slot, base = _place(key_s, found, need, base)
+            tl.store(OUT + pid * K + slot, tl.load(CIDX + pid * N + offs_s, mask=chosen, other=0).to(tl.int64),
+                     mask=chosen)
 
 
 @triton.jit
@@ -307,8 +352,11 @@ FUSED_MAX_TOKENS = 16384  # per program: the label scores stay in registers (~3 
 # method: "fused" (this module's select), "radix" (radix_triton.select_topk_radix: many programs per head, any
 # length; slower, opt-in) or "auto" (select_method); radix: entries over radix_triton.RADIX_CONFIG
 # merge_tokens: candidates the merge program takes at most (fused_plan; None = chunk_tokens)
+# compact_block: place the chosen lanes this many at a time, their label keys computed again (None: all at once).
+# Offline (benchmarks/select_regs.py, Triton 3.6) the placement holds ~150 of the 206 registers of an 8192-token,
+# 8-warp select and makes the 4-warp one spill; not timed yet
 SELECT_CONFIG = dict(elems_per_thread=None, chunk_tokens=FUSED_MAX_TOKENS, unroll=4, multilevel=None, method="auto",
-                     radix={}, merge_tokens=None)
+                     radix={}, merge_tokens=None, compact_block=None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -409,6 +457,12 @@ def select_method(query: torch.Tensor, labels: Labels, channels: torch.Tensor, k
     return "unfused"
 
 
+def _sub(np_: int, cfg: dict) -> int:
+    """Lanes the select / merge kernels place at a time (``compact_block``, a power of two; all ``np_`` if None)."""
+    block = cfg["compact_block"]
+    return np_ if block is None else max(16, min(np_, pow2(int(block))))
+
+
 def _divisor(n: int, most: int) -> int:
     """The largest power of two <= ``most`` that divides ``n``."""
     d = 1
@@ -475,7 +529,8 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
         cidx, ckey, t, k, kc, chunk, hq, hq // hkv,
         W=lab.shape[-1], PER=8 // labels.bits if quant else 1, BITS=labels.bits if quant else 16, QUANT=quant,
         HAS_VALID=valid is not None, CANDIDATES=chunks > 1,
-        UNROLL=_divisor(lab.shape[-1], int(cfg["unroll"])), NP=np_, num_warps=warps)
+        UNROLL=_divisor(lab.shape[-1], int(cfg["unroll"])), NP=np_,
+        SUB=_sub(np_, cfg), num_warps=warps)
     n = chunks * kc  # candidates left
     for _, group, keep in levels:  # fused_levels' candidate counts are the n of each step here
         groups = -(-n // group)
@@ -487,7 +542,8 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
         ckey, cidx, n = okey, oidx, groups * keep
     if chunks > 1:
         np2 = max(16, pow2(n))
-        _merge_kernel[(b * hq,)](ckey, cidx, out, n, k, NP=np2, num_warps=max(1, min(16, np2 // (32 * ept))))
+        _merge_kernel[(b * hq,)](ckey, cidx, out, n, k, NP=np2, SUB=_sub(np2, cfg),
+                                 num_warps=max(1, min(16, np2 // (32 * ept))))
     return out
 
 
