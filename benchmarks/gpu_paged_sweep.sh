@@ -9,7 +9,8 @@
 #   Other kernels' configuration knobs (session 28): PS_VAR (the environment variable, default
 #   KVCOMPRESS_PAGED_CONFIG), PS_OPS (benchutil ops beside sdpa, default paged-dense), PS_TESTS (GPU test files,
 #   default tests/test_paged_kernel.py), e.g. PS_VAR=KVCOMPRESS_DS_CONFIG PS_OPS=ds8,ds16
-#   PS_TESTS=tests/test_doublesparse_kernel.py
+#   PS_TESTS=tests/test_doublesparse_kernel.py; PS_TEST_TIMEOUT: seconds for the GPU tests (default 200; the
+#   DoubleSparse file compiles many select variants: about 400 on a cold machine)
 set -o pipefail
 OUT=$(realpath "${1:-out}"); shift || true
 CONFIGS=("$@")
@@ -20,7 +21,7 @@ VAR=${PS_VAR:-KVCOMPRESS_PAGED_CONFIG}
 OPS=${PS_OPS:-paged-dense}
 TESTS=()
 for t in ${PS_TESTS:-tests/test_paged_kernel.py}; do TESTS+=("$SRC/$t"); done
-timeout 200 python -m pytest -q -m gpu -p no:cacheprovider "${TESTS[@]}" 2>&1 | tail -3 \
+timeout "${PS_TEST_TIMEOUT:-200}" python -m pytest -q -m gpu -p no:cacheprovider "${TESTS[@]}" 2>&1 | tail -3 \
   | tee -a "$OUT/tests.txt"
 timeout 100 python -m kvcompress.kernels.benchutil --device cuda --ops sdpa --only-shapes "$SHAPES" \
   --out "$OUT/base.json" 2>/dev/null | grep '^|' | tee -a "$OUT/rows.md"
