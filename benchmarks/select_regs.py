@@ -33,8 +33,9 @@ SELECT_PTR = {"Q": "*fp16", "SC": "*fp16", "ZE": "*fp16", "L": "*fp16", "CH": "*
 SELECT_DIV = ("sq_b", "sq_h", "sch_h", "sl_b", "sl_h", "sl_c", "sz_b", "sz_h", "sva_b", "T", "K", "KC", "CHUNK", "HQ")
 
 
-def resources(fn, consts: dict, warps: int, ptr: dict, div=()) -> dict:
-    """Compile ``fn`` for sm_90 and read its registers / stack per thread and shared memory."""
+def resources(fn, consts: dict, warps: int, ptr: dict, div=(), stages: int = 3) -> dict:
+    """Compile ``fn`` for sm_90 (``stages``: Triton's default 3, as the select launches) and read its registers /
+    stack per thread and static shared memory."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -45,7 +46,7 @@ def resources(fn, consts: dict, warps: int, ptr: dict, div=()) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         c = triton.compile(ASTSource(fn, sig, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=warps, num_stages=1))
+                           options=dict(num_warps=warps, num_stages=stages))
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
