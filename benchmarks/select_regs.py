@@ -82,6 +82,11 @@ def main(argv=None) -> int:
                       {"CKEY": "*i32", "CIDX": "*i32", "OUT": "*i64"}, ("N", "K"))
         rows.append({"kernel": "merge", "tokens": np_, "warps": warps, "elems_per_thread": np_ // (32 * warps),
                      "candidates": None, "compact_block": sub if sub < np_ else None, **r})
+    for np_, warps, sub in ((16384, 8, 16384), (16384, 16, 16384), (16384, 8, 2048)):  # the multi-level merge
+        r = resources(tk._merge_level_kernel, dict(NP=np_, SUB=sub), warps,
+                      {"CKEY": "*i32", "CIDX": "*i32", "OKEY": "*i32", "OIDX": "*i32"}, ("N", "GS", "KC"))
+        rows.append({"kernel": "merge level", "tokens": np_, "warps": warps, "elems_per_thread": np_ // (32 * warps),
+                     "candidates": None, "compact_block": sub if sub < np_ else None, **r})
     print(f"Triton {rows[0]['triton']}, sm_90 (fp16 labels, r = 16)")
     print("| kernel | tokens | warps | per thread | candidates | compact_block | registers | stack (B) |")
     print("|---|---|---|---|---|---|---|---|")

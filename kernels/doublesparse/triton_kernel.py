@@ -305,19 +305,32 @@ def _merge_kernel(CKEY, CIDX, OUT, N, K, NP: tl.constexpr, SUB: tl.constexpr):
 
 
 @triton.jit
-def _merge_level_kernel(CKEY, CIDX, OKEY, OIDX, N, GS, KC, NP: tl.constexpr):
+def _merge_level_kernel(CKEY, CIDX, OKEY, OIDX, N, GS, KC, NP: tl.constexpr, SUB: tl.constexpr):
     """One group of ``GS`` of a head's ``N`` candidates keeps its ``min(KC, present)`` best (absent = key 0) in
-    the group's ``KC`` output slots: a superset of the group's share of the head's top-``KC``."""
+    the group's ``KC`` output slots: a superset of the group's share of the head's top-``KC``.  ``SUB < NP``:
+    placed ``SUB`` at a time, the keys loaded again (as :func:`_select_kernel`)."""
     pid = tl.program_id(0).to(tl.int64)
     grp = tl.program_id(1).to(tl.int64)
-    offs = grp * GS + tl.arange(0, NP)
-    ok = (tl.arange(0, NP) < GS) & (offs < N)
-    key = tl.load(CKEY + pid * N + offs, mask=ok, other=0).to(tl.uint32, bitcast=True)
+    first = grp * GS
+    end = tl.minimum(first + GS, N)
+    offs = first + tl.arange(0, NP)
+    key = tl.load(CKEY + pid * N + offs, mask=offs < end, other=0).to(tl.uint32, bitcast=True)
     kk = tl.minimum(KC, tl.sum((key != 0).to(tl.int32), axis=0))
-    chosen, slot = _top_slots(key, kk)
     row = (pid * tl.num_programs(1) + grp) * KC
-    tl.store(OKEY + row + slot, key.to(tl.int32, bitcast=True), mask=chosen)
-    tl.store(OIDX + row + slot, tl.load(CIDX + pid * N + offs, mask=chosen, other=0), mask=chosen)
+    if SUB >= NP:
+        chosen, slot = _top_slots(key, kk)
+        tl.store(OKEY + row + slot, key.to(tl.int32, bitcast=True), mask=chosen)
+        tl.store(OIDX + row + slot, tl.load(CIDX + pid * N + offs, mask=chosen, other=0), mask=chosen)
+    else:
+        found = _kth_key(key, kk)
+        need = kk - tl.sum((key > found).to(tl.int32), axis=0)
+        base = tl.zeros([], tl.int32)
+        for s0 in range(0, NP, SUB):
+            offs_s = first + s0 + tl.arange(0, SUB)
+            key_s = tl.load(CKEY + pid * N + offs_s, mask=offs_s < end, other=0).to(tl.uint32, bitcast=True)
+            chosen, slot, base = _place(key_s, found, need, base)
+            tl.store(OKEY + row + slot, key_s.to(tl.int32, bitcast=True), mask=chosen)
+            tl.store(OIDX + row + slot, tl.load(CIDX + pid * N + offs_s, mask=chosen, other=0), mask=chosen)
 
 
 @triton.jit
@@ -537,7 +550,7 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
         okey = torch.zeros(b * hq, groups * keep, device=dev, dtype=torch.int32)
         oidx = torch.empty(b * hq, groups * keep, device=dev, dtype=torch.int32)
         np2 = max(16, pow2(group))
-        _merge_level_kernel[(b * hq, groups)](ckey, cidx, okey, oidx, n, group, keep, NP=np2,
+        _merge_level_kernel[(b * hq, groups)](ckey, cidx, okey, oidx, n, group, keep, NP=np2, SUB=_sub(np2, cfg),
                                               num_warps=max(1, min(16, np2 // (32 * ept))))
         ckey, cidx, n = okey, oidx, groups * keep
     if chunks > 1:
