@@ -35,7 +35,7 @@ SELECT_DIV = ("sq_b", "sq_h", "sch_h", "sl_b", "sl_h", "sl_c", "sz_b", "sz_h", "
 
 def resources(fn, consts: dict, warps: int, ptr: dict, div=(), stages: int = 3) -> dict:
     """Compile ``fn`` for sm_90 (``stages``: Triton's default 3, as the select launches) and read its registers /
-    stack per thread and static shared memory."""
+    stack per thread (``cuobjdump``) and the shared memory a launch allocates (the compiled kernel's metadata)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -55,7 +55,7 @@ def resources(fn, consts: dict, warps: int, ptr: dict, div=(), stages: int = 3) 
         text = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
     got = dict(re.findall(r"(REG|STACK|SHARED):(\d+)", text))
     return {"registers": int(got.get("REG", -1)), "stack_bytes": int(got.get("STACK", -1)),
-            "shared_bytes": int(got.get("SHARED", -1)), "triton": triton.__version__}
+            "shared_bytes": int(getattr(c.metadata, "shared", got.get("SHARED", -1))), "triton": triton.__version__}
 
 
 def main(argv=None) -> int:
