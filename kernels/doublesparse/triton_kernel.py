@@ -749,7 +749,7 @@ def supports_gather(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
 # measured and 2-7% faster for the shared one at B1-B4 with 256: docs/results.md "Session 21")
 # rows_dot: per-row selections read by _gather_rows_dot_kernel (tensor cores, pipelined gathers; num_warps warps)
 # instead of _gather_kernel (CUDA cores, synchronous index -> K -> V loads).  Session 28 (gpu_paged_sweep.sh with
-# PS_VAR=KVCOMPRESS_DS_CONFIG, 8 shapes, ds8 / ds16): with 2 warps as fast or faster at every shape, up to 1.38x
+# PS_VAR=KVCOMPRESS_DS_CONFIG, 8 shapes, ds8 / ds16): with 2 warps within 0.7% or faster at every shape, up to 1.38x
 # (SmolLM2 B16/32k ds8 217.7 -> 157.3 us); 4 warps or 4 stages or 32 indices per step no better
 GATHER_CONFIG = dict(block_k=64, programs_per_sm=None, num_warps=2, num_stages=3, shared_warps=4, shared_block_k=128,
                      shared_programs_per_sm=4, min_per_split=64, rows_dot=True)
