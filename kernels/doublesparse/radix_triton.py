@@ -22,6 +22,11 @@ each head over ``C`` chunks (:func:`radix_plan`), in the manner of a GPU radix s
 
 Digits are ``bits`` wide (8: five launches, 11: four); each pass reads the keys once more (4 bytes per token and
 query head).  Nothing is compiled at import.
+
+Status: opt-in (``triton_kernel.select_topk(config={"method": "radix"})``).  On an H200 it was slower than the fused
+select at 39 of 40 cells timed (docs/results.md, session 28): Triton's ``tl.histogram`` costs about
+``bins / 32 * log2(bins)`` operations per element and thread, so the keys kernel's 2 x G x 256 bins cost more than
+the whole fused select, and at batch 1 every digit pays a launch.
 """
 
 from __future__ import annotations
