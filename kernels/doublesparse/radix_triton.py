@@ -38,14 +38,7 @@ import triton.language as tl
 from kvcompress.kernels.attention.triton_shared import num_sms, pow2
 
 from .reference import Labels
-
-
-@triton.jit
-def _orderable_keys(x):
-    """fp32 -> uint32 keys with the same order (as :func:`.triton_kernel._orderable`)."""
-    bits = x.to(tl.int32, bitcast=True)
-    flipped = tl.where(bits < 0, ~bits, bits | (-2147483648))
-    return flipped.to(tl.uint32, bitcast=True)
+from .triton_kernel import _orderable, supports_scores
 
 
 @triton.jit
@@ -95,7 +88,7 @@ def _radix_keys_kernel(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_t, sl_c, SC, 
         if HAS_VALID:
             va = tl.load(VA + b * sva_b + offs_t, mask=t_ok, other=0) != 0
             acc = tl.where(va[None, :], acc, float("-inf"))
-        key = _orderable_keys(acc)
+        key = _orderable(acc)
         ok = g_ok[:, None] & t_ok[None, :]
         tl.store(KEYS + (hq0 + offs_g)[:, None] * T + offs_t[None, :], key.to(tl.int32, bitcast=True), mask=ok)
         bins = tl.where(ok, offs_g[:, None] * NB + (key >> SHIFT).to(tl.int32), GP * NB)
@@ -235,8 +228,6 @@ def select_topk_radix(query: torch.Tensor, labels: Labels, channels: torch.Tenso
                       k: int, *, config: dict | None = None) -> torch.Tensor:
     """See :func:`.reference.select_topk` (and the module docstring); ``config`` overrides :data:`RADIX_CONFIG`.
     Takes what :func:`.triton_kernel.supports_scores` accepts (any label layout; channel-major reads coalesce)."""
-    from .triton_kernel import supports_scores
-
     if not supports_scores(query, labels, channels):
         raise ValueError("select_topk_radix: unsupported arguments (see triton_kernel.supports_scores)")
     t = labels.num_tokens

@@ -207,10 +207,17 @@ def _top_slots(key, K):
     16384 lanes).  (Slower on an H200, docs/results.md: an 8-bit radix select over ``tl.histogram``; two bits per
     round from packed counts; packing the lanes still undecided after 10-16 rounds into a scratch row to finish
     the search over those alone.)"""
-    found = _kth_key(key, K)
-    need = K - tl.sum((key > found).to(tl.int32), axis=0)
+    found, need = _threshold(key, K)
     chosen, slot, _ = _place(key, found, need, tl.zeros([], tl.int32))
     return chosen, slot
+
+
+@triton.jit
+def _threshold(key, K):
+    """``(found, need)``: the threshold of the ``K`` largest keys (:func:`_kth_key`) and how many of the keys equal
+    to it are taken (the rest of ``K`` after every key above it)."""
+    found = _kth_key(key, K)
+    return found, K - tl.sum((key > found).to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -264,8 +271,7 @@ def _select_kernel(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, 
         else:
             tl.store(IDX + row + slot, offs.to(tl.int64), mask=chosen)
     else:
-        found = _kth_key(key, kk)
-        need = kk - tl.sum((key > found).to(tl.int32), axis=0)
+        found, need = _threshold(key, kk)
         base = tl.zeros([], tl.int32)
         for s0 in range(0, NP, SUB):
             offs_s = first + s0 + tl.arange(0, SUB)
@@ -293,8 +299,7 @@ def _merge_kernel(CKEY, CIDX, OUT, N, K, NP: tl.constexpr, SUB: tl.constexpr):
         tl.store(OUT + pid * K + slot, tl.load(CIDX + pid * N + offs, mask=chosen, other=0).to(tl.int64),
                  mask=chosen)
     else:
-        found = _kth_key(key, K)
-        need = K - tl.sum((key > found).to(tl.int32), axis=0)
+        found, need = _threshold(key, K)
         base = tl.zeros([], tl.int32)
         for s0 in range(0, NP, SUB):
             offs_s = s0 + tl.arange(0, SUB)
@@ -322,8 +327,7 @@ def _merge_level_kernel(CKEY, CIDX, OKEY, OIDX, N, GS, KC, NP: tl.constexpr, SUB
         tl.store(OKEY + row + slot, key.to(tl.int32, bitcast=True), mask=chosen)
         tl.store(OIDX + row + slot, tl.load(CIDX + pid * N + offs, mask=chosen, other=0), mask=chosen)
     else:
-        found = _kth_key(key, kk)
-        need = kk - tl.sum((key > found).to(tl.int32), axis=0)
+        found, need = _threshold(key, kk)
         base = tl.zeros([], tl.int32)
         for s0 in range(0, NP, SUB):
             offs_s = first + s0 + tl.arange(0, SUB)
