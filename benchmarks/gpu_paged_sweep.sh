@@ -10,7 +10,9 @@
 #   KVCOMPRESS_PAGED_CONFIG), PS_OPS (benchutil ops beside sdpa, default paged-dense), PS_TESTS (GPU test files,
 #   default tests/test_paged_kernel.py), e.g. PS_VAR=KVCOMPRESS_DS_CONFIG PS_OPS=ds8,ds16
 #   PS_TESTS=tests/test_doublesparse_kernel.py; PS_TEST_TIMEOUT: seconds for the GPU tests (default 200; the
-#   DoubleSparse file compiles many select variants: about 400 on a cold machine)
+#   DoubleSparse file compiles many select variants: about 400 on a cold machine); PS_XDIST=N: run the GPU tests in N
+#   pytest-xdist workers (compiles in parallel), installed from the wheels in PS_WHEELS (default ../.gpuwheels, carried
+#   beside the exported tree: the GPU image has no internet)
 set -o pipefail
 OUT=$(realpath "${1:-out}"); shift || true
 CONFIGS=("$@")
@@ -21,7 +23,14 @@ VAR=${PS_VAR:-KVCOMPRESS_PAGED_CONFIG}
 OPS=${PS_OPS:-paged-dense}
 TESTS=()
 for t in ${PS_TESTS:-tests/test_paged_kernel.py}; do TESTS+=("$SRC/$t"); done
-timeout "${PS_TEST_TIMEOUT:-200}" python -m pytest -q -m gpu -p no:cacheprovider "${TESTS[@]}" 2>&1 | tail -3 \
+XDIST=()
+if [ -n "${PS_XDIST:-}" ]; then
+  python -m pip install -q --no-index --no-deps --target /tmp/xdist "${PS_WHEELS:-$SRC/../.gpuwheels}"/*.whl 2>&1 | tail -2
+  XDIST=(-n "$PS_XDIST")
+  TEST_PATH=/tmp/xdist
+fi
+PYTHONPATH=$PYTHONPATH${TEST_PATH:+:$TEST_PATH} timeout "${PS_TEST_TIMEOUT:-200}" python -m pytest -q -m gpu \
+  -p no:cacheprovider "${XDIST[@]}" "${TESTS[@]}" 2>&1 | tail -3 \
   | tee -a "$OUT/tests.txt"
 timeout 100 python -m kvcompress.kernels.benchutil --device cuda --ops sdpa --only-shapes "$SHAPES" \
   --out "$OUT/base.json" 2>/dev/null | grep '^|' | tee -a "$OUT/rows.md"
