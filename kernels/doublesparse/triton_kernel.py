@@ -367,13 +367,14 @@ FUSED_MAX_TOKENS = 16384  # per program: the label scores stay in registers (~3 
 # the GPU has SMs (session 28, H200, 128k at ctx/16: 1.03-1.26x faster than the fallback from 128 heads - Llama B4 -
 # on, 0.78-0.97x at 9-36 heads: multilevel_auto)
 # method: "fused" (this module's select), "radix" (radix_triton.select_topk_radix: many programs per head, any
-# length; slower, opt-in) or "auto" (select_method); radix: entries over radix_triton.RADIX_CONFIG
+# length; slower, opt-in), "cuda" (radix_cuda.select_topk_cuda: a CUDA radix select, keys over every SM, one CTA per
+# head) or "auto" (select_method); radix / cuda: entries over radix_triton.RADIX_CONFIG / radix_cuda.RADIX_CUDA_CONFIG
 # merge_tokens: candidates the merge program takes at most (fused_plan; None = chunk_tokens)
 # compact_block: place the chosen lanes this many at a time, their label keys computed again (None: all at once).
 # Offline (benchmarks/select_regs.py, Triton 3.6) the placement holds ~150 of the 206 registers of an 8192-token,
 # 8-warp select and makes the 4-warp one spill; not timed yet
 SELECT_CONFIG = dict(elems_per_thread=None, chunk_tokens=FUSED_MAX_TOKENS, unroll=4, multilevel=None, method="auto",
-                     radix={}, merge_tokens=None, compact_block=None)
+                     radix={}, merge_tokens=None, compact_block=None, cuda={})
 
 
 @functools.lru_cache(maxsize=None)
@@ -457,17 +458,24 @@ def multilevel_auto(query: torch.Tensor, cfg: dict) -> bool:
     return query.shape[0] * query.shape[1] * 2 >= sms
 
 
-def select_method(query: torch.Tensor, labels: Labels, channels: torch.Tensor, k: int, cfg: dict) -> str:
+def select_method(query: torch.Tensor, labels: Labels, channels: torch.Tensor, k: int, cfg: dict,
+                  valid: torch.Tensor | None = None) -> str:
     """Which select :func:`select_topk` runs: ``"fused"`` (:func:`supports_fused`), ``"radix"``
-    (:mod:`.radix_triton`) or ``"unfused"`` (scores + ``torch.topk``).  ``cfg["method"]`` ``"fused"`` / ``"radix"``
-    asks for one (``"fused"`` falls back to ``"unfused"`` without a plan); ``"auto"``: the fused select, else the
-    two-step path.  (The radix select is not chosen by ``"auto"``: slower at 39 of 40 cells timed on an H200, up to
-    3.8x per read, docs/results.md "Session 28".)"""
+    (:mod:`.radix_triton`), ``"cuda"`` (:mod:`.radix_cuda`) or ``"unfused"`` (scores + ``torch.topk``).
+    ``cfg["method"]`` ``"fused"`` / ``"radix"`` / ``"cuda"`` asks for one (each falls back to the fused select, then
+    the two-step path, where it cannot take the call); ``"auto"``: the fused select, else the two-step path.  (The
+    radix select is not chosen by ``"auto"``: slower at 39 of 40 cells timed on an H200, up to 3.8x per read,
+    docs/results.md "Session 28".)"""
     method = cfg["method"]
-    if method not in ("auto", "fused", "radix"):
-        raise ValueError(f"select method must be 'auto', 'fused' or 'radix', got {method!r}")
+    if method not in ("auto", "fused", "radix", "cuda"):
+        raise ValueError(f"select method must be 'auto', 'fused', 'radix' or 'cuda', got {method!r}")
     if method == "radix" and supports_scores(query, labels, channels):
         return "radix"
+    if method == "cuda":
+        from .radix_cuda import problem
+
+        if problem(query, labels, channels, valid, k, cfg["cuda"]) is None:
+            return "cuda"
     if supports_fused(query, labels, channels, k, cfg["chunk_tokens"], multilevel_auto(query, cfg),
                       cfg["merge_tokens"]):
         return "fused"
@@ -503,7 +511,11 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
     if not 0 < k <= t:
         raise ValueError(f"k must be in [1, {t}], got {k}")
     cfg = dict(_select_base(), **(config or {}))
-    method = select_method(query, labels, channels, k, cfg)
+    method = select_method(query, labels, channels, k, cfg, valid)
+    if method == "cuda":
+        from .radix_cuda import select_topk_cuda
+
+        return select_topk_cuda(query, labels, channels, valid, k, config=cfg["cuda"])
     if method == "radix":
         from .radix_triton import select_topk_radix
 

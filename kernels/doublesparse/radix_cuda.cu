@@ -1,0 +1,361 @@
+// DoubleSparse label scores + exact top-k as a two-kernel CUDA radix select (radix_cuda.py documents the design;
+// radix_cuda.emulate is a PyTorch model of the same steps that the CPU tests check).  No torch headers: the Python
+// side passes raw pointers, strides and sizes in an int64 array and the current stream.
+//
+// 1. ds_keys_kernel - grid (token chunks, B * Hkv * blocks of GN query heads): each thread scores tokens of its
+//    chunk for the GN (<= GMAX) query heads of one kv head from one read of their labels (token-contiguous,
+//    coalesced), writes the order-preserving uint32 keys [B * Hq, T] and counts their top BITS0 bits in a
+//    shared-memory histogram per head (warp-aggregated atomics), added to the global histogram [B * Hq, 2^BITS0].
+// 2. ds_select_kernel - one CTA per query head: from the histogram, the digit holding the k-th largest key; then up
+//    to two more passes over the head's keys histogram the next DS_BITS digit of the keys still tied with the prefix
+//    (shared-memory atomics), until the prefix holds exactly the keys still needed (or all 32 bits are fixed); a
+//    last pass writes the chosen token indices in token order (block-wide scans): every key above the prefix, and
+//    the lowest-token ties at it.
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#define DS_EXPORT __attribute__((visibility("default")))
+
+namespace ds_radix {
+
+constexpr int BITS0 = 10;             // the keys kernel's digit (bits 31..22)
+constexpr int BITS = 11;              // the select kernel's digits (bits 21..11, 10..0)
+constexpr int BINS0 = 1 << BITS0;
+constexpr int BINS = 1 << BITS;
+constexpr int GMAX = 8;               // query heads scored per keys CTA
+constexpr int RMAX = 256;             // label channels
+constexpr int KEYS_THREADS = 256;
+constexpr int SELECT_THREADS = 1024;
+constexpr int EMIT = 4;               // consecutive tokens per thread in the emit pass
+
+enum DType { F16 = 0, BF16 = 1, F32 = 2, U8 = 3 };
+
+template <int DT> __device__ __forceinline__ float load_f(const void* p, long long i) {
+  if constexpr (DT == F16) return __half2float(reinterpret_cast<const __half*>(p)[i]);
+  else if constexpr (DT == BF16) return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(p)[i]);
+  else return reinterpret_cast<const float*>(p)[i];
+}
+
+__device__ __forceinline__ float load_any(const void* p, long long i, int dt) {
+  return dt == F16 ? load_f<F16>(p, i) : (dt == BF16 ? load_f<BF16>(p, i) : load_f<F32>(p, i));
+}
+
+// fp32 -> uint32 with the same order (-inf lowest; NaN is not expected); as triton_kernel._orderable
+__device__ __forceinline__ uint32_t orderable(float x) {
+  const uint32_t b = __float_as_uint(x);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+struct KeysParams {
+  const void* q; long long sq_b, sq_h;
+  const long long* ch; long long sch_h;
+  const void* lab; long long sl_b, sl_h, sl_c;
+  const __half* sc; const __half* ze; long long sz_b, sz_h;
+  const uint8_t* va; long long sva_b;
+  uint32_t* keys; int* hist;
+  long long T, HQ, HKV, G, W, per, bits, chunk, gblocks;
+  int qt, has_valid;
+};
+
+// One CTA: tokens [blockIdx.x * chunk, + chunk) of query heads [gb * GN, + GN) of kv head h, batch row b (GN: the
+// heads per CTA, a power of two <= GMAX; gblocks = ceil(G / GN)).
+template <int LT, int GN>
+__global__ void __launch_bounds__(KEYS_THREADS) ds_keys_kernel(KeysParams p) {
+  constexpr bool QUANT = LT == U8;
+  __shared__ int hist[GN][BINS0];
+  __shared__ float qv[GN][RMAX];
+  __shared__ float qsum[GN];
+  const long long y = blockIdx.y;
+  const long long gb = y % p.gblocks;
+  const long long h = (y / p.gblocks) % p.HKV;
+  const long long b = y / (p.gblocks * p.HKV);
+  const int g0 = (int)(gb * GN);
+  const int ng = (int)min((long long)GN, p.G - g0);
+  const int r = (int)(p.W * p.per);
+  for (int i = threadIdx.x; i < GN * BINS0; i += blockDim.x) (&hist[0][0])[i] = 0;
+  for (int i = threadIdx.x; i < GN * RMAX; i += blockDim.x) {
+    const int g = i / RMAX, c = i % RMAX;
+    float v = 0.f;
+    if (g < ng && c < r) {
+      const long long hq = h * p.G + g0 + g;
+      v = load_any(p.q, b * p.sq_b + hq * p.sq_h + p.ch[h * p.sch_h + c], p.qt);
+    }
+    qv[g][c] = v;
+  }
+  __syncthreads();
+  if (QUANT && threadIdx.x < GN) {  // in the order the scores add the codes: word w, then field j
+    float s = 0.f;
+    for (int w = 0; w < p.W; ++w)
+      for (int j = 0; j < p.per; ++j) s += qv[threadIdx.x][j * p.W + w];
+    qsum[threadIdx.x] = s;
+  }
+  __syncthreads();
+  const long long t0 = (long long)blockIdx.x * p.chunk;
+  const long long t1 = min(t0 + p.chunk, p.T);
+  const char* lab = reinterpret_cast<const char*>(p.lab);
+  const long long lbase = b * p.sl_b + h * p.sl_h;
+  const unsigned mask_bits = (1u << p.bits) - 1u;
+  for (long long t = t0 + threadIdx.x; t < t1; t += blockDim.x) {
+    float acc[GN];
+#pragma unroll
+    for (int g = 0; g < GN; ++g) acc[g] = 0.f;
+    for (int w = 0; w < p.W; ++w) {
+      const long long off = lbase + w * p.sl_c + t;
+      if constexpr (QUANT) {
+        const unsigned x = reinterpret_cast<const uint8_t*>(lab)[off];
+        for (int j = 0; j < p.per; ++j) {
+          const float code = (float)((x >> (p.bits * j)) & mask_bits);
+#pragma unroll
+          for (int g = 0; g < GN; ++g) acc[g] = fmaf(qv[g][j * p.W + w], code, acc[g]);
+        }
+      } else {
+        const float x = load_f<LT>(lab, off);
+#pragma unroll
+        for (int g = 0; g < GN; ++g) acc[g] = fmaf(qv[g][w], x, acc[g]);
+      }
+    }
+    const bool ok = !p.has_valid || p.va[b * p.sva_b + t] != 0;
+    float s = 1.f, z = 0.f;
+    if constexpr (QUANT) {
+      s = __half2float(p.sc[b * p.sz_b + h * p.sz_h + t]);
+      s = s == 0.f ? 1.f : s;
+      z = __half2float(p.ze[b * p.sz_b + h * p.sz_h + t]);
+    }
+#pragma unroll
+    for (int g = 0; g < GN; ++g) {
+      if (g < ng) {
+        float v = QUANT ? fmaf(acc[g], s, qsum[g] * z) : acc[g];
+        if (!ok) v = -INFINITY;
+        const uint32_t key = orderable(v);
+        const long long row = b * p.HQ + h * p.G + g0 + g;
+        p.keys[row * p.T + t] = key;
+        const int bin = (int)(key >> (32 - BITS0));
+        const unsigned active = __activemask();
+        const unsigned same = __match_any_sync(active, bin);
+        if ((__ffs(same) - 1) == (int)(threadIdx.x & 31)) atomicAdd(&hist[g][bin], __popc(same));
+      }
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < ng * BINS0; i += blockDim.x) {
+    const int g = i / BINS0, bin = i % BINS0;
+    const int c = hist[g][bin];
+    if (c) atomicAdd(&p.hist[(b * p.HQ + h * p.G + g0 + g) * BINS0 + bin], c);
+  }
+}
+
+struct SelectParams {
+  const uint32_t* keys; const int* hist; long long* out;
+  long long T, K;
+};
+
+// Block-wide exclusive scan of (a, b) pairs; returns the totals.  All threads of the block must call it.
+__device__ __forceinline__ int2 block_exclusive_scan2(int2 v, int2* total) {
+  __shared__ int2 warp_tot[SELECT_THREADS / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  int2 inc = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int xa = __shfl_up_sync(0xffffffffu, inc.x, o), xb = __shfl_up_sync(0xffffffffu, inc.y, o);
+    if (lane >= o) { inc.x += xa; inc.y += xb; }
+  }
+  if (lane == 31) warp_tot[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    int2 w = lane < nwarps ? warp_tot[lane] : make_int2(0, 0);
+    int2 wi = w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int xa = __shfl_up_sync(0xffffffffu, wi.x, o), xb = __shfl_up_sync(0xffffffffu, wi.y, o);
+      if (lane >= o) { wi.x += xa; wi.y += xb; }
+    }
+    if (lane < nwarps) warp_tot[lane] = make_int2(wi.x - w.x, wi.y - w.y);  // exclusive per warp
+    if (lane == 31) *total = wi;  // caller's shared slot
+  }
+  __syncthreads();
+  const int2 base = warp_tot[warp];
+  const int2 res = make_int2(base.x + inc.x - v.x, base.y + inc.y - v.y);
+  __syncthreads();  // warp_tot is reused by the next call
+  return res;
+}
+
+// The digit of h[0..nb) (counts per digit value) holding the need-th largest key, counting from the top: writes
+// (digit, count of keys in higher digits) to st[0..1].  Every thread of the block calls it.
+__device__ __forceinline__ void find_digit(const int* h, int nb, int need, int* st) {
+  const int per = nb / blockDim.x > 0 ? nb / blockDim.x : 1;
+  const int j0 = threadIdx.x * per;  // this thread's digits in descending order: nb-1-j0 .. nb-1-(j0+per-1)
+  int local = 0;
+  if (j0 < nb)
+    for (int j = j0; j < j0 + per; ++j) local += h[nb - 1 - j];
+  __shared__ int2 tot;
+  const int2 ex = block_exclusive_scan2(make_int2(local, 0), &tot);
+  if (j0 < nb) {
+    int before = ex.x;
+    for (int j = j0; j < j0 + per; ++j) {
+      const int c = h[nb - 1 - j];
+      if (before < need && before + c >= need) { st[0] = nb - 1 - j; st[1] = before; }
+      before += c;
+    }
+  }
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(SELECT_THREADS) ds_select_kernel(SelectParams p) {
+  __shared__ int hist[BINS];
+  __shared__ int st[2];
+  __shared__ int2 tile_tot;
+  const long long row = blockIdx.x;
+  const uint32_t* keys = p.keys + row * p.T;
+  long long* out = p.out + row * p.K;
+  for (int i = threadIdx.x; i < BINS0; i += blockDim.x) hist[i] = p.hist[row * BINS0 + i];
+  __syncthreads();
+  int need = (int)p.K;
+  find_digit(hist, BINS0, need, st);
+  uint32_t prefix = (uint32_t)st[0];
+  need -= st[1];
+  int shift = 32 - BITS0;  // bits below the prefix
+  int in_bin = hist[st[0]];
+  __syncthreads();
+  while (in_bin != need && shift > 0) {  // the prefix's keys are not all taken: the next digit
+    const int nb = shift >= BITS ? BITS : shift;
+    const int low = shift - nb;
+    for (int i = threadIdx.x; i < BINS; i += blockDim.x) hist[i] = 0;
+    __syncthreads();
+    for (long long t0 = 0; t0 < p.T; t0 += 4LL * blockDim.x) {
+      uint32_t k4[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const long long t = t0 + u * blockDim.x + threadIdx.x;
+        k4[u] = t < p.T ? __ldg(keys + t) : 0u;
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const long long t = t0 + u * blockDim.x + threadIdx.x;
+        const bool hit = t < p.T && (k4[u] >> shift) == prefix;
+        if (hit) {
+          const int d = (int)((k4[u] >> low) & ((1u << nb) - 1u));
+          const unsigned active = __activemask();
+          const unsigned same = __match_any_sync(active, d);
+          if ((__ffs(same) - 1) == (int)(threadIdx.x & 31)) atomicAdd(&hist[d], __popc(same));
+        }
+      }
+    }
+    __syncthreads();
+    find_digit(hist, 1 << nb, need, st);
+    prefix = (prefix << nb) | (uint32_t)st[0];
+    need -= st[1];
+    shift = low;
+    in_bin = hist[st[0]];
+    __syncthreads();
+  }
+  // emit: chosen = key above the prefix, or at it among the first `need` such tokens; slot = rank in token order
+  int base_above = 0, base_tie = 0;
+  for (long long t0 = 0; t0 < p.T; t0 += (long long)EMIT * blockDim.x) {
+    const long long tb = t0 + (long long)threadIdx.x * EMIT;
+    uint32_t hi[EMIT];
+    int a = 0, e = 0;
+#pragma unroll
+    for (int u = 0; u < EMIT; ++u) {
+      const long long t = tb + u;
+      const uint32_t k = t < p.T ? __ldg(keys + t) : 0u;
+      // shift 32 (no digit fixed) does not occur: the keys kernel fixes BITS0 bits
+      hi[u] = k >> shift;
+      const bool valid = t < p.T;
+      a += valid && hi[u] > prefix;
+      e += valid && hi[u] == prefix;
+    }
+    int2 tot;
+    const int2 ex = block_exclusive_scan2(make_int2(a, e), &tile_tot);
+    tot = tile_tot;
+    int ab = base_above + ex.x, tie = base_tie + ex.y;
+#pragma unroll
+    for (int u = 0; u < EMIT; ++u) {
+      const long long t = tb + u;
+      if (t >= p.T) break;
+      if (hi[u] > prefix) {
+        out[ab + min(tie, need)] = t;
+        ++ab;
+      } else if (hi[u] == prefix) {
+        if (tie < need) out[ab + tie] = t;
+        ++tie;
+      }
+    }
+    base_above += tot.x;
+    base_tie += tot.y;
+    __syncthreads();  // tile_tot is rewritten by the next tile's scan
+  }
+}
+
+template <int LT, int GN>
+int launch_keys(const KeysParams& p, dim3 grid, cudaStream_t s) {
+  ds_keys_kernel<LT, GN><<<grid, KEYS_THREADS, 0, s>>>(p);
+  return (int)cudaGetLastError();
+}
+
+template <int LT>
+int launch_keys_lt(const KeysParams& p, int gn, dim3 grid, cudaStream_t s) {
+  switch (gn) {
+    case 1: return launch_keys<LT, 1>(p, grid, s);
+    case 2: return launch_keys<LT, 2>(p, grid, s);
+    case 4: return launch_keys<LT, 4>(p, grid, s);
+    case 8: return launch_keys<LT, 8>(p, grid, s);
+  }
+  return (int)cudaErrorInvalidValue;
+}
+
+}  // namespace ds_radix
+
+extern "C" {
+
+DS_EXPORT int ds_radix_bins0() { return ds_radix::BINS0; }
+DS_EXPORT int ds_radix_gmax() { return ds_radix::GMAX; }
+DS_EXPORT int ds_radix_rmax() { return ds_radix::RMAX; }
+DS_EXPORT const char* ds_radix_error_string(int e) { return cudaGetErrorString((cudaError_t)e); }
+
+// a (int64): q, sq_b, sq_h, ch, sch_h, lab, sl_b, sl_h, sl_c, sc, ze, sz_b, sz_h, va, sva_b, keys, hist,
+//            T, HQ, HKV, G, W, per, bits, chunk, gblocks, B, q dtype, label dtype, has_valid, K, out, heads per CTA
+//            (dtype codes: DType)
+DS_EXPORT int ds_radix_select_launch(const long long* a, int device, void* stream) {
+  using namespace ds_radix;
+  cudaError_t e = cudaSetDevice(device);
+  if (e != cudaSuccess) return (int)e;
+  KeysParams p;
+  p.q = reinterpret_cast<const void*>(a[0]); p.sq_b = a[1]; p.sq_h = a[2];
+  p.ch = reinterpret_cast<const long long*>(a[3]); p.sch_h = a[4];
+  p.lab = reinterpret_cast<const void*>(a[5]); p.sl_b = a[6]; p.sl_h = a[7]; p.sl_c = a[8];
+  p.sc = reinterpret_cast<const __half*>(a[9]); p.ze = reinterpret_cast<const __half*>(a[10]);
+  p.sz_b = a[11]; p.sz_h = a[12];
+  p.va = reinterpret_cast<const uint8_t*>(a[13]); p.sva_b = a[14];
+  p.keys = reinterpret_cast<uint32_t*>(a[15]); p.hist = reinterpret_cast<int*>(a[16]);
+  p.T = a[17]; p.HQ = a[18]; p.HKV = a[19]; p.G = a[20]; p.W = a[21]; p.per = a[22]; p.bits = a[23];
+  p.chunk = a[24]; p.gblocks = a[25];
+  const long long B = a[26];
+  p.qt = (int)a[27];
+  const int lt = (int)a[28];
+  p.has_valid = a[29] != 0;
+  const int gn = (int)a[32];
+  if (p.T < 1 || p.chunk < 1 || p.W * p.per > RMAX || a[30] < 1 || a[30] > p.T || p.T > 0x7fffffffLL
+      || p.qt < F16 || p.qt > F32 || gn * p.gblocks < p.G)
+    return (int)cudaErrorInvalidValue;
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  const long long chunks = (p.T + p.chunk - 1) / p.chunk;
+  dim3 grid((unsigned)chunks, (unsigned)(B * p.HKV * p.gblocks));
+  int rc;
+  switch (lt) {
+    case F16: rc = launch_keys_lt<F16>(p, gn, grid, s); break;
+    case BF16: rc = launch_keys_lt<BF16>(p, gn, grid, s); break;
+    case F32: rc = launch_keys_lt<F32>(p, gn, grid, s); break;
+    case U8: rc = launch_keys_lt<U8>(p, gn, grid, s); break;
+    default: return (int)cudaErrorInvalidValue;
+  }
+  if (rc) return rc;
+  SelectParams sp;
+  sp.keys = p.keys; sp.hist = p.hist; sp.out = reinterpret_cast<long long*>(a[31]);
+  sp.T = p.T; sp.K = a[30];
+  ds_select_kernel<<<(unsigned)(B * p.HQ), SELECT_THREADS, 0, s>>>(sp);
+  return (int)cudaGetLastError();
+}
+
+}  // extern "C"

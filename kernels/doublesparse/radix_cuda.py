@@ -1,0 +1,267 @@
+"""DoubleSparse label scores + exact top-k as a CUDA radix select (``radix_cuda.cu``): the select at kernel speed
+where one Triton program per head and chunk is latency-bound.
+
+DoubleSparse (Yang et al., "Post-Training Sparse Attention with Double Sparsity", arXiv 2408.07092) scores every
+cached token from a few label channels of its key and attends to the top-k.  Same signature and semantics as
+:func:`.reference.select_topk` (exact top-k of the fp32 label scores); like the fused Triton select
+(:func:`.triton_kernel.select_topk`) the indices come in token order and ties at the k-th score go to the lowest
+tokens, so the two give identical indices on identical keys.
+
+Why: the fused Triton select finds the k-th key by a 32-round bitwise search, one block-wide count per round, in one
+program per head and chunk, and a merge program does it again over the chunks' candidates.  At batch 1 that is 64
+block-wide reductions in series: 43 of the 67 us of a Llama-3-8B B1/32k ds8 read (session 28).  Triton has no
+shared-memory atomics, so a radix select there pays ``tl.histogram`` (session 28's ``radix_triton``: slower).  In
+CUDA a digit's histogram is one shared-memory atomic per key (warp-aggregated), as in GPU radix selects (AIR top-k,
+Zhang et al. 2023; PyTorch's ``radixSelect``).  Two kernels:
+
+1. keys (grid: token chunks x batch x kv heads x blocks of query heads, so every SM works at batch 1): the label
+   scores of up to 8 query heads from one read of the kv head's labels, stored as order-preserving uint32 keys
+   ``[B*Hq, T]`` (4 bytes per token and query head), and each head's histogram of the keys' top 10 bits (shared
+   memory, then one global atomic per non-empty bin and CTA);
+2. select (one 1024-thread CTA per query head): the digit of the k-th largest key from that histogram, then at most
+   two passes over the head's keys (11-bit digits, shared-memory histograms of the keys still tied with the prefix)
+   until the prefix holds exactly the keys still needed, and a last pass that writes the chosen token indices in
+   token order (block-wide scans of the counts above / at the prefix).
+
+Costs: the keys scratch is ``4 * B * Hq * T`` bytes (:data:`RADIX_CUDA_CONFIG` ``max_keys`` bounds it; larger calls
+use the Triton select) and the select reads it 2-4 times (from L2 at small batches).  Nothing is compiled at
+import: the first call builds one shared library with ``nvcc`` (cached as the KIVI kernel's, under
+``$KVCOMPRESS_CACHE`` or ``~/.cache/kvcompress``) and binds its ``extern "C"`` launcher with :mod:`ctypes`.
+
+:func:`emulate` is a PyTorch model of the same steps (digits, early stop, slots) that the CPU tests check against a
+stable sort; the GPU tests run the kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from .reference import Labels, label_scores
+
+SOURCE = Path(__file__).with_name("radix_cuda.cu")
+NVCC_FLAGS = ("-O3", "-lineinfo", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
+              "-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_80,code=sm_80")
+BITS0 = 10  # the keys kernel's digit (the top bits)
+BITS = 11  # the select kernel's further digits
+GMAX = 8  # query heads per keys CTA
+RMAX = 256  # label channels
+DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+U8 = 3
+# chunk: tokens per keys CTA, a power of two from min_chunk to max_chunk aiming at ctas_per_sm CTAs per SM;
+# max_keys: the largest keys scratch (B * Hq * T keys, 4 bytes each) a call may take (beyond: not supported)
+RADIX_CUDA_CONFIG = dict(min_chunk=512, max_chunk=8192, ctas_per_sm=2, max_keys=1 << 26)
+_LOCK = threading.Lock()
+_LIB: dict[str, ctypes.CDLL] = {}
+
+
+# ----------------------------------------------------------------------------- capability, plan
+
+
+def _nvcc() -> str | None:
+    from kvcompress.kernels.kivi.cuda_kernel import nvcc_path
+
+    return nvcc_path()
+
+
+def problem(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None,
+            k: int = 1, cfg: dict | None = None) -> str | None:
+    """Why the CUDA select cannot take this call (``None``: it can).  No compilation happens here."""
+    from .triton_kernel import supports_scores
+
+    cfg = dict(RADIX_CUDA_CONFIG, **(cfg or {}))
+    if not query.is_cuda or not torch.cuda.is_available():
+        return "not a CUDA tensor"
+    if torch.cuda.get_device_capability(query.device)[0] < 8:
+        return "needs compute capability >= 8"
+    if _nvcc() is None:
+        return "no nvcc"
+    if not supports_scores(query, labels, channels) or query.dtype not in DTYPES:
+        return "arguments the label scores do not take (triton_kernel.supports_scores)"
+    t = labels.num_tokens
+    if t < 1 or (labels.data.stride(2) != 1 and t > 1):
+        return "labels not token-contiguous (the plugin's channel-major label cache)"
+    if channels.shape[1] > RMAX or channels.dtype != torch.int64:
+        return f"{channels.shape[1]} label channels of {channels.dtype} (int64, at most {RMAX})"
+    if labels.bits != 16 and (labels.scale.dtype != torch.float16 or labels.zero.dtype != torch.float16):
+        return "label scale / zero not fp16"
+    if valid is not None and (valid.dtype != torch.bool or valid.stride(-1) != 1):
+        return "valid is not a bool tensor contiguous over tokens"
+    if t >= 2 ** 31 or not 0 < k <= t:
+        return f"{t} tokens, k {k}"
+    if query.shape[0] * query.shape[1] * t > cfg["max_keys"]:
+        return f"{query.shape[0] * query.shape[1] * t} keys exceed max_keys {cfg['max_keys']}"
+    return None
+
+
+def plan(rows: int, tokens: int, sms: int, cfg: dict) -> int:
+    """Tokens per keys CTA: the largest power of two in ``[min_chunk, max_chunk]`` that still gives ``rows`` (keys
+    CTAs per chunk: batch x kv heads x query-head blocks) x chunks at least ``ctas_per_sm`` CTAs per SM."""
+    chunk = int(cfg["max_chunk"])
+    while chunk > int(cfg["min_chunk"]) and rows * -(-tokens // chunk) < cfg["ctas_per_sm"] * sms:
+        chunk //= 2
+    return chunk
+
+
+def heads_per_cta(g: int) -> int:
+    """Query heads one keys CTA scores (a power of two: the kernel's accumulators): the next power of two >= G, at
+    most :data:`GMAX`."""
+    n = 1
+    while n < min(g, GMAX):
+        n *= 2
+    return n
+
+
+# ----------------------------------------------------------------------------- build + launch
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KVCOMPRESS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kvcompress")
+    return Path(root) / "ds_cuda"
+
+
+def nvcc_command(out: str) -> list[str]:
+    return [_nvcc() or "nvcc", *NVCC_FLAGS, "-o", out, str(SOURCE)]
+
+
+def build() -> ctypes.CDLL:
+    """Compile (or load from the cache) the library and bind its launcher."""
+    with _LOCK:
+        if "lib" in _LIB:
+            return _LIB["lib"]
+        src = SOURCE.read_bytes()
+        tag = hashlib.sha256(src + repr(NVCC_FLAGS).encode()).hexdigest()[:16]
+        path = cache_dir() / f"libds_radix_{tag}.so"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+            os.close(fd)
+            cmd = nvcc_command(tmp)
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode:
+                os.unlink(tmp)
+                raise RuntimeError(f"building the DoubleSparse CUDA select failed; set KVCOMPRESS_DS_CONFIG="
+                                   f"'{{\"method\": \"fused\"}}' to use the Triton select.\nnvcc failed "
+                                   f"({' '.join(cmd)}):\n{res.stderr[-4000:]}")
+            os.replace(tmp, path)
+        lib = ctypes.CDLL(str(path))
+        lib.ds_radix_select_launch.restype = ctypes.c_int
+        lib.ds_radix_select_launch.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_int, ctypes.c_void_p]
+        lib.ds_radix_error_string.restype = ctypes.c_char_p
+        lib.ds_radix_error_string.argtypes = [ctypes.c_int]
+        if (lib.ds_radix_bins0(), lib.ds_radix_gmax(), lib.ds_radix_rmax()) != (1 << BITS0, GMAX, RMAX):
+            raise RuntimeError(f"{path} was built from another version of radix_cuda.cu")
+        _LIB["lib"] = lib
+        return lib
+
+
+@functools.lru_cache(maxsize=8)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None,
+                     k: int, *, config: dict | None = None) -> torch.Tensor:
+    """See :func:`.reference.select_topk`; the indices in token order (ties to the lowest tokens).  The caller checks
+    :func:`problem` first (it raises on what it does not take)."""
+    cfg = dict(RADIX_CUDA_CONFIG, **(config or {}))
+    why = problem(query, labels, channels, valid, k, cfg)
+    if why is not None:
+        raise ValueError(f"select_topk_cuda: {why}")
+    lib = build()
+    b, hq, _ = query.shape
+    hkv, r = channels.shape
+    g = hq // hkv
+    t = labels.num_tokens
+    dev = query.device
+    quant = labels.bits != 16
+    gn = heads_per_cta(g)
+    gblocks = -(-g // gn)
+    chunk = plan(b * hkv * gblocks, t, _sms(dev.index or 0), cfg)
+    channels = channels.to(device=dev).contiguous()
+    lab = labels.data
+    keys = torch.empty(b * hq, t, device=dev, dtype=torch.int32)
+    hist = torch.zeros(b * hq, 1 << BITS0, device=dev, dtype=torch.int32)
+    out = torch.empty(b, hq, k, device=dev, dtype=torch.int64)
+    va = valid.view(torch.uint8) if valid is not None else None
+    w = lab.shape[-1]
+    args = [query.data_ptr(), query.stride(0), query.stride(1), channels.data_ptr(), channels.stride(0),
+            lab.data_ptr(), lab.stride(0), lab.stride(1), lab.stride(3),
+            labels.scale.data_ptr() if quant else 0, labels.zero.data_ptr() if quant else 0,
+            labels.scale.stride(0) if quant else 0, labels.scale.stride(1) if quant else 0,
+            va.data_ptr() if va is not None else 0, va.stride(0) if va is not None else 0,
+            keys.data_ptr(), hist.data_ptr(),
+            t, hq, hkv, g, w, 8 // labels.bits if quant else 1, labels.bits if quant else 16, chunk, gblocks, b,
+            DTYPES[query.dtype], U8 if quant else DTYPES[lab.dtype], int(va is not None), k, out.data_ptr(), gn]
+    arr = (ctypes.c_longlong * len(args))(*args)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    rc = lib.ds_radix_select_launch(arr, dev.index or 0, ctypes.c_void_p(stream))
+    if rc:
+        raise RuntimeError(f"DoubleSparse CUDA select launch failed: {lib.ds_radix_error_string(rc).decode()}")
+    return out
+
+
+# ----------------------------------------------------------------------------- pure-PyTorch model of the kernels
+
+
+def orderable(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> the kernels' order-preserving uint32 key, as int64 (``-inf`` lowest)."""
+    bits = x.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return torch.where(bits >= 2 ** 31, (~bits) & 0xFFFFFFFF, bits | 2 ** 31)
+
+
+def find_digit(hist: torch.Tensor, need: int) -> tuple[int, int]:
+    """The kernels' ``find_digit``: ``(digit, keys in higher digits)`` of the digit holding the ``need``-th largest
+    key of the histogram ``hist`` (counts per digit value)."""
+    desc = hist.flip(0)
+    before = torch.cumsum(desc, 0) - desc  # keys in higher digits, per digit from the top
+    j = int(((before < need) & (before + desc >= need)).nonzero()[0])
+    return hist.numel() - 1 - j, int(before[j])
+
+
+def select_keys(keys: torch.Tensor, k: int, trace: list | None = None) -> list[int]:
+    """``ds_select_kernel`` on one head's keys (int64 ``[T]`` holding uint32 values): its token indices in output slot
+    order, from the same digit steps, early stop and slots.  ``trace``: gets ``(bits fixed, keys still needed,
+    keys at the prefix)`` after each digit."""
+    hist0 = torch.bincount(keys >> (32 - BITS0), minlength=1 << BITS0)
+    digit, before = find_digit(hist0, k)
+    prefix, need, shift, in_bin = digit, k - before, 32 - BITS0, int(hist0[digit])
+    if trace is not None:
+        trace.append((32 - shift, need, in_bin))
+    while in_bin != need and shift > 0:
+        nb = min(BITS, shift)
+        low = shift - nb
+        hit = (keys >> shift) == prefix
+        hist = torch.bincount((keys[hit] >> low) & ((1 << nb) - 1), minlength=1 << nb)
+        digit, before = find_digit(hist, need)
+        prefix, need, shift, in_bin = (prefix << nb) | digit, need - before, low, int(hist[digit])
+        if trace is not None:
+            trace.append((32 - shift, need, in_bin))
+    hi = keys >> shift
+    above, tie = hi > prefix, hi == prefix
+    ab = torch.cumsum(above.long(), 0) - above.long()  # keys above before each token
+    tb = torch.cumsum(tie.long(), 0) - tie.long()  # ties before each token
+    chosen = above | (tie & (tb < need))
+    slot = ab + torch.minimum(tb, torch.tensor(need))
+    out = torch.full((k,), -1, dtype=torch.int64)
+    out[slot[chosen]] = chosen.nonzero().flatten()
+    return out.tolist()
+
+
+def emulate(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None,
+            k: int) -> torch.Tensor:
+    """A PyTorch model of :func:`select_topk_cuda` (same signature): keys from the reference's fp32 label scores,
+    then :func:`select_keys` per query head."""
+    scores = label_scores(query, labels, channels, valid)  # [B, Hq, T]
+    keys = orderable(scores)
+    b, hq, t = keys.shape
+    rows = [select_keys(keys[i, j], k) for i in range(b) for j in range(hq)]
+    return torch.tensor(rows, dtype=torch.int64).view(b, hq, k)

@@ -1,0 +1,227 @@
+"""The CUDA radix select of DoubleSparse (kernels/doublesparse/radix_cuda.cu).
+
+Without a GPU: :func:`radix_cuda.select_keys` (the select kernel's digit steps, early stop and output slots in
+PyTorch) against a stable sort on constructed keys that need one, two and three digits; :func:`radix_cuda.emulate`
+against a stable sort of the reference's label scores on every label format; the ``.cu`` file compiled with nvcc
+for sm_90a without spills (skipped where nvcc is missing).  On a GPU (marker ``gpu``) the kernels themselves: the
+top-k of the reference scores on every score case and on long odd contexts, exactly the stable sort (and the fused
+Triton select's indices, in the same order) on integer scores with ties, and a replay inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+import torch
+
+from test_doublesparse_kernel import RADIX_TIE_CASES, SCORE_CASES, channel_major, score_case
+
+from kvcompress.kernels.doublesparse import radix_cuda as rc
+from kvcompress.kernels.doublesparse import reference, triton_kernel
+from kvcompress.kernels.doublesparse.reference import Labels
+
+
+def _expected(keys: torch.Tensor, k: int) -> list[int]:
+    """The k largest keys, ties to the lowest tokens, in token order (a stable sort)."""
+    order = torch.sort(keys, descending=True, stable=True).indices[:k]
+    return order.sort().values.tolist()
+
+
+def _keys(kind: str, t: int, gen: torch.Generator) -> torch.Tensor:
+    if kind == "spread":  # distinct top digits: one digit is enough
+        return torch.randint(1, 2 ** 32, (t,), generator=gen, dtype=torch.int64)
+    if kind == "shared-top":  # every key in one top-10-bit digit: a second digit
+        return (0x2D1 << 22) + torch.randint(0, 2 ** 22, (t,), generator=gen)
+    if kind == "shared-21":  # the top 21 bits shared: all three digits
+        return (0x1234AB << 11) + torch.randint(0, 8, (t,), generator=gen) * 256 + torch.randint(0, 2, (t,),
+                                                                                             generator=gen)
+    if kind == "ties":  # few distinct values: ties straddle the k-th key
+        return torch.tensor([0x80000000 + 5, 0x80000000 + 7, 0x007FFFFF])[torch.randint(0, 3, (t,), generator=gen)]
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["spread", "shared-top", "shared-21", "ties"])
+def test_select_model_against_a_stable_sort(kind):
+    """The select kernel's steps on constructed keys: the k largest, ties to the lowest tokens, in token order, for
+    k = 1, k = all and values between; the keys of each kind take the digits their name says."""
+    gen = torch.Generator().manual_seed(sum(map(ord, kind)))
+    levels = set()
+    for t in (1, 7, 300, 2049):
+        for k in sorted({1, max(1, t // 3), max(1, t - 1), t}):
+            keys = _keys(kind, t, gen)
+            trace: list = []
+            assert rc.select_keys(keys, k, trace) == _expected(keys, k), (t, k)
+            levels.add(len(trace))
+    want = {"spread": {1}, "shared-top": {2}, "shared-21": {3}, "ties": {3}}[kind]
+    assert want <= levels, f"digits used {levels}, expected at least {want}"
+
+
+def test_select_model_catches_a_wrong_tie_rule(monkeypatch):
+    """The check above fails for a model that takes the *last* ties (a wrong slot rule)."""
+    gen = torch.Generator().manual_seed(3)
+    keys = _keys("ties", 300, gen)
+    real = rc.select_keys(keys, 100)
+    wrong = rc.select_keys(keys.flip(0), 100)
+    wrong = sorted(299 - i for i in wrong)  # the same rule on reversed tokens: ties to the highest
+    assert real == _expected(keys, 100) and wrong != _expected(keys, 100)
+
+
+@pytest.mark.parametrize("name", list(SCORE_CASES))
+def test_emulated_select_matches_a_stable_sort_of_the_reference_scores(name):
+    """:func:`radix_cuda.emulate` on every label format (fp16 / fp32 / 4-bit / 2-bit labels, bf16 query, padding,
+    k above the valid tokens, k = every token) picks exactly the stable sort's tokens of the reference scores."""
+    q, labels, channels, valid = score_case(name)
+    extra = SCORE_CASES[name][-1]
+    k = extra.get("k", max(1, labels.num_tokens // 8))
+    got = rc.emulate(q, labels, channels, valid, k)
+    scores = reference.label_scores(q, labels, channels, valid)
+    want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k].sort(-1).values
+    assert torch.equal(got, want)
+    assert reference.is_topk(got, scores, k, 0.0)
+
+
+def test_plan_spreads_small_batches_over_the_sms():
+    cfg = rc.RADIX_CUDA_CONFIG
+    for rows, t in [(8, 32768), (3, 32768), (128, 32768), (8, 4096), (1, 100)]:
+        chunk = rc.plan(rows, t, 132, cfg)
+        assert cfg["min_chunk"] <= chunk <= cfg["max_chunk"] and chunk & (chunk - 1) == 0
+        enough = rows * -(-t // chunk) >= cfg["ctas_per_sm"] * 132
+        assert enough or chunk == cfg["min_chunk"]
+        assert chunk == cfg["max_chunk"] or rows * -(-t // (2 * chunk)) < cfg["ctas_per_sm"] * 132
+    assert [rc.heads_per_cta(g) for g in (1, 2, 3, 4, 5, 8, 12)] == [1, 2, 4, 4, 8, 8, 8]
+
+
+def test_cpu_tensors_are_refused_and_the_select_falls_back():
+    q, labels, channels, valid = score_case("fp16-gqa4-r16-odd-t")
+    labels = channel_major(labels)
+    assert rc.problem(q, labels, channels, valid, 5) == "not a CUDA tensor"
+    cfg = dict(triton_kernel.SELECT_CONFIG, method="cuda")
+    assert triton_kernel.select_method(q, labels, channels, 5, cfg, valid) == "fused"
+    with pytest.raises(ValueError, match="method must be"):
+        triton_kernel.select_method(q, labels, channels, 5, dict(cfg, method="cub"), valid)
+
+
+def test_import_compiles_nothing():
+    assert not rc._LIB
+
+
+def test_cuda_source_compiles_for_sm90a_without_spills(tmp_path):
+    if not rc._nvcc():
+        pytest.skip("nvcc not on the PATH")
+    cmd = [rc._nvcc(), "-O3", "-std=c++17", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
+           "-o", str(tmp_path / "ds.cubin"), str(rc.SOURCE)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    kernels = re.findall(r"Compiling entry function '(\w+)'", res.stderr)
+    spills = re.findall(r"(\d+) bytes spill stores", res.stderr)
+    assert len(kernels) == 17, kernels  # 4 label formats x 4 head counts, and the select
+    assert len(spills) == len(kernels) and all(s == "0" for s in spills), res.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------- on the GPU
+
+on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# long odd contexts (several keys CTAs per head, all digits): name -> (batch, kv heads, group, tokens, r, bits,
+# k, score scale (small: crowded top digits), left padding)
+LONG_CASES = {
+    "fp16-gqa4-70001-crowded": (1, 2, 4, 70001, 16, 16, 70001 // 16, 0.01, 0),
+    "4bit-gqa3-33333-pad": (2, 3, 3, 33333, 16, 4, 33333 // 8, 1.0, 1000),
+    "2bit-gqa8-9000": (1, 1, 8, 9000, 16, 2, 1111, 1.0, 0),
+    "fp16-gqa12-5000-k1": (1, 1, 12, 5000, 8, 16, 1, 1.0, 37),
+}
+
+
+def _gpu_select(q, labels, channels, valid, k):
+    cfg = dict(triton_kernel.SELECT_CONFIG, method="cuda")
+    assert triton_kernel.select_method(q, labels, channels, k, cfg, valid) == "cuda"
+    return triton_kernel.select_topk(q, labels, channels, valid, k, config={"method": "cuda"})
+
+
+def _check_topk(got, q, labels, channels, valid, k):
+    scores = reference.label_scores(q, labels, channels, valid)
+    tol = 1e-3 * max(1.0, float(scores[torch.isfinite(scores)].abs().max()))
+    assert reference.is_topk(got, scores, k, tol)
+    assert torch.equal(got, got.sort(-1).values), "indices not in token order"
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("name", list(SCORE_CASES))
+def test_cuda_select_on_score_cases(name):
+    q, labels, channels, valid = score_case(name, "cuda")
+    labels = channel_major(labels)
+    k = SCORE_CASES[name][-1].get("k", max(1, labels.num_tokens // 8))
+    _check_topk(_gpu_select(q, labels, channels, valid, k), q, labels, channels, valid, k)
+
+
+def long_case(name: str):
+    b, h, g, t, r, bits, k, spread, pad = LONG_CASES[name]
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    d = 64
+    lab = (torch.randn(b, h, t, r, generator=gen) * spread + 1.0).half()
+    q = torch.randn(b, h * g, d, generator=gen).half().cuda()
+    channels = torch.stack([torch.randperm(d, generator=gen)[:r] for _ in range(h)]).cuda()
+    valid = None
+    if pad:
+        valid = torch.ones(b, t, dtype=torch.bool)
+        valid[-1, :pad] = False
+        valid = valid.cuda()
+    labels = reference.quantize_labels(lab.cuda(), bits)
+    return q, channel_major(labels), channels, valid, k
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("name", list(LONG_CASES))
+def test_cuda_select_long_odd_contexts(name):
+    q, labels, channels, valid, k = long_case(name)
+    got = _gpu_select(q, labels, channels, valid, k)
+    _check_topk(got, q, labels, channels, valid, k)
+    assert torch.equal(got, _gpu_select(q, labels, channels, valid, k)), "a second run wrote other indices"
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("name", list(RADIX_TIE_CASES))
+def test_cuda_select_exact_ties(name):
+    """Integer scores (exact in any summation order, many ties): exactly the stable sort, in token order, and the
+    fused Triton select's indices in the same order."""
+    b, h, g, t, k, pad, _ = RADIX_TIE_CASES[name]
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    r, d = 4, 32
+    lab = torch.randint(-2, 3, (b, h, t, r), generator=gen).half()
+    q = torch.randint(-2, 3, (b, h * g, d), generator=gen).half()
+    channels = torch.stack([torch.randperm(d, generator=gen)[:r] for _ in range(h)])
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[0, :pad] = False
+    scores = reference.label_scores(q.float(), Labels(lab.float()), channels, valid)
+    want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k].sort(-1).values
+    labels = channel_major(Labels(lab.cuda()))
+    got = _gpu_select(q.cuda(), labels, channels.cuda(), valid.cuda(), k)
+    assert torch.equal(got.cpu(), want)
+    fused = triton_kernel.select_topk(q.cuda(), labels, channels.cuda(), valid.cuda(), k, config={"method": "fused"})
+    assert torch.equal(got, fused)
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_cuda_select_replays_in_a_cuda_graph():
+    """Captured once, replayed on a new query in place: the same indices as an eager call on that query."""
+    q, labels, channels, valid, k = long_case("4bit-gqa3-33333-pad")
+    static_q = q.clone()
+    _gpu_select(static_q, labels, channels, valid, k)  # build + warm up outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _gpu_select(static_q, labels, channels, valid, k)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _gpu_select(static_q, labels, channels, valid, k)
+    new_q = torch.randn_like(q)
+    static_q.copy_(new_q)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, _gpu_select(new_q, labels, channels, valid, k))
