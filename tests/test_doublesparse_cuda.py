@@ -225,3 +225,16 @@ def test_cuda_select_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, _gpu_select(new_q, labels, channels, valid, k))
+
+
+def test_every_cuda_source_ships_with_the_package():
+    """Each ``.cu`` file under kernels/ is package data of its package (the kernels compile it at first use from the
+    installed package)."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    for cu in (root / "kernels").rglob("*.cu"):
+        package = "kvcompress.kernels." + ".".join(cu.parent.relative_to(root / "kernels").parts)
+        assert "*.cu" in data.get(package, []), f"{cu.name}: add '*.cu' to package-data of {package}"
