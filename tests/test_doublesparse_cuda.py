@@ -116,7 +116,7 @@ def test_cuda_source_compiles_for_sm90a_without_spills(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     kernels = re.findall(r"Compiling entry function '(\w+)'", res.stderr)
     spills = re.findall(r"(\d+) bytes spill stores", res.stderr)
-    assert len(kernels) == 17, kernels  # 4 label formats x 4 head counts, and the select
+    assert len(kernels) == 34, kernels  # 4 label formats x 4 head counts x vector loads or not, two selects
     assert len(spills) == len(kernels) and all(s == "0" for s in spills), res.stderr[-3000:]
 
 
@@ -133,10 +133,10 @@ LONG_CASES = {
 }
 
 
-def _gpu_select(q, labels, channels, valid, k):
-    cfg = dict(triton_kernel.SELECT_CONFIG, method="cuda")
+def _gpu_select(q, labels, channels, valid, k, **cuda):
+    cfg = dict(triton_kernel.SELECT_CONFIG, method="cuda", cuda=cuda)
     assert triton_kernel.select_method(q, labels, channels, k, cfg, valid) == "cuda"
-    return triton_kernel.select_topk(q, labels, channels, valid, k, config={"method": "cuda"})
+    return triton_kernel.select_topk(q, labels, channels, valid, k, config={"method": "cuda", "cuda": cuda})
 
 
 def _check_topk(got, q, labels, channels, valid, k):
@@ -180,6 +180,16 @@ def test_cuda_select_long_odd_contexts(name):
     got = _gpu_select(q, labels, channels, valid, k)
     _check_topk(got, q, labels, channels, valid, k)
     assert torch.equal(got, _gpu_select(q, labels, channels, valid, k)), "a second run wrote other indices"
+    # the keys read from L2 on every pass instead of shared memory, and scalar label loads (a view one token in, not
+    # aligned for vector loads, against an aligned copy of it): the same keys, so the same indices
+    assert rc.smem_select(labels.num_tokens, 227 * 1024, rc.RADIX_CUDA_CONFIG) == (labels.num_tokens <= rc.SMEM_KEYS)
+    assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, smem=False))
+    view = labels.narrow(2, 1, labels.num_tokens - 1)
+    copy = channel_major(Labels(view.data.contiguous(), view.bits, None if view.scale is None else
+                                view.scale.contiguous(), None if view.zero is None else view.zero.contiguous()))
+    vvalid = None if valid is None else valid[:, 1:].contiguous()
+    assert not rc.vector_loads(view) and rc.vector_loads(copy)
+    assert torch.equal(_gpu_select(q, view, channels, vvalid, k), _gpu_select(q, copy, channels, vvalid, k))
 
 
 @pytest.mark.gpu

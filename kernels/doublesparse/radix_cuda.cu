@@ -55,14 +55,57 @@ struct KeysParams {
   const __half* sc; const __half* ze; long long sz_b, sz_h;
   const uint8_t* va; long long sva_b;
   uint32_t* keys; int* hist;
-  long long T, HQ, HKV, G, W, per, bits, chunk, gblocks;
+  long long T, HQ, HKV, G, W, per, bits, chunk, gblocks, KS;
   int qt, has_valid;
 };
 
+constexpr int TPT = 8;  // consecutive tokens per thread in the keys kernel (one 16-byte load of fp16 labels)
+
+// Labels of tokens [t, t + TPT) of one channel (or code byte) row as floats (codes: their byte values); VEC: one
+// aligned vector load (the caller checked alignment), else scalar loads; tokens at or past t1 read 0.
+template <int LT, bool VEC>
+__device__ __forceinline__ void load_row(const void* base, long long off, long long t, long long t1, float* x) {
+  if (VEC && t + TPT <= t1) {
+    if constexpr (LT == F16 || LT == BF16) {
+      const uint4 v = *reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(base) + off + t);
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if constexpr (LT == F16) {
+          const __half2 h = *reinterpret_cast<const __half2*>(&w[i]);
+          x[2 * i] = __low2float(h); x[2 * i + 1] = __high2float(h);
+        } else {
+          const __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&w[i]);
+          x[2 * i] = __low2float(h); x[2 * i + 1] = __high2float(h);
+        }
+      }
+    } else if constexpr (LT == F32) {
+      const float4* f = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(base) + off + t);
+      const float4 a = f[0], b = f[1];
+      x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+    } else {
+      const uint2 v = *reinterpret_cast<const uint2*>(reinterpret_cast<const uint8_t*>(base) + off + t);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) { x[i] = (float)((v.x >> (8 * i)) & 0xFF); x[4 + i] = (float)((v.y >> (8 * i)) & 0xFF); }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < TPT; ++i) {
+      if (t + i < t1) {
+        if constexpr (LT == U8) x[i] = (float)reinterpret_cast<const uint8_t*>(base)[off + t + i];
+        else x[i] = load_f<LT>(base, off + t + i);
+      } else {
+        x[i] = 0.f;
+      }
+    }
+  }
+}
+
 // One CTA: tokens [blockIdx.x * chunk, + chunk) of query heads [gb * GN, + GN) of kv head h, batch row b (GN: the
-// heads per CTA, a power of two <= GMAX; gblocks = ceil(G / GN)).
-template <int LT, int GN>
-__global__ void __launch_bounds__(KEYS_THREADS) ds_keys_kernel(KeysParams p) {
+// heads per CTA, a power of two <= GMAX; gblocks = ceil(G / GN)).  Each thread scores TPT consecutive tokens per
+// step for the GN heads from one read of each label row.
+template <int LT, int GN, bool VEC>
+__global__ void __launch_bounds__(KEYS_THREADS, 2) ds_keys_kernel(KeysParams p) {
   constexpr bool QUANT = LT == U8;
   __shared__ int hist[GN][BINS0];
   __shared__ float qv[GN][RMAX];
@@ -94,47 +137,65 @@ __global__ void __launch_bounds__(KEYS_THREADS) ds_keys_kernel(KeysParams p) {
   __syncthreads();
   const long long t0 = (long long)blockIdx.x * p.chunk;
   const long long t1 = min(t0 + p.chunk, p.T);
-  const char* lab = reinterpret_cast<const char*>(p.lab);
   const long long lbase = b * p.sl_b + h * p.sl_h;
   const unsigned mask_bits = (1u << p.bits) - 1u;
-  for (long long t = t0 + threadIdx.x; t < t1; t += blockDim.x) {
-    float acc[GN];
+  for (long long tb = t0 + (long long)threadIdx.x * TPT; tb < t1; tb += (long long)blockDim.x * TPT) {
+    float acc[GN][TPT];
 #pragma unroll
-    for (int g = 0; g < GN; ++g) acc[g] = 0.f;
+    for (int g = 0; g < GN; ++g)
+#pragma unroll
+      for (int i = 0; i < TPT; ++i) acc[g][i] = 0.f;
     for (int w = 0; w < p.W; ++w) {
-      const long long off = lbase + w * p.sl_c + t;
+      float x[TPT];
+      load_row<LT, VEC>(p.lab, lbase + w * p.sl_c, tb, t1, x);
       if constexpr (QUANT) {
-        const unsigned x = reinterpret_cast<const uint8_t*>(lab)[off];
         for (int j = 0; j < p.per; ++j) {
-          const float code = (float)((x >> (p.bits * j)) & mask_bits);
 #pragma unroll
-          for (int g = 0; g < GN; ++g) acc[g] = fmaf(qv[g][j * p.W + w], code, acc[g]);
+          for (int g = 0; g < GN; ++g) {
+            const float qj = qv[g][j * p.W + w];
+#pragma unroll
+            for (int i = 0; i < TPT; ++i)
+              acc[g][i] = fmaf(qj, (float)(((unsigned)x[i] >> (p.bits * j)) & mask_bits), acc[g][i]);
+          }
         }
       } else {
-        const float x = load_f<LT>(lab, off);
 #pragma unroll
-        for (int g = 0; g < GN; ++g) acc[g] = fmaf(qv[g][w], x, acc[g]);
+        for (int g = 0; g < GN; ++g) {
+          const float qw = qv[g][w];
+#pragma unroll
+          for (int i = 0; i < TPT; ++i) acc[g][i] = fmaf(qw, x[i], acc[g][i]);
+        }
       }
     }
-    const bool ok = !p.has_valid || p.va[b * p.sva_b + t] != 0;
-    float s = 1.f, z = 0.f;
-    if constexpr (QUANT) {
-      s = __half2float(p.sc[b * p.sz_b + h * p.sz_h + t]);
-      s = s == 0.f ? 1.f : s;
-      z = __half2float(p.ze[b * p.sz_b + h * p.sz_h + t]);
+    bool ok[TPT];
+    float s[TPT], z[TPT];
+#pragma unroll
+    for (int i = 0; i < TPT; ++i) {
+      const long long t = tb + i;
+      const bool in = t < t1;
+      ok[i] = in && (!p.has_valid || p.va[b * p.sva_b + t] != 0);
+      s[i] = 1.f; z[i] = 0.f;
+      if (QUANT && in) {
+        const float sv = __half2float(p.sc[b * p.sz_b + h * p.sz_h + t]);
+        s[i] = sv == 0.f ? 1.f : sv;
+        z[i] = __half2float(p.ze[b * p.sz_b + h * p.sz_h + t]);
+      }
     }
 #pragma unroll
     for (int g = 0; g < GN; ++g) {
       if (g < ng) {
-        float v = QUANT ? fmaf(acc[g], s, qsum[g] * z) : acc[g];
-        if (!ok) v = -INFINITY;
-        const uint32_t key = orderable(v);
         const long long row = b * p.HQ + h * p.G + g0 + g;
-        p.keys[row * p.T + t] = key;
-        const int bin = (int)(key >> (32 - BITS0));
-        const unsigned active = __activemask();
-        const unsigned same = __match_any_sync(active, bin);
-        if ((__ffs(same) - 1) == (int)(threadIdx.x & 31)) atomicAdd(&hist[g][bin], __popc(same));
+        uint32_t key[TPT];
+#pragma unroll
+        for (int i = 0; i < TPT; ++i) {
+          float v = QUANT ? fmaf(acc[g][i], s[i], qsum[g] * z[i]) : acc[g][i];
+          if (!ok[i]) v = -INFINITY;
+          key[i] = orderable(v);
+          if (tb + i < t1) atomicAdd(&hist[g][key[i] >> (32 - BITS0)], 1);
+        }
+        uint32_t* kp = p.keys + row * p.KS + tb;  // KS: a multiple of TPT, 16-byte aligned rows
+        reinterpret_cast<uint4*>(kp)[0] = make_uint4(key[0], key[1], key[2], key[3]);
+        reinterpret_cast<uint4*>(kp)[1] = make_uint4(key[4], key[5], key[6], key[7]);
       }
     }
   }
@@ -148,10 +209,10 @@ __global__ void __launch_bounds__(KEYS_THREADS) ds_keys_kernel(KeysParams p) {
 
 struct SelectParams {
   const uint32_t* keys; const int* hist; long long* out;
-  long long T, K;
+  long long T, K, KS;
 };
 
-// Block-wide exclusive scan of (a, b) pairs; returns the totals.  All threads of the block must call it.
+// Block-wide exclusive scan of (a, b) pairs; writes the totals to *total (shared).  All threads of the block call it.
 __device__ __forceinline__ int2 block_exclusive_scan2(int2 v, int2* total) {
   __shared__ int2 warp_tot[SELECT_THREADS / 32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
@@ -172,7 +233,7 @@ __device__ __forceinline__ int2 block_exclusive_scan2(int2 v, int2* total) {
       if (lane >= o) { wi.x += xa; wi.y += xb; }
     }
     if (lane < nwarps) warp_tot[lane] = make_int2(wi.x - w.x, wi.y - w.y);  // exclusive per warp
-    if (lane == 31) *total = wi;  // caller's shared slot
+    if (lane == 31) *total = wi;
   }
   __syncthreads();
   const int2 base = warp_tot[warp];
@@ -202,13 +263,22 @@ __device__ __forceinline__ void find_digit(const int* h, int nb, int need, int* 
   __syncthreads();
 }
 
-__global__ void __launch_bounds__(SELECT_THREADS) ds_select_kernel(SelectParams p) {
+// SMEM: the head's keys are copied to dynamic shared memory once (KS * 4 bytes) and every pass reads them there;
+// otherwise each pass reads them from global memory (L2).
+template <bool SMEM>
+__global__ void __launch_bounds__(SELECT_THREADS, 1) ds_select_kernel(SelectParams p) {
+  extern __shared__ uint4 dyn[];
   __shared__ int hist[BINS];
   __shared__ int st[2];
   __shared__ int2 tile_tot;
   const long long row = blockIdx.x;
-  const uint32_t* keys = p.keys + row * p.T;
+  const uint32_t* gk = p.keys + row * p.KS;
+  uint32_t* sk = reinterpret_cast<uint32_t*>(dyn);
+  const uint32_t* keys = SMEM ? sk : gk;
   long long* out = p.out + row * p.K;
+  if (SMEM)
+    for (long long i = threadIdx.x; i < p.KS / 4; i += blockDim.x)
+      dyn[i] = __ldg(reinterpret_cast<const uint4*>(gk) + i);
   for (int i = threadIdx.x; i < BINS0; i += blockDim.x) hist[i] = p.hist[row * BINS0 + i];
   __syncthreads();
   int need = (int)p.K;
@@ -228,18 +298,12 @@ __global__ void __launch_bounds__(SELECT_THREADS) ds_select_kernel(SelectParams 
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         const long long t = t0 + u * blockDim.x + threadIdx.x;
-        k4[u] = t < p.T ? __ldg(keys + t) : 0u;
+        k4[u] = t < p.T ? (SMEM ? keys[t] : __ldg(keys + t)) : 0u;
       }
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         const long long t = t0 + u * blockDim.x + threadIdx.x;
-        const bool hit = t < p.T && (k4[u] >> shift) == prefix;
-        if (hit) {
-          const int d = (int)((k4[u] >> low) & ((1u << nb) - 1u));
-          const unsigned active = __activemask();
-          const unsigned same = __match_any_sync(active, d);
-          if ((__ffs(same) - 1) == (int)(threadIdx.x & 31)) atomicAdd(&hist[d], __popc(same));
-        }
+        if (t < p.T && (k4[u] >> shift) == prefix) atomicAdd(&hist[(k4[u] >> low) & ((1u << nb) - 1u)], 1);
       }
     }
     __syncthreads();
@@ -253,27 +317,26 @@ __global__ void __launch_bounds__(SELECT_THREADS) ds_select_kernel(SelectParams 
   // emit: chosen = key above the prefix, or at it among the first `need` such tokens; slot = rank in token order
   int base_above = 0, base_tie = 0;
   for (long long t0 = 0; t0 < p.T; t0 += (long long)EMIT * blockDim.x) {
-    const long long tb = t0 + (long long)threadIdx.x * EMIT;
+    const long long tb = t0 + (long long)threadIdx.x * EMIT;  // EMIT = 4 keys: one 16-byte read (KS % 8 == 0)
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (tb < p.T) v = SMEM ? reinterpret_cast<const uint4*>(keys)[tb / 4] : __ldg(reinterpret_cast<const uint4*>(keys) + tb / 4);
+    const uint32_t kv[EMIT] = {v.x, v.y, v.z, v.w};
     uint32_t hi[EMIT];
     int a = 0, e = 0;
 #pragma unroll
     for (int u = 0; u < EMIT; ++u) {
-      const long long t = tb + u;
-      const uint32_t k = t < p.T ? __ldg(keys + t) : 0u;
-      // shift 32 (no digit fixed) does not occur: the keys kernel fixes BITS0 bits
-      hi[u] = k >> shift;
-      const bool valid = t < p.T;
+      const bool valid = tb + u < p.T;
+      hi[u] = kv[u] >> shift;  // shift < 32: the keys kernel fixes BITS0 bits
       a += valid && hi[u] > prefix;
       e += valid && hi[u] == prefix;
     }
-    int2 tot;
     const int2 ex = block_exclusive_scan2(make_int2(a, e), &tile_tot);
-    tot = tile_tot;
+    const int2 tot = tile_tot;
     int ab = base_above + ex.x, tie = base_tie + ex.y;
 #pragma unroll
     for (int u = 0; u < EMIT; ++u) {
       const long long t = tb + u;
-      if (t >= p.T) break;
+      if (t >= p.T) continue;
       if (hi[u] > prefix) {
         out[ab + min(tie, need)] = t;
         ++ab;
@@ -288,21 +351,30 @@ __global__ void __launch_bounds__(SELECT_THREADS) ds_select_kernel(SelectParams 
   }
 }
 
+constexpr long long SMEM_KEYS = 48 * 1024;  // keys a select CTA holds in shared memory (192 KB)
+
 template <int LT, int GN>
-int launch_keys(const KeysParams& p, dim3 grid, cudaStream_t s) {
-  ds_keys_kernel<LT, GN><<<grid, KEYS_THREADS, 0, s>>>(p);
+int launch_keys(const KeysParams& p, bool vec, dim3 grid, cudaStream_t s) {
+  if (vec) ds_keys_kernel<LT, GN, true><<<grid, KEYS_THREADS, 0, s>>>(p);
+  else ds_keys_kernel<LT, GN, false><<<grid, KEYS_THREADS, 0, s>>>(p);
   return (int)cudaGetLastError();
 }
 
 template <int LT>
-int launch_keys_lt(const KeysParams& p, int gn, dim3 grid, cudaStream_t s) {
+int launch_keys_lt(const KeysParams& p, int gn, bool vec, dim3 grid, cudaStream_t s) {
   switch (gn) {
-    case 1: return launch_keys<LT, 1>(p, grid, s);
-    case 2: return launch_keys<LT, 2>(p, grid, s);
-    case 4: return launch_keys<LT, 4>(p, grid, s);
-    case 8: return launch_keys<LT, 8>(p, grid, s);
+    case 1: return launch_keys<LT, 1>(p, vec, grid, s);
+    case 2: return launch_keys<LT, 2>(p, vec, grid, s);
+    case 4: return launch_keys<LT, 4>(p, vec, grid, s);
+    case 8: return launch_keys<LT, 8>(p, vec, grid, s);
   }
   return (int)cudaErrorInvalidValue;
+}
+
+// the dynamic shared memory the shared-memory select may use, per device: raised (cudaFuncSetAttribute) when a
+// launch needs more (internal linkage: not shared across libraries)
+namespace {
+int smem_set[64];
 }
 
 }  // namespace ds_radix
@@ -315,7 +387,8 @@ DS_EXPORT int ds_radix_rmax() { return ds_radix::RMAX; }
 DS_EXPORT const char* ds_radix_error_string(int e) { return cudaGetErrorString((cudaError_t)e); }
 
 // a (int64): q, sq_b, sq_h, ch, sch_h, lab, sl_b, sl_h, sl_c, sc, ze, sz_b, sz_h, va, sva_b, keys, hist,
-//            T, HQ, HKV, G, W, per, bits, chunk, gblocks, B, q dtype, label dtype, has_valid, K, out, heads per CTA
+//            T, HQ, HKV, G, W, per, bits, chunk, gblocks, B, q dtype, label dtype, has_valid, K, out, heads per CTA,
+//            vector label loads (0/1), keys row stride KS (a multiple of 8), shared-memory select (0/1)
 //            (dtype codes: DType)
 DS_EXPORT int ds_radix_select_launch(const long long* a, int device, void* stream) {
   using namespace ds_radix;
@@ -336,26 +409,42 @@ DS_EXPORT int ds_radix_select_launch(const long long* a, int device, void* strea
   const int lt = (int)a[28];
   p.has_valid = a[29] != 0;
   const int gn = (int)a[32];
-  if (p.T < 1 || p.chunk < 1 || p.W * p.per > RMAX || a[30] < 1 || a[30] > p.T || p.T > 0x7fffffffLL
-      || p.qt < F16 || p.qt > F32 || gn * p.gblocks < p.G)
+  const bool vec = a[33] != 0;
+  p.KS = a[34];
+  const bool smem = a[35] != 0;
+  if (p.T < 1 || p.chunk < 1 || p.chunk % TPT || p.W * p.per > RMAX || a[30] < 1 || a[30] > p.T
+      || p.T > 0x7fffffffLL || p.qt < F16 || p.qt > F32 || gn * p.gblocks < p.G || p.KS < p.T || p.KS % TPT
+      || (smem && p.KS > SMEM_KEYS) || device < 0 || device >= 64)
     return (int)cudaErrorInvalidValue;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const long long chunks = (p.T + p.chunk - 1) / p.chunk;
   dim3 grid((unsigned)chunks, (unsigned)(B * p.HKV * p.gblocks));
   int rc;
   switch (lt) {
-    case F16: rc = launch_keys_lt<F16>(p, gn, grid, s); break;
-    case BF16: rc = launch_keys_lt<BF16>(p, gn, grid, s); break;
-    case F32: rc = launch_keys_lt<F32>(p, gn, grid, s); break;
-    case U8: rc = launch_keys_lt<U8>(p, gn, grid, s); break;
+    case F16: rc = launch_keys_lt<F16>(p, gn, vec, grid, s); break;
+    case BF16: rc = launch_keys_lt<BF16>(p, gn, vec, grid, s); break;
+    case F32: rc = launch_keys_lt<F32>(p, gn, vec, grid, s); break;
+    case U8: rc = launch_keys_lt<U8>(p, gn, vec, grid, s); break;
     default: return (int)cudaErrorInvalidValue;
   }
   if (rc) return rc;
   SelectParams sp;
   sp.keys = p.keys; sp.hist = p.hist; sp.out = reinterpret_cast<long long*>(a[31]);
-  sp.T = p.T; sp.K = a[30];
-  ds_select_kernel<<<(unsigned)(B * p.HQ), SELECT_THREADS, 0, s>>>(sp);
+  sp.T = p.T; sp.K = a[30]; sp.KS = p.KS;
+  if (smem) {
+    const int bytes = (int)(p.KS * 4);
+    if (bytes > smem_set[device]) {
+      e = cudaFuncSetAttribute(ds_select_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+      if (e != cudaSuccess) return (int)e;
+      smem_set[device] = bytes;
+    }
+    ds_select_kernel<true><<<(unsigned)(B * p.HQ), SELECT_THREADS, (size_t)bytes, s>>>(sp);
+  } else {
+    ds_select_kernel<false><<<(unsigned)(B * p.HQ), SELECT_THREADS, 0, s>>>(sp);
+  }
   return (int)cudaGetLastError();
 }
+
+DS_EXPORT long long ds_radix_smem_keys() { return ds_radix::SMEM_KEYS; }
 
 }  // extern "C"

@@ -56,9 +56,13 @@ GMAX = 8  # query heads per keys CTA
 RMAX = 256  # label channels
 DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 U8 = 3
+TPT = 8  # consecutive tokens per keys-kernel thread (keys rows are padded to a multiple)
+SMEM_KEYS = 48 * 1024  # keys a select CTA may hold in shared memory (the library's limit)
+SELECT_STATIC_SMEM = 10 * 1024  # the select kernel's static shared memory, rounded up
 # chunk: tokens per keys CTA, a power of two from min_chunk to max_chunk aiming at ctas_per_sm CTAs per SM;
-# max_keys: the largest keys scratch (B * Hq * T keys, 4 bytes each) a call may take (beyond: not supported)
-RADIX_CUDA_CONFIG = dict(min_chunk=512, max_chunk=8192, ctas_per_sm=2, max_keys=1 << 26)
+# max_keys: the largest keys scratch (B * Hq * T keys, 4 bytes each) a call may take (beyond: not supported);
+# smem: the select kernel holds a head's keys in shared memory where they fit (else every pass reads them from L2)
+RADIX_CUDA_CONFIG = dict(min_chunk=512, max_chunk=8192, ctas_per_sm=2, max_keys=1 << 26, smem=True)
 _LOCK = threading.Lock()
 _LIB: dict[str, ctypes.CDLL] = {}
 
@@ -157,7 +161,9 @@ def build() -> ctypes.CDLL:
         lib.ds_radix_select_launch.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_int, ctypes.c_void_p]
         lib.ds_radix_error_string.restype = ctypes.c_char_p
         lib.ds_radix_error_string.argtypes = [ctypes.c_int]
-        if (lib.ds_radix_bins0(), lib.ds_radix_gmax(), lib.ds_radix_rmax()) != (1 << BITS0, GMAX, RMAX):
+        lib.ds_radix_smem_keys.restype = ctypes.c_longlong
+        if (lib.ds_radix_bins0(), lib.ds_radix_gmax(), lib.ds_radix_rmax(), lib.ds_radix_smem_keys()) != (
+                1 << BITS0, GMAX, RMAX, SMEM_KEYS):
             raise RuntimeError(f"{path} was built from another version of radix_cuda.cu")
         _LIB["lib"] = lib
         return lib
@@ -166,6 +172,34 @@ def build() -> ctypes.CDLL:
 @functools.lru_cache(maxsize=8)
 def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=8)
+def _smem_optin(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
+
+
+def keys_stride(tokens: int) -> int:
+    """The keys scratch's row stride: ``tokens`` rounded up to :data:`TPT` (16-byte aligned rows)."""
+    return -(-tokens // TPT) * TPT
+
+
+def smem_select(tokens: int, optin: int, cfg: dict) -> bool:
+    """Whether the select kernel holds the head's keys in shared memory: ``cfg["smem"]`` and they fit (the library's
+    :data:`SMEM_KEYS` and the device's opt-in limit beside the kernel's static shared memory)."""
+    ks = keys_stride(tokens)
+    return bool(cfg["smem"]) and ks <= SMEM_KEYS and ks * 4 + SELECT_STATIC_SMEM <= optin
+
+
+def vector_loads(labels: Labels) -> bool:
+    """Whether the keys kernel may read :data:`TPT` tokens of a label row with one vector load: the data pointer and
+    the batch / head / channel strides aligned to the vector (16 bytes for 16- and 32-bit labels, 8 for codes)."""
+    data = labels.data
+    esz = data.element_size()
+    align = 8 if labels.bits != 16 else 16
+    return data.data_ptr() % align == 0 and all((st * esz) % align == 0 for st in (data.stride(0), data.stride(1),
+                                                                                   data.stride(3)))
 
 
 def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None,
@@ -188,7 +222,8 @@ def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor
     chunk = plan(b * hkv * gblocks, t, _sms(dev.index or 0), cfg)
     channels = channels.to(device=dev).contiguous()
     lab = labels.data
-    keys = torch.empty(b * hq, t, device=dev, dtype=torch.int32)
+    ks = keys_stride(t)
+    keys = torch.empty(b * hq, ks, device=dev, dtype=torch.int32)
     hist = torch.zeros(b * hq, 1 << BITS0, device=dev, dtype=torch.int32)
     out = torch.empty(b, hq, k, device=dev, dtype=torch.int64)
     va = valid.view(torch.uint8) if valid is not None else None
@@ -200,7 +235,8 @@ def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor
             va.data_ptr() if va is not None else 0, va.stride(0) if va is not None else 0,
             keys.data_ptr(), hist.data_ptr(),
             t, hq, hkv, g, w, 8 // labels.bits if quant else 1, labels.bits if quant else 16, chunk, gblocks, b,
-            DTYPES[query.dtype], U8 if quant else DTYPES[lab.dtype], int(va is not None), k, out.data_ptr(), gn]
+            DTYPES[query.dtype], U8 if quant else DTYPES[lab.dtype], int(va is not None), k, out.data_ptr(), gn,
+            int(vector_loads(labels)), ks, int(smem_select(t, _smem_optin(dev.index or 0), cfg))]
     arr = (ctypes.c_longlong * len(args))(*args)
     stream = torch.cuda.current_stream(dev).cuda_stream
     rc = lib.ds_radix_select_launch(arr, dev.index or 0, ctypes.c_void_p(stream))
