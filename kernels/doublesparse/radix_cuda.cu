@@ -26,7 +26,7 @@ constexpr int BINS0 = 1 << BITS0;
 constexpr int BINS = 1 << BITS;
 constexpr int GMAX = 8;               // query heads scored per keys CTA
 constexpr int RMAX = 256;             // label channels
-constexpr int KEYS_THREADS = 256;
+constexpr int KEYS_THREADS = 128;
 constexpr int SELECT_THREADS = 1024;
 constexpr int EMIT = 4;               // consecutive tokens per thread in the emit pass
 
@@ -60,6 +60,7 @@ struct KeysParams {
 };
 
 constexpr int TPT = 8;  // consecutive tokens per thread in the keys kernel (one 16-byte load of fp16 labels)
+constexpr int WU = 4;   // label rows (channels or code bytes) a keys thread loads before using them
 
 // Labels of tokens [t, t + TPT) of one channel (or code byte) row as floats (codes: their byte values); VEC: one
 // aligned vector load (the caller checked alignment), else scalar loads; tokens at or past t1 read 0.
@@ -145,25 +146,38 @@ __global__ void __launch_bounds__(KEYS_THREADS, 2) ds_keys_kernel(KeysParams p) 
     for (int g = 0; g < GN; ++g)
 #pragma unroll
       for (int i = 0; i < TPT; ++i) acc[g][i] = 0.f;
-    for (int w = 0; w < p.W; ++w) {
-      float x[TPT];
-      load_row<LT, VEC>(p.lab, lbase + w * p.sl_c, tb, t1, x);
-      if constexpr (QUANT) {
-        for (int j = 0; j < p.per; ++j) {
+    for (int w0 = 0; w0 < p.W; w0 += WU) {  // WU label rows in flight per thread
+      float x[WU][TPT];
+#pragma unroll
+      for (int u = 0; u < WU; ++u) {
+        if (w0 + u < p.W) {
+          load_row<LT, VEC>(p.lab, lbase + (w0 + u) * p.sl_c, tb, t1, x[u]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < TPT; ++i) x[u][i] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < WU; ++u) {
+        const int w = w0 + u;
+        if (w >= p.W) break;
+        if constexpr (QUANT) {
+          for (int j = 0; j < p.per; ++j) {
+#pragma unroll
+            for (int g = 0; g < GN; ++g) {
+              const float qj = qv[g][j * p.W + w];
+#pragma unroll
+              for (int i = 0; i < TPT; ++i)
+                acc[g][i] = fmaf(qj, (float)(((unsigned)x[u][i] >> (p.bits * j)) & mask_bits), acc[g][i]);
+            }
+          }
+        } else {
 #pragma unroll
           for (int g = 0; g < GN; ++g) {
-            const float qj = qv[g][j * p.W + w];
+            const float qw = qv[g][w];
 #pragma unroll
-            for (int i = 0; i < TPT; ++i)
-              acc[g][i] = fmaf(qj, (float)(((unsigned)x[i] >> (p.bits * j)) & mask_bits), acc[g][i]);
+            for (int i = 0; i < TPT; ++i) acc[g][i] = fmaf(qw, x[u][i], acc[g][i]);
           }
-        }
-      } else {
-#pragma unroll
-        for (int g = 0; g < GN; ++g) {
-          const float qw = qv[g][w];
-#pragma unroll
-          for (int i = 0; i < TPT; ++i) acc[g][i] = fmaf(qw, x[i], acc[g][i]);
         }
       }
     }

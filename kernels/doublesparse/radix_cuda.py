@@ -62,7 +62,7 @@ SELECT_STATIC_SMEM = 10 * 1024  # the select kernel's static shared memory, roun
 # chunk: tokens per keys CTA, a power of two from min_chunk to max_chunk aiming at ctas_per_sm CTAs per SM;
 # max_keys: the largest keys scratch (B * Hq * T keys, 4 bytes each) a call may take (beyond: not supported);
 # smem: the select kernel holds a head's keys in shared memory where they fit (else every pass reads them from L2)
-RADIX_CUDA_CONFIG = dict(min_chunk=512, max_chunk=8192, ctas_per_sm=2, max_keys=1 << 26, smem=True)
+RADIX_CUDA_CONFIG = dict(min_chunk=1024, max_chunk=8192, ctas_per_sm=2, max_keys=1 << 26, smem=True)
 _LOCK = threading.Lock()
 _LIB: dict[str, ctypes.CDLL] = {}
 
