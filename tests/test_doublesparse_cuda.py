@@ -103,6 +103,14 @@ def test_cpu_tensors_are_refused_and_the_select_falls_back():
         triton_kernel.select_method(q, labels, channels, 5, dict(cfg, method="cub"), valid)
 
 
+def test_config_is_validated():
+    q, labels, channels, valid = score_case("fp16-gqa4-r16-odd-t")
+    with pytest.raises(ValueError, match="unknown entries.*keys_thread"):
+        rc.problem(q, labels, channels, valid, 5, {"keys_thread": 128})
+    with pytest.raises(ValueError, match="select_threads 100"):
+        rc.problem(q, labels, channels, valid, 5, {"select_threads": 100})
+
+
 def test_import_compiles_nothing():
     assert not rc._LIB
 
@@ -116,7 +124,7 @@ def test_cuda_source_compiles_for_sm90a_without_spills(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     kernels = re.findall(r"Compiling entry function '(\w+)'", res.stderr)
     spills = re.findall(r"(\d+) bytes spill stores", res.stderr)
-    assert len(kernels) == 34, kernels  # 4 label formats x 4 head counts x vector loads or not, two selects
+    assert len(kernels) == 66, kernels  # 4 label formats x 4 head counts x vector loads or not x 1 or 4 rows, 2 selects
     assert len(spills) == len(kernels) and all(s == "0" for s in spills), res.stderr[-3000:]
 
 
@@ -193,6 +201,10 @@ def test_cuda_select_long_odd_contexts(name):
     # aligned for vector loads, against an aligned copy of it): the same keys, so the same indices
     assert rc.smem_select(labels.num_tokens, 227 * 1024, rc.RADIX_CUDA_CONFIG) == (labels.num_tokens <= rc.SMEM_KEYS)
     assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, smem=False))
+    # the other launch shapes: 256-thread keys CTAs reading one label row at a time, 256- / 512-thread selects
+    assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, keys_threads=256, rows_in_flight=1,
+                                        select_threads=256))
+    assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, smem=False, select_threads=512))
     view = labels.narrow(1, labels.num_tokens - 1)
     copy = _aligned_copy(view)
     vvalid = None if valid is None else valid[:, 1:].contiguous()

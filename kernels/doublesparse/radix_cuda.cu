@@ -26,8 +26,8 @@ constexpr int BINS0 = 1 << BITS0;
 constexpr int BINS = 1 << BITS;
 constexpr int GMAX = 8;               // query heads scored per keys CTA
 constexpr int RMAX = 256;             // label channels
-constexpr int KEYS_THREADS = 128;
-constexpr int SELECT_THREADS = 1024;
+constexpr int KEYS_THREADS = 256;      // the most threads of a keys CTA (the launch picks 128 or 256)
+constexpr int SELECT_THREADS = 1024;   // the most threads of a select CTA (the launch picks 256, 512 or 1024)
 constexpr int EMIT = 4;               // consecutive tokens per thread in the emit pass
 
 enum DType { F16 = 0, BF16 = 1, F32 = 2, U8 = 3 };
@@ -60,7 +60,7 @@ struct KeysParams {
 };
 
 constexpr int TPT = 8;  // consecutive tokens per thread in the keys kernel (one 16-byte load of fp16 labels)
-constexpr int WU = 4;   // label rows (channels or code bytes) a keys thread loads before using them
+
 
 // Labels of tokens [t, t + TPT) of one channel (or code byte) row as floats (codes: their byte values); VEC: one
 // aligned vector load (the caller checked alignment), else scalar loads; tokens at or past t1 read 0.
@@ -105,8 +105,9 @@ __device__ __forceinline__ void load_row(const void* base, long long off, long l
 // One CTA: tokens [blockIdx.x * chunk, + chunk) of query heads [gb * GN, + GN) of kv head h, batch row b (GN: the
 // heads per CTA, a power of two <= GMAX; gblocks = ceil(G / GN)).  Each thread scores TPT consecutive tokens per
 // step for the GN heads from one read of each label row.
-template <int LT, int GN, bool VEC>
-__global__ void __launch_bounds__(KEYS_THREADS, 2) ds_keys_kernel(KeysParams p) {
+// WU: label rows (channels or code bytes) a thread loads before using them (1 or 4).
+template <int LT, int GN, bool VEC, int WU>
+__global__ void __launch_bounds__(KEYS_THREADS, 1) ds_keys_kernel(KeysParams p) {
   constexpr bool QUANT = LT == U8;
   __shared__ int hist[GN][BINS0];
   __shared__ float qv[GN][RMAX];
@@ -367,20 +368,31 @@ __global__ void __launch_bounds__(SELECT_THREADS, 1) ds_select_kernel(SelectPara
 
 constexpr long long SMEM_KEYS = 48 * 1024;  // keys a select CTA holds in shared memory (192 KB)
 
+struct KeysLaunch {
+  dim3 grid;
+  int threads, wu;
+  bool vec;
+};
+
 template <int LT, int GN>
-int launch_keys(const KeysParams& p, bool vec, dim3 grid, cudaStream_t s) {
-  if (vec) ds_keys_kernel<LT, GN, true><<<grid, KEYS_THREADS, 0, s>>>(p);
-  else ds_keys_kernel<LT, GN, false><<<grid, KEYS_THREADS, 0, s>>>(p);
+int launch_keys(const KeysParams& p, const KeysLaunch& l, cudaStream_t s) {
+  if (l.wu == 4) {
+    if (l.vec) ds_keys_kernel<LT, GN, true, 4><<<l.grid, l.threads, 0, s>>>(p);
+    else ds_keys_kernel<LT, GN, false, 4><<<l.grid, l.threads, 0, s>>>(p);
+  } else {
+    if (l.vec) ds_keys_kernel<LT, GN, true, 1><<<l.grid, l.threads, 0, s>>>(p);
+    else ds_keys_kernel<LT, GN, false, 1><<<l.grid, l.threads, 0, s>>>(p);
+  }
   return (int)cudaGetLastError();
 }
 
 template <int LT>
-int launch_keys_lt(const KeysParams& p, int gn, bool vec, dim3 grid, cudaStream_t s) {
+int launch_keys_lt(const KeysParams& p, int gn, const KeysLaunch& l, cudaStream_t s) {
   switch (gn) {
-    case 1: return launch_keys<LT, 1>(p, vec, grid, s);
-    case 2: return launch_keys<LT, 2>(p, vec, grid, s);
-    case 4: return launch_keys<LT, 4>(p, vec, grid, s);
-    case 8: return launch_keys<LT, 8>(p, vec, grid, s);
+    case 1: return launch_keys<LT, 1>(p, l, s);
+    case 2: return launch_keys<LT, 2>(p, l, s);
+    case 4: return launch_keys<LT, 4>(p, l, s);
+    case 8: return launch_keys<LT, 8>(p, l, s);
   }
   return (int)cudaErrorInvalidValue;
 }
@@ -402,7 +414,8 @@ DS_EXPORT const char* ds_radix_error_string(int e) { return cudaGetErrorString((
 
 // a (int64): q, sq_b, sq_h, ch, sch_h, lab, sl_b, sl_h, sl_c, sc, ze, sz_b, sz_h, va, sva_b, keys, hist,
 //            T, HQ, HKV, G, W, per, bits, chunk, gblocks, B, q dtype, label dtype, has_valid, K, out, heads per CTA,
-//            vector label loads (0/1), keys row stride KS (a multiple of 8), shared-memory select (0/1)
+//            vector label loads (0/1), keys row stride KS (a multiple of 8), shared-memory select (0/1), keys CTA
+//            threads (128 / 256), label rows in flight (1 / 4), select CTA threads (256 / 512 / 1024)
 //            (dtype codes: DType)
 DS_EXPORT int ds_radix_select_launch(const long long* a, int device, void* stream) {
   using namespace ds_radix;
@@ -426,19 +439,25 @@ DS_EXPORT int ds_radix_select_launch(const long long* a, int device, void* strea
   const bool vec = a[33] != 0;
   p.KS = a[34];
   const bool smem = a[35] != 0;
+  const int kthreads = (int)a[36], wu = (int)a[37], sthreads = (int)a[38];
+  if ((kthreads != 128 && kthreads != 256) || (wu != 1 && wu != 4)
+      || (sthreads != 256 && sthreads != 512 && sthreads != 1024) || p.chunk % (TPT * kthreads))
+    return (int)cudaErrorInvalidValue;
   if (p.T < 1 || p.chunk < 1 || p.chunk % TPT || p.W * p.per > RMAX || a[30] < 1 || a[30] > p.T
       || p.T > 0x7fffffffLL || p.qt < F16 || p.qt > F32 || gn * p.gblocks < p.G || p.KS < p.T || p.KS % TPT
       || (smem && p.KS > SMEM_KEYS) || device < 0 || device >= 64)
     return (int)cudaErrorInvalidValue;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const long long chunks = (p.T + p.chunk - 1) / p.chunk;
-  dim3 grid((unsigned)chunks, (unsigned)(B * p.HKV * p.gblocks));
+  KeysLaunch l;
+  l.grid = dim3((unsigned)chunks, (unsigned)(B * p.HKV * p.gblocks));
+  l.threads = kthreads; l.wu = wu; l.vec = vec;
   int rc;
   switch (lt) {
-    case F16: rc = launch_keys_lt<F16>(p, gn, vec, grid, s); break;
-    case BF16: rc = launch_keys_lt<BF16>(p, gn, vec, grid, s); break;
-    case F32: rc = launch_keys_lt<F32>(p, gn, vec, grid, s); break;
-    case U8: rc = launch_keys_lt<U8>(p, gn, vec, grid, s); break;
+    case F16: rc = launch_keys_lt<F16>(p, gn, l, s); break;
+    case BF16: rc = launch_keys_lt<BF16>(p, gn, l, s); break;
+    case F32: rc = launch_keys_lt<F32>(p, gn, l, s); break;
+    case U8: rc = launch_keys_lt<U8>(p, gn, l, s); break;
     default: return (int)cudaErrorInvalidValue;
   }
   if (rc) return rc;
@@ -452,9 +471,9 @@ DS_EXPORT int ds_radix_select_launch(const long long* a, int device, void* strea
       if (e != cudaSuccess) return (int)e;
       smem_set[device] = bytes;
     }
-    ds_select_kernel<true><<<(unsigned)(B * p.HQ), SELECT_THREADS, (size_t)bytes, s>>>(sp);
+    ds_select_kernel<true><<<(unsigned)(B * p.HQ), sthreads, (size_t)bytes, s>>>(sp);
   } else {
-    ds_select_kernel<false><<<(unsigned)(B * p.HQ), SELECT_THREADS, 0, s>>>(sp);
+    ds_select_kernel<false><<<(unsigned)(B * p.HQ), sthreads, 0, s>>>(sp);
   }
   return (int)cudaGetLastError();
 }

@@ -61,8 +61,11 @@ SMEM_KEYS = 48 * 1024  # keys a select CTA may hold in shared memory (the librar
 SELECT_STATIC_SMEM = 10 * 1024  # the select kernel's static shared memory, rounded up
 # chunk: tokens per keys CTA, a power of two from min_chunk to max_chunk aiming at ctas_per_sm CTAs per SM;
 # max_keys: the largest keys scratch (B * Hq * T keys, 4 bytes each) a call may take (beyond: not supported);
-# smem: the select kernel holds a head's keys in shared memory where they fit (else every pass reads them from L2)
-RADIX_CUDA_CONFIG = dict(min_chunk=1024, max_chunk=8192, ctas_per_sm=2, max_keys=1 << 26, smem=True)
+# smem: the select kernel holds a head's keys in shared memory where they fit (else every pass reads them from L2);
+# keys_threads (128 / 256) and rows_in_flight (1 / 4: label rows each thread loads before using them) of the keys
+# CTAs, select_threads (256 / 512 / 1024) of the select CTAs
+RADIX_CUDA_CONFIG = dict(min_chunk=1024, max_chunk=8192, ctas_per_sm=2, max_keys=1 << 26, smem=True,
+                         keys_threads=128, rows_in_flight=4, select_threads=1024)
 _LOCK = threading.Lock()
 _LIB: dict[str, ctypes.CDLL] = {}
 
@@ -82,6 +85,14 @@ def problem(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: 
     from .triton_kernel import supports_scores
 
     cfg = dict(RADIX_CUDA_CONFIG, **(cfg or {}))
+    unknown = sorted(set(cfg) - set(RADIX_CUDA_CONFIG))
+    if unknown:
+        raise ValueError(f"DoubleSparse CUDA select config: unknown entries {unknown}; known: {sorted(RADIX_CUDA_CONFIG)}")
+    if cfg["keys_threads"] not in (128, 256) or cfg["rows_in_flight"] not in (1, 4) \
+            or cfg["select_threads"] not in (256, 512, 1024):
+        raise ValueError(f"DoubleSparse CUDA select config: keys_threads {cfg['keys_threads']} (128 or 256), "
+                         f"rows_in_flight {cfg['rows_in_flight']} (1 or 4), select_threads {cfg['select_threads']} "
+                         f"(256, 512 or 1024)")
     if not query.is_cuda or not torch.cuda.is_available():
         return "not a CUDA tensor"
     if torch.cuda.get_device_capability(query.device)[0] < 8:
@@ -108,9 +119,11 @@ def problem(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: 
 
 def plan(rows: int, tokens: int, sms: int, cfg: dict) -> int:
     """Tokens per keys CTA: the largest power of two in ``[min_chunk, max_chunk]`` that still gives ``rows`` (keys
-    CTAs per chunk: batch x kv heads x query-head blocks) x chunks at least ``ctas_per_sm`` CTAs per SM."""
-    chunk = int(cfg["max_chunk"])
-    while chunk > int(cfg["min_chunk"]) and rows * -(-tokens // chunk) < cfg["ctas_per_sm"] * sms:
+    CTAs per chunk: batch x kv heads x query-head blocks) x chunks at least ``ctas_per_sm`` CTAs per SM; at least
+    one step of every thread (``TPT x keys_threads`` tokens)."""
+    least = max(int(cfg["min_chunk"]), TPT * int(cfg["keys_threads"]))
+    chunk = max(int(cfg["max_chunk"]), least)
+    while chunk > least and rows * -(-tokens // chunk) < cfg["ctas_per_sm"] * sms:
         chunk //= 2
     return chunk
 
@@ -236,7 +249,8 @@ def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor
             keys.data_ptr(), hist.data_ptr(),
             t, hq, hkv, g, w, 8 // labels.bits if quant else 1, labels.bits if quant else 16, chunk, gblocks, b,
             DTYPES[query.dtype], U8 if quant else DTYPES[lab.dtype], int(va is not None), k, out.data_ptr(), gn,
-            int(vector_loads(labels)), ks, int(smem_select(t, _smem_optin(dev.index or 0), cfg))]
+            int(vector_loads(labels)), ks, int(smem_select(t, _smem_optin(dev.index or 0), cfg)),
+            int(cfg["keys_threads"]), int(cfg["rows_in_flight"]), int(cfg["select_threads"])]
     arr = (ctypes.c_longlong * len(args))(*args)
     stream = torch.cuda.current_stream(dev).cuda_stream
     rc = lib.ds_radix_select_launch(arr, dev.index or 0, ctypes.c_void_p(stream))
