@@ -86,9 +86,10 @@ def test_plan_spreads_small_batches_over_the_sms():
     cfg = rc.RADIX_CUDA_CONFIG
     for rows, t in [(8, 32768), (3, 32768), (128, 32768), (8, 4096), (1, 100)]:
         chunk = rc.plan(rows, t, 132, cfg)
-        assert cfg["min_chunk"] <= chunk <= cfg["max_chunk"] and chunk & (chunk - 1) == 0
+        least = max(cfg["min_chunk"], rc.TPT * cfg["keys_threads"])  # every thread of a keys CTA gets a step
+        assert least <= chunk <= cfg["max_chunk"] and chunk & (chunk - 1) == 0
         enough = rows * -(-t // chunk) >= cfg["ctas_per_sm"] * 132
-        assert enough or chunk == cfg["min_chunk"]
+        assert enough or chunk == least
         assert chunk == cfg["max_chunk"] or rows * -(-t // (2 * chunk)) < cfg["ctas_per_sm"] * 132
     assert [rc.heads_per_cta(g) for g in (1, 2, 3, 4, 5, 8, 12)] == [1, 2, 4, 4, 8, 8, 8]
 
@@ -101,6 +102,18 @@ def test_cpu_tensors_are_refused_and_the_select_falls_back():
     assert triton_kernel.select_method(q, labels, channels, 5, cfg, valid) == "fused"
     with pytest.raises(ValueError, match="method must be"):
         triton_kernel.select_method(q, labels, channels, 5, dict(cfg, method="cub"), valid)
+
+
+def test_auto_takes_the_cuda_select_where_the_sweep_found_it_faster():
+    """The rule of ``"auto"`` on an H200 (132 SMs) at the shapes of the session 29 sweep: per-query-head selections
+    from batch 4 at 32k; not at batch 1, not at 4k, not for group-shared selections (one query row per kv head)."""
+    rule = (lambda b, hq, hkv, t: rc.prefers_cuda(b, hq, hkv, t, triton_kernel.FUSED_MAX_TOKENS, 132))
+    assert rule(4, 32, 8, 32768) and rule(64, 32, 8, 32768) and rule(4, 9, 3, 32768) and rule(16, 9, 3, 32768)
+    assert not rule(1, 32, 8, 32768) and not rule(1, 9, 3, 32768) and not rule(16, 32, 8, 4096)
+    assert not rule(16, 8, 8, 32768)  # ds16-shared
+    assert rc.launch_shape(2048, 132, rc.RADIX_CUDA_CONFIG) == (False, 512)
+    assert rc.launch_shape(128, 132, rc.RADIX_CUDA_CONFIG) == (True, 1024)
+    assert rc.launch_shape(2048, 132, dict(rc.RADIX_CUDA_CONFIG, smem=True, select_threads=256)) == (True, 256)
 
 
 def test_config_is_validated():
@@ -138,6 +151,8 @@ LONG_CASES = {
     "4bit-gqa3-33333-pad": (2, 3, 3, 33333, 16, 4, 33333 // 8, 1.0, 1000),
     "2bit-gqa8-9000": (1, 1, 8, 9000, 16, 2, 1111, 1.0, 0),
     "fp16-gqa12-5000-k1": (1, 1, 12, 5000, 8, 16, 1, 1.0, 37),
+    # 40 query heads at 20001 tokens: "auto" takes the CUDA select on an H200
+    "fp16-b5-gqa4-20001-auto": (5, 2, 4, 20001, 16, 16, 20001 // 16, 1.0, 0),
 }
 
 
@@ -200,11 +215,16 @@ def test_cuda_select_long_odd_contexts(name):
     # the keys read from L2 on every pass instead of shared memory, and scalar label loads (a view one token in, not
     # aligned for vector loads, against an aligned copy of it): the same keys, so the same indices
     assert rc.smem_select(labels.num_tokens, 227 * 1024, rc.RADIX_CUDA_CONFIG) == (labels.num_tokens <= rc.SMEM_KEYS)
+    # "auto" takes the CUDA select at a long context with many query heads (and returns the same indices)
+    if labels.num_tokens > triton_kernel.FUSED_MAX_TOKENS and q.shape[0] * q.shape[1] * 4 >= rc._sms(0):
+        assert triton_kernel.select_method(q, labels, channels, k, dict(triton_kernel.SELECT_CONFIG), valid) == "cuda"
     assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, smem=False))
     # the other launch shapes: 256-thread keys CTAs reading one label row at a time, 256- / 512-thread selects
     assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, keys_threads=256, rows_in_flight=1,
                                         select_threads=256))
     assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, smem=False, select_threads=512))
+    assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, keys_threads=128, rows_in_flight=4,
+                                        select_threads=1024))
     view = labels.narrow(1, labels.num_tokens - 1)
     copy = _aligned_copy(view)
     vvalid = None if valid is None else valid[:, 1:].contiguous()

@@ -63,9 +63,13 @@ SELECT_STATIC_SMEM = 10 * 1024  # the select kernel's static shared memory, roun
 # max_keys: the largest keys scratch (B * Hq * T keys, 4 bytes each) a call may take (beyond: not supported);
 # smem: the select kernel holds a head's keys in shared memory where they fit (else every pass reads them from L2);
 # keys_threads (128 / 256) and rows_in_flight (1 / 4: label rows each thread loads before using them) of the keys
-# CTAs, select_threads (256 / 512 / 1024) of the select CTAs
-RADIX_CUDA_CONFIG = dict(min_chunk=1024, max_chunk=8192, ctas_per_sm=2, max_keys=1 << 26, smem=True,
-                         keys_threads=128, rows_in_flight=4, select_threads=1024)
+# CTAs, select_threads (256 / 512 / 1024) of the select CTAs.  smem / select_threads None: launch_shape's rule.
+# Session 29 sweep (H200, docs/results.md): 256-thread keys CTAs loading one label row at a time were the fastest keys
+# launch at 33 of 36 cells (e.g. SmolLM2 B64/32k ds8 380.6 us against 457.4 with 128 threads and 4 rows); the
+# 1024-thread shared-memory select up to B16, the 512-thread select from L2 at B64 (Llama ds16 B64/32k 1134.8 against
+# 1178.2 us; SmolLM2 ds8 B64/32k 373.3 against 380.6)
+RADIX_CUDA_CONFIG = dict(min_chunk=1024, max_chunk=8192, ctas_per_sm=2, max_keys=1 << 26, smem=None,
+                         keys_threads=256, rows_in_flight=1, select_threads=None)
 _LOCK = threading.Lock()
 _LIB: dict[str, ctypes.CDLL] = {}
 
@@ -89,10 +93,10 @@ def problem(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: 
     if unknown:
         raise ValueError(f"DoubleSparse CUDA select config: unknown entries {unknown}; known: {sorted(RADIX_CUDA_CONFIG)}")
     if cfg["keys_threads"] not in (128, 256) or cfg["rows_in_flight"] not in (1, 4) \
-            or cfg["select_threads"] not in (256, 512, 1024):
+            or cfg["select_threads"] not in (None, 256, 512, 1024) or cfg["smem"] not in (None, True, False):
         raise ValueError(f"DoubleSparse CUDA select config: keys_threads {cfg['keys_threads']} (128 or 256), "
                          f"rows_in_flight {cfg['rows_in_flight']} (1 or 4), select_threads {cfg['select_threads']} "
-                         f"(256, 512 or 1024)")
+                         f"(None, 256, 512 or 1024), smem {cfg['smem']} (None, true or false)")
     if not query.is_cuda or not torch.cuda.is_available():
         return "not a CUDA tensor"
     if torch.cuda.get_device_capability(query.device)[0] < 8:
@@ -115,6 +119,27 @@ def problem(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: 
     if query.shape[0] * query.shape[1] * t > cfg["max_keys"]:
         return f"{query.shape[0] * query.shape[1] * t} keys exceed max_keys {cfg['max_keys']}"
     return None
+
+
+def auto(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None, k: int,
+         chunk_tokens: int, cfg: dict | None = None) -> bool:
+    """Whether ``"auto"`` takes the CUDA select (:func:`.triton_kernel.select_method`): a context the fused Triton
+    select must split into chunks and merge (more than ``chunk_tokens``), several query heads per kv head (the keys
+    kernel reads a kv head's labels once for all of them; the fused select once per query head) and at least a
+    quarter as many query heads in the batch as SMs; and :func:`problem` finds nothing.  From the session 29 sweep
+    (H200, 32k, docs/results.md): the CUDA select was faster at every such cell (Llama B4 ds8 127.1 against 152.3 us,
+    SmolLM2 B4 58.8 against 71.4, Llama B64 ds16 1134.8 against 1388.4) and slower at batch 1 (Llama ds16 57.5 against
+    50.4: 32 heads on 132 SMs, one select CTA per head), at 4k (one fused program per head, no merge) and, within
+    4%, for group-shared selections at B4 / B64."""
+    if not query.is_cuda or not prefers_cuda(query.shape[0], query.shape[1], channels.shape[0], labels.num_tokens,
+                                             chunk_tokens, _sms(query.device.index or 0)):
+        return False
+    return problem(query, labels, channels, valid, k, cfg) is None
+
+
+def prefers_cuda(batch: int, q_heads: int, kv_heads: int, tokens: int, chunk_tokens: int, sms: int) -> bool:
+    """:func:`auto`'s rule on the shapes alone."""
+    return tokens > chunk_tokens and q_heads > kv_heads and batch * q_heads * 4 >= sms
 
 
 def plan(rows: int, tokens: int, sms: int, cfg: dict) -> int:
@@ -198,11 +223,23 @@ def keys_stride(tokens: int) -> int:
     return -(-tokens // TPT) * TPT
 
 
-def smem_select(tokens: int, optin: int, cfg: dict) -> bool:
-    """Whether the select kernel holds the head's keys in shared memory: ``cfg["smem"]`` and they fit (the library's
-    :data:`SMEM_KEYS` and the device's opt-in limit beside the kernel's static shared memory)."""
+def launch_shape(rows: int, sms: int, cfg: dict) -> tuple[bool, int]:
+    """``(smem wanted, select threads)``: ``cfg``'s entries, or where None: from ``rows`` (select CTAs: batch x query
+    heads) of at least 4 per SM on, 512-thread selects reading the keys from L2 (several CTAs per SM), else 1024-thread
+    selects holding them in shared memory (one CTA per SM, the fewest instructions per CTA)."""
+    many = rows >= 4 * sms
+    smem = (not many) if cfg["smem"] is None else bool(cfg["smem"])
+    threads = (512 if many else 1024) if cfg["select_threads"] is None else int(cfg["select_threads"])
+    return smem, threads
+
+
+def smem_select(tokens: int, optin: int, cfg: dict, wanted: bool | None = None) -> bool:
+    """Whether the select kernel holds the head's keys in shared memory: wanted (``wanted``, else ``cfg["smem"]`` with
+    None as True) and they fit (the library's :data:`SMEM_KEYS` and the device's opt-in limit beside the kernel's
+    static shared memory)."""
     ks = keys_stride(tokens)
-    return bool(cfg["smem"]) and ks <= SMEM_KEYS and ks * 4 + SELECT_STATIC_SMEM <= optin
+    want = (cfg["smem"] is not False) if wanted is None else wanted
+    return bool(want) and ks <= SMEM_KEYS and ks * 4 + SELECT_STATIC_SMEM <= optin
 
 
 def vector_loads(labels: Labels) -> bool:
@@ -232,7 +269,9 @@ def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor
     quant = labels.bits != 16
     gn = heads_per_cta(g)
     gblocks = -(-g // gn)
-    chunk = plan(b * hkv * gblocks, t, _sms(dev.index or 0), cfg)
+    sms = _sms(dev.index or 0)
+    chunk = plan(b * hkv * gblocks, t, sms, cfg)
+    want_smem, select_threads = launch_shape(b * hq, sms, cfg)
     channels = channels.to(device=dev).contiguous()
     lab = labels.data
     ks = keys_stride(t)
@@ -249,8 +288,8 @@ def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor
             keys.data_ptr(), hist.data_ptr(),
             t, hq, hkv, g, w, 8 // labels.bits if quant else 1, labels.bits if quant else 16, chunk, gblocks, b,
             DTYPES[query.dtype], U8 if quant else DTYPES[lab.dtype], int(va is not None), k, out.data_ptr(), gn,
-            int(vector_loads(labels)), ks, int(smem_select(t, _smem_optin(dev.index or 0), cfg)),
-            int(cfg["keys_threads"]), int(cfg["rows_in_flight"]), int(cfg["select_threads"])]
+            int(vector_loads(labels)), ks, int(smem_select(t, _smem_optin(dev.index or 0), cfg, want_smem)),
+            int(cfg["keys_threads"]), int(cfg["rows_in_flight"]), select_threads]
     arr = (ctypes.c_longlong * len(args))(*args)
     stream = torch.cuda.current_stream(dev).cuda_stream
     rc = lib.ds_radix_select_launch(arr, dev.index or 0, ctypes.c_void_p(stream))

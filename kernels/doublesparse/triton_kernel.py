@@ -463,9 +463,9 @@ def select_method(query: torch.Tensor, labels: Labels, channels: torch.Tensor, k
     """Which select :func:`select_topk` runs: ``"fused"`` (:func:`supports_fused`), ``"radix"``
     (:mod:`.radix_triton`), ``"cuda"`` (:mod:`.radix_cuda`) or ``"unfused"`` (scores + ``torch.topk``).
     ``cfg["method"]`` ``"fused"`` / ``"radix"`` / ``"cuda"`` asks for one (each falls back to the fused select, then
-    the two-step path, where it cannot take the call); ``"auto"``: the fused select, else the two-step path.  (The
-    radix select is not chosen by ``"auto"``: slower at 39 of 40 cells timed on an H200, up to 3.8x per read,
-    docs/results.md "Session 28".)"""
+    the two-step path, where it cannot take the call); ``"auto"``: the CUDA select where :func:`.radix_cuda.auto`
+    says it is faster, else the fused select, else the two-step path.  (The radix select is not chosen by ``"auto"``:
+    slower at 39 of 40 cells timed on an H200, up to 3.8x per read, docs/results.md "Session 28".)"""
     method = cfg["method"]
     if method not in ("auto", "fused", "radix", "cuda"):
         raise ValueError(f"select method must be 'auto', 'fused', 'radix' or 'cuda', got {method!r}")
@@ -475,6 +475,11 @@ def select_method(query: torch.Tensor, labels: Labels, channels: torch.Tensor, k
         from .radix_cuda import problem
 
         if problem(query, labels, channels, valid, k, cfg["cuda"]) is None:
+            return "cuda"
+    if method == "auto" and query.is_cuda:
+        from .radix_cuda import auto
+
+        if auto(query, labels, channels, valid, k, cfg["chunk_tokens"], cfg["cuda"]):
             return "cuda"
     if supports_fused(query, labels, channels, k, cfg["chunk_tokens"], multilevel_auto(query, cfg),
                       cfg["merge_tokens"]):
