@@ -248,6 +248,34 @@ def test_cuda_graph_replay_equals_eager(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_replays_the_cuda_select_of_double_sparse(monkeypatch):
+    """DoubleSparse with its CUDA select (kernels/doublesparse/radix_cuda.cu; forced here: ``"auto"`` takes it only
+    for long contexts): the graph replays equal the same compiled step called directly, and the select ran."""
+    from kvcompress.evaluation.runner import graph_compile_options, graph_step
+    from kvcompress.kernels.doublesparse import radix_cuda, triton_kernel
+
+    calls = []
+    real = radix_cuda.select_topk_cuda
+    monkeypatch.setattr(radix_cuda, "select_topk_cuda", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setenv("KVCOMPRESS_DS_CONFIG", '{"method": "cuda"}')
+    triton_kernel._env_config.cache_clear()
+    try:
+        model = tiny_model("llama").cuda()
+        stack = kvcompress.parse_stack({"compressors": [{"double_sparse": {
+            "channels": "random", "r": 8, "k": 24, "dense_layers": 0, "sinks": 2, "window": 8}}]})
+        torch._dynamo.reset()
+        replayed, fn = _decode(model, stack, 24, step_fn=lambda m: graph_step(m, warmup=2), device="cuda")
+        assert fn.replays > 0 and calls, "no replay, or the CUDA select never ran"
+        torch._dynamo.reset()
+        compiled, _ = _decode(model, stack, 24, device="cuda", step_fn=lambda m: torch.compile(
+            m.forward, **graph_compile_options(torch.device("cuda"))))
+        torch.testing.assert_close(replayed, compiled, rtol=0, atol=0)
+    finally:
+        triton_kernel._env_config.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_capture_of_a_host_reading_step_fails_clearly():
     step = GraphStep(lambda x: x * int(x.sum()), warmup=1)
     x = torch.ones(4, device="cuda")

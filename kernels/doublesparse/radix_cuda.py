@@ -68,7 +68,9 @@ SELECT_STATIC_SMEM = 10 * 1024  # the select kernel's static shared memory, roun
 # launch at 33 of 36 cells (e.g. SmolLM2 B64/32k ds8 380.6 us against 457.4 with 128 threads and 4 rows); the
 # 1024-thread shared-memory select up to B16, the 512-thread select from L2 at B64 (Llama ds16 B64/32k 1134.8 against
 # 1178.2 us; SmolLM2 ds8 B64/32k 373.3 against 380.6)
-RADIX_CUDA_CONFIG = dict(min_chunk=1024, max_chunk=8192, ctas_per_sm=2, max_keys=1 << 26, smem=None,
+# max_keys 2**28 (1 GiB of keys): B64 / 128k takes the CUDA select (Llama ds16 B64/128k 0.96x -> 1.65x SDPA, SmolLM2
+# ds8 0.57x -> 1.03x, session 29); the scratch is 4 bytes x G per token and kv head, 3% of an fp16 K/V layer at G = 4
+RADIX_CUDA_CONFIG = dict(min_chunk=1024, max_chunk=8192, ctas_per_sm=2, max_keys=1 << 28, smem=None,
                          keys_threads=256, rows_in_flight=1, select_threads=None)
 _LOCK = threading.Lock()
 _LIB: dict[str, ctypes.CDLL] = {}
