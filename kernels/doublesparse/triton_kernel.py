@@ -372,7 +372,8 @@ FUSED_MAX_TOKENS = 16384  # per program: the label scores stay in registers (~3 
 # merge_tokens: candidates the merge program takes at most (fused_plan; None = chunk_tokens)
 # compact_block: place the chosen lanes this many at a time, their label keys computed again (None: all at once).
 # Offline (benchmarks/select_regs.py, Triton 3.6) the placement holds ~150 of the 206 registers of an 8192-token,
-# 8-warp select and makes the 4-warp one spill; not timed yet
+# 8-warp select and makes the 4-warp one spill, but on the H200 (session 29) compact_block 1024 was slower at all 36
+# cells timed (Llama B16/32k ds16 467.2 against 382.5 us): computing the keys again costs more than the spills
 SELECT_CONFIG = dict(elems_per_thread=None, chunk_tokens=FUSED_MAX_TOKENS, unroll=4, multilevel=None, method="auto",
                      radix={}, merge_tokens=None, compact_block=None, cuda={})
 
