@@ -58,6 +58,28 @@ def test_select_model_against_a_stable_sort(kind):
     assert want <= levels, f"digits used {levels}, expected at least {want}"
 
 
+@pytest.mark.parametrize("c", [2, 4, 8])
+def test_cluster_model_equals_the_one_cta_model(c):
+    """The cluster select's model (histograms summed over C CTAs, each CTA's indices after the counts of the CTAs
+    before it) gives the one-CTA model's indices - a stable sort's - with ties straddling CTA boundaries, CTAs
+    left empty (fewer tokens than CTAs x 8) and k = every token."""
+    gen = torch.Generator().manual_seed(c)
+    for kind in ("spread", "shared-top", "shared-21", "ties"):
+        for t in (1, 9, 300, 2049):
+            keys = _keys(kind, t, gen)
+            for k in sorted({1, max(1, t // 3), t}):
+                assert rc.select_keys_cluster(keys, k, c) == _expected(keys, k), (kind, t, k)
+
+
+def test_cluster_plan():
+    cfg = dict(rc.RADIX_CUDA_CONFIG, cluster=8)
+    assert rc.cluster_plan(32768, (9, 0), 227 * 1024, cfg) == (8, 4096)
+    assert rc.cluster_plan(32769, (9, 0), 227 * 1024, cfg) == (8, 4104)  # rounded up to 8 tokens per CTA
+    assert rc.cluster_plan(32768, (8, 0), 227 * 1024, cfg) is None  # clusters need sm_90
+    assert rc.cluster_plan(8 * rc.SMEM_KEYS + 8, (9, 0), 227 * 1024, cfg) is None  # a CTA's share beyond SMEM_KEYS
+    assert rc.cluster_plan(32768, (9, 0), 227 * 1024, rc.RADIX_CUDA_CONFIG) is None  # off by default
+
+
 def test_select_model_catches_a_wrong_tie_rule(monkeypatch):
     """The check above fails for a model that takes the *last* ties (a wrong slot rule)."""
     gen = torch.Generator().manual_seed(3)
@@ -137,7 +159,8 @@ def test_cuda_source_compiles_for_sm90a_without_spills(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     kernels = re.findall(r"Compiling entry function '(\w+)'", res.stderr)
     spills = re.findall(r"(\d+) bytes spill stores", res.stderr)
-    assert len(kernels) == 66, kernels  # 4 label formats x 4 head counts x vector loads or not x 1 or 4 rows, 2 selects
+    # keys: 4 label formats x 4 head counts x vector loads or not x 1 or 4 rows; 2 selects; cluster: 4 formats x 2
+    assert len(kernels) == 74, kernels
     assert len(spills) == len(kernels) and all(s == "0" for s in spills), res.stderr[-3000:]
 
 
@@ -176,7 +199,10 @@ def test_cuda_select_on_score_cases(name):
     q, labels, channels, valid = score_case(name, "cuda")
     labels = channel_major(labels)
     k = SCORE_CASES[name][-1].get("k", max(1, labels.num_tokens // 8))
-    _check_topk(_gpu_select(q, labels, channels, valid, k), q, labels, channels, valid, k)
+    got = _gpu_select(q, labels, channels, valid, k)
+    _check_topk(got, q, labels, channels, valid, k)
+    if torch.cuda.get_device_capability()[0] >= 9:  # the cluster select computes the same keys
+        assert torch.equal(_gpu_select(q, labels, channels, valid, k, cluster=4), got)
 
 
 def long_case(name: str):
@@ -225,6 +251,12 @@ def test_cuda_select_long_odd_contexts(name):
     assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, smem=False, select_threads=512))
     assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, keys_threads=128, rows_in_flight=4,
                                         select_threads=1024))
+    # the cluster select (C CTAs per head): the same indices wherever a CTA's share fits its shared memory
+    for c in (2, 8):
+        if rc.cluster_plan(labels.num_tokens, torch.cuda.get_device_capability(), rc._smem_optin(0),
+                           dict(rc.RADIX_CUDA_CONFIG, cluster=c)) is not None:
+            assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c)), f"cluster {c}"
+            assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c, cluster_threads=256))
     view = labels.narrow(1, labels.num_tokens - 1)
     copy = _aligned_copy(view)
     vvalid = None if valid is None else valid[:, 1:].contiguous()
@@ -253,28 +285,35 @@ def test_cuda_select_exact_ties(name):
     assert torch.equal(got.cpu(), want)
     fused = triton_kernel.select_topk(q.cuda(), labels, channels.cuda(), valid.cuda(), k, config={"method": "fused"})
     assert torch.equal(got, fused)
+    if torch.cuda.get_device_capability()[0] >= 9:
+        for c in (2, 4, 8):
+            assert torch.equal(_gpu_select(q.cuda(), labels, channels.cuda(), valid.cuda(), k, cluster=c), got), c
 
 
 @pytest.mark.gpu
 @on_gpu
-def test_cuda_select_replays_in_a_cuda_graph():
-    """Captured once, replayed on a new query in place: the same indices as an eager call on that query."""
+@pytest.mark.parametrize("cluster", [0, 8])
+def test_cuda_select_replays_in_a_cuda_graph(cluster):
+    """Captured once, replayed on a new query in place: the same indices as an eager call on that query (the two
+    kernels, and the cluster select's one launch)."""
+    if cluster and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters need sm_90")
     q, labels, channels, valid, k = long_case("4bit-gqa3-33333-pad")
     static_q = q.clone()
-    _gpu_select(static_q, labels, channels, valid, k)  # build + warm up outside the capture
+    _gpu_select(static_q, labels, channels, valid, k, cluster=cluster)  # build + warm up outside the capture
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        _gpu_select(static_q, labels, channels, valid, k)
+        _gpu_select(static_q, labels, channels, valid, k, cluster=cluster)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = _gpu_select(static_q, labels, channels, valid, k)
+        out = _gpu_select(static_q, labels, channels, valid, k, cluster=cluster)
     new_q = torch.randn_like(q)
     static_q.copy_(new_q)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, _gpu_select(new_q, labels, channels, valid, k))
+    assert torch.equal(out, _gpu_select(new_q, labels, channels, valid, k, cluster=cluster))
 
 
 def test_every_cuda_source_ships_with_the_package():

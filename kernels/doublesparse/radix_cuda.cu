@@ -15,6 +15,7 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
+#include <cooperative_groups.h>
 
 #define DS_EXPORT __attribute__((visibility("default")))
 
@@ -366,6 +367,187 @@ __global__ void __launch_bounds__(SELECT_THREADS, 1) ds_select_kernel(SelectPara
   }
 }
 
+// ---------------------------------------------------------------------------------------------- cluster select
+// One thread-block cluster of C CTAs per query head (sm_90): CTA r scores tokens [r * n, (r + 1) * n) into its own
+// shared memory (no keys scratch, no global histogram), and the CTAs run the select together - each digit's
+// histogram is the sum of the C CTAs' shared-memory histograms (read through distributed shared memory), and each
+// CTA writes its tokens' indices after the counts of the CTAs before it.  One launch; at batch 1 every head's work
+// spreads over C SMs.  p.chunk = n (a multiple of TPT).
+
+// The histogram of the cluster: comb[i] = sum over ranks of hist[i] (every CTA computes the same), then the digit of
+// the need-th largest key in it.  Leaves st = (digit, keys in higher digits) and comb; ends with a cluster barrier
+// (every CTA has read the others' hist before any of them changes it).
+__device__ __forceinline__ void cluster_find(int* hist, int* comb, int nb, int need, int* st) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // every CTA's histogram is complete
+  const int c = (int)cluster.num_blocks();
+  for (int i = threadIdx.x; i < nb; i += blockDim.x) {
+    int sum = 0;
+    for (int q = 0; q < c; ++q) sum += cluster.map_shared_rank(hist, q)[i];
+    comb[i] = sum;
+  }
+  __syncthreads();
+  find_digit(comb, nb, need, st);
+  cluster.sync();
+#endif
+}
+
+template <int LT, bool VEC>
+__global__ void __launch_bounds__(SELECT_THREADS, 1) ds_cluster_kernel(KeysParams p, SelectParams sp) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  constexpr bool QUANT = LT == U8;
+  extern __shared__ uint4 dyn[];
+  uint32_t* sk = reinterpret_cast<uint32_t*>(dyn);
+  __shared__ int hist[BINS];
+  __shared__ int comb[BINS];
+  __shared__ float qv[RMAX];
+  __shared__ float qsum;
+  __shared__ int st[2];
+  __shared__ int2 tile_tot;
+  __shared__ int2 mine;   // this CTA's (above, ties) counts, read by the CTAs after it
+  __shared__ int2 before; // the counts of the CTAs before it
+  const int rank = (int)cluster.block_rank();
+  const long long row = blockIdx.y;  // b * HQ + hq
+  const long long b = row / p.HQ, hq = row % p.HQ, h = hq / p.G;
+  const int r = (int)(p.W * p.per);
+  for (int i = threadIdx.x; i < BINS0; i += blockDim.x) hist[i] = 0;
+  for (int c = threadIdx.x; c < r; c += blockDim.x)
+    qv[c] = load_any(p.q, b * p.sq_b + hq * p.sq_h + p.ch[h * p.sch_h + c], p.qt);
+  __syncthreads();
+  if (QUANT && threadIdx.x == 0) {
+    float s = 0.f;
+    for (int w = 0; w < p.W; ++w)
+      for (int j = 0; j < p.per; ++j) s += qv[j * p.W + w];
+    qsum = s;
+  }
+  __syncthreads();
+  const long long t0 = (long long)rank * p.chunk;
+  const long long t1 = max(t0, min(t0 + p.chunk, p.T));
+  const long long n = t1 - t0;
+  const long long lbase = b * p.sl_b + h * p.sl_h;
+  const unsigned mask_bits = (1u << p.bits) - 1u;
+  for (long long tb = t0 + (long long)threadIdx.x * TPT; tb < t1; tb += (long long)blockDim.x * TPT) {
+    float acc[TPT];
+#pragma unroll
+    for (int i = 0; i < TPT; ++i) acc[i] = 0.f;
+    for (int w = 0; w < p.W; ++w) {
+      float x[TPT];
+      load_row<LT, VEC>(p.lab, lbase + w * p.sl_c, tb, t1, x);
+      if constexpr (QUANT) {
+        for (int j = 0; j < p.per; ++j) {
+          const float qj = qv[j * p.W + w];
+#pragma unroll
+          for (int i = 0; i < TPT; ++i)
+            acc[i] = fmaf(qj, (float)(((unsigned)x[i] >> (p.bits * j)) & mask_bits), acc[i]);
+        }
+      } else {
+        const float qw = qv[w];
+#pragma unroll
+        for (int i = 0; i < TPT; ++i) acc[i] = fmaf(qw, x[i], acc[i]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < TPT; ++i) {
+      const long long t = tb + i;
+      if (t < t1) {
+        float v = acc[i];
+        if (QUANT) {
+          float sv = __half2float(p.sc[b * p.sz_b + h * p.sz_h + t]);
+          sv = sv == 0.f ? 1.f : sv;
+          v = fmaf(v, sv, qsum * __half2float(p.ze[b * p.sz_b + h * p.sz_h + t]));
+        }
+        if (p.has_valid && p.va[b * p.sva_b + t] == 0) v = -INFINITY;
+        const uint32_t key = orderable(v);
+        sk[t - t0] = key;
+        atomicAdd(&hist[key >> (32 - BITS0)], 1);
+      }
+    }
+  }
+  __syncthreads();
+  long long* out = sp.out + row * sp.K;
+  int need = (int)sp.K;
+  cluster_find(hist, comb, BINS0, need, st);
+  uint32_t prefix = (uint32_t)st[0];
+  need -= st[1];
+  int shift = 32 - BITS0;
+  int in_bin = comb[st[0]];
+  __syncthreads();
+  while (in_bin != need && shift > 0) {
+    const int nb = shift >= BITS ? BITS : shift;
+    const int low = shift - nb;
+    for (int i = threadIdx.x; i < BINS; i += blockDim.x) hist[i] = 0;
+    __syncthreads();
+    for (long long t = threadIdx.x; t < n; t += blockDim.x) {
+      const uint32_t k = sk[t];
+      if ((k >> shift) == prefix) atomicAdd(&hist[(k >> low) & ((1u << nb) - 1u)], 1);
+    }
+    __syncthreads();
+    cluster_find(hist, comb, 1 << nb, need, st);
+    prefix = (prefix << nb) | (uint32_t)st[0];
+    need -= st[1];
+    shift = low;
+    in_bin = comb[st[0]];
+    __syncthreads();
+  }
+  // this CTA's counts above / at the prefix, then those of the CTAs before it
+  int a = 0, e = 0;
+  for (long long t = threadIdx.x; t < n; t += blockDim.x) {
+    const uint32_t hi = sk[t] >> shift;
+    a += hi > prefix;
+    e += hi == prefix;
+  }
+  block_exclusive_scan2(make_int2(a, e), &mine);
+  cluster.sync();
+  if (threadIdx.x == 0) {
+    int2 sum = make_int2(0, 0);
+    for (int q = 0; q < rank; ++q) {
+      const int2 c = *cluster.map_shared_rank(&mine, q);
+      sum.x += c.x; sum.y += c.y;
+    }
+    before = sum;
+  }
+  cluster.sync();  // no CTA leaves (or reuses `mine`) while another reads it
+  int base_above = before.x, base_tie = before.y;
+  for (long long l0 = 0; l0 < n; l0 += (long long)EMIT * blockDim.x) {
+    const long long lb = l0 + (long long)threadIdx.x * EMIT;  // local index, a multiple of 4 (chunk % 8 == 0)
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (lb < n) v = reinterpret_cast<const uint4*>(sk)[lb / 4];
+    const uint32_t kv[EMIT] = {v.x, v.y, v.z, v.w};
+    uint32_t hi[EMIT];
+    int ca = 0, ce = 0;
+#pragma unroll
+    for (int u = 0; u < EMIT; ++u) {
+      const bool valid = lb + u < n;
+      hi[u] = kv[u] >> shift;
+      ca += valid && hi[u] > prefix;
+      ce += valid && hi[u] == prefix;
+    }
+    const int2 ex = block_exclusive_scan2(make_int2(ca, ce), &tile_tot);
+    const int2 tot = tile_tot;
+    int ab = base_above + ex.x, tie = base_tie + ex.y;
+#pragma unroll
+    for (int u = 0; u < EMIT; ++u) {
+      if (lb + u >= n) continue;
+      const long long t = t0 + lb + u;
+      if (hi[u] > prefix) {
+        out[ab + min(tie, need)] = t;
+        ++ab;
+      } else if (hi[u] == prefix) {
+        if (tie < need) out[ab + tie] = t;
+        ++tie;
+      }
+    }
+    base_above += tot.x;
+    base_tie += tot.y;
+    __syncthreads();
+  }
+#endif
+}
+
 constexpr long long SMEM_KEYS = 48 * 1024;  // keys a select CTA holds in shared memory (192 KB)
 
 struct KeysLaunch {
@@ -401,6 +583,33 @@ int launch_keys_lt(const KeysParams& p, int gn, const KeysLaunch& l, cudaStream_
 // launch needs more (internal linkage: not shared across libraries)
 namespace {
 int smem_set[64];
+int cluster_smem_set[64][8];  // per device and label format x vector loads
+
+template <int LT, bool VEC>
+int launch_cluster(const KeysParams& p, const SelectParams& sp, int c, int threads, int device, cudaStream_t s,
+                   long long rows) {
+  const int bytes = (int)(p.chunk * 4);
+  int& set = cluster_smem_set[device][LT * 2 + (VEC ? 1 : 0)];
+  if (bytes > set) {
+    cudaError_t e = cudaFuncSetAttribute(ds_cluster_kernel<LT, VEC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         bytes);
+    if (e != cudaSuccess) return (int)e;
+    set = bytes;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)c, (unsigned)rows, 1);
+  cfg.blockDim = dim3((unsigned)threads, 1, 1);
+  cfg.dynamicSmemBytes = (size_t)bytes;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = (unsigned)c;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return (int)cudaLaunchKernelEx(&cfg, ds_cluster_kernel<LT, VEC>, p, sp);
+}
 }
 
 }  // namespace ds_radix
@@ -479,5 +688,49 @@ DS_EXPORT int ds_radix_select_launch(const long long* a, int device, void* strea
 }
 
 DS_EXPORT long long ds_radix_smem_keys() { return ds_radix::SMEM_KEYS; }
+
+// The cluster select (sm_90): a as for ds_radix_select_launch (keys, hist, gn, KS, smem, keys threads and rows in
+// flight unused; chunk = tokens per CTA, a multiple of 8, at most SMEM_KEYS), c = CTAs per head (2, 4 or 8), threads
+// per CTA (256, 512 or 1024).
+DS_EXPORT int ds_radix_cluster_launch(const long long* a, int c, int threads, int device, void* stream) {
+  using namespace ds_radix;
+  cudaError_t e = cudaSetDevice(device);
+  if (e != cudaSuccess) return (int)e;
+  KeysParams p;
+  p.q = reinterpret_cast<const void*>(a[0]); p.sq_b = a[1]; p.sq_h = a[2];
+  p.ch = reinterpret_cast<const long long*>(a[3]); p.sch_h = a[4];
+  p.lab = reinterpret_cast<const void*>(a[5]); p.sl_b = a[6]; p.sl_h = a[7]; p.sl_c = a[8];
+  p.sc = reinterpret_cast<const __half*>(a[9]); p.ze = reinterpret_cast<const __half*>(a[10]);
+  p.sz_b = a[11]; p.sz_h = a[12];
+  p.va = reinterpret_cast<const uint8_t*>(a[13]); p.sva_b = a[14];
+  p.keys = nullptr; p.hist = nullptr;
+  p.T = a[17]; p.HQ = a[18]; p.HKV = a[19]; p.G = a[20]; p.W = a[21]; p.per = a[22]; p.bits = a[23];
+  p.chunk = a[24]; p.gblocks = 1; p.KS = 0;
+  const long long B = a[26];
+  p.qt = (int)a[27];
+  const int lt = (int)a[28];
+  p.has_valid = a[29] != 0;
+  const bool vec = a[33] != 0;
+  SelectParams sp;
+  sp.keys = nullptr; sp.hist = nullptr; sp.out = reinterpret_cast<long long*>(a[31]);
+  sp.T = p.T; sp.K = a[30]; sp.KS = 0;
+  if (p.T < 1 || p.chunk < TPT || p.chunk % TPT || p.chunk > SMEM_KEYS || p.chunk * c < p.T || p.W * p.per > RMAX
+      || sp.K < 1 || sp.K > p.T || p.T > 0x7fffffffLL || p.qt < F16 || p.qt > F32 || (c != 2 && c != 4 && c != 8)
+      || (threads != 256 && threads != 512 && threads != 1024) || device < 0 || device >= 64)
+    return (int)cudaErrorInvalidValue;
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  const long long rows = B * p.HQ;
+  switch (lt) {
+    case F16: return vec ? launch_cluster<F16, true>(p, sp, c, threads, device, s, rows)
+                         : launch_cluster<F16, false>(p, sp, c, threads, device, s, rows);
+    case BF16: return vec ? launch_cluster<BF16, true>(p, sp, c, threads, device, s, rows)
+                          : launch_cluster<BF16, false>(p, sp, c, threads, device, s, rows);
+    case F32: return vec ? launch_cluster<F32, true>(p, sp, c, threads, device, s, rows)
+                         : launch_cluster<F32, false>(p, sp, c, threads, device, s, rows);
+    case U8: return vec ? launch_cluster<U8, true>(p, sp, c, threads, device, s, rows)
+                        : launch_cluster<U8, false>(p, sp, c, threads, device, s, rows);
+  }
+  return (int)cudaErrorInvalidValue;
+}
 
 }  // extern "C"

@@ -70,8 +70,12 @@ SELECT_STATIC_SMEM = 10 * 1024  # the select kernel's static shared memory, roun
 # 1178.2 us; SmolLM2 ds8 B64/32k 373.3 against 380.6)
 # max_keys 2**28 (1 GiB of keys): B64 / 128k takes the CUDA select (Llama ds16 B64/128k 0.96x -> 1.65x SDPA, SmolLM2
 # ds8 0.57x -> 1.03x, session 29); the scratch is 4 bytes x G per token and kv head, 3% of an fp16 K/V layer at G = 4
+# cluster: 0, or C = 2 / 4 / 8 CTAs per query head in one thread-block cluster (sm_90, ds_cluster_kernel: the keys in
+# shared memory of the cluster's CTAs, one launch, no scratch), where ceil(T / C) tokens fit SMEM_KEYS; cluster_threads
+# per CTA (256 / 512 / 1024).  Opt-in: written in session 29 after the device budget for timing it was spent
 RADIX_CUDA_CONFIG = dict(min_chunk=1024, max_chunk=8192, ctas_per_sm=2, max_keys=1 << 28, smem=None,
-                         keys_threads=256, rows_in_flight=1, select_threads=None)
+                         keys_threads=256, rows_in_flight=1, select_threads=None, cluster=0, cluster_threads=1024)
+CLUSTER_STATIC_SMEM = 18 * 1024  # the cluster kernel's static shared memory, rounded up
 _LOCK = threading.Lock()
 _LIB: dict[str, ctypes.CDLL] = {}
 
@@ -95,10 +99,12 @@ def problem(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: 
     if unknown:
         raise ValueError(f"DoubleSparse CUDA select config: unknown entries {unknown}; known: {sorted(RADIX_CUDA_CONFIG)}")
     if cfg["keys_threads"] not in (128, 256) or cfg["rows_in_flight"] not in (1, 4) \
-            or cfg["select_threads"] not in (None, 256, 512, 1024) or cfg["smem"] not in (None, True, False):
+            or cfg["select_threads"] not in (None, 256, 512, 1024) or cfg["smem"] not in (None, True, False) \
+            or cfg["cluster"] not in (0, 2, 4, 8) or cfg["cluster_threads"] not in (256, 512, 1024):
         raise ValueError(f"DoubleSparse CUDA select config: keys_threads {cfg['keys_threads']} (128 or 256), "
                          f"rows_in_flight {cfg['rows_in_flight']} (1 or 4), select_threads {cfg['select_threads']} "
-                         f"(None, 256, 512 or 1024), smem {cfg['smem']} (None, true or false)")
+                         f"(None, 256, 512 or 1024), smem {cfg['smem']} (None, true or false), cluster "
+                         f"{cfg['cluster']} (0, 2, 4 or 8), cluster_threads {cfg['cluster_threads']} (256, 512 or 1024)")
     if not query.is_cuda or not torch.cuda.is_available():
         return "not a CUDA tensor"
     if torch.cuda.get_device_capability(query.device)[0] < 8:
@@ -118,7 +124,8 @@ def problem(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: 
         return "valid is not a bool tensor contiguous over tokens"
     if t >= 2 ** 31 or not 0 < k <= t:
         return f"{t} tokens, k {k}"
-    if query.shape[0] * query.shape[1] * t > cfg["max_keys"]:
+    if cluster_plan(t, torch.cuda.get_device_capability(query.device), _smem_optin(query.device.index or 0),
+                    cfg) is None and query.shape[0] * query.shape[1] * t > cfg["max_keys"]:
         return f"{query.shape[0] * query.shape[1] * t} keys exceed max_keys {cfg['max_keys']}"
     return None
 
@@ -202,6 +209,9 @@ def build() -> ctypes.CDLL:
         lib.ds_radix_error_string.restype = ctypes.c_char_p
         lib.ds_radix_error_string.argtypes = [ctypes.c_int]
         lib.ds_radix_smem_keys.restype = ctypes.c_longlong
+        lib.ds_radix_cluster_launch.restype = ctypes.c_int
+        lib.ds_radix_cluster_launch.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_int, ctypes.c_int,
+                                                ctypes.c_int, ctypes.c_void_p]
         if (lib.ds_radix_bins0(), lib.ds_radix_gmax(), lib.ds_radix_rmax(), lib.ds_radix_smem_keys()) != (
                 1 << BITS0, GMAX, RMAX, SMEM_KEYS):
             raise RuntimeError(f"{path} was built from another version of radix_cuda.cu")
@@ -223,6 +233,18 @@ def _smem_optin(index: int) -> int:
 def keys_stride(tokens: int) -> int:
     """The keys scratch's row stride: ``tokens`` rounded up to :data:`TPT` (16-byte aligned rows)."""
     return -(-tokens // TPT) * TPT
+
+
+def cluster_plan(tokens: int, capability: tuple[int, int], optin: int, cfg: dict) -> tuple[int, int] | None:
+    """``(C, tokens per CTA)`` of the cluster select, or None (``cfg["cluster"]`` 0, a GPU before sm_90, or a CTA's
+    share of the keys beyond :data:`SMEM_KEYS` or the device's shared memory)."""
+    c = int(cfg["cluster"])
+    if not c or capability[0] < 9:
+        return None
+    n = keys_stride(-(-tokens // c))
+    if n > SMEM_KEYS or n * 4 + CLUSTER_STATIC_SMEM > optin:
+        return None
+    return c, n
 
 
 def launch_shape(rows: int, sms: int, cfg: dict) -> tuple[bool, int]:
@@ -257,17 +279,21 @@ def vector_loads(labels: Labels) -> bool:
 def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None,
                      k: int, *, config: dict | None = None) -> torch.Tensor:
     """See :func:`.reference.select_topk`; the indices in token order (ties to the lowest tokens).  The caller checks
-    :func:`problem` first (it raises on what it does not take)."""
+    :func:`problem` first (it raises on what it does not take).  With ``cluster`` set and a :func:`cluster_plan`, the
+    cluster select runs instead of the two kernels (same indices)."""
     cfg = dict(RADIX_CUDA_CONFIG, **(config or {}))
     why = problem(query, labels, channels, valid, k, cfg)
     if why is not None:
         raise ValueError(f"select_topk_cuda: {why}")
     lib = build()
     b, hq, _ = query.shape
+    dev = query.device
+    cl = cluster_plan(labels.num_tokens, torch.cuda.get_device_capability(dev), _smem_optin(dev.index or 0), cfg)
+    if cl is not None:
+        return _cluster_select(lib, query, labels, channels, valid, k, cl, int(cfg["cluster_threads"]))
     hkv, r = channels.shape
     g = hq // hkv
     t = labels.num_tokens
-    dev = query.device
     quant = labels.bits != 16
     gn = heads_per_cta(g)
     gblocks = -(-g // gn)
@@ -297,6 +323,34 @@ def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor
     rc = lib.ds_radix_select_launch(arr, dev.index or 0, ctypes.c_void_p(stream))
     if rc:
         raise RuntimeError(f"DoubleSparse CUDA select launch failed: {lib.ds_radix_error_string(rc).decode()}")
+    return out
+
+
+def _cluster_select(lib, query, labels: Labels, channels, valid, k: int, cl: tuple[int, int],
+                    threads: int) -> torch.Tensor:
+    """The cluster select (``ds_radix_cluster_launch``): C CTAs per query head, ``n`` tokens each."""
+    c, n = cl
+    b, hq, _ = query.shape
+    hkv = channels.shape[0]
+    dev = query.device
+    quant = labels.bits != 16
+    channels = channels.to(device=dev).contiguous()
+    lab = labels.data
+    out = torch.empty(b, hq, k, device=dev, dtype=torch.int64)
+    va = valid.view(torch.uint8) if valid is not None else None
+    args = [query.data_ptr(), query.stride(0), query.stride(1), channels.data_ptr(), channels.stride(0),
+            lab.data_ptr(), lab.stride(0), lab.stride(1), lab.stride(3),
+            labels.scale.data_ptr() if quant else 0, labels.zero.data_ptr() if quant else 0,
+            labels.scale.stride(0) if quant else 0, labels.scale.stride(1) if quant else 0,
+            va.data_ptr() if va is not None else 0, va.stride(0) if va is not None else 0,
+            0, 0, labels.num_tokens, hq, hkv, hq // hkv, lab.shape[-1], 8 // labels.bits if quant else 1,
+            labels.bits if quant else 16, n, 1, b, DTYPES[query.dtype], U8 if quant else DTYPES[lab.dtype],
+            int(va is not None), k, out.data_ptr(), 1, int(vector_loads(labels)), 0, 0, 0, 0, 0]
+    arr = (ctypes.c_longlong * len(args))(*args)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    rc = lib.ds_radix_cluster_launch(arr, c, threads, dev.index or 0, ctypes.c_void_p(stream))
+    if rc:
+        raise RuntimeError(f"DoubleSparse CUDA cluster select launch failed: {lib.ds_radix_error_string(rc).decode()}")
     return out
 
 
@@ -344,6 +398,38 @@ def select_keys(keys: torch.Tensor, k: int, trace: list | None = None) -> list[i
     slot = ab + torch.minimum(tb, torch.tensor(need))
     out = torch.full((k,), -1, dtype=torch.int64)
     out[slot[chosen]] = chosen.nonzero().flatten()
+    return out.tolist()
+
+
+def select_keys_cluster(keys: torch.Tensor, k: int, c: int) -> list[int]:
+    """``ds_cluster_kernel`` on one head's keys split over ``c`` CTAs of ``n = keys_stride(ceil(T / c))`` tokens:
+    each digit's histogram summed over the CTAs' histograms, each CTA's indices placed after the (above, tie) counts
+    of the CTAs before it.  The same output as :func:`select_keys`."""
+    t = keys.numel()
+    n = keys_stride(-(-t // c))
+    parts = [keys[r * n:min((r + 1) * n, t)] for r in range(c)]
+    hist0 = sum(torch.bincount(part >> (32 - BITS0), minlength=1 << BITS0) for part in parts)
+    digit, before = find_digit(hist0, k)
+    prefix, need, shift, in_bin = digit, k - before, 32 - BITS0, int(hist0[digit])
+    while in_bin != need and shift > 0:
+        nb = min(BITS, shift)
+        low = shift - nb
+        hist = sum(torch.bincount((part[(part >> shift) == prefix] >> low) & ((1 << nb) - 1), minlength=1 << nb)
+                   for part in parts)
+        digit, before = find_digit(hist, need)
+        prefix, need, shift, in_bin = (prefix << nb) | digit, need - before, low, int(hist[digit])
+    out = torch.full((k,), -1, dtype=torch.int64)
+    base_above = base_tie = 0
+    for r, part in enumerate(parts):
+        hi = part >> shift
+        above, tie = hi > prefix, hi == prefix
+        ab = base_above + torch.cumsum(above.long(), 0) - above.long()
+        tb = base_tie + torch.cumsum(tie.long(), 0) - tie.long()
+        chosen = above | (tie & (tb < need))
+        slot = ab + torch.minimum(tb, torch.tensor(need))
+        out[slot[chosen]] = chosen.nonzero().flatten() + r * n
+        base_above += int(above.sum())
+        base_tie += int(tie.sum())
     return out.tolist()
 
 
