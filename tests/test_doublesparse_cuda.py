@@ -77,7 +77,13 @@ def test_cluster_plan():
     assert rc.cluster_plan(32769, (9, 0), 227 * 1024, cfg) == (8, 4104)  # rounded up to 8 tokens per CTA
     assert rc.cluster_plan(32768, (8, 0), 227 * 1024, cfg) is None  # clusters need sm_90
     assert rc.cluster_plan(8 * rc.SMEM_KEYS + 8, (9, 0), 227 * 1024, cfg) is None  # a CTA's share beyond SMEM_KEYS
-    assert rc.cluster_plan(32768, (9, 0), 227 * 1024, rc.RADIX_CUDA_CONFIG) is None  # off by default
+    assert rc.cluster_plan(32768, (9, 0), 227 * 1024, dict(rc.RADIX_CUDA_CONFIG, cluster=0)) is None
+    assert rc.cluster_plan(32768, (9, 0), 227 * 1024, rc.RADIX_CUDA_CONFIG) is None  # None: cluster_auto decides
+    # cluster_auto on an H200 (132 SMs): 8 CTAs per head up to 16 heads beyond the fused select's one chunk, 4 up to
+    # 33 heads beyond 64k, never at 4k or from 34 heads on
+    assert [rc.cluster_auto(r, 32768, 132) for r in (3, 9, 16, 17, 32, 36)] == [8, 8, 8, 0, 0, 0]
+    assert [rc.cluster_auto(r, 131072, 132) for r in (8, 32, 33, 34)] == [8, 4, 4, 0]
+    assert rc.cluster_auto(8, 4096, 132) == 0
 
 
 def test_select_model_catches_a_wrong_tie_rule(monkeypatch):
@@ -180,6 +186,8 @@ LONG_CASES = {
 
 
 def _gpu_select(q, labels, channels, valid, k, **cuda):
+    """The CUDA select; the two kernels unless ``cluster`` is given."""
+    cuda.setdefault("cluster", 0)
     cfg = dict(triton_kernel.SELECT_CONFIG, method="cuda", cuda=cuda)
     assert triton_kernel.select_method(q, labels, channels, k, cfg, valid) == "cuda"
     return triton_kernel.select_topk(q, labels, channels, valid, k, config={"method": "cuda", "cuda": cuda})
@@ -241,9 +249,13 @@ def test_cuda_select_long_odd_contexts(name):
     # the keys read from L2 on every pass instead of shared memory, and scalar label loads (a view one token in, not
     # aligned for vector loads, against an aligned copy of it): the same keys, so the same indices
     assert rc.smem_select(labels.num_tokens, 227 * 1024, rc.RADIX_CUDA_CONFIG) == (labels.num_tokens <= rc.SMEM_KEYS)
-    # "auto" takes the CUDA select at a long context with many query heads (and returns the same indices)
-    if labels.num_tokens > triton_kernel.FUSED_MAX_TOKENS and q.shape[0] * q.shape[1] * 4 >= rc._sms(0):
+    # "auto" takes the CUDA select at a long context with many query heads, or the cluster select with few (sm_90),
+    # and returns the same indices
+    if labels.num_tokens > triton_kernel.FUSED_MAX_TOKENS and (
+            q.shape[0] * q.shape[1] * 4 >= rc._sms(0) or (torch.cuda.get_device_capability()[0] >= 9 and rc.cluster_auto(
+                q.shape[0] * q.shape[1], labels.num_tokens, rc._sms(0)))):
         assert triton_kernel.select_method(q, labels, channels, k, dict(triton_kernel.SELECT_CONFIG), valid) == "cuda"
+        assert torch.equal(triton_kernel.select_topk(q, labels, channels, valid, k), got)
     assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, smem=False))
     # the other launch shapes: 256-thread keys CTAs reading one label row at a time, 256- / 512-thread selects
     assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, keys_threads=256, rows_in_flight=1,

@@ -71,10 +71,10 @@ SELECT_STATIC_SMEM = 10 * 1024  # the select kernel's static shared memory, roun
 # max_keys 2**28 (1 GiB of keys): B64 / 128k takes the CUDA select (Llama ds16 B64/128k 0.96x -> 1.65x SDPA, SmolLM2
 # ds8 0.57x -> 1.03x, session 29); the scratch is 4 bytes x G per token and kv head, 3% of an fp16 K/V layer at G = 4
 # cluster: 0, or C = 2 / 4 / 8 CTAs per query head in one thread-block cluster (sm_90, ds_cluster_kernel: the keys in
-# shared memory of the cluster's CTAs, one launch, no scratch), where ceil(T / C) tokens fit SMEM_KEYS; cluster_threads
-# per CTA (256 / 512 / 1024).  Opt-in: written in session 29 after the device budget for timing it was spent
+# shared memory of the cluster's CTAs, one launch, no scratch), where ceil(T / C) tokens fit SMEM_KEYS; None:
+# cluster_auto's rule; cluster_threads per CTA (256 / 512 / 1024)
 RADIX_CUDA_CONFIG = dict(min_chunk=1024, max_chunk=8192, ctas_per_sm=2, max_keys=1 << 28, smem=None,
-                         keys_threads=256, rows_in_flight=1, select_threads=None, cluster=0, cluster_threads=1024)
+                         keys_threads=256, rows_in_flight=1, select_threads=None, cluster=None, cluster_threads=1024)
 CLUSTER_STATIC_SMEM = 18 * 1024  # the cluster kernel's static shared memory, rounded up
 _LOCK = threading.Lock()
 _LIB: dict[str, ctypes.CDLL] = {}
@@ -100,11 +100,11 @@ def problem(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: 
         raise ValueError(f"DoubleSparse CUDA select config: unknown entries {unknown}; known: {sorted(RADIX_CUDA_CONFIG)}")
     if cfg["keys_threads"] not in (128, 256) or cfg["rows_in_flight"] not in (1, 4) \
             or cfg["select_threads"] not in (None, 256, 512, 1024) or cfg["smem"] not in (None, True, False) \
-            or cfg["cluster"] not in (0, 2, 4, 8) or cfg["cluster_threads"] not in (256, 512, 1024):
+            or cfg["cluster"] not in (None, 0, 2, 4, 8) or cfg["cluster_threads"] not in (256, 512, 1024):
         raise ValueError(f"DoubleSparse CUDA select config: keys_threads {cfg['keys_threads']} (128 or 256), "
                          f"rows_in_flight {cfg['rows_in_flight']} (1 or 4), select_threads {cfg['select_threads']} "
                          f"(None, 256, 512 or 1024), smem {cfg['smem']} (None, true or false), cluster "
-                         f"{cfg['cluster']} (0, 2, 4 or 8), cluster_threads {cfg['cluster_threads']} (256, 512 or 1024)")
+                         f"{cfg['cluster']} (None, 0, 2, 4 or 8), cluster_threads {cfg['cluster_threads']} (256, 512 or 1024)")
     if not query.is_cuda or not torch.cuda.is_available():
         return "not a CUDA tensor"
     if torch.cuda.get_device_capability(query.device)[0] < 8:
@@ -124,26 +124,29 @@ def problem(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: 
         return "valid is not a bool tensor contiguous over tokens"
     if t >= 2 ** 31 or not 0 < k <= t:
         return f"{t} tokens, k {k}"
-    if cluster_plan(t, torch.cuda.get_device_capability(query.device), _smem_optin(query.device.index or 0),
-                    cfg) is None and query.shape[0] * query.shape[1] * t > cfg["max_keys"]:
+    if _cluster_for(query, t, cfg) is None and query.shape[0] * query.shape[1] * t > cfg["max_keys"]:
         return f"{query.shape[0] * query.shape[1] * t} keys exceed max_keys {cfg['max_keys']}"
     return None
 
 
 def auto(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None, k: int,
          chunk_tokens: int, cfg: dict | None = None) -> bool:
-    """Whether ``"auto"`` takes the CUDA select (:func:`.triton_kernel.select_method`): a context the fused Triton
-    select must split into chunks and merge (more than ``chunk_tokens``), several query heads per kv head (the keys
-    kernel reads a kv head's labels once for all of them; the fused select once per query head) and at least a
-    quarter as many query heads in the batch as SMs; and :func:`problem` finds nothing.  From the session 29 sweep
+    """Whether ``"auto"`` takes the CUDA select (:func:`.triton_kernel.select_method`): the cluster select where
+    :func:`cluster_auto` gives a size (few query heads in the batch, a long context, sm_90); or the two kernels for a
+    context the fused Triton select must split into chunks and merge (more than ``chunk_tokens``), several query
+    heads per kv head (the keys kernel reads a kv head's labels once for all of them; the fused select once per query
+    head) and at least a quarter as many query heads in the batch as SMs; and :func:`problem` finds nothing.  From the session 29 sweep
     (H200, 32k, docs/results.md): the CUDA select was faster at every such cell (Llama B4 ds8 127.1 against 152.3 us,
     SmolLM2 B4 58.8 against 71.4, Llama B64 ds16 1134.8 against 1388.4) and slower at batch 1 (Llama ds16 57.5 against
     50.4: 32 heads on 132 SMs, one select CTA per head), at 4k (one fused program per head, no merge) and, within
     4%, for group-shared selections at B4 / B64."""
-    if not query.is_cuda or not prefers_cuda(query.shape[0], query.shape[1], channels.shape[0], labels.num_tokens,
-                                             chunk_tokens, _sms(query.device.index or 0)):
+    if not query.is_cuda:
         return False
-    return problem(query, labels, channels, valid, k, cfg) is None
+    cfg = dict(RADIX_CUDA_CONFIG, **(cfg or {}))
+    two = prefers_cuda(query.shape[0], query.shape[1], channels.shape[0], labels.num_tokens, chunk_tokens,
+                       _sms(query.device.index or 0))
+    cluster = cfg["cluster"] is None and _cluster_for(query, labels.num_tokens, cfg, chunk_tokens) is not None
+    return (two or cluster) and problem(query, labels, channels, valid, k, cfg) is None
 
 
 def prefers_cuda(batch: int, q_heads: int, kv_heads: int, tokens: int, chunk_tokens: int, sms: int) -> bool:
@@ -235,10 +238,37 @@ def keys_stride(tokens: int) -> int:
     return -(-tokens // TPT) * TPT
 
 
+def cluster_auto(rows: int, tokens: int, sms: int, chunk_tokens: int = 16384) -> int:
+    """The cluster size ``cluster: None`` takes: 8 CTAs per query head where ``rows`` (batch x query heads) x 8 fit one
+    wave of SMs, 4 where x 4 do and the context is beyond 4 x ``chunk_tokens``, else 0 (the two kernels); never where
+    the fused select needs no merge (``tokens <= chunk_tokens``).  From the session 29 sweep (H200, ds vs the fused
+    select, µs): 3-12 rows at 32k - SmolLM2 B1 ds8 34.8 against 50.0, Llama ds16-shared B1 41.9 against 48.5, SmolLM2
+    ds16-shared B4 41.0 against 48.5 - and Llama ds16-shared B1/128k 71.6 against 127.5; 32 rows (Llama B1 per head)
+    with C = 4 at 128k (ds16 143.4 against 197.2) but not at 32k (59.2 against 50.8); every 4k cell slower (one fused
+    program per head, no merge: Llama ds16 B1/4k 61.6 against 19.3)."""
+    if tokens <= chunk_tokens:
+        return 0
+    if rows * 8 <= sms:
+        return 8
+    if rows * 4 <= sms and tokens > 4 * chunk_tokens:
+        return 4
+    return 0
+
+
+def _cluster_for(query: torch.Tensor, tokens: int, cfg: dict, chunk_tokens: int = 16384) -> tuple[int, int] | None:
+    """:func:`cluster_plan` of a call (``cfg["cluster"]`` None: :func:`cluster_auto`'s size)."""
+    index = query.device.index or 0
+    c = cfg["cluster"]
+    if c is None:
+        c = cluster_auto(query.shape[0] * query.shape[1], tokens, _sms(index), chunk_tokens)
+    return cluster_plan(tokens, torch.cuda.get_device_capability(query.device), _smem_optin(index),
+                        dict(cfg, cluster=c))
+
+
 def cluster_plan(tokens: int, capability: tuple[int, int], optin: int, cfg: dict) -> tuple[int, int] | None:
-    """``(C, tokens per CTA)`` of the cluster select, or None (``cfg["cluster"]`` 0, a GPU before sm_90, or a CTA's
-    share of the keys beyond :data:`SMEM_KEYS` or the device's shared memory)."""
-    c = int(cfg["cluster"])
+    """``(C, tokens per CTA)`` of the cluster select, or None (``cfg["cluster"]`` 0 / None, a GPU before sm_90, or a
+    CTA's share of the keys beyond :data:`SMEM_KEYS` or the device's shared memory)."""
+    c = int(cfg["cluster"] or 0)
     if not c or capability[0] < 9:
         return None
     n = keys_stride(-(-tokens // c))
@@ -288,7 +318,7 @@ def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor
     lib = build()
     b, hq, _ = query.shape
     dev = query.device
-    cl = cluster_plan(labels.num_tokens, torch.cuda.get_device_capability(dev), _smem_optin(dev.index or 0), cfg)
+    cl = _cluster_for(query, labels.num_tokens, cfg)
     if cl is not None:
         return _cluster_select(lib, query, labels, channels, valid, k, cl, int(cfg["cluster_threads"]))
     hkv, r = channels.shape
