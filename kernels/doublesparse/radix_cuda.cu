@@ -11,6 +11,8 @@
 //    (shared-memory atomics), until the prefix holds exactly the keys still needed (or all 32 bits are fixed); a
 //    last pass writes the chosen token indices in token order (block-wide scans): every key above the prefix, and
 //    the lowest-token ties at it.
+// 3. ds_cluster_kernel - instead of 1 + 2 where few heads meet a long context: one thread-block cluster per query head
+//    (see its comment).
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -23,6 +23,11 @@ Zhang et al. 2023; PyTorch's ``radixSelect``).  Two kernels:
    until the prefix holds exactly the keys still needed, and a last pass that writes the chosen token indices in
    token order (block-wide scans of the counts above / at the prefix).
 
+3. or, where few query heads meet a long context (:func:`cluster_auto`: at batch 1 the two kernels leave most SMs
+   idle - one select CTA per head), one thread-block cluster of C CTAs per query head (sm_90): each CTA scores its
+   share of the tokens into its own shared memory, each digit's histogram is the sum of the C CTAs' (distributed
+   shared memory), and each CTA writes its indices after the counts of the CTAs before it; one launch, no scratch.
+
 Costs: the keys scratch is ``4 * B * Hq * T`` bytes (:data:`RADIX_CUDA_CONFIG` ``max_keys`` bounds it; larger calls
 use the Triton select) and the select reads it 2-4 times (from L2 at small batches).  Nothing is compiled at
 import: the first call builds one shared library with ``nvcc`` (cached as the KIVI kernel's, under
