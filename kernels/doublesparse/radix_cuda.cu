@@ -2,12 +2,12 @@
 // radix_cuda.emulate is a PyTorch model of the same steps that the CPU tests check).  No torch headers: the Python
 // side passes raw pointers, strides and sizes in an int64 array and the current stream.
 //
-// 1. ds_keys_kernel - grid (token chunks, B * Hkv * blocks of GN query heads): each thread scores tokens of its
-//    chunk for the GN (<= GMAX) query heads of one kv head from one read of their labels (token-contiguous,
-//    coalesced), writes the order-preserving uint32 keys [B * Hq, T] and counts their top BITS0 bits in a
-//    shared-memory histogram per head (warp-aggregated atomics), added to the global histogram [B * Hq, 2^BITS0].
+// 1. ds_keys_kernel - grid (token chunks, B * Hkv * blocks of GN query heads): each thread scores TPT consecutive
+//    tokens of its chunk for the GN (<= GMAX) query heads of one kv head from one (vector) read of each label row,
+//    writes the order-preserving uint32 keys [B * Hq, KS] and counts their top BITS0 bits in a shared-memory
+//    histogram per head (shared-memory atomics), added to the global histogram [B * Hq, 2^BITS0].
 // 2. ds_select_kernel - one CTA per query head: from the histogram, the digit holding the k-th largest key; then up
-//    to two more passes over the head's keys histogram the next DS_BITS digit of the keys still tied with the prefix
+//    to two more passes over the head's keys histogram the next BITS digit of the keys still tied with the prefix
 //    (shared-memory atomics), until the prefix holds exactly the keys still needed (or all 32 bits are fixed); a
 //    last pass writes the chosen token indices in token order (block-wide scans): every key above the prefix, and
 //    the lowest-token ties at it.
