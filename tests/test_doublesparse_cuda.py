@@ -150,6 +150,10 @@ def test_config_is_validated():
         rc.problem(q, labels, channels, valid, 5, {"keys_thread": 128})
     with pytest.raises(ValueError, match="select_threads 100"):
         rc.problem(q, labels, channels, valid, 5, {"select_threads": 100})
+    with pytest.raises(ValueError, match="cluster_rows_in_flight 2"):
+        rc.problem(q, labels, channels, valid, 5, {"cluster_rows_in_flight": 2})
+    with pytest.raises(ValueError, match="cluster_rows_in_flight 4"):
+        rc.problem(q, labels, channels, valid, 5, {"cluster_rows_in_flight": 4, "cluster_threads": 1024})
 
 
 def test_import_compiles_nothing():
@@ -165,8 +169,9 @@ def test_cuda_source_compiles_for_sm90a_without_spills(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     kernels = re.findall(r"Compiling entry function '(\w+)'", res.stderr)
     spills = re.findall(r"(\d+) bytes spill stores", res.stderr)
-    # keys: 4 label formats x 4 head counts x vector loads or not x 1 or 4 rows; 2 selects; cluster: 4 formats x 2
-    assert len(kernels) == 74, kernels
+    # keys: 4 label formats x 4 head counts x vector loads or not x 1 or 4 rows; 2 selects; cluster: 4 formats x
+    # vector loads or not x 1 or 4 rows
+    assert len(kernels) == 82, kernels
     assert len(spills) == len(kernels) and all(s == "0" for s in spills), res.stderr[-3000:]
 
 
@@ -269,6 +274,8 @@ def test_cuda_select_long_odd_contexts(name):
                            dict(rc.RADIX_CUDA_CONFIG, cluster=c)) is not None:
             assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c)), f"cluster {c}"
             assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c, cluster_threads=256))
+            assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c, cluster_threads=512,
+                                                cluster_rows_in_flight=4))
     view = labels.narrow(1, labels.num_tokens - 1)
     copy = _aligned_copy(view)
     vvalid = None if valid is None else valid[:, 1:].contiguous()

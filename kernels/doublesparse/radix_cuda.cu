@@ -396,8 +396,11 @@ __device__ __forceinline__ void cluster_find(int* hist, int* comb, int nb, int n
 #endif
 }
 
-template <int LT, bool VEC>
-__global__ void __launch_bounds__(SELECT_THREADS, 1) ds_cluster_kernel(KeysParams p, SelectParams sp) {
+// WU: label rows a thread loads before using them (1 or 4), as in ds_keys_kernel; WU = 4 takes at most 512 threads
+// (128 registers: at 64 the 4-row variant spills).
+template <int LT, bool VEC, int WU>
+__global__ void __launch_bounds__(WU == 4 ? SELECT_THREADS / 2 : SELECT_THREADS, 1)
+    ds_cluster_kernel(KeysParams p, SelectParams sp) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
@@ -436,20 +439,33 @@ __global__ void __launch_bounds__(SELECT_THREADS, 1) ds_cluster_kernel(KeysParam
     float acc[TPT];
 #pragma unroll
     for (int i = 0; i < TPT; ++i) acc[i] = 0.f;
-    for (int w = 0; w < p.W; ++w) {
-      float x[TPT];
-      load_row<LT, VEC>(p.lab, lbase + w * p.sl_c, tb, t1, x);
-      if constexpr (QUANT) {
-        for (int j = 0; j < p.per; ++j) {
-          const float qj = qv[j * p.W + w];
+    for (int w0 = 0; w0 < p.W; w0 += WU) {
+      float x[WU][TPT];
 #pragma unroll
-          for (int i = 0; i < TPT; ++i)
-            acc[i] = fmaf(qj, (float)(((unsigned)x[i] >> (p.bits * j)) & mask_bits), acc[i]);
+      for (int u = 0; u < WU; ++u) {
+        if (w0 + u < p.W) {
+          load_row<LT, VEC>(p.lab, lbase + (w0 + u) * p.sl_c, tb, t1, x[u]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < TPT; ++i) x[u][i] = 0.f;
         }
-      } else {
-        const float qw = qv[w];
+      }
 #pragma unroll
-        for (int i = 0; i < TPT; ++i) acc[i] = fmaf(qw, x[i], acc[i]);
+      for (int u = 0; u < WU; ++u) {
+        const int w = w0 + u;
+        if (w >= p.W) break;
+        if constexpr (QUANT) {
+          for (int j = 0; j < p.per; ++j) {
+            const float qj = qv[j * p.W + w];
+#pragma unroll
+            for (int i = 0; i < TPT; ++i)
+              acc[i] = fmaf(qj, (float)(((unsigned)x[u][i] >> (p.bits * j)) & mask_bits), acc[i]);
+          }
+        } else {
+          const float qw = qv[w];
+#pragma unroll
+          for (int i = 0; i < TPT; ++i) acc[i] = fmaf(qw, x[u][i], acc[i]);
+        }
       }
     }
 #pragma unroll
@@ -585,15 +601,15 @@ int launch_keys_lt(const KeysParams& p, int gn, const KeysLaunch& l, cudaStream_
 // launch needs more (internal linkage: not shared across libraries)
 namespace {
 int smem_set[64];
-int cluster_smem_set[64][8];  // per device and label format x vector loads
+int cluster_smem_set[64][16];  // per device and label format x vector loads x rows in flight
 
-template <int LT, bool VEC>
+template <int LT, bool VEC, int WU>
 int launch_cluster(const KeysParams& p, const SelectParams& sp, int c, int threads, int device, cudaStream_t s,
                    long long rows) {
   const int bytes = (int)(p.chunk * 4);
-  int& set = cluster_smem_set[device][LT * 2 + (VEC ? 1 : 0)];
+  int& set = cluster_smem_set[device][LT * 4 + (VEC ? 2 : 0) + (WU == 4 ? 1 : 0)];
   if (bytes > set) {
-    cudaError_t e = cudaFuncSetAttribute(ds_cluster_kernel<LT, VEC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    cudaError_t e = cudaFuncSetAttribute(ds_cluster_kernel<LT, VEC, WU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          bytes);
     if (e != cudaSuccess) return (int)e;
     set = bytes;
@@ -610,7 +626,17 @@ int launch_cluster(const KeysParams& p, const SelectParams& sp, int c, int threa
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return (int)cudaLaunchKernelEx(&cfg, ds_cluster_kernel<LT, VEC>, p, sp);
+  return (int)cudaLaunchKernelEx(&cfg, ds_cluster_kernel<LT, VEC, WU>, p, sp);
+}
+
+template <int LT>
+int launch_cluster_lt(const KeysParams& p, const SelectParams& sp, bool vec, int wu, int c, int threads, int device,
+                      cudaStream_t s, long long rows) {
+  if (wu == 4)
+    return vec ? launch_cluster<LT, true, 4>(p, sp, c, threads, device, s, rows)
+               : launch_cluster<LT, false, 4>(p, sp, c, threads, device, s, rows);
+  return vec ? launch_cluster<LT, true, 1>(p, sp, c, threads, device, s, rows)
+             : launch_cluster<LT, false, 1>(p, sp, c, threads, device, s, rows);
 }
 }
 
@@ -691,8 +717,8 @@ DS_EXPORT int ds_radix_select_launch(const long long* a, int device, void* strea
 
 DS_EXPORT long long ds_radix_smem_keys() { return ds_radix::SMEM_KEYS; }
 
-// The cluster select (sm_90): a as for ds_radix_select_launch (keys, hist, gn, KS, smem, keys threads and rows in
-// flight unused; chunk = tokens per CTA, a multiple of 8, at most SMEM_KEYS), c = CTAs per head (2, 4 or 8), threads
+// The cluster select (sm_90): a as for ds_radix_select_launch (keys, hist, gn, KS, smem and keys threads unused;
+// label rows in flight 1 or 4; chunk = tokens per CTA, a multiple of 8, at most SMEM_KEYS), c = CTAs per head (2, 4 or 8), threads
 // per CTA (256, 512 or 1024).
 DS_EXPORT int ds_radix_cluster_launch(const long long* a, int c, int threads, int device, void* stream) {
   using namespace ds_radix;
@@ -722,15 +748,13 @@ DS_EXPORT int ds_radix_cluster_launch(const long long* a, int c, int threads, in
     return (int)cudaErrorInvalidValue;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const long long rows = B * p.HQ;
+  const int wu = a[37] == 4 ? 4 : 1;
+  if (wu == 4 && threads > SELECT_THREADS / 2) return (int)cudaErrorInvalidValue;
   switch (lt) {
-    case F16: return vec ? launch_cluster<F16, true>(p, sp, c, threads, device, s, rows)
-                         : launch_cluster<F16, false>(p, sp, c, threads, device, s, rows);
-    case BF16: return vec ? launch_cluster<BF16, true>(p, sp, c, threads, device, s, rows)
-                          : launch_cluster<BF16, false>(p, sp, c, threads, device, s, rows);
-    case F32: return vec ? launch_cluster<F32, true>(p, sp, c, threads, device, s, rows)
-                         : launch_cluster<F32, false>(p, sp, c, threads, device, s, rows);
-    case U8: return vec ? launch_cluster<U8, true>(p, sp, c, threads, device, s, rows)
-                        : launch_cluster<U8, false>(p, sp, c, threads, device, s, rows);
+    case F16: return launch_cluster_lt<F16>(p, sp, vec, wu, c, threads, device, s, rows);
+    case BF16: return launch_cluster_lt<BF16>(p, sp, vec, wu, c, threads, device, s, rows);
+    case F32: return launch_cluster_lt<F32>(p, sp, vec, wu, c, threads, device, s, rows);
+    case U8: return launch_cluster_lt<U8>(p, sp, vec, wu, c, threads, device, s, rows);
   }
   return (int)cudaErrorInvalidValue;
 }

@@ -77,9 +77,12 @@ SELECT_STATIC_SMEM = 10 * 1024  # the select kernel's static shared memory, roun
 # ds8 0.57x -> 1.03x, session 29); the scratch is 4 bytes x G per token and kv head, 3% of an fp16 K/V layer at G = 4
 # cluster: 0, or C = 2 / 4 / 8 CTAs per query head in one thread-block cluster (sm_90, ds_cluster_kernel: the keys in
 # shared memory of the cluster's CTAs, one launch, no scratch), where ceil(T / C) tokens fit SMEM_KEYS; None:
-# cluster_auto's rule; cluster_threads per CTA (256 / 512 / 1024)
+# cluster_auto's rule; cluster_threads per CTA (256 / 512 / 1024); cluster_rows_in_flight (1 / 4: label rows a
+# thread loads before using them; 4, with at most 512 threads, is untimed - at 4096 tokens per CTA the scoring is a
+# chain of one load per label row per thread)
 RADIX_CUDA_CONFIG = dict(min_chunk=1024, max_chunk=8192, ctas_per_sm=2, max_keys=1 << 28, smem=None,
-                         keys_threads=256, rows_in_flight=1, select_threads=None, cluster=None, cluster_threads=1024)
+                         keys_threads=256, rows_in_flight=1, select_threads=None, cluster=None, cluster_threads=1024,
+                         cluster_rows_in_flight=1)
 CLUSTER_STATIC_SMEM = 18 * 1024  # the cluster kernel's static shared memory, rounded up
 _LOCK = threading.Lock()
 _LIB: dict[str, ctypes.CDLL] = {}
@@ -105,11 +108,15 @@ def problem(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: 
         raise ValueError(f"DoubleSparse CUDA select config: unknown entries {unknown}; known: {sorted(RADIX_CUDA_CONFIG)}")
     if cfg["keys_threads"] not in (128, 256) or cfg["rows_in_flight"] not in (1, 4) \
             or cfg["select_threads"] not in (None, 256, 512, 1024) or cfg["smem"] not in (None, True, False) \
-            or cfg["cluster"] not in (None, 0, 2, 4, 8) or cfg["cluster_threads"] not in (256, 512, 1024):
+            or cfg["cluster"] not in (None, 0, 2, 4, 8) or cfg["cluster_threads"] not in (256, 512, 1024) \
+            or cfg["cluster_rows_in_flight"] not in (1, 4) \
+            or (cfg["cluster_rows_in_flight"] == 4 and cfg["cluster_threads"] > 512):
         raise ValueError(f"DoubleSparse CUDA select config: keys_threads {cfg['keys_threads']} (128 or 256), "
                          f"rows_in_flight {cfg['rows_in_flight']} (1 or 4), select_threads {cfg['select_threads']} "
                          f"(None, 256, 512 or 1024), smem {cfg['smem']} (None, true or false), cluster "
-                         f"{cfg['cluster']} (None, 0, 2, 4 or 8), cluster_threads {cfg['cluster_threads']} (256, 512 or 1024)")
+                         f"{cfg['cluster']} (None, 0, 2, 4 or 8), cluster_threads {cfg['cluster_threads']} (256, 512 or "
+                         f"1024), cluster_rows_in_flight {cfg['cluster_rows_in_flight']} (1, or 4 with at most 512 "
+                         f"cluster_threads)")
     if not query.is_cuda or not torch.cuda.is_available():
         return "not a CUDA tensor"
     if torch.cuda.get_device_capability(query.device)[0] < 8:
@@ -325,7 +332,8 @@ def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor
     dev = query.device
     cl = _cluster_for(query, labels.num_tokens, cfg)
     if cl is not None:
-        return _cluster_select(lib, query, labels, channels, valid, k, cl, int(cfg["cluster_threads"]))
+        return _cluster_select(lib, query, labels, channels, valid, k, cl, int(cfg["cluster_threads"]),
+                               int(cfg["cluster_rows_in_flight"]))
     hkv, r = channels.shape
     g = hq // hkv
     t = labels.num_tokens
@@ -362,7 +370,7 @@ def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor
 
 
 def _cluster_select(lib, query, labels: Labels, channels, valid, k: int, cl: tuple[int, int],
-                    threads: int) -> torch.Tensor:
+                    threads: int, rows_in_flight: int = 1) -> torch.Tensor:
     """The cluster select (``ds_radix_cluster_launch``): C CTAs per query head, ``n`` tokens each."""
     c, n = cl
     b, hq, _ = query.shape
@@ -380,7 +388,7 @@ def _cluster_select(lib, query, labels: Labels, channels, valid, k: int, cl: tup
             va.data_ptr() if va is not None else 0, va.stride(0) if va is not None else 0,
             0, 0, labels.num_tokens, hq, hkv, hq // hkv, lab.shape[-1], 8 // labels.bits if quant else 1,
             labels.bits if quant else 16, n, 1, b, DTYPES[query.dtype], U8 if quant else DTYPES[lab.dtype],
-            int(va is not None), k, out.data_ptr(), 1, int(vector_loads(labels)), 0, 0, 0, 0, 0]
+            int(va is not None), k, out.data_ptr(), 1, int(vector_loads(labels)), 0, 0, 0, rows_in_flight, 0]
     arr = (ctypes.c_longlong * len(args))(*args)
     stream = torch.cuda.current_stream(dev).cuda_stream
     rc = lib.ds_radix_cluster_launch(arr, c, threads, dev.index or 0, ctypes.c_void_p(stream))
