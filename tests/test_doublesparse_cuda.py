@@ -16,7 +16,7 @@ import subprocess
 import pytest
 import torch
 
-from test_doublesparse_kernel import RADIX_TIE_CASES, SCORE_CASES, channel_major, score_case
+from test_doublesparse_kernel import RADIX_TIE_CASES, SCORE_CASES, channel_major, score_case, tie_case
 
 from kvcompress.kernels.doublesparse import radix_cuda as rc
 from kvcompress.kernels.doublesparse import reference, triton_kernel
@@ -289,14 +289,7 @@ def test_cuda_select_long_odd_contexts(name):
 def test_cuda_select_exact_ties(name):
     """Integer scores (exact in any summation order, many ties): exactly the stable sort, in token order, and the
     fused Triton select's indices in the same order."""
-    b, h, g, t, k, pad, _ = RADIX_TIE_CASES[name]
-    gen = torch.Generator().manual_seed(sum(map(ord, name)))
-    r, d = 4, 32
-    lab = torch.randint(-2, 3, (b, h, t, r), generator=gen).half()
-    q = torch.randint(-2, 3, (b, h * g, d), generator=gen).half()
-    channels = torch.stack([torch.randperm(d, generator=gen)[:r] for _ in range(h)])
-    valid = torch.ones(b, t, dtype=torch.bool)
-    valid[0, :pad] = False
+    q, lab, channels, valid, k = tie_case(name)
     scores = reference.label_scores(q.float(), Labels(lab.float()), channels, valid)
     want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k].sort(-1).values
     labels = channel_major(Labels(lab.cuda()))

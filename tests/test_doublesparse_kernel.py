@@ -82,13 +82,10 @@ RADIX_TIE_CASES = {
 }
 
 
-def run_radix_tie_case(name: str, device: str = "cpu") -> dict:
-    """The radix select on integer labels and queries against a stable sort on the host: the k best scores, ties
-    at the k-th score to the lowest token index (the fused kernel's rule), the same set on every run."""
-    from kvcompress.kernels.doublesparse import radix_triton, reference
-    from kvcompress.kernels.doublesparse.reference import Labels
-
-    b, h, g, t, k, pad, cfg = RADIX_TIE_CASES[name]
+def tie_case(name: str):
+    """Integer labels and queries of ``RADIX_TIE_CASES[name]`` (scores exact in any summation order, many ties):
+    ``(q [B, Hq, 32] fp16, labels [B, Hkv, T, 4] fp16 token-major, channels, valid, k)``."""
+    b, h, g, t, k, pad, _ = RADIX_TIE_CASES[name]
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
     r, d = 4, 32
     lab = torch.randint(-2, 3, (b, h, t, r), generator=gen).half()
@@ -96,6 +93,17 @@ def run_radix_tie_case(name: str, device: str = "cpu") -> dict:
     channels = torch.stack([torch.randperm(d, generator=gen)[:r] for _ in range(h)])
     valid = torch.ones(b, t, dtype=torch.bool)
     valid[0, :pad] = False
+    return q, lab, channels, valid, k
+
+
+def run_radix_tie_case(name: str, device: str = "cpu") -> dict:
+    """The radix select on integer labels and queries against a stable sort on the host: the k best scores, ties
+    at the k-th score to the lowest token index (the fused kernel's rule), the same set on every run."""
+    from kvcompress.kernels.doublesparse import radix_triton, reference
+    from kvcompress.kernels.doublesparse.reference import Labels
+
+    b, h, g, t, _, _, cfg = RADIX_TIE_CASES[name]
+    q, lab, channels, valid, k = tie_case(name)
     labels = channel_major(Labels(lab))
     dev = (lambda x: x.to(device))
     got = radix_triton.select_topk_radix(dev(q), Labels(dev(labels.data)), dev(channels), dev(valid), k, config=cfg)

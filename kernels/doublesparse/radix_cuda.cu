@@ -105,6 +105,54 @@ __device__ __forceinline__ void load_row(const void* base, long long off, long l
   }
 }
 
+// Label scores of tokens [tb, tb + TPT) (those below t1) for GN query heads, from the query values qv[g][c] of their
+// label channels (codes added word w, then field j): acc[g][i].  WU label rows are loaded before they are used.
+template <int LT, bool VEC, int WU, int GN>
+__device__ __forceinline__ void score_tokens(const KeysParams& p, const float (*qv)[RMAX], long long lbase,
+                                             long long tb, long long t1, float (&acc)[GN][TPT]) {
+  constexpr bool QUANT = LT == U8;
+  const unsigned mask_bits = (1u << p.bits) - 1u;
+#pragma unroll
+  for (int g = 0; g < GN; ++g)
+#pragma unroll
+    for (int i = 0; i < TPT; ++i) acc[g][i] = 0.f;
+  for (int w0 = 0; w0 < p.W; w0 += WU) {
+    float x[WU][TPT];
+#pragma unroll
+    for (int u = 0; u < WU; ++u) {
+      if (w0 + u < p.W) {
+        load_row<LT, VEC>(p.lab, lbase + (w0 + u) * p.sl_c, tb, t1, x[u]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < TPT; ++i) x[u][i] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < WU; ++u) {
+      const int w = w0 + u;
+      if (w >= p.W) break;
+      if constexpr (QUANT) {
+        for (int j = 0; j < p.per; ++j) {
+#pragma unroll
+          for (int g = 0; g < GN; ++g) {
+            const float qj = qv[g][j * p.W + w];
+#pragma unroll
+            for (int i = 0; i < TPT; ++i)
+              acc[g][i] = fmaf(qj, (float)(((unsigned)x[u][i] >> (p.bits * j)) & mask_bits), acc[g][i]);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int g = 0; g < GN; ++g) {
+          const float qw = qv[g][w];
+#pragma unroll
+          for (int i = 0; i < TPT; ++i) acc[g][i] = fmaf(qw, x[u][i], acc[g][i]);
+        }
+      }
+    }
+  }
+}
+
 // One CTA: tokens [blockIdx.x * chunk, + chunk) of query heads [gb * GN, + GN) of kv head h, batch row b (GN: the
 // heads per CTA, a power of two <= GMAX; gblocks = ceil(G / GN)).  Each thread scores TPT consecutive tokens per
 // step for the GN heads from one read of each label row.
@@ -143,48 +191,9 @@ __global__ void __launch_bounds__(KEYS_THREADS, 1) ds_keys_kernel(KeysParams p) 
   const long long t0 = (long long)blockIdx.x * p.chunk;
   const long long t1 = min(t0 + p.chunk, p.T);
   const long long lbase = b * p.sl_b + h * p.sl_h;
-  const unsigned mask_bits = (1u << p.bits) - 1u;
   for (long long tb = t0 + (long long)threadIdx.x * TPT; tb < t1; tb += (long long)blockDim.x * TPT) {
     float acc[GN][TPT];
-#pragma unroll
-    for (int g = 0; g < GN; ++g)
-#pragma unroll
-      for (int i = 0; i < TPT; ++i) acc[g][i] = 0.f;
-    for (int w0 = 0; w0 < p.W; w0 += WU) {  // WU label rows in flight per thread
-      float x[WU][TPT];
-#pragma unroll
-      for (int u = 0; u < WU; ++u) {
-        if (w0 + u < p.W) {
-          load_row<LT, VEC>(p.lab, lbase + (w0 + u) * p.sl_c, tb, t1, x[u]);
-        } else {
-#pragma unroll
-          for (int i = 0; i < TPT; ++i) x[u][i] = 0.f;
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < WU; ++u) {
-        const int w = w0 + u;
-        if (w >= p.W) break;
-        if constexpr (QUANT) {
-          for (int j = 0; j < p.per; ++j) {
-#pragma unroll
-            for (int g = 0; g < GN; ++g) {
-              const float qj = qv[g][j * p.W + w];
-#pragma unroll
-              for (int i = 0; i < TPT; ++i)
-                acc[g][i] = fmaf(qj, (float)(((unsigned)x[u][i] >> (p.bits * j)) & mask_bits), acc[g][i]);
-            }
-          }
-        } else {
-#pragma unroll
-          for (int g = 0; g < GN; ++g) {
-            const float qw = qv[g][w];
-#pragma unroll
-            for (int i = 0; i < TPT; ++i) acc[g][i] = fmaf(qw, x[u][i], acc[g][i]);
-          }
-        }
-      }
-    }
+    score_tokens<LT, VEC, WU, GN>(p, qv, lbase, tb, t1, acc);
     bool ok[TPT];
     float s[TPT], z[TPT];
 #pragma unroll
@@ -281,6 +290,49 @@ __device__ __forceinline__ void find_digit(const int* h, int nb, int need, int* 
   __syncthreads();
 }
 
+// The emit pass over keys[0..n) (tokens t0 + i): chosen = key above the prefix (its top 32 - shift bits), or at it
+// among the first `need` such tokens; slot = rank in token order, after base_above / base_tie keys above / at the
+// prefix that come before these tokens.  EMIT = 4 keys per thread per tile: one 16-byte read (keys 16-byte aligned,
+// n padded to a multiple of 4 in memory).  LDG: read through the read-only cache (global keys).  Every thread of the
+// block calls it.
+template <bool LDG>
+__device__ __forceinline__ void emit_chosen(const uint32_t* keys, long long n, long long t0, uint32_t prefix, int shift,
+                                            int need, int base_above, int base_tie, long long* out, int2* tile_tot) {
+  for (long long l0 = 0; l0 < n; l0 += (long long)EMIT * blockDim.x) {
+    const long long lb = l0 + (long long)threadIdx.x * EMIT;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (lb < n) v = LDG ? __ldg(reinterpret_cast<const uint4*>(keys) + lb / 4) : reinterpret_cast<const uint4*>(keys)[lb / 4];
+    const uint32_t kv[EMIT] = {v.x, v.y, v.z, v.w};
+    uint32_t hi[EMIT];
+    int a = 0, e = 0;
+#pragma unroll
+    for (int u = 0; u < EMIT; ++u) {
+      const bool valid = lb + u < n;
+      hi[u] = kv[u] >> shift;  // shift < 32: the first digit fixes BITS0 bits
+      a += valid && hi[u] > prefix;
+      e += valid && hi[u] == prefix;
+    }
+    const int2 ex = block_exclusive_scan2(make_int2(a, e), tile_tot);
+    const int2 tot = *tile_tot;
+    int ab = base_above + ex.x, tie = base_tie + ex.y;
+#pragma unroll
+    for (int u = 0; u < EMIT; ++u) {
+      if (lb + u >= n) continue;
+      const long long t = t0 + lb + u;
+      if (hi[u] > prefix) {
+        out[ab + min(tie, need)] = t;
+        ++ab;
+      } else if (hi[u] == prefix) {
+        if (tie < need) out[ab + tie] = t;
+        ++tie;
+      }
+    }
+    base_above += tot.x;
+    base_tie += tot.y;
+    __syncthreads();  // tile_tot is rewritten by the next tile's scan
+  }
+}
+
 // SMEM: the head's keys are copied to dynamic shared memory once (KS * 4 bytes) and every pass reads them there;
 // otherwise each pass reads them from global memory (L2).
 template <bool SMEM>
@@ -332,41 +384,7 @@ __global__ void __launch_bounds__(SELECT_THREADS, 1) ds_select_kernel(SelectPara
     in_bin = hist[st[0]];
     __syncthreads();
   }
-  // emit: chosen = key above the prefix, or at it among the first `need` such tokens; slot = rank in token order
-  int base_above = 0, base_tie = 0;
-  for (long long t0 = 0; t0 < p.T; t0 += (long long)EMIT * blockDim.x) {
-    const long long tb = t0 + (long long)threadIdx.x * EMIT;  // EMIT = 4 keys: one 16-byte read (KS % 8 == 0)
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (tb < p.T) v = SMEM ? reinterpret_cast<const uint4*>(keys)[tb / 4] : __ldg(reinterpret_cast<const uint4*>(keys) + tb / 4);
-    const uint32_t kv[EMIT] = {v.x, v.y, v.z, v.w};
-    uint32_t hi[EMIT];
-    int a = 0, e = 0;
-#pragma unroll
-    for (int u = 0; u < EMIT; ++u) {
-      const bool valid = tb + u < p.T;
-      hi[u] = kv[u] >> shift;  // shift < 32: the keys kernel fixes BITS0 bits
-      a += valid && hi[u] > prefix;
-      e += valid && hi[u] == prefix;
-    }
-    const int2 ex = block_exclusive_scan2(make_int2(a, e), &tile_tot);
-    const int2 tot = tile_tot;
-    int ab = base_above + ex.x, tie = base_tie + ex.y;
-#pragma unroll
-    for (int u = 0; u < EMIT; ++u) {
-      const long long t = tb + u;
-      if (t >= p.T) continue;
-      if (hi[u] > prefix) {
-        out[ab + min(tie, need)] = t;
-        ++ab;
-      } else if (hi[u] == prefix) {
-        if (tie < need) out[ab + tie] = t;
-        ++tie;
-      }
-    }
-    base_above += tot.x;
-    base_tie += tot.y;
-    __syncthreads();  // tile_tot is rewritten by the next tile's scan
-  }
+  emit_chosen<!SMEM>(keys, p.T, 0, prefix, shift, need, 0, 0, out, &tile_tot);
 }
 
 // ---------------------------------------------------------------------------------------------- cluster select
@@ -409,7 +427,7 @@ __global__ void __launch_bounds__(WU == 4 ? SELECT_THREADS / 2 : SELECT_THREADS,
   uint32_t* sk = reinterpret_cast<uint32_t*>(dyn);
   __shared__ int hist[BINS];
   __shared__ int comb[BINS];
-  __shared__ float qv[RMAX];
+  __shared__ float qv[1][RMAX];
   __shared__ float qsum;
   __shared__ int st[2];
   __shared__ int2 tile_tot;
@@ -421,12 +439,12 @@ __global__ void __launch_bounds__(WU == 4 ? SELECT_THREADS / 2 : SELECT_THREADS,
   const int r = (int)(p.W * p.per);
   for (int i = threadIdx.x; i < BINS0; i += blockDim.x) hist[i] = 0;
   for (int c = threadIdx.x; c < r; c += blockDim.x)
-    qv[c] = load_any(p.q, b * p.sq_b + hq * p.sq_h + p.ch[h * p.sch_h + c], p.qt);
+    qv[0][c] = load_any(p.q, b * p.sq_b + hq * p.sq_h + p.ch[h * p.sch_h + c], p.qt);
   __syncthreads();
   if (QUANT && threadIdx.x == 0) {
     float s = 0.f;
     for (int w = 0; w < p.W; ++w)
-      for (int j = 0; j < p.per; ++j) s += qv[j * p.W + w];
+      for (int j = 0; j < p.per; ++j) s += qv[0][j * p.W + w];
     qsum = s;
   }
   __syncthreads();
@@ -434,45 +452,14 @@ __global__ void __launch_bounds__(WU == 4 ? SELECT_THREADS / 2 : SELECT_THREADS,
   const long long t1 = max(t0, min(t0 + p.chunk, p.T));
   const long long n = t1 - t0;
   const long long lbase = b * p.sl_b + h * p.sl_h;
-  const unsigned mask_bits = (1u << p.bits) - 1u;
   for (long long tb = t0 + (long long)threadIdx.x * TPT; tb < t1; tb += (long long)blockDim.x * TPT) {
-    float acc[TPT];
-#pragma unroll
-    for (int i = 0; i < TPT; ++i) acc[i] = 0.f;
-    for (int w0 = 0; w0 < p.W; w0 += WU) {
-      float x[WU][TPT];
-#pragma unroll
-      for (int u = 0; u < WU; ++u) {
-        if (w0 + u < p.W) {
-          load_row<LT, VEC>(p.lab, lbase + (w0 + u) * p.sl_c, tb, t1, x[u]);
-        } else {
-#pragma unroll
-          for (int i = 0; i < TPT; ++i) x[u][i] = 0.f;
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < WU; ++u) {
-        const int w = w0 + u;
-        if (w >= p.W) break;
-        if constexpr (QUANT) {
-          for (int j = 0; j < p.per; ++j) {
-            const float qj = qv[j * p.W + w];
-#pragma unroll
-            for (int i = 0; i < TPT; ++i)
-              acc[i] = fmaf(qj, (float)(((unsigned)x[u][i] >> (p.bits * j)) & mask_bits), acc[i]);
-          }
-        } else {
-          const float qw = qv[w];
-#pragma unroll
-          for (int i = 0; i < TPT; ++i) acc[i] = fmaf(qw, x[u][i], acc[i]);
-        }
-      }
-    }
+    float acc[1][TPT];
+    score_tokens<LT, VEC, WU, 1>(p, qv, lbase, tb, t1, acc);
 #pragma unroll
     for (int i = 0; i < TPT; ++i) {
       const long long t = tb + i;
       if (t < t1) {
-        float v = acc[i];
+        float v = acc[0][i];
         if (QUANT) {
           float sv = __half2float(p.sc[b * p.sz_b + h * p.sz_h + t]);
           sv = sv == 0.f ? 1.f : sv;
@@ -529,40 +516,7 @@ __global__ void __launch_bounds__(WU == 4 ? SELECT_THREADS / 2 : SELECT_THREADS,
     before = sum;
   }
   cluster.sync();  // no CTA leaves (or reuses `mine`) while another reads it
-  int base_above = before.x, base_tie = before.y;
-  for (long long l0 = 0; l0 < n; l0 += (long long)EMIT * blockDim.x) {
-    const long long lb = l0 + (long long)threadIdx.x * EMIT;  // local index, a multiple of 4 (chunk % 8 == 0)
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (lb < n) v = reinterpret_cast<const uint4*>(sk)[lb / 4];
-    const uint32_t kv[EMIT] = {v.x, v.y, v.z, v.w};
-    uint32_t hi[EMIT];
-    int ca = 0, ce = 0;
-#pragma unroll
-    for (int u = 0; u < EMIT; ++u) {
-      const bool valid = lb + u < n;
-      hi[u] = kv[u] >> shift;
-      ca += valid && hi[u] > prefix;
-      ce += valid && hi[u] == prefix;
-    }
-    const int2 ex = block_exclusive_scan2(make_int2(ca, ce), &tile_tot);
-    const int2 tot = tile_tot;
-    int ab = base_above + ex.x, tie = base_tie + ex.y;
-#pragma unroll
-    for (int u = 0; u < EMIT; ++u) {
-      if (lb + u >= n) continue;
-      const long long t = t0 + lb + u;
-      if (hi[u] > prefix) {
-        out[ab + min(tie, need)] = t;
-        ++ab;
-      } else if (hi[u] == prefix) {
-        if (tie < need) out[ab + tie] = t;
-        ++tie;
-      }
-    }
-    base_above += tot.x;
-    base_tie += tot.y;
-    __syncthreads();
-  }
+  emit_chosen<false>(sk, n, t0, prefix, shift, need, before.x, before.y, out, &tile_tot);
 #endif
 }
 

@@ -42,14 +42,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import os
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
+from ..kivi.cuda_kernel import cache_root, compile_cached
+from ..kivi.cuda_kernel import nvcc_path as _nvcc
 from .reference import Labels, label_scores
 
 SOURCE = Path(__file__).with_name("radix_cuda.cu")
@@ -91,12 +90,6 @@ _LIB: dict[str, ctypes.CDLL] = {}
 # ----------------------------------------------------------------------------- capability, plan
 
 
-def _nvcc() -> str | None:
-    from kvcompress.kernels.kivi.cuda_kernel import nvcc_path
-
-    return nvcc_path()
-
-
 def problem(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None,
             k: int = 1, cfg: dict | None = None) -> str | None:
     """Why the CUDA select cannot take this call (``None``: it can).  No compilation happens here."""
@@ -119,7 +112,7 @@ def problem(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: 
                          f"cluster_threads)")
     if not query.is_cuda or not torch.cuda.is_available():
         return "not a CUDA tensor"
-    if torch.cuda.get_device_capability(query.device)[0] < 8:
+    if _capability(query.device.index or 0)[0] < 8:
         return "needs compute capability >= 8"
     if _nvcc() is None:
         return "no nvcc"
@@ -190,8 +183,7 @@ def heads_per_cta(g: int) -> int:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("KVCOMPRESS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kvcompress")
-    return Path(root) / "ds_cuda"
+    return cache_root() / "ds_cuda"
 
 
 def nvcc_command(out: str) -> list[str]:
@@ -206,18 +198,8 @@ def build() -> ctypes.CDLL:
         src = SOURCE.read_bytes()
         tag = hashlib.sha256(src + repr(NVCC_FLAGS).encode()).hexdigest()[:16]
         path = cache_dir() / f"libds_radix_{tag}.so"
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-            os.close(fd)
-            cmd = nvcc_command(tmp)
-            res = subprocess.run(cmd, capture_output=True, text=True)
-            if res.returncode:
-                os.unlink(tmp)
-                raise RuntimeError(f"building the DoubleSparse CUDA select failed; set KVCOMPRESS_DS_CONFIG="
-                                   f"'{{\"method\": \"fused\"}}' to use the Triton select.\nnvcc failed "
-                                   f"({' '.join(cmd)}):\n{res.stderr[-4000:]}")
-            os.replace(tmp, path)
+        compile_cached(path, nvcc_command, "building the DoubleSparse CUDA select failed; set KVCOMPRESS_DS_CONFIG="
+                       "'{\"method\": \"fused\"}' to use the Triton select.")
         lib = ctypes.CDLL(str(path))
         lib.ds_radix_select_launch.restype = ctypes.c_int
         lib.ds_radix_select_launch.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_int, ctypes.c_void_p]
@@ -237,6 +219,11 @@ def build() -> ctypes.CDLL:
 @functools.lru_cache(maxsize=8)
 def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=8)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 @functools.lru_cache(maxsize=8)
@@ -273,7 +260,7 @@ def _cluster_for(query: torch.Tensor, tokens: int, cfg: dict, chunk_tokens: int 
     c = cfg["cluster"]
     if c is None:
         c = cluster_auto(query.shape[0] * query.shape[1], tokens, _sms(index), chunk_tokens)
-    return cluster_plan(tokens, torch.cuda.get_device_capability(query.device), _smem_optin(index),
+    return cluster_plan(tokens, _capability(index), _smem_optin(index),
                         dict(cfg, cluster=c))
 
 
@@ -318,13 +305,26 @@ def vector_loads(labels: Labels) -> bool:
                                                                                    data.stride(3)))
 
 
+def _input_args(query: torch.Tensor, labels: Labels, channels: torch.Tensor, va: torch.Tensor | None) -> list[int]:
+    """The launchers' first 15 entries: query, channels (int64, contiguous: the caller keeps it alive), labels,
+    scale / zero, valid (uint8 view) - pointers and strides."""
+    lab = labels.data
+    quant = labels.bits != 16
+    return [query.data_ptr(), query.stride(0), query.stride(1), channels.data_ptr(), channels.stride(0),
+            lab.data_ptr(), lab.stride(0), lab.stride(1), lab.stride(3),
+            labels.scale.data_ptr() if quant else 0, labels.zero.data_ptr() if quant else 0,
+            labels.scale.stride(0) if quant else 0, labels.scale.stride(1) if quant else 0,
+            va.data_ptr() if va is not None else 0, va.stride(0) if va is not None else 0]
+
+
 def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None,
-                     k: int, *, config: dict | None = None) -> torch.Tensor:
-    """See :func:`.reference.select_topk`; the indices in token order (ties to the lowest tokens).  The caller checks
-    :func:`problem` first (it raises on what it does not take).  With ``cluster`` set and a :func:`cluster_plan`, the
-    cluster select runs instead of the two kernels (same indices)."""
+                     k: int, *, config: dict | None = None, checked: bool = False) -> torch.Tensor:
+    """See :func:`.reference.select_topk`; the indices in token order (ties to the lowest tokens).  It raises on
+    what :func:`problem` does not take (``checked``: the caller already asked :func:`problem` with this ``config``, as
+    :func:`.triton_kernel.select_method` does).  With ``cluster`` set and a :func:`cluster_plan`, the cluster select
+    runs instead of the two kernels (same indices)."""
     cfg = dict(RADIX_CUDA_CONFIG, **(config or {}))
-    why = problem(query, labels, channels, valid, k, cfg)
+    why = None if checked else problem(query, labels, channels, valid, k, cfg)
     if why is not None:
         raise ValueError(f"select_topk_cuda: {why}")
     lib = build()
@@ -351,12 +351,7 @@ def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor
     out = torch.empty(b, hq, k, device=dev, dtype=torch.int64)
     va = valid.view(torch.uint8) if valid is not None else None
     w = lab.shape[-1]
-    args = [query.data_ptr(), query.stride(0), query.stride(1), channels.data_ptr(), channels.stride(0),
-            lab.data_ptr(), lab.stride(0), lab.stride(1), lab.stride(3),
-            labels.scale.data_ptr() if quant else 0, labels.zero.data_ptr() if quant else 0,
-            labels.scale.stride(0) if quant else 0, labels.scale.stride(1) if quant else 0,
-            va.data_ptr() if va is not None else 0, va.stride(0) if va is not None else 0,
-            keys.data_ptr(), hist.data_ptr(),
+    args = [*_input_args(query, labels, channels, va), keys.data_ptr(), hist.data_ptr(),
             t, hq, hkv, g, w, 8 // labels.bits if quant else 1, labels.bits if quant else 16, chunk, gblocks, b,
             DTYPES[query.dtype], U8 if quant else DTYPES[lab.dtype], int(va is not None), k, out.data_ptr(), gn,
             int(vector_loads(labels)), ks, int(smem_select(t, _smem_optin(dev.index or 0), cfg, want_smem)),
@@ -381,12 +376,7 @@ def _cluster_select(lib, query, labels: Labels, channels, valid, k: int, cl: tup
     lab = labels.data
     out = torch.empty(b, hq, k, device=dev, dtype=torch.int64)
     va = valid.view(torch.uint8) if valid is not None else None
-    args = [query.data_ptr(), query.stride(0), query.stride(1), channels.data_ptr(), channels.stride(0),
-            lab.data_ptr(), lab.stride(0), lab.stride(1), lab.stride(3),
-            labels.scale.data_ptr() if quant else 0, labels.zero.data_ptr() if quant else 0,
-            labels.scale.stride(0) if quant else 0, labels.scale.stride(1) if quant else 0,
-            va.data_ptr() if va is not None else 0, va.stride(0) if va is not None else 0,
-            0, 0, labels.num_tokens, hq, hkv, hq // hkv, lab.shape[-1], 8 // labels.bits if quant else 1,
+    args = [*_input_args(query, labels, channels, va), 0, 0, labels.num_tokens, hq, hkv, hq // hkv, lab.shape[-1], 8 // labels.bits if quant else 1,
             labels.bits if quant else 16, n, 1, b, DTYPES[query.dtype], U8 if quant else DTYPES[lab.dtype],
             int(va is not None), k, out.data_ptr(), 1, int(vector_loads(labels)), 0, 0, 0, rows_in_flight, 0]
     arr = (ctypes.c_longlong * len(args))(*args)
@@ -417,9 +407,19 @@ def find_digit(hist: torch.Tensor, need: int) -> tuple[int, int]:
 
 def select_keys(keys: torch.Tensor, k: int, trace: list | None = None) -> list[int]:
     """``ds_select_kernel`` on one head's keys (int64 ``[T]`` holding uint32 values): its token indices in output slot
-    order, from the same digit steps, early stop and slots.  ``trace``: gets ``(bits fixed, keys still needed,
-    keys at the prefix)`` after each digit."""
-    hist0 = torch.bincount(keys >> (32 - BITS0), minlength=1 << BITS0)
+    order, from the same digit steps, early stop and slots (:func:`select_keys_cluster` with one CTA).  ``trace``:
+    gets ``(bits fixed, keys still needed, keys at the prefix)`` after each digit."""
+    return select_keys_cluster(keys, k, 1, trace)
+
+
+def select_keys_cluster(keys: torch.Tensor, k: int, c: int, trace: list | None = None) -> list[int]:
+    """``ds_cluster_kernel`` on one head's keys split over ``c`` CTAs of ``n = keys_stride(ceil(T / c))`` tokens:
+    each digit's histogram summed over the CTAs' histograms, each CTA's indices placed after the (above, tie) counts
+    of the CTAs before it (``c = 1``: ``ds_select_kernel``).  ``trace`` as for :func:`select_keys`."""
+    t = keys.numel()
+    n = keys_stride(-(-t // c))
+    parts = [keys[r * n:min((r + 1) * n, t)] for r in range(c)]
+    hist0 = sum(torch.bincount(part >> (32 - BITS0), minlength=1 << BITS0) for part in parts)
     digit, before = find_digit(hist0, k)
     prefix, need, shift, in_bin = digit, k - before, 32 - BITS0, int(hist0[digit])
     if trace is not None:
@@ -427,47 +427,19 @@ def select_keys(keys: torch.Tensor, k: int, trace: list | None = None) -> list[i
     while in_bin != need and shift > 0:
         nb = min(BITS, shift)
         low = shift - nb
-        hit = (keys >> shift) == prefix
-        hist = torch.bincount((keys[hit] >> low) & ((1 << nb) - 1), minlength=1 << nb)
-        digit, before = find_digit(hist, need)
-        prefix, need, shift, in_bin = (prefix << nb) | digit, need - before, low, int(hist[digit])
-        if trace is not None:
-            trace.append((32 - shift, need, in_bin))
-    hi = keys >> shift
-    above, tie = hi > prefix, hi == prefix
-    ab = torch.cumsum(above.long(), 0) - above.long()  # keys above before each token
-    tb = torch.cumsum(tie.long(), 0) - tie.long()  # ties before each token
-    chosen = above | (tie & (tb < need))
-    slot = ab + torch.minimum(tb, torch.tensor(need))
-    out = torch.full((k,), -1, dtype=torch.int64)
-    out[slot[chosen]] = chosen.nonzero().flatten()
-    return out.tolist()
-
-
-def select_keys_cluster(keys: torch.Tensor, k: int, c: int) -> list[int]:
-    """``ds_cluster_kernel`` on one head's keys split over ``c`` CTAs of ``n = keys_stride(ceil(T / c))`` tokens:
-    each digit's histogram summed over the CTAs' histograms, each CTA's indices placed after the (above, tie) counts
-    of the CTAs before it.  The same output as :func:`select_keys`."""
-    t = keys.numel()
-    n = keys_stride(-(-t // c))
-    parts = [keys[r * n:min((r + 1) * n, t)] for r in range(c)]
-    hist0 = sum(torch.bincount(part >> (32 - BITS0), minlength=1 << BITS0) for part in parts)
-    digit, before = find_digit(hist0, k)
-    prefix, need, shift, in_bin = digit, k - before, 32 - BITS0, int(hist0[digit])
-    while in_bin != need and shift > 0:
-        nb = min(BITS, shift)
-        low = shift - nb
         hist = sum(torch.bincount((part[(part >> shift) == prefix] >> low) & ((1 << nb) - 1), minlength=1 << nb)
                    for part in parts)
         digit, before = find_digit(hist, need)
         prefix, need, shift, in_bin = (prefix << nb) | digit, need - before, low, int(hist[digit])
+        if trace is not None:
+            trace.append((32 - shift, need, in_bin))
     out = torch.full((k,), -1, dtype=torch.int64)
     base_above = base_tie = 0
     for r, part in enumerate(parts):
         hi = part >> shift
         above, tie = hi > prefix, hi == prefix
-        ab = base_above + torch.cumsum(above.long(), 0) - above.long()
-        tb = base_tie + torch.cumsum(tie.long(), 0) - tie.long()
+        ab = base_above + torch.cumsum(above.long(), 0) - above.long()  # keys above before each token
+        tb = base_tie + torch.cumsum(tie.long(), 0) - tie.long()  # ties before each token
         chosen = above | (tie & (tb < need))
         slot = ab + torch.minimum(tb, torch.tensor(need))
         out[slot[chosen]] = chosen.nonzero().flatten() + r * n

@@ -521,7 +521,7 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
     if method == "cuda":
         from .radix_cuda import select_topk_cuda
 
-        return select_topk_cuda(query, labels, channels, valid, k, config=cfg["cuda"])
+        return select_topk_cuda(query, labels, channels, valid, k, config=cfg["cuda"], checked=True)
     if method == "radix":
         from .radix_triton import select_topk_radix
 

@@ -360,9 +360,30 @@ def _nvcc_lookup(path_env: str | None, cuda_home: str | None, cuda_path: str | N
     return None
 
 
+def cache_root() -> Path:
+    """Where the CUDA kernels' libraries are cached: ``$KVCOMPRESS_CACHE`` or ``~/.cache/kvcompress``."""
+    return Path(os.environ.get("KVCOMPRESS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kvcompress"))
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("KVCOMPRESS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kvcompress")
-    return Path(root) / "kivi_cuda"
+    return cache_root() / "kivi_cuda"
+
+
+def compile_cached(path: Path, command, failure: str) -> None:
+    """Build the library ``path`` unless it exists: ``command(out)`` (an nvcc command line writing ``out``) into a
+    temporary file beside it, then renamed into place (concurrent builders never load a half-written library).
+    On an nvcc error raises ``RuntimeError`` with ``failure``, the command and nvcc's output."""
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    cmd = command(tmp)
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode:
+        os.unlink(tmp)
+        raise RuntimeError(f"{failure}\nnvcc failed ({' '.join(cmd)}):\n{res.stderr[-4000:]}")
+    os.replace(tmp, path)
 
 
 def nvcc_command(bits: int, dk: int, dv: int, out: str, extra: tuple[str, ...] = ()) -> list[str]:
@@ -404,22 +425,13 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
     lanes_tag = "_l" + "-".join(map(str, lane_dks)) if lane_dks else ""
     path = cache_dir() / f"libkivi_v3_b{bits}_k{dk}_v{dv}_r{min_blocks}{f'_kf{kfold}' if kfold else ''}{'_vf' if vfold else ''}{f'_p{probe}' if probe else ''}{'_sc' if softcap else ''}{lanes_tag}_{tag}.so"
     t0 = time.time()
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-        os.close(fd)
-        cmd = nvcc_command(bits, dk, dv, tmp, (f"-DKIVI_MIN_BLOCKS={min_blocks}", f"-DKIVI_KFOLD={kfold}",
-                                                       f"-DKIVI_VFOLD={vfold}", f"-DKIVI_PROBE={probe}",
-                                                       f"-DKIVI_SOFTCAP={int(bool(softcap))}",
-                                                       *(("-DKIVI_LANES=1",) if lane_dks else ()),
-                                                       *(f"-DKIVI_LANE_DK{i}={d}" for i, d in enumerate(lane_dks))))
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode:
-            os.unlink(tmp)
-            raise RuntimeError(f"building the KIVI CUDA kernel (v3, the default KIVI decode path on CUDA) failed; "
-                               f"set KVCOMPRESS_KIVI_CUDA=0 to use the Triton kernel instead.\nnvcc failed "
-                               f"({' '.join(cmd)}):\n{res.stderr[-4000:]}")
-        os.replace(tmp, path)
+    defines = (f"-DKIVI_MIN_BLOCKS={min_blocks}", f"-DKIVI_KFOLD={kfold}", f"-DKIVI_VFOLD={vfold}",
+               f"-DKIVI_PROBE={probe}", f"-DKIVI_SOFTCAP={int(bool(softcap))}",
+               *(("-DKIVI_LANES=1",) if lane_dks else ()),
+               *(f"-DKIVI_LANE_DK{i}={d}" for i, d in enumerate(lane_dks)))
+    compile_cached(path, lambda out: nvcc_command(bits, dk, dv, out, defines),
+                   "building the KIVI CUDA kernel (v3, the default KIVI decode path on CUDA) failed; set "
+                   "KVCOMPRESS_KIVI_CUDA=0 to use the Triton kernel instead.")
     lib = ctypes.CDLL(str(path))
     lib.kivi_v3_launch.restype = ctypes.c_int
     lib.kivi_v3_launch.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_double, ctypes.c_double, ctypes.c_int,
