@@ -5,14 +5,20 @@ For each shape (Llama or SmolLM2 heads, fp16 channel-major labels, r = 16, k = c
 CUDA graph) and prints each kernel's mean time per call, so a slow select shows which launch is slow.
 
     python benchmarks/gpu_select_profile.py --out DIR [--shapes llama3-8b:1:32k,...] [--methods fused,radix]
+
+``--read per-head`` / ``--read shared`` profiles the whole decode read instead (``bench.ds_decode``: the group sum
+of a shared selection, the select and the gather attention, as benchutil's ``ds16`` / ``ds16-shared`` time it), so
+the select's share of the read shows; ``--frac 8`` keeps ctx/8 tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
+import types
 
 import torch
 
@@ -26,6 +32,9 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="fused,radix")
     ap.add_argument("--configs", default="{}", help="JSON list/object of extra radix configs (each a run)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--read", choices=("select", "per-head", "shared"), default="select",
+                    help="profile the select alone, or the whole decode read")
+    ap.add_argument("--frac", type=int, default=16, help="keep ctx/FRAC tokens")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -33,7 +42,7 @@ def main(argv=None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from kvcompress.kernels.doublesparse import triton_kernel as tk
-    from kvcompress.kernels.doublesparse.bench import ds_inputs
+    from kvcompress.kernels.doublesparse.bench import ds_decode, ds_inputs
 
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "select_profile.json")
@@ -47,16 +56,25 @@ def main(argv=None) -> int:
         b, ctx = int(b), int(ctx.rstrip("k")) * 1024
         hq, hkv, d = HEADS[model]
         gen = torch.Generator(device="cuda").manual_seed(0)
-        q, lab, ch, _, _ = ds_inputs(b, hq, hkv, ctx, d, 16, 16, "cuda", gen)
-        kk = ctx // 16
+        q, lab, ch, k, v = ds_inputs(b, hq, hkv, ctx, d, 16, 16, "cuda", gen)
+        kk = ctx // args.frac
         for name, cfg in runs:
+            if args.read == "select":
+                def call():
+                    tk.select_topk(q, lab, ch, None, kk, config=cfg)
+            else:
+                ops = types.SimpleNamespace(select_topk=functools.partial(tk.select_topk, config=cfg),
+                                            gather_partial_attention=tk.gather_partial_attention)
+
+                def call():
+                    ds_decode(q, lab, ch, k, v, kk, d ** -0.5, ops=ops, shared=args.read == "shared")
             try:
                 for _ in range(3):
-                    tk.select_topk(q, lab, ch, None, kk, config=cfg)
+                    call()
                 torch.cuda.synchronize()
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(args.reps):
-                        tk.select_topk(q, lab, ch, None, kk, config=cfg)
+                        call()
                     torch.cuda.synchronize()
                 kernels = {}
                 for ev in prof.key_averages():
@@ -72,7 +90,7 @@ def main(argv=None) -> int:
                 print(f"## {spec} {name}: ERROR {repr(exc)[:400]}")
             with open(path, "w") as fh:  # after every run: a device call cut short keeps what it measured
                 json.dump(rows, fh, indent=1)
-        del q, lab, ch
+        del q, lab, ch, k, v
         torch.cuda.empty_cache()
     return 0
 
