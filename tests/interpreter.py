@@ -18,10 +18,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
 WORKERS = "KVCOMPRESS_TEST_INTERPRETER_WORKERS"  # processes per worker; default: the cores available, at most 4
+TIMES = "KVCOMPRESS_TEST_CASE_TIMES"  # set: each case's seconds on stderr (python tests/test_x.py --worker OUT)
 
 
 def workers() -> int:
@@ -49,10 +51,13 @@ def _run(cases: dict[str, Callable[[], dict]], claims: str | None, parent: int |
             break  # the worker that forked this process is gone (killed on a timeout): stop too
         if claims is not None and not _claim(claims, index):
             continue  # another process runs it
+        start = time.perf_counter()
         try:
             results[name] = run()
         except Exception as exc:  # reported per case by the parent
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        if os.environ.get(TIMES):
+            print(f"{time.perf_counter() - start:8.1f} s  {name}", file=sys.stderr, flush=True)
     return results
 
 

@@ -8,6 +8,7 @@ present, the ``gpu``-marked tests run the same cases natively.  Shapes are small
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -449,6 +450,45 @@ def test_radix_digit_widths_and_plan():
         if chunk > cfg["min_chunk"] + cfg["block_t"]:  # not stopped by min_chunk: about the programs asked for
             assert chunks == 1 or rows * chunks <= cfg["programs_per_sm"] * 132 * 2
     assert rt.radix_plan(32, 32768, 132, cfg)[0] >= 8, "batch 1, Llama heads: several programs per head"
+
+
+def test_multilevel_plan_ends_and_shrinks_every_level():
+    """fused_levels returns for every budget: where a level would keep as many candidates as it reads (k above half
+    a chunk, e.g. 10000 of 100000 tokens in 16384-token chunks: 20000 candidates in 2 groups keep 20000) it gives
+    None (the select then takes another path) instead of looping forever; every level it plans reads more
+    candidates than it keeps, and the last ones fit one merge program."""
+    from kvcompress.kernels.doublesparse import triton_kernel as tk
+
+    def stuck(*_):
+        raise TimeoutError("fused_levels did not return within 10 s")
+
+    def planned(tokens, k, chunk):
+        before = signal.signal(signal.SIGALRM, stuck)  # a plan that loops forever fails instead of hanging the suite
+        signal.alarm(10)
+        try:
+            return tk.fused_levels(tokens, k, chunk)
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, before)
+
+    assert planned(100000, 10000, 16384) is None
+    assert planned(160, 24, 32) is None
+    seen = 0
+    for tokens in (100, 1000, 5000, 100000, 131072):
+        for chunk in (16, 64, 1024, 16384):
+            for k in sorted({1, 7, chunk // 2, chunk // 2 + 1, chunk - 1, chunk, 3000}):
+                plan = planned(tokens, k, chunk)
+                if plan is None:
+                    continue
+                seen += 1
+                chunks, c, kept, levels, final = plan
+                n = chunks * kept
+                for cand, group, keep in levels:
+                    assert cand == n and group == c and keep == kept
+                    n = -(-n // group) * keep
+                    assert n < cand
+                assert n == final <= c and chunks * c >= tokens
+    assert seen > 20
 
 
 def test_sparse_decode_read_interpreted(interpreted):

@@ -426,7 +426,8 @@ def fused_levels(tokens: int, k: int, chunk: int = FUSED_MAX_TOKENS
     are left than one program holds (``chunk``), a level (``(candidates, group, kept per group)``) splits them
     into groups of ``chunk`` that each keep their ``min(k, chunk)`` best - every group's share of the global top-k
     survives, so the result stays exact - and the last ``final`` candidates go to the merge kernel.  ``None``
-    when a stage would keep everything it reads (``k >= chunk``) or one chunk holds every token."""
+    when a stage would keep everything it reads (``k >= chunk``; a level that keeps as many candidates as it reads,
+    as with ``k`` above ``chunk / 2`` once few groups are left) or one chunk holds every token."""
     chunk = min(chunk, FUSED_MAX_TOKENS)
     if tokens <= chunk or k >= chunk:
         return None
@@ -435,6 +436,8 @@ def fused_levels(tokens: int, k: int, chunk: int = FUSED_MAX_TOKENS
     levels = []
     while n > chunk:
         groups = -(-n // chunk)
+        if groups * k >= n:  # this level would not shrink the candidates (it would repeat forever)
+            return None
         levels.append((n, chunk, k))
         n = groups * k
     return chunks, chunk, k, levels, n
