@@ -31,10 +31,10 @@ SCORE_CASES = {
     "2bit-one-token": (1, 1, 2, 1, 32, 8, 2, {"k": 1}),
     "fp16-chunks-merge": (2, 2, 3, 300, 64, 16, 16, {"k": 20, "chunk": 128, "pad": 70}),
     "4bit-chunks-merge-short-tail": (1, 2, 2, 131, 64, 16, 4, {"k": 12, "chunk": 128}),
-    # 40 chunks of 64 keep 20 each: 800 candidates -> 260 -> 100 -> 40 in three merge levels (groups cut short),
-    # left padding
-    "fp16-multilevel-three-levels": (1, 2, 2, 2500, 64, 16, 16, {"k": 20, "chunk": 64, "multilevel": True,
-                                                                  "pad": 300, "levels": 3}),
+    # 32 chunks of 32 (the last one short) keep 12 each: 384 candidates -> 144 -> 60 -> 24 in three merge levels
+    # (groups cut short), left padding
+    "fp16-multilevel-three-levels": (1, 2, 2, 1000, 64, 16, 16, {"k": 12, "chunk": 32, "multilevel": True,
+                                                                  "pad": 120, "levels": 3}),
     # chunks shorter than the merge's capacity (merge_tokens): 19 chunks of 32 keep 32 each, 608 candidates for one
     # merge program that a 64-candidate merge could not take
     "fp16-short-chunks-wide-merge": (1, 2, 2, 600, 64, 16, 16, {"k": 40, "chunk": 64, "merge": 1024, "pad": 45}),

@@ -49,7 +49,7 @@ def ds_decode(q, labels: Labels, channels, k, v, kk: int, scale: float, ops=None
     hkv = k.shape[1]
     g = hq // hkv
     if shared:
-        qs = q.float().view(b, hkv, g, d).sum(2)
+        qs = q.view(b, hkv, g, d).sum(2, dtype=torch.float32)  # as the plugin: one reduction, fp32 accumulation
         sel = ops.select_topk(qs, labels, channels, None, kk).view(b, hkv, 1, kk).expand(b, hkv, g, kk)
     else:
         sel = ops.select_topk(q, labels, channels, None, kk).view(b, hkv, g, kk)

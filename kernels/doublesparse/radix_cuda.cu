@@ -65,48 +65,77 @@ struct KeysParams {
 constexpr int TPT = 8;  // consecutive tokens per thread in the keys kernel (one 16-byte load of fp16 labels)
 
 
-// Labels of tokens [t, t + TPT) of one channel (or code byte) row as floats (codes: their byte values); VEC: one
-// aligned vector load (the caller checked alignment), else scalar loads; tokens at or past t1 read 0.
+// The labels of tokens [t, t + TPT) of one channel (or code byte) row as loaded, before any conversion: 8 fp16 /
+// bf16 values in 4 words, 8 fp32 values in 8 words, or 8 code bytes in 2 words.  A thread holds WU of these at once
+// (WU rows in flight): raw words, not converted floats, so 4 rows fit the 64 registers of a 1024-thread CTA.
+template <int LT> struct RawRow {
+  static constexpr int N = LT == F32 ? 8 : (LT == U8 ? 2 : 4);
+  uint32_t w[N];
+};
+
+// VEC: one aligned vector load (the caller checked alignment and that all TPT tokens are below t1), else scalar
+// loads; tokens at or past t1 read 0.
 template <int LT, bool VEC>
-__device__ __forceinline__ void load_row(const void* base, long long off, long long t, long long t1, float* x) {
-  if (VEC && t + TPT <= t1) {
+__device__ __forceinline__ void load_row(const void* base, long long off, long long t, long long t1, RawRow<LT>& r) {
+  if constexpr (VEC) {
     if constexpr (LT == F16 || LT == BF16) {
       const uint4 v = *reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(base) + off + t);
-      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        if constexpr (LT == F16) {
-          const __half2 h = *reinterpret_cast<const __half2*>(&w[i]);
-          x[2 * i] = __low2float(h); x[2 * i + 1] = __high2float(h);
-        } else {
-          const __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&w[i]);
-          x[2 * i] = __low2float(h); x[2 * i + 1] = __high2float(h);
-        }
-      }
+      r.w[0] = v.x; r.w[1] = v.y; r.w[2] = v.z; r.w[3] = v.w;
     } else if constexpr (LT == F32) {
-      const float4* f = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(base) + off + t);
-      const float4 a = f[0], b = f[1];
-      x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+      const uint4* f = reinterpret_cast<const uint4*>(reinterpret_cast<const float*>(base) + off + t);
+      const uint4 a = f[0], b = f[1];
+      r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w; r.w[4] = b.x; r.w[5] = b.y; r.w[6] = b.z; r.w[7] = b.w;
     } else {
       const uint2 v = *reinterpret_cast<const uint2*>(reinterpret_cast<const uint8_t*>(base) + off + t);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) { x[i] = (float)((v.x >> (8 * i)) & 0xFF); x[4 + i] = (float)((v.y >> (8 * i)) & 0xFF); }
+      r.w[0] = v.x; r.w[1] = v.y;
     }
   } else {
 #pragma unroll
+    for (int j = 0; j < RawRow<LT>::N; ++j) r.w[j] = 0u;
+#pragma unroll
     for (int i = 0; i < TPT; ++i) {
       if (t + i < t1) {
-        if constexpr (LT == U8) x[i] = (float)reinterpret_cast<const uint8_t*>(base)[off + t + i];
-        else x[i] = load_f<LT>(base, off + t + i);
-      } else {
-        x[i] = 0.f;
+        if constexpr (LT == F32) {
+          r.w[i] = reinterpret_cast<const uint32_t*>(base)[off + t + i];
+        } else if constexpr (LT == U8) {
+          r.w[i / 4] |= (uint32_t)reinterpret_cast<const uint8_t*>(base)[off + t + i] << (8 * (i % 4));
+        } else {
+          r.w[i / 2] |= (uint32_t)reinterpret_cast<const uint16_t*>(base)[off + t + i] << (16 * (i % 2));
+        }
       }
     }
   }
 }
 
+// A loaded row as floats (codes: their byte values).
+template <int LT>
+__device__ __forceinline__ void unpack_row(const RawRow<LT>& r, float* x) {
+  if constexpr (LT == F16 || LT == BF16) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (LT == F16) {
+        const __half2 h = *reinterpret_cast<const __half2*>(&r.w[i]);
+        x[2 * i] = __low2float(h); x[2 * i + 1] = __high2float(h);
+      } else {
+        const __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&r.w[i]);
+        x[2 * i] = __low2float(h); x[2 * i + 1] = __high2float(h);
+      }
+    }
+  } else if constexpr (LT == F32) {
+#pragma unroll
+    for (int i = 0; i < TPT; ++i) x[i] = __uint_as_float(r.w[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      x[i] = (float)((r.w[0] >> (8 * i)) & 0xFF);
+      x[4 + i] = (float)((r.w[1] >> (8 * i)) & 0xFF);
+    }
+  }
+}
+
 // Label scores of tokens [tb, tb + TPT) (those below t1) for GN query heads, from the query values qv[g][c] of their
-// label channels (codes added word w, then field j): acc[g][i].  WU label rows are loaded before they are used.
+// label channels (codes added word w, then field j): acc[g][i].  WU label rows are loaded (RawRow) before any of
+// them is used.
 template <int LT, bool VEC, int WU, int GN>
 __device__ __forceinline__ void score_tokens(const KeysParams& p, const float (*qv)[RMAX], long long lbase,
                                              long long tb, long long t1, float (&acc)[GN][TPT]) {
@@ -117,20 +146,25 @@ __device__ __forceinline__ void score_tokens(const KeysParams& p, const float (*
 #pragma unroll
     for (int i = 0; i < TPT; ++i) acc[g][i] = 0.f;
   for (int w0 = 0; w0 < p.W; w0 += WU) {
-    float x[WU][TPT];
+    RawRow<LT> raw[WU];
+    if (VEC && tb + TPT <= t1) {  // the common case, one branch for all WU rows: their vector loads in a row
 #pragma unroll
-    for (int u = 0; u < WU; ++u) {
-      if (w0 + u < p.W) {
-        load_row<LT, VEC>(p.lab, lbase + (w0 + u) * p.sl_c, tb, t1, x[u]);
-      } else {
+      for (int u = 0; u < WU; ++u)
+        if (w0 + u < p.W) load_row<LT, VEC>(p.lab, lbase + (w0 + u) * p.sl_c, tb, t1, raw[u]);
+    } else {
 #pragma unroll
-        for (int i = 0; i < TPT; ++i) x[u][i] = 0.f;
+      for (int u = 0; u < WU; ++u) {
+#pragma unroll
+        for (int j = 0; j < RawRow<LT>::N; ++j) raw[u].w[j] = 0u;
+        if (w0 + u < p.W) load_row<LT, false>(p.lab, lbase + (w0 + u) * p.sl_c, tb, t1, raw[u]);
       }
     }
 #pragma unroll
     for (int u = 0; u < WU; ++u) {
       const int w = w0 + u;
       if (w >= p.W) break;
+      float x[TPT];
+      unpack_row<LT>(raw[u], x);
       if constexpr (QUANT) {
         for (int j = 0; j < p.per; ++j) {
 #pragma unroll
@@ -138,7 +172,7 @@ __device__ __forceinline__ void score_tokens(const KeysParams& p, const float (*
             const float qj = qv[g][j * p.W + w];
 #pragma unroll
             for (int i = 0; i < TPT; ++i)
-              acc[g][i] = fmaf(qj, (float)(((unsigned)x[u][i] >> (p.bits * j)) & mask_bits), acc[g][i]);
+              acc[g][i] = fmaf(qj, (float)(((unsigned)x[i] >> (p.bits * j)) & mask_bits), acc[g][i]);
           }
         }
       } else {
@@ -146,7 +180,7 @@ __device__ __forceinline__ void score_tokens(const KeysParams& p, const float (*
         for (int g = 0; g < GN; ++g) {
           const float qw = qv[g][w];
 #pragma unroll
-          for (int i = 0; i < TPT; ++i) acc[g][i] = fmaf(qw, x[u][i], acc[g][i]);
+          for (int i = 0; i < TPT; ++i) acc[g][i] = fmaf(qw, x[i], acc[g][i]);
         }
       }
     }
@@ -414,10 +448,10 @@ __device__ __forceinline__ void cluster_find(int* hist, int* comb, int nb, int n
 #endif
 }
 
-// WU: label rows a thread loads before using them (1 or 4), as in ds_keys_kernel; WU = 4 takes at most 512 threads
-// (128 registers: at 64 the 4-row variant spills).
+// WU: label rows a thread loads before using them (1 or 4), as in ds_keys_kernel (raw rows: 4 fit the 64 registers
+// of a 1024-thread CTA, except 4 fp32 rows: that build takes at most 512 threads, launch_cluster_lt).
 template <int LT, bool VEC, int WU>
-__global__ void __launch_bounds__(WU == 4 ? SELECT_THREADS / 2 : SELECT_THREADS, 1)
+__global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SELECT_THREADS, 1)
     ds_cluster_kernel(KeysParams p, SelectParams sp) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
@@ -586,6 +620,7 @@ int launch_cluster(const KeysParams& p, const SelectParams& sp, int c, int threa
 template <int LT>
 int launch_cluster_lt(const KeysParams& p, const SelectParams& sp, bool vec, int wu, int c, int threads, int device,
                       cudaStream_t s, long long rows) {
+  if (LT == F32 && threads > SELECT_THREADS / 2) wu = 1;  // 4 fp32 rows in flight need more than 64 registers
   if (wu == 4)
     return vec ? launch_cluster<LT, true, 4>(p, sp, c, threads, device, s, rows)
                : launch_cluster<LT, false, 4>(p, sp, c, threads, device, s, rows);

@@ -77,8 +77,8 @@ SELECT_STATIC_SMEM = 10 * 1024  # the select kernel's static shared memory, roun
 # cluster: 0, or C = 2 / 4 / 8 CTAs per query head in one thread-block cluster (sm_90, ds_cluster_kernel: the keys in
 # shared memory of the cluster's CTAs, one launch, no scratch), where ceil(T / C) tokens fit SMEM_KEYS; None:
 # cluster_auto's rule; cluster_threads per CTA (256 / 512 / 1024); cluster_rows_in_flight (1 / 4: label rows a
-# thread loads before using them; 4, with at most 512 threads, is untimed - at 4096 tokens per CTA the scoring is a
-# chain of one load per label row per thread)
+# thread loads before using them, as raw words: 4 fit a 1024-thread CTA's registers since session 30; with at most
+# 512 threads it was slower, session 30)
 RADIX_CUDA_CONFIG = dict(min_chunk=1024, max_chunk=8192, ctas_per_sm=2, max_keys=1 << 28, smem=None,
                          keys_threads=256, rows_in_flight=1, select_threads=None, cluster=None, cluster_threads=1024,
                          cluster_rows_in_flight=1)
@@ -102,14 +102,12 @@ def problem(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: 
     if cfg["keys_threads"] not in (128, 256) or cfg["rows_in_flight"] not in (1, 4) \
             or cfg["select_threads"] not in (None, 256, 512, 1024) or cfg["smem"] not in (None, True, False) \
             or cfg["cluster"] not in (None, 0, 2, 4, 8) or cfg["cluster_threads"] not in (256, 512, 1024) \
-            or cfg["cluster_rows_in_flight"] not in (1, 4) \
-            or (cfg["cluster_rows_in_flight"] == 4 and cfg["cluster_threads"] > 512):
+            or cfg["cluster_rows_in_flight"] not in (1, 4):
         raise ValueError(f"DoubleSparse CUDA select config: keys_threads {cfg['keys_threads']} (128 or 256), "
                          f"rows_in_flight {cfg['rows_in_flight']} (1 or 4), select_threads {cfg['select_threads']} "
                          f"(None, 256, 512 or 1024), smem {cfg['smem']} (None, true or false), cluster "
                          f"{cfg['cluster']} (None, 0, 2, 4 or 8), cluster_threads {cfg['cluster_threads']} (256, 512 or "
-                         f"1024), cluster_rows_in_flight {cfg['cluster_rows_in_flight']} (1, or 4 with at most 512 "
-                         f"cluster_threads)")
+                         f"1024), cluster_rows_in_flight {cfg['cluster_rows_in_flight']} (1 or 4)")
     if not query.is_cuda or not torch.cuda.is_available():
         return "not a CUDA tensor"
     if _capability(query.device.index or 0)[0] < 8:
