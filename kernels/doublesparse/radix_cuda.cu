@@ -738,7 +738,6 @@ DS_EXPORT int ds_radix_cluster_launch(const long long* a, int c, int threads, in
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const long long rows = B * p.HQ;
   const int wu = a[37] == 4 ? 4 : 1;
-  if (wu == 4 && threads > SELECT_THREADS / 2) return (int)cudaErrorInvalidValue;
   switch (lt) {
     case F16: return launch_cluster_lt<F16>(p, sp, vec, wu, c, threads, device, s, rows);
     case BF16: return launch_cluster_lt<BF16>(p, sp, vec, wu, c, threads, device, s, rows);
