@@ -272,9 +272,9 @@ def test_cuda_select_long_odd_contexts(name):
                            dict(rc.RADIX_CUDA_CONFIG, cluster=c)) is not None:
             assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c)), f"cluster {c}"
             assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c, cluster_threads=256))
-            for threads in (512, 1024):  # 4 label rows in flight (raw words), at both CTA sizes
+            for threads, rows in ((512, 4), (1024, 1)):  # label rows in flight (default 4 at 1024 threads)
                 assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c, cluster_threads=threads,
-                                                    cluster_rows_in_flight=4))
+                                                    cluster_rows_in_flight=rows))
     view = labels.narrow(1, labels.num_tokens - 1)
     copy = _aligned_copy(view)
     vvalid = None if valid is None else valid[:, 1:].contiguous()

@@ -79,9 +79,13 @@ SELECT_STATIC_SMEM = 10 * 1024  # the select kernel's static shared memory, roun
 # cluster_auto's rule; cluster_threads per CTA (256 / 512 / 1024); cluster_rows_in_flight (1 / 4: label rows a
 # thread loads before using them, as raw words: 4 fit a 1024-thread CTA's registers since session 30; with at most
 # 512 threads it was slower, session 30)
+# Session 30 (H200, docs/results.md): with the label rows held as raw words, 4 rows in flight became the default of
+# both kernels - the cluster select at 1024 threads (Llama ds16 B1/128k 150.9 -> 127.2 us, SmolLM2 ds16 B1/32k 33.7 ->
+# 29.1) and the keys CTAs (Llama ds8 B16/32k 451.3 -> 412.4 us; SmolLM2 ds8 B16/32k 126.0 -> 129.0, the one cell
+# slower)
 RADIX_CUDA_CONFIG = dict(min_chunk=1024, max_chunk=8192, ctas_per_sm=2, max_keys=1 << 28, smem=None,
-                         keys_threads=256, rows_in_flight=1, select_threads=None, cluster=None, cluster_threads=1024,
-                         cluster_rows_in_flight=1)
+                         keys_threads=256, rows_in_flight=4, select_threads=None, cluster=None, cluster_threads=1024,
+                         cluster_rows_in_flight=4)
 CLUSTER_STATIC_SMEM = 18 * 1024  # the cluster kernel's static shared memory, rounded up
 _LOCK = threading.Lock()
 _LIB: dict[str, ctypes.CDLL] = {}
