@@ -79,10 +79,12 @@ def test_cluster_plan():
     assert rc.cluster_plan(8 * rc.SMEM_KEYS + 8, (9, 0), 227 * 1024, cfg) is None  # a CTA's share beyond SMEM_KEYS
     assert rc.cluster_plan(32768, (9, 0), 227 * 1024, dict(rc.RADIX_CUDA_CONFIG, cluster=0)) is None
     assert rc.cluster_plan(32768, (9, 0), 227 * 1024, rc.RADIX_CUDA_CONFIG) is None  # None: cluster_auto decides
-    # cluster_auto on an H200 (132 SMs): 8 CTAs per head up to 16 heads beyond the fused select's one chunk, 4 up to
-    # 33 heads beyond 64k, never at 4k or from 34 heads on
-    assert [rc.cluster_auto(r, 32768, 132) for r in (3, 9, 16, 17, 32, 36)] == [8, 8, 8, 0, 0, 0]
-    assert [rc.cluster_auto(r, 131072, 132) for r in (8, 32, 33, 34)] == [8, 4, 4, 0]
+    # cluster_auto on an H200 (132 SMs): 8 CTAs per head up to 16 heads beyond the fused select's one chunk; up to 37
+    # heads 4 beyond 64k and 2 below; never at 4k or from 38 heads on
+    assert [rc.cluster_auto(r, 32768, 132) for r in (3, 9, 16, 17, 32, 36, 37, 38)] == [8, 8, 8, 2, 2, 2, 2, 0]
+    assert [rc.cluster_auto(r, 131072, 132) for r in (8, 32, 33, 36, 37, 38)] == [8, 4, 4, 4, 4, 0]
+    assert rc.cluster_plan(131072, (9, 0), 227 * 1024, dict(rc.RADIX_CUDA_CONFIG, cluster=2)) is None  # 64k keys per CTA
+    assert rc.cluster_plan(98304, (9, 0), 227 * 1024, dict(rc.RADIX_CUDA_CONFIG, cluster=2)) == (2, 49152)
     assert rc.cluster_auto(8, 4096, 132) == 0
 
 

@@ -241,18 +241,23 @@ def keys_stride(tokens: int) -> int:
 
 def cluster_auto(rows: int, tokens: int, sms: int, chunk_tokens: int = 16384) -> int:
     """The cluster size ``cluster: None`` takes: 8 CTAs per query head where ``rows`` (batch x query heads) x 8 fit one
-    wave of SMs, 4 where x 4 do and the context is beyond 4 x ``chunk_tokens``, else 0 (the two kernels); never where
-    the fused select needs no merge (``tokens <= chunk_tokens``).  From the session 29 sweep (H200, ds vs the fused
-    select, µs): 3-12 rows at 32k - SmolLM2 B1 ds8 34.8 against 50.0, Llama ds16-shared B1 41.9 against 48.5, SmolLM2
-    ds16-shared B4 41.0 against 48.5 - and Llama ds16-shared B1/128k 71.6 against 127.5; 32 rows (Llama B1 per head)
-    with C = 4 at 128k (ds16 143.4 against 197.2) but not at 32k (59.2 against 50.8); every 4k cell slower (one fused
-    program per head, no merge: Llama ds16 B1/4k 61.6 against 19.3)."""
+    wave of SMs; up to about 1.1 waves of 4 CTAs per head (37 rows on 132 SMs), 4 beyond 4 x ``chunk_tokens`` tokens
+    and 2 below (where a CTA's half of the keys fits :data:`SMEM_KEYS`; :func:`cluster_plan` falls back otherwise);
+    else 0 (the two kernels).  Never where the fused select needs no merge (``tokens <= chunk_tokens``).
+
+    From the H200 sweeps (docs/results.md), µs: session 29 - 3-12 rows at 32k, SmolLM2 B1 ds8 34.8 against the fused
+    50.0, Llama ds16-shared B1 41.9 against 48.5, Llama ds16-shared B1/128k 71.6 against 127.5, every 4k cell slower
+    (one fused program per head, no merge: Llama ds16 B1/4k 61.6 against 19.3); session 30 (4 label rows in flight) -
+    32 rows at 32k with C = 2 (Llama ds8 B1 52.7 against the fused 65.4 and C = 4's 61.1; Llama ds8-shared B4 65.6
+    against 82.9), 36 rows at 32k with C = 2 (SmolLM2 ds8 B4 48.1 against the two kernels' 54.4) and at 128k with
+    C = 4 (142.1 against 170.7; C = 8 146.6); 8 rows at 32k keep C = 8 (Llama ds16-shared B1 34.4, C = 4 35.2, C = 2
+    43.2)."""
     if tokens <= chunk_tokens:
         return 0
     if rows * 8 <= sms:
         return 8
-    if rows * 4 <= sms and tokens > 4 * chunk_tokens:
-        return 4
+    if rows * 4 <= sms * 9 // 8:
+        return 4 if tokens > 4 * chunk_tokens else 2
     return 0
 
 
