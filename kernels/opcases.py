@@ -319,10 +319,11 @@ def kivi_lanes_case(batch: int = 2, kv_heads: int = 4, rows: int = 3, head_dim: 
 
 def select_case(batch: int = 2, kv_heads: int = 2, group: int = 3, tokens: int = 97, head_dim: int = 32, r: int = 8,
                 bits: int = 16, k: int = 13, query_dtype=torch.float16, dead_row: bool = False, device="cpu",
-                seed: int = 3) -> OpCase:
-    """Label scores + top-``k`` over a channel-major label cache (the plugin's layout), with padding."""
+                seed: int = 3, shared: bool = False) -> OpCase:
+    """Label scores + top-``k`` over a channel-major label cache (the plugin's layout), with padding; ``shared``: one
+    selection per kv head from its ``group`` query heads' summed scores (``group=``)."""
     from .doublesparse import select_topk
-    from .doublesparse.reference import Labels, label_scores, quantize_labels
+    from .doublesparse.reference import Labels, group_query, label_scores, quantize_labels
 
     gen = _gen(seed, device)
     keys = torch.randn(batch, kv_heads, tokens, head_dim, generator=gen, device=gen.device)
@@ -338,12 +339,15 @@ def select_case(batch: int = 2, kv_heads: int = 2, group: int = 3, tokens: int =
 
     def fn(impl: str):
         def f(q, data, scale, zero, channels, valid):
-            return select_topk(q, Labels(data, bits, scale, zero), channels, valid, k, impl=impl)
+            return select_topk(q, Labels(data, bits, scale, zero), channels, valid, k, impl=impl,
+                               group=group if shared else 1)
         return f
 
-    scores = label_scores(args[0], Labels(args[1], bits, args[2], args[3]), args[4], args[5])
+    scores = label_scores(group_query(args[0], group if shared else 1), Labels(args[1], bits, args[2], args[3]),
+                          args[4], args[5])
     facts = dict(label_bits=bits, label_channels=r, query_dtype=query_dtype, label_dtype=torch.float16)
-    return OpCase(f"select-b{batch}-hq{kv_heads * group}-t{tokens}-r{r}-bits{bits}-k{k}", "select_topk", args, fn,
+    name = f"select-b{batch}-hq{kv_heads * group}-t{tokens}-r{r}-bits{bits}-k{k}" + ("-shared" if shared else "")
+    return OpCase(name, "select_topk", args, fn,
                   facts, static=(1, 2, 3, 4, 5), extra=dict(k=k, scores=scores, tol=2e-2))
 
 
@@ -429,6 +433,7 @@ def small_cases(device="cpu", softcap: float | None = None) -> list[OpCase]:
                         device=device, seed=11, **cap),
         select_case(device=device),
         select_case(bits=4, r=16, k=20, tokens=131, group=4, device=device, seed=8),
+        select_case(group=4, tokens=150, k=17, device=device, seed=9, shared=True),
         gather_case(device=device, **cap),
         gather_case(shared=True, rows=4, v_dim=64, device=device, seed=9, **cap),
         merge_case(device=device),

@@ -754,39 +754,42 @@ def lanes_attention_scored(query: Tensor, lanes: Sequence, scale: float, *, impl
 
 @torch.library.custom_op("kvcompress::select_topk", mutates_args=(), device_types="cpu")
 def select_topk(query: Tensor, label_data: Tensor, label_scale: Optional[Tensor], label_zero: Optional[Tensor],
-                label_bits: int, channels: Tensor, valid: Optional[Tensor], k: int,
+                label_bits: int, channels: Tensor, valid: Optional[Tensor], k: int, group: int = 1,
                 impl: str = "reference") -> Tensor:
-    """Indices ``[B, Hq, k]`` (int64, in no particular order) of the ``k`` best label scores per query head
-    (``query [B, Hq, D]``, labels ``Labels(label_data, label_bits, label_scale, label_zero)``).  CPU: the
-    reference."""
+    """Indices ``[B, Hq / group, k]`` (int64, in no particular order) of the ``k`` best label scores per query head,
+    or per ``group`` consecutive query heads scored together (``query [B, Hq, D]``, labels ``Labels(label_data,
+    label_bits, label_scale, label_zero)``).  CPU: the reference."""
     _check_impl("select_topk", impl)
     labels = ds_ref.Labels(label_data, label_bits, label_scale, label_zero)
-    return _fresh(ds_ref.select_topk(query, labels, channels, valid, k))
+    return _fresh(ds_ref.select_topk(query, labels, channels, valid, k, group))
 
 
 @select_topk.register_kernel("cuda")
-def _select_topk_cuda(query, label_data, label_scale, label_zero, label_bits, channels, valid, k, impl="reference"):
+def _select_topk_cuda(query, label_data, label_scale, label_zero, label_bits, channels, valid, k, group=1,
+                      impl="reference"):
     _check_impl("select_topk", impl)
     labels = ds_ref.Labels(label_data, label_bits, label_scale, label_zero)
     if impl == "triton":
         from .doublesparse import triton_kernel
 
-        if not triton_kernel.supports_scores(query, labels, channels):
+        if not triton_kernel.supports_scores(query, labels, channels, group):
             raise ValueError("kvcompress::select_topk: the Triton kernel does not take these arguments "
                              "(doublesparse.triton_kernel.supports_scores)")
-        return _fresh(triton_kernel.select_topk(query, labels, channels, valid, k))
-    return _fresh(ds_ref.select_topk(query, labels, channels, valid, k))
+        return _fresh(triton_kernel.select_topk(query, labels, channels, valid, k, group=group))
+    return _fresh(ds_ref.select_topk(query, labels, channels, valid, k, group))
 
 
 @select_topk.register_fake
-def _select_topk_fake(query, label_data, label_scale, label_zero, label_bits, channels, valid, k, impl="reference"):
-    return query.new_empty((query.shape[0], query.shape[1], k), dtype=torch.int64)
+def _select_topk_fake(query, label_data, label_scale, label_zero, label_bits, channels, valid, k, group=1,
+                      impl="reference"):
+    return query.new_empty((query.shape[0], query.shape[1] // group, k), dtype=torch.int64)
 
 
-def select(query: Tensor, labels, channels: Tensor, valid: Optional[Tensor], k: int, *, impl: str) -> Tensor:
+def select(query: Tensor, labels, channels: Tensor, valid: Optional[Tensor], k: int, *, impl: str,
+           group: int = 1) -> Tensor:
     """``kvcompress::select_topk`` over a :class:`~kvcompress.kernels.doublesparse.Labels`."""
     return _OPS["select_topk"](query, labels.data, labels.scale, labels.zero, labels.bits,
-                                                    channels, valid, int(k), impl)
+                                                    channels, valid, int(k), int(group), impl)
 
 
 def _rows(index: Tensor, m: int) -> Tensor:

@@ -363,10 +363,9 @@ class DoubleSparseCompressor(Compressor):
         hkv = cache.channels.shape[0]
         group = q.shape[1] // hkv
         if self.config.group_shared and group > 1:
-            # label scores are linear in q: the group's summed scores are those of its summed query
-            # (one reduction kernel that accumulates in fp32: no fp32 copy of the query first)
-            q = q.reshape(q.shape[0], hkv, group, q.shape[-1]).sum(2, dtype=torch.float32)
-            index = select_topk(q, cache.labels(), cache.channels, cache.valid(), budget, impl=kernel)
+            # label scores are linear in q: the group's summed scores are those of its summed query, which the
+            # select kernels add up as they load it (group=: no separate sum kernel)
+            index = select_topk(q, cache.labels(), cache.channels, cache.valid(), budget, impl=kernel, group=group)
             return TokenSelection(index.unsqueeze(2), group=group)
         index = select_topk(q, cache.labels(), cache.channels, cache.valid(), budget, impl=kernel)
         return TokenSelection(index.unsqueeze(2))

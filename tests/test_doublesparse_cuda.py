@@ -190,12 +190,13 @@ LONG_CASES = {
 }
 
 
-def _gpu_select(q, labels, channels, valid, k, **cuda):
+def _gpu_select(q, labels, channels, valid, k, group=1, **cuda):
     """The CUDA select; the two kernels unless ``cluster`` is given."""
     cuda.setdefault("cluster", 0)
     cfg = dict(triton_kernel.SELECT_CONFIG, method="cuda", cuda=cuda)
-    assert triton_kernel.select_method(q, labels, channels, k, cfg, valid) == "cuda"
-    return triton_kernel.select_topk(q, labels, channels, valid, k, config={"method": "cuda", "cuda": cuda})
+    assert triton_kernel.select_method(q[:, ::group], labels, channels, k, cfg, valid) == "cuda"
+    return triton_kernel.select_topk(q, labels, channels, valid, k, config={"method": "cuda", "cuda": cuda},
+                                     group=group)
 
 
 def _check_topk(got, q, labels, channels, valid, k):
@@ -269,7 +270,7 @@ def test_cuda_select_long_odd_contexts(name):
     assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, keys_threads=128, rows_in_flight=4,
                                         select_threads=1024))
     # the cluster select (C CTAs per head): the same indices wherever a CTA's share fits its shared memory
-    for c in (2, 8):
+    for c in (1, 2, 8):
         if rc.cluster_plan(labels.num_tokens, torch.cuda.get_device_capability(), rc._smem_optin(0),
                            dict(rc.RADIX_CUDA_CONFIG, cluster=c)) is not None:
             assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c)), f"cluster {c}"
@@ -299,8 +300,35 @@ def test_cuda_select_exact_ties(name):
     fused = triton_kernel.select_topk(q.cuda(), labels, channels.cuda(), valid.cuda(), k, config={"method": "fused"})
     assert torch.equal(got, fused)
     if torch.cuda.get_device_capability()[0] >= 9:
-        for c in (2, 4, 8):
+        for c in (1, 2, 4, 8):
             assert torch.equal(_gpu_select(q.cuda(), labels, channels.cuda(), valid.cuda(), k, cluster=c), got), c
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("name", list(RADIX_TIE_CASES))
+def test_cuda_select_sums_each_group_of_query_heads(name):
+    """group = G (one selection per kv head) and group = 2: the kernels add a group's query rows as they load them -
+    exactly the stable sort of the summed integer scores, the fused select's indices, and the same indices as the
+    select on the query summed beforehand (two kernels, and clusters of 1, 2 and 8)."""
+    q, lab, channels, valid, k = tie_case(name)
+    g = q.shape[1] // channels.shape[0]
+    labels = channel_major(Labels(lab.cuda()))
+    for group in sorted({g, 2} if g % 2 == 0 else {g}):
+        summed = reference.group_query(q, group)
+        scores = reference.label_scores(summed, Labels(lab.float()), channels, valid)
+        want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k].sort(-1).values
+        got = _gpu_select(q.cuda(), labels, channels.cuda(), valid.cuda(), k, group=group)
+        assert got.shape == (q.shape[0], q.shape[1] // group, k)
+        assert torch.equal(got.cpu(), want), group
+        assert torch.equal(got, _gpu_select(summed.cuda(), labels, channels.cuda(), valid.cuda(), k))
+        fused = triton_kernel.select_topk(q.cuda(), labels, channels.cuda(), valid.cuda(), k,
+                                          config={"method": "fused"}, group=group)
+        assert torch.equal(got, fused), group
+        if torch.cuda.get_device_capability()[0] >= 9:
+            for c in (1, 2, 8):
+                assert torch.equal(_gpu_select(q.cuda(), labels, channels.cuda(), valid.cuda(), k, group=group,
+                                               cluster=c), got), (group, c)
 
 
 @pytest.mark.gpu

@@ -83,6 +83,18 @@ RADIX_TIE_CASES = {
 }
 
 
+# selections over groups of query heads (select_topk(group=...): the select adds a group's query rows as it loads them):
+# name -> (score case, group, k, extras: chunk = the fused select's chunk, forcing candidates and a merge)
+GROUP_CASES = {
+    "fp16-gqa4-shared": ("fp16-gqa4-r16-odd-t", 4, 25, {}),
+    "4bit-gqa4-pairs-chunks-merge": ("4bit-gqa4-r16", 2, 20, {"chunk": 128}),
+    "fp16-gqa3-shared-padding": ("fp16-gqa3-padding", 3, 30, {}),
+    "bf16-query-gqa1-no-group": ("4bit-gqa1-r32-bf16-query", 1, 9, {}),
+}
+# integer tie cases (exact in any summation order) also run group-shared: exactly the stable sort of the summed scores
+GROUP_TIE_CASES = ("ties-straddle-kth-8bit", "k-beyond-valid-padding", "k-equals-tokens-one-chunk")
+
+
 def tie_case(name: str):
     """Integer labels and queries of ``RADIX_TIE_CASES[name]`` (scores exact in any summation order, many ties):
     ``(q [B, Hq, 32] fp16, labels [B, Hkv, T, 4] fp16 token-major, channels, valid, k)``."""
@@ -146,6 +158,47 @@ def channel_major(labels):
 
     data = labels.data.transpose(-1, -2).contiguous().transpose(-1, -2)
     return Labels(data, labels.bits, labels.scale, labels.zero)
+
+
+def run_group_case(name: str, device: str = "cpu") -> dict:
+    """The fused select with ``group`` (each row the summed scores of ``group`` query heads) against the reference
+    on the summed query: a top-k of those scores, by the fused kernels (one chunk, or chunks + merge)."""
+    from kvcompress.kernels.doublesparse import reference, triton_kernel
+
+    case, group, k, extra = GROUP_CASES[name]
+    q, labels, channels, valid = score_case(case, device)
+    cm = channel_major(labels)
+    cfg = {"method": "fused", **({"chunk_tokens": extra["chunk"]} if "chunk" in extra else {})}
+    got = triton_kernel.select_topk(q, cm, channels, valid, k, config=cfg, group=group)
+    summed = reference.group_query(q, group)
+    ref = reference.label_scores(summed, labels, channels, valid)
+    fin = torch.isfinite(ref)
+    tol = 1e-3 * max(1.0, float(ref[fin].abs().max()))
+    want_shape = [q.shape[0], q.shape[1] // group, k]
+    rows = q[:, ::group]
+    return {"shape": list(got.shape) == want_shape,
+            "topk": reference.is_topk(got, ref, k, tol),
+            "fused": triton_kernel.select_method(rows, cm, channels, k, dict(triton_kernel.SELECT_CONFIG, **cfg),
+                                                 valid) == "fused",
+            "chunks": triton_kernel.fused_plan(labels.num_tokens, k, extra.get("chunk", 1 << 30))[0],
+            "reference_topk": reference.is_topk(reference.select_topk(q, labels, channels, valid, k, group), ref, k,
+                                                tol)}
+
+
+def run_group_tie_case(name: str, device: str = "cpu") -> dict:
+    """An integer tie case selected group-shared (group = G) by the fused select: exactly the stable sort of the
+    summed scores (ties to the lowest tokens)."""
+    from kvcompress.kernels.doublesparse import reference, triton_kernel
+    from kvcompress.kernels.doublesparse.reference import Labels
+
+    b, h, g, t, _, _, _ = RADIX_TIE_CASES[name]
+    q, lab, channels, valid, k = tie_case(name)
+    scores = reference.label_scores(reference.group_query(q, g), Labels(lab.float()), channels, valid)
+    want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k].sort(-1).values
+    dev = (lambda x: x.to(device))
+    got = triton_kernel.select_topk(dev(q), Labels(dev(channel_major(Labels(lab)).data)), dev(channels), dev(valid),
+                                    k, config={"method": "fused"}, group=g)
+    return {"exact": bool(torch.equal(got.cpu().sort(-1).values, want)), "shape": list(got.shape) == [b, h, k]}
 
 
 def run_score_case(name: str, device: str = "cpu") -> dict:
@@ -340,6 +393,8 @@ def _worker(path: str) -> None:
     cases.update({f"gather:{n}": (lambda n=n: run_gather_case(n)) for n in GATHER_CASES})
     cases.update({f"search:{n}": (lambda n=n: run_search_case(n)) for n in SEARCH_CASES})
     cases.update({f"radix:{n}": (lambda n=n: run_radix_tie_case(n)) for n in RADIX_TIE_CASES})
+    cases.update({f"group:{n}": (lambda n=n: run_group_case(n)) for n in GROUP_CASES})
+    cases.update({f"group-ties:{n}": (lambda n=n: run_group_tie_case(n)) for n in GROUP_TIE_CASES})
     collect(cases, path)
 
 
@@ -429,6 +484,52 @@ def test_radix_select_exact_ties_interpreted(interpreted, name):
     """The radix select against a stable sort on integer scores: top-1, ties straddling the k-th score (8- and
     11-bit digits), 5-bit digits (7 passes), k beyond the valid tokens, k = every token."""
     _check_radix(interpreted[f"radix:{name}"], name)
+
+
+def _check_group(res: dict, name: str) -> None:
+    assert "error" not in res, res.get("error")
+    assert res["shape"], "one row per group of query heads"
+    assert res["fused"], "the fused select takes group selections"
+    assert res["topk"], "not a top-k of the reference scores of the summed query"
+    assert res["reference_topk"]
+    if "chunk" in GROUP_CASES[name][-1]:
+        assert res["chunks"] > 1, "the case runs chunks and a merge"
+
+
+def _check_group_ties(res: dict) -> None:
+    assert "error" not in res, res.get("error")
+    assert res["shape"] and res["exact"], "not the stable sort of the summed integer scores"
+
+
+@pytest.mark.parametrize("name", list(GROUP_CASES))
+def test_group_select_interpreted(interpreted, name):
+    """select_topk(group=...): the fused select adds each group's query rows as it loads them - one row per kv head
+    (group-shared), two rows per kv head through chunks and a merge, padding, bf16 query, no group."""
+    _check_group(interpreted[f"group:{name}"], name)
+
+
+@pytest.mark.parametrize("name", GROUP_TIE_CASES)
+def test_group_select_exact_ties_interpreted(interpreted, name):
+    _check_group_ties(interpreted[f"group-ties:{name}"])
+
+
+def test_group_query_and_reference():
+    """group_query sums runs of heads in fp32 (the scores of a sum are the sum of the scores: label scores are
+    linear); the reference select with group picks the top-k of the summed rows; a group that does not divide the
+    heads is refused."""
+    from kvcompress.kernels.doublesparse import reference
+
+    q, labels, channels, valid = score_case("fp16-gqa4-r16-odd-t")
+    per_head = reference.label_scores(q, labels, channels, valid)  # [B, Hq, T]
+    summed = reference.label_scores(reference.group_query(q, 4), labels, channels, valid)
+    b, hq, t = per_head.shape
+    fin = torch.isfinite(summed)
+    assert torch.allclose(per_head.view(b, hq // 4, 4, t).sum(2)[fin], summed[fin], atol=1e-4, rtol=1e-5)
+    assert reference.group_query(q, 1) is q
+    idx = reference.select_topk(q, labels, channels, valid, 25, group=4)
+    assert idx.shape == (b, hq // 4, 25) and reference.is_topk(idx, summed, 25, 1e-4)
+    with pytest.raises(ValueError, match="group must divide the 8 query heads, got 3"):
+        reference.group_query(q, 3)
 
 
 def test_radix_digit_widths_and_plan():
@@ -608,6 +709,20 @@ def test_gather_on_gpu(name):
 @pytest.mark.parametrize("name", list(RADIX_TIE_CASES))
 def test_radix_select_exact_ties_on_gpu(name):
     _check_radix(run_radix_tie_case(name, "cuda"), name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(GROUP_CASES))
+def test_group_select_on_gpu(name):
+    _check_group(run_group_case(name, "cuda"), name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", GROUP_TIE_CASES)
+def test_group_select_exact_ties_on_gpu(name):
+    _check_group_ties(run_group_tie_case(name, "cuda"))
 
 
 @pytest.mark.gpu

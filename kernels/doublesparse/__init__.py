@@ -24,20 +24,21 @@ def _use_triton(t) -> bool:
     return triton_available()
 
 
-def select_topk(query, labels: Labels, channels, valid, k: int, *, impl: str | None = None):
-    """Top-``k`` token indices per query head from label scores; see :func:`.reference.select_topk`.
+def select_topk(query, labels: Labels, channels, valid, k: int, *, impl: str | None = None, group: int = 1):
+    """Top-``k`` token indices per query head (or per ``group`` consecutive query heads scored together) from label
+    scores; see :func:`.reference.select_topk`.
 
     ``impl``: ``"reference"`` / ``"triton"`` through the registered op (``None``: decided per call)."""
     if impl is not None:
         from kvcompress.kernels import ops
 
-        return ops.select(query, labels, channels, valid, k, impl=impl)
+        return ops.select(query, labels, channels, valid, k, impl=impl, group=group)
     if _use_triton(query):
         from . import triton_kernel
 
-        if triton_kernel.supports_scores(query, labels, channels):
-            return triton_kernel.select_topk(query, labels, channels, valid, k)
-    return reference.select_topk(query, labels, channels, valid, k)
+        if triton_kernel.supports_scores(query, labels, channels, group):
+            return triton_kernel.select_topk(query, labels, channels, valid, k, group=group)
+    return reference.select_topk(query, labels, channels, valid, k, group)
 
 
 def gather_partial_attention(query, k, v, valid, index, scale, *, impl: str | None = None, softcap=None):

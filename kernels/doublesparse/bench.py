@@ -48,9 +48,8 @@ def ds_decode(q, labels: Labels, channels, k, v, kk: int, scale: float, ops=None
     b, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
-    if shared:
-        qs = q.view(b, hkv, g, d).sum(2, dtype=torch.float32)  # as the plugin: one reduction, fp32 accumulation
-        sel = ops.select_topk(qs, labels, channels, None, kk).view(b, hkv, 1, kk).expand(b, hkv, g, kk)
+    if shared:  # as the plugin: the select sums each kv head's G query rows as it loads them
+        sel = ops.select_topk(q, labels, channels, None, kk, group=g).view(b, hkv, 1, kk).expand(b, hkv, g, kk)
     else:
         sel = ops.select_topk(q, labels, channels, None, kk).view(b, hkv, g, kk)
     extra = {"config": gather_config} if gather_config else {}

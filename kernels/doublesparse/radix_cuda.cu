@@ -59,8 +59,18 @@ struct KeysParams {
   const uint8_t* va; long long sva_b;
   uint32_t* keys; int* hist;
   long long T, HQ, HKV, G, W, per, bits, chunk, gblocks, KS;
+  long long qg, sq_g;  // query rows summed per select row (1: none), sq_g apart; a row's first one at hq * sq_h
   int qt, has_valid;
 };
+
+// Query channel c of select row hq: the sum of its qg query rows (fp32, in row order, as reference.group_query's
+// rows are added).
+__device__ __forceinline__ float query_value(const KeysParams& p, long long b, long long hq, long long c) {
+  const long long base = b * p.sq_b + hq * p.sq_h + c;
+  float v = load_any(p.q, base, p.qt);
+  for (long long j = 1; j < p.qg; ++j) v += load_any(p.q, base + j * p.sq_g, p.qt);
+  return v;
+}
 
 constexpr int TPT = 8;  // consecutive tokens per thread in the keys kernel (one 16-byte load of fp16 labels)
 
@@ -209,8 +219,7 @@ __global__ void __launch_bounds__(KEYS_THREADS, 1) ds_keys_kernel(KeysParams p) 
     const int g = i / RMAX, c = i % RMAX;
     float v = 0.f;
     if (g < ng && c < r) {
-      const long long hq = h * p.G + g0 + g;
-      v = load_any(p.q, b * p.sq_b + hq * p.sq_h + p.ch[h * p.sch_h + c], p.qt);
+      v = query_value(p, b, h * p.G + g0 + g, p.ch[h * p.sch_h + c]);
     }
     qv[g][c] = v;
   }
@@ -473,7 +482,7 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
   const int r = (int)(p.W * p.per);
   for (int i = threadIdx.x; i < BINS0; i += blockDim.x) hist[i] = 0;
   for (int c = threadIdx.x; c < r; c += blockDim.x)
-    qv[0][c] = load_any(p.q, b * p.sq_b + hq * p.sq_h + p.ch[h * p.sch_h + c], p.qt);
+    qv[0][c] = query_value(p, b, hq, p.ch[h * p.sch_h + c]);
   __syncthreads();
   if (QUANT && threadIdx.x == 0) {
     float s = 0.f;
@@ -641,8 +650,8 @@ DS_EXPORT const char* ds_radix_error_string(int e) { return cudaGetErrorString((
 // a (int64): q, sq_b, sq_h, ch, sch_h, lab, sl_b, sl_h, sl_c, sc, ze, sz_b, sz_h, va, sva_b, keys, hist,
 //            T, HQ, HKV, G, W, per, bits, chunk, gblocks, B, q dtype, label dtype, has_valid, K, out, heads per CTA,
 //            vector label loads (0/1), keys row stride KS (a multiple of 8), shared-memory select (0/1), keys CTA
-//            threads (128 / 256), label rows in flight (1 / 4), select CTA threads (256 / 512 / 1024)
-//            (dtype codes: DType)
+//            threads (128 / 256), label rows in flight (1 / 4), select CTA threads (256 / 512 / 1024), query rows
+//            summed per select row (1: none; HQ and G count select rows), their stride (dtype codes: DType)
 DS_EXPORT int ds_radix_select_launch(const long long* a, int device, void* stream) {
   using namespace ds_radix;
   cudaError_t e = cudaSetDevice(device);
@@ -666,7 +675,8 @@ DS_EXPORT int ds_radix_select_launch(const long long* a, int device, void* strea
   p.KS = a[34];
   const bool smem = a[35] != 0;
   const int kthreads = (int)a[36], wu = (int)a[37], sthreads = (int)a[38];
-  if ((kthreads != 128 && kthreads != 256) || (wu != 1 && wu != 4)
+  p.qg = a[39]; p.sq_g = a[40];
+  if (p.qg < 1 || (kthreads != 128 && kthreads != 256) || (wu != 1 && wu != 4)
       || (sthreads != 256 && sthreads != 512 && sthreads != 1024) || p.chunk % (TPT * kthreads))
     return (int)cudaErrorInvalidValue;
   if (p.T < 1 || p.chunk < 1 || p.chunk % TPT || p.W * p.per > RMAX || a[30] < 1 || a[30] > p.T
@@ -707,7 +717,8 @@ DS_EXPORT int ds_radix_select_launch(const long long* a, int device, void* strea
 DS_EXPORT long long ds_radix_smem_keys() { return ds_radix::SMEM_KEYS; }
 
 // The cluster select (sm_90): a as for ds_radix_select_launch (keys, hist, gn, KS, smem and keys threads unused;
-// label rows in flight 1 or 4; chunk = tokens per CTA, a multiple of 8, at most SMEM_KEYS), c = CTAs per head (2, 4 or 8), threads
+// label rows in flight 1 or 4; chunk = tokens per CTA, a multiple of 8, at most SMEM_KEYS), c = CTAs per head (1, 2, 4 or 8:
+// 1 is one CTA per head scoring and selecting alone, a cluster of one), threads
 // per CTA (256, 512 or 1024).
 DS_EXPORT int ds_radix_cluster_launch(const long long* a, int c, int threads, int device, void* stream) {
   using namespace ds_radix;
@@ -723,6 +734,7 @@ DS_EXPORT int ds_radix_cluster_launch(const long long* a, int c, int threads, in
   p.keys = nullptr; p.hist = nullptr;
   p.T = a[17]; p.HQ = a[18]; p.HKV = a[19]; p.G = a[20]; p.W = a[21]; p.per = a[22]; p.bits = a[23];
   p.chunk = a[24]; p.gblocks = 1; p.KS = 0;
+  p.qg = a[39]; p.sq_g = a[40];
   const long long B = a[26];
   p.qt = (int)a[27];
   const int lt = (int)a[28];
@@ -732,8 +744,8 @@ DS_EXPORT int ds_radix_cluster_launch(const long long* a, int c, int threads, in
   sp.keys = nullptr; sp.hist = nullptr; sp.out = reinterpret_cast<long long*>(a[31]);
   sp.T = p.T; sp.K = a[30]; sp.KS = 0;
   if (p.T < 1 || p.chunk < TPT || p.chunk % TPT || p.chunk > SMEM_KEYS || p.chunk * c < p.T || p.W * p.per > RMAX
-      || sp.K < 1 || sp.K > p.T || p.T > 0x7fffffffLL || p.qt < F16 || p.qt > F32 || (c != 2 && c != 4 && c != 8)
-      || (threads != 256 && threads != 512 && threads != 1024) || device < 0 || device >= 64)
+      || sp.K < 1 || sp.K > p.T || p.T > 0x7fffffffLL || p.qt < F16 || p.qt > F32 || (c != 1 && c != 2 && c != 4 && c != 8)
+      || (threads != 256 && threads != 512 && threads != 1024) || device < 0 || device >= 64 || p.qg < 1)
     return (int)cudaErrorInvalidValue;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const long long rows = B * p.HQ;

@@ -74,8 +74,9 @@ SELECT_STATIC_SMEM = 10 * 1024  # the select kernel's static shared memory, roun
 # 1178.2 us; SmolLM2 ds8 B64/32k 373.3 against 380.6)
 # max_keys 2**28 (1 GiB of keys): B64 / 128k takes the CUDA select (Llama ds16 B64/128k 0.96x -> 1.65x SDPA, SmolLM2
 # ds8 0.57x -> 1.03x, session 29); the scratch is 4 bytes x G per token and kv head, 3% of an fp16 K/V layer at G = 4
-# cluster: 0, or C = 2 / 4 / 8 CTAs per query head in one thread-block cluster (sm_90, ds_cluster_kernel: the keys in
-# shared memory of the cluster's CTAs, one launch, no scratch), where ceil(T / C) tokens fit SMEM_KEYS; None:
+# cluster: 0, or C = 1 / 2 / 4 / 8 CTAs per query head in one thread-block cluster (sm_90, ds_cluster_kernel: the keys
+# in shared memory of the cluster's CTAs, one launch, no scratch; C = 1: one CTA scores and selects a head alone),
+# where ceil(T / C) tokens fit SMEM_KEYS; None:
 # cluster_auto's rule; cluster_threads per CTA (256 / 512 / 1024); cluster_rows_in_flight (1 / 4: label rows a
 # thread loads before using them, as raw words: 4 fit a 1024-thread CTA's registers since session 30; with at most
 # 512 threads it was slower, session 30)
@@ -105,12 +106,12 @@ def problem(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: 
         raise ValueError(f"DoubleSparse CUDA select config: unknown entries {unknown}; known: {sorted(RADIX_CUDA_CONFIG)}")
     if cfg["keys_threads"] not in (128, 256) or cfg["rows_in_flight"] not in (1, 4) \
             or cfg["select_threads"] not in (None, 256, 512, 1024) or cfg["smem"] not in (None, True, False) \
-            or cfg["cluster"] not in (None, 0, 2, 4, 8) or cfg["cluster_threads"] not in (256, 512, 1024) \
+            or cfg["cluster"] not in (None, 0, 1, 2, 4, 8) or cfg["cluster_threads"] not in (256, 512, 1024) \
             or cfg["cluster_rows_in_flight"] not in (1, 4):
         raise ValueError(f"DoubleSparse CUDA select config: keys_threads {cfg['keys_threads']} (128 or 256), "
                          f"rows_in_flight {cfg['rows_in_flight']} (1 or 4), select_threads {cfg['select_threads']} "
                          f"(None, 256, 512 or 1024), smem {cfg['smem']} (None, true or false), cluster "
-                         f"{cfg['cluster']} (None, 0, 2, 4 or 8), cluster_threads {cfg['cluster_threads']} (256, 512 or "
+                         f"{cfg['cluster']} (None, 0, 1, 2, 4 or 8), cluster_threads {cfg['cluster_threads']} (256, 512 or "
                          f"1024), cluster_rows_in_flight {cfg['cluster_rows_in_flight']} (1 or 4)")
     if not query.is_cuda or not torch.cuda.is_available():
         return "not a CUDA tensor"
@@ -325,12 +326,21 @@ def _input_args(query: torch.Tensor, labels: Labels, channels: torch.Tensor, va:
 
 
 def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None,
-                     k: int, *, config: dict | None = None, checked: bool = False) -> torch.Tensor:
+                     k: int, *, config: dict | None = None, checked: bool = False, group: int = 1) -> torch.Tensor:
     """See :func:`.reference.select_topk`; the indices in token order (ties to the lowest tokens).  It raises on
     what :func:`problem` does not take (``checked``: the caller already asked :func:`problem` with this ``config``, as
     :func:`.triton_kernel.select_method` does).  With ``cluster`` set and a :func:`cluster_plan`, the cluster select
-    runs instead of the two kernels (same indices)."""
+    runs instead of the two kernels (same indices).  ``group`` > 1: a row per ``group`` consecutive query heads,
+    their query values added (fp32, in head order) as the kernels load them."""
     cfg = dict(RADIX_CUDA_CONFIG, **(config or {}))
+    full = query
+    if group != 1:
+        from .triton_kernel import supports_scores
+
+        if not supports_scores(query, labels, channels, group):
+            raise ValueError(f"select_topk_cuda: group {group} must divide the {query.shape[1]} query heads into a "
+                             f"multiple of the {channels.shape[0]} kv heads")
+        query = query[:, ::group]  # the rows' shape (and their first query row) for everything below
     why = None if checked else problem(query, labels, channels, valid, k, cfg)
     if why is not None:
         raise ValueError(f"select_topk_cuda: {why}")
@@ -340,7 +350,7 @@ def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor
     cl = _cluster_for(query, labels.num_tokens, cfg)
     if cl is not None:
         return _cluster_select(lib, query, labels, channels, valid, k, cl, int(cfg["cluster_threads"]),
-                               int(cfg["cluster_rows_in_flight"]))
+                               int(cfg["cluster_rows_in_flight"]), group, full.stride(1))
     hkv, r = channels.shape
     g = hq // hkv
     t = labels.num_tokens
@@ -362,7 +372,7 @@ def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor
             t, hq, hkv, g, w, 8 // labels.bits if quant else 1, labels.bits if quant else 16, chunk, gblocks, b,
             DTYPES[query.dtype], U8 if quant else DTYPES[lab.dtype], int(va is not None), k, out.data_ptr(), gn,
             int(vector_loads(labels)), ks, int(smem_select(t, _smem_optin(dev.index or 0), cfg, want_smem)),
-            int(cfg["keys_threads"]), int(cfg["rows_in_flight"]), select_threads]
+            int(cfg["keys_threads"]), int(cfg["rows_in_flight"]), select_threads, group, full.stride(1)]
     arr = (ctypes.c_longlong * len(args))(*args)
     stream = torch.cuda.current_stream(dev).cuda_stream
     rc = lib.ds_radix_select_launch(arr, dev.index or 0, ctypes.c_void_p(stream))
@@ -372,8 +382,9 @@ def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor
 
 
 def _cluster_select(lib, query, labels: Labels, channels, valid, k: int, cl: tuple[int, int],
-                    threads: int, rows_in_flight: int = 1) -> torch.Tensor:
-    """The cluster select (``ds_radix_cluster_launch``): C CTAs per query head, ``n`` tokens each."""
+                    threads: int, rows_in_flight: int = 1, group: int = 1, group_stride: int = 0) -> torch.Tensor:
+    """The cluster select (``ds_radix_cluster_launch``): C CTAs per query head (or per ``group`` query heads
+    ``group_stride`` apart, summed), ``n`` tokens each."""
     c, n = cl
     b, hq, _ = query.shape
     hkv = channels.shape[0]
@@ -385,7 +396,8 @@ def _cluster_select(lib, query, labels: Labels, channels, valid, k: int, cl: tup
     va = valid.view(torch.uint8) if valid is not None else None
     args = [*_input_args(query, labels, channels, va), 0, 0, labels.num_tokens, hq, hkv, hq // hkv, lab.shape[-1], 8 // labels.bits if quant else 1,
             labels.bits if quant else 16, n, 1, b, DTYPES[query.dtype], U8 if quant else DTYPES[lab.dtype],
-            int(va is not None), k, out.data_ptr(), 1, int(vector_loads(labels)), 0, 0, 0, rows_in_flight, 0]
+            int(va is not None), k, out.data_ptr(), 1, int(vector_loads(labels)), 0, 0, 0, rows_in_flight, 0, group,
+            group_stride]
     arr = (ctypes.c_longlong * len(args))(*args)
     stream = torch.cuda.current_stream(dev).cuda_stream
     rc = lib.ds_radix_cluster_launch(arr, c, threads, dev.index or 0, ctypes.c_void_p(stream))

@@ -101,14 +101,28 @@ def label_scores(query: torch.Tensor, labels: Labels, channels: torch.Tensor,
     return s
 
 
+def group_query(query: torch.Tensor, group: int) -> torch.Tensor:
+    """``query [B, Hq, D]`` with each run of ``group`` consecutive heads summed (fp32 accumulation; fp32 out unless
+    ``group`` is 1, then ``query`` itself): ``[B, Hq / group, D]``.  Label scores are linear in the query, so a row of
+    the result scores the sum of its heads' scores - one group-shared selection per kv head when ``group`` = G."""
+    if group == 1:
+        return query
+    b, hq, d = query.shape
+    if group < 1 or hq % group:
+        raise ValueError(f"group must divide the {hq} query heads, got {group}")
+    return query.reshape(b, hq // group, group, d).sum(2, dtype=torch.float32)
+
+
 def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None,
-                k: int) -> torch.Tensor:
-    """Indices ``[B, Hq, k]`` (int64, unordered) of the ``k`` best-scoring tokens per query head.
+                k: int, group: int = 1) -> torch.Tensor:
+    """Indices ``[B, Hq / group, k]`` (int64, unordered) of the ``k`` best-scoring tokens per query head, or per
+    ``group`` consecutive query heads scored together (:func:`group_query`: their summed scores).
 
     ``k`` must be at most the number of tokens; rows with fewer than ``k`` valid tokens also get
     invalid ones (their score is ``-inf``; attention masks them).
     """
-    return torch.topk(label_scores(query, labels, channels, valid), k, dim=-1, sorted=False).indices
+    scores = label_scores(group_query(query, group), labels, channels, valid)
+    return torch.topk(scores, k, dim=-1, sorted=False).indices
 
 
 def is_topk(index: torch.Tensor, scores: torch.Tensor, k: int, tol: float) -> bool:

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from kvcompress.kernels.attention.triton_shared import cap_base2, combine_splits, num_sms, pow2, soft_cap
 
-from .reference import Labels
+from .reference import Labels, group_query
 
 MAX_DIM = 256
 
@@ -87,13 +87,16 @@ def _scores_kernel(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_t, sl_c, SC, ZE, 
              mask=g_ok[:, None] & t_ok[None, :])
 
 
-def supports_scores(query: torch.Tensor, labels: Labels, channels: torch.Tensor) -> bool:
-    """Whether :func:`label_scores` handles these arguments (else use the reference)."""
+def supports_scores(query: torch.Tensor, labels: Labels, channels: torch.Tensor, group: int = 1) -> bool:
+    """Whether :func:`label_scores` (and :func:`select_topk`, with ``group`` query heads per row) handles these
+    arguments (else use the reference)."""
     if query.dim() != 3 or labels.data.dim() != 4 or channels.dim() != 2:
         return False
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32) or query.stride(-1) != 1:
         return False
-    if channels.shape[1] > MAX_DIM or query.shape[1] % channels.shape[0]:
+    if group < 1 or query.shape[1] % group:
+        return False
+    if channels.shape[1] > MAX_DIM or (query.shape[1] // group) % channels.shape[0]:
         return False
     if labels.bits != 16 and (labels.scale.stride(-1) != 1 or labels.zero.stride(-1) != 1
                               or labels.scale.stride()[:2] != labels.zero.stride()[:2]):
@@ -149,10 +152,20 @@ def _orderable(x):
 
 
 @triton.jit
-def _label_keys(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, sz_h, VA, sva_b, b, hq, h, offs, ok,
-                W: tl.constexpr, PER: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
-                HAS_VALID: tl.constexpr, UNROLL: tl.constexpr, NP: tl.constexpr):
-    """Order-preserving keys of the label scores of tokens ``offs`` (token-contiguous labels); 0 where not ``ok``."""
+def _group_value(q_row, sq_g, c, GROUP: tl.constexpr):
+    """Channel ``c`` of the sum of ``GROUP`` query rows ``sq_g`` apart, in fp32 (rows added in order)."""
+    v = tl.load(q_row + c).to(tl.float32)
+    for j in tl.static_range(1, GROUP):
+        v += tl.load(q_row + j * sq_g + c).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _label_keys(Q, sq_b, sq_h, sq_g, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, sz_h, VA, sva_b, b, hq, h, offs,
+                ok, W: tl.constexpr, PER: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                HAS_VALID: tl.constexpr, UNROLL: tl.constexpr, NP: tl.constexpr, GROUP: tl.constexpr):
+    """Order-preserving keys of the label scores of tokens ``offs`` (token-contiguous labels); 0 where not ``ok``.
+    Row ``hq`` scores the sum of ``GROUP`` query rows ``sq_g`` apart (fp32, added in row order)."""
     q_row = Q + b * sq_b + hq * sq_h
     acc = tl.zeros([NP], tl.float32)
     qsum = 0.0
@@ -163,11 +176,11 @@ def _label_keys(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, sz_
             lab = tl.load(L + b * sl_b + h * sl_h + w * sl_c + offs, mask=ok, other=0)
             if QUANT:
                 for j in tl.static_range(PER):
-                    qv = tl.load(q_row + tl.load(CH + h * sch_h + j * W + w)).to(tl.float32)
+                    qv = _group_value(q_row, sq_g, tl.load(CH + h * sch_h + j * W + w), GROUP)
                     acc += qv * ((lab >> (BITS * j)) & ((1 << BITS) - 1)).to(tl.float32)
                     qsum += qv
             else:
-                qv = tl.load(q_row + tl.load(CH + h * sch_h + w)).to(tl.float32)
+                qv = _group_value(q_row, sq_g, tl.load(CH + h * sch_h + w), GROUP)
                 acc += qv * lab.to(tl.float32)
     if QUANT:
         sc = tl.load(SC + b * sz_b + h * sz_h + offs, mask=ok, other=1.0).to(tl.float32)
@@ -235,11 +248,11 @@ def _place(key, found, need, base):
 
 
 @triton.jit
-def _select_kernel(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, sz_h, VA, sva_b,
+def _select_kernel(Q, sq_b, sq_h, sq_g, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, sz_h, VA, sva_b,
                    IDX, CKEY, T, K, KC, CHUNK, HQ, G,
                    W: tl.constexpr, PER: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                    HAS_VALID: tl.constexpr, CANDIDATES: tl.constexpr, UNROLL: tl.constexpr, NP: tl.constexpr,
-                   SUB: tl.constexpr):
+                   SUB: tl.constexpr, GROUP: tl.constexpr):
     """One query head and one chunk of ``CHUNK`` tokens: label scores in registers, then either the head's
     ``K`` token indices (one chunk) or the chunk's ``KC`` best (key, token) candidates (``CANDIDATES``).
     ``SUB < NP``: once the threshold is found the keys are dropped and recomputed ``SUB`` lanes at a time for the
@@ -255,8 +268,8 @@ def _select_kernel(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, 
     end = tl.minimum(first + CHUNK, T) if CANDIDATES else T
     offs = first + tl.arange(0, NP)
     ok = offs < end
-    key = _label_keys(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, sz_h, VA, sva_b, b, hq, h,
-                      offs, ok, W, PER, BITS, QUANT, HAS_VALID, UNROLL, NP)
+    key = _label_keys(Q, sq_b, sq_h, sq_g, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, sz_h, VA, sva_b, b, hq, h,
+                      offs, ok, W, PER, BITS, QUANT, HAS_VALID, UNROLL, NP, GROUP)
     if CANDIDATES:
         kk = tl.minimum(KC, end - first)
         row = (pid.to(tl.int64) * tl.num_programs(1) + chunk) * KC
@@ -276,8 +289,8 @@ def _select_kernel(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, 
         for s0 in range(0, NP, SUB):
             offs_s = first + s0 + tl.arange(0, SUB)
             ok_s = offs_s < end
-            key_s = _label_keys(Q, sq_b, sq_h, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, sz_h, VA, sva_b, b, hq,
-                                h, offs_s, ok_s, W, PER, BITS, QUANT, HAS_VALID, UNROLL, SUB)
+            key_s = _label_keys(Q, sq_b, sq_h, sq_g, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, sz_h, VA, sva_b, b,
+                                hq, h, offs_s, ok_s, W, PER, BITS, QUANT, HAS_VALID, UNROLL, SUB, GROUP)
             chosen, slot, base = _place(key_s, found, need, base)
             if CANDIDATES:
                 tl.store(CKEY + row + slot, key_s.to(tl.int32, bitcast=True), mask=chosen)
@@ -506,8 +519,10 @@ def _divisor(n: int, most: int) -> int:
 
 
 def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None,
-                k: int, *, config: dict | None = None) -> torch.Tensor:
-    """See :func:`.reference.select_topk`.
+                k: int, *, config: dict | None = None, group: int = 1) -> torch.Tensor:
+    """See :func:`.reference.select_topk`.  ``group`` > 1: each row scores the sum of ``group`` consecutive query
+    heads (the fused and the CUDA selects add them as they load the query, in fp32 and head order: no separate sum
+    kernel; the other paths sum first, :func:`.reference.group_query`).
 
     Fused (:func:`supports_fused`): one program per query head (and chunk of up to
     :data:`FUSED_MAX_TOKENS` tokens) computes the label scores in registers and selects by an exact
@@ -520,11 +535,19 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
     if not 0 < k <= t:
         raise ValueError(f"k must be in [1, {t}], got {k}")
     cfg = dict(_select_base(), **(config or {}))
+    full = query
+    if group != 1:
+        if not supports_scores(query, labels, channels, group):
+            raise ValueError(f"select_topk: group {group} must divide the {query.shape[1]} query heads into a "
+                             f"multiple of the {channels.shape[0]} kv heads")
+        query = query[:, ::group]  # one row per group: the shape every decision below reads
     method = select_method(query, labels, channels, k, cfg, valid)
     if method == "cuda":
         from .radix_cuda import select_topk_cuda
 
-        return select_topk_cuda(query, labels, channels, valid, k, config=cfg["cuda"], checked=True)
+        return select_topk_cuda(full, labels, channels, valid, k, config=cfg["cuda"], checked=True, group=group)
+    if method in ("radix", "unfused") and group != 1:
+        query = group_query(full, group)
     if method == "radix":
         from .radix_triton import select_topk_radix
 
@@ -560,7 +583,7 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
     else:
         ckey, cidx = out, out
     _select_kernel[(b * hq, chunks)](
-        query, query.stride(0), query.stride(1), channels, channels.stride(0),
+        query, query.stride(0), query.stride(1), full.stride(1), channels, channels.stride(0),
         lab, lab.stride(0), lab.stride(1), lab.stride(3),
         sc, ze, sc.stride(0) if quant else 0, sc.stride(1) if quant else 0,
         va, va.stride(0) if valid is not None else 0,
@@ -568,7 +591,7 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
         W=lab.shape[-1], PER=8 // labels.bits if quant else 1, BITS=labels.bits if quant else 16, QUANT=quant,
         HAS_VALID=valid is not None, CANDIDATES=chunks > 1,
         UNROLL=_divisor(lab.shape[-1], int(cfg["unroll"])), NP=np_,
-        SUB=_sub(np_, cfg), num_warps=warps)
+        SUB=_sub(np_, cfg), GROUP=group, num_warps=warps)
     n = chunks * kc  # candidates left
     for _, group, keep in levels:  # fused_levels' candidate counts are the n of each step here
         groups = -(-n // group)
