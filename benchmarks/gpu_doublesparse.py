@@ -170,7 +170,7 @@ def bench(device: str, quick: bool, sweep: bool = False, model: str = "llama3-8b
                     "ds": benchutil.time_op(lambda q, lab, ch, k, v: ds_decode(q, lab, ch, k, v, kk, scale), data,
                                             reps=20),
                     "select-shared": benchutil.time_op(lambda q, lab, ch, k, v: tk.select_topk(
-                        q.float().view(b, hkv, g, d).sum(2), lab, ch, None, kk), data, reps=20),
+                        q, lab, ch, None, kk, group=g), data, reps=20),  # the group sum inside, as the plugin
                     "gather-shared": benchutil.time_op(lambda q, lab, ch, k, v: tk.gather_partial_attention(
                         q.view(b, hkv, g, d), k, v, None, idx[:, :, :1].expand(b, hkv, g, kk), scale), data, reps=20),
                     "ds-shared": benchutil.time_op(lambda q, lab, ch, k, v: ds_decode(q, lab, ch, k, v, kk, scale,
