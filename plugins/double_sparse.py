@@ -362,13 +362,12 @@ class DoubleSparseCompressor(Compressor):
         kernel = getattr(cache, "kernel", None)  # static caches chose it once; dynamic ones decide per call
         hkv = cache.channels.shape[0]
         group = q.shape[1] // hkv
-        if self.config.group_shared and group > 1:
-            # label scores are linear in q: the group's summed scores are those of its summed query, which the
-            # select kernels add up as they load it (group=: no separate sum kernel)
-            index = select_topk(q, cache.labels(), cache.channels, cache.valid(), budget, impl=kernel, group=group)
-            return TokenSelection(index.unsqueeze(2), group=group)
-        index = select_topk(q, cache.labels(), cache.channels, cache.valid(), budget, impl=kernel)
-        return TokenSelection(index.unsqueeze(2))
+        # group-shared: label scores are linear in q, so a kv head's summed scores are those of its summed query,
+        # which the select kernels add up as they load it (group=: no separate sum kernel)
+        shared = self.config.group_shared and group > 1
+        index = select_topk(q, cache.labels(), cache.channels, cache.valid(), budget, impl=kernel,
+                            group=group if shared else 1)
+        return TokenSelection(index.unsqueeze(2), group=group if shared else None)
 
 
 @hookimpl

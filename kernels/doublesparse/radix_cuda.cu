@@ -63,8 +63,8 @@ struct KeysParams {
   int qt, has_valid;
 };
 
-// Query channel c of select row hq: the sum of its qg query rows (fp32, in row order, as reference.group_query's
-// rows are added).
+// Query channel c of select row hq: the sum of its qg query rows (fp32, added in row order; reference.group_query sums
+// in fp32 too).
 __device__ __forceinline__ float query_value(const KeysParams& p, long long b, long long hq, long long c) {
   const long long base = b * p.sq_b + hq * p.sq_h + c;
   float v = load_any(p.q, base, p.qt);

@@ -333,14 +333,10 @@ def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor
     runs instead of the two kernels (same indices).  ``group`` > 1: a row per ``group`` consecutive query heads,
     their query values added (fp32, in head order) as the kernels load them."""
     cfg = dict(RADIX_CUDA_CONFIG, **(config or {}))
-    full = query
-    if group != 1:
-        from .triton_kernel import supports_scores
+    from .triton_kernel import group_rows
 
-        if not supports_scores(query, labels, channels, group):
-            raise ValueError(f"select_topk_cuda: group {group} must divide the {query.shape[1]} query heads into a "
-                             f"multiple of the {channels.shape[0]} kv heads")
-        query = query[:, ::group]  # the rows' shape (and their first query row) for everything below
+    full = query
+    query = group_rows(full, labels, channels, group, checked)  # the rows' shape and first query rows from here on
     why = None if checked else problem(query, labels, channels, valid, k, cfg)
     if why is not None:
         raise ValueError(f"select_topk_cuda: {why}")
@@ -394,8 +390,8 @@ def _cluster_select(lib, query, labels: Labels, channels, valid, k: int, cl: tup
     lab = labels.data
     out = torch.empty(b, hq, k, device=dev, dtype=torch.int64)
     va = valid.view(torch.uint8) if valid is not None else None
-    args = [*_input_args(query, labels, channels, va), 0, 0, labels.num_tokens, hq, hkv, hq // hkv, lab.shape[-1], 8 // labels.bits if quant else 1,
-            labels.bits if quant else 16, n, 1, b, DTYPES[query.dtype], U8 if quant else DTYPES[lab.dtype],
+    args = [*_input_args(query, labels, channels, va), 0, 0, labels.num_tokens, hq, hkv, hq // hkv, lab.shape[-1],
+            8 // labels.bits if quant else 1, labels.bits if quant else 16, n, 1, b, DTYPES[query.dtype], U8 if quant else DTYPES[lab.dtype],
             int(va is not None), k, out.data_ptr(), 1, int(vector_loads(labels)), 0, 0, 0, rows_in_flight, 0, group,
             group_stride]
     arr = (ctypes.c_longlong * len(args))(*args)

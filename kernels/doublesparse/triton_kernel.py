@@ -518,6 +518,19 @@ def _divisor(n: int, most: int) -> int:
     return d
 
 
+def group_rows(query: torch.Tensor, labels: Labels, channels: torch.Tensor, group: int,
+               checked: bool = False) -> torch.Tensor:
+    """``query [B, Hq, D]`` as one row per ``group`` consecutive query heads (the view ``query[:, ::group]``: the rows'
+    shape, and each row's first query head, for the selects' decisions and launches); raises where ``group`` does not
+    split the heads into whole kv heads (``checked``: the caller already knows it does)."""
+    if group == 1:
+        return query
+    if not checked and not supports_scores(query, labels, channels, group):
+        raise ValueError(f"select_topk: group {group} must divide the {query.shape[1]} query heads into a multiple of "
+                         f"the {channels.shape[0]} kv heads")
+    return query[:, ::group]
+
+
 def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None,
                 k: int, *, config: dict | None = None, group: int = 1) -> torch.Tensor:
     """See :func:`.reference.select_topk`.  ``group`` > 1: each row scores the sum of ``group`` consecutive query
@@ -536,11 +549,7 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
         raise ValueError(f"k must be in [1, {t}], got {k}")
     cfg = dict(_select_base(), **(config or {}))
     full = query
-    if group != 1:
-        if not supports_scores(query, labels, channels, group):
-            raise ValueError(f"select_topk: group {group} must divide the {query.shape[1]} query heads into a "
-                             f"multiple of the {channels.shape[0]} kv heads")
-        query = query[:, ::group]  # one row per group: the shape every decision below reads
+    query = group_rows(full, labels, channels, group)  # one row per group: the shape every decision below reads
     method = select_method(query, labels, channels, k, cfg, valid)
     if method == "cuda":
         from .radix_cuda import select_topk_cuda
