@@ -218,17 +218,19 @@ def paged_case(batch: int = 2, kv_heads: int = 2, rows: int = 3, head_dim: int =
 def lanes_case(batch: int = 2, kv_heads: int = 4, rows: int = 3, head_dim: int = 64, capacity: int = 77,
                live: int | None = 52, counts: tuple[int, ...] | None = None, dense_tokens: int = 23,
                dtype=torch.float16, dead_row: bool = True, device="cpu", seed: int = 2,
-               softcap: float | None = None) -> OpCase:
+               softcap: float | None = None, rank: int | None = None) -> OpCase:
     """One lane per kept count (``counts`` per kv head; 0 = the head keeps nothing) over ``capacity`` slots, plus
     a dense all-channel lane of ``dense_tokens`` slots (the sinks + window; no ``valid`` mask when ``dead_row`` is
-    false).  ``length`` bounds every lane's slots."""
+    false).  ``rank``: also a low-rank lane over the last and the first kv head (keys as coordinates in a random
+    orthonormal ``[head_dim, rank]`` basis per head, which the lane carries).  ``length`` bounds every lane's slots.
+    Arguments: the query, then per lane field (heads, channels, k, v, valid, basis) one entry per lane, the length."""
     from .leank import grouped_partial_attention
 
     gen = _gen(seed, device)
     if counts is None:
         mix = (0, 16, 32, 48)
         counts = tuple(mix[i % len(mix)] * head_dim // 64 for i in range(kv_heads))
-    heads, channels, ks, vs, valids = [], [], [], [], []
+    heads, channels, ks, vs, valids, bases = [], [], [], [], [], []
     for c in sorted(set(counts) - {0}, reverse=True):
         hs = [h for h, n in enumerate(counts) if n == c]
         heads.append(torch.tensor(hs, device=gen.device))
@@ -237,31 +239,48 @@ def lanes_case(batch: int = 2, kv_heads: int = 4, rows: int = 3, head_dim: int =
         ks.append((torch.randn(batch, len(hs), capacity, c, generator=gen, device=gen.device) * 1.3).to(dtype))
         vs.append(torch.randn(batch, len(hs), capacity, head_dim, generator=gen, device=gen.device).to(dtype))
         valids.append(_valid(batch, capacity, gen, dead_row))
+        bases.append(None)
+    if rank:
+        hs = sorted({kv_heads - 1, 0}, reverse=True)
+        heads.append(torch.tensor(hs, device=gen.device))
+        channels.append(None)
+        gauss = torch.randn(len(hs), head_dim, head_dim, generator=gen, device=gen.device)
+        bases.append(torch.linalg.qr(gauss.cpu())[0][..., :rank].contiguous().to(gauss.device).to(dtype))
+        ks.append((torch.randn(batch, len(hs), capacity, rank, generator=gen, device=gen.device) * 1.3).to(dtype))
+        vs.append(torch.randn(batch, len(hs), capacity, head_dim, generator=gen, device=gen.device).to(dtype))
+        valids.append(_valid(batch, capacity, gen, dead_row))
     if dense_tokens:
         heads.append(None)
         channels.append(None)
         ks.append(torch.randn(batch, kv_heads, dense_tokens, head_dim, generator=gen, device=gen.device).to(dtype))
         vs.append(torch.randn(batch, kv_heads, dense_tokens, head_dim, generator=gen, device=gen.device).to(dtype))
         valids.append(_valid(batch, dense_tokens, gen, dead_row) if dead_row else None)
+        bases.append(None)
     q = torch.randn(batch, kv_heads, rows, head_dim, generator=gen, device=gen.device).to(dtype)
     mv = (lambda x: None if x is None else x.to(device))
     n = len(ks)
-    flat = [mv(x) for x in (*heads, *channels, *ks, *vs, *valids)]
+    flat = [mv(x) for x in (*heads, *channels, *ks, *vs, *valids, *bases)]
     args = (q.to(device), *flat, _length(live, device))
     scale = head_dim ** -0.5
 
     def fn(impl: str):
         def f(q, *rest):
-            parts, length = rest[:-1], rest[-1]
-            lanes = [tuple(parts[j * n + i] for j in range(5)) for i in range(n)]
-            return grouped_partial_attention(q, lanes, scale, impl=impl, length=length, softcap=softcap)
+            return grouped_partial_attention(q, lanes_of(rest[:-1]), scale, impl=impl, length=rest[-1],
+                                             softcap=softcap)
         return f
 
-    facts = dict(head_dim=head_dim, v_dim=head_dim, kept=tuple(sorted(set(counts) - {0})), dtype=dtype)
-    static = tuple(1 + 2 * n + i for i in range(3 * n))  # k, v, valid of every lane
-    return OpCase(f"lanes-b{batch}-h{kv_heads}-m{rows}-d{head_dim}-t{capacity}-lanes{n}-live{live}{_cap(softcap)}",
-                  "lanes_partial",
-                  args, fn, facts, static=static)
+    kept = tuple(sorted(set(counts) - {0}))
+    facts = dict(head_dim=head_dim, v_dim=head_dim, kept=kept, dtype=dtype)
+    static = tuple(1 + 2 * n + i for i in range(4 * n))  # k, v, valid and basis of every lane
+    return OpCase(f"lanes-b{batch}-h{kv_heads}-m{rows}-d{head_dim}-t{capacity}-lanes{n}-live{live}"
+                  f"{f'-r{rank}' if rank else ''}{_cap(softcap)}", "lanes_partial", args, fn, facts, static=static)
+
+
+def lanes_of(parts) -> list[tuple]:
+    """The lanes ``(heads, channels, k, v, valid, basis)`` of a :func:`lanes_case`'s arguments between the query and
+    the length (one entry per lane for each field, field after field)."""
+    n = len(parts) // 6
+    return [tuple(parts[j * n + i] for j in range(6)) for i in range(n)]
 
 
 # ----------------------------------------------------------------------------- KIVI lanes (LeanK + KIVI stacked)
@@ -428,6 +447,7 @@ def small_cases(device="cpu", softcap: float | None = None) -> list[OpCase]:
         paged_case(live=None, page=32, rows=1, head_dim=64, v_dim=32, device=device, seed=6, **cap),
         lanes_case(device=device, **cap),
         lanes_case(live=None, dead_row=False, kv_heads=3, rows=1, device=device, seed=7, **cap),
+        lanes_case(kv_heads=3, rows=4, capacity=61, live=45, rank=16, device=device, seed=13, **cap),
         kivi_lanes_case(device=device, **cap),
         kivi_lanes_case(bits=4, group=16, kv_heads=3, rows=1, head_dim=128, capacity=80, live=None, dead_row=False,
                         device=device, seed=11, **cap),

@@ -254,8 +254,8 @@ def _kivi_buffer_partial_cuda(query, k_codes, k_scale, k_zero, v_codes, v_scale,
         region = _kivi_partial_cuda(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits,
                                     group, scale, k_per_token, softcap, "triton")
         if query.dtype == buffer_k.dtype:  # (the lanes kernel reads the query in the keys' dtype)
-            buffer = _lanes_partial_cuda(query, [None], [None], [buffer_k], [buffer_v], [buffer_valid], buffer_length,
-                                         scale, softcap, "triton")
+            buffer = _lanes_partial_cuda(query, [None], [None], [buffer_k], [buffer_v], [buffer_valid], [None],
+                                         buffer_length, scale, softcap, "triton")
         else:
             buffer = kivi_ref.buffer_attention_partial(query, buffer_k, buffer_v, buffer_valid, buffer_length, scale,
                                                        softcap=softcap)
@@ -642,33 +642,35 @@ def paged_attention(query: Tensor, k_pages: Tensor, v_pages: Tensor, page_valid:
 # ----------------------------------------------------------------------------- LeanK lanes
 
 
-def _lanes(heads, channels, k, v, valid) -> list:
+def _lanes(heads, channels, k, v, valid, bases) -> list:
     n = len(k)
-    if not (len(heads) == len(channels) == len(v) == len(valid) == n) or n == 0:
-        raise ValueError(f"kvcompress::lanes_partial: one entry per lane in heads / channels / k / v / valid, got "
-                         f"{[len(heads), len(channels), len(k), len(v), len(valid)]}")
-    return [leank_ref.Lane(*lane) for lane in zip(heads, channels, k, v, valid)]
+    if not (len(heads) == len(channels) == len(v) == len(valid) == len(bases) == n) or n == 0:
+        raise ValueError(f"kvcompress::lanes_partial: one entry per lane in heads / channels / k / v / valid / bases, "
+                         f"got {[len(heads), len(channels), len(k), len(v), len(valid), len(bases)]}")
+    return [leank_ref.Lane(*lane) for lane in zip(heads, channels, k, v, valid, bases)]
 
 
 @torch.library.custom_op("kvcompress::lanes_partial", mutates_args=(), device_types="cpu")
 def lanes_partial(query: Tensor, heads: list[Optional[Tensor]], channels: list[Optional[Tensor]], k: list[Tensor],
-                  v: list[Tensor], valid: list[Optional[Tensor]], length: Optional[Tensor], scale: float,
-                  softcap: float = 0.0, impl: str = "reference") -> tuple[Tensor, Tensor]:
+                  v: list[Tensor], valid: list[Optional[Tensor]], bases: list[Optional[Tensor]],
+                  length: Optional[Tensor], scale: float, softcap: float = 0.0,
+                  impl: str = "reference") -> tuple[Tensor, Tensor]:
     """Attention of ``query [B, Hkv, M, D]`` over LeanK lanes, given as parallel lists (lane ``i`` =
-    ``(heads[i], channels[i], k[i], v[i], valid[i])``, see :mod:`kvcompress.kernels.leank.reference`):
+    ``(heads[i], channels[i], k[i], v[i], valid[i], bases[i])``, see :mod:`kvcompress.kernels.leank.reference`;
+    a lane with a basis holds low-rank coordinates and projects the query itself):
     ``(out [B, Hkv, M, Dv] fp32, lse [B, Hkv, M] fp32)``.  ``length`` bounds every lane's token axis.  CPU: the
     reference."""
     _check_impl("lanes_partial", impl)
     _check_length("lanes_partial", length)
-    lanes = _lanes(heads, channels, k, v, valid)
+    lanes = _lanes(heads, channels, k, v, valid, bases)
     return _fresh(*leank_ref.grouped_partial_attention(query, lanes, scale, length=length, softcap=softcap))
 
 
 @lanes_partial.register_kernel("cuda")
-def _lanes_partial_cuda(query, heads, channels, k, v, valid, length, scale, softcap=0.0, impl="reference"):
+def _lanes_partial_cuda(query, heads, channels, k, v, valid, bases, length, scale, softcap=0.0, impl="reference"):
     _check_impl("lanes_partial", impl)
     _check_length("lanes_partial", length)
-    lanes = _lanes(heads, channels, k, v, valid)
+    lanes = _lanes(heads, channels, k, v, valid, bases)
     if impl == "triton":
         from .leank import triton_kernel
 
@@ -678,22 +680,23 @@ def _lanes_partial_cuda(query, heads, channels, k, v, valid, length, scale, soft
 
 
 @lanes_partial.register_fake
-def _lanes_partial_fake(query, heads, channels, k, v, valid, length, scale, softcap=0.0, impl="reference"):
+def _lanes_partial_fake(query, heads, channels, k, v, valid, bases, length, scale, softcap=0.0, impl="reference"):
     return _empty_partial(query, v[0].shape[-1])
 
 
 def lanes_attention(query: Tensor, lanes: Sequence, scale: float, *, impl: str, length: Optional[Tensor] = None,
                     softcap: Optional[float] = None) -> tuple[Tensor, Tensor]:
-    """``kvcompress::lanes_partial`` over ``lanes`` (tuples ``(heads, channels, k, v[, valid])``)."""
+    """``kvcompress::lanes_partial`` over ``lanes`` (tuples ``(heads, channels, k, v[, valid[, basis]]])``)."""
     return _OPS["lanes_partial"](*_lanes_args(query, lanes, scale, length, softcap), impl)
 
 
 def _lanes_args(query: Tensor, lanes: Sequence, scale: float, length: Optional[Tensor],
                 softcap: Optional[float]) -> tuple:
-    """The lanes ops' arguments (all but ``impl``) for lanes ``(heads, channels, k, v[, valid])``."""
+    """The lanes ops' arguments (all but ``impl``) for lanes ``(heads, channels, k, v[, valid[, basis]])``."""
     lanes = [leank_ref.Lane(*lane) for lane in lanes]
     return (query, [ln.heads for ln in lanes], [ln.channels for ln in lanes], [ln.k for ln in lanes],
-            [ln.v for ln in lanes], [ln.valid for ln in lanes], length, float(scale), float(softcap or 0.0))
+            [ln.v for ln in lanes], [ln.valid for ln in lanes], [ln.basis for ln in lanes], length, float(scale),
+            float(softcap or 0.0))
 
 
 def _lane_shapes(query: Tensor, k) -> list:
@@ -704,24 +707,26 @@ def _lane_shapes(query: Tensor, k) -> list:
 
 @torch.library.custom_op("kvcompress::lanes_partial_scored", mutates_args=(), device_types="cpu")
 def lanes_partial_scored(query: Tensor, heads: list[Optional[Tensor]], channels: list[Optional[Tensor]],
-                         k: list[Tensor], v: list[Tensor], valid: list[Optional[Tensor]], length: Optional[Tensor],
-                         scale: float, softcap: float = 0.0, impl: str = "reference") -> tuple[Tensor, Tensor, Tensor]:
+                         k: list[Tensor], v: list[Tensor], valid: list[Optional[Tensor]],
+                         bases: list[Optional[Tensor]], length: Optional[Tensor], scale: float, softcap: float = 0.0,
+                         impl: str = "reference") -> tuple[Tensor, Tensor, Tensor]:
     """``kvcompress::lanes_partial`` that also returns what it scored: ``(out, lse, logits)``, ``logits`` flat float32,
     lane ``i``'s ``[B, h_i, M, T_i]`` scores one after the other (:func:`split_lane_logits`; natural-log units,
     ``-inf`` on slots not attended; :func:`kvcompress.kernels.leank.reference.grouped_partial_scored`).  CPU: the
     reference."""
     _check_impl("lanes_partial_scored", impl)
     _check_length("lanes_partial_scored", length)
-    lanes = _lanes(heads, channels, k, v, valid)
+    lanes = _lanes(heads, channels, k, v, valid, bases)
     out, lse, logits = leank_ref.grouped_partial_scored(query, lanes, scale, length=length, softcap=softcap)
     return _fresh(out, lse, _flatten(logits))
 
 
 @lanes_partial_scored.register_kernel("cuda")
-def _lanes_partial_scored_cuda(query, heads, channels, k, v, valid, length, scale, softcap=0.0, impl="reference"):
+def _lanes_partial_scored_cuda(query, heads, channels, k, v, valid, bases, length, scale, softcap=0.0,
+                               impl="reference"):
     _check_impl("lanes_partial_scored", impl)
     _check_length("lanes_partial_scored", length)
-    lanes = _lanes(heads, channels, k, v, valid)
+    lanes = _lanes(heads, channels, k, v, valid, bases)
     if impl == "triton":
         from .leank import triton_kernel
 
@@ -735,7 +740,8 @@ def _lanes_partial_scored_cuda(query, heads, channels, k, v, valid, length, scal
 
 
 @lanes_partial_scored.register_fake
-def _lanes_partial_scored_fake(query, heads, channels, k, v, valid, length, scale, softcap=0.0, impl="reference"):
+def _lanes_partial_scored_fake(query, heads, channels, k, v, valid, bases, length, scale, softcap=0.0,
+                               impl="reference"):
     n = sum(b * h * m * t for b, h, m, t in _lane_shapes(query, k))
     return (*_empty_partial(query, v[0].shape[-1]), query.new_empty((n,), dtype=torch.float32))
 

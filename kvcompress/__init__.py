@@ -22,7 +22,7 @@ from .hookspecs import hookimpl
 from .observe import Observation
 from .registry import CompressorSpec
 from .scoring import ScoreConfig, ScoreEvictor
-from .state import KVBlock, LayerInfo, Layout, MiddleStore, Segment, TokenSelection
+from .state import HeadGroup, KVBlock, LayerInfo, Layout, LinearQueryMap, MiddleStore, Segment, TokenSelection
 from .stack import Stack, load_stack, parse_stack
 
 __version__ = "0.1.0"
@@ -45,7 +45,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "Cache", "Compressor", "CompressorSpec", "ConfigError", "GraphStep", "KVBlock", "KVCompressError", "LayerInfo",
-    "Layout", "MiddleStore", "Observation", "PluginError", "ScoreConfig", "ScoreEvictor", "Segment", "Stack", "TokenSelection", "UnsupportedModelError",
+    "Cache", "Compressor", "CompressorSpec", "ConfigError", "GraphStep", "HeadGroup", "KVBlock", "KVCompressError",
+    "LayerInfo", "Layout", "LinearQueryMap", "MiddleStore", "Observation", "PluginError", "ScoreConfig", "ScoreEvictor",
+    "Segment", "Stack", "TokenSelection", "UnsupportedModelError",
     "UnsupportedOperationError", "compress", "hookimpl", "load_stack", "param", "parse_stack",
 ]

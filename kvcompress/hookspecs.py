@@ -297,6 +297,10 @@ class CacheCompressor:
         Called on every surviving block, in place of channel pruning (the two
         are exclusive on the same keys).  Return a block whose head groups store
         coordinates and whose query map projects the query into the same basis.
+        Give a linear projection as a :class:`kvcompress.LinearQueryMap`
+        (``LinearQueryMap.of(basis, dtype)``, made once per layer, not per block):
+        the decode read kernels then project the query themselves; any other
+        callable works too, applied by PyTorch before the read.
 
         Args:
             layer: the layer.

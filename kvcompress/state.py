@@ -159,7 +159,8 @@ class HeadGroup:
         k: ``[batch, h, tokens, kept]`` keys on the kept channels (or coordinates, for low-rank).
         v: ``[batch, h, tokens, v_dim]`` values.
         channels: ``[h, kept]`` key channels each head keeps (``None`` = all, unmapped).
-        qmap: custom query map (e.g. a projection); overrides ``channels`` when given.
+        qmap: custom query map (e.g. a projection, best as a :class:`LinearQueryMap`, which the read kernels apply
+            themselves); overrides ``channels`` when given.
         vmap: output map when ``v`` holds value coordinates (``[batch, h, n, v_dim] -> [..., head_dim]``).
         every_head: ``heads`` lists every kv head of the layer, in order (known on the host when the group is
             made): its segments are read as covering all heads (``Segment.heads`` ``None``), which spares the
@@ -196,6 +197,40 @@ class HeadGroup:
         channels = self.channels if self.qmap is None else None
         heads = None if self.every_head else self.heads
         return dataclasses.replace(seg, heads=heads, qmap=self.query_map(), channels=channels, vmap=self.vmap)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LinearQueryMap:
+    """A query map that is a linear projection per kv head: ``q -> q @ basis[h]`` (low-rank keys).
+
+    A :class:`HeadGroup` whose keys are coordinates in a basis (``k U``) gives this as its ``qmap`` instead of a
+    plain function.  It is still a query map (callable, the reference and every observer call it), and the read
+    kernels that recognise it apply it themselves: the grouped lanes kernel multiplies the query by ``weight``
+    inside its programs, so a decode read makes no projection, cast or concatenation launches of its own.
+
+    Attributes:
+        basis: ``[h, head_dim, r]`` float32, one matrix per head of the group, in the group's head order.
+        weight: ``basis`` in the dtype of the stored coordinates, contiguous - what kernels multiply by (made once,
+            with the map: :meth:`of`).
+    """
+
+    basis: torch.Tensor
+    weight: torch.Tensor
+
+    @classmethod
+    def of(cls, basis: torch.Tensor, dtype: torch.dtype) -> "LinearQueryMap":
+        """The map of ``basis`` (``[h, head_dim, r]``) for coordinates stored in ``dtype``."""
+        basis = basis.float().contiguous()
+        return cls(basis, basis if dtype == torch.float32 else basis.to(dtype).contiguous())
+
+    @property
+    def rank(self) -> int:
+        return self.basis.shape[-1]
+
+    def __call__(self, q: torch.Tensor) -> torch.Tensor:
+        """``[batch, h, group, q_len, head_dim]`` -> ``[..., r]`` in ``q``'s dtype (the product in float32)."""
+        out = torch.einsum("bhgqd,hdr->bhgqr", q.float(), self.basis)
+        return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
 @dataclasses.dataclass

@@ -41,7 +41,7 @@ import os
 
 import torch
 
-from kvcompress import Compressor, CompressorSpec, Layout, hookimpl, param
+from kvcompress import Compressor, CompressorSpec, Layout, LinearQueryMap, hookimpl, param
 from kvcompress.errors import ConfigError
 from kvcompress.kernels.attention.reference import to_float32
 from kvcompress.state import HeadGroup
@@ -120,17 +120,16 @@ class LowRankCompressor(Compressor):
         self.load(layer.model_config, layer)  # fail at cache build, not at the first flush
         return Layout(sinks=self.config.sinks or None, recent=self.config.recent, flush=self.config.flush)
 
-    def _plan(self, layer, device) -> list[tuple]:
-        """Per group: (heads, U, U_v, query map q -> q U, output map o -> o U_v^T) on ``device``, built once."""
+    def _plan(self, layer, device, dtype) -> list[tuple]:
+        """Per group: (heads, U, U_v, query map q -> q U, output map o -> o U_v^T) on ``device``, built once (the
+        query map a :class:`kvcompress.LinearQueryMap` for coordinates stored in ``dtype``: the read kernels
+        project the query themselves)."""
         plan = layer.state.get("lowrank")
         if plan is None:
             plan = []
             for heads, basis, v_basis in self.groups[layer.info.index]:
                 heads, basis = heads.to(device), basis.to(device)
-
-                def project(q: torch.Tensor, basis: torch.Tensor = basis) -> torch.Tensor:
-                    return _like(torch.einsum("bhgqd,hdr->bhgqr", to_float32(q), basis), q)
-
+                project = LinearQueryMap.of(basis, dtype)
                 unproject = None
                 if v_basis is not None:
                     v_basis = v_basis.to(device)
@@ -145,7 +144,7 @@ class LowRankCompressor(Compressor):
     @hookimpl
     def kvcompress_lowrank_transform(self, layer, block):
         groups = []
-        for heads, basis, v_basis, project, unproject in self._plan(layer, block.k.device):
+        for heads, basis, v_basis, project, unproject in self._plan(layer, block.k.device, block.k.dtype):
             k = torch.einsum("bhtd,hdr->bhtr", block.k.index_select(1, heads).float(), basis).to(block.k.dtype)
             v = block.v.index_select(1, heads)
             if v_basis is not None:

@@ -125,7 +125,7 @@ def _masked(case):
                     page_valid[table[b, w].long()] &= slots < live
         args[3] = page_valid
     else:
-        n = (len(args) - 2) // 5
+        n = (len(args) - 2) // 6
         for i in range(n):
             k = args[1 + 2 * n + i]
             b, _, t, _ = k.shape
@@ -155,7 +155,7 @@ def _poisoned(case):
                     args[1][table[b, w].long(), :, first:] = nan
                     args[2][table[b, w].long(), :, first:] = nan
     else:
-        n = (len(args) - 2) // 5
+        n = (len(args) - 2) // 6
         for i in range(n):
             args[1 + 2 * n + i][:, :, live:] = nan
             args[1 + 3 * n + i][:, :, live:] = nan
@@ -265,8 +265,9 @@ def test_dispatchers_without_impl_keep_their_per_call_behaviour():
         elif case.op == "paged_partial":
             got = paged.paged_attention_partial(*a[:5], a[0].shape[-1] ** -0.5, length=a[5])
         elif case.op == "lanes_partial":
-            n = (len(a) - 2) // 5
-            lanes = [tuple(a[1 + j * n + i] for j in range(5)) for i in range(n)]
+            from kvcompress.kernels.opcases import lanes_of
+
+            lanes = lanes_of(a[1:-1])
             got = leank.grouped_partial_attention(a[0], lanes, a[0].shape[-1] ** -0.5, length=a[-1])
         elif case.op == "kivi_lanes_partial":
             from kvcompress.kernels.kivi.lanes_reference import KiviLane, PackedLanes

@@ -58,6 +58,16 @@ CASES = {
     "one-lane-every-head-one-split": (2, 4, 4, 32, 32, [(None, None, 45, True)], {"splits": 1}),
     "one-lane-every-head-one-split-all-invalid": (1, 2, 4, 32, 32, [(None, None, 20, True)],
                                                   {"splits": 1, "all_invalid": True}),
+    # low-rank lanes (a "proj" count r: keys are coordinates in a per-head [D, r] basis, the kernel projects the query
+    # by it): beside a dense and a channel lane; every head at d 64 in three splits; fp32 (IEEE products); a per-head
+    # validity; one split of one projecting lane of every head (no merge)
+    "lowrank-beside-dense-and-channels": (2, 3, 3, 32, 32, [(None, None, 20, False), ([0, 2], ("proj", 16), 45, True),
+                                                            ([1], 16, 30, True)], {}),
+    "lowrank-every-head-d64-splits3": (1, 2, 4, 64, 64, [(None, ("proj", 32), 70, True), (None, None, 12, False)],
+                                       {"splits": 3}),
+    "lowrank-fp32": (1, 2, 4, 32, 32, [([1], ("proj", 16), 33, True), (None, None, 9, False)], {"dtype": "float32"}),
+    "lowrank-per-head-valid": (2, 2, 2, 32, 32, [(None, ("proj", 16), 29, "head")], {}),
+    "lowrank-one-lane-one-split": (2, 2, 4, 32, 32, [(None, ("proj", 24), 31, True)], {"splits": 1}),
 }
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3
 
@@ -72,9 +82,13 @@ def make_case(name: str, device: str = "cpu"):
     lanes = []
     for heads, count, t, has_valid in spec:
         h = hkv if heads is None else len(heads)
+        basis = None
+        if isinstance(count, tuple):  # ("proj", r): a random orthonormal [D, r] basis per head, no channel list
+            count = count[1]
+            basis = torch.linalg.qr(torch.randn(h, d, d, generator=gen))[0][..., :count].contiguous()
         c = d if count is None else count
-        channels = None if count is None else torch.stack([torch.randperm(d, generator=gen)[:c].sort().values
-                                                          for _ in range(h)])
+        channels = None if count is None or basis is not None else torch.stack(
+            [torch.randperm(d, generator=gen)[:c].sort().values for _ in range(h)])
         k = torch.randn(b, h, t, c, generator=gen) * 1.3
         v = torch.randn(b, h, t, dv, generator=gen)
         valid = None
@@ -96,22 +110,27 @@ def make_case(name: str, device: str = "cpu"):
                 valid = torch.zeros(*valid.shape[:-1], t + 4, dtype=torch.bool)[..., 1:1 + t].copy_(valid)
         lanes.append(Lane(None if heads is None else torch.tensor(heads, device=device),
                           None if channels is None else channels.to(device), k.to(dtype).to(device),
-                          v.to(dtype).to(device), None if valid is None else valid.to(device)))
+                          v.to(dtype).to(device), None if valid is None else valid.to(device),
+                          None if basis is None else basis.to(dtype).to(device)))
     return q.to(dtype).to(device), lanes
 
 
 def oracle(query, lanes, scale):
-    """Independent float64 oracle: full-width keys with pruned channels zeroed, one joint softmax per head."""
+    """Independent float64 oracle: full-width keys with pruned channels zeroed (low-rank coordinates mapped back to
+    the head dimension, ``c U^T``), one joint softmax per head."""
     b, hkv, m, d = query.shape
     q = query.double()
     scores = [[[] for _ in range(hkv)] for _ in range(b)]
     values = [[[] for _ in range(hkv)] for _ in range(b)]
-    for heads, channels, k, v, valid in lanes:
+    for heads, channels, k, v, valid, basis in lanes:
         hs = list(range(hkv)) if heads is None else heads.tolist()
         for i, hd in enumerate(hs):
             kf = torch.zeros(b, k.shape[2], d, dtype=torch.float64)
-            idx = torch.arange(d) if channels is None else channels[i].cpu()
-            kf[:, :, idx] = k[:, i].double().cpu()
+            if basis is not None:
+                kf = k[:, i].double().cpu() @ basis[i].double().cpu().T
+            else:
+                idx = torch.arange(d) if channels is None else channels[i].cpu()
+                kf[:, :, idx] = k[:, i].double().cpu()
             for bb in range(b):
                 s = (q[bb, hd].cpu() @ kf[bb].T) * scale  # [m, t]
                 if valid is not None:
@@ -248,7 +267,8 @@ def test_reference_matches_independent_oracle(name):
 
     q, lanes = make_case(name)
     q = q.float()
-    lanes = [lane._replace(k=lane.k.float(), v=lane.v.float()) for lane in lanes]
+    lanes = [lane._replace(k=lane.k.float(), v=lane.v.float(), basis=None if lane.basis is None else lane.basis.float())
+             for lane in lanes]
     out, lse = grouped_partial_attention_reference(q, lanes, q.shape[-1] ** -0.5)
     ref_out, ref_lse = oracle(q, lanes, q.shape[-1] ** -0.5)
     res = _compare(out, lse, ref_out, ref_lse)
@@ -384,6 +404,64 @@ def test_split_merges_compile_for_sm90_without_a_gpu(kernel):
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert ".entry" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 1000
+
+
+def test_lanes_kernel_compiles_for_sm90_without_a_gpu():
+    """The lanes kernel with a projecting (low-rank) lane beside a dense one, and with a channel lane (as LeanK reads)
+    in its place, built with Triton's real pipeline for an sm_90 target, specialised as a launch specialises it
+    (16-byte aligned pointers and strides): in both the token loop is software-pipelined (asynchronous copies of both
+    lanes' K and V tiles), nothing spills, and the in-kernel projection leaves as many programs resident per SM as the
+    gather (Triton 3.6, the GPU image's: 168 registers each; 3.9: 168 against 132, 3 programs per SM either way)."""
+    triton = pytest.importorskip("triton")
+    import re
+    import shutil
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvcompress.kernels.leank import triton_kernel
+
+    nl = 2
+    strides = ("SKB", "SKH", "SKT", "SVB", "SVH", "SVT", "SVAB", "SVAH", "SCH", "SUH", "SUD")
+    sig = {"Q": "*fp16", "sq_b": "i32", "sq_h": "i32", "sq_m": "i32", "KS": ("*fp16",) * nl, "VS": ("*fp16",) * nl,
+           "VAS": ("*u8",) * nl, "CHS": ("*i64",) * nl, "HDS": ("*i64",) * nl, "US": ("*fp16",) * nl}
+    sig.update({name: ("i32",) * nl for name in strides + ("TS", "NHS", "CS", "ROW0")})
+    sig.update({"PO": "*fp32", "PL": "*fp32", "LENGTH": "*i64", "qk_scale": "fp32", "M": "i32", "R": "i32",
+                "RLO": "i32", "RN": "i32", "NBATCH": "i32", "cap": "fp32", "LGS": ("*fp32",) * nl, "DQ": "i32"})
+    names = list(sig) + ["HAS_VALID", "HAS_CHAN", "HAS_HEADS", "PROJ", "DKP", "NL", "DV", "DVP", "BLOCK_M", "BN",
+                         "IEEE", "HAS_LENGTH", "SOFTCAP", "LOGITS", "DQP"]
+    aligned = [["tt.divisibility", 16]]
+    attrs = {}
+    for name, ty in sig.items():
+        i = names.index(name)
+        if isinstance(ty, tuple):
+            attrs.update({(i, j): aligned for j, t in enumerate(ty) if t.startswith("*") or name in strides})
+        elif ty.startswith("*") or name in ("sq_b", "sq_h", "sq_m", "DQ"):
+            attrs[(i,)] = aligned
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    regs = {}
+    for proj in (True, False):
+        consts = {"HAS_VALID": (True, True), "HAS_CHAN": (not proj, False), "HAS_HEADS": (False, False),
+                  "PROJ": (proj, False), "DKP": (64, 128), "NL": nl, "DV": 128, "DVP": 128, "BLOCK_M": 16, "BN": 64,
+                  "IEEE": False, "HAS_LENGTH": True, "SOFTCAP": False, "LOGITS": False, "DQP": 128}
+        src = ASTSource(fn=triton_kernel._lanes_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
+                        attrs=attrs, constexprs={(names.index(k),): v for k, v in consts.items()})
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
+        assert ".entry" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 1000
+        assert compiled.asm["ttgir"].count("async_copy_global_to_local") == 8  # K, V of 2 lanes, 2 copies each
+        if tool.is_file() and shutil.which(str(tool)):
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(compiled.asm["cubin"])
+                f.flush()
+                usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+            found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
+            assert found, usage
+            regs[proj] = int(found.group(1))
+            assert found.group(2) == found.group(3) == "0", usage  # no spills
+    if regs:  # resident 4-warp programs per SM that the registers allow (65536 per SM, allocated 8 at a time)
+        per_sm = {proj: 65536 // (-(-n // 8) * 8 * 128) for proj, n in regs.items()}
+        assert per_sm[True] >= per_sm[False], regs
 
 
 # ----------------------------------------------------------------------------- TileLang (code generation only)

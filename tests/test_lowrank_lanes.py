@@ -1,5 +1,6 @@
 """Low-rank lanes in the grouped lanes kernel: the decode read of a projecting segment (``qmap`` = ``q U``, no
-``channels``) through the fused kernel, with the projected query appended to the query as extra columns.
+``channels``) through the fused kernel - a :class:`kvcompress.LinearQueryMap` (the built-in plugin's map) projected by
+the kernel itself, any other map's projected query appended to the query as extra columns.
 
 The Triton cases (the fused branch of ``attend_segments``, ``fused=True``) run in ONE worker subprocess under
 ``TRITON_INTERPRET=1`` (``tests/interpreter.py``) and are compared with today's PyTorch partial path
@@ -38,6 +39,10 @@ CASES = {
     # 128 + 96 + 32 fits 256 columns, the third lane (16 more) does not: it stays with the PyTorch partial
     "d128-width-overflow": (1, 2, 4, 128, [([0], 96, 19), ([1], 32, 27), ([0, 1], 16, 21)], {"overflow": 1}),
 }
+# the same reads with the built-in plugin's query map, a LinearQueryMap: the kernel projects the query in its programs
+# (the query keeps its d columns, so no lane overflows the width)
+CASES.update({f"{name}-linear": (*case[:-1], {**{k: v for k, v in case[-1].items() if k != "overflow"}, "linear": True})
+              for name, case in list(CASES.items())})
 ATOL, RTOL = 3e-3, 1e-2  # fp16: the kernel rounds the scaled query to fp16 (like every lane it reads)
 ATOL32 = 2e-5  # fp32: IEEE products in the interpreter
 
@@ -53,7 +58,7 @@ def _project(basis: torch.Tensor):
 def make_case(name: str, device: str = "cpu"):
     """``(query [b, hq, 1, d], segments, q_positions, scale, softcap, sink_logits)``: sinks with a left-padded row,
     the low-rank lanes (odd token counts, random validity), a window and the new token."""
-    from kvcompress.state import HeadGroup, Segment
+    from kvcompress.state import HeadGroup, LinearQueryMap, Segment
 
     b, hkv, group, d, spec, extra = CASES[name]
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
@@ -79,7 +84,8 @@ def make_case(name: str, device: str = "cpu"):
             valid[0] = False  # a row with no valid token in this lane
         seg = Segment(coords, t(b, h, tokens, d), valid.to(device), torch.arange(first, first + tokens,
                                                                                   device=device))
-        segs.append(HeadGroup(torch.tensor(heads, device=device), None, None, qmap=_project(basis)).attach(seg))
+        qmap = LinearQueryMap.of(basis, dtype) if extra.get("linear") else _project(basis)
+        segs.append(HeadGroup(torch.tensor(heads, device=device), None, None, qmap=qmap).attach(seg))
         first += tokens
     window_valid = torch.rand(b, n_window, generator=gen) > 0.1
     segs.append(Segment(t(b, hkv, n_window, d), t(b, hkv, n_window, d), window_valid.to(device),
@@ -191,13 +197,18 @@ def _recording_backend(graphs: list):
 
 
 def _f32(name: str):
+    from kvcompress.state import LinearQueryMap
+
     query, segs, q_pos, scale, softcap, sink_logits = make_case(name)
     for seg in segs:
         seg.k, seg.v = seg.k.float(), seg.v.float()
+        if isinstance(seg.qmap, LinearQueryMap):  # the map of coordinates stored in fp32
+            seg.qmap = LinearQueryMap.of(seg.qmap.basis, torch.float32)
     return query.float(), segs, q_pos, scale, softcap, sink_logits
 
 
-@pytest.mark.parametrize("name", ["d128-r32-two-lanes", "d64-r32-softcap-sinks", "d128-width-overflow"])
+@pytest.mark.parametrize("name", ["d128-r32-two-lanes", "d64-r32-softcap-sinks", "d128-width-overflow",
+                                  "d128-r32-two-lanes-linear", "d128-width-overflow-linear"])
 def test_compiled_decode_read_puts_lowrank_lanes_in_the_lanes_op(name):
     """With the build-time implementation ``triton`` (what a static cache on CUDA chooses), the decode read is one
     graph (fullgraph, aot_eager) holding ONE ``kvcompress::lanes_partial`` call over the sinks, every low-rank
@@ -221,6 +232,8 @@ def test_compiled_decode_read_puts_lowrank_lanes_in_the_lanes_op(name):
     assert len(lanes) == 1
     n_lanes = len(lanes[0].args[3])  # the op's list of K tensors: one per lane
     assert n_lanes == 3 + len(spec) - overflow  # sinks, window, new token + the low-rank lanes that fit
+    bases = lanes[0].args[6]
+    assert sum(x is not None for x in bases) == (len(spec) if extra.get("linear") else 0)
     assert sum("logsumexp" in str(n.target) for n in calls) == overflow
     with _Count() as count:
         eager = read(query)
@@ -267,6 +280,44 @@ def test_projected_query_fills_appended_columns_of_the_lanes_heads_only():
         others = [h for h in range(hkv) if h not in heads]
         assert (ext[:, others, :, col:col + rank] == 0).all()
         col += rank
+
+
+def test_linear_query_map_passes_its_basis_and_the_models_query():
+    """With a :class:`kvcompress.LinearQueryMap` the lanes op receives the model's query unchanged (``d`` columns),
+    and each low-rank lane its map's ``weight`` as its basis and no channel list: no projection, cast or
+    concatenation runs outside the op.  The compiled read's graph holds no matrix product, einsum or cat."""
+    from kvcompress.kernels.attention import attend_segments
+
+    query, segs, q_pos, scale, softcap, sink_logits = make_case("d128-r32-two-lanes-linear")
+    seen = {}
+
+    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is LANES_OP:
+                seen.update(query=args[0], heads=args[1], channels=args[2], k=args[3], bases=args[6])
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        attend_segments(query, segs, q_pos, scale, impls={"lanes_partial": "triton"})
+    b, hkv, group, d, spec, _ = CASES["d128-r32-two-lanes-linear"]
+    assert seen["query"].shape == (b, hkv, group, d)
+    assert torch.equal(seen["query"], query.view(b, hkv, group, d))
+    assert len(seen["bases"]) == len(segs)
+    for i, seg in enumerate(segs):
+        if 1 <= i <= len(spec):
+            assert seen["bases"][i] is seg.qmap.weight and seen["channels"][i] is None
+            assert seen["k"][i] is seg.k
+        else:
+            assert seen["bases"][i] is None
+
+    def read(q):
+        return attend_segments(q, segs, q_pos, scale, impls={"lanes_partial": "triton"})
+
+    torch._dynamo.reset()
+    graphs: list = []
+    torch.compile(read, fullgraph=True, backend=_recording_backend(graphs))(query)
+    names = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert not [n for n in names if any(w in n for w in ("einsum", "matmul", "bmm", "cat"))], names
 
 
 def test_lanes_with_value_basis_or_reference_impl_keep_the_pytorch_partial():

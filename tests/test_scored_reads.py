@@ -31,27 +31,29 @@ NEG = float("-inf")
 # ----------------------------------------------------------------------------- inputs and oracles
 
 
-def lanes_inputs(dtype=torch.float16, live=52, softcap=None, seed=2, capacity=77, kv_heads=4, rows=3):
+def lanes_inputs(dtype=torch.float16, live=52, softcap=None, seed=2, capacity=77, kv_heads=4, rows=3, rank=None):
     """``(query, lanes, scale, length)`` of :func:`kvcompress.kernels.opcases.lanes_case` (one lane per kept count,
-    a dense lane of 23 slots, masked slots, a dead row)."""
-    from kvcompress.kernels.opcases import lanes_case
+    a dense lane of 23 slots, masked slots, a dead row; ``rank``: a low-rank lane too)."""
+    from kvcompress.kernels.opcases import lanes_case, lanes_of
 
     case = lanes_case(dtype=dtype, live=live, softcap=softcap, seed=seed, capacity=capacity, kv_heads=kv_heads,
-                      rows=rows)
+                      rows=rows, rank=rank)
     q, rest = case.args[0], case.args[1:]
     parts, length = rest[:-1], rest[-1]
-    n = len(parts) // 5
-    lanes = [tuple(parts[j * n + i] for j in range(5)) for i in range(n)]
+    lanes = lanes_of(parts)
     return q, lanes, q.shape[-1] ** -0.5, length
 
 
 def lanes_oracle(q, lanes, scale, length, softcap=None):
-    """float64 scores per lane ``[B, h, M, T]``: the lane's heads and kept channels of the query times its keys."""
+    """float64 scores per lane ``[B, h, M, T]``: the lane's heads and kept channels of the query times its keys (a
+    low-rank lane: the query times its coordinates mapped back to the head dimension, ``c U^T``)."""
     out = []
-    for heads, channels, k, v, valid in lanes:
+    for heads, channels, k, v, valid, basis in lanes:
         qs = q.double() if heads is None else q.double().index_select(1, heads)
         if channels is not None:
             qs = torch.stack([qs[:, i][..., channels[i]] for i in range(channels.shape[0])], 1)
+        if basis is not None:
+            k = torch.einsum("bhtr,hdr->bhtd", k.double(), basis.double())
         s = torch.einsum("bhmc,bhtc->bhmt", qs, k.double()) * scale
         if softcap:
             s = softcap * torch.tanh(s / softcap)
@@ -136,12 +138,13 @@ def same_partial(got, ref, atol=1e-5) -> str:
 # ----------------------------------------------------------------------------- references (CPU)
 
 
+@pytest.mark.parametrize("rank", [None, 16], ids=["channels", "lowrank"])
 @pytest.mark.parametrize("softcap", [None, 0.7], ids=["plain", "softcap"])
 @pytest.mark.parametrize("live", [52, None], ids=["live52", "full"])
-def test_lanes_scored_reference(live, softcap):
+def test_lanes_scored_reference(live, softcap, rank):
     from kvcompress.kernels.leank import reference as ref
 
-    q, lanes, scale, length = lanes_inputs(dtype=torch.float32, live=live, softcap=softcap)
+    q, lanes, scale, length = lanes_inputs(dtype=torch.float32, live=live, softcap=softcap, rank=rank)
     out, lse, logits = ref.grouped_partial_scored(q, lanes, scale, length=length, softcap=softcap)
     assert same_partial((out, lse), ref.grouped_partial_attention(q, lanes, scale, length=length,
                                                                   softcap=softcap)) == ""
@@ -204,7 +207,7 @@ def test_scored_ops_opcheck():
     ln = [tuple(x) for x in lanes]
     torch.library.opcheck(ops._OPS["lanes_partial_scored"],
                           (q, [x[0] for x in ln], [x[1] for x in ln], [x[2] for x in ln], [x[3] for x in ln],
-                           [x[4] for x in ln], length, scale, 0.0, "reference"))
+                           [x[4] for x in ln], [x[5] for x in ln], length, scale, 0.0, "reference"))
     qk, p, sk = kivi_inputs()
     torch.library.opcheck(ops._OPS["kivi_partial_scored"],
                           (qk, p.k_codes, p.k_scale, p.k_zero, p.v_codes, p.v_scale, p.v_zero, p.valid, p.length,
@@ -238,9 +241,9 @@ def _interpreter_cases() -> dict:
     from kvcompress.kernels.leank import triton_kernel as leank_triton
     from test_kivi_lanes import make_region
 
-    def lanes(dtype, live, softcap, splits):
+    def lanes(dtype, live, softcap, splits, rank=None):
         def go():
-            q, ln, scale, length = lanes_inputs(dtype=dtype, live=live, softcap=softcap)
+            q, ln, scale, length = lanes_inputs(dtype=dtype, live=live, softcap=softcap, rank=rank)
             out, lse, ref = leank_ref.grouped_partial_scored(q, ln, scale, length=length, softcap=softcap)
             logits = _fill([(q.shape[0], lane[2].shape[1], q.shape[2], lane[2].shape[2]) for lane in ln])
             got = leank_triton.grouped_partial_attention(q, ln, scale, length=length, softcap=softcap,
@@ -285,10 +288,11 @@ def _interpreter_cases() -> dict:
         """The scored ops' CUDA implementations (what a CUDA layer runs) on CPU tensors with ``impl="triton"``."""
         res = {}
         q, ln, scale, length = lanes_inputs(live=40)
-        heads, channels, k, v, valid = (list(x) for x in zip(*ln))
-        o, l, flat = ops.CUDA_IMPLS["lanes_partial_scored"](q, heads, channels, k, v, valid, length, scale, 0.0,
-                                                              "triton")
-        ro, rl, rflat = ops.lanes_partial_scored(q, heads, channels, k, v, valid, length, scale, 0.0, "reference")
+        heads, channels, k, v, valid, bases = (list(x) for x in zip(*ln))
+        o, l, flat = ops.CUDA_IMPLS["lanes_partial_scored"](q, heads, channels, k, v, valid, bases, length, scale,
+                                                              0.0, "triton")
+        ro, rl, rflat = ops.lanes_partial_scored(q, heads, channels, k, v, valid, bases, length, scale, 0.0,
+                                                 "reference")
         res["lanes"] = same_partial((o, l), (ro, rl), atol=3e-3) or same_scores(flat, rflat, 1e-2, 1e-2)
         qk, p, sk = kivi_inputs()
         args = (qk, p.k_codes, p.k_scale, p.k_zero, p.v_codes, p.v_scale, p.v_zero, p.valid, p.length, p.bits,
@@ -330,6 +334,8 @@ def _interpreter_cases() -> dict:
         "lanes-fp32-live52-splits3": lanes(torch.float32, 52, None, 3),
         "lanes-fp16-full-softcap-splits2": lanes(torch.float16, None, 0.8, 2),
         "lanes-fp16-live40-splits1": lanes(torch.float16, 40, None, 1),
+        "lanes-fp16-lowrank-live52-splits2": lanes(torch.float16, 52, None, 2, rank=16),
+        "lanes-fp32-lowrank-softcap-splits3": lanes(torch.float32, None, 0.8, 3, rank=16),
         "kivi2-g32": kivi(2, 32, None, None),
         "kivi4-g16-notrans-softcap": kivi(4, 16, {"TRANS": False}, 1.1),
         "kivi-lanes-trans": kivi_lanes(None),
@@ -338,8 +344,9 @@ def _interpreter_cases() -> dict:
     }
 
 
-INTERPRETER_CASES = ["attend-fused", "attend-fused-softcap", "lanes-fp32-live52-splits3", "lanes-fp16-full-softcap-splits2", "lanes-fp16-live40-splits1",
-                     "kivi2-g32", "kivi4-g16-notrans-softcap", "kivi-lanes-trans", "kivi-lanes-notrans", "glue"]
+INTERPRETER_CASES = ["attend-fused", "attend-fused-softcap", "lanes-fp32-live52-splits3", "lanes-fp16-full-softcap-splits2",
+                     "lanes-fp16-live40-splits1", "lanes-fp16-lowrank-live52-splits2",
+                     "lanes-fp32-lowrank-softcap-splits3", "kivi2-g32", "kivi4-g16-notrans-softcap", "kivi-lanes-trans", "kivi-lanes-notrans", "glue"]
 
 
 @pytest.fixture(scope="module")

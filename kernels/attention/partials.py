@@ -10,11 +10,12 @@ On CUDA, for a single query position (decode: every stored token precedes the
 query, so only ``valid`` masks keys), every full-precision segment without a
 read-time selection - sinks, window, new tokens, LeanK lanes (``Segment.channels``:
 the query is gathered to each head's kept channels) and low-rank lanes (a projecting
-``qmap``: the projected query ``q U`` is appended to the query as extra columns and the
-lane's channels point at them, :func:`_split_lanes`) - is read by ONE launch of the
-grouped split-KV kernel (:mod:`kvcompress.kernels.leank`), when its capability check
-accepts them (query width up to 256 columns; low-rank lanes that do not fit, and lanes
-with an output map ``vmap``, take the PyTorch partial).  CPU behaviour is the reference
+``qmap``: a :class:`~kvcompress.state.LinearQueryMap` is applied by the kernel itself, ``q U``
+inside each program; any other map's projected query is appended to the query as extra
+columns and the lane's channels point at them, :func:`_split_lanes`) - is read by ONE launch
+of the grouped split-KV kernel (:mod:`kvcompress.kernels.leank`), when its capability check
+accepts them (query width up to 256 columns; appended low-rank lanes that do not fit, and
+lanes with an output map ``vmap``, take the PyTorch partial).  CPU behaviour is the reference
 path below, unchanged.
 
 Attention variants (see :mod:`.reference`): ``softcap`` goes to every partial (each kernel caps its own
@@ -29,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from kvcompress.state import Segment, TokenSelection
+from kvcompress.state import LinearQueryMap, Segment, TokenSelection
 
 from .reference import merge_partials, merged_lse, partial_attention, partial_scored, segment_mask, sink_rows
 
@@ -63,10 +64,13 @@ def _lane_of(seg: Segment):
 
 
 def _split_lanes(q5: torch.Tensor, segments: Sequence[Segment], max_width: int):
-    """``(query [B, Hkv, M, D + R], lanes, their segments, the other segments)`` for one grouped launch.
+    """``(query [B, Hkv, M, D (+ R)], lanes, their segments, the other segments)`` for one grouped launch.
 
-    Channel-gather and dense segments are lanes over the model's query.  A projecting segment (low-rank keys,
-    ``qmap`` without ``channels``) becomes a lane too: its projected query ``qmap(q)`` (``[B, h, M, r]``, on its
+    Channel-gather and dense segments are lanes over the model's query.  A projecting segment whose map is a
+    :class:`~kvcompress.state.LinearQueryMap` (the built-in low-rank keys) is a lane over the model's query too, with
+    the map's ``weight`` as the lane's basis: the kernel projects the query rows itself (no projection, cast or
+    concatenation launches).  Any other projecting segment (``qmap`` without ``channels``, e.g. a plugin's own
+    function) becomes a lane over an extended query: its projected query ``qmap(q)`` (``[B, h, M, r]``, on its
     heads' rows, zeros on the others) is appended to the query as ``r`` more columns and the lane's channels
     point at them, so the kernel's channel gather reads ``q U`` against the stored coordinates (the other lanes
     then name their channels too: dense ones the first ``D`` columns).  Projecting segments are taken in order
@@ -80,6 +84,11 @@ def _split_lanes(q5: torch.Tensor, segments: Sequence[Segment], max_width: int):
     width = d
     for seg in segments:
         lane = _lane_of(seg)
+        if lane is None and _projects(seg) and isinstance(seg.qmap, LinearQueryMap):
+            w = seg.qmap.weight
+            h = seg.k.shape[1]
+            if w.dtype == seg.k.dtype and tuple(w.shape) == (h, d, seg.k.shape[-1]):
+                lane = (seg.heads, None, seg.k, seg.v, seg.valid, w)  # the kernel projects the query itself
         if lane is None and _projects(seg) and width + seg.k.shape[-1] <= max_width:
             h, r = seg.k.shape[1], seg.k.shape[-1]
             qs = seg.qmap(q5 if seg.heads is None else q5.index_select(1, seg.heads))
@@ -102,8 +111,8 @@ def _split_lanes(q5: torch.Tensor, segments: Sequence[Segment], max_width: int):
         query = torch.cat([query, *extra], dim=-1)
         # a lane without channels reads the whole query; over the extended query it names its d columns instead
         model_columns = torch.arange(d, device=query.device).view(1, d)
-        lanes = [lane if lane[1] is not None else (lane[0], model_columns.expand(lane[2].shape[1], d), *lane[2:])
-                 for lane in lanes]
+        lanes = [lane if lane[1] is not None or len(lane) > 5 else
+                 (lane[0], model_columns.expand(lane[2].shape[1], d), *lane[2:]) for lane in lanes]
     return query, lanes, lane_segments, rest
 
 

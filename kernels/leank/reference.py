@@ -8,14 +8,17 @@ gathered to the lane's kept channels; the softmax scale stays the full head's
 middle V): their rows get ``lse = -inf`` and a zero output here and are served by
 the full-precision sinks and local window, merged by log-sum-exp.
 
-A lane is ``(heads, channels, k, v, valid)`` (:class:`Lane`):
+A lane is ``(heads, channels, k, v, valid, basis)`` (:class:`Lane`):
 
 * ``heads`` - LongTensor ``[h]``: the kv heads the lane holds (``None`` = every head, in order);
 * ``channels`` - LongTensor ``[h, c]``: the key channels each of those heads kept
   (``None`` = all ``D`` channels, i.e. an unpruned dense region such as the sinks or the window);
 * ``k`` ``[B, h, T, c]`` and ``v`` ``[B, h, T, Dv]``;
 * ``valid`` - bool ``[B, T]`` (``None`` = every slot valid), or ``[B, h, T]``: a per-head validity (a middle
-  store under adaptive per-head budgets, where each head of a row keeps its own tokens).
+  store under adaptive per-head budgets, where each head of a row keeps its own tokens);
+* ``basis`` - ``[h, D, c]`` (``None`` = no projection): the lane's keys are coordinates in a per-head basis (low-rank
+  keys, :class:`kvcompress.LinearQueryMap`'s ``weight``), and each head's query rows are projected, ``q @ basis[h]``
+  (the product in float32, rounded to the query's dtype), instead of gathered; ``channels`` is then ``None``.
 
 Every stored token precedes the query (decode), so only ``valid`` masks keys.
 A head that appears in several lanes gets the joint softmax over all of them.
@@ -35,11 +38,17 @@ class Lane(NamedTuple):
     k: torch.Tensor
     v: torch.Tensor
     valid: torch.Tensor | None = None
+    basis: torch.Tensor | None = None
 
 
-def gather_query(query: torch.Tensor, heads: torch.Tensor | None, channels: torch.Tensor | None) -> torch.Tensor:
-    """``query [B, Hkv, M, D]`` -> the lane's rows ``[B, h, M, c]`` (its heads, its kept channels)."""
+def gather_query(query: torch.Tensor, heads: torch.Tensor | None, channels: torch.Tensor | None,
+                 basis: torch.Tensor | None = None) -> torch.Tensor:
+    """``query [B, Hkv, M, D]`` -> the lane's rows ``[B, h, M, c]`` (its heads, its kept channels, or its projected
+    coordinates when the lane has a ``basis``)."""
     q = query if heads is None else query.index_select(1, heads)
+    if basis is not None:
+        out = torch.einsum("bhmd,hdr->bhmr", q.float(), basis.float())
+        return out if out.dtype == q.dtype else out.to(q.dtype)
     if channels is None:
         return q
     h, c = channels.shape
@@ -65,8 +74,8 @@ def lane_logits(query: torch.Tensor, lane: Lane, scale: float, softcap: float | 
     """The scaled (soft-capped) scores ``[B, h, M, T]`` float32 of one lane's heads, ``-inf`` on invalid slots."""
     from kvcompress.kernels.attention.reference import soft_cap
 
-    heads, channels, k, v, valid = lane
-    q = gather_query(query, heads, channels).float()
+    heads, channels, k, v, valid, basis = Lane(*lane)
+    q = gather_query(query, heads, channels, basis).float()
     s = soft_cap(torch.einsum("bhmd,bhtd->bhmt", q, k.float()) * scale, softcap)
     if valid is not None:
         s = s.masked_fill(~(valid[:, :, None, :] if valid.dim() == 3 else valid[:, None, None, :]), float("-inf"))
@@ -111,7 +120,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     Args:
         query: ``[B, Hkv, M, D]`` - the ``M = group * q_len`` query rows that share each kv head,
             over the full head dimension (each lane gathers its kept channels itself).
-        lanes: ``(heads, channels, k, v, valid)`` per lane (see the module docstring); at least one.
+        lanes: ``(heads, channels, k, v, valid[, basis])`` per lane (see the module docstring); at least one.
         scale: softmax scale of the full head (``1/sqrt(D)``), also for pruned keys.
         length: optional 0-dim int tensor: every lane's token slots at or after it are treated as invalid
             (the kernel does not read them).

@@ -123,13 +123,13 @@ def _num_sms(device: torch.device) -> int:
 def lane_partial(query: torch.Tensor, lane: Lane, scale: float, *, splits: int | None = None, block_n: int = 64,
                  threads: int = 128, num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, h, M, Dv], lse [B, h, M])`` of one lane (float32), split-KV in TileLang, splits merged here."""
-    heads, channels, k, v, valid = lane
+    heads, channels, k, v, valid, basis = Lane(*lane)
     if k.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError("the TileLang kernel takes fp16 / bf16 K and V")
     if valid is not None and valid.dim() == 3:
         raise ValueError("the TileLang kernel takes a row-level valid [B, T]; a per-head validity [B, h, T] "
                          "(adaptive per-head budgets) is read by the Triton kernel or the reference")
-    q = gather_query(query, heads, channels).to(k.dtype).contiguous()
+    q = gather_query(query, heads, channels, basis).to(k.dtype).contiguous()
     k, v = k.contiguous(), v.contiguous()
     b, h, t, c = k.shape
     m, dv = q.shape[2], v.shape[-1]

@@ -68,22 +68,36 @@ MAX_DIM = 256
 
 @triton.jit
 def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_off, C, start, end, qk_scale, M, pid_m,
-            cap, LG, lg_off, slg_m, HAS_CHAN: tl.constexpr, HAS_VALID: tl.constexpr, DKP: tl.constexpr,
-            DV: tl.constexpr, DVP: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
-            SOFTCAP: tl.constexpr, LOGITS: tl.constexpr):
+            cap, LG, lg_off, slg_m, U, u_off, su_d, DQ, HAS_CHAN: tl.constexpr, HAS_VALID: tl.constexpr,
+            DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
+            IEEE: tl.constexpr, SOFTCAP: tl.constexpr, LOGITS: tl.constexpr, PROJ: tl.constexpr, DQP: tl.constexpr):
     """Flash-decoding over tokens ``[start, end)`` of one head of one lane: ``(acc, m, l)`` (base 2).  ``LOGITS``:
     also store every score it computed (natural-log units, ``-inf`` where masked) at ``LG + lg_off + row * slg_m +
-    token``."""
+    token``.  ``PROJ``: the keys are coordinates in a basis, and the query rows (``DQ`` columns) are projected
+    by the head's ``[DQ, C]`` basis at ``U + u_off`` (row stride ``su_d``) instead of gathered."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_c = tl.arange(0, DKP)
     c_ok = offs_c < C
-    if HAS_CHAN:
-        ch = tl.load(CH + ch_off + offs_c, mask=c_ok, other=0)
+    if PROJ:  # q U on tensor cores (rows padded to 16), fp32 accumulation, then scaled and rounded once
+        offs_q = tl.arange(0, DQP)
+        dq_ok = offs_q < DQ
+        qf = tl.load(Q + q_off + offs_m[:, None] * sq_m + offs_q[None, :], mask=m_ok[:, None] & dq_ok[None, :],
+                     other=0.0)
+        u = tl.load(U + u_off + offs_q[:, None] * su_d + offs_c[None, :], mask=dq_ok[:, None] & c_ok[None, :],
+                    other=0.0)
+        if IEEE:
+            qp = tl.dot(qf.to(tl.float32), u.to(tl.float32), input_precision="ieee")
+        else:
+            qp = tl.dot(qf.to(u.dtype), u)
+        q = (qp * qk_scale).to(K.dtype.element_ty)
     else:
-        ch = offs_c
-    q = tl.load(Q + q_off + offs_m[:, None] * sq_m + ch[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0)
-    q = (q.to(tl.float32) * qk_scale).to(K.dtype.element_ty)
+        if HAS_CHAN:
+            ch = tl.load(CH + ch_off + offs_c, mask=c_ok, other=0)
+        else:
+            ch = offs_c
+        q = tl.load(Q + q_off + offs_m[:, None] * sq_m + ch[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0)
+        q = (q.to(tl.float32) * qk_scale).to(K.dtype.element_ty)
     offs_d = tl.arange(0, DVP)
     d_ok = offs_d < DV
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -125,19 +139,20 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
 @triton.jit(do_not_specialize=["TS", "NHS", "CS", "ROW0", "M", "R", "RLO", "RN", "NBATCH"])
 def _lanes_kernel(
     Q, sq_b, sq_h, sq_m,
-    KS, VS, VAS, CHS, HDS,
-    SKB, SKH, SKT, SVB, SVH, SVT, SVAB, SVAH, SCH, TS, NHS, CS, ROW0,
-    PO, PL, LENGTH, qk_scale, M, R, RLO, RN, NBATCH, cap, LGS,
-    HAS_VALID: tl.constexpr, HAS_CHAN: tl.constexpr, HAS_HEADS: tl.constexpr, DKP: tl.constexpr,
+    KS, VS, VAS, CHS, HDS, US,
+    SKB, SKH, SKT, SVB, SVH, SVT, SVAB, SVAH, SCH, SUH, SUD, TS, NHS, CS, ROW0,
+    PO, PL, LENGTH, qk_scale, M, R, RLO, RN, NBATCH, cap, LGS, DQ,
+    HAS_VALID: tl.constexpr, HAS_CHAN: tl.constexpr, HAS_HEADS: tl.constexpr, PROJ: tl.constexpr, DKP: tl.constexpr,
     NL: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
-    IEEE: tl.constexpr, HAS_LENGTH: tl.constexpr, SOFTCAP: tl.constexpr, LOGITS: tl.constexpr,
+    IEEE: tl.constexpr, HAS_LENGTH: tl.constexpr, SOFTCAP: tl.constexpr, LOGITS: tl.constexpr, DQP: tl.constexpr,
 ):
     """One (split, batch * lane row, row block): the partial of one head of one lane over one token range.
 
     ``HAS_LENGTH``: every lane's token slots at or after ``*LENGTH`` are dead (not read); the splits stay sized
     for the lanes' capacity, so a split beyond the live length writes an empty partial at once.  ``LOGITS``: the
     scores are also stored, lane ``i``'s in ``LGS[i]`` (contiguous ``[B, h_i, M, T_i]``; slots not read keep what
-    the caller put there)."""
+    the caller put there).  ``PROJ[i]``: lane ``i`` projects the query by its heads' bases ``US[i]`` (``[h_i, DQ,
+    C_i]``, strides ``SUH[i]`` / ``SUD[i]``)."""
     pid_s = tl.program_id(0)
     pid_br = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -165,8 +180,8 @@ def _lanes_kernel(
                 Q, b64 * sq_b + head * sq_h, sq_m, CHS[i], j64 * SCH[i], KS[i], b64 * SKB[i] + j64 * SKH[i], SKT[i],
                 VS[i], b64 * SVB[i] + j64 * SVH[i], SVT[i], VAS[i], b64 * SVAB[i] + j64 * SVAH[i], CS[i], start, end,
                 qk_scale, M,
-                pid_m, cap, LGS[i], (b64 * NHS[i] + j64) * M * TS[i], TS[i], HAS_CHAN[i], HAS_VALID[i], DKP[i], DV,
-                DVP, BLOCK_M, BN, IEEE, SOFTCAP, LOGITS)
+                pid_m, cap, LGS[i], (b64 * NHS[i] + j64) * M * TS[i], TS[i], US[i], j64 * SUH[i], SUD[i], DQ,
+                HAS_CHAN[i], HAS_VALID[i], DKP[i], DV, DVP, BLOCK_M, BN, IEEE, SOFTCAP, LOGITS, PROJ[i], DQP)
             l_ok = l_i > 0.0
             out = acc / tl.where(l_ok, l_i, 1.0)[:, None]
             lse = tl.where(l_ok, (m_i + tl.log2(tl.where(l_ok, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -373,7 +388,7 @@ def supports(query: torch.Tensor, lanes: Sequence[Lane | tuple]) -> bool:
     if dtype not in (torch.float16, torch.bfloat16, torch.float32) or dv > MAX_DIM:
         return False
     b, hkv, m, d = query.shape
-    for heads, channels, k, v, valid in lanes:
+    for heads, channels, k, v, valid, basis in lanes:
         if k.dtype != dtype or v.dtype != dtype or v.shape[-1] != dv or k.dim() != 4 or v.dim() != 4:
             return False
         if k.shape[0] != b or v.shape[:3] != k.shape[:3] or k.shape[-1] > MAX_DIM:
@@ -381,11 +396,15 @@ def supports(query: torch.Tensor, lanes: Sequence[Lane | tuple]) -> bool:
         h = hkv if heads is None else heads.shape[0]
         if k.shape[1] != h:
             return False
-        c = d if channels is None else channels.shape[-1]
-        if k.shape[-1] != c or (channels is not None and channels.shape[0] != h):
-            return False
-        if channels is None and c != d:
-            return False
+        if basis is not None:  # projected coordinates: a [h, D, c] basis in the keys' dtype, no channel list
+            if channels is not None or basis.dtype != dtype or tuple(basis.shape) != (h, d, k.shape[-1]):
+                return False
+        else:
+            c = d if channels is None else channels.shape[-1]
+            if k.shape[-1] != c or (channels is not None and channels.shape[0] != h):
+                return False
+            if channels is None and c != d:
+                return False
         if valid is not None and tuple(valid.shape) not in ((b, k.shape[2]), (b, h, k.shape[2])):
             return False
     return True
@@ -401,12 +420,12 @@ def _canonical_slots(rows: list[dict], d: int, iota: torch.Tensor) -> list[dict]
     on ``d`` alone, not on which kept counts a layer happens to have: a LeanK model compiles the
     kernel once instead of once per distinct layer layout (16 layouts on SmolLM2 at 50%).  Empty slots hold no rows and are never read.  Rows are returned
     unchanged when they do not fit the scheme (counts not multiples of ``SLOT``, two lanes of
-    one count, more slots than :data:`MAX_LANES`, or mixed valid-mask presence).
+    one count, more slots than :data:`MAX_LANES`, mixed valid-mask presence, or a projecting lane).
     """
     n_slots = -(-d // SLOT)
     counts = [r["c"] for r in rows]
     if (n_slots > MAX_LANES or any(c % SLOT for c in counts) or len(set(counts)) != len(counts)
-            or len({r["has_valid"] for r in rows}) != 1):
+            or len({r["has_valid"] for r in rows}) != 1 or any(r["proj"] for r in rows)):
         return rows
     by_count = {r["c"]: r for r in rows}
     ref = rows[0]
@@ -415,8 +434,8 @@ def _canonical_slots(rows: list[dict], d: int, iota: torch.Tensor) -> list[dict]
         c = i * SLOT
         r = by_count.get(c)
         if r is None:  # empty slot: zero heads, never indexed
-            r = dict(k=ref["k"], v=ref["v"], va=ref["va"], ch=iota[:1], hd=iota[:1], h=0, t=0, c=c,
-                     has_valid=ref["has_valid"], has_chan=True, has_heads=True, empty=True)
+            r = dict(k=ref["k"], v=ref["v"], va=ref["va"], ch=iota[:1], hd=iota[:1], u=ref["k"], h=0, t=0, c=c,
+                     has_valid=ref["has_valid"], has_chan=True, has_heads=True, proj=False, empty=True)
         else:
             r = dict(r)
             if not r["has_heads"]:
@@ -444,9 +463,11 @@ def _lane_rows(lanes: Sequence[Lane], d: int, dev: torch.device, canonical: bool
             if canonical else None)
     rows = []  # per lane: tensors and strides
     r0 = 0
-    for heads, channels, k, v, valid in lanes:
+    for heads, channels, k, v, valid, basis in lanes:
         k, v = _last_contiguous(k), _last_contiguous(v)
         dummy = iota[:1] if canonical else k
+        if basis is not None:
+            basis = _last_contiguous(basis)
         h, t, c = k.shape[1], k.shape[2], k.shape[3]
         if valid is not None:
             valid = valid if valid.stride(-1) == 1 else valid.contiguous()
@@ -454,8 +475,9 @@ def _lane_rows(lanes: Sequence[Lane], d: int, dev: torch.device, canonical: bool
         if channels is not None:
             channels = _last_contiguous(channels)
         rows.append(dict(k=k, v=v, va=valid if valid is not None else dummy, ch=channels if channels is not None
-                         else dummy, hd=heads if heads is not None else dummy, h=h, t=t, c=c, r0=r0,
-                         has_valid=valid is not None, has_chan=channels is not None, has_heads=heads is not None))
+                         else dummy, hd=heads if heads is not None else dummy, u=basis if basis is not None else k,
+                         h=h, t=t, c=c, r0=r0, has_valid=valid is not None, has_chan=channels is not None,
+                         has_heads=heads is not None, proj=basis is not None))
         r0 += h
     return _canonical_slots(rows, d, iota) if canonical else rows
 
@@ -465,7 +487,7 @@ def launch_layout(lanes: Sequence[Lane | tuple], d: int, canonical: bool = True)
     equal layouts share one compiled kernel."""
     lanes = [Lane(*lane) for lane in lanes]
     rows = _lane_rows(lanes, d, lanes[0].k.device, canonical)
-    return tuple((max(16, _pow2(r["c"])), r["has_valid"], r["has_chan"], r["has_heads"]) for r in rows)
+    return tuple((max(16, _pow2(r["c"])), r["has_valid"], r["has_chan"], r["has_heads"], r["proj"]) for r in rows)
 
 
 def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple], scale: float, *,
@@ -515,7 +537,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     block_m = min(64, max(16, _pow2(m)))
     m_blocks = triton.cdiv(m, block_m)
     bn = cfg["BN"]
-    # the rule's head dimension is the values' (a low-rank lane appends its projected query: d = head_dim + r)
+    # the rule's head dimension is the values' (a low-rank lane over an extended query has d = head_dim + r)
     work = counts_work(cfg, dv)
     waves, stages = _launch_shape(cfg, b, hkv, dv, all(r["c"] == d for r in rows), work)
     if splits is None:
@@ -535,20 +557,22 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
 
         _lanes_kernel[(splits, b * n_chunk, m_blocks)](
             q, q.stride(0), q.stride(1), q.stride(2),
-            tup("k"), tup("v"), tup("va"), tup("ch"), tup("hd"),
+            tup("k"), tup("v"), tup("va"), tup("ch"), tup("hd"), tup("u"),
             tuple(_stride(r, "k", 0) for r in chunk), tuple(_stride(r, "k", 1) for r in chunk),
             tuple(_stride(r, "k", 2) for r in chunk), tuple(_stride(r, "v", 0) for r in chunk),
             tuple(_stride(r, "v", 1) for r in chunk), tuple(_stride(r, "v", 2) for r in chunk),
             tuple(_stride(r, "va", 0) if r["has_valid"] else 0 for r in chunk),
             tuple(_stride(r, "va", 1) if r["has_valid"] and r["va"].dim() == 3 else 0 for r in chunk),
             tuple(_stride(r, "ch", 0) if r["has_chan"] else 0 for r in chunk),
+            tuple(_stride(r, "u", 0) if r["proj"] else 0 for r in chunk),
+            tuple(_stride(r, "u", 1) if r["proj"] else 0 for r in chunk),
             tup("t"), tup("h"), tup("c"), tup("r0"),
             po, pl, length if length is not None else pl, float(scale) * LOG2E, m, n_rows, chunk[0]["r0"], n_chunk, b,
-            cap_base2(softcap), tup("lg"),
-            HAS_VALID=tup("has_valid"), HAS_CHAN=tup("has_chan"), HAS_HEADS=tup("has_heads"),
+            cap_base2(softcap), tup("lg"), d,
+            HAS_VALID=tup("has_valid"), HAS_CHAN=tup("has_chan"), HAS_HEADS=tup("has_heads"), PROJ=tup("proj"),
             DKP=tuple(max(16, _pow2(r["c"])) for r in chunk), NL=len(chunk), DV=dv, DVP=max(16, _pow2(dv)),
             BLOCK_M=block_m, BN=bn, IEEE=ieee, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
-            LOGITS=logits is not None,
+            LOGITS=logits is not None, DQP=max(16, _pow2(d)),
             num_warps=cfg["num_warps"],
             num_stages=stages,
         )
