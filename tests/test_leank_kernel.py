@@ -381,6 +381,26 @@ def test_split_count_counts_short_lanes_by_their_work():
     assert tk.split_count(cfg, 1, [(2, 10)], 1, 2, 0) == 1  # fewer tokens than one BN block
 
 
+def test_resident_split_count_fills_whole_waves_of_long_programs():
+    """``split_rows: "resident"``: splits give whole waves of the long lanes' programs (a wave: the programs the GPU
+    holds at a time), rounded down; a short lane (< half the longest) does not count.  Checked against the arithmetic
+    of an H200 (132 SMs) holding 3 lanes-kernel programs per SM (168 registers x 128 threads), not against the code."""
+    from kvcompress.kernels.leank import triton_kernel as tk
+
+    cfg = tk._config()
+    slots = 3 * 132
+    lanes = [(8, 1024), (8, 32256)]  # Llama heads: the buffer lane, the low-rank middle lane
+    assert tk.resident_split_count(cfg, 16, lanes, 1, slots) == 3  # 3 x 16 x 8 = 384 long programs <= 396
+    assert tk.split_count(cfg, 16, lanes, 1, 2, 132) == 2  # the default's count: 256 long programs
+    assert tk.resident_split_count(cfg, 16, lanes, 1, slots, waves=2) == 6
+    assert tk.resident_split_count(cfg, 1, lanes, 1, slots) == 49  # 396 // 8
+    assert tk.resident_split_count(cfg, 64, lanes, 1, slots) == 1  # 512 rows: one split, more than a wave already
+    assert tk.resident_split_count(cfg, 1, [(3, 1000)], 1, slots) == 4  # the floor: ceil(1000 / 256) splits
+    assert tk.resident_split_count(cfg, 1, [(4, 20000), (4, 12000)], 2, slots) == 24  # both long: 396 // (8 x 2)
+    assert tk.resident_split_count(cfg, 1, [(2, 10)], 1, slots) == 1  # fewer tokens than one BN block
+    assert tk.resident_split_count(cfg, 1, [(2, 0)], 1, slots) == 1
+
+
 @pytest.mark.parametrize("kernel", ["_combine_kernel", "_combine_splits_kernel"])
 def test_split_merges_compile_for_sm90_without_a_gpu(kernel):
     """The interpreter accepts what the compiler may not (loop-carried scalar types, tuple arguments): build both split
@@ -498,6 +518,25 @@ def test_tilelang_lowers_for_sm90a_without_a_gpu():
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_on_gpu(name):
     _check(run_case(name, "cuda"), name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["dense-plus-lanes-gqa3", "lowrank-beside-dense-and-channels",
+                                  "per-head-lanes-own-lengths"])
+def test_resident_split_rule_on_gpu(name):
+    """``split_rows: "resident"`` (splits from the compiled kernel's residency) gives the reference's result, and
+    counts a plausible number of programs per SM."""
+    from kvcompress.kernels.leank import reference, triton_kernel
+
+    q, lanes = make_case(name, "cuda")
+    scale = q.shape[-1] ** -0.5
+    triton_kernel._RESIDENT.clear()
+    out, lse = triton_kernel.grouped_partial_attention(q, lanes, scale, config={"split_rows": "resident"})
+    assert len(triton_kernel._RESIDENT) == 1 and 1 <= next(iter(triton_kernel._RESIDENT.values())) <= 16
+    res = _compare(out, lse, *reference.grouped_partial_attention(q, lanes, scale))
+    res["dtypes"] = [str(out.dtype), str(lse.dtype)]
+    _check(res, name)
 
 
 @pytest.mark.gpu

@@ -78,6 +78,26 @@ def _combine_tiles_kernel(PO, PL, OUT, LSE, S, spo_s, spl_s, DV: tl.constexpr, D
     tl.store(LSE + row, tl.where(t_ok, top + tl.log(tl.where(t_ok, tot, 1.0)), float("-inf")))
 
 
+def resident_programs(kernel, args: tuple, consts: dict, num_warps: int, num_stages: int, device: torch.device,
+                      cache: dict) -> int:
+    """How many programs of ``kernel`` (a ``@triton.jit`` function, launched with ``args`` and the constexprs
+    ``consts``) one SM runs at a time, from the compiled kernel's registers and shared memory: its first use compiles
+    it, ahead of the launch.  Cached in ``cache`` per (device, constexprs, warps, stages): the same compiled function
+    for every call of one configuration.  ``tests/test_paged_kernel.py`` checks it against the CUDA driver's
+    occupancy calculator."""
+    key = (device.index, tuple(sorted(consts.items())), num_warps, num_stages)
+    if key not in cache:
+        compiled = kernel.warmup(*args, grid=(1, 1, 1), num_warps=num_warps, num_stages=num_stages, **consts)
+        compiled._init_handles()
+        props = torch.cuda.get_device_properties(device)
+        warp_regs = -(-max(1, compiled.n_regs) * 32 // 256) * 256  # registers are allocated per warp, 256 at a time
+        by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (warp_regs * num_warps)
+        by_smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // (compiled.metadata.shared + 1024)
+        by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * num_warps)
+        cache[key] = max(1, min(by_regs, by_smem, by_threads, 32))
+    return cache[key]
+
+
 #: the most splits a row's merge folds per step (:func:`_combine_tiles_kernel`)
 COMBINE_TILE_SPLITS = 32
 

@@ -43,7 +43,9 @@ overrides them (``benchmarks/gpu_leank.py`` and ``benchmarks/gpu_lanes_sweep.py`
 to 32 splits per step) or ``"loop"`` (:func:`_combine_kernel`, one program per (batch, head, row block) walking the
 splits one by one; session 16's H200 sweep: 1.1-2.3x slower reads at batch 1, equal elsewhere).  ``split_rows``:
 how the token splits count the rows of programs (:func:`counts_work`, :func:`split_count`): ``"auto"`` (default since
-session 19: by each lane's work under head dim 128, per lane at 128 and above), ``"work"`` or ``"lanes"``.
+session 19: by each lane's work under head dim 128, per lane at 128 and above), ``"work"`` or ``"lanes"``; or
+``"resident"`` (opt-in, not yet timed: :func:`resident_split_count`, whole waves of the programs the GPU holds at a
+time, as the paged kernel counts them; ``waves`` then counts those waves, default 1).
 """
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcompress.kernels.attention.triton_shared import cap_base2, fold_splits, soft_cap
+from kvcompress.kernels.attention.triton_shared import cap_base2, fold_splits, resident_programs, soft_cap
 
 from .reference import Lane
 
@@ -363,6 +365,27 @@ def split_count(cfg: dict, b: int, lanes: Sequence[tuple[int, int]], m_blocks: i
     return max(1, min(splits, -(-max(t_max, 1) // bn)))
 
 
+def resident_split_count(cfg: dict, b: int, lanes: Sequence[tuple[int, int]], m_blocks: int, slots: int,
+                         waves: int = 1) -> int:
+    """``split_rows: "resident"``: token splits giving ``waves`` whole waves of the long programs, where a wave is
+    ``slots`` programs (how many the GPU runs at a time: :func:`~kvcompress.kernels.attention.triton_shared.
+    resident_programs` x SMs, from the compiled kernel's registers and shared memory), rounded down - the paged
+    kernel's rule (session 27: one program too many starts a second, nearly empty wave).  Long programs are those of
+    lanes at least half as long as the longest; every lane is split as many ways, so a short lane's programs (the
+    full-precision sinks + window beside a 32k middle) finish early and fill the slots the long ones leave, and are
+    not counted.  Each split keeps at least ``min_split_tokens`` (and ``BN``) tokens of the longest lane."""
+    bn = cfg["BN"]
+    t_max = max((t for _, t in lanes), default=0)
+    if t_max <= 0:
+        return 1
+    long_rows = sum(h for h, t in lanes if 2 * t >= t_max)
+    splits = min(waves * slots // max(1, b * long_rows * m_blocks), -(-t_max // max(bn, cfg["min_split_tokens"])))
+    return max(1, min(splits, -(-t_max // bn)))
+
+
+_RESIDENT: dict = {}  # (device, constexprs, warps, stages) -> programs of the lanes kernel one SM holds at a time
+
+
 def _config() -> dict:
     """Launch defaults (H200, Triton 3.6); ``KVCOMPRESS_LEANK_CONFIG`` (JSON) overrides entries.  ``combine:
     "splits"`` since session 16: at batch 1 the one-split-per-step merge took 15-27 µs of a 40-60 µs read
@@ -538,24 +561,18 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     m_blocks = triton.cdiv(m, block_m)
     bn = cfg["BN"]
     # the rule's head dimension is the values' (a low-rank lane over an extended query has d = head_dim + r)
-    work = counts_work(cfg, dv)
+    resident = cfg.get("split_rows") == "resident"
+    work = resident or counts_work(cfg, dv)
     waves, stages = _launch_shape(cfg, b, hkv, dv, all(r["c"] == d for r in rows), work)
-    if splits is None:
-        sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 0
-        splits = split_count(cfg, b, [(r["h"], r["t"]) for r in rows], m_blocks, waves, sms, work)
-    po = torch.empty(splits, b, n_rows, m, dv, device=dev, dtype=torch.float32)
-    pl = torch.empty(splits, b, n_rows, m, device=dev, dtype=torch.float32)
     ieee = lanes[0].k.dtype == torch.float32
-    for first in range(0, len(rows), MAX_LANES):
-        chunk = rows[first:first + MAX_LANES]
+
+    def launch(chunk, po, pl):
+        """``(arguments, constexprs)`` of the kernel over ``chunk`` (rows of at most MAX_LANES lanes)."""
+        def tup(key):
+            return tuple(r[key] for r in chunk)
+
         n_chunk = sum(r["h"] for r in chunk)
-        if n_chunk == 0:
-            continue
-
-        def tup(key, rs=chunk):
-            return tuple(r[key] for r in rs)
-
-        _lanes_kernel[(splits, b * n_chunk, m_blocks)](
+        args = (
             q, q.stride(0), q.stride(1), q.stride(2),
             tup("k"), tup("v"), tup("va"), tup("ch"), tup("hd"), tup("u"),
             tuple(_stride(r, "k", 0) for r in chunk), tuple(_stride(r, "k", 1) for r in chunk),
@@ -568,14 +585,32 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
             tuple(_stride(r, "u", 1) if r["proj"] else 0 for r in chunk),
             tup("t"), tup("h"), tup("c"), tup("r0"),
             po, pl, length if length is not None else pl, float(scale) * LOG2E, m, n_rows, chunk[0]["r0"], n_chunk, b,
-            cap_base2(softcap), tup("lg"), d,
+            cap_base2(softcap), tup("lg"), d)
+        consts = dict(
             HAS_VALID=tup("has_valid"), HAS_CHAN=tup("has_chan"), HAS_HEADS=tup("has_heads"), PROJ=tup("proj"),
             DKP=tuple(max(16, _pow2(r["c"])) for r in chunk), NL=len(chunk), DV=dv, DVP=max(16, _pow2(dv)),
             BLOCK_M=block_m, BN=bn, IEEE=ieee, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
-            LOGITS=logits is not None, DQP=max(16, _pow2(d)),
-            num_warps=cfg["num_warps"],
-            num_stages=stages,
-        )
+            LOGITS=logits is not None, DQP=max(16, _pow2(d)))
+        return args, consts
+
+    if splits is None:
+        sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 0
+        shapes = [(r["h"], r["t"]) for r in rows]
+        if resident and sms > 0:  # the compiled kernel of the first chunk says how many programs an SM holds
+            args, consts = launch(rows[:MAX_LANES], out, lse)
+            per_sm = resident_programs(_lanes_kernel, args, consts, cfg["num_warps"], stages, dev, _RESIDENT)
+            splits = resident_split_count(cfg, b, shapes, m_blocks, per_sm * sms, int(cfg.get("waves") or 1))
+        else:
+            splits = split_count(cfg, b, shapes, m_blocks, waves, sms, work)
+    po = torch.empty(splits, b, n_rows, m, dv, device=dev, dtype=torch.float32)
+    pl = torch.empty(splits, b, n_rows, m, device=dev, dtype=torch.float32)
+    for first in range(0, len(rows), MAX_LANES):
+        chunk = rows[first:first + MAX_LANES]
+        n_chunk = sum(r["h"] for r in chunk)
+        if n_chunk == 0:
+            continue
+        args, consts = launch(chunk, po, pl)
+        _lanes_kernel[(splits, b * n_chunk, m_blocks)](*args, **consts, num_warps=cfg["num_warps"], num_stages=stages)
 
     if splits == 1 and len(rows) == 1 and not rows[0]["has_heads"] and n_rows == hkv:
         # one split of one lane of every head in order (a short buffer's read): the kernel's partial is already the

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcompress.kernels.attention.triton_shared import cap_base2, combine_splits, soft_cap
+from kvcompress.kernels.attention.triton_shared import cap_base2, combine_splits, resident_programs, soft_cap
 from kvcompress.kernels.attention.triton_shared import num_sms as _num_sms
 from kvcompress.kernels.attention.triton_shared import pow2 as _pow2
 
@@ -157,21 +157,10 @@ _RESIDENT: dict = {}  # (device, constexprs, warps, stages) -> programs of the s
 
 
 def _programs_per_sm(device: torch.device, args: tuple, consts: dict, num_warps: int, num_stages: int) -> int:
-    """How many split programs one SM runs at a time, from the compiled kernel's registers and shared memory (its
-    first use compiles it, ahead of the launch; cached per configuration).  An H200 holds 4 at head dim 128 (112
-    registers x 128 threads; Nsight Compute, session 27)."""
-    key = (device.index, tuple(sorted(consts.items())), num_warps, num_stages)
-    if key not in _RESIDENT:
-        kernel = _paged_split_kernel.warmup(*args, grid=(1, 1, 1), num_warps=num_warps, num_stages=num_stages,
-                                            **consts)
-        kernel._init_handles()
-        props = torch.cuda.get_device_properties(device)
-        warp_regs = -(-max(1, kernel.n_regs) * 32 // 256) * 256  # registers are allocated per warp, 256 at a time
-        by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (warp_regs * num_warps)
-        by_smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // (kernel.metadata.shared + 1024)
-        by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * num_warps)
-        _RESIDENT[key] = max(1, min(by_regs, by_smem, by_threads, 32))
-    return _RESIDENT[key]
+    """How many split programs one SM runs at a time (:func:`~kvcompress.kernels.attention.triton_shared.
+    resident_programs`, cached in :data:`_RESIDENT`).  An H200 holds 4 at head dim 128 (112 registers x 128 threads;
+    Nsight Compute, session 27)."""
+    return resident_programs(_paged_split_kernel, args, consts, num_warps, num_stages, device, _RESIDENT)
 
 
 def split_plan(table_width: int, pages_per_step: int, programs_per_split: int, waves: int, depths: tuple,
