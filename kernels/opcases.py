@@ -333,6 +333,43 @@ def kivi_lanes_case(batch: int = 2, kv_heads: int = 4, rows: int = 3, head_dim: 
                   "kivi_lanes_partial", args, fn, facts, static=static)
 
 
+def kivi_lanes_buffer_case(batch: int = 2, kv_heads: int = 4, rows: int = 3, head_dim: int = 64, capacity: int = 96,
+                           live: int | None = 71, slots: int = 45, buffer_live: int | None = 41, bits: int = 2,
+                           group: int = 32, counts: tuple[int, ...] | None = None, dtype=torch.float16,
+                           dead_row: bool = True, device="cpu", seed: int = 10,
+                           softcap: float | None = None) -> OpCase:
+    """The KIVI lanes of :func:`kivi_lanes_case` read together with a full-precision buffer of ``slots`` slots over
+    every head and all ``head_dim`` query channels, in ``dtype`` (a static layer's sinks + recent window),
+    ``buffer_live`` of them live.  Arguments: the lanes case's, then the buffer's keys, values, validity, length."""
+    from . import ops
+    from .kivi.lanes_reference import KiviLane, PackedLanes
+
+    lanes = kivi_lanes_case(batch=batch, kv_heads=kv_heads, rows=rows, head_dim=head_dim, capacity=capacity,
+                            live=live, bits=bits, group=group, counts=counts, dead_row=dead_row, device=device,
+                            seed=seed)
+    gen = _gen(seed + 1000, device)
+    bk = (torch.randn(batch, kv_heads, slots, head_dim, generator=gen, device=gen.device) * 1.5).to(dtype)
+    bv = torch.randn(batch, kv_heads, slots, head_dim, generator=gen, device=gen.device).to(dtype)
+    bvalid = _valid(batch, slots, gen, dead_row)
+    args = lanes.args + tuple(x.to(device) for x in (bk, bv, bvalid)) + (_length(buffer_live, device),)
+    n = (len(lanes.args) - 3) // 8
+    scale = head_dim ** -0.5
+
+    def fn(impl: str):
+        def f(q, valid, length, *rest):
+            payload, (bk, bv, bvalid, blen) = rest[:-4], rest[-4:]
+            region = PackedLanes(bits, group, tuple(KiviLane(*payload[8 * i: 8 * i + 8]) for i in range(n)), valid,
+                                 kv_heads, head_dim, impl=impl, length=length)
+            return ops.kivi_lanes_buffer_attention(q, region, scale, bk, bv, bvalid, blen, impl=impl,
+                                                   softcap=softcap)
+        return f
+
+    k = len(args)
+    name = (f"{lanes.name.replace('-lanes-', '-lanes-buffer-', 1)}-s{slots}-blive{buffer_live}"
+            f"-{str(dtype).removeprefix('torch.')}")
+    return OpCase(name, "kivi_lanes_buffer_partial", args, fn, lanes.facts, static=lanes.static + (k - 4, k - 3, k - 2))
+
+
 # ----------------------------------------------------------------------------- DoubleSparse
 
 
@@ -451,6 +488,10 @@ def small_cases(device="cpu", softcap: float | None = None) -> list[OpCase]:
         kivi_lanes_case(device=device, **cap),
         kivi_lanes_case(bits=4, group=16, kv_heads=3, rows=1, head_dim=128, capacity=80, live=None, dead_row=False,
                         device=device, seed=11, **cap),
+        kivi_lanes_buffer_case(device=device, **cap),
+        kivi_lanes_buffer_case(bits=4, group=16, kv_heads=3, rows=9, head_dim=128, capacity=80, live=None,
+                               slots=160, buffer_live=None, dtype=torch.bfloat16, dead_row=False, device=device,
+                               seed=12, **cap),
         select_case(device=device),
         select_case(bits=4, r=16, k=20, tokens=131, group=4, device=device, seed=8),
         select_case(group=4, tokens=150, k=17, device=device, seed=9, shared=True),

@@ -13,6 +13,8 @@ op                                    semantics (the PyTorch reference, also the
                                       (every quantized lane of a stacked LeanK + KIVI middle, one op; CUDA:
                                       :mod:`kvcompress.kernels.kivi.lanes_cuda`, Triton:
                                       :mod:`kvcompress.kernels.kivi.lanes_triton`, one launch + one merge each)
+``kvcompress::kivi_lanes_buffer_partial`` :func:`kvcompress.kernels.kivi.lanes_reference.kivi_lanes_buffer_attention_partial`
+                                      (the lanes and a full-precision buffer together; CUDA: one launch, buffer CTAs)
 ``kvcompress::paged_partial``         :func:`kvcompress.kernels.paged.reference.paged_attention_partial`
 ``kvcompress::lanes_partial``         :func:`kvcompress.kernels.leank.reference.grouped_partial_attention`
 ``kvcompress::select_topk``           :func:`kvcompress.kernels.doublesparse.reference.select_topk`
@@ -78,6 +80,7 @@ OPS = {
     "kivi_partial": ("reference", "triton", "cuda"),
     "kivi_buffer_partial": ("reference", "triton", "cuda"),
     "kivi_lanes_partial": ("reference", "triton", "cuda"),
+    "kivi_lanes_buffer_partial": ("reference", "triton", "cuda"),
     "paged_partial": ("reference", "triton"),
     "lanes_partial": ("reference", "triton"),
     "select_topk": ("reference", "triton"),
@@ -443,6 +446,74 @@ def _kivi_lanes_args(query: Tensor, region, scale: float, length: Optional[Tenso
             [ln.v_scale for ln in lanes], [ln.v_zero for ln in lanes], region.valid,
             region.length if length is None else length, region.bits, region.group, float(scale),
             float(softcap or 0.0))
+
+
+@torch.library.custom_op("kvcompress::kivi_lanes_buffer_partial", mutates_args=(), device_types="cpu")
+def kivi_lanes_buffer_partial(query: Tensor, heads: list[Optional[Tensor]], channels: list[Optional[Tensor]],
+                              k_codes: list[Tensor], k_scale: list[Tensor], k_zero: list[Tensor],
+                              v_codes: list[Tensor], v_scale: list[Tensor], v_zero: list[Tensor], valid: Tensor,
+                              length: Optional[Tensor], bits: int, group: int, scale: float, buffer_k: Tensor,
+                              buffer_v: Tensor, buffer_valid: Tensor, buffer_length: Optional[Tensor],
+                              softcap: float = 0.0, impl: str = "reference") -> tuple[Tensor, Tensor]:
+    """Attention of ``query [B, H, M, D]`` over KIVI lanes (as ``kivi_lanes_partial``) and a full-precision buffer
+    ``buffer_k`` / ``buffer_v`` ``[B, H, T, D / Dv]`` over every head and all query channels (validity ``buffer_valid
+    [B, T]``, slots before ``buffer_length``) together: ``(out, lse)`` of the joint softmax.  ``impl`` ``"cuda"``: one
+    launch of the CUDA lanes kernel (its buffer CTAs) and its split combine; ``"triton"``: the two regions read apart
+    (the KIVI lanes Triton kernel, the grouped lanes kernel) and merged; CPU: the reference."""
+    _check_impl("kivi_lanes_buffer_partial", impl)
+    _check_length("kivi_lanes_buffer_partial", length)
+    _check_length("kivi_lanes_buffer_partial", buffer_length)
+    region = _kivi_region(heads, channels, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits,
+                          group, query.shape[1], query.shape[-1])
+    return _fresh(*kivi_lanes_ref.kivi_lanes_buffer_attention_partial(query, region, scale, buffer_k, buffer_v,
+                                                                      buffer_valid, buffer_length, softcap=softcap))
+
+
+@kivi_lanes_buffer_partial.register_kernel("cuda")
+def _kivi_lanes_buffer_partial_cuda(query, heads, channels, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid,
+                                    length, bits, group, scale, buffer_k, buffer_v, buffer_valid, buffer_length,
+                                    softcap=0.0, impl="reference"):
+    _check_impl("kivi_lanes_buffer_partial", impl)
+    _check_length("kivi_lanes_buffer_partial", length)
+    _check_length("kivi_lanes_buffer_partial", buffer_length)
+    region = _kivi_region(heads, channels, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits,
+                          group, query.shape[1], query.shape[-1])
+    if impl == "cuda":  # one launch: the lanes' splits and the buffer's CTAs, then the split combine
+        from .kivi import lanes_cuda
+
+        return _fresh(*lanes_cuda.kivi_lanes_attention_partial(
+            query, region, scale, base=_kivi_cuda_base(bits), softcap=softcap,
+            buffer=(buffer_k, buffer_v, buffer_valid, buffer_length)))
+    if impl == "triton":  # the two regions apart, merged
+        from .attention.reference import merge_partials, merged_lse
+
+        lanes = _kivi_lanes_partial_cuda(query, heads, channels, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                                         valid, length, bits, group, scale, softcap, "triton")
+        if query.dtype == buffer_k.dtype:  # (the lanes kernel reads the query in the keys' dtype)
+            buffer = _lanes_partial_cuda(query, [None], [None], [buffer_k], [buffer_v], [buffer_valid], [None],
+                                         buffer_length, scale, softcap, "triton")
+        else:
+            buffer = kivi_ref.buffer_attention_partial(query, buffer_k, buffer_v, buffer_valid, buffer_length, scale,
+                                                       softcap=softcap)
+        return _fresh(merge_partials([lanes, buffer]), merged_lse([lanes[1], buffer[1]]))
+    return _fresh(*kivi_lanes_ref.kivi_lanes_buffer_attention_partial(query, region, scale, buffer_k, buffer_v,
+                                                                      buffer_valid, buffer_length, softcap=softcap))
+
+
+@kivi_lanes_buffer_partial.register_fake
+def _kivi_lanes_buffer_partial_fake(query, heads, channels, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid,
+                                    length, bits, group, scale, buffer_k, buffer_v, buffer_valid, buffer_length,
+                                    softcap=0.0, impl="reference"):
+    return _empty_partial(query, v_codes[0].shape[-1] * (32 // bits))
+
+
+def kivi_lanes_buffer_attention(query: Tensor, region, scale: float, k: Tensor, v: Tensor, valid: Tensor,
+                                length: Optional[Tensor] = None, *, impl: str,
+                                softcap: Optional[float] = None) -> tuple[Tensor, Tensor]:
+    """``kvcompress::kivi_lanes_buffer_partial`` over a :class:`~kvcompress.kernels.kivi.PackedLanes` (its ``length``
+    bounds the lanes' slots) and a full-precision buffer ``k`` / ``v`` / ``valid`` bounded by ``length``."""
+    args = _kivi_lanes_args(_cuda_query(query, impl), region, scale, None, softcap)
+    return _OPS["kivi_lanes_buffer_partial"](*args[:-1], k, v, valid, length, args[-1], impl)
 
 
 def _kivi_lane_shapes(query: Tensor, heads, valid: Tensor) -> list:
@@ -901,6 +972,7 @@ def merge_attention(parts: Sequence[tuple[Tensor, Tensor]], dtype: torch.dtype, 
 _OPS = {name: getattr(torch.ops.kvcompress, name).default for name in OPS}
 CUDA_IMPLS = {"kivi_partial": _kivi_partial_cuda, "kivi_buffer_partial": _kivi_buffer_partial_cuda,
               "kivi_lanes_partial": _kivi_lanes_partial_cuda,
+              "kivi_lanes_buffer_partial": _kivi_lanes_buffer_partial_cuda,
               "paged_partial": _paged_partial_cuda,
               "lanes_partial": _lanes_partial_cuda, "select_topk": _select_topk_cuda,
               "gather_partial": _gather_partial_cuda, "kivi_quantize": _kivi_quantize_cuda,
@@ -953,6 +1025,7 @@ _FACTS = {
     "kivi_partial": {"bits", "group", "head_dim", "v_dim", "v_group", "k_per_token", "tokens"},
     "kivi_buffer_partial": {"bits", "group", "head_dim", "v_dim", "v_group", "k_per_token", "tokens"},
     "kivi_lanes_partial": {"bits", "group", "head_dim", "v_dim", "v_group", "kept", "k_per_token"},
+    "kivi_lanes_buffer_partial": {"bits", "group", "head_dim", "v_dim", "v_group", "kept", "k_per_token"},
     "paged_partial": {"page_size", "head_dim", "v_dim", "dtype"},
     "lanes_partial": {"head_dim", "v_dim", "kept", "dtype"},
     "select_topk": {"label_bits", "label_channels", "query_dtype", "label_dtype"},
@@ -1006,9 +1079,11 @@ def _kivi_lanes_cuda_problem(device: torch.device, f: dict) -> Optional[str]:
 
 def _triton_problem(op: str, f: dict) -> Optional[str]:
     op = SCORED.get(op, op)
-    if op == "kivi_buffer_partial":  # the KIVI region through its Triton kernel, the buffer through the lanes kernel
+    if op in ("kivi_buffer_partial", "kivi_lanes_buffer_partial"):  # the KIVI region / lanes through their Triton
+        # kernel, the buffer through the grouped lanes kernel
         dims = dict(head_dim=f.get("head_dim", 128), v_dim=f.get("v_dim", f.get("head_dim", 128)))
-        return _triton_problem("kivi_partial", f) or _triton_problem("lanes_partial", dims)
+        region_op = "kivi_partial" if op == "kivi_buffer_partial" else "kivi_lanes_partial"
+        return _triton_problem(region_op, f) or _triton_problem("lanes_partial", dims)
     dk = f.get("head_dim", 128)
     dv = f.get("v_dim", dk)
     if op in ("kivi_partial", "kivi_lanes_partial"):
@@ -1096,9 +1171,9 @@ def choose(op: str, device, **static_facts) -> str:
         raise TypeError(f"choose({op!r}): unknown static facts {sorted(unknown)}; known: {sorted(_FACTS[op])}")
     device = torch.device(device)
     why: dict[str, Optional[str]] = {}
-    if op in ("kivi_partial", "kivi_buffer_partial", "kivi_lanes_partial"):
+    if op in ("kivi_partial", "kivi_buffer_partial", "kivi_lanes_partial", "kivi_lanes_buffer_partial"):
         def cuda_ok():
-            problem = _kivi_lanes_cuda_problem if op == "kivi_lanes_partial" else _kivi_cuda_problem
+            problem = _kivi_lanes_cuda_problem if op.startswith("kivi_lanes") else _kivi_cuda_problem
             why["cuda"] = problem(device, static_facts)
             return why["cuda"] is None
 
@@ -1145,6 +1220,6 @@ def kivi_facts(query: Tensor, packed) -> dict:
 __all__ = ["IMPLS", "OPS", "SCORED", "choose", "kivi_attention_scored", "kivi_buffer_attention", "kivi_buffer_partial", "kivi_lanes_attention_scored",
            "kivi_lanes_partial_scored", "kivi_partial_scored", "lanes_attention_scored", "lanes_partial_scored",
            "scored_impl", "split_lane_logits", "gather_attention", "gather_partial", "kivi_attention", "kivi_facts",
-           "kivi_lanes_attention", "kivi_lanes_partial",
+           "kivi_lanes_attention", "kivi_lanes_buffer_attention", "kivi_lanes_buffer_partial", "kivi_lanes_partial",
            "kivi_order", "kivi_partial", "kernels_mode", "kivi_cuda_enabled", "lanes_attention", "lanes_partial",
            "live_slots", "paged_attention", "paged_partial", "select", "select_topk", "triton_available"]

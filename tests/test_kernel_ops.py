@@ -280,6 +280,15 @@ def test_dispatchers_without_impl_keep_their_per_call_behaviour():
             packed = PackedKV(2 if "kivi2" in case.name else 4, 32, *a[1:8], length=a[8])
             assert packed.attention_partial_with_buffer(a[0], a[0].shape[-1] ** -0.5, *a[9:13]) is None
             continue
+        elif case.op == "kivi_lanes_buffer_partial":  # the same: apart without a CUDA implementation
+            from kvcompress.kernels.kivi.lanes_reference import KiviLane, PackedLanes
+
+            payload = a[3:-4]
+            lanes = tuple(KiviLane(*payload[8 * i: 8 * i + 8]) for i in range(len(payload) // 8))
+            region = PackedLanes(case.facts["bits"], case.facts["group"], lanes, a[1], a[0].shape[1], a[0].shape[-1],
+                                 length=a[2])
+            assert region.attention_partial_with_buffer(a[0], a[0].shape[-1] ** -0.5, *a[-4:]) is None
+            continue
         elif case.op == "select_topk":
             continue  # same reference function; its result is checked through opcheck / compile
         elif case.op == "merge_partials":  # the per-op merge and the cast (what a read without the op runs)

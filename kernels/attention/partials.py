@@ -325,7 +325,12 @@ def _buffer_with_region(q5: torch.Tensor, segments: Sequence[Segment], scale: fl
     buf, region = segments
     packed = region.packed
     if packed is None or region.select is not None or region.heads is not None or region.qmap is not None \
-            or region.vmap is not None or (region.valid is not None and region.valid is not packed.valid):
+            or region.vmap is not None:
+        return None
+    # the segment masks exactly what the region's own validity does - the same tensor, or (a region whose readers
+    # give heads no lane covers -inf themselves, ``masks_uncovered_heads``) that validity per head
+    if region.valid is not None and region.valid is not packed.valid and not (
+            getattr(packed, "masks_uncovered_heads", False) and region.valid.dim() == 3):
         return None
     if not callable(getattr(packed, "attention_partial_with_buffer", None)) or (
             softcap is not None and not _reads_softcap(packed)):

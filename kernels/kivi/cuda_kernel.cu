@@ -46,6 +46,10 @@ constexpr int MAX_NW = 4;
 #define KIVI_SOFTCAP 0  // 1: scores are soft-capped (Params::softcap, log2 units) before masking; a separate build,
                         // so the default kernel's code is unchanged
 #endif
+#ifndef KIVI_QDIM
+#define KIVI_QDIM 0  // a lanes build: the query's (and a full-precision buffer's key) head dim, for buffer CTAs in the
+                     // lanes launch (kivi_v3_lanes_kernel<ST, true>); 0: the lanes launch reads no buffer
+#endif
 #ifndef KIVI_LANES
 #define KIVI_LANES 0  // 1: also build kivi_v3_lanes_kernel for lanes of KIVI_LANE_DK0 .. KIVI_LANE_DK7 kept channels
 #endif
@@ -1163,11 +1167,22 @@ __device__ __forceinline__ void attend_lane(const LanesParams& lp, const LanePar
                                            ln.ch ? ln.ch + row * ln.ch_sh : nullptr, bh);
 }
 
-template <int ST>
+// With BUF (a separate instantiation: the lanes kernel without a buffer keeps its code and registers) the last
+// bsplit CTAs of a row read the full-precision buffer (Params::bk, all KIVI_QDIM channels of every region head), as
+// kivi_v3_kernel<..., true> does, and write their partials as splits nsplit.. for the same combine.
+constexpr bool lanes_buffer_ok = KIVI_QDIM > 0 && KIVI_QDIM % 64 == 0 && KIVI_DV % 32 == 0 && KIVI_MIN_BLOCKS <= 4;
+
+template <int ST, bool BUF>
 __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_lanes_kernel(
     const __grid_constant__ LanesParams lp) {
   const int bh = blockIdx.y;
   const int b = bh / lp.p.H, h = bh - b * lp.p.H;
+  if constexpr (BUF && lanes_buffer_ok) {
+    if ((int)blockIdx.x >= lp.p.nsplit) {
+      attend_buffer<(lanes_buffer_ok ? KIVI_QDIM : 64), KIVI_DV>(lp.p, b, h, bh, blockIdx.x - lp.p.nsplit);
+      return;
+    }
+  }
   // the lane holding head h and its row there, looked up on the device (the head lists stay device tensors: nothing
   // is read on the host per call, so a call captured into a CUDA graph with copied inputs needs no host read)
   __shared__ int found[2];
@@ -1311,7 +1326,7 @@ constexpr size_t DEFAULT_SMEM = 48 * 1024;  // above this a kernel needs cudaFun
 // below that and its launch failed with "invalid argument" (the H200 run's (4, 128, 64) M = 12, 4-bit
 // dk 64 / dv 128 and min_blocks = 1 failures).  The libraries are also built with -fvisibility=hidden.
 namespace {
-size_t g_smem_set[3][3][MAX_DEVICES];  // [kivi_v3_kernel / kivi_v3_lanes_kernel / with a buffer][stages - 2][device]
+size_t g_smem_set[4][3][MAX_DEVICES];  // [kivi_v3_kernel / kivi_v3_lanes_kernel / each with a buffer][stages - 2][device]
 }
 
 // nw / stages in range and their dynamic shared memory (`*smem`) within the device's opt-in limit: 0, else the error.
@@ -1471,12 +1486,21 @@ KIVI_EXPORT int kivi_v3_lanes_launch(const long long* a, double qk_scale, double
   size_t smem = 0;
   const int rc = check_launch(nw, stages, device, &smem);
   if (rc) return rc;
-  dim3 grid(lp.p.nsplit, lp.p.BH, row_blocks);
+  const Params& p = lp.p;
+  if (p.bsplit < 0 || (p.bsplit > 0 && (p.btps < 1 || p.bNT < 1))) return (int)cudaErrorInvalidValue;
+  dim3 grid(p.nsplit + p.bsplit, p.BH, row_blocks);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  if (stages == 2) return launch_variant(kivi_v3_lanes_kernel<2>, lp, 1, 2, nw, grid, smem, device, s);
-  if (stages == 3) return launch_variant(kivi_v3_lanes_kernel<3>, lp, 1, 3, nw, grid, smem, device, s);
-  return launch_variant(kivi_v3_lanes_kernel<4>, lp, 1, 4, nw, grid, smem, device, s);
+  if (p.bsplit > 0) {  // buffer CTAs: a build with KIVI_QDIM (the buffer's key dim) only
+    if constexpr (!lanes_buffer_ok) return (int)cudaErrorInvalidValue;
+    if (stages == 2) return launch_variant(kivi_v3_lanes_kernel<2, true>, lp, 3, 2, nw, grid, smem, device, s);
+    if (stages == 3) return launch_variant(kivi_v3_lanes_kernel<3, true>, lp, 3, 3, nw, grid, smem, device, s);
+    return launch_variant(kivi_v3_lanes_kernel<4, true>, lp, 3, 4, nw, grid, smem, device, s);
+  }
+  if (stages == 2) return launch_variant(kivi_v3_lanes_kernel<2, false>, lp, 1, 2, nw, grid, smem, device, s);
+  if (stages == 3) return launch_variant(kivi_v3_lanes_kernel<3, false>, lp, 1, 3, nw, grid, smem, device, s);
+  return launch_variant(kivi_v3_lanes_kernel<4, false>, lp, 1, 4, nw, grid, smem, device, s);
 }
+KIVI_EXPORT int kivi_v3_qdim() { return KIVI_QDIM; }
 // Host check of the argument array's layout (no GPU): parses `a` as kivi_v3_lanes_launch does and writes back, in
 // order, M, H, NT, BH, nsplit, the length pointer, interleave, nlanes, then per lane dk, ch_sh, nheads, vz_sh and its kc pointer;
 // returns the entries used.

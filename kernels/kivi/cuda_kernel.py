@@ -392,7 +392,7 @@ def nvcc_command(bits: int, dk: int, dv: int, out: str, extra: tuple[str, ...] =
 
 
 def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfold: int = 0,
-          probe: int = 0, softcap: bool = False, lane_dks: tuple[int, ...] = ()) -> ctypes.CDLL:
+          probe: int = 0, softcap: bool = False, lane_dks: tuple[int, ...] = (), qdim: int = 0) -> ctypes.CDLL:
     """Compile (or load from the cache) the library for ``(bits, dk, dv)`` and bind its launchers.
 
     ``min_blocks`` > 1 caps the registers (``__launch_bounds__(128, min_blocks)``) - a tuning knob.  ``kfold`` 1 / 2
@@ -403,13 +403,17 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
     ``-DKIVI_SOFTCAP=1``: scores are capped at ``kivi_v3_launch``'s ``softcap`` before masking; a launch of it must
     pass a positive cap), a separate library so that the default kernel's code is unchanged.  ``lane_dks``: also build
     the lanes kernel (``kivi_v3_lanes_launch``, :mod:`.lanes_cuda`) for lanes of these kept-channel counts (distinct
-    multiples of 16, at most 8; ``dk`` must be the largest, it sizes the shared memory)."""
+    multiples of 16, at most 8; ``dk`` must be the largest, it sizes the shared memory).  ``qdim``: with ``lane_dks``,
+    the query's head dim, a multiple of 64 - the lanes launch can then also read a full-precision buffer of that key
+    width (``-DKIVI_QDIM``: :func:`.lanes_cuda.kivi_lanes_attention_partial` with ``buffer``); 0: it cannot."""
     if kfold not in (0, 1, 2) or vfold not in (0, 1) or probe not in (0, 1, 2, 3):
         raise ValueError(f"kfold {kfold} (0, 1 or 2), vfold {vfold} (0 or 1), probe {probe} (0..3)")
     lane_dks = tuple(sorted(set(int(d) for d in lane_dks)))
     if lane_dks and (len(lane_dks) > 8 or any(d not in LANE_DIMS for d in lane_dks) or dk != lane_dks[-1]
                      or kfold or vfold or probe):
         raise ValueError(f"lane_dks {lane_dks}: at most 8 of {LANE_DIMS}, dk = the largest ({dk}), no fold / probe")
+    if qdim and (not lane_dks or qdim % 64 or not 64 <= qdim <= 256):
+        raise ValueError(f"qdim {qdim}: a lanes build's query head dim, a multiple of 64 up to 256 (0: none)")
     key = (bits, dk, dv, min_blocks) if not (kfold or vfold) else (bits, dk, dv, min_blocks, kfold, vfold)
     if probe:
         key = (*key, "probe", probe)
@@ -417,17 +421,19 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
         key = (*key, "softcap")
     if lane_dks:
         key = (*key, "lanes", *lane_dks)
+    if qdim:
+        key = (*key, "qdim", qdim)
     with _LOCK:
         if key in _LIBS:
             return _LIBS[key]
     src = SOURCE.read_bytes()
     tag = hashlib.sha256(src + repr((NVCC_FLAGS, key)).encode()).hexdigest()[:16]
-    lanes_tag = "_l" + "-".join(map(str, lane_dks)) if lane_dks else ""
+    lanes_tag = ("_l" + "-".join(map(str, lane_dks)) if lane_dks else "") + (f"_q{qdim}" if qdim else "")
     path = cache_dir() / f"libkivi_v3_b{bits}_k{dk}_v{dv}_r{min_blocks}{f'_kf{kfold}' if kfold else ''}{'_vf' if vfold else ''}{f'_p{probe}' if probe else ''}{'_sc' if softcap else ''}{lanes_tag}_{tag}.so"
     t0 = time.time()
     defines = (f"-DKIVI_MIN_BLOCKS={min_blocks}", f"-DKIVI_KFOLD={kfold}", f"-DKIVI_VFOLD={vfold}",
                f"-DKIVI_PROBE={probe}", f"-DKIVI_SOFTCAP={int(bool(softcap))}",
-               *(("-DKIVI_LANES=1",) if lane_dks else ()),
+               *(("-DKIVI_LANES=1",) if lane_dks else ()), *((f"-DKIVI_QDIM={qdim}",) if qdim else ()),
                *(f"-DKIVI_LANE_DK{i}={d}" for i, d in enumerate(lane_dks)))
     compile_cached(path, lambda out: nvcc_command(bits, dk, dv, out, defines),
                    "building the KIVI CUDA kernel (v3, the default KIVI decode path on CUDA) failed; set "
@@ -458,6 +464,8 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
         if lib.kivi_v3_params_ints() != PARAMS_INTS:
             raise RuntimeError(f"{path}: the launcher reads {lib.kivi_v3_params_ints()} region entries, not "
                                f"{PARAMS_INTS}")
+        if lib.kivi_v3_qdim() != qdim:
+            raise RuntimeError(f"{path} was built for buffer key dim {lib.kivi_v3_qdim()}, not {qdim}")
     with _LOCK:
         _LIBS[key] = lib
         BUILD_SECONDS.setdefault(key, time.time() - t0)

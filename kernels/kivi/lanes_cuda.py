@@ -32,6 +32,7 @@ import torch
 
 from . import cuda_kernel as ck
 from .lanes_reference import PackedLanes, disjoint_or_none
+from ..leank.reference import merge_with_lse
 from .reference import PackedKV
 
 #: the most lanes one launch takes (``kivi_v3::MAX_LANES``)
@@ -99,13 +100,56 @@ def supports(query: torch.Tensor, region: PackedLanes) -> bool:
     return ck._device_ok(query.device) and problem(query, region) is None
 
 
+def buffer_problem(query: torch.Tensor, region: PackedLanes, k: torch.Tensor, v: torch.Tensor,
+                   valid: torch.Tensor) -> str | None:
+    """Why the lanes launch cannot also read the full-precision buffer ``k`` / ``v`` ``[B, H, T, D / Dv]`` (every
+    region head, all ``D`` query channels; fp16 or bf16, channels dense) with validity ``valid [B, T]`` (bool), as
+    the plain kernel's buffer CTAs do (``None`` when it can).  Shapes only."""
+    why = problem(query, region)
+    if why is not None:
+        return why
+    if region.num_tokens == 0:
+        return "an empty packed region"
+    if ck._buffer_capped(region.bits):
+        return "the min_blocks > 4 builds read no buffer (the buffer path would spill under their register cap)"
+    b, h, _, d = query.shape
+    if d % 64 or not 64 <= d <= 256:
+        return f"query head dim {d} (the buffer CTAs take multiples of 64 up to 256)"
+    dv = region.v_dim
+    if k.dim() != 4 or v.dim() != 4 or tuple(k.shape[:2]) != (b, h) or tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        return f"buffer keys {tuple(k.shape)} / values {tuple(v.shape)} for query {tuple(query.shape)}"
+    if k.shape[-1] != d or v.shape[-1] != dv or dv % 32:
+        return f"buffer head dims {k.shape[-1]} / {v.shape[-1]}, the query's {d} / the region's values {dv}"
+    if k.dtype not in (torch.float16, torch.bfloat16) or v.dtype != k.dtype:
+        return f"buffer dtypes {k.dtype} / {v.dtype} (fp16 or bf16, the same)"
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k.device != query.device or v.device != query.device:
+        return "buffer channels must be dense, on the query's device"
+    if valid.dtype != torch.bool or tuple(valid.shape) != (b, k.shape[2]) or valid.stride(-1) != 1:
+        return f"buffer validity {tuple(valid.shape)} {valid.dtype}"
+    if k.shape[2] * max(k.stride(2), v.stride(2)) >= 2**31:
+        return "buffer offsets inside one slice must fit in 32 bits"
+    return None
+
+
+def supports_buffer(query: torch.Tensor, region: PackedLanes, k: torch.Tensor, v: torch.Tensor,
+                    valid: torch.Tensor) -> bool:
+    """Whether :func:`kivi_lanes_attention_partial` can read this buffer in the same launch (shapes only)."""
+    return ck._device_ok(query.device) and buffer_problem(query, region, k, v, valid) is None
+
+
+def _qdim(d: int) -> int:
+    """The buffer key dim a lanes library is built for (the query's head dim where the buffer CTAs take it)."""
+    return d if d % 64 == 0 and 64 <= d <= 256 else 0
+
+
 def _plan(region: PackedLanes, query: torch.Tensor, covered: int, index: int, softcap, c: dict) -> tuple:
     """``(library, warps, stages, splits, tiles per split)`` for this region's shapes, decided once per shape."""
     dks = tuple(sorted({lane.k_scale.shape[-1] for lane in region.lanes}))
     dv = region.v_dim
     b, _, m, _ = query.shape
     nt = region.num_tokens
-    lib = ck.build(region.bits, dks[-1], dv, int(c.get("min_blocks", 1)), softcap=bool(softcap), lane_dks=dks)
+    lib = ck.build(region.bits, dks[-1], dv, int(c.get("min_blocks", 1)), softcap=bool(softcap), lane_dks=dks,
+                   qdim=_qdim(query.shape[-1]))
     nw, stages, cta_smem, _ = ck.plan_launch(region.bits, dks[-1], dv, int(c["nw"]), int(c["stages"]),
                                              ck._smem_limit(index))
     if cta_smem != lib.kivi_v3_launch_smem(nw, stages):
@@ -119,23 +163,26 @@ def _plan(region: PackedLanes, query: torch.Tensor, covered: int, index: int, so
 
 def launch_args(q: torch.Tensor, region: PackedLanes, valid8: torch.Tensor, po: int, pl: int, splits: int,
                 tiles_per_split: int, length: torch.Tensor | None = None,
-                interleave: int = 1) -> tuple[list[int], list[torch.Tensor]]:
+                interleave: int = 1, buffer: tuple | None = None,
+                buffer_tokens: int = ck.BUFFER_TOKENS) -> tuple[list[int], list[torch.Tensor]]:
     """The launcher's int64 argument array (``kivi_v3_lanes_launch``: the region's ``Params`` - query, valid flags,
     outputs, sizes, the live length (``length``: 0-dim int64 device tensor, or none), the tile-to-warp assignment
-    (:data:`.cuda_kernel.DEFAULT_CONFIG`'s ``interleave``); the payload pointers and
-    strides there unused -, the lane count, then :data:`LANE_INTS` per lane) and the tensors it points into (aligned
-    copies where needed; keep them alive until the launch is issued)."""
+    (:data:`.cuda_kernel.DEFAULT_CONFIG`'s ``interleave``), the full-precision buffer (``buffer``: ``(k, v, valid
+    uint8, length or None)``, ``buffer_tokens`` slots per buffer CTA; none: no buffer CTAs); the payload pointers
+    and strides there unused -, the lane count, then :data:`LANE_INTS` per lane) and the tensors it points into
+    (aligned copies where needed; keep them alive until the launch is issued)."""
     b, h, m, _ = q.shape
     dv = region.v_dim
     ngv = region.lanes[0].v_scale.shape[-1]
     args = [q.data_ptr(), 0, 0, 0, 0, 0, 0, valid8.data_ptr(), po, pl,
             *q.stride()[:3], *([0] * 16), valid8.stride(0),
             m, h, region.num_tokens, region.group.bit_length() - 1, tiles_per_split * ck.TILE, splits, ngv, dv // ngv,
-            b * h, 0 if length is None else length.data_ptr(), int(interleave), *ck.NO_BUFFER]
+            b * h, 0 if length is None else length.data_ptr(), int(interleave),
+            *ck._buffer_args(buffer, buffer_tokens)]
     if len(args) != ck.PARAMS_INTS:
         raise RuntimeError(f"KIVI CUDA lanes kernel: {len(args)} region entries, the launcher reads {ck.PARAMS_INTS}")
     args.append(len(region.lanes))
-    keep = [valid8, q] + ([length] if length is not None else [])
+    keep = [valid8, q] + ([length] if length is not None else []) + [x for x in (buffer or ()) if x is not None]
     for lane in region.lanes:
         kc, ks, kz, vc, vs, vz, _ = ck._kv_tensors(_lane_packed(region, lane))
         keep += [kc, ks, kz, vc, vs, vz]
@@ -153,11 +200,14 @@ def launch_args(q: torch.Tensor, region: PackedLanes, valid8: torch.Tensor, po: 
 
 
 def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale: float, *,
-                                 softcap: float | None = None, base: dict | None = None
+                                 softcap: float | None = None, base: dict | None = None, buffer: tuple | None = None
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention over every lane of ``region``; see :func:`.lanes_reference.kivi_lanes_attention_partial`.
     ``base``: the launch configuration (:func:`.cuda_kernel.config`, resolved once by :mod:`kvcompress.kernels.ops`);
-    ``None`` reads it here."""
+    ``None`` reads it here.  ``buffer``: ``(k, v, valid, length)`` of a full-precision region over every head and
+    all query channels (a static layer's sinks + recent window, :func:`buffer_problem`; ``length`` a 0-dim int tensor
+    bounding its slots, or ``None``) read by more CTAs of the same launch and merged with the lanes' splits by the
+    same combine: one ``(out, lse)`` over both (:func:`.lanes_reference.kivi_lanes_buffer_attention_partial`)."""
     b, h, m, _ = query.shape
     dv = region.v_dim
     dev = query.device
@@ -166,6 +216,10 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
     out = torch.empty(b, h, m, dv, device=dev, dtype=torch.float32)
     lse = torch.empty(b, h, m, device=dev, dtype=torch.float32)
     nt = region.num_tokens
+    if buffer is not None:
+        why = buffer_problem(query, region, *buffer[:3])
+        if why is not None:
+            raise ValueError(f"KIVI CUDA lanes kernel: {why}")
     if b * h * m == 0:
         return out, lse
     if nt == 0:
@@ -188,12 +242,18 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
     valid8 = valid.view(torch.uint8) if valid.dtype == torch.bool else valid.to(torch.uint8)
     valid8 = ck._aligned(valid8, 1, 16)
     q = ck._aligned(query.to(torch.float16), 1, 4)  # the kernel's operands are fp16 (a bf16 model: one cast)
-    if s == 1:
+    btok = int(c.get("buffer_tokens") or ck.BUFFER_TOKENS)
+    if buffer is not None:
+        bk, bv, bvalid, blen = buffer
+        buffer = (bk, bv, bvalid.view(torch.uint8), ck.live_length(blen, dev))
+    total = s + (ck.buffer_plan(buffer[0].shape[2], btok)[0] if buffer is not None else 0)
+    if total == 1:
         po, pl = out, lse
     else:
-        po = torch.empty(s, b * h * m, dv, device=dev, dtype=torch.float32)
-        pl = torch.empty(s, b * h * m, device=dev, dtype=torch.float32)
-    args, keep = launch_args(q, region, valid8, po.data_ptr(), pl.data_ptr(), s, tps, length, interleave)
+        po = torch.empty(total, b * h * m, dv, device=dev, dtype=torch.float32)
+        pl = torch.empty(total, b * h * m, device=dev, dtype=torch.float32)
+    args, keep = launch_args(q, region, valid8, po.data_ptr(), pl.data_ptr(), s, tps, length, interleave, buffer,
+                             btok)
     arr = (ctypes.c_longlong * len(args))(*args)
     stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)
     with _LOCK:
@@ -201,20 +261,24 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
                                       -(-m // 8), index, stream)
     if rc:
         raise RuntimeError(f"KIVI CUDA lanes kernel launch failed: {lib.kivi_v3_error_string(rc).decode()}")
-    if s > 1:
-        rc = lib.kivi_v3_combine_launch(po.data_ptr(), pl.data_ptr(), out.data_ptr(), lse.data_ptr(), s, b * h * m,
-                                        dv, index, stream)
+    if total > 1:
+        rc = lib.kivi_v3_combine_launch(po.data_ptr(), pl.data_ptr(), out.data_ptr(), lse.data_ptr(), total,
+                                        b * h * m, dv, index, stream)
         if rc:
             raise RuntimeError(f"KIVI CUDA combine launch failed: {lib.kivi_v3_error_string(rc).decode()}")
     del keep
     return out, lse
 
 
-def emulate(query: torch.Tensor, region: PackedLanes, scale: float, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+def emulate(query: torch.Tensor, region: PackedLanes, scale: float, *, buffer: tuple | None = None,
+            buffer_tokens: int = ck.BUFFER_TOKENS, **kw) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's dataflow on the CPU: each lane's head rows through :func:`.cuda_kernel.emulate` (the same key
     mapping, quarter words included) on the query gathered to the lane's channels, placed on the lane's heads by the
-    lanes' head lists as the kernel looks them up; heads no lane holds get ``-inf`` and zeros.  Slow; for tests."""
-    why = problem(query, region)
+    lanes' head lists as the kernel looks them up; heads no lane holds get ``-inf`` and zeros.  ``buffer``: ``(k, v,
+    valid, length)`` read by the launch's buffer CTAs (the plain kernel's, :func:`.cuda_kernel._emulate_buffer`, on
+    the whole query of every head), their partials merged with the lanes' by log-sum-exp as the split combine does.
+    Slow; for tests."""
+    why = problem(query, region) if buffer is None else buffer_problem(query, region, *buffer[:3])
     if why is not None:
         raise ValueError(why)
     from .lanes_reference import gather_query
@@ -229,8 +293,21 @@ def emulate(query: torch.Tensor, region: PackedLanes, scale: float, **kw) -> tup
         heads = range(h) if lane.heads is None else lane.heads.tolist()
         for row, head in enumerate(heads):
             out[:, head], lse[:, head] = o[:, row], l[:, row]
+    if buffer is None:
+        return out, lse
+    nw = int(kw.get("nw", 2))  # (cuda_kernel.emulate's default)
+    for bi in range(b):
+        for hi in range(h):
+            for rb in range(-(-m // 8)):
+                rows = min(8, m - rb * 8)
+                parts = [(out[bi, hi, rb * 8: rb * 8 + rows], lse[bi, hi, rb * 8: rb * 8 + rows])]
+                parts += [(po[:rows], pl[:rows]) for po, pl in
+                          ck._emulate_buffer(query, buffer, bi, hi, rb, nw, float(scale) * ck.LOG2E,
+                                             float(kw.get("softcap") or 0.0) * ck.LOG2E, buffer_tokens)]
+                o, l = merge_with_lse(parts)
+                out[bi, hi, rb * 8: rb * 8 + rows], lse[bi, hi, rb * 8: rb * 8 + rows] = o, l
     return out, lse
 
 
-__all__ = ["MAX_LANES", "covered_heads", "emulate", "kivi_lanes_attention_partial", "launch_args", "problem",
-           "supports"]
+__all__ = ["MAX_LANES", "buffer_problem", "covered_heads", "emulate", "kivi_lanes_attention_partial", "launch_args",
+           "problem", "supports", "supports_buffer"]

@@ -82,6 +82,9 @@ class PackedLanes:
     supports_softcap = True
     #: :meth:`attention_scored` returns the scores the read computed (attention-mass observers use them)
     supports_scores = True
+    #: every reader (reference, Triton, CUDA) gives heads no lane covers ``lse = -inf``: a segment's per-head validity
+    #: ``valid & covered`` (:class:`kvcompress.plugins.kivi.MergedLanes`) masks nothing more for them
+    masks_uncovered_heads = True
     k_per_token = False
 
     @property
@@ -144,6 +147,28 @@ class PackedLanes:
         from . import lanes_attention_partial
 
         return lanes_attention_partial(query, self, scale, softcap=softcap)
+
+    def attention_partial_with_buffer(self, query: torch.Tensor, scale: float, k: torch.Tensor, v: torch.Tensor,
+                                      valid: torch.Tensor, length: torch.Tensor | None = None,
+                                      softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(out, lse)`` over every lane and a full-precision buffer ``k`` / ``v`` ``[B, H, T, D / Dv]`` (every head,
+        all query channels; validity ``valid [B, T]``, ``length`` bounding its slots) in ONE launch - the CUDA lanes
+        kernel's buffer CTAs (registered op ``kvcompress::kivi_lanes_buffer_partial``) - or ``None`` when the region's
+        implementation cannot (not ``"cuda"``, or shapes / dtypes it does not take) or should not (a read large
+        enough that the two regions apart are faster, by the plain kernel's rule: :func:`.cuda_kernel.fuses_buffer`);
+        the caller then reads the two apart.  Decided from shapes only."""
+        if self.impl != "cuda":
+            return None
+        from . import cuda_kernel, lanes_cuda
+
+        if lanes_cuda.buffer_problem(query, self, k, v, valid) is not None:
+            return None
+        if not cuda_kernel.fuses_buffer(self.bits, *query.shape[:3], self.num_tokens):
+            return None
+        from kvcompress.kernels import ops
+
+        return ops.kivi_lanes_buffer_attention(query, self, scale, k, v, valid, length, impl=self.impl,
+                                               softcap=softcap)
 
     def attention_scored(self, query: torch.Tensor, scale: float, softcap: float | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -209,6 +234,23 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
     """
     return _read_lanes(query, region, length,
                        lambda q, packed: _packed_partial(q, packed, scale, softcap=softcap or None))
+
+
+def kivi_lanes_buffer_attention_partial(query: torch.Tensor, region: PackedLanes, scale: float, k: torch.Tensor,
+                                        v: torch.Tensor, valid: torch.Tensor, length: torch.Tensor | None = None, *,
+                                        softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over every lane of ``region`` and a full-precision buffer together (what the CUDA lanes kernel reads
+    in one launch, :meth:`PackedLanes.attention_partial_with_buffer`): the two regions' partials merged by log-sum-exp.
+    ``k`` / ``v`` ``[B, H, T, D / Dv]`` over every region head and all query channels, ``valid [B, T]``; ``length``
+    (0-dim int tensor or ``None``): only the buffer's slots before it may be live.  Returns ``(out [B, H, M, Dv]
+    float32, lse [B, H, M] float32)`` as :func:`kivi_lanes_attention_partial`."""
+    from kvcompress.kernels.attention.reference import merge_partials, merged_lse
+
+    from .reference import buffer_attention_partial
+
+    lanes = kivi_lanes_attention_partial(query, region, scale, softcap=softcap)
+    buffer = buffer_attention_partial(query, k, v, valid, length, scale, softcap=softcap)
+    return merge_partials([lanes, buffer]), merged_lse([lanes[1], buffer[1]])
 
 
 def kivi_lanes_attention_scored(query: torch.Tensor, region: PackedLanes, scale: float, *,
