@@ -157,6 +157,50 @@ def test_attend_segments_reads_buffer_and_lanes_in_one_op(monkeypatch, impl, cov
     torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=1e-2)
 
 
+def test_compiled_read_is_one_graph_with_one_lanes_buffer_op(monkeypatch):
+    """The decode read of [buffer, lanes region of a CUDA implementation] traced by ``torch.compile(fullgraph=True)``:
+    one graph holding one ``kvcompress::kivi_lanes_buffer_partial`` call (the decision reads shapes and the settings a
+    cache read when it chose the kernel only: no host read, no graph break, no dynamo warning), equal to the eager
+    read."""
+    import warnings
+
+    from torch._dynamo.backends.registry import lookup_backend
+
+    monkeypatch.setattr(ck, "_BUFFER_SETTINGS", {})
+    monkeypatch.setattr(ck, "_CAPPED", {})
+    ck.read_buffer_settings(2)  # what ops.choose does when a cache picks the CUDA kernel
+
+    from kvcompress.kernels.attention.partials import attend_segments
+
+    gen = torch.Generator().manual_seed(7)
+    q, segs = _segments("cuda", True, gen)
+    q = q[:, :, :1].reshape(2, 5, 1, 128).repeat_interleave(2, 1)
+    buffer, middle = segs
+    mask = torch.tensor([True, False, True, True, True])
+    region = middle.packed
+
+    def read(query):
+        valid = region.valid.unsqueeze(1) & mask.view(1, -1, 1)  # as MergedLanes.segment builds it, every read
+        seg = Segment(None, None, valid, middle.positions, packed=region)
+        return attend_segments(query, [buffer, seg], None, 0.125, impls={"lanes_partial": "reference"})
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = torch.compile(read, fullgraph=True, backend=backend)(q)
+    assert len(graphs) == 1
+    calls = [n for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum(n.target is ops._OPS["kivi_lanes_buffer_partial"] for n in calls) == 1
+    assert not any(n.target is ops._OPS["kivi_lanes_partial"] for n in calls)
+    torch.testing.assert_close(got, read(q), atol=0, rtol=0)
+
+
 def test_buffer_problem_and_settings():
     """What the buffer CTAs cannot read, and the plain kernel's size rule (``fuses_buffer``): a large read is apart."""
     gen = torch.Generator().manual_seed(5)

@@ -631,10 +631,17 @@ def buffer_problem(query: torch.Tensor, packed: PackedKV, k: torch.Tensor, v: to
     return None
 
 
-@functools.lru_cache(maxsize=None)
 def _buffer_capped(bits: int) -> bool:
-    """Whether the launch configuration (read once, as the op's tuning snapshot) caps registers below the buffer path's
-    needs (``min_blocks`` > 4)."""
+    """Whether the launch configuration caps registers below the buffer path's needs (``min_blocks`` > 4): as
+    :func:`read_buffer_settings` last read it (a plain dict lookup, so a compiled step traces no cache wrapper or
+    configuration read), else read once here."""
+    if bits in _CAPPED:
+        return _CAPPED[bits]
+    return _capped_from_config(bits)
+
+
+@functools.lru_cache(maxsize=None)
+def _capped_from_config(bits: int) -> bool:
     return int(config(bits).get("min_blocks", 1)) > 4
 
 
@@ -648,6 +655,8 @@ def supports_buffer(query: torch.Tensor, packed: PackedKV, k: torch.Tensor, v: t
 #: last read them from the launch configuration (when a cache chose the CUDA kernel: ``ops.choose``); the defaults
 #: until then.  :func:`fuses_buffer` reads only this, so a compiled step traces no environment read or JSON parse.
 _BUFFER_SETTINGS: dict[int, tuple[int, int, int]] = {}
+#: bits -> whether that configuration's register cap leaves the buffer CTAs out (:func:`_buffer_capped`), read with them
+_CAPPED: dict[int, bool] = {}
 _BUFFER_DEFAULTS = tuple(DEFAULT_CONFIG[n] for n in BUFFER_SETTINGS)
 
 
@@ -660,6 +669,7 @@ def read_buffer_settings(bits: int) -> tuple[int, int, int]:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"KVCOMPRESS_KIVI_CUDA_CONFIG: {n} must be an integer >= 0, got {v!r}")
     _BUFFER_SETTINGS[bits] = values
+    _CAPPED[bits] = int(c.get("min_blocks", 1)) > 4
     return values
 
 

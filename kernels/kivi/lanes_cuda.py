@@ -101,11 +101,13 @@ def supports(query: torch.Tensor, region: PackedLanes) -> bool:
 
 
 def buffer_problem(query: torch.Tensor, region: PackedLanes, k: torch.Tensor, v: torch.Tensor,
-                   valid: torch.Tensor) -> str | None:
+                   valid: torch.Tensor, region_checked: bool = False) -> str | None:
     """Why the lanes launch cannot also read the full-precision buffer ``k`` / ``v`` ``[B, H, T, D / Dv]`` (every
     region head, all ``D`` query channels; fp16 or bf16, channels dense) with validity ``valid [B, T]`` (bool), as
-    the plain kernel's buffer CTAs do (``None`` when it can).  Shapes only."""
-    why = problem(query, region)
+    the plain kernel's buffer CTAs do (``None`` when it can).  ``region_checked``: the region itself is known to be
+    readable (its implementation was chosen for it) - only the buffer's shapes are checked, nothing is read from the
+    device (what a compiled step traces); else :func:`problem` first."""
+    why = None if region_checked else problem(query, region)
     if why is not None:
         return why
     if region.num_tokens == 0:

@@ -161,7 +161,7 @@ class PackedLanes:
             return None
         from . import cuda_kernel, lanes_cuda
 
-        if lanes_cuda.buffer_problem(query, self, k, v, valid) is not None:
+        if lanes_cuda.buffer_problem(query, self, k, v, valid, region_checked=True) is not None:  # shapes only
             return None
         if not cuda_kernel.fuses_buffer(self.bits, *query.shape[:3], self.num_tokens):
             return None
