@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Session 31 (issue 19): the changes made without a GPU, checked and timed in the next device calls.
+#   cd .gpusrc && PART=tests bash benchmarks/gpu_s31_session.sh $OUT       (call 1; the exported tree)
+#   PART=ab bash .gpusrc/benchmarks/gpu_s31_session.sh $OUT .gpusrc_old .gpusrc
+#       (call 2, from the repository root; .gpusrc_old: `git archive 37bdce0`, the tree before this session)
+#   cd .gpusrc && PART=sweep bash benchmarks/gpu_s31_session.sh $OUT       (call 3)
+# tests: the GPU tests of every file the session touched - the lanes kernel's in-kernel low-rank projection
+#   (tests/test_lowrank_lanes.py, tests/test_leank_kernel.py incl. the resident split rule), the registered ops
+#   (tests/test_kernel_ops.py, tests/test_scored_reads.py), the KIVI lanes + buffer launch (tests/test_kivi_lanes_buffer.py,
+#   tests/test_kivi_lanes.py), and session 30's DoubleSparse review commit (tests/test_doublesparse_cuda.py, the group
+#   cases of tests/test_doublesparse_kernel.py) - in S31_XDIST pytest-xdist workers (wheels in ../.gpuwheels).
+# ab: the rows these changes should move, this tree against OLD_TREE, alternating rounds in one call
+#   (benchmarks/gpu_ab_trees.sh): low-rank (projection in the kernel), leank70-kivi2 (buffer in the lanes launch at
+#   B1 / B4), the empty stack's read (unchanged code: the noise floor), at every cell the grid has below 1x for them.
+# sweep: the lanes kernel's opt-in split rule, KVCOMPRESS_LEANK_CONFIG '{"split_rows": "resident"}' against the
+#   default, for none / lowrank / leank50 / leank70 (benchmarks/gpu_paged_sweep.sh with PS_VAR).
+set -o pipefail
+OUT=$(realpath "${1:-out}")
+HERE=$(cd "$(dirname "$0")" && pwd)
+PART=${PART:-tests}
+SHAPES=llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:4:4k,llama3-8b:4:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:4k,smollm2-135m:1:4k,smollm2-135m:1:32k,smollm2-135m:4:4k,smollm2-135m:4:32k,smollm2-135m:16:32k
+if [ "$PART" = tests ]; then
+  source "$HERE/gpu_site.sh"  # install under /tmp/site, cd there
+  python -m pip install -q --no-index --no-deps --target /tmp/xdist "$SRC"/../.gpuwheels/*.whl 2>&1 | tail -2
+  T="$SRC/tests"
+  PYTHONPATH=$PYTHONPATH:/tmp/xdist timeout 520 python -m pytest -q -m gpu -p no:cacheprovider -n "${S31_XDIST:-8}" \
+    "$T/test_lowrank_lanes.py" "$T/test_leank_kernel.py" "$T/test_kernel_ops.py" "$T/test_scored_reads.py" \
+    "$T/test_kivi_lanes_buffer.py" "$T/test_kivi_lanes.py" "$T/test_lowrank.py" "$T/test_doublesparse_cuda.py" \
+    "$T/test_doublesparse_kernel.py" -k "not test_doublesparse_kernel or group" 2>&1 | tail -15 | tee "$OUT/tests.txt"
+  date -u | tee -a "$OUT/log.txt"
+elif [ "$PART" = ab ]; then
+  AB_OPS=sdpa,none,lowrank,leank70-kivi2 AB_SHAPES=$SHAPES AB_ROUNDS=${AB_ROUNDS:-2} \
+    bash "$HERE/gpu_ab_trees.sh" "$OUT" "${2:-.gpusrc_old}" "${3:-.gpusrc}"
+elif [ "$PART" = sweep ]; then
+  PS_VAR=KVCOMPRESS_LEANK_CONFIG PS_OPS=none,lowrank,leank50,leank70 PS_TESTS=tests/test_leank_kernel.py \
+    PS_SHAPES=$SHAPES,llama3-8b:64:32k,smollm2-135m:64:32k PS_ROUNDS=${PS_ROUNDS:-2} \
+    bash "$HERE/gpu_paged_sweep.sh" "$OUT" '{}' '{"split_rows": "resident"}'
+else
+  echo "PART: tests, ab or sweep" >&2
+  exit 2
+fi
