@@ -1490,11 +1490,14 @@ KIVI_EXPORT int kivi_v3_lanes_launch(const long long* a, double qk_scale, double
   if (p.bsplit < 0 || (p.bsplit > 0 && (p.btps < 1 || p.bNT < 1))) return (int)cudaErrorInvalidValue;
   dim3 grid(p.nsplit + p.bsplit, p.BH, row_blocks);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  if (p.bsplit > 0) {  // buffer CTAs: a build with KIVI_QDIM (the buffer's key dim) only
-    if constexpr (!lanes_buffer_ok) return (int)cudaErrorInvalidValue;
+  if (p.bsplit > 0) {  // buffer CTAs: a build with KIVI_QDIM (the buffer's key dim) only (lanes_buffer_ok)
+#if KIVI_QDIM > 0 && KIVI_QDIM % 64 == 0 && KIVI_DV % 32 == 0 && KIVI_MIN_BLOCKS <= 4
     if (stages == 2) return launch_variant(kivi_v3_lanes_kernel<2, true>, lp, 3, 2, nw, grid, smem, device, s);
     if (stages == 3) return launch_variant(kivi_v3_lanes_kernel<3, true>, lp, 3, 3, nw, grid, smem, device, s);
     return launch_variant(kivi_v3_lanes_kernel<4, true>, lp, 3, 4, nw, grid, smem, device, s);
+#else
+    return (int)cudaErrorInvalidValue;
+#endif
   }
   if (stages == 2) return launch_variant(kivi_v3_lanes_kernel<2, false>, lp, 1, 2, nw, grid, smem, device, s);
   if (stages == 3) return launch_variant(kivi_v3_lanes_kernel<3, false>, lp, 1, 3, nw, grid, smem, device, s);

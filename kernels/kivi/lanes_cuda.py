@@ -229,8 +229,9 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     c = dict(base if base is not None else ck.config(region.bits))
     covered = covered_heads(region)
-    key = (region.bits, region.group, dv, b, h, m, nt, tuple(ln.k_scale.shape[-1] for ln in region.lanes), covered,
-           index, bool(softcap), tuple(sorted(c.items())), query.dtype)
+    key = (region.bits, region.group, dv, b, h, m, query.shape[-1], nt,
+           tuple(ln.k_scale.shape[-1] for ln in region.lanes), covered, index, bool(softcap),
+           tuple(sorted(c.items())), query.dtype)
     plan = _PLANS.get(key)
     if plan is None:  # a new shape: checked once (a decode step reads the same shapes in every layer)
         why = problem(query, region)
