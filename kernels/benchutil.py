@@ -41,13 +41,15 @@ Ops (``--ops``, default :data:`ALL_OPS`):
   else the lanes kernel, the KIVI kernel and the merge; ``leank70-kivi2``: ``examples/stacks/leank70_kivi.yaml`` (LeanK
   70 % with :data:`LEANK_COUNTS` kept channels, 128 sinks, 768-token window, 128-token flushes, then KIVI-2 G = 32
   on the regrouped lanes): one lanes launch (+ merge) for the buffer plus ONE launch (+ merge) for every KIVI lane
+  - at small reads (the KIVI kernel's ``fuses_buffer`` rule) the buffer in that same launch
+  (``kvcompress::kivi_lanes_buffer_partial``, since session 31) -
   (``kvcompress::kivi_lanes_partial``: the CUDA lanes kernel, :mod:`kvcompress.kernels.kivi.lanes_cuda`, impl
   ``kivi-lanes:cuda``, where nvcc is found, else the Triton one, :mod:`kvcompress.kernels.kivi.lanes_triton`; the
   extra op ``leank70-kivi2-triton`` is the same layer read by the Triton lanes kernel; before that: one KIVI launch,
   a query gather and a head scatter per lane, ``kivi:cuda``, the extra op ``leank70-kivi2-perlane``); ``lowrank``:
   ``examples/stacks/lowrank.yaml`` at rank r = d/2 (a random orthonormal basis per kv
-  head; the middle keys stored as r coordinates, the query projected; one lanes launch with the projected query
-  appended);
+  head; the middle keys stored as r coordinates, the query projected; one lanes launch, which projects the query in
+  its programs since session 31 - before, a projection GEMM, casts and the projected query appended);
 * ``paged-dense``: the dynamic paged pool (``kvcompress.paged.PagedStore``, 16-token pages, what
   ``paged_eviction`` builds in a dynamic cache) holding ``ctx`` tokens per row, read in place through its block
   tables by the paged kernel (``PagedView.attention_partial``); the pool is written by the store's own ``append``;
