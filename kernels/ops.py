@@ -237,6 +237,20 @@ def _kivi_buffer_reference(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_
                                                           buffer_length, softcap=softcap))
 
 
+def _with_buffer_apart(query, region, buffer_k, buffer_v, buffer_valid, buffer_length, scale, softcap):
+    """A buffer op's ``triton`` implementation after its packed region's partial ``region``: the full-precision
+    buffer through the grouped lanes kernel (the reference where the query's dtype is not the keys'), the two merged."""
+    from .attention.reference import merge_partials, merged_lse
+
+    if query.dtype == buffer_k.dtype:  # (the lanes kernel reads the query in the keys' dtype)
+        buffer = _lanes_partial_cuda(query, [None], [None], [buffer_k], [buffer_v], [buffer_valid], [None],
+                                     buffer_length, scale, softcap, "triton")
+    else:
+        buffer = kivi_ref.buffer_attention_partial(query, buffer_k, buffer_v, buffer_valid, buffer_length, scale,
+                                                   softcap=softcap)
+    return _fresh(merge_partials([region, buffer]), merged_lse([region[1], buffer[1]]))
+
+
 @kivi_buffer_partial.register_kernel("cuda")
 def _kivi_buffer_partial_cuda(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits, group,
                               scale, buffer_k, buffer_v, buffer_valid, buffer_length, k_per_token=False, softcap=0.0,
@@ -252,17 +266,9 @@ def _kivi_buffer_partial_cuda(query, k_codes, k_scale, k_zero, v_codes, v_scale,
         return _fresh(*cuda_kernel._forward(query, packed, scale, base=_kivi_cuda_base(bits), softcap=softcap,
                                             buffer=(buffer_k, buffer_v, buffer_valid, buffer_length)))
     if impl == "triton":  # the two regions apart, merged
-        from .attention.reference import merge_partials, merged_lse
-
         region = _kivi_partial_cuda(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits,
                                     group, scale, k_per_token, softcap, "triton")
-        if query.dtype == buffer_k.dtype:  # (the lanes kernel reads the query in the keys' dtype)
-            buffer = _lanes_partial_cuda(query, [None], [None], [buffer_k], [buffer_v], [buffer_valid], [None],
-                                         buffer_length, scale, softcap, "triton")
-        else:
-            buffer = kivi_ref.buffer_attention_partial(query, buffer_k, buffer_v, buffer_valid, buffer_length, scale,
-                                                       softcap=softcap)
-        return _fresh(merge_partials([region, buffer]), merged_lse([region[1], buffer[1]]))
+        return _with_buffer_apart(query, region, buffer_k, buffer_v, buffer_valid, buffer_length, scale, softcap)
     return _kivi_buffer_reference(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits,
                                   group, scale, buffer_k, buffer_v, buffer_valid, buffer_length, k_per_token, softcap)
 
@@ -485,17 +491,9 @@ def _kivi_lanes_buffer_partial_cuda(query, heads, channels, k_codes, k_scale, k_
             query, region, scale, base=_kivi_cuda_base(bits), softcap=softcap,
             buffer=(buffer_k, buffer_v, buffer_valid, buffer_length)))
     if impl == "triton":  # the two regions apart, merged
-        from .attention.reference import merge_partials, merged_lse
-
         lanes = _kivi_lanes_partial_cuda(query, heads, channels, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                          valid, length, bits, group, scale, softcap, "triton")
-        if query.dtype == buffer_k.dtype:  # (the lanes kernel reads the query in the keys' dtype)
-            buffer = _lanes_partial_cuda(query, [None], [None], [buffer_k], [buffer_v], [buffer_valid], [None],
-                                         buffer_length, scale, softcap, "triton")
-        else:
-            buffer = kivi_ref.buffer_attention_partial(query, buffer_k, buffer_v, buffer_valid, buffer_length, scale,
-                                                       softcap=softcap)
-        return _fresh(merge_partials([lanes, buffer]), merged_lse([lanes[1], buffer[1]]))
+        return _with_buffer_apart(query, lanes, buffer_k, buffer_v, buffer_valid, buffer_length, scale, softcap)
     return _fresh(*kivi_lanes_ref.kivi_lanes_buffer_attention_partial(query, region, scale, buffer_k, buffer_v,
                                                                       buffer_valid, buffer_length, softcap=softcap))
 

@@ -223,10 +223,6 @@ class LinearQueryMap:
         basis = basis.float().contiguous()
         return cls(basis, basis if dtype == torch.float32 else basis.to(dtype).contiguous())
 
-    @property
-    def rank(self) -> int:
-        return self.basis.shape[-1]
-
     def __call__(self, q: torch.Tensor) -> torch.Tensor:
         """``[batch, h, group, q_len, head_dim]`` -> ``[..., r]`` in ``q``'s dtype (the product in float32)."""
         out = torch.einsum("bhgqd,hdr->bhgqr", q.float(), self.basis)

@@ -610,16 +610,25 @@ def buffer_problem(query: torch.Tensor, packed: PackedKV, k: torch.Tensor, v: to
     why = _problem(query, packed)
     if why is not None:
         return why
-    if packed.k_codes.shape[2] == 0:
-        return "an empty packed region"
-    if _buffer_capped(packed.bits):
-        return "the min_blocks > 4 builds read no buffer (the buffer path would spill under their register cap)"
-    b, h, _, dk = query.shape
     dv = packed.v_codes.shape[-1] * 32 // packed.bits
+    return buffer_tensors_problem(query, packed.bits, packed.k_codes.shape[2], k, v, valid, query.shape[-1], dv)
+
+
+def buffer_tensors_problem(query: torch.Tensor, bits: int, region_slots: int, k: torch.Tensor, v: torch.Tensor,
+                           valid: torch.Tensor, dk: int, dv: int) -> str | None:
+    """The buffer CTAs' own conditions (the plain kernel's and the lanes kernel's): a non-empty region, a build
+    without the register cap that leaves them out, and a buffer ``k`` / ``v`` ``[B, H, T, dk / dv]`` over the query's
+    batch and heads (fp16 or bf16, channels dense, on the query's device) with validity ``valid [B, T]`` (bool) and
+    32-bit offsets.  Shapes only."""
+    if region_slots == 0:
+        return "an empty packed region"
+    if _buffer_capped(bits):
+        return "the min_blocks > 4 builds read no buffer (the buffer path would spill under their register cap)"
+    b, h = query.shape[:2]
     if k.dim() != 4 or v.dim() != 4 or tuple(k.shape[:2]) != (b, h) or tuple(v.shape[:3]) != tuple(k.shape[:3]):
         return f"buffer keys {tuple(k.shape)} / values {tuple(v.shape)} for query {tuple(query.shape)}"
     if k.shape[-1] != dk or v.shape[-1] != dv:
-        return f"buffer head dims {k.shape[-1]} / {v.shape[-1]}, the region's {dk} / {dv}"
+        return f"buffer head dims {k.shape[-1]} / {v.shape[-1]}, the read's {dk} / {dv}"
     if k.dtype not in (torch.float16, torch.bfloat16) or v.dtype != k.dtype:
         return f"buffer dtypes {k.dtype} / {v.dtype} (fp16 or bf16, the same)"
     if k.stride(-1) != 1 or v.stride(-1) != 1 or k.device != query.device or v.device != query.device:

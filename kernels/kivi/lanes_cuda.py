@@ -110,27 +110,12 @@ def buffer_problem(query: torch.Tensor, region: PackedLanes, k: torch.Tensor, v:
     why = None if region_checked else problem(query, region)
     if why is not None:
         return why
-    if region.num_tokens == 0:
-        return "an empty packed region"
-    if ck._buffer_capped(region.bits):
-        return "the min_blocks > 4 builds read no buffer (the buffer path would spill under their register cap)"
-    b, h, _, d = query.shape
+    d = query.shape[-1]
     if d % 64 or not 64 <= d <= 256:
         return f"query head dim {d} (the buffer CTAs take multiples of 64 up to 256)"
-    dv = region.v_dim
-    if k.dim() != 4 or v.dim() != 4 or tuple(k.shape[:2]) != (b, h) or tuple(v.shape[:3]) != tuple(k.shape[:3]):
-        return f"buffer keys {tuple(k.shape)} / values {tuple(v.shape)} for query {tuple(query.shape)}"
-    if k.shape[-1] != d or v.shape[-1] != dv or dv % 32:
-        return f"buffer head dims {k.shape[-1]} / {v.shape[-1]}, the query's {d} / the region's values {dv}"
-    if k.dtype not in (torch.float16, torch.bfloat16) or v.dtype != k.dtype:
-        return f"buffer dtypes {k.dtype} / {v.dtype} (fp16 or bf16, the same)"
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or k.device != query.device or v.device != query.device:
-        return "buffer channels must be dense, on the query's device"
-    if valid.dtype != torch.bool or tuple(valid.shape) != (b, k.shape[2]) or valid.stride(-1) != 1:
-        return f"buffer validity {tuple(valid.shape)} {valid.dtype}"
-    if k.shape[2] * max(k.stride(2), v.stride(2)) >= 2**31:
-        return "buffer offsets inside one slice must fit in 32 bits"
-    return None
+    if region.v_dim % 32:
+        return f"value width {region.v_dim} (the buffer CTAs take multiples of 32)"
+    return ck.buffer_tensors_problem(query, region.bits, region.num_tokens, k, v, valid, d, region.v_dim)
 
 
 def supports_buffer(query: torch.Tensor, region: PackedLanes, k: torch.Tensor, v: torch.Tensor,
