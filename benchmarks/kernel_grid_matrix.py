@@ -3,27 +3,74 @@
 writes.  Cells below 1.0x (the op is slower than not compressing) are marked in bold.
 
     python benchmarks/kernel_grid_matrix.py docs/data/kernel_grid_*_h200_s13.json [--metric speedup|us|pct]
+
+Files are read in the order given and a later row of the same (model, op, batch, context) replaces an earlier one,
+so measurements listed oldest first give each cell's latest measurement.  ``--sources F`` reads that list from a
+file (one JSON path per line, relative to the file's directory, ``#`` comments; ``path:key`` takes the rows under
+``key`` of a file holding several runs, e.g. a sweep's ``config_2``): ``docs/data/grid_latest.txt`` lists issue 19's
+current grid.  ``--count`` adds, per model and op, the cells below 1.0x and the source of every cell, and the
+total over the grid's ops (:data:`GRID_OPS`); ``--only-grid`` drops rows of other ops (``sdpa``, variants).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+#: issue 19's ops (every one but ``sdpa``, the baseline): the cells its "every op >= 1.0x" counts
+GRID_OPS = ("kivi2", "kivi4", "leank50", "leank70", "leank70-kivi2", "ds8", "ds16", "ds8-shared", "ds16-shared",
+            "paged-dense", "paged-kivi2", "lowrank", "none")
 
 
 def _ctx(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
+def load_rows(path: str, name: str | None = None) -> list[dict]:
+    """The rows of one benchutil JSON (``path`` or ``path:key``), each tagged with ``name`` (default: ``path``) as
+    ``source``."""
+    name = name or path
+    key = None
+    if ":" in os.path.basename(path):
+        path, key = path.rsplit(":", 1)
+    with open(path, encoding="utf-8") as fh:
+        data = json.load(fh)
+    if key is not None:
+        if not isinstance(data, dict) or key not in data:
+            raise SystemExit(f"{path}: no entry {key!r} (has: {', '.join(data) if isinstance(data, dict) else '-'})")
+        data = data[key]
+    rows = data["rows"] if isinstance(data, dict) else data
+    return [dict(r, source=name) for r in rows if isinstance(r, dict)]
+
+
+def read_sources(listing: str) -> list[tuple[str, str]]:
+    """``(path, name as listed)`` of the JSON files a sources file lists, oldest first, paths resolved against the
+    file's directory."""
+    base = os.path.dirname(os.path.abspath(listing))
+    out = []
+    with open(listing, encoding="utf-8") as fh:
+        for line in fh:
+            line = line.split("#", 1)[0].strip()
+            if line:
+                out.append((line if os.path.isabs(line) else os.path.join(base, line), line))
+    return out
+
+
+def latest_cells(rows: list[dict]) -> dict[tuple, dict]:
+    """``(model, op, batch, ctx) -> row``, the last timed row of each cell in the order given."""
+    return {(r["model"], r["op"], r["batch"], r["ctx"]): r for r in rows
+            if r.get("latency_us") is not None and "model" in r}
+
+
 def matrix(rows: list[dict], model: str, metric: str = "speedup") -> str:
-    rows = [r for r in rows if r.get("model") == model and r.get("latency_us") is not None]
-    shapes = sorted({(r["batch"], r["ctx"]) for r in rows})
+    cell = {(op, b, c): r for (m, op, b, c), r in latest_cells(rows).items() if m == model}
+    shapes = sorted({(b, c) for _, b, c in cell})
     ops: list[str] = []
     for r in rows:
-        if r["op"] not in ops:
+        if r.get("model") == model and r.get("latency_us") is not None and r["op"] not in ops:
             ops.append(r["op"])
-    cell = {(r["op"], r["batch"], r["ctx"]): r for r in rows}
     head = "| op | " + " | ".join(f"B{b}/{_ctx(c)}" for b, c in shapes) + " |"
     out = [head, "|" + "---|" * (len(shapes) + 1)]
     for op in ops:
@@ -35,7 +82,8 @@ def matrix(rows: list[dict], model: str, metric: str = "speedup") -> str:
             elif metric == "us":
                 vals.append(f"{r['latency_us']:.1f}")
             elif metric == "pct":
-                vals.append(f"{r['pct_of_4p3']:.0f}%")
+                pct = r.get("pct_of_peak", r.get("pct_of_4p3"))
+                vals.append("-" if pct is None else f"{pct:.0f}%")
             else:
                 x = r.get("speedup_vs_sdpa")
                 vals.append("-" if x is None else (f"**{x:.2f}**" if x < 1.0 else f"{x:.2f}"))
@@ -43,18 +91,54 @@ def matrix(rows: list[dict], model: str, metric: str = "speedup") -> str:
     return "\n".join(out)
 
 
+def below(rows: list[dict], ops=GRID_OPS) -> dict[tuple, dict]:
+    """The latest cells of ``ops`` slower than SDPA (speed-up below 1.0)."""
+    return {k: r for k, r in latest_cells(rows).items()
+            if k[1] in ops and r.get("speedup_vs_sdpa") is not None and r["speedup_vs_sdpa"] < 1.0}
+
+
+def count_table(rows: list[dict], ops=GRID_OPS) -> str:
+    """Per model and op: cells timed, cells below 1.0x, and the sources of the cells; then the totals."""
+    cells = {k: r for k, r in latest_cells(rows).items() if k[1] in ops and r.get("speedup_vs_sdpa") is not None}
+    slow = below(rows, ops)
+    out = ["| model | op | cells | below 1.0x | sources (cells) |", "|---|---|---|---|---|"]
+    for model in sorted({k[0] for k in cells}):
+        for op in ops:
+            mine = [k for k in cells if k[0] == model and k[1] == op]
+            if not mine:
+                continue
+            src: dict[str, int] = {}
+            for k in mine:
+                src[cells[k]["source"]] = src.get(cells[k]["source"], 0) + 1
+            n_slow = sum(1 for k in mine if k in slow)
+            out.append(f"| {model} | {op} | {len(mine)} | {n_slow} | "
+                       + ", ".join(f"{s} ({n})" for s, n in src.items()) + " |")
+    out.append(f"\n**{len(slow)} of {len(cells)} cells below 1.0x.**")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("files", nargs="+")
+    ap.add_argument("files", nargs="*", help="benchutil JSON files, oldest first (path or path:key)")
+    ap.add_argument("--sources", help="a file listing the JSON files, oldest first (see the module docstring)")
     ap.add_argument("--metric", choices=("speedup", "us", "pct"), default="speedup")
+    ap.add_argument("--count", action="store_true", help="also count the grid ops' cells below 1.0x, with sources")
+    ap.add_argument("--only-grid", action="store_true", help="only issue 19's ops (and no sdpa rows)")
     args = ap.parse_args(argv)
+    files = [(f, f) for f in args.files] + (read_sources(args.sources) if args.sources else [])
+    if not files:
+        ap.error("give benchutil JSON files or --sources")
     rows: list[dict] = []
-    for f in args.files:
-        with open(f, encoding="utf-8") as fh:
-            rows += json.load(fh)["rows"]
-    for model in sorted({r["model"] for r in rows}):
+    for path, name in files:
+        rows += load_rows(path, name)
+    if args.only_grid:
+        rows = [r for r in rows if r.get("op") in GRID_OPS]
+    for model in sorted({r["model"] for r in rows if "model" in r}):
         print(f"\n{model} ({args.metric})\n")
         print(matrix(rows, model, args.metric))
+    if args.count:
+        print()
+        print(count_table(rows))
     return 0
 
 

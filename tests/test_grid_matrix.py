@@ -1,0 +1,74 @@
+"""``benchmarks/kernel_grid_matrix.py``: issue 19's grid from benchutil JSON files, each cell's latest measurement.
+
+The script is run as users run it (a subprocess) on small JSON files written here, and its matrix and counts are
+checked against the rows those files hold; and the committed source list reproduces the count the docs quote.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks/kernel_grid_matrix.py"
+
+
+def _row(op, batch, ctx, speedup, us=10.0, model="llama3-8b"):
+    return {"op": op, "model": model, "batch": batch, "ctx": ctx, "latency_us": us, "speedup_vs_sdpa": speedup,
+            "pct_of_peak": 50.0}
+
+
+def _run(*args) -> str:
+    res = subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def test_later_files_replace_cells_and_the_count_follows(tmp_path):
+    old = tmp_path / "old.json"
+    new = tmp_path / "new.json"
+    sweep = tmp_path / "sweep.json"
+    old.write_text(json.dumps({"rows": [_row("sdpa", 1, 4096, 1.0), _row("none", 1, 4096, 0.8),
+                                        _row("kivi2", 1, 4096, 2.0), _row("lowrank", 1, 4096, 0.5),
+                                        {"op": "lowrank", "model": "llama3-8b", "batch": 4, "ctx": 4096,
+                                         "latency_us": None, "error": "oom"}]}))
+    new.write_text(json.dumps({"rows": [_row("none", 1, 4096, 1.2, us=7.0)]}))
+    # a sweep file: two runs; the second's rows count, the first's do not
+    sweep.write_text(json.dumps({"config_1": {"rows": [_row("kivi2", 1, 4096, 0.1)]},
+                                 "config_2": {"rows": [_row("lowrank", 1, 4096, 0.9)]}}))
+    listing = tmp_path / "sources.txt"
+    listing.write_text("# oldest first\nold.json\n\nnew.json   # replaces none\nsweep.json:config_2\n")
+    out = _run("--sources", listing, "--count", "--only-grid")
+    # none: the later 1.2 (not bold), kivi2 2.0 (config_1 is not read), lowrank the sweep's 0.9 (bold)
+    assert re.search(r"\| none \| 1\.20 \|", out)
+    assert re.search(r"\| kivi2 \| 2\.00 \|", out)
+    assert re.search(r"\| lowrank \| \*\*0\.90\*\* \|", out)
+    assert "sdpa" not in out.split("| model |")[0]
+    assert "**1 of 3 cells below 1.0x.**" in out
+    assert re.search(r"\| llama3-8b \| none \| 1 \| 0 \| new\.json \(1\) \|", out)
+    assert "sweep.json:config_2 (1)" in out
+    # the same files in the opposite order: the older rows win
+    out = _run(new, old, "--count")
+    assert "**2 of 3 cells below 1.0x.**" in out
+    assert _run(old, new, "--metric", "us").count("7.0") == 1
+
+
+def test_a_missing_key_is_a_clear_error(tmp_path):
+    f = tmp_path / "sweep.json"
+    f.write_text(json.dumps({"config_1": {"rows": []}}))
+    res = subprocess.run([sys.executable, str(SCRIPT), f"{f}:config_9"], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode != 0
+    assert "config_9" in res.stderr and "config_1" in res.stderr
+
+
+def test_the_committed_sources_give_the_documented_count():
+    """docs/data/grid_latest.txt is what the README's count of cells below SDPA is computed from."""
+    out = _run("--sources", ROOT / "docs/data/grid_latest.txt", "--count", "--only-grid")
+    n = int(re.search(r"\*\*(\d+) of (\d+) cells below 1\.0x\.\*\*", out).group(1))
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    quoted = re.search(r"\((\d+) of 312 cells below 1x", readme)
+    assert quoted is not None, "README quotes the grid's count"
+    assert n == int(quoted.group(1))
