@@ -13,7 +13,9 @@
 #   (benchmarks/gpu_ab_trees.sh): low-rank (projection in the kernel), leank70-kivi2 (buffer in the lanes launch at
 #   B1 / B4), the empty stack's read (unchanged code: the noise floor), at every cell the grid has below 1x for them.
 # sweep: the lanes kernel's opt-in split rule, KVCOMPRESS_LEANK_CONFIG '{"split_rows": "resident"}' against the
-#   default, for none / lowrank / leank50 / leank70 (benchmarks/gpu_paged_sweep.sh with PS_VAR).
+#   default, for none / lowrank / leank50 / leank70 (benchmarks/gpu_paged_sweep.sh with PS_VAR); and the same rule
+#   with one split wherever the long rows exceed a wave ('"fill_splits": 1', session 31's rule), which isolates
+#   session 32's wave fill (wave_fill_splits: Llama B64 = 512 rows on 396 slots takes 3 splits).
 set -o pipefail
 OUT=$(realpath "${1:-out}")
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -33,8 +35,9 @@ elif [ "$PART" = ab ]; then
     bash "$HERE/gpu_ab_trees.sh" "$OUT" "${2:-.gpusrc_old}" "${3:-.gpusrc}"
 elif [ "$PART" = sweep ]; then
   PS_VAR=KVCOMPRESS_LEANK_CONFIG PS_OPS=none,lowrank,leank50,leank70 PS_TESTS=tests/test_leank_kernel.py \
-    PS_SHAPES=$SHAPES,llama3-8b:64:32k,smollm2-135m:64:32k PS_ROUNDS=${PS_ROUNDS:-2} \
-    bash "$HERE/gpu_paged_sweep.sh" "$OUT" '{}' '{"split_rows": "resident"}'
+    PS_SHAPES=$SHAPES,llama3-8b:64:32k,smollm2-135m:64:4k,smollm2-135m:64:32k PS_ROUNDS=${PS_ROUNDS:-1} \
+    bash "$HERE/gpu_paged_sweep.sh" "$OUT" '{}' '{"split_rows": "resident"}' \
+    '{"split_rows": "resident", "fill_splits": 1}'
 else
   echo "PART: tests, ab or sweep" >&2
   exit 2

@@ -394,7 +394,16 @@ def test_resident_split_count_fills_whole_waves_of_long_programs():
     assert tk.split_count(cfg, 16, lanes, 1, 2, 132) == 2  # the default's count: 256 long programs
     assert tk.resident_split_count(cfg, 16, lanes, 1, slots, waves=2) == 6
     assert tk.resident_split_count(cfg, 1, lanes, 1, slots) == 49  # 396 // 8
-    assert tk.resident_split_count(cfg, 64, lanes, 1, slots) == 1  # 512 rows: one split, more than a wave already
+    # more long rows than a wave: the fewest splits filling the waves 90 % (512 rows on 396 slots: 1 split leaves the
+    # second wave 29 % full, 65 % over both; 2 splits 86 %; 3 splits 97 %)
+    assert tk.resident_split_count(cfg, 64, lanes, 1, slots) == 3
+    assert tk.resident_split_count(cfg, 64, lanes, 1, slots, waves=2) == 3  # "waves" counts only below one wave
+    assert tk.resident_split_count(dict(cfg, fill=0.8), 64, lanes, 1, slots) == 2
+    assert tk.resident_split_count(dict(cfg, fill_splits=2), 64, lanes, 1, slots) == 2  # the fullest of 1 and 2
+    assert tk.resident_split_count(cfg, 99, [(4, 4096)], 1, slots) == 1  # 396 rows: exactly one whole wave
+    assert tk.resident_split_count(cfg, 64, [(8, 300)], 1, slots) == 2  # at most ceil(300 / 256) splits
+    assert tk.wave_fill_splits(400, 396, 4) == 4  # 400 rows: 1 split 51 %, 2: 67 %, 3: 76 %, 4: 81 % - the fullest
+    assert tk.wave_fill_splits(792, 396, 4) == 1  # two whole waves
     assert tk.resident_split_count(cfg, 1, [(3, 1000)], 1, slots) == 4  # the floor: ceil(1000 / 256) splits
     assert tk.resident_split_count(cfg, 1, [(4, 20000), (4, 12000)], 2, slots) == 24  # both long: 396 // (8 x 2)
     assert tk.resident_split_count(cfg, 1, [(2, 10)], 1, slots) == 1  # fewer tokens than one BN block
