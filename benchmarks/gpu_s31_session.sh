@@ -11,7 +11,8 @@
 #   cases of tests/test_doublesparse_kernel.py) - in S31_XDIST pytest-xdist workers (wheels in ../.gpuwheels).
 # ab: the rows these changes should move, this tree against OLD_TREE, alternating rounds in one call
 #   (benchmarks/gpu_ab_trees.sh): low-rank (projection in the kernel), leank70-kivi2 (buffer in the lanes launch at
-#   B1 / B4), the empty stack's read (unchanged code: the noise floor), at every cell the grid has below 1x for them.
+#   B1 / B4), the empty stack's read, KIVI-2's static read - since session 32 every one of these writes the read's
+#   dtype from its last launch (no cast launch), so none of them is a noise floor any more; sdpa is.
 # sweep: the lanes kernel's opt-in split rule, KVCOMPRESS_LEANK_CONFIG '{"split_rows": "resident"}' against the
 #   default, for none / lowrank / leank50 / leank70 (benchmarks/gpu_paged_sweep.sh with PS_VAR); and the same rule
 #   with one split wherever the long rows exceed a wave ('"fill_splits": 1', session 31's rule), which isolates
@@ -28,10 +29,11 @@ if [ "$PART" = tests ]; then
   PYTHONPATH=$PYTHONPATH:/tmp/xdist timeout 520 python -m pytest -q -m gpu -p no:cacheprovider -n "${S31_XDIST:-8}" \
     "$T/test_lowrank_lanes.py" "$T/test_leank_kernel.py" "$T/test_kernel_ops.py" "$T/test_scored_reads.py" \
     "$T/test_kivi_lanes_buffer.py" "$T/test_kivi_lanes.py" "$T/test_lowrank.py" "$T/test_doublesparse_cuda.py" \
-    "$T/test_doublesparse_kernel.py" -k "not test_doublesparse_kernel or group" 2>&1 | tail -15 | tee "$OUT/tests.txt"
+    "$T/test_doublesparse_kernel.py" "$T/test_kivi_buffer_read.py" -k "not test_doublesparse_kernel or group" 2>&1 \
+    | tail -15 | tee "$OUT/tests.txt"
   date -u | tee -a "$OUT/log.txt"
 elif [ "$PART" = ab ]; then
-  AB_OPS=sdpa,none,lowrank,leank70-kivi2 AB_SHAPES=$SHAPES AB_ROUNDS=${AB_ROUNDS:-2} \
+  AB_OPS=sdpa,none,lowrank,leank70-kivi2,kivi2-static AB_SHAPES=$SHAPES AB_ROUNDS=${AB_ROUNDS:-2} \
     bash "$HERE/gpu_ab_trees.sh" "$OUT" "${2:-.gpusrc_old}" "${3:-.gpusrc}"
 elif [ "$PART" = sweep ]; then
   PS_VAR=KVCOMPRESS_LEANK_CONFIG PS_OPS=none,lowrank,leank50,leank70 PS_TESTS=tests/test_leank_kernel.py \

@@ -56,11 +56,12 @@ class OpCase:
 def check_partial(got, ref, atol: float = ATOL, rtol: float = RTOL, lse_atol: float = LSE_ATOL
                   ) -> tuple[bool, float, str]:
     """``(ok, max abs error over out and lse, message)`` of a partial ``(out, lse)`` against the reference: the same
-    shapes and dtypes, no NaN, ``-inf`` LSE (and a zero output) exactly where the reference has one, ``out`` within
+    shapes and dtypes (``out`` float32 unless the case asks for another dtype, ``lse`` float32), no NaN, ``-inf`` LSE (and a zero output) exactly where the reference has one, ``out`` within
     ``atol + rtol * |ref|``, finite LSE within ``lse_atol``."""
     out, lse = got
     ref_out, ref_lse = ref
-    if out.shape != ref_out.shape or lse.shape != ref_lse.shape or out.dtype != torch.float32:
+    if out.shape != ref_out.shape or lse.shape != ref_lse.shape or out.dtype != ref_out.dtype \
+            or lse.dtype != torch.float32:
         return False, float("inf"), f"shapes {tuple(out.shape)} / {tuple(lse.shape)} {out.dtype}"
     if torch.isnan(out).any() or torch.isnan(lse).any():
         return False, float("nan"), "NaN"
@@ -218,12 +219,13 @@ def paged_case(batch: int = 2, kv_heads: int = 2, rows: int = 3, head_dim: int =
 def lanes_case(batch: int = 2, kv_heads: int = 4, rows: int = 3, head_dim: int = 64, capacity: int = 77,
                live: int | None = 52, counts: tuple[int, ...] | None = None, dense_tokens: int = 23,
                dtype=torch.float16, dead_row: bool = True, device="cpu", seed: int = 2,
-               softcap: float | None = None, rank: int | None = None) -> OpCase:
+               softcap: float | None = None, rank: int | None = None, out_dtype=None) -> OpCase:
     """One lane per kept count (``counts`` per kv head; 0 = the head keeps nothing) over ``capacity`` slots, plus
     a dense all-channel lane of ``dense_tokens`` slots (the sinks + window; no ``valid`` mask when ``dead_row`` is
     false).  ``rank``: also a low-rank lane over the last and the first kv head (keys as coordinates in a random
     orthonormal ``[head_dim, rank]`` basis per head, which the lane carries).  ``length`` bounds every lane's slots.
-    Arguments: the query, then per lane field (heads, channels, k, v, valid, basis) one entry per lane, the length."""
+    ``out_dtype``: the output in that dtype (a read whose only part the launch is).  Arguments: the query, then per
+    lane field (heads, channels, k, v, valid, basis) one entry per lane, the length."""
     from .leank import grouped_partial_attention
 
     gen = _gen(seed, device)
@@ -266,14 +268,15 @@ def lanes_case(batch: int = 2, kv_heads: int = 4, rows: int = 3, head_dim: int =
     def fn(impl: str):
         def f(q, *rest):
             return grouped_partial_attention(q, lanes_of(rest[:-1]), scale, impl=impl, length=rest[-1],
-                                             softcap=softcap)
+                                             softcap=softcap, out_dtype=out_dtype)
         return f
 
     kept = tuple(sorted(set(counts) - {0}))
     facts = dict(head_dim=head_dim, v_dim=head_dim, kept=kept, dtype=dtype)
     static = tuple(1 + 2 * n + i for i in range(4 * n))  # k, v, valid and basis of every lane
     return OpCase(f"lanes-b{batch}-h{kv_heads}-m{rows}-d{head_dim}-t{capacity}-lanes{n}-live{live}"
-                  f"{f'-r{rank}' if rank else ''}{_cap(softcap)}", "lanes_partial", args, fn, facts, static=static)
+                  f"{f'-r{rank}' if rank else ''}{f'-out{str(out_dtype)[6:]}' if out_dtype else ''}{_cap(softcap)}",
+                  "lanes_partial", args, fn, facts, static=static, extra={"out_dtype": out_dtype})
 
 
 def lanes_of(parts) -> list[tuple]:
@@ -485,6 +488,8 @@ def small_cases(device="cpu", softcap: float | None = None) -> list[OpCase]:
         lanes_case(device=device, **cap),
         lanes_case(live=None, dead_row=False, kv_heads=3, rows=1, device=device, seed=7, **cap),
         lanes_case(kv_heads=3, rows=4, capacity=61, live=45, rank=16, device=device, seed=13, **cap),
+        lanes_case(kv_heads=2, counts=(0, 0), rows=4, dense_tokens=57, device=device, seed=14, out_dtype=torch.float16,
+                   **cap),
         kivi_lanes_case(device=device, **cap),
         kivi_lanes_case(bits=4, group=16, kv_heads=3, rows=1, head_dim=128, capacity=80, live=None, dead_row=False,
                         device=device, seed=11, **cap),

@@ -45,8 +45,13 @@ partials are merged.
 ``length`` (KIVI, KIVI lanes, paged, lanes; optional): a 0-dim int32 / int64 device tensor, the number of leading
 token slots that may hold live data.  Slots at or after it are treated as invalid by every implementation (the reference masks
 them), and the Triton kernels do not read them: a static cache sized for ``max_cache_len`` passes its fill level
-and the kernels skip the empty capacity, with a grid that does not depend on the value (CUDA-graph safe).  The
-KIVI CUDA kernel (v3) has no such input: it reads the whole capacity with ``valid & (slot < length)``.
+and the kernels skip the empty capacity, with a grid that does not depend on the value (CUDA-graph safe); so does
+the KIVI CUDA kernel (v3), which reads the length on the device once per CTA (since session 23).
+
+``out_dtype`` (``lanes_partial``, ``kivi_buffer_partial``, ``kivi_lanes_buffer_partial``; a name, ``"float32"`` by
+default, ``"float16"`` or ``"bfloat16"``): ``out``'s dtype.  A decode read whose only part one of these launches is
+(a static layer's empty stack or low-rank read, a buffer read with its KIVI region) asks for its own dtype: the
+split merge stores the float32 result rounded once, so no cast launch follows (the LSE stays float32).
 
 The Python wrappers below (:func:`kivi_attention`, :func:`paged_attention`, :func:`lanes_attention`,
 :func:`select`, :func:`gather_attention`) take the structured arguments the subpackages use (``PackedKV``, lanes,
@@ -92,6 +97,23 @@ OPS = {
     "merge_partials": ("reference", "triton"),
 }
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _out_dtype(op: str, name: str) -> torch.dtype:
+    """An op's output-dtype argument (a name: ops take plain argument types) as a torch dtype."""
+    if name not in _DTYPES:
+        raise ValueError(f"kvcompress::{op}: out_dtype must be one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    """The name :func:`_out_dtype` reads for ``dtype`` (``None``: ``"float32"``)."""
+    if dtype is None:
+        return "float32"
+    for name, d in _DTYPES.items():
+        if d == dtype:
+            return name
+    raise ValueError(f"out_dtype must be one of {sorted(_DTYPES.values(), key=str)} or None, got {dtype}")
 #: the scored variant of an attention op -> the op it extends (same inputs; also returns what it scored)
 SCORED = {"kivi_partial_scored": "kivi_partial", "kivi_lanes_partial_scored": "kivi_lanes_partial",
           "lanes_partial_scored": "lanes_partial"}
@@ -215,18 +237,27 @@ def kivi_attention(query: Tensor, packed, scale: float, *, impl: str, length: Op
 def kivi_buffer_partial(query: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor,
                         v_scale: Tensor, v_zero: Tensor, valid: Tensor, length: Optional[Tensor], bits: int, group: int,
                         scale: float, buffer_k: Tensor, buffer_v: Tensor, buffer_valid: Tensor,
-                        buffer_length: Optional[Tensor], k_per_token: bool = False, softcap: float = 0.0,
-                        impl: str = "reference") -> tuple[Tensor, Tensor]:
+                        buffer_length: Optional[Tensor], out_dtype: str = "float32", k_per_token: bool = False,
+                        softcap: float = 0.0, impl: str = "reference") -> tuple[Tensor, Tensor]:
     """Attention of ``query [B, Hkv, M, Dk]`` over a packed KIVI region (as ``kivi_partial``) and a full-precision
     buffer ``buffer_k`` / ``buffer_v`` ``[B, Hkv, T, Dk / Dv]`` (validity ``buffer_valid [B, T]``, slots before
     ``buffer_length``) together: ``(out, lse)`` of the joint softmax.  ``impl`` ``"cuda"``: one launch of the
     hand-written kernel (its buffer CTAs) and its split combine; ``"triton"``: the two regions read apart (the KIVI
-    Triton kernel, the grouped lanes kernel) and merged; CPU: the reference."""
+    Triton kernel, the grouped lanes kernel) and merged; CPU: the reference.  ``out_dtype``: ``out``'s dtype
+    (``"float32"`` / ``"float16"`` / ``"bfloat16"``, rounded once: a read whose only part this is needs no cast after
+    it; the CUDA split combine stores it)."""
     _check_impl("kivi_buffer_partial", impl)
     _check_length("kivi_buffer_partial", length)
     _check_length("kivi_buffer_partial", buffer_length)
-    return _kivi_buffer_reference(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits,
-                                  group, scale, buffer_k, buffer_v, buffer_valid, buffer_length, k_per_token, softcap)
+    dtype = _out_dtype("kivi_buffer_partial", out_dtype)
+    return _as_out(dtype, *_kivi_buffer_reference(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid,
+                                                  length, bits, group, scale, buffer_k, buffer_v, buffer_valid,
+                                                  buffer_length, k_per_token, softcap))
+
+
+def _as_out(dtype: torch.dtype, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """A float32 partial's ``out`` in ``dtype`` (one rounding; the same tensor when already so)."""
+    return (out if out.dtype == dtype else out.to(dtype)), lse
 
 
 def _kivi_buffer_reference(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits, group,
@@ -244,7 +275,7 @@ def _with_buffer_apart(query, region, buffer_k, buffer_v, buffer_valid, buffer_l
 
     if query.dtype == buffer_k.dtype:  # (the lanes kernel reads the query in the keys' dtype)
         buffer = _lanes_partial_cuda(query, [None], [None], [buffer_k], [buffer_v], [buffer_valid], [None],
-                                     buffer_length, scale, softcap, "triton")
+                                     buffer_length, scale, "float32", softcap, "triton")
     else:
         buffer = kivi_ref.buffer_attention_partial(query, buffer_k, buffer_v, buffer_valid, buffer_length, scale,
                                                    softcap=softcap)
@@ -253,42 +284,48 @@ def _with_buffer_apart(query, region, buffer_k, buffer_v, buffer_valid, buffer_l
 
 @kivi_buffer_partial.register_kernel("cuda")
 def _kivi_buffer_partial_cuda(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits, group,
-                              scale, buffer_k, buffer_v, buffer_valid, buffer_length, k_per_token=False, softcap=0.0,
-                              impl="reference"):
+                              scale, buffer_k, buffer_v, buffer_valid, buffer_length, out_dtype="float32",
+                              k_per_token=False, softcap=0.0, impl="reference"):
     _check_impl("kivi_buffer_partial", impl)
     _check_length("kivi_buffer_partial", length)
     _check_length("kivi_buffer_partial", buffer_length)
+    dtype = _out_dtype("kivi_buffer_partial", out_dtype)
     if impl == "cuda":  # one launch: the packed region's splits and the buffer's CTAs, then the split combine
         from .kivi import cuda_kernel
 
         packed = kivi_ref.PackedKV(bits, group, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, k_per_token)
         packed.length = length
         return _fresh(*cuda_kernel._forward(query, packed, scale, base=_kivi_cuda_base(bits), softcap=softcap,
-                                            buffer=(buffer_k, buffer_v, buffer_valid, buffer_length)))
+                                            buffer=(buffer_k, buffer_v, buffer_valid, buffer_length),
+                                            out_dtype=dtype))
     if impl == "triton":  # the two regions apart, merged
         region = _kivi_partial_cuda(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits,
                                     group, scale, k_per_token, softcap, "triton")
-        return _with_buffer_apart(query, region, buffer_k, buffer_v, buffer_valid, buffer_length, scale, softcap)
-    return _kivi_buffer_reference(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits,
-                                  group, scale, buffer_k, buffer_v, buffer_valid, buffer_length, k_per_token, softcap)
+        return _as_out(dtype, *_with_buffer_apart(query, region, buffer_k, buffer_v, buffer_valid, buffer_length,
+                                                  scale, softcap))
+    return _as_out(dtype, *_kivi_buffer_reference(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid,
+                                                  length, bits, group, scale, buffer_k, buffer_v, buffer_valid,
+                                                  buffer_length, k_per_token, softcap))
 
 
 @kivi_buffer_partial.register_fake
 def _kivi_buffer_partial_fake(query, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits, group,
-                              scale, buffer_k, buffer_v, buffer_valid, buffer_length, k_per_token=False, softcap=0.0,
-                              impl="reference"):
-    return _empty_partial(query, v_codes.shape[-1] * (32 // bits))
+                              scale, buffer_k, buffer_v, buffer_valid, buffer_length, out_dtype="float32",
+                              k_per_token=False, softcap=0.0, impl="reference"):
+    out, lse = _empty_partial(query, v_codes.shape[-1] * (32 // bits))
+    return query.new_empty(out.shape, dtype=_out_dtype("kivi_buffer_partial", out_dtype)), lse
 
 
 def kivi_buffer_attention(query: Tensor, packed, scale: float, k: Tensor, v: Tensor, valid: Tensor,
-                          length: Optional[Tensor] = None, *, impl: str,
-                          softcap: Optional[float] = None) -> tuple[Tensor, Tensor]:
+                          length: Optional[Tensor] = None, *, impl: str, softcap: Optional[float] = None,
+                          out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
     """``kvcompress::kivi_buffer_partial`` over a :class:`~kvcompress.kernels.kivi.PackedKV` (its ``length`` bounds
-    the packed slots) and a full-precision buffer ``k`` / ``v`` / ``valid`` bounded by ``length``."""
+    the packed slots) and a full-precision buffer ``k`` / ``v`` / ``valid`` bounded by ``length``; ``out_dtype``: the
+    output's dtype (``None``: float32)."""
     return _OPS["kivi_buffer_partial"](
         _cuda_query(query, impl), packed.k_codes, packed.k_scale, packed.k_zero, packed.v_codes, packed.v_scale,
         packed.v_zero, packed.valid, packed.length, packed.bits, packed.group, float(scale), k, v, valid, length,
-        bool(packed.k_per_token), float(softcap or 0.0), impl)
+        _dtype_name(out_dtype), bool(packed.k_per_token), float(softcap or 0.0), impl)
 
 
 def scored_impl(impl: str) -> str:
@@ -460,28 +497,32 @@ def kivi_lanes_buffer_partial(query: Tensor, heads: list[Optional[Tensor]], chan
                               v_codes: list[Tensor], v_scale: list[Tensor], v_zero: list[Tensor], valid: Tensor,
                               length: Optional[Tensor], bits: int, group: int, scale: float, buffer_k: Tensor,
                               buffer_v: Tensor, buffer_valid: Tensor, buffer_length: Optional[Tensor],
-                              softcap: float = 0.0, impl: str = "reference") -> tuple[Tensor, Tensor]:
+                              out_dtype: str = "float32", softcap: float = 0.0,
+                              impl: str = "reference") -> tuple[Tensor, Tensor]:
     """Attention of ``query [B, H, M, D]`` over KIVI lanes (as ``kivi_lanes_partial``) and a full-precision buffer
     ``buffer_k`` / ``buffer_v`` ``[B, H, T, D / Dv]`` over every head and all query channels (validity ``buffer_valid
     [B, T]``, slots before ``buffer_length``) together: ``(out, lse)`` of the joint softmax.  ``impl`` ``"cuda"``: one
     launch of the CUDA lanes kernel (its buffer CTAs) and its split combine; ``"triton"``: the two regions read apart
-    (the KIVI lanes Triton kernel, the grouped lanes kernel) and merged; CPU: the reference."""
+    (the KIVI lanes Triton kernel, the grouped lanes kernel) and merged; CPU: the reference.  ``out_dtype``: ``out``'s
+    dtype (as ``kivi_buffer_partial``'s)."""
     _check_impl("kivi_lanes_buffer_partial", impl)
     _check_length("kivi_lanes_buffer_partial", length)
     _check_length("kivi_lanes_buffer_partial", buffer_length)
+    dtype = _out_dtype("kivi_lanes_buffer_partial", out_dtype)
     region = _kivi_region(heads, channels, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits,
                           group, query.shape[1], query.shape[-1])
-    return _fresh(*kivi_lanes_ref.kivi_lanes_buffer_attention_partial(query, region, scale, buffer_k, buffer_v,
-                                                                      buffer_valid, buffer_length, softcap=softcap))
+    return _fresh(*_as_out(dtype, *kivi_lanes_ref.kivi_lanes_buffer_attention_partial(
+        query, region, scale, buffer_k, buffer_v, buffer_valid, buffer_length, softcap=softcap)))
 
 
 @kivi_lanes_buffer_partial.register_kernel("cuda")
 def _kivi_lanes_buffer_partial_cuda(query, heads, channels, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid,
                                     length, bits, group, scale, buffer_k, buffer_v, buffer_valid, buffer_length,
-                                    softcap=0.0, impl="reference"):
+                                    out_dtype="float32", softcap=0.0, impl="reference"):
     _check_impl("kivi_lanes_buffer_partial", impl)
     _check_length("kivi_lanes_buffer_partial", length)
     _check_length("kivi_lanes_buffer_partial", buffer_length)
+    dtype = _out_dtype("kivi_lanes_buffer_partial", out_dtype)
     region = _kivi_region(heads, channels, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits,
                           group, query.shape[1], query.shape[-1])
     if impl == "cuda":  # one launch: the lanes' splits and the buffer's CTAs, then the split combine
@@ -489,29 +530,32 @@ def _kivi_lanes_buffer_partial_cuda(query, heads, channels, k_codes, k_scale, k_
 
         return _fresh(*lanes_cuda.kivi_lanes_attention_partial(
             query, region, scale, base=_kivi_cuda_base(bits), softcap=softcap,
-            buffer=(buffer_k, buffer_v, buffer_valid, buffer_length)))
+            buffer=(buffer_k, buffer_v, buffer_valid, buffer_length), out_dtype=dtype))
     if impl == "triton":  # the two regions apart, merged
         lanes = _kivi_lanes_partial_cuda(query, heads, channels, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                          valid, length, bits, group, scale, softcap, "triton")
-        return _with_buffer_apart(query, lanes, buffer_k, buffer_v, buffer_valid, buffer_length, scale, softcap)
-    return _fresh(*kivi_lanes_ref.kivi_lanes_buffer_attention_partial(query, region, scale, buffer_k, buffer_v,
-                                                                      buffer_valid, buffer_length, softcap=softcap))
+        return _as_out(dtype, *_with_buffer_apart(query, lanes, buffer_k, buffer_v, buffer_valid, buffer_length,
+                                                  scale, softcap))
+    return _fresh(*_as_out(dtype, *kivi_lanes_ref.kivi_lanes_buffer_attention_partial(
+        query, region, scale, buffer_k, buffer_v, buffer_valid, buffer_length, softcap=softcap)))
 
 
 @kivi_lanes_buffer_partial.register_fake
 def _kivi_lanes_buffer_partial_fake(query, heads, channels, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid,
                                     length, bits, group, scale, buffer_k, buffer_v, buffer_valid, buffer_length,
-                                    softcap=0.0, impl="reference"):
-    return _empty_partial(query, v_codes[0].shape[-1] * (32 // bits))
+                                    out_dtype="float32", softcap=0.0, impl="reference"):
+    out, lse = _empty_partial(query, v_codes[0].shape[-1] * (32 // bits))
+    return query.new_empty(out.shape, dtype=_out_dtype("kivi_lanes_buffer_partial", out_dtype)), lse
 
 
 def kivi_lanes_buffer_attention(query: Tensor, region, scale: float, k: Tensor, v: Tensor, valid: Tensor,
-                                length: Optional[Tensor] = None, *, impl: str,
-                                softcap: Optional[float] = None) -> tuple[Tensor, Tensor]:
+                                length: Optional[Tensor] = None, *, impl: str, softcap: Optional[float] = None,
+                                out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
     """``kvcompress::kivi_lanes_buffer_partial`` over a :class:`~kvcompress.kernels.kivi.PackedLanes` (its ``length``
-    bounds the lanes' slots) and a full-precision buffer ``k`` / ``v`` / ``valid`` bounded by ``length``."""
+    bounds the lanes' slots) and a full-precision buffer ``k`` / ``v`` / ``valid`` bounded by ``length``;
+    ``out_dtype``: the output's dtype (``None``: float32)."""
     args = _kivi_lanes_args(_cuda_query(query, impl), region, scale, None, softcap)
-    return _OPS["kivi_lanes_buffer_partial"](*args[:-1], k, v, valid, length, args[-1], impl)
+    return _OPS["kivi_lanes_buffer_partial"](*args[:-1], k, v, valid, length, _dtype_name(out_dtype), args[-1], impl)
 
 
 def _kivi_lane_shapes(query: Tensor, heads, valid: Tensor) -> list:
@@ -722,41 +766,51 @@ def _lanes(heads, channels, k, v, valid, bases) -> list:
 @torch.library.custom_op("kvcompress::lanes_partial", mutates_args=(), device_types="cpu")
 def lanes_partial(query: Tensor, heads: list[Optional[Tensor]], channels: list[Optional[Tensor]], k: list[Tensor],
                   v: list[Tensor], valid: list[Optional[Tensor]], bases: list[Optional[Tensor]],
-                  length: Optional[Tensor], scale: float, softcap: float = 0.0,
+                  length: Optional[Tensor], scale: float, out_dtype: str = "float32", softcap: float = 0.0,
                   impl: str = "reference") -> tuple[Tensor, Tensor]:
     """Attention of ``query [B, Hkv, M, D]`` over LeanK lanes, given as parallel lists (lane ``i`` =
     ``(heads[i], channels[i], k[i], v[i], valid[i], bases[i])``, see :mod:`kvcompress.kernels.leank.reference`;
     a lane with a basis holds low-rank coordinates and projects the query itself):
-    ``(out [B, Hkv, M, Dv] fp32, lse [B, Hkv, M] fp32)``.  ``length`` bounds every lane's token axis.  CPU: the
-    reference."""
+    ``(out [B, Hkv, M, Dv] fp32, lse [B, Hkv, M] fp32)``.  ``length`` bounds every lane's token axis.
+    ``out_dtype``: ``out``'s dtype (``"float32"`` / ``"float16"`` / ``"bfloat16"``: rounded once from fp32, for a read
+    whose only part this is: no cast after it).  CPU: the reference."""
     _check_impl("lanes_partial", impl)
     _check_length("lanes_partial", length)
     lanes = _lanes(heads, channels, k, v, valid, bases)
-    return _fresh(*leank_ref.grouped_partial_attention(query, lanes, scale, length=length, softcap=softcap))
+    return _fresh(*leank_ref.grouped_partial_attention(query, lanes, scale, length=length, softcap=softcap,
+                                                       out_dtype=_out_dtype("lanes_partial", out_dtype)))
 
 
 @lanes_partial.register_kernel("cuda")
-def _lanes_partial_cuda(query, heads, channels, k, v, valid, bases, length, scale, softcap=0.0, impl="reference"):
+def _lanes_partial_cuda(query, heads, channels, k, v, valid, bases, length, scale, out_dtype="float32", softcap=0.0,
+                        impl="reference"):
     _check_impl("lanes_partial", impl)
     _check_length("lanes_partial", length)
+    out_dtype = _out_dtype("lanes_partial", out_dtype)
     lanes = _lanes(heads, channels, k, v, valid, bases)
     if impl == "triton":
         from .leank import triton_kernel
 
         return _fresh(*triton_kernel.grouped_partial_attention(query, lanes, scale, length=length,
-                                                               base=_leank_base(), softcap=softcap))
-    return _fresh(*leank_ref.grouped_partial_attention(query, lanes, scale, length=length, softcap=softcap))
+                                                               base=_leank_base(), softcap=softcap,
+                                                               out_dtype=out_dtype))
+    return _fresh(*leank_ref.grouped_partial_attention(query, lanes, scale, length=length, softcap=softcap,
+                                                       out_dtype=out_dtype))
 
 
 @lanes_partial.register_fake
-def _lanes_partial_fake(query, heads, channels, k, v, valid, bases, length, scale, softcap=0.0, impl="reference"):
-    return _empty_partial(query, v[0].shape[-1])
+def _lanes_partial_fake(query, heads, channels, k, v, valid, bases, length, scale, out_dtype="float32", softcap=0.0,
+                        impl="reference"):
+    out, lse = _empty_partial(query, v[0].shape[-1])
+    return query.new_empty(out.shape, dtype=_out_dtype("lanes_partial", out_dtype)), lse
 
 
 def lanes_attention(query: Tensor, lanes: Sequence, scale: float, *, impl: str, length: Optional[Tensor] = None,
-                    softcap: Optional[float] = None) -> tuple[Tensor, Tensor]:
-    """``kvcompress::lanes_partial`` over ``lanes`` (tuples ``(heads, channels, k, v[, valid[, basis]]])``)."""
-    return _OPS["lanes_partial"](*_lanes_args(query, lanes, scale, length, softcap), impl)
+                    softcap: Optional[float] = None, out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
+    """``kvcompress::lanes_partial`` over ``lanes`` (tuples ``(heads, channels, k, v[, valid[, basis]]])``);
+    ``out_dtype``: the output's dtype (``None``: float32)."""
+    args = _lanes_args(query, lanes, scale, length, softcap)
+    return _OPS["lanes_partial"](*args[:-1], _dtype_name(out_dtype), args[-1], impl)
 
 
 def _lanes_args(query: Tensor, lanes: Sequence, scale: float, length: Optional[Tensor],

@@ -372,7 +372,9 @@ class CacheCompressor:
           steps read it dequantized through the reference); optionally
           ``attention_partial_with_buffer(query, scale, k, v, valid, length, softcap=None)``: ``(out, lse)`` over the
           region and a full-precision buffer (a static layer's sinks + recent window, ``[batch, heads, T, d]``) in one
-          launch, or ``None`` when it cannot (the two are then read apart and merged);
+          launch, or ``None`` when it cannot (the two are then read apart and merged); a region whose method also
+          takes ``out_dtype=`` (``out`` in that dtype instead of float32: the read's own output, no cast launch after
+          it) declares ``buffer_out_dtype = True``;
         * optionally ``choose_quantizer(k, v) -> impl``: the encoder implementation, passed back as
           ``encode(..., impl=impl)``; a static store asks once, when it allocates;
         * ``report_key(name)``: the memory-report component of a payload.

@@ -268,7 +268,8 @@ def test_dispatchers_without_impl_keep_their_per_call_behaviour():
             from kvcompress.kernels.opcases import lanes_of
 
             lanes = lanes_of(a[1:-1])
-            got = leank.grouped_partial_attention(a[0], lanes, a[0].shape[-1] ** -0.5, length=a[-1])
+            got = leank.grouped_partial_attention(a[0], lanes, a[0].shape[-1] ** -0.5, length=a[-1],
+                                                  out_dtype=case.extra.get("out_dtype"))
         elif case.op == "kivi_lanes_partial":
             from kvcompress.kernels.kivi.lanes_reference import KiviLane, PackedLanes
 

@@ -282,6 +282,9 @@ def test_kernel_reads_buffer_and_region_like_the_reference(b, h, m, d, bits, t, 
                                   None if blen is None else blen.cpu())
     ok, err, msg = opcases.check_partial(tuple(x.cpu() for x in got), ref)
     assert ok, msg
+    # the read's own dtype stored by the split combine: the float32 result rounded once, the same LSE
+    low = packed.attention_partial_with_buffer(q, d ** -0.5, bk, bv, bvalid, blen, out_dtype=dtype)
+    assert low[0].dtype == dtype and torch.equal(low[0], got[0].to(dtype)) and torch.equal(low[1], got[1])
 
 
 @pytest.mark.gpu

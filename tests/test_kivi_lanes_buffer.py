@@ -100,16 +100,20 @@ def test_cuda_glue_hands_both_regions_to_one_launch(monkeypatch):
     scale = q.shape[-1] ** -0.5
     seen = []
 
-    def fake(query, reg, s, *, base=None, softcap=None, buffer=None):
-        seen.append((reg.length, buffer))
-        return lanes_cuda.emulate(query, reg, s, buffer=buffer, softcap=softcap)
+    def fake(query, reg, s, *, base=None, softcap=None, buffer=None, out_dtype=None):
+        seen.append((reg.length, buffer, out_dtype))
+        out, lse = lanes_cuda.emulate(query, reg, s, buffer=buffer, softcap=softcap)
+        return out.to(out_dtype or torch.float32), lse
 
     monkeypatch.setattr(lanes_cuda, "kivi_lanes_attention_partial", fake)
     args = ops._kivi_lanes_args(q, region, scale, None, None)
-    got = ops.CUDA_IMPLS["kivi_lanes_buffer_partial"](*args[:-1], *buffer, args[-1], "cuda")
+    got = ops.CUDA_IMPLS["kivi_lanes_buffer_partial"](*args[:-1], *buffer, "float32", args[-1], "cuda")
     assert len(seen) == 1
-    length, passed = seen[0]
+    length, passed, out_dtype = seen[0]
     assert length is region.length and all(x is y for x, y in zip(passed, buffer))
+    assert out_dtype == torch.float32  # the op's output dtype reaches the launch (its combine stores it)
+    low = ops.CUDA_IMPLS["kivi_lanes_buffer_partial"](*args[:-1], *buffer, "bfloat16", args[-1], "cuda")
+    assert seen[-1][2] == torch.bfloat16 and low[0].dtype == torch.bfloat16
     ok, err, msg = opcases.check_partial(got, ops.kivi_lanes_buffer_attention(q, region, scale, *buffer,
                                                                               impl="reference"))
     assert ok, msg
@@ -152,6 +156,8 @@ def test_attend_segments_reads_buffer_and_lanes_in_one_op(monkeypatch, impl, cov
     got = attend_segments(q, segs, None, 0.125, impls={"lanes_partial": "reference"}, scored=scored)
     got = got[0] if scored else got
     assert len(calls) == (1 if fused else 0)
+    if fused:  # the one launch is the read's only part: its combine writes the read's dtype (no cast after it)
+        assert calls[0][-3] == str(q.dtype)[6:] and got.dtype == q.dtype
     want = segment_attention(q, segs, torch.tensor([10**6]), 0.125)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=1e-2)
 
@@ -299,3 +305,7 @@ def test_kernel_reads_buffer_and_lanes_like_the_reference(b, rows, d, counts, to
     assert got is not None
     ok, err, msg = opcases.check_partial(tuple(x.cpu() for x in got), ref)
     assert ok, msg
+    # the read's own dtype stored by the split combine: the float32 result rounded once, the same LSE
+    low = cuda.attention_partial_with_buffer(q.to(dtype).cuda(), scale, *(None if x is None else x.cuda()
+                                                                            for x in buffer), out_dtype=dtype)
+    assert low[0].dtype == dtype and torch.equal(low[0], got[0].to(dtype)) and torch.equal(low[1], got[1])

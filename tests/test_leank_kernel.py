@@ -68,6 +68,15 @@ CASES = {
     "lowrank-fp32": (1, 2, 4, 32, 32, [([1], ("proj", 16), 33, True), (None, None, 9, False)], {"dtype": "float32"}),
     "lowrank-per-head-valid": (2, 2, 2, 32, 32, [(None, ("proj", 16), 29, "head")], {}),
     "lowrank-one-lane-one-split": (2, 2, 4, 32, 32, [(None, ("proj", 24), 31, True)], {"splits": 1}),
+    # the output in the read's dtype (out_dtype: a read whose only part the launch is): written by the merge of 7
+    # splits (both merges), or by the kernel itself (one split of one lane of every head); a bf16 one with a dead row
+    "out-fp16-combine-splits": (2, 3, 3, 32, 32, [(None, None, 40, True), ([2, 0], 16, 50, True), ([1], 32, 5, True)],
+                                {"combine": "splits", "splits": 7, "out_dtype": "float16"}),
+    "out-fp16-combine-loop": (1, 2, 4, 32, 32, [([1, 0], 16, 90, True)],
+                              {"combine": "loop", "splits": 5, "out_dtype": "float16"}),
+    "out-fp16-one-split": (2, 4, 4, 32, 32, [(None, None, 45, True)], {"splits": 1, "out_dtype": "float16"}),
+    "out-bf16-all-invalid": (1, 2, 4, 32, 32, [(None, None, 20, True)],
+                             {"splits": 3, "all_invalid": True, "out_dtype": "bfloat16"}),
 }
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3
 
@@ -180,6 +189,15 @@ def run_case(name: str, device: str = "cpu") -> dict:
     ref_out, ref_lse = reference.grouped_partial_attention(q, lanes, scale)
     res = _compare(out, lse, ref_out, ref_lse)
     res["dtypes"] = [str(out.dtype), str(lse.dtype)]
+    if "out_dtype" in extra:  # the same launch storing the read's dtype: the float32 result rounded once
+        dtype = getattr(torch, extra["out_dtype"])
+        low, low_lse = triton_kernel.grouped_partial_attention(q, lanes, scale, config=config,
+                                                               splits=extra.get("splits"), out_dtype=dtype)
+        ref_low, _ = reference.grouped_partial_attention(q, lanes, scale, out_dtype=dtype)
+        res["low_dtype"] = str(low.dtype)
+        res["low_is_rounded"] = bool(torch.equal(low, out.to(dtype)))
+        res["low_lse_same"] = bool(torch.equal(low_lse, lse))
+        res["ref_low_is_rounded"] = bool(ref_low.dtype == dtype and torch.equal(ref_low, ref_out.to(dtype)))
     return res
 
 
@@ -256,6 +274,11 @@ def _check(res: dict, name: str) -> None:
     assert res["dead_rows_zero"]
     assert res["out_tol_ok"], f"max |out - ref| = {res['out_err']:.2e}"
     assert res["lse_err"] <= LSE_ATOL, f"max |lse - ref| = {res['lse_err']:.2e}"
+    out_dtype = CASES[name][-1].get("out_dtype")
+    if out_dtype:
+        assert res["low_dtype"] == f"torch.{out_dtype}"
+        assert res["low_is_rounded"] and res["low_lse_same"], "out_dtype: the float32 result rounded once"
+        assert res["ref_low_is_rounded"]
 
 
 # ----------------------------------------------------------------------------- reference (CPU, fast)

@@ -320,6 +320,47 @@ def test_linear_query_map_passes_its_basis_and_the_models_query():
     assert not [n for n in names if any(w in n for w in ("einsum", "matmul", "bmm", "cat"))], names
 
 
+@pytest.mark.parametrize("name, only_part", [("d128-r32-two-lanes-linear", True), ("d128-r32-two-lanes", True),
+                                             ("d128-width-overflow", False), ("d64-r32-softcap-sinks-linear", False)])
+def test_a_read_the_lanes_launch_covers_alone_takes_its_dtype_from_it(name, only_part):
+    """When the lanes launch reads every segment (no PyTorch partial left, no learned sinks), it writes the read's
+    dtype itself (``out_dtype``): no merge and no cast run after it, in eager calls and in the compiled graph.  Else
+    (a lane that does not fit the query width; learned sinks, merged in fp32) its output stays float32.  Both equal
+    today's PyTorch path."""
+    from kvcompress.kernels.attention import attend_segments
+
+    query, segs, q_pos, scale, softcap, sink_logits = make_case(name)
+    seen = []
+
+    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is LANES_OP:
+                seen.append(((kwargs or {}).get("out_dtype", args[9]), out[0].dtype))
+            return out
+
+    def read(q):
+        return attend_segments(q, segs, q_pos, scale, impls={"lanes_partial": "triton"}, softcap=softcap,
+                               sink_logits=sink_logits)
+
+    with Spy():
+        got = read(query)
+    want = query.dtype if only_part else torch.float32
+    assert seen == [(str(want)[6:], want)]
+    assert got.dtype == query.dtype
+    today = attend_segments(query, segs, q_pos, scale, fused=False, softcap=softcap, sink_logits=sink_logits)
+    assert torch.allclose(got.float(), today.float(), atol=ATOL, rtol=RTOL), float((got.float() - today.float()).abs().max())
+    torch._dynamo.reset()
+    graphs: list = []
+    compiled = torch.compile(read, fullgraph=True, backend=_recording_backend(graphs))(query)
+    assert torch.equal(compiled, got)
+    nodes = list(graphs[0].graph.nodes)
+    first = next(i for i, n in enumerate(nodes) if n.op == "call_function" and n.target is LANES_OP)
+    after = [str(n.target) for n in nodes[first + 1:] if n.op in ("call_function", "call_method")]
+    casts = [t for t in after if t in ("to", "float", "half", "bfloat16", "type")]
+    assert (not casts) if only_part else casts, after
+
+
 def test_lanes_with_value_basis_or_reference_impl_keep_the_pytorch_partial():
     """A low-rank lane with a value basis (``vmap``: outputs over value coordinates) is not a lane; with the
     reference implementation (the CPU's choice) nothing changes: no lanes op, one partial per segment."""

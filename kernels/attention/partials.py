@@ -133,10 +133,13 @@ def _has_lanes(segments: Sequence[Segment]) -> bool:
 
 
 def _fused_dense(q5: torch.Tensor, segments: Sequence[Segment], scale: float, fused: bool | None = None,
-                 impl: str | None = None, softcap: float | None = None, scored: bool = False):
+                 impl: str | None = None, softcap: float | None = None, scored: bool = False,
+                 out_dtype: torch.dtype | None = None):
     """CUDA decode: ``(partial, remaining segments, scores)`` with the full-precision lanes (low-rank ones included)
     read in one launch.  ``q5``: the grouped query ``[B, Hkv, group, q_len, D]``.  ``scored``: the launch also
-    returns its scores, and ``scores`` pairs each segment it read with them (``[B, h, M, T]``); else ``[]``."""
+    returns its scores, and ``scores`` pairs each segment it read with them (``[B, h, M, T]``); else ``[]``.
+    ``out_dtype``: the read's output dtype, which the launch writes where it reads every segment (its partial is then
+    the read's output: no merge, no cast after it); else its output is float32."""
     q_len = q5.shape[3]
     if impl is not None:  # chosen when the cache was built: the registered op, nothing decided here
         if impl == "reference" or q_len != 1 or not _has_lanes(segments):
@@ -154,8 +157,8 @@ def _fused_dense(q5: torch.Tensor, segments: Sequence[Segment], scale: float, fu
             out, lse, logits = ops.lanes_attention_scored(query4, lanes, scale, impl=impl, length=length,
                                                           softcap=softcap)
             return (out, lse), rest, list(zip(lane_segments, logits))
-        return leank.grouped_partial_attention(query4, lanes, scale, impl=impl, length=length,
-                                               softcap=softcap), rest, []
+        return leank.grouped_partial_attention(query4, lanes, scale, impl=impl, length=length, softcap=softcap,
+                                               out_dtype=None if rest else out_dtype), rest, []
     if fused is False:
         return None, segments, []
     mode = "triton" if fused else os.environ.get("KVCOMPRESS_KERNELS", "auto")  # "triton" forces it
@@ -177,7 +180,8 @@ def _fused_dense(q5: torch.Tensor, segments: Sequence[Segment], scale: float, fu
                                   dtype=torch.float32) for ln in lanes]
         out, lse = triton_kernel.grouped_partial_attention(query4, lanes, scale, softcap=softcap, logits=logits)
         return (out, lse), rest, list(zip(lane_segments, logits))
-    return triton_kernel.grouped_partial_attention(query4, lanes, scale, softcap=softcap), rest, []
+    return triton_kernel.grouped_partial_attention(query4, lanes, scale, softcap=softcap,
+                                                   out_dtype=None if rest else out_dtype), rest, []
 
 
 def _reads_softcap(packed) -> bool:
@@ -222,13 +226,17 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
     scores: dict[int, torch.Tensor] = {}  # id(segment) -> its scores [b, h_seg, m_rows, t]
     impls = impls or {}
     softcap = softcap or None
-    together = None if scored or q_len != 1 else _buffer_with_region(q5, segments, scale, softcap)
+    # one launch over both segments is the read's only part: it writes the read's dtype (learned sinks merge in fp32)
+    together = None if scored or q_len != 1 else _buffer_with_region(
+        q5, segments, scale, softcap, query.dtype if sink_logits is None else None)
     if together is not None:  # a full-precision buffer and a packed region in one launch: one partial
         parts.append(together)
         fused, segments_left, fused_scores = None, [], []
     else:
+        # the lanes launch writes the read's dtype when it is the only part (learned sinks still merge in fp32)
         fused, segments_left, fused_scores = _fused_dense(q5, segments, scale, fused, impls.get("lanes_partial"),
-                                                          softcap, scored)
+                                                          softcap, scored,
+                                                          query.dtype if sink_logits is None else None)
     if fused is not None:
         parts.append(fused)
         scores.update((id(seg), s) for seg, s in fused_scores)
@@ -315,7 +323,8 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
     return out, [_mass(scores[id(seg)], total, seg.heads, kv_heads) for seg in segments]
 
 
-def _buffer_with_region(q5: torch.Tensor, segments: Sequence[Segment], scale: float, softcap: float | None):
+def _buffer_with_region(q5: torch.Tensor, segments: Sequence[Segment], scale: float, softcap: float | None,
+                        out_dtype: torch.dtype | None = None):
     """A decode read of exactly ``[full-precision buffer, packed region]`` (a static layer's sinks + recent window and
     a quantized middle) by the region's reader in ONE launch, when it offers that
     (``packed.attention_partial_with_buffer``, e.g. the KIVI CUDA kernel's buffer CTAs): the joint ``(out, lse)``, or
@@ -340,6 +349,8 @@ def _buffer_with_region(q5: torch.Tensor, segments: Sequence[Segment], scale: fl
         return None
     b, hkv, group, q_len, d = q5.shape
     cap = {} if softcap is None else {"softcap": softcap}
+    if out_dtype is not None and getattr(packed, "buffer_out_dtype", False):  # the read's output, no cast after it
+        cap["out_dtype"] = out_dtype
     return packed.attention_partial_with_buffer(q5.reshape(b, hkv, group * q_len, d), scale, buf.k, buf.v, buf.valid,
                                                 buf.length, **cap)
 

@@ -1241,12 +1241,18 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_lanes_ke
 }
 #endif  // KIVI_LANES
 
-// Merge nsplit partials [S, R, DV] / [S, R] (R = B*H*M rows) into out [R, DV] / lse [R] by log-sum-exp.
+// The merged output stored as OutT: float, or rounded once to the read's fp16 / bf16 (a read whose only part this is
+// needs no cast launch after it).
+__device__ __forceinline__ void store_out(float* p, float x) { *p = x; }
+__device__ __forceinline__ void store_out(__half* p, float x) { *p = __float2half_rn(x); }
+__device__ __forceinline__ void store_out(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
+
+// Merge nsplit partials [S, R, DV] / [S, R] (R = B*H*M rows) into out [R, DV] (OutT) / lse [R] by log-sum-exp.
 // One CTA of 8 warps per row: the warps stride over the splits (one coalesced DV-float row per split and warp),
 // so a long split list is read with 8-way parallelism instead of one serial loop per output element.
-template <int DV>
+template <int DV, typename OutT>
 __global__ void __launch_bounds__(256) kivi_v3_combine(const float* __restrict__ po, const float* __restrict__ pl,
-                                                       float* __restrict__ out, float* __restrict__ lse, int nsplit,
+                                                       OutT* __restrict__ out, float* __restrict__ lse, int nsplit,
                                                        long long R) {
   constexpr int NWC = 8, PERL = DV / 32;
   static_assert(PERL == 2 || PERL == 4, "DV 64 or 128");
@@ -1264,7 +1270,7 @@ __global__ void __launch_bounds__(256) kivi_v3_combine(const float* __restrict__
 #pragma unroll
   for (int w = 1; w < NWC; ++w) top = fmaxf(top, red[w]);
   if (top == -INFINITY) {  // no valid key in any split
-    if (tid < DV) out[row * DV + tid] = 0.f;
+    if (tid < DV) store_out(out + row * DV + tid, 0.f);
     if (tid == 0) lse[row] = -INFINITY;
     return;
   }
@@ -1297,7 +1303,7 @@ __global__ void __launch_bounds__(256) kivi_v3_combine(const float* __restrict__
     float num = 0.f;
 #pragma unroll
     for (int w = 0; w < NWC; ++w) num += part[w][tid];
-    out[row * DV + tid] = num / d;
+    store_out(out + row * DV + tid, num / d);
   }
   if (tid == 0) lse[row] = top + __logf(d);
 }
@@ -1592,14 +1598,26 @@ KIVI_EXPORT int kivi_v3_layout_probe(const long long* a, int b, int h, int tok0,
   return missing;
 }
 
+// out_kind: the output's element type, 0 float, 1 fp16, 2 bf16 (the lse stays float).
 KIVI_EXPORT int kivi_v3_combine_launch(long long po, long long pl, long long out, long long lse, int nsplit, long long rows,
-                           int dv, int device, void* stream) {
+                           int dv, int out_kind, int device, void* stream) {
   cudaError_t e = cudaSetDevice(device);
   if (e != cudaSuccess) return (int)e;
-  if (dv != KIVI_DV || rows <= 0 || rows > 0x7fffffffLL) return (int)cudaErrorInvalidValue;
-  kivi_v3::kivi_v3_combine<KIVI_DV><<<(unsigned)rows, 256, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-      reinterpret_cast<const float*>(po), reinterpret_cast<const float*>(pl), reinterpret_cast<float*>(out),
-      reinterpret_cast<float*>(lse), nsplit, rows);
+  if (dv != KIVI_DV || rows <= 0 || rows > 0x7fffffffLL || out_kind < 0 || out_kind > 2)
+    return (int)cudaErrorInvalidValue;
+  const float* p = reinterpret_cast<const float*>(po);
+  const float* l = reinterpret_cast<const float*>(pl);
+  float* ls = reinterpret_cast<float*>(lse);
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  if (out_kind == 1)
+    kivi_v3::kivi_v3_combine<KIVI_DV, __half><<<(unsigned)rows, 256, 0, st>>>(p, l, reinterpret_cast<__half*>(out), ls,
+                                                                            nsplit, rows);
+  else if (out_kind == 2)
+    kivi_v3::kivi_v3_combine<KIVI_DV, __nv_bfloat16><<<(unsigned)rows, 256, 0, st>>>(
+        p, l, reinterpret_cast<__nv_bfloat16*>(out), ls, nsplit, rows);
+  else
+    kivi_v3::kivi_v3_combine<KIVI_DV, float><<<(unsigned)rows, 256, 0, st>>>(p, l, reinterpret_cast<float*>(out), ls,
+                                                                           nsplit, rows);
   return (int)cudaGetLastError();
 }
 

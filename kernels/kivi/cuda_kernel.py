@@ -444,7 +444,7 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
                                    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.kivi_v3_combine_launch.restype = ctypes.c_int
     lib.kivi_v3_combine_launch.argtypes = [ctypes.c_longlong] * 4 + [ctypes.c_int, ctypes.c_longlong, ctypes.c_int,
-                                                                       ctypes.c_int, ctypes.c_void_p]
+                                                                       ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.kivi_v3_error_string.restype = ctypes.c_char_p
     lib.kivi_v3_error_string.argtypes = [ctypes.c_int]
     lib.kivi_v3_stage_bytes.restype = ctypes.c_int
@@ -788,7 +788,8 @@ def _plan(bits: int, dk: int, dv: int, rows: int, nt: int, index: int, softcap: 
 
 def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict | None = None,
              splits: int | None = None, base: dict | None = None,
-             softcap: float | None = None, buffer: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             softcap: float | None = None, buffer: tuple | None = None,
+             out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The launch.  ``packed.length`` (a 0-dim device tensor) bounds the slots read: the kernel reads
     ``min(length, capacity)`` from the device, skips the tiles after it and masks the slots after it in the last
     one (the grid stays sized for the capacity: CUDA-graph safe, no host read).  ``base``: the launch
@@ -797,7 +798,8 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
     kernel.  ``buffer``: ``(k, v, valid, length)`` of a full-precision region (a static layer's sinks + recent
     window, :func:`buffer_problem`; ``length`` a 0-dim int tensor bounding its slots, or ``None``) read by more CTAs
     of the same launch (:func:`buffer_plan`) and merged with the packed region's splits by the same combine: one
-    ``(out, lse)`` over both regions."""
+    ``(out, lse)`` over both regions.  ``out_dtype``: ``out``'s dtype (``None``: float32), stored by the split combine
+    (:func:`combine_into`)."""
     why = _problem(query, packed) if buffer is None else buffer_problem(query, packed, *buffer[:3])
     if why is not None:
         raise ValueError(f"KIVI CUDA kernel: {why}")
@@ -808,7 +810,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
     dv = packed.v_codes.shape[-1] * per
     ngv = packed.v_scale.shape[-1]
     dev = query.device
-    out = torch.empty(b, h, m, dv, device=dev, dtype=torch.float32)
+    out = torch.empty(b, h, m, dv, device=dev, dtype=out_dtype or torch.float32)
     lse = torch.empty(b, h, m, device=dev, dtype=torch.float32)
     if b * h * m == 0:
         return out, lse
@@ -837,11 +839,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
         bk, bv, bvalid, blen = buffer
         buffer = (bk, bv, bvalid.view(torch.uint8), live_length(blen, dev))
     total = s + (buffer_plan(buffer[0].shape[2], btok)[0] if buffer is not None else 0)
-    if total == 1:
-        po, pl = out, lse
-    else:
-        po = torch.empty(total, b * h * m, dv, device=dev, dtype=torch.float32)
-        pl = torch.empty(total, b * h * m, device=dev, dtype=torch.float32)
+    po, pl = partial_buffers(out, lse, total)
     arr = _args(packed, kv, q.data_ptr(), q.stride()[:3], po.data_ptr(), pl.data_ptr(), m, tiles_per_split * TILE, s,
                 0 if length is None else length.data_ptr(), interleave, buffer, btok)
     stream = torch.cuda.current_stream(dev).cuda_stream
@@ -849,20 +847,43 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
                             index, ctypes.c_void_p(stream))
     if rc:
         raise RuntimeError(f"KIVI CUDA kernel launch failed: {lib.kivi_v3_error_string(rc).decode()}")
-    if total > 1:
-        rc = lib.kivi_v3_combine_launch(po.data_ptr(), pl.data_ptr(), out.data_ptr(), lse.data_ptr(), total, b * h * m,
-                                        dv, index, ctypes.c_void_p(stream))
-        if rc:
-            raise RuntimeError(f"KIVI CUDA combine launch failed: {lib.kivi_v3_error_string(rc).decode()}")
+    combine_into(lib, po, pl, out, lse, total, index, ctypes.c_void_p(stream))
     return out, lse
 
 
+#: the split combine's output element type (``kivi_v3_combine_launch``'s ``out_kind``) by dtype
+OUT_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def partial_buffers(out: torch.Tensor, lse: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(po, pl)`` the kernel writes its ``total`` partials into (float32 ``[total, rows, Dv]`` / ``[total, rows]``):
+    with one partial and a float32 output, ``out`` and ``lse`` themselves (no combine runs)."""
+    if total == 1 and out.dtype == torch.float32:
+        return out, lse
+    rows = lse.numel()
+    return (torch.empty(total, rows, out.shape[-1], device=out.device, dtype=torch.float32),
+            torch.empty(total, rows, device=out.device, dtype=torch.float32))
+
+
+def combine_into(lib, po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, total: int,
+                 index: int, stream) -> None:
+    """The split combine of ``total`` partials ``po`` / ``pl`` into ``out`` (its dtype: float32, fp16 or bf16, rounded
+    once) and ``lse``; nothing where the kernel wrote ``out`` itself (:func:`partial_buffers`)."""
+    if po is out:
+        return
+    rc = lib.kivi_v3_combine_launch(po.data_ptr(), pl.data_ptr(), out.data_ptr(), lse.data_ptr(), total, lse.numel(),
+                                    out.shape[-1], OUT_KINDS[out.dtype], index, stream)
+    if rc:
+        raise RuntimeError(f"KIVI CUDA combine launch failed: {lib.kivi_v3_error_string(rc).decode()}")
+
+
 def kivi_attention_partial(query: torch.Tensor, packed: PackedKV, scale: float, *,
-                           softcap: float | None = None, buffer: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           softcap: float | None = None, buffer: tuple | None = None,
+                           out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention over a packed KIVI region; see :func:`.reference.kivi_attention_partial`.  ``buffer``: a
     full-precision region read in the same launch (:func:`_forward`; reference:
-    :func:`.reference.kivi_buffer_attention_partial`)."""
-    return _forward(query, packed, scale, softcap=softcap, buffer=buffer)
+    :func:`.reference.kivi_buffer_attention_partial`).  ``out_dtype``: the output's dtype (``None``: float32)."""
+    return _forward(query, packed, scale, softcap=softcap, buffer=buffer, out_dtype=out_dtype)
 
 
 # ----------------------------------------------------------------------------- pure-PyTorch model of the kernel

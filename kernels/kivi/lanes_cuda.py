@@ -187,20 +187,21 @@ def launch_args(q: torch.Tensor, region: PackedLanes, valid8: torch.Tensor, po: 
 
 
 def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale: float, *,
-                                 softcap: float | None = None, base: dict | None = None, buffer: tuple | None = None
-                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                                 softcap: float | None = None, base: dict | None = None, buffer: tuple | None = None,
+                                 out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention over every lane of ``region``; see :func:`.lanes_reference.kivi_lanes_attention_partial`.
     ``base``: the launch configuration (:func:`.cuda_kernel.config`, resolved once by :mod:`kvcompress.kernels.ops`);
     ``None`` reads it here.  ``buffer``: ``(k, v, valid, length)`` of a full-precision region over every head and
     all query channels (a static layer's sinks + recent window, :func:`buffer_problem`; ``length`` a 0-dim int tensor
     bounding its slots, or ``None``) read by more CTAs of the same launch and merged with the lanes' splits by the
-    same combine: one ``(out, lse)`` over both (:func:`.lanes_reference.kivi_lanes_buffer_attention_partial`)."""
+    same combine: one ``(out, lse)`` over both (:func:`.lanes_reference.kivi_lanes_buffer_attention_partial`).
+    ``out_dtype``: ``out``'s dtype (``None``: float32), stored by the split combine (:func:`.cuda_kernel.combine_into`)."""
     b, h, m, _ = query.shape
     dv = region.v_dim
     dev = query.device
     valid = region.valid
     length = ck.live_length(region.length, dev)  # read by the kernel: slots after it neither read nor attended
-    out = torch.empty(b, h, m, dv, device=dev, dtype=torch.float32)
+    out = torch.empty(b, h, m, dv, device=dev, dtype=out_dtype or torch.float32)
     lse = torch.empty(b, h, m, device=dev, dtype=torch.float32)
     nt = region.num_tokens
     if buffer is not None:
@@ -235,11 +236,7 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
         bk, bv, bvalid, blen = buffer
         buffer = (bk, bv, bvalid.view(torch.uint8), ck.live_length(blen, dev))
     total = s + (ck.buffer_plan(buffer[0].shape[2], btok)[0] if buffer is not None else 0)
-    if total == 1:
-        po, pl = out, lse
-    else:
-        po = torch.empty(total, b * h * m, dv, device=dev, dtype=torch.float32)
-        pl = torch.empty(total, b * h * m, device=dev, dtype=torch.float32)
+    po, pl = ck.partial_buffers(out, lse, total)
     args, keep = launch_args(q, region, valid8, po.data_ptr(), pl.data_ptr(), s, tps, length, interleave, buffer,
                              btok)
     arr = (ctypes.c_longlong * len(args))(*args)
@@ -249,11 +246,7 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
                                       -(-m // 8), index, stream)
     if rc:
         raise RuntimeError(f"KIVI CUDA lanes kernel launch failed: {lib.kivi_v3_error_string(rc).decode()}")
-    if total > 1:
-        rc = lib.kivi_v3_combine_launch(po.data_ptr(), pl.data_ptr(), out.data_ptr(), lse.data_ptr(), total,
-                                        b * h * m, dv, index, stream)
-        if rc:
-            raise RuntimeError(f"KIVI CUDA combine launch failed: {lib.kivi_v3_error_string(rc).decode()}")
+    ck.combine_into(lib, po, pl, out, lse, total, index, stream)
     del keep
     return out, lse
 

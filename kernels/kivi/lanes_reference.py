@@ -85,6 +85,8 @@ class PackedLanes:
     #: every reader (reference, Triton, CUDA) gives heads no lane covers ``lse = -inf``: a segment's per-head validity
     #: ``valid & covered`` (:class:`kvcompress.plugins.kivi.MergedLanes`) masks nothing more for them
     masks_uncovered_heads = True
+    #: :meth:`attention_partial_with_buffer` takes ``out_dtype=`` (the joint output in the read's dtype)
+    buffer_out_dtype = True
     k_per_token = False
 
     @property
@@ -150,13 +152,15 @@ class PackedLanes:
 
     def attention_partial_with_buffer(self, query: torch.Tensor, scale: float, k: torch.Tensor, v: torch.Tensor,
                                       valid: torch.Tensor, length: torch.Tensor | None = None,
-                                      softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                                      softcap: float | None = None, out_dtype: torch.dtype | None = None
+                                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(out, lse)`` over every lane and a full-precision buffer ``k`` / ``v`` ``[B, H, T, D / Dv]`` (every head,
         all query channels; validity ``valid [B, T]``, ``length`` bounding its slots) in ONE launch - the CUDA lanes
         kernel's buffer CTAs (registered op ``kvcompress::kivi_lanes_buffer_partial``) - or ``None`` when the region's
         implementation cannot (not ``"cuda"``, or shapes / dtypes it does not take) or should not (a read large
         enough that the two regions apart are faster, by the plain kernel's rule: :func:`.cuda_kernel.fuses_buffer`);
-        the caller then reads the two apart.  Decided from shapes only."""
+        the caller then reads the two apart.  Decided from shapes only.  ``out_dtype``: ``out``'s dtype (``None``:
+        float32), stored by the split combine."""
         if self.impl != "cuda":
             return None
         from . import cuda_kernel, lanes_cuda
@@ -168,7 +172,7 @@ class PackedLanes:
         from kvcompress.kernels import ops
 
         return ops.kivi_lanes_buffer_attention(query, self, scale, k, v, valid, length, impl=self.impl,
-                                               softcap=softcap)
+                                               softcap=softcap, out_dtype=out_dtype)
 
     def attention_scored(self, query: torch.Tensor, scale: float, softcap: float | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -228,6 +228,8 @@ class PackedKV:
     supports_softcap = True
     #: :meth:`attention_scored` returns the scores the read computed (attention-mass observers use them)
     supports_scores = True
+    #: :meth:`attention_partial_with_buffer` takes ``out_dtype=`` (the joint output in the read's dtype)
+    buffer_out_dtype = True
 
     @property
     def num_tokens(self) -> int:
@@ -267,12 +269,15 @@ class PackedKV:
 
     def attention_partial_with_buffer(self, query: torch.Tensor, scale: float, k: torch.Tensor, v: torch.Tensor,
                                       valid: torch.Tensor, length: torch.Tensor | None = None,
-                                      softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                                      softcap: float | None = None, out_dtype: torch.dtype | None = None
+                                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(out, lse)`` over this region and a full-precision buffer ``k`` / ``v`` ``[B, H, T, Dk / Dv]`` (validity
         ``valid [B, T]``, ``length`` bounding its slots) in ONE launch - the hand-written CUDA kernel's buffer CTAs
         (registered op ``kvcompress::kivi_buffer_partial``) - or ``None`` when the region's implementation cannot
         (not ``"cuda"``, or shapes / dtypes it does not take) or should not (a read large enough that the two
-        regions apart are faster: :func:`.cuda_kernel.fuses_buffer`): the caller then reads the two regions apart."""
+        regions apart are faster: :func:`.cuda_kernel.fuses_buffer`): the caller then reads the two regions apart.
+        ``out_dtype``: ``out``'s dtype (``None``: float32; the split combine stores it: a read whose only part this
+        is needs no cast after it)."""
         if self.impl != "cuda" or self.k_per_token:
             return None
         from . import cuda_kernel
@@ -282,7 +287,8 @@ class PackedKV:
         slots = self.k_codes.shape[2] * self.group
         if not cuda_kernel.fuses_buffer(self.bits, *query.shape[:3], slots):  # a large read: apart is faster
             return None
-        return _ops().kivi_buffer_attention(query, self, scale, k, v, valid, length, impl=self.impl, softcap=softcap)
+        return _ops().kivi_buffer_attention(query, self, scale, k, v, valid, length, impl=self.impl, softcap=softcap,
+                                            out_dtype=out_dtype)
 
     def attention_scored(self, query: torch.Tensor, scale: float, softcap: float | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

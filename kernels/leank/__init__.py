@@ -23,16 +23,19 @@ def triton_available() -> bool:
     return available()
 
 
-def grouped_partial_attention(query, lanes, scale, *, impl: str | None = None, length=None, softcap=None):
+def grouped_partial_attention(query, lanes, scale, *, impl: str | None = None, length=None, softcap=None,
+                              out_dtype=None):
     """Attention of grouped queries over LeanK lanes; see :func:`.reference.grouped_partial_attention`.
 
     ``impl``: ``"reference"`` / ``"triton"`` through the registered op (``None``: decided per call).  ``length``:
     optional 0-dim int device tensor, every lane's slots at or after it are treated as invalid and not read by
-    the kernel.  ``softcap``: logit soft-cap of the scores (every implementation applies it)."""
+    the kernel.  ``softcap``: logit soft-cap of the scores (every implementation applies it).  ``out_dtype``: the
+    output's dtype (``None``: float32; a read whose only part this is: no cast after it)."""
     if impl is not None:
         from kvcompress.kernels import ops
 
-        return ops.lanes_attention(query, lanes, scale, impl=impl, length=length, softcap=softcap)
+        return ops.lanes_attention(query, lanes, scale, impl=impl, length=length, softcap=softcap,
+                                   out_dtype=out_dtype)
     from kvcompress.kernels.ops import kernels_mode
 
     mode = kernels_mode()  # "triton" forces it (CPU: under TRITON_INTERPRET=1)
@@ -40,8 +43,10 @@ def grouped_partial_attention(query, lanes, scale, *, impl: str | None = None, l
         from . import triton_kernel  # compiled lazily, on first use
 
         if triton_kernel.supports(query, lanes):
-            return triton_kernel.grouped_partial_attention(query, lanes, scale, length=length, softcap=softcap)
-    return grouped_partial_attention_reference(query, lanes, scale, length=length, softcap=softcap)
+            return triton_kernel.grouped_partial_attention(query, lanes, scale, length=length, softcap=softcap,
+                                                           out_dtype=out_dtype)
+    return grouped_partial_attention_reference(query, lanes, scale, length=length, softcap=softcap,
+                                               out_dtype=out_dtype)
 
 
 __all__ = ["Lane", "gather_query", "grouped_partial_attention", "grouped_partial_attention_reference",

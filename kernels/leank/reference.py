@@ -113,8 +113,8 @@ def grouped_partial_scored(query: torch.Tensor, lanes: Sequence[Lane | tuple], s
 
 
 def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple], scale: float, *,
-                              length: torch.Tensor | None = None,
-                              softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                              length: torch.Tensor | None = None, softcap: float | None = None,
+                              out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of grouped queries over LeanK lanes, unnormalised across regions.
 
     Args:
@@ -125,6 +125,8 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
         length: optional 0-dim int tensor: every lane's token slots at or after it are treated as invalid
             (the kernel does not read them).
         softcap: logit soft-cap ``softcap * tanh(s / softcap)`` of the scaled scores (``None``: none).
+        out_dtype: the output's dtype (``None``: float32) - for a read whose only part this is, so that no cast
+            follows it (the float32 result rounded once).
 
     Returns:
         ``(out [B, Hkv, M, Dv] float32, lse [B, Hkv, M] float32)``; heads no lane covers get
@@ -133,7 +135,8 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     """
     if length is not None:
         lanes = [_bounded(Lane(*lane), length) for lane in lanes]
-    return combine_lanes(query, lanes, lambda lane: lane_partial(query, lane, scale, softcap))
+    out, lse = combine_lanes(query, lanes, lambda lane: lane_partial(query, lane, scale, softcap))
+    return (out if out_dtype is None else out.to(out_dtype)), lse
 
 
 def _bounded(lane: Lane, length: torch.Tensor) -> Lane:

@@ -189,7 +189,7 @@ def _lanes_kernel(
             out = acc / tl.where(l_ok, l_i, 1.0)[:, None]
             lse = tl.where(l_ok, (m_i + tl.log2(tl.where(l_ok, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
             row = (pid_s.to(tl.int64) * NBATCH + b64) * R + r
-            tl.store(PO + (row * M + offs_m[:, None]) * DV + offs_d[None, :], out,
+            tl.store(PO + (row * M + offs_m[:, None]) * DV + offs_d[None, :], out.to(PO.dtype.element_ty),
                      mask=m_ok[:, None] & (offs_d < DV)[None, :])
             tl.store(PL + row * M + offs_m, lse, mask=m_ok)
 
@@ -230,7 +230,8 @@ def _combine_kernel(PO, PL, OUT, LSE, HDS, NHS, ROW0, S, R, M, H, NBATCH,
                     top = new
     t_ok = tot > 0.0
     dst = (b * H + h) * M + offs_m
-    tl.store(OUT + dst[:, None] * DV + offs_d[None, :], acc / tl.where(t_ok, tot, 1.0)[:, None], mask=ok)
+    tl.store(OUT + dst[:, None] * DV + offs_d[None, :],
+             (acc / tl.where(t_ok, tot, 1.0)[:, None]).to(OUT.dtype.element_ty), mask=ok)
     tl.store(LSE + dst, tl.where(t_ok, top + tl.log(tl.where(t_ok, tot, 1.0)), float("-inf")), mask=m_ok)
 
 
@@ -268,7 +269,7 @@ def _combine_splits_kernel(PO, PL, OUT, LSE, HDS, NHS, ROW0, S, R, M, H, NBATCH,
                     top, tot, acc = fold_splits(top, tot, acc, lse, o)
     t_ok = tot > 0.0
     dst = (b * H + h) * M + m
-    tl.store(OUT + dst * DV + offs_d, acc / tl.where(t_ok, tot, 1.0), mask=d_ok)
+    tl.store(OUT + dst * DV + offs_d, (acc / tl.where(t_ok, tot, 1.0)).to(OUT.dtype.element_ty), mask=d_ok)
     tl.store(LSE + dst, tl.where(t_ok, top + tl.log(tl.where(t_ok, tot, 1.0)), float("-inf")))
 
 
@@ -539,9 +540,12 @@ def launch_layout(lanes: Sequence[Lane | tuple], d: int, canonical: bool = True)
 def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple], scale: float, *,
                               splits: int | None = None, config: dict | None = None,
                               length: torch.Tensor | None = None, base: dict | None = None,
-                              softcap: float | None = None,
-                              logits: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                              softcap: float | None = None, logits: Sequence[torch.Tensor] | None = None,
+                              out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused grouped partial attention; see :func:`.reference.grouped_partial_attention`.
+
+    ``out_dtype``: the output's dtype (``None``: float32): the split merge stores it rounded (a read whose only part
+    this is needs no cast launch after it); with one split of one lane of every head the kernel stores it so.
 
     ``logits``: one contiguous float32 tensor ``[B, h_i, M, T_i]`` per lane, which the kernel fills with the scores
     it computes (natural-log units, ``-inf`` on invalid slots; slots it does not read - at or after ``length`` -
@@ -566,7 +570,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     b, hkv, m, d = query.shape
     dv = lanes[0].v.shape[-1]
     dev = query.device
-    out = torch.empty(b, hkv, m, dv, device=dev, dtype=torch.float32)
+    out = torch.empty(b, hkv, m, dv, device=dev, dtype=out_dtype or torch.float32)
     lse = torch.empty(b, hkv, m, device=dev, dtype=torch.float32)
     if b * hkv * m == 0:
         return out, lse
@@ -625,7 +629,10 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
             splits = resident_split_count(cfg, b, shapes, m_blocks, per_sm * sms, int(cfg.get("waves") or 1))
         else:
             splits = split_count(cfg, b, shapes, m_blocks, waves, sms, work)
-    po = torch.empty(splits, b, n_rows, m, dv, device=dev, dtype=torch.float32)
+    # one split of one lane of every head in order (a short buffer's read): the kernel's partial is already the
+    # result, in the output's layout - the merge would copy it (bit for bit: one finite weight of exactly 1)
+    direct = splits == 1 and len(rows) == 1 and not rows[0]["has_heads"] and n_rows == hkv
+    po = torch.empty(splits, b, n_rows, m, dv, device=dev, dtype=out.dtype if direct else torch.float32)
     pl = torch.empty(splits, b, n_rows, m, device=dev, dtype=torch.float32)
     for first in range(0, len(rows), MAX_LANES):
         chunk = rows[first:first + MAX_LANES]
@@ -635,9 +642,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
         args, consts = launch(chunk, po, pl)
         _lanes_kernel[(splits, b * n_chunk, m_blocks)](*args, **consts, num_warps=cfg["num_warps"], num_stages=stages)
 
-    if splits == 1 and len(rows) == 1 and not rows[0]["has_heads"] and n_rows == hkv:
-        # one split of one lane of every head in order (a short buffer's read): the kernel's partial is already the
-        # result, in the output's layout - the merge would copy it (bit for bit: one finite weight of exactly 1)
+    if direct:
         return po[0], pl[0]
 
     def tup_all(key):
