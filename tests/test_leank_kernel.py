@@ -433,10 +433,12 @@ def test_resident_split_count_fills_whole_waves_of_long_programs():
     assert tk.resident_split_count(cfg, 1, [(2, 0)], 1, slots) == 1
 
 
+@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("kernel", ["_combine_kernel", "_combine_splits_kernel"])
-def test_split_merges_compile_for_sm90_without_a_gpu(kernel):
+def test_split_merges_compile_for_sm90_without_a_gpu(kernel, pdl):
     """The interpreter accepts what the compiler may not (loop-carried scalar types, tuple arguments): build both split
-    merges with Triton's real pipeline for an sm_90 target (PTX and cubin; no GPU needed)."""
+    merges with Triton's real pipeline for an sm_90 target (PTX and cubin; no GPU needed).  ``PDL`` (programmatic
+    dependent launch): exactly one ``griddepcontrol.wait``, before the first load of a partial; none without it."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -450,12 +452,17 @@ def test_split_merges_compile_for_sm90_without_a_gpu(kernel):
            "HAS_HEADS": "constexpr", "NL": "constexpr", "DV": "constexpr", "DVP": "constexpr"}
     consts = {"HAS_HEADS": (True, False), "NL": nl, "DV": 128, "DVP": 128}
     extra = {"SB": 32} if kernel == "_combine_splits_kernel" else {"BLOCK_M": 16}
+    extra["PDL"] = pdl
     sig.update({key: "constexpr" for key in extra})
     consts.update(extra)
     names = list(sig)
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    assert ".entry" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 1000
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "launch_pdl": pdl})
+    ptx = compiled.asm["ptx"]
+    assert ".entry" in ptx and len(compiled.asm["cubin"]) > 1000
+    assert ptx.count("griddepcontrol.wait") == int(pdl)
+    if pdl:  # the wait comes before any global load (the partials, the head lists)
+        assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
 
 
 def test_lanes_kernel_compiles_for_sm90_without_a_gpu():
@@ -463,7 +470,8 @@ def test_lanes_kernel_compiles_for_sm90_without_a_gpu():
     in its place, built with Triton's real pipeline for an sm_90 target, specialised as a launch specialises it
     (16-byte aligned pointers and strides): in both the token loop is software-pipelined (asynchronous copies of both
     lanes' K and V tiles), nothing spills, and the in-kernel projection leaves as many programs resident per SM as the
-    gather (Triton 3.6, the GPU image's: 168 registers each; 3.9: 168 against 132, 3 programs per SM either way)."""
+    gather (Triton 3.6, the GPU image's: 168 registers each; 3.9: 168 against 132, 3 programs per SM either way).
+    With ``PDL`` the program signals ``griddepcontrol.launch_dependents`` before its first load."""
     triton = pytest.importorskip("triton")
     import re
     import shutil
@@ -482,7 +490,7 @@ def test_lanes_kernel_compiles_for_sm90_without_a_gpu():
     sig.update({"PO": "*fp32", "PL": "*fp32", "LENGTH": "*i64", "qk_scale": "fp32", "M": "i32", "R": "i32",
                 "RLO": "i32", "RN": "i32", "NBATCH": "i32", "cap": "fp32", "LGS": ("*fp32",) * nl, "DQ": "i32"})
     names = list(sig) + ["HAS_VALID", "HAS_CHAN", "HAS_HEADS", "PROJ", "DKP", "NL", "DV", "DVP", "BLOCK_M", "BN",
-                         "IEEE", "HAS_LENGTH", "SOFTCAP", "LOGITS", "DQP"]
+                         "IEEE", "HAS_LENGTH", "SOFTCAP", "LOGITS", "DQP", "PDL"]
     aligned = [["tt.divisibility", 16]]
     attrs = {}
     for name, ty in sig.items():
@@ -493,15 +501,21 @@ def test_lanes_kernel_compiles_for_sm90_without_a_gpu():
             attrs[(i,)] = aligned
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     regs = {}
-    for proj in (True, False):
+    for proj, pdl in ((True, False), (False, False), (True, True)):
         consts = {"HAS_VALID": (True, True), "HAS_CHAN": (not proj, False), "HAS_HEADS": (False, False),
                   "PROJ": (proj, False), "DKP": (64, 128), "NL": nl, "DV": 128, "DVP": 128, "BLOCK_M": 16, "BN": 64,
-                  "IEEE": False, "HAS_LENGTH": True, "SOFTCAP": False, "LOGITS": False, "DQP": 128}
+                  "IEEE": False, "HAS_LENGTH": True, "SOFTCAP": False, "LOGITS": False, "DQP": 128, "PDL": pdl}
         src = ASTSource(fn=triton_kernel._lanes_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
                         attrs=attrs, constexprs={(names.index(k),): v for k, v in consts.items()})
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
         assert ".entry" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 1000
         assert compiled.asm["ttgir"].count("async_copy_global_to_local") == 8  # K, V of 2 lanes, 2 copies each
+        # PDL: every program lets the merge launch as it starts (before its first load); nothing else changes
+        assert compiled.asm["ptx"].count("griddepcontrol.launch_dependents") == int(pdl)
+        if pdl:
+            ptx = compiled.asm["ptx"]
+            assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("ld.global")
+            continue
         if tool.is_file() and shutil.which(str(tool)):
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                 f.write(compiled.asm["cubin"])

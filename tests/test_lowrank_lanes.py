@@ -349,7 +349,8 @@ def test_a_read_the_lanes_launch_covers_alone_takes_its_dtype_from_it(name, only
     assert seen == [(str(want)[6:], want)]
     assert got.dtype == query.dtype
     today = attend_segments(query, segs, q_pos, scale, fused=False, softcap=softcap, sink_logits=sink_logits)
-    assert torch.allclose(got.float(), today.float(), atol=ATOL, rtol=RTOL), float((got.float() - today.float()).abs().max())
+    err = float((got.float() - today.float()).abs().max())
+    assert torch.allclose(got.float(), today.float(), atol=ATOL, rtol=RTOL), err
     torch._dynamo.reset()
     graphs: list = []
     compiled = torch.compile(read, fullgraph=True, backend=_recording_backend(graphs))(query)

@@ -12,6 +12,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -42,6 +43,45 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def use_pdl(enabled, device: torch.device) -> bool:
+    """Whether a split merge is launched with programmatic dependent launch (PDL): asked for (a kernel configuration's
+    ``pdl``), on a CUDA device of compute capability 9.0 or newer (``griddepcontrol`` is Hopper PTX; the interpreter
+    runs on CPU tensors and never takes it).  With PDL the merge is launched while the split kernel's last wave runs
+    (the split kernel's programs signal ``griddepcontrol.launch_dependents`` as they start) and its programs wait in
+    ``griddepcontrol.wait`` - until the split kernel has finished and its writes are visible - before they read a
+    partial: the merge's launch latency and prologue overlap the split kernel instead of following it (FlashInfer and
+    vLLM launch their decode kernels so on Hopper).  Inside a CUDA graph the capture keeps the launch's programmatic
+    edge."""
+    if not enabled or device.type != "cuda":
+        return False
+    return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_launch(pdl: bool) -> dict:
+    """The launch keyword of a merge kernel launched with PDL (nothing otherwise: an unknown keyword is an error in
+    some Triton versions' interpreter)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """``griddepcontrol.wait`` where ``PDL``: everything the previous kernel wrote is visible after it."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def pdl_trigger(PDL: tl.constexpr):
+    """``griddepcontrol.launch_dependents`` where ``PDL``: this program lets a PDL-launched next kernel start."""
+    if PDL:
+        gdc_launch_dependents()
+
+
 @triton.jit
 def fold_splits(top, tot, acc, lse, o):
     """One step of a log-sum-exp merge: the ``[SB]`` LSEs ``lse`` (natural log, ``-inf`` for none) and their
@@ -55,14 +95,16 @@ def fold_splits(top, tot, acc, lse, o):
 
 @triton.jit
 def _combine_tiles_kernel(PO, PL, OUT, LSE, S, spo_s, spl_s, DV: tl.constexpr, DV_PAD: tl.constexpr,
-                          SB: tl.constexpr):
+                          SB: tl.constexpr, PDL: tl.constexpr = False):
     """Log-sum-exp merge of ``S`` split partials of one query row (contiguous ``[S, rows, Dv]`` / ``[S, rows]``),
     ``SB`` splits per step as one ``[SB, Dv]`` tile: the loads of a step are independent, so a row split many ways
-    (batch 1: 64-256 splits) waits on ``S / SB`` rounds of loads, not ``S``."""
+    (batch 1: 64-256 splits) waits on ``S / SB`` rounds of loads, not ``S``.  ``PDL``: launched with programmatic
+    dependent launch (:func:`use_pdl`): it waits for the split kernel before reading a partial."""
     row = tl.program_id(0).to(tl.int64)  # (batch x head) * M + query row
     offs_s = tl.arange(0, SB)
     offs_d = tl.arange(0, DV_PAD)
     d_ok = offs_d < DV
+    pdl_wait(PDL)
     top = tl.max(tl.full([SB], float("-inf"), tl.float32), axis=0)
     tot = tl.sum(tl.zeros([SB], tl.float32), axis=0)
     acc = tl.zeros([DV_PAD], tl.float32)
@@ -103,10 +145,12 @@ COMBINE_TILE_SPLITS = 32
 
 
 def combine_splits(po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, splits: int,
-                   rows: int, dv: int) -> None:
+                   rows: int, dv: int, pdl: bool = False) -> None:
     """Merge contiguous partials ``po [S, rows, Dv]`` / ``pl [S, rows]`` (``rows``: batch x heads x query rows)
     into ``out`` / ``lse`` (contiguous ``[rows, Dv]`` / ``[rows]``): one program per row, folding up to
-    :data:`COMBINE_TILE_SPLITS` splits per step (:func:`_combine_tiles_kernel`)."""
+    :data:`COMBINE_TILE_SPLITS` splits per step (:func:`_combine_tiles_kernel`).  ``pdl``: launched with
+    programmatic dependent launch (the caller checked :func:`use_pdl`; its split kernel triggers it)."""
     _combine_tiles_kernel[(rows,)](
         po, pl, out, lse, splits, po.stride(0), pl.stride(0),
-        DV=dv, DV_PAD=max(16, pow2(dv)), SB=max(2, min(COMBINE_TILE_SPLITS, pow2(splits))), num_warps=4)
+        DV=dv, DV_PAD=max(16, pow2(dv)), SB=max(2, min(COMBINE_TILE_SPLITS, pow2(splits))), PDL=pdl, num_warps=4,
+        **pdl_launch(pdl))

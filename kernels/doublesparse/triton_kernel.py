@@ -22,6 +22,11 @@ Same signatures and semantics as :mod:`.reference`.  Nothing is compiled at impo
   and runs both products on tensor cores.  Partials + LSE per split are merged by the shared combine
   kernel (:mod:`kvcompress.kernels.attention.triton_shared`).
 
+``pdl`` (:data:`SELECT_CONFIG` and :data:`GATHER_CONFIG`, ``KVCOMPRESS_DS_CONFIG``; opt-in, not yet timed): on Hopper
+the gather is launched with programmatic dependent launch after the select (whose programs signal their dependents as
+they start) and waits for it on the device before it touches memory, and the gather's split merge follows it the same
+way (:func:`kvcompress.kernels.attention.triton_shared.use_pdl`).
+
 Limits (:func:`supports_*`): last dims contiguous; ``D``, ``Dv``, ``r`` up to 256; query fp16, bf16 or
 fp32; K/V fp16, bf16 or fp32.
 """
@@ -36,7 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcompress.kernels.attention.triton_shared import cap_base2, combine_splits, num_sms, pow2, soft_cap
+from kvcompress.kernels.attention.triton_shared import (cap_base2, combine_splits, num_sms, pdl_launch, pdl_trigger,
+                                                         pdl_wait, pow2, soft_cap, use_pdl)
 
 from .reference import Labels, group_query
 
@@ -252,13 +258,14 @@ def _select_kernel(Q, sq_b, sq_h, sq_g, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, 
                    IDX, CKEY, T, K, KC, CHUNK, HQ, G,
                    W: tl.constexpr, PER: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                    HAS_VALID: tl.constexpr, CANDIDATES: tl.constexpr, UNROLL: tl.constexpr, NP: tl.constexpr,
-                   SUB: tl.constexpr, GROUP: tl.constexpr):
+                   SUB: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr = False):
     """One query head and one chunk of ``CHUNK`` tokens: label scores in registers, then either the head's
     ``K`` token indices (one chunk) or the chunk's ``KC`` best (key, token) candidates (``CANDIDATES``).
     ``SUB < NP``: once the threshold is found the keys are dropped and recomputed ``SUB`` lanes at a time for the
     placement (the prefix sum and the scattered stores then hold ``SUB`` lanes' state, not ``NP``: fewer
     registers for a second label read, :data:`SELECT_CONFIG` ``compact_block``); the same indices in the same
     order as in one pass."""
+    pdl_trigger(PDL)  # a gather launched with PDL may start once every program has started
     pid = tl.program_id(0)  # b * HQ + hq
     chunk = tl.program_id(1)
     hq = (pid % HQ).to(tl.int64)
@@ -300,9 +307,10 @@ def _select_kernel(Q, sq_b, sq_h, sq_g, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, 
 
 
 @triton.jit
-def _merge_kernel(CKEY, CIDX, OUT, N, K, NP: tl.constexpr, SUB: tl.constexpr):
+def _merge_kernel(CKEY, CIDX, OUT, N, K, NP: tl.constexpr, SUB: tl.constexpr, PDL: tl.constexpr = False):
     """The ``K`` best of one head's ``N`` candidates (keys, token indices): the head's token indices.  ``SUB <
     NP``: placed ``SUB`` at a time, the keys loaded again (as :func:`_select_kernel`)."""
+    pdl_trigger(PDL)
     pid = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, NP)
     ok = offs < N
@@ -323,10 +331,12 @@ def _merge_kernel(CKEY, CIDX, OUT, N, K, NP: tl.constexpr, SUB: tl.constexpr):
 
 
 @triton.jit
-def _merge_level_kernel(CKEY, CIDX, OKEY, OIDX, N, GS, KC, NP: tl.constexpr, SUB: tl.constexpr):
+def _merge_level_kernel(CKEY, CIDX, OKEY, OIDX, N, GS, KC, NP: tl.constexpr, SUB: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """One group of ``GS`` of a head's ``N`` candidates keeps its ``min(KC, present)`` best (absent = key 0) in
     the group's ``KC`` output slots: a superset of the group's share of the head's top-``KC``.  ``SUB < NP``:
     placed ``SUB`` at a time, the keys loaded again (as :func:`_select_kernel`)."""
+    pdl_trigger(PDL)
     pid = tl.program_id(0).to(tl.int64)
     grp = tl.program_id(1).to(tl.int64)
     first = grp * GS
@@ -388,7 +398,7 @@ FUSED_MAX_TOKENS = 16384  # per program: the label scores stay in registers (~3 
 # 8-warp select and makes the 4-warp one spill, but on the H200 (session 29) compact_block 1024 was slower at all 36
 # cells timed (Llama B16/32k ds16 467.2 against 382.5 us): computing the keys again costs more than the spills
 SELECT_CONFIG = dict(elems_per_thread=None, chunk_tokens=FUSED_MAX_TOKENS, unroll=4, multilevel=None, method="auto",
-                     radix={}, merge_tokens=None, compact_block=None, cuda={})
+                     radix={}, merge_tokens=None, compact_block=None, cuda={}, pdl=False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -574,6 +584,7 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
     quant = labels.bits != 16
     lab = labels.data
     dev = query.device
+    pdl = use_pdl(cfg.get("pdl"), dev)  # the programs let a PDL-launched gather start (it waits for them)
     out = torch.empty(b, hq, k, device=dev, dtype=torch.int64)
     channels = channels.to(device=dev).contiguous()  # int64 as the plugin keeps it: no per-step cast
     sc = labels.scale if quant else out
@@ -600,7 +611,7 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
         W=lab.shape[-1], PER=8 // labels.bits if quant else 1, BITS=labels.bits if quant else 16, QUANT=quant,
         HAS_VALID=valid is not None, CANDIDATES=chunks > 1,
         UNROLL=_divisor(lab.shape[-1], int(cfg["unroll"])), NP=np_,
-        SUB=_sub(np_, cfg), GROUP=group, num_warps=warps)
+        SUB=_sub(np_, cfg), GROUP=group, PDL=pdl, num_warps=warps)
     n = chunks * kc  # candidates left
     for _, group, keep in levels:  # fused_levels' candidate counts are the n of each step here
         groups = -(-n // group)
@@ -608,11 +619,12 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
         oidx = torch.empty(b * hq, groups * keep, device=dev, dtype=torch.int32)
         np2 = max(16, pow2(group))
         _merge_level_kernel[(b * hq, groups)](ckey, cidx, okey, oidx, n, group, keep, NP=np2, SUB=_sub(np2, cfg),
+                                              PDL=pdl,
                                               num_warps=max(1, min(16, np2 // (32 * ept))))
         ckey, cidx, n = okey, oidx, groups * keep
     if chunks > 1:
         np2 = max(16, pow2(n))
-        _merge_kernel[(b * hq,)](ckey, cidx, out, n, k, NP=np2, SUB=_sub(np2, cfg),
+        _merge_kernel[(b * hq,)](ckey, cidx, out, n, k, NP=np2, SUB=_sub(np2, cfg), PDL=pdl,
                                  num_warps=max(1, min(16, np2 // (32 * ept))))
     return out
 
@@ -633,8 +645,12 @@ def _selected(i_base, VA, b, sva_b, k0, end, BK: tl.constexpr, HAS_VALID: tl.con
 def _gather_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_h, sv_t, VA, sva_b,
                    IDX, si_b, si_h, si_m, PO, PL, HKV, M, NK, per_split, qk_scale, cap,
                    D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-                   HAS_VALID: tl.constexpr, BK: tl.constexpr, SOFTCAP: tl.constexpr):
-    """One query row, one split of its selected indices: normalised partial + LSE (base e)."""
+                   HAS_VALID: tl.constexpr, BK: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr = False):
+    """One query row, one split of its selected indices: normalised partial + LSE (base e).  ``PDL``: launched with
+    programmatic dependent launch - it lets its split merge start, then waits for the kernel before it (the select)
+    before it touches memory."""
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     pid_row = tl.program_id(0)  # b * HKV * M + h * M + m
     pid_s = tl.program_id(1)
     rows = tl.num_programs(0)
@@ -718,9 +734,13 @@ def _dot_gather(q, k_base, sk_t, v_base, sv_t, i_base, VA, b, sva_b, start, end,
 def _gather_shared_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_h, sv_t, VA, sva_b,
                           IDX, si_b, si_h, PO, PL, HKV, M, NK, per_split, qk_scale, cap,
                           MP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-                          HAS_VALID: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
+                          HAS_VALID: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr,
+                          PDL: tl.constexpr = False):
     """All ``M`` query rows of one kv head over one split of their *shared* selected indices: each K/V row
-    is gathered once for the group and both products run on tensor cores (rows padded to ``MP``)."""
+    is gathered once for the group and both products run on tensor cores (rows padded to ``MP``).  ``PDL``: as
+    :func:`_gather_kernel`'s."""
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     pid_bh = tl.program_id(0)  # b * HKV + h
     pid_s = tl.program_id(1)
     h = (pid_bh % HKV).to(tl.int64)
@@ -751,10 +771,14 @@ def _gather_shared_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_
 def _gather_rows_dot_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_h, sv_t, VA, sva_b,
                             IDX, si_b, si_h, si_m, PO, PL, HKV, M, NK, per_split, qk_scale, cap,
                             D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-                            HAS_VALID: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
+                            HAS_VALID: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr,
+                            PDL: tl.constexpr = False):
     """:func:`_gather_kernel` (one query row, its own indices) on tensor cores: the row is row 0 of a 16-row tile
     (the rest zero and never stored), so the gathered K / V rows take the pipelined ``cp.async`` path of
-    :func:`_dot_gather` instead of the per-row kernel's synchronous index -> K -> V loads."""
+    :func:`_dot_gather` instead of the per-row kernel's synchronous index -> K -> V loads.  ``PDL``: as
+    :func:`_gather_kernel`'s."""
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     pid_row = tl.program_id(0)  # b * HKV * M + h * M + m
     pid_s = tl.program_id(1)
     rows = tl.num_programs(0)
@@ -809,7 +833,7 @@ def supports_gather(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
 # PS_VAR=KVCOMPRESS_DS_CONFIG, 8 shapes, ds8 / ds16): with 2 warps within 0.7% or faster at every shape, up to 1.38x
 # (SmolLM2 B16/32k ds8 217.7 -> 157.3 us); 4 warps or 4 stages or 32 indices per step no better
 GATHER_CONFIG = dict(block_k=64, programs_per_sm=None, num_warps=2, num_stages=3, shared_warps=4, shared_block_k=128,
-                     shared_programs_per_sm=4, min_per_split=64, rows_dot=True)
+                     shared_programs_per_sm=4, min_per_split=64, rows_dot=True, pdl=False)
 
 
 def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
@@ -839,6 +863,7 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
         return out, lse
     shared = shared_rows(index) and m <= 64
     programs = b * h if shared else rows
+    pdl = use_pdl(cfg["pdl"], query.device)
     block_k = int(block_k or (cfg["shared_block_k"] if shared else cfg["block_k"]))
     if splits is None:
         sms = num_sms(query.device.index or 0) if query.is_cuda else 4
@@ -860,7 +885,7 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
             index, index.stride(0), index.stride(1), po, pl, h, m, nk, per_split, scale * 1.4426950408889634,
             cap_base2(softcap), MP=max(16, pow2(m)), D=d, DP=max(16, pow2(d)), DV=dv, DVP=max(16, pow2(dv)),
             HAS_VALID=valid is not None, BK=block_k, IEEE=k.dtype == torch.float32, SOFTCAP=bool(softcap),
-            num_warps=int(cfg["shared_warps"]), num_stages=int(cfg["num_stages"]))
+            PDL=pdl, num_warps=int(cfg["shared_warps"]), num_stages=int(cfg["num_stages"]), **pdl_launch(pdl))
     else:  # per-row selections: on tensor cores (rows_dot) or CUDA cores, the same arguments
         if cfg["rows_dot"]:
             kernel = _gather_rows_dot_kernel
@@ -874,8 +899,8 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
             index, index.stride(0), index.stride(1), index.stride(2), po, pl, h, m, nk, per_split,
             scale * 1.4426950408889634, cap_base2(softcap),
             D=d, DP=max(16, pow2(d)), DV=dv, DVP=max(16, pow2(dv)), HAS_VALID=valid is not None, BK=block_k,
-            SOFTCAP=bool(softcap), num_stages=int(cfg["num_stages"]), **extra)
+            SOFTCAP=bool(softcap), PDL=pdl, num_stages=int(cfg["num_stages"]), **extra, **pdl_launch(pdl))
     if splits == 1:
         return po.view(b, h, m, dv), pl.view(b, h, m)
-    combine_splits(po, pl, out, lse, splits, b * h * m, dv)
+    combine_splits(po, pl, out, lse, splits, b * h * m, dv, pdl=pdl)
     return out, lse

@@ -195,7 +195,8 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
     all query channels (a static layer's sinks + recent window, :func:`buffer_problem`; ``length`` a 0-dim int tensor
     bounding its slots, or ``None``) read by more CTAs of the same launch and merged with the lanes' splits by the
     same combine: one ``(out, lse)`` over both (:func:`.lanes_reference.kivi_lanes_buffer_attention_partial`).
-    ``out_dtype``: ``out``'s dtype (``None``: float32), stored by the split combine (:func:`.cuda_kernel.combine_into`)."""
+    ``out_dtype``: ``out``'s dtype (``None``: float32), stored by the split combine
+    (:func:`.cuda_kernel.combine_into`)."""
     b, h, m, _ = query.shape
     dv = region.v_dim
     dev = query.device

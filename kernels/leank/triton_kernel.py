@@ -47,6 +47,9 @@ session 19: by each lane's work under head dim 128, per lane at 128 and above), 
 ``"resident"`` (opt-in, not yet timed: :func:`resident_split_count`, whole waves of the programs the GPU holds at a
 time, as the paged kernel counts them; ``waves`` then counts those waves, default 1; where the long rows alone
 exceed one wave, the fewest splits, at most ``fill_splits``, whose waves are ``fill`` full: :func:`wave_fill_splits`).
+``pdl`` (opt-in, not yet timed): the split merge is launched with programmatic dependent launch on Hopper
+(:func:`~kvcompress.kernels.attention.triton_shared.use_pdl`): it starts while the lanes kernel's last wave runs and
+waits for it on the device, so its launch latency and prologue overlap the split kernel.
 """
 from __future__ import annotations
 
@@ -60,7 +63,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcompress.kernels.attention.triton_shared import cap_base2, fold_splits, resident_programs, soft_cap
+from kvcompress.kernels.attention.triton_shared import (cap_base2, fold_splits, pdl_launch, pdl_trigger, pdl_wait,
+                                                         resident_programs, soft_cap, use_pdl)
 
 from .reference import Lane
 
@@ -148,6 +152,7 @@ def _lanes_kernel(
     HAS_VALID: tl.constexpr, HAS_CHAN: tl.constexpr, HAS_HEADS: tl.constexpr, PROJ: tl.constexpr, DKP: tl.constexpr,
     NL: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
     IEEE: tl.constexpr, HAS_LENGTH: tl.constexpr, SOFTCAP: tl.constexpr, LOGITS: tl.constexpr, DQP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One (split, batch * lane row, row block): the partial of one head of one lane over one token range.
 
@@ -155,7 +160,9 @@ def _lanes_kernel(
     for the lanes' capacity, so a split beyond the live length writes an empty partial at once.  ``LOGITS``: the
     scores are also stored, lane ``i``'s in ``LGS[i]`` (contiguous ``[B, h_i, M, T_i]``; slots not read keep what
     the caller put there).  ``PROJ[i]``: lane ``i`` projects the query by its heads' bases ``US[i]`` (``[h_i, DQ,
-    C_i]``, strides ``SUH[i]`` / ``SUD[i]``)."""
+    C_i]``, strides ``SUH[i]`` / ``SUD[i]``).  ``PDL``: the split merge after it is launched with programmatic
+    dependent launch; every program lets it start as soon as the last one has started."""
+    pdl_trigger(PDL)
     pid_s = tl.program_id(0)
     pid_br = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -197,8 +204,9 @@ def _lanes_kernel(
 @triton.jit(do_not_specialize=["NHS", "ROW0", "S", "R", "M", "H", "NBATCH"])
 def _combine_kernel(PO, PL, OUT, LSE, HDS, NHS, ROW0, S, R, M, H, NBATCH,
                     HAS_HEADS: tl.constexpr, NL: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-                    BLOCK_M: tl.constexpr):
-    """Per (batch, kv head): log-sum-exp merge of every split of every lane row holding that head."""
+                    BLOCK_M: tl.constexpr, PDL: tl.constexpr = False):
+    """Per (batch, kv head): log-sum-exp merge of every split of every lane row holding that head.  ``PDL``: launched
+    with programmatic dependent launch, it waits for the lanes kernel before reading a partial."""
     pid = tl.program_id(0)
     pid_m = tl.program_id(1)
     b = (pid // H).to(tl.int64)
@@ -210,6 +218,7 @@ def _combine_kernel(PO, PL, OUT, LSE, HDS, NHS, ROW0, S, R, M, H, NBATCH,
     top = tl.full([BLOCK_M], float("-inf"), tl.float32)
     tot = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DVP], tl.float32)
+    pdl_wait(PDL)
     for i in tl.static_range(NL):
         for j in range(NHS[i]):
             if HAS_HEADS[i]:
@@ -238,7 +247,7 @@ def _combine_kernel(PO, PL, OUT, LSE, HDS, NHS, ROW0, S, R, M, H, NBATCH,
 @triton.jit(do_not_specialize=["NHS", "ROW0", "S", "R", "M", "H", "NBATCH"])
 def _combine_splits_kernel(PO, PL, OUT, LSE, HDS, NHS, ROW0, S, R, M, H, NBATCH,
                            HAS_HEADS: tl.constexpr, NL: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-                           SB: tl.constexpr):
+                           SB: tl.constexpr, PDL: tl.constexpr = False):
     """:func:`_combine_kernel` with one program per (batch, kv head, row) folding ``SB`` splits per step (a
     ``[SB, DV]`` tile) instead of one: the merge's chain of dependent loads is ``S / SB`` long, not ``S`` - for reads
     split many ways (small batches over long lanes).  Same arguments and result; the grid is ``(NBATCH * H, M)``."""
@@ -252,6 +261,7 @@ def _combine_splits_kernel(PO, PL, OUT, LSE, HDS, NHS, ROW0, S, R, M, H, NBATCH,
     top = tl.max(tl.full([SB], float("-inf"), tl.float32), axis=0)
     tot = tl.sum(tl.zeros([SB], tl.float32), axis=0)
     acc = tl.zeros([DVP], tl.float32)
+    pdl_wait(PDL)
     for i in tl.static_range(NL):
         for j in range(NHS[i]):
             if HAS_HEADS[i]:
@@ -415,7 +425,7 @@ def _config() -> dict:
     "splits"`` since session 16: at batch 1 the one-split-per-step merge took 15-27 µs of a 40-60 µs read
     (``benchmarks/gpu_read_profile.py``); ``waves`` / ``num_stages`` ``None`` follow :func:`_launch_shape`."""
     cfg = dict(BN=64, num_warps=4, num_stages=None, waves=None, min_split_tokens=256, canonical=False, combine="splits",
-               split_rows="auto", fill=0.9, fill_splits=4)
+               split_rows="auto", fill=0.9, fill_splits=4, pdl=False)
     env = os.environ.get("KVCOMPRESS_LEANK_CONFIG")
     if env:
         cfg.update(json.loads(env))
@@ -592,6 +602,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     work = resident or counts_work(cfg, dv)
     waves, stages = _launch_shape(cfg, b, hkv, dv, all(r["c"] == d for r in rows), work)
     ieee = lanes[0].k.dtype == torch.float32
+    pdl = use_pdl(cfg.get("pdl"), dev)  # the merge starts during the lanes kernel's last wave (Hopper)
 
     def launch(chunk, po, pl):
         """``(arguments, constexprs)`` of the kernel over ``chunk`` (rows of at most MAX_LANES lanes)."""
@@ -617,7 +628,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
             HAS_VALID=tup("has_valid"), HAS_CHAN=tup("has_chan"), HAS_HEADS=tup("has_heads"), PROJ=tup("proj"),
             DKP=tuple(max(16, _pow2(r["c"])) for r in chunk), NL=len(chunk), DV=dv, DVP=max(16, _pow2(dv)),
             BLOCK_M=block_m, BN=bn, IEEE=ieee, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
-            LOGITS=logits is not None, DQP=max(16, _pow2(d)))
+            LOGITS=logits is not None, DQP=max(16, _pow2(d)), PDL=pdl)
         return args, consts
 
     if splits is None:
@@ -650,5 +661,6 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
 
     kernel, grid, extra = launch_combine(cfg, splits, b, hkv, m, block_m, m_blocks)
     kernel[grid](po, pl, out, lse, tup_all("hd"), tup_all("h"), tup_all("r0"), splits, n_rows, m, hkv, b,
-                 HAS_HEADS=tup_all("has_heads"), NL=len(rows), DV=dv, DVP=max(16, _pow2(dv)), **extra)
+                 HAS_HEADS=tup_all("has_heads"), NL=len(rows), DV=dv, DVP=max(16, _pow2(dv)), PDL=pdl, **extra,
+                 **pdl_launch(pdl))
     return out, lse

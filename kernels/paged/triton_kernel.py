@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcompress.kernels.attention.triton_shared import cap_base2, combine_splits, resident_programs, soft_cap
+from kvcompress.kernels.attention.triton_shared import (cap_base2, combine_splits, pdl_trigger, resident_programs,
+                                                         soft_cap, use_pdl)
 from kvcompress.kernels.attention.triton_shared import num_sms as _num_sms
 from kvcompress.kernels.attention.triton_shared import pow2 as _pow2
 
@@ -88,9 +89,10 @@ def _paged_split_kernel(
     sl_s, sl_b, sl_h,
     DK: tl.constexpr, DK_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
     P: tl.constexpr, NBP: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr, HAS_LENGTH: tl.constexpr,
-    SOFTCAP: tl.constexpr, TSTEPS: tl.constexpr,
+    SOFTCAP: tl.constexpr, TSTEPS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     BN: tl.constexpr = NBP * P
+    pdl_trigger(PDL)  # the split merge (launched with PDL) may start once every program has started
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -184,8 +186,10 @@ def _config() -> dict:
     SMs), rounded down; ``table_steps``: > 1 loads the page ids of that many steps at once (the steps take theirs
     from registers, so their K / V loads wait on no table load); ``num_stages`` ``None``: 3 where the read splits at
     least twice, else 2 (H200, session 27: table_steps 16 with 3 stages 1.04-1.13x faster than the old loop at Llama
-    B1-B16 and SmolLM2 B16-B64, 0.78x at Llama B64/32k - one split per row - where 2 stages keep 4 programs per SM)."""
-    cfg = dict(pages_per_step=None, num_warps=4, num_stages=None, waves=1, table_steps=16)
+    B1-B16 and SmolLM2 B16-B64, 0.78x at Llama B64/32k - one split per row - where 2 stages keep 4 programs per SM).
+    ``pdl`` (opt-in, not yet timed): the split merge is launched with programmatic dependent launch on Hopper
+    (:func:`~kvcompress.kernels.attention.triton_shared.use_pdl`)."""
+    cfg = dict(pages_per_step=None, num_warps=4, num_stages=None, waves=1, table_steps=16, pdl=False)
     env = os.environ.get("KVCOMPRESS_PAGED_CONFIG")
     if env:
         cfg.update(json.loads(env))
@@ -251,7 +255,7 @@ def _forward(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     m_blocks = triton.cdiv(m, block_m)
     consts = dict(DK=dk, DK_PAD=max(16, _pow2(dk)), DV=dv, DV_PAD=max(16, _pow2(dv)), P=p, NBP=nbp, BLOCK_M=block_m,
                   IEEE=k.dtype == torch.float32, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
-                  TSTEPS=int(cfg.get("table_steps") or 0))
+                  TSTEPS=int(cfg.get("table_steps") or 0), PDL=use_pdl(cfg.get("pdl"), dev))
     warps = int(cfg["num_warps"])
     stage_choice = (int(cfg["num_stages"]),) if cfg.get("num_stages") else (3, 2)
     stages = stage_choice[0]
@@ -288,7 +292,7 @@ def _forward(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
         launch = (po, pl, pps, po.stride()[:4], pl.stride()[:3])
     _paged_split_kernel[(splits, b * h, m_blocks)](*args(*launch), num_warps=warps, num_stages=stages, **consts)
     if splits > 1:
-        combine_splits(po, pl, out, lse, splits, b * h * m, dv)
+        combine_splits(po, pl, out, lse, splits, b * h * m, dv, pdl=consts["PDL"])
     return out, lse
 
 
