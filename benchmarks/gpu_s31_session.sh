@@ -6,6 +6,7 @@
 #   cd .gpusrc && PART=sweep bash benchmarks/gpu_s31_session.sh $OUT       (call 3)
 #   cd .gpusrc && PART=pdl bash benchmarks/gpu_s31_session.sh $OUT         (call 4, session 32)
 #   cd .gpusrc && PART=pdl-ds bash benchmarks/gpu_s31_session.sh $OUT      (call 5, session 32)
+#   cd .gpusrc && PART=pdl-kivi bash benchmarks/gpu_s31_session.sh $OUT    (call 6, session 32)
 # tests: the GPU tests of every file the session touched - the lanes kernel's in-kernel low-rank projection
 #   (tests/test_lowrank_lanes.py, tests/test_leank_kernel.py incl. the resident split rule), the registered ops
 #   (tests/test_kernel_ops.py, tests/test_scored_reads.py), the KIVI lanes + buffer launch (tests/test_kivi_lanes_buffer.py,
@@ -37,7 +38,7 @@ if [ "$PART" = tests ]; then
 elif [ "$PART" = ab ]; then
   AB_OPS=sdpa,none,lowrank,leank70-kivi2,kivi2-static AB_SHAPES=$SHAPES AB_ROUNDS=${AB_ROUNDS:-2} \
     bash "$HERE/gpu_ab_trees.sh" "$OUT" "${2:-.gpusrc_old}" "${3:-.gpusrc}"
-elif [ "$PART" = pdl ] || [ "$PART" = pdl-ds ]; then
+elif [ "$PART" = pdl ] || [ "$PART" = pdl-ds ] || [ "$PART" = pdl-kivi ]; then
   # session 32: programmatic dependent launch of the split merges (opt-in "pdl"), against the plain launches, at the
   # small reads where a launch's latency is a large share; first tests/test_pdl.py's GPU cases (eager + CUDA graph)
   B_SHAPES=llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:4:4k,llama3-8b:4:32k,smollm2-135m:1:4k,smollm2-135m:1:32k,smollm2-135m:4:4k,smollm2-135m:4:32k
@@ -47,8 +48,11 @@ elif [ "$PART" = pdl ] || [ "$PART" = pdl-ds ]; then
       bash "$HERE/gpu_paged_sweep.sh" "$OUT/lanes" '{}' '{"pdl": true}'
     PS_VAR=KVCOMPRESS_PAGED_CONFIG PS_OPS=paged-dense PS_TESTS=tests/test_pdl.py PS_SHAPES=$B_SHAPES \
       bash "$HERE/gpu_paged_sweep.sh" "$OUT/paged" '{}' '{"pdl": true}'
-  else
+  elif [ "$PART" = pdl-ds ]; then
     PS_VAR=KVCOMPRESS_DS_CONFIG PS_OPS=ds8,ds16,ds8-shared,ds16-shared PS_TESTS=tests/test_pdl.py \
+      PS_SHAPES=$B_SHAPES bash "$HERE/gpu_paged_sweep.sh" "$OUT" '{}' '{"pdl": true}'
+  else  # the KIVI CUDA kernels' combine (plain, static with its buffer CTAs, the LeanK + KIVI lanes)
+    PS_VAR=KVCOMPRESS_KIVI_CUDA_CONFIG PS_OPS=kivi2,kivi4,kivi2-static,leank70-kivi2 PS_TESTS=tests/test_pdl.py \
       PS_SHAPES=$B_SHAPES bash "$HERE/gpu_paged_sweep.sh" "$OUT" '{}' '{"pdl": true}'
   fi
 elif [ "$PART" = sweep ]; then
@@ -57,6 +61,6 @@ elif [ "$PART" = sweep ]; then
     bash "$HERE/gpu_paged_sweep.sh" "$OUT" '{}' '{"split_rows": "resident"}' \
     '{"split_rows": "resident", "fill_splits": 1}'
 else
-  echo "PART: tests, ab, sweep, pdl or pdl-ds" >&2
+  echo "PART: tests, ab, sweep, pdl, pdl-ds or pdl-kivi" >&2
   exit 2
 fi

@@ -224,3 +224,78 @@ def test_pdl_reads_equal_plain_reads_eager_and_replayed(name):
         graph.replay()
         want = read(q, False)
         assert all(torch.equal(x, y) for x, y in zip(captured, want))
+
+
+@pytest.mark.parametrize("lanes", [False, True])
+def test_kivi_cuda_kernels_trigger_and_their_combine_waits(tmp_path, lanes):
+    """The hand-written KIVI kernels (plain and lanes, with their buffer CTAs) signal ``launch_dependents`` as they
+    start, and the split combine (every output dtype) waits before its first global access - in the sm_90a PTX; the
+    sm_80 PTX has neither (``griddepcontrol`` is Hopper PTX: the device functions compile to nothing there)."""
+    from kvcompress.kernels.kivi import cuda_kernel as ck
+
+    if ck.nvcc_path() is None:
+        pytest.skip("needs nvcc")
+    import subprocess
+
+    defines = ["-DKIVI_BITS=2", "-DKIVI_DK=128", "-DKIVI_DV=128", "-DKIVI_MIN_BLOCKS=4", "-DKIVI_KFOLD=0",
+               "-DKIVI_VFOLD=0", "-DKIVI_PROBE=0", "-DKIVI_SOFTCAP=0"]
+    if lanes:
+        defines += ["-DKIVI_LANES=1", "-DKIVI_QDIM=128", "-DKIVI_LANE_DK0=64", "-DKIVI_LANE_DK1=128"]
+    for arch in ("90a", "80"):
+        out = tmp_path / f"k{arch}.ptx"
+        res = subprocess.run([ck.nvcc_path(), "-std=c++17", "-ptx", f"-arch=compute_{arch}", *defines, "-o", str(out),
+                              str(ck.SOURCE)], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-3000:]
+        ptx = out.read_text()
+        bodies = re.split(r"\.entry\s+", ptx)[1:]
+        entries = {body.split("(", 1)[0]: body for body in bodies}
+        split = [n for n in entries if ("kivi_v3_lanes_kernel" if lanes else "kivi_v3_kernel") in n]
+        combine = [n for n in entries if "kivi_v3_combine" in n]
+        assert split and len(combine) == 3, sorted(entries)
+        for name in split + combine:
+            body = entries[name]
+            access = min(_first(body, r"\bld\.global"), _first(body, r"\bst\.global"), _first(body, r"cp\.async"))
+            want = "griddepcontrol.launch_dependents" if name in split else "griddepcontrol.wait"
+            if arch == "80":
+                assert "griddepcontrol" not in body, name
+            else:
+                assert body.count(want) == 1 and "griddepcontrol" not in body.replace(want, ""), name
+                assert body.index(want) < access, name  # before the first global load, store or async copy
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a GPU of compute capability 9.0 or newer")
+@pytest.mark.parametrize("out_dtype", [None, torch.float16])
+def test_kivi_cuda_pdl_combine_equals_the_plain_launch_eager_and_replayed(out_dtype):
+    """KIVI-2 through the CUDA kernel (64 splits at batch 1) with ``pdl``: exactly the plain launch's result, eagerly and
+    replayed from a CUDA graph after the query changed in place; also with the combine storing fp16."""
+    from kvcompress.kernels.kivi import cuda_kernel as ck
+    from kvcompress.kernels.kivi.reference import PackedKV, quantize_keys, quantize_values
+
+    if ck.nvcc_path() is None:
+        pytest.skip("needs nvcc")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    b, h, m, d, t = 1, 8, 4, 128, 32768
+    kc, ks, kz = quantize_keys(torch.randn(b, h, t, d, generator=gen, device="cuda"), 2, 32)
+    vc, vs, vz = quantize_values(torch.randn(b, h, t, d, generator=gen, device="cuda"), 2, 32)
+    packed = PackedKV(2, 32, kc, ks, kz, vc, vs, vz, torch.ones(b, t, dtype=torch.bool, device="cuda"))
+    q = torch.randn(b, h, m, d, generator=gen, device="cuda").half()
+
+    def read(pdl):
+        return ck._forward(q, packed, d ** -0.5, base={**ck.config(2), "pdl": pdl}, out_dtype=out_dtype)
+
+    plain = read(False)
+    assert all(torch.equal(x, y) for x, y in zip(read(True), plain))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        read(True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = read(True)
+    for _ in range(3):
+        q.copy_(torch.randn(b, h, m, d, generator=gen, device="cuda").half())
+        graph.replay()
+        assert all(torch.equal(x, y) for x, y in zip(captured, read(False)))

@@ -1096,8 +1096,23 @@ __device__ __forceinline__ void attend_buffer(const Params& p, int b, int h, int
 // grid (nsplit + bsplit, B*H, row blocks of 8), block NW warps: one (batch, kv head) slice of one packed region per
 // CTA row; with BUF (a separate instantiation, so the plain kernel's code and registers are unchanged) the last
 // bsplit CTAs of a row read the full-precision buffer (Params::bk) instead.
+// Programmatic dependent launch (sm_90+): a split kernel's CTAs let the combine after it (launched with the PDL
+// attribute) start as they start; the combine waits for the split kernel before it touches memory.  Both are no-ops
+// without PDL, and compile to nothing below sm_90.
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 template <int BITS, int DK, int DV, int ST, bool BUF>
 __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(const Params p) {
+  pdl_trigger();
   const int bh = blockIdx.y;
   const int b = bh / p.H, h = bh - b * p.H;
   // (the launcher refuses a buffer for other widths, and under the register cap of min_blocks > 4, where the buffer
@@ -1175,6 +1190,7 @@ constexpr bool lanes_buffer_ok = KIVI_QDIM > 0 && KIVI_QDIM % 64 == 0 && KIVI_DV
 template <int ST, bool BUF>
 __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_lanes_kernel(
     const __grid_constant__ LanesParams lp) {
+  pdl_trigger();
   const int bh = blockIdx.y;
   const int b = bh / lp.p.H, h = bh - b * lp.p.H;
   if constexpr (BUF && lanes_buffer_ok) {
@@ -1260,6 +1276,7 @@ __global__ void __launch_bounds__(256) kivi_v3_combine(const float* __restrict__
   __shared__ float part[NWC][DV];
   const long long row = blockIdx.x;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  pdl_wait();  // launched with PDL: the split kernel may still run; nothing is read or written before it is done
   float top = -INFINITY;
   for (int s = tid; s < nsplit; s += NWC * 32) top = fmaxf(top, pl[s * R + row]);
 #pragma unroll
@@ -1598,9 +1615,28 @@ KIVI_EXPORT int kivi_v3_layout_probe(const long long* a, int b, int h, int tok0,
   return missing;
 }
 
-// out_kind: the output's element type, 0 float, 1 fp16, 2 bf16 (the lse stays float).
+// One combine launch: 256 threads per output row; pdl != 0: with programmatic stream serialization (the kernel waits
+// for the split kernel on the device, griddepcontrol.wait).  (A template: C++ linkage inside this extern "C" block.)
+extern "C++" template <typename OutT>
+cudaError_t launch_combine(const float* p, const float* l, OutT* o, float* ls, int nsplit, long long rows,
+                                  cudaStream_t st, int pdl) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)rows);
+  cfg.blockDim = dim3(256);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kivi_v3::kivi_v3_combine<KIVI_DV, OutT>, p, l, o, ls, nsplit, rows);
+}
+
+// out_kind: the output's element type, 0 float, 1 fp16, 2 bf16 (the lse stays float).  pdl: launch it with programmatic
+// dependent launch (sm_90+ only: the caller checks the device).
 KIVI_EXPORT int kivi_v3_combine_launch(long long po, long long pl, long long out, long long lse, int nsplit, long long rows,
-                           int dv, int out_kind, int device, void* stream) {
+                           int dv, int out_kind, int pdl, int device, void* stream) {
   cudaError_t e = cudaSetDevice(device);
   if (e != cudaSuccess) return (int)e;
   if (dv != KIVI_DV || rows <= 0 || rows > 0x7fffffffLL || out_kind < 0 || out_kind > 2)
@@ -1610,14 +1646,12 @@ KIVI_EXPORT int kivi_v3_combine_launch(long long po, long long pl, long long out
   float* ls = reinterpret_cast<float*>(lse);
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   if (out_kind == 1)
-    kivi_v3::kivi_v3_combine<KIVI_DV, __half><<<(unsigned)rows, 256, 0, st>>>(p, l, reinterpret_cast<__half*>(out), ls,
-                                                                            nsplit, rows);
+    e = launch_combine(p, l, reinterpret_cast<__half*>(out), ls, nsplit, rows, st, pdl);
   else if (out_kind == 2)
-    kivi_v3::kivi_v3_combine<KIVI_DV, __nv_bfloat16><<<(unsigned)rows, 256, 0, st>>>(
-        p, l, reinterpret_cast<__nv_bfloat16*>(out), ls, nsplit, rows);
+    e = launch_combine(p, l, reinterpret_cast<__nv_bfloat16*>(out), ls, nsplit, rows, st, pdl);
   else
-    kivi_v3::kivi_v3_combine<KIVI_DV, float><<<(unsigned)rows, 256, 0, st>>>(p, l, reinterpret_cast<float*>(out), ls,
-                                                                           nsplit, rows);
+    e = launch_combine(p, l, reinterpret_cast<float*>(out), ls, nsplit, rows, st, pdl);
+  if (e != cudaSuccess) return (int)e;
   return (int)cudaGetLastError();
 }
 

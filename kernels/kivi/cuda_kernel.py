@@ -166,9 +166,11 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # regions read apart are faster.  Session 26 sweep on the H200, static KIVI-2 read, one launch against apart (us):
 # Llama (8 rows per batch row) B1/4k 16.0 / 19.9, B1/32k 28.4 / 31.0, B4/4k 24.1 / 25.5, but B4/32k 74.3 / 64.4,
 # B16/32k 200 / 185, B64/4k 172 / 116; SmolLM2 (3 rows) B1/32k 14.7 / 19.6, B4/32k 22.7 / 26.1, B16/4k 22.2 / 23.0,
-# B16/32k 66 / 58.
+# B16/32k 66 / 58.  pdl (opt-in, not yet timed; session 32): the split combine is launched with programmatic dependent
+# launch on sm_90+ (:func:`pdl_ok`), so its launch and prologue overlap the split kernel's last wave.
 DEFAULT_CONFIG = dict(nw=4, stages=2, waves=1.0, warps_per_sm=16, min_tiles="auto", min_blocks=4, kfold=0, vfold=0,
-                      interleave=1, buffer_tokens=BUFFER_TOKENS, buffer_rows=BUFFER_ROWS, buffer_work=BUFFER_WORK)
+                      interleave=1, buffer_tokens=BUFFER_TOKENS, buffer_rows=BUFFER_ROWS, buffer_work=BUFFER_WORK,
+                      pdl=False)
 SMEM_DEFAULT = 48 * 1024  # dynamic shared memory a kernel gets without cudaFuncAttributeMaxDynamicSharedMemorySize
 SMEM_OPTIN_MAX = 227 * 1024  # the largest opt-in limit of any supported GPU (sm_90); the device's own limit is used
 
@@ -444,7 +446,8 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
                                    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.kivi_v3_combine_launch.restype = ctypes.c_int
     lib.kivi_v3_combine_launch.argtypes = [ctypes.c_longlong] * 4 + [ctypes.c_int, ctypes.c_longlong, ctypes.c_int,
-                                                                       ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+                                                                       ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                                                       ctypes.c_void_p]
     lib.kivi_v3_error_string.restype = ctypes.c_char_p
     lib.kivi_v3_error_string.argtypes = [ctypes.c_int]
     lib.kivi_v3_stage_bytes.restype = ctypes.c_int
@@ -783,7 +786,17 @@ def _plan(bits: int, dk: int, dv: int, rows: int, nt: int, index: int, softcap: 
     s = splits or num_splits(ntiles, rows, _sms(index), c, cta_smem)
     tiles_per_split = -(-ntiles // max(1, min(s, ntiles)))
     return (lib, nw, stages, -(-ntiles // tiles_per_split), tiles_per_split, int(c.get("interleave", 1)),
-            int(c.get("buffer_tokens", BUFFER_TOKENS)))
+            int(c.get("buffer_tokens", BUFFER_TOKENS)), pdl_ok(c, index))
+
+
+def pdl_ok(c: dict, index: int) -> bool:
+    """Whether the split combine is launched with programmatic dependent launch: configuration ``pdl`` (opt-in, not yet
+    timed) on a device of compute capability 9.0+ (:func:`kvcompress.kernels.attention.triton_shared.use_pdl`; the
+    split kernels signal ``griddepcontrol.launch_dependents`` as their CTAs start, the combine waits in
+    ``griddepcontrol.wait`` before it touches memory - both no-ops without PDL)."""
+    if not c.get("pdl"):
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict | None = None,
@@ -830,7 +843,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
         if cfg:
             c.update(cfg)
         plan = _plan(bits, dk, dv, b * h * row_blocks, nt, index, softcap, c, splits)
-    lib, nw, stages, s, tiles_per_split, interleave, btok = plan
+    lib, nw, stages, s, tiles_per_split, interleave, btok, pdl = plan
 
     q = _aligned(query.to(torch.float16), 1, 4)
     kv = _kv_tensors(packed)
@@ -847,7 +860,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
                             index, ctypes.c_void_p(stream))
     if rc:
         raise RuntimeError(f"KIVI CUDA kernel launch failed: {lib.kivi_v3_error_string(rc).decode()}")
-    combine_into(lib, po, pl, out, lse, total, index, ctypes.c_void_p(stream))
+    combine_into(lib, po, pl, out, lse, total, index, ctypes.c_void_p(stream), pdl)
     return out, lse
 
 
@@ -866,13 +879,14 @@ def partial_buffers(out: torch.Tensor, lse: torch.Tensor, total: int) -> tuple[t
 
 
 def combine_into(lib, po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, total: int,
-                 index: int, stream) -> None:
+                 index: int, stream, pdl: bool = False) -> None:
     """The split combine of ``total`` partials ``po`` / ``pl`` into ``out`` (its dtype: float32, fp16 or bf16, rounded
-    once) and ``lse``; nothing where the kernel wrote ``out`` itself (:func:`partial_buffers`)."""
+    once) and ``lse``; nothing where the kernel wrote ``out`` itself (:func:`partial_buffers`).  ``pdl``: launched
+    with programmatic dependent launch (:func:`pdl_ok`)."""
     if po is out:
         return
     rc = lib.kivi_v3_combine_launch(po.data_ptr(), pl.data_ptr(), out.data_ptr(), lse.data_ptr(), total, lse.numel(),
-                                    out.shape[-1], OUT_KINDS[out.dtype], index, stream)
+                                    out.shape[-1], OUT_KINDS[out.dtype], int(pdl), index, stream)
     if rc:
         raise RuntimeError(f"KIVI CUDA combine launch failed: {lib.kivi_v3_error_string(rc).decode()}")
 

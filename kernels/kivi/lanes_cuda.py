@@ -145,7 +145,7 @@ def _plan(region: PackedLanes, query: torch.Tensor, covered: int, index: int, so
     s = ck.num_splits(ntiles, max(1, b * covered * -(-m // 8)), ck._sms(index), dict(c, nw=nw, stages=stages),
                       cta_smem)
     tps = -(-ntiles // max(1, min(s, ntiles)))
-    return lib, nw, stages, -(-ntiles // tps), tps, int(c.get("interleave", 1))
+    return lib, nw, stages, -(-ntiles // tps), tps, int(c.get("interleave", 1)), ck.pdl_ok(c, index)
 
 
 def launch_args(q: torch.Tensor, region: PackedLanes, valid8: torch.Tensor, po: int, pl: int, splits: int,
@@ -227,7 +227,7 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
         if len(_PLANS) >= 4096:
             _PLANS.clear()
         plan = _PLANS[key] = _plan(region, query, covered, index, softcap, c)
-    lib, nw, stages, s, tps, interleave = plan
+    lib, nw, stages, s, tps, interleave, pdl = plan
 
     valid8 = valid.view(torch.uint8) if valid.dtype == torch.bool else valid.to(torch.uint8)
     valid8 = ck._aligned(valid8, 1, 16)
@@ -247,7 +247,7 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
                                       -(-m // 8), index, stream)
     if rc:
         raise RuntimeError(f"KIVI CUDA lanes kernel launch failed: {lib.kivi_v3_error_string(rc).decode()}")
-    ck.combine_into(lib, po, pl, out, lse, total, index, stream)
+    ck.combine_into(lib, po, pl, out, lse, total, index, stream, pdl)
     del keep
     return out, lse
 
