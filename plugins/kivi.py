@@ -227,10 +227,24 @@ class MergedLanes:
         return PackedLanes(codec.bits, codec.group, lanes, valid, self.num_heads, self.head_dim,
                            impl=self.impl if impl is None else impl)
 
-    def segment(self, region: PackedLanes, valid: torch.Tensor, positions: torch.Tensor) -> Segment:
-        if self.covered is not None:  # heads without a lane: never valid (one small op per read)
-            valid = valid.unsqueeze(1) & self.covered.view(1, -1, 1)
+    def segment(self, region: PackedLanes, valid: torch.Tensor, positions: torch.Tensor,
+                head_valid: torch.Tensor | None = None) -> Segment:
+        """The region's segment.  With heads without a lane its validity is per head: ``head_valid`` where the store
+        keeps ``valid & covered`` up to date as it writes (a static store: no op per read), else made here."""
+        if self.covered is not None:  # heads without a lane: never valid
+            valid = head_valid if head_valid is not None else valid.unsqueeze(1) & self.covered.view(1, -1, 1)
         return Segment(None, None, valid, positions, heads=self.heads, packed=region)
+
+    def head_valid(self, valid: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor | None:
+        """``valid & covered`` (``[batch, heads, tokens]``) written into ``out`` (allocated here when missing or of
+        another shape), or ``None`` when every head has a lane."""
+        if self.covered is None or valid is None:
+            return None
+        shape = (valid.shape[0], self.covered.shape[0], valid.shape[1])
+        if out is None or tuple(out.shape) != shape or out.device != valid.device:
+            out = torch.empty(shape, dtype=torch.bool, device=valid.device)
+            mark_static(out)
+        return torch.logical_and(valid.unsqueeze(1), self.covered.view(1, -1, 1), out=out)
 
 
 class KiviStore(MiddleStore):
@@ -423,6 +437,9 @@ class KiviStaticStore(StaticRingStore):
         self.merged: MergedLanes | None = None  # the lanes read as one region (planned at allocation)
         self.lanes_kernel: str | None = None  # its kvcompress::kivi_lanes_partial implementation, chosen then
         self._region: PackedLanes | None = None  # built once (the buffers are static), without the live length
+        # the merged region's per-head validity (valid & covered, where a head has no lane), rewritten whenever the
+        # ring's validity changes - by this store's own writes (flush steps), not by every read
+        self._head_valid: torch.Tensor | None = None
         self.kernels: list[str] = []  # per lane, chosen at allocation
         self.quantizers: list[str] = []  # per lane: the kvcompress::kivi_quantize implementation, chosen with them
 
@@ -469,6 +486,21 @@ class KiviStaticStore(StaticRingStore):
                 bufs[name].index_copy_(2, tslots if self.codec.token_axis(name) else gslots, src)
         self.ring.write_meta(tslots, block)
         self.ring.advance(n, block.due)
+        self._sync_head_valid()
+
+    def _sync_head_valid(self) -> None:
+        """Rewrite the merged region's per-head validity after the ring's validity changed (in place: its address
+        stays what a captured graph reads)."""
+        merged = self.merged if not self.slotted else None
+        self._head_valid = None if merged is None else merged.head_valid(self.ring.valid, self._head_valid)
+
+    def retain(self, keep: torch.Tensor) -> None:
+        super().retain(keep)
+        self._sync_head_valid()
+
+    def reset(self) -> None:
+        super().reset()
+        self._sync_head_valid()
 
     def _plan_reads(self) -> None:
         """Each lane's KIVI kernel and, outside slot mode, the merged read of the lanes: chosen once for the
@@ -480,6 +512,7 @@ class KiviStaticStore(StaticRingStore):
             self.lanes_kernel = None if self.merged is None else self.merged.impl
             self._region = None if self.merged is None else self.merged.region(
                 self.codec, [g for g, _ in self.lanes], [b for _, b in self.lanes], self.ring.valid)
+        self._sync_head_valid()
 
     def shrink(self, capacity: int) -> bool:
         if not super().shrink(capacity):
@@ -500,7 +533,7 @@ class KiviStaticStore(StaticRingStore):
             if region is None or region.impl != self.lanes_kernel:  # (map_batch drops it: new buffers)
                 region = self._region = self.merged.region(self.codec, [g for g, _ in self.lanes],
                                                            [b for _, b in self.lanes], valid, self.lanes_kernel)
-            return [self.merged.segment(region.with_length(live), valid, positions)]
+            return [self.merged.segment(region.with_length(live), valid, positions, self._head_valid)]
         return [group.attach(Segment(None, None, valid, positions,
                                      packed=self.codec.packed(bufs, valid, impl=impl, length=live)))
                 for (group, bufs), impl in zip(self.lanes, self.kernels)]
@@ -508,6 +541,8 @@ class KiviStaticStore(StaticRingStore):
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().map_batch(fn)
         self._region = None  # rows repeated or selected: new buffers
+        self._head_valid = None
+        self._sync_head_valid()
 
     def nbytes(self) -> dict[str, int]:
         out = {"middle: kivi codes": 0, "middle: kivi scales": 0, "middle: mask + positions" + ROWS: self._meta_bytes()}

@@ -631,6 +631,46 @@ def test_stacked_leank_kivi_logits_unchanged(stacked, static, monkeypatch):
         assert (merged - ref).abs().max().item() < 1e-4
 
 
+def test_static_store_keeps_the_per_head_validity_as_it_writes():
+    """A static LeanK + KIVI middle with a head without a lane: its segment's per-head validity is a buffer the store
+    rewrites when its validity changes (a flush, ``retain``, ``reset``, ``map_batch``) - the same tensor read after
+    read, always ``valid & covered`` - so a decode read runs no op for it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kvcompress.kernels import benchutil
+
+    shape = benchutil.Shape("tiny", 16, 8, 32)  # LeanK 70 %: head 0 keeps no channel
+    layer = benchutil.build_static_layer("leank70-kivi2", shape, 2, 150, "cpu", torch.Generator().manual_seed(5),
+                                         regions={"sinks": 4, "window": 16, "flush": 32})
+    store = layer.middle
+
+    def check():
+        seg = store.segments()[0]
+        want = store.ring.valid.unsqueeze(1) & store.merged.covered.view(1, -1, 1)
+        assert seg.valid is store._head_valid and torch.equal(seg.valid, want)
+        return seg.valid
+
+    first = check()
+    assert first[:, 1:].any() and not first[:, 0].any()
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    seen: list[str] = []
+    with Ops():
+        store.segments()
+    assert not [n for n in seen if "and" in n], seen  # no validity op per read
+    keep = torch.rand(store.ring.valid.shape, generator=torch.Generator().manual_seed(7)) > 0.5
+    store.retain(keep)
+    assert check() is first  # rewritten in place: a captured graph reads the same address
+    store.map_batch(lambda t: t.flip(0))
+    check()
+    store.reset()
+    assert not check().any()
+
+
 def test_compiled_static_read_is_one_graph_with_one_op():
     """A static layer's decode read (``StaticLayer._read``: the sinks + window buffer and the middle's segments, what a
     compiled decode step runs), LeanK 70 % + KIVI-2 as the GPU benchmark builds it, compiled in one graph
