@@ -186,7 +186,7 @@ def test_launch_config_reads_the_environment_once_through_ops(monkeypatch):
     from kvcompress.kernels import ops
     from kvcompress.kernels.paged import triton_kernel
 
-    default = {"pages_per_step": None, "num_warps": 4, "num_stages": None, "waves": 1, "table_steps": 16}
+    default = {"pages_per_step": None, "num_warps": 4, "num_stages": None, "waves": 1, "table_steps": 16, "pdl": False}
     assert triton_kernel._config() == default
     monkeypatch.setenv("KVCOMPRESS_PAGED_CONFIG", '{"num_stages": 3, "pages_per_step": 8}')
     assert triton_kernel._config() == {**default, "pages_per_step": 8, "num_stages": 3}
