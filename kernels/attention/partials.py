@@ -226,17 +226,16 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
     scores: dict[int, torch.Tensor] = {}  # id(segment) -> its scores [b, h_seg, m_rows, t]
     impls = impls or {}
     softcap = softcap or None
-    # one launch over both segments is the read's only part: it writes the read's dtype (learned sinks merge in fp32)
-    together = None if scored or q_len != 1 else _buffer_with_region(
-        q5, segments, scale, softcap, query.dtype if sink_logits is None else None)
+    # a launch that reads every segment is the read's only part: it writes the read's dtype itself (no cast launch
+    # after it); learned sinks are merged in float32 afterwards
+    own_dtype = query.dtype if sink_logits is None else None
+    together = None if scored or q_len != 1 else _buffer_with_region(q5, segments, scale, softcap, own_dtype)
     if together is not None:  # a full-precision buffer and a packed region in one launch: one partial
         parts.append(together)
         fused, segments_left, fused_scores = None, [], []
     else:
-        # the lanes launch writes the read's dtype when it is the only part (learned sinks still merge in fp32)
         fused, segments_left, fused_scores = _fused_dense(q5, segments, scale, fused, impls.get("lanes_partial"),
-                                                          softcap, scored,
-                                                          query.dtype if sink_logits is None else None)
+                                                          softcap, scored, own_dtype)
     if fused is not None:
         parts.append(fused)
         scores.update((id(seg), s) for seg, s in fused_scores)
