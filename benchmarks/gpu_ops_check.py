@@ -52,6 +52,10 @@ def head_cases(batch: int, capacity: int, live: int, device: str, only: set[str]
     counts = tuple((0, 1, 1, 2, 2, 3, 3, 4)[i % 8] * d // 4 for i in range(kv))  # a LeanK-like mix of kept channels
     add("lanes_partial", lambda: opcases.lanes_case(batch, kv, rows, d, capacity, live, counts=counts,
                                                     dense_tokens=1024, device=device))
+    # the empty stack's / low rank's read: every head in one lane, the output in the read's dtype (out_dtype)
+    add("lanes_partial", lambda: opcases.lanes_case(batch, kv, rows, d, capacity, live, counts=(0,) * kv,
+                                                    dense_tokens=capacity, device=device, seed=31,
+                                                    out_dtype=torch.float16))
     for bits in (2, 4):  # the stacked LeanK + KIVI middle, one region of lanes
         add("kivi_lanes_partial", lambda bits=bits: opcases.kivi_lanes_case(
             batch, kv, rows, d, capacity, live, bits=bits, counts=counts, device=device, seed=20 + bits))

@@ -7,6 +7,7 @@
 #   cd .gpusrc && PART=pdl bash benchmarks/gpu_s31_session.sh $OUT         (call 4, session 32)
 #   cd .gpusrc && PART=pdl-ds bash benchmarks/gpu_s31_session.sh $OUT      (call 5, session 32)
 #   cd .gpusrc && PART=pdl-kivi bash benchmarks/gpu_s31_session.sh $OUT    (call 6, session 32)
+#   cd .gpusrc && PART=ops-pdl bash benchmarks/gpu_s31_session.sh $OUT     (call 7, session 32: every op compiled with PDL)
 # tests: the GPU tests of every file the session touched - the lanes kernel's in-kernel low-rank projection
 #   (tests/test_lowrank_lanes.py, tests/test_leank_kernel.py incl. the resident split rule), the registered ops
 #   (tests/test_kernel_ops.py, tests/test_scored_reads.py), the KIVI lanes + buffer launch (tests/test_kivi_lanes_buffer.py,
@@ -35,6 +36,13 @@ if [ "$PART" = tests ]; then
     "$T/test_doublesparse_kernel.py" "$T/test_kivi_buffer_read.py" -k "not test_doublesparse_kernel or group" 2>&1 \
     | tail -15 | tee "$OUT/tests.txt"
   date -u | tee -a "$OUT/log.txt"
+elif [ "$PART" = ops-pdl ]; then
+  # session 32: the registered ops compiled (reduce-overhead, CUDA graphs) at odd shapes with every kernel's PDL on,
+  # against the eager reference (benchmarks/gpu_ops_check.py; the fp16-output lanes case included)
+  source "$HERE/gpu_site.sh"
+  KVCOMPRESS_LEANK_CONFIG='{"pdl": true}' KVCOMPRESS_PAGED_CONFIG='{"pdl": true}' KVCOMPRESS_DS_CONFIG='{"pdl": true}' \
+    KVCOMPRESS_KIVI_CUDA_CONFIG='{"pdl": true}' timeout 540 python "$SRC/benchmarks/gpu_ops_check.py" --quick \
+    --out "$OUT/ops_pdl" 2>&1 | tail -40 | tee "$OUT/ops_pdl.txt"
 elif [ "$PART" = ab ]; then
   AB_OPS=sdpa,none,lowrank,leank70-kivi2,kivi2-static AB_SHAPES=$SHAPES AB_ROUNDS=${AB_ROUNDS:-2} \
     bash "$HERE/gpu_ab_trees.sh" "$OUT" "${2:-.gpusrc_old}" "${3:-.gpusrc}"
@@ -56,11 +64,14 @@ elif [ "$PART" = pdl ] || [ "$PART" = pdl-ds ] || [ "$PART" = pdl-kivi ]; then
       PS_SHAPES=$B_SHAPES bash "$HERE/gpu_paged_sweep.sh" "$OUT" '{}' '{"pdl": true}'
   fi
 elif [ "$PART" = sweep ]; then
-  PS_VAR=KVCOMPRESS_LEANK_CONFIG PS_OPS=none,lowrank,leank50,leank70 PS_TESTS=tests/test_leank_kernel.py \
-    PS_SHAPES=$SHAPES,llama3-8b:64:32k,smollm2-135m:64:4k,smollm2-135m:64:32k PS_ROUNDS=${PS_ROUNDS:-1} \
+  # (none / low rank: the rows with cells below 1x; SmolLM2 low rank B1 under "auto" runs one program per SM - 44
+  # splits x 3 rows at 128k - where the empty stack runs two; LeanK-50/70 are at or above 1x but B16/4k)
+  PS_VAR=KVCOMPRESS_LEANK_CONFIG PS_OPS=${S31_SWEEP_OPS:-none,lowrank} PS_TESTS=tests/test_leank_kernel.py \
+    PS_SHAPES=$SHAPES,llama3-8b:4:128k,llama3-8b:64:32k,smollm2-135m:1:128k,smollm2-135m:64:4k,smollm2-135m:64:32k \
+    PS_ROUNDS=${PS_ROUNDS:-1} \
     bash "$HERE/gpu_paged_sweep.sh" "$OUT" '{}' '{"split_rows": "resident"}' \
     '{"split_rows": "resident", "fill_splits": 1}'
 else
-  echo "PART: tests, ab, sweep, pdl, pdl-ds or pdl-kivi" >&2
+  echo "PART: tests, ab, sweep, pdl, pdl-ds, pdl-kivi or ops-pdl" >&2
   exit 2
 fi
