@@ -264,3 +264,22 @@ def test_run_keeps_going_after_an_error_and_writes_json_per_shape(tmp_path, monk
     assert benchutil.run_kernel_benchmarks("cpu", str(out2), ops=ops, models=[tiny], contexts=[512],
                                            max_seconds=0) == []
     assert json.loads(out2.read_text())["remaining"] == [["tiny", 1, 512]]
+
+
+def test_static_reads_issue_one_op_where_one_launch_reads_everything():
+    """``benchmarks/read_ops.py``: with a CUDA layer's choices, the empty stack's and the low-rank decode reads are
+    one ``kvcompress::lanes_partial`` op and nothing else (no projection, cast or validity op: sessions 23, 31, 32);
+    the LeanK + KIVI read, its lanes op, its KIVI lanes op and the merge op (no per-head validity op)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, str(root / "benchmarks/read_ops.py"), "--ops", "none,lowrank,leank70-kivi2"],
+                         capture_output=True, text=True, cwd=root)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in res.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| read")}
+    assert rows["none"] == rows["lowrank"] == "kvcompress::lanes_partial"
+    assert rows["leank70-kivi2"] == ("kvcompress::lanes_partial, kvcompress::kivi_lanes_partial, "
+                                     "kvcompress::merge_partials")
