@@ -635,7 +635,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
         sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 0
         shapes = [(r["h"], r["t"]) for r in rows]
         if resident and sms > 0:  # the compiled kernel of the first chunk says how many programs an SM holds
-            args, consts = launch(rows[:MAX_LANES], out, lse)
+            args, consts = launch(rows[:MAX_LANES], lse, lse)  # (float32 partials, as a split launch stores)
             per_sm = resident_programs(_lanes_kernel, args, consts, cfg["num_warps"], stages, dev, _RESIDENT)
             splits = resident_split_count(cfg, b, shapes, m_blocks, per_sm * sms, int(cfg.get("waves") or 1))
         else:
