@@ -796,7 +796,9 @@ def pdl_ok(c: dict, index: int) -> bool:
     ``griddepcontrol.wait`` before it touches memory - both no-ops without PDL)."""
     if not c.get("pdl"):
         return False
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    from kvcompress.kernels.attention.triton_shared import use_pdl  # (Triton only where PDL is asked for)
+
+    return use_pdl(True, torch.device("cuda", index))
 
 
 def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict | None = None,
