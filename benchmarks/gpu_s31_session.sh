@@ -30,7 +30,7 @@ if [ "$PART" = tests ]; then
   source "$HERE/gpu_site.sh"  # install under /tmp/site, cd there
   python -m pip install -q --no-index --no-deps --target /tmp/xdist "$SRC"/../.gpuwheels/*.whl 2>&1 | tail -2
   T="$SRC/tests"
-  PYTHONPATH=$PYTHONPATH:/tmp/xdist timeout 520 python -m pytest -q -m gpu -p no:cacheprovider -n "${S31_XDIST:-8}" \
+  PYTHONPATH=$PYTHONPATH:/tmp/xdist timeout "${S31_TEST_TIMEOUT:-520}" python -m pytest -q -m gpu -p no:cacheprovider -n "${S31_XDIST:-8}" \
     "$T/test_lowrank_lanes.py" "$T/test_leank_kernel.py" "$T/test_kernel_ops.py" "$T/test_scored_reads.py" \
     "$T/test_kivi_lanes_buffer.py" "$T/test_kivi_lanes.py" "$T/test_lowrank.py" "$T/test_doublesparse_cuda.py" \
     "$T/test_doublesparse_kernel.py" "$T/test_kivi_buffer_read.py" -k "not test_doublesparse_kernel or group" 2>&1 \
