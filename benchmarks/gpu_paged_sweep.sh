@@ -8,7 +8,7 @@
 #   gpu_read_profile.py --ops $PS_PROFILE at PS_PROFILE_SHAPES.
 #   Other kernels' configuration knobs (session 28): PS_VAR (the environment variable, default
 #   KVCOMPRESS_PAGED_CONFIG), PS_OPS (benchutil ops beside sdpa, default paged-dense), PS_TESTS (GPU test files,
-#   default tests/test_paged_kernel.py), e.g. PS_VAR=KVCOMPRESS_DS_CONFIG PS_OPS=ds8,ds16
+#   default tests/test_paged_kernel.py; none: no tests), e.g. PS_VAR=KVCOMPRESS_DS_CONFIG PS_OPS=ds8,ds16
 #   PS_TESTS=tests/test_doublesparse_kernel.py; PS_TEST_TIMEOUT: seconds for the GPU tests (default 200; the
 #   DoubleSparse file compiles many select variants: about 400 on a cold machine); PS_XDIST=N: run the GPU tests in N
 #   pytest-xdist workers (compiles in parallel), installed from the wheels in PS_WHEELS (default ../.gpuwheels, carried
@@ -22,16 +22,18 @@ source "$(dirname "$0")/gpu_site.sh"  # install under /tmp/site, cd there
 VAR=${PS_VAR:-KVCOMPRESS_PAGED_CONFIG}
 OPS=${PS_OPS:-paged-dense}
 TESTS=()
-for t in ${PS_TESTS:-tests/test_paged_kernel.py}; do TESTS+=("$SRC/$t"); done
+for t in ${PS_TESTS:-tests/test_paged_kernel.py}; do [ "$t" = none ] || TESTS+=("$SRC/$t"); done
 XDIST=()
 if [ -n "${PS_XDIST:-}" ]; then
   python -m pip install -q --no-index --no-deps --target /tmp/xdist "${PS_WHEELS:-$SRC/../.gpuwheels}"/*.whl 2>&1 | tail -2
   XDIST=(-n "$PS_XDIST")
   TEST_PATH=/tmp/xdist
 fi
-PYTHONPATH=$PYTHONPATH${TEST_PATH:+:$TEST_PATH} timeout "${PS_TEST_TIMEOUT:-200}" python -m pytest -q -m gpu \
-  -p no:cacheprovider "${XDIST[@]}" "${TESTS[@]}" 2>&1 | tail -3 \
-  | tee -a "$OUT/tests.txt"
+if [ "${PS_TESTS:-}" != none ]; then  # PS_TESTS=none: no tests (a second sweep in the same call)
+  PYTHONPATH=$PYTHONPATH${TEST_PATH:+:$TEST_PATH} timeout "${PS_TEST_TIMEOUT:-200}" python -m pytest -q -m gpu \
+    -p no:cacheprovider "${XDIST[@]}" "${TESTS[@]}" 2>&1 | tail -3 \
+    | tee -a "$OUT/tests.txt"
+fi
 timeout 100 python -m kvcompress.kernels.benchutil --device cuda --ops sdpa --only-shapes "$SHAPES" \
   --out "$OUT/base.json" 2>/dev/null | grep '^|' | tee -a "$OUT/rows.md"
 i=0
