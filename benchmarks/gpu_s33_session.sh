@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Session 33 (issue 19): the device calls of this session, each one command (run from the repository root with the
+# exported tree in .gpusrc, session 30's tree in .gpusrc_old, the xdist wheels in .gpuwheels).
+#   PART=grid  bash .gpusrc/benchmarks/gpu_s33_session.sh $OUT   the GPU tests of every file sessions 31-32 touched
+#       (benchmarks/gpu_s31_session.sh PART=tests, S31_TEST_TIMEOUT seconds), then the grid rows whose latest cells
+#       are stale (session 21/23) or changed since: sdpa + GRID_OPS_S33 (default none,lowrank,leank70-kivi2) at every
+#       grid shape, both models, in --resume mode (G_RESUME: a grid JSON of an earlier call to continue, copied in)
+#   PART=grid2 ...                                                the same grid continued, no tests
+set -o pipefail
+OUT=$(realpath "${1:-out}")
+ROOT=$PWD
+HERE=$(cd "$(dirname "$0")" && pwd)
+PART=${PART:-grid}
+mkdir -p "$OUT"
+if [ "$PART" = grid ]; then
+  (cd "$HERE/.." && S31_TEST_TIMEOUT=${S31_TEST_TIMEOUT:-230} PART=tests bash benchmarks/gpu_s31_session.sh "$OUT")
+fi
+if [ "$PART" = grid ] || [ "$PART" = grid2 ]; then
+  (cd "$HERE/.." && source benchmarks/gpu_site.sh
+   [ -n "${G_RESUME:-}" ] && cp "$ROOT/$G_RESUME" "$OUT/grid.json"
+   timeout "${G_TIMEOUT:-330}" python -m kvcompress.kernels.benchutil --device cuda \
+     --ops "sdpa,${GRID_OPS_S33:-none,lowrank,leank70-kivi2}" --resume --max-seconds "${G_SECONDS:-280}" \
+     --out "$OUT/grid.json" 2>>"$OUT/grid.err" | grep '^|' | tee -a "$OUT/grid.md"
+   date -u | tee -a "$OUT/log.txt")
+  exit 0
+fi
+echo "PART: grid or grid2" >&2
+exit 2
