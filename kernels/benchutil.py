@@ -313,10 +313,13 @@ def leank_inputs(batch: int, kv_heads: int, middle: int, head_dim: int, m: int, 
 def leank_bytes(q: torch.Tensor, lanes) -> int:
     """Bytes the LeanK kernel reads: every lane's K and V (plus valid masks and channel lists) and the query."""
     n = q.numel() * q.element_size()
-    for heads, channels, k, v, valid in lanes:
+    for lane in lanes:  # fields by name: Lane grows (the low-rank basis)
+        k, v, valid, channels = lane.k, lane.v, lane.valid, lane.channels
         n += k.numel() * k.element_size() + v.numel() * v.element_size()
         n += 0 if valid is None else valid.numel() * k.shape[1]
         n += 0 if channels is None else channels.numel() * channels.element_size()
+        basis = getattr(lane, "basis", None)
+        n += 0 if basis is None else basis.numel() * basis.element_size()
     return n
 
 

@@ -235,6 +235,26 @@ def test_grid_and_filters(capsys):
                                                "llama3-8b:4:128k"]
 
 
+def test_every_cpu_grid_op_runs_and_leank_bytes_count_every_lane():
+    """The grid ops that run on the CPU run without an error row, and the LeanK rows' byte count (GPU-only ops) is the
+    sum over the lanes' tensors by name - session 31's ``Lane.basis`` field broke a 5-field unpack there, which only
+    the next GPU grid showed (every leank50 / leank70 row an error)."""
+    tiny = benchutil.Shape("tiny", 4, 2, 64)
+    rows = benchutil.run_kernel_benchmarks("cpu", None, ops=benchutil.GRID_OPS, models=[tiny], contexts=[256])
+    assert rows and not {r["op"]: r["error"] for r in rows if "error" in r}
+    q, lanes = benchutil.leank_inputs(2, 4, 100, 64, 4, 70, torch.device("cpu"))
+    from kvcompress.kernels.leank.reference import Lane
+
+    basis = torch.zeros(2, 64, 32)
+    lanes = lanes + [Lane(None, None, lanes[-1].k, lanes[-1].v, None, basis)]
+    want = q.numel() * 2
+    for lane in lanes:
+        want += (lane.k.numel() + lane.v.numel()) * 2
+        want += 0 if lane.channels is None else lane.channels.numel() * 8
+        want += 0 if lane.basis is None else lane.basis.numel() * 4
+    assert benchutil.leank_bytes(q, lanes) == want
+
+
 def test_run_keeps_going_after_an_error_and_writes_json_per_shape(tmp_path, monkeypatch, capsys):
     def broken(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (test)")
