@@ -12,26 +12,21 @@ ROOT=$PWD
 HERE=$(cd "$(dirname "$0")" && pwd)
 PART=${PART:-grid}
 mkdir -p "$OUT"
+case "$PART" in grid | grid2) ;; *) echo "PART: grid or grid2" >&2; exit 2 ;; esac
+cd "$HERE/.." && source benchmarks/gpu_site.sh  # install the tree under /tmp/site once, cd there
 if [ "$PART" = grid ]; then
-  (cd "$HERE/.." && source benchmarks/gpu_site.sh
-   python -m pip install -q --no-index --no-deps --target /tmp/xdist "$SRC"/../.gpuwheels/*.whl 2>&1 | tail -2
-   T="$SRC/tests"
-   # every result line (-v) goes to tests_full.txt, so a run cut by the timeout still says what passed
-   PYTHONPATH=$PYTHONPATH:/tmp/xdist timeout "${S33_TEST_TIMEOUT:-230}" python -m pytest -v -m gpu -p no:cacheprovider \
-     -n "${S33_XDIST:-8}" ${S33_TESTS:-"$T/test_kivi_buffer_read.py" "$T/test_leank_kernel.py" "$T/test_kernel_ops.py" \
-     "$T/test_lowrank_lanes.py" "$T/test_kivi_lanes_buffer.py" "$T/test_kivi_lanes.py" "$T/test_scored_reads.py" \
-     "$T/test_lowrank.py" "$T/test_pdl.py"} > "$OUT/tests_full.txt" 2>&1
-   tail -15 "$OUT/tests_full.txt"; grep -c PASSED "$OUT/tests_full.txt"; grep -E "FAILED|ERROR" "$OUT/tests_full.txt" | head -30
-   date -u | tee -a "$OUT/log.txt")
+  python -m pip install -q --no-index --no-deps --target /tmp/xdist "$SRC"/../.gpuwheels/*.whl 2>&1 | tail -2
+  T="$SRC/tests"
+  # every result line (-v) goes to tests_full.txt, so a run cut by the timeout still says what passed
+  PYTHONPATH=$PYTHONPATH:/tmp/xdist timeout "${S33_TEST_TIMEOUT:-230}" python -m pytest -v -m gpu -p no:cacheprovider \
+    -n "${S33_XDIST:-8}" ${S33_TESTS:-"$T/test_kivi_buffer_read.py" "$T/test_leank_kernel.py" "$T/test_kernel_ops.py" \
+    "$T/test_lowrank_lanes.py" "$T/test_kivi_lanes_buffer.py" "$T/test_kivi_lanes.py" "$T/test_scored_reads.py" \
+    "$T/test_lowrank.py" "$T/test_pdl.py"} > "$OUT/tests_full.txt" 2>&1
+  tail -15 "$OUT/tests_full.txt"; grep -c PASSED "$OUT/tests_full.txt"; grep -E "FAILED|ERROR" "$OUT/tests_full.txt" | head -30
+  date -u | tee -a "$OUT/log.txt"
 fi
-if [ "$PART" = grid ] || [ "$PART" = grid2 ]; then
-  (cd "$HERE/.." && source benchmarks/gpu_site.sh
-   [ -n "${G_RESUME:-}" ] && cp "$ROOT/$G_RESUME" "$OUT/grid.json"
-   timeout "${G_TIMEOUT:-330}" python -m kvcompress.kernels.benchutil --device cuda \
-     --ops "sdpa,${GRID_OPS_S33:-none,lowrank,leank70-kivi2}" --resume --max-seconds "${G_SECONDS:-280}" \
-     --out "$OUT/grid.json" 2>>"$OUT/grid.err" | grep '^|' | tee -a "$OUT/grid.md"
-   date -u | tee -a "$OUT/log.txt")
-  exit 0
-fi
-echo "PART: grid or grid2" >&2
-exit 2
+[ -n "${G_RESUME:-}" ] && cp "$ROOT/$G_RESUME" "$OUT/grid.json"
+timeout "${G_TIMEOUT:-330}" python -m kvcompress.kernels.benchutil --device cuda \
+  --ops "sdpa,${GRID_OPS_S33:-none,lowrank,leank70-kivi2}" --resume --max-seconds "${G_SECONDS:-280}" \
+  --out "$OUT/grid.json" 2>>"$OUT/grid.err" | grep '^|' | tee -a "$OUT/grid.md"
+date -u | tee -a "$OUT/log.txt"

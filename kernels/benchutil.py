@@ -318,8 +318,7 @@ def leank_bytes(q: torch.Tensor, lanes) -> int:
         n += k.numel() * k.element_size() + v.numel() * v.element_size()
         n += 0 if valid is None else valid.numel() * k.shape[1]
         n += 0 if channels is None else channels.numel() * channels.element_size()
-        basis = getattr(lane, "basis", None)
-        n += 0 if basis is None else basis.numel() * basis.element_size()
+        n += 0 if lane.basis is None else lane.basis.numel() * lane.basis.element_size()
     return n
 
 
