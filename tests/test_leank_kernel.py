@@ -433,6 +433,41 @@ def test_resident_split_count_fills_whole_waves_of_long_programs():
     assert tk.resident_split_count(cfg, 1, [(2, 0)], 1, slots) == 1
 
 
+def test_whole_wave_splits_moves_the_rules_count_to_the_nearest_whole_wave():
+    """``whole_waves`` (the default): above one wave of long programs, the count of :func:`split_count` moves to the
+    nearest whole number of waves, at the most splits those waves hold; within one wave it stays.  Checked against
+    hand arithmetic for an H200 (132 SMs) at 2 programs per SM (264 slots), and against a brute-force search of the
+    rule's definition over a range of shapes."""
+    from kvcompress.kernels.leank import triton_kernel as tk
+
+    cfg = tk._config()
+    assert cfg["whole_waves"] is True and cfg["split_rows"] == "auto"
+    slots = 264
+    lowrank = [(8, 1024), (8, 31744)]  # Llama heads, B4 / 32k: 9 splits x 32 long rows = 288 > 264 (1.09 waves)
+    assert tk.split_count(cfg, 4, lowrank, 1, 4, 132) == 9
+    assert tk.whole_wave_splits(cfg, 4, lowrank, 1, slots, 9) == 8  # 256 long programs: one wave
+    leank = [(1, 31744), (1, 31744), (1, 31744), (3, 1024)]  # SmolLM2 heads, B64 / 32k: 2 x 192 rows (1.45 waves)
+    assert tk.whole_wave_splits(cfg, 64, leank, 1, slots, 2) == 1
+    assert tk.whole_wave_splits(cfg, 4, leank, 1, slots, 43) == 44  # 1.95 waves -> 2 whole waves, 44 x 12 = 528
+    assert tk.whole_wave_splits(cfg, 1, leank, 1, slots, 44) == 44  # 132 programs: within one wave, kept
+    assert tk.whole_wave_splits(cfg, 64, [(8, 4096)], 1, slots, 1) == 1  # 512 rows at 1 split: never below 1
+    assert tk.whole_wave_splits(cfg, 1, [(8, 600)], 1, 4, 3) == 3  # the floor: ceil(600 / 256) = 3 splits at most
+    assert tk.whole_wave_splits(cfg, 1, [(2, 0)], 1, slots, 1) == 1
+    for b in (1, 3, 16, 50):
+        for lanes in (lowrank, leank, [(5, 9000)], [(2, 4000), (3, 2500)]):
+            t_max = max(t for _, t in lanes)
+            rows = b * sum(h for h, t in lanes if 2 * t >= t_max)
+            most = -(-t_max // 256)
+            for s in range(1, 40):
+                got = tk.whole_wave_splits(cfg, b, lanes, 1, slots, s)
+                if rows * s <= slots:
+                    assert got == s
+                    continue
+                k = int(rows * s / slots + 0.5)  # the nearest whole number of waves (halves up)
+                fits = [x for x in range(1, most + 1) if rows * x <= k * slots]
+                assert got == (max(fits) if fits else 1), (b, lanes, s, got)
+
+
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("kernel", ["_combine_kernel", "_combine_splits_kernel"])
 def test_split_merges_compile_for_sm90_without_a_gpu(kernel, pdl):
@@ -570,15 +605,16 @@ def test_triton_on_gpu(name):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["dense-plus-lanes-gqa3", "lowrank-beside-dense-and-channels",
                                   "per-head-lanes-own-lengths"])
-def test_resident_split_rule_on_gpu(name):
-    """``split_rows: "resident"`` (splits from the compiled kernel's residency) gives the reference's result, and
-    counts a plausible number of programs per SM."""
+@pytest.mark.parametrize("rule", [{"split_rows": "resident"}, {}])
+def test_resident_split_rule_on_gpu(name, rule):
+    """``split_rows: "resident"`` and the default's whole waves (splits from the compiled kernel's residency) give the
+    reference's result, and count a plausible number of programs per SM."""
     from kvcompress.kernels.leank import reference, triton_kernel
 
     q, lanes = make_case(name, "cuda")
     scale = q.shape[-1] ** -0.5
     triton_kernel._RESIDENT.clear()
-    out, lse = triton_kernel.grouped_partial_attention(q, lanes, scale, config={"split_rows": "resident"})
+    out, lse = triton_kernel.grouped_partial_attention(q, lanes, scale, config=rule)
     assert len(triton_kernel._RESIDENT) == 1 and 1 <= next(iter(triton_kernel._RESIDENT.values())) <= 16
     res = _compare(out, lse, *reference.grouped_partial_attention(q, lanes, scale))
     res["dtypes"] = [str(out.dtype), str(lse.dtype)]

@@ -166,11 +166,13 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # regions read apart are faster.  Session 26 sweep on the H200, static KIVI-2 read, one launch against apart (us):
 # Llama (8 rows per batch row) B1/4k 16.0 / 19.9, B1/32k 28.4 / 31.0, B4/4k 24.1 / 25.5, but B4/32k 74.3 / 64.4,
 # B16/32k 200 / 185, B64/4k 172 / 116; SmolLM2 (3 rows) B1/32k 14.7 / 19.6, B4/32k 22.7 / 26.1, B16/4k 22.2 / 23.0,
-# B16/32k 66 / 58.  pdl (opt-in, not yet timed; session 32): the split combine is launched with programmatic dependent
-# launch on sm_90+ (:func:`pdl_ok`), so its launch and prologue overlap the split kernel's last wave.
+# B16/32k 66 / 58.  pdl (session 32; default since session 34): the split combine is launched with programmatic
+# dependent launch on sm_90+ (:func:`pdl_ok`), so its launch and prologue overlap the split kernel's last wave.  Two
+# H200 rounds (sessions 33 and 34, KIVI-2 / KIVI-4 / static KIVI-2 / LeanK-70 + KIVI-2 at B1 / B4, 4k / 32k, both
+# head shapes: 32 of 32 reads faster in session 34, by 0.1-2.5 us, e.g. KIVI-2 Llama B1 / 4k 9.74 -> 9.14 us).
 DEFAULT_CONFIG = dict(nw=4, stages=2, waves=1.0, warps_per_sm=16, min_tiles="auto", min_blocks=4, kfold=0, vfold=0,
                       interleave=1, buffer_tokens=BUFFER_TOKENS, buffer_rows=BUFFER_ROWS, buffer_work=BUFFER_WORK,
-                      pdl=False)
+                      pdl=True)
 SMEM_DEFAULT = 48 * 1024  # dynamic shared memory a kernel gets without cudaFuncAttributeMaxDynamicSharedMemorySize
 SMEM_OPTIN_MAX = 227 * 1024  # the largest opt-in limit of any supported GPU (sm_90); the device's own limit is used
 
@@ -790,13 +792,16 @@ def _plan(bits: int, dk: int, dv: int, rows: int, nt: int, index: int, softcap: 
 
 
 def pdl_ok(c: dict, index: int) -> bool:
-    """Whether the split combine is launched with programmatic dependent launch: configuration ``pdl`` (opt-in, not yet
-    timed) on a device of compute capability 9.0+ (:func:`kvcompress.kernels.attention.triton_shared.use_pdl`; the
+    """Whether the split combine is launched with programmatic dependent launch: configuration ``pdl`` (on by default
+    since session 34) on a device of compute capability 9.0+ (:func:`kvcompress.kernels.attention.triton_shared.use_pdl`; the
     split kernels signal ``griddepcontrol.launch_dependents`` as their CTAs start, the combine waits in
     ``griddepcontrol.wait`` before it touches memory - both no-ops without PDL)."""
     if not c.get("pdl"):
         return False
-    from kvcompress.kernels.attention.triton_shared import use_pdl  # (Triton only where PDL is asked for)
+    try:
+        from kvcompress.kernels.attention.triton_shared import use_pdl  # (Triton only where PDL is asked for)
+    except ImportError:  # no Triton: the capability check is Triton's; plain launches
+        return False
 
     return use_pdl(True, torch.device("cuda", index))
 

@@ -44,10 +44,13 @@ to 32 splits per step) or ``"loop"`` (:func:`_combine_kernel`, one program per (
 splits one by one; session 16's H200 sweep: 1.1-2.3x slower reads at batch 1, equal elsewhere).  ``split_rows``:
 how the token splits count the rows of programs (:func:`counts_work`, :func:`split_count`): ``"auto"`` (default since
 session 19: by each lane's work under head dim 128, per lane at 128 and above), ``"work"`` or ``"lanes"``; or
-``"resident"`` (opt-in, not yet timed: :func:`resident_split_count`, whole waves of the programs the GPU holds at a
-time, as the paged kernel counts them; ``waves`` then counts those waves, default 1; where the long rows alone
-exceed one wave, the fewest splits, at most ``fill_splits``, whose waves are ``fill`` full: :func:`wave_fill_splits`).
-``pdl`` (opt-in, not yet timed): the split merge is launched with programmatic dependent launch on Hopper
+``"resident"`` (opt-in: :func:`resident_split_count`, whole waves of the programs the GPU holds at a time, as the
+paged kernel counts them; ``waves`` then counts those waves, default 1; where the long rows alone exceed one wave, the
+fewest splits, at most ``fill_splits``, whose waves are ``fill`` full: :func:`wave_fill_splits`; session 34 on the
+H200: LeanK SmolLM2 B64 / 32k 1.4x -> 2.0x SDPA, but B1 / 128k and B4 / 32k 8-12 % slower than "auto").
+``whole_waves`` (default True since session 34; not with "resident"): the other rules' count moved to the nearest
+whole number of resident waves once the long programs exceed one (:func:`whole_wave_splits`) - the waves "resident"
+won without its batch-1 / batch-4 losses.  ``pdl`` (opt-in; mixed on the H200 in session 33): the split merge is launched with programmatic dependent launch on Hopper
 (:func:`~kvcompress.kernels.attention.triton_shared.use_pdl`): it starts while the lanes kernel's last wave runs and
 waits for it on the device, so its launch latency and prologue overlap the split kernel.
 """
@@ -401,6 +404,29 @@ def resident_split_count(cfg: dict, b: int, lanes: Sequence[tuple[int, int]], m_
     return max(1, min(waves * slots // rows, most))
 
 
+def whole_wave_splits(cfg: dict, b: int, lanes: Sequence[tuple[int, int]], m_blocks: int, slots: int,
+                      splits: int) -> int:
+    """``whole_waves`` (the default since session 34): the rule's ``splits`` (:func:`split_count`) moved to the
+    nearest whole number of waves of the long lanes' programs, where a wave is ``slots`` programs (how many the GPU
+    runs at a time, :func:`~kvcompress.kernels.attention.triton_shared.resident_programs` x SMs).  Where the long
+    programs fit one wave the count stays (batch 1: the rule's count was faster than a fuller wave for LeanK).
+    Otherwise it becomes the most splits whose long programs fill ``k`` waves, ``k`` the nearest whole number to the
+    rule's waves: 1.09 waves (low rank, Llama heads B4 / 32k: 9 splits of 32 long rows on 264 slots, the second wave
+    24 programs long) -> 1 wave of 8 splits; 1.45 waves (LeanK, SmolLM2 heads B64 / 32k: 2 splits of 192 rows) -> 1
+    split; 1.95 waves -> 2 waves, at most one split more.  Long lanes, the split floor and ``min_split_tokens`` as in
+    :func:`resident_split_count`; never below 1 split (more long rows than one wave holds at 1 split stays 1)."""
+    bn = cfg["BN"]
+    t_max = max((t for _, t in lanes), default=0)
+    if t_max <= 0 or slots <= 0:
+        return splits
+    rows = max(1, b * sum(h for h, t in lanes if 2 * t >= t_max) * m_blocks)
+    waves = rows * splits / slots
+    if waves <= 1.0:
+        return splits
+    most = max(1, min(-(-t_max // max(bn, cfg["min_split_tokens"])), -(-t_max // bn)))
+    return max(1, min(int(waves + 0.5) * slots // rows, most))
+
+
 def wave_fill_splits(rows: int, slots: int, most: int, target: float = 0.9) -> int:
     """Splits of ``rows`` long programs (more than ``slots``, one wave) that fill their last wave: the fewest
     (1 .. ``most``) whose waves are at least ``target`` full on average (``rows x s / (ceil(rows x s / slots) x
@@ -425,7 +451,7 @@ def _config() -> dict:
     "splits"`` since session 16: at batch 1 the one-split-per-step merge took 15-27 µs of a 40-60 µs read
     (``benchmarks/gpu_read_profile.py``); ``waves`` / ``num_stages`` ``None`` follow :func:`_launch_shape`."""
     cfg = dict(BN=64, num_warps=4, num_stages=None, waves=None, min_split_tokens=256, canonical=False, combine="splits",
-               split_rows="auto", fill=0.9, fill_splits=4, pdl=False)
+               split_rows="auto", whole_waves=True, fill=0.9, fill_splits=4, pdl=False)
     env = os.environ.get("KVCOMPRESS_LEANK_CONFIG")
     if env:
         cfg.update(json.loads(env))
@@ -604,8 +630,19 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     ieee = lanes[0].k.dtype == torch.float32
     pdl = use_pdl(cfg.get("pdl"), dev)  # the merge starts during the lanes kernel's last wave (Hopper)
 
+    def constexprs(chunk):
+        """The kernel's constexprs over ``chunk`` (rows of at most MAX_LANES lanes)."""
+        def tup(key):
+            return tuple(r[key] for r in chunk)
+
+        return dict(
+            HAS_VALID=tup("has_valid"), HAS_CHAN=tup("has_chan"), HAS_HEADS=tup("has_heads"), PROJ=tup("proj"),
+            DKP=tuple(max(16, _pow2(r["c"])) for r in chunk), NL=len(chunk), DV=dv, DVP=max(16, _pow2(dv)),
+            BLOCK_M=block_m, BN=bn, IEEE=ieee, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
+            LOGITS=logits is not None, DQP=max(16, _pow2(d)), PDL=pdl)
+
     def launch(chunk, po, pl):
-        """``(arguments, constexprs)`` of the kernel over ``chunk`` (rows of at most MAX_LANES lanes)."""
+        """``(arguments, constexprs)`` of the kernel over ``chunk``."""
         def tup(key):
             return tuple(r[key] for r in chunk)
 
@@ -624,22 +661,24 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
             tup("t"), tup("h"), tup("c"), tup("r0"),
             po, pl, length if length is not None else pl, float(scale) * LOG2E, m, n_rows, chunk[0]["r0"], n_chunk, b,
             cap_base2(softcap), tup("lg"), d)
-        consts = dict(
-            HAS_VALID=tup("has_valid"), HAS_CHAN=tup("has_chan"), HAS_HEADS=tup("has_heads"), PROJ=tup("proj"),
-            DKP=tuple(max(16, _pow2(r["c"])) for r in chunk), NL=len(chunk), DV=dv, DVP=max(16, _pow2(dv)),
-            BLOCK_M=block_m, BN=bn, IEEE=ieee, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
-            LOGITS=logits is not None, DQP=max(16, _pow2(d)), PDL=pdl)
-        return args, consts
+        return args, constexprs(chunk)
 
     if splits is None:
         sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 0
         shapes = [(r["h"], r["t"]) for r in rows]
-        if resident and sms > 0:  # the compiled kernel of the first chunk says how many programs an SM holds
-            args, consts = launch(rows[:MAX_LANES], lse, lse)  # (float32 partials, as a split launch stores)
-            per_sm = resident_programs(_lanes_kernel, args, consts, cfg["num_warps"], stages, dev, _RESIDENT)
+        per_sm = 0
+        if (resident or cfg.get("whole_waves")) and sms > 0:
+            # the compiled kernel of the first chunk says how many programs an SM holds (compiled at its first use;
+            # float32 partials, as a split launch stores them)
+            chunk = rows[:MAX_LANES]
+            per_sm = resident_programs(_lanes_kernel, lambda: launch(chunk, lse, lse)[0], constexprs(chunk),
+                                       cfg["num_warps"], stages, dev, _RESIDENT)
+        if resident and per_sm:
             splits = resident_split_count(cfg, b, shapes, m_blocks, per_sm * sms, int(cfg.get("waves") or 1))
         else:
             splits = split_count(cfg, b, shapes, m_blocks, waves, sms, work)
+            if per_sm:
+                splits = whole_wave_splits(cfg, b, shapes, m_blocks, per_sm * sms, splits)
     # one split of one lane of every head in order (a short buffer's read): the kernel's partial is already the
     # result, in the output's layout - the merge would copy it (bit for bit: one finite weight of exactly 1)
     direct = splits == 1 and len(rows) == 1 and not rows[0]["has_heads"] and n_rows == hkv
