@@ -142,6 +142,37 @@ def test_doublesparse_fused_select_lets_the_gather_start(monkeypatch, pdl):
         _check(launches, set(names), set(), pdl)
 
 
+def test_doublesparse_pdl_auto_follows_the_query_rows(monkeypatch):
+    """DoubleSparse's default ``pdl: "auto"``: PDL up to ``PDL_AUTO_ROWS`` query rows (batch x query heads), where it
+    was faster on the H200, plain launches above; the select and the gather decide alike from the same rows (a gather
+    launched with PDL waits; one launched plainly behind a triggering select is simply ordered), and the recorded
+    launches of a whole read carry the decision into the compiled PTX."""
+    from kvcompress.kernels.attention import triton_shared
+    from kvcompress.kernels.doublesparse import triton_kernel
+
+    assert triton_kernel.SELECT_CONFIG["pdl"] == "auto" == triton_kernel.GATHER_CONFIG["pdl"]
+    monkeypatch.setattr(triton_kernel, "use_pdl", lambda enabled, device: bool(enabled))
+    rows = triton_kernel.PDL_AUTO_ROWS
+    assert triton_kernel.pdl_for("auto", rows, torch.device("cuda", 0))
+    assert not triton_kernel.pdl_for("auto", rows + 1, torch.device("cuda", 0))
+    assert triton_kernel.pdl_for(True, 10 * rows, torch.device("cuda", 0))
+    assert not triton_kernel.pdl_for(False, 1, torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="pdl must be true, false or \"auto\", got 'yes'"):
+        triton_kernel.pdl_for("yes", 1, torch.device("cuda", 0))
+    gen = torch.Generator().manual_seed(4)
+    for b, expect in ((1, True), (24, False)):  # 4 query rows per batch row: 4 and 96 rows
+        h, m, t, d, kk = 2, 2, 600, 64, 400
+        k, v = (torch.randn(b, h, t, d, generator=gen).half() for _ in range(2))
+        q = torch.randn(b, h, m, d, generator=gen).half()
+        index = torch.stack([torch.randperm(t, generator=gen)[:kk] for _ in range(b * h * m)]).view(b, h, m, kk)
+        names = ["_gather_rows_dot_kernel", "_combine_tiles_kernel"]
+        launches = record_launches(
+            monkeypatch, [(triton_kernel, names[0]), (triton_shared, names[1])],
+            lambda: triton_kernel.gather_partial_attention(q, k, v, None, index, 0.125, splits=3))
+        assert [x.fn.fn.__name__ for x in launches] == names
+        _check(launches, {names[0]}, set(names), expect)
+
+
 def test_use_pdl_needs_a_hopper_gpu_and_the_option(monkeypatch):
     from kvcompress.kernels.attention import triton_shared
 

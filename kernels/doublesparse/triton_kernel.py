@@ -22,10 +22,10 @@ Same signatures and semantics as :mod:`.reference`.  Nothing is compiled at impo
   and runs both products on tensor cores.  Partials + LSE per split are merged by the shared combine
   kernel (:mod:`kvcompress.kernels.attention.triton_shared`).
 
-``pdl`` (:data:`SELECT_CONFIG` and :data:`GATHER_CONFIG`, ``KVCOMPRESS_DS_CONFIG``; opt-in, not yet timed): on Hopper
-the gather is launched with programmatic dependent launch after the select (whose programs signal their dependents as
-they start) and waits for it on the device before it touches memory, and the gather's split merge follows it the same
-way (:func:`kvcompress.kernels.attention.triton_shared.use_pdl`).
+``pdl`` (:data:`SELECT_CONFIG` and :data:`GATHER_CONFIG`, ``KVCOMPRESS_DS_CONFIG``; ``True`` / ``False``, default
+``"auto"``: :func:`pdl_for`): on Hopper the gather is launched with programmatic dependent launch after the select
+(whose programs signal their dependents as they start) and waits for it on the device before it touches memory, and
+the gather's split merge follows it the same way (:func:`kvcompress.kernels.attention.triton_shared.use_pdl`).
 
 Limits (:func:`supports_*`): last dims contiguous; ``D``, ``Dv``, ``r`` up to 256; query fp16, bf16 or
 fp32; K/V fp16, bf16 or fp32.
@@ -397,8 +397,26 @@ FUSED_MAX_TOKENS = 16384  # per program: the label scores stay in registers (~3 
 # Offline (benchmarks/select_regs.py, Triton 3.6) the placement holds ~150 of the 206 registers of an 8192-token,
 # 8-warp select and makes the 4-warp one spill, but on the H200 (session 29) compact_block 1024 was slower at all 36
 # cells timed (Llama B16/32k ds16 467.2 against 382.5 us): computing the keys again costs more than the spills
+#: ``pdl: "auto"`` launches with PDL up to this many query rows (batch x query heads).  Two H200 rounds (sessions 33
+#: and 34, ds8 / ds16 / both shared, docs/results.md): every read of up to 36 rows was faster with PDL (Llama B1: 32
+#: rows, 0.1-1.5 us of 18-52 us; SmolLM2 B1 / B4: 9 / 36 rows, 0.4-1.8 us of 15-47 us), while from 128 rows (Llama
+#: B4, SmolLM2 B16) reads went either way by up to 3-4 % (ds8-shared SmolLM2 B16 / 32k 86.6 -> 90.5 us).
+PDL_AUTO_ROWS = 64
+
+
+def pdl_for(setting, rows: int, device: torch.device) -> bool:
+    """Whether a DoubleSparse launch over ``rows`` query rows (batch x query heads; the select and the gather count
+    the same rows, so a gather waits exactly when its select triggers) uses PDL: ``setting`` ``True`` / ``False``,
+    or ``"auto"`` - on up to :data:`PDL_AUTO_ROWS` rows - on a device that has it (:func:`use_pdl`)."""
+    if setting == "auto":
+        setting = rows <= PDL_AUTO_ROWS
+    elif not isinstance(setting, bool):
+        raise ValueError(f"KVCOMPRESS_DS_CONFIG: pdl must be true, false or \"auto\", got {setting!r}")
+    return use_pdl(setting, device)
+
+
 SELECT_CONFIG = dict(elems_per_thread=None, chunk_tokens=FUSED_MAX_TOKENS, unroll=4, multilevel=None, method="auto",
-                     radix={}, merge_tokens=None, compact_block=None, cuda={}, pdl=False)
+                     radix={}, merge_tokens=None, compact_block=None, cuda={}, pdl="auto")
 
 
 @functools.lru_cache(maxsize=None)
@@ -584,7 +602,7 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
     quant = labels.bits != 16
     lab = labels.data
     dev = query.device
-    pdl = use_pdl(cfg.get("pdl"), dev)  # the programs let a PDL-launched gather start (it waits for them)
+    pdl = pdl_for(cfg.get("pdl", False), b * hq, dev)  # the programs let a PDL-launched gather start
     out = torch.empty(b, hq, k, device=dev, dtype=torch.int64)
     channels = channels.to(device=dev).contiguous()  # int64 as the plugin keeps it: no per-step cast
     sc = labels.scale if quant else out
@@ -833,7 +851,7 @@ def supports_gather(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
 # PS_VAR=KVCOMPRESS_DS_CONFIG, 8 shapes, ds8 / ds16): with 2 warps within 0.7% or faster at every shape, up to 1.38x
 # (SmolLM2 B16/32k ds8 217.7 -> 157.3 us); 4 warps or 4 stages or 32 indices per step no better
 GATHER_CONFIG = dict(block_k=64, programs_per_sm=None, num_warps=2, num_stages=3, shared_warps=4, shared_block_k=128,
-                     shared_programs_per_sm=4, min_per_split=64, rows_dot=True, pdl=False)
+                     shared_programs_per_sm=4, min_per_split=64, rows_dot=True, pdl="auto")
 
 
 def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
@@ -863,7 +881,7 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
         return out, lse
     shared = shared_rows(index) and m <= 64
     programs = b * h if shared else rows
-    pdl = use_pdl(cfg["pdl"], query.device)
+    pdl = pdl_for(cfg["pdl"], rows, query.device)
     block_k = int(block_k or (cfg["shared_block_k"] if shared else cfg["block_k"]))
     if splits is None:
         sms = num_sms(query.device.index or 0) if query.is_cuda else 4
