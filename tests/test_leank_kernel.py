@@ -433,6 +433,21 @@ def test_resident_split_count_fills_whole_waves_of_long_programs():
     assert tk.resident_split_count(cfg, 1, [(2, 0)], 1, slots) == 1
 
 
+def test_auto_takes_the_resident_count_from_batch_16():
+    """The default ``split_rows: "auto"`` counts splits by residency from ``resident_batch`` (16) batch rows, by the
+    other rules below; "resident" always; 0 / ``None`` never; the other modes never."""
+    from kvcompress.kernels.leank import triton_kernel as tk
+
+    cfg = tk._config()
+    assert cfg["resident_batch"] == 16
+    assert [tk.uses_resident(cfg, b) for b in (1, 4, 15, 16, 64)] == [False, False, False, True, True]
+    assert tk.uses_resident(dict(cfg, split_rows="resident"), 1)
+    assert not tk.uses_resident(dict(cfg, resident_batch=0), 64)
+    assert not tk.uses_resident(dict(cfg, resident_batch=None), 64)
+    assert not tk.uses_resident(dict(cfg, split_rows="work"), 64)
+    assert tk.uses_resident(dict(cfg, resident_batch=4), 4)
+
+
 def test_whole_wave_splits_moves_the_rules_count_to_the_nearest_whole_wave():
     """``whole_waves`` (the default): above one wave of long programs, the count of :func:`split_count` moves to the
     nearest whole number of waves, at the most splits those waves hold; within one wave it stays.  Checked against
@@ -605,10 +620,11 @@ def test_triton_on_gpu(name):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["dense-plus-lanes-gqa3", "lowrank-beside-dense-and-channels",
                                   "per-head-lanes-own-lengths"])
-@pytest.mark.parametrize("rule", [{"split_rows": "resident"}, {}])
+@pytest.mark.parametrize("rule", [{"split_rows": "resident"}, {}, {"resident_batch": 1}])
 def test_resident_split_rule_on_gpu(name, rule):
-    """``split_rows: "resident"`` and the default's whole waves (splits from the compiled kernel's residency) give the
-    reference's result, and count a plausible number of programs per SM."""
+    """``split_rows: "resident"``, the default's whole waves and "auto" taking the resident count (from batch 1 here;
+    the cases have 1-2 batch rows) - splits from the compiled kernel's residency - give the reference's result, and
+    count a plausible number of programs per SM."""
     from kvcompress.kernels.leank import reference, triton_kernel
 
     q, lanes = make_case(name, "cuda")

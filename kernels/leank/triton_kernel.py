@@ -48,9 +48,10 @@ session 19: by each lane's work under head dim 128, per lane at 128 and above), 
 paged kernel counts them; ``waves`` then counts those waves, default 1; where the long rows alone exceed one wave, the
 fewest splits, at most ``fill_splits``, whose waves are ``fill`` full: :func:`wave_fill_splits`; session 34 on the
 H200: LeanK SmolLM2 B64 / 32k 1.4x -> 2.0x SDPA, but B1 / 128k and B4 / 32k 8-12 % slower than "auto").
-``whole_waves`` (default True since session 34; not with "resident"): the other rules' count moved to the nearest
-whole number of resident waves once the long programs exceed one (:func:`whole_wave_splits`) - the waves "resident"
-won without its batch-1 / batch-4 losses.  ``pdl`` (opt-in; mixed on the H200 in session 33): the split merge is launched with programmatic dependent launch on Hopper
+``resident_batch`` (default 16 since session 34): "auto" takes the resident count from this many batch rows
+(:func:`uses_resident`).  ``whole_waves`` (default True since session 34; not where the resident count is taken):
+the other rules' count moved to the nearest whole number of resident waves once the long programs exceed one
+(:func:`whole_wave_splits`; low rank Llama B4 / 32k 198 -> 136 us).  ``pdl`` (opt-in; mixed on the H200 in session 33): the split merge is launched with programmatic dependent launch on Hopper
 (:func:`~kvcompress.kernels.attention.triton_shared.use_pdl`): it starts while the lanes kernel's last wave runs and
 waits for it on the device, so its launch latency and prologue overlap the split kernel.
 """
@@ -325,6 +326,20 @@ def counts_work(cfg: dict, head_dim: int) -> bool:
     return mode == "work" or (mode == "auto" and head_dim < 128)
 
 
+def uses_resident(cfg: dict, batch: int) -> bool:
+    """Whether a launch counts its splits by residency (:func:`resident_split_count`): ``split_rows`` "resident", or
+    "auto" (the default) from ``resident_batch`` batch rows (default 16 since session 34; 0 / ``None``: never).  Two
+    H200 sweeps (session 34, docs/results.md; none, low rank, LeanK-50/70, LeanK-70 + KIVI-2 at 14 and 10 shapes):
+    at B16 and B64 the resident count was within 1.4 % or faster at every read (LeanK SmolLM2 B64 / 32k 308 -> 210
+    us, Llama B64 / 32k 4-5 % faster), while at B1 / B4 it lost by up to 20 % (LeanK SmolLM2 B1 / 32k 17.4 -> 20.9
+    us) where it won elsewhere (low rank SmolLM2 B1 / 128k 79 -> 50 us) - below 16 rows the other rules stay."""
+    mode = cfg.get("split_rows", "auto")
+    if mode == "resident":
+        return True
+    first = cfg.get("resident_batch")
+    return mode == "auto" and bool(first) and batch >= int(first)
+
+
 def _launch_shape(cfg: dict, b: int, hkv: int, d: int, full_width: bool, work: bool = False) -> tuple[int, int]:
     """``(waves, num_stages)`` of a launch: the configuration's values where set (not ``None``), else the H200 rule.
 
@@ -451,7 +466,7 @@ def _config() -> dict:
     "splits"`` since session 16: at batch 1 the one-split-per-step merge took 15-27 µs of a 40-60 µs read
     (``benchmarks/gpu_read_profile.py``); ``waves`` / ``num_stages`` ``None`` follow :func:`_launch_shape`."""
     cfg = dict(BN=64, num_warps=4, num_stages=None, waves=None, min_split_tokens=256, canonical=False, combine="splits",
-               split_rows="auto", whole_waves=True, fill=0.9, fill_splits=4, pdl=False)
+               split_rows="auto", resident_batch=16, whole_waves=True, fill=0.9, fill_splits=4, pdl=False)
     env = os.environ.get("KVCOMPRESS_LEANK_CONFIG")
     if env:
         cfg.update(json.loads(env))
@@ -624,7 +639,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     m_blocks = triton.cdiv(m, block_m)
     bn = cfg["BN"]
     # the rule's head dimension is the values' (a low-rank lane over an extended query has d = head_dim + r)
-    resident = cfg.get("split_rows") == "resident"
+    resident = uses_resident(cfg, b)
     work = resident or counts_work(cfg, dv)
     waves, stages = _launch_shape(cfg, b, hkv, dv, all(r["c"] == d for r in rows), work)
     ieee = lanes[0].k.dtype == torch.float32
