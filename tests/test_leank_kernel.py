@@ -448,6 +448,37 @@ def test_auto_takes_the_resident_count_from_batch_16():
     assert tk.uses_resident(dict(cfg, resident_batch=4), 4)
 
 
+def test_configured_split_count_is_the_launchs_and_checked():
+    """``splits`` in the configuration (benchmark sweeps) launches exactly as the ``splits`` argument does - the same
+    grid, the same merge - and anything but a positive integer or null is refused with the key and the value."""
+    from triton_offline import record_launches
+
+    from kvcompress.kernels.leank import triton_kernel as tk
+    from kvcompress.kernels.leank.reference import Lane
+
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 2, 3, 32, generator=gen).half()
+    lanes = [Lane(None, None, torch.randn(1, 2, 700, 32, generator=gen).half(),
+                  torch.randn(1, 2, 700, 32, generator=gen).half(), None)]
+    names = [(tk, n) for n in ("_lanes_kernel", "_combine_kernel", "_combine_splits_kernel")]
+    mp = pytest.MonkeyPatch()
+    try:
+        by_cfg = record_launches(mp, names, lambda: tk.grouped_partial_attention(q, lanes, 0.2, config={"splits": 5}))
+        by_arg = record_launches(mp, names, lambda: tk.grouped_partial_attention(q, lanes, 0.2, splits=5))
+        default = record_launches(mp, names, lambda: tk.grouped_partial_attention(q, lanes, 0.2))
+    finally:
+        mp.undo()
+
+    def split_dims(launches):  # the partials' leading dimension, in each launch that takes them
+        return [a.shape[0] for x in launches for a in x.args if isinstance(a, torch.Tensor) and a.dim() == 5]
+
+    assert split_dims(by_cfg) == split_dims(by_arg) and split_dims(by_cfg) and set(split_dims(by_cfg)) == {5}
+    assert set(split_dims(default)) != {5}  # the interpreter's own rule (4 programs) differs
+    for bad in (0, -1, 2.5, "4", True):
+        with pytest.raises(ValueError, match=f"splits must be an integer >= 1 or null, got {bad!r}"):
+            tk.grouped_partial_attention(q, lanes, 0.2, config={"splits": bad})
+
+
 def test_whole_wave_splits_moves_the_rules_count_to_the_nearest_whole_wave():
     """``whole_waves`` (the default): above one wave of long programs, the count of :func:`split_count` moves to the
     nearest whole number of waves, at the most splits those waves hold; within one wave it stays.  Checked against

@@ -48,7 +48,9 @@ session 19: by each lane's work under head dim 128, per lane at 128 and above), 
 paged kernel counts them; ``waves`` then counts those waves, default 1; where the long rows alone exceed one wave, the
 fewest splits, at most ``fill_splits``, whose waves are ``fill`` full: :func:`wave_fill_splits`; session 34 on the
 H200: LeanK SmolLM2 B64 / 32k 1.4x -> 2.0x SDPA, but B1 / 128k and B4 / 32k 8-12 % slower than "auto").
-``resident_batch`` (default 16 since session 34): "auto" takes the resident count from this many batch rows
+``splits`` (default ``None``: the rules above): a fixed split count for every launch, for sweeps that time
+the rules' choices against each other (``benchmarks/gpu_s34_session.sh``).  ``resident_batch`` (default 16 since
+session 34): "auto" takes the resident count from this many batch rows
 (:func:`uses_resident`).  ``whole_waves`` (default True since session 34; not where the resident count is taken):
 the other rules' count moved to the nearest whole number of resident waves once the long programs exceed one
 (:func:`whole_wave_splits`; low rank Llama B4 / 32k 198 -> 136 us).  ``pdl`` (opt-in; mixed on the H200 in session 33): the split merge is launched with programmatic dependent launch on Hopper
@@ -466,7 +468,7 @@ def _config() -> dict:
     "splits"`` since session 16: at batch 1 the one-split-per-step merge took 15-27 µs of a 40-60 µs read
     (``benchmarks/gpu_read_profile.py``); ``waves`` / ``num_stages`` ``None`` follow :func:`_launch_shape`."""
     cfg = dict(BN=64, num_warps=4, num_stages=None, waves=None, min_split_tokens=256, canonical=False, combine="splits",
-               split_rows="auto", resident_batch=16, whole_waves=True, fill=0.9, fill_splits=4, pdl=False)
+               split_rows="auto", splits=None, resident_batch=16, whole_waves=True, fill=0.9, fill_splits=4, pdl=False)
     env = os.environ.get("KVCOMPRESS_LEANK_CONFIG")
     if env:
         cfg.update(json.loads(env))
@@ -678,6 +680,10 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
             cap_base2(softcap), tup("lg"), d)
         return args, constexprs(chunk)
 
+    if splits is None and cfg.get("splits") is not None:  # a fixed count (benchmark sweeps of the split rules)
+        splits = cfg["splits"]
+        if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
+            raise ValueError(f"KVCOMPRESS_LEANK_CONFIG: splits must be an integer >= 1 or null, got {splits!r}")
     if splits is None:
         sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 0
         shapes = [(r["h"], r["t"]) for r in rows]
