@@ -123,10 +123,10 @@ def _combine_tiles_kernel(PO, PL, OUT, LSE, S, spo_s, spl_s, DV: tl.constexpr, D
 def resident_programs(kernel, args, consts: dict, num_warps: int, num_stages: int, device: torch.device,
                       cache: dict) -> int:
     """How many programs of ``kernel`` (a ``@triton.jit`` function, launched with ``args`` - a tuple, or a callable
-    returning it - and the constexprs ``consts``) one SM runs at a time, from the compiled kernel's registers and shared memory: its first use compiles
-    it, ahead of the launch.  Cached in ``cache`` per (device, constexprs, warps, stages): the same compiled function
-    for every call of one configuration.  ``tests/test_paged_kernel.py`` checks it against the CUDA driver's
-    occupancy calculator."""
+    returning it - and the constexprs ``consts``) one SM runs at a time, from the compiled kernel's registers and
+    shared memory: its first use compiles it, ahead of the launch.  Cached in ``cache`` per (device, constexprs,
+    warps, stages): the same compiled function for every call of one configuration.  ``tests/test_paged_kernel.py``
+    checks it against the CUDA driver's occupancy calculator."""
     key = (device.index, tuple(sorted(consts.items())), num_warps, num_stages)
     if key not in cache:
         if callable(args):  # built only for the first use (a decode step's launches skip the argument tuple)

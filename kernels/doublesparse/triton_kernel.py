@@ -398,10 +398,10 @@ FUSED_MAX_TOKENS = 16384  # per program: the label scores stay in registers (~3 
 # 8-warp select and makes the 4-warp one spill, but on the H200 (session 29) compact_block 1024 was slower at all 36
 # cells timed (Llama B16/32k ds16 467.2 against 382.5 us): computing the keys again costs more than the spills
 #: ``pdl: "auto"`` launches with PDL up to this many query rows (batch x query heads).  Two H200 rounds (sessions 33
-#: and 34, ds8 / ds16 / both shared, docs/results.md): reads of up to 36 rows were faster with PDL, all but one read
-#: of one round (equal within 0.2 %) (Llama B1: 32 rows, 0.1-1.5 us of 18-52 us; SmolLM2 B1 / B4: 9 / 36 rows, 0.4-1.8
-#: us of 15-47 us), while from 128 rows (Llama
-#: B4, SmolLM2 B16) reads went either way by up to 3-4 % (ds8-shared SmolLM2 B16 / 32k 86.6 -> 90.5 us).
+#: and 34, ds8 / ds16 / both shared, docs/results.md): reads of up to 36 rows were faster with PDL - all but one read
+#: of one round, equal within 0.2 % - (Llama B1: 32 rows, 0.1-1.5 us of 18-52 us; SmolLM2 B1 / B4: 9 / 36 rows,
+#: 0.4-1.8 us of 15-47 us), while from 128 rows (Llama B4, SmolLM2 B16) reads went either way by up to 3-4 %
+#: (ds8-shared SmolLM2 B16 / 32k 86.6 -> 90.5 us).
 PDL_AUTO_ROWS = 64
 
 

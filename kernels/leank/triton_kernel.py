@@ -53,7 +53,8 @@ the rules' choices against each other (``benchmarks/gpu_s34_session.sh``).  ``re
 session 34): "auto" takes the resident count from this many batch rows
 (:func:`uses_resident`).  ``whole_waves`` (default True since session 34; not where the resident count is taken):
 the other rules' count moved to the nearest whole number of resident waves once the long programs exceed one
-(:func:`whole_wave_splits`; low rank Llama B4 / 32k 198 -> 136 us).  ``pdl`` (opt-in; mixed on the H200 in session 33): the split merge is launched with programmatic dependent launch on Hopper
+(:func:`whole_wave_splits`; low rank Llama B4 / 32k 198 -> 136 us).  ``pdl`` (opt-in; mixed on the H200 in
+session 33): the split merge is launched with programmatic dependent launch on Hopper
 (:func:`~kvcompress.kernels.attention.triton_shared.use_pdl`): it starts while the lanes kernel's last wave runs and
 waits for it on the device, so its launch latency and prologue overlap the split kernel.
 """
@@ -647,26 +648,24 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     ieee = lanes[0].k.dtype == torch.float32
     pdl = use_pdl(cfg.get("pdl"), dev)  # the merge starts during the lanes kernel's last wave (Hopper)
 
+    def tup(chunk, key):
+        return tuple(r[key] for r in chunk)
+
     def constexprs(chunk):
         """The kernel's constexprs over ``chunk`` (rows of at most MAX_LANES lanes)."""
-        def tup(key):
-            return tuple(r[key] for r in chunk)
-
         return dict(
-            HAS_VALID=tup("has_valid"), HAS_CHAN=tup("has_chan"), HAS_HEADS=tup("has_heads"), PROJ=tup("proj"),
+            HAS_VALID=tup(chunk, "has_valid"), HAS_CHAN=tup(chunk, "has_chan"), HAS_HEADS=tup(chunk, "has_heads"),
+            PROJ=tup(chunk, "proj"),
             DKP=tuple(max(16, _pow2(r["c"])) for r in chunk), NL=len(chunk), DV=dv, DVP=max(16, _pow2(dv)),
             BLOCK_M=block_m, BN=bn, IEEE=ieee, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
             LOGITS=logits is not None, DQP=max(16, _pow2(d)), PDL=pdl)
 
     def launch(chunk, po, pl):
         """``(arguments, constexprs)`` of the kernel over ``chunk``."""
-        def tup(key):
-            return tuple(r[key] for r in chunk)
-
         n_chunk = sum(r["h"] for r in chunk)
         args = (
             q, q.stride(0), q.stride(1), q.stride(2),
-            tup("k"), tup("v"), tup("va"), tup("ch"), tup("hd"), tup("u"),
+            *(tup(chunk, key) for key in ("k", "v", "va", "ch", "hd", "u")),
             tuple(_stride(r, "k", 0) for r in chunk), tuple(_stride(r, "k", 1) for r in chunk),
             tuple(_stride(r, "k", 2) for r in chunk), tuple(_stride(r, "v", 0) for r in chunk),
             tuple(_stride(r, "v", 1) for r in chunk), tuple(_stride(r, "v", 2) for r in chunk),
@@ -675,9 +674,9 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
             tuple(_stride(r, "ch", 0) if r["has_chan"] else 0 for r in chunk),
             tuple(_stride(r, "u", 0) if r["proj"] else 0 for r in chunk),
             tuple(_stride(r, "u", 1) if r["proj"] else 0 for r in chunk),
-            tup("t"), tup("h"), tup("c"), tup("r0"),
+            *(tup(chunk, key) for key in ("t", "h", "c", "r0")),
             po, pl, length if length is not None else pl, float(scale) * LOG2E, m, n_rows, chunk[0]["r0"], n_chunk, b,
-            cap_base2(softcap), tup("lg"), d)
+            cap_base2(softcap), tup(chunk, "lg"), d)
         return args, constexprs(chunk)
 
     if splits is None and cfg.get("splits") is not None:  # a fixed count (benchmark sweeps of the split rules)
