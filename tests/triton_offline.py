@@ -17,7 +17,7 @@ import torch
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int64: "i64",
            torch.int32: "i32", torch.uint8: "u8", torch.bool: "i1", torch.int8: "i8", torch.int16: "i16"}
-_OPTIONS = ("num_warps", "num_stages", "launch_pdl", "num_ctas")
+_OPTIONS = ("num_warps", "num_stages", "launch_pdl", "num_ctas", "maxnreg")
 
 
 @dataclasses.dataclass

@@ -1,12 +1,14 @@
 """Triton pieces shared by the split-KV decode kernels (KIVI, paged, LeanK).
 
 ``combine_splits`` merges ``S`` split partials ``(out, lse)`` by log-sum-exp; ``soft_cap`` applies a logit
-soft-cap (Gemma 2) to scores in the kernels' base-2 units; ``pow2`` and ``num_sms`` size launches.  Imported only by the kernels' ``triton_kernel`` modules, never at
-package import.
+soft-cap (Gemma 2) to scores in the kernels' base-2 units; ``pow2`` and ``num_sms`` size launches;
+:func:`occupancy` and :func:`resident_programs` count the programs an SM holds.  Imported only by the kernels'
+``triton_kernel`` modules, never at package import.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -120,25 +122,50 @@ def _combine_tiles_kernel(PO, PL, OUT, LSE, S, spo_s, spl_s, DV: tl.constexpr, D
     tl.store(LSE + row, tl.where(t_ok, top + tl.log(tl.where(t_ok, tot, 1.0)), float("-inf")))
 
 
+@dataclasses.dataclass(frozen=True)
+class SMLimits:
+    """What one SM gives its resident programs (an H100 / H200: 65536 registers, 228 KB of shared memory, 2048
+    threads, 32 blocks)."""
+    registers: int = 65536
+    shared: int = 233472
+    threads: int = 2048
+    blocks: int = 32
+
+
+def sm_limits(device: torch.device) -> SMLimits:
+    """The :class:`SMLimits` of ``device`` (a CUDA device), from its properties."""
+    props = torch.cuda.get_device_properties(device)
+    return SMLimits(getattr(props, "regs_per_multiprocessor", 65536),
+                    getattr(props, "shared_memory_per_multiprocessor", 233472),
+                    getattr(props, "max_threads_per_multi_processor", 2048), 32)
+
+
+def occupancy(regs: int, shared: int, num_warps: int, limits: SMLimits = SMLimits()) -> tuple[int, str]:
+    """``(programs, limit)``: how many programs of a kernel that takes ``regs`` registers per thread and ``shared``
+    bytes of shared memory one SM holds at a time, and what limits it (``"registers"``, ``"shared"``, ``"threads"``
+    or ``"blocks"``; the first of them on a tie).  Registers are allocated per warp, 256 at a time; every block also
+    reserves 1 KB of shared memory."""
+    warp_regs = -(-max(1, regs) * 32 // 256) * 256
+    by = {"registers": limits.registers // (warp_regs * num_warps), "shared": limits.shared // (shared + 1024),
+          "threads": limits.threads // (32 * num_warps), "blocks": limits.blocks}
+    limit = min(by, key=lambda k: by[k])
+    return max(1, by[limit]), limit
+
+
 def resident_programs(kernel, args, consts: dict, num_warps: int, num_stages: int, device: torch.device,
                       cache: dict) -> int:
     """How many programs of ``kernel`` (a ``@triton.jit`` function, launched with ``args`` - a tuple, or a callable
     returning it - and the constexprs ``consts``) one SM runs at a time, from the compiled kernel's registers and
-    shared memory: its first use compiles it, ahead of the launch.  Cached in ``cache`` per (device, constexprs,
-    warps, stages): the same compiled function for every call of one configuration.  ``tests/test_paged_kernel.py``
-    checks it against the CUDA driver's occupancy calculator."""
+    shared memory (:func:`occupancy`): its first use compiles it, ahead of the launch.  Cached in ``cache`` per
+    (device, constexprs, warps, stages): the same compiled function for every call of one configuration.
+    ``tests/test_paged_kernel.py`` checks it against the CUDA driver's occupancy calculator."""
     key = (device.index, tuple(sorted(consts.items())), num_warps, num_stages)
     if key not in cache:
         if callable(args):  # built only for the first use (a decode step's launches skip the argument tuple)
             args = args()
         compiled = kernel.warmup(*args, grid=(1, 1, 1), num_warps=num_warps, num_stages=num_stages, **consts)
         compiled._init_handles()
-        props = torch.cuda.get_device_properties(device)
-        warp_regs = -(-max(1, compiled.n_regs) * 32 // 256) * 256  # registers are allocated per warp, 256 at a time
-        by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (warp_regs * num_warps)
-        by_smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // (compiled.metadata.shared + 1024)
-        by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * num_warps)
-        cache[key] = max(1, min(by_regs, by_smem, by_threads, 32))
+        cache[key] = occupancy(compiled.n_regs, compiled.metadata.shared, num_warps, sm_limits(device))[0]
     return cache[key]
 
 
