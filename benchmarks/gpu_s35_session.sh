@@ -9,6 +9,11 @@
 #       older split rules: 3 stages faster at LeanK-70 B16, slower at B1 and B64 (the empty stack B64: 0.94x ->
 #       0.78x); the B64 splits then were one per row, which at 3 per SM leaves a second wave 29 % full - the resident
 #       split count (resident_batch 16, since session 34) fills it, and that pairing has not been timed.
+#   PART=shapes  the same reads under launch shapes never timed (the last sweep, before session 16, tried 2 / 3 / 4
+#       stages, 2 / 4 waves, BN 128 with 4 / 8 warps): 32-token steps at 4 stages (4 programs per SM at Llama heads:
+#       the same 192 KB of copies in flight per SM as the default's 2, twice the warps), 32-token steps with 2 warps at
+#       3 stages (5-6 per SM), 8 warps at 3 stages (3 per SM, 24 warps) - docs/data/s35_offline/
+#       read_occupancy_variants_triton36.md.
 #   PART=occupancy  the same launches' builds as the device compiles them (benchmarks/read_occupancy.py
 #       --device-build, Llama heads): registers and shared memory from the driver, against the offline table
 #       (docs/data/s35_offline/); the paged kernel's offline build (146-148 registers, 3 per SM) disagrees with
@@ -18,11 +23,19 @@ set -o pipefail
 OUT=$(realpath "${1:-out}")
 HERE=$(cd "$(dirname "$0")" && pwd)
 case "${PART:-stages}" in
-  stages)
+  stages)  # first the GPU tests of every swept shape against the reference (tests/test_occupancy.py)
+    cd "$HERE/.." || exit 1
+    PS_TESTS=tests/test_occupancy.py PS_VAR=KVCOMPRESS_LEANK_CONFIG PS_OPS=${S35_OPS:-none,lowrank,leank50,leank70,leank70-kivi2} \
+      PS_SHAPES=${S35_SHAPES:-llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:4k,llama3-8b:64:32k,smollm2-135m:16:32k,smollm2-135m:64:32k} \
+      bash benchmarks/gpu_paged_sweep.sh "$OUT" '{}' '{"num_stages": 3}' '{"num_stages": 4}'
+    rm -f "$OUT/base.json"
+    ;;
+  shapes)
     cd "$HERE/.." || exit 1
     PS_TESTS=none PS_VAR=KVCOMPRESS_LEANK_CONFIG PS_OPS=${S35_OPS:-none,lowrank,leank50,leank70,leank70-kivi2} \
       PS_SHAPES=${S35_SHAPES:-llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:4k,llama3-8b:64:32k,smollm2-135m:16:32k,smollm2-135m:64:32k} \
-      bash benchmarks/gpu_paged_sweep.sh "$OUT" '{}' '{"num_stages": 3}' '{"num_stages": 4}'
+      bash benchmarks/gpu_paged_sweep.sh "$OUT" '{}' '{"BN": 32, "num_stages": 4}' \
+      '{"BN": 32, "num_warps": 2, "num_stages": 3}' '{"num_warps": 8, "num_stages": 3}'
     rm -f "$OUT/base.json"
     ;;
   occupancy)
@@ -33,5 +46,5 @@ case "${PART:-stages}" in
     tail -3 "$OUT/occupancy_device.err"; cat "$OUT/occupancy_device.md"
     ;;
   grid|splits) bash "$HERE/gpu_s34_session.sh" "$OUT" ;;
-  *) echo "PART: stages, occupancy, grid or splits" >&2; exit 2 ;;
+  *) echo "PART: stages, shapes, occupancy, grid or splits" >&2; exit 2 ;;
 esac

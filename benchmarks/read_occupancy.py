@@ -178,7 +178,8 @@ def row(op: str, model: str, batch: int, launch, stages: int | None, try_caps: b
             capped = device_usage(capped_launch) if on_device else usage(compile_launch(capped_launch))
     lanes = kwargs.get("DKP")
     return {"op": op, "model": model, "batch": batch, "kernel": launch.fn.fn.__name__, "warps": warps,
-            "stages": kwargs.get("num_stages"), "lanes": list(lanes) if lanes else None, **got,
+            "stages": kwargs.get("num_stages"), "lanes": list(lanes) if lanes else None,
+            "block_n": kwargs["BN"] if "BN" in kwargs else kwargs.get("P", 0) * kwargs.get("NBP", 0) or None, **got,
             "programs_per_sm": programs, "limit": limit, "regs_for_one_more": cap, "capped": capped}
 
 
@@ -190,10 +191,17 @@ def main(argv=None) -> int:
     ap.add_argument("--try-caps", action="store_true", help="compile the 'regs for +1' cap and report its spills")
     ap.add_argument("--device-build", action="store_true",
                     help="compile on the current CUDA device (the driver reads the build) instead of offline")
+    ap.add_argument("--variants", default="[{}]",
+                    help='JSON list of launch overrides, each a row per launch (constexprs and options, e.g. '
+                         '\'[{}, {"BN": 32, "num_stages": 4}, {"num_warps": 8, "num_stages": 3}]\'; {}: as launched)')
     ap.add_argument("--out", help="also write the rows as JSON")
     args = ap.parse_args(argv)
+    variants = json.loads(args.variants)
+    if not isinstance(variants, list) or not all(isinstance(v, dict) for v in variants):
+        ap.error(f"--variants must be a JSON list of objects, got {args.variants!r}")
     sys.path.insert(0, str(ROOT / "tests"))  # triton_offline: the recorders and the offline compile
     import triton
+    from triton_offline import Launch
 
     from kvcompress.kernels import benchutil
 
@@ -202,41 +210,44 @@ def main(argv=None) -> int:
     for model in args.models.split(","):
         for op in args.ops.split(","):
             for batch in map(int, args.batches.split(",")):
-                if op == "paged-dense":
-                    launches, stage_list = paged_launches(shapes[model], batch)[:1], (2, 3)
+                if op == "paged-dense":  # the variants are the lanes kernel's; the paged kernel at its two depths
+                    launches, stage_list, op_variants = paged_launches(shapes[model], batch)[:1], (2, 3), [{}]
                 else:
-                    launches, stage_list = lanes_launches(op, shapes[model], batch)[:1], (None,)
-                for launch in launches:
-                    for stages in stage_list:
-                        r = row(op, model, batch, launch, stages, args.try_caps, args.device_build)
-                        key = (op, model, r["stages"], r["registers"], r["shared_bytes"])
-                        if key in seen:  # the same build as a smaller batch's: one row, its batches listed
-                            next(x for x in rows if (x["op"], x["model"], x["stages"], x["registers"],
-                                                     x["shared_bytes"]) == key)["batches"].append(batch)
-                            continue
-                        seen.add(key)
-                        r["batches"] = [batch]
-                        rows.append(r)
-                        print(f"{op} {model} B{batch} st{r['stages']}: {r['registers']} regs, {r['shared_bytes']} B"
-                              f" shared -> {r['programs_per_sm']} per SM ({r['limit']})", file=sys.stderr,
-                              flush=True)
+                    launches, stage_list, op_variants = lanes_launches(op, shapes[model], batch)[:1], (None,), variants
+                for launch, variant, stages in ((x, v, st) for x in launches for v in op_variants for st in stage_list):
+                    changed = Launch(launch.fn, launch.args, {**launch.kwargs, **variant})
+                    r = row(op, model, batch, changed, variant.get("num_stages", stages), args.try_caps,
+                            args.device_build)
+                    r["variant"] = variant
+                    key = (op, model, json.dumps(variant, sort_keys=True), r["stages"], r["registers"],
+                           r["shared_bytes"])
+                    if key in seen:  # the same build as a smaller batch's: one row, its batches listed
+                        next(x for x in rows if x["key"] == key)["batches"].append(batch)
+                        continue
+                    seen.add(key)
+                    r["key"], r["batches"] = key, [batch]
+                    rows.append(r)
+                    print(f"{op} {model} B{batch} {variant or ''} st{r['stages']}: {r['registers']} regs, "
+                          f"{r['shared_bytes']} B shared -> {r['programs_per_sm']} per SM ({r['limit']})",
+                          file=sys.stderr, flush=True)
     where = "built on the CUDA device" if args.device_build else "sm_90 offline"
     print(f"Triton {triton.__version__}, {where}, H200 limits (65536 registers, 228 KB shared memory per SM)\n")
-    print("| op | model | batches | kernel | lanes (padded key widths) | warps | stages | registers | spilled B | "
+    print("| op | model | batches | kernel | lanes (padded key widths) | tokens / step | warps | stages | registers | spilled B | "
           "shared B | programs / SM | limit | regs for +1 |" + (" capped: regs / spilled B |" if args.try_caps else ""))
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.try_caps else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.try_caps else ""))
     for r in rows:
         cap = r["regs_for_one_more"] or "-"
         line = (f"| {r['op']} | {r['model']} | {','.join(map(str, r['batches']))} | {r['kernel']} | "
-                f"{r['lanes'] or '-'} | {r['warps']} | {r['stages']} | {r['registers']} | {r['spill_bytes']} | "
-                f"{r['shared_bytes']} | {r['programs_per_sm']} | {r['limit']} | {cap} |")
+                f"{r['lanes'] or '-'} | {r['block_n'] or '-'} | {r['warps']} | {r['stages']} | {r['registers']} | "
+                f"{r['spill_bytes']} | {r['shared_bytes']} | {r['programs_per_sm']} | {r['limit']} | {cap} |")
         if args.try_caps:
             c = r["capped"]
             line += f" {c['registers']} / {c['spill_bytes']} |" if c else " - |"
         print(line)
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"triton": triton.__version__, "rows": rows}, fh, indent=1)
+            json.dump({"triton": triton.__version__, "rows": [{k: v for k, v in r.items() if k != "key"} for r in rows]},
+                  fh, indent=1)
     return 0
 
 
