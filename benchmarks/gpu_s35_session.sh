@@ -18,6 +18,15 @@
 #       --device-build, Llama heads): registers and shared memory from the driver, against the offline table
 #       (docs/data/s35_offline/); the paged kernel's offline build (146-148 registers, 3 per SM) disagrees with
 #       session 27's Nsight Compute reading (112, 4 per SM).
+#   PART=buffer-tests  the KIVI buffer read's GPU tests (tests/test_kivi_buffer_read.py, tests/test_kivi_lanes.py):
+#       session 35 changed the buffer CTAs' loop (kernels/kivi/cuda_kernel.cu attend_buffer: the valid flags of 32 slots
+#       in one ballot, the next valid slot's key and value loaded before the current one is scored), built and checked
+#       offline (nvcc 13.0: no spills at sm_90a / sm_80, every cap) but not yet run on a GPU.
+#   PART=buffer-ab  the reads that take the buffer CTAs - static KIVI-2, LeanK-70 + KIVI-2 - timed from this tree and
+#       from the tree before the change, alternating (benchmarks/gpu_ab_trees.sh).  Export both first:
+#         git archive HEAD | tar -x -C .gpusrc; git archive <the commit before the buffer loop> | tar -x -C .gpusrc_old
+#       carry [".gpusrc", ".gpusrc_old", ".gpuwheels"]; run: PART=buffer-ab bash .gpusrc/benchmarks/gpu_s35_session.sh
+#       $OUT (from the device copy's root, not from .gpusrc).
 #   PART=grid / PART=splits: benchmarks/gpu_s34_session.sh (not yet run).
 set -o pipefail
 OUT=$(realpath "${1:-out}")
@@ -45,6 +54,19 @@ case "${PART:-stages}" in
       --out "$OUT/occupancy_device.json" > "$OUT/occupancy_device.md" 2> "$OUT/occupancy_device.err"
     tail -3 "$OUT/occupancy_device.err"; cat "$OUT/occupancy_device.md"
     ;;
+  buffer-tests)
+    cd "$HERE/.." || exit 1
+    source "$HERE/gpu_site.sh"  # install under /tmp/site, cd there
+    timeout 540 python -m pytest -q -m gpu "$SRC/tests/test_kivi_buffer_read.py" "$SRC/tests/test_kivi_lanes.py" \
+      -p no:cacheprovider -p no:logging 2>&1 | grep -v DEBUG | tail -15 | tee "$OUT/buffer_tests.txt"
+    ;;
+  buffer-ab)
+    ROOT=$(cd "$HERE/../.." && pwd)  # the device copy's root, holding .gpusrc and .gpusrc_old
+    cd "$ROOT" || exit 1
+    AB_OPS=sdpa,kivi2-static,leank70-kivi2 AB_ROUNDS=${S35_ROUNDS:-2} \
+      AB_SHAPES=${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:4:4k,llama3-8b:16:4k,smollm2-135m:1:4k,smollm2-135m:1:32k,smollm2-135m:4:4k,smollm2-135m:16:4k} \
+      bash .gpusrc/benchmarks/gpu_ab_trees.sh "$OUT" .gpusrc .gpusrc_old
+    ;;
   grid|splits) bash "$HERE/gpu_s34_session.sh" "$OUT" ;;
-  *) echo "PART: stages, shapes, occupancy, grid or splits" >&2; exit 2 ;;
+  *) echo "PART: stages, shapes, occupancy, buffer-tests, buffer-ab, grid or splits" >&2; exit 2 ;;
 esac

@@ -1009,8 +1009,8 @@ __device__ __forceinline__ float load_f(const void* base, long long i, int bf16)
 // One CTA of the full-precision buffer (Params::bk): slots [j * btps, (j + 1) * btps) of slice (b, h), row block
 // blockIdx.z, written as split blockIdx.x.  SIMT: a buffer is a few hundred slots (sinks + the recent window), read
 // once per step; the launch it shares is what counts.  Lane l holds channels [l * DK / 32, (l + 1) * DK / 32) of the
-// query rows and [l * DV / 32, ...) of the output; warp w takes slots w, w + nw, ...; the warps merge through shared
-// memory as attend() does (same buffers: launch_smem covers them).
+// query rows and [l * DV / 32, ...) of the output; warp w takes slots w, w + nw, ... (the valid ones, each loaded one
+// slot ahead); the warps merge through shared memory as attend() does (same buffers: launch_smem covers them).
 template <int DK, int DV>
 __device__ __forceinline__ void attend_buffer(const Params& p, int b, int h, int bh, int j) {
   constexpr int MT = 8, CK = DK / 32, CV = DV / 32;
@@ -1050,31 +1050,54 @@ __device__ __forceinline__ void attend_buffer(const Params& p, int b, int h, int
   }
   const uint8_t* va = p.bva + b * p.bva_sb;
   const long long kb = b * p.bk_sb + h * p.bk_sh + lane * CK, vb = b * p.bv_sb + h * p.bv_sh + lane * CV;
-  for (int t = t0 + warp; t < t1; t += nw) {
-    if (!va[t]) continue;  // the same slot for the whole warp
-    float kf[CK], vf[CV];
+  float kf[CK], vf[CV], kn[CK], vn[CV];
+  auto load_slot = [&](int t, float (&k)[CK], float (&v)[CV]) {
 #pragma unroll
-    for (int c = 0; c < CK; ++c) kf[c] = load_f(p.bk, kb + t * p.bk_st + c, p.bbf16);
+    for (int c = 0; c < CK; ++c) k[c] = load_f(p.bk, kb + t * p.bk_st + c, p.bbf16);
 #pragma unroll
-    for (int c = 0; c < CV; ++c) vf[c] = load_f(p.bv, vb + t * p.bv_st + c, p.bbf16);
-#pragma unroll
-    for (int r = 0; r < MT; ++r) {
-      float sc = 0.f;
-#pragma unroll
-      for (int c = 0; c < CK / 2; ++c) {
-        const float2 qf = __half22float2(q[r][c]);
-        sc = fmaf(qf.x, kf[2 * c], fmaf(qf.y, kf[2 * c + 1], sc));
+    for (int c = 0; c < CV; ++c) v[c] = load_f(p.bv, vb + t * p.bv_st + c, p.bbf16);
+  };
+  // Warp w reads slots t0 + w, t0 + w + nw, ... in order, 32 at a time: one load per lane gives the valid flags of
+  // 32 of them (a ballot: the same mask in every lane, so every branch below is uniform), and the next valid slot's
+  // key and value are loaded before the current one is scored - one memory round trip per slot overlapped with the
+  // previous slot's arithmetic, where each slot used to wait for its flag, then for its key and value.  The slots are
+  // taken in the same order with the same arithmetic: the partial is the same bit for bit.
+  for (int base = t0 + warp; base < t1; base += 32 * nw) {
+    const int mine = base + lane * nw;
+    unsigned left = __ballot_sync(0xffffffffu, mine < t1 && va[mine] != 0);
+    if (left == 0) continue;
+    load_slot(base + (__ffs(left) - 1) * nw, kf, vf);
+    left &= left - 1;
+    while (true) {
+      const bool more = left != 0;
+      if (more) {
+        load_slot(base + (__ffs(left) - 1) * nw, kn, vn);
+        left &= left - 1;
       }
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
-#if KIVI_SOFTCAP
-      sc = soft_cap(sc, p.softcap);
-#endif
-      const float mn = fmaxf(m[r], sc), a = exp2f(m[r] - mn), pr = exp2f(sc - mn);
-      l[r] = l[r] * a + pr;
+      for (int r = 0; r < MT; ++r) {
+        float sc = 0.f;
 #pragma unroll
-      for (int c = 0; c < CV; ++c) acc[r][c] = fmaf(acc[r][c], a, pr * vf[c]);
-      m[r] = mn;
+        for (int c = 0; c < CK / 2; ++c) {
+          const float2 qf = __half22float2(q[r][c]);
+          sc = fmaf(qf.x, kf[2 * c], fmaf(qf.y, kf[2 * c + 1], sc));
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
+#if KIVI_SOFTCAP
+        sc = soft_cap(sc, p.softcap);
+#endif
+        const float mn = fmaxf(m[r], sc), a = exp2f(m[r] - mn), pr = exp2f(sc - mn);
+        l[r] = l[r] * a + pr;
+#pragma unroll
+        for (int c = 0; c < CV; ++c) acc[r][c] = fmaf(acc[r][c], a, pr * vf[c]);
+        m[r] = mn;
+      }
+      if (!more) break;
+#pragma unroll
+      for (int c = 0; c < CK; ++c) kf[c] = kn[c];
+#pragma unroll
+      for (int c = 0; c < CV; ++c) vf[c] = vn[c];
     }
   }
   float* om = reinterpret_cast<float*>(smem);  // [nw][MT][DV]
