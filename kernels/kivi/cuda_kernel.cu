@@ -1006,6 +1006,15 @@ __device__ __forceinline__ float load_f(const void* base, long long i, int bf16)
               : __half2float(reinterpret_cast<const __half*>(base)[i]);
 }
 
+// The 16 bits of an fp16 / bf16 element, and their float value (load_f split in two: a value loaded ahead is kept
+// as its bits, so no instruction uses it - and the warp does not wait for it - until it is converted).
+__device__ __forceinline__ unsigned short load_bits(const void* base, long long i) {
+  return reinterpret_cast<const unsigned short*>(base)[i];
+}
+__device__ __forceinline__ float bits_f(unsigned short x, int bf16) {
+  return bf16 ? __uint_as_float((unsigned)x << 16) : __half2float(__ushort_as_half(x));
+}
+
 // One CTA of the full-precision buffer (Params::bk): slots [j * btps, (j + 1) * btps) of slice (b, h), row block
 // blockIdx.z, written as split blockIdx.x.  SIMT: a buffer is a few hundred slots (sinks + the recent window), read
 // once per step; the launch it shares is what counts.  Lane l holds channels [l * DK / 32, (l + 1) * DK / 32) of the
@@ -1050,12 +1059,19 @@ __device__ __forceinline__ void attend_buffer(const Params& p, int b, int h, int
   }
   const uint8_t* va = p.bva + b * p.bva_sb;
   const long long kb = b * p.bk_sb + h * p.bk_sh + lane * CK, vb = b * p.bv_sb + h * p.bv_sh + lane * CV;
-  float kf[CK], vf[CV], kn[CK], vn[CV];
-  auto load_slot = [&](int t, float (&k)[CK], float (&v)[CV]) {
+  float kf[CK], vf[CV];
+  unsigned short kn[CK], vn[CV];  // the next slot's key and value, as loaded (converted once they are needed)
+  auto load_slot = [&](int t) {
 #pragma unroll
-    for (int c = 0; c < CK; ++c) k[c] = load_f(p.bk, kb + t * p.bk_st + c, p.bbf16);
+    for (int c = 0; c < CK; ++c) kn[c] = load_bits(p.bk, kb + t * p.bk_st + c);
 #pragma unroll
-    for (int c = 0; c < CV; ++c) v[c] = load_f(p.bv, vb + t * p.bv_st + c, p.bbf16);
+    for (int c = 0; c < CV; ++c) vn[c] = load_bits(p.bv, vb + t * p.bv_st + c);
+  };
+  auto take_slot = [&]() {
+#pragma unroll
+    for (int c = 0; c < CK; ++c) kf[c] = bits_f(kn[c], p.bbf16);
+#pragma unroll
+    for (int c = 0; c < CV; ++c) vf[c] = bits_f(vn[c], p.bbf16);
   };
   // Warp w reads slots t0 + w, t0 + w + nw, ... in order, 32 at a time: one load per lane gives the valid flags of
   // 32 of them (a ballot: the same mask in every lane, so every branch below is uniform), and the next valid slot's
@@ -1066,12 +1082,13 @@ __device__ __forceinline__ void attend_buffer(const Params& p, int b, int h, int
     const int mine = base + lane * nw;
     unsigned left = __ballot_sync(0xffffffffu, mine < t1 && va[mine] != 0);
     if (left == 0) continue;
-    load_slot(base + (__ffs(left) - 1) * nw, kf, vf);
+    load_slot(base + (__ffs(left) - 1) * nw);
     left &= left - 1;
     while (true) {
+      take_slot();
       const bool more = left != 0;
       if (more) {
-        load_slot(base + (__ffs(left) - 1) * nw, kn, vn);
+        load_slot(base + (__ffs(left) - 1) * nw);
         left &= left - 1;
       }
 #pragma unroll
@@ -1094,10 +1111,6 @@ __device__ __forceinline__ void attend_buffer(const Params& p, int b, int h, int
         m[r] = mn;
       }
       if (!more) break;
-#pragma unroll
-      for (int c = 0; c < CK; ++c) kf[c] = kn[c];
-#pragma unroll
-      for (int c = 0; c < CV; ++c) vf[c] = vn[c];
     }
   }
   float* om = reinterpret_cast<float*>(smem);  // [nw][MT][DV]
