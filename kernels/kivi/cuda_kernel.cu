@@ -1019,7 +1019,8 @@ __device__ __forceinline__ float bits_f(unsigned short x, int bf16) {
 // blockIdx.z, written as split blockIdx.x.  SIMT: a buffer is a few hundred slots (sinks + the recent window), read
 // once per step; the launch it shares is what counts.  Lane l holds channels [l * DK / 32, (l + 1) * DK / 32) of the
 // query rows and [l * DV / 32, ...) of the output; warp w takes slots w, w + nw, ... (the valid ones, each loaded one
-// slot ahead); the warps merge through shared memory as attend() does (same buffers: launch_smem covers them).
+// slot ahead) and scores the block's live query rows (3 of the 8 at SmolLM2's 9 / 3 heads, 4 at Llama's 32 / 8); the
+// warps merge through shared memory as attend() does (same buffers: launch_smem covers them).
 template <int DK, int DV>
 __device__ __forceinline__ void attend_buffer(const Params& p, int b, int h, int bh, int j) {
   constexpr int MT = 8, CK = DK / 32, CV = DV / 32;
@@ -1093,6 +1094,7 @@ __device__ __forceinline__ void attend_buffer(const Params& p, int b, int h, int
       }
 #pragma unroll
       for (int r = 0; r < MT; ++r) {
+        if (r >= rows) break;  // the block's live query rows only (uniform: write_partial reads no other row)
         float sc = 0.f;
 #pragma unroll
         for (int c = 0; c < CK / 2; ++c) {
