@@ -27,6 +27,9 @@
 #         git archive HEAD | tar -x -C .gpusrc; git archive <the commit before the buffer loop> | tar -x -C .gpusrc_old
 #       carry [".gpusrc", ".gpusrc_old", ".gpuwheels"]; run: PART=buffer-ab bash .gpusrc/benchmarks/gpu_s35_session.sh
 #       $OUT (from the device copy's root, not from .gpusrc).
+#   PART=buffer-rule  when to read the buffer in the same launch, with the new buffer CTAs: the default rule
+#       (buffer_rows 16, buffer_work 256k, from session 26's slower CTAs) against a wider one and against never
+#       (KVCOMPRESS_KIVI_CUDA_CONFIG) for static KIVI-2 and LeanK-70 + KIVI-2 from B4 to B64.
 #   PART=grid / PART=splits: benchmarks/gpu_s34_session.sh (not yet run).
 set -o pipefail
 OUT=$(realpath "${1:-out}")
@@ -67,6 +70,14 @@ case "${PART:-stages}" in
       AB_SHAPES=${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:4:4k,llama3-8b:16:4k,smollm2-135m:1:4k,smollm2-135m:1:32k,smollm2-135m:4:4k,smollm2-135m:16:4k} \
       bash .gpusrc/benchmarks/gpu_ab_trees.sh "$OUT" .gpusrc .gpusrc_old
     ;;
+  buffer-rule)
+    cd "$HERE/.." || exit 1
+    PS_TESTS=none PS_VAR=KVCOMPRESS_KIVI_CUDA_CONFIG PS_OPS=kivi2-static,leank70-kivi2 \
+      PS_SHAPES=${S35_SHAPES:-llama3-8b:4:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:4k,smollm2-135m:16:32k,smollm2-135m:64:4k,smollm2-135m:64:32k} \
+      bash benchmarks/gpu_paged_sweep.sh "$OUT" '{}' '{"buffer_rows": 64, "buffer_work": 1048576}' \
+      '{"buffer_rows": 1024, "buffer_work": 0}' '{"buffer_tokens": 0}'
+    rm -f "$OUT/base.json"
+    ;;
   grid|splits) bash "$HERE/gpu_s34_session.sh" "$OUT" ;;
-  *) echo "PART: stages, shapes, occupancy, buffer-tests, buffer-ab, grid or splits" >&2; exit 2 ;;
+  *) echo "PART: stages, shapes, occupancy, buffer-tests, buffer-ab, buffer-rule, grid or splits" >&2; exit 2 ;;
 esac
