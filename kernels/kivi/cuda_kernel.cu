@@ -1094,7 +1094,7 @@ __device__ __forceinline__ void attend_buffer(const Params& p, int b, int h, int
       }
 #pragma unroll
       for (int r = 0; r < MT; ++r) {
-        if (r >= rows) break;  // the block's live query rows only (uniform: write_partial reads no other row)
+        if (r >= rows) continue;  // the block's live query rows only (uniform: write_partial reads no other row)
         float sc = 0.f;
 #pragma unroll
         for (int c = 0; c < CK / 2; ++c) {
