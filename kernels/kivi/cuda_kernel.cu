@@ -1001,13 +1001,8 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
   write_partial<DV>(p, om, mm, lm, nw, rows, split, bh, rb);
 }
 
-__device__ __forceinline__ float load_f(const void* base, long long i, int bf16) {
-  return bf16 ? __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(base)[i])
-              : __half2float(reinterpret_cast<const __half*>(base)[i]);
-}
-
-// The 16 bits of an fp16 / bf16 element, and their float value (load_f split in two: a value loaded ahead is kept
-// as its bits, so no instruction uses it - and the warp does not wait for it - until it is converted).
+// The 16 bits of an fp16 / bf16 element, and their float value: a value loaded ahead is kept as its bits, so no
+// instruction uses it - and the warp does not wait for it - until it is converted.
 __device__ __forceinline__ unsigned short load_bits(const void* base, long long i) {
   return reinterpret_cast<const unsigned short*>(base)[i];
 }
