@@ -13,7 +13,8 @@
 #       stages, 2 / 4 waves, BN 128 with 4 / 8 warps): 32-token steps at 4 stages (4 programs per SM at Llama heads:
 #       the same 192 KB of copies in flight per SM as the default's 2, twice the warps), 32-token steps with 2 warps at
 #       3 stages (5-6 per SM), 8 warps at 3 stages (3 per SM, 24 warps) - docs/data/s35_offline/
-#       read_occupancy_variants_triton36.md.
+#       read_occupancy_variants_triton36.md.  Llama shapes; PART=shapes-smol: the SmolLM2 shapes, with 128-token
+#       steps at 3 stages in place of 2 warps (3 programs per SM at d 64, a quarter of the steps per byte).
 #   PART=occupancy  the same launches' builds as the device compiles them (benchmarks/read_occupancy.py
 #       --device-build, Llama heads): registers and shared memory from the driver, against the offline table
 #       (docs/data/s35_offline/); the paged kernel's offline build (146-148 registers, 3 per SM) disagrees with
@@ -45,9 +46,17 @@ case "${PART:-stages}" in
   shapes)
     cd "$HERE/.." || exit 1
     PS_TESTS=none PS_VAR=KVCOMPRESS_LEANK_CONFIG PS_OPS=${S35_OPS:-none,lowrank,leank50,leank70,leank70-kivi2} \
-      PS_SHAPES=${S35_SHAPES:-llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:4k,llama3-8b:64:32k,smollm2-135m:16:32k,smollm2-135m:64:32k} \
+      PS_SHAPES=${S35_SHAPES:-llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:4k,llama3-8b:64:32k} \
       bash benchmarks/gpu_paged_sweep.sh "$OUT" '{}' '{"BN": 32, "num_stages": 4}' \
       '{"BN": 32, "num_warps": 2, "num_stages": 3}' '{"num_warps": 8, "num_stages": 3}'
+    rm -f "$OUT/base.json"
+    ;;
+  shapes-smol)  # SmolLM2 heads (d 64: half the bytes of a Llama tile per step): also 128-token steps
+    cd "$HERE/.." || exit 1
+    PS_TESTS=none PS_VAR=KVCOMPRESS_LEANK_CONFIG PS_OPS=${S35_OPS:-none,lowrank,leank50,leank70,leank70-kivi2} \
+      PS_SHAPES=${S35_SHAPES:-smollm2-135m:1:32k,smollm2-135m:4:32k,smollm2-135m:16:32k,smollm2-135m:64:4k,smollm2-135m:64:32k} \
+      bash benchmarks/gpu_paged_sweep.sh "$OUT" '{}' '{"BN": 32, "num_stages": 4}' '{"BN": 128, "num_stages": 3}' \
+      '{"num_warps": 8, "num_stages": 3}'
     rm -f "$OUT/base.json"
     ;;
   occupancy)
@@ -79,5 +88,6 @@ case "${PART:-stages}" in
     rm -f "$OUT/base.json"
     ;;
   grid|splits) bash "$HERE/gpu_s34_session.sh" "$OUT" ;;
-  *) echo "PART: stages, shapes, occupancy, buffer-tests, buffer-ab, buffer-rule, grid or splits" >&2; exit 2 ;;
+  *) echo "PART: stages, shapes, shapes-smol, occupancy, buffer-tests, buffer-ab, buffer-rule, grid or splits" >&2
+     exit 2 ;;
 esac

@@ -68,12 +68,14 @@ def test_read_occupancy_reports_the_launch_the_read_makes(capsys):
 
 #: the lanes kernel's launch shapes benchmarks/gpu_s35_session.sh times (PART=stages, PART=shapes) besides the default
 SWEPT_SHAPES = [{"num_stages": 3}, {"num_stages": 4}, {"BN": 32, "num_stages": 4},
-                {"BN": 32, "num_warps": 2, "num_stages": 3}, {"num_warps": 8, "num_stages": 3}]
+                {"BN": 32, "num_warps": 2, "num_stages": 3}, {"num_warps": 8, "num_stages": 3},
+                {"BN": 128, "num_stages": 3}]
 
 
 def _gpu_lanes_cases(dev):
     """Llama-3-8B heads at odd lengths: LeanK-70's lanes beside a full-precision region (batch 3, a masked row), low
-    rank (r = 64) beside a buffer lane, and the empty stack's one lane read up to a live length."""
+    rank (r = 64) beside a buffer lane, and the empty stack's one lane read up to a live length; LeanK-70 at SmolLM2
+    heads (3 kv heads, d 64)."""
     import torch
 
     from kvcompress.kernels import benchutil
@@ -91,8 +93,9 @@ def _gpu_lanes_cases(dev):
     q2 = torch.randn(2, 8, 4, 128, device=dev, generator=gen).half()
     lowrank = [Lane(None, None, *buffer), Lane(None, None, coords, values, None, basis)]
     dense = [Lane(None, None, *(torch.randn(2, 8, 3001, 128, device=dev, generator=gen).half() for _ in range(2)))]
+    q3, small = benchutil.leank_inputs(2, 3, 1777, 64, 3, 70, dev, gen, fp_tokens=333)  # SmolLM2 heads
     return {"leank70": (q, lanes, None), "lowrank": (q2, lowrank, None),
-            "none-length": (q2, dense, torch.tensor(2777, device=dev))}
+            "none-length": (q2, dense, torch.tensor(2777, device=dev)), "leank70-d64": (q3, small, None)}
 
 
 @pytest.mark.gpu
