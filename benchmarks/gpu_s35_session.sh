@@ -31,6 +31,8 @@
 #   PART=buffer-rule  when to read the buffer in the same launch, with the new buffer CTAs: the default rule
 #       (buffer_rows 16, buffer_work 256k, from session 26's slower CTAs) against a wider one and against never
 #       (KVCOMPRESS_KIVI_CUDA_CONFIG) for static KIVI-2 and LeanK-70 + KIVI-2 from B4 to B64.
+#   PART=buffer-ctas  how many buffer CTAs: the default's 16 (LeanK + KIVI's 1k-slot buffer in runs of 64) against 32
+#       and 64 (new setting buffer_ctas) at the batch-1 / batch-4 reads, where the buffer CTAs are the longest chain.
 #   PART=grid / PART=splits: benchmarks/gpu_s34_session.sh (not yet run).
 set -o pipefail
 OUT=$(realpath "${1:-out}")
@@ -87,7 +89,15 @@ case "${PART:-stages}" in
       '{"buffer_rows": 1024, "buffer_work": 0}' '{"buffer_tokens": 0}'
     rm -f "$OUT/base.json"
     ;;
+  buffer-ctas)
+    cd "$HERE/.." || exit 1
+    PS_TESTS=none PS_VAR=KVCOMPRESS_KIVI_CUDA_CONFIG PS_OPS=kivi2-static,leank70-kivi2 \
+      PS_SHAPES=${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:4:4k,smollm2-135m:1:4k,smollm2-135m:1:32k,smollm2-135m:4:4k,smollm2-135m:16:4k} \
+      bash benchmarks/gpu_paged_sweep.sh "$OUT" '{}' '{"buffer_ctas": 32}' '{"buffer_ctas": 64, "buffer_tokens": 16}'
+    rm -f "$OUT/base.json"
+    ;;
   grid|splits) bash "$HERE/gpu_s34_session.sh" "$OUT" ;;
-  *) echo "PART: stages, shapes, shapes-smol, occupancy, buffer-tests, buffer-ab, buffer-rule, grid or splits" >&2
+  *) echo "PART: stages, shapes, shapes-smol, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, grid or" \
+       "splits" >&2
      exit 2 ;;
 esac

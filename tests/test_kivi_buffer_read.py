@@ -63,13 +63,14 @@ def _buffer(gen, b, h, slots, d, dtype, live):
     return k, v, valid, (None if live is None else torch.tensor(live))
 
 
-@pytest.mark.parametrize("bits,m,d,slots,live,dtype,cap,tokens", [
-    (2, 4, 128, 160, None, torch.bfloat16, None, 32),   # a Llama KIVI-2 layer's ring: 5 buffer CTAs
-    (2, 4, 128, 160, 150, torch.bfloat16, None, 256),   # the same ring in ONE buffer CTA (buffer_tokens 256)
-    (4, 12, 64, 45, 41, torch.float16, None, 32),       # two row blocks, a live length inside the last CTA
-    (2, 3, 64, 600, 333, torch.bfloat16, 0.9, 64),      # a longer buffer (longer runs per CTA), soft-capped
+@pytest.mark.parametrize("bits,m,d,slots,live,dtype,cap,tokens,ctas", [
+    (2, 4, 128, 160, None, torch.bfloat16, None, 32, 16),   # a Llama KIVI-2 layer's ring: 5 buffer CTAs
+    (2, 4, 128, 160, 150, torch.bfloat16, None, 256, 16),   # the same ring in ONE buffer CTA (buffer_tokens 256)
+    (4, 12, 64, 45, 41, torch.float16, None, 32, 16),       # two row blocks, a live length inside the last CTA
+    (2, 3, 64, 600, 333, torch.bfloat16, 0.9, 64, 16),      # a longer buffer (longer runs per CTA), soft-capped
+    (2, 3, 64, 1024, 1001, torch.float16, None, 16, 64),    # LeanK + KIVI's buffer in 64 CTAs of 16 (buffer_ctas)
 ])
-def test_emulated_buffer_ctas_equal_the_reference(bits, m, d, slots, live, dtype, cap, tokens):
+def test_emulated_buffer_ctas_equal_the_reference(bits, m, d, slots, live, dtype, cap, tokens, ctas):
     """The kernel's dataflow (CPU emulator: the region's warps and splits, the buffer CTAs' per-warp online softmax and
     warp merge, the split combine over both) against the reference."""
     gen = torch.Generator().manual_seed(bits * 100 + slots)
@@ -80,7 +81,7 @@ def test_emulated_buffer_ctas_equal_the_reference(bits, m, d, slots, live, dtype
     packed = PackedKV(bits, 32, kc, ks, kz, vc, vs, vz, valid, length=torch.tensor(70))
     buffer = _buffer(gen, b, h, slots, d, dtype, live)
     q = torch.randn(b, h, m, d, generator=gen).half()
-    out, lse = ck.emulate(q, packed, d ** -0.5, buffer=buffer, softcap=cap, buffer_tokens=tokens)
+    out, lse = ck.emulate(q, packed, d ** -0.5, buffer=buffer, softcap=cap, buffer_tokens=tokens, buffer_ctas=ctas)
     ref = ops.kivi_buffer_partial(q, kc, ks, kz, vc, vs, vz, valid, torch.tensor(70), bits, 32, d ** -0.5,
                                   *buffer, softcap=float(cap or 0.0))
     ok, err, msg = opcases.check_partial((out, lse), ref)
@@ -113,8 +114,16 @@ def test_buffer_settings_choose_the_one_launch_read(monkeypatch):
     with more batch x head x row-block rows than ``buffer_rows`` and more rows x region slots than ``buffer_work``."""
     assert ck.buffer_plan(160, 64) == (3, 64) and ck.buffer_plan(160, 256) == (1, 256)
     assert ck.buffer_plan(160) == (5, 32) and ck.buffer_plan(1000, 32) == (16, 63)
+    # buffer_ctas: LeanK + KIVI's 1024-slot buffer in 32 CTAs of 32 (16 of 64 by default); never fewer slots than
+    # buffer_tokens a CTA
+    assert ck.buffer_plan(1024) == (16, 64) and ck.buffer_plan(1024, 32, 32) == (32, 32)
+    assert ck.buffer_plan(1024, 32, 64) == (32, 32) and ck.buffer_plan(1000, 32, 1) == (1, 1000)
     with pytest.raises(ValueError, match="buffer_tokens"):
         ck.buffer_plan(160, 0)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=r"KVCOMPRESS_KIVI_CUDA_CONFIG: buffer_ctas must be an integer >= 1, "
+                                             r"got " + re.escape(repr(bad))):
+            ck.buffer_plan(160, 32, bad)
     monkeypatch.setattr(ck, "_BUFFER_SETTINGS", {})  # (read_buffer_settings below writes it)
 
     def settings(cfg):  # the configuration, read as ops.choose reads it when a cache picks the CUDA kernel
@@ -147,6 +156,8 @@ def test_buffer_settings_choose_the_one_launch_read(monkeypatch):
     for bad in ('{"buffer_rows": -1}', '{"buffer_work": 1.5}', '{"buffer_tokens": "all"}'):
         with pytest.raises(ValueError, match="must be an integer >= 0"):
             settings(bad)
+    with pytest.raises(ValueError, match="buffer_ctas must be an integer >= 1, got 0"):  # checked when read, too
+        settings('{"buffer_ctas": 0}')
 
 
 def test_fused_or_apart_traces_under_torch_compile(monkeypatch):

@@ -126,6 +126,8 @@ PARAMS_INTS = 56
 NO_BUFFER = (0,) * 15
 #: buffer slots one CTA of the buffer read takes (:func:`buffer_plan`)
 BUFFER_TOKENS = 32
+#: the most buffer CTAs per (batch, head, row block): a longer buffer gets longer runs (:func:`buffer_plan`)
+BUFFER_CTAS = 16
 #: a one-launch buffer read is used for at most this many (batch x kv head x row block) rows (:func:`fuses_buffer`)
 BUFFER_ROWS = 16
 #: ... or for at most this many rows x region slots
@@ -157,7 +159,8 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # read bounded by a live length far below the capacity (a static store early in a long generation) keeps every split
 # busy; 0: each split reads a contiguous run of tiles sized for the capacity, each warp a contiguous part of it.
 # buffer_tokens: slots one buffer CTA takes when the launch also reads a static layer's full-precision buffer
-# (:func:`buffer_plan`; fewer, longer buffer CTAs when larger); 0: no one-launch read - the buffer and the region are
+# (:func:`buffer_plan`; fewer, longer buffer CTAs when larger), at most buffer_ctas of them per (batch, head, row
+# block) - LeanK + KIVI's buffer of about 1k slots gets 16 CTAs of 64 (a sweep knob, session 35); 0: no one-launch read - the buffer and the region are
 # read apart (PackedKV.attention_partial_with_buffer returns None), for A/B timing.  buffer_rows / buffer_work: the
 # one-launch read only for at most buffer_rows rows (batch x kv heads x row blocks), or at most buffer_work rows x
 # region slots (:func:`fuses_buffer`).  These three are read when a cache chooses the CUDA kernel
@@ -172,7 +175,7 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # head shapes: 32 of 32 reads faster in session 34, by 0.1-2.5 us, e.g. KIVI-2 Llama B1 / 4k 9.74 -> 9.14 us).
 DEFAULT_CONFIG = dict(nw=4, stages=2, waves=1.0, warps_per_sm=16, min_tiles="auto", min_blocks=4, kfold=0, vfold=0,
                       interleave=1, buffer_tokens=BUFFER_TOKENS, buffer_rows=BUFFER_ROWS, buffer_work=BUFFER_WORK,
-                      pdl=True)
+                      pdl=True, buffer_ctas=BUFFER_CTAS)
 SMEM_DEFAULT = 48 * 1024  # dynamic shared memory a kernel gets without cudaFuncAttributeMaxDynamicSharedMemorySize
 SMEM_OPTIN_MAX = 227 * 1024  # the largest opt-in limit of any supported GPU (sm_90); the device's own limit is used
 
@@ -682,6 +685,7 @@ def read_buffer_settings(bits: int) -> tuple[int, int, int]:
     for n, v in zip(BUFFER_SETTINGS, values):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"KVCOMPRESS_KIVI_CUDA_CONFIG: {n} must be an integer >= 0, got {v!r}")
+    buffer_plan(1, 1, c.get("buffer_ctas", BUFFER_CTAS))  # checks buffer_ctas (an integer >= 1) here, not per read
     _BUFFER_SETTINGS[bits] = values
     _CAPPED[bits] = int(c.get("min_blocks", 1)) > 4
     return values
@@ -697,22 +701,25 @@ def fuses_buffer(bits: int, b: int, h: int, m: int, slots: int) -> bool:
     return tokens > 0 and (rows <= max_rows or rows * slots <= max_work)
 
 
-def buffer_plan(slots: int, tokens: int = BUFFER_TOKENS) -> tuple[int, int]:
+def buffer_plan(slots: int, tokens: int = BUFFER_TOKENS, most: int = BUFFER_CTAS) -> tuple[int, int]:
     """``(CTAs per (batch, head, row block), slots per CTA)`` of a buffer of ``slots`` slots: ``tokens`` (the launch
-    setting ``buffer_tokens``) slots per CTA, at most 16 CTAs (a longer buffer gets longer runs)."""
+    setting ``buffer_tokens``) slots per CTA, at most ``most`` CTAs (``buffer_ctas``; a longer buffer gets longer
+    runs)."""
     if tokens < 1:
         raise ValueError(f"KIVI CUDA kernel: buffer_tokens {tokens} (>= 1 for a one-launch read)")
-    tps = max(tokens, -(-slots // 16))
+    if isinstance(most, bool) or not isinstance(most, int) or most < 1:
+        raise ValueError(f"KVCOMPRESS_KIVI_CUDA_CONFIG: buffer_ctas must be an integer >= 1, got {most!r}")
+    tps = max(tokens, -(-slots // most))
     return -(-slots // tps), tps
 
 
-def _buffer_args(buffer: tuple | None, tokens: int = BUFFER_TOKENS) -> tuple:
+def _buffer_args(buffer: tuple | None, tokens: int = BUFFER_TOKENS, most: int = BUFFER_CTAS) -> tuple:
     """The 15 buffer entries of ``Params`` for ``buffer`` = ``(k, v, valid uint8, length or None)``, ``tokens`` slots
-    per buffer CTA (:func:`buffer_plan`)."""
+    per buffer CTA, at most ``most`` CTAs (:func:`buffer_plan`)."""
     if buffer is None:
         return NO_BUFFER
     k, v, valid8, length = buffer
-    splits, tps = buffer_plan(k.shape[2], tokens)
+    splits, tps = buffer_plan(k.shape[2], tokens, most)
     return (k.data_ptr(), v.data_ptr(), valid8.data_ptr(), 0 if length is None else length.data_ptr(),
             *k.stride()[:3], *v.stride()[:3], valid8.stride(0), k.shape[2], splits, tps,
             int(k.dtype == torch.bfloat16))
@@ -720,11 +727,11 @@ def _buffer_args(buffer: tuple | None, tokens: int = BUFFER_TOKENS) -> tuple:
 
 def _args(packed: PackedKV, kv: list[torch.Tensor], q_ptr: int, q_strides, po_ptr: int, pl_ptr: int, m: int,
           tps: int, splits: int, len_ptr: int = 0, interleave: int = 1, buffer: tuple | None = None,
-          buffer_tokens: int = BUFFER_TOKENS):
+          buffer_tokens: int = BUFFER_TOKENS, buffer_ctas: int = BUFFER_CTAS):
     """The launcher's int64 argument array, in the order of ``kivi_v3::Params`` (``len_ptr``: the live length's
     int64 device pointer, 0 for none; ``interleave``: the tile-to-warp assignment, see :data:`DEFAULT_CONFIG`;
     ``buffer``: ``(k, v, valid as uint8, length or None)`` of a full-precision buffer read in the same launch,
-    ``buffer_tokens`` slots per buffer CTA)."""
+    ``buffer_tokens`` slots per buffer CTA, at most ``buffer_ctas`` CTAs)."""
     kc, ks, kz, vc, vs, vz, valid = kv
     b, h = kc.shape[:2]
     nt = kc.shape[2] * packed.group
@@ -735,7 +742,7 @@ def _args(packed: PackedKV, kv: list[torch.Tensor], q_ptr: int, q_strides, po_pt
             *q_strides, *kc.stride()[:3], *ks.stride()[:3], *kz.stride()[:3], *vc.stride()[:3],
             *vs.stride()[:2], *vz.stride()[:2], valid.stride(0),
             m, h, nt, packed.group.bit_length() - 1, tps, splits, ngv, dv // ngv, b * h, len_ptr, int(interleave),
-            *_buffer_args(buffer, buffer_tokens)]
+            *_buffer_args(buffer, buffer_tokens, buffer_ctas)]
     return (ctypes.c_longlong * len(args))(*args)
 
 
@@ -777,8 +784,8 @@ _PLANS: dict[tuple, tuple] = {}
 
 def _plan(bits: int, dk: int, dv: int, rows: int, nt: int, index: int, softcap: float | None, c: dict,
           splits: int | None) -> tuple:
-    """``(library, warps, stages, splits, tiles per split, interleave, buffer tokens)`` of a launch over ``nt``
-    tokens and ``rows`` (batch x heads x row blocks) with configuration ``c``."""
+    """``(library, warps, stages, splits, tiles per split, interleave, buffer tokens, PDL, buffer CTAs)`` of a
+    launch over ``nt`` tokens and ``rows`` (batch x heads x row blocks) with configuration ``c``."""
     lib = build_for(bits, dk, dv, c, softcap=bool(softcap))
     ntiles = nt // TILE
     nw, stages, cta_smem, _ = plan_launch(bits, dk, dv, int(c["nw"]), int(c["stages"]), _smem_limit(index))
@@ -788,7 +795,7 @@ def _plan(bits: int, dk: int, dv: int, rows: int, nt: int, index: int, softcap: 
     s = splits or num_splits(ntiles, rows, _sms(index), c, cta_smem)
     tiles_per_split = -(-ntiles // max(1, min(s, ntiles)))
     return (lib, nw, stages, -(-ntiles // tiles_per_split), tiles_per_split, int(c.get("interleave", 1)),
-            int(c.get("buffer_tokens", BUFFER_TOKENS)), pdl_ok(c, index))
+            int(c.get("buffer_tokens", BUFFER_TOKENS)), pdl_ok(c, index), c.get("buffer_ctas", BUFFER_CTAS))
 
 
 def pdl_ok(c: dict, index: int) -> bool:
@@ -850,7 +857,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
         if cfg:
             c.update(cfg)
         plan = _plan(bits, dk, dv, b * h * row_blocks, nt, index, softcap, c, splits)
-    lib, nw, stages, s, tiles_per_split, interleave, btok, pdl = plan
+    lib, nw, stages, s, tiles_per_split, interleave, btok, pdl, bctas = plan
 
     q = _aligned(query.to(torch.float16), 1, 4)
     kv = _kv_tensors(packed)
@@ -858,10 +865,10 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
     if buffer is not None:
         bk, bv, bvalid, blen = buffer
         buffer = (bk, bv, bvalid.view(torch.uint8), live_length(blen, dev))
-    total = s + (buffer_plan(buffer[0].shape[2], btok)[0] if buffer is not None else 0)
+    total = s + (buffer_plan(buffer[0].shape[2], btok, bctas)[0] if buffer is not None else 0)
     po, pl = partial_buffers(out, lse, total)
     arr = _args(packed, kv, q.data_ptr(), q.stride()[:3], po.data_ptr(), pl.data_ptr(), m, tiles_per_split * TILE, s,
-                0 if length is None else length.data_ptr(), interleave, buffer, btok)
+                0 if length is None else length.data_ptr(), interleave, buffer, btok, bctas)
     stream = torch.cuda.current_stream(dev).cuda_stream
     rc = lib.kivi_v3_launch(arr, float(scale) * LOG2E, float(softcap or 0.0) * LOG2E, nw, stages, row_blocks,
                             index, ctypes.c_void_p(stream))
@@ -929,14 +936,15 @@ def _pairs(x: torch.Tensor) -> torch.Tensor:
 
 
 def _emulate_buffer(query: torch.Tensor, buffer: tuple, bi: int, hi: int, rb: int, nw: int, qk: float,
-                    cap: float, tokens: int = BUFFER_TOKENS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                    cap: float, tokens: int = BUFFER_TOKENS,
+                    most: int = BUFFER_CTAS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The buffer CTAs of one (batch, head, row block) (``attend_buffer`` in the .cu): per CTA, each warp's online
     softmax over its slots (fp32, log2 units, the query rounded to fp16), the warps merged; ``[(po [8, Dv], pl [8])]``
     one per CTA, as the split combine reads them."""
     k, v, valid, length = buffer
     slots = k.shape[2]
     n = slots if length is None else max(0, min(slots, int(length)))
-    ctas, tps = buffer_plan(slots, tokens)
+    ctas, tps = buffer_plan(slots, tokens, most)
     m = query.shape[2]
     rows = min(8, m - rb * 8)
     q = torch.zeros(8, query.shape[-1])
@@ -976,7 +984,8 @@ def _emulate_buffer(query: torch.Tensor, buffer: tuple, bi: int, hi: int, rb: in
 def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
             splits: int = 2, kfold: int = 0, vfold: int = 0,
             softcap: float | None = None, interleave: int = 1,
-            buffer: tuple | None = None, buffer_tokens: int = BUFFER_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+            buffer: tuple | None = None, buffer_tokens: int = BUFFER_TOKENS,
+            buffer_ctas: int = BUFFER_CTAS) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's dataflow in PyTorch (CPU): the same lane/fragment mapping, token and channel permutations,
     bit-field extraction, ``movmatrix`` transposes, fp16 rounding points, online softmax per warp, warp merge and
     split combine.
@@ -993,7 +1002,7 @@ def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
     tile-to-warp assignment (:data:`DEFAULT_CONFIG`); the live length (``packed.length``) bounds the tiles read and
     masks the slots after it as the kernel's zero-filling copy of the valid flags does.  ``buffer``: ``(k, v, valid,
     length)`` of a full-precision buffer read by more CTAs of the launch (:func:`_emulate_buffer`, ``buffer_tokens``
-    slots per CTA), merged by the same split combine.
+    slots per CTA, at most ``buffer_ctas`` CTAs), merged by the same split combine.
     """
     why = _problem(query, packed, LANE_DIMS) if buffer is None else buffer_problem(query, packed, *buffer[:3])
     if why is not None:
@@ -1037,7 +1046,7 @@ def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
                     parts.append((torch.where((top == float("-inf"))[:, None], 0.0, o), pl))
                 if buffer is not None:
                     parts += _emulate_buffer(query, buffer, bi, hi, rb, nw, float(scale) * LOG2E,
-                                             float(softcap or 0.0) * LOG2E, buffer_tokens)
+                                             float(softcap or 0.0) * LOG2E, buffer_tokens, buffer_ctas)
                 po = torch.stack([x[0] for x in parts])
                 pls = torch.stack([x[1] for x in parts])
                 top = pls.max(0).values

@@ -151,11 +151,13 @@ def _plan(region: PackedLanes, query: torch.Tensor, covered: int, index: int, so
 def launch_args(q: torch.Tensor, region: PackedLanes, valid8: torch.Tensor, po: int, pl: int, splits: int,
                 tiles_per_split: int, length: torch.Tensor | None = None,
                 interleave: int = 1, buffer: tuple | None = None,
-                buffer_tokens: int = ck.BUFFER_TOKENS) -> tuple[list[int], list[torch.Tensor]]:
+                buffer_tokens: int = ck.BUFFER_TOKENS,
+                buffer_ctas: int = ck.BUFFER_CTAS) -> tuple[list[int], list[torch.Tensor]]:
     """The launcher's int64 argument array (``kivi_v3_lanes_launch``: the region's ``Params`` - query, valid flags,
     outputs, sizes, the live length (``length``: 0-dim int64 device tensor, or none), the tile-to-warp assignment
     (:data:`.cuda_kernel.DEFAULT_CONFIG`'s ``interleave``), the full-precision buffer (``buffer``: ``(k, v, valid
-    uint8, length or None)``, ``buffer_tokens`` slots per buffer CTA; none: no buffer CTAs); the payload pointers
+    uint8, length or None)``, ``buffer_tokens`` slots per buffer CTA, at most ``buffer_ctas`` CTAs; none: no buffer
+    CTAs); the payload pointers
     and strides there unused -, the lane count, then :data:`LANE_INTS` per lane) and the tensors it points into
     (aligned copies where needed; keep them alive until the launch is issued)."""
     b, h, m, _ = q.shape
@@ -165,7 +167,7 @@ def launch_args(q: torch.Tensor, region: PackedLanes, valid8: torch.Tensor, po: 
             *q.stride()[:3], *([0] * 16), valid8.stride(0),
             m, h, region.num_tokens, region.group.bit_length() - 1, tiles_per_split * ck.TILE, splits, ngv, dv // ngv,
             b * h, 0 if length is None else length.data_ptr(), int(interleave),
-            *ck._buffer_args(buffer, buffer_tokens)]
+            *ck._buffer_args(buffer, buffer_tokens, buffer_ctas)]
     if len(args) != ck.PARAMS_INTS:
         raise RuntimeError(f"KIVI CUDA lanes kernel: {len(args)} region entries, the launcher reads {ck.PARAMS_INTS}")
     args.append(len(region.lanes))
@@ -233,13 +235,14 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
     valid8 = ck._aligned(valid8, 1, 16)
     q = ck._aligned(query.to(torch.float16), 1, 4)  # the kernel's operands are fp16 (a bf16 model: one cast)
     btok = int(c.get("buffer_tokens") or ck.BUFFER_TOKENS)
+    bctas = c.get("buffer_ctas", ck.BUFFER_CTAS)
     if buffer is not None:
         bk, bv, bvalid, blen = buffer
         buffer = (bk, bv, bvalid.view(torch.uint8), ck.live_length(blen, dev))
-    total = s + (ck.buffer_plan(buffer[0].shape[2], btok)[0] if buffer is not None else 0)
+    total = s + (ck.buffer_plan(buffer[0].shape[2], btok, bctas)[0] if buffer is not None else 0)
     po, pl = ck.partial_buffers(out, lse, total)
     args, keep = launch_args(q, region, valid8, po.data_ptr(), pl.data_ptr(), s, tps, length, interleave, buffer,
-                             btok)
+                             btok, bctas)
     arr = (ctypes.c_longlong * len(args))(*args)
     stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)
     with _LOCK:
@@ -253,7 +256,8 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
 
 
 def emulate(query: torch.Tensor, region: PackedLanes, scale: float, *, buffer: tuple | None = None,
-            buffer_tokens: int = ck.BUFFER_TOKENS, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+            buffer_tokens: int = ck.BUFFER_TOKENS, buffer_ctas: int = ck.BUFFER_CTAS,
+            **kw) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's dataflow on the CPU: each lane's head rows through :func:`.cuda_kernel.emulate` (the same key
     mapping, quarter words included) on the query gathered to the lane's channels, placed on the lane's heads by the
     lanes' head lists as the kernel looks them up; heads no lane holds get ``-inf`` and zeros.  ``buffer``: ``(k, v,
@@ -285,7 +289,8 @@ def emulate(query: torch.Tensor, region: PackedLanes, scale: float, *, buffer: t
                 parts = [(out[bi, hi, rb * 8: rb * 8 + rows], lse[bi, hi, rb * 8: rb * 8 + rows])]
                 parts += [(po[:rows], pl[:rows]) for po, pl in
                           ck._emulate_buffer(query, buffer, bi, hi, rb, nw, float(scale) * ck.LOG2E,
-                                             float(kw.get("softcap") or 0.0) * ck.LOG2E, buffer_tokens)]
+                                             float(kw.get("softcap") or 0.0) * ck.LOG2E, buffer_tokens,
+                                             buffer_ctas)]
                 o, l = merge_with_lse(parts)
                 out[bi, hi, rb * 8: rb * 8 + rows], lse[bi, hi, rb * 8: rb * 8 + rows] = o, l
     return out, lse
