@@ -33,6 +33,9 @@
 #       (KVCOMPRESS_KIVI_CUDA_CONFIG) for static KIVI-2 and LeanK-70 + KIVI-2 from B4 to B64.
 #   PART=buffer-ctas  how many buffer CTAs: the default's 16 (LeanK + KIVI's 1k-slot buffer in runs of 64) against 32
 #       and 64 (new setting buffer_ctas) at the batch-1 / batch-4 reads, where the buffer CTAs are the longest chain.
+#   PART=paged-shapes  the paged dense read (10 of the 52 cells below 1x, from B16) under launch shapes not timed since
+#       session 19's defaults changed: 2 pages (32 tokens) per step - offline, Llama heads: 126 registers, 4 programs
+#       per SM where the default's 146 hold 3 - and 8 warps (16-24 warps per SM); the paged kernel's GPU tests first.
 #   PART=grid / PART=splits: benchmarks/gpu_s34_session.sh (not yet run).
 set -o pipefail
 OUT=$(realpath "${1:-out}")
@@ -96,8 +99,16 @@ case "${PART:-stages}" in
       bash benchmarks/gpu_paged_sweep.sh "$OUT" '{}' '{"buffer_ctas": 32}' '{"buffer_ctas": 64, "buffer_tokens": 16}'
     rm -f "$OUT/base.json"
     ;;
+  paged-shapes)
+    cd "$HERE/.." || exit 1
+    PS_VAR=KVCOMPRESS_PAGED_CONFIG PS_OPS=paged-dense \
+      PS_SHAPES=${S35_SHAPES:-llama3-8b:4:128k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:16:128k,llama3-8b:64:4k,llama3-8b:64:32k,smollm2-135m:16:32k,smollm2-135m:64:4k,smollm2-135m:64:32k} \
+      bash benchmarks/gpu_paged_sweep.sh "$OUT" '{}' '{"pages_per_step": 2}' '{"num_warps": 8}' \
+      '{"pages_per_step": 2, "num_stages": 4}'
+    rm -f "$OUT/base.json"
+    ;;
   grid|splits) bash "$HERE/gpu_s34_session.sh" "$OUT" ;;
-  *) echo "PART: stages, shapes, shapes-smol, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, grid or" \
-       "splits" >&2
+  *) echo "PART: stages, shapes, shapes-smol, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
+       "grid or splits" >&2
      exit 2 ;;
 esac
