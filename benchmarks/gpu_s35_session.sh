@@ -15,6 +15,9 @@
 #       3 stages (5-6 per SM), 8 warps at 3 stages (3 per SM, 24 warps) - docs/data/s35_offline/
 #       read_occupancy_variants_triton36.md.  Llama shapes; PART=shapes-smol: the SmolLM2 shapes, with 128-token
 #       steps at 3 stages in place of 2 warps (3 programs per SM at d 64, a quarter of the steps per byte).
+#   PART=valid-ahead  the lanes kernel with each block's valid flags loaded a block ahead (opt-in valid_ahead; the
+#       pipeline copies K and V ahead but not the byte-wide flags, so in the sm_90 SASS each 64-token block waited for
+#       its flags' four loads before masking its scores) against the default, two rounds.
 #   PART=occupancy  the same launches' builds as the device compiles them (benchmarks/read_occupancy.py
 #       --device-build, Llama heads): registers and shared memory from the driver, against the offline table
 #       (docs/data/s35_offline/); the paged kernel's offline build (146-148 registers, 3 per SM) disagrees with
@@ -64,6 +67,13 @@ case "${PART:-stages}" in
       '{"num_warps": 8, "num_stages": 3}'
     rm -f "$OUT/base.json"
     ;;
+  valid-ahead)
+    cd "$HERE/.." || exit 1
+    PS_TESTS=none PS_VAR=KVCOMPRESS_LEANK_CONFIG PS_OPS=${S35_OPS:-none,lowrank,leank50,leank70,leank70-kivi2} \
+      PS_ROUNDS=2 PS_SHAPES=${S35_SHAPES:-llama3-8b:1:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:32k,smollm2-135m:1:32k,smollm2-135m:16:32k,smollm2-135m:64:32k} \
+      bash benchmarks/gpu_paged_sweep.sh "$OUT" '{}' '{"valid_ahead": true}'
+    rm -f "$OUT/base.json"
+    ;;
   occupancy)
     cd "$HERE/.." || exit 1
     source "$HERE/gpu_site.sh"  # install under /tmp/site, cd there
@@ -108,7 +118,7 @@ case "${PART:-stages}" in
     rm -f "$OUT/base.json"
     ;;
   grid|splits) bash "$HERE/gpu_s34_session.sh" "$OUT" ;;
-  *) echo "PART: stages, shapes, shapes-smol, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
+  *) echo "PART: stages, shapes, shapes-smol, valid-ahead, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
        "grid or splits" >&2
      exit 2 ;;
 esac

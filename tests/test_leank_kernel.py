@@ -54,6 +54,14 @@ CASES = {
     "combine-splits-35": (1, 2, 4, 32, 32, [([1, 0], 16, 90, True)], {"combine": "splits", "splits": 35, "BN": 16}),
     "combine-splits-all-invalid": (1, 2, 4, 32, 32, [([0, 1], 16, 20, True)],
                                    {"combine": "splits", "splits": 3, "all_invalid": True}),
+    # valid_ahead: each block's valid flags loaded a block ahead (carried by the loop) - several 16-token blocks per
+    # split with row-level and per-head flags and a lane shorter than a block; a projecting lane beside per-head
+    # flags; a lane with no valid token
+    "valid-ahead-blocks": (2, 3, 3, 32, 32, [(None, None, 150, True), ([2, 0], 16, 170, "head"), ([1], 32, 5, True)],
+                           {"valid_ahead": True, "splits": 3, "BN": 16}),
+    "valid-ahead-lowrank": (2, 2, 4, 32, 32, [(None, ("proj", 16), 77, True), (None, None, 40, "head")],
+                            {"valid_ahead": True, "BN": 16}),
+    "valid-ahead-all-invalid": (1, 2, 4, 32, 32, [([0, 1], 16, 20, True)], {"valid_ahead": True, "all_invalid": True}),
     # one split of one lane of every head (a short buffer's read): the kernel's partial is returned without the merge
     "one-lane-every-head-one-split": (2, 4, 4, 32, 32, [(None, None, 45, True)], {"splits": 1}),
     "one-lane-every-head-one-split-all-invalid": (1, 2, 4, 32, 32, [(None, None, 20, True)],
@@ -184,7 +192,7 @@ def run_case(name: str, device: str = "cpu") -> dict:
     scale = q.shape[-1] ** -0.5
     assert triton_kernel.supports(q, lanes)
     extra = CASES[name][-1]
-    config = {key: extra[key] for key in ("canonical", "combine", "BN") if key in extra} or None
+    config = {key: extra[key] for key in ("canonical", "combine", "BN", "valid_ahead") if key in extra} or None
     out, lse = triton_kernel.grouped_partial_attention(q, lanes, scale, config=config, splits=extra.get("splits"))
     ref_out, ref_lse = reference.grouped_partial_attention(q, lanes, scale)
     res = _compare(out, lse, ref_out, ref_lse)
@@ -571,7 +579,7 @@ def test_lanes_kernel_compiles_for_sm90_without_a_gpu():
     sig.update({"PO": "*fp32", "PL": "*fp32", "LENGTH": "*i64", "qk_scale": "fp32", "M": "i32", "R": "i32",
                 "RLO": "i32", "RN": "i32", "NBATCH": "i32", "cap": "fp32", "LGS": ("*fp32",) * nl, "DQ": "i32"})
     names = list(sig) + ["HAS_VALID", "HAS_CHAN", "HAS_HEADS", "PROJ", "DKP", "NL", "DV", "DVP", "BLOCK_M", "BN",
-                         "IEEE", "HAS_LENGTH", "SOFTCAP", "LOGITS", "DQP", "PDL"]
+                         "IEEE", "HAS_LENGTH", "SOFTCAP", "LOGITS", "DQP", "PDL", "VA_AHEAD"]
     aligned = [["tt.divisibility", 16]]
     attrs = {}
     for name, ty in sig.items():
@@ -585,7 +593,8 @@ def test_lanes_kernel_compiles_for_sm90_without_a_gpu():
     for proj, pdl in ((True, False), (False, False), (True, True)):
         consts = {"HAS_VALID": (True, True), "HAS_CHAN": (not proj, False), "HAS_HEADS": (False, False),
                   "PROJ": (proj, False), "DKP": (64, 128), "NL": nl, "DV": 128, "DVP": 128, "BLOCK_M": 16, "BN": 64,
-                  "IEEE": False, "HAS_LENGTH": True, "SOFTCAP": False, "LOGITS": False, "DQP": 128, "PDL": pdl}
+                  "IEEE": False, "HAS_LENGTH": True, "SOFTCAP": False, "LOGITS": False, "DQP": 128, "PDL": pdl,
+                  "VA_AHEAD": False}
         src = ASTSource(fn=triton_kernel._lanes_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
                         attrs=attrs, constexprs={(names.index(k),): v for k, v in consts.items()})
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})

@@ -53,7 +53,9 @@ the rules' choices against each other (``benchmarks/gpu_s34_session.sh``).  ``re
 session 34): "auto" takes the resident count from this many batch rows
 (:func:`uses_resident`).  ``whole_waves`` (default True since session 34; not where the resident count is taken):
 the other rules' count moved to the nearest whole number of resident waves once the long programs exceed one
-(:func:`whole_wave_splits`; low rank Llama B4 / 32k 198 -> 136 us).  ``pdl`` (opt-in; mixed on the H200 in
+(:func:`whole_wave_splits`; low rank Llama B4 / 32k 198 -> 136 us).  ``valid_ahead`` (opt-in, not yet timed): each
+token block's valid flags loaded a block ahead (:func:`_attend`; sm_90 SASS, session 35: the flags' four byte loads
+sat at the top of each block, waited for before its scores were masked).  ``pdl`` (opt-in; mixed on the H200 in
 session 33): the split merge is launched with programmatic dependent launch on Hopper
 (:func:`~kvcompress.kernels.attention.triton_shared.use_pdl`): it starts while the lanes kernel's last wave runs and
 waits for it on the device, so its launch latency and prologue overlap the split kernel.
@@ -84,11 +86,15 @@ MAX_DIM = 256
 def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_off, C, start, end, qk_scale, M, pid_m,
             cap, LG, lg_off, slg_m, U, u_off, su_d, DQ, HAS_CHAN: tl.constexpr, HAS_VALID: tl.constexpr,
             DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
-            IEEE: tl.constexpr, SOFTCAP: tl.constexpr, LOGITS: tl.constexpr, PROJ: tl.constexpr, DQP: tl.constexpr):
+            IEEE: tl.constexpr, SOFTCAP: tl.constexpr, LOGITS: tl.constexpr, PROJ: tl.constexpr, DQP: tl.constexpr,
+            VA_AHEAD: tl.constexpr = False):
     """Flash-decoding over tokens ``[start, end)`` of one head of one lane: ``(acc, m, l)`` (base 2).  ``LOGITS``:
     also store every score it computed (natural-log units, ``-inf`` where masked) at ``LG + lg_off + row * slg_m +
     token``.  ``PROJ``: the keys are coordinates in a basis, and the query rows (``DQ`` columns) are projected
-    by the head's ``[DQ, C]`` basis at ``U + u_off`` (row stride ``su_d``) instead of gathered."""
+    by the head's ``[DQ, C]`` basis at ``U + u_off`` (row stride ``su_d``) instead of gathered.  ``VA_AHEAD``: each
+    block's valid flags are loaded one block ahead (a value carried by the loop): the pipeline copies K and V ahead
+    but not the flags - a byte a token, too narrow for an asynchronous copy - so each block waited for its own flags
+    before its scores could be masked."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_c = tl.arange(0, DKP)
@@ -117,6 +123,9 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DVP], tl.float32)
+    if HAS_VALID and VA_AHEAD:
+        t_first = start + tl.arange(0, BN)
+        va_next = tl.load(VA + va_off + t_first, mask=t_first < end, other=0)
     for t0 in range(start, end, BN):
         t = t0 + tl.arange(0, BN)
         t_ok = t < end
@@ -129,7 +138,11 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
             s = soft_cap(s, cap)
         ok = t_ok
         if HAS_VALID:
-            ok = ok & (tl.load(VA + va_off + t, mask=t_ok, other=0) != 0)
+            if VA_AHEAD:
+                ok = ok & (va_next != 0)
+                va_next = tl.load(VA + va_off + t + BN, mask=t + BN < end, other=0)
+            else:
+                ok = ok & (tl.load(VA + va_off + t, mask=t_ok, other=0) != 0)
         s = tl.where(ok[None, :], s, float("-inf"))
         if LOGITS:
             tl.store(LG + lg_off + offs_m[:, None] * slg_m + t[None, :], s * 0.6931471805599453,
@@ -159,7 +172,7 @@ def _lanes_kernel(
     HAS_VALID: tl.constexpr, HAS_CHAN: tl.constexpr, HAS_HEADS: tl.constexpr, PROJ: tl.constexpr, DKP: tl.constexpr,
     NL: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
     IEEE: tl.constexpr, HAS_LENGTH: tl.constexpr, SOFTCAP: tl.constexpr, LOGITS: tl.constexpr, DQP: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, VA_AHEAD: tl.constexpr = False,
 ):
     """One (split, batch * lane row, row block): the partial of one head of one lane over one token range.
 
@@ -168,7 +181,8 @@ def _lanes_kernel(
     scores are also stored, lane ``i``'s in ``LGS[i]`` (contiguous ``[B, h_i, M, T_i]``; slots not read keep what
     the caller put there).  ``PROJ[i]``: lane ``i`` projects the query by its heads' bases ``US[i]`` (``[h_i, DQ,
     C_i]``, strides ``SUH[i]`` / ``SUD[i]``).  ``PDL``: the split merge after it is launched with programmatic
-    dependent launch; every program lets it start as soon as the last one has started."""
+    dependent launch; every program lets it start as soon as the last one has started.  ``VA_AHEAD``: the valid flags
+    are loaded a block ahead (:func:`_attend`)."""
     pdl_trigger(PDL)
     pid_s = tl.program_id(0)
     pid_br = tl.program_id(1)
@@ -198,7 +212,7 @@ def _lanes_kernel(
                 VS[i], b64 * SVB[i] + j64 * SVH[i], SVT[i], VAS[i], b64 * SVAB[i] + j64 * SVAH[i], CS[i], start, end,
                 qk_scale, M,
                 pid_m, cap, LGS[i], (b64 * NHS[i] + j64) * M * TS[i], TS[i], US[i], j64 * SUH[i], SUD[i], DQ,
-                HAS_CHAN[i], HAS_VALID[i], DKP[i], DV, DVP, BLOCK_M, BN, IEEE, SOFTCAP, LOGITS, PROJ[i], DQP)
+                HAS_CHAN[i], HAS_VALID[i], DKP[i], DV, DVP, BLOCK_M, BN, IEEE, SOFTCAP, LOGITS, PROJ[i], DQP, VA_AHEAD)
             l_ok = l_i > 0.0
             out = acc / tl.where(l_ok, l_i, 1.0)[:, None]
             lse = tl.where(l_ok, (m_i + tl.log2(tl.where(l_ok, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -469,7 +483,8 @@ def _config() -> dict:
     "splits"`` since session 16: at batch 1 the one-split-per-step merge took 15-27 µs of a 40-60 µs read
     (``benchmarks/gpu_read_profile.py``); ``waves`` / ``num_stages`` ``None`` follow :func:`_launch_shape`."""
     cfg = dict(BN=64, num_warps=4, num_stages=None, waves=None, min_split_tokens=256, canonical=False, combine="splits",
-               split_rows="auto", splits=None, resident_batch=16, whole_waves=True, fill=0.9, fill_splits=4, pdl=False)
+               split_rows="auto", splits=None, resident_batch=16, whole_waves=True, fill=0.9, fill_splits=4, pdl=False,
+               valid_ahead=False)
     env = os.environ.get("KVCOMPRESS_LEANK_CONFIG")
     if env:
         cfg.update(json.loads(env))
@@ -658,7 +673,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
             PROJ=tup(chunk, "proj"),
             DKP=tuple(max(16, _pow2(r["c"])) for r in chunk), NL=len(chunk), DV=dv, DVP=max(16, _pow2(dv)),
             BLOCK_M=block_m, BN=bn, IEEE=ieee, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
-            LOGITS=logits is not None, DQP=max(16, _pow2(d)), PDL=pdl)
+            LOGITS=logits is not None, DQP=max(16, _pow2(d)), PDL=pdl, VA_AHEAD=bool(cfg.get("valid_ahead")))
 
     def launch(chunk, po, pl):
         """``(arguments, constexprs)`` of the kernel over ``chunk``."""
