@@ -18,6 +18,10 @@
 #   PART=valid-ahead  the lanes kernel with each block's valid flags loaded a block ahead (opt-in valid_ahead; the
 #       pipeline copies K and V ahead but not the byte-wide flags, so in the sm_90 SASS each 64-token block waited for
 #       its flags' four loads before masking its scores) against the default, two rounds.
+#   PART=warp-groups  the lanes kernel with the query rows repeated in 2 or 4 groups, each scoring its part of every
+#       block with its own softmax state (opt-in warp_groups): with 4 groups the MMA tile is 64 rows, each warp owns
+#       whole rows and nothing is exchanged between warps per block (Triton then uses wgmma: 220-232 registers, 2
+#       programs per SM at 3 stages, offline); 4x the tensor-core work of a memory-bound read.
 #   PART=occupancy  the same launches' builds as the device compiles them (benchmarks/read_occupancy.py
 #       --device-build, Llama heads): registers and shared memory from the driver, against the offline table
 #       (docs/data/s35_offline/); the paged kernel's offline build (146-148 registers, 3 per SM) disagrees with
@@ -74,6 +78,14 @@ case "${PART:-stages}" in
       bash benchmarks/gpu_paged_sweep.sh "$OUT" '{}' '{"valid_ahead": true}'
     rm -f "$OUT/base.json"
     ;;
+  warp-groups)
+    cd "$HERE/.." || exit 1
+    PS_TESTS=none PS_VAR=KVCOMPRESS_LEANK_CONFIG PS_OPS=${S35_OPS:-none,lowrank,leank70,leank70-kivi2} \
+      PS_SHAPES=${S35_SHAPES:-llama3-8b:1:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:32k,smollm2-135m:1:32k,smollm2-135m:16:32k,smollm2-135m:64:32k} \
+      bash benchmarks/gpu_paged_sweep.sh "$OUT" '{}' '{"warp_groups": 2}' '{"warp_groups": 4, "num_stages": 3}' \
+      '{"warp_groups": 4}'
+    rm -f "$OUT/base.json"
+    ;;
   occupancy)
     cd "$HERE/.." || exit 1
     source "$HERE/gpu_site.sh"  # install under /tmp/site, cd there
@@ -118,7 +130,7 @@ case "${PART:-stages}" in
     rm -f "$OUT/base.json"
     ;;
   grid|splits) bash "$HERE/gpu_s34_session.sh" "$OUT" ;;
-  *) echo "PART: stages, shapes, shapes-smol, valid-ahead, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
+  *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
        "grid or splits" >&2
      exit 2 ;;
 esac

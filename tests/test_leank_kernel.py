@@ -62,6 +62,13 @@ CASES = {
     "valid-ahead-lowrank": (2, 2, 4, 32, 32, [(None, ("proj", 16), 77, True), (None, None, 40, "head")],
                             {"valid_ahead": True, "BN": 16}),
     "valid-ahead-all-invalid": (1, 2, 4, 32, 32, [([0, 1], 16, 20, True)], {"valid_ahead": True, "all_invalid": True}),
+    # warp_groups: the query rows repeated, each group scoring its part of every 64-token block with its own softmax
+    # state, merged at the end - across splits with row-level and per-head flags and a lane shorter than a group's
+    # part; 2 groups over a projecting lane, also storing every score (each score stored by exactly one group)
+    "warp-groups-4": (2, 3, 3, 32, 32, [(None, None, 150, True), ([2, 0], 16, 170, "head"), ([1], 32, 5, True)],
+                      {"warp_groups": 4, "splits": 2}),
+    "warp-groups-2-lowrank-logits": (2, 2, 4, 32, 32, [(None, ("proj", 16), 77, True), (None, None, 40, "head")],
+                                     {"warp_groups": 2, "logits": True}),
     # one split of one lane of every head (a short buffer's read): the kernel's partial is returned without the merge
     "one-lane-every-head-one-split": (2, 4, 4, 32, 32, [(None, None, 45, True)], {"splits": 1}),
     "one-lane-every-head-one-split-all-invalid": (1, 2, 4, 32, 32, [(None, None, 20, True)],
@@ -192,11 +199,20 @@ def run_case(name: str, device: str = "cpu") -> dict:
     scale = q.shape[-1] ** -0.5
     assert triton_kernel.supports(q, lanes)
     extra = CASES[name][-1]
-    config = {key: extra[key] for key in ("canonical", "combine", "BN", "valid_ahead") if key in extra} or None
+    config = {key: extra[key] for key in ("canonical", "combine", "BN", "valid_ahead", "warp_groups")
+              if key in extra} or None
     out, lse = triton_kernel.grouped_partial_attention(q, lanes, scale, config=config, splits=extra.get("splits"))
     ref_out, ref_lse = reference.grouped_partial_attention(q, lanes, scale)
     res = _compare(out, lse, ref_out, ref_lse)
     res["dtypes"] = [str(out.dtype), str(lse.dtype)]
+    if extra.get("logits"):  # the scores the launch stores, against the reference's
+        _, _, ref_logits = reference.grouped_partial_scored(q, lanes, scale)
+        logits = [torch.full_like(x, float("-inf")) for x in ref_logits]
+        triton_kernel.grouped_partial_attention(q, lanes, scale, config=config, splits=extra.get("splits"),
+                                                logits=logits)
+        res["logits_inf_same"] = all(torch.equal(torch.isinf(a), torch.isinf(b)) for a, b in zip(logits, ref_logits))
+        res["logits_err"] = max(float((a - b)[torch.isfinite(b)].abs().max()) if torch.isfinite(b).any() else 0.0
+                                for a, b in zip(logits, ref_logits))
     if "out_dtype" in extra:  # the same launch storing the read's dtype: the float32 result rounded once
         dtype = getattr(torch, extra["out_dtype"])
         low, low_lse = triton_kernel.grouped_partial_attention(q, lanes, scale, config=config,
@@ -282,6 +298,9 @@ def _check(res: dict, name: str) -> None:
     assert res["dead_rows_zero"]
     assert res["out_tol_ok"], f"max |out - ref| = {res['out_err']:.2e}"
     assert res["lse_err"] <= LSE_ATOL, f"max |lse - ref| = {res['lse_err']:.2e}"
+    if CASES[name][-1].get("logits"):
+        assert res["logits_inf_same"], "-inf scores exactly where the reference has them"
+        assert res["logits_err"] < 2e-2, f"max |logit - ref| = {res['logits_err']:.2e}"
     out_dtype = CASES[name][-1].get("out_dtype")
     if out_dtype:
         assert res["low_dtype"] == f"torch.{out_dtype}"
@@ -441,6 +460,21 @@ def test_resident_split_count_fills_whole_waves_of_long_programs():
     assert tk.resident_split_count(cfg, 1, [(2, 0)], 1, slots) == 1
 
 
+def test_warp_groups_apply_where_each_group_gets_16_tokens_of_a_block():
+    """``warp_groups`` (opt-in): the groups asked for where the launch has one row block of 16 rows and a block's
+    tokens split into parts of at least 16, else 1; anything but a power of two >= 1 is refused with the key."""
+    from kvcompress.kernels.leank import triton_kernel as tk
+
+    assert tk._config()["warp_groups"] == 1
+    assert tk.warp_groups({"warp_groups": 4}, 64, 16) == 4 and tk.warp_groups({"warp_groups": 2}, 64, 16) == 2
+    assert tk.warp_groups({"warp_groups": 4}, 32, 16) == 1  # 8 tokens a group
+    assert tk.warp_groups({"warp_groups": 4}, 64, 32) == 1  # more than 16 query rows
+    assert tk.warp_groups({}, 64, 16) == 1 and tk.warp_groups({"warp_groups": None}, 64, 16) == 1
+    for bad in (3, 0, -2, 2.0, True, "4"):
+        with pytest.raises(ValueError, match=r"KVCOMPRESS_LEANK_CONFIG: warp_groups must be a power of two >= 1"):
+            tk.warp_groups({"warp_groups": bad}, 64, 16)
+
+
 def test_auto_takes_the_resident_count_from_batch_16():
     """The default ``split_rows: "auto"`` counts splits by residency from ``resident_batch`` (16) batch rows, by the
     other rules below; "resident" always; 0 / ``None`` never; the other modes never."""
@@ -579,7 +613,7 @@ def test_lanes_kernel_compiles_for_sm90_without_a_gpu():
     sig.update({"PO": "*fp32", "PL": "*fp32", "LENGTH": "*i64", "qk_scale": "fp32", "M": "i32", "R": "i32",
                 "RLO": "i32", "RN": "i32", "NBATCH": "i32", "cap": "fp32", "LGS": ("*fp32",) * nl, "DQ": "i32"})
     names = list(sig) + ["HAS_VALID", "HAS_CHAN", "HAS_HEADS", "PROJ", "DKP", "NL", "DV", "DVP", "BLOCK_M", "BN",
-                         "IEEE", "HAS_LENGTH", "SOFTCAP", "LOGITS", "DQP", "PDL", "VA_AHEAD"]
+                         "IEEE", "HAS_LENGTH", "SOFTCAP", "LOGITS", "DQP", "PDL", "VA_AHEAD", "WG"]
     aligned = [["tt.divisibility", 16]]
     attrs = {}
     for name, ty in sig.items():
@@ -594,7 +628,7 @@ def test_lanes_kernel_compiles_for_sm90_without_a_gpu():
         consts = {"HAS_VALID": (True, True), "HAS_CHAN": (not proj, False), "HAS_HEADS": (False, False),
                   "PROJ": (proj, False), "DKP": (64, 128), "NL": nl, "DV": 128, "DVP": 128, "BLOCK_M": 16, "BN": 64,
                   "IEEE": False, "HAS_LENGTH": True, "SOFTCAP": False, "LOGITS": False, "DQP": 128, "PDL": pdl,
-                  "VA_AHEAD": False}
+                  "VA_AHEAD": False, "WG": 1}
         src = ASTSource(fn=triton_kernel._lanes_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
                         attrs=attrs, constexprs={(names.index(k),): v for k, v in consts.items()})
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})

@@ -69,7 +69,8 @@ def test_read_occupancy_reports_the_launch_the_read_makes(capsys):
 #: the lanes kernel's launch shapes benchmarks/gpu_s35_session.sh times (PART=stages, PART=shapes) besides the default
 SWEPT_SHAPES = [{"num_stages": 3}, {"num_stages": 4}, {"BN": 32, "num_stages": 4},
                 {"BN": 32, "num_warps": 2, "num_stages": 3}, {"num_warps": 8, "num_stages": 3},
-                {"BN": 128, "num_stages": 3}, {"valid_ahead": True}]
+                {"BN": 128, "num_stages": 3}, {"valid_ahead": True}, {"warp_groups": 4, "num_stages": 3},
+                {"warp_groups": 2}]
 
 
 def _gpu_lanes_cases(dev):

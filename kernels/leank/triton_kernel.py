@@ -87,7 +87,7 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
             cap, LG, lg_off, slg_m, U, u_off, su_d, DQ, HAS_CHAN: tl.constexpr, HAS_VALID: tl.constexpr,
             DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
             IEEE: tl.constexpr, SOFTCAP: tl.constexpr, LOGITS: tl.constexpr, PROJ: tl.constexpr, DQP: tl.constexpr,
-            VA_AHEAD: tl.constexpr = False):
+            VA_AHEAD: tl.constexpr = False, WG: tl.constexpr = 1):
     """Flash-decoding over tokens ``[start, end)`` of one head of one lane: ``(acc, m, l)`` (base 2).  ``LOGITS``:
     also store every score it computed (natural-log units, ``-inf`` where masked) at ``LG + lg_off + row * slg_m +
     token``.  ``PROJ``: the keys are coordinates in a basis, and the query rows (``DQ`` columns) are projected
@@ -95,7 +95,11 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
     block's valid flags are loaded one block ahead (a value carried by the loop): the pipeline copies K and V ahead
     but not the flags - a byte a token, too narrow for an asynchronous copy - so each block waited for its own flags
     before its scores could be masked."""
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # WG > 1: the query rows repeated WG times, group g scoring only the g-th part of each block's tokens, with its
+    # own softmax state - each warp then owns whole rows (no exchange between warps per block); merged at the end
+    offs_r = tl.arange(0, WG * BLOCK_M)
+    offs_m = pid_m * BLOCK_M + offs_r % BLOCK_M
+    grp = offs_r // BLOCK_M
     m_ok = offs_m < M
     offs_c = tl.arange(0, DKP)
     c_ok = offs_c < C
@@ -120,9 +124,10 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
         q = (q.to(tl.float32) * qk_scale).to(K.dtype.element_ty)
     offs_d = tl.arange(0, DVP)
     d_ok = offs_d < DV
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DVP], tl.float32)
+    m_i = tl.full([WG * BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([WG * BLOCK_M], tl.float32)
+    acc = tl.zeros([WG * BLOCK_M, DVP], tl.float32)
+    mine = (tl.arange(0, BN) // (BN // WG))[None, :] == grp[:, None]  # [rows, BN]: the block's tokens a row scores
     if HAS_VALID and VA_AHEAD:
         t_first = start + tl.arange(0, BN)
         va_next = tl.load(VA + va_off + t_first, mask=t_first < end, other=0)
@@ -143,10 +148,13 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
                 va_next = tl.load(VA + va_off + t + BN, mask=t + BN < end, other=0)
             else:
                 ok = ok & (tl.load(VA + va_off + t, mask=t_ok, other=0) != 0)
-        s = tl.where(ok[None, :], s, float("-inf"))
+        if WG > 1:
+            s = tl.where(ok[None, :] & mine, s, float("-inf"))
+        else:
+            s = tl.where(ok[None, :], s, float("-inf"))
         if LOGITS:
             tl.store(LG + lg_off + offs_m[:, None] * slg_m + t[None, :], s * 0.6931471805599453,
-                     mask=m_ok[:, None] & t_ok[None, :])
+                     mask=m_ok[:, None] & t_ok[None, :] & mine)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
@@ -158,7 +166,16 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
         else:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
-    return acc, m_i, l_i
+    if WG > 1:  # the groups' partials of each row merged by log-sum-exp
+        mg = tl.reshape(m_i, (WG, BLOCK_M))
+        top = tl.max(mg, axis=0)
+        top_safe = tl.where(top == float("-inf"), 0.0, top)
+        f = tl.where(mg == float("-inf"), 0.0, tl.exp2(mg - top_safe[None, :]))
+        l_out = tl.sum(tl.reshape(l_i, (WG, BLOCK_M)) * f, axis=0)
+        acc_out = tl.sum(tl.reshape(acc, (WG, BLOCK_M, DVP)) * f[:, :, None], axis=0)
+    else:
+        acc_out, top, l_out = acc, m_i, l_i
+    return acc_out, top, l_out
 
 
 # Runtime sizes are not specialised (``== 1`` / ``% 16`` variants would compile a copy per layer
@@ -172,7 +189,7 @@ def _lanes_kernel(
     HAS_VALID: tl.constexpr, HAS_CHAN: tl.constexpr, HAS_HEADS: tl.constexpr, PROJ: tl.constexpr, DKP: tl.constexpr,
     NL: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
     IEEE: tl.constexpr, HAS_LENGTH: tl.constexpr, SOFTCAP: tl.constexpr, LOGITS: tl.constexpr, DQP: tl.constexpr,
-    PDL: tl.constexpr = False, VA_AHEAD: tl.constexpr = False,
+    PDL: tl.constexpr = False, VA_AHEAD: tl.constexpr = False, WG: tl.constexpr = 1,
 ):
     """One (split, batch * lane row, row block): the partial of one head of one lane over one token range.
 
@@ -212,7 +229,8 @@ def _lanes_kernel(
                 VS[i], b64 * SVB[i] + j64 * SVH[i], SVT[i], VAS[i], b64 * SVAB[i] + j64 * SVAH[i], CS[i], start, end,
                 qk_scale, M,
                 pid_m, cap, LGS[i], (b64 * NHS[i] + j64) * M * TS[i], TS[i], US[i], j64 * SUH[i], SUD[i], DQ,
-                HAS_CHAN[i], HAS_VALID[i], DKP[i], DV, DVP, BLOCK_M, BN, IEEE, SOFTCAP, LOGITS, PROJ[i], DQP, VA_AHEAD)
+                HAS_CHAN[i], HAS_VALID[i], DKP[i], DV, DVP, BLOCK_M, BN, IEEE, SOFTCAP, LOGITS, PROJ[i], DQP, VA_AHEAD,
+                WG)
             l_ok = l_i > 0.0
             out = acc / tl.where(l_ok, l_i, 1.0)[:, None]
             lse = tl.where(l_ok, (m_i + tl.log2(tl.where(l_ok, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -478,13 +496,27 @@ def wave_fill_splits(rows: int, slots: int, most: int, target: float = 0.9) -> i
 _RESIDENT: dict = {}  # (device, constexprs, warps, stages) -> programs of the lanes kernel one SM holds at a time
 
 
+def warp_groups(cfg: dict, bn: int, block_m: int) -> int:
+    """Row groups of a launch (``warp_groups``, opt-in, not yet timed; default 1): the query rows repeated that many
+    times, group ``g`` scoring only the ``g``-th part of each block's tokens with its own softmax state, the groups
+    merged once at the end (:func:`_attend`).  With 4 groups of 16 rows the MMA tile is 64 rows and each warp owns
+    whole rows: no exchange between warps per block (4 warps splitting a block's tokens pass 7 block-wide barriers
+    per block; sm_90 SASS, session 35), for 4x the tensor-core work of a memory-bound read.  Taken only for one row
+    block of at most 16 rows, and where each group gets at least 16 of a block's tokens; else 1."""
+    wg = cfg.get("warp_groups")
+    wg = 1 if wg is None else wg
+    if isinstance(wg, bool) or not isinstance(wg, int) or wg < 1 or wg & (wg - 1):
+        raise ValueError(f"KVCOMPRESS_LEANK_CONFIG: warp_groups must be a power of two >= 1, got {wg!r}")
+    return wg if block_m == 16 and bn % wg == 0 and bn // wg >= 16 else 1
+
+
 def _config() -> dict:
     """Launch defaults (H200, Triton 3.6); ``KVCOMPRESS_LEANK_CONFIG`` (JSON) overrides entries.  ``combine:
     "splits"`` since session 16: at batch 1 the one-split-per-step merge took 15-27 µs of a 40-60 µs read
     (``benchmarks/gpu_read_profile.py``); ``waves`` / ``num_stages`` ``None`` follow :func:`_launch_shape`."""
     cfg = dict(BN=64, num_warps=4, num_stages=None, waves=None, min_split_tokens=256, canonical=False, combine="splits",
                split_rows="auto", splits=None, resident_batch=16, whole_waves=True, fill=0.9, fill_splits=4, pdl=False,
-               valid_ahead=False)
+               valid_ahead=False, warp_groups=1)
     env = os.environ.get("KVCOMPRESS_LEANK_CONFIG")
     if env:
         cfg.update(json.loads(env))
@@ -662,6 +694,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     waves, stages = _launch_shape(cfg, b, hkv, dv, all(r["c"] == d for r in rows), work)
     ieee = lanes[0].k.dtype == torch.float32
     pdl = use_pdl(cfg.get("pdl"), dev)  # the merge starts during the lanes kernel's last wave (Hopper)
+    wg = warp_groups(cfg, bn, block_m)
 
     def tup(chunk, key):
         return tuple(r[key] for r in chunk)
@@ -673,7 +706,8 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
             PROJ=tup(chunk, "proj"),
             DKP=tuple(max(16, _pow2(r["c"])) for r in chunk), NL=len(chunk), DV=dv, DVP=max(16, _pow2(dv)),
             BLOCK_M=block_m, BN=bn, IEEE=ieee, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
-            LOGITS=logits is not None, DQP=max(16, _pow2(d)), PDL=pdl, VA_AHEAD=bool(cfg.get("valid_ahead")))
+            LOGITS=logits is not None, DQP=max(16, _pow2(d)), PDL=pdl, VA_AHEAD=bool(cfg.get("valid_ahead")),
+            WG=wg)
 
     def launch(chunk, po, pl):
         """``(arguments, constexprs)`` of the kernel over ``chunk``."""
