@@ -38,35 +38,21 @@ LANES_OPS = ("leank50", "leank70", "none", "lowrank", "leank70-kivi2")
 BATCHES = (1, 4, 16, 64)
 
 
-class _Patch:
-    """The ``setattr`` half of pytest's monkeypatch (what ``record_launches`` uses); :meth:`undo` restores."""
-
-    def __init__(self):
-        self.saved = []
-
-    def setattr(self, obj, name, value):
-        self.saved.append((obj, name, getattr(obj, name)))
-        setattr(obj, name, value)
-
-    def undo(self):
-        for obj, name, value in reversed(self.saved):
-            setattr(obj, name, value)
-        self.saved.clear()
-
-
 def _record(targets, call):
+    """The launches ``call()`` makes of the ``(module, name)`` kernels ``targets`` (recorded, not run)."""
+    import pytest
     from triton_offline import record_launches
 
-    patch = _Patch()
+    patch = pytest.MonkeyPatch()
     try:
         return record_launches(patch, targets, call)
     finally:
         patch.undo()
 
 
-def usage(compiled) -> dict:
-    """Registers and spilled bytes per thread (``cuobjdump -res-usage`` of the cubin) and shared memory per program
-    (the compiled kernel's metadata) of a compiled kernel."""
+def cubin_resources(compiled) -> dict:
+    """Registers, stack and local bytes per thread (``cuobjdump -res-usage`` of the cubin, Triton's bundled tool) and
+    shared memory per program (the compiled kernel's metadata) of a kernel compiled by ``triton.compile``."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -76,8 +62,16 @@ def usage(compiled) -> dict:
             fh.write(compiled.asm["cubin"])
         text = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
     got = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", text))
-    return {"registers": int(got["REG"]), "spill_bytes": int(got.get("STACK", 0)) + int(got.get("LOCAL", 0)),
-            "shared_bytes": int(compiled.metadata.shared)}
+    return {"registers": int(got["REG"]), "stack_bytes": int(got.get("STACK", 0)),
+            "local_bytes": int(got.get("LOCAL", 0)), "shared_bytes": int(compiled.metadata.shared)}
+
+
+def usage(compiled) -> dict:
+    """Registers and spilled (stack + local) bytes per thread and shared memory per program of a compiled kernel
+    (:func:`cubin_resources`)."""
+    r = cubin_resources(compiled)
+    return {"registers": r["registers"], "spill_bytes": r["stack_bytes"] + r["local_bytes"],
+            "shared_bytes": r["shared_bytes"]}
 
 
 def next_step_registers(regs: int, shared: int, num_warps: int) -> int | None:
@@ -121,7 +115,9 @@ def lanes_launches(op: str, shape, batch: int):
         return reference(q, lanes, scale, impl="reference", length=length, softcap=softcap, out_dtype=out_dtype)
 
     layer.kernels["lanes_partial"] = "triton"  # what choose() gives a CUDA layer
-    patch = _Patch()
+    import pytest
+
+    patch = pytest.MonkeyPatch()
     patch.setattr(leank, "grouped_partial_attention", spy)
     try:
         benchutil.static_read(layer, query, shape.head_dim ** -0.5)
