@@ -19,13 +19,12 @@ merge kernel.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
-import os
-import re
-import subprocess
 import sys
-import tempfile
 import warnings
+
+from read_occupancy import cubin_resources  # (benchmarks/, beside this script)
 
 SELECT_PTR = {"Q": "*fp16", "SC": "*fp16", "ZE": "*fp16", "L": "*fp16", "CH": "*i64", "VA": "*u8", "IDX": "*i32",
               "CKEY": "*i32"}
@@ -40,6 +39,9 @@ def resources(fn, consts: dict, warps: int, ptr: dict, div=(), stages: int = 3) 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    defaults = {n: p.default for n, p in inspect.signature(fn.fn).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    consts = {**defaults, **consts}  # constexprs left at their defaults (PDL), as a launch leaves them
     sig = {n: ("constexpr" if n in consts else ptr.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n in div or sig[n].startswith("*")}
@@ -47,15 +49,9 @@ def resources(fn, consts: dict, warps: int, ptr: dict, div=(), stages: int = 3) 
         warnings.simplefilter("ignore")
         c = triton.compile(ASTSource(fn, sig, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=warps, num_stages=stages))
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as fh:
-            fh.write(c.asm["cubin"])
-        text = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-    got = dict(re.findall(r"(REG|STACK|SHARED):(\d+)", text))
-    return {"registers": int(got.get("REG", -1)), "stack_bytes": int(got.get("STACK", -1)),
-            "shared_bytes": int(getattr(c.metadata, "shared", got.get("SHARED", -1))), "triton": triton.__version__}
+    r = cubin_resources(c)
+    return {"registers": r["registers"], "stack_bytes": r["stack_bytes"], "shared_bytes": r["shared_bytes"],
+            "triton": triton.__version__}
 
 
 def main(argv=None) -> int:
@@ -71,7 +67,8 @@ def main(argv=None) -> int:
     configs += [(8192, warps, True, sub) for warps in (8, 4) for sub in (2048, 1024)]
     configs += [(16384, 16, False, 2048)]
     for np_, warps, cand, sub in configs:
-        consts = dict(W=16, PER=1, BITS=16, QUANT=False, HAS_VALID=False, CANDIDATES=cand, UNROLL=4, NP=np_, SUB=sub)
+        consts = dict(W=16, PER=1, BITS=16, QUANT=False, HAS_VALID=False, CANDIDATES=cand, UNROLL=4, NP=np_, SUB=sub,
+                      GROUP=1)
         ptr = dict(SELECT_PTR, IDX="*i32" if cand else "*i64")
         r = resources(tk._select_kernel, consts, warps, ptr, SELECT_DIV)
         rows.append({"kernel": "select", "tokens": np_, "warps": warps, "elems_per_thread": np_ // (32 * warps),
