@@ -97,9 +97,13 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
     before its scores could be masked."""
     # WG > 1: the query rows repeated WG times, group g scoring only the g-th part of each block's tokens, with its
     # own softmax state - each warp then owns whole rows (no exchange between warps per block); merged at the end
-    offs_r = tl.arange(0, WG * BLOCK_M)
-    offs_m = pid_m * BLOCK_M + offs_r % BLOCK_M
-    grp = offs_r // BLOCK_M
+    if WG > 1:
+        offs_r = tl.arange(0, WG * BLOCK_M)
+        offs_m = pid_m * BLOCK_M + offs_r % BLOCK_M
+        # [rows, BN]: the tokens of a block a row scores
+        mine = (tl.arange(0, BN) // (BN // WG))[None, :] == (offs_r // BLOCK_M)[:, None]
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_c = tl.arange(0, DKP)
     c_ok = offs_c < C
@@ -127,7 +131,6 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
     m_i = tl.full([WG * BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([WG * BLOCK_M], tl.float32)
     acc = tl.zeros([WG * BLOCK_M, DVP], tl.float32)
-    mine = (tl.arange(0, BN) // (BN // WG))[None, :] == grp[:, None]  # [rows, BN]: the block's tokens a row scores
     if HAS_VALID and VA_AHEAD:
         t_first = start + tl.arange(0, BN)
         va_next = tl.load(VA + va_off + t_first, mask=t_first < end, other=0)
@@ -152,9 +155,11 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
             s = tl.where(ok[None, :] & mine, s, float("-inf"))
         else:
             s = tl.where(ok[None, :], s, float("-inf"))
-        if LOGITS:
-            tl.store(LG + lg_off + offs_m[:, None] * slg_m + t[None, :], s * 0.6931471805599453,
-                     mask=m_ok[:, None] & t_ok[None, :] & mine)
+        if LOGITS:  # (with WG > 1 each score stored by the group that computed it)
+            lg_ok = m_ok[:, None] & t_ok[None, :]
+            if WG > 1:
+                lg_ok = lg_ok & mine
+            tl.store(LG + lg_off + offs_m[:, None] * slg_m + t[None, :], s * 0.6931471805599453, mask=lg_ok)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
