@@ -47,44 +47,42 @@
 set -o pipefail
 OUT=$(realpath "${1:-out}")
 HERE=$(cd "$(dirname "$0")" && pwd)
+LANES_OPS=none,lowrank,leank50,leank70,leank70-kivi2
+
+sweep() {  # sweep TESTS VAR OPS SHAPES CONFIG...: benchmarks/gpu_paged_sweep.sh over the configurations (ROUNDS rounds)
+  local tests=$1 var=$2 ops=$3 shapes=$4
+  shift 4
+  cd "$HERE/.." || exit 1
+  PS_TESTS=$tests PS_VAR=$var PS_OPS=$ops PS_SHAPES=$shapes PS_ROUNDS=${ROUNDS:-1} \
+    bash benchmarks/gpu_paged_sweep.sh "$OUT" "$@"
+  rm -f "$OUT/base.json"
+}
+
 case "${PART:-stages}" in
   stages)  # first the GPU tests of every swept shape against the reference (tests/test_occupancy.py)
-    cd "$HERE/.." || exit 1
-    PS_TESTS=tests/test_occupancy.py PS_VAR=KVCOMPRESS_LEANK_CONFIG PS_OPS=${S35_OPS:-none,lowrank,leank50,leank70,leank70-kivi2} \
-      PS_SHAPES=${S35_SHAPES:-llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:4k,llama3-8b:64:32k,smollm2-135m:16:32k,smollm2-135m:64:32k} \
-      bash benchmarks/gpu_paged_sweep.sh "$OUT" '{}' '{"num_stages": 3}' '{"num_stages": 4}'
-    rm -f "$OUT/base.json"
+    sweep tests/test_occupancy.py KVCOMPRESS_LEANK_CONFIG "${S35_OPS:-$LANES_OPS}" \
+      "${S35_SHAPES:-llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:4k,llama3-8b:64:32k,smollm2-135m:16:32k,smollm2-135m:64:32k}" \
+      '{}' '{"num_stages": 3}' '{"num_stages": 4}'
     ;;
   shapes)
-    cd "$HERE/.." || exit 1
-    PS_TESTS=none PS_VAR=KVCOMPRESS_LEANK_CONFIG PS_OPS=${S35_OPS:-none,lowrank,leank50,leank70,leank70-kivi2} \
-      PS_SHAPES=${S35_SHAPES:-llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:4k,llama3-8b:64:32k} \
-      bash benchmarks/gpu_paged_sweep.sh "$OUT" '{}' '{"BN": 32, "num_stages": 4}' \
-      '{"BN": 32, "num_warps": 2, "num_stages": 3}' '{"num_warps": 8, "num_stages": 3}'
-    rm -f "$OUT/base.json"
+    sweep none KVCOMPRESS_LEANK_CONFIG "${S35_OPS:-$LANES_OPS}" \
+      "${S35_SHAPES:-llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:4k,llama3-8b:64:32k}" \
+      '{}' '{"BN": 32, "num_stages": 4}' '{"BN": 32, "num_warps": 2, "num_stages": 3}' '{"num_warps": 8, "num_stages": 3}'
     ;;
   shapes-smol)  # SmolLM2 heads (d 64: half the bytes of a Llama tile per step): also 128-token steps
-    cd "$HERE/.." || exit 1
-    PS_TESTS=none PS_VAR=KVCOMPRESS_LEANK_CONFIG PS_OPS=${S35_OPS:-none,lowrank,leank50,leank70,leank70-kivi2} \
-      PS_SHAPES=${S35_SHAPES:-smollm2-135m:1:32k,smollm2-135m:4:32k,smollm2-135m:16:32k,smollm2-135m:64:4k,smollm2-135m:64:32k} \
-      bash benchmarks/gpu_paged_sweep.sh "$OUT" '{}' '{"BN": 32, "num_stages": 4}' '{"BN": 128, "num_stages": 3}' \
-      '{"num_warps": 8, "num_stages": 3}'
-    rm -f "$OUT/base.json"
+    sweep none KVCOMPRESS_LEANK_CONFIG "${S35_OPS:-$LANES_OPS}" \
+      "${S35_SHAPES:-smollm2-135m:1:32k,smollm2-135m:4:32k,smollm2-135m:16:32k,smollm2-135m:64:4k,smollm2-135m:64:32k}" \
+      '{}' '{"BN": 32, "num_stages": 4}' '{"BN": 128, "num_stages": 3}' '{"num_warps": 8, "num_stages": 3}'
     ;;
   valid-ahead)
-    cd "$HERE/.." || exit 1
-    PS_TESTS=none PS_VAR=KVCOMPRESS_LEANK_CONFIG PS_OPS=${S35_OPS:-none,lowrank,leank50,leank70,leank70-kivi2} \
-      PS_ROUNDS=2 PS_SHAPES=${S35_SHAPES:-llama3-8b:1:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:32k,smollm2-135m:1:32k,smollm2-135m:16:32k,smollm2-135m:64:32k} \
-      bash benchmarks/gpu_paged_sweep.sh "$OUT" '{}' '{"valid_ahead": true}'
-    rm -f "$OUT/base.json"
+    ROUNDS=2 && sweep none KVCOMPRESS_LEANK_CONFIG "${S35_OPS:-$LANES_OPS}" \
+      "${S35_SHAPES:-llama3-8b:1:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:32k,smollm2-135m:1:32k,smollm2-135m:16:32k,smollm2-135m:64:32k}" \
+      '{}' '{"valid_ahead": true}'
     ;;
   warp-groups)
-    cd "$HERE/.." || exit 1
-    PS_TESTS=none PS_VAR=KVCOMPRESS_LEANK_CONFIG PS_OPS=${S35_OPS:-none,lowrank,leank70,leank70-kivi2} \
-      PS_SHAPES=${S35_SHAPES:-llama3-8b:1:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:32k,smollm2-135m:1:32k,smollm2-135m:16:32k,smollm2-135m:64:32k} \
-      bash benchmarks/gpu_paged_sweep.sh "$OUT" '{}' '{"warp_groups": 2}' '{"warp_groups": 4, "num_stages": 3}' \
-      '{"warp_groups": 4}'
-    rm -f "$OUT/base.json"
+    sweep none KVCOMPRESS_LEANK_CONFIG "${S35_OPS:-none,lowrank,leank70,leank70-kivi2}" \
+      "${S35_SHAPES:-llama3-8b:1:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:32k,smollm2-135m:1:32k,smollm2-135m:16:32k,smollm2-135m:64:32k}" \
+      '{}' '{"warp_groups": 2}' '{"warp_groups": 4, "num_stages": 3}' '{"warp_groups": 4}'
     ;;
   occupancy)
     cd "$HERE/.." || exit 1
@@ -107,27 +105,19 @@ case "${PART:-stages}" in
       bash .gpusrc/benchmarks/gpu_ab_trees.sh "$OUT" .gpusrc .gpusrc_old
     ;;
   buffer-rule)
-    cd "$HERE/.." || exit 1
-    PS_TESTS=none PS_VAR=KVCOMPRESS_KIVI_CUDA_CONFIG PS_OPS=kivi2-static,leank70-kivi2 \
-      PS_SHAPES=${S35_SHAPES:-llama3-8b:4:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:4k,smollm2-135m:16:32k,smollm2-135m:64:4k,smollm2-135m:64:32k} \
-      bash benchmarks/gpu_paged_sweep.sh "$OUT" '{}' '{"buffer_rows": 64, "buffer_work": 1048576}' \
-      '{"buffer_rows": 1024, "buffer_work": 0}' '{"buffer_tokens": 0}'
-    rm -f "$OUT/base.json"
+    sweep none KVCOMPRESS_KIVI_CUDA_CONFIG kivi2-static,leank70-kivi2 \
+      "${S35_SHAPES:-llama3-8b:4:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:4k,smollm2-135m:16:32k,smollm2-135m:64:4k,smollm2-135m:64:32k}" \
+      '{}' '{"buffer_rows": 64, "buffer_work": 1048576}' '{"buffer_rows": 1024, "buffer_work": 0}' '{"buffer_tokens": 0}'
     ;;
   buffer-ctas)
-    cd "$HERE/.." || exit 1
-    PS_TESTS=none PS_VAR=KVCOMPRESS_KIVI_CUDA_CONFIG PS_OPS=kivi2-static,leank70-kivi2 \
-      PS_SHAPES=${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:4:4k,smollm2-135m:1:4k,smollm2-135m:1:32k,smollm2-135m:4:4k,smollm2-135m:16:4k} \
-      bash benchmarks/gpu_paged_sweep.sh "$OUT" '{}' '{"buffer_ctas": 32}' '{"buffer_ctas": 64, "buffer_tokens": 16}'
-    rm -f "$OUT/base.json"
+    sweep none KVCOMPRESS_KIVI_CUDA_CONFIG kivi2-static,leank70-kivi2 \
+      "${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:4:4k,smollm2-135m:1:4k,smollm2-135m:1:32k,smollm2-135m:4:4k,smollm2-135m:16:4k}" \
+      '{}' '{"buffer_ctas": 32}' '{"buffer_ctas": 64, "buffer_tokens": 16}'
     ;;
-  paged-shapes)
-    cd "$HERE/.." || exit 1
-    PS_VAR=KVCOMPRESS_PAGED_CONFIG PS_OPS=paged-dense \
-      PS_SHAPES=${S35_SHAPES:-llama3-8b:4:128k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:16:128k,llama3-8b:64:4k,llama3-8b:64:32k,smollm2-135m:16:32k,smollm2-135m:64:4k,smollm2-135m:64:32k} \
-      bash benchmarks/gpu_paged_sweep.sh "$OUT" '{}' '{"pages_per_step": 2}' '{"num_warps": 8}' \
-      '{"pages_per_step": 2, "num_stages": 4}'
-    rm -f "$OUT/base.json"
+  paged-shapes)  # the paged kernel's GPU tests first
+    sweep tests/test_paged_kernel.py KVCOMPRESS_PAGED_CONFIG paged-dense \
+      "${S35_SHAPES:-llama3-8b:4:128k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:16:128k,llama3-8b:64:4k,llama3-8b:64:32k,smollm2-135m:16:32k,smollm2-135m:64:4k,smollm2-135m:64:32k}" \
+      '{}' '{"pages_per_step": 2}' '{"num_warps": 8}' '{"pages_per_step": 2, "num_stages": 4}'
     ;;
   grid|splits) bash "$HERE/gpu_s34_session.sh" "$OUT" ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
