@@ -24,8 +24,8 @@
 #       programs per SM at 3 stages, offline); 4x the tensor-core work of a memory-bound read.
 #   PART=occupancy  the same launches' builds as the device compiles them (benchmarks/read_occupancy.py
 #       --device-build, Llama heads): registers and shared memory from the driver, against the offline table
-#       (docs/data/s35_offline/); the paged kernel's offline build (146-148 registers, 3 per SM) disagrees with
-#       session 27's Nsight Compute reading (112, 4 per SM).
+#       (docs/data/s35_offline/, docs/data/s36_offline/; session 36: the paged kernel's offline build of the
+#       grid's launch - no live length - takes 108-112 registers, as session 27's Nsight Compute read).
 #   PART=buffer-tests  the KIVI buffer read's GPU tests (tests/test_kivi_buffer_read.py, tests/test_kivi_lanes.py):
 #       session 35 changed the buffer CTAs' loop (kernels/kivi/cuda_kernel.cu attend_buffer: the valid flags of 32 slots
 #       in one ballot, the next valid slot's key and value loaded before the current one is scored), built and checked
@@ -41,8 +41,9 @@
 #   PART=buffer-ctas  how many buffer CTAs: the default's 16 (LeanK + KIVI's 1k-slot buffer in runs of 64) against 32
 #       and 64 (new setting buffer_ctas) at the batch-1 / batch-4 reads, where the buffer CTAs are the longest chain.
 #   PART=paged-shapes  the paged dense read (10 of the 52 cells below 1x, from B16) under launch shapes not timed since
-#       session 19's defaults changed: 2 pages (32 tokens) per step - offline, Llama heads: 126 registers, 4 programs
-#       per SM where the default's 146 hold 3 - and 8 warps (16-24 warps per SM); the paged kernel's GPU tests first.
+#       session 19's defaults changed: 2 pages (32 tokens) per step - offline, Llama heads, 3 stages: 100 registers,
+#       37888 B, 4 programs per SM where the default's 71680 B of shared memory hold 3 (docs/data/s36_offline/
+#       paged_occupancy_triton36.md) - and 8 warps (2 per SM, 16 warps); the paged kernel's GPU tests first.
 #   PART=grid / PART=splits: benchmarks/gpu_s34_session.sh (not yet run).
 set -o pipefail
 OUT=$(realpath "${1:-out}")

@@ -126,8 +126,14 @@ def lanes_launches(op: str, shape, batch: int):
     return found
 
 
-def paged_launches(shape, batch: int):
-    """The paged kernel's launch of ``paged-dense`` (16-token pages, a live length, as the static pool reads)."""
+PAGED_OPS = ("paged-dense", "paged-length")
+LAUNCH_OPTIONS = {"num_warps", "num_stages", "maxnreg"}  # what a variant may set besides the kernel's constexprs
+
+
+def paged_launches(shape, batch: int, length: bool = False):
+    """The paged kernel's launch (16-token pages) as ``paged-dense`` makes it: the dynamic pool's read, no live length
+    (``HAS_LENGTH`` off).  ``length``: the op called with a device-tensor live length (``paged-length``; no built-in
+    cache reads that way) - the per-slot length mask of the loads costs about 40 registers at Llama heads."""
     import torch
 
     from kvcompress.kernels.attention import triton_shared
@@ -139,9 +145,9 @@ def paged_launches(shape, batch: int):
     k, v = (torch.randn(batch * width, h, p, d, generator=gen).half() for _ in range(2))
     valid = torch.ones(batch * width, p, dtype=torch.bool)
     table = torch.arange(batch * width, dtype=torch.int32).view(batch, width)
+    live = torch.tensor(width * p - 5) if length else None
     return _record([(pg, "_paged_split_kernel"), (triton_shared, "_combine_tiles_kernel")],
-                   lambda: pg._forward(q, k, v, valid, table, 0.1, splits=3, base=pg._config(),
-                                       length=torch.tensor(width * p - 5)))
+                   lambda: pg._forward(q, k, v, valid, table, 0.1, splits=3, base=pg._config(), length=live))
 
 
 def device_usage(launch) -> dict:
@@ -181,7 +187,7 @@ def row(op: str, model: str, batch: int, launch, stages: int | None, try_caps: b
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ops", default=",".join(LANES_OPS + ("paged-dense",)))
+    ap.add_argument("--ops", default=",".join(LANES_OPS + PAGED_OPS))
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--models", default="llama3-8b,smollm2-135m")
     ap.add_argument("--try-caps", action="store_true", help="compile the 'regs for +1' cap and report its spills")
@@ -206,11 +212,15 @@ def main(argv=None) -> int:
     for model in args.models.split(","):
         for op in args.ops.split(","):
             for batch in map(int, args.batches.split(",")):
-                if op == "paged-dense":  # the variants are the lanes kernel's; the paged kernel at its two depths
-                    launches, stage_list, op_variants = paged_launches(shapes[model], batch)[:1], (2, 3), [{}]
+                if op in PAGED_OPS:  # the paged kernel at both depths its rule picks from, unless a variant says
+                    launches = paged_launches(shapes[model], batch, length=op == "paged-length")[:1]
+                    stage_list = (2, 3)
                 else:
-                    launches, stage_list, op_variants = lanes_launches(op, shapes[model], batch)[:1], (None,), variants
-                for launch, variant, stages in ((x, v, st) for x in launches for v in op_variants for st in stage_list):
+                    launches, stage_list = lanes_launches(op, shapes[model], batch)[:1], (None,)
+                for launch, variant, stages in ((x, v, st) for x in launches for v in variants
+                                                for st in ((v["num_stages"],) if "num_stages" in v else stage_list)):
+                    if not set(variant) <= set(launch.fn.arg_names) | LAUNCH_OPTIONS:
+                        continue  # another kernel's constexprs (e.g. the lanes kernel's BN for a paged op)
                     changed = Launch(launch.fn, launch.args, {**launch.kwargs, **variant})
                     r = row(op, model, batch, changed, variant.get("num_stages", stages), args.try_caps,
                             args.device_build)
