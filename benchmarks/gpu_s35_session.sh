@@ -45,9 +45,28 @@
 #       37888 B, 4 programs per SM where the default's 71680 B of shared memory hold 3 (docs/data/s36_offline/
 #       paged_occupancy_triton36.md) - and 8 warps (2 per SM, 16 warps); the paged kernel's GPU tests first.
 #   PART=grid / PART=splits: benchmarks/gpu_s34_session.sh (not yet run).
+#   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
+#       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
+#       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
+#       S35_MIN_LEFT seconds (default 45) left, and the parts not run are listed in $OUT/parts.txt.
 set -o pipefail
 OUT=$(realpath "${1:-out}")
 HERE=$(cd "$(dirname "$0")" && pwd)
+if [ -n "${PARTS:-}" ]; then  # several parts in one call, in priority order, within the call's budget
+  mkdir -p "$OUT"
+  start=$(date +%s)
+  for part in $PARTS; do
+    left=$(( ${S35_BUDGET:-540} - ($(date +%s) - start) ))
+    if [ "$left" -lt "${S35_MIN_LEFT:-45}" ]; then echo "$part: not run (${left} s left)" | tee -a "$OUT/parts.txt"; continue; fi
+    mkdir -p "$OUT/$part"
+    t0=$(date +%s)
+    PARTS= PART=$part timeout "$left" bash "$HERE/gpu_s35_session.sh" "$OUT/$part" > "$OUT/$part/log.txt" 2>&1
+    rc=$?
+    echo "$part: rc $rc, $(( $(date +%s) - t0 )) s" | tee -a "$OUT/parts.txt"
+    tail -5 "$OUT/$part/log.txt"
+  done
+  exit 0
+fi
 LANES_OPS=none,lowrank,leank50,leank70,leank70-kivi2
 
 sweep() {  # sweep TESTS VAR OPS SHAPES CONFIG...: benchmarks/gpu_paged_sweep.sh over the configurations (ROUNDS rounds)
