@@ -549,16 +549,19 @@ class SinkBuffer:
         return _nbytes(self.valid, self.positions)
 
 
-GROWTH_FRACTION = 4  # a growable buffer grows by 1/GROWTH_FRACTION of its capacity ...
-GROWTH_MIN_TOKENS = 256  # ... and by at least this many tokens
+GROWTH_FRACTION = 8  # a growable buffer grows by 1/GROWTH_FRACTION of its capacity ...
+GROWTH_MIN_TOKENS = 32  # ... and by at least this many tokens (one KIVI group, two 16-token pages)
 
 
 def grown_capacity(current: int, needed: int, unit: int = 1, limit: int | None = None) -> int:
     """New capacity of a growable buffer of ``current`` slots (each ``unit`` tokens) that must hold ``needed``.
 
-    Growth is geometric (by a quarter, so appends stay amortised O(1)) with a floor of
-    :data:`GROWTH_MIN_TOKENS` tokens: a buffer holds at most about 25% (or 256 tokens) more than
-    it uses, where doubling held up to 2x.  ``limit`` caps it (e.g. a token budget).
+    Growth is geometric (by an eighth, so appends stay amortised O(1)) with a floor of
+    :data:`GROWTH_MIN_TOKENS` tokens: a buffer holds at most about 12.5% (or 32 tokens) more than
+    it uses, where doubling held up to 2x.  ``limit`` caps it (e.g. a token budget).  Before session 36 it was a
+    quarter with a floor of 256 tokens, which nearly doubled a middle that prefill had cut to a few hundred tokens
+    at the first decode step (SnapKV keeping 25% of a 1600-token prompt: 0.25x of the dense bytes after prefill,
+    0.40x one step later); benchmarks/held_bytes.py measures it.
     """
     step = max(current // GROWTH_FRACTION, -(-GROWTH_MIN_TOKENS // unit), 1)
     cap = max(needed, current + step)

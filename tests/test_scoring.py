@@ -435,6 +435,43 @@ def test_compiled_decode_equals_eager():
         torch._dynamo.reset()
 
 
+def test_expected_attention_frees_the_prompt_queries_once_decoding_starts(monkeypatch):
+    """Phase prefill: the query ring only scores the prompt, so a dynamic cache drops it at the first decode step.
+    The decode logits equal those of a cache that keeps it, the bytes held drop by exactly the ring's, and a second
+    prompt (another turn) gets a new ring holding only its own queries."""
+    from kvcompress.plugins.expected_attention import ExpectedAttentionCompressor
+
+    model = tiny_model("llama")
+    ids = torch.randint(1, 256, (1, 260), generator=torch.Generator().manual_seed(4))
+    stack = {"compressors": [{"expected_attention": {"ratio": 0.5, "sinks": 4, "recent": 16, "window": 32}}]}
+    key = "state:expected_attention:queries"
+
+    def run():
+        logits, held = [], []
+        with kvcompress.compress(model, stack) as cache, torch.no_grad():
+            model(ids[:, :200], cache=cache)
+            held.append(cache.memory_report())
+            for t in range(200, 208):
+                logits.append(model(ids[:, t:t + 1], position_ids=torch.full((1, 1), t), cache=cache).logits[:, -1])
+            held.append(cache.memory_report())
+            model(ids[:, 208:248], position_ids=torch.arange(208, 248)[None], cache=cache)  # the next turn
+            rings = [layer.state.get("expected_attention:queries") for layer in cache.compressed_layers]
+        return torch.cat(logits), held, rings
+
+    freed, (after_prefill, after_decode), rings = run()
+    monkeypatch.setattr(ExpectedAttentionCompressor, "release_queries", lambda self, layer: None)
+    kept, (_, kept_decode), kept_rings = run()
+    ring_bytes = after_prefill.segments[key] + after_prefill.segments.get(key + " (rows)", 0)
+    assert ring_bytes > 0 and kept_decode.segments[key] == after_prefill.segments[key]
+    assert after_decode.segments.get(key, 0) == 0
+    assert kept_decode.cache_bytes - after_decode.cache_bytes == ring_bytes
+    assert torch.equal(freed, kept)
+    # a ring counts the queries pushed into it (the last `window` kept): the new turn's 40 alone, where the kept
+    # ring also counts the first prompt's
+    assert all(r is not None and int(r.count) == 32 for r in rings)
+    assert all(int(r.count) == 64 for r in kept_rings)
+
+
 @pytest.mark.parametrize("ratio", [0.5, 0.25])
 def test_bytes_held_after_prefill_follow_the_kept_fraction(ratio):
     model = tiny_model("llama")
