@@ -45,6 +45,10 @@
 #       37888 B, 4 programs per SM where the default's 71680 B of shared memory hold 3 (docs/data/s36_offline/
 #       paged_occupancy_triton36.md) - and 8 warps (2 per SM, 16 warps); the paged kernel's GPU tests first.
 #   PART=grid / PART=splits: benchmarks/gpu_s34_session.sh (not yet run).
+# Session 36 ran buffer-tests, buffer-ab, stages, buffer-ctas, valid-ahead, shapes and shapes-smol on an H100
+# (docs/results.md "Session 36"; valid_ahead is now the default).  Left, in this order: PART=grid on an H200 (the
+# grid's lanes rows with valid_ahead and the new buffer CTAs, for docs/data/grid_latest.txt), buffer-rule,
+# paged-shapes, warp-groups, occupancy, splits; and a buffer_ctas rule (more CTAs where the buffer has few rows).
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
