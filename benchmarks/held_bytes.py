@@ -45,14 +45,13 @@ def main(argv=None) -> int:
         t0 = time.time()
         with kvcompress.compress(model, stack) as cache, torch.no_grad():
             model(ids[:, :prompt], cache=cache)
-            first = cache.memory_report()
+            first = end = cache.memory_report()
             held, dense = [first.cache_bytes], [first.dense_native_bytes]  # after the prompt, then each step
             for t in range(prompt, prompt + steps):
                 model(ids[:, t:t + 1], position_ids=torch.full((1, 1), t), cache=cache)
-                report = cache.memory_report()
-                held.append(report.cache_bytes)
-                dense.append(report.dense_native_bytes)
-            end = cache.memory_report()
+                end = cache.memory_report()
+                held.append(end.cache_bytes)
+                dense.append(end.dense_native_bytes)
         row = {"stack": stack.label, "file": path, "tokens_after_prompt": prompt, "steps": steps,
                "after_prompt": first.cache_bytes, "after_prompt_x_dense": first.cache_bytes / first.dense_native_bytes,
                "end": end.cache_bytes, "end_x_dense": end.cache_bytes / end.dense_native_bytes, "peak": max(held),

@@ -140,13 +140,16 @@ class ExpectedAttentionCompressor(ScoreEvictor):
         queries are dropped (on the default model the 256-query window is 17.7 MB in fp32, half the dense bytes of
         a 1.6k-token prompt); a later prompt (another turn) is scored from its own queries, as kvpress scores each
         prompt.  A static cache keeps its preallocated ring (its buffers are fixed for the compiled step)."""
-        layer.state.pop(f"{self.name}:queries", None)
+        layer.state.pop(self._ring_key, None)
+
+    @property
+    def _ring_key(self) -> str:
+        return f"{self.name}:queries"
 
     def _ring(self, layer) -> QueryRing:
-        key = f"{self.name}:queries"
-        ring = layer.state.get(key)
+        ring = layer.state.get(self._ring_key)
         if ring is None:
-            ring = layer.state[key] = QueryRing(bool(layer.static))
+            ring = layer.state[self._ring_key] = QueryRing(bool(layer.static))
         return ring
 
     @hookimpl

@@ -53,11 +53,11 @@ the rules' choices against each other (``benchmarks/gpu_s34_session.sh``).  ``re
 session 34): "auto" takes the resident count from this many batch rows
 (:func:`uses_resident`).  ``whole_waves`` (default True since session 34; not where the resident count is taken):
 the other rules' count moved to the nearest whole number of resident waves once the long programs exceed one
-(:func:`whole_wave_splits`; low rank Llama B4 / 32k 198 -> 136 us).  ``valid_ahead`` (default True since session 36): each
-token block's valid flags loaded a block ahead (:func:`_attend`; sm_90 SASS, session 35: the flags' four byte loads
-sat at the top of each block, waited for before its scores were masked).  H100, session 36, two rounds over 35
-reads: 12-13 faster by more than 2 %, none slower in both rounds (low rank 5-23 % faster, the empty stack SmolLM2
-B1 / 32k 12 %, LeanK-70 + KIVI-2 SmolLM2 B16 / B64 4 %).  ``pdl`` (opt-in; mixed on the H200 in
+(:func:`whole_wave_splits`; low rank Llama B4 / 32k 198 -> 136 us).  ``valid_ahead`` (default True since
+session 36): each token block's valid flags loaded a block ahead (:func:`_attend`; sm_90 SASS, session 35: the
+flags' four byte loads sat at the top of each block, waited for before its scores were masked).  H100, session 36,
+two rounds over 35 reads: 12-13 faster by more than 2 %, none slower in both rounds (low rank 5-23 % faster, the
+empty stack SmolLM2 B1 / 32k 12 %, LeanK-70 + KIVI-2 SmolLM2 B16 / B64 4 %).  ``pdl`` (opt-in; mixed on the H200 in
 session 33): the split merge is launched with programmatic dependent launch on Hopper
 (:func:`~kvcompress.kernels.attention.triton_shared.use_pdl`): it starts while the lanes kernel's last wave runs and
 waits for it on the device, so its launch latency and prologue overlap the split kernel.
