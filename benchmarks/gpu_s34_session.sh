@@ -3,7 +3,8 @@
 # .gpusrc and .gpuwheels).
 #   PART=grid    bash benchmarks/gpu_s34_session.sh $OUT   the lanes kernel's GPU tests (tests/test_leank_kernel.py,
 #       tests/test_pdl.py) and the grid rows of the ops it reads - leank50, leank70, leank70-kivi2, none, lowrank - at
-#       every shape under session 34's last default (resident_batch 16), which no grid has timed yet
+#       every shape under session 34's last default (resident_batch 16), which no grid has timed yet.  S34_TESTS /
+#       S34_GRID_OPS replace the test files / the ops; S34_GRID_PART=grid2: no tests, the grid JSON continued
 #   PART=splits  bash benchmarks/gpu_s34_session.sh $OUT   the split rules' choices against fixed split counts
 #       (KVCOMPRESS_LEANK_CONFIG {"splits": N}) at the batch-1 / batch-4 reads where no rule wins for every op
 #       (docs/results.md "Session 34", item 5), then where each read's GPU time goes (split kernel against merge,
@@ -14,8 +15,9 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 case "${PART:-grid}" in
   grid)
     T="$(cd "$HERE/.." && pwd)/tests"  # the exported tree's tests (gpu_s33_session.sh runs them from /tmp/site)
-    S33_TESTS="$T/test_leank_kernel.py $T/test_pdl.py" GRID_OPS_S33=leank50,leank70,leank70-kivi2,none,lowrank \
-      PART=grid bash "$HERE/gpu_s33_session.sh" "$OUT"
+    S33_TESTS=${S34_TESTS:-"$T/test_leank_kernel.py $T/test_pdl.py"} \
+      GRID_OPS_S33=${S34_GRID_OPS:-leank50,leank70,leank70-kivi2,none,lowrank} \
+      PART=${S34_GRID_PART:-grid} bash "$HERE/gpu_s33_session.sh" "$OUT"
     ;;
   splits)
     cd "$HERE/.." || exit 1

@@ -45,6 +45,13 @@
 #       37888 B, 4 programs per SM where the default's 71680 B of shared memory hold 3 (docs/data/s36_offline/
 #       paged_occupancy_triton36.md) - and 8 warps (2 per SM, 16 warps); the paged kernel's GPU tests first.
 #   PART=grid / PART=splits: benchmarks/gpu_s34_session.sh (not yet run).
+# Session 37: buffer_ctas "auto" is the default (kernels/kivi/cuda_kernel.py buffer_launch: a launch of at most 16
+# rows over at most 128k rows x region slots spreads its buffer over about 384 CTAs of at least 16 slots).
+#   PART=grid37  the GPU tests of the KIVI buffer read and the lanes kernels (xdist), then the grid rows of the ops
+#       that changed since session 34 - leank50, leank70, leank70-kivi2, none, lowrank (valid_ahead), kivi2-static
+#       (the buffer CTAs) - at every shape, into grid.json (resumable: PART=grid37b continues it, no tests).
+#   PART=buffer-auto  the rule against the old fixed 16 CTAs of 32 slots ({"buffer_ctas": 16}), static KIVI-2 and
+#       LeanK-70 + KIVI-2 at the batch-1 / batch-4 reads the rule changes (and Llama B1 / 32k, which it keeps), two rounds.
 # Session 36 ran buffer-tests, buffer-ab, stages, buffer-ctas, valid-ahead, shapes and shapes-smol on an H100
 # (docs/results.md "Session 36"; valid_ahead is now the default).  Left, in this order: PART=grid on an H200 (the
 # grid's lanes rows with valid_ahead and the new buffer CTAs, for docs/data/grid_latest.txt), buffer-rule,
@@ -144,7 +151,18 @@ case "${PART:-stages}" in
       '{}' '{"pages_per_step": 2}' '{"num_warps": 8}' '{"pages_per_step": 2, "num_stages": 4}'
     ;;
   grid|splits) bash "$HERE/gpu_s34_session.sh" "$OUT" ;;
+  grid37|grid37b)
+    T="$(cd "$HERE/.." && pwd)/tests"
+    S34_TESTS="$T/test_kivi_buffer_read.py $T/test_kivi_lanes.py $T/test_leank_kernel.py $T/test_pdl.py" \
+      S34_GRID_OPS=leank50,leank70,leank70-kivi2,none,lowrank,kivi2-static \
+      S34_GRID_PART=$([ "$PART" = grid37 ] && echo grid || echo grid2) PART=grid bash "$HERE/gpu_s34_session.sh" "$OUT"
+    ;;
+  buffer-auto)
+    ROUNDS=2 && sweep none KVCOMPRESS_KIVI_CUDA_CONFIG kivi2-static,leank70-kivi2 \
+      "${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,smollm2-135m:1:4k,smollm2-135m:1:32k,smollm2-135m:4:4k}" \
+      '{}' '{"buffer_ctas": 16}'
+    ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid or splits" >&2
+       "grid, splits, grid37, grid37b or buffer-auto" >&2
      exit 2 ;;
 esac

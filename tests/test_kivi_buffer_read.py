@@ -121,7 +121,7 @@ def test_buffer_settings_choose_the_one_launch_read(monkeypatch):
     with pytest.raises(ValueError, match="buffer_tokens"):
         ck.buffer_plan(160, 0)
     for bad in (0, -3, 2.5, True):
-        with pytest.raises(ValueError, match=r"KVCOMPRESS_KIVI_CUDA_CONFIG: buffer_ctas must be an integer >= 1, "
+        with pytest.raises(ValueError, match=r"KVCOMPRESS_KIVI_CUDA_CONFIG: buffer_ctas must be \"auto\" or an integer >= 1, "
                                              r"got " + re.escape(repr(bad))):
             ck.buffer_plan(160, 32, bad)
     monkeypatch.setattr(ck, "_BUFFER_SETTINGS", {})  # (read_buffer_settings below writes it)
@@ -156,8 +156,34 @@ def test_buffer_settings_choose_the_one_launch_read(monkeypatch):
     for bad in ('{"buffer_rows": -1}', '{"buffer_work": 1.5}', '{"buffer_tokens": "all"}'):
         with pytest.raises(ValueError, match="must be an integer >= 0"):
             settings(bad)
-    with pytest.raises(ValueError, match="buffer_ctas must be an integer >= 1, got 0"):  # checked when read, too
-        settings('{"buffer_ctas": 0}')
+    for bad in ('{"buffer_ctas": 0}', '{"buffer_ctas": "many"}'):  # checked when read, too
+        with pytest.raises(ValueError, match="buffer_ctas must be \"auto\" or an integer >= 1, got"):
+            settings(bad)
+    settings('{"buffer_ctas": "auto"}')
+
+
+def test_auto_buffer_ctas_spread_the_buffer_of_few_rows_over_more_ctas():
+    """``buffer_ctas`` "auto" (the default): a launch of at most 16 rows over at most 128k rows x region slots gives
+    each row 384 / rows CTAs (a power of two, 16 to 64) of at least 16 slots; any other launch, and any explicit
+    count, keeps 16 CTAs (or the count given) of ``buffer_tokens`` slots."""
+    assert ck.DEFAULT_CONFIG["buffer_ctas"] == "auto"
+    assert ck.buffer_launch(3, 4096) == (16, 64)  # SmolLM2 heads, B1
+    assert ck.buffer_launch(3, 32 * 1024) == (16, 64)  # 96k rows x slots
+    assert ck.buffer_launch(8, 4096) == (16, 32) and ck.buffer_launch(12, 4096) == (16, 32)
+    assert ck.buffer_launch(16, 8192) == (16, 16)  # 384 / 16 = 24 -> 16
+    assert ck.buffer_launch(8, 32 * 1024) == (32, 16)  # Llama heads B1 / 32k: 256k rows x slots, the region is long
+    assert ck.buffer_launch(17, 64) == (32, 16) and ck.buffer_launch(32, 4096) == (32, 16)  # many rows
+    assert ck.buffer_launch(1, 64) == (16, 64)  # never more than 64
+    assert ck.buffer_launch(3, 4096, 8) == (8, 64)  # fewer slots per CTA than 16 stay as asked
+    assert ck.buffer_launch(3, 4096, 32, 16) == (32, 16) and ck.buffer_launch(64, 4096, 64, 8) == (64, 8)
+    # what the plan then makes of a 1024-slot buffer (LeanK + KIVI) and a 128-slot one (static KIVI)
+    assert ck.buffer_plan(1024, *ck.buffer_launch(3, 4096)) == (64, 16)
+    assert ck.buffer_plan(1024, *ck.buffer_launch(8, 4096)) == (32, 32)
+    assert ck.buffer_plan(128, *ck.buffer_launch(8, 4096)) == (8, 16)
+    assert ck.buffer_plan(128, *ck.buffer_launch(32, 4096)) == (4, 32)
+    for bad in (0, "many", 2.5):
+        with pytest.raises(ValueError, match="buffer_ctas must be"):
+            ck.buffer_launch(3, 4096, 32, bad)
 
 
 def test_fused_or_apart_traces_under_torch_compile(monkeypatch):

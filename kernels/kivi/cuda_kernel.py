@@ -126,8 +126,16 @@ PARAMS_INTS = 56
 NO_BUFFER = (0,) * 15
 #: buffer slots one CTA of the buffer read takes (:func:`buffer_plan`)
 BUFFER_TOKENS = 32
-#: the most buffer CTAs per (batch, head, row block): a longer buffer gets longer runs (:func:`buffer_plan`)
+#: the most buffer CTAs per (batch, head, row block): a longer buffer gets longer runs (:func:`buffer_plan`); the
+#: count a launch of many rows or a long region takes under the default ``buffer_ctas`` "auto" (:func:`buffer_launch`)
 BUFFER_CTAS = 16
+#: buffer_ctas "auto" (:func:`buffer_launch`): a launch of at most BUFFER_FEW_ROWS (batch x kv head x row block) rows
+#: whose region holds at most BUFFER_FEW_WORK rows x slots spreads its buffer over about BUFFER_SPREAD CTAs in all
+#: (16 to 64 per row) of at least BUFFER_FEW_TOKENS slots each
+BUFFER_FEW_ROWS = 16
+BUFFER_FEW_WORK = 128 * 1024
+BUFFER_SPREAD = 384
+BUFFER_FEW_TOKENS = 16
 #: a one-launch buffer read is used for at most this many (batch x kv head x row block) rows (:func:`fuses_buffer`)
 BUFFER_ROWS = 16
 #: ... or for at most this many rows x region slots
@@ -160,7 +168,9 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # busy; 0: each split reads a contiguous run of tiles sized for the capacity, each warp a contiguous part of it.
 # buffer_tokens: slots one buffer CTA takes when the launch also reads a static layer's full-precision buffer
 # (:func:`buffer_plan`; fewer, longer buffer CTAs when larger), at most buffer_ctas of them per (batch, head, row
-# block) - LeanK + KIVI's buffer of about 1k slots gets 16 CTAs of 64 (a sweep knob, session 35); 0: no one-launch read - the buffer and the region are
+# block) - LeanK + KIVI's buffer of about 1k slots gets 16 CTAs of 64 (a sweep knob, session 35; "auto", the default
+# since session 37, :func:`buffer_launch`: more and shorter CTAs where the launch has few rows and a short region, so
+# the buffer CTAs, a latency-bound chain, stop being the launch's longest); 0: no one-launch read - the buffer and the region are
 # read apart (PackedKV.attention_partial_with_buffer returns None), for A/B timing.  buffer_rows / buffer_work: the
 # one-launch read only for at most buffer_rows rows (batch x kv heads x row blocks), or at most buffer_work rows x
 # region slots (:func:`fuses_buffer`).  These three are read when a cache chooses the CUDA kernel
@@ -175,7 +185,7 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # head shapes: 32 of 32 reads faster in session 34, by 0.1-2.5 us, e.g. KIVI-2 Llama B1 / 4k 9.74 -> 9.14 us).
 DEFAULT_CONFIG = dict(nw=4, stages=2, waves=1.0, warps_per_sm=16, min_tiles="auto", min_blocks=4, kfold=0, vfold=0,
                       interleave=1, buffer_tokens=BUFFER_TOKENS, buffer_rows=BUFFER_ROWS, buffer_work=BUFFER_WORK,
-                      pdl=True, buffer_ctas=BUFFER_CTAS)
+                      pdl=True, buffer_ctas="auto")
 SMEM_DEFAULT = 48 * 1024  # dynamic shared memory a kernel gets without cudaFuncAttributeMaxDynamicSharedMemorySize
 SMEM_OPTIN_MAX = 227 * 1024  # the largest opt-in limit of any supported GPU (sm_90); the device's own limit is used
 
@@ -685,7 +695,7 @@ def read_buffer_settings(bits: int) -> tuple[int, int, int]:
     for n, v in zip(BUFFER_SETTINGS, values):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"KVCOMPRESS_KIVI_CUDA_CONFIG: {n} must be an integer >= 0, got {v!r}")
-    buffer_plan(1, 1, c.get("buffer_ctas", BUFFER_CTAS))  # checks buffer_ctas (an integer >= 1) here, not per read
+    buffer_launch(1, 1, 1, c.get("buffer_ctas", "auto"))  # checks buffer_ctas ("auto" or >= 1) here, not per read
     _BUFFER_SETTINGS[bits] = values
     _CAPPED[bits] = int(c.get("min_blocks", 1)) > 4
     return values
@@ -708,9 +718,30 @@ def buffer_plan(slots: int, tokens: int = BUFFER_TOKENS, most: int = BUFFER_CTAS
     if tokens < 1:
         raise ValueError(f"KIVI CUDA kernel: buffer_tokens {tokens} (>= 1 for a one-launch read)")
     if isinstance(most, bool) or not isinstance(most, int) or most < 1:
-        raise ValueError(f"KVCOMPRESS_KIVI_CUDA_CONFIG: buffer_ctas must be an integer >= 1, got {most!r}")
+        raise ValueError(f"KVCOMPRESS_KIVI_CUDA_CONFIG: buffer_ctas must be \"auto\" or an integer >= 1, got {most!r}")
     tps = max(tokens, -(-slots // most))
     return -(-slots // tps), tps
+
+
+def buffer_launch(rows: int, slots: int, tokens: int = BUFFER_TOKENS, most: int | str = "auto") -> tuple[int, int]:
+    """``(buffer_tokens, buffer_ctas)`` a one-launch read of ``rows`` (batch x kv heads x row blocks) rows over a
+    region of ``slots`` slots hands :func:`buffer_plan`: the settings as given, except for ``most`` = "auto" (the
+    default): at most :data:`BUFFER_FEW_ROWS` rows and at most :data:`BUFFER_FEW_WORK` rows x slots - a launch
+    whose region splits are short - give each row ``BUFFER_SPREAD / rows`` CTAs (a power of two from 16 to 64) of
+    at least ``min(tokens, BUFFER_FEW_TOKENS)`` slots, any other launch :data:`BUFFER_CTAS` CTAs of ``tokens``.
+    Decided once per shape (the launch plans).  Session 36, H100, against 16 CTAs of 32 (sweep buffer-ctas, one
+    round, us): LeanK-70 + KIVI-2 (1k-slot buffer) SmolLM2 (3 rows) B1 / 4k 13.3 -> 9.1 with 64 CTAs of 16, B1 / 32k
+    16.6 -> 12.1, B4 (12 rows) / 4k 15.1 -> 12.3 with 32, Llama (8 rows) B1 / 4k 18.1 -> 16.0 with 32; static KIVI-2
+    (128-slot buffer) SmolLM2 B1 / 4k 9.5 -> 7.7 with 16-slot CTAs, B4 / 4k 10.7 -> 9.7, Llama B1 / 4k 13.5 ->
+    12.7; where the rule keeps 16 CTAs of 32 the others were slower: Llama B1 / 32k (8 rows x 32k slots) 28.4 ->
+    32.5 with 32, Llama B4 / 4k (32 rows) 34.1 -> 36.2, SmolLM2 B16 / 4k (48 rows) 16-slot CTAs 19.3 -> 21.0."""
+    if most != "auto":
+        buffer_plan(1, 1, most)  # (checks it)
+        return tokens, most
+    if rows <= BUFFER_FEW_ROWS and rows * slots <= BUFFER_FEW_WORK:
+        per_row = 1 << max(0, (BUFFER_SPREAD // max(1, rows)).bit_length() - 1)  # a power of two, rounded down
+        return min(tokens, BUFFER_FEW_TOKENS), min(64, max(16, per_row))
+    return tokens, BUFFER_CTAS
 
 
 def _buffer_args(buffer: tuple | None, tokens: int = BUFFER_TOKENS, most: int = BUFFER_CTAS) -> tuple:
@@ -794,8 +825,9 @@ def _plan(bits: int, dk: int, dv: int, rows: int, nt: int, index: int, softcap: 
     c = dict(c, nw=nw, stages=stages)
     s = splits or num_splits(ntiles, rows, _sms(index), c, cta_smem)
     tiles_per_split = -(-ntiles // max(1, min(s, ntiles)))
-    return (lib, nw, stages, -(-ntiles // tiles_per_split), tiles_per_split, int(c.get("interleave", 1)),
-            int(c.get("buffer_tokens", BUFFER_TOKENS)), pdl_ok(c, index), c.get("buffer_ctas", BUFFER_CTAS))
+    btok, bctas = buffer_launch(rows, nt, int(c.get("buffer_tokens", BUFFER_TOKENS)), c.get("buffer_ctas", "auto"))
+    return (lib, nw, stages, -(-ntiles // tiles_per_split), tiles_per_split, int(c.get("interleave", 1)), btok,
+            pdl_ok(c, index), bctas)
 
 
 def pdl_ok(c: dict, index: int) -> bool:

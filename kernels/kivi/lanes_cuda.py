@@ -130,7 +130,8 @@ def _qdim(d: int) -> int:
 
 
 def _plan(region: PackedLanes, query: torch.Tensor, covered: int, index: int, softcap, c: dict) -> tuple:
-    """``(library, warps, stages, splits, tiles per split)`` for this region's shapes, decided once per shape."""
+    """``(library, warps, stages, splits, tiles per split, interleave, PDL, buffer tokens, buffer CTAs)`` for this
+    region's shapes (the buffer's settings: :func:`.cuda_kernel.buffer_launch`), decided once per shape."""
     dks = tuple(sorted({lane.k_scale.shape[-1] for lane in region.lanes}))
     dv = region.v_dim
     b, _, m, _ = query.shape
@@ -145,7 +146,9 @@ def _plan(region: PackedLanes, query: torch.Tensor, covered: int, index: int, so
     s = ck.num_splits(ntiles, max(1, b * covered * -(-m // 8)), ck._sms(index), dict(c, nw=nw, stages=stages),
                       cta_smem)
     tps = -(-ntiles // max(1, min(s, ntiles)))
-    return lib, nw, stages, -(-ntiles // tps), tps, int(c.get("interleave", 1)), ck.pdl_ok(c, index)
+    btok, bctas = ck.buffer_launch(b * query.shape[1] * -(-m // 8), nt, int(c.get("buffer_tokens") or ck.BUFFER_TOKENS),
+                                   c.get("buffer_ctas", "auto"))
+    return lib, nw, stages, -(-ntiles // tps), tps, int(c.get("interleave", 1)), ck.pdl_ok(c, index), btok, bctas
 
 
 def launch_args(q: torch.Tensor, region: PackedLanes, valid8: torch.Tensor, po: int, pl: int, splits: int,
@@ -229,13 +232,11 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
         if len(_PLANS) >= 4096:
             _PLANS.clear()
         plan = _PLANS[key] = _plan(region, query, covered, index, softcap, c)
-    lib, nw, stages, s, tps, interleave, pdl = plan
+    lib, nw, stages, s, tps, interleave, pdl, btok, bctas = plan
 
     valid8 = valid.view(torch.uint8) if valid.dtype == torch.bool else valid.to(torch.uint8)
     valid8 = ck._aligned(valid8, 1, 16)
     q = ck._aligned(query.to(torch.float16), 1, 4)  # the kernel's operands are fp16 (a bf16 model: one cast)
-    btok = int(c.get("buffer_tokens") or ck.BUFFER_TOKENS)
-    bctas = c.get("buffer_ctas", ck.BUFFER_CTAS)
     if buffer is not None:
         bk, bv, bvalid, blen = buffer
         buffer = (bk, bv, bvalid.view(torch.uint8), ck.live_length(blen, dev))
