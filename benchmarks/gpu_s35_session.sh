@@ -48,8 +48,8 @@
 # Session 37: buffer_ctas "auto" is the default (kernels/kivi/cuda_kernel.py buffer_launch: a launch of at most 16
 # rows over at most 128k rows x region slots spreads its buffer over about 384 CTAs of at least 16 slots).
 #   PART=grid37  the GPU tests of the KIVI buffer read and the lanes kernels (xdist), then the grid rows of the ops
-#       that changed since session 34 - leank50, leank70, leank70-kivi2, none, lowrank (valid_ahead), kivi2-static
-#       (the buffer CTAs) - at every shape, into grid.json (resumable: PART=grid37b continues it, no tests).
+#       that changed since session 34 - leank50, leank70, leank70-kivi2 (valid_ahead, the buffer CTAs), none, lowrank
+#       (valid_ahead) - at every shape, into grid.json (PART=grid37b: no tests, continues G_RESUME's grid JSON).
 #   PART=buffer-auto  the rule against the old fixed 16 CTAs of 32 slots ({"buffer_ctas": 16}), static KIVI-2 and
 #       LeanK-70 + KIVI-2 at the batch-1 / batch-4 reads the rule changes (and Llama B1 / 32k, which it keeps), two rounds.
 # Session 36 ran buffer-tests, buffer-ab, stages, buffer-ctas, valid-ahead, shapes and shapes-smol on an H100
@@ -154,7 +154,7 @@ case "${PART:-stages}" in
   grid37|grid37b)
     T="$(cd "$HERE/.." && pwd)/tests"
     S34_TESTS="$T/test_kivi_buffer_read.py $T/test_kivi_lanes.py $T/test_leank_kernel.py $T/test_pdl.py" \
-      S34_GRID_OPS=leank50,leank70,leank70-kivi2,none,lowrank,kivi2-static \
+      S34_GRID_OPS=leank50,leank70,leank70-kivi2,none,lowrank \
       S34_GRID_PART=$([ "$PART" = grid37 ] && echo grid || echo grid2) PART=grid bash "$HERE/gpu_s34_session.sh" "$OUT"
     ;;
   buffer-auto)
