@@ -50,6 +50,7 @@
 #   PART=grid37  the GPU tests of the KIVI buffer read and the lanes kernels (xdist), then the grid rows of the ops
 #       that changed since session 34 - leank50, leank70, leank70-kivi2 (valid_ahead, the buffer CTAs), none, lowrank
 #       (valid_ahead) - at every shape, into grid.json (PART=grid37b: no tests, continues G_RESUME's grid JSON).
+#   PART=tests37  grid37's GPU tests alone (and tests/test_kivi_lanes_buffer.py), 12 xdist workers.
 #   PART=buffer-auto  the rule against the old fixed 16 CTAs of 32 slots ({"buffer_ctas": 16}), static KIVI-2 and
 #       LeanK-70 + KIVI-2 at the batch-1 / batch-4 reads the rule changes (and Llama B1 / 32k, which it keeps), two rounds.
 # Session 36 ran buffer-tests, buffer-ab, stages, buffer-ctas, valid-ahead, shapes and shapes-smol on an H100
@@ -153,9 +154,19 @@ case "${PART:-stages}" in
   grid|splits) bash "$HERE/gpu_s34_session.sh" "$OUT" ;;
   grid37|grid37b)
     T="$(cd "$HERE/.." && pwd)/tests"
-    S34_TESTS="$T/test_kivi_buffer_read.py $T/test_kivi_lanes.py $T/test_leank_kernel.py $T/test_pdl.py" \
+    S34_TESTS="$T/test_kivi_buffer_read.py $T/test_kivi_lanes.py $T/test_kivi_lanes_buffer.py $T/test_leank_kernel.py $T/test_pdl.py" \
       S34_GRID_OPS=leank50,leank70,leank70-kivi2,none,lowrank \
       S34_GRID_PART=$([ "$PART" = grid37 ] && echo grid || echo grid2) PART=grid bash "$HERE/gpu_s34_session.sh" "$OUT"
+    ;;
+  tests37)  # the GPU tests of grid37 alone (xdist), every result line in tests_full.txt
+    cd "$HERE/.." || exit 1
+    source "$HERE/gpu_site.sh"  # install under /tmp/site, cd there
+    python -m pip install -q --no-index --no-deps --target /tmp/xdist "$SRC"/../.gpuwheels/*.whl 2>&1 | tail -2
+    T="$SRC/tests"
+    PYTHONPATH=$PYTHONPATH:/tmp/xdist timeout "${S37_TEST_TIMEOUT:-300}" python -m pytest -v -m gpu -p no:cacheprovider \
+      -n "${S37_XDIST:-12}" "$T/test_kivi_buffer_read.py" "$T/test_kivi_lanes.py" "$T/test_kivi_lanes_buffer.py" \
+      "$T/test_leank_kernel.py" "$T/test_pdl.py" > "$OUT/tests_full.txt" 2>&1
+    tail -5 "$OUT/tests_full.txt"; grep -c PASSED "$OUT/tests_full.txt"; grep -E "FAILED|ERROR" "$OUT/tests_full.txt" | head -30
     ;;
   buffer-auto)
     ROUNDS=2 && sweep none KVCOMPRESS_KIVI_CUDA_CONFIG kivi2-static,leank70-kivi2 \
@@ -163,6 +174,6 @@ case "${PART:-stages}" in
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, tests37 or buffer-auto" >&2
      exit 2 ;;
 esac
