@@ -6,7 +6,7 @@
 # Environment: AB_OPS (default sdpa,kivi2,kivi4), AB_SHAPES (benchutil --only-shapes), AB_ROUNDS (default 2),
 # AB_TESTS=1 first runs the KIVI GPU tests of the first tree (benchmarks/gpu_kivi_tests.sh; LANES_K filters).
 set -o pipefail
-OUT=$(realpath "${1:-out}"); shift
+OUT=$(realpath -m "${1:-out}"); shift
 ROOT=$PWD
 TREES=("$@")
 OPS=${AB_OPS:-sdpa,kivi2,kivi4}

@@ -8,7 +8,7 @@
 # 2. only if they pass: the static KIVI-2 read against SDPA (benchutil op kivi2-static), then GraphStep rows of kivi2
 #    and the empty stack (benchmarks/gpu_graph_rows.py) at POINTS.
 set -o pipefail
-OUT=$(realpath "${1:-out}"); shift || true
+OUT=$(realpath -m "${1:-out}"); shift || true
 POINTS=("$@")
 [ ${#POINTS[@]} -gt 0 ] || POINTS=(1x4096)
 source "$(dirname "$0")/gpu_site.sh"  # install under /tmp/site, cd there

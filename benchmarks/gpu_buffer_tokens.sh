@@ -8,7 +8,7 @@
 #   default configs: '{"buffer_tokens": 0}' '{"buffer_rows": 1000000}' '{}' (apart, always one launch, the default)
 #   BT_SHAPES: benchutil --only-shapes; BT_ROUNDS: rounds over the configs (default 1)
 set -o pipefail
-OUT=$(realpath "${1:-out}"); shift || true
+OUT=$(realpath -m "${1:-out}"); shift || true
 CONFIGS=("$@")
 [ ${#CONFIGS[@]} -gt 0 ] || CONFIGS=('{"buffer_tokens": 0}' '{"buffer_rows": 1000000}' '{}')
 SHAPES=${BT_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:16:32k,llama3-8b:64:4k,smollm2-135m:1:32k,smollm2-135m:16:32k}

@@ -4,7 +4,7 @@
 # (KVCOMPRESS_DS_CONFIG '{"min_per_split": N}', each in its own process; 64 = the split rule before this session).
 #   bash benchmarks/gpu_gather_splits.sh OUTDIR
 set -o pipefail
-OUT=$(realpath "${1:-out}")
+OUT=$(realpath -m "${1:-out}")
 source "$(dirname "$0")/gpu_ds_common.sh"  # install under /tmp/site, cd there, DS GPU tests
 SHAPES=llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:1:128k,llama3-8b:4:4k,llama3-8b:4:32k,llama3-8b:16:4k
 SHAPES=$SHAPES,smollm2-135m:1:4k,smollm2-135m:1:32k,smollm2-135m:4:4k,smollm2-135m:4:32k

@@ -8,7 +8,7 @@
 # Environment: GRAPH_TESTS=1 first runs tests/test_graph_step.py -m gpu of the first run's tree; GRAPH_TIMEOUT
 # (seconds per run, default 300); GRAPH_ARGS: more gpu_graph_rows.py arguments (e.g. "--device cpu --shape tiny").
 set -o pipefail
-OUT=$(realpath "${1:-out}"); shift
+OUT=$(realpath -m "${1:-out}"); shift
 ROOT=$PWD
 SCRIPT=$(dirname "$(realpath "$0")")/gpu_graph_rows.py  # this tree's
 mkdir -p "$OUT"

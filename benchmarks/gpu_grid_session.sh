@@ -3,7 +3,7 @@
 # grid (every op of GRID_OPS, both head shapes), then the select kernel's chunk size at small batch (information).
 #   bash benchmarks/gpu_grid_session.sh OUTDIR
 set -o pipefail
-OUT=$(realpath "${1:-out}")
+OUT=$(realpath -m "${1:-out}")
 source "$(dirname "$0")/gpu_ds_common.sh"  # install under /tmp/site, cd there, DS GPU tests
 for M in llama3-8b smollm2-135m; do
   date -u | tee -a "$OUT/log.txt"

@@ -14,7 +14,7 @@
 #    (OUT/ops_grid).
 # LANES_K: a pytest -k filter for the lanes tests; SKIP_CUDA_TESTS=1 skips the plain kernel's tests; GRID_SECONDS bounds step 2 (default 330).
 set -o pipefail
-OUT=$(realpath "${1:-out}"); MODELS=${2:-llama3-8b,smollm2-135m}; BATCHES=${3:-1,4,16,64}
+OUT=$(realpath -m "${1:-out}"); MODELS=${2:-llama3-8b,smollm2-135m}; BATCHES=${3:-1,4,16,64}
 source "$(dirname "$0")/gpu_site.sh"  # install under /tmp/site, cd there
 timeout 220 python -m pytest -q -m gpu "$SRC/tests/test_kivi_lanes.py" -p no:cacheprovider -p no:logging ${LANES_K:+-k "$LANES_K"} 2>&1 \
   | grep -v DEBUG | tail -25 | tee "$OUT/pytest_lanes.log"

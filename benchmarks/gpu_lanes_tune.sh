@@ -15,7 +15,7 @@
 #    B1/4k, B1/32k, SmolLM2 B1/32k and Llama B16/32k (the launch settings are shared by the plain and the lanes
 #    kernel; the fold builds, timed in session 6 at 1-2%, apply to the plain kernel only).
 set -o pipefail
-OUT=$(realpath "${1:-out}"); shift || true
+OUT=$(realpath -m "${1:-out}"); shift || true
 CONFIGS=("$@")
 [ ${#CONFIGS[@]} -gt 0 ] || CONFIGS=('{}' '{"min_tiles": 4}' '{"min_tiles": 2}' '{"waves": 2}')
 source "$(dirname "$0")/gpu_site.sh"  # install under /tmp/site, cd there

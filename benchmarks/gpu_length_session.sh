@@ -11,7 +11,7 @@
 #   leank70-kivi2, none, lowrank); benchmarks/gpu_live_length.py (a KIVI-2 store early in a long generation:
 #   capacity 32k / 128k, 1k-16k live tokens); the kernels of the leank70-kivi2 / none reads at Llama B1/4k.
 set -o pipefail
-OUT=$(realpath "${1:-out}")
+OUT=$(realpath -m "${1:-out}")
 source "$(dirname "$0")/gpu_site.sh"  # install under /tmp/site, cd there
 if [ "${PART:-tests}" = tests ]; then
   source "$SRC/benchmarks/gpu_kivi_tests.sh"  # prebuild, then the KIVI CUDA / lanes GPU tests

@@ -8,7 +8,7 @@
 #    (default: Llama B1/4k, B1/32k, B16/32k, SmolLM2 B1/32k); compare with the same rows of session 22's lanes grid and
 #    session 21's grid (docs/data), which ran the ~10-op PyTorch merge.
 set -o pipefail
-OUT=$(realpath "${1:-out}"); SHAPES=${2:-llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:16:32k,smollm2-135m:1:32k}
+OUT=$(realpath -m "${1:-out}"); SHAPES=${2:-llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:16:32k,smollm2-135m:1:32k}
 source "$(dirname "$0")/gpu_site.sh"  # install under /tmp/site, cd there
 timeout 100 python -m pytest -q -m gpu "$SRC/tests/test_kernel_ops.py" "$SRC/tests/test_kivi_lanes.py" \
   -k "merge or static_read" -p no:cacheprovider -p no:logging 2>&1 | grep -v DEBUG | tail -12 | tee "$OUT/pytest.log"

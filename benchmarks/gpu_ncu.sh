@@ -10,7 +10,7 @@
 # NCU_SOURCE=1: also each case's per-SASS-instruction table (warp stall samples, instructions executed) as CSV in
 # OUTDIR/source_N.csv (ncu --page source --print-source sass), to find the instructions a kernel waits on.
 set -o pipefail
-OUT=$(realpath "${1:-out}"); shift || true
+OUT=$(realpath -m "${1:-out}"); shift || true
 source "$(dirname "$0")/gpu_site.sh"  # install under /tmp/site, cd there
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 echo "ncu: $NCU" | tee -a "$OUT/ncu.txt"

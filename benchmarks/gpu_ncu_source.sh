@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_ncu_source.sh OUTDIR OP SHAPE KERNEL_REGEX
 # Writes OUTDIR/source.ncu-rep (open it in Nsight Compute) and OUTDIR/source_top.txt (the top lines of each metric).
 set -o pipefail
-OUT=$(realpath "${1:-out}"); OP=$2; SHAPE=$3; KERN=$4
+OUT=$(realpath -m "${1:-out}"); OP=$2; SHAPE=$3; KERN=$4
 source "$(dirname "$0")/gpu_site.sh"  # install under /tmp/site, cd there
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 timeout 300 "$NCU" --clock-control none -k "regex:$KERN" -s 3 -c 1 --import-source yes \

@@ -14,7 +14,7 @@
 #   pytest-xdist workers (compiles in parallel), installed from the wheels in PS_WHEELS (default ../.gpuwheels, carried
 #   beside the exported tree: the GPU image has no internet)
 set -o pipefail
-OUT=$(realpath "${1:-out}"); shift || true
+OUT=$(realpath -m "${1:-out}"); shift || true
 CONFIGS=("$@")
 [ ${#CONFIGS[@]} -gt 0 ] || CONFIGS=('{}' '{"late_mask": true}')
 SHAPES=${PS_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:32k,smollm2-135m:1:32k,smollm2-135m:16:32k}

@@ -33,7 +33,7 @@
 #   profile  - session 16: the KIVI lanes GPU tests with the new defaults (floor 128, combine "splits"), every kernel
 #              of one static read (benchmarks/gpu_read_profile.py) and the reads against SDPA, Triton KIVI included
 set -o pipefail
-OUT=$(realpath "${1:-out}"); PHASE=${2:-compile}
+OUT=$(realpath -m "${1:-out}"); PHASE=${2:-compile}
 mkdir -p "$OUT" /tmp/site
 python -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . 2>&1 | tail -2
 export PATH=/usr/local/cuda/bin:$PATH PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1

@@ -22,7 +22,7 @@
 #   with one split wherever the long rows exceed a wave ('"fill_splits": 1', session 31's rule), which isolates
 #   session 32's wave fill (wave_fill_splits: Llama B64 = 512 rows on 396 slots takes 3 splits).
 set -o pipefail
-OUT=$(realpath "${1:-out}")
+OUT=$(realpath -m "${1:-out}")
 HERE=$(cd "$(dirname "$0")" && pwd)
 PART=${PART:-tests}
 SHAPES=llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:4:4k,llama3-8b:4:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:4k,smollm2-135m:1:4k,smollm2-135m:1:32k,smollm2-135m:4:4k,smollm2-135m:4:32k,smollm2-135m:16:32k

@@ -7,7 +7,7 @@
 #       grid shape, both models, in --resume mode (G_RESUME: a grid JSON of an earlier call to continue, copied in)
 #   PART=grid2 ...                                                the same grid continued, no tests
 set -o pipefail
-OUT=$(realpath "${1:-out}")
+OUT=$(realpath -m "${1:-out}")
 ROOT=$PWD
 HERE=$(cd "$(dirname "$0")" && pwd)
 PART=${PART:-grid}

@@ -10,7 +10,7 @@
 #       (docs/results.md "Session 34", item 5), then where each read's GPU time goes (split kernel against merge,
 #       benchmarks/gpu_read_profile.py) under the default rule
 set -o pipefail
-OUT=$(realpath "${1:-out}")
+OUT=$(realpath -m "${1:-out}")
 HERE=$(cd "$(dirname "$0")" && pwd)
 case "${PART:-grid}" in
   grid)

@@ -50,6 +50,9 @@
 #   PART=grid37  the GPU tests of the KIVI buffer read and the lanes kernels (xdist), then the grid rows of the ops
 #       that changed since session 34 - leank50, leank70, leank70-kivi2 (valid_ahead, the buffer CTAs), none, lowrank
 #       (valid_ahead) - at every shape, into grid.json (PART=grid37b: no tests, continues G_RESUME's grid JSON).
+#   PART=grid-full  every op of the grid at every shape, no tests (about 110 s on the H200).
+#   PART=split-cap  the lanes kernel's one-wave split cap (single_wave_split_tokens 1536, session 37) against none,
+#       SmolLM2 B1 (the one-wave launches of the grid) at 4k / 32k / 128k and Llama B1 / 128k (unaffected), 2 rounds.
 #   PART=tests37  grid37's GPU tests alone (and tests/test_kivi_lanes_buffer.py), 12 xdist workers.
 #   PART=buffer-auto  the rule against the old fixed 16 CTAs of 32 slots ({"buffer_ctas": 16}), static KIVI-2 and
 #       LeanK-70 + KIVI-2 at the batch-1 / batch-4 reads the rule changes (and Llama B1 / 32k, which it keeps), two rounds.
@@ -62,7 +65,7 @@
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
 #       S35_MIN_LEFT seconds (default 45) left, and the parts not run are listed in $OUT/parts.txt.
 set -o pipefail
-OUT=$(realpath "${1:-out}")
+OUT=$(realpath -m "${1:-out}")
 HERE=$(cd "$(dirname "$0")" && pwd)
 if [ -n "${PARTS:-}" ]; then  # several parts in one call, in priority order, within the call's budget
   mkdir -p "$OUT"
@@ -168,12 +171,21 @@ case "${PART:-stages}" in
       "$T/test_leank_kernel.py" "$T/test_pdl.py" > "$OUT/tests_full.txt" 2>&1
     tail -5 "$OUT/tests_full.txt"; grep -c PASSED "$OUT/tests_full.txt"; grep -E "FAILED|ERROR" "$OUT/tests_full.txt" | head -30
     ;;
+  grid-full)  # every op of the grid (no tests) into grid.json
+    S34_GRID_PART=grid2 S34_GRID_OPS=kivi2,kivi4,leank50,leank70,leank70-kivi2,ds8,ds16,ds8-shared,ds16-shared,paged-dense,paged-kivi2,lowrank,none \
+      G_TIMEOUT=${G_TIMEOUT:-300} G_SECONDS=${G_SECONDS:-280} PART=grid bash "$HERE/gpu_s34_session.sh" "$OUT"
+    ;;
+  split-cap)
+    ROUNDS=2 && sweep none KVCOMPRESS_LEANK_CONFIG leank50,leank70,lowrank,none \
+      "${S35_SHAPES:-smollm2-135m:1:4k,smollm2-135m:1:32k,smollm2-135m:1:128k,llama3-8b:1:128k}" \
+      '{}' '{"single_wave_split_tokens": 0}'
+    ;;
   buffer-auto)
     ROUNDS=2 && sweep none KVCOMPRESS_KIVI_CUDA_CONFIG kivi2-static,leank70-kivi2 \
       "${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,smollm2-135m:1:4k,smollm2-135m:1:32k,smollm2-135m:4:4k}" \
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, tests37 or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, tests37 or buffer-auto" >&2
      exit 2 ;;
 esac

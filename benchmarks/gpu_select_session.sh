@@ -10,7 +10,7 @@
 # 3. the DoubleSparse rows of issue 19's grid (both head shapes, every B x ctx) with that configuration
 #    (KVCOMPRESS_DS_CONFIG).
 set -o pipefail
-OUT=$(realpath "${1:-out}"); OLD=${2:-}
+OUT=$(realpath -m "${1:-out}"); OLD=${2:-}
 source "$(dirname "$0")/gpu_ds_common.sh"  # install under /tmp/site, cd there, DS GPU tests
 date -u | tee -a "$OUT/log.txt"
 timeout 220 python "$SRC/benchmarks/gpu_select_sweep.py" --out "$OUT" ${OLD:+--old "$OLD"} --best "$OUT/best.json" \
