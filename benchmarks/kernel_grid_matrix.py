@@ -6,9 +6,9 @@ writes.  Cells below 1.0x (the op is slower than not compressing) are marked in 
 
 Files are read in the order given and a later row of the same (model, op, batch, context) replaces an earlier one,
 so measurements listed oldest first give each cell's latest measurement.  ``--sources F`` reads that list from a
-file (one JSON path per line, relative to the file's directory, ``#`` comments; ``path:key`` takes the rows under
-``key`` of a file holding several runs, e.g. a sweep's ``config_2``): ``docs/data/grid_latest.txt`` lists issue 19's
-current grid.  ``--count`` adds, per model and op, the cells below 1.0x and the source of every cell, and the
+file (one JSON path per line - or a benchutil table, ``.md``, where the JSON was lost: :func:`md_rows` - relative
+to the file's directory, ``#`` comments; ``path:key`` takes the rows under ``key`` of a file holding several runs,
+e.g. a sweep's ``config_2``): ``docs/data/grid_latest.txt`` lists issue 19's current grid.  ``--count`` adds, per model and op, the cells below 1.0x and the source of every cell, and the
 total over the grid's ops (:data:`GRID_OPS`); ``--only-grid`` drops rows of other ops (``sdpa``, variants).
 """
 
@@ -35,6 +35,8 @@ def load_rows(path: str, name: str | None = None) -> list[dict]:
     key = None
     if ":" in os.path.basename(path):
         path, key = path.rsplit(":", 1)
+    if path.endswith(".md"):
+        return [dict(r, source=name) for r in md_rows(path)]
     with open(path, encoding="utf-8") as fh:
         data = json.load(fh)
     if key is not None:
@@ -43,6 +45,24 @@ def load_rows(path: str, name: str | None = None) -> list[dict]:
         data = data[key]
     rows = data["rows"] if isinstance(data, dict) else data
     return [dict(r, source=name) for r in rows if isinstance(r, dict)]
+
+
+def md_rows(path: str) -> list[dict]:
+    """The rows of a benchutil table (``| op (impl) | model | B | ctx | latency (µs) | bytes read (MB) | TB/s | % of
+    4.3 TB/s | vs SDPA | ... |``, as benchutil prints it) where its JSON is missing: latency, bytes and speed-up as
+    printed (rounded: 0.1 µs, 0.1 MB, 0.01x)."""
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) < 9 or not cells[2].isdigit() or not cells[8].endswith("x"):
+                continue
+            ctx = cells[3]
+            rows.append(dict(op=cells[0].split(" (")[0], model=cells[1], batch=int(cells[2]),
+                             ctx=int(ctx[:-1]) * 1024 if ctx.endswith("k") else int(ctx),
+                             latency_us=float(cells[4]), bytes=float(cells[5]) * 1e6,
+                             pct_of_4p3=float(cells[7].rstrip("%")), speedup_vs_sdpa=float(cells[8][:-1])))
+    return rows
 
 
 def read_sources(listing: str) -> list[tuple[str, str]]:

@@ -56,6 +56,30 @@ def test_later_files_replace_cells_and_the_count_follows(tmp_path):
     assert _run(old, new, "--metric", "us").count("7.0") == 1
 
 
+def test_a_printed_table_stands_in_for_a_lost_json(tmp_path):
+    """A benchutil table (``.md``) is read as rows: op without its implementation, context in tokens, the printed
+    latency and speed-up; other lines (headers, timestamps, log text) are skipped; it replaces older cells as a JSON
+    does."""
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"rows": [_row("none", 1, 4096, 0.8), _row("lowrank", 4, 32768, 1.5)]}))
+    table = tmp_path / "grid_log.md"
+    table.write_text("Sat Dec  5 11:36:29 AM UTC 2026\n"
+                     "| op | model | B | ctx | latency (µs) | bytes read (MB) | TB/s | % of 4.3 TB/s | vs SDPA | vs ref |\n"
+                     "|---|---|---|---|---|---|---|---|---|---|\n"
+                     "| sdpa | llama3-8b | 1 | 4k | 18.7 | 16.8 | 0.90 | 21% | 1.00x | n/a |\n"
+                     "| none (lanes:triton) | llama3-8b | 1 | 4k | 13.0 | 16.8 | 1.30 | 30% | 1.44x | n/a |\n"
+                     "| lowrank (lanes:triton) | llama3-8b | 4 | 32k | 120.0 | 1.0 | 1.00 | 23% | 0.96x | n/a |\n"
+                     "[benchutil 39.2 s] none llama3-8b B1 4k: 13.0 us\n")
+    listing = tmp_path / "sources.txt"
+    listing.write_text("old.json\ngrid_log.md\n")
+    out = _run("--sources", listing, "--count", "--only-grid")
+    assert re.search(r"\| none \| 1\.44 \| - \|", out)  # (B1/4k, B4/32k)
+    assert re.search(r"\| lowrank \| - \| \*\*0\.96\*\* \|", out)
+    assert "**1 of 2 cells below 1.0x.**" in out
+    assert re.search(r"\| llama3-8b \| lowrank \| 1 \| 1 \| grid_log\.md \(1\) \|", out)
+    assert _run(table, "--metric", "us").count("120.0") == 1
+
+
 def test_a_missing_key_is_a_clear_error(tmp_path):
     f = tmp_path / "sweep.json"
     f.write_text(json.dumps({"config_1": {"rows": []}}))
