@@ -53,6 +53,9 @@
 #   PART=grid-full  every op of the grid at every shape, no tests (about 110 s on the H200).
 #   PART=split-cap  the lanes kernel's one-wave split cap (single_wave_split_tokens 1536, session 37) against none,
 #       SmolLM2 B1 (the one-wave launches of the grid) at 4k / 32k / 128k and Llama B1 / 128k (unaffected), 2 rounds.
+#   PART=paged-late  the paged kernel with its K copies masked by the page, not the slots' valid flags (opt-in
+#       valid_late, session 37: in the sm_90 TTGIR the flags' synchronous load sat before both copies of each
+#       prefetched step) against the default, the 9 paged-dense reads below 1.0x and Llama B1 / 32k, two rounds.
 #   PART=tests37  grid37's GPU tests alone (and tests/test_kivi_lanes_buffer.py), 12 xdist workers.
 #   PART=buffer-auto  the rule against the old fixed 16 CTAs of 32 slots ({"buffer_ctas": 16}), static KIVI-2 and
 #       LeanK-70 + KIVI-2 at the batch-1 / batch-4 reads the rule changes (and Llama B1 / 32k, which it keeps), two rounds.
@@ -180,12 +183,17 @@ case "${PART:-stages}" in
       "${S35_SHAPES:-smollm2-135m:1:4k,smollm2-135m:1:32k,smollm2-135m:1:128k,llama3-8b:1:128k}" \
       '{}' '{"single_wave_split_tokens": 0}'
     ;;
+  paged-late)  # the paged kernel's GPU tests first (valid_late cases included)
+    ROUNDS=2 && sweep tests/test_paged_kernel.py KVCOMPRESS_PAGED_CONFIG paged-dense \
+      "${S35_SHAPES:-llama3-8b:1:32k,llama3-8b:4:128k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:16:128k,llama3-8b:64:32k,smollm2-135m:16:32k,smollm2-135m:64:4k,smollm2-135m:64:32k}" \
+      '{}' '{"valid_late": true}'
+    ;;
   buffer-auto)
     ROUNDS=2 && sweep none KVCOMPRESS_KIVI_CUDA_CONFIG kivi2-static,leank70-kivi2 \
       "${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,smollm2-135m:1:4k,smollm2-135m:1:32k,smollm2-135m:4:4k}" \
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, tests37 or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, tests37 or buffer-auto" >&2
      exit 2 ;;
 esac

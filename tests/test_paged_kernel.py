@@ -45,6 +45,16 @@ CASES = {
                            {"splits": 2, "short_row": 3, "dead_row": 2, "poison": True,
                             "base": {"pages_per_step": 2, "num_warps": 4, "num_stages": 2, "waves": 1,
                                      "table_steps": 4}}),
+    # valid_late: the K copies masked by the page only - NaN keys and inf values in dead slots, a dead and a short
+    # row, with and without page ids a block at a time
+    "b3-p16-valid-late-poisoned": (3, 2, 4, 64, 64, 16, 60, 17, "float16",
+                                   {"splits": 2, "short_row": 3, "dead_row": 2, "poison": True,
+                                    "base": {"pages_per_step": 2, "num_warps": 4, "num_stages": 2, "waves": 1,
+                                             "table_steps": 4, "valid_late": True}}),
+    "b2-p16-valid-late-poisoned-step-loop": (2, 2, 4, 64, 64, 16, 20, 9, "float16",
+                                             {"poison": True, "splits": 2,
+                                              "base": {"num_warps": 4, "num_stages": 2, "waves": 1, "table_steps": 0,
+                                                       "valid_late": True}}),
 }
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3
 
@@ -186,7 +196,8 @@ def test_launch_config_reads_the_environment_once_through_ops(monkeypatch):
     from kvcompress.kernels import ops
     from kvcompress.kernels.paged import triton_kernel
 
-    default = {"pages_per_step": None, "num_warps": 4, "num_stages": None, "waves": 1, "table_steps": 16, "pdl": False}
+    default = {"pages_per_step": None, "num_warps": 4, "num_stages": None, "waves": 1, "table_steps": 16, "pdl": False,
+               "valid_late": False}
     assert triton_kernel._config() == default
     monkeypatch.setenv("KVCOMPRESS_PAGED_CONFIG", '{"num_stages": 3, "pages_per_step": 8}')
     assert triton_kernel._config() == {**default, "pages_per_step": 8, "num_stages": 3}

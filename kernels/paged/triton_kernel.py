@@ -43,16 +43,22 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _page_step(q, page, wi, slot, n_live, k_head, v_head, VALID, m_i, l_i, acc, offs_dk, offs_dv, dk_ok, dv_ok,
                cap, sk_p, sk_t, sv_p, sv_t, sva_p, P: tl.constexpr, IEEE: tl.constexpr, HAS_LENGTH: tl.constexpr,
-               SOFTCAP: tl.constexpr):
+               SOFTCAP: tl.constexpr, LATE: tl.constexpr = False):
     """One step of the split loop: the ``[BN]`` token slots of block-table positions ``wi`` (page ids ``page``,
-    ``-1`` for none) folded into the online softmax ``(m_i, l_i, acc)``."""
+    ``-1`` for none) folded into the online softmax ``(m_i, l_i, acc)``.  ``LATE`` (``valid_late``, opt-in): the K
+    copy is masked by the page alone, not by the slots' valid flags - the dead slots' scores (NaN included) are
+    masked after the product - so the pipeline issues the K copy of a step ahead without waiting for that step's
+    flags, a byte a slot loaded synchronously (sm_90 TTGIR, Triton 3.6: the flags' load sat before both copies).  V
+    stays masked by the flags (a dead slot may hold inf; zeroing the V tile in registers instead sent it through
+    shared memory twice: 150 registers and 88 KB against 108 and 72 KB, offline)."""
     p_ok = page >= 0
     if HAS_LENGTH:
         p_ok = p_ok & (wi * P + slot < n_live)
     page = tl.where(p_ok, page, 0).to(tl.int64)
     ok = p_ok & (tl.load(VALID + page * sva_p + slot, mask=p_ok, other=0) != 0)
+    k_mask = p_ok if LATE else ok
     k = tl.load(k_head + page[:, None] * sk_p + slot[:, None] * sk_t + offs_dk[None, :],
-                mask=ok[:, None] & dk_ok[None, :], other=0.0)  # [BN, DK_PAD]
+                mask=k_mask[:, None] & dk_ok[None, :], other=0.0)  # [BN, DK_PAD]
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -89,7 +95,7 @@ def _paged_split_kernel(
     sl_s, sl_b, sl_h,
     DK: tl.constexpr, DK_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
     P: tl.constexpr, NBP: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr, HAS_LENGTH: tl.constexpr,
-    SOFTCAP: tl.constexpr, TSTEPS: tl.constexpr, PDL: tl.constexpr = False,
+    SOFTCAP: tl.constexpr, TSTEPS: tl.constexpr, PDL: tl.constexpr = False, LATE: tl.constexpr = False,
 ):
     BN: tl.constexpr = NBP * P
     pdl_trigger(PDL)  # the split merge (launched with PDL) may start once every program has started
@@ -138,14 +144,14 @@ def _paged_split_kernel(
                 idx = s0 + page_local
                 m_i, l_i, acc = _page_step(q, tl.gather(blk, idx, 0), b0 + idx, slot, n_live, k_head, v_head, VALID,
                                            m_i, l_i, acc, offs_dk, offs_dv, dk_ok, dv_ok, cap, sk_p, sk_t, sv_p,
-                                           sv_t, sva_p, P, IEEE, HAS_LENGTH, SOFTCAP)
+                                           sv_t, sva_p, P, IEEE, HAS_LENGTH, SOFTCAP, LATE)
     else:
         for w0 in range(w_start, w_end, NBP):
             wi = w0 + page_local
             page = tl.load(table_row + wi, mask=wi < w_end, other=-1)
             m_i, l_i, acc = _page_step(q, page, wi, slot, n_live, k_head, v_head, VALID, m_i, l_i, acc, offs_dk,
                                        offs_dv, dk_ok, dv_ok, cap, sk_p, sk_t, sv_p, sv_t, sva_p, P, IEEE,
-                                       HAS_LENGTH, SOFTCAP)
+                                       HAS_LENGTH, SOFTCAP, LATE)
 
     l_ok = l_i > 0.0
     out = acc / tl.where(l_ok, l_i, 1.0)[:, None]
@@ -188,8 +194,10 @@ def _config() -> dict:
     least twice, else 2 (H200, session 27: table_steps 16 with 3 stages 1.04-1.13x faster than the old loop at Llama
     B1-B16 and SmolLM2 B16-B64, 0.78x at Llama B64/32k - one split per row - where 2 stages keep 4 programs per SM).
     ``pdl`` (opt-in, not yet timed): the split merge is launched with programmatic dependent launch on Hopper
-    (:func:`~kvcompress.kernels.attention.triton_shared.use_pdl`)."""
-    cfg = dict(pages_per_step=None, num_warps=4, num_stages=None, waves=1, table_steps=16, pdl=False)
+    (:func:`~kvcompress.kernels.attention.triton_shared.use_pdl`).  ``valid_late`` (opt-in, session 37, not yet
+    timed): the K copies masked by the page, not the slots' flags (:func:`_page_step`)."""
+    cfg = dict(pages_per_step=None, num_warps=4, num_stages=None, waves=1, table_steps=16, pdl=False,
+               valid_late=False)
     env = os.environ.get("KVCOMPRESS_PAGED_CONFIG")
     if env:
         cfg.update(json.loads(env))
@@ -255,7 +263,8 @@ def _forward(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     m_blocks = triton.cdiv(m, block_m)
     consts = dict(DK=dk, DK_PAD=max(16, _pow2(dk)), DV=dv, DV_PAD=max(16, _pow2(dv)), P=p, NBP=nbp, BLOCK_M=block_m,
                   IEEE=k.dtype == torch.float32, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
-                  TSTEPS=int(cfg.get("table_steps") or 0), PDL=use_pdl(cfg.get("pdl"), dev))
+                  TSTEPS=int(cfg.get("table_steps") or 0), PDL=use_pdl(cfg.get("pdl"), dev),
+                  LATE=bool(cfg.get("valid_late")))
     warps = int(cfg["num_warps"])
     stage_choice = (int(cfg["num_stages"]),) if cfg.get("num_stages") else (3, 2)
     stages = stage_choice[0]
