@@ -56,6 +56,10 @@
 #   PART=paged-late  the paged kernel with its K copies masked by the page, not the slots' valid flags (opt-in
 #       valid_late, session 37: in the sm_90 TTGIR the flags' synchronous load sat before both copies of each
 #       prefetched step) against the default, the 9 paged-dense reads below 1.0x and Llama B1 / 32k, two rounds.
+#   PART=ds-steps  the DoubleSparse gathers with their indices loaded several steps at a time (opt-in index_steps,
+#       session 37: without it each step waits for every copy in flight, sm_90 TTGIR) against the default, and with
+#       64 indices a step in the group-shared gather (the same 71680 B of shared memory as the default's 128 - with
+#       128 a step and index_steps the three stages really buffer: 139264 B, one program per SM), B4-B64, two rounds.
 #   PART=tests37  grid37's GPU tests alone (and tests/test_kivi_lanes_buffer.py), 12 xdist workers.
 #   PART=buffer-auto  the rule against the old fixed 16 CTAs of 32 slots ({"buffer_ctas": 16}), static KIVI-2 and
 #       LeanK-70 + KIVI-2 at the batch-1 / batch-4 reads the rule changes (and Llama B1 / 32k, which it keeps), two rounds.
@@ -188,12 +192,18 @@ case "${PART:-stages}" in
       "${S35_SHAPES:-llama3-8b:1:32k,llama3-8b:4:128k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:16:128k,llama3-8b:64:32k,smollm2-135m:16:32k,smollm2-135m:64:4k,smollm2-135m:64:32k}" \
       '{}' '{"valid_late": true}'
     ;;
+  ds-steps)  # the DoubleSparse GPU tests first (the gathers with index_steps 4 against the reference), 400 s cold
+    PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-400} PS_XDIST=${PS_XDIST:-8} ROUNDS=2 && sweep tests/test_doublesparse_kernel.py \
+      KVCOMPRESS_DS_CONFIG ds8,ds16,ds16-shared \
+      "${S35_SHAPES:-llama3-8b:4:32k,llama3-8b:16:32k,llama3-8b:64:32k,smollm2-135m:16:32k,smollm2-135m:64:32k}" \
+      '{}' '{"index_steps": 4}' '{"index_steps": 8, "shared_block_k": 64}'
+    ;;
   buffer-auto)
     ROUNDS=2 && sweep none KVCOMPRESS_KIVI_CUDA_CONFIG kivi2-static,leank70-kivi2 \
       "${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,smollm2-135m:1:4k,smollm2-135m:1:32k,smollm2-135m:4:4k}" \
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, tests37 or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37 or buffer-auto" >&2
      exit 2 ;;
 esac

@@ -8,8 +8,9 @@ Files are read in the order given and a later row of the same (model, op, batch,
 so measurements listed oldest first give each cell's latest measurement.  ``--sources F`` reads that list from a
 file (one JSON path per line - or a benchutil table, ``.md``, where the JSON was lost: :func:`md_rows` - relative
 to the file's directory, ``#`` comments; ``path:key`` takes the rows under ``key`` of a file holding several runs,
-e.g. a sweep's ``config_2``): ``docs/data/grid_latest.txt`` lists issue 19's current grid.  ``--count`` adds, per model and op, the cells below 1.0x and the source of every cell, and the
-total over the grid's ops (:data:`GRID_OPS`); ``--only-grid`` drops rows of other ops (``sdpa``, variants).
+e.g. a sweep's ``config_2``): ``docs/data/grid_latest.txt`` lists issue 19's current grid.  ``--count`` adds, per
+model and op, the cells below 1.0x and the source of every cell, and the total over the grid's ops
+(:data:`GRID_OPS`); ``--only-grid`` drops rows of other ops (``sdpa``, variants).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ present, the ``gpu``-marked tests run the same cases natively.  Shapes are small
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -299,12 +300,17 @@ def run_gather_case(name: str, device: str = "cpu") -> dict:
     fin = torch.isfinite(r_lse)
     # per-row selections on CUDA cores (GATHER_CONFIG rows_dot off; the default reads them on tensor cores): the
     # same checks
+    def close(o, l):  # the checks below, in one flag
+        return bool(torch.allclose(o, r_out, atol=ATOL, rtol=RTOL)) and bool(torch.equal(torch.isfinite(l), fin)) and (
+            not bool(fin.any()) or float((l[fin] - r_lse[fin]).abs().max()) <= LSE_ATOL) and bool((o[~fin] == 0).all())
+
     d_out, d_lse = triton_kernel.gather_partial_attention(q, k, v, valid, index, scale, splits=extra.get("splits"),
                                                           block_k=16, config={"rows_dot": False})
+    # index_steps: the tensor-core gathers' indices loaded 4 steps at a time (64 of 16 a step: whole and cut blocks)
+    s_out, s_lse = triton_kernel.gather_partial_attention(q, k, v, valid, index, scale, splits=extra.get("splits"),
+                                                          block_k=16, config={"index_steps": 4})
     return {"shape": list(out.shape), "same_inf": bool(torch.equal(torch.isfinite(lse), fin)),
-            "dot_ok": bool(torch.allclose(d_out, r_out, atol=ATOL, rtol=RTOL)) and bool(
-                torch.equal(torch.isfinite(d_lse), fin)) and (not bool(fin.any()) or float(
-                    (d_lse[fin] - r_lse[fin]).abs().max()) <= LSE_ATOL) and bool((d_out[~fin] == 0).all()),
+            "dot_ok": close(d_out, d_lse), "steps_ok": close(s_out, s_lse),
             "out_err": float((out - r_out).abs().max()),
             "out_ok": bool(torch.allclose(out, r_out, atol=ATOL, rtol=RTOL)),
             "lse_err": float((lse[fin] - r_lse[fin]).abs().max()) if bool(fin.any()) else 0.0,
@@ -453,6 +459,7 @@ def _check_gather(res: dict, name: str) -> None:
         assert res["any_dead"]
     assert res["shared_kernel"] == bool(GATHER_CASES[name][-1].get("shared"))
     assert res["dot_ok"], "the CUDA-core per-row gather (rows_dot off) against the reference"
+    assert res["steps_ok"], "the tensor-core gathers with index_steps 4 against the reference"
 
 
 @pytest.mark.parametrize("name", list(SCORE_CASES))
@@ -698,6 +705,14 @@ def test_ds_config_from_the_environment(monkeypatch):
         tk._env_config.cache_clear()
         with pytest.raises(ValueError, match="chunk_tokns.*min_per_split"):
             tk._select_base()
+        monkeypatch.delenv("KVCOMPRESS_DS_CONFIG")
+        tk._env_config.cache_clear()
+        q = torch.zeros(1, 1, 2, 16)
+        for bad in (3, -2, 1.5, True):  # index_steps: 0 or a power of two (the kernel's block of indices)
+            with pytest.raises(ValueError, match=r"index_steps must be 0 or a power of two, got " +
+                               re.escape(repr(bad))):
+                tk.gather_partial_attention(q, q, q, None, torch.zeros(1, 1, 2, 4, dtype=torch.long), 1.0,
+                                            config={"index_steps": bad})
     finally:
         tk._env_config.cache_clear()
 

@@ -121,7 +121,8 @@ def test_buffer_settings_choose_the_one_launch_read(monkeypatch):
     with pytest.raises(ValueError, match="buffer_tokens"):
         ck.buffer_plan(160, 0)
     for bad in (0, -3, 2.5, True):
-        with pytest.raises(ValueError, match=r"KVCOMPRESS_KIVI_CUDA_CONFIG: buffer_ctas must be \"auto\" or an integer >= 1, "
+        with pytest.raises(ValueError, match=r"KVCOMPRESS_KIVI_CUDA_CONFIG: buffer_ctas must be \"auto\" or an "
+                                             r"integer >= 1, "
                                              r"got " + re.escape(repr(bad))):
             ck.buffer_plan(160, 32, bad)
     monkeypatch.setattr(ck, "_BUFFER_SETTINGS", {})  # (read_buffer_settings below writes it)

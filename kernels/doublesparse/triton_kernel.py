@@ -714,38 +714,70 @@ def _gather_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_h, sv_t
 
 
 @triton.jit
+def _dot_gather_step(q, k_base, sk_t, v_base, sv_t, idx, ok, qk_scale, cap, offs_d, d_ok, offs_v, v_ok, m_i, l_i,
+                     acc, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One step of :func:`_dot_gather`: the K / V rows of token indices ``idx`` (``ok``: which may be read) folded into
+    the online softmax ``(acc, m_i, l_i)``."""
+    kt = tl.load(k_base + idx[:, None] * sk_t + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+    if IEEE:
+        s = tl.dot(q.to(kt.dtype), tl.trans(kt), input_precision="ieee")
+    else:
+        s = tl.dot(q.to(kt.dtype), tl.trans(kt))
+    s = s * qk_scale
+    if SOFTCAP:
+        s = soft_cap(s, cap)
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    vt = tl.load(v_base + idx[:, None] * sv_t + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
+    if IEEE:
+        pv = tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(vt.dtype), vt)
+    acc = acc * alpha[:, None] + pv
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _dot_gather(q, k_base, sk_t, v_base, sv_t, i_base, VA, b, sva_b, start, end, qk_scale, cap, offs_d, d_ok, offs_v,
                 v_ok, MP: tl.constexpr, DVP: tl.constexpr, HAS_VALID: tl.constexpr, BK: tl.constexpr,
-                IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
+                IEEE: tl.constexpr, SOFTCAP: tl.constexpr, ISTEPS: tl.constexpr = 0):
     """Flash decoding of the ``[MP, D]`` query rows ``q`` over selected indices ``start .. end`` of one list, ``BK``
     per step, both products on tensor cores: ``(acc, m, l)`` (base 2).  The K / V rows are gathered with per-row
-    addresses that depend only on the index list, so Triton's pipeliner copies them ahead (``cp.async``)."""
+    addresses that depend only on the index list, so Triton's pipeliner copies them ahead (``cp.async``).
+
+    ``ISTEPS`` > 1 (``index_steps``, opt-in): the indices of that many steps loaded at once (one plain load), the
+    steps taking theirs from registers.  Without it the pipeliner copies each step's indices ahead too, but commits
+    that copy after the K / V copies it prefetches, and the next addresses need it: every step opens with a wait for
+    all copies in flight (sm_90 TTGIR, Triton 3.6: ``ttg.async_wait {num = 0}``), so the K / V copies of the next
+    step never overlap this step's products.  With the indices in registers the steps' copies wait on no index copy
+    (as the paged kernel's ``table_steps``)."""
     m_i = tl.full([MP], float("-inf"), tl.float32)
     l_i = tl.zeros([MP], tl.float32)
     acc = tl.zeros([MP, DVP], tl.float32)
-    for k0 in range(start, end, BK):
-        idx, ok = _selected(i_base, VA, b, sva_b, k0, end, BK, HAS_VALID)
-        kt = tl.load(k_base + idx[:, None] * sk_t + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q.to(kt.dtype), tl.trans(kt), input_precision="ieee")
-        else:
-            s = tl.dot(q.to(kt.dtype), tl.trans(kt))
-        s = s * qk_scale
-        if SOFTCAP:
-            s = soft_cap(s, cap)
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        vt = tl.load(v_base + idx[:, None] * sv_t + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
-        if IEEE:
-            pv = tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(vt.dtype), vt)
-        acc = acc * alpha[:, None] + pv
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+    if ISTEPS > 1:
+        TB: tl.constexpr = ISTEPS * BK
+        tb_local = tl.arange(0, TB)
+        loc = tl.arange(0, BK)
+        for b0 in range(start, end, TB):
+            wb = b0 + tb_local
+            blk = tl.load(i_base + wb, mask=wb < end, other=0)
+            for s0 in range(0, tl.minimum(TB, end - b0), BK):
+                offs_k = b0 + s0 + loc
+                ok = offs_k < end
+                idx = tl.gather(blk, s0 + loc, 0).to(tl.int64)
+                if HAS_VALID:
+                    ok = ok & (tl.load(VA + b * sva_b + idx, mask=ok, other=0) != 0)
+                acc, m_i, l_i = _dot_gather_step(q, k_base, sk_t, v_base, sv_t, idx, ok, qk_scale, cap, offs_d, d_ok,
+                                                 offs_v, v_ok, m_i, l_i, acc, IEEE, SOFTCAP)
+    else:
+        for k0 in range(start, end, BK):
+            idx, ok = _selected(i_base, VA, b, sva_b, k0, end, BK, HAS_VALID)
+            acc, m_i, l_i = _dot_gather_step(q, k_base, sk_t, v_base, sv_t, idx, ok, qk_scale, cap, offs_d, d_ok,
+                                             offs_v, v_ok, m_i, l_i, acc, IEEE, SOFTCAP)
     return acc, m_i, l_i
 
 
@@ -754,7 +786,7 @@ def _gather_shared_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_
                           IDX, si_b, si_h, PO, PL, HKV, M, NK, per_split, qk_scale, cap,
                           MP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
                           HAS_VALID: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          PDL: tl.constexpr = False, ISTEPS: tl.constexpr = 0):
     """All ``M`` query rows of one kv head over one split of their *shared* selected indices: each K/V row
     is gathered once for the group and both products run on tensor cores (rows padded to ``MP``).  ``PDL``: as
     :func:`_gather_kernel`'s."""
@@ -776,7 +808,7 @@ def _gather_shared_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_
     end = tl.minimum(start + per_split, NK)
     acc, m_i, l_i = _dot_gather(q, K + b * sk_b + h * sk_h, sk_t, V + b * sv_b + h * sv_h, sv_t,
                                 IDX + b * si_b + h * si_h, VA, b, sva_b, start, end, qk_scale, cap, offs_d, d_ok,
-                                offs_v, v_ok, MP, DVP, HAS_VALID, BK, IEEE, SOFTCAP)
+                                offs_v, v_ok, MP, DVP, HAS_VALID, BK, IEEE, SOFTCAP, ISTEPS)
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -791,7 +823,7 @@ def _gather_rows_dot_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, s
                             IDX, si_b, si_h, si_m, PO, PL, HKV, M, NK, per_split, qk_scale, cap,
                             D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
                             HAS_VALID: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr,
-                            PDL: tl.constexpr = False):
+                            PDL: tl.constexpr = False, ISTEPS: tl.constexpr = 0):
     """:func:`_gather_kernel` (one query row, its own indices) on tensor cores: the row is row 0 of a 16-row tile
     (the rest zero and never stored), so the gathered K / V rows take the pipelined ``cp.async`` path of
     :func:`_dot_gather` instead of the per-row kernel's synchronous index -> K -> V loads.  ``PDL``: as
@@ -815,7 +847,7 @@ def _gather_rows_dot_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, s
     end = tl.minimum(start + per_split, NK)
     acc, m_i, l_i = _dot_gather(q, K + b * sk_b + h * sk_h, sk_t, V + b * sv_b + h * sv_h, sv_t,
                                 IDX + b * si_b + h * si_h + m * si_m, VA, b, sva_b, start, end, qk_scale, cap,
-                                offs_d, d_ok, offs_v, v_ok, 16, DVP, HAS_VALID, BK, IEEE, SOFTCAP)
+                                offs_d, d_ok, offs_v, v_ok, 16, DVP, HAS_VALID, BK, IEEE, SOFTCAP, ISTEPS)
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -851,8 +883,10 @@ def supports_gather(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
 # instead of _gather_kernel (CUDA cores, synchronous index -> K -> V loads).  Session 28 (gpu_paged_sweep.sh with
 # PS_VAR=KVCOMPRESS_DS_CONFIG, 8 shapes, ds8 / ds16): with 2 warps within 0.7% or faster at every shape, up to 1.38x
 # (SmolLM2 B16/32k ds8 217.7 -> 157.3 us); 4 warps or 4 stages or 32 indices per step no better
+# index_steps (opt-in, session 37, not yet timed): > 1 loads the indices of that many steps at once, the tensor-core
+# gathers' steps taking theirs from registers (_dot_gather: without it each step waits for every copy in flight)
 GATHER_CONFIG = dict(block_k=64, programs_per_sm=None, num_warps=2, num_stages=3, shared_warps=4, shared_block_k=128,
-                     shared_programs_per_sm=4, min_per_split=64, rows_dot=True, pdl="auto")
+                     shared_programs_per_sm=4, min_per_split=64, rows_dot=True, pdl="auto", index_steps=0)
 
 
 def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
@@ -868,6 +902,9 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
     cfg = {**GATHER_CONFIG, **{k: v for k, v in _env_config().items() if k in GATHER_CONFIG}, **(config or {})}
     if not supports_gather(query, k, v, index):
         raise ValueError("gather_partial_attention: unsupported arguments (see supports_gather)")
+    steps = cfg["index_steps"] or 0
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0 or steps & (steps - 1):
+        raise ValueError(f"KVCOMPRESS_DS_CONFIG: index_steps must be 0 or a power of two, got {steps!r}")
     b, h, m, d = query.shape
     nk = index.shape[-1]
     dv = v.shape[-1]
@@ -904,11 +941,13 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
             index, index.stride(0), index.stride(1), po, pl, h, m, nk, per_split, scale * 1.4426950408889634,
             cap_base2(softcap), MP=max(16, pow2(m)), D=d, DP=max(16, pow2(d)), DV=dv, DVP=max(16, pow2(dv)),
             HAS_VALID=valid is not None, BK=block_k, IEEE=k.dtype == torch.float32, SOFTCAP=bool(softcap),
-            PDL=pdl, num_warps=int(cfg["shared_warps"]), num_stages=int(cfg["num_stages"]), **pdl_launch(pdl))
+            PDL=pdl, ISTEPS=steps, num_warps=int(cfg["shared_warps"]),
+            num_stages=int(cfg["num_stages"]), **pdl_launch(pdl))
     else:  # per-row selections: on tensor cores (rows_dot) or CUDA cores, the same arguments
         if cfg["rows_dot"]:
             kernel = _gather_rows_dot_kernel
-            extra = dict(IEEE=k.dtype == torch.float32, num_warps=int(cfg["num_warps"]))
+            extra = dict(IEEE=k.dtype == torch.float32, num_warps=int(cfg["num_warps"]),
+                         ISTEPS=steps)
         else:
             kernel, extra = _gather_kernel, dict(num_warps=int(cfg["num_warps"]))
         kernel[(rows, splits)](

@@ -170,8 +170,8 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # (:func:`buffer_plan`; fewer, longer buffer CTAs when larger), at most buffer_ctas of them per (batch, head, row
 # block) - LeanK + KIVI's buffer of about 1k slots gets 16 CTAs of 64 (a sweep knob, session 35; "auto", the default
 # since session 37, :func:`buffer_launch`: more and shorter CTAs where the launch has few rows and a short region, so
-# the buffer CTAs, a latency-bound chain, stop being the launch's longest); 0: no one-launch read - the buffer and the region are
-# read apart (PackedKV.attention_partial_with_buffer returns None), for A/B timing.  buffer_rows / buffer_work: the
+# the buffer CTAs, a latency-bound chain, stop being the launch's longest); 0: no one-launch read - the buffer and
+# the region are read apart (PackedKV.attention_partial_with_buffer returns None), for A/B timing.  buffer_rows / buffer_work: the
 # one-launch read only for at most buffer_rows rows (batch x kv heads x row blocks), or at most buffer_work rows x
 # region slots (:func:`fuses_buffer`).  These three are read when a cache chooses the CUDA kernel
 # (:func:`read_buffer_settings`), not per call.  A small read is latency-bound and saves a launch and a merge; a large one is
