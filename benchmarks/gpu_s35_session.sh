@@ -193,7 +193,8 @@ case "${PART:-stages}" in
       '{}' '{"valid_late": true}'
     ;;
   ds-steps)  # the DoubleSparse GPU tests first (the gathers with index_steps 4 against the reference), 400 s cold
-    PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-400} PS_XDIST=${PS_XDIST:-8} ROUNDS=2 && sweep tests/test_doublesparse_kernel.py \
+    export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-400} PS_XDIST=${PS_XDIST:-8}
+    ROUNDS=2 && sweep tests/test_doublesparse_kernel.py \
       KVCOMPRESS_DS_CONFIG ds8,ds16,ds16-shared \
       "${S35_SHAPES:-llama3-8b:4:32k,llama3-8b:16:32k,llama3-8b:64:32k,smollm2-135m:16:32k,smollm2-135m:64:32k}" \
       '{}' '{"index_steps": 4}' '{"index_steps": 8, "shared_block_k": 64}'
