@@ -67,6 +67,9 @@
 # (docs/results.md "Session 36"; valid_ahead is now the default).  Left, in this order: PART=grid on an H200 (the
 # grid's lanes rows with valid_ahead and the new buffer CTAs, for docs/data/grid_latest.txt), buffer-rule,
 # paged-shapes, warp-groups, occupancy, splits; and a buffer_ctas rule (more CTAs where the buffer has few rows).
+# Session 37 (H200) ran buffer-auto, grid37, paged-shapes, buffer-rule, warp-groups, grid-full and splits
+# (docs/results.md "Session 37").  Left, in this order: PARTS="paged-late ds-steps split-cap" (opt-in valid_late and
+# index_steps, the one-wave split cap, each against the default), then grid-full on an H200 with whatever won.
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
