@@ -55,7 +55,9 @@
 #       SmolLM2 B1 (the one-wave launches of the grid) at 4k / 32k / 128k and Llama B1 / 128k (unaffected), 2 rounds.
 #   PART=paged-late  the paged kernel with its K copies masked by the page, not the slots' valid flags (opt-in
 #       valid_late, session 37: in the sm_90 TTGIR the flags' synchronous load sat before both copies of each
-#       prefetched step) against the default, the 9 paged-dense reads below 1.0x and Llama B1 / 32k, two rounds.
+#       prefetched step), and with the flags of a block of steps loaded with its page ids (opt-in valid_block: no
+#       load left in the steps; 168 registers against 110), against the default, the 9 paged-dense reads below 1.0x
+#       and Llama B1 / 32k, two rounds.
 #   PART=ds-steps  the DoubleSparse gathers with their indices loaded several steps at a time (opt-in index_steps,
 #       session 37: without it each step waits for every copy in flight, sm_90 TTGIR) against the default, and with
 #       64 indices a step in the group-shared gather (the same 71680 B of shared memory as the default's 128 - with
@@ -193,7 +195,7 @@ case "${PART:-stages}" in
   paged-late)  # the paged kernel's GPU tests first (valid_late cases included)
     ROUNDS=2 && sweep tests/test_paged_kernel.py KVCOMPRESS_PAGED_CONFIG paged-dense \
       "${S35_SHAPES:-llama3-8b:1:32k,llama3-8b:4:128k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:16:128k,llama3-8b:64:32k,smollm2-135m:16:32k,smollm2-135m:64:4k,smollm2-135m:64:32k}" \
-      '{}' '{"valid_late": true}'
+      '{}' '{"valid_late": true}' '{"valid_block": true}'
     ;;
   ds-steps)  # the DoubleSparse GPU tests first (the gathers with index_steps 4 against the reference), 400 s cold
     export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-400} PS_XDIST=${PS_XDIST:-8}

@@ -55,6 +55,23 @@ CASES = {
                                              {"poison": True, "splits": 2,
                                               "base": {"num_warps": 4, "num_stages": 2, "waves": 1, "table_steps": 0,
                                                        "valid_late": True}}),
+    # valid_block: the flags of a block of steps loaded with its page ids (whole and cut blocks, poison, a dead and a
+    # short row; with and without valid_late)
+    "b3-p16-valid-block-poisoned": (3, 2, 4, 64, 64, 16, 60, 17, "float16",
+                                    {"splits": 2, "short_row": 3, "dead_row": 2, "poison": True,
+                                     "base": {"pages_per_step": 2, "num_warps": 4, "num_stages": 2, "waves": 1,
+                                              "table_steps": 4, "valid_block": True}}),
+    "b3-p16-valid-block-late-poisoned": (3, 2, 4, 64, 64, 16, 60, 17, "float16",
+                                         {"splits": 3, "short_row": 3, "dead_row": 2, "poison": True,
+                                          "base": {"pages_per_step": 1, "num_warps": 4, "num_stages": 2, "waves": 1,
+                                                   "table_steps": 8, "valid_block": True, "valid_late": True}}),
+    # a live length mid-page (slots after it dead, their pages not read): the step loop and valid_block's flags
+    "b3-p16-length-mid-page": (3, 2, 4, 64, 64, 16, 60, 17, "float16",
+                               {"splits": 2, "poison": True, "length": 203}),
+    "b3-p16-length-valid-block": (3, 2, 4, 64, 64, 16, 60, 17, "float16",
+                                  {"splits": 2, "poison": True, "length": 203,
+                                   "base": {"pages_per_step": 2, "num_warps": 4, "num_stages": 2, "waves": 1,
+                                            "table_steps": 4, "valid_block": True}}),
 }
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3
 
@@ -119,11 +136,13 @@ def run_case(name: str, device: str = "cpu") -> dict:
 
     (q, k, v, valid, table), extra = make_case(name, device)
     scale = q.shape[-1] ** -0.5
+    length = torch.tensor(extra["length"], device=device) if "length" in extra else None  # live slots (a device int)
     out, lse = triton_kernel._forward(q, k, v, valid, table, scale, splits=extra.get("splits"),
-                                      pages_per_step=extra.get("pages_per_step"), base=extra.get("base"))
+                                      pages_per_step=extra.get("pages_per_step"), base=extra.get("base"),
+                                      length=length)
     if extra.get("poison"):  # the oracle reads the pool as it was before its dead slots were poisoned
         k, v = (x.to(device) for x in extra["clean"])
-    ref_out, ref_lse = paged_attention_partial(q, k, v, valid, table, scale)
+    ref_out, ref_lse = paged_attention_partial(q, k, v, valid, table, scale, length=length)
     finite = torch.isfinite(ref_lse)
     return {
         "shape_out": list(out.shape), "dtype_out": str(out.dtype), "dtype_lse": str(lse.dtype),
@@ -197,7 +216,7 @@ def test_launch_config_reads_the_environment_once_through_ops(monkeypatch):
     from kvcompress.kernels.paged import triton_kernel
 
     default = {"pages_per_step": None, "num_warps": 4, "num_stages": None, "waves": 1, "table_steps": 16, "pdl": False,
-               "valid_late": False}
+               "valid_late": False, "valid_block": False}
     assert triton_kernel._config() == default
     monkeypatch.setenv("KVCOMPRESS_PAGED_CONFIG", '{"num_stages": 3, "pages_per_step": 8}')
     assert triton_kernel._config() == {**default, "pages_per_step": 8, "num_stages": 3}

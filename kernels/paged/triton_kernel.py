@@ -43,19 +43,24 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _page_step(q, page, wi, slot, n_live, k_head, v_head, VALID, m_i, l_i, acc, offs_dk, offs_dv, dk_ok, dv_ok,
                cap, sk_p, sk_t, sv_p, sv_t, sva_p, P: tl.constexpr, IEEE: tl.constexpr, HAS_LENGTH: tl.constexpr,
-               SOFTCAP: tl.constexpr, LATE: tl.constexpr = False):
+               SOFTCAP: tl.constexpr, LATE: tl.constexpr = False, flags=None, VBLOCK: tl.constexpr = False):
     """One step of the split loop: the ``[BN]`` token slots of block-table positions ``wi`` (page ids ``page``,
     ``-1`` for none) folded into the online softmax ``(m_i, l_i, acc)``.  ``LATE`` (``valid_late``, opt-in): the K
     copy is masked by the page alone, not by the slots' valid flags - the dead slots' scores (NaN included) are
     masked after the product - so the pipeline issues the K copy of a step ahead without waiting for that step's
     flags, a byte a slot loaded synchronously (sm_90 TTGIR, Triton 3.6: the flags' load sat before both copies).  V
     stays masked by the flags (a dead slot may hold inf; zeroing the V tile in registers instead sent it through
-    shared memory twice: 150 registers and 88 KB against 108 and 72 KB, offline)."""
+    shared memory twice: 150 registers and 88 KB against 108 and 72 KB, offline).  ``VBLOCK`` (``valid_block``,
+    opt-in): the step's flags ``flags`` come from registers (loaded with the page ids of a block of steps), so no
+    load in the step precedes its copies."""
     p_ok = page >= 0
     if HAS_LENGTH:
         p_ok = p_ok & (wi * P + slot < n_live)
     page = tl.where(p_ok, page, 0).to(tl.int64)
-    ok = p_ok & (tl.load(VALID + page * sva_p + slot, mask=p_ok, other=0) != 0)
+    if VBLOCK:
+        ok = p_ok & (flags != 0)
+    else:
+        ok = p_ok & (tl.load(VALID + page * sva_p + slot, mask=p_ok, other=0) != 0)
     k_mask = p_ok if LATE else ok
     k = tl.load(k_head + page[:, None] * sk_p + slot[:, None] * sk_t + offs_dk[None, :],
                 mask=k_mask[:, None] & dk_ok[None, :], other=0.0)  # [BN, DK_PAD]
@@ -96,6 +101,7 @@ def _paged_split_kernel(
     DK: tl.constexpr, DK_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
     P: tl.constexpr, NBP: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr, HAS_LENGTH: tl.constexpr,
     SOFTCAP: tl.constexpr, TSTEPS: tl.constexpr, PDL: tl.constexpr = False, LATE: tl.constexpr = False,
+    VBLOCK: tl.constexpr = False,
 ):
     BN: tl.constexpr = NBP * P
     pdl_trigger(PDL)  # the split merge (launched with PDL) may start once every program has started
@@ -140,11 +146,23 @@ def _paged_split_kernel(
         for b0 in range(w_start, w_end, TB):
             wb = b0 + tb_local
             blk = tl.load(table_row + wb, mask=wb < w_end, other=-1)
+            if VBLOCK:  # the valid flags of the block's TB * P slots, in one load after the page ids
+                tslot = tl.arange(0, TB * P)
+                bpage = tl.gather(blk, tslot // P, 0)
+                f_ok = bpage >= 0  # (slots past a live length: masked by the step, as the page ids' holes)
+                bflags = tl.load(VALID + tl.where(f_ok, bpage, 0).to(tl.int64) * sva_p + tslot % P, mask=f_ok,
+                                 other=0)
+            else:
+                bflags = blk
             for s0 in range(0, tl.minimum(TB, w_end - b0), NBP):
                 idx = s0 + page_local
+                if VBLOCK:
+                    step_flags = tl.gather(bflags, s0 * P + tok, 0)
+                else:
+                    step_flags = tok
                 m_i, l_i, acc = _page_step(q, tl.gather(blk, idx, 0), b0 + idx, slot, n_live, k_head, v_head, VALID,
                                            m_i, l_i, acc, offs_dk, offs_dv, dk_ok, dv_ok, cap, sk_p, sk_t, sv_p,
-                                           sv_t, sva_p, P, IEEE, HAS_LENGTH, SOFTCAP, LATE)
+                                           sv_t, sva_p, P, IEEE, HAS_LENGTH, SOFTCAP, LATE, step_flags, VBLOCK)
     else:
         for w0 in range(w_start, w_end, NBP):
             wi = w0 + page_local
@@ -195,9 +213,11 @@ def _config() -> dict:
     B1-B16 and SmolLM2 B16-B64, 0.78x at Llama B64/32k - one split per row - where 2 stages keep 4 programs per SM).
     ``pdl`` (opt-in, not yet timed): the split merge is launched with programmatic dependent launch on Hopper
     (:func:`~kvcompress.kernels.attention.triton_shared.use_pdl`).  ``valid_late`` (opt-in, session 37, not yet
-    timed): the K copies masked by the page, not the slots' flags (:func:`_page_step`)."""
+    timed): the K copies masked by the page, not the slots' flags (:func:`_page_step`).  ``valid_block`` (opt-in,
+    session 37, not yet timed; with ``table_steps`` > 1): the valid flags of a block of steps loaded with its page
+    ids, so the steps' copies wait on no load at all."""
     cfg = dict(pages_per_step=None, num_warps=4, num_stages=None, waves=1, table_steps=16, pdl=False,
-               valid_late=False)
+               valid_late=False, valid_block=False)
     env = os.environ.get("KVCOMPRESS_PAGED_CONFIG")
     if env:
         cfg.update(json.loads(env))
@@ -264,7 +284,8 @@ def _forward(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     consts = dict(DK=dk, DK_PAD=max(16, _pow2(dk)), DV=dv, DV_PAD=max(16, _pow2(dv)), P=p, NBP=nbp, BLOCK_M=block_m,
                   IEEE=k.dtype == torch.float32, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
                   TSTEPS=int(cfg.get("table_steps") or 0), PDL=use_pdl(cfg.get("pdl"), dev),
-                  LATE=bool(cfg.get("valid_late")))
+                  LATE=bool(cfg.get("valid_late")),
+                  VBLOCK=bool(cfg.get("valid_block")) and int(cfg.get("table_steps") or 0) > 1)
     warps = int(cfg["num_warps"])
     stage_choice = (int(cfg["num_stages"]),) if cfg.get("num_stages") else (3, 2)
     stages = stage_choice[0]
