@@ -440,7 +440,7 @@ def split_count(cfg: dict, b: int, lanes: Sequence[tuple[int, int]], m_blocks: i
     else:
         splits = min(math.ceil(waves * sms / programs), -(-t_max // max(bn, cfg["min_split_tokens"])))
         long_tokens = cfg.get("single_wave_split_tokens") or 0
-        if waves == 1 and long_tokens > 0:  # one wave of long programs: more, shorter ones (see _config)
+        if waves == 1 and long_tokens > 0:  # one wave of long programs: more, shorter ones (above)
             splits = max(splits, -(-t_max // long_tokens))
     return max(1, min(splits, -(-max(t_max, 1) // bn)))
 
