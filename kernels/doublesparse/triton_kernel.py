@@ -649,15 +649,20 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
 
 
 @triton.jit
+def _readable(idx, k_ok, VA, b, sva_b, HAS_VALID: tl.constexpr):
+    """Which of the selected token indices ``idx`` (``k_ok``: inside the list) attention may read."""
+    if HAS_VALID:
+        return k_ok & (tl.load(VA + b * sva_b + idx, mask=k_ok, other=0) != 0)
+    return k_ok
+
+
+@triton.jit
 def _selected(i_base, VA, b, sva_b, k0, end, BK: tl.constexpr, HAS_VALID: tl.constexpr):
     """Token indices ``k0 .. k0 + BK`` of a selection (int64) and which of them attention may read."""
     offs_k = k0 + tl.arange(0, BK)
     k_ok = offs_k < end
     idx = tl.load(i_base + offs_k, mask=k_ok, other=0).to(tl.int64)
-    ok = k_ok
-    if HAS_VALID:
-        ok = ok & (tl.load(VA + b * sva_b + idx, mask=k_ok, other=0) != 0)
-    return idx, ok
+    return idx, _readable(idx, k_ok, VA, b, sva_b, HAS_VALID)
 
 
 @triton.jit
@@ -766,11 +771,8 @@ def _dot_gather(q, k_base, sk_t, v_base, sv_t, i_base, VA, b, sva_b, start, end,
             wb = b0 + tb_local
             blk = tl.load(i_base + wb, mask=wb < end, other=0)
             for s0 in range(0, tl.minimum(TB, end - b0), BK):
-                offs_k = b0 + s0 + loc
-                ok = offs_k < end
                 idx = tl.gather(blk, s0 + loc, 0).to(tl.int64)
-                if HAS_VALID:
-                    ok = ok & (tl.load(VA + b * sva_b + idx, mask=ok, other=0) != 0)
+                ok = _readable(idx, b0 + s0 + loc < end, VA, b, sva_b, HAS_VALID)
                 acc, m_i, l_i = _dot_gather_step(q, k_base, sk_t, v_base, sv_t, idx, ok, qk_scale, cap, offs_d, d_ok,
                                                  offs_v, v_ok, m_i, l_i, acc, IEEE, SOFTCAP)
     else:
@@ -941,13 +943,12 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
             index, index.stride(0), index.stride(1), po, pl, h, m, nk, per_split, scale * 1.4426950408889634,
             cap_base2(softcap), MP=max(16, pow2(m)), D=d, DP=max(16, pow2(d)), DV=dv, DVP=max(16, pow2(dv)),
             HAS_VALID=valid is not None, BK=block_k, IEEE=k.dtype == torch.float32, SOFTCAP=bool(softcap),
-            PDL=pdl, ISTEPS=steps, num_warps=int(cfg["shared_warps"]),
-            num_stages=int(cfg["num_stages"]), **pdl_launch(pdl))
+            PDL=pdl, ISTEPS=steps, num_warps=int(cfg["shared_warps"]), num_stages=int(cfg["num_stages"]),
+            **pdl_launch(pdl))
     else:  # per-row selections: on tensor cores (rows_dot) or CUDA cores, the same arguments
         if cfg["rows_dot"]:
             kernel = _gather_rows_dot_kernel
-            extra = dict(IEEE=k.dtype == torch.float32, num_warps=int(cfg["num_warps"]),
-                         ISTEPS=steps)
+            extra = dict(IEEE=k.dtype == torch.float32, num_warps=int(cfg["num_warps"]), ISTEPS=steps)
         else:
             kernel, extra = _gather_kernel, dict(num_warps=int(cfg["num_warps"]))
         kernel[(rows, splits)](

@@ -134,7 +134,7 @@ def _plan(region: PackedLanes, query: torch.Tensor, covered: int, index: int, so
     region's shapes (the buffer's settings: :func:`.cuda_kernel.buffer_launch`), decided once per shape."""
     dks = tuple(sorted({lane.k_scale.shape[-1] for lane in region.lanes}))
     dv = region.v_dim
-    b, _, m, _ = query.shape
+    b, h, m, _ = query.shape
     nt = region.num_tokens
     lib = ck.build(region.bits, dks[-1], dv, int(c.get("min_blocks", 1)), softcap=bool(softcap), lane_dks=dks,
                    qdim=_qdim(query.shape[-1]))
@@ -146,7 +146,7 @@ def _plan(region: PackedLanes, query: torch.Tensor, covered: int, index: int, so
     s = ck.num_splits(ntiles, max(1, b * covered * -(-m // 8)), ck._sms(index), dict(c, nw=nw, stages=stages),
                       cta_smem)
     tps = -(-ntiles // max(1, min(s, ntiles)))
-    btok, bctas = ck.buffer_launch(b * query.shape[1] * -(-m // 8), nt, int(c.get("buffer_tokens") or ck.BUFFER_TOKENS),
+    btok, bctas = ck.buffer_launch(b * h * -(-m // 8), nt, int(c.get("buffer_tokens") or ck.BUFFER_TOKENS),
                                    c.get("buffer_ctas", "auto"))
     return lib, nw, stages, -(-ntiles // tps), tps, int(c.get("interleave", 1)), ck.pdl_ok(c, index), btok, bctas
 

@@ -152,14 +152,11 @@ def _paged_split_kernel(
                 f_ok = bpage >= 0  # (slots past a live length: masked by the step, as the page ids' holes)
                 bflags = tl.load(VALID + tl.where(f_ok, bpage, 0).to(tl.int64) * sva_p + tslot % P, mask=f_ok,
                                  other=0)
-            else:
-                bflags = blk
             for s0 in range(0, tl.minimum(TB, w_end - b0), NBP):
                 idx = s0 + page_local
+                step_flags = None
                 if VBLOCK:
                     step_flags = tl.gather(bflags, s0 * P + tok, 0)
-                else:
-                    step_flags = tok
                 m_i, l_i, acc = _page_step(q, tl.gather(blk, idx, 0), b0 + idx, slot, n_live, k_head, v_head, VALID,
                                            m_i, l_i, acc, offs_dk, offs_dv, dk_ok, dv_ok, cap, sk_p, sk_t, sv_p,
                                            sv_t, sva_p, P, IEEE, HAS_LENGTH, SOFTCAP, LATE, step_flags, VBLOCK)
