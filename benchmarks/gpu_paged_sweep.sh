@@ -31,7 +31,7 @@ if [ -n "${PS_XDIST:-}" ]; then
 fi
 if [ "${PS_TESTS:-}" != none ]; then  # PS_TESTS=none: no tests (a second sweep in the same call)
   PYTHONPATH=$PYTHONPATH${TEST_PATH:+:$TEST_PATH} timeout "${PS_TEST_TIMEOUT:-200}" python -m pytest -q -m gpu \
-    -p no:cacheprovider "${XDIST[@]}" "${TESTS[@]}" 2>&1 | tail -3 \
+    -p no:cacheprovider --tb=short -rfE "${XDIST[@]}" "${TESTS[@]}" 2>&1 | tee -a "$OUT/tests_full.txt" | tail -3 \
     | tee -a "$OUT/tests.txt"
 fi
 timeout 100 python -m kvcompress.kernels.benchutil --device cuda --ops sdpa --only-shapes "$SHAPES" \

@@ -771,7 +771,10 @@ def _dot_gather(q, k_base, sk_t, v_base, sv_t, i_base, VA, b, sva_b, start, end,
             wb = b0 + tb_local
             blk = tl.load(i_base + wb, mask=wb < end, other=0)
             for s0 in range(0, tl.minimum(TB, end - b0), BK):
-                idx = tl.gather(blk, s0 + loc, 0).to(tl.int64)
+                # the slot index wrapped into the block (TB is a power of two): the pipeliner issues the gathers
+                # of the next steps' copies ahead, past the block's last step, and an index out of the block
+                # reads past the gather's shared-memory scratch (session 38, H100: illegal address)
+                idx = tl.gather(blk, (s0 + loc) & (TB - 1), 0).to(tl.int64)
                 ok = _readable(idx, b0 + s0 + loc < end, VA, b, sva_b, HAS_VALID)
                 acc, m_i, l_i = _dot_gather_step(q, k_base, sk_t, v_base, sv_t, idx, ok, qk_scale, cap, offs_d, d_ok,
                                                  offs_v, v_ok, m_i, l_i, acc, IEEE, SOFTCAP)
