@@ -63,6 +63,7 @@
 #       64 indices a step in the group-shared gather (the same 71680 B of shared memory as the default's 128 - with
 #       128 a step and index_steps the three stages really buffer: 139264 B, one program per SM), B4-B64, two rounds.
 #   PART=tests37  grid37's GPU tests alone (and tests/test_kivi_lanes_buffer.py), 12 xdist workers.
+#   PART=paged-tests  the paged kernel's GPU tests (xdist) and one read (session 38).
 #   PART=buffer-auto  the rule against the old fixed 16 CTAs of 32 slots ({"buffer_ctas": 16}), static KIVI-2 and
 #       LeanK-70 + KIVI-2 at the batch-1 / batch-4 reads the rule changes (and Llama B1 / 32k, which it keeps), two rounds.
 # Session 36 ran buffer-tests, buffer-ab, stages, buffer-ctas, valid-ahead, shapes and shapes-smol on an H100
@@ -204,12 +205,16 @@ case "${PART:-stages}" in
       "${S35_SHAPES:-llama3-8b:4:32k,llama3-8b:16:32k,llama3-8b:64:32k,smollm2-135m:16:32k,smollm2-135m:64:32k}" \
       '{}' '{"index_steps": 4}' '{"index_steps": 8, "shared_block_k": 64}'
     ;;
+  paged-tests)  # the paged kernel's GPU tests alone (session 38: its page-id gathers' indices wrapped into the block)
+    ROUNDS=1 && PS_XDIST=${PS_XDIST:-8} PS_SHAPES=llama3-8b:1:4k sweep tests/test_paged_kernel.py \
+      KVCOMPRESS_PAGED_CONFIG paged-dense llama3-8b:1:4k '{}'
+    ;;
   buffer-auto)
     ROUNDS=2 && sweep none KVCOMPRESS_KIVI_CUDA_CONFIG kivi2-static,leank70-kivi2 \
       "${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,smollm2-135m:1:4k,smollm2-135m:1:32k,smollm2-135m:4:4k}" \
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37 or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests or buffer-auto" >&2
      exit 2 ;;
 esac

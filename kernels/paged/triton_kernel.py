@@ -154,12 +154,17 @@ def _paged_split_kernel(
                                  other=0)
             for s0 in range(0, tl.minimum(TB, w_end - b0), NBP):
                 idx = s0 + page_local
+                # the gathers' indices wrapped into the block (TB is a power of two): the pipeliner issues the next
+                # steps' gathers ahead, past the block's last step (their copies masked off), and an index out of
+                # the block reads past the gather's scratch (session 38: an illegal address in the DoubleSparse
+                # gathers' same loop)
                 step_flags = None
                 if VBLOCK:
-                    step_flags = tl.gather(bflags, s0 * P + tok, 0)
-                m_i, l_i, acc = _page_step(q, tl.gather(blk, idx, 0), b0 + idx, slot, n_live, k_head, v_head, VALID,
-                                           m_i, l_i, acc, offs_dk, offs_dv, dk_ok, dv_ok, cap, sk_p, sk_t, sv_p,
-                                           sv_t, sva_p, P, IEEE, HAS_LENGTH, SOFTCAP, LATE, step_flags, VBLOCK)
+                    step_flags = tl.gather(bflags, (s0 * P + tok) & (TB * P - 1), 0)
+                m_i, l_i, acc = _page_step(q, tl.gather(blk, idx & (TB - 1), 0), b0 + idx, slot, n_live, k_head,
+                                           v_head, VALID, m_i, l_i, acc, offs_dk, offs_dv, dk_ok, dv_ok, cap, sk_p,
+                                           sk_t, sv_p, sv_t, sva_p, P, IEEE, HAS_LENGTH, SOFTCAP, LATE, step_flags,
+                                           VBLOCK)
     else:
         for w0 in range(w_start, w_end, NBP):
             wi = w0 + page_local
