@@ -206,7 +206,8 @@ case "${PART:-stages}" in
       '{}' '{"index_steps": 4}' '{"index_steps": 8, "shared_block_k": 64}'
     ;;
   paged-tests)  # the paged kernel's GPU tests alone (session 38: its page-id gathers' indices wrapped into the block)
-    ROUNDS=1 && PS_XDIST=${PS_XDIST:-8} PS_SHAPES=llama3-8b:1:4k sweep tests/test_paged_kernel.py \
+    export PS_XDIST=${PS_XDIST:-8}
+    ROUNDS=1 && sweep tests/test_paged_kernel.py \
       KVCOMPRESS_PAGED_CONFIG paged-dense llama3-8b:1:4k '{}'
     ;;
   buffer-auto)
