@@ -888,8 +888,10 @@ def supports_gather(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
 # instead of _gather_kernel (CUDA cores, synchronous index -> K -> V loads).  Session 28 (gpu_paged_sweep.sh with
 # PS_VAR=KVCOMPRESS_DS_CONFIG, 8 shapes, ds8 / ds16): with 2 warps within 0.7% or faster at every shape, up to 1.38x
 # (SmolLM2 B16/32k ds8 217.7 -> 157.3 us); 4 warps or 4 stages or 32 indices per step no better
-# index_steps (opt-in, session 37, not yet timed): > 1 loads the indices of that many steps at once, the tensor-core
-# gathers' steps taking theirs from registers (_dot_gather: without it each step waits for every copy in flight)
+# index_steps (opt-in, session 37): > 1 loads the indices of that many steps at once, the tensor-core gathers' steps
+# taking theirs from registers (_dot_gather: without it each step waits for every copy in flight).  Session 38 (H200,
+# 15 reads x 2 rounds): 4 steps 1.4-1.5% slower (geometric mean; +11% at Llama B4/32k 1/16 shared: 139 KB of shared
+# memory), 8 steps with shared_block_k 64 within 0.3%
 GATHER_CONFIG = dict(block_k=64, programs_per_sm=None, num_warps=2, num_stages=3, shared_warps=4, shared_block_k=128,
                      shared_programs_per_sm=4, min_per_split=64, rows_dot=True, pdl="auto", index_steps=0)
 

@@ -420,7 +420,8 @@ def split_count(cfg: dict, b: int, lanes: Sequence[tuple[int, int]], m_blocks: i
     0 / ``None``: no cap): one program per SM streaming ~3k tokens alone left its latency unhidden (H200, session 37,
     SmolLM2 B1 / 128k: low rank 53.0 us at the rule's 44 splits, 41.2 at 88; LeanK-70 38.3 at 66, 34.5 at 88; at 32k,
     where the rule's splits hold under 1k tokens, 88 was no faster: LeanK-70 17.0 -> 18.3 us).  1480 gives that shape
-    the 88 splits timed (the cap as a rule is not yet timed against none).
+    the 88 splits timed; against no cap (H100, session 38, two rounds) 9-20% faster at SmolLM2 B1 / 128k, the same
+    split counts at 4k / 32k.
 
     ``work`` (:func:`counts_work`) says what a row of programs counts for: False every lane's heads count alike (the
     only count until session 19), True each head counts for its lane's share of the longest lane's tokens.  A short

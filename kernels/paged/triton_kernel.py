@@ -214,10 +214,11 @@ def _config() -> dict:
     least twice, else 2 (H200, session 27: table_steps 16 with 3 stages 1.04-1.13x faster than the old loop at Llama
     B1-B16 and SmolLM2 B16-B64, 0.78x at Llama B64/32k - one split per row - where 2 stages keep 4 programs per SM).
     ``pdl`` (opt-in, not yet timed): the split merge is launched with programmatic dependent launch on Hopper
-    (:func:`~kvcompress.kernels.attention.triton_shared.use_pdl`).  ``valid_late`` (opt-in, session 37, not yet
-    timed): the K copies masked by the page, not the slots' flags (:func:`_page_step`).  ``valid_block`` (opt-in,
-    session 37, not yet timed; with ``table_steps`` > 1): the valid flags of a block of steps loaded with its page
-    ids, so the steps' copies wait on no load at all."""
+    (:func:`~kvcompress.kernels.attention.triton_shared.use_pdl`).  ``valid_late`` (opt-in, session 37): the K
+    copies masked by the page, not the slots' flags (:func:`_page_step`).  ``valid_block`` (opt-in, session 37; with
+    ``table_steps`` > 1): the valid flags of a block of steps loaded with its page ids, so the steps' copies wait on
+    no load at all.  Neither was faster (H100, session 38, 9 reads x 2 rounds: geometric mean latency 0.98-0.99x
+    and 0.99-1.02x the default's, within its round-to-round spread)."""
     cfg = dict(pages_per_step=None, num_warps=4, num_stages=None, waves=1, table_steps=16, pdl=False,
                valid_late=False, valid_block=False)
     env = os.environ.get("KVCOMPRESS_PAGED_CONFIG")
