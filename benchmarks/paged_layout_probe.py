@@ -1,0 +1,74 @@
+"""Issue 19: why the paged dense read falls below SDPA from B16 (0.85-0.95x at Llama heads on the H200, session 38)
+while the lanes kernel reading the same bytes from one contiguous region stays at 0.94-1.1x.
+
+The same read (``PagedView.attention_partial``, the Triton paged kernel, as benchutil's ``paged-dense``) over pools
+that differ only in how their pages lie in memory, beside SDPA on the same tokens held contiguously:
+
+* ``p16``: the grid's pool - 16-token pages, filled as benchutil fills it (rows' pages interleave chunk by chunk, a
+  chunk being ``FILL_CHUNK_BYTES`` of K: runs of hundreds of pages per row);
+* ``p16-decode``: 16-token pages appended one page per row at a time, as a pool fills while decoding (every row's
+  consecutive pages ``batch`` pages apart);
+* ``p64``: 64-token pages (16 KB of one head's K contiguous per page at d 128, the lanes kernel's step).
+
+If ``p64`` closes the gap the page granularity is the cost; if ``p16-decode`` widens it, the scatter.
+
+    python benchmarks/paged_layout_probe.py [--shapes llama3-8b:64:32k,...] [--out probe.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+VARIANTS = {"p16": dict(page=16), "p16-decode": dict(page=16, per_append=16), "p64": dict(page=64)}
+
+
+def main(argv=None) -> int:
+    import torch
+
+    from kvcompress.kernels import benchutil
+    from kvcompress.kernels.paged import bench as paged_bench
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="llama3-8b:64:32k,smollm2-135m:64:32k,llama3-8b:16:32k")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = []
+    print("| model | B | ctx | read | µs | vs SDPA |")
+    print("|---|---|---|---|---|---|")
+    for spec in args.shapes.split(","):
+        name, batch, ctx = spec.split(":")
+        shape, batch, ctx = benchutil._shape_named(name), int(batch), benchutil.parse_context(ctx)
+        m = shape.q_heads // shape.kv_heads
+        scale = shape.head_dim ** -0.5
+        gen = torch.Generator(dev).manual_seed(0)
+        q, k, v = benchutil.dense_inputs(batch, shape.kv_heads, ctx, shape.head_dim, m, dev, gen)
+        base = benchutil.time_op(benchutil._sdpa_fn(None), [(q, k, v)]).us
+        del k, v
+        rows.append(dict(model=name, batch=batch, ctx=ctx, read="sdpa", us=base))
+        print(f"| {name} | {batch} | {ctx} | sdpa | {base:.1f} | 1.00x |", flush=True)
+        for var in args.variants.split(","):
+            opts = VARIANTS[var]
+            t0 = time.perf_counter()
+            chunk = (batch * shape.kv_heads * shape.head_dim * 2 * opts["per_append"] if "per_append" in opts
+                     else paged_bench.FILL_CHUNK_BYTES)
+            _, view = paged_bench.paged_pool(batch, shape.kv_heads, ctx, shape.head_dim, dev, gen, page=opts["page"],
+                                             chunk_bytes=chunk)
+            fill = time.perf_counter() - t0
+            us = benchutil.time_op(lambda qq, vv: vv.attention_partial(qq, scale), [(q, view)]).us
+            rows.append(dict(model=name, batch=batch, ctx=ctx, read=var, us=us, fill_s=fill))
+            print(f"| {name} | {batch} | {ctx} | {var} | {us:.1f} | {base / us:.2f}x |", flush=True)
+            del view
+            torch.cuda.empty_cache() if dev.type == "cuda" else None
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "rows": rows}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
