@@ -64,6 +64,8 @@
 #       128 a step and index_steps the three stages really buffer: 139264 B, one program per SM), B4-B64, two rounds.
 #   PART=tests37  grid37's GPU tests alone (and tests/test_kivi_lanes_buffer.py), 12 xdist workers.
 #   PART=paged-tests  the paged kernel's GPU tests (xdist) and one read (session 38).
+#   PART=paged-layout  why the paged dense read falls below SDPA from B16 (10 of the 43 cells below 1x): the same
+#       read over pools differing only in page layout (benchmarks/paged_layout_probe.py; PL_SHAPES to change shapes).
 #   PART=buffer-auto  the rule against the old fixed 16 CTAs of 32 slots ({"buffer_ctas": 16}), static KIVI-2 and
 #       LeanK-70 + KIVI-2 at the batch-1 / batch-4 reads the rule changes (and Llama B1 / 32k, which it keeps), two rounds.
 # Session 36 ran buffer-tests, buffer-ab, stages, buffer-ctas, valid-ahead, shapes and shapes-smol on an H100
@@ -205,6 +207,13 @@ case "${PART:-stages}" in
       "${S35_SHAPES:-llama3-8b:4:32k,llama3-8b:16:32k,llama3-8b:64:32k,smollm2-135m:16:32k,smollm2-135m:64:32k}" \
       '{}' '{"index_steps": 4}' '{"index_steps": 8, "shared_block_k": 64}'
     ;;
+  paged-layout)  # benchmarks/paged_layout_probe.py: the paged dense read over 16-token pages as the grid fills them, as
+    # decoding fills them (one page per row per append) and 64-token pages, beside SDPA (session 38, not yet run)
+    cd "$HERE/.." || exit 1
+    source benchmarks/gpu_site.sh
+    timeout "${PL_TIMEOUT:-300}" python "$SRC/benchmarks/paged_layout_probe.py" --out "$OUT/probe.json" \
+      ${PL_SHAPES:+--shapes "$PL_SHAPES"} 2>&1 | grep -v Warning | tee -a "$OUT/probe.md"
+    ;;
   paged-tests)  # the paged kernel's GPU tests alone (session 38: its page-id gathers' indices wrapped into the block)
     export PS_XDIST=${PS_XDIST:-8}
     ROUNDS=1 && sweep tests/test_paged_kernel.py \
@@ -216,6 +225,6 @@ case "${PART:-stages}" in
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout or buffer-auto" >&2
      exit 2 ;;
 esac
