@@ -2,7 +2,8 @@
 while the lanes kernel reading the same bytes from one contiguous region stays at 0.94-1.1x.
 
 The same read (``PagedView.attention_partial``, the Triton paged kernel, as benchutil's ``paged-dense``) over pools
-that differ only in how their pages lie in memory, beside SDPA on the same tokens held contiguously:
+that differ only in how their pages lie in memory, beside SDPA on the same tokens held contiguously (each read is
+checked against SDPA's output):
 
 * ``p16``: the grid's pool - 16-token pages, filled as benchutil fills it (rows' pages interleave chunk by chunk, a
   chunk being ``FILL_CHUNK_BYTES`` of K: runs of hundreds of pages per row);
@@ -25,48 +26,74 @@ import time
 VARIANTS = {"p16": dict(page=16), "p16-decode": dict(page=16, per_append=16), "p64": dict(page=64)}
 
 
-def main(argv=None) -> int:
+def probe(shapes: str, variants: str, device=None, *, time_reads: bool = True, log=print) -> list[dict]:
+    """One row per read: ``sdpa`` and each variant's pool, all holding the same tokens.  ``err``: each pool read's
+    largest difference from SDPA's output (the pools differ only in layout, so only rounding may differ);
+    ``us``: the read's time (:func:`kvcompress.kernels.benchutil.time_op`: CUDA graphs, one copy - every pool here is
+    far larger than L2), ``None`` without ``time_reads``."""
     import torch
 
     from kvcompress.kernels import benchutil
     from kvcompress.kernels.paged import bench as paged_bench
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", default="llama3-8b:64:32k,smollm2-135m:64:32k,llama3-8b:16:32k")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    unknown = [v for v in variants.split(",") if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"--variants: unknown {unknown}; allowed: {', '.join(VARIANTS)}")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rows = []
-    print("| model | B | ctx | read | µs | vs SDPA |")
-    print("|---|---|---|---|---|---|")
-    for spec in args.shapes.split(","):
+    log("| model | B | ctx | read | µs | vs SDPA | largest difference from SDPA |")
+    log("|---|---|---|---|---|---|---|")
+    for spec in shapes.split(","):
         name, batch, ctx = spec.split(":")
         shape, batch, ctx = benchutil._shape_named(name), int(batch), benchutil.parse_context(ctx)
         m = shape.q_heads // shape.kv_heads
         scale = shape.head_dim ** -0.5
         gen = torch.Generator(dev).manual_seed(0)
         q, k, v = benchutil.dense_inputs(batch, shape.kv_heads, ctx, shape.head_dim, m, dev, gen)
-        base = benchutil.time_op(benchutil._sdpa_fn(None), [(q, k, v)]).us
-        del k, v
-        rows.append(dict(model=name, batch=batch, ctx=ctx, read="sdpa", us=base))
-        print(f"| {name} | {batch} | {ctx} | sdpa | {base:.1f} | 1.00x |", flush=True)
-        for var in args.variants.split(","):
+        sdpa = benchutil._sdpa_fn(None)
+        want = sdpa(q, k, v).float()
+        base = benchutil.time_op(sdpa, [(q, k, v)]).us if time_reads else None
+        rows.append(dict(model=name, batch=batch, ctx=ctx, read="sdpa", us=base, err=0.0))
+        log(f"| {name} | {batch} | {ctx} | sdpa | {_us(base)} | 1.00x | 0 |")
+        for var in variants.split(","):
             opts = VARIANTS[var]
-            t0 = time.perf_counter()
             chunk = (batch * shape.kv_heads * shape.head_dim * 2 * opts["per_append"] if "per_append" in opts
                      else paged_bench.FILL_CHUNK_BYTES)
-            _, view = paged_bench.paged_pool(batch, shape.kv_heads, ctx, shape.head_dim, dev, gen, page=opts["page"],
-                                             chunk_bytes=chunk)
+            t0 = time.perf_counter()
+            _, view = paged_bench.paged_pool(batch, shape.kv_heads, ctx, shape.head_dim, dev, page=opts["page"],
+                                             kv=(k, v), chunk_bytes=chunk)
             fill = time.perf_counter() - t0
-            us = benchutil.time_op(lambda qq, vv: vv.attention_partial(qq, scale), [(q, view)]).us
-            rows.append(dict(model=name, batch=batch, ctx=ctx, read=var, us=us, fill_s=fill))
-            print(f"| {name} | {batch} | {ctx} | {var} | {us:.1f} | {base / us:.2f}x |", flush=True)
+            err = (view.attention_partial(q, scale)[0].float() - want).abs().max().item()
+            us = benchutil.time_op(lambda qq, vv: vv.attention_partial(qq, scale), [(q, view)]).us if time_reads \
+                else None
+            rows.append(dict(model=name, batch=batch, ctx=ctx, read=var, us=us, err=err, fill_s=fill,
+                             pages=int(view.table.shape[1])))
+            ratio = f"{base / us:.2f}x" if us else "-"
+            log(f"| {name} | {batch} | {ctx} | {var} | {_us(us)} | {ratio} | {err:.2e} |")
             del view
-            torch.cuda.empty_cache() if dev.type == "cuda" else None
+        del q, k, v
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _us(us) -> str:
+    return "-" if us is None else f"{us:.1f}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="llama3-8b:64:32k,smollm2-135m:64:32k,llama3-8b:16:32k")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    rows = probe(args.shapes, args.variants, log=lambda line: print(line, flush=True))
     if args.out:
+        import torch
+
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "rows": rows}, f)
+            json.dump({"device": name, "rows": rows}, f)
     return 0
 
 
