@@ -75,6 +75,9 @@
 # Session 37 (H200) ran buffer-auto, grid37, paged-shapes, buffer-rule, warp-groups, grid-full and splits
 # (docs/results.md "Session 37").  Left, in this order: PARTS="paged-late ds-steps split-cap" (opt-in valid_late and
 # index_steps, the one-wave split cap, each against the default), then grid-full on an H200 with whatever won.
+# Session 38 ran paged-late, split-cap (H100), ds-steps, paged-tests and grid-full (H200): no opt-in won, the cap
+# stays, the grid is 43 of 312 below 1x (docs/results.md "Session 38").  Left: PART=paged-layout (why the paged dense
+# read is 0.85-0.95x from B16, where the lanes kernel reading the same bytes is at SDPA's bandwidth).
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
