@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 19, session 27: the paged kernel's dense read (benchutil op paged-dense: PagedStore pool, 16-token pages,
 # CUDA graphs, cold L2) under each launch configuration given (KVCOMPRESS_PAGED_CONFIG JSON, see
-# kernels/paged/triton_kernel.py _config: late_mask, prefetch, pages_per_step, num_warps, num_stages, waves), beside
-# SDPA; first the paged kernel's GPU tests (every configuration case of tests/test_paged_kernel.py, natively).
+# kernels/paged/triton_kernel.py _config: pages_per_step, num_warps, num_stages, waves, table_steps, valid_late, ...),
+# beside SDPA; first the paged kernel's GPU tests (every configuration case of tests/test_paged_kernel.py, natively).
 #   bash benchmarks/gpu_paged_sweep.sh OUTDIR [CONFIG_JSON...]
 #   PS_SHAPES: benchutil --only-shapes; PS_ROUNDS: rounds over the configs (default 1); PS_PROFILE: also
 #   gpu_read_profile.py --ops $PS_PROFILE at PS_PROFILE_SHAPES.
@@ -16,7 +16,7 @@
 set -o pipefail
 OUT=$(realpath -m "${1:-out}"); shift || true
 CONFIGS=("$@")
-[ ${#CONFIGS[@]} -gt 0 ] || CONFIGS=('{}' '{"late_mask": true}')
+[ ${#CONFIGS[@]} -gt 0 ] || CONFIGS=('{}' '{"valid_late": true}')
 SHAPES=${PS_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:32k,smollm2-135m:1:32k,smollm2-135m:16:32k}
 source "$(dirname "$0")/gpu_site.sh"  # install under /tmp/site, cd there
 VAR=${PS_VAR:-KVCOMPRESS_PAGED_CONFIG}

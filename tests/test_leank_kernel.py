@@ -745,3 +745,14 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         sys.path.insert(0, str(ROOT))
         _worker(sys.argv[2])
+
+
+def test_launch_config_refuses_an_unknown_entry(monkeypatch):
+    """A misspelt ``KVCOMPRESS_LEANK_CONFIG`` entry is named with the known ones, not ignored."""
+    from kvcompress.kernels.leank import triton_kernel as tk
+
+    monkeypatch.setenv("KVCOMPRESS_LEANK_CONFIG", '{"wave": 2}')
+    with pytest.raises(ValueError, match=r"KVCOMPRESS_LEANK_CONFIG: unknown entries \['wave'\]; known: \[.*'waves'"):
+        tk._config()
+    monkeypatch.setenv("KVCOMPRESS_LEANK_CONFIG", '{"waves": 2}')
+    assert tk._config()["waves"] == 2

@@ -229,6 +229,27 @@ def test_launch_config_reads_the_environment_once_through_ops(monkeypatch):
         ops._paged_base.cache_clear()
 
 
+@pytest.mark.parametrize("env,message", [
+    ('{"table_step": 16}', r"unknown entries \['table_step'\]; known: \['num_stages', 'num_warps', 'pages_per_step', "
+                           r"'pdl', 'table_steps', 'valid_block', 'valid_late', 'waves'\]"),
+    ('{"table_steps": 3}', r"table_steps must be null, 0 or a power of two, got 3"),
+    ('{"pages_per_step": 2.0}', r"pages_per_step must be null, 0 or a power of two, got 2.0"),
+    ('{"num_warps": 0}', r"num_warps must be a power of two, got 0"),
+    ('{"num_warps": true}', r"num_warps must be a power of two, got True"),
+    ('{"valid_block": true, "table_steps": 0}', r"valid_block .* needs table_steps > 1, got table_steps 0"),
+])
+def test_launch_config_refuses_entries_the_kernel_cannot_build(monkeypatch, env, message):
+    """A misspelt entry or a block size the kernel cannot build is named, with what is allowed, before any launch
+    (a non-power-of-two block would otherwise fail inside Triton's compiler, and a misspelt key be ignored)."""
+    from kvcompress.kernels.paged import triton_kernel
+
+    monkeypatch.setenv("KVCOMPRESS_PAGED_CONFIG", env)
+    with pytest.raises(ValueError, match="KVCOMPRESS_PAGED_CONFIG: " + message):
+        triton_kernel._config()
+    monkeypatch.setenv("KVCOMPRESS_PAGED_CONFIG", '{"table_steps": 0, "pages_per_step": 2, "valid_late": true}')
+    assert triton_kernel._config()["table_steps"] == 0
+
+
 def test_split_plan_fills_whole_waves_and_picks_the_depth():
     """Splits round down to whole waves; 3 stages while the read still splits at least twice, else 2 with its own
     (larger) slot count; never more splits than steps."""

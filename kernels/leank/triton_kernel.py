@@ -535,7 +535,11 @@ def _config() -> dict:
                valid_ahead=True, warp_groups=1, single_wave_split_tokens=1480)
     env = os.environ.get("KVCOMPRESS_LEANK_CONFIG")
     if env:
-        cfg.update(json.loads(env))
+        extra = json.loads(env)
+        unknown = sorted(set(extra) - set(cfg))
+        if unknown:  # a misspelt entry would otherwise be ignored in silence
+            raise ValueError(f"KVCOMPRESS_LEANK_CONFIG: unknown entries {unknown}; known: {sorted(cfg)}")
+        cfg.update(extra)
     return cfg
 
 

@@ -223,7 +223,22 @@ def _config() -> dict:
                valid_late=False, valid_block=False)
     env = os.environ.get("KVCOMPRESS_PAGED_CONFIG")
     if env:
-        cfg.update(json.loads(env))
+        extra = json.loads(env)
+        unknown = sorted(set(extra) - set(cfg))
+        if unknown:
+            raise ValueError(f"KVCOMPRESS_PAGED_CONFIG: unknown entries {unknown}; known: {sorted(cfg)}")
+        cfg.update(extra)
+    # the kernel's blocks (a step's tokens, a block of page ids, its warps) are powers of two
+    for key, none_ok in (("pages_per_step", True), ("table_steps", True), ("num_warps", False)):
+        value = cfg[key]
+        if value in (None, 0) and none_ok:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+            allowed = "null, 0 or a power of two" if none_ok else "a power of two"
+            raise ValueError(f"KVCOMPRESS_PAGED_CONFIG: {key} must be {allowed}, got {value!r}")
+    if cfg["valid_block"] and not (cfg["table_steps"] or 0) > 1:
+        raise ValueError("KVCOMPRESS_PAGED_CONFIG: valid_block loads the flags with a block of page ids: it needs "
+                         f"table_steps > 1, got table_steps {cfg['table_steps']!r}")
     return cfg
 
 
