@@ -66,6 +66,7 @@
 #   PART=paged-tests  the paged kernel's GPU tests (xdist) and one read (session 38).
 #   PART=paged-layout  why the paged dense read falls below SDPA from B16 (10 of the 43 cells below 1x): the same
 #       read over pools differing only in page layout (benchmarks/paged_layout_probe.py; PL_SHAPES to change shapes).
+#   PART=profile4k  per-kernel time of the Llama 4k lanes reads below 1x (benchmarks/gpu_read_profile.py).
 #   PART=buffer-auto  the rule against the old fixed 16 CTAs of 32 slots ({"buffer_ctas": 16}), static KIVI-2 and
 #       LeanK-70 + KIVI-2 at the batch-1 / batch-4 reads the rule changes (and Llama B1 / 32k, which it keeps), two rounds.
 # Session 36 ran buffer-tests, buffer-ab, stages, buffer-ctas, valid-ahead, shapes and shapes-smol on an H100
@@ -76,8 +77,9 @@
 # (docs/results.md "Session 37").  Left, in this order: PARTS="paged-late ds-steps split-cap" (opt-in valid_late and
 # index_steps, the one-wave split cap, each against the default), then grid-full on an H200 with whatever won.
 # Session 38 ran paged-late, split-cap (H100), ds-steps, paged-tests and grid-full (H200): no opt-in won, the cap
-# stays, the grid is 43 of 312 below 1x (docs/results.md "Session 38").  Left: PART=paged-layout (why the paged dense
-# read is 0.85-0.95x from B16, where the lanes kernel reading the same bytes is at SDPA's bandwidth).
+# stays, the grid is 43 of 312 below 1x (docs/results.md "Session 38").  Left: PARTS="paged-layout profile4k" (why
+# the paged dense read is 0.85-0.95x from B16, where the lanes kernel reading the same bytes is at SDPA's bandwidth;
+# where the 4k lanes reads below 1x spend their time).
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -217,6 +219,14 @@ case "${PART:-stages}" in
     timeout "${PL_TIMEOUT:-300}" python "$SRC/benchmarks/paged_layout_probe.py" --out "$OUT/probe.json" \
       ${PL_SHAPES:+--shapes "$PL_SHAPES"} 2>&1 | grep -v Warning | tee -a "$OUT/probe.md"
     ;;
+  profile4k)  # where the Llama 4k lanes reads below 1x spend their kernel time (session 38: the empty stack B16/4k
+    # 0.94x, low rank B4-B64/4k 0.81-0.92x, LeanK-50 B16/4k 0.96x; eager, per kernel)
+    cd "$HERE/.." || exit 1
+    source benchmarks/gpu_site.sh
+    timeout "${PF_TIMEOUT:-200}" python "$SRC/benchmarks/gpu_read_profile.py" --ops "${PF_OPS:-none,lowrank,leank50}" \
+      --shapes "${PF_SHAPES:-llama3-8b:4:4k,llama3-8b:16:4k,llama3-8b:64:4k}" --out "$OUT/read_profile.json" 2>&1 \
+      | grep -v Warning | tail -80 | tee -a "$OUT/profile.txt"
+    ;;
   paged-tests)  # the paged kernel's GPU tests alone (session 38: its page-id gathers' indices wrapped into the block)
     export PS_XDIST=${PS_XDIST:-8}
     ROUNDS=1 && sweep tests/test_paged_kernel.py \
@@ -228,6 +238,6 @@ case "${PART:-stages}" in
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k or buffer-auto" >&2
      exit 2 ;;
 esac
