@@ -67,6 +67,8 @@
 #   PART=paged-layout  why the paged dense read falls below SDPA from B16 (10 of the 43 cells below 1x): the same
 #       read over pools differing only in page layout (benchmarks/paged_layout_probe.py; PL_SHAPES to change shapes).
 #   PART=profile4k  per-kernel time of the Llama 4k lanes reads below 1x (benchmarks/gpu_read_profile.py).
+#   PART=ops-grid  every read op against the reference at the grid's shapes (benchmarks/gpu_ops_check.py --grid
+#       --eager; OG_SHAPES=grid-llama3-8b-b16-,... for the other batches).
 #   PART=buffer-auto  the rule against the old fixed 16 CTAs of 32 slots ({"buffer_ctas": 16}), static KIVI-2 and
 #       LeanK-70 + KIVI-2 at the batch-1 / batch-4 reads the rule changes (and Llama B1 / 32k, which it keeps), two rounds.
 # Session 36 ran buffer-tests, buffer-ab, stages, buffer-ctas, valid-ahead, shapes and shapes-smol on an H100
@@ -79,7 +81,8 @@
 # Session 38 ran paged-late, split-cap (H100), ds-steps, paged-tests and grid-full (H200): no opt-in won, the cap
 # stays, the grid is 43 of 312 below 1x (docs/results.md "Session 38").  Left: PARTS="paged-layout profile4k" (why
 # the paged dense read is 0.85-0.95x from B16, where the lanes kernel reading the same bytes is at SDPA's bandwidth;
-# where the 4k lanes reads below 1x spend their time).
+# where the 4k lanes reads below 1x spend their time), then ops-grid in pieces (B1-B4, B16, B64: correctness at the
+# grid's shapes after the changes since session 21).
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -227,6 +230,15 @@ case "${PART:-stages}" in
       --shapes "${PF_SHAPES:-llama3-8b:4:4k,llama3-8b:16:4k,llama3-8b:64:4k}" --out "$OUT/read_profile.json" 2>&1 \
       | grep -v Warning | tail -80 | tee -a "$OUT/profile.txt"
     ;;
+  ops-grid)  # every registered read op, each implementation uncompiled against the reference on the GPU, at issue 19's
+    # grid shapes (ctx - 37 live tokens, padding, a dead row; last run session 21: 396 of 396, B1-B16 only); OG_SHAPES
+    # picks the batches (about 10 min for all on an H200: split over calls)
+    cd "$HERE/.." || exit 1
+    source benchmarks/gpu_site.sh
+    timeout "${OG_TIMEOUT:-500}" python "$SRC/benchmarks/gpu_ops_check.py" --grid --eager --out "$OUT" \
+      --shapes "${OG_SHAPES:-grid-llama3-8b-b1-,grid-smollm2-135m-b1-,grid-llama3-8b-b4-,grid-smollm2-135m-b4-}" 2>&1 \
+      | grep -v Warning | tail -40 | tee -a "$OUT/ops_grid.txt"
+    ;;
   paged-tests)  # the paged kernel's GPU tests alone (session 38: its page-id gathers' indices wrapped into the block)
     export PS_XDIST=${PS_XDIST:-8}
     ROUNDS=1 && sweep tests/test_paged_kernel.py \
@@ -238,6 +250,6 @@ case "${PART:-stages}" in
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid or buffer-auto" >&2
      exit 2 ;;
 esac
