@@ -111,12 +111,10 @@ def loop_facts(ttgir: str) -> dict:
 
 
 def main(argv=None) -> int:
-    from read_occupancy import paged_launches, usage
+    from read_occupancy import lanes_launches, paged_launches, usage
     from triton_offline import Launch, compile_launch
 
     from kvcompress.kernels.benchutil import SHAPES
-
-    from read_occupancy import lanes_launches
 
     lanes = [x for x in lanes_launches("none", SHAPES[0], 16) if "_lanes_kernel" in str(getattr(x.fn, "fn", x.fn))]
     base = {"paged": paged_launches(SHAPES[0], 16)[0], "lanes-none": lanes[0],

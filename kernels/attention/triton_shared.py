@@ -40,6 +40,17 @@ def pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def power_of_two_setting(var: str, key: str, value, allowed: str, *, zero: bool = False) -> int:
+    """A launch setting the kernels build a block from (``value``; ``zero``: 0 also allowed, meaning off), checked
+    before any launch: ``ValueError`` ``"{var}: {key} must be {allowed}, got {value!r}"`` otherwise (a block of
+    another size fails inside Triton's compiler)."""
+    if zero and value == 0:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+        raise ValueError(f"{var}: {key} must be {allowed}, got {value!r}")
+    return value
+
+
 @functools.lru_cache(maxsize=None)
 def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

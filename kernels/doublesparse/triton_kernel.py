@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from kvcompress.kernels.attention.triton_shared import (cap_base2, combine_splits, num_sms, pdl_launch, pdl_trigger,
-                                                         pdl_wait, pow2, soft_cap, use_pdl)
+                                                         pdl_wait, pow2, power_of_two_setting, soft_cap, use_pdl)
 
 from .reference import Labels, group_query
 
@@ -909,9 +909,8 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
     cfg = {**GATHER_CONFIG, **{k: v for k, v in _env_config().items() if k in GATHER_CONFIG}, **(config or {})}
     if not supports_gather(query, k, v, index):
         raise ValueError("gather_partial_attention: unsupported arguments (see supports_gather)")
-    steps = cfg["index_steps"] or 0
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0 or steps & (steps - 1):
-        raise ValueError(f"KVCOMPRESS_DS_CONFIG: index_steps must be 0 or a power of two, got {steps!r}")
+    steps = power_of_two_setting("KVCOMPRESS_DS_CONFIG", "index_steps", cfg["index_steps"] or 0, "0 or a power of two",
+                                 zero=True)
     b, h, m, d = query.shape
     nk = index.shape[-1]
     dv = v.shape[-1]

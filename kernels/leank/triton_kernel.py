@@ -75,7 +75,7 @@ import triton
 import triton.language as tl
 
 from kvcompress.kernels.attention.triton_shared import (cap_base2, fold_splits, pdl_launch, pdl_trigger, pdl_wait,
-                                                         resident_programs, soft_cap, use_pdl)
+                                                         power_of_two_setting, resident_programs, soft_cap, use_pdl)
 
 from .reference import Lane
 
@@ -520,9 +520,8 @@ def warp_groups(cfg: dict, bn: int, block_m: int) -> int:
     per block; sm_90 SASS, session 35), for 4x the tensor-core work of a memory-bound read.  Taken only for one row
     block of at most 16 rows, and where each group gets at least 16 of a block's tokens; else 1."""
     wg = cfg.get("warp_groups")
-    wg = 1 if wg is None else wg
-    if isinstance(wg, bool) or not isinstance(wg, int) or wg < 1 or wg & (wg - 1):
-        raise ValueError(f"KVCOMPRESS_LEANK_CONFIG: warp_groups must be a power of two >= 1, got {wg!r}")
+    wg = power_of_two_setting("KVCOMPRESS_LEANK_CONFIG", "warp_groups", 1 if wg is None else wg,
+                              "a power of two >= 1")
     return wg if block_m == 16 and bn % wg == 0 and bn // wg >= 16 else 1
 
 

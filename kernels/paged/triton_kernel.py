@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcompress.kernels.attention.triton_shared import (cap_base2, combine_splits, pdl_trigger, resident_programs,
-                                                         soft_cap, use_pdl)
+from kvcompress.kernels.attention.triton_shared import (cap_base2, combine_splits, pdl_trigger, power_of_two_setting,
+                                                         resident_programs, soft_cap, use_pdl)
 from kvcompress.kernels.attention.triton_shared import num_sms as _num_sms
 from kvcompress.kernels.attention.triton_shared import pow2 as _pow2
 
@@ -229,13 +229,10 @@ def _config() -> dict:
             raise ValueError(f"KVCOMPRESS_PAGED_CONFIG: unknown entries {unknown}; known: {sorted(cfg)}")
         cfg.update(extra)
     # the kernel's blocks (a step's tokens, a block of page ids, its warps) are powers of two
-    for key, none_ok in (("pages_per_step", True), ("table_steps", True), ("num_warps", False)):
-        value = cfg[key]
-        if value in (None, 0) and none_ok:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
-            allowed = "null, 0 or a power of two" if none_ok else "a power of two"
-            raise ValueError(f"KVCOMPRESS_PAGED_CONFIG: {key} must be {allowed}, got {value!r}")
+    for key, off_ok in (("pages_per_step", True), ("table_steps", True), ("num_warps", False)):
+        if not (off_ok and cfg[key] is None):
+            power_of_two_setting("KVCOMPRESS_PAGED_CONFIG", key, cfg[key],
+                                 "null, 0 or a power of two" if off_ok else "a power of two", zero=off_ok)
     if cfg["valid_block"] and not (cfg["table_steps"] or 0) > 1:
         raise ValueError("KVCOMPRESS_PAGED_CONFIG: valid_block loads the flags with a block of page ids: it needs "
                          f"table_steps > 1, got table_steps {cfg['table_steps']!r}")
