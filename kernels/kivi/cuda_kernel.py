@@ -171,13 +171,13 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # block) - LeanK + KIVI's buffer of about 1k slots gets 16 CTAs of 64 (a sweep knob, session 35; "auto", the default
 # since session 37, :func:`buffer_launch`: more and shorter CTAs where the launch has few rows and a short region, so
 # the buffer CTAs, a latency-bound chain, stop being the launch's longest); 0: no one-launch read - the buffer and
-# the region are read apart (PackedKV.attention_partial_with_buffer returns None), for A/B timing.  buffer_rows / buffer_work: the
-# one-launch read only for at most buffer_rows rows (batch x kv heads x row blocks), or at most buffer_work rows x
-# region slots (:func:`fuses_buffer`).  These three are read when a cache chooses the CUDA kernel
-# (:func:`read_buffer_settings`), not per call.  A small read is latency-bound and saves a launch and a merge; a large one is
-# throughput-bound, where the buffer CTAs (SIMT, latency-bound) hold CTA slots the region's splits need and the two
-# regions read apart are faster.  Session 26 sweep on the H200, static KIVI-2 read, one launch against apart (us):
-# Llama (8 rows per batch row) B1/4k 16.0 / 19.9, B1/32k 28.4 / 31.0, B4/4k 24.1 / 25.5, but B4/32k 74.3 / 64.4,
+# the region are read apart (PackedKV.attention_partial_with_buffer returns None), for A/B timing.  buffer_rows /
+# buffer_work: the one-launch read only for at most buffer_rows rows (batch x kv heads x row blocks), or at most
+# buffer_work rows x region slots (:func:`fuses_buffer`).  These three are read when a cache chooses the CUDA kernel
+# (:func:`read_buffer_settings`), not per call.  A small read is latency-bound and saves a launch and a merge; a large
+# one is throughput-bound, where the buffer CTAs (SIMT, latency-bound) hold CTA slots the region's splits need and
+# the two regions read apart are faster.  Session 26 sweep on the H200, static KIVI-2 read, one launch against apart
+# (us): Llama (8 rows per batch row) B1/4k 16.0 / 19.9, B1/32k 28.4 / 31.0, B4/4k 24.1 / 25.5, but B4/32k 74.3 / 64.4,
 # B16/32k 200 / 185, B64/4k 172 / 116; SmolLM2 (3 rows) B1/32k 14.7 / 19.6, B4/32k 22.7 / 26.1, B16/4k 22.2 / 23.0,
 # B16/32k 66 / 58.  pdl (session 32; default since session 34): the split combine is launched with programmatic
 # dependent launch on sm_90+ (:func:`pdl_ok`), so its launch and prologue overlap the split kernel's last wave.  Two
