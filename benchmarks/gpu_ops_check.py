@@ -33,6 +33,9 @@ import torch
 from kvcompress.kernels import opcases, ops
 
 LIVE = {1024: 1001, 16384: 16001}  # capacity -> live tokens (odd, below the capacity)
+# the reference computed this many batch rows at a time (OpCase.reference): its fp32 copies of a whole Llama
+# B64 / 128k cache (34 GB each) did not fit beside the cache on an 80 GB H100 (session 39)
+REF_BATCH_CHUNK = 8
 
 
 def head_cases(batch: int, capacity: int, live: int, device: str, only: set[str], kv: int = 8, rows: int = 4,
@@ -105,9 +108,10 @@ def plan(args) -> list[tuple[str, str, object]]:
     return out
 
 
-def check_eager(case, impl: str) -> dict:
-    """``case.fn(impl)`` uncompiled against the eager reference on the same device."""
-    ref = case.reference()
+def check_eager(case, impl: str, ref=None) -> dict:
+    """``case.fn(impl)`` uncompiled against the eager reference on the same device (``ref``: already computed)."""
+    if ref is None:
+        ref = case.reference(REF_BATCH_CHUNK)
     ok, err, msg = case.check(case.fn(impl)(*case.args), ref)
     return {"ok": bool(ok), "max_abs_err": float(err), "message": msg, "ms_per_call": None,
             "eager_ms_per_call": None}
@@ -169,6 +173,19 @@ def main(argv=None) -> int:
             save()
             continue
         chosen = ops.choose(op, args.device, **case.facts)
+        ref = None
+        if args.eager:  # once per case, not per implementation
+            try:
+                ref = case.reference(REF_BATCH_CHUNK)
+            except Exception as exc:
+                report["results"].append({"shape": shape, "op": op, "case": case.name,
+                                          "error": f"reference: {type(exc).__name__}: {exc}"[:2000],
+                                          "traceback": traceback.format_exc()[-3000:]})
+                save()
+                del case
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                continue
         for impl in ops.OPS[op]:
             row = {"shape": shape, "op": op, "case": case.name, "impl": impl, "chosen_by_choose": chosen}
             if impl == "cuda" and chosen != "cuda":
@@ -179,7 +196,7 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             try:
                 if args.eager:
-                    row.update(check_eager(case, impl))
+                    row.update(check_eager(case, impl, ref))
                 else:
                     torch._dynamo.reset()
                     row.update(opcases.check_compiled(case, impl, mode="reduce-overhead", time_calls=args.calls))
@@ -195,7 +212,7 @@ def main(argv=None) -> int:
             print(f"{status:5s} {shape:28s} {case.name:46s} {impl:9s} err {row.get('max_abs_err', float('nan')):.2e}"
                   f"  graph {ms if ms is None else round(ms, 4)} ms  eager {eager if eager is None else round(eager, 4)}"
                   f" ms  {row.get('message') or row.get('error', '')[:200]}", flush=True)
-        del case
+        del case, ref
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     save()

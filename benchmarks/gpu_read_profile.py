@@ -18,22 +18,44 @@ import sys
 import torch
 
 
+def reader(op: str, shape, batch: int, ctx: int, dev, gen):
+    """``(read, impl)``: one call of ``op``'s read at this shape, as ``benchutil`` times it - a static layer's read
+    (:data:`~kvcompress.kernels.benchutil.STATIC_OPS`), ``sdpa`` on the uncompressed cache (the grid's baseline, so
+    a row's kernels can be set beside it from the same run), or ``leank50`` / ``leank70`` (the grouped lanes kernel
+    over a pruned middle of ``ctx - 1024`` tokens and the full-precision region)."""
+    from kvcompress.kernels import benchutil as bu
+
+    m = shape.q_heads // shape.kv_heads
+    scale = shape.head_dim ** -0.5
+    if op == "sdpa":
+        q, k, v = bu.dense_inputs(batch, shape.kv_heads, ctx, shape.head_dim, m, dev, gen)
+        sdpa = bu._sdpa_fn(None)
+        return (lambda: sdpa(q, k, v)), "sdpa"
+    if op in ("leank50", "leank70"):
+        from kvcompress.kernels.leank.triton_kernel import grouped_partial_attention
+
+        q, lanes = bu.leank_inputs(batch, shape.kv_heads, ctx - bu.LEANK_FP_TOKENS, shape.head_dim, m, int(op[5:]),
+                                   dev, gen)
+        return (lambda: grouped_partial_attention(q, lanes, scale)), "lanes:triton"
+    layer = bu.build_static_layer(op, shape, batch, ctx, dev, gen)
+    q = torch.randn(batch, shape.q_heads, 1, shape.head_dim, device=dev, dtype=torch.float16, generator=gen)
+    return (lambda: bu.static_read(layer, q, scale)), bu.static_impl(layer)
+
+
 def profile_read(op: str, shape_name: str, batch: int, ctx: int, iters: int = 20) -> dict:
     from kvcompress.kernels import benchutil as bu
 
     shape = bu._shape_named(shape_name)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    layer = bu.build_static_layer(op, shape, batch, ctx, dev, gen)
-    q = torch.randn(batch, shape.q_heads, 1, shape.head_dim, device=dev, dtype=torch.float16, generator=gen)
-    scale = shape.head_dim ** -0.5
+    read, impl = reader(op, shape, batch, ctx, dev, gen)
     for _ in range(3):
-        bu.static_read(layer, q, scale)
+        read()
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(iters):
-            bu.static_read(layer, q, scale)
+            read()
         torch.cuda.synchronize()
     kernels: dict[str, list[float]] = {}
     for ev in prof.events():
@@ -42,7 +64,7 @@ def profile_read(op: str, shape_name: str, batch: int, ctx: int, iters: int = 20
     total = sum(sum(v) for v in kernels.values()) / iters
     rows = sorted(({"kernel": k[:110], "per_call": len(v) / iters, "mean_us": sum(v) / len(v),
                     "us_per_call": sum(v) / iters} for k, v in kernels.items()), key=lambda r: -r["us_per_call"])
-    return {"op": op, "shape": shape_name, "batch": batch, "ctx": ctx, "impl": bu.static_impl(layer),
+    return {"op": op, "shape": shape_name, "batch": batch, "ctx": ctx, "impl": impl,
             "kernel_us_per_call": total, "kernels": rows}
 
 

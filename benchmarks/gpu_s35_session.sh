@@ -226,7 +226,7 @@ case "${PART:-stages}" in
     # 0.94x, low rank B4-B64/4k 0.81-0.92x, LeanK-50 B16/4k 0.96x; eager, per kernel)
     cd "$HERE/.." || exit 1
     source benchmarks/gpu_site.sh
-    timeout "${PF_TIMEOUT:-200}" python "$SRC/benchmarks/gpu_read_profile.py" --ops "${PF_OPS:-none,lowrank,leank50}" \
+    timeout "${PF_TIMEOUT:-200}" python "$SRC/benchmarks/gpu_read_profile.py" --ops "${PF_OPS:-sdpa,none,lowrank,leank50}" \
       --shapes "${PF_SHAPES:-llama3-8b:4:4k,llama3-8b:16:4k,llama3-8b:64:4k}" --out "$OUT/read_profile.json" 2>&1 \
       | grep -v Warning | tail -80 | tee -a "$OUT/profile.txt"
     ;;
@@ -235,9 +235,17 @@ case "${PART:-stages}" in
     # picks the batches (about 10 min for all on an H200: split over calls)
     cd "$HERE/.." || exit 1
     source benchmarks/gpu_site.sh
-    timeout "${OG_TIMEOUT:-500}" python "$SRC/benchmarks/gpu_ops_check.py" --grid --eager --out "$OUT" \
+    timeout "${OG_TIMEOUT:-500}" python "$SRC/benchmarks/gpu_ops_check.py" --grid --eager --out "$OUT" ${OG_OPS:+--ops "$OG_OPS"} \
       --shapes "${OG_SHAPES:-grid-llama3-8b-b1-,grid-smollm2-135m-b1-,grid-llama3-8b-b4-,grid-smollm2-135m-b4-}" 2>&1 \
       | grep -v Warning | tail -40 | tee -a "$OUT/ops_grid.txt"
+    ;;
+  lanes4k)  # the Llama 4k lanes reads below 1x (session 38 H200: the empty stack B16/4k 0.94x, low rank B4-B64/4k
+    # 0.81-0.92x, LeanK-50 B16/4k 0.96x) under launch settings the rules do not pick there: fixed split counts, 3 / 4
+    # stages, 4 waves (session 39)
+    ROUNDS=${ROUNDS:-1} && sweep none KVCOMPRESS_LEANK_CONFIG none,lowrank,leank50 \
+      "${S35_SHAPES:-llama3-8b:4:4k,llama3-8b:16:4k,llama3-8b:64:4k}" \
+      '{}' '{"num_stages": 3}' '{"num_stages": 4}' '{"waves": 4}' '{"splits": 2}' '{"splits": 4}' '{"splits": 8}' \
+      '{"splits": 16}'
     ;;
   paged-tests)  # the paged kernel's GPU tests alone (session 38: its page-id gathers' indices wrapped into the block)
     export PS_XDIST=${PS_XDIST:-8}
@@ -250,6 +258,6 @@ case "${PART:-stages}" in
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k or buffer-auto" >&2
      exit 2 ;;
 esac

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3  # as the kernels' own tests (fp16 operands, fp32 accumulation)
+BUILD_ELEMENTS = 1 << 30  # fp32 elements of keys (or values) a case builder quantizes at a time (4 GB)
 OUTPUT_OPS = ("kivi_partial", "kivi_buffer_partial", "paged_partial", "lanes_partial", "gather_partial",
               "kivi_lanes_partial")
 
@@ -34,10 +35,24 @@ class OpCase:
     facts: dict  # static facts for ops.choose
     static: tuple[int, ...] = ()  # indices of args that are cache buffers (static addresses under CUDA graphs)
     extra: dict = dataclasses.field(default_factory=dict)  # what check() needs (select_topk: k, scores)
+    batch_args: tuple[int, ...] = ()  # indices of args whose first dim is the batch (rows are read independently)
 
-    def reference(self):
-        """The reference outputs (eager)."""
-        return self.fn("reference")(*self.args)
+    def reference(self, batch_chunk: int | None = None):
+        """The reference outputs (eager).  ``batch_chunk``: computed ``batch_chunk`` batch rows at a time (cases with
+        ``batch_args`` only) and concatenated - the reference's fp32 copies of a whole B64 / 128k cache would not fit
+        beside it (34 GB each at Llama heads)."""
+        f = self.fn("reference")
+        batch = self.args[0].shape[0]
+        if not batch_chunk or not self.batch_args or batch <= batch_chunk:
+            return f(*self.args)
+        parts = []
+        for lo in range(0, batch, batch_chunk):
+            args = tuple(a[lo: lo + batch_chunk] if i in self.batch_args and a is not None else a
+                         for i, a in enumerate(self.args))
+            parts.append(f(*args))
+        if isinstance(parts[0], torch.Tensor):
+            return torch.cat(parts)
+        return tuple(torch.cat([p[j] for p in parts]) for j in range(len(parts[0])))
 
     def check(self, got, ref=None) -> tuple[bool, float, str]:
         """``(ok, max abs error, message)`` of ``got`` against the reference outputs ``ref``."""
@@ -125,11 +140,21 @@ def kivi_case(batch: int = 2, kv_heads: int = 1, rows: int = 3, head_dim: int = 
     gen = _gen(seed, device)
     dv = v_dim or head_dim
     t = -(-capacity // group) * group
-    k = torch.randn(batch, kv_heads, t, head_dim, generator=gen, device=gen.device) * 1.5 + 0.3
-    v = torch.randn(batch, kv_heads, t, dv, generator=gen, device=gen.device)
-    q = torch.randn(batch, kv_heads, rows, head_dim, generator=gen, device=gen.device).to(query_dtype)
-    kc, ks, kz = quantize_keys(k, bits, group)
-    vc, vs, vz = quantize_values(v, bits, v_group)
+    # a few batch rows at a time where the fp32 keys / values would be large (B64 / 128k at Llama heads: 34 GB each)
+    step = max(1, min(batch, BUILD_ELEMENTS // max(1, kv_heads * t * max(head_dim, dv))))
+    quantized = []
+    for lo in range(0, batch, step):
+        n = min(step, batch - lo)
+        k = torch.randn(n, kv_heads, t, head_dim, generator=gen, device=gen.device) * 1.5 + 0.3
+        v = torch.randn(n, kv_heads, t, dv, generator=gen, device=gen.device)
+        if step == batch:
+            q = torch.randn(batch, kv_heads, rows, head_dim, generator=gen, device=gen.device).to(query_dtype)
+        quantized.append((*quantize_keys(k, bits, group), *quantize_values(v, bits, v_group)))
+        del k, v
+    if step < batch:
+        q = torch.randn(batch, kv_heads, rows, head_dim, generator=gen, device=gen.device).to(query_dtype)
+    kc, ks, kz, vc, vs, vz = (torch.cat([part[j] for part in quantized]) for j in range(6))
+    del quantized
     valid = _valid(batch, t, gen, dead_row)
     args = tuple(x.to(device) for x in (q, kc, ks, kz, vc, vs, vz, valid)) + (_length(live, device),)
     scale = head_dim ** -0.5
@@ -143,7 +168,7 @@ def kivi_case(batch: int = 2, kv_heads: int = 1, rows: int = 3, head_dim: int = 
     facts = dict(bits=bits, group=group, head_dim=head_dim, v_dim=dv, v_group=v_group, tokens=t)
     return OpCase(f"kivi{bits}-b{batch}-h{kv_heads}-m{rows}-d{head_dim}-t{t}-live{live}{_cap(softcap)}", "kivi_partial",
                   args, fn,
-                  facts, static=tuple(range(1, 8)))
+                  facts, static=tuple(range(1, 8)), batch_args=tuple(range(8)))
 
 
 def kivi_buffer_case(batch: int = 2, kv_heads: int = 1, rows: int = 3, head_dim: int = 64, capacity: int = 96,
@@ -173,7 +198,8 @@ def kivi_buffer_case(batch: int = 2, kv_heads: int = 1, rows: int = 3, head_dim:
 
     name = (f"{region.name.replace(f'kivi{bits}-', f'kivi{bits}-buffer-', 1)}-s{slots}-blive{buffer_live}"
             f"-{str(dtype).removeprefix('torch.')}{_cap(softcap)}")
-    return OpCase(name, "kivi_buffer_partial", args, fn, region.facts, static=region.static + (9, 10, 11))
+    return OpCase(name, "kivi_buffer_partial", args, fn, region.facts, static=region.static + (9, 10, 11),
+                  batch_args=region.batch_args + (9, 10, 11))
 
 
 # ----------------------------------------------------------------------------- paged
@@ -210,7 +236,7 @@ def paged_case(batch: int = 2, kv_heads: int = 2, rows: int = 3, head_dim: int =
     facts = dict(page_size=page, head_dim=head_dim, v_dim=dv, dtype=dtype)
     return OpCase(f"paged-b{batch}-h{kv_heads}-m{rows}-d{head_dim}-p{page}-w{w}-live{live}{_cap(softcap)}",
                   "paged_partial", args,
-                  fn, facts, static=(1, 2, 3, 4))
+                  fn, facts, static=(1, 2, 3, 4), batch_args=(0, 4))
 
 
 # ----------------------------------------------------------------------------- LeanK lanes
@@ -276,7 +302,8 @@ def lanes_case(batch: int = 2, kv_heads: int = 4, rows: int = 3, head_dim: int =
     static = tuple(1 + 2 * n + i for i in range(4 * n))  # k, v, valid and basis of every lane
     return OpCase(f"lanes-b{batch}-h{kv_heads}-m{rows}-d{head_dim}-t{capacity}-lanes{n}-live{live}"
                   f"{f'-r{rank}' if rank else ''}{f'-out{str(out_dtype)[6:]}' if out_dtype else ''}{_cap(softcap)}",
-                  "lanes_partial", args, fn, facts, static=static, extra={"out_dtype": out_dtype})
+                  "lanes_partial", args, fn, facts, static=static, extra={"out_dtype": out_dtype},
+                  batch_args=(0, *range(1 + 2 * n, 1 + 5 * n)))  # the query, every lane's k, v and valid
 
 
 def lanes_of(parts) -> list[tuple]:
@@ -333,7 +360,7 @@ def kivi_lanes_case(batch: int = 2, kv_heads: int = 4, rows: int = 3, head_dim: 
                  kept=tuple(sorted(set(counts) - {0})), k_per_token=False)
     static = (1,) + tuple(3 + 8 * i + j for i in range(n) for j in range(2, 8))  # valid and every lane's payload
     return OpCase(f"kivi{bits}-lanes-b{batch}-h{kv_heads}-m{rows}-d{head_dim}-t{t}-lanes{n}-live{live}{_cap(softcap)}",
-                  "kivi_lanes_partial", args, fn, facts, static=static)
+                  "kivi_lanes_partial", args, fn, facts, static=static, batch_args=static + (0,))
 
 
 def kivi_lanes_buffer_case(batch: int = 2, kv_heads: int = 4, rows: int = 3, head_dim: int = 64, capacity: int = 96,
@@ -370,7 +397,8 @@ def kivi_lanes_buffer_case(batch: int = 2, kv_heads: int = 4, rows: int = 3, hea
     k = len(args)
     name = (f"{lanes.name.replace('-lanes-', '-lanes-buffer-', 1)}-s{slots}-blive{buffer_live}"
             f"-{str(dtype).removeprefix('torch.')}")
-    return OpCase(name, "kivi_lanes_buffer_partial", args, fn, lanes.facts, static=lanes.static + (k - 4, k - 3, k - 2))
+    return OpCase(name, "kivi_lanes_buffer_partial", args, fn, lanes.facts, static=lanes.static + (k - 4, k - 3, k - 2),
+                  batch_args=lanes.batch_args + (k - 4, k - 3, k - 2))
 
 
 # ----------------------------------------------------------------------------- DoubleSparse
@@ -436,7 +464,7 @@ def gather_case(batch: int = 2, kv_heads: int = 2, rows: int = 3, tokens: int = 
     facts = dict(head_dim=head_dim, v_dim=dv, dtype=dtype, query_dtype=dtype)
     return OpCase(f"gather{'-shared' if shared else ''}-b{batch}-h{kv_heads}-m{rows}-t{tokens}-k{selected}"
                   f"{_cap(softcap)}",
-                  "gather_partial", args, fn, facts, static=(1, 2, 3))
+                  "gather_partial", args, fn, facts, static=(1, 2, 3), batch_args=(0, 1, 2, 3, 4))
 
 
 def _cap(softcap: float | None) -> str:

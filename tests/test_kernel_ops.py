@@ -433,3 +433,49 @@ def test_kivi_partial_cuda_glue_hands_the_length_to_the_kernel(monkeypatch):
     ref_out, ref_lse = kivi_ref.kivi_attention_partial(
         q, kivi_ref.PackedKV(2, 32, *kq, *vq, cut), 0.125)
     assert torch.allclose(out, ref_out, atol=2e-3, rtol=1e-3) and torch.allclose(lse, ref_lse, atol=2e-3, rtol=1e-3)
+
+
+CHUNKED = [n for n in CASE_NAMES if _cases()[n].batch_args and _cases()[n].args[0].shape[0] > 1]
+
+
+@pytest.mark.parametrize("name", CHUNKED)
+def test_reference_one_batch_row_at_a_time_equals_the_whole_batch(name):
+    """``OpCase.reference(batch_chunk)`` (how ``benchmarks/gpu_ops_check.py`` checks the B64 / 128k grid cases, whose
+    whole-batch reference does not fit in GPU memory) slices exactly the batch-leading arguments: one row at a time
+    gives the whole batch's reference, dead row, padding and per-row masks included."""
+    case = _cases()[name]
+    whole, rows = case.reference(), case.reference(batch_chunk=1)
+    whole = (whole,) if isinstance(whole, torch.Tensor) else whole
+    rows = (rows,) if isinstance(rows, torch.Tensor) else rows
+    assert len(rows) == len(whole)
+    for r, w in zip(rows, whole):
+        assert r.shape == w.shape and r.dtype == w.dtype
+        torch.testing.assert_close(r, w, rtol=0, atol=1e-6, equal_nan=True)
+
+
+def test_every_multi_row_output_case_declares_its_batch_arguments():
+    from kvcompress.kernels import opcases
+
+    missing = [n for n, c in _cases().items() if c.op in opcases.OUTPUT_OPS and not c.batch_args]
+    assert not missing
+
+
+def test_kivi_case_built_a_few_rows_at_a_time(monkeypatch):
+    """Above ``BUILD_ELEMENTS`` fp32 elements the KIVI case quantizes its keys and values a few batch rows at a time
+    (B64 / 128k at Llama heads would need 68 GB at once): same shapes and dtypes as a whole-batch build, codes that
+    decode near the random data's range, and a reference that still reads row by row."""
+    from kvcompress.kernels import opcases
+
+    whole = opcases.kivi_case(batch=5, kv_heads=2, rows=3, head_dim=32, capacity=64, live=50)
+    monkeypatch.setattr(opcases, "BUILD_ELEMENTS", 2 * 64 * 32 * 2)  # two batch rows at a time
+    parts = opcases.kivi_case(batch=5, kv_heads=2, rows=3, head_dim=32, capacity=64, live=50)
+    for a, b in zip(whole.args, parts.args):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.shape == b.shape and a.dtype == b.dtype
+    assert not torch.equal(whole.args[1], parts.args[1])  # fresh random rows, not a copy
+    out, lse = parts.reference()
+    ref_out, ref_lse = parts.reference(batch_chunk=2)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-6)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-6)
+    assert torch.isfinite(lse[0]).all() and not torch.isfinite(lse[-1]).any()  # the dead last row
