@@ -219,8 +219,11 @@ case "${PART:-stages}" in
     # decoding fills them (one page per row per append) and 64-token pages, beside SDPA (session 38, not yet run)
     cd "$HERE/.." || exit 1
     source benchmarks/gpu_site.sh
-    timeout "${PL_TIMEOUT:-300}" python "$SRC/benchmarks/paged_layout_probe.py" --out "$OUT/probe.json" \
-      ${PL_SHAPES:+--shapes "$PL_SHAPES"} 2>&1 | grep -v Warning | tee -a "$OUT/probe.md"
+    for r in $(seq 1 "${PL_ROUNDS:-1}"); do  # PL_ROUNDS: the probe again (session 39's one round was not monotone)
+      echo "## round $r" | tee -a "$OUT/probe.md"
+      timeout "${PL_TIMEOUT:-300}" python "$SRC/benchmarks/paged_layout_probe.py" --out "$OUT/probe_$r.json" \
+        ${PL_SHAPES:+--shapes "$PL_SHAPES"} 2>&1 | grep -v Warning | tee -a "$OUT/probe.md"
+    done
     ;;
   profile4k)  # where the Llama 4k lanes reads below 1x spend their kernel time (session 38: the empty stack B16/4k
     # 0.94x, low rank B4-B64/4k 0.81-0.92x, LeanK-50 B16/4k 0.96x; eager, per kernel)
