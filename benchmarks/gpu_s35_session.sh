@@ -222,7 +222,7 @@ case "${PART:-stages}" in
     for r in $(seq 1 "${PL_ROUNDS:-1}"); do  # PL_ROUNDS: the probe again (session 39's one round was not monotone)
       echo "## round $r" | tee -a "$OUT/probe.md"
       timeout "${PL_TIMEOUT:-300}" python "$SRC/benchmarks/paged_layout_probe.py" --out "$OUT/probe_$r.json" \
-        ${PL_SHAPES:+--shapes "$PL_SHAPES"} 2>&1 | grep -v Warning | tee -a "$OUT/probe.md"
+        ${PL_SHAPES:+--shapes "$PL_SHAPES"} ${PL_VARIANTS:+--variants "$PL_VARIANTS"} 2>&1 | grep -v Warning | tee -a "$OUT/probe.md"
     done
     ;;
   profile4k)  # where the Llama 4k lanes reads below 1x spend their kernel time (session 38: the empty stack B16/4k

@@ -9,7 +9,11 @@ checked against SDPA's output):
   chunk being ``FILL_CHUNK_BYTES`` of K: runs of hundreds of pages per row);
 * ``p16-decode``: 16-token pages appended one page per row at a time, as a pool fills while decoding (every row's
   consecutive pages ``batch`` pages apart);
-* ``p64``: 64-token pages (16 KB of one head's K contiguous per page at d 128, the lanes kernel's step).
+* ``p64``: 64-token pages (16 KB of one head's K contiguous per page at d 128, the lanes kernel's step);
+* ``p16-heads`` / ``p16-decode-heads``: the ``p16`` / ``p16-decode`` pools stored head-major (``[heads, pages, P,
+  d]``, read through a ``[pages, heads, P, d]`` view): a head's pages lie together instead of every page holding all
+  heads (session 39: three rounds on an H100 moved ``p16`` against ``p16-decode`` by 10-15 % in opposite directions
+  at B16 and B64, and ``p64`` by up to 25 % between rounds - the pool's placement, not the page size).
 
 If ``p64`` closes the gap the page granularity is the cost; if ``p16-decode`` widens it, the scatter.
 
@@ -23,7 +27,9 @@ import json
 import sys
 import time
 
-VARIANTS = {"p16": dict(page=16), "p16-decode": dict(page=16, per_append=16), "p64": dict(page=64)}
+VARIANTS = {"p16": dict(page=16), "p16-decode": dict(page=16, per_append=16), "p64": dict(page=64),
+            "p16-heads": dict(page=16, heads_major=True),
+            "p16-decode-heads": dict(page=16, per_append=16, heads_major=True)}
 
 
 def probe(shapes: str, variants: str, device=None, *, time_reads: bool = True, log=print) -> list[dict]:
@@ -62,6 +68,10 @@ def probe(shapes: str, variants: str, device=None, *, time_reads: bool = True, l
             t0 = time.perf_counter()
             _, view = paged_bench.paged_pool(batch, shape.kv_heads, ctx, shape.head_dim, dev, page=opts["page"],
                                              kv=(k, v), chunk_bytes=chunk)
+            if opts.get("heads_major"):  # the same pool re-laid head by head: [heads, pages, P, d] storage, read
+                # through a [pages, heads, P, d] view (the kernel takes the strides) - a head's pages contiguous
+                for name in ("k", "v"):
+                    view.payload[name] = view.payload[name].transpose(0, 1).contiguous().transpose(0, 1)
             fill = time.perf_counter() - t0
             err = (view.attention_partial(q, scale)[0].float() - want).abs().max().item()
             us = benchutil.time_op(lambda qq, vv: vv.attention_partial(qq, scale), [(q, view)]).us if time_reads \

@@ -11,12 +11,12 @@ import paged_layout_probe  # noqa: E402
 
 
 def test_every_pool_reads_the_tokens_sdpa_reads():
-    rows = paged_layout_probe.probe("smollm2-135m:2:256", "p16,p16-decode,p64", "cpu", time_reads=False,
-                                    log=lambda line: None)
-    assert [r["read"] for r in rows] == ["sdpa", "p16", "p16-decode", "p64"]
+    rows = paged_layout_probe.probe("smollm2-135m:2:256", "p16,p16-decode,p64,p16-heads,p16-decode-heads", "cpu",
+                                    time_reads=False, log=lambda line: None)
+    assert [r["read"] for r in rows] == ["sdpa", "p16", "p16-decode", "p64", "p16-heads", "p16-decode-heads"]
     for r in rows[1:]:  # the same output as SDPA on the contiguous tokens, up to fp16 rounding
         assert r["err"] < 2e-3, r
-    assert [r["pages"] for r in rows[1:]] == [256 // 16, 256 // 16, 256 // 64]
+    assert [r["pages"] for r in rows[1:]] == [256 // 16, 256 // 16, 256 // 64, 256 // 16, 256 // 16]
 
 
 def test_the_decode_fill_interleaves_rows_page_by_page():
