@@ -70,8 +70,8 @@ def probe(shapes: str, variants: str, device=None, *, time_reads: bool = True, l
                                              kv=(k, v), chunk_bytes=chunk)
             if opts.get("heads_major"):  # the same pool re-laid head by head: [heads, pages, P, d] storage, read
                 # through a [pages, heads, P, d] view (the kernel takes the strides) - a head's pages contiguous
-                for name in ("k", "v"):
-                    view.payload[name] = view.payload[name].transpose(0, 1).contiguous().transpose(0, 1)
+                for part in ("k", "v"):
+                    view.payload[part] = view.payload[part].transpose(0, 1).contiguous().transpose(0, 1)
             fill = time.perf_counter() - t0
             err = (view.attention_partial(q, scale)[0].float() - want).abs().max().item()
             us = benchutil.time_op(lambda qq, vv: vv.attention_partial(qq, scale), [(q, view)]).us if time_reads \
