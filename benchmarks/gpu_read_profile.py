@@ -14,12 +14,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Callable, NamedTuple
 
 import torch
 
 
-def reader(op: str, shape, batch: int, ctx: int, dev, gen):
-    """``(read, impl)``: one call of ``op``'s read at this shape, as ``benchutil`` times it - a static layer's read
+class Read(NamedTuple):
+    """One read to profile: ``call()`` runs it; ``impl`` names its kernels; ``inputs`` are what it reads (the query
+    and the K / V tensors, lanes or static layer)."""
+
+    call: Callable[[], object]
+    impl: str
+    inputs: tuple
+
+
+def reader(op: str, shape, batch: int, ctx: int, dev, gen) -> Read:
+    """One call of ``op``'s read at this shape, as ``benchutil`` times it - a static layer's read
     (:data:`~kvcompress.kernels.benchutil.STATIC_OPS`), ``sdpa`` on the uncompressed cache (the grid's baseline, so
     a row's kernels can be set beside it from the same run), or ``leank50`` / ``leank70`` (the grouped lanes kernel
     over a pruned middle of ``ctx - 1024`` tokens and the full-precision region)."""
@@ -30,16 +40,16 @@ def reader(op: str, shape, batch: int, ctx: int, dev, gen):
     if op == "sdpa":
         q, k, v = bu.dense_inputs(batch, shape.kv_heads, ctx, shape.head_dim, m, dev, gen)
         sdpa = bu._sdpa_fn(None)
-        return (lambda: sdpa(q, k, v)), "sdpa"
+        return Read(lambda: sdpa(q, k, v), "sdpa", (q, k, v))
     if op in ("leank50", "leank70"):
         from kvcompress.kernels.leank.triton_kernel import grouped_partial_attention
 
         q, lanes = bu.leank_inputs(batch, shape.kv_heads, ctx - bu.LEANK_FP_TOKENS, shape.head_dim, m, int(op[5:]),
                                    dev, gen)
-        return (lambda: grouped_partial_attention(q, lanes, scale)), "lanes:triton"
+        return Read(lambda: grouped_partial_attention(q, lanes, scale), "lanes:triton", (q, lanes))
     layer = bu.build_static_layer(op, shape, batch, ctx, dev, gen)
     q = torch.randn(batch, shape.q_heads, 1, shape.head_dim, device=dev, dtype=torch.float16, generator=gen)
-    return (lambda: bu.static_read(layer, q, scale)), bu.static_impl(layer)
+    return Read(lambda: bu.static_read(layer, q, scale), bu.static_impl(layer), (q, layer))
 
 
 def profile_read(op: str, shape_name: str, batch: int, ctx: int, iters: int = 20) -> dict:
@@ -48,7 +58,7 @@ def profile_read(op: str, shape_name: str, batch: int, ctx: int, iters: int = 20
     shape = bu._shape_named(shape_name)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    read, impl = reader(op, shape, batch, ctx, dev, gen)
+    read, impl, _ = reader(op, shape, batch, ctx, dev, gen)
     for _ in range(3):
         read()
     torch.cuda.synchronize()

@@ -20,7 +20,7 @@ def _shape():
 
 def test_sdpa_row_is_sdpa_on_the_uncompressed_cache():
     gen = torch.Generator().manual_seed(0)
-    read, impl = gpu_read_profile.reader("sdpa", _shape(), 2, 96, torch.device("cpu"), gen)
+    read, impl, _ = gpu_read_profile.reader("sdpa", _shape(), 2, 96, torch.device("cpu"), gen)
     out = read()
     assert impl == "sdpa" and out.shape == (2, 3, 3, 64)
     from kvcompress.kernels import benchutil
@@ -35,9 +35,19 @@ def test_leank_rows_build_the_grids_lanes(op):
     narrower than the head, and the full-precision region (built only: the Triton kernel needs a GPU)."""
     from kvcompress.kernels import benchutil
 
-    read, impl = gpu_read_profile.reader(op, _shape(), 1, 1100, torch.device("cpu"), torch.Generator().manual_seed(0))
-    assert impl == "lanes:triton"
-    lanes = next(c.cell_contents for c in read.__closure__ if isinstance(c.cell_contents, list))
+    read = gpu_read_profile.reader(op, _shape(), 1, 1100, torch.device("cpu"), torch.Generator().manual_seed(0))
+    assert read.impl == "lanes:triton"
+    _, lanes = read.inputs
     assert lanes[-1].k.shape[2] == benchutil.LEANK_FP_TOKENS
     assert all(lane.k.shape[2] == 1100 - benchutil.LEANK_FP_TOKENS for lane in lanes[:-1])
     assert all(lane.k.shape[-1] < 64 for lane in lanes[:-1])
+
+
+def test_static_rows_read_the_layer_the_grid_builds():
+    """``none`` / ``lowrank``: a static layer of that stack, read by ``benchutil.static_read`` (run on the CPU: the
+    reference path), its output one row per query head."""
+    read = gpu_read_profile.reader("lowrank", _shape(), 1, 1100, torch.device("cpu"), torch.Generator().manual_seed(0))
+    q, layer = read.inputs
+    assert layer.middle is not None  # the low-rank middle beside the full-precision buffer
+    out = read.call()
+    assert out.shape == (1, 1, 9, 64) and torch.isfinite(out).all()
