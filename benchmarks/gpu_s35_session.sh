@@ -87,7 +87,7 @@
 # caching allocator's (0.81-0.84x -> 0.96-1.00x with expandable segments), not the page layout (docs/results.md
 # "Session 39").  Left: PARTS="grid-full grid-full-expandable" on an H200 (the whole grid under the default allocator
 # and under expandable segments, same machine; about 210 s each), then the 4k lanes reads' launch rule (lanes4k, two
-# rounds, H200).
+# rounds, H200) and PART=proj-stages (the opt-in 3-stage rule for low rank, two rounds, H200).
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -203,6 +203,12 @@ case "${PART:-stages}" in
     S34_GRID_PART=grid2 S34_GRID_OPS=kivi2,kivi4,leank50,leank70,leank70-kivi2,ds8,ds16,ds8-shared,ds16-shared,paged-dense,paged-kivi2,lowrank,none \
       G_TIMEOUT=${G_TIMEOUT:-300} G_SECONDS=${G_SECONDS:-280} PART=grid bash "$HERE/gpu_s34_session.sh" "$OUT"
     ;;
+  proj-stages)  # low rank with the empty stack's 3-stage rule (opt-in proj_stages, session 39) against the default,
+    # every Llama shape of the grid up to B16 (where the rule applies) and B64 / 4k (where it does not), two rounds
+    ROUNDS=2 && sweep none KVCOMPRESS_LEANK_CONFIG lowrank \
+      "${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:1:128k,llama3-8b:4:4k,llama3-8b:4:32k,llama3-8b:4:128k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:16:128k,llama3-8b:64:4k}" \
+      '{}' '{"proj_stages": true}'
+    ;;
   grid-full-expandable)  # the same grid with PyTorch's expandable segments (session 39: allocation history moved
     # same-kernel reads by 16-19 % under the default caching allocator); benchutil records the setting in each row
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PARTS= PART=grid-full bash "$HERE/gpu_s35_session.sh" "$OUT"
@@ -270,6 +276,6 @@ case "${PART:-stages}" in
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, grid-full-expandable or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, grid-full-expandable or buffer-auto" >&2
      exit 2 ;;
 esac

@@ -398,6 +398,14 @@ def test_launch_shape_rule_and_overrides():
     assert tk._launch_shape(auto, 16, 8, 128, full_width=False) == (2, 4)  # Llama B16 (16384)
     assert tk._launch_shape(auto, 1, 3, 64, full_width=False) == (2, 4)  # SmolLM2 B1 (192), counted per lane
     assert tk._launch_shape({"waves": 1, "num_stages": 5}, 4, 8, 128, full_width=True) == (1, 5)
+    # low rank (a projected lane beside the full-width buffer): 4 stages unless proj_stages (opt-in) gives it the
+    # empty stack's 3-stage rule, up to 128 programs per split
+    assert tk._launch_shape(auto, 16, 8, 128, full_width=False, projected=True) == (2, 4)
+    assert tk._launch_shape(dict(auto, proj_stages=True), 4, 8, 128, full_width=False, projected=True) == (2, 3)
+    assert tk._launch_shape(dict(auto, proj_stages=True), 16, 8, 128, full_width=False, projected=True) == (2, 3)
+    assert tk._launch_shape(dict(auto, proj_stages=True), 64, 8, 128, full_width=False, projected=True) == (2, 4)
+    assert tk._launch_shape(dict(auto, proj_stages=True), 4, 8, 128, full_width=False) == (4, 4)  # LeanK: unchanged
+    assert tk._launch_shape(dict(auto, proj_stages=True), 4, 3, 64, full_width=False, projected=True) == (4, 4)  # d 64
     # counted by work: waves of the programs that do the work (1 / 4 / 2); one lane: as before
     assert tk._launch_shape(auto, 16, 3, 64, full_width=True, work=True) == (4, 4)
     assert tk._launch_shape(auto, 1, 3, 64, full_width=False, work=True) == (1, 4)  # SmolLM2 B1 (192)

@@ -60,7 +60,8 @@ two rounds over 35 reads: 12-13 faster by more than 2 %, none slower in both rou
 empty stack SmolLM2 B1 / 32k 12 %, LeanK-70 + KIVI-2 SmolLM2 B16 / B64 4 %).  ``pdl`` (opt-in; mixed on the H200 in
 session 33): the split merge is launched with programmatic dependent launch on Hopper
 (:func:`~kvcompress.kernels.attention.triton_shared.use_pdl`): it starts while the lanes kernel's last wave runs and
-waits for it on the device, so its launch latency and prologue overlap the split kernel.
+waits for it on the device, so its launch latency and prologue overlap the split kernel.  ``proj_stages`` (opt-in,
+session 39): launches with a low-rank lane take the empty stack's 3-stage rule (:func:`_launch_shape`).
 """
 from __future__ import annotations
 
@@ -382,7 +383,8 @@ def uses_resident(cfg: dict, batch: int) -> bool:
     return mode == "auto" and bool(first) and batch >= int(first)
 
 
-def _launch_shape(cfg: dict, b: int, hkv: int, d: int, full_width: bool, work: bool = False) -> tuple[int, int]:
+def _launch_shape(cfg: dict, b: int, hkv: int, d: int, full_width: bool, work: bool = False,
+                  projected: bool = False) -> tuple[int, int]:
     """``(waves, num_stages)`` of a launch: the configuration's values where set (not ``None``), else the H200 rule.
 
     Every lane full width (the empty stack's read, one lane): session 16's rule - ``d >= 128`` and at most 128
@@ -396,9 +398,15 @@ def _launch_shape(cfg: dict, b: int, hkv: int, d: int, full_width: bool, work: b
     (:func:`counts_work`, :func:`split_count`), waves of the programs that do the work: 1 wave up to
     ``MID_WORK_MIN``, 4 up to ``MID_WORK_MAX``, else 2 (SmolLM2 heads, H200, 32k: LeanK-70 B4 / B16 / B64 1.29x /
     1.46x / 0.89x -> 1.45x / 1.81x / 1.47x, low-rank 0.59x / 0.66x / 0.50x -> 0.66x / 0.85x / 0.87x; docs/results.md,
-    issue 19, session 19)."""
+    issue 19, session 19).
+
+    ``proj_stages`` (opt-in, default off; session 39): a launch with a low-rank (``projected``) lane takes the empty
+    stack's 3-stage rule too (``d >= 128``, at most 128 programs per split, 2 waves).  Offline (Triton 3.6, sm_90) the
+    Llama low-rank build holds 2 programs per SM at 4 stages and 3 at 3; one H100 round at 4k: B4 -6.3 %, B16 -4.3 %
+    at 3 stages, B64 +10.4 % (outside the rule).  Not yet timed on an H200 nor at 32k / 128k."""
     size = b * hkv * d
-    if full_width and d >= 128 and b * hkv <= 128:
+    three = full_width or (projected and bool(cfg.get("proj_stages")))
+    if three and d >= 128 and b * hkv <= 128:
         waves, stages = 2, 3
     elif full_width or not work:
         waves, stages = (4 if MID_WORK_MIN < size <= MID_WORK_MAX else 2), 4
@@ -531,7 +539,7 @@ def _config() -> dict:
     (``benchmarks/gpu_read_profile.py``); ``waves`` / ``num_stages`` ``None`` follow :func:`_launch_shape`."""
     cfg = dict(BN=64, num_warps=4, num_stages=None, waves=None, min_split_tokens=256, canonical=False, combine="splits",
                split_rows="auto", splits=None, resident_batch=16, whole_waves=True, fill=0.9, fill_splits=4, pdl=False,
-               valid_ahead=True, warp_groups=1, single_wave_split_tokens=1480)
+               valid_ahead=True, warp_groups=1, single_wave_split_tokens=1480, proj_stages=False)
     env = os.environ.get("KVCOMPRESS_LEANK_CONFIG")
     if env:
         extra = json.loads(env)
@@ -710,7 +718,8 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     # the rule's head dimension is the values' (a low-rank lane over an extended query has d = head_dim + r)
     resident = uses_resident(cfg, b)
     work = resident or counts_work(cfg, dv)
-    waves, stages = _launch_shape(cfg, b, hkv, dv, all(r["c"] == d for r in rows), work)
+    waves, stages = _launch_shape(cfg, b, hkv, dv, all(r["c"] == d for r in rows), work,
+                                  projected=any(r["proj"] for r in rows))
     ieee = lanes[0].k.dtype == torch.float32
     pdl = use_pdl(cfg.get("pdl"), dev)  # the merge starts during the lanes kernel's last wave (Hopper)
     wg = warp_groups(cfg, bn, block_m)
