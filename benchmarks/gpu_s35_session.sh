@@ -87,7 +87,8 @@
 # caching allocator's (0.81-0.84x -> 0.96-1.00x with expandable segments), not the page layout (docs/results.md
 # "Session 39").  Left: PARTS="grid-full grid-full-expandable" on an H200 (the whole grid under the default allocator
 # and under expandable segments, same machine; about 210 s each), then the 4k lanes reads' launch rule (lanes4k, two
-# rounds, H200) and PART=proj-stages (the opt-in 3-stage rule for low rank, two rounds, H200).
+# rounds, H200), PART=proj-stages (the opt-in 3-stage rule for low rank, two rounds, H200) and
+# PART=compiled-expandable (compiled decode of every stack under the allocator setting the README recommends).
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -209,6 +210,13 @@ case "${PART:-stages}" in
       "${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:1:128k,llama3-8b:4:4k,llama3-8b:4:32k,llama3-8b:4:128k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:16:128k,llama3-8b:64:4k}" \
       '{}' '{"proj_stages": true}'
     ;;
+  compiled-expandable)  # compiled decode (reduce-overhead CUDA graphs) of every built-in stack, eager vs compiled,
+    # under expandable segments - the README's allocator tip was measured on plain CUDA-graph reads only (session 39)
+    cd "$HERE/.." || exit 1
+    source benchmarks/gpu_site.sh
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${CE_TIMEOUT:-400}" python "$SRC/benchmarks/gpu_compiled_check.py" \
+      --out "$OUT" --steps "${CE_STEPS:-64}" 2>&1 | grep -v Warning | tail -40 | tee -a "$OUT/compiled.txt"
+    ;;
   grid-full-expandable)  # the same grid with PyTorch's expandable segments (session 39: allocation history moved
     # same-kernel reads by 16-19 % under the default caching allocator); benchutil records the setting in each row
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PARTS= PART=grid-full bash "$HERE/gpu_s35_session.sh" "$OUT"
@@ -276,6 +284,6 @@ case "${PART:-stages}" in
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, grid-full-expandable or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, compiled-expandable, grid-full-expandable or buffer-auto" >&2
      exit 2 ;;
 esac
