@@ -88,7 +88,8 @@
 # "Session 39").  Left: PARTS="grid-full grid-full-expandable" on an H200 (the whole grid under the default allocator
 # and under expandable segments, same machine; about 210 s each), then the 4k lanes reads' launch rule (lanes4k, two
 # rounds, H200), PART=proj-stages (the opt-in 3-stage rule for low rank, two rounds, H200) and
-# PART=compiled-expandable (compiled decode of every stack under the allocator setting the README recommends).
+# PART=compiled-expandable (compiled decode of every stack under the allocator setting the README recommends),
+# PART=none-resident (the opt-in resident split count for the empty stack at B1 / B4, two rounds).
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -210,6 +211,12 @@ case "${PART:-stages}" in
       "${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:1:128k,llama3-8b:4:4k,llama3-8b:4:32k,llama3-8b:4:128k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:16:128k,llama3-8b:64:4k}" \
       '{}' '{"proj_stages": true}'
     ;;
+  none-resident)  # the empty stack's read with the resident split count at B1 / B4 too (opt-in resident_full_width,
+    # session 39; session 34's one round: Llama B4 / 32k 143.7 -> 133.6 us) against the default, two rounds
+    ROUNDS=2 && sweep none KVCOMPRESS_LEANK_CONFIG none \
+      "${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:1:128k,llama3-8b:4:4k,llama3-8b:4:32k,llama3-8b:4:128k,smollm2-135m:1:4k,smollm2-135m:1:32k,smollm2-135m:1:128k,smollm2-135m:4:4k,smollm2-135m:4:32k,smollm2-135m:4:128k}" \
+      '{}' '{"resident_full_width": true}'
+    ;;
   compiled-expandable)  # compiled decode (reduce-overhead CUDA graphs) of every built-in stack, eager vs compiled,
     # under expandable segments - the README's allocator tip was measured on plain CUDA-graph reads only (session 39)
     cd "$HERE/.." || exit 1
@@ -284,6 +291,6 @@ case "${PART:-stages}" in
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, compiled-expandable, grid-full-expandable or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, compiled-expandable, grid-full-expandable or buffer-auto" >&2
      exit 2 ;;
 esac

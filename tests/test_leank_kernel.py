@@ -504,6 +504,12 @@ def test_auto_takes_the_resident_count_from_batch_16():
     assert not tk.uses_resident(dict(cfg, resident_batch=None), 64)
     assert not tk.uses_resident(dict(cfg, split_rows="work"), 64)
     assert tk.uses_resident(dict(cfg, resident_batch=4), 4)
+    # resident_full_width (opt-in): launches reading every channel take it at every batch; others as before
+    assert not cfg["resident_full_width"] and not tk.uses_resident(cfg, 1, full_width=True)
+    wide = dict(cfg, resident_full_width=True)
+    assert [tk.uses_resident(wide, b, full_width=True) for b in (1, 4, 16)] == [True, True, True]
+    assert [tk.uses_resident(wide, b) for b in (1, 4, 16)] == [False, False, True]
+    assert not tk.uses_resident(dict(wide, split_rows="lanes"), 4, full_width=True)
 
 
 def test_configured_split_count_is_the_launchs_and_checked():

@@ -62,6 +62,8 @@ session 33): the split merge is launched with programmatic dependent launch on H
 (:func:`~kvcompress.kernels.attention.triton_shared.use_pdl`): it starts while the lanes kernel's last wave runs and
 waits for it on the device, so its launch latency and prologue overlap the split kernel.  ``proj_stages`` (opt-in,
 session 39): launches with a low-rank lane take the empty stack's 3-stage rule (:func:`_launch_shape`).
+``resident_full_width`` (opt-in, session 39): launches whose lanes read every channel take the resident split count
+at every batch (:func:`uses_resident`).
 """
 from __future__ import annotations
 
@@ -369,15 +371,23 @@ def counts_work(cfg: dict, head_dim: int) -> bool:
     return mode == "work" or (mode == "auto" and head_dim < 128)
 
 
-def uses_resident(cfg: dict, batch: int) -> bool:
+def uses_resident(cfg: dict, batch: int, full_width: bool = False) -> bool:
     """Whether a launch counts its splits by residency (:func:`resident_split_count`): ``split_rows`` "resident", or
     "auto" (the default) from ``resident_batch`` batch rows (default 16 since session 34; 0 / ``None``: never).  Two
     H200 sweeps (session 34, docs/results.md; none, low rank, LeanK-50/70, LeanK-70 + KIVI-2 at 14 and 10 shapes):
     at B16 and B64 the resident count was within 1.4 % or faster at every read (LeanK SmolLM2 B64 / 32k 308 -> 210
     us, Llama B64 / 32k 4-5 % faster), while at B1 / B4 it lost by up to 20 % (LeanK SmolLM2 B1 / 32k 17.4 -> 20.9
-    us) where it won elsewhere (low rank SmolLM2 B1 / 128k 79 -> 50 us) - below 16 rows the other rules stay."""
+    us) where it won elsewhere (low rank SmolLM2 B1 / 128k 79 -> 50 us) - below 16 rows the other rules stay.
+
+    ``resident_full_width`` (opt-in, session 39; ``full_width``: every lane reads all channels - the empty stack's
+    one lane): such launches take the resident count at every batch.  In that same sweep (one round) it was equal or
+    faster at every B1 / B4 read of the empty stack: Llama B4 / 32k 143.7 -> 133.6 us, B4 / 4k 27.4 -> 25.9, B1 / 32k
+    44.4 -> 43.1, SmolLM2 B1 / 128k 46.7 -> 40.6 (``docs/data/s34_h200/lanes_rule/``); the rule's 9 splits at Llama
+    B4 fill 288 of an H200's 396 program slots, the resident 12 fill 384.  Not yet A/B'd in two rounds."""
     mode = cfg.get("split_rows", "auto")
     if mode == "resident":
+        return True
+    if mode == "auto" and full_width and cfg.get("resident_full_width"):
         return True
     first = cfg.get("resident_batch")
     return mode == "auto" and bool(first) and batch >= int(first)
@@ -539,7 +549,8 @@ def _config() -> dict:
     (``benchmarks/gpu_read_profile.py``); ``waves`` / ``num_stages`` ``None`` follow :func:`_launch_shape`."""
     cfg = dict(BN=64, num_warps=4, num_stages=None, waves=None, min_split_tokens=256, canonical=False, combine="splits",
                split_rows="auto", splits=None, resident_batch=16, whole_waves=True, fill=0.9, fill_splits=4, pdl=False,
-               valid_ahead=True, warp_groups=1, single_wave_split_tokens=1480, proj_stages=False)
+               valid_ahead=True, warp_groups=1, single_wave_split_tokens=1480, proj_stages=False,
+               resident_full_width=False)
     env = os.environ.get("KVCOMPRESS_LEANK_CONFIG")
     if env:
         extra = json.loads(env)
@@ -716,10 +727,10 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     m_blocks = triton.cdiv(m, block_m)
     bn = cfg["BN"]
     # the rule's head dimension is the values' (a low-rank lane over an extended query has d = head_dim + r)
-    resident = uses_resident(cfg, b)
+    full_width = all(r["c"] == d for r in rows)
+    resident = uses_resident(cfg, b, full_width)
     work = resident or counts_work(cfg, dv)
-    waves, stages = _launch_shape(cfg, b, hkv, dv, all(r["c"] == d for r in rows), work,
-                                  projected=any(r["proj"] for r in rows))
+    waves, stages = _launch_shape(cfg, b, hkv, dv, full_width, work, projected=any(r["proj"] for r in rows))
     ieee = lanes[0].k.dtype == torch.float32
     pdl = use_pdl(cfg.get("pdl"), dev)  # the merge starts during the lanes kernel's last wave (Hopper)
     wg = warp_groups(cfg, bn, block_m)
