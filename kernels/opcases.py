@@ -147,7 +147,7 @@ def kivi_case(batch: int = 2, kv_heads: int = 1, rows: int = 3, head_dim: int = 
         n = min(step, batch - lo)
         k = torch.randn(n, kv_heads, t, head_dim, generator=gen, device=gen.device) * 1.5 + 0.3
         v = torch.randn(n, kv_heads, t, dv, generator=gen, device=gen.device)
-        if step == batch:
+        if step == batch:  # a whole-batch build draws q after k and v, as before: its inputs are unchanged
             q = torch.randn(batch, kv_heads, rows, head_dim, generator=gen, device=gen.device).to(query_dtype)
         quantized.append((*quantize_keys(k, bits, group), *quantize_values(v, bits, v_group)))
         del k, v
