@@ -235,6 +235,17 @@ def run_score_case(name: str, device: str = "cpu") -> dict:
     if os.environ.get("KVCOMPRESS_TEST_FULL") or name in BLOCKED_CASES:
         blocked = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k,
                                             config=dict(cfg, compact_block=32))
+    # the chunk / level candidate buffers are not zeroed: filled with the largest key (-1 as uint32 beats every score)
+    # and an out-of-range token, the select must still write every slot a merge reads - the same indices in the same
+    # order (session 39: the memsets of torch.zeros dropped)
+    poisoned = fused
+    if "chunk" in extra:
+        real = triton_kernel._candidate_keys
+        triton_kernel._candidate_keys = lambda rows, n, dev: torch.full((rows, n), -1, dtype=torch.int32, device=dev)
+        try:
+            poisoned = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k, config=cfg)
+        finally:
+            triton_kernel._candidate_keys = real
     # the radix select (opt-in), on the label formats of RADIX_SCORE_CASES: small chunks (many per head, several loop
     # steps each) on channel-major labels, and the default plan on token-major labels (11-bit digits: the tie cases)
     from kvcompress.kernels.doublesparse import radix_triton
@@ -259,7 +270,7 @@ def run_score_case(name: str, device: str = "cpu") -> dict:
             "classic_plan": triton_kernel.fused_plan(labels.num_tokens, k, extra.get("chunk", 1 << 30)) is not None,
             "topk_unfused": reference.is_topk(unfused, ref, k, tol), "topk_fused": reference.is_topk(fused, ref, k, tol),
             "topk_fused_other_launch": reference.is_topk(unrolled1, ref, k, tol),
-            "blocked_same": bool(torch.equal(blocked, fused)),
+            "blocked_same": bool(torch.equal(blocked, fused)), "poisoned_same": bool(torch.equal(poisoned, fused)),
             "topk_radix": radix is None or reference.is_topk(radix, ref, k, tol),
             "topk_radix_tm": radix_tm is None or reference.is_topk(radix_tm, ref, k, tol),
             "radix_chunks": radix_triton.radix_plan(q.shape[0] * q.shape[1], labels.num_tokens, 4,
@@ -441,6 +452,7 @@ def _check_score(res: dict, name: str) -> None:
     assert res["topk_fused"], "the fused kernel selects a top-k"
     assert res["topk_fused_other_launch"], "the fused kernel with other launch settings selects a top-k"
     assert res["blocked_same"], "the placement in blocks (compact_block) changed the indices or their order"
+    assert res["poisoned_same"], "a candidate slot a merge reads was left unwritten (poisoned buffers changed the set)"
     assert res["topk_radix"], "the radix select (8-bit digits, small chunks) selects a top-k"
     assert res["topk_radix_tm"], "the radix select on token-major labels selects a top-k"
     if name in RADIX_SCORE_CASES:

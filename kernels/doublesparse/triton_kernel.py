@@ -304,6 +304,9 @@ def _select_kernel(Q, sq_b, sq_h, sq_g, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, 
                 tl.store(IDX + row + slot, offs_s, mask=chosen)
             else:
                 tl.store(IDX + row + slot, offs_s.to(tl.int64), mask=chosen)
+    if CANDIDATES:  # a short last chunk's unused slots [kk, KC): absent (key 0) - no memset of the buffer (KC <= NP)
+        pad = tl.arange(0, NP)
+        tl.store(CKEY + row + pad, tl.zeros([NP], tl.int32), mask=(pad >= kk) & (pad < KC))
 
 
 @triton.jit
@@ -358,6 +361,8 @@ def _merge_level_kernel(CKEY, CIDX, OKEY, OIDX, N, GS, KC, NP: tl.constexpr, SUB
             chosen, slot, base = _place(key_s, found, need, base)
             tl.store(OKEY + row + slot, key_s.to(tl.int32, bitcast=True), mask=chosen)
             tl.store(OIDX + row + slot, tl.load(CIDX + pid * N + offs_s, mask=chosen, other=0), mask=chosen)
+    pad = tl.arange(0, NP)  # a group with fewer present candidates: its unused slots [kk, KC) absent (KC <= NP)
+    tl.store(OKEY + row + pad, tl.zeros([NP], tl.int32), mask=(pad >= kk) & (pad < KC))
 
 
 @triton.jit
@@ -533,6 +538,15 @@ def select_method(query: torch.Tensor, labels: Labels, channels: torch.Tensor, k
     return "unfused"
 
 
+def _candidate_keys(rows: int, n: int, dev) -> torch.Tensor:
+    """The candidate keys of the fused select's chunks or of a merge level, ``[rows, n]`` int32.  Uninitialised: the
+    kernel that fills them writes every slot a merge reads, absent candidates as key 0 - no memset per buffer
+    (session 39; session 30's profile of a forced fused Llama ds16 B1/32k read had a 1.0 µs memset).  Only reads
+    beyond ``chunk_tokens`` that the CUDA selects do not take run these chunks (``"auto"`` gives the CUDA selects
+    the grid's 32k / 128k cells where nvcc and sm_90 are there), so the grid's numbers do not move."""
+    return torch.empty(rows, n, device=dev, dtype=torch.int32)
+
+
 def _sub(np_: int, cfg: dict) -> int:
     """Lanes the select / merge kernels place at a time (``compact_block``, a power of two; all ``np_`` if None)."""
     block = cfg["compact_block"]
@@ -617,7 +631,7 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
     ept = int(ept)
     warps = max(1, min(16, np_ // (32 * ept)))
     if chunks > 1:
-        ckey = torch.zeros(b * hq, chunks * kc, device=dev, dtype=torch.int32)  # 0 = no candidate
+        ckey = _candidate_keys(b * hq, chunks * kc, dev)  # 0 = no candidate (every slot written by the select)
         cidx = torch.empty(b * hq, chunks * kc, device=dev, dtype=torch.int32)
     else:
         ckey, cidx = out, out
@@ -634,7 +648,7 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
     n = chunks * kc  # candidates left
     for _, group, keep in levels:  # fused_levels' candidate counts are the n of each step here
         groups = -(-n // group)
-        okey = torch.zeros(b * hq, groups * keep, device=dev, dtype=torch.int32)
+        okey = _candidate_keys(b * hq, groups * keep, dev)
         oidx = torch.empty(b * hq, groups * keep, device=dev, dtype=torch.int32)
         np2 = max(16, pow2(group))
         _merge_level_kernel[(b * hq, groups)](ckey, cidx, okey, oidx, n, group, keep, NP=np2, SUB=_sub(np2, cfg),
