@@ -89,7 +89,8 @@
 # and under expandable segments, same machine; about 210 s each), then the 4k lanes reads' launch rule (lanes4k, two
 # rounds, H200), PART=proj-stages (the opt-in 3-stage rule for low rank, two rounds, H200) and
 # PART=compiled-expandable (compiled decode of every stack under the allocator setting the README recommends),
-# PART=none-resident (the opt-in resident split count for the empty stack at B1 / B4, two rounds).
+# PART=none-resident (the opt-in resident split count for the empty stack at B1 / B4, two rounds), PART=ds-tests
+# (the DoubleSparse GPU tests after the fused select's candidate buffers lost their memsets).
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -280,6 +281,11 @@ case "${PART:-stages}" in
       '{}' '{"num_stages": 3}' '{"num_stages": 4}' '{"waves": 4}' '{"splits": 2}' '{"splits": 4}' '{"splits": 8}' \
       '{"splits": 16}'
     ;;
+  ds-tests)  # the DoubleSparse GPU tests alone (session 39: the fused select's candidate buffers are no longer zeroed -
+    # its chunk and merge-level kernels write every slot; about 400 s cold, 8 xdist workers)
+    export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-400} PS_XDIST=${PS_XDIST:-8}
+    ROUNDS=1 && sweep tests/test_doublesparse_kernel.py KVCOMPRESS_DS_CONFIG ds16 llama3-8b:1:32k '{}'
+    ;;
   paged-tests)  # the paged kernel's GPU tests alone (session 38: its page-id gathers' indices wrapped into the block)
     export PS_XDIST=${PS_XDIST:-8}
     ROUNDS=1 && sweep tests/test_paged_kernel.py \
@@ -291,6 +297,6 @@ case "${PART:-stages}" in
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, compiled-expandable, grid-full-expandable or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
      exit 2 ;;
 esac
