@@ -108,10 +108,9 @@ def plan(args) -> list[tuple[str, str, object]]:
     return out
 
 
-def check_eager(case, impl: str, ref=None) -> dict:
-    """``case.fn(impl)`` uncompiled against the eager reference on the same device (``ref``: already computed)."""
-    if ref is None:
-        ref = case.reference(REF_BATCH_CHUNK)
+def check_eager(case, impl: str, ref) -> dict:
+    """``case.fn(impl)`` uncompiled against ``ref``, the case's eager reference on the same device (computed once per
+    case, :data:`REF_BATCH_CHUNK` batch rows at a time)."""
     ok, err, msg = case.check(case.fn(impl)(*case.args), ref)
     return {"ok": bool(ok), "max_abs_err": float(err), "message": msg, "ms_per_call": None,
             "eager_ms_per_call": None}

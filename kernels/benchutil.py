@@ -1095,7 +1095,7 @@ def _conditions(dev: torch.device) -> dict[str, Any]:
         pass
     if dev.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(dev)
-        # the caching allocator's settings move the paged reads of large pools by up to 18 % (docs/results.md,
+        # the caching allocator's settings moved same-kernel reads of large caches by up to 19 % (docs/results.md,
         # session 39: expandable segments), so every result says which it ran under
         info["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     return info

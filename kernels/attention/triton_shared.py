@@ -40,6 +40,21 @@ def pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def env_config(var: str, known) -> dict:
+    """The launch settings of the JSON object in environment variable ``var`` (``{}`` when unset), refused with
+    ``ValueError`` ``"{var}: unknown entries [...]; known: [...]"`` when an entry is not in ``known`` (a misspelt
+    entry would otherwise be ignored in silence)."""
+    import json
+    import os
+
+    env = os.environ.get(var)
+    extra = json.loads(env) if env else {}
+    unknown = sorted(set(extra) - set(known))
+    if unknown:
+        raise ValueError(f"{var}: unknown entries {unknown}; known: {sorted(known)}")
+    return extra
+
+
 def power_of_two_setting(var: str, key: str, value, allowed: str, *, zero: bool = False) -> int:
     """A launch setting the kernels build a block from (``value``; ``zero``: 0 also allowed, meaning off), checked
     before any launch: ``ValueError`` ``"{var}: {key} must be {allowed}, got {value!r}"`` otherwise (a block of

@@ -34,15 +34,14 @@ fp32; K/V fp16, bf16 or fp32.
 from __future__ import annotations
 
 import functools
-import json
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kvcompress.kernels.attention.triton_shared import (cap_base2, combine_splits, num_sms, pdl_launch, pdl_trigger,
-                                                         pdl_wait, pow2, power_of_two_setting, soft_cap, use_pdl)
+from kvcompress.kernels.attention.triton_shared import (cap_base2, combine_splits, env_config, num_sms, pdl_launch,
+                                                         pdl_trigger, pdl_wait, pow2, power_of_two_setting, soft_cap,
+                                                         use_pdl)
 
 from .reference import Labels, group_query
 
@@ -429,13 +428,7 @@ SELECT_CONFIG = dict(elems_per_thread=None, chunk_tokens=FUSED_MAX_TOKENS, unrol
 def _env_config() -> dict:
     """``KVCOMPRESS_DS_CONFIG`` (JSON), read once (first call): entries over :data:`SELECT_CONFIG` and
     :data:`GATHER_CONFIG` (a key of either; anything else is refused)."""
-    env = os.environ.get("KVCOMPRESS_DS_CONFIG")
-    extra = json.loads(env) if env else {}
-    unknown = sorted(set(extra) - set(SELECT_CONFIG) - set(GATHER_CONFIG))
-    if unknown:
-        raise ValueError(f"KVCOMPRESS_DS_CONFIG: unknown entries {unknown}; known: "
-                         f"{sorted(set(SELECT_CONFIG) | set(GATHER_CONFIG))}")
-    return extra
+    return env_config("KVCOMPRESS_DS_CONFIG", set(SELECT_CONFIG) | set(GATHER_CONFIG))
 
 
 def _select_base() -> dict:

@@ -68,17 +68,16 @@ at every batch (:func:`uses_resident`).
 from __future__ import annotations
 
 import functools
-import json
 import math
-import os
 from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from kvcompress.kernels.attention.triton_shared import (cap_base2, fold_splits, pdl_launch, pdl_trigger, pdl_wait,
-                                                         power_of_two_setting, resident_programs, soft_cap, use_pdl)
+from kvcompress.kernels.attention.triton_shared import (cap_base2, env_config, fold_splits, pdl_launch, pdl_trigger,
+                                                         pdl_wait, power_of_two_setting, resident_programs, soft_cap,
+                                                         use_pdl)
 
 from .reference import Lane
 
@@ -551,13 +550,7 @@ def _config() -> dict:
                split_rows="auto", splits=None, resident_batch=16, whole_waves=True, fill=0.9, fill_splits=4, pdl=False,
                valid_ahead=True, warp_groups=1, single_wave_split_tokens=1480, proj_stages=False,
                resident_full_width=False)
-    env = os.environ.get("KVCOMPRESS_LEANK_CONFIG")
-    if env:
-        extra = json.loads(env)
-        unknown = sorted(set(extra) - set(cfg))
-        if unknown:  # a misspelt entry would otherwise be ignored in silence
-            raise ValueError(f"KVCOMPRESS_LEANK_CONFIG: unknown entries {unknown}; known: {sorted(cfg)}")
-        cfg.update(extra)
+    cfg.update(env_config("KVCOMPRESS_LEANK_CONFIG", cfg))
     return cfg
 
 

@@ -25,15 +25,13 @@ dtype); fp32 pages use ``input_precision="ieee"``.  Limits: ``P`` a power of two
 
 from __future__ import annotations
 
-import json
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kvcompress.kernels.attention.triton_shared import (cap_base2, combine_splits, pdl_trigger, power_of_two_setting,
-                                                         resident_programs, soft_cap, use_pdl)
+from kvcompress.kernels.attention.triton_shared import (cap_base2, combine_splits, env_config, pdl_trigger,
+                                                         power_of_two_setting, resident_programs, soft_cap, use_pdl)
 from kvcompress.kernels.attention.triton_shared import num_sms as _num_sms
 from kvcompress.kernels.attention.triton_shared import pow2 as _pow2
 
@@ -221,13 +219,7 @@ def _config() -> dict:
     and 0.99-1.02x the default's, within its round-to-round spread)."""
     cfg = dict(pages_per_step=None, num_warps=4, num_stages=None, waves=1, table_steps=16, pdl=False,
                valid_late=False, valid_block=False)
-    env = os.environ.get("KVCOMPRESS_PAGED_CONFIG")
-    if env:
-        extra = json.loads(env)
-        unknown = sorted(set(extra) - set(cfg))
-        if unknown:
-            raise ValueError(f"KVCOMPRESS_PAGED_CONFIG: unknown entries {unknown}; known: {sorted(cfg)}")
-        cfg.update(extra)
+    cfg.update(env_config("KVCOMPRESS_PAGED_CONFIG", cfg))
     # the kernel's blocks (a step's tokens, a block of page ids, its warps) are powers of two
     for key, off_ok in (("pages_per_step", True), ("table_steps", True), ("num_warps", False)):
         if not (off_ok and cfg[key] is None):
