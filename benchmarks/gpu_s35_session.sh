@@ -206,17 +206,18 @@ case "${PART:-stages}" in
     S34_GRID_PART=grid2 S34_GRID_OPS=kivi2,kivi4,leank50,leank70,leank70-kivi2,ds8,ds16,ds8-shared,ds16-shared,paged-dense,paged-kivi2,lowrank,none \
       G_TIMEOUT=${G_TIMEOUT:-300} G_SECONDS=${G_SECONDS:-280} PART=grid bash "$HERE/gpu_s34_session.sh" "$OUT"
     ;;
-  proj-stages)  # low rank with the empty stack's 3-stage rule (opt-in proj_stages, session 39) against the default,
-    # every Llama shape of the grid up to B16 (where the rule applies) and B64 / 4k (where it does not), two rounds
+  proj-stages)  # low rank with the empty stack's 3-stage rule at every length (session 40 ran it with the opt-in
+    # proj_stages of session 39; now proj_stages_tokens, default 8192) against 4 stages, every Llama shape of the grid
+    # up to B16 (where the rule applies) and B64 / 4k (where it does not), two rounds
     ROUNDS=2 && sweep none KVCOMPRESS_LEANK_CONFIG lowrank \
       "${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:1:128k,llama3-8b:4:4k,llama3-8b:4:32k,llama3-8b:4:128k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:16:128k,llama3-8b:64:4k}" \
-      '{}' '{"proj_stages": true}'
+      '{"proj_stages_tokens": 0}' '{"proj_stages_tokens": 1000000000}'
     ;;
-  none-resident)  # the empty stack's read with the resident split count at B1 / B4 too (opt-in resident_full_width,
-    # session 39; session 34's one round: Llama B4 / 32k 143.7 -> 133.6 us) against the default, two rounds
+  none-resident)  # the empty stack's read with the resident split count at B1 / B4 too (session 40 ran it with the
+    # opt-in resident_full_width of session 39; now resident_full_width_rows, default 32) against without, two rounds
     ROUNDS=2 && sweep none KVCOMPRESS_LEANK_CONFIG none \
       "${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:1:128k,llama3-8b:4:4k,llama3-8b:4:32k,llama3-8b:4:128k,smollm2-135m:1:4k,smollm2-135m:1:32k,smollm2-135m:1:128k,smollm2-135m:4:4k,smollm2-135m:4:32k,smollm2-135m:4:128k}" \
-      '{}' '{"resident_full_width": true}'
+      '{"resident_full_width_rows": 0}' '{"resident_full_width_rows": 1}'
     ;;
   compiled-expandable)  # compiled decode (reduce-overhead CUDA graphs) of every built-in stack, eager vs compiled,
     # under expandable segments - the README's allocator tip was measured on plain CUDA-graph reads only (session 39)
@@ -224,6 +225,13 @@ case "${PART:-stages}" in
     source benchmarks/gpu_site.sh
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${CE_TIMEOUT:-400}" python "$SRC/benchmarks/gpu_compiled_check.py" \
       --out "$OUT" --steps "${CE_STEPS:-64}" 2>&1 | grep -v Warning | tail -40 | tee -a "$OUT/compiled.txt"
+    ;;
+  rules40)  # session 40's two lanes-kernel defaults (resident_full_width_rows 32, proj_stages_tokens 8192): the LeanK
+    # and occupancy GPU tests under them, then against the rules before them, two rounds, at the reads they change
+    export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-300} PS_XDIST=${PS_XDIST:-8}
+    ROUNDS=2 && sweep "tests/test_occupancy.py tests/test_leank_kernel.py" KVCOMPRESS_LEANK_CONFIG none,lowrank \
+      "${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:4:4k,llama3-8b:16:4k,llama3-8b:4:32k,llama3-8b:4:128k,llama3-8b:1:32k,smollm2-135m:1:32k,smollm2-135m:4:32k}" \
+      '{}' '{"resident_full_width_rows": 0, "proj_stages_tokens": 0}'
     ;;
   grid-full-expandable)  # the same grid with PyTorch's expandable segments (session 39: allocation history moved
     # same-kernel reads by 16-19 % under the default caching allocator); benchutil records the setting in each row
@@ -297,6 +305,6 @@ case "${PART:-stages}" in
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
      exit 2 ;;
 esac

@@ -9,6 +9,8 @@ small (the interpreter computes bf16 ``tl.dot`` wrongly and is slow).
 
 from __future__ import annotations
 
+import functools
+
 import os
 import subprocess
 import sys
@@ -391,21 +393,27 @@ def test_launch_shape_rule_and_overrides():
     full-width lanes with d >= 128 and <= 128 programs per split take 3 stages; others 4 waves in the middle sizes."""
     from kvcompress.kernels.leank import triton_kernel as tk
 
-    auto = {"waves": None, "num_stages": None}
+    auto = {"waves": None, "num_stages": None, "proj_stages_tokens": tk._config()["proj_stages_tokens"]}
     assert tk._launch_shape(auto, 4, 8, 128, full_width=True) == (2, 3)  # the empty stack, Llama B4
     assert tk._launch_shape(auto, 64, 8, 128, full_width=True) == (2, 4)  # B64: 512 programs per split
     assert tk._launch_shape(auto, 4, 8, 128, full_width=False) == (4, 4)  # LeanK lanes, Llama B4 (4096)
     assert tk._launch_shape(auto, 16, 8, 128, full_width=False) == (2, 4)  # Llama B16 (16384)
     assert tk._launch_shape(auto, 1, 3, 64, full_width=False) == (2, 4)  # SmolLM2 B1 (192), counted per lane
     assert tk._launch_shape({"waves": 1, "num_stages": 5}, 4, 8, 128, full_width=True) == (1, 5)
-    # low rank (a projected lane beside the full-width buffer): 4 stages unless proj_stages (opt-in) gives it the
-    # empty stack's 3-stage rule, up to 128 programs per split
-    assert tk._launch_shape(auto, 16, 8, 128, full_width=False, projected=True) == (2, 4)
-    assert tk._launch_shape(dict(auto, proj_stages=True), 4, 8, 128, full_width=False, projected=True) == (2, 3)
-    assert tk._launch_shape(dict(auto, proj_stages=True), 16, 8, 128, full_width=False, projected=True) == (2, 3)
-    assert tk._launch_shape(dict(auto, proj_stages=True), 64, 8, 128, full_width=False, projected=True) == (2, 4)
-    assert tk._launch_shape(dict(auto, proj_stages=True), 4, 8, 128, full_width=False) == (4, 4)  # LeanK: unchanged
-    assert tk._launch_shape(dict(auto, proj_stages=True), 4, 3, 64, full_width=False, projected=True) == (4, 4)  # d 64
+    # low rank (a projected lane beside the full-width buffer): the empty stack's 3-stage rule, up to 128 programs
+    # per split, while its longest lane holds at most proj_stages_tokens (8192) slots; 4 stages on longer lanes
+    assert auto["proj_stages_tokens"] == 8192
+    low = functools.partial(tk._launch_shape, auto, full_width=False, projected=True)
+    assert low(4, 8, 128, tokens=3072) == (2, 3)  # Llama B4 / 4k
+    assert low(16, 8, 128, tokens=8192) == (2, 3)  # at the bound
+    assert low(16, 8, 128, tokens=8193) == (2, 4)  # over it
+    assert low(4, 8, 128, tokens=31744) == (4, 4)  # Llama B4 / 32k: session 19's waves, 4 stages
+    assert low(64, 8, 128, tokens=3072) == (2, 4)  # 512 programs per split
+    assert low(4, 3, 64, tokens=3072) == (4, 4)  # d 64
+    assert tk._launch_shape(auto, 4, 8, 128, full_width=False, tokens=3072) == (4, 4)  # LeanK: unchanged
+    for off in (0, None):
+        assert tk._launch_shape(dict(auto, proj_stages_tokens=off), 4, 8, 128, full_width=False, projected=True,
+                                tokens=3072) == (4, 4)
     # counted by work: waves of the programs that do the work (1 / 4 / 2); one lane: as before
     assert tk._launch_shape(auto, 16, 3, 64, full_width=True, work=True) == (4, 4)
     assert tk._launch_shape(auto, 1, 3, 64, full_width=False, work=True) == (1, 4)  # SmolLM2 B1 (192)
@@ -504,12 +512,15 @@ def test_auto_takes_the_resident_count_from_batch_16():
     assert not tk.uses_resident(dict(cfg, resident_batch=None), 64)
     assert not tk.uses_resident(dict(cfg, split_rows="work"), 64)
     assert tk.uses_resident(dict(cfg, resident_batch=4), 4)
-    # resident_full_width (opt-in): launches reading every channel take it at every batch; others as before
-    assert not cfg["resident_full_width"] and not tk.uses_resident(cfg, 1, full_width=True)
-    wide = dict(cfg, resident_full_width=True)
-    assert [tk.uses_resident(wide, b, full_width=True) for b in (1, 4, 16)] == [True, True, True]
-    assert [tk.uses_resident(wide, b) for b in (1, 4, 16)] == [False, False, True]
-    assert not tk.uses_resident(dict(wide, split_rows="lanes"), 4, full_width=True)
+    # resident_full_width_rows (32): launches reading every channel take it from 32 batch x kv-head rows at any
+    # batch (Llama B4: 32 rows; SmolLM2 B4: 12); others as before
+    assert cfg["resident_full_width_rows"] == 32
+    assert [tk.uses_resident(cfg, b, True, b * 8) for b in (1, 4, 16)] == [False, True, True]  # Llama heads
+    assert [tk.uses_resident(cfg, b, True, b * 3) for b in (1, 4, 10, 11, 16)] == [False, False, False, True, True]
+    assert [tk.uses_resident(cfg, b, False, b * 8) for b in (1, 4, 16)] == [False, False, True]  # LeanK lanes
+    for off in (0, None):
+        assert not tk.uses_resident(dict(cfg, resident_full_width_rows=off), 4, True, 32)
+    assert not tk.uses_resident(dict(cfg, split_rows="lanes"), 4, True, 32)
 
 
 def test_configured_split_count_is_the_launchs_and_checked():

@@ -60,10 +60,11 @@ two rounds over 35 reads: 12-13 faster by more than 2 %, none slower in both rou
 empty stack SmolLM2 B1 / 32k 12 %, LeanK-70 + KIVI-2 SmolLM2 B16 / B64 4 %).  ``pdl`` (opt-in; mixed on the H200 in
 session 33): the split merge is launched with programmatic dependent launch on Hopper
 (:func:`~kvcompress.kernels.attention.triton_shared.use_pdl`): it starts while the lanes kernel's last wave runs and
-waits for it on the device, so its launch latency and prologue overlap the split kernel.  ``proj_stages`` (opt-in,
-session 39): launches with a low-rank lane take the empty stack's 3-stage rule (:func:`_launch_shape`).
-``resident_full_width`` (opt-in, session 39): launches whose lanes read every channel take the resident split count
-at every batch (:func:`uses_resident`).
+waits for it on the device, so its launch latency and prologue overlap the split kernel.
+``proj_stages_tokens`` (default 8192 since session 40): launches with a low-rank lane whose longest lane holds at
+most that many token slots take the empty stack's 3-stage rule (:func:`_launch_shape`).
+``resident_full_width_rows`` (default 32 since session 40): launches whose lanes read every channel take the
+resident split count from that many batch x kv-head rows (:func:`uses_resident`).
 """
 from __future__ import annotations
 
@@ -370,7 +371,7 @@ def counts_work(cfg: dict, head_dim: int) -> bool:
     return mode == "work" or (mode == "auto" and head_dim < 128)
 
 
-def uses_resident(cfg: dict, batch: int, full_width: bool = False) -> bool:
+def uses_resident(cfg: dict, batch: int, full_width: bool = False, rows: int = 0) -> bool:
     """Whether a launch counts its splits by residency (:func:`resident_split_count`): ``split_rows`` "resident", or
     "auto" (the default) from ``resident_batch`` batch rows (default 16 since session 34; 0 / ``None``: never).  Two
     H200 sweeps (session 34, docs/results.md; none, low rank, LeanK-50/70, LeanK-70 + KIVI-2 at 14 and 10 shapes):
@@ -378,22 +379,26 @@ def uses_resident(cfg: dict, batch: int, full_width: bool = False) -> bool:
     us, Llama B64 / 32k 4-5 % faster), while at B1 / B4 it lost by up to 20 % (LeanK SmolLM2 B1 / 32k 17.4 -> 20.9
     us) where it won elsewhere (low rank SmolLM2 B1 / 128k 79 -> 50 us) - below 16 rows the other rules stay.
 
-    ``resident_full_width`` (opt-in, session 39; ``full_width``: every lane reads all channels - the empty stack's
-    one lane): such launches take the resident count at every batch.  In that same sweep (one round) it was equal or
-    faster at every B1 / B4 read of the empty stack: Llama B4 / 32k 143.7 -> 133.6 us, B4 / 4k 27.4 -> 25.9, B1 / 32k
-    44.4 -> 43.1, SmolLM2 B1 / 128k 46.7 -> 40.6 (``docs/data/s34_h200/lanes_rule/``); the rule's 9 splits at Llama
-    B4 fill 288 of an H200's 396 program slots, the resident 12 fill 384.  Not yet A/B'd in two rounds."""
+    ``resident_full_width_rows`` (default 32 since session 40; 0 / ``None``: never; ``full_width``: every lane reads
+    all channels - the empty stack's one lane; ``rows``: batch x kv heads): such launches take the resident count from
+    that many rows, at any batch.  H100, session 40, two rounds that agree (``PART=none-resident``, the resident
+    count at every batch against the rule): Llama B4 (32 rows) 6.4-7.6 % faster at 4k / 32k / 128k (B4 / 128k 776
+    -> 716-720 us, 0.92x -> 0.99x SDPA), Llama B1 (8 rows) within 2 %, SmolLM2 B4 (12 rows) within 2 %, SmolLM2 B1
+    (3 rows) 8-12 % slower at 32k / 128k.  Session 34's one H200 round had Llama B4 / 32k 143.7 -> 133.6 us and
+    B4 / 4k 27.4 -> 25.9 (``docs/data/s34_h200/lanes_rule/``); the rule's 9 splits at Llama B4 fill 288 of an H200's
+    396 program slots, the resident 12 fill 384."""
     mode = cfg.get("split_rows", "auto")
     if mode == "resident":
         return True
-    if mode == "auto" and full_width and cfg.get("resident_full_width"):
+    wide = cfg.get("resident_full_width_rows")
+    if mode == "auto" and full_width and wide and rows >= int(wide):
         return True
     first = cfg.get("resident_batch")
     return mode == "auto" and bool(first) and batch >= int(first)
 
 
 def _launch_shape(cfg: dict, b: int, hkv: int, d: int, full_width: bool, work: bool = False,
-                  projected: bool = False) -> tuple[int, int]:
+                  projected: bool = False, tokens: int = 0) -> tuple[int, int]:
     """``(waves, num_stages)`` of a launch: the configuration's values where set (not ``None``), else the H200 rule.
 
     Every lane full width (the empty stack's read, one lane): session 16's rule - ``d >= 128`` and at most 128
@@ -409,12 +414,16 @@ def _launch_shape(cfg: dict, b: int, hkv: int, d: int, full_width: bool, work: b
     1.46x / 0.89x -> 1.45x / 1.81x / 1.47x, low-rank 0.59x / 0.66x / 0.50x -> 0.66x / 0.85x / 0.87x; docs/results.md,
     issue 19, session 19).
 
-    ``proj_stages`` (opt-in, default off; session 39): a launch with a low-rank (``projected``) lane takes the empty
-    stack's 3-stage rule too (``d >= 128``, at most 128 programs per split, 2 waves).  Offline (Triton 3.6, sm_90) the
-    Llama low-rank build holds 2 programs per SM at 4 stages and 3 at 3; one H100 round at 4k: B4 -6.3 %, B16 -4.3 %
-    at 3 stages, B64 +10.4 % (outside the rule).  Not yet timed on an H200 nor at 32k / 128k."""
+    ``proj_stages_tokens`` (default 8192 since session 40; 0 / ``None``: never): a launch with a low-rank
+    (``projected``) lane whose longest lane holds at most that many token slots (``tokens``) takes the empty stack's
+    3-stage rule too (``d >= 128``, at most 128 programs per split, 2 waves).  Offline (Triton 3.6, sm_90) the
+    Llama low-rank build holds 2 programs per SM at 4 stages and 3 at 3.  H100, session 40, two rounds that agree
+    (``PART=proj-stages``, 3 stages at every length against 4): at 4k 2.5-5.4 % faster at B1 / B4 / B16 (B4 / 4k
+    33.7 -> 31.9-32.2 us, 0.97x -> 1.02x SDPA), but at 32k / 128k 9-20 % slower at B1 / B4 (B1 / 128k 151.5 ->
+    181.6 us) and within 2 % at B16; B64 is outside the rule."""
     size = b * hkv * d
-    three = full_width or (projected and bool(cfg.get("proj_stages")))
+    short = cfg.get("proj_stages_tokens")
+    three = full_width or (projected and bool(short) and tokens <= int(short))
     if three and d >= 128 and b * hkv <= 128:
         waves, stages = 2, 3
     elif full_width or not work:
@@ -548,8 +557,8 @@ def _config() -> dict:
     (``benchmarks/gpu_read_profile.py``); ``waves`` / ``num_stages`` ``None`` follow :func:`_launch_shape`."""
     cfg = dict(BN=64, num_warps=4, num_stages=None, waves=None, min_split_tokens=256, canonical=False, combine="splits",
                split_rows="auto", splits=None, resident_batch=16, whole_waves=True, fill=0.9, fill_splits=4, pdl=False,
-               valid_ahead=True, warp_groups=1, single_wave_split_tokens=1480, proj_stages=False,
-               resident_full_width=False)
+               valid_ahead=True, warp_groups=1, single_wave_split_tokens=1480, proj_stages_tokens=8192,
+               resident_full_width_rows=32)
     cfg.update(env_config("KVCOMPRESS_LEANK_CONFIG", cfg))
     return cfg
 
@@ -721,9 +730,10 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     bn = cfg["BN"]
     # the rule's head dimension is the values' (a low-rank lane over an extended query has d = head_dim + r)
     full_width = all(r["c"] == d for r in rows)
-    resident = uses_resident(cfg, b, full_width)
+    resident = uses_resident(cfg, b, full_width, b * hkv)
     work = resident or counts_work(cfg, dv)
-    waves, stages = _launch_shape(cfg, b, hkv, dv, full_width, work, projected=any(r["proj"] for r in rows))
+    waves, stages = _launch_shape(cfg, b, hkv, dv, full_width, work, projected=any(r["proj"] for r in rows),
+                                  tokens=max((r["t"] for r in rows), default=0))
     ieee = lanes[0].k.dtype == torch.float32
     pdl = use_pdl(cfg.get("pdl"), dev)  # the merge starts during the lanes kernel's last wave (Hopper)
     wg = warp_groups(cfg, bn, block_m)
