@@ -1145,9 +1145,10 @@ def run_kernel_benchmarks(device: str | None = None, out: str | None = None, *, 
                            "rows": rows}
     todo = [case for case in cases if _key(*case) not in done]
     if dev.type == "cuda" and "expandable_segments:true" not in doc["conditions"]["PYTORCH_CUDA_ALLOC_CONF"].lower():
-        _log("PyTorch's default caching allocator: reads after other ops' allocations can be up to ~19% slower than "
-             "the same read in a fresh process (docs/results.md, session 39); for comparable rows run with "
-             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+        _log("PyTorch's default caching allocator: large-pool reads after other ops' allocations can be up to ~19% "
+             "slower than the same read in a fresh process (docs/results.md, session 39); for comparable rows of "
+             "caches of tens of GB run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (small caches read up "
+             "to a few % slower under it, session 40)")
     for i, (shape, batch, ctx) in enumerate(todo):
         if max_seconds is not None and time.monotonic() - start > max_seconds:
             _log(f"time limit ({max_seconds:.0f} s): {len(todo) - i} shapes left")
