@@ -91,6 +91,9 @@
 # PART=compiled-expandable (compiled decode of every stack under the allocator setting the README recommends),
 # PART=none-resident (the opt-in resident split count for the empty stack at B1 / B4, two rounds), PART=ds-tests
 # (the DoubleSparse GPU tests after the fused select's candidate buffers lost their memsets).
+# Session 40 (H100 only) ran grid-full, grid-full-expandable, none-resident, proj-stages, ds-tests,
+# compiled-expandable and rules40 (docs/results.md "Session 40"): the two lanes rules are defaults where they won.
+# Left: PART=grid-full on an H200 (the README count), then rules40 and lanes4k on an H200.
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
