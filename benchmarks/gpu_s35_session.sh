@@ -93,7 +93,8 @@
 # (the DoubleSparse GPU tests after the fused select's candidate buffers lost their memsets).
 # Session 40 (H100 only) ran grid-full, grid-full-expandable, none-resident, proj-stages, ds-tests,
 # compiled-expandable and rules40 (docs/results.md "Session 40"): the two lanes rules are defaults where they won.
-# Left: PART=grid-full on an H200 (the README count), then rules40 and lanes4k on an H200.
+# Left: PART=grid-full on an H200 (the README count), then buffer-apart (the LeanK-70 + KIVI-2 Llama B4/4k cell,
+# 0.81x on the H200: its one-launch read of a 1024-slot buffer), rules40 and lanes4k on an H200.
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -236,6 +237,14 @@ case "${PART:-stages}" in
       "${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:4:4k,llama3-8b:16:4k,llama3-8b:4:32k,llama3-8b:4:128k,llama3-8b:1:32k,smollm2-135m:1:32k,smollm2-135m:4:32k}" \
       '{}' '{"resident_full_width_rows": 0, "proj_stages_tokens": 0}'
     ;;
+  buffer-apart)  # the one-launch buffer read against the two regions apart ({"buffer_tokens": 0}) at the fused shapes,
+    # two rounds.  Session 40's profile (H100): LeanK-70 + KIVI-2 Llama B4/4k (32 rows x 3k middle slots, under the
+    # 256k buffer_work: one launch) spent 30.3 us in the lanes kernel with its 1024-slot buffer against 12.8 at B1 -
+    # the rule of session 26 was measured with static KIVI-2's 128-slot buffer and does not count the buffer's size
+    ROUNDS=2 && sweep none KVCOMPRESS_KIVI_CUDA_CONFIG leank70-kivi2,kivi2-static \
+      "${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:4:4k,llama3-8b:1:32k,smollm2-135m:1:4k,smollm2-135m:4:4k,smollm2-135m:16:4k,smollm2-135m:1:32k,smollm2-135m:4:32k}" \
+      '{}' '{"buffer_tokens": 0}'
+    ;;
   grid-full-expandable)  # the same grid with PyTorch's expandable segments (session 39: allocation history moved
     # same-kernel reads by 16-19 % under the default caching allocator); benchutil records the setting in each row
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PARTS= PART=grid-full bash "$HERE/gpu_s35_session.sh" "$OUT"
@@ -308,6 +317,6 @@ case "${PART:-stages}" in
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
      exit 2 ;;
 esac
