@@ -93,8 +93,9 @@
 # (the DoubleSparse GPU tests after the fused select's candidate buffers lost their memsets).
 # Session 40 (H100 only) ran grid-full, grid-full-expandable, none-resident, proj-stages, ds-tests,
 # compiled-expandable and rules40 (docs/results.md "Session 40"): the two lanes rules are defaults where they won.
-# Left: PART=grid-full on an H200 (the README count), then buffer-apart (the LeanK-70 + KIVI-2 Llama B4/4k cell,
-# 0.81x on the H200: its one-launch read of a 1024-slot buffer), rules40 and lanes4k on an H200.
+# Left, on an H200: PARTS="grid-full buffer-apart rules40" (about 250 + 80 + 145 s: the README count with session
+# 40's defaults; the LeanK-70 + KIVI-2 Llama B4/4k cell, 0.81x on the H200 - its one-launch read of a 1024-slot
+# buffer - against the two regions apart; the two new lanes rules against the old on the H200), then lanes4k.
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -227,8 +228,9 @@ case "${PART:-stages}" in
     # under expandable segments - the README's allocator tip was measured on plain CUDA-graph reads only (session 39)
     cd "$HERE/.." || exit 1
     source benchmarks/gpu_site.sh
+    # (session 40, H100: 15 of the 18 stacks in 387 s; CE_ONLY=name,name runs a subset, as --only)
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${CE_TIMEOUT:-400}" python "$SRC/benchmarks/gpu_compiled_check.py" \
-      --out "$OUT" --steps "${CE_STEPS:-64}" 2>&1 | grep -v Warning | tail -40 | tee -a "$OUT/compiled.txt"
+      --out "$OUT" --steps "${CE_STEPS:-64}" ${CE_ONLY:+--only "$CE_ONLY"} 2>&1 | grep -v Warning | tail -40 | tee -a "$OUT/compiled.txt"
     ;;
   rules40)  # session 40's two lanes-kernel defaults (resident_full_width_rows 32, proj_stages_tokens 8192): the LeanK
     # and occupancy GPU tests under them, then against the rules before them, two rounds, at the reads they change
