@@ -95,7 +95,8 @@
 # compiled-expandable and rules40 (docs/results.md "Session 40"): the two lanes rules are defaults where they won.
 # Left, on an H200: PARTS="grid-full buffer-apart rules40" (about 250 + 80 + 145 s: the README count with session
 # 40's defaults; the LeanK-70 + KIVI-2 Llama B4/4k cell, 0.81x on the H200 - its one-launch read of a 1024-slot
-# buffer - against the two regions apart; the two new lanes rules against the old on the H200), then lanes4k.
+# buffer - against the two regions apart; the two new lanes rules against the old on the H200), then PART=ds-search
+# (the opt-in interpolation search of the DoubleSparse select, its GPU tests and two rounds) and lanes4k.
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -239,6 +240,14 @@ case "${PART:-stages}" in
       "${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:4:4k,llama3-8b:16:4k,llama3-8b:4:32k,llama3-8b:4:128k,llama3-8b:1:32k,smollm2-135m:1:32k,smollm2-135m:4:32k}" \
       '{}' '{"resident_full_width_rows": 0, "proj_stages_tokens": 0}'
     ;;
+  ds-search)  # the fused DoubleSparse select's threshold by interpolation search (opt-in, session 40: 17.8 -> 10.8
+    # rounds at 4096 keys in the CPU model, benchmarks/select_rounds_model.py) against the bit search: the DoubleSparse
+    # GPU tests (both searches against the oracle and each other), then two rounds at the small reads below 1.0x
+    export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-400} PS_XDIST=${PS_XDIST:-8}
+    ROUNDS=2 && sweep tests/test_doublesparse_kernel.py KVCOMPRESS_DS_CONFIG ds8,ds16,ds8-shared,ds16-shared \
+      "${S35_SHAPES:-smollm2-135m:1:4k,smollm2-135m:4:4k,smollm2-135m:16:4k,llama3-8b:1:4k,llama3-8b:4:4k,llama3-8b:16:4k,smollm2-135m:4:32k}" \
+      '{}' '{"search": "interpolation"}'
+    ;;
   buffer-apart)  # the one-launch buffer read against the two regions apart ({"buffer_tokens": 0}) at the fused shapes,
     # two rounds.  Session 40's profile (H100): LeanK-70 + KIVI-2 Llama B4/4k (32 rows x 3k middle slots, under the
     # 256k buffer_work: one launch) spent 30.3 us in the lanes kernel with its 1024-slot buffer against 12.8 at B1 -
@@ -319,6 +328,6 @@ case "${PART:-stages}" in
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, ds-search, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
      exit 2 ;;
 esac

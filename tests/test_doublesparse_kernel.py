@@ -70,6 +70,8 @@ SEARCH_CASES = {
     "all-equal": (100, 33, False),
     "absent-lanes-small-keys": (128, 10, True),
     "16384-lanes-large-k": (16384, 10000, True),
+    "present-equals-k": (128, 20, True),  # exactly K present lanes: the interpolation search's start is the answer
+    "extreme-keys": (200, 50, True),  # the keys of -inf and +inf scores and key 1 among them
 }
 
 
@@ -231,10 +233,16 @@ def run_score_case(name: str, device: str = "cpu") -> dict:
                                           config=dict(cfg, unroll=1, elems_per_thread=16))
     # the placement in blocks of 32 lanes (keys computed again per block; opt-in, slower on an H200): the same indices
     # in the same order - on every case with KVCOMPRESS_TEST_FULL=1, in CI on the cases of BLOCKED_CASES
-    blocked = fused
+    blocked = interp = fused
     if os.environ.get("KVCOMPRESS_TEST_FULL") or name in BLOCKED_CASES:
         blocked = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k,
                                             config=dict(cfg, compact_block=32))
+        # the interpolation search (opt-in, session 40), in one pass and placed in blocks
+        interp = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k,
+                                           config=dict(cfg, search="interpolation"))
+        blocked_interp = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k,
+                                                   config=dict(cfg, search="interpolation", compact_block=32))
+        interp = interp if torch.equal(interp, blocked_interp) else blocked_interp
     # the chunk / level candidate buffers are not zeroed: filled with the largest key (-1 as uint32 beats every score)
     # and an out-of-range token, the select must still write every slot a merge reads - the same indices in the same
     # order (session 39: the memsets of torch.zeros dropped)
@@ -271,6 +279,7 @@ def run_score_case(name: str, device: str = "cpu") -> dict:
             "topk_unfused": reference.is_topk(unfused, ref, k, tol), "topk_fused": reference.is_topk(fused, ref, k, tol),
             "topk_fused_other_launch": reference.is_topk(unrolled1, ref, k, tol),
             "blocked_same": bool(torch.equal(blocked, fused)), "poisoned_same": bool(torch.equal(poisoned, fused)),
+            "interp_same": bool(torch.equal(interp, fused)),
             "topk_radix": radix is None or reference.is_topk(radix, ref, k, tol),
             "topk_radix_tm": radix_tm is None or reference.is_topk(radix_tm, ref, k, tol),
             "radix_chunks": radix_triton.radix_plan(q.shape[0] * q.shape[1], labels.num_tokens, 4,
@@ -345,9 +354,13 @@ def search_keys(name: str) -> tuple[torch.Tensor, int]:
         keys[order[k - 5: k + 4]] = int(keys[order[k - 5]])
     elif name.startswith("all-equal"):
         keys[:] = 123456789
-    elif name.startswith("absent"):  # 20 present lanes with keys below 2^16 among 108 absent ones
-        keys.zero_()
+    elif name.startswith("absent") or name.startswith("present"):  # 20 present lanes with keys below 2^16, the
+        keys.zero_()  # others absent
         keys[torch.randperm(lanes, generator=gen)[:20]] = torch.randperm((1 << 16) - 1, generator=gen)[:20] + 1
+    elif name.startswith("extreme"):  # the orderable keys of -inf (0x007FFFFF) and +inf (0xFF800000), and key 1
+        keys[order[:3]] = 0xFF800000
+        keys[order[-5:]] = 0x007FFFFF
+        keys[order[-6]] = 1
     return keys, k
 
 
@@ -370,8 +383,12 @@ def run_search_case(name: str, device: str = "cpu") -> dict:
 
     as_i32 = torch.where(keys >= 1 << 31, keys - (1 << 32), keys).to(torch.int32).to(device)
     chosen, slot = top_lanes(as_i32, k)
+    # the interpolation search (opt-in): the same threshold set, so the same lanes and slots
+    chosen_i, slot_i = top_lanes(as_i32, k, search="interpolation")
     return {"stops_early": stops_early(keys, k), "chosen_ok": bool(torch.equal(chosen.cpu(), ref_chosen)),
             "slot_ok": bool(torch.equal(slot.cpu(), ref_slot)),
+            "interp_chosen_ok": bool(torch.equal(chosen_i.cpu(), ref_chosen)),
+            "interp_slot_ok": bool(torch.equal(slot_i.cpu(), ref_slot)),
             "ties": int((keys == keys.sort(descending=True).values[k - 1]).sum())}
 
 
@@ -452,6 +469,7 @@ def _check_score(res: dict, name: str) -> None:
     assert res["topk_fused"], "the fused kernel selects a top-k"
     assert res["topk_fused_other_launch"], "the fused kernel with other launch settings selects a top-k"
     assert res["blocked_same"], "the placement in blocks (compact_block) changed the indices or their order"
+    assert res["interp_same"], "the interpolation search changed the indices or their order"
     assert res["poisoned_same"], "a candidate slot a merge reads was left unwritten (poisoned buffers changed the set)"
     assert res["topk_radix"], "the radix select (8-bit digits, small chunks) selects a top-k"
     assert res["topk_radix_tm"], "the radix select on token-major labels selects a top-k"
@@ -491,6 +509,8 @@ def _check_search(res: dict, name: str) -> None:
         assert res["ties"] > 1
     assert res["chosen_ok"], "the chosen lanes are not the K largest (ties to the lowest lanes)"
     assert res["slot_ok"], "the chosen lanes' slots are not their order among the chosen"
+    assert res["interp_chosen_ok"], "interpolation search: the chosen lanes are not the K largest"
+    assert res["interp_slot_ok"], "interpolation search: the slots are not the chosen lanes' order"
 
 
 @pytest.mark.parametrize("name", list(SEARCH_CASES))
@@ -725,6 +745,12 @@ def test_ds_config_from_the_environment(monkeypatch):
                                re.escape(repr(bad))):
                 tk.gather_partial_attention(q, q, q, None, torch.zeros(1, 1, 2, 4, dtype=torch.long), 1.0,
                                             config={"index_steps": bad})
+        # search: "bits" or "interpolation", refused before any select runs (whichever method would)
+        qs, labels, channels, valid = score_case("fp16-gqa4-r16-odd-t")
+        for method in ("fused", "unfused"):
+            with pytest.raises(ValueError, match=r"search must be one of 'bits', 'interpolation', got 'fast'"):
+                tk.select_topk(qs, channel_major(labels), channels, valid, 8, config={"search": "fast",
+                                                                                     "method": method})
     finally:
         tk._env_config.cache_clear()
 

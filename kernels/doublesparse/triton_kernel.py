@@ -218,23 +218,62 @@ def _kth_key(key, K):
 
 
 @triton.jit
-def _top_slots(key, K):
+def _kth_key_interp(key, K):
+    """:func:`_kth_key`'s threshold by a safeguarded interpolation search over the keys instead of one bit per round
+    (``search: "interpolation"``, opt-in, session 40; not yet timed on a GPU).  One reduction gives the largest and the
+    smallest present key and the present count; each round then counts ``key >= mid`` with ``mid`` interpolated
+    between ``lo`` (count >= ``K``) and ``hi`` (count < ``K``) at the count ``K + 1/2``, or halfway after a step that
+    did not halve the interval (so at most about twice the bit search's rounds).  It stops at a count of exactly
+    ``K`` (the keys at or above ``mid`` are the top-``K`` set) or at ``hi = lo + 1`` (``lo`` is then the ``K``-th
+    largest key): the same set as :func:`_kth_key`'s, so :func:`_place` picks the same lanes.  CPU model of the
+    rounds: ``benchmarks/select_rounds_model.py`` (label scores, 4096 keys, ``K`` 256: 17.8 rounds -> 10.8)."""
+    present = key > 0
+    hi, lo, flo = tl.reduce((key, tl.where(present, key, 0xFFFFFFFF), present.to(tl.int32)), 0, _max_min_count)
+    hi = hi + 1  # count(hi) = 0 (the largest key of a finite score is below 0xFFFFFFFF)
+    fhi = tl.zeros([], tl.int32)
+    c = flo
+    halve = flo < 0  # False (a scalar boolean the loop can carry)
+    while (hi - lo > 1) & (c != K):
+        width = hi - lo
+        frac = ((flo - K).to(tl.float32) - 0.5) / (flo - fhi).to(tl.float32)
+        step = tl.where(halve, width // 2, (frac * width.to(tl.float32)).to(tl.uint32))
+        mid = lo + tl.minimum(tl.maximum(step, 1), width - 1)
+        c = tl.sum((key >= mid).to(tl.int32), axis=0)
+        up = c >= K
+        lo = tl.where(up, mid, lo)
+        flo = tl.where(up, c, flo)
+        hi = tl.where(up, hi, mid)
+        fhi = tl.where(up, fhi, c)
+        halve = ((hi - lo) > width // 2) & (not halve)
+    return lo
+
+
+@triton.jit
+def _max_min_count(a_max, a_min, a_cnt, b_max, b_min, b_cnt):
+    return tl.maximum(a_max, b_max), tl.minimum(a_min, b_min), a_cnt + b_cnt
+
+
+@triton.jit
+def _top_slots(key, K, INTERP: tl.constexpr = False):
     """The ``K`` largest of ``key`` (uint32, 0 = absent; at least ``K`` present): ``(chosen, slot)`` with
-    ``slot`` the rank of a chosen lane in lane order.  The threshold comes from :func:`_kth_key` (exact); ties at
-    the K-th key go to the lowest lanes.  One prefix sum packs both counts (ties in the low 16 bits: at most
-    16384 lanes).  (Slower on an H200, docs/results.md: an 8-bit radix select over ``tl.histogram``; two bits per
-    round from packed counts; packing the lanes still undecided after 10-16 rounds into a scratch row to finish
-    the search over those alone.)"""
-    found, need = _threshold(key, K)
+    ``slot`` the rank of a chosen lane in lane order.  The threshold comes from :func:`_kth_key` (exact; ``INTERP``:
+    :func:`_kth_key_interp`, the same set); ties at the K-th key go to the lowest lanes.  One prefix sum packs both
+    counts (ties in the low 16 bits: at most 16384 lanes).  (Slower on an H200, docs/results.md: an 8-bit radix
+    select over ``tl.histogram``; two bits per round from packed counts; packing the lanes still undecided after
+    10-16 rounds into a scratch row to finish the search over those alone.)"""
+    found, need = _threshold(key, K, INTERP)
     chosen, slot, _ = _place(key, found, need, tl.zeros([], tl.int32))
     return chosen, slot
 
 
 @triton.jit
-def _threshold(key, K):
-    """``(found, need)``: the threshold of the ``K`` largest keys (:func:`_kth_key`) and how many of the keys equal
-    to it are taken (the rest of ``K`` after every key above it)."""
-    found = _kth_key(key, K)
+def _threshold(key, K, INTERP: tl.constexpr = False):
+    """``(found, need)``: the threshold of the ``K`` largest keys (:func:`_kth_key`, or :func:`_kth_key_interp`
+    with ``INTERP``) and how many of the keys equal to it are taken (the rest of ``K`` after every key above it)."""
+    if INTERP:
+        found = _kth_key_interp(key, K)
+    else:
+        found = _kth_key(key, K)
     return found, K - tl.sum((key > found).to(tl.int32), axis=0)
 
 
@@ -257,9 +296,10 @@ def _select_kernel(Q, sq_b, sq_h, sq_g, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, 
                    IDX, CKEY, T, K, KC, CHUNK, HQ, G,
                    W: tl.constexpr, PER: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                    HAS_VALID: tl.constexpr, CANDIDATES: tl.constexpr, UNROLL: tl.constexpr, NP: tl.constexpr,
-                   SUB: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr = False):
+                   SUB: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr = False, INTERP: tl.constexpr = False):
     """One query head and one chunk of ``CHUNK`` tokens: label scores in registers, then either the head's
     ``K`` token indices (one chunk) or the chunk's ``KC`` best (key, token) candidates (``CANDIDATES``).
+    ``INTERP``: the threshold by interpolation search (:func:`_kth_key_interp`; the same indices).
     ``SUB < NP``: once the threshold is found the keys are dropped and recomputed ``SUB`` lanes at a time for the
     placement (the prefix sum and the scattered stores then hold ``SUB`` lanes' state, not ``NP``: fewer
     registers for a second label read, :data:`SELECT_CONFIG` ``compact_block``); the same indices in the same
@@ -283,14 +323,14 @@ def _select_kernel(Q, sq_b, sq_h, sq_g, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, 
         kk = K
         row = pid.to(tl.int64) * K
     if SUB >= NP:
-        chosen, slot = _top_slots(key, kk)
+        chosen, slot = _top_slots(key, kk, INTERP)
         if CANDIDATES:
             tl.store(CKEY + row + slot, key.to(tl.int32, bitcast=True), mask=chosen)
             tl.store(IDX + row + slot, offs, mask=chosen)
         else:
             tl.store(IDX + row + slot, offs.to(tl.int64), mask=chosen)
     else:
-        found, need = _threshold(key, kk)
+        found, need = _threshold(key, kk, INTERP)
         base = tl.zeros([], tl.int32)
         for s0 in range(0, NP, SUB):
             offs_s = first + s0 + tl.arange(0, SUB)
@@ -365,25 +405,39 @@ def _merge_level_kernel(CKEY, CIDX, OKEY, OIDX, N, GS, KC, NP: tl.constexpr, SUB
 
 
 @triton.jit
-def _top_lanes_kernel(KEY, CHOSEN, SLOT, N, K, NP: tl.constexpr):
+def _top_lanes_kernel(KEY, CHOSEN, SLOT, N, K, NP: tl.constexpr, INTERP: tl.constexpr = False):
     offs = tl.arange(0, NP)
     key = tl.load(KEY + offs, mask=offs < N, other=0).to(tl.uint32, bitcast=True)
-    chosen, slot = _top_slots(key, K)
+    chosen, slot = _top_slots(key, K, INTERP)
     tl.store(CHOSEN + offs, chosen.to(tl.int32), mask=offs < N)
     tl.store(SLOT + offs, tl.where(chosen, slot, -1), mask=offs < N)
 
 
-def top_lanes(keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_lanes(keys: torch.Tensor, k: int, search: str = "bits") -> tuple[torch.Tensor, torch.Tensor]:
     """The select kernels' top-``k`` search (:func:`_top_slots`) on given keys, in one program: ``keys`` int32
     ``[N]`` (N <= 16384) holding uint32 bit patterns (0 = absent, at least ``k`` present).  Returns ``(chosen
-    [N] int32 0/1, slot [N] int32, -1 where not chosen)``.  For tests and benchmarks of the search alone."""
+    [N] int32 0/1, slot [N] int32, -1 where not chosen)``.  ``search``: :data:`SEARCHES`.  For tests and benchmarks
+    of the search alone."""
     n = keys.numel()
     if not 0 < n <= FUSED_MAX_TOKENS:
         raise ValueError(f"top_lanes takes 1 to {FUSED_MAX_TOKENS} keys, got {n}")
     chosen = torch.empty(n, dtype=torch.int32, device=keys.device)
     slot = torch.empty(n, dtype=torch.int32, device=keys.device)
-    _top_lanes_kernel[(1,)](keys, chosen, slot, n, k, NP=max(16, pow2(n)))
+    _top_lanes_kernel[(1,)](keys, chosen, slot, n, k, NP=max(16, pow2(n)), INTERP=search_interp(search))
     return chosen, slot
+
+
+#: the fused select's threshold searches (``search`` in :data:`SELECT_CONFIG`): ``"bits"`` (the default,
+#: :func:`_kth_key`) or ``"interpolation"`` (opt-in, :func:`_kth_key_interp`; the same indices)
+SEARCHES = ("bits", "interpolation")
+
+
+def search_interp(search) -> bool:
+    """Whether the ``search`` setting names the interpolation search; anything but :data:`SEARCHES` is refused."""
+    if search not in SEARCHES:
+        raise ValueError(f"KVCOMPRESS_DS_CONFIG: search must be one of {', '.join(map(repr, SEARCHES))}, "
+                         f"got {search!r}")
+    return search == "interpolation"
 
 
 FUSED_MAX_TOKENS = 16384  # per program: the label scores stay in registers (~3 registers per token)
@@ -401,6 +455,9 @@ FUSED_MAX_TOKENS = 16384  # per program: the label scores stay in registers (~3 
 # Offline (benchmarks/select_regs.py, Triton 3.6) the placement holds ~150 of the 206 registers of an 8192-token,
 # 8-warp select and makes the 4-warp one spill, but on the H200 (session 29) compact_block 1024 was slower at all 36
 # cells timed (Llama B16/32k ds16 467.2 against 382.5 us): computing the keys again costs more than the spills
+# search: the select kernel's threshold search (SEARCHES): "bits" (one bit per round) or "interpolation" (opt-in,
+# session 40: fewer rounds in the CPU model, benchmarks/select_rounds_model.py; not yet timed on a GPU).  The merge
+# kernels keep the bit search.
 #: ``pdl: "auto"`` launches with PDL up to this many query rows (batch x query heads).  Two H200 rounds (sessions 33
 #: and 34, ds8 / ds16 / both shared, docs/results.md): reads of up to 36 rows were faster with PDL - all but one read
 #: of one round, equal within 0.2 % - (Llama B1: 32 rows, 0.1-1.5 us of 18-52 us; SmolLM2 B1 / B4: 9 / 36 rows,
@@ -421,7 +478,7 @@ def pdl_for(setting, rows: int, device: torch.device) -> bool:
 
 
 SELECT_CONFIG = dict(elems_per_thread=None, chunk_tokens=FUSED_MAX_TOKENS, unroll=4, multilevel=None, method="auto",
-                     radix={}, merge_tokens=None, compact_block=None, cuda={}, pdl="auto")
+                     radix={}, merge_tokens=None, compact_block=None, cuda={}, pdl="auto", search="bits")
 
 
 @functools.lru_cache(maxsize=None)
@@ -584,6 +641,7 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
     if not 0 < k <= t:
         raise ValueError(f"k must be in [1, {t}], got {k}")
     cfg = dict(_select_base(), **(config or {}))
+    search_interp(cfg["search"])  # refused here, whichever select runs
     full = query
     query = group_rows(full, labels, channels, group)  # one row per group: the shape every decision below reads
     method = select_method(query, labels, channels, k, cfg, valid)
@@ -637,7 +695,7 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
         W=lab.shape[-1], PER=8 // labels.bits if quant else 1, BITS=labels.bits if quant else 16, QUANT=quant,
         HAS_VALID=valid is not None, CANDIDATES=chunks > 1,
         UNROLL=_divisor(lab.shape[-1], int(cfg["unroll"])), NP=np_,
-        SUB=_sub(np_, cfg), GROUP=group, PDL=pdl, num_warps=warps)
+        SUB=_sub(np_, cfg), GROUP=group, PDL=pdl, INTERP=search_interp(cfg["search"]), num_warps=warps)
     n = chunks * kc  # candidates left
     for _, group, keep in levels:  # fused_levels' candidate counts are the n of each step here
         groups = -(-n // group)
