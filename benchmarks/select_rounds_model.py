@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     rng = np.random.default_rng(args.seed)
-    methods = {"bit search (the kernel)": lambda key, k: bit_search(key, k),
+    methods = {"bit search (the kernel)": bit_search,
                "interpolation, key space": lambda key, k: interpolation_search(key, k, False),
                "interpolation, value space": lambda key, k: interpolation_search(key, k, True)}
     print("| tokens | k | scores | " + " | ".join(f"{m}: mean / max rounds" for m in methods) + " |")

@@ -233,7 +233,7 @@ def run_score_case(name: str, device: str = "cpu") -> dict:
                                           config=dict(cfg, unroll=1, elems_per_thread=16))
     # the placement in blocks of 32 lanes (keys computed again per block; opt-in, slower on an H200): the same indices
     # in the same order - on every case with KVCOMPRESS_TEST_FULL=1, in CI on the cases of BLOCKED_CASES
-    blocked = interp = fused
+    blocked = interp = blocked_interp = fused
     if os.environ.get("KVCOMPRESS_TEST_FULL") or name in BLOCKED_CASES:
         blocked = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k,
                                             config=dict(cfg, compact_block=32))
@@ -242,7 +242,6 @@ def run_score_case(name: str, device: str = "cpu") -> dict:
                                            config=dict(cfg, search="interpolation"))
         blocked_interp = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k,
                                                    config=dict(cfg, search="interpolation", compact_block=32))
-        interp = interp if torch.equal(interp, blocked_interp) else blocked_interp
     # the chunk / level candidate buffers are not zeroed: filled with the largest key (-1 as uint32 beats every score)
     # and an out-of-range token, the select must still write every slot a merge reads - the same indices in the same
     # order (session 39: the memsets of torch.zeros dropped)
@@ -279,7 +278,7 @@ def run_score_case(name: str, device: str = "cpu") -> dict:
             "topk_unfused": reference.is_topk(unfused, ref, k, tol), "topk_fused": reference.is_topk(fused, ref, k, tol),
             "topk_fused_other_launch": reference.is_topk(unrolled1, ref, k, tol),
             "blocked_same": bool(torch.equal(blocked, fused)), "poisoned_same": bool(torch.equal(poisoned, fused)),
-            "interp_same": bool(torch.equal(interp, fused)),
+            "interp_same": bool(torch.equal(interp, fused) and torch.equal(blocked_interp, fused)),
             "topk_radix": radix is None or reference.is_topk(radix, ref, k, tol),
             "topk_radix_tm": radix_tm is None or reference.is_topk(radix_tm, ref, k, tol),
             "radix_chunks": radix_triton.radix_plan(q.shape[0] * q.shape[1], labels.num_tokens, 4,

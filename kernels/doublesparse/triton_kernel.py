@@ -226,7 +226,7 @@ def _kth_key_interp(key, K):
     did not halve the interval (so at most about twice the bit search's rounds).  It stops at a count of exactly
     ``K`` (the keys at or above ``mid`` are the top-``K`` set) or at ``hi = lo + 1`` (``lo`` is then the ``K``-th
     largest key): the same set as :func:`_kth_key`'s, so :func:`_place` picks the same lanes.  CPU model of the
-    rounds: ``benchmarks/select_rounds_model.py`` (label scores, 4096 keys, ``K`` 256: 17.8 rounds -> 10.8)."""
+    rounds: ``benchmarks/select_rounds_model.py`` (label scores, 4096 keys, ``K`` 256: 17.6 rounds -> 11.0)."""
     present = key > 0
     hi, lo, flo = tl.reduce((key, tl.where(present, key, 0xFFFFFFFF), present.to(tl.int32)), 0, _max_min_count)
     hi = hi + 1  # count(hi) = 0 (the largest key of a finite score is below 0xFFFFFFFF)
@@ -641,7 +641,7 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
     if not 0 < k <= t:
         raise ValueError(f"k must be in [1, {t}], got {k}")
     cfg = dict(_select_base(), **(config or {}))
-    search_interp(cfg["search"])  # refused here, whichever select runs
+    interp = search_interp(cfg["search"])  # refused here, whichever select runs
     full = query
     query = group_rows(full, labels, channels, group)  # one row per group: the shape every decision below reads
     method = select_method(query, labels, channels, k, cfg, valid)
@@ -695,7 +695,7 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
         W=lab.shape[-1], PER=8 // labels.bits if quant else 1, BITS=labels.bits if quant else 16, QUANT=quant,
         HAS_VALID=valid is not None, CANDIDATES=chunks > 1,
         UNROLL=_divisor(lab.shape[-1], int(cfg["unroll"])), NP=np_,
-        SUB=_sub(np_, cfg), GROUP=group, PDL=pdl, INTERP=search_interp(cfg["search"]), num_warps=warps)
+        SUB=_sub(np_, cfg), GROUP=group, PDL=pdl, INTERP=interp, num_warps=warps)
     n = chunks * kc  # candidates left
     for _, group, keep in levels:  # fused_levels' candidate counts are the n of each step here
         groups = -(-n // group)
