@@ -97,6 +97,9 @@
 # 40's defaults; the LeanK-70 + KIVI-2 Llama B4/4k cell, 0.81x on the H200 - its one-launch read of a 1024-slot
 # buffer - against the two regions apart; the two new lanes rules against the old on the H200), then PART=ds-search
 # (the opt-in interpolation search of the DoubleSparse select, its GPU tests and two rounds) and lanes4k.
+# Session 41 (H100 only) ran grid-full, buffer-apart, rules40 and ds-search (docs/results.md "Session 41"); the
+# buffer's slots now count in the fuse rule (buffer_weight 6).  Left: PART=buffer-weight (its GPU tests and two rounds
+# against the rule before), and on an H200 grid-full for the README count.
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -256,6 +259,15 @@ case "${PART:-stages}" in
       "${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:4:4k,llama3-8b:1:32k,smollm2-135m:1:4k,smollm2-135m:4:4k,smollm2-135m:16:4k,smollm2-135m:1:32k,smollm2-135m:4:32k}" \
       '{}' '{"buffer_tokens": 0}'
     ;;
+  buffer-weight)  # session 41's buffer_weight (default 6: a buffer slot counts as 6 region slots in buffer_work, so
+    # LeanK-70 + KIVI-2 at Llama B4/4k and SmolLM2 B16/4k reads its 1024-slot buffer apart) against the rule before
+    # ({"buffer_weight": 0}): the buffer-read GPU tests, then two rounds at the two reads it moves and two it keeps
+    export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-300} PS_XDIST=${PS_XDIST:-8}
+    ROUNDS=2 && sweep "tests/test_kivi_buffer_read.py tests/test_kivi_lanes_buffer.py" KVCOMPRESS_KIVI_CUDA_CONFIG \
+      leank70-kivi2,kivi2-static \
+      "${S35_SHAPES:-llama3-8b:4:4k,smollm2-135m:16:4k,llama3-8b:1:4k,smollm2-135m:4:4k}" \
+      '{}' '{"buffer_weight": 0}'
+    ;;
   grid-full-expandable)  # the same grid with PyTorch's expandable segments (session 39: allocation history moved
     # same-kernel reads by 16-19 % under the default caching allocator); benchutil records the setting in each row
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PARTS= PART=grid-full bash "$HERE/gpu_s35_session.sh" "$OUT"
@@ -328,6 +340,6 @@ case "${PART:-stages}" in
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, ds-search, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, buffer-weight, ds-search, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
      exit 2 ;;
 esac

@@ -145,22 +145,48 @@ def test_buffer_settings_choose_the_one_launch_read(monkeypatch):
     assert not ck.fuses_buffer(2, 16, 8, 4, 4096) and not ck.fuses_buffer(2, 4, 4, 17, 32768)  # 128 rows; 48
     settings('{"buffer_tokens": 0}')
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is None and len(calls) == 1
-    # this read: 2 x 2 x 1 = 4 rows over 96 slots
-    settings('{"buffer_rows": 3, "buffer_work": 383}')
+    # this read: 2 x 2 x 1 = 4 rows over 96 slots (buffer_weight 0: the buffer not counted)
+    settings('{"buffer_rows": 3, "buffer_work": 383, "buffer_weight": 0}')
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is None and len(calls) == 1
-    settings('{"buffer_rows": 3, "buffer_work": 384}')
+    settings('{"buffer_rows": 3, "buffer_work": 384, "buffer_weight": 0}')
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is not None and len(calls) == 2
     settings('{"buffer_rows": 4, "buffer_work": 0}')
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is not None and len(calls) == 3
-    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"buffer_rows": 0}')  # the environment alone changes nothing
+    # buffer_weight: each of the buffer's k.shape[2] slots counts as that many region slots in buffer_work
+    t = k.shape[2]
+    settings(f'{{"buffer_rows": 3, "buffer_work": {4 * (96 + 2 * t) - 1}, "buffer_weight": 2}}')
+    assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is None and len(calls) == 3
+    settings(f'{{"buffer_rows": 3, "buffer_work": {4 * (96 + 2 * t)}, "buffer_weight": 2}}')
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is not None and len(calls) == 4
-    for bad in ('{"buffer_rows": -1}', '{"buffer_work": 1.5}', '{"buffer_tokens": "all"}'):
+    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"buffer_rows": 0}')  # the environment alone changes nothing
+    assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is not None and len(calls) == 5
+    for bad in ('{"buffer_rows": -1}', '{"buffer_work": 1.5}', '{"buffer_tokens": "all"}', '{"buffer_weight": -2}'):
         with pytest.raises(ValueError, match="must be an integer >= 0"):
             settings(bad)
     for bad in ('{"buffer_ctas": 0}', '{"buffer_ctas": "many"}'):  # checked when read, too
         with pytest.raises(ValueError, match="buffer_ctas must be \"auto\" or an integer >= 1, got"):
             settings(bad)
     settings('{"buffer_ctas": "auto"}')
+
+
+def test_buffer_weight_sends_large_buffers_of_many_rows_apart(monkeypatch):
+    """``buffer_weight`` (default 6, session 41): a read of more than ``buffer_rows`` rows counts each buffer slot as
+    that many region slots against ``buffer_work``.  The benchmark layers of session 41's H100 rounds: LeanK-70 +
+    KIVI-2 (3584-slot region, 1024-slot buffer) at Llama B4/4k (32 rows) and SmolLM2 B16/4k (48 rows) were faster
+    apart and now are; static KIVI-2 (4128 + 160 slots) at the same rows stays in one launch, as does any read of at
+    most 16 rows however long its buffer; ``{"buffer_weight": 0}`` is the rule before (buffer not counted)."""
+    monkeypatch.setattr(ck, "_BUFFER_SETTINGS", {})
+    monkeypatch.delenv("KVCOMPRESS_KIVI_CUDA_CONFIG", raising=False)
+    assert ck.DEFAULT_CONFIG["buffer_weight"] == 6 and ck.read_buffer_settings(2)[3] == 6
+    assert not ck.fuses_buffer(2, 4, 8, 1, 3584, 1024) and not ck.fuses_buffer(2, 16, 3, 1, 3584, 1024)
+    assert ck.fuses_buffer(2, 4, 8, 1, 4128, 160) and ck.fuses_buffer(2, 16, 3, 1, 4128, 160)
+    assert ck.fuses_buffer(2, 4, 8, 1, 3584) and ck.fuses_buffer(2, 16, 3, 1, 3584)  # no buffer slots given
+    assert ck.fuses_buffer(2, 1, 8, 1, 3584, 1 << 20) and ck.fuses_buffer(2, 4, 3, 1, 32768, 1 << 20)  # <= 16 rows
+    assert ck.fuses_buffer(2, 4, 8, 1, 8192 - 6 * 100, 100) and not ck.fuses_buffer(2, 4, 8, 1, 8192 - 6 * 100, 101)
+    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"buffer_weight": 0}')
+    ck.read_buffer_settings(2)
+    assert ck.fuses_buffer(2, 4, 8, 1, 3584, 1024) and ck.fuses_buffer(2, 16, 3, 1, 3584, 1024)
+    assert not ck.fuses_buffer(2, 4, 8, 1, 8193, 0)
 
 
 def test_auto_buffer_ctas_spread_the_buffer_of_few_rows_over_more_ctas():
@@ -198,16 +224,17 @@ def test_fused_or_apart_traces_under_torch_compile(monkeypatch):
     ck.read_buffer_settings(2)
 
     def step(q, slots):
-        return q + 1 if ck.fuses_buffer(2, *q.shape[:3], slots) else q - 1
+        return q + 1 if ck.fuses_buffer(2, *q.shape[:3], slots, q.shape[-1] * 128) else q - 1
 
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True, backend="eager")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for shape, slots in (((1, 8, 4, 8), 4096), ((16, 8, 4, 8), 32768), ((2, 8, 4, 8), 4096),
-                             ((16, 8, 4, 8), 4096), ((4, 8, 4, 8), 8192)):
+                             ((16, 8, 4, 8), 4096), ((4, 8, 4, 8), 8192), ((4, 8, 4, 2), 4096),
+                             ((4, 8, 4, 8), 4096)):
             q = torch.zeros(shape)
-            want = q + 1 if ck.fuses_buffer(2, *shape[:3], slots) else q - 1
+            want = q + 1 if ck.fuses_buffer(2, *shape[:3], slots, shape[-1] * 128) else q - 1
             assert torch.equal(compiled(q, slots), want), (shape, slots)
 
 

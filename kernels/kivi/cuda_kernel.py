@@ -138,10 +138,13 @@ BUFFER_SPREAD = 384
 BUFFER_FEW_TOKENS = 16
 #: a one-launch buffer read is used for at most this many (batch x kv head x row block) rows (:func:`fuses_buffer`)
 BUFFER_ROWS = 16
-#: ... or for at most this many rows x region slots
+#: ... or for at most this many rows x (region slots + BUFFER_WEIGHT x buffer slots)
 BUFFER_WORK = 256 * 1024
+#: what one full-precision buffer slot counts for in ``buffer_work``, in region slots (session 41, :func:`fuses_buffer`:
+#: a buffer slot is read at fp16 by the SIMT buffer CTAs, 8x the bytes of a 2-bit code slot)
+BUFFER_WEIGHT = 6
 #: the launch settings of the one-launch buffer read, in the order :func:`read_buffer_settings` returns them
-BUFFER_SETTINGS = ("buffer_tokens", "buffer_rows", "buffer_work")
+BUFFER_SETTINGS = ("buffer_tokens", "buffer_rows", "buffer_work", "buffer_weight")
 #: key widths of a lane of the lanes kernel (kept channels of a LeanK head): multiples of 16 (one k16 slice) up to 128
 LANE_DIMS = tuple(range(16, 129, 16))
 SOURCE = Path(__file__).with_name("cuda_kernel.cu")
@@ -167,25 +170,31 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # read bounded by a live length far below the capacity (a static store early in a long generation) keeps every split
 # busy; 0: each split reads a contiguous run of tiles sized for the capacity, each warp a contiguous part of it.
 # buffer_tokens: slots one buffer CTA takes when the launch also reads a static layer's full-precision buffer
-# (:func:`buffer_plan`; fewer, longer buffer CTAs when larger), at most buffer_ctas of them per (batch, head, row
-# block) - LeanK + KIVI's buffer of about 1k slots gets 16 CTAs of 64 (a sweep knob, session 35; "auto", the default
-# since session 37, :func:`buffer_launch`: more and shorter CTAs where the launch has few rows and a short region, so
-# the buffer CTAs, a latency-bound chain, stop being the launch's longest); 0: no one-launch read - the buffer and
-# the region are read apart (PackedKV.attention_partial_with_buffer returns None), for A/B timing.  buffer_rows /
+# (:func:`buffer_plan`; fewer, longer buffer CTAs when larger), at most buffer_ctas of them per (batch, head, row block)
+# - LeanK + KIVI's buffer of about 1k slots gets 16 CTAs of 64 (a sweep knob, session 35; "auto", the default since
+# session 37, :func:`buffer_launch`: more and shorter CTAs where the launch has few rows and a short region, so the
+# buffer CTAs, a latency-bound chain, stop being the launch's longest); 0: no one-launch read - the buffer and the
+# region are read apart (PackedKV.attention_partial_with_buffer returns None), for A/B timing.  buffer_rows /
 # buffer_work: the one-launch read only for at most buffer_rows rows (batch x kv heads x row blocks), or at most
-# buffer_work rows x region slots (:func:`fuses_buffer`).  These three are read when a cache chooses the CUDA kernel
-# (:func:`read_buffer_settings`), not per call.  A small read is latency-bound and saves a launch and a merge; a large
-# one is throughput-bound, where the buffer CTAs (SIMT, latency-bound) hold CTA slots the region's splits need and
-# the two regions read apart are faster.  Session 26 sweep on the H200, static KIVI-2 read, one launch against apart
-# (us): Llama (8 rows per batch row) B1/4k 16.0 / 19.9, B1/32k 28.4 / 31.0, B4/4k 24.1 / 25.5, but B4/32k 74.3 / 64.4,
-# B16/32k 200 / 185, B64/4k 172 / 116; SmolLM2 (3 rows) B1/32k 14.7 / 19.6, B4/32k 22.7 / 26.1, B16/4k 22.2 / 23.0,
-# B16/32k 66 / 58.  pdl (session 32; default since session 34): the split combine is launched with programmatic
-# dependent launch on sm_90+ (:func:`pdl_ok`), so its launch and prologue overlap the split kernel's last wave.  Two
-# H200 rounds (sessions 33 and 34, KIVI-2 / KIVI-4 / static KIVI-2 / LeanK-70 + KIVI-2 at B1 / B4, 4k / 32k, both
-# head shapes: 32 of 32 reads faster in session 34, by 0.1-2.5 us, e.g. KIVI-2 Llama B1 / 4k 9.74 -> 9.14 us).
+# buffer_work rows x (region slots + buffer_weight x buffer slots) (:func:`fuses_buffer`).  These four are read when a
+# cache chooses the CUDA kernel (:func:`read_buffer_settings`), not per call.  A small read is latency-bound and saves a
+# launch and a merge; a large one is throughput-bound, where the buffer CTAs (SIMT, latency-bound) hold CTA slots the
+# region's splits need and the two regions read apart are faster.  Session 26 sweep on the H200, static KIVI-2 read, one
+# launch against apart (us): Llama (8 rows per batch row) B1/4k 16.0 / 19.9, B1/32k 28.4 / 31.0, B4/4k 24.1 / 25.5, but
+# B4/32k 74.3 / 64.4, B16/32k 200 / 185, B64/4k 172 / 116; SmolLM2 (3 rows) B1/32k 14.7 / 19.6, B4/32k 22.7 / 26.1,
+# B16/4k 22.2 / 23.0, B16/32k 66 / 58.  buffer_weight (session 41; 0 = the session-26 rule, which did not count the
+# buffer): a buffer slot counts as 6 region slots in buffer_work.  Two H100 rounds, one launch against apart (us):
+# LeanK-70 + KIVI-2 (3584-slot region, 1024-slot buffer) Llama B4/4k (32 rows) 33.9 / 32.7 and SmolLM2 B16/4k (48 rows)
+# 28.4 / 24.6 - apart faster, both under the old 256k - while static KIVI-2 (4128-slot region, 160-slot buffer) at the
+# same shapes was 21.7 / 23.2 and 19.2 / 20.6, and every read of <= 16 rows was faster in one launch (by 7-85%); weights
+# 5 to 8 split these reads (and session 26's) the same way.  pdl (session 32; default since session 34): the split
+# combine is launched with programmatic dependent launch on sm_90+ (:func:`pdl_ok`), so its launch and prologue overlap
+# the split kernel's last wave.  Two H200 rounds (sessions 33 and 34, KIVI-2 / KIVI-4 / static KIVI-2 / LeanK-70 +
+# KIVI-2 at B1 / B4, 4k / 32k, both head shapes: 32 of 32 reads faster in session 34, by 0.1-2.5 us, e.g. KIVI-2 Llama
+# B1 / 4k 9.74 -> 9.14 us).
 DEFAULT_CONFIG = dict(nw=4, stages=2, waves=1.0, warps_per_sm=16, min_tiles="auto", min_blocks=4, kfold=0, vfold=0,
                       interleave=1, buffer_tokens=BUFFER_TOKENS, buffer_rows=BUFFER_ROWS, buffer_work=BUFFER_WORK,
-                      pdl=True, buffer_ctas="auto")
+                      buffer_weight=BUFFER_WEIGHT, pdl=True, buffer_ctas="auto")
 SMEM_DEFAULT = 48 * 1024  # dynamic shared memory a kernel gets without cudaFuncAttributeMaxDynamicSharedMemorySize
 SMEM_OPTIN_MAX = 227 * 1024  # the largest opt-in limit of any supported GPU (sm_90); the device's own limit is used
 
@@ -678,18 +687,20 @@ def supports_buffer(query: torch.Tensor, packed: PackedKV, k: torch.Tensor, v: t
     return _device_ok(query.device) and buffer_problem(query, packed, k, v, valid) is None
 
 
-#: bits -> (buffer_tokens, buffer_rows, buffer_work) of the one-launch buffer read, as :func:`read_buffer_settings`
-#: last read them from the launch configuration (when a cache chose the CUDA kernel: ``ops.choose``); the defaults
-#: until then.  :func:`fuses_buffer` reads only this, so a compiled step traces no environment read or JSON parse.
-_BUFFER_SETTINGS: dict[int, tuple[int, int, int]] = {}
+#: bits -> (buffer_tokens, buffer_rows, buffer_work, buffer_weight) of the one-launch buffer read, as
+#: :func:`read_buffer_settings` last read them from the launch configuration (when a cache chose the CUDA kernel:
+#: ``ops.choose``); the defaults until then.  :func:`fuses_buffer` reads only this, so a compiled step traces no
+#: environment read or JSON parse.
+_BUFFER_SETTINGS: dict[int, tuple[int, int, int, int]] = {}
 #: bits -> whether that configuration's register cap leaves the buffer CTAs out (:func:`_buffer_capped`), read with them
 _CAPPED: dict[int, bool] = {}
 _BUFFER_DEFAULTS = tuple(DEFAULT_CONFIG[n] for n in BUFFER_SETTINGS)
 
 
-def read_buffer_settings(bits: int) -> tuple[int, int, int]:
-    """Read ``(buffer_tokens, buffer_rows, buffer_work)`` from the launch configuration (:func:`config`: the
-    defaults, ``KVCOMPRESS_KIVI_CUDA_CONFIG`` overriding) for the reads of ``bits``-bit regions from now on."""
+def read_buffer_settings(bits: int) -> tuple[int, int, int, int]:
+    """Read ``(buffer_tokens, buffer_rows, buffer_work, buffer_weight)`` from the launch configuration
+    (:func:`config`: the defaults, ``KVCOMPRESS_KIVI_CUDA_CONFIG`` overriding) for the reads of ``bits``-bit regions
+    from now on."""
     c = config(bits)
     values = tuple(c[n] for n in BUFFER_SETTINGS)
     for n, v in zip(BUFFER_SETTINGS, values):
@@ -701,14 +712,15 @@ def read_buffer_settings(bits: int) -> tuple[int, int, int]:
     return values
 
 
-def fuses_buffer(bits: int, b: int, h: int, m: int, slots: int) -> bool:
+def fuses_buffer(bits: int, b: int, h: int, m: int, slots: int, buffer_slots: int = 0) -> bool:
     """Whether a decode read of ``b`` rows x ``h`` kv heads x ``m`` query rows per head over a region of ``slots``
-    slots takes the buffer in the same launch: launch setting ``buffer_tokens`` > 0, and ``rows = b * h * ceil(m /
-    8)`` at most ``buffer_rows`` or ``rows * slots`` at most ``buffer_work`` (see :data:`DEFAULT_CONFIG`; as
+    slots and a full-precision buffer of ``buffer_slots`` slots takes the buffer in the same launch: launch setting
+    ``buffer_tokens`` > 0, and ``rows = b * h * ceil(m / 8)`` at most ``buffer_rows`` or ``rows * (slots +
+    buffer_weight * buffer_slots)`` at most ``buffer_work`` (see :data:`DEFAULT_CONFIG`; as
     :func:`read_buffer_settings` last read them).  Shapes only, so decided at trace time under ``torch.compile``."""
-    tokens, max_rows, max_work = _BUFFER_SETTINGS.get(bits, _BUFFER_DEFAULTS)
+    tokens, max_rows, max_work, weight = _BUFFER_SETTINGS.get(bits, _BUFFER_DEFAULTS)
     rows = b * h * -(-m // 8)
-    return tokens > 0 and (rows <= max_rows or rows * slots <= max_work)
+    return tokens > 0 and (rows <= max_rows or rows * (slots + weight * buffer_slots) <= max_work)
 
 
 def buffer_plan(slots: int, tokens: int = BUFFER_TOKENS, most: int = BUFFER_CTAS) -> tuple[int, int]:

@@ -167,7 +167,7 @@ class PackedLanes:
 
         if lanes_cuda.buffer_problem(query, self, k, v, valid, region_checked=True) is not None:  # shapes only
             return None
-        if not cuda_kernel.fuses_buffer(self.bits, *query.shape[:3], self.num_tokens):
+        if not cuda_kernel.fuses_buffer(self.bits, *query.shape[:3], self.num_tokens, k.shape[2]):
             return None
         from kvcompress.kernels import ops
 

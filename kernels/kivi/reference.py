@@ -285,7 +285,7 @@ class PackedKV:
         if cuda_kernel.buffer_problem(query, self, k, v, valid) is not None:  # shapes only: decided at trace time
             return None
         slots = self.k_codes.shape[2] * self.group
-        if not cuda_kernel.fuses_buffer(self.bits, *query.shape[:3], slots):  # a large read: apart is faster
+        if not cuda_kernel.fuses_buffer(self.bits, *query.shape[:3], slots, k.shape[2]):  # large: apart is faster
             return None
         return _ops().kivi_buffer_attention(query, self, scale, k, v, valid, length, impl=self.impl, softcap=softcap,
                                             out_dtype=out_dtype)
