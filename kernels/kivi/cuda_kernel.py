@@ -186,7 +186,7 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # buffer): a buffer slot counts as 6 region slots in buffer_work.  Two H100 rounds, one launch against apart (us):
 # LeanK-70 + KIVI-2 (3584-slot region, 1024-slot buffer) Llama B4/4k (32 rows) 33.9 / 32.7 and SmolLM2 B16/4k (48 rows)
 # 28.4 / 24.6 - apart faster, both under the old 256k - while static KIVI-2 (4128-slot region, 160-slot buffer) at the
-# same shapes was 21.7 / 23.2 and 19.2 / 20.6, and every read of <= 16 rows was faster in one launch (by 7-85%); weights
+# same shapes was 21.7 / 23.2 and 19.2 / 20.6, and every read of <= 16 rows was faster in one launch (by 10-85%); weights
 # 5 to 8 split these reads (and session 26's) the same way.  pdl (session 32; default since session 34): the split
 # combine is launched with programmatic dependent launch on sm_90+ (:func:`pdl_ok`), so its launch and prologue overlap
 # the split kernel's last wave.  Two H200 rounds (sessions 33 and 34, KIVI-2 / KIVI-4 / static KIVI-2 / LeanK-70 +
