@@ -98,8 +98,9 @@
 # buffer - against the two regions apart; the two new lanes rules against the old on the H200), then PART=ds-search
 # (the opt-in interpolation search of the DoubleSparse select, its GPU tests and two rounds) and lanes4k.
 # Session 41 (H100 only) ran grid-full, buffer-apart, rules40 and ds-search (docs/results.md "Session 41"); the
-# buffer's slots now count in the fuse rule (buffer_weight 6).  Left: PART=buffer-weight (its GPU tests and two rounds
-# against the rule before), and on an H200 grid-full for the README count.
+# buffer's slots now count in the fuse rule (buffer_weight 6; PART=buffer-weight checked it: GPU tests and two
+# rounds), and few-program DoubleSparse selects take unroll 16.  Left: PART=ds-unroll (its GPU tests and two rounds
+# against unroll 4), then on an H200 grid-full for the README count.
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -268,6 +269,14 @@ case "${PART:-stages}" in
       "${S35_SHAPES:-llama3-8b:4:4k,smollm2-135m:16:4k,llama3-8b:1:4k,smollm2-135m:4:4k}" \
       '{}' '{"buffer_weight": 0}'
     ;;
+  ds-unroll)  # session 41's select rule (unroll null: 16 label loads in flight where a select launch has fewer programs
+    # than two per SM, else 4) against unroll 4 everywhere: the DoubleSparse GPU tests, then two rounds at the 4k reads
+    # of the H100 sweep and the 32k ones session 21 found slower with 16 (many-program launches, where the rule keeps 4)
+    export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-400} PS_XDIST=${PS_XDIST:-8}
+    ROUNDS=2 && sweep tests/test_doublesparse_kernel.py KVCOMPRESS_DS_CONFIG ds8,ds16,ds8-shared,ds16-shared \
+      "${S35_SHAPES:-smollm2-135m:1:4k,smollm2-135m:4:4k,smollm2-135m:16:4k,llama3-8b:1:4k,llama3-8b:16:4k,llama3-8b:1:32k,llama3-8b:4:32k,smollm2-135m:16:32k}" \
+      '{}' '{"unroll": 4}'
+    ;;
   grid-full-expandable)  # the same grid with PyTorch's expandable segments (session 39: allocation history moved
     # same-kernel reads by 16-19 % under the default caching allocator); benchutil records the setting in each row
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PARTS= PART=grid-full bash "$HERE/gpu_s35_session.sh" "$OUT"
@@ -340,6 +349,6 @@ case "${PART:-stages}" in
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, buffer-weight, ds-search, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, buffer-weight, ds-unroll, ds-search, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
      exit 2 ;;
 esac

@@ -603,6 +603,40 @@ def test_radix_digit_widths_and_plan():
     assert rt.radix_plan(32, 32768, 132, cfg)[0] >= 8, "batch 1, Llama heads: several programs per head"
 
 
+def test_select_launch_rule_and_the_launch_it_gives(monkeypatch):
+    """``select_launch``: with fewer programs than two per SM, 32 scores per thread and every label channel's load in
+    flight (``unroll`` 16, session 41), else 64 and 4; set values are kept; bad ones are refused with the key.  The
+    fused select launches what it says (kernel recorded, not run: the launch rule, not the kernel, is under test)."""
+    from triton_offline import record_launches
+
+    from kvcompress.kernels.doublesparse import triton_kernel as tk
+    from kvcompress.kernels.doublesparse.reference import Labels
+
+    base = dict(tk.SELECT_CONFIG)
+    assert base["unroll"] is None and base["elems_per_thread"] is None
+    # session 41's reads on a 132-SM H100: SmolLM2 B1/4k per head (9 programs), Llama B16/4k shared (128), Llama
+    # B16/4k per head (512: unroll 16 was not faster there), Llama B4/32k per head (4 chunks: 512)
+    assert tk.select_launch(base, 9, 132) == (32, 16) and tk.select_launch(base, 128, 132) == (32, 16)
+    assert tk.select_launch(base, 263, 132) == (32, 16) and tk.select_launch(base, 264, 132) == (64, 4)
+    assert tk.select_launch(base, 512, 132) == (64, 4)
+    assert tk.select_launch(dict(base, unroll=4), 9, 132) == (32, 4)
+    assert tk.select_launch(dict(base, elems_per_thread=16, unroll=2), 512, 132) == (16, 2)
+    for key, bad in (("unroll", 0), ("unroll", "16"), ("unroll", True), ("elems_per_thread", 2.5)):
+        with pytest.raises(ValueError, match=f"KVCOMPRESS_DS_CONFIG: {key} must be null or an integer >= 1, got "
+                                             + re.escape(repr(bad))):
+            tk.select_launch(dict(base, **{key: bad}), 9, 132)
+    gen = torch.Generator().manual_seed(5)
+    lab = Labels(torch.randn(2, 2, 64, 16, generator=gen).half().transpose(-1, -2).contiguous().transpose(-1, -2))
+    channels = torch.stack([torch.randperm(32, generator=gen)[:16] for _ in range(2)])
+    for hq, want in ((2, (16, 1)), (4, (4, 1))):  # 2 x 2 programs < 2 x 4 CPU "SMs": few; 2 x 4 = 8: many
+        q = torch.randn(2, hq, 32, generator=gen).half()
+        seen = record_launches(monkeypatch, [(tk, "_select_kernel")],
+                               lambda: tk.select_topk(q, lab, channels, None, 8, config={"method": "fused"}))
+        assert [(ln.kwargs["UNROLL"], ln.kwargs["num_warps"]) for ln in seen] == [want]
+    with pytest.raises(ValueError, match="unroll must be null or an integer"):
+        tk.select_topk(q, lab, channels, None, 8, config={"method": "fused", "unroll": 0})
+
+
 def test_multilevel_plan_ends_and_shrinks_every_level():
     """fused_levels returns for every budget: where a level would keep as many candidates as it reads (k above half
     a chunk, e.g. 10000 of 100000 tokens in 16384-token chunks: 20000 candidates in 2 groups keep 20000) it gives

@@ -458,6 +458,36 @@ FUSED_MAX_TOKENS = 16384  # per program: the label scores stay in registers (~3 
 # search: the select kernel's threshold search (SEARCHES): "bits" (one bit per round) or "interpolation" (opt-in,
 # session 40: fewer rounds in the CPU model, benchmarks/select_rounds_model.py; not yet timed on a GPU).  The merge
 # kernels keep the bit search.
+# unroll: label channels (or code bytes) whose loads are issued before their multiply-adds (the largest power of two
+# up to it that divides them); None = select_launch's rule: FEW_PROGRAMS_UNROLL where the launch has few programs (the
+# elems_per_thread rule's condition), else 4.
+#: ``unroll: None`` where a select launch has fewer programs than two per SM (:func:`select_launch`): every label
+#: channel's load in flight before the first multiply-add.  Two H100 rounds (session 41, ds8 / ds16 / both shared at
+#: 4k, B1 / B4 / B16 of both head shapes): 16 against 4 was faster at 21-22 of 24 reads by more than 2% (SmolLM2
+#: B4/4k ds16-shared 16.8 -> 15.1-15.4 us, Llama B1/4k ds8-shared 18.8 -> 16.2-16.7), slower at none; the 2 reads
+#: not faster (Llama B16/4k per head: 512 programs, +0.5-1.5%) are many-program launches.  Session 21's select-only
+#: H200 sweep has 16 slower only at many-program launches too (Llama B4/32k per head +8%, B16/32k shared +7-10%,
+#: SmolLM2 B16/32k per head +7-9%) and faster at every few-program one (B1, Llama B4/32k shared).
+FEW_PROGRAMS_UNROLL = 16
+
+
+def select_launch(cfg: dict, programs: int, sms: int) -> tuple[int, int]:
+    """``(elems_per_thread, unroll)`` of a select launch of ``programs`` programs on ``sms`` SMs: the configuration's
+    values, or where ``None`` the rules: with fewer than ``2 * sms`` programs 32 scores per thread (wide CTAs, measured
+    on an H200 with benchmarks/gpu_doublesparse.py) and :data:`FEW_PROGRAMS_UNROLL` label loads in flight, else 64
+    and 4."""
+    few = programs < 2 * sms
+    ept, unroll = cfg["elems_per_thread"], cfg["unroll"]
+    for name, v in (("elems_per_thread", ept), ("unroll", unroll)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"KVCOMPRESS_DS_CONFIG: {name} must be null or an integer >= 1, got {v!r}")
+    if ept is None:
+        ept = 32 if few else 64
+    if unroll is None:
+        unroll = FEW_PROGRAMS_UNROLL if few else 4
+    return ept, unroll
+
+
 #: ``pdl: "auto"`` launches with PDL up to this many query rows (batch x query heads).  Two H200 rounds (sessions 33
 #: and 34, ds8 / ds16 / both shared, docs/results.md): reads of up to 36 rows were faster with PDL - all but one read
 #: of one round, equal within 0.2 % - (Llama B1: 32 rows, 0.1-1.5 us of 18-52 us; SmolLM2 B1 / B4: 9 / 36 rows,
@@ -477,7 +507,7 @@ def pdl_for(setting, rows: int, device: torch.device) -> bool:
     return use_pdl(setting, device)
 
 
-SELECT_CONFIG = dict(elems_per_thread=None, chunk_tokens=FUSED_MAX_TOKENS, unroll=4, multilevel=None, method="auto",
+SELECT_CONFIG = dict(elems_per_thread=None, chunk_tokens=FUSED_MAX_TOKENS, unroll=None, multilevel=None, method="auto",
                      radix={}, merge_tokens=None, compact_block=None, cuda={}, pdl="auto", search="bits")
 
 
@@ -675,11 +705,8 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
     ze = labels.zero if quant else out
     va = valid.view(torch.uint8) if valid is not None else out
     np_ = max(16, pow2(chunk))
-    ept = cfg["elems_per_thread"]  # scores per thread (registers)
-    if ept is None:  # measured on an H200 (benchmarks/gpu_doublesparse.py): wide CTAs when few programs run
-        sms = num_sms(dev.index or 0) if dev.type == "cuda" else 4
-        ept = 32 if b * hq * chunks < 2 * sms else 64
-    ept = int(ept)
+    sms = num_sms(dev.index or 0) if dev.type == "cuda" else 4
+    ept, unroll = select_launch(cfg, b * hq * chunks, sms)
     warps = max(1, min(16, np_ // (32 * ept)))
     if chunks > 1:
         ckey = _candidate_keys(b * hq, chunks * kc, dev)  # 0 = no candidate (every slot written by the select)
@@ -694,7 +721,7 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
         cidx, ckey, t, k, kc, chunk, hq, hq // hkv,
         W=lab.shape[-1], PER=8 // labels.bits if quant else 1, BITS=labels.bits if quant else 16, QUANT=quant,
         HAS_VALID=valid is not None, CANDIDATES=chunks > 1,
-        UNROLL=_divisor(lab.shape[-1], int(cfg["unroll"])), NP=np_,
+        UNROLL=_divisor(lab.shape[-1], unroll), NP=np_,
         SUB=_sub(np_, cfg), GROUP=group, PDL=pdl, INTERP=interp, num_warps=warps)
     n = chunks * kc  # candidates left
     for _, group, keep in levels:  # fused_levels' candidate counts are the n of each step here
