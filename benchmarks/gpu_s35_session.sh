@@ -274,7 +274,7 @@ case "${PART:-stages}" in
     # of the H100 sweep and the 32k ones session 21 found slower with 16 (many-program launches, where the rule keeps 4)
     export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-400} PS_XDIST=${PS_XDIST:-8}
     ROUNDS=2 && sweep tests/test_doublesparse_kernel.py KVCOMPRESS_DS_CONFIG ds8,ds16,ds8-shared,ds16-shared \
-      "${S35_SHAPES:-smollm2-135m:1:4k,smollm2-135m:4:4k,smollm2-135m:16:4k,llama3-8b:1:4k,llama3-8b:16:4k,llama3-8b:1:32k,llama3-8b:4:32k,smollm2-135m:16:32k}" \
+      "${S35_SHAPES:-smollm2-135m:1:4k,smollm2-135m:4:4k,smollm2-135m:16:4k,llama3-8b:1:4k,llama3-8b:16:4k,smollm2-135m:1:32k,llama3-8b:1:32k,llama3-8b:4:32k,smollm2-135m:16:32k}" \
       '{}' '{"unroll": 4}'
     ;;
   grid-full-expandable)  # the same grid with PyTorch's expandable segments (session 39: allocation history moved
