@@ -100,8 +100,8 @@
 # Session 41 (H100 only) ran grid-full, buffer-apart, rules40 and ds-search (docs/results.md "Session 41"); the
 # buffer's slots now count in the fuse rule (buffer_weight 6; PART=buffer-weight checked it: GPU tests and two
 # rounds), and few-program DoubleSparse selects take unroll 16.  Left: PART=ds-unroll (its GPU tests and two rounds
-# against unroll 4), PART=paged-pdl (the paged kernel's opt-in PDL merge, never timed), then on an H200 grid-full for
-# the README count.
+# against unroll 4), PART=ds-fused (the one-kernel DoubleSparse select + gather prototype against the two kernels),
+# PART=paged-pdl (the paged kernel's opt-in PDL merge, never timed), then on an H200 grid-full for the README count.
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -278,6 +278,14 @@ case "${PART:-stages}" in
       "${S35_SHAPES:-smollm2-135m:1:4k,smollm2-135m:4:4k,smollm2-135m:16:4k,llama3-8b:1:4k,llama3-8b:16:4k,smollm2-135m:1:32k,llama3-8b:1:32k,llama3-8b:4:32k,smollm2-135m:16:32k}" \
       '{}' '{"unroll": 4}'
     ;;
+  ds-fused)  # session 41's prototype: the DoubleSparse select and gather in one kernel (select_gather_partial; one
+    # program per selection row, no second launch, no split merge) against the two-kernel read, where the select has
+    # few programs (the group below 1.0x: SmolLM2 B1 / B4 at 4k); the DoubleSparse GPU tests first (its own included)
+    export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-400} PS_XDIST=${PS_XDIST:-8}
+    ROUNDS=2 && sweep tests/test_doublesparse_kernel.py KVCOMPRESS_DS_CONFIG \
+      ds8,ds8-fused,ds16,ds16-fused,ds8-shared,ds8-shared-fused,ds16-shared,ds16-shared-fused \
+      "${S35_SHAPES:-smollm2-135m:1:4k,smollm2-135m:4:4k,smollm2-135m:16:4k,llama3-8b:1:4k,llama3-8b:4:4k}" '{}'
+    ;;
   paged-pdl)  # the paged kernel's opt-in PDL split merge (never timed; the KIVI kernel's PDL became the default after
     # two H200 rounds, session 34): the PDL GPU tests (paged with and without PDL, eager and replayed) and the paged
     # kernel's, then two rounds at the paged dense reads that split (B1-B16)
@@ -359,6 +367,6 @@ case "${PART:-stages}" in
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, buffer-weight, ds-unroll, paged-pdl, ds-search, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, buffer-weight, ds-unroll, ds-fused, paged-pdl, ds-search, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
      exit 2 ;;
 esac

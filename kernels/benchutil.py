@@ -27,7 +27,8 @@ Ops (``--ops``, default :data:`ALL_OPS`):
 * ``leank50`` / ``leank70``: the grouped LeanK lanes kernel over a pruned middle of ``ctx - 1024`` tokens (kept
   channels per head :data:`LEANK_COUNTS`) plus the 1024 full-precision sink + window tokens, one launch;
 * ``ds8`` / ``ds16`` (``-shared``): one DoubleSparse decode read (fused label scoring + exact top-k of ctx/8 or
-  ctx/16 tokens per query head, or per kv head when shared, + gather attention);
+  ctx/16 tokens per query head, or per kv head when shared, + gather attention); the extra ops ``ds8-fused`` ...
+  ``ds16-shared-fused``: the same read in one kernel (``select_gather_partial``, a prototype);
 * ``none``, ``kivi2-static``, ``leank70-kivi2``, ``lowrank``: the decode read of a **static cache** (``Cache(..., max_cache_len=ctx +
   128)``) of that stack holding ``ctx`` tokens - exactly ``StaticLayer._read``, what a decode step runs after
   writing its token: the sinks + recent-window buffer and the middle store's segments, each read by the op the
@@ -836,12 +837,13 @@ def _bench_leank(c: _Case, ratio: int) -> None:
     c.emit(name, t, nbytes, bytes_vs_fp16=c.dense_bytes / nbytes)
 
 
-def _bench_doublesparse(c: _Case, frac: int, shared: bool) -> None:
+def _bench_doublesparse(c: _Case, frac: int, shared: bool, fused: bool = False) -> None:
     """``ds8`` / ``ds16`` (``-shared``: group-shared selection): fused label scores + top-k (16 fp16 label channels;
-    ctx/8 or ctx/16 tokens per query head, or per kv head) + gather attention."""
+    ctx/8 or ctx/16 tokens per query head, or per kv head) + gather attention; ``-fused``: the two in one kernel
+    (``select_gather_partial``, a prototype the plugin does not use yet)."""
     from .doublesparse.bench import ds_decode, ds_inputs, ds_read_bytes
 
-    name = f"ds{frac}" + ("-shared" if shared else "")
+    name = f"ds{frac}" + ("-shared" if shared else "") + ("-fused" if fused else "")
     if not c.cuda:
         return
     s = c.shape
@@ -850,7 +852,8 @@ def _bench_doublesparse(c: _Case, frac: int, shared: bool) -> None:
         return
     data = [ds_inputs(c.batch, s.q_heads, s.kv_heads, c.ctx, s.head_dim, 16, 16, c.device, c.gen) for _ in range(n)]
     kk = c.ctx // frac
-    t = time_op(lambda q, lab, ch, k, v: ds_decode(q, lab, ch, k, v, kk, c.scale, shared=shared), data, reps=c.reps)
+    t = time_op(lambda q, lab, ch, k, v: ds_decode(q, lab, ch, k, v, kk, c.scale, shared=shared, fused=fused), data,
+                reps=c.reps)
     nbytes = ds_read_bytes(data[0][0], data[0][1], data[0][3], kk, shared=shared)
     c.emit(name, t, nbytes, k=kk, bytes_vs_fp16=c.dense_bytes / nbytes)
 
@@ -985,8 +988,9 @@ def _op_groups() -> list[tuple[tuple[str, ...], Callable[[_Case], None]]]:
     for ratio in (50, 70):
         groups.append(((f"leank{ratio}",), functools.partial(_bench_leank, ratio=ratio)))
     for frac, shared in ((8, False), (16, False), (8, True), (16, True)):
-        groups.append(((f"ds{frac}" + ("-shared" if shared else ""),),
-                       functools.partial(_bench_doublesparse, frac=frac, shared=shared)))
+        for fused in (False, True):
+            groups.append(((f"ds{frac}" + ("-shared" if shared else "") + ("-fused" if fused else ""),),
+                           functools.partial(_bench_doublesparse, frac=frac, shared=shared, fused=fused)))
     for op in STATIC_OPS:
         groups.append(((op,), functools.partial(_bench_static, op=op)))
     for op in PAGED_OPS:
@@ -998,7 +1002,8 @@ ALL_OPS = ("sdpa", "dense-ref", "kivi2", "kivi4", "kivi2-ref", "kivi4-ref", "kiv
            "leank50", "leank70", "ds8", "ds16", "ds8-shared", "ds16-shared", "none", "kivi2-static", "leank70-kivi2",
            "lowrank", "paged-dense", "paged-kivi2")
 #: ops that run only when named in ``--ops``
-EXTRA_OPS = ("paged-kivi2-gather", "leank70-kivi2-perlane", "leank70-kivi2-triton")
+EXTRA_OPS = ("paged-kivi2-gather", "leank70-kivi2-perlane", "leank70-kivi2-triton", "ds8-fused", "ds16-fused",
+             "ds8-shared-fused", "ds16-shared-fused")
 #: the ops of issue 19's grid (``--ops`` default minus the references and the Triton KIVI rows)
 GRID_OPS = ("sdpa", "kivi2", "kivi4", "leank50", "leank70", "leank70-kivi2", "ds8", "ds16", "ds8-shared",
             "ds16-shared", "paged-dense", "paged-kivi2", "lowrank", "none", "kivi2-static")

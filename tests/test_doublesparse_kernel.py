@@ -338,6 +338,77 @@ def run_gather_case(name: str, device: str = "cpu") -> dict:
             "shared_kernel": triton_kernel.shared_rows(index)}
 
 
+# the fused select + gather (select_gather_partial, one kernel): name -> (batch, q heads, kv heads, tokens, D, Dv,
+# selected K, shared, extras: left padding, label bits, softcap, query dtype, chunk_tokens)
+FUSED_CASES = {
+    "per-head-odd-t": (2, 4, 2, 93, 32, 32, 13, False, {}),
+    "shared-gqa3-padding": (2, 6, 2, 80, 64, 64, 12, True, {"pad": 7}),
+    "per-head-k-exceeds-valid": (1, 3, 1, 50, 32, 64, 40, False, {"pad": 20}),
+    "shared-4bit-labels-softcap": (1, 8, 2, 70, 64, 32, 9, True, {"bits": 4, "softcap": 30.0}),
+    "shared-dead-row": (2, 4, 1, 40, 32, 32, 8, True, {"pad": 3, "dead_row": 40}),
+    "fp32-kv-per-head": (1, 2, 1, 33, 16, 16, 5, False, {"dtype": torch.float32}),
+    "falls-back-two-chunks": (1, 4, 2, 96, 32, 32, 8, True, {"chunk": 64}),
+}
+
+
+def run_fused_case(name: str, device: str = "cpu") -> dict:
+    """The fused select + gather against (1) the fused select alone - the same indices in the same order, the same code
+    - (2) the reference gather over those indices, (3) the reference scores' top-k, and (4) the reference of the whole
+    call (the reference select and gather) where the sets agree."""
+    from kvcompress.kernels.doublesparse import reference, triton_kernel
+    from kvcompress.kernels.doublesparse.bench import ds_inputs
+
+    b, hq, hkv, t, d, dv, kk, shared, extra = FUSED_CASES[name]
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    q, lab, ch, k, v = ds_inputs(b, hq, hkv, t, d, min(16, d), extra.get("bits", 16), "cpu", gen)
+    v = torch.randn(b, hkv, t, dv, generator=gen).half()
+    dtype = extra.get("dtype", torch.float16)
+    k, v = k.to(dtype), v.to(dtype)
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[:, :extra.get("pad", 0)] = False
+    valid[0, :extra.get("dead_row", 0)] = False  # (a batch row with no valid token)
+    q, k, v, valid, ch = (x.to(device) for x in (q, k, v, valid, ch))
+    move = (lambda x: None if x is None else x.to(device))
+    lab = type(lab)(move(lab.data), lab.bits, move(lab.scale), move(lab.zero))
+    g = hq // hkv
+    group = g if shared else 1
+    scale, cap = d ** -0.5, extra.get("softcap")
+    cfg = {"method": "fused", **({"chunk_tokens": extra["chunk"]} if "chunk" in extra else {})}
+    one = triton_kernel.supports_select_gather(q, lab, ch, k, v, kk, group, cfg.get("chunk_tokens", 16384))
+    out, lse, idx = triton_kernel.select_gather_partial(q, lab, ch, valid, k, v, kk, scale, group=group,
+                                                        softcap=cap, config=cfg)
+    alone = triton_kernel.select_topk(q, lab, ch, valid, kk, config=cfg, group=group)
+    rows = idx.long().view(b, hkv, 1, kk).expand(b, hkv, g, kk) if shared else idx.long().view(b, hkv, g, kk)
+    r_out, r_lse = reference.gather_partial_attention(q.view(b, hkv, g, d), k, v, valid, rows, scale, cap)
+    scores = reference.label_scores(reference.group_query(q, group), lab, ch, valid)
+    fin = torch.isfinite(r_lse)
+    w_out, w_lse, w_idx = reference.select_gather_partial(q, lab, ch, valid, k, v, kk, scale, group, cap)
+    same_set = torch.equal(idx.long().sort(-1).values, w_idx.sort(-1).values)
+    return {"one_kernel": one, "same_indices": bool(torch.equal(idx.long(), alone)),
+            "topk": reference.is_topk(idx.long(), scores, kk, 1e-3 * max([1.0] + scores[torch.isfinite(scores)]
+                                                                                  .abs().tolist())),
+            "out_ok": bool(torch.allclose(out, r_out, atol=ATOL, rtol=RTOL)),
+            "lse_ok": bool(torch.equal(torch.isfinite(lse), fin)) and (
+                not bool(fin.any()) or float((lse[fin] - r_lse[fin]).abs().max()) <= LSE_ATOL),
+            "dead_zero": bool((out[~fin] == 0).all()), "any_dead": bool((~fin).any()),
+            "reference_ok": not same_set or bool(torch.allclose(out, w_out, atol=ATOL, rtol=RTOL)),
+            "shape": [list(out.shape), list(lse.shape), list(idx.shape)],
+            "want_shape": [[b, hkv, g, dv], [b, hkv, g], [b, hq // group, kk]]}
+
+
+def _check_fused(res: dict, name: str) -> None:
+    assert "error" not in res, res.get("error")
+    assert res["one_kernel"] == ("chunk" not in FUSED_CASES[name][-1]), "the case runs the one-kernel path"
+    assert res["shape"] == res["want_shape"]
+    assert res["same_indices"], "the fused select + gather chose other indices than the fused select"
+    assert res["topk"], "not a top-k of the reference label scores"
+    assert res["out_ok"] and res["lse_ok"], "attention over the chosen tokens differs from the reference gather"
+    assert res["dead_zero"], "a row without a valid chosen token must be zeros with lse -inf"
+    if name == "shared-dead-row":
+        assert res["any_dead"], "the case has a row without valid tokens"
+    assert res["reference_ok"], "differs from the reference select + gather on the same set"
+
+
 def search_keys(name: str) -> tuple[torch.Tensor, int]:
     """Keys (uint32 values in int64, 0 = an absent lane) built for the case (see :data:`SEARCH_CASES`)."""
     lanes, k, _ = SEARCH_CASES[name]
@@ -437,6 +508,7 @@ def _worker(path: str) -> None:
     cases.update({f"score:{n}": (lambda n=n: run_score_case(n)) for n in SCORE_CASES})
     cases.update({f"gather:{n}": (lambda n=n: run_gather_case(n)) for n in GATHER_CASES})
     cases.update({f"search:{n}": (lambda n=n: run_search_case(n)) for n in SEARCH_CASES})
+    cases.update({f"fused:{n}": (lambda n=n: run_fused_case(n)) for n in FUSED_CASES})
     cases.update({f"radix:{n}": (lambda n=n: run_radix_tie_case(n)) for n in RADIX_TIE_INTERPRETED})
     cases.update({f"group:{n}": (lambda n=n: run_group_case(n)) for n in GROUP_CASES})
     cases.update({f"group-ties:{n}": (lambda n=n: run_group_tie_case(n)) for n in GROUP_TIE_CASES})
@@ -821,6 +893,20 @@ def test_group_select_on_gpu(name):
 @pytest.mark.parametrize("name", GROUP_TIE_CASES)
 def test_group_select_exact_ties_on_gpu(name):
     _check_group_ties(run_group_tie_case(name, "cuda"))
+
+
+@pytest.mark.parametrize("name", list(FUSED_CASES))
+def test_select_gather_interpreted(interpreted, name):
+    """The one-kernel select + gather (prototype, not used by the plugin yet) against the select alone and the
+    reference gather / select."""
+    _check_fused(interpreted[f"fused:{name}"], name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(FUSED_CASES))
+def test_select_gather_on_gpu(name):
+    _check_fused(run_fused_case(name, "cuda"), name)
 
 
 @pytest.mark.gpu

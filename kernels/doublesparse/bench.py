@@ -40,14 +40,18 @@ def ds_read_bytes(q, labels: Labels, k, kk: int, shared: bool = False) -> int:
 
 
 def ds_decode(q, labels: Labels, channels, k, v, kk: int, scale: float, ops=None, gather_config=None,
-              shared: bool = False):
+              shared: bool = False, fused: bool = False):
     """One sparse decode read with the Triton kernels (``ops``: the module, default ``triton_kernel``);
-    ``shared``: one selection per kv head from the group's summed query (the plugin's ``group_shared``)."""
+    ``shared``: one selection per kv head from the group's summed query (the plugin's ``group_shared``); ``fused``:
+    the select and the gather in one kernel (``ops.select_gather_partial``)."""
     if ops is None:
         from . import triton_kernel as ops
     b, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
+    if fused:
+        out, lse, _ = ops.select_gather_partial(q, labels, channels, None, k, v, kk, scale, group=g if shared else 1)
+        return out, lse
     if shared:  # as the plugin: the select sums each kv head's G query rows as it loads them
         sel = ops.select_topk(q, labels, channels, None, kk, group=g).view(b, hkv, 1, kk).expand(b, hkv, g, kk)
     else:

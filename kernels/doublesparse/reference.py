@@ -173,6 +173,24 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return torch.einsum("bhmk,bhmkd->bhmd", p, vs), lse
 
 
+def select_gather_partial(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None,
+                          k: torch.Tensor, v: torch.Tensor, kk: int, scale: float, group: int = 1,
+                          softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`select_topk` then :func:`gather_partial_attention` over what it selected, as one call.
+
+    ``query [B, Hq, D]``; ``k`` / ``v`` ``[B, Hkv, T, D / Dv]``; ``kk`` tokens per selection; ``group`` 1: one
+    selection per query head, ``Hq / Hkv``: one per kv head from its heads' summed query (group-shared).  Returns
+    ``(out [B, Hkv, G, Dv], lse [B, Hkv, G], index [B, Hq / group, kk])`` (``G = Hq / Hkv``; ``index`` as
+    :func:`select_topk` returns it)."""
+    b, hq, d = query.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    index = select_topk(query, labels, channels, valid, kk, group)
+    rows = index.view(b, hkv, 1, kk).expand(b, hkv, g, kk) if group > 1 else index.view(b, hkv, g, kk)
+    out, lse = gather_partial_attention(query.view(b, hkv, g, d), k, v, valid, rows, scale, softcap)
+    return out, lse, index
+
+
 def selection_mask(index: torch.Tensor, tokens: int) -> torch.Tensor:
     """Boolean ``[..., tokens]`` mask with True at ``index [..., K]``."""
     mask = torch.zeros(*index.shape[:-1], tokens, dtype=torch.bool, device=index.device)

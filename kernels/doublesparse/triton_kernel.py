@@ -954,6 +954,49 @@ def _gather_rows_dot_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, s
     tl.store(PL + pid_s * rows + pid_row + offs_r * 0, lse, mask=first)
 
 
+@triton.jit
+def _select_gather_kernel(Q, sq_b, sq_h, sq_g, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, sz_h, VA, sva_b,
+                          K, sk_b, sk_h, sk_t, V, sv_b, sv_h, sv_t, IDX, PO, PL, T, KK, HQ, G, qk_scale, cap,
+                          W: tl.constexpr, PER: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                          HAS_VALID: tl.constexpr, UNROLL: tl.constexpr, NP: tl.constexpr, GROUP: tl.constexpr,
+                          MP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+                          BK: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr, INTERP: tl.constexpr = False):
+    """One selection row (a query head, or with ``GROUP`` > 1 a kv head's summed query rows) of :func:`_select_kernel`
+    (one chunk: every token's label key in registers, the exact top-``KK``), then in the same program the attention of
+    the row's ``GROUP`` query rows over the tokens it chose (:func:`_dot_gather`, ``BK`` per step): no second launch,
+    no split merge.  The indices go through ``IDX`` (written, then read back by the program's other threads after a
+    barrier)."""
+    pid = tl.program_id(0)  # b * HQ + hq
+    hq = (pid % HQ).to(tl.int64)
+    b = (pid // HQ).to(tl.int64)
+    h = hq // G
+    offs = tl.arange(0, NP)
+    ok = offs < T
+    key = _label_keys(Q, sq_b, sq_h, sq_g, CH, sch_h, L, sl_b, sl_h, sl_c, SC, ZE, sz_b, sz_h, VA, sva_b, b, hq, h,
+                      offs, ok, W, PER, BITS, QUANT, HAS_VALID, UNROLL, NP, GROUP)
+    chosen, slot = _top_slots(key, KK, INTERP)
+    row = pid.to(tl.int64) * KK
+    tl.store(IDX + row + slot, offs, mask=chosen)
+    tl.debug_barrier()  # every thread's indices stored before any thread reads them
+    offs_m = tl.arange(0, MP)
+    offs_d = tl.arange(0, DP)
+    offs_v = tl.arange(0, DVP)
+    m_ok = offs_m < GROUP
+    d_ok = offs_d < D
+    v_ok = offs_v < DV
+    q = tl.load(Q + b * sq_b + hq * sq_h + offs_m[:, None].to(tl.int64) * sq_g + offs_d[None, :],
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    acc, m_i, l_i = _dot_gather(q, K + b * sk_b + h * sk_h, sk_t, V + b * sv_b + h * sv_h, sv_t, IDX + row, VA, b,
+                                sva_b, 0, KK, qk_scale, cap, offs_d, d_ok, offs_v, v_ok, MP, DVP, HAS_VALID, BK, IEEE,
+                                SOFTCAP)
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    out_row = pid.to(tl.int64) * GROUP + offs_m  # query head (b, hq * GROUP + m): rows [B, Hq] in head order
+    tl.store(PO + out_row[:, None] * DV + offs_v[None, :], out, mask=m_ok[:, None] & v_ok[None, :])
+    tl.store(PL + out_row, lse, mask=m_ok)
+
+
 def shared_rows(index: torch.Tensor) -> bool:
     """Whether every query row of a kv head reads the same indices (a group-shared selection's stride-0 view)."""
     return index.shape[2] > 1 and index.stride(2) == 0
@@ -1059,3 +1102,77 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
         return po.view(b, h, m, dv), pl.view(b, h, m)
     combine_splits(po, pl, out, lse, splits, b * h * m, dv, pdl=pdl)
     return out, lse
+
+
+#: the fused select + gather (:func:`select_gather_partial`) reads its selection in steps of this many indices (at
+#: most; all of them in one step when fewer)
+FUSED_GATHER_BLOCK = 256
+
+
+def supports_select_gather(query: torch.Tensor, labels: Labels, channels: torch.Tensor, k: torch.Tensor,
+                           v: torch.Tensor, kk: int, group: int = 1, chunk: int = FUSED_MAX_TOKENS) -> bool:
+    """Whether :func:`select_gather_partial` runs its one kernel: one fused select chunk (:func:`fused_plan`),
+    ``group`` 1 or every query head of a kv head, and the gather's shapes and dtypes (:func:`supports_gather`)."""
+    if query.dim() != 3 or k.dim() != 4 or k.shape[1] == 0 or query.shape[1] % k.shape[1]:
+        return False
+    b, hq, d = query.shape
+    g = hq // k.shape[1]
+    if group not in (1, g) or not 0 < kk <= labels.num_tokens:
+        return False
+    if not supports_fused(group_rows(query, labels, channels, group, checked=True) if group > 1 else query, labels,
+                          channels, kk, chunk) or fused_plan(labels.num_tokens, kk, chunk)[0] != 1:
+        return False
+    return supports_gather(query.view(b, k.shape[1], g, d), k, v, query.new_empty(1, 1, 1, 1, dtype=torch.int64))
+
+
+def select_gather_partial(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None,
+                          k: torch.Tensor, v: torch.Tensor, kk: int, scale: float, group: int = 1,
+                          softcap: float | None = None, config: dict | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See :func:`.reference.select_gather_partial`.  One program per selection row computes the row's label keys,
+    its exact top-``kk`` (the fused select's code, the same indices as :func:`select_topk`) and the attention of its
+    query rows over them (opt-in prototype, session 41: not used by the plugin yet; ``benchutil`` ops
+    ``ds*-fused``).  Where :func:`supports_select_gather` says no: :func:`select_topk`, then
+    :func:`gather_partial_attention`.  ``index`` comes back as int32."""
+    cfg = dict(_select_base(), **(config or {}))
+    interp = search_interp(cfg["search"])
+    b, hq, d = query.shape
+    hkv = k.shape[1]
+    g = hq // hkv if hkv else 1
+    chunk = cfg["chunk_tokens"]
+    if not supports_select_gather(query, labels, channels, k, v, kk, group, chunk):
+        index = select_topk(query, labels, channels, valid, kk, config=config, group=group)
+        rows = index.view(b, hkv, 1, kk).expand(b, hkv, g, kk) if group > 1 else index.view(b, hkv, g, kk)
+        out, lse = gather_partial_attention(query.view(b, hkv, g, d), k, v, valid, rows, scale, softcap=softcap)
+        return out, lse, index
+    sel = group_rows(query, labels, channels, group, checked=True)  # one row per selection (its first query head)
+    rows = sel.shape[1]
+    t = labels.num_tokens
+    quant = labels.bits != 16
+    lab = labels.data
+    dev = query.device
+    dv = v.shape[-1]
+    channels = channels.to(device=dev).contiguous()
+    index = torch.empty(b, rows, kk, device=dev, dtype=torch.int32)
+    out = torch.empty(b, hq, dv, device=dev, dtype=torch.float32)
+    lse = torch.empty(b, hq, device=dev, dtype=torch.float32)
+    sc = labels.scale if quant else out
+    ze = labels.zero if quant else out
+    va = valid.view(torch.uint8) if valid is not None else out
+    np_ = max(16, pow2(t))
+    sms = num_sms(dev.index or 0) if dev.type == "cuda" else 4
+    ept, unroll = select_launch(cfg, b * rows, sms)
+    warps = max(1, min(16, np_ // (32 * ept)))
+    _select_gather_kernel[(b * rows,)](
+        sel, sel.stride(0), sel.stride(1), query.stride(1), channels, channels.stride(0),
+        lab, lab.stride(0), lab.stride(1), lab.stride(3),
+        sc, ze, sc.stride(0) if quant else 0, sc.stride(1) if quant else 0,
+        va, va.stride(0) if valid is not None else 0,
+        k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1), v.stride(2),
+        index, out, lse, t, kk, rows, rows // hkv, scale * 1.4426950408889634, cap_base2(softcap),
+        W=lab.shape[-1], PER=8 // labels.bits if quant else 1, BITS=labels.bits if quant else 16, QUANT=quant,
+        HAS_VALID=valid is not None, UNROLL=_divisor(lab.shape[-1], unroll), NP=np_, GROUP=group,
+        MP=max(16, pow2(group)), D=d, DP=max(16, pow2(d)), DV=dv, DVP=max(16, pow2(dv)),
+        BK=min(FUSED_GATHER_BLOCK, max(16, pow2(kk))), IEEE=k.dtype == torch.float32, SOFTCAP=bool(softcap),
+        INTERP=interp, num_warps=warps)
+    return out.view(b, hkv, g, dv), lse.view(b, hkv, g), index
