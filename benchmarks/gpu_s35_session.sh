@@ -97,11 +97,12 @@
 # 40's defaults; the LeanK-70 + KIVI-2 Llama B4/4k cell, 0.81x on the H200 - its one-launch read of a 1024-slot
 # buffer - against the two regions apart; the two new lanes rules against the old on the H200), then PART=ds-search
 # (the opt-in interpolation search of the DoubleSparse select, its GPU tests and two rounds) and lanes4k.
-# Session 41 (H100 only) ran grid-full, buffer-apart, rules40 and ds-search (docs/results.md "Session 41"); the
-# buffer's slots now count in the fuse rule (buffer_weight 6; PART=buffer-weight checked it: GPU tests and two
-# rounds), and few-program DoubleSparse selects take unroll 16.  Left: PART=ds-unroll (its GPU tests and two rounds
-# against unroll 4), PART=ds-fused (the one-kernel DoubleSparse select + gather prototype against the two kernels),
-# PART=paged-pdl (the paged kernel's opt-in PDL merge, never timed), then on an H200 grid-full for the README count.
+# Session 41 (H100 only) ran grid-full (twice), buffer-apart, rules40, ds-search, buffer-weight and lanes4k
+# (docs/results.md "Session 41"); the buffer's slots now count in the fuse rule (buffer_weight 6, checked as the
+# default by buffer-weight), and few-program DoubleSparse selects take unroll 16 (not yet run as the default).  Left:
+# PARTS="ds-unroll ds-fused paged-pdl" (about 150 + 120 + 100 s: the unroll rule's GPU tests and two rounds against
+# unroll 4; the one-kernel DoubleSparse select + gather prototype against the two kernels; the paged kernel's opt-in
+# PDL merge, never timed), then on an H200 grid-full for the README count.
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
