@@ -895,6 +895,18 @@ def test_group_select_exact_ties_on_gpu(name):
     _check_group_ties(run_group_tie_case(name, "cuda"))
 
 
+def test_select_gather_refuses_a_partial_group():
+    """The one-kernel read and its reference take a selection per query head or one per kv head, nothing between."""
+    from kvcompress.kernels.doublesparse import reference, triton_kernel
+    from kvcompress.kernels.doublesparse.bench import ds_inputs
+
+    q, lab, ch, k, v = ds_inputs(1, 4, 1, 32, 32, 16, 16, "cpu", torch.Generator().manual_seed(3))
+    for fn in (reference.select_gather_partial, triton_kernel.select_gather_partial):
+        with pytest.raises(ValueError, match=r"group must be 1 \(a selection per query head\) or 4 \(one per kv "
+                                             r"head\), got 2"):
+            fn(q, lab, ch, None, k, v, 8, 0.2, group=2)
+
+
 @pytest.mark.parametrize("name", list(FUSED_CASES))
 def test_select_gather_interpreted(interpreted, name):
     """The one-kernel select + gather (prototype, not used by the plugin yet) against the select alone and the

@@ -185,6 +185,9 @@ def select_gather_partial(query: torch.Tensor, labels: Labels, channels: torch.T
     b, hq, d = query.shape
     hkv = k.shape[1]
     g = hq // hkv
+    if group not in (1, g):
+        raise ValueError(f"select_gather_partial: group must be 1 (a selection per query head) or {g} (one per kv "
+                         f"head), got {group}")
     index = select_topk(query, labels, channels, valid, kk, group)
     rows = index.view(b, hkv, 1, kk).expand(b, hkv, g, kk) if group > 1 else index.view(b, hkv, g, kk)
     out, lse = gather_partial_attention(query.view(b, hkv, g, d), k, v, valid, rows, scale, softcap)

@@ -1139,6 +1139,9 @@ def select_gather_partial(query: torch.Tensor, labels: Labels, channels: torch.T
     b, hq, d = query.shape
     hkv = k.shape[1]
     g = hq // hkv if hkv else 1
+    if group not in (1, g):
+        raise ValueError(f"select_gather_partial: group must be 1 (a selection per query head) or {g} (one per kv "
+                         f"head), got {group}")
     chunk = cfg["chunk_tokens"]
     if not supports_select_gather(query, labels, channels, k, v, kk, group, chunk):
         index = select_topk(query, labels, channels, valid, kk, config=config, group=group)
