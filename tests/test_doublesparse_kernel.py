@@ -907,6 +907,40 @@ def test_select_gather_refuses_a_partial_group():
             fn(q, lab, ch, None, k, v, 8, 0.2, group=2)
 
 
+@pytest.mark.parametrize("model", ["smollm2-135m", "llama3-8b"])
+def test_select_gather_builds_for_sm90_without_spills(monkeypatch, model):
+    """The one-kernel read at the grid's B1/4k 1/16 group-shared launch, compiled offline for sm_90 with Triton's real
+    pipeline: no spills, shared memory within the 227 KB an sm_90 program can take, and a barrier between the index
+    stores and the gathers that read them (in the PTX: a ``bar.sync`` after the last ``st.global`` before the first
+    ``cp.async``)."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        from read_occupancy import cubin_resources
+    finally:
+        sys.path.pop(0)
+    from triton_offline import compile_launch, record_launches
+
+    from kvcompress.kernels.doublesparse import triton_kernel as tk
+    from kvcompress.kernels.doublesparse.bench import ds_inputs
+
+    hq, hkv, d = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128)}[model]
+    q, lab, ch, k, v = ds_inputs(1, hq, hkv, 4096, d, 16, 16, "cpu", torch.Generator().manual_seed(0))
+    real = tk.select_launch
+    monkeypatch.setattr(tk, "select_launch", lambda cfg, programs, sms: real(cfg, programs, 132))  # an H100's SMs
+    seen = record_launches(monkeypatch, [(tk, "_select_gather_kernel")],
+                           lambda: tk.select_gather_partial(q, lab, ch, None, k, v, 256, d ** -0.5, group=hq // hkv))
+    assert len(seen) == 1 and seen[0].kwargs["UNROLL"] == 16 and seen[0].kwargs["num_warps"] == 4
+    built = compile_launch(seen[0])
+    res = cubin_resources(built)
+    assert res["stack_bytes"] == 0 and res["local_bytes"] == 0, res
+    assert 0 < res["shared_bytes"] <= 227 * 1024, res
+    lines = built.asm["ptx"].splitlines()
+    first_copy = next(i for i, line in enumerate(lines) if "cp.async" in line)
+    last_store = max(i for i, line in enumerate(lines[:first_copy]) if "st.global" in line)
+    assert any("bar.sync" in line for line in lines[last_store:first_copy])
+
+
 @pytest.mark.parametrize("name", list(FUSED_CASES))
 def test_select_gather_interpreted(interpreted, name):
     """The one-kernel select + gather (prototype, not used by the plugin yet) against the select alone and the
