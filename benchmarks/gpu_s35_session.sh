@@ -281,7 +281,8 @@ case "${PART:-stages}" in
     ;;
   ds-fused)  # session 41's prototype: the DoubleSparse select and gather in one kernel (select_gather_partial; one
     # program per selection row, no second launch, no split merge) against the two-kernel read, where the select has
-    # few programs (the group below 1.0x: SmolLM2 B1 / B4 at 4k); the DoubleSparse GPU tests first (its own included)
+    # few programs (the group below 1.0x: SmolLM2 B1 / B4 at 4k); the DoubleSparse GPU tests first (its own included).
+    # Table: python benchmarks/sweep_table.py OUT/ds-fused/configs.json --variant-suffix=-fused
     export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-400} PS_XDIST=${PS_XDIST:-8}
     ROUNDS=2 && sweep tests/test_doublesparse_kernel.py KVCOMPRESS_DS_CONFIG \
       ds8,ds8-fused,ds16,ds16-fused,ds8-shared,ds8-shared-fused,ds16-shared,ds16-shared-fused \

@@ -9,6 +9,10 @@ in the same configuration's run; then per configuration: how many reads it made 
 fastest configuration of each read.
 
     python benchmarks/sweep_table.py OUT/configs.json [--rows OUT/rows.md] [--noise 2] [--ops a,b]
+        [--variant-suffix=-fused]
+
+``--variant-suffix S``: ops named ``X`` + ``S`` (e.g. ``ds16-fused``) are variants of op ``X`` timed in the same runs;
+each run then gives two columns, ``X`` and its variant, so the variant is compared with the op read for read.
 """
 
 from __future__ import annotations
@@ -42,6 +46,19 @@ def read_runs(path: Path) -> list[dict]:
         rows = r["rows"] if isinstance(r, dict) else r
         out.append({(x["op"], x["model"], x["batch"], x["ctx"]): x for x in rows if "latency_us" in x})
     return out
+
+
+def split_variants(runs: list[dict], names: list[str], suffix: str) -> tuple[list[dict], list[str]]:
+    """Each run as two: its rows of ops without ``suffix`` (and SDPA), and its rows of ops ``X + suffix`` renamed
+    ``X`` (and SDPA), named ``name`` and ``name + suffix``."""
+    out, out_names = [], []
+    for run, name in zip(runs, names):
+        plain = {key: row for key, row in run.items() if not key[0].endswith(suffix)}
+        variant = {(key[0][:-len(suffix)], *key[1:]) if key[0].endswith(suffix) else key: row
+                   for key, row in run.items() if key[0].endswith(suffix) or key[0] == "sdpa"}
+        out += [plain, variant]
+        out_names += [name, f"{name} {suffix}"]
+    return out, out_names
 
 
 def _ctx(n: int) -> str:
@@ -97,12 +114,16 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=Path, help="its rows.md (for the configurations' names; default: beside it)")
     ap.add_argument("--noise", type=float, default=2.0, help="percent a change must exceed to count (default 2)")
     ap.add_argument("--ops", help="only these ops (comma-separated)")
+    ap.add_argument("--variant-suffix", help="ops X + this suffix are variants of op X: a column each per run")
     args = ap.parse_args(argv)
     runs = read_runs(args.configs)
     if not runs:
         ap.error(f"{args.configs}: no configuration runs in it")
     rows_md = args.rows or args.configs.with_name("rows.md")
-    print(table(runs, labels(rows_md, len(runs)), args.noise, set(args.ops.split(",")) if args.ops else None))
+    names = labels(rows_md, len(runs))
+    if args.variant_suffix:
+        runs, names = split_variants(runs, names, args.variant_suffix)
+    print(table(runs, names, args.noise, set(args.ops.split(",")) if args.ops else None))
     return 0
 
 

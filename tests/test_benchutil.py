@@ -303,3 +303,32 @@ def test_static_reads_issue_one_op_where_one_launch_reads_everything():
     assert rows["none"] == rows["lowrank"] == "kvcompress::lanes_partial"
     assert rows["leank70-kivi2"] == ("kvcompress::lanes_partial, kvcompress::kivi_lanes_partial, "
                                      "kvcompress::merge_partials")
+
+
+def test_sweep_table_variant_columns():
+    """``sweep_table --variant-suffix``: op ``X-fused`` of a run becomes the second column of op ``X`` in that run, each
+    against the SDPA row of its own run; ops without a variant keep one filled column."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import sweep_table
+    finally:
+        sys.path.pop(0)
+
+    def run(sdpa, plain, fused):
+        rows = [dict(op="sdpa", model="m", batch=1, ctx=4096, latency_us=sdpa),
+                dict(op="ds16", model="m", batch=1, ctx=4096, latency_us=plain),
+                dict(op="ds16-fused", model="m", batch=1, ctx=4096, latency_us=fused),
+                dict(op="kivi2", model="m", batch=1, ctx=4096, latency_us=5.0)]
+        return {(r["op"], r["model"], r["batch"], r["ctx"]): r for r in rows}
+
+    runs, names = sweep_table.split_variants([run(10.0, 12.0, 9.0), run(20.0, 12.5, 9.5)], ["a", "b"], "-fused")
+    assert names == ["a", "a -fused", "b", "b -fused"]
+    assert [r[("ds16", "m", 1, 4096)]["latency_us"] for r in runs] == [12.0, 9.0, 12.5, 9.5]
+    assert [r[("sdpa", "m", 1, 4096)]["latency_us"] for r in runs] == [10.0, 10.0, 20.0, 20.0]
+    assert ("kivi2", "m", 1, 4096) in runs[0] and ("kivi2", "m", 1, 4096) not in runs[1]
+    text = sweep_table.table(runs, names)
+    line = next(x for x in text.splitlines() if x.startswith("| ds16 |"))
+    assert "9.0 (-25.0%), 1.11x" in line and "9.5 (-20.8%), 2.11x" in line and line.endswith("| a -fused |")
