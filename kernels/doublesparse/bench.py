@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import Labels, quantize_labels
+from .reference import Labels, quantize_labels, selection_rows
 
 
 def ds_inputs(batch: int, q_heads: int, kv_heads: int, ctx: int, head_dim: int, r: int, bits: int,
@@ -52,9 +52,7 @@ def ds_decode(q, labels: Labels, channels, k, v, kk: int, scale: float, ops=None
     if fused:
         out, lse, _ = ops.select_gather_partial(q, labels, channels, None, k, v, kk, scale, group=g if shared else 1)
         return out, lse
-    if shared:  # as the plugin: the select sums each kv head's G query rows as it loads them
-        sel = ops.select_topk(q, labels, channels, None, kk, group=g).view(b, hkv, 1, kk).expand(b, hkv, g, kk)
-    else:
-        sel = ops.select_topk(q, labels, channels, None, kk).view(b, hkv, g, kk)
+    # shared, as the plugin: the select sums each kv head's G query rows as it loads them
+    sel = selection_rows(ops.select_topk(q, labels, channels, None, kk, group=g if shared else 1), hkv, g)
     extra = {"config": gather_config} if gather_config else {}
     return ops.gather_partial_attention(q.view(b, hkv, hq // hkv, d), k, v, None, sel, scale, **extra)

@@ -173,6 +173,16 @@ def gather_partial_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return torch.einsum("bhmk,bhmkd->bhmd", p, vs), lse
 
 
+def selection_rows(index: torch.Tensor, kv_heads: int, group: int) -> torch.Tensor:
+    """:func:`select_topk`'s ``index [B, rows, k]`` as the gather's indices ``[B, kv_heads, group, k]`` for the
+    ``group`` query rows of each kv head: one selection per query head (``rows = kv_heads * group``), or one per kv
+    head (``rows = kv_heads``) repeated for its query rows as a stride-0 view (read once per group)."""
+    b, rows, k = index.shape
+    if rows == kv_heads:
+        return index.view(b, kv_heads, 1, k).expand(b, kv_heads, group, k)
+    return index.view(b, kv_heads, group, k)
+
+
 def select_gather_partial(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None,
                           k: torch.Tensor, v: torch.Tensor, kk: int, scale: float, group: int = 1,
                           softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -189,8 +199,8 @@ def select_gather_partial(query: torch.Tensor, labels: Labels, channels: torch.T
         raise ValueError(f"select_gather_partial: group must be 1 (a selection per query head) or {g} (one per kv "
                          f"head), got {group}")
     index = select_topk(query, labels, channels, valid, kk, group)
-    rows = index.view(b, hkv, 1, kk).expand(b, hkv, g, kk) if group > 1 else index.view(b, hkv, g, kk)
-    out, lse = gather_partial_attention(query.view(b, hkv, g, d), k, v, valid, rows, scale, softcap)
+    out, lse = gather_partial_attention(query.view(b, hkv, g, d), k, v, valid, selection_rows(index, hkv, g), scale,
+                                        softcap)
     return out, lse, index
 
 

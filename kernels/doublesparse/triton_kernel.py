@@ -43,7 +43,7 @@ from kvcompress.kernels.attention.triton_shared import (cap_base2, combine_split
                                                          pdl_trigger, pdl_wait, pow2, power_of_two_setting, soft_cap,
                                                          use_pdl)
 
-from .reference import Labels, group_query
+from .reference import Labels, group_query, selection_rows
 
 MAX_DIM = 256
 
@@ -220,7 +220,8 @@ def _kth_key(key, K):
 @triton.jit
 def _kth_key_interp(key, K):
     """:func:`_kth_key`'s threshold by a safeguarded interpolation search over the keys instead of one bit per round
-    (``search: "interpolation"``, opt-in, session 40; not yet timed on a GPU).  One reduction gives the largest and the
+    (``search: "interpolation"``, opt-in, session 40; on an H100 in session 41 2-5 % faster at SmolLM2 B1 / 4k and
+    2-4 % slower at B16 / 4k, so it stays off).  One reduction gives the largest and the
     smallest present key and the present count; each round then counts ``key >= mid`` with ``mid`` interpolated
     between ``lo`` (count >= ``K``) and ``hi`` (count < ``K``) at the count ``K + 1/2``, or halfway after a step that
     did not halve the interval (so at most about twice the bit search's rounds).  It stops at a count of exactly
@@ -456,8 +457,8 @@ FUSED_MAX_TOKENS = 16384  # per program: the label scores stay in registers (~3 
 # 8-warp select and makes the 4-warp one spill, but on the H200 (session 29) compact_block 1024 was slower at all 36
 # cells timed (Llama B16/32k ds16 467.2 against 382.5 us): computing the keys again costs more than the spills
 # search: the select kernel's threshold search (SEARCHES): "bits" (one bit per round) or "interpolation" (opt-in,
-# session 40: fewer rounds in the CPU model, benchmarks/select_rounds_model.py; not yet timed on a GPU).  The merge
-# kernels keep the bit search.
+# session 40: fewer rounds in the CPU model, benchmarks/select_rounds_model.py; session 41, H100: +-2-5 %, no read
+# across 1.0x SDPA).  The merge kernels keep the bit search.
 # unroll: label channels (or code bytes) whose loads are issued before their multiply-adds (the largest power of two
 # up to it that divides them); None = select_launch's rule: FEW_PROGRAMS_UNROLL where the launch has few programs (the
 # elems_per_thread rule's condition), else 4.
@@ -618,6 +619,31 @@ def select_method(query: torch.Tensor, labels: Labels, channels: torch.Tensor, k
     return "unfused"
 
 
+def _label_args(labels: Labels, valid: torch.Tensor | None, dummy: torch.Tensor) -> tuple[tuple, dict]:
+    """The label and validity arguments of the fused select kernels (what :func:`_label_keys` reads): the positional
+    run ``L`` .. ``sva_b`` and the constexprs ``W``, ``PER``, ``BITS``, ``QUANT``, ``HAS_VALID``; ``dummy`` stands
+    in for the tensors a call does not have."""
+    quant = labels.bits != 16
+    lab = labels.data
+    sc = labels.scale if quant else dummy
+    ze = labels.zero if quant else dummy
+    va = valid.view(torch.uint8) if valid is not None else dummy
+    args = (lab, lab.stride(0), lab.stride(1), lab.stride(3), sc, ze, sc.stride(0) if quant else 0,
+            sc.stride(1) if quant else 0, va, va.stride(0) if valid is not None else 0)
+    return args, dict(W=lab.shape[-1], PER=8 // labels.bits if quant else 1, BITS=labels.bits if quant else 16,
+                      QUANT=quant, HAS_VALID=valid is not None)
+
+
+def _device_launch(cfg: dict, programs: int, dev: torch.device) -> tuple[int, int]:
+    """:func:`select_launch` of ``programs`` programs on ``dev``'s SMs (4 on the CPU)."""
+    return select_launch(cfg, programs, num_sms(dev.index or 0) if dev.type == "cuda" else 4)
+
+
+def _warps(lanes: int, ept: int) -> int:
+    """Warps of a select or merge program over ``lanes`` lanes at ``ept`` lanes per thread (1 to 16)."""
+    return max(1, min(16, lanes // (32 * ept)))
+
+
 def _candidate_keys(rows: int, n: int, dev) -> torch.Tensor:
     """The candidate keys of the fused select's chunks or of a merge level, ``[rows, n]`` int32.  Uninitialised: the
     kernel that fills them writes every slot a merge reads, absent candidates as key 0 - no memset per buffer
@@ -695,33 +721,23 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
         chunks, chunk, kc = plan
     b, hq, _ = query.shape
     hkv, r = channels.shape
-    quant = labels.bits != 16
-    lab = labels.data
     dev = query.device
     pdl = pdl_for(cfg.get("pdl", False), b * hq, dev)  # the programs let a PDL-launched gather start
     out = torch.empty(b, hq, k, device=dev, dtype=torch.int64)
     channels = channels.to(device=dev).contiguous()  # int64 as the plugin keeps it: no per-step cast
-    sc = labels.scale if quant else out
-    ze = labels.zero if quant else out
-    va = valid.view(torch.uint8) if valid is not None else out
+    label_args, label_consts = _label_args(labels, valid, out)
     np_ = max(16, pow2(chunk))
-    sms = num_sms(dev.index or 0) if dev.type == "cuda" else 4
-    ept, unroll = select_launch(cfg, b * hq * chunks, sms)
-    warps = max(1, min(16, np_ // (32 * ept)))
+    ept, unroll = _device_launch(cfg, b * hq * chunks, dev)
+    warps = _warps(np_, ept)
     if chunks > 1:
         ckey = _candidate_keys(b * hq, chunks * kc, dev)  # 0 = no candidate (every slot written by the select)
         cidx = torch.empty(b * hq, chunks * kc, device=dev, dtype=torch.int32)
     else:
         ckey, cidx = out, out
     _select_kernel[(b * hq, chunks)](
-        query, query.stride(0), query.stride(1), full.stride(1), channels, channels.stride(0),
-        lab, lab.stride(0), lab.stride(1), lab.stride(3),
-        sc, ze, sc.stride(0) if quant else 0, sc.stride(1) if quant else 0,
-        va, va.stride(0) if valid is not None else 0,
-        cidx, ckey, t, k, kc, chunk, hq, hq // hkv,
-        W=lab.shape[-1], PER=8 // labels.bits if quant else 1, BITS=labels.bits if quant else 16, QUANT=quant,
-        HAS_VALID=valid is not None, CANDIDATES=chunks > 1,
-        UNROLL=_divisor(lab.shape[-1], unroll), NP=np_,
+        query, query.stride(0), query.stride(1), full.stride(1), channels, channels.stride(0), *label_args,
+        cidx, ckey, t, k, kc, chunk, hq, hq // hkv, **label_consts, CANDIDATES=chunks > 1,
+        UNROLL=_divisor(label_consts["W"], unroll), NP=np_,
         SUB=_sub(np_, cfg), GROUP=group, PDL=pdl, INTERP=interp, num_warps=warps)
     n = chunks * kc  # candidates left
     for _, group, keep in levels:  # fused_levels' candidate counts are the n of each step here
@@ -730,13 +746,12 @@ def select_topk(query: torch.Tensor, labels: Labels, channels: torch.Tensor, val
         oidx = torch.empty(b * hq, groups * keep, device=dev, dtype=torch.int32)
         np2 = max(16, pow2(group))
         _merge_level_kernel[(b * hq, groups)](ckey, cidx, okey, oidx, n, group, keep, NP=np2, SUB=_sub(np2, cfg),
-                                              PDL=pdl,
-                                              num_warps=max(1, min(16, np2 // (32 * ept))))
+                                              PDL=pdl, num_warps=_warps(np2, ept))
         ckey, cidx, n = okey, oidx, groups * keep
     if chunks > 1:
         np2 = max(16, pow2(n))
         _merge_kernel[(b * hq,)](ckey, cidx, out, n, k, NP=np2, SUB=_sub(np2, cfg), PDL=pdl,
-                                 num_warps=max(1, min(16, np2 // (32 * ept))))
+                                 num_warps=_warps(np2, ept))
     return out
 
 
@@ -879,6 +894,16 @@ def _dot_gather(q, k_base, sk_t, v_base, sv_t, i_base, VA, b, sva_b, start, end,
 
 
 @triton.jit
+def _normalised(acc, m_i, l_i):
+    """``(out, lse)`` of :func:`_dot_gather`'s rows ``(acc, m, l)`` (base 2): ``acc / l`` and the LSE in natural-log
+    units; a row that read no valid token gets zeros and ``-inf``."""
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    return out, lse
+
+
+@triton.jit
 def _gather_shared_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_h, sv_t, VA, sva_b,
                           IDX, si_b, si_h, PO, PL, HKV, M, NK, per_split, qk_scale, cap,
                           MP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
@@ -906,9 +931,7 @@ def _gather_shared_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_
     acc, m_i, l_i = _dot_gather(q, K + b * sk_b + h * sk_h, sk_t, V + b * sv_b + h * sv_h, sv_t,
                                 IDX + b * si_b + h * si_h, VA, b, sva_b, start, end, qk_scale, cap, offs_d, d_ok,
                                 offs_v, v_ok, MP, DVP, HAS_VALID, BK, IEEE, SOFTCAP, ISTEPS)
-    has = l_i > 0.0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    out, lse = _normalised(acc, m_i, l_i)
     rows = tl.num_programs(0) * M
     row = pid_bh.to(tl.int64) * M + offs_m
     tl.store(PO + pid_s * rows * DV + row[:, None] * DV + offs_v[None, :], out, mask=m_ok[:, None] & v_ok[None, :])
@@ -945,9 +968,7 @@ def _gather_rows_dot_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, s
     acc, m_i, l_i = _dot_gather(q, K + b * sk_b + h * sk_h, sk_t, V + b * sv_b + h * sv_h, sv_t,
                                 IDX + b * si_b + h * si_h + m * si_m, VA, b, sva_b, start, end, qk_scale, cap,
                                 offs_d, d_ok, offs_v, v_ok, 16, DVP, HAS_VALID, BK, IEEE, SOFTCAP, ISTEPS)
-    has = l_i > 0.0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    out, lse = _normalised(acc, m_i, l_i)
     first = offs_r == 0
     tl.store(PO + pid_s * rows * DV + pid_row.to(tl.int64) * DV + offs_r[:, None] * 0 + offs_v[None, :], out,
              mask=first[:, None] & v_ok[None, :])
@@ -989,9 +1010,7 @@ def _select_gather_kernel(Q, sq_b, sq_h, sq_g, CH, sch_h, L, sl_b, sl_h, sl_c, S
     acc, m_i, l_i = _dot_gather(q, K + b * sk_b + h * sk_h, sk_t, V + b * sv_b + h * sv_h, sv_t, IDX + row, VA, b,
                                 sva_b, 0, KK, qk_scale, cap, offs_d, d_ok, offs_v, v_ok, MP, DVP, HAS_VALID, BK, IEEE,
                                 SOFTCAP)
-    has = l_i > 0.0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    out, lse = _normalised(acc, m_i, l_i)
     out_row = pid.to(tl.int64) * GROUP + offs_m  # query head (b, hq * GROUP + m): rows [B, Hq] in head order
     tl.store(PO + out_row[:, None] * DV + offs_v[None, :], out, mask=m_ok[:, None] & v_ok[None, :])
     tl.store(PL + out_row, lse, mask=m_ok)
@@ -1111,7 +1130,7 @@ FUSED_GATHER_BLOCK = 256
 
 def supports_select_gather(query: torch.Tensor, labels: Labels, channels: torch.Tensor, k: torch.Tensor,
                            v: torch.Tensor, kk: int, group: int = 1, chunk: int = FUSED_MAX_TOKENS) -> bool:
-    """Whether :func:`select_gather_partial` runs its one kernel: one fused select chunk (:func:`fused_plan`),
+    """Whether :func:`select_gather_partial` runs its one kernel: one fused select chunk (:func:`supports_fused`),
     ``group`` 1 or every query head of a kv head, and the gather's shapes and dtypes (:func:`supports_gather`)."""
     if query.dim() != 3 or k.dim() != 4 or k.shape[1] == 0 or query.shape[1] % k.shape[1]:
         return False
@@ -1119,9 +1138,9 @@ def supports_select_gather(query: torch.Tensor, labels: Labels, channels: torch.
     g = hq // k.shape[1]
     if group not in (1, g) or not 0 < kk <= labels.num_tokens:
         return False
-    if not supports_fused(group_rows(query, labels, channels, group, checked=True) if group > 1 else query, labels,
-                          channels, kk, chunk) or fused_plan(labels.num_tokens, kk, chunk)[0] != 1:
-        return False
+    if labels.num_tokens > min(chunk, FUSED_MAX_TOKENS) or \
+            not supports_fused(group_rows(query, labels, channels, group, checked=True), labels, channels, kk, chunk):
+        return False  # (more than one select chunk: the candidates would need a merge)
     return supports_gather(query.view(b, k.shape[1], g, d), k, v, query.new_empty(1, 1, 1, 1, dtype=torch.int64))
 
 
@@ -1145,36 +1164,27 @@ def select_gather_partial(query: torch.Tensor, labels: Labels, channels: torch.T
     chunk = cfg["chunk_tokens"]
     if not supports_select_gather(query, labels, channels, k, v, kk, group, chunk):
         index = select_topk(query, labels, channels, valid, kk, config=config, group=group)
-        rows = index.view(b, hkv, 1, kk).expand(b, hkv, g, kk) if group > 1 else index.view(b, hkv, g, kk)
-        out, lse = gather_partial_attention(query.view(b, hkv, g, d), k, v, valid, rows, scale, softcap=softcap)
+        out, lse = gather_partial_attention(query.view(b, hkv, g, d), k, v, valid, selection_rows(index, hkv, g),
+                                            scale, softcap=softcap)
         return out, lse, index
     sel = group_rows(query, labels, channels, group, checked=True)  # one row per selection (its first query head)
     rows = sel.shape[1]
     t = labels.num_tokens
-    quant = labels.bits != 16
-    lab = labels.data
     dev = query.device
     dv = v.shape[-1]
     channels = channels.to(device=dev).contiguous()
     index = torch.empty(b, rows, kk, device=dev, dtype=torch.int32)
     out = torch.empty(b, hq, dv, device=dev, dtype=torch.float32)
     lse = torch.empty(b, hq, device=dev, dtype=torch.float32)
-    sc = labels.scale if quant else out
-    ze = labels.zero if quant else out
-    va = valid.view(torch.uint8) if valid is not None else out
+    label_args, label_consts = _label_args(labels, valid, out)
     np_ = max(16, pow2(t))
-    sms = num_sms(dev.index or 0) if dev.type == "cuda" else 4
-    ept, unroll = select_launch(cfg, b * rows, sms)
-    warps = max(1, min(16, np_ // (32 * ept)))
+    ept, unroll = _device_launch(cfg, b * rows, dev)
+    warps = _warps(np_, ept)
     _select_gather_kernel[(b * rows,)](
-        sel, sel.stride(0), sel.stride(1), query.stride(1), channels, channels.stride(0),
-        lab, lab.stride(0), lab.stride(1), lab.stride(3),
-        sc, ze, sc.stride(0) if quant else 0, sc.stride(1) if quant else 0,
-        va, va.stride(0) if valid is not None else 0,
+        sel, sel.stride(0), sel.stride(1), query.stride(1), channels, channels.stride(0), *label_args,
         k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1), v.stride(2),
         index, out, lse, t, kk, rows, rows // hkv, scale * 1.4426950408889634, cap_base2(softcap),
-        W=lab.shape[-1], PER=8 // labels.bits if quant else 1, BITS=labels.bits if quant else 16, QUANT=quant,
-        HAS_VALID=valid is not None, UNROLL=_divisor(lab.shape[-1], unroll), NP=np_, GROUP=group,
+        **label_consts, UNROLL=_divisor(label_consts["W"], unroll), NP=np_, GROUP=group,
         MP=max(16, pow2(group)), D=d, DP=max(16, pow2(d)), DV=dv, DVP=max(16, pow2(dv)),
         BK=min(FUSED_GATHER_BLOCK, max(16, pow2(kk))), IEEE=k.dtype == torch.float32, SOFTCAP=bool(softcap),
         INTERP=interp, num_warps=warps)

@@ -25,7 +25,6 @@ dtype); fp32 pages use ``input_precision="ieee"``.  Limits: ``P`` a power of two
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
