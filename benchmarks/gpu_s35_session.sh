@@ -101,8 +101,9 @@
 # (docs/results.md "Session 41"); the buffer's slots now count in the fuse rule (buffer_weight 6, checked as the
 # default by buffer-weight), and few-program DoubleSparse selects take unroll 16 (not yet run as the default).  Left:
 # PARTS="ds-unroll ds-fused paged-pdl" (about 150 + 120 + 100 s: the unroll rule's GPU tests and two rounds against
-# unroll 4; the one-kernel DoubleSparse select + gather prototype against the two kernels; the paged kernel's opt-in
-# PDL merge, never timed), then on an H200 grid-full for the README count.
+# unroll 4; the one-kernel DoubleSparse select + gather against the two kernels - the model takes it with
+# KVCOMPRESS_DS_CONFIG='{"fuse_gather": true}' since session 42, and the grid's ds ops follow that setting; the paged
+# kernel's opt-in PDL merge, never timed), then on an H200 grid-full for the README count.
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -279,12 +280,13 @@ case "${PART:-stages}" in
       "${S35_SHAPES:-smollm2-135m:1:4k,smollm2-135m:4:4k,smollm2-135m:16:4k,llama3-8b:1:4k,llama3-8b:16:4k,smollm2-135m:1:32k,llama3-8b:1:32k,llama3-8b:4:32k,smollm2-135m:16:32k}" \
       '{}' '{"unroll": 4}'
     ;;
-  ds-fused)  # session 41's prototype: the DoubleSparse select and gather in one kernel (select_gather_partial; one
+  ds-fused)  # session 41's kernel: the DoubleSparse select and gather in one kernel (select_gather_partial; one
     # program per selection row, no second launch, no split merge) against the two-kernel read, where the select has
-    # few programs (the group below 1.0x: SmolLM2 B1 / B4 at 4k); the DoubleSparse GPU tests first (its own included).
+    # few programs (the group below 1.0x: SmolLM2 B1 / B4 at 4k); the DoubleSparse GPU tests first (its own included,
+    # and since session 42 the model's read through it: a static cache built with fuse_gather on, in CUDA graphs).
     # Table: python benchmarks/sweep_table.py OUT/ds-fused/configs.json --variant-suffix=-fused
     export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-400} PS_XDIST=${PS_XDIST:-8}
-    ROUNDS=2 && sweep tests/test_doublesparse_kernel.py KVCOMPRESS_DS_CONFIG \
+    ROUNDS=2 && sweep "tests/test_doublesparse_kernel.py tests/test_graph_step.py" KVCOMPRESS_DS_CONFIG \
       ds8,ds8-fused,ds16,ds16-fused,ds8-shared,ds8-shared-fused,ds16-shared,ds16-shared-fused \
       "${S35_SHAPES:-smollm2-135m:1:4k,smollm2-135m:4:4k,smollm2-135m:16:4k,llama3-8b:1:4k,llama3-8b:4:4k}" '{}'
     ;;

@@ -839,8 +839,9 @@ def _bench_leank(c: _Case, ratio: int) -> None:
 
 def _bench_doublesparse(c: _Case, frac: int, shared: bool, fused: bool = False) -> None:
     """``ds8`` / ``ds16`` (``-shared``: group-shared selection): fused label scores + top-k (16 fp16 label channels;
-    ctx/8 or ctx/16 tokens per query head, or per kv head) + gather attention; ``-fused``: the two in one kernel
-    (``select_gather_partial``, a prototype the plugin does not use yet)."""
+    ctx/8 or ctx/16 tokens per query head, or per kv head) + gather attention, or the two in one kernel where a
+    model's read takes it (``fuse_gather`` in ``KVCOMPRESS_DS_CONFIG``, off by default); ``-fused``: always the one
+    kernel (``select_gather_partial``) where it runs."""
     from .doublesparse.bench import ds_decode, ds_inputs, ds_read_bytes
 
     name = f"ds{frac}" + ("-shared" if shared else "") + ("-fused" if fused else "")
@@ -852,8 +853,8 @@ def _bench_doublesparse(c: _Case, frac: int, shared: bool, fused: bool = False) 
         return
     data = [ds_inputs(c.batch, s.q_heads, s.kv_heads, c.ctx, s.head_dim, 16, 16, c.device, c.gen) for _ in range(n)]
     kk = c.ctx // frac
-    t = time_op(lambda q, lab, ch, k, v: ds_decode(q, lab, ch, k, v, kk, c.scale, shared=shared, fused=fused), data,
-                reps=c.reps)
+    t = time_op(lambda q, lab, ch, k, v: ds_decode(q, lab, ch, k, v, kk, c.scale, shared=shared,
+                                                   fused=True if fused else None), data, reps=c.reps)
     nbytes = ds_read_bytes(data[0][0], data[0][1], data[0][3], kk, shared=shared)
     c.emit(name, t, nbytes, k=kk, bytes_vs_fp16=c.dense_bytes / nbytes)
 

@@ -21,7 +21,7 @@ import torch
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3  # as the kernels' own tests (fp16 operands, fp32 accumulation)
 BUILD_ELEMENTS = 1 << 30  # fp32 elements of keys (or values) a case builder quantizes at a time (4 GB)
 OUTPUT_OPS = ("kivi_partial", "kivi_buffer_partial", "paged_partial", "lanes_partial", "gather_partial",
-              "kivi_lanes_partial")
+              "kivi_lanes_partial", "select_gather")
 
 
 @dataclasses.dataclass
@@ -63,6 +63,14 @@ class OpCase:
 
             ok = is_topk(got, self.extra["scores"], self.extra["k"], self.extra["tol"])
             return ok, 0.0 if ok else float("inf"), "" if ok else "not a top-k of the reference label scores"
+        if self.op == "select_gather":  # a top-k of the scores, and the attention over exactly what it chose
+            from .doublesparse.reference import is_topk
+
+            out, lse, index = got
+            if index.dtype != torch.int32 or not is_topk(index.long(), self.extra["scores"], self.extra["k"],
+                                                         self.extra["tol"]):
+                return False, float("inf"), "not a top-k of the reference label scores (int32)"
+            return check_partial((out, lse), self.extra["gather"](index))
         if self.op == "merge_partials":
             return check_merged(got, ref)
         return check_partial(got, ref)
@@ -467,6 +475,55 @@ def gather_case(batch: int = 2, kv_heads: int = 2, rows: int = 3, tokens: int = 
                   "gather_partial", args, fn, facts, static=(1, 2, 3), batch_args=(0, 1, 2, 3, 4))
 
 
+def select_gather_case(batch: int = 2, kv_heads: int = 2, group: int = 3, tokens: int = 97, head_dim: int = 32,
+                       r: int = 8, bits: int = 16, k: int = 13, shared: bool = False, v_dim: int | None = None,
+                       dtype=torch.float16, dead_row: bool = True, device="cpu", seed: int = 15,
+                       softcap: float | None = None) -> OpCase:
+    """The label select and the gather over what it chose, as one op (:func:`ops.select_gather_attention`, what a
+    static DoubleSparse read calls with ``fuse_gather`` on), over the plugin's channel-major labels of ``k``, with
+    padding and a dead row; ``shared``: one selection per kv head (``group=``)."""
+    from . import ops
+    from .doublesparse.reference import Labels, gather_partial_attention, group_query, label_scores, \
+        quantize_labels, selection_rows
+
+    gen = _gen(seed, device)
+    dv = v_dim or head_dim
+    keys = torch.randn(batch, kv_heads, tokens, head_dim, generator=gen, device=gen.device)
+    v = torch.randn(batch, kv_heads, tokens, dv, generator=gen, device=gen.device).to(dtype)
+    channels = torch.stack([torch.randperm(head_dim, generator=gen, device=gen.device)[:r]
+                            for _ in range(kv_heads)])
+    lab = quantize_labels(keys.gather(-1, channels.view(1, kv_heads, 1, r).expand(batch, kv_heads, tokens, r))
+                          .to(dtype), bits)
+    data = lab.data.transpose(-1, -2).contiguous().transpose(-1, -2)  # channel-major: token stride 1
+    q = torch.randn(batch, kv_heads * group, head_dim, generator=gen, device=gen.device).to(dtype)
+    valid = _valid(batch, tokens, gen, dead_row, keep=0.9)
+    mv = (lambda x: None if x is None else x.to(device))
+    args = (q.to(device), data.to(device), mv(lab.scale), mv(lab.zero), channels.to(device), valid.to(device),
+            keys.to(dtype).to(device), v.to(device))
+    scale = head_dim ** -0.5
+    sel_group = group if shared else 1
+
+    def fn(impl: str):
+        def f(q, data, scale_, zero, channels, valid, k_, v_):
+            return ops.select_gather_attention(q, Labels(data, bits, scale_, zero), channels, valid, k_, v_, k, scale,
+                                               impl=impl, group=sel_group, softcap=softcap)
+        return f
+
+    def gather(index):
+        """The reference attention over ``index`` (what the op chose: ties may order or pick differently)."""
+        b, hq, d = args[0].shape
+        return gather_partial_attention(args[0].view(b, kv_heads, group, d), args[6], args[7], args[5],
+                                        selection_rows(index.long(), kv_heads, group), scale, softcap=softcap)
+
+    scores = label_scores(group_query(args[0], sel_group), Labels(args[1], bits, args[2], args[3]), args[4], args[5])
+    facts = dict(label_bits=bits, label_channels=r, label_dtype=dtype, head_dim=head_dim, v_dim=dv, dtype=dtype,
+                 query_dtype=dtype)
+    name = (f"select-gather-b{batch}-hq{kv_heads * group}-t{tokens}-r{r}-bits{bits}-k{k}"
+            + ("-shared" if shared else "") + _cap(softcap))
+    return OpCase(name, "select_gather", args, fn, facts, static=(1, 2, 3, 4, 5, 6, 7),
+                  extra=dict(k=k, scores=scores, tol=2e-2, gather=gather), batch_args=(0, 1, 2, 3, 5, 6, 7))
+
+
 def _cap(softcap: float | None) -> str:
     return f"-cap{softcap:g}" if softcap else ""
 
@@ -530,6 +587,9 @@ def small_cases(device="cpu", softcap: float | None = None) -> list[OpCase]:
         select_case(group=4, tokens=150, k=17, device=device, seed=9, shared=True),
         gather_case(device=device, **cap),
         gather_case(shared=True, rows=4, v_dim=64, device=device, seed=9, **cap),
+        select_gather_case(device=device, **cap),
+        select_gather_case(bits=4, r=16, k=20, tokens=131, group=4, shared=True, v_dim=64, device=device, seed=16,
+                           **cap),
         merge_case(device=device),
         merge_case(batch=1, kv_heads=8, rows=4, v_dim=128, parts=2, dtype=torch.float32, device=device, seed=10),
     ]

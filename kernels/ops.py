@@ -19,6 +19,8 @@ op                                    semantics (the PyTorch reference, also the
 ``kvcompress::lanes_partial``         :func:`kvcompress.kernels.leank.reference.grouped_partial_attention`
 ``kvcompress::select_topk``           :func:`kvcompress.kernels.doublesparse.reference.select_topk`
 ``kvcompress::gather_partial``        :func:`kvcompress.kernels.doublesparse.reference.gather_partial_attention`
+``kvcompress::select_gather``         :func:`kvcompress.kernels.doublesparse.reference.select_gather_partial`
+                                      (the two above in one op; Triton: one kernel, a program per selection)
 ``kvcompress::kivi_quantize``         :func:`kvcompress.kernels.kivi.reference.fill_masked`, ``quantize_keys``,
                                       ``quantize_values`` (Triton: :mod:`kvcompress.kernels.kivi.quantize_triton`)
 ``kvcompress::merge_partials``        :func:`kvcompress.kernels.attention.reference.merge_partials` + the cast to
@@ -90,6 +92,7 @@ OPS = {
     "lanes_partial": ("reference", "triton"),
     "select_topk": ("reference", "triton"),
     "gather_partial": ("reference", "triton"),
+    "select_gather": ("reference", "triton"),
     "kivi_quantize": ("reference", "triton"),
     "kivi_partial_scored": ("reference", "triton"),
     "kivi_lanes_partial_scored": ("reference", "triton"),
@@ -966,6 +969,65 @@ def gather_attention(query: Tensor, k: Tensor, v: Tensor, valid: Optional[Tensor
     return _OPS["gather_partial"](query, k, v, valid, index, float(scale), float(softcap or 0.0), impl)
 
 
+def _select_gather_reference(query, label_data, label_scale, label_zero, label_bits, channels, valid, k, v, kk, scale,
+                             group, softcap):
+    labels = ds_ref.Labels(label_data, label_bits, label_scale, label_zero)
+    out, lse, index = ds_ref.select_gather_partial(query, labels, channels, valid, k, v, kk, scale, group,
+                                                   softcap or None)
+    return _fresh(out, lse, index.to(torch.int32))
+
+
+@torch.library.custom_op("kvcompress::select_gather", mutates_args=(), device_types="cpu")
+def select_gather(query: Tensor, label_data: Tensor, label_scale: Optional[Tensor], label_zero: Optional[Tensor],
+                  label_bits: int, channels: Tensor, valid: Optional[Tensor], k: Tensor, v: Tensor, kk: int,
+                  scale: float, group: int = 1, softcap: float = 0.0,
+                  impl: str = "reference") -> tuple[Tensor, Tensor, Tensor]:
+    """``select_topk`` and ``gather_partial`` over what it selected, as one op: the top-``kk`` label scores of
+    ``query [B, Hq, D]`` per query head (``group`` 1) or per kv head (``group = Hq / Hkv``: its heads' summed
+    query), and each query head's attention over its selection of ``k`` / ``v`` ``[B, Hkv, T, D / Dv]``:
+    ``(out [B, Hkv, G, Dv] fp32, lse [B, Hkv, G] fp32, index [B, Hq / group, kk] int32)``.  CPU: the reference
+    (:func:`kvcompress.kernels.doublesparse.reference.select_gather_partial`); CUDA with ``"triton"``: one kernel
+    (:func:`kvcompress.kernels.doublesparse.triton_kernel.select_gather_partial`)."""
+    _check_impl("select_gather", impl)
+    return _select_gather_reference(query, label_data, label_scale, label_zero, label_bits, channels, valid, k, v, kk,
+                                    scale, group, softcap)
+
+
+@select_gather.register_kernel("cuda")
+def _select_gather_cuda(query, label_data, label_scale, label_zero, label_bits, channels, valid, k, v, kk, scale,
+                        group=1, softcap=0.0, impl="reference"):
+    _check_impl("select_gather", impl)
+    if impl == "triton":
+        from .doublesparse import triton_kernel
+
+        labels = ds_ref.Labels(label_data, label_bits, label_scale, label_zero)
+        if not triton_kernel.supports_select_gather(query, labels, channels, k, v, kk, group):
+            raise ValueError("kvcompress::select_gather: the Triton kernel does not take these arguments "
+                             "(doublesparse.triton_kernel.supports_select_gather)")
+        return _fresh(*triton_kernel.select_gather_partial(query, labels, channels, valid, k, v, kk, scale, group=group,
+                                                           softcap=softcap or None))
+    return _select_gather_reference(query, label_data, label_scale, label_zero, label_bits, channels, valid, k, v, kk,
+                                    scale, group, softcap)
+
+
+@select_gather.register_fake
+def _select_gather_fake(query, label_data, label_scale, label_zero, label_bits, channels, valid, k, v, kk, scale,
+                        group=1, softcap=0.0, impl="reference"):
+    b, hq, _ = query.shape
+    hkv = k.shape[1]
+    out = query.new_empty((b, hkv, hq // hkv, v.shape[-1]), dtype=torch.float32)
+    lse = query.new_empty((b, hkv, hq // hkv), dtype=torch.float32)
+    return out, lse, query.new_empty((b, hq // group, kk), dtype=torch.int32)
+
+
+def select_gather_attention(query: Tensor, labels, channels: Tensor, valid: Optional[Tensor], k: Tensor, v: Tensor,
+                            kk: int, scale: float, *, impl: str, group: int = 1,
+                            softcap: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``kvcompress::select_gather`` over a :class:`~kvcompress.kernels.doublesparse.Labels`."""
+    return _OPS["select_gather"](query, labels.data, labels.scale, labels.zero, labels.bits, channels, valid, k, v,
+                                 int(kk), float(scale), int(group), float(softcap or 0.0), impl)
+
+
 # ----------------------------------------------------------------------------- region merge
 
 
@@ -1027,7 +1089,8 @@ CUDA_IMPLS = {"kivi_partial": _kivi_partial_cuda, "kivi_buffer_partial": _kivi_b
               "kivi_lanes_buffer_partial": _kivi_lanes_buffer_partial_cuda,
               "paged_partial": _paged_partial_cuda,
               "lanes_partial": _lanes_partial_cuda, "select_topk": _select_topk_cuda,
-              "gather_partial": _gather_partial_cuda, "kivi_quantize": _kivi_quantize_cuda,
+              "gather_partial": _gather_partial_cuda, "select_gather": _select_gather_cuda,
+              "kivi_quantize": _kivi_quantize_cuda,
               "kivi_partial_scored": _kivi_partial_scored_cuda,
               "kivi_lanes_partial_scored": _kivi_lanes_partial_scored_cuda,
               "lanes_partial_scored": _lanes_partial_scored_cuda, "merge_partials": _merge_partials_cuda}
@@ -1082,6 +1145,8 @@ _FACTS = {
     "lanes_partial": {"head_dim", "v_dim", "kept", "dtype"},
     "select_topk": {"label_bits", "label_channels", "query_dtype", "label_dtype"},
     "gather_partial": {"head_dim", "v_dim", "dtype", "query_dtype"},
+    "select_gather": {"label_bits", "label_channels", "label_dtype", "head_dim", "v_dim", "dtype", "query_dtype",
+                      "tokens", "k"},
     "kivi_quantize": {"bits", "group", "v_group", "head_dim", "v_dim", "k_per_token", "dtype"},
     "merge_partials": {"v_dim"},
 }
@@ -1179,6 +1244,19 @@ def _triton_problem(op: str, f: dict) -> Optional[str]:
         if f.get("label_bits", 16) == 16 and f.get("label_dtype", torch.float16) not in _FLOATS:
             return f"label dtype {f['label_dtype']}"
         return None
+    if op == "select_gather":
+        from .doublesparse import triton_kernel as ds_triton  # Triton is installed (choose checked)
+
+        select = {n: f[n] for n in _FACTS["select_topk"] if n in f}
+        problem = _triton_problem("select_topk", select) or _triton_problem("gather_partial", {
+            n: f[n] for n in _FACTS["gather_partial"] if n in f})
+        tokens, k = f.get("tokens", 1), f.get("k", 1)
+        most = ds_triton.one_chunk_tokens()
+        if problem is None and not 0 < k <= tokens <= most:
+            problem = f"{tokens} tokens, k {k} (one select chunk: k <= tokens <= {most})"
+        if problem is None and not ds_triton.fuse_gather_on():
+            problem = "fuse_gather is off (KVCOMPRESS_DS_CONFIG; the default until timed in the model)"
+        return problem
     if op == "kivi_quantize":
         from .kivi.quantize_triton import problem  # Triton is installed (choose checked)
 
@@ -1209,6 +1287,8 @@ def choose(op: str, device, **static_facts) -> str:
     * ``lanes_partial``: ``head_dim``, ``v_dim``, ``kept`` (kept channel counts), ``dtype`` (of K/V);
     * ``select_topk``: ``label_bits``, ``label_channels``, ``query_dtype``, ``label_dtype``;
     * ``gather_partial``: ``head_dim``, ``v_dim``, ``dtype`` (of K/V), ``query_dtype``;
+    * ``select_gather``: those of ``select_topk`` and ``gather_partial`` (``query_dtype`` once), ``tokens`` (the
+      label slots), ``k``; ``"triton"`` only with ``fuse_gather`` on in ``KVCOMPRESS_DS_CONFIG`` (off by default);
     * ``kivi_quantize``: ``bits``, ``group``, ``v_group``, ``head_dim`` (Dk), ``v_dim``, ``k_per_token``, ``dtype``
       (of K/V);
     * ``merge_partials``: ``v_dim``.
@@ -1274,4 +1354,5 @@ __all__ = ["IMPLS", "OPS", "SCORED", "choose", "kivi_attention_scored", "kivi_bu
            "scored_impl", "split_lane_logits", "gather_attention", "gather_partial", "kivi_attention", "kivi_facts",
            "kivi_lanes_attention", "kivi_lanes_buffer_attention", "kivi_lanes_buffer_partial", "kivi_lanes_partial",
            "kivi_order", "kivi_partial", "kernels_mode", "kivi_cuda_enabled", "lanes_attention", "lanes_partial",
-           "live_slots", "paged_attention", "paged_partial", "select", "select_topk", "triton_available"]
+           "live_slots", "paged_attention", "paged_partial", "select", "select_gather", "select_gather_attention",
+           "select_topk", "triton_available"]

@@ -22,7 +22,8 @@ from .hookspecs import hookimpl
 from .observe import Observation
 from .registry import CompressorSpec
 from .scoring import ScoreConfig, ScoreEvictor
-from .state import HeadGroup, KVBlock, LayerInfo, Layout, LinearQueryMap, MiddleStore, Segment, TokenSelection
+from .state import (HeadGroup, KVBlock, LabelTopK, LayerInfo, Layout, LinearQueryMap, MiddleStore, Segment,
+                    TokenSelection)
 from .stack import Stack, load_stack, parse_stack
 
 __version__ = "0.1.0"
@@ -46,7 +47,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Cache", "Compressor", "CompressorSpec", "ConfigError", "GraphStep", "HeadGroup", "KVBlock", "KVCompressError",
-    "LayerInfo", "Layout", "LinearQueryMap", "MiddleStore", "Observation", "PluginError", "ScoreConfig", "ScoreEvictor",
+    "LabelTopK", "LayerInfo", "Layout", "LinearQueryMap", "MiddleStore", "Observation", "PluginError", "ScoreConfig", "ScoreEvictor",
     "Segment", "Stack", "TokenSelection", "UnsupportedModelError",
     "UnsupportedOperationError", "compress", "hookimpl", "load_stack", "param", "parse_stack",
 ]

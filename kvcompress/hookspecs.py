@@ -91,7 +91,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
     from .registry import CompressorSpec
-    from .state import KVBlock, LayerInfo, Layout, MiddleStore, TokenSelection
+    from .state import KVBlock, LabelTopK, LayerInfo, Layout, MiddleStore, TokenSelection
     from .layer import CompressedLayer
     from .observe import Observation
     from .paged import MiddleCodec
@@ -407,7 +407,8 @@ class CacheCompressor:
         """
 
     @hookspec(firstresult=True)
-    def kvcompress_select_tokens(self, layer: CompressedLayer, query: torch.Tensor) -> torch.Tensor | TokenSelection | None:
+    def kvcompress_select_tokens(self, layer: CompressedLayer,
+                                 query: torch.Tensor) -> torch.Tensor | TokenSelection | LabelTopK | None:
         """Read-time selection: choose which middle tokens attention reads this step.
 
         Called at read planning, once per layer per forward step, with the query
@@ -429,6 +430,13 @@ class CacheCompressor:
               steps (``q_len == 1``) read exactly those tokens with a gather kernel
               (:func:`kvcompress.kernels.doublesparse.gather_partial_attention`), so no mask over
               the whole middle is built; or
+            * a :class:`~kvcompress.state.LabelTopK`: the same selection described by how it is scored - the
+              ``k`` tokens of largest ``query[channels] . label`` per query head (or per kv head with ``group``),
+              from labels of the middle tokens the plugin keeps (a few key channels per token, in middle-store
+              order, e.g. in ``layer.state``).  The core then runs the top-``k``: in a decode step over a
+              full-precision middle, in the same kernel as the attention over the chosen tokens where that kernel
+              is enabled (:func:`kvcompress.kernels.doublesparse.select_gather_attention`), else as the
+              :class:`~kvcompress.state.TokenSelection` its ``resolve()`` gives; or
             * a boolean mask ``[batch, kv_heads, q_len, middle_tokens]`` (True = read), one per kv
               head, covering the middle segments one after the other.
         """

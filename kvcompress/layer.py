@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from .errors import UnsupportedOperationError
-from .state import (ROWS, KVBlock, LayerInfo, Layout, RingBuffer, Segment, SinkBuffer, TokenSelection,
+from .state import (ROWS, KVBlock, LabelTopK, LayerInfo, Layout, RingBuffer, Segment, SinkBuffer, TokenSelection,
                     new_token_validity)
 
 
@@ -340,10 +340,11 @@ def apply_selection(middle: list[Segment], selection) -> list[Segment]:
     """Attach a read-time selection to the middle segments.
 
     A boolean mask ``[batch, kv_heads, q_len, middle tokens]`` covers the segments' tokens one
-    after the other; a :class:`~kvcompress.state.TokenSelection` indexes the token columns every
-    middle segment shares (head-group lanes of one store cover the same tokens).
+    after the other; a :class:`~kvcompress.state.TokenSelection` (or a :class:`~kvcompress.state.LabelTopK`, its
+    indices still to be computed) indexes the token columns every middle segment shares (head-group lanes of one
+    store cover the same tokens).
     """
-    if isinstance(selection, TokenSelection):
+    if isinstance(selection, (TokenSelection, LabelTopK)):
         counts = {s.num_tokens for s in middle}
         if len(counts) > 1:
             raise ValueError(f"a token selection needs middle segments over the same tokens, got {sorted(counts)}")

@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .state import Segment, TokenSelection
+from .state import Segment, TokenSelection, as_token_selection
 
 #: the regions of :attr:`Observation.mass`, in the order a layer reads them
 REGIONS = ("sinks", "middle", "recent", "new")
@@ -184,11 +184,12 @@ def attention_mass(query: torch.Tensor, segments: Sequence[Segment], q_positions
             m = segment_mask(seg, q_positions).unsqueeze(2)  # [b|1, h|1, 1, q, t]
         if seg.packed is not None:
             m = m & seg.packed.live_valid()[:, None, None, None, :]
-        if isinstance(seg.select, TokenSelection):
-            sel = seg.select.mask(t).view(b, kv_heads, group, q_len, t)
+        select = as_token_selection(seg.select)
+        if isinstance(select, TokenSelection):
+            sel = select.mask(t).view(b, kv_heads, group, q_len, t)
             m = m & (sel if heads is None else sel.index_select(1, heads))
-        elif seg.select is not None:  # [b, kv_heads, q, t]
-            sel = seg.select.unsqueeze(2)
+        elif select is not None:  # [b, kv_heads, q, t]
+            sel = select.unsqueeze(2)
             m = m & (sel if heads is None else sel.index_select(1, heads))
         src = spread = None
         if heads is not None:  # spread the segment's heads over all kv heads (-inf elsewhere), functionally

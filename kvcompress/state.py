@@ -385,6 +385,65 @@ class TokenSelection:
         return out
 
 
+@dataclasses.dataclass(eq=False)
+class LabelTopK:
+    """A read-time selection given by how it is scored, not by its indices: per query head (or per kv head with
+    ``group``), the ``k`` middle tokens of largest *label score* ``query[channels] . label`` - a label being a few
+    key channels of a token, stored apart (DoubleSparse, arXiv:2408.07092).  The core reads it one of two ways:
+
+    * in one launch with the attention over the chosen tokens, where a kernel does both
+      (:func:`kvcompress.kernels.doublesparse.select_gather_attention`: a decode step over one full-precision middle
+      segment);
+    * otherwise as the :class:`TokenSelection` :meth:`resolve` returns (the select kernel, then the gather).
+
+    Both give the same tokens (the select kernels' exact top-``k``).
+
+    Attributes:
+        query: the decode query ``[batch, q_heads, head_dim]``.
+        labels: :class:`kvcompress.kernels.doublesparse.Labels` of the middle tokens (``[batch, kv_heads, tokens,
+            r]``, or packed 4 / 2-bit codes with a scale and zero per token), columns in middle-store order.
+        channels: int64 ``[kv_heads, r]``: the key channels each kv head's labels hold.
+        valid: bool ``[batch, tokens]`` (invalid tokens are never chosen), or ``None``.
+        k: tokens chosen per selection.
+        group: query heads per kv head when one selection per kv head is made from the sum of its query heads'
+            scores (GQA), else ``None``.
+        impl: the select op's implementation, when a static cache chose it at build
+            (:func:`kvcompress.kernels.ops.choose`); ``None``: decided per call.
+        one_kernel: whether the read may run the select and its gather in one kernel, when a static cache decided
+            it at build (``ops.choose("select_gather", ...) == "triton"``); ``None``: decided per call.
+    """
+
+    query: torch.Tensor
+    labels: Any
+    channels: torch.Tensor
+    valid: torch.Tensor | None
+    k: int
+    group: int | None = None
+    impl: str | None = None
+    one_kernel: bool | None = None
+    _index: torch.Tensor | None = dataclasses.field(default=None, repr=False)
+
+    def resolve(self) -> TokenSelection:
+        """The selection as indices (computed once: the fused read records the indices it chose)."""
+        if self._index is None:
+            from kvcompress.kernels.doublesparse import select_topk
+
+            self._index = select_topk(self.query, self.labels, self.channels, self.valid, self.k, impl=self.impl,
+                                      group=self.group or 1)
+        index = self._index if self._index.dtype == torch.int64 else self._index.long()
+        return TokenSelection(index.unsqueeze(2), group=self.group)
+
+    def record(self, index: torch.Tensor) -> None:
+        """Keep the indices ``[batch, rows, k]`` a fused read chose (int32 or int64), for :meth:`resolve`."""
+        self._index = index
+
+
+def as_token_selection(select: Any) -> Any:
+    """``Segment.select`` with a :class:`LabelTopK` resolved to its :class:`TokenSelection` (other values as
+    they are): for readers that take indices or masks."""
+    return select.resolve() if isinstance(select, LabelTopK) else select
+
+
 @dataclasses.dataclass
 class Segment:
     """A region attention reads.
@@ -401,7 +460,8 @@ class Segment:
         heads: kv-head indices this segment covers, or ``None`` for all.
         qmap: maps the grouped query ``[batch, heads, group, q, head_dim]`` to ``dk`` dims.
         select: optional read-time selection: a boolean mask ``[batch, kv_heads, q_len, tokens]`` (True =
-            read) or a :class:`TokenSelection` (per query head indices).
+            read), a :class:`TokenSelection` (per query head indices) or a :class:`LabelTopK` (indices to be
+            computed, possibly by the read itself; :func:`as_token_selection` gives its indices).
         packed: an encoded region (e.g. :class:`kvcompress.kernels.kivi.PackedKV`) read in place by
             attention; ``k`` and ``v`` are then ``None`` and the encoding's own ``valid`` is ``valid``.
             An encoded region must hold only tokens older than every query (the middle always does).
@@ -420,7 +480,7 @@ class Segment:
     positions: torch.Tensor
     heads: torch.Tensor | None = None
     qmap: Callable[[torch.Tensor], torch.Tensor] | None = None
-    select: "torch.Tensor | TokenSelection | None" = None  # read-time selection
+    select: "torch.Tensor | TokenSelection | LabelTopK | None" = None  # read-time selection
     packed: Any = None
     channels: torch.Tensor | None = None
     vmap: Callable[[torch.Tensor], torch.Tensor] | None = None

@@ -36,7 +36,7 @@ import os
 
 import torch
 
-from kvcompress import Compressor, CompressorSpec, Layout, TokenSelection, hookimpl, param
+from kvcompress import Compressor, CompressorSpec, LabelTopK, Layout, hookimpl, param
 from kvcompress.errors import ConfigError, UnsupportedOperationError
 
 CHANNEL_SOURCES = ("all", "random")
@@ -193,16 +193,18 @@ class StaticLabelCache:
     Same channel-major layout as :class:`LabelCache`.
     """
 
-    def __init__(self, channels: torch.Tensor, bits: int, capacity: int):
+    def __init__(self, channels: torch.Tensor, bits: int, capacity: int, budget: int):
         from kvcompress.static import StaticRing
 
         self.channels = channels
         self.bits = bits
+        self.budget = budget
         self.ring = StaticRing(capacity)
         self.capacity = self.ring.capacity
         self.data: torch.Tensor | None = None  # [B, H, W, capacity]
         self.aux: torch.Tensor | None = None  # [B, H, 2, capacity]
         self.kernel: str | None = None  # the select op's implementation, chosen at allocation
+        self.one_kernel: bool | None = None  # whether a read may select and gather in one kernel, chosen then too
 
     def append(self, block) -> None:
         """Labels of the block's (full-precision) keys, at the ring's cursor."""
@@ -226,6 +228,10 @@ class StaticLabelCache:
 
             self.kernel = ops.choose("select_topk", k.device, label_bits=self.bits, label_channels=r,
                                      query_dtype=k.dtype, label_dtype=lab.dtype)
+            self.one_kernel = self.kernel == "triton" and ops.choose(
+                "select_gather", k.device, label_bits=self.bits, label_channels=r, label_dtype=lab.dtype,
+                head_dim=k.shape[-1], v_dim=block.v.shape[-1], dtype=k.dtype, query_dtype=k.dtype,
+                tokens=self.capacity, k=min(self.budget, self.capacity)) == "triton"
         slots = self.ring.slots(n)
         self.data.index_copy_(3, slots, lab.transpose(-1, -2))
         if aux is not None:
@@ -316,7 +322,8 @@ class DoubleSparseCompressor(Compressor):
         if cache is None:
             channels = self.table[layer.info.index].to(device)
             if layer.static:
-                cache = StaticLabelCache(channels, self.config.label_bits, layer.store_capacity)
+                cache = StaticLabelCache(channels, self.config.label_bits, layer.store_capacity,
+                                         self.config.budget(layer.info.index))
             else:
                 cache = LabelCache(channels, self.config.label_bits)
             layer.state["double_sparse"] = cache
@@ -356,18 +363,16 @@ class DoubleSparseCompressor(Compressor):
             raise UnsupportedOperationError(
                 f"double_sparse: the middle store holds {layer.middle.num_tokens} tokens but {cache.size} left the "
                 "window; DoubleSparse cannot be stacked with an evictor (its selection indexes every middle token)")
-        from kvcompress.kernels.doublesparse import select_topk
-
         q = query[:, :, 0]
-        kernel = getattr(cache, "kernel", None)  # static caches chose it once; dynamic ones decide per call
-        hkv = cache.channels.shape[0]
-        group = q.shape[1] // hkv
+        # static caches chose the kernels once; dynamic ones decide per call
+        kernel, one_kernel = getattr(cache, "kernel", None), getattr(cache, "one_kernel", None)
+        group = q.shape[1] // cache.channels.shape[0]
         # group-shared: label scores are linear in q, so a kv head's summed scores are those of its summed query,
-        # which the select kernels add up as they load it (group=: no separate sum kernel)
+        # which the select kernels add up as they load it (no separate sum kernel)
         shared = self.config.group_shared and group > 1
-        index = select_topk(q, cache.labels(), cache.channels, cache.valid(), budget, impl=kernel,
-                            group=group if shared else 1)
-        return TokenSelection(index.unsqueeze(2), group=group if shared else None)
+        # the core computes the top-k: with the gather in one kernel where it can (LabelTopK)
+        return LabelTopK(q, cache.labels(), cache.channels, cache.valid(), budget, group=group if shared else None,
+                         impl=kernel, one_kernel=one_kernel)
 
 
 @hookimpl

@@ -181,7 +181,7 @@ def test_budget_is_applied_per_layer(model, ids):
     orig = layer_module.apply_selection
 
     def spy(middle, selection):
-        seen.setdefault(middle[0].num_tokens, []).append(selection.index.shape[-1])
+        seen.setdefault(middle[0].num_tokens, []).append(selection.resolve().index.shape[-1])
         return orig(middle, selection)
 
     layer_module.apply_selection = spy
@@ -313,3 +313,120 @@ def test_calibration_ranks_by_mean_abs_qk(model):
     top = scores.gather(-1, ch)
     rest_max = scores.scatter(-1, ch, float("-inf")).amax(-1)
     assert bool((top.amin(-1) >= rest_max).all())
+
+
+# ----------------------------------------------------------------------------- the one-kernel select + gather read
+# The plugin returns its selection as a LabelTopK (kvcompress.state): the core runs the top-k, in one kernel with the
+# gather where `fuse_gather` is on (kernels/doublesparse/triton_kernel.py, opt-in until timed in the model).
+
+FUSED_CASES = {  # name: (stack config, model layers)
+    "per-head": dict(channels="random", r=8, k=12, sinks=3, window=5, dense_layers=1, seed=3),
+    "shared-4bit": dict(channels="random", r=8, k=12, sinks=2, window=4, dense_layers=1, label_bits=4, seed=1,
+                        group_shared=True),
+}
+
+
+def _fused_in_model(name: str) -> dict:
+    """Worker side (Triton interpreter, ``fuse_gather`` on): the dynamic cache's decode steps through the one-kernel
+    read, against the oracle; how many reads took it."""
+    from kvcompress.kernels.doublesparse import triton_kernel
+
+    cfg = FUSED_CASES[name]
+    model = tiny_model("llama", layers=3)
+    ids = torch.randint(1, 256, (1, 58), generator=torch.Generator().manual_seed(5))
+    chunks = decode_chunks(44, 58, extra=[(50, 3)])
+    calls = []
+    real = triton_kernel.select_gather_partial
+
+    def counted(*a, **kw):
+        calls.append(triton_kernel.supports_select_gather(a[0], a[1], a[2], a[4], a[5], a[6], kw.get("group", 1)))
+        return real(*a, **kw)
+
+    triton_kernel.select_gather_partial = counted
+    try:
+        got, cache = _run(model, ids, chunks, **cfg)
+    finally:
+        triton_kernel.select_gather_partial = real
+    ref = ds_oracle_logits(model, ids, chunks, channels=_table(cache), k=cfg["k"], dense_layers=1,
+                           sinks=cfg["sinks"], window=cfg["window"], bits=cfg.get("label_bits", 16),
+                           group_shared=cfg.get("group_shared", False))
+    return {"err": (got - ref).abs().max().item(), "calls": len(calls), "one_kernel": sum(calls)}
+
+
+@pytest.fixture(scope="module")
+def fused_interpreted(tmp_path_factory):
+    from interpreter import interpreted
+
+    return interpreted(__file__, tmp_path_factory.mktemp("ds_fused"), KVCOMPRESS_KERNELS="triton",
+                       KVCOMPRESS_DS_CONFIG='{"fuse_gather": true}')
+
+
+@pytest.mark.parametrize("name", list(FUSED_CASES))
+def test_one_kernel_read_in_the_model_matches_the_oracle(fused_interpreted, name):
+    """With ``fuse_gather`` on, every sparse decode read of the dynamic cache runs the one-kernel select + gather
+    (Triton, interpreted) and the logits equal the oracle's."""
+    res = fused_interpreted[name]
+    assert "error" not in res, res.get("error")
+    # 2 sparse layers x the decode steps whose middle holds more than k tokens (single-token steps only)
+    assert res["calls"] >= 2 * 8 and res["one_kernel"] == res["calls"], res
+    assert res["err"] < TOL, res
+
+
+def test_static_one_kernel_read_is_the_two_op_read_eager_and_compiled(monkeypatch):
+    """A static cache built to select on Triton and to read in one kernel (``ops.choose`` of ``select_topk`` and
+    ``select_gather`` faked to say ``"triton"``) reads every sparse decode step through the registered
+    ``kvcompress::select_gather`` op (here its CPU implementation, the reference: the test is the wiring - which read
+    runs, what it returns, the graph it compiles into), with no select op left in the compiled graph; its logits equal
+    the two-op read's, eager and compiled.  Built without ``fuse_gather`` the same cache never calls the op."""
+    from kvcompress.kernels import ops
+
+    model = tiny_model("llama", layers=3)
+    ids = torch.randint(1, 256, (2, 70), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    stack = _stack(channels="random", r=8, k=12, sinks=2, window=4, dense_layers=1, group_shared=True)
+    real_choose, real_op = ops.choose, ops._OPS["select_gather"]
+
+    def run(one_kernel: bool, graphs: list | None = None):
+        fake = ("select_topk", "select_gather") if one_kernel else ("select_topk",)
+        monkeypatch.setattr(ops, "choose", lambda op, device, **f: "triton" if op in fake
+                            else real_choose(op, device, **f))
+        calls = []
+        if graphs is None:  # eager: count the op's calls
+            monkeypatch.setitem(ops._OPS, "select_gather", lambda *a: calls.append(a[-1]) or real_op(*a))
+        out = []
+        with kvcompress.compress(model, stack, max_cache_len=80) as cache, torch.no_grad():
+            step = model.forward
+            if graphs is not None:
+                def backend(gm, example_inputs):
+                    graphs.append(gm)
+                    return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+                step = torch.compile(model.forward, backend=backend, fullgraph=True)
+            model(ids[:, :40], attention_mask=mask[:, :40], position_ids=pos[:, :40], cache=cache)
+            for t in range(40, ids.shape[1]):
+                o = step(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1].contiguous(),
+                         position_ids=pos[:, t:t + 1], cache=cache)
+                out.append(o.logits[:, -1])
+        monkeypatch.setitem(ops._OPS, "select_gather", real_op)
+        return torch.stack(out), calls
+
+    two_ops, calls = run(False)
+    assert not calls
+    one_op, calls = run(True)
+    assert len(calls) == 2 * 30 and set(calls) == {"triton"}  # 2 sparse layers x 30 steps
+    assert (one_op - two_ops).abs().max().item() <= 1e-6
+    torch._dynamo.reset()
+    graphs: list = []
+    compiled, _ = run(True, graphs)
+    torch._dynamo.reset()
+    assert 1 <= len(graphs) <= 2
+    targets = {n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert ops._OPS["select_gather"] in targets and ops._OPS["select_topk"] not in targets
+    assert (compiled - one_op).abs().max().item() <= 1e-5
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    from interpreter import collect
+
+    collect({name: (lambda n=name: _fused_in_model(n)) for name in FUSED_CASES}, sys.argv[sys.argv.index("--worker") + 1])

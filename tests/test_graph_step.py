@@ -276,6 +276,38 @@ def test_cuda_graph_replays_the_cuda_select_of_double_sparse(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("shared", [False, True])
+def test_cuda_graph_replays_the_one_kernel_double_sparse_read(monkeypatch, shared):
+    """DoubleSparse with ``fuse_gather`` on: the static cache chooses the one-kernel select + gather at build, the
+    captured step runs it (``kvcompress::select_gather``, Triton) and its replays equal the two-kernel read's (the
+    same selection: the same select code), per query head and group-shared."""
+    from kvcompress.evaluation.runner import graph_step
+    from kvcompress.kernels.doublesparse import triton_kernel
+
+    model = tiny_model("llama").cuda()
+    stack = kvcompress.parse_stack({"compressors": [{"double_sparse": {
+        "channels": "random", "r": 8, "k": 24, "dense_layers": 0, "sinks": 2, "window": 8, "group_shared": shared}}]})
+    runs, calls = [], []
+    real = triton_kernel.select_gather_partial
+    monkeypatch.setattr(triton_kernel, "select_gather_partial", lambda *a, **k: calls.append(1) or real(*a, **k))
+    try:
+        for config in ('{"fuse_gather": false}', '{"fuse_gather": true}'):
+            monkeypatch.setenv("KVCOMPRESS_DS_CONFIG", config)
+            triton_kernel._env_config.cache_clear()
+            torch._dynamo.reset()
+            logits, fn = _decode(model, stack, 24, step_fn=lambda m: graph_step(m, warmup=2), device="cuda")
+            assert fn.replays > 0
+            runs.append((logits, len(calls)))
+    finally:
+        triton_kernel._env_config.cache_clear()
+        torch._dynamo.reset()
+    (two, before), (one, after) = runs
+    assert before == 0 and after > 0, "the one-kernel read did not run (or ran with fuse_gather off)"
+    torch.testing.assert_close(one, two, rtol=0, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_capture_of_a_host_reading_step_fails_clearly():
     step = GraphStep(lambda x: x * int(x.sum()), warmup=1)
     x = torch.ones(4, device="cuda")

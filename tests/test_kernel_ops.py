@@ -231,6 +231,30 @@ def test_choose_on_cuda_order_and_switches(monkeypatch):
         assert ops.choose(name, cuda) == "reference"
 
 
+def test_choose_select_gather_only_with_fuse_gather_within_one_select_chunk(monkeypatch):
+    """The one-kernel select + gather is chosen on CUDA (faked) only with ``fuse_gather`` on - off by default - and
+    for a label cache one select program takes (``k <= tokens <= one chunk``) at shapes both halves take; a value of
+    ``fuse_gather`` other than a bool is refused."""
+    from kvcompress.kernels import ops
+    from kvcompress.kernels.doublesparse import triton_kernel
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ops, "triton_available", lambda: True)
+    monkeypatch.delenv("KVCOMPRESS_KERNELS", raising=False)
+    cuda = torch.device("cuda")
+    facts = dict(label_bits=16, label_channels=16, head_dim=128, v_dim=128, tokens=4096, k=256)
+    assert ops.choose("select_gather", cuda, **facts) == "reference"
+    monkeypatch.setitem(triton_kernel.SELECT_CONFIG, "fuse_gather", True)
+    assert ops.choose("select_gather", cuda, **facts) == "triton"
+    most = triton_kernel.one_chunk_tokens()
+    assert ops.choose("select_gather", cuda, **dict(facts, tokens=most)) == "triton"
+    for bad in (dict(tokens=most + 1), dict(k=0), dict(k=4097), dict(head_dim=512), dict(label_bits=8)):
+        assert ops.choose("select_gather", cuda, **dict(facts, **bad)) == "reference", bad
+    monkeypatch.setitem(triton_kernel.SELECT_CONFIG, "fuse_gather", "yes")
+    with pytest.raises(ValueError, match="fuse_gather must be true or false"):
+        ops.choose("select_gather", cuda, **facts)
+
+
 def test_impl_is_validated_and_ops_read_no_environment(monkeypatch):
     from kvcompress.kernels import opcases, ops
 
@@ -292,6 +316,22 @@ def test_dispatchers_without_impl_keep_their_per_call_behaviour():
             continue
         elif case.op == "select_topk":
             continue  # same reference function; its result is checked through opcheck / compile
+        elif case.op == "select_gather":  # without the one-kernel read: the select, then the gather over its rows
+            from kvcompress.kernels.doublesparse import Labels
+            from kvcompress.kernels.doublesparse.reference import selection_rows
+            from kvcompress.state import LabelTopK
+
+            b, hq, d = a[0].shape
+            hkv = a[6].shape[1]
+            rows = ref[2].shape[1]
+            labels = Labels(a[1], case.facts["label_bits"], a[2], a[3])
+            sel = LabelTopK(a[0], labels, a[4], a[5], case.extra["k"], group=None if rows == hq else hq // hkv)
+            assert doublesparse.select_gather_attention(sel, a[6], a[7], a[5], d ** -0.5) is None  # CPU: not taken
+            index = doublesparse.select_topk(a[0], labels, a[4], a[5], case.extra["k"], group=hq // rows)
+            got = (*doublesparse.gather_partial_attention(a[0].view(b, hkv, hq // hkv, d), a[6], a[7], a[5],
+                                                          selection_rows(index, hkv, hq // hkv), d ** -0.5),
+                   index.int())
+            assert torch.equal(sel.resolve().index[:, :, 0], index), case.name
         elif case.op == "merge_partials":  # the per-op merge and the cast (what a read without the op runs)
             from kvcompress.kernels.attention import merge_partials
 

@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from kvcompress.state import LinearQueryMap, Segment, TokenSelection
+from kvcompress.state import LabelTopK, LinearQueryMap, Segment, TokenSelection
 
 from .reference import merge_partials, merged_lse, partial_attention, partial_scored, segment_mask, sink_rows
 
@@ -240,6 +240,20 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
         parts.append(fused)
         scores.update((id(seg), s) for seg, s in fused_scores)
     for seg in segments_left:
+        select = seg.select
+        if isinstance(select, LabelTopK):
+            # a selection given by its label scores: read in one launch with its gather where a kernel does both
+            # (a decode step over a full-precision middle); otherwise as its indices
+            part = None
+            if q_len == 1 and not scored and seg.packed is None and seg.heads is None and seg.qmap is None \
+                    and seg.vmap is None:
+                from kvcompress.kernels import doublesparse
+
+                part = doublesparse.select_gather_attention(select, seg.k, seg.v, seg.valid, scale, softcap=softcap)
+            if part is not None:
+                parts.append(part)
+                continue
+            select = select.resolve()
         qs = q5 if seg.heads is None else q5.index_select(1, seg.heads)
         if seg.qmap is not None:
             qs = seg.qmap(qs)
@@ -251,12 +265,12 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
                 out, lse, scores[id(seg)] = seg.packed.attention_scored(qs, scale, **cap)
             else:
                 out, lse = seg.packed.attention_partial(qs, scale, **cap)
-        elif isinstance(seg.select, TokenSelection) and seg.packed is None and q_len == 1 and not scored:
+        elif isinstance(select, TokenSelection) and seg.packed is None and q_len == 1 and not scored:
             # per-query-head indices (DoubleSparse): gather exactly the selected tokens (decode:
             # every stored token precedes the query, so only ``valid`` masks keys)
             from kvcompress.kernels import doublesparse
 
-            index = seg.select.grouped(kv_heads)
+            index = select.grouped(kv_heads)
             if seg.heads is not None:
                 index = index.index_select(1, seg.heads)
             out, lse = doublesparse.gather_partial_attention(qs, seg.k, seg.v, seg.valid, index, scale,
@@ -284,11 +298,11 @@ def attend_segments(query: torch.Tensor, segments: Sequence[Segment], q_position
             if seg.packed is not None:
                 mask = mask & seg.packed.valid[:, None, None, :]
             mask = mask.unsqueeze(2).expand(mask.shape[0], mask.shape[1], group, q_len, mask.shape[-1])
-            if isinstance(seg.select, TokenSelection):  # [b, hq, q, t] -> [b, h, g, q, t]
-                sel = seg.select.mask(mask.shape[-1]).view(b, kv_heads, group, q_len, -1)
+            if isinstance(select, TokenSelection):  # [b, hq, q, t] -> [b, h, g, q, t]
+                sel = select.mask(mask.shape[-1]).view(b, kv_heads, group, q_len, -1)
                 mask = mask & (sel if seg.heads is None else sel.index_select(1, seg.heads))
-            elif seg.select is not None:  # [b, h, q, t]
-                mask = mask & seg.select.unsqueeze(2)
+            elif select is not None:  # [b, h, q, t]
+                mask = mask & select.unsqueeze(2)
             mask = mask.reshape(mask.shape[0], mask.shape[1], m_rows, mask.shape[-1])
             if scored:
                 out, lse, scores[id(seg)] = partial_scored(qs, k, v, mask, scale, softcap)

@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from kvcompress.state import Segment, TokenSelection, head_mask
+from kvcompress.state import Segment, TokenSelection, as_token_selection, head_mask
 
 
 def segment_mask(seg: Segment, q_positions: torch.Tensor | None) -> torch.Tensor:
@@ -98,11 +98,12 @@ def segment_attention(
         s = soft_cap(torch.einsum("bhgqd,bhtd->bhgqt", qs, seg_k.float()) * scale, softcap)
         t = s.shape[-1]
         m = segment_mask(seg, q_positions).unsqueeze(2)  # [b|1, h_seg|1, 1, q, t] over the segment's heads
-        if isinstance(seg.select, TokenSelection):  # per query head: [b, hq, q, t] -> [b, h, g, q, t]
-            sel = seg.select.mask(t).view(b, kv_heads, group, q_len, t)
+        select = as_token_selection(seg.select)
+        if isinstance(select, TokenSelection):  # per query head: [b, hq, q, t] -> [b, h, g, q, t]
+            sel = select.mask(t).view(b, kv_heads, group, q_len, t)
             m = m & (sel if heads is None else sel.index_select(1, heads))
-        elif seg.select is not None:  # per kv head: [b, h, q, t] -> [b, h, 1, q, t]
-            sel = seg.select.unsqueeze(2)
+        elif select is not None:  # per kv head: [b, h, q, t] -> [b, h, 1, q, t]
+            sel = select.unsqueeze(2)
             m = m & (sel if heads is None else sel.index_select(1, heads))
         s = s.masked_fill(~m, float("-inf"))
         if heads is not None:

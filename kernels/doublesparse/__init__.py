@@ -59,5 +59,42 @@ def gather_partial_attention(query, k, v, valid, index, scale, *, impl: str | No
     return reference.gather_partial_attention(query, k, v, valid, index, scale, softcap=softcap)
 
 
+def select_gather_attention(selection, k, v, valid, scale, *, softcap=None):
+    """A :class:`~kvcompress.state.LabelTopK` selection and the attention of its decode query over the chosen
+    tokens of ``k`` / ``v`` ``[B, Hkv, T, D / Dv]`` in one launch: ``(out [B, Hkv, G, Dv], lse [B, Hkv, G])``
+    float32, as :func:`gather_partial_attention` gives for the selection's indices, which are recorded in
+    ``selection`` (:meth:`~kvcompress.state.LabelTopK.record`).  ``None`` where the one-kernel read is not taken;
+    the caller then resolves the selection and gathers.
+
+    A static cache decided at build (``selection.one_kernel``: :func:`kvcompress.kernels.ops.choose` of
+    ``"select_gather"``) and runs the registered op ``kvcompress::select_gather`` with the Triton kernel; a dynamic
+    one (``one_kernel`` ``None``) takes the kernel per call where the Triton kernels run and
+    :func:`.triton_kernel.fuses_gather` says so.  Either way only with ``fuse_gather`` on in
+    ``KVCOMPRESS_DS_CONFIG`` (off by default: not timed inside the model yet).  ``valid``: the middle segment's
+    validity; the labels' must say the same (both ``None`` or both given)."""
+    if selection.one_kernel is False or (valid is None) != (selection.valid is None):
+        return None
+    group = selection.group or 1
+    if selection.one_kernel:
+        from kvcompress.kernels import ops
+
+        out, lse, index = ops.select_gather_attention(selection.query, selection.labels, selection.channels, valid,
+                                                      k, v, selection.k, scale, impl="triton", group=group,
+                                                      softcap=softcap)
+    else:
+        if not _use_triton(selection.query):
+            return None
+        from . import triton_kernel
+
+        if not triton_kernel.fuses_gather(selection.query, selection.labels, selection.channels, k, v, selection.k,
+                                          group):
+            return None
+        out, lse, index = triton_kernel.select_gather_partial(selection.query, selection.labels, selection.channels,
+                                                              valid, k, v, selection.k, scale, group=group,
+                                                              softcap=softcap)
+    selection.record(index)
+    return out, lse
+
+
 __all__ = ["LABEL_BITS", "Labels", "dequantize_labels", "gather_partial_attention", "quantize_labels",
-           "select_topk", "selection_mask"]
+           "select_gather_attention", "select_topk", "selection_mask"]

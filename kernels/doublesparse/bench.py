@@ -40,15 +40,18 @@ def ds_read_bytes(q, labels: Labels, k, kk: int, shared: bool = False) -> int:
 
 
 def ds_decode(q, labels: Labels, channels, k, v, kk: int, scale: float, ops=None, gather_config=None,
-              shared: bool = False, fused: bool = False):
+              shared: bool = False, fused: bool | None = None):
     """One sparse decode read with the Triton kernels (``ops``: the module, default ``triton_kernel``);
     ``shared``: one selection per kv head from the group's summed query (the plugin's ``group_shared``); ``fused``:
-    the select and the gather in one kernel (``ops.select_gather_partial``)."""
+    the select and the gather in one kernel (``ops.select_gather_partial``), ``None``: where a model's read takes it
+    (``ops.fuses_gather``: ``fuse_gather`` in ``KVCOMPRESS_DS_CONFIG``, off by default)."""
     if ops is None:
         from . import triton_kernel as ops
     b, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
+    if fused is None:  # (the reference module decides nothing: two calls)
+        fused = hasattr(ops, "fuses_gather") and ops.fuses_gather(q, labels, channels, k, v, kk, g if shared else 1)
     if fused:
         out, lse, _ = ops.select_gather_partial(q, labels, channels, None, k, v, kk, scale, group=g if shared else 1)
         return out, lse

@@ -459,6 +459,10 @@ FUSED_MAX_TOKENS = 16384  # per program: the label scores stay in registers (~3 
 # search: the select kernel's threshold search (SEARCHES): "bits" (one bit per round) or "interpolation" (opt-in,
 # session 40: fewer rounds in the CPU model, benchmarks/select_rounds_model.py; session 41, H100: +-2-5 %, no read
 # across 1.0x SDPA).  The merge kernels keep the bit search.
+# fuse_gather: a model's decode read (kvcompress.state.LabelTopK over a full-precision middle) runs the select and
+# its gather in one kernel (select_gather_partial) where it takes the shapes: false (the default) until the one kernel
+# is timed against the two (benchutil ds*-fused against ds*; the ds ops follow this setting).  Static caches read it
+# once, when they are built (ops.choose("select_gather", ...)).
 # unroll: label channels (or code bytes) whose loads are issued before their multiply-adds (the largest power of two
 # up to it that divides them); None = select_launch's rule: FEW_PROGRAMS_UNROLL where the launch has few programs (the
 # elems_per_thread rule's condition), else 4.
@@ -509,7 +513,8 @@ def pdl_for(setting, rows: int, device: torch.device) -> bool:
 
 
 SELECT_CONFIG = dict(elems_per_thread=None, chunk_tokens=FUSED_MAX_TOKENS, unroll=None, multilevel=None, method="auto",
-                     radix={}, merge_tokens=None, compact_block=None, cuda={}, pdl="auto", search="bits")
+                     radix={}, merge_tokens=None, compact_block=None, cuda={}, pdl="auto", search="bits",
+                     fuse_gather=False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1144,14 +1149,37 @@ def supports_select_gather(query: torch.Tensor, labels: Labels, channels: torch.
     return supports_gather(query.view(b, k.shape[1], g, d), k, v, query.new_empty(1, 1, 1, 1, dtype=torch.int64))
 
 
+def fuses_gather(query: torch.Tensor, labels: Labels, channels: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kk: int, group: int = 1) -> bool:
+    """Whether a model's DoubleSparse decode read (:func:`kvcompress.kernels.doublesparse.select_gather_attention`)
+    takes the one-kernel select + gather: ``fuse_gather`` on in ``KVCOMPRESS_DS_CONFIG`` (``true``; default
+    ``false`` - the kernel is correct but its speed inside the model is not measured yet) and
+    :func:`supports_select_gather`."""
+    return fuse_gather_on() and supports_select_gather(query, labels, channels, k, v, kk, group,
+                                                       _select_base()["chunk_tokens"])
+
+
+def one_chunk_tokens() -> int:
+    """The most label tokens one select program takes (one chunk: the fused select + gather's limit)."""
+    return min(FUSED_MAX_TOKENS, _select_base()["chunk_tokens"])
+
+
+def fuse_gather_on() -> bool:
+    """``fuse_gather`` of :data:`SELECT_CONFIG` / ``KVCOMPRESS_DS_CONFIG`` (a bool; anything else is refused)."""
+    setting = _select_base()["fuse_gather"]
+    if not isinstance(setting, bool):
+        raise ValueError(f"KVCOMPRESS_DS_CONFIG: fuse_gather must be true or false, got {setting!r}")
+    return setting
+
+
 def select_gather_partial(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None,
                           k: torch.Tensor, v: torch.Tensor, kk: int, scale: float, group: int = 1,
                           softcap: float | None = None, config: dict | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """See :func:`.reference.select_gather_partial`.  One program per selection row computes the row's label keys,
     its exact top-``kk`` (the fused select's code, the same indices as :func:`select_topk`) and the attention of its
-    query rows over them (opt-in prototype, session 41: not used by the plugin yet; ``benchutil`` ops
-    ``ds*-fused``).  Where :func:`supports_select_gather` says no: :func:`select_topk`, then
+    query rows over them (session 41; a model's read takes it where :func:`fuses_gather` says so - opt-in;
+    ``benchutil`` ops ``ds*-fused``).  Where :func:`supports_select_gather` says no: :func:`select_topk`, then
     :func:`gather_partial_attention`.  ``index`` comes back as int32."""
     cfg = dict(_select_base(), **(config or {}))
     interp = search_interp(cfg["search"])
