@@ -355,6 +355,13 @@ case "${PART:-stages}" in
       '{}' '{"num_stages": 3}' '{"num_stages": 4}' '{"waves": 4}' '{"splits": 2}' '{"splits": 4}' '{"splits": 8}' \
       '{"splits": 16}'
     ;;
+  splits1)  # one split - no merge launch - for the same-bytes reads below 1x where a row has whole waves of heads
+    # (session 41's lanes4k swept 2-16 splits, never 1): the empty stack and low rank at Llama B16 / B64, where
+    # B x kv heads already fills whole waves (128 / 512 programs on 132 SMs)
+    ROUNDS=2 && sweep none KVCOMPRESS_LEANK_CONFIG none,lowrank \
+      "${S35_SHAPES:-llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:16:128k,llama3-8b:64:4k}" \
+      '{}' '{"splits": 1}'
+    ;;
   ds-tests)  # the DoubleSparse GPU tests alone (session 39: the fused select's candidate buffers are no longer zeroed -
     # its chunk and merge-level kernels write every slot; about 400 s cold, 8 xdist workers)
     export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-400} PS_XDIST=${PS_XDIST:-8}
@@ -371,6 +378,6 @@ case "${PART:-stages}" in
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, buffer-weight, ds-unroll, ds-fused, paged-pdl, ds-search, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, buffer-weight, ds-unroll, ds-fused, paged-pdl, splits1, ds-search, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
      exit 2 ;;
 esac
