@@ -430,8 +430,9 @@ class LabelTopK:
 
             self._index = select_topk(self.query, self.labels, self.channels, self.valid, self.k, impl=self.impl,
                                       group=self.group or 1)
-        index = self._index if self._index.dtype == torch.int64 else self._index.long()
-        return TokenSelection(index.unsqueeze(2), group=self.group)
+        if self._index.dtype != torch.int64:
+            self._index = self._index.long()
+        return TokenSelection(self._index.unsqueeze(2), group=self.group)
 
     def record(self, index: torch.Tensor) -> None:
         """Keep the indices ``[batch, rows, k]`` a fused read chose (int32 or int64), for :meth:`resolve`."""
