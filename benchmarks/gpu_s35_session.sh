@@ -355,6 +355,26 @@ case "${PART:-stages}" in
       '{}' '{"num_stages": 3}' '{"num_stages": 4}' '{"waves": 4}' '{"splits": 2}' '{"splits": 4}' '{"splits": 8}' \
       '{"splits": 16}'
     ;;
+  tp2|tp2-throughput)  # issue 18's bar on a TWO-GPU machine (kind nvidia-h100-x2 / nvidia-h200-x2): the Llama-3-8B
+    # shape split over 2 ranks (tensor parallelism; rank 0 writes the 16 GB of random weights to /tmp first, which a
+    # later call on the same warm machine reuses).  tp2: B8 / 32k, transformers StaticCache + compile against KIVI-2
+    # compiled (and replayed as kvcompress' CUDA graph); rows that would start after S35_TP_ROWS_S seconds are skipped.
+    # tp2-throughput: decode tokens/s at a fixed per-GPU KV budget (S35_KV_GIB, default 40 GiB per GPU), both.
+    # Not run yet: no two-GPU machine has been lent.  Each part wants a call of its own (a 32-layer compile is ~130 s).
+    mkdir -p "$OUT"
+    nvidia-smi -L > "$OUT/gpus.txt" 2>&1
+    [ "$(grep -c '^GPU' "$OUT/gpus.txt")" -ge 2 ] || { echo "$PART: needs 2 GPUs" >&2; exit 3; }
+    cd "$HERE/.." || exit 1
+    source "$HERE/gpu_site.sh"  # kvcompress installed under /tmp/site (PYTHONPATH), cd there
+    if [ "$PART" = tp2 ]; then
+      MODE=(--compile --no-eager --points "${S35_TP_POINTS:-8x32768}" --time-budget "${S35_TP_ROWS_S:-300}")
+    else
+      MODE=(--throughput --kv-gib "${S35_KV_GIB:-40}" --ctx 32768 --fill-rows 2)
+    fi
+    timeout "${S35_TP_S:-530}" python -m torch.distributed.run --standalone --nproc-per-node 2 -m kvcompress.cli \
+      bench --model-shape llama3-8b --random-weights --stack kivi2 "${MODE[@]}" \
+      --weights-dir /tmp/kvc-random-llama3-8b --json "$OUT/$PART.json" > "$OUT/$PART.log" 2>&1
+    ;;
   splits1)  # one split - no merge launch - for the same-bytes reads below 1x where a row has whole waves of heads
     # (session 41's lanes4k swept 2-16 splits, never 1): the empty stack and low rank at Llama B16 / B64, where
     # B x kv heads already fills whole waves (128 / 512 programs on 132 SMs)
@@ -378,6 +398,6 @@ case "${PART:-stages}" in
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, buffer-weight, ds-unroll, ds-fused, paged-pdl, splits1, ds-search, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, buffer-weight, ds-unroll, ds-fused, paged-pdl, splits1, tp2, tp2-throughput, ds-search, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
      exit 2 ;;
 esac

@@ -165,9 +165,6 @@ def _placement(args: argparse.Namespace) -> dict[str, Any]:
     if ranks > 1 and device_map is not None:
         raise ConfigError("--device-map", "omitted under a torchrun launch of several processes (the model is split "
                           f"over the {ranks} ranks by tensor parallelism)", device_map)
-    if ranks > 1 and getattr(args, "compile", False):
-        raise ConfigError("--compile", "omitted under a torchrun launch (compiled tensor-parallel decoding is not "
-                          "tested yet)", True)
     if ranks > 1:
         return {"tp_plan": "auto"}
     return {"device_map": device_map} if device_map is not None else {}
@@ -266,9 +263,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from .stack import load_stack
 
     _check_outputs(args, ("--json", args.json))
-    if (args.model_shape is not None or args.kernels) and (args.device_map is not None or _launched_ranks() > 1):
-        raise ConfigError("--model-shape" if args.model_shape is not None else "--kernels", "omitted with "
-                          "--device-map or under a torchrun launch (they load no model to place or split)", True)
+    if args.kernels and (args.device_map is not None or _launched_ranks() > 1):
+        raise ConfigError("--kernels", "omitted with --device-map or under a torchrun launch (it loads no model to "
+                          "place or split)", True)
+    if args.model_shape is not None and args.device_map is not None:
+        raise ConfigError("--device-map", "omitted with --model-shape (the random model is built on --device, or "
+                          "split over the ranks of a torchrun launch)", args.device_map)
+    if args.weights_dir is not None and (args.model_shape is None or _launched_ranks() < 2):
+        raise ConfigError("--weights-dir", "used with --model-shape under a torchrun launch of several processes "
+                          "(where rank 0 writes the random weights the ranks load)", args.weights_dir)
     if args.model_shape is not None:  # the end-to-end benchmark at a model shape (kvcompress/evaluation/e2e.py)
         from .evaluation import e2e
 
@@ -431,6 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "vocab 128256) or tiny (CPU smoke tests)")
     e2e_opts.add_argument("--random-weights", action="store_true", help="required with --model-shape: "
                           "the weights are random (speed and memory only; no quality)")
+    e2e_opts.add_argument("--weights-dir", default=None, metavar="DIR", help="under torchrun (the model split over "
+                          "the ranks by tensor parallelism): where rank 0 writes the random weights every rank loads "
+                          "its shard of, kept for later launches (default: a folder named after the shape, dtype and "
+                          "seed in the temp dir)")
     e2e_opts.add_argument("--points", default=None, metavar="BxCTX,...",
                           help="batch x context points (default 1x32768,8x16384)")
     e2e_opts.add_argument("--warmup", type=int, default=3, help="untimed decode steps before timing "

@@ -121,6 +121,13 @@ CLI_ARGS = ["generate", "a prompt long enough for a few pages of the cache " * 3
 STACK_NAMES = tuple(stacks({"mask": "", "basis": "", "channels": ""}))
 #: also run with a static cache (capacity preallocated): the ones whose static state differs most from the dynamic
 STATIC_STACKS = tuple(n for n in ("kivi2", "paged_eviction", "tova_layer", "snapkv") if n in STACK_NAMES)
+#: also decoded through a compiled step (llama): a quantizer, a read-time selection, pruned lanes under a quantizer,
+#: an evictor that reduces its page scores across the ranks
+COMPILED_STACKS = ("kivi2", "double_sparse", "leank+kivi4", "paged_eviction")
+#: `kvcompress bench --model-shape tiny` under the launch (and in one process, in the test)
+BENCH_ARGS = ["bench", "--model-shape", "tiny", "--random-weights", "--device", "cpu", "--dtype", "float32",
+              "--compile", "--no-eager", "--stack", "kivi2", "--points", "2x300", "--steps", "2", "--warmup", "2",
+              "--profile-steps", "0", "--quiet"]
 
 
 def _free_port() -> int:
@@ -136,7 +143,7 @@ def tp_run(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("tp")
     spec = {"seed": 0, "prompt": PROMPT, "steps": STEPS, "models": {}, "stacks": {}, "refused": {},
-            "static": list(STATIC_STACKS)}
+            "static": list(STATIC_STACKS), "compiled": {"llama": list(COMPILED_STACKS)}}
     files = {}
     for arch in ARCHS:
         model = tp_model(arch)
@@ -162,6 +169,8 @@ def tp_run(tmp_path_factory):
     stack_file = folder / "cli-stack.yaml"
     stack_file.write_text("compressors:\n  - paged_eviction: {budget: 48, block: 16}\n")
     spec["cli"] = CLI_ARGS + ["--model", str(folder / "cli-model"), "--stack", str(stack_file)]
+    spec["cli_compiled"] = spec["cli"] + ["--compile"]
+    spec["bench"] = BENCH_ARGS + ["--weights-dir", str(folder / "random-tiny"), "--json", str(folder / "bench.json")]
     cases = folder / "cases.json"
     cases.write_text(json.dumps(spec))
     out = folder / "out"
@@ -190,7 +199,9 @@ def tp_run(tmp_path_factory):
     for rank in range(2):
         logits.update(load_file(out / f"logits_rank{rank}.safetensors"))
         results.append(json.loads((out / f"results_rank{rank}.json").read_text()))
-    return {"logits": logits, "results": results, "files": files, "folders": spec["models"], "cli": spec["cli"]}
+    return {"logits": logits, "results": results, "files": files, "folders": spec["models"], "cli": spec["cli"],
+            "cli_compiled": spec["cli_compiled"],
+            "bench_json": folder / "bench.json", "weights": folder / "random-tiny"}
 
 
 def _native_abort(output: str) -> bool:
@@ -303,20 +314,22 @@ def test_calibration_file_for_another_model_is_refused(tp_run, arch):
         assert f"tensor-parallel rank {rank} of 2" in msg
 
 
-def test_cli_generate_under_torchrun_prints_on_rank_0_what_one_process_prints(tp_run, monkeypatch, capsys):
-    """``torchrun --nproc-per-node 2 -m kvcompress.cli generate ...``: the model is split over the ranks (tp_plan
-    auto), rank 0 prints the continuation and the memory report summed over the ranks, rank 1 prints nothing; the
-    continuation and the report's dense size are those of ``kvcompress generate`` in one process."""
+@pytest.mark.parametrize("run", ["cli", "cli_compiled"])
+def test_cli_generate_under_torchrun_prints_on_rank_0_what_one_process_prints(tp_run, monkeypatch, capsys, run):
+    """``torchrun --nproc-per-node 2 -m kvcompress.cli generate ...`` (and with ``--compile``: a static cache, the
+    decode steps compiled): the model is split over the ranks (tp_plan auto), rank 0 prints the continuation and the
+    memory report summed over the ranks, rank 1 prints nothing; the continuation and the report's dense size are
+    those of the same command in one process."""
     from kvcompress import cli
 
-    ranks = [r["cli"] for r in tp_run["results"]]
+    ranks = [r[run] for r in tp_run["results"]]
     assert [r["code"] for r in ranks] == [0, 0]
     assert ranks[1]["stdout"] == ""
     tp_out = ranks[0]["stdout"]
     assert "summed over 2 tensor-parallel ranks" in tp_out
     for name in ("WORLD_SIZE", "RANK"):
         monkeypatch.delenv(name, raising=False)
-    assert cli.main(tp_run["cli"]) == 0
+    assert cli.main(tp_run[run]) == 0
     single = capsys.readouterr().out
     text = lambda out: out.split("\nKV cache memory")[0]  # noqa: E731
     dense = lambda out: next(line for line in out.splitlines() if line.startswith("dense fp16"))  # noqa: E731
@@ -324,11 +337,61 @@ def test_cli_generate_under_torchrun_prints_on_rank_0_what_one_process_prints(tp
     assert dense(tp_out) == dense(single)
 
 
-def test_cli_refuses_device_map_with_a_model_shape(capsys):
+def test_cli_refuses_device_map_with_a_model_shape(capsys, monkeypatch):
     from kvcompress import cli
 
     code = cli.main(["bench", "--model-shape", "tiny", "--random-weights", "--device-map", "auto"])
-    assert code == 2 and "--model-shape: expected omitted with --device-map" in capsys.readouterr().err
+    assert code == 2 and "--device-map: expected omitted with --model-shape" in capsys.readouterr().err
+    for name in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    code = cli.main(["bench", "--model-shape", "tiny", "--random-weights", "--weights-dir", "w"])
+    assert code == 2 and "--weights-dir: expected used with --model-shape under a torchrun launch" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stack", COMPILED_STACKS)
+def test_compiled_decode_of_the_split_model_equals_eager_and_one_process(tp_run, stack):
+    """The static cache's decode steps compiled in one graph (fullgraph, aot_eager: the CPU's compiled decode, the
+    split model's collectives inside it) give the eager split model's logits, and those of the stack in one
+    process (the dynamic cache, 1e-4: the issue's bar)."""
+    key = f"llama/{stack}@compiled"
+    for results in tp_run["results"]:
+        entry = results[key]
+        assert "error" not in entry, entry.get("error")
+        assert 1 <= entry["graphs"] <= 2, entry  # the growing positions may recompile once, nothing else
+    compiled, eager = tp_run["logits"][f"tp/{key}"], tp_run["logits"][f"tp/{key}/eager"]
+    assert (compiled - eager).abs().max().item() <= 1e-5
+    assert (compiled - tp_run["logits"][f"ref/llama/{stack}"]).abs().max().item() <= TOL
+
+
+def test_bench_at_a_model_shape_under_torchrun_measures_each_ranks_share(tp_run, monkeypatch, tmp_path):
+    """``torchrun --nproc-per-node 2 -m kvcompress.cli bench --model-shape tiny --random-weights --compile ...``:
+    rank 0 builds the random weights and writes them, both ranks load their shard (tensor parallelism) and time the
+    compiled rows, rank 0 writes the JSON.  Each row holds one rank's share: transformers' StaticCache and the dense
+    size exactly half of the same bench in one process, KIVI-2's cache between half and all of it (the per-row
+    bookkeeping is on both ranks)."""
+    from kvcompress import cli
+
+    ranks = [r["bench"] for r in tp_run["results"]]
+    assert [r["code"] for r in ranks] == [0, 0] and ranks[1]["stdout"] == ""
+    assert (tp_run["weights"] / "kvcompress-random-weights.ready").exists()
+    tp = json.loads(tp_run["bench_json"].read_text())
+    for name in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    single_json = tmp_path / "single.json"
+    assert cli.main(BENCH_ARGS + ["--json", str(single_json)]) == 0
+    single = json.loads(single_json.read_text())
+    assert tp["model"]["tensor_parallel"] == 2 and single["model"]["tensor_parallel"] == 1
+    assert tp["model"]["kv_heads"] == single["model"]["kv_heads"] == 2
+    rows = {r["kind"]: r for r in tp["rows"]}
+    ones = {r["kind"]: r for r in single["rows"]}
+    assert set(rows) == set(ones) == {"static", "static-eager", "compiled"}
+    for kind, row in rows.items():
+        assert row["error"] is None, (kind, row["error"])
+        assert row["wall_ms"] > 0 and row["recompiles"] in (None, 0, 1)
+        assert row["dense_bytes"] * 2 == ones[kind]["dense_bytes"]
+    assert rows["static"]["cache_bytes"] * 2 == ones["static"]["cache_bytes"]
+    assert ones["compiled"]["cache_bytes"] / 2 < rows["compiled"]["cache_bytes"] < ones["compiled"]["cache_bytes"]
 
 
 # ----------------------------------------------------------------------------- placement over devices

@@ -22,14 +22,17 @@ import traceback
 import torch
 
 
-def run_case(model, stack, prompt, steps, static=False):
+def run_case(model, stack, prompt, steps, static=False, compiled=False):
     """Prefill, then one step per token of ``steps``; ``static``: a cache with a capacity (the graph-capturable
-    static cache, run eagerly), positions passed explicitly as transformers' compiled decode does."""
+    static cache, run eagerly), positions passed explicitly as transformers' compiled decode does; ``compiled``: the
+    static cache's decode steps through ``torch.compile(fullgraph=True, backend="aot_eager")`` (the CPU's compiled
+    decode; the collectives of the split model inside the graph)."""
     import kvcompress
     from kvcompress.adapters import hf
 
     kw = hf.cache_kwarg(model)
     n = prompt.shape[1]
+    static = static or compiled
     extra = {"max_cache_len": n + steps.shape[1] + 1, "max_batch_size": prompt.shape[0]} if static else {}
 
     def pos(a, b):
@@ -37,10 +40,11 @@ def run_case(model, stack, prompt, steps, static=False):
             else {}
 
     with kvcompress.compress(model, stack, **extra) as cache, torch.no_grad():
+        step = torch.compile(model.forward, backend="aot_eager", fullgraph=True) if compiled else model.forward
         out = model(input_ids=prompt, **{kw: cache}, **pos(0, n))
         logits = [out.logits[:, -1].float()]
         for t in range(steps.shape[1]):
-            out = model(input_ids=steps[:, t:t + 1], **{kw: cache}, **pos(n + t, n + t + 1))
+            out = step(input_ids=steps[:, t:t + 1], **{kw: cache}, **pos(n + t, n + t + 1))
             logits.append(out.logits[:, -1].float())
         return torch.stack(logits, 1).contiguous(), cache
 
@@ -101,6 +105,23 @@ def main() -> int:
             except Exception as exc:
                 entry["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"
             entry["seconds"] = time.perf_counter() - start
+        for stack_name in spec.get("compiled", {}).get(model_name, []):  # compiled decode steps under the split
+            key = f"{model_name}/{stack_name}@compiled"
+            entry = results[key] = {}
+            start = time.perf_counter()
+            try:
+                torch._dynamo.reset()
+                torch._dynamo.utils.counters.clear()  # (reset keeps the counters: graphs of this stack only)
+                stack = spec["stacks"][model_name][stack_name]
+                eager, _ = run_case(tp, stack, prompt, steps, static=True)
+                compiled, _ = run_case(tp, stack, prompt, steps, compiled=True)
+                entry["graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+                if rank == 0:
+                    tensors[f"tp/{key}"], tensors[f"tp/{key}/eager"] = compiled, eager
+            except Exception as exc:
+                entry["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"
+            torch._dynamo.reset()
+            entry["seconds"] = time.perf_counter() - start
         # the single-process references, half on each rank (both cores busy, no collective in between)
         for stack_name, stack in spec["stacks"][model_name].items():
             key = f"{model_name}/{stack_name}"
@@ -140,10 +161,21 @@ def main() -> int:
 
         from kvcompress import cli
 
+        for name in ("cli", "cli_compiled"):
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                code = cli.main(spec[name])
+            results[name] = {"code": code, "stdout": out.getvalue()}
+    if spec.get("bench"):  # `kvcompress bench --model-shape` under this launch: random weights split over the ranks
+        import contextlib
+        import io
+
+        from kvcompress import cli
+
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            code = cli.main(spec["cli"])
-        results["cli"] = {"code": code, "stdout": out.getvalue()}
+            code = cli.main(spec["bench"])
+        results["bench"] = {"code": code, "stdout": out.getvalue()}
     save_file(tensors, os.path.join(out_dir, f"logits_rank{rank}.safetensors"))
     with open(os.path.join(out_dir, f"results_rank{rank}.json"), "w") as fh:
         json.dump(results, fh, indent=1)

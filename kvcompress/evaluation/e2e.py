@@ -212,6 +212,60 @@ def random_model(shape: str, device: Any = "cuda", dtype: torch.dtype = torch.bf
     return hf.random_llama({**SHAPES[shape], **overrides}, f"random-{shape}", device, dtype, seed)
 
 
+#: ``READY`` in a folder of random weights: rank 0 finished writing them (:func:`tp_random_model`)
+READY = "kvcompress-random-weights.ready"
+
+
+def launched_ranks() -> int:
+    """Processes of a ``torchrun`` launch (``WORLD_SIZE``; 1 when not launched by torchrun)."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def tp_random_model(shape: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0, folder: str | None = None,
+                    **overrides: Any) -> Any:
+    """Under a ``torchrun`` launch of several processes: :func:`random_model`'s model split over the ranks by
+    transformers' tensor parallelism (``from_pretrained(folder, tp_plan="auto")``).
+
+    transformers splits a model as it loads a checkpoint, so rank 0 builds the random weights on its device and
+    writes them to ``folder`` (safetensors; default ``<temp dir>/kvcompress-random-<shape>-<dtype>-seed<seed>``);
+    a later launch with the same folder loads them again without building (the folder holds :data:`READY` once
+    they are complete: 16 GB at the Llama-3-8B shape in bf16).  The ranks wait for rank 0, then each loads its
+    shard.  The process group is set up here when the launch has none yet (NCCL with CUDA, else gloo)."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    if not dist.is_initialized():
+        if cuda:
+            torch.cuda.set_device(local)
+        dist.init_process_group("nccl" if cuda else "gloo")
+    dtype_name = str(dtype).replace("torch.", "")
+    folder = folder or os.path.join(tempfile.gettempdir(), f"kvcompress-random-{shape}-{dtype_name}-seed{seed}")
+    if dist.get_rank() == 0 and not os.path.exists(os.path.join(folder, READY)):
+        model = random_model(shape, f"cuda:{local}" if cuda else "cpu", dtype, seed, **overrides)
+        model.save_pretrained(folder)
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
+        Path(folder, READY).write_text(f"{shape} {dtype_name} seed {seed} {overrides}\n")
+    dist.barrier()
+    model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=dtype)
+    model.eval().requires_grad_(False)
+    model.config._name_or_path = f"random-{shape}"
+    model.generation_config.eos_token_id = None
+    return model
+
+
 def describe_model(model: Any) -> dict[str, Any]:
     c = model.config
     return {"name": getattr(c, "_name_or_path", "") or type(model).__name__, "layers": c.num_hidden_layers,
@@ -219,13 +273,19 @@ def describe_model(model: Any) -> dict[str, Any]:
             "kv_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
             "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
             "intermediate": getattr(c, "intermediate_size", None), "vocab": c.vocab_size,
-            "parameters": sum(p.numel() for p in model.parameters())}
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "tensor_parallel": getattr(model, "_tp_size", None) or 1}
 
 
 def dense_bytes_per_token(model: Any) -> int:
-    """Bytes of one token of the uncompressed cache in the model's dtype (keys and values, every layer)."""
+    """Bytes of one token of the uncompressed cache in the model's dtype (keys and values, every layer) that this
+    process holds: under tensor parallelism its rank's KV heads."""
+    from ..adapters import hf
+
     d = describe_model(model)
-    return d["layers"] * d["kv_heads"] * d["head_dim"] * 2 * next(model.parameters()).element_size()
+    shard = hf.head_shard(model)
+    heads = shard.local_kv_heads if shard is not None else d["kv_heads"]
+    return d["layers"] * heads * d["head_dim"] * 2 * next(model.parameters()).element_size()
 
 
 # ----------------------------------------------------------------------------- one row
@@ -771,8 +831,11 @@ class E2EResult:
 
     def title(self) -> str:
         s, e = self.settings, self.env
+        tp = self.model.get("tensor_parallel", 1)
+        split = (f", split over {tp} tensor-parallel ranks: times of rank 0, bytes and budgets per rank" if tp > 1
+                 else "")
         what = (f"{s['shape']} ({self.model['layers']} layers, {self.model['q_heads']}/{self.model['kv_heads']} "
-                f"heads x {self.model['head_dim']}, random {s['dtype']} weights)")
+                f"heads x {self.model['head_dim']}, random {s['dtype']} weights{split})")
         where = f"{e.get('gpu') or e.get('cpu')}, torch {e.get('torch')}, transformers {e.get('transformers')}, {e.get('date')}"
         if self.mode == "throughput":
             fill = (f" ({s['fill_rows']} distinct prompts prefilled, their cache rows repeated over the batch)"
@@ -987,13 +1050,19 @@ def main_from_args(args: Any, device: str) -> int:
     dtype = getattr(torch, args.dtype)
     progress = not args.quiet
     t0 = time.perf_counter()
-    model = random_model(args.model_shape, device, dtype, args.seed)
-    _log(f"built {args.model_shape} with random {args.dtype} weights on {device} in {time.perf_counter() - t0:.1f} s",
+    ranks = launched_ranks()
+    if ranks > 1:  # torchrun: the model split over the ranks (tensor parallelism), each rank measuring its share
+        model = tp_random_model(args.model_shape, dtype, args.seed, getattr(args, "weights_dir", None))
+        where = f"split over {ranks} ranks (tensor parallelism)"
+    else:
+        model = random_model(args.model_shape, device, dtype, args.seed)
+        where = f"on {device}"
+    _log(f"built {args.model_shape} with random {args.dtype} weights {where} in {time.perf_counter() - t0:.1f} s",
          progress)
     stacks = resolve_stacks(args.stack, model)
 
     def write(result: E2EResult) -> None:
-        if args.json:
+        if args.json and _is_rank0():  # under torchrun rank 0 writes
             tmp = f"{args.json}.tmp"
             with open(tmp, "w", encoding="utf-8") as fh:
                 json.dump(result.to_dict(), fh, indent=1)
