@@ -103,7 +103,9 @@
 # PARTS="ds-unroll ds-fused paged-pdl" (about 150 + 120 + 100 s: the unroll rule's GPU tests and two rounds against
 # unroll 4; the one-kernel DoubleSparse select + gather against the two kernels - the model takes it with
 # KVCOMPRESS_DS_CONFIG='{"fuse_gather": true}' since session 42, and the grid's ds ops follow that setting; the paged
-# kernel's opt-in PDL merge, never timed), then on an H200 grid-full for the README count.
+# kernel's opt-in PDL merge, never timed), then PART=splits1 (about 60 s: one split at Llama B16 / B64 for the empty
+# stack and low rank), then on an H200 grid-full for the README count.  On a two-GPU machine: PART=tp2, then
+# PART=tp2-throughput, one call each (issue 18's bar).
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
