@@ -103,7 +103,8 @@
 # PARTS="ds-unroll ds-fused paged-pdl" (about 150 + 120 + 100 s: the unroll rule's GPU tests and two rounds against
 # unroll 4; the one-kernel DoubleSparse select + gather against the two kernels - the model takes it with
 # KVCOMPRESS_DS_CONFIG='{"fuse_gather": true}' since session 42, and the grid's ds ops follow that setting; the paged
-# kernel's opt-in PDL merge, never timed), then PART=splits1 (about 60 s: one split at Llama B16 / B64 for the empty
+# kernel's opt-in PDL merge, never timed), PART=ds-fused-model if ds-fused shows the one kernel faster (whole decode
+# steps with it, about 340 s), then PART=splits1 (about 60 s: one split at Llama B16 / B64 for the empty
 # stack and low rank), then on an H200 grid-full for the README count.  On a two-GPU machine: PART=tp2, then
 # PART=tp2-throughput, one call each (issue 18's bar).
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
@@ -357,6 +358,18 @@ case "${PART:-stages}" in
       '{}' '{"num_stages": 3}' '{"num_stages": 4}' '{"waves": 4}' '{"splits": 2}' '{"splits": 4}' '{"splits": 8}' \
       '{"splits": 16}'
     ;;
+  ds-fused-model)  # whole decode steps (GraphStep rows, Llama-3-8B shape, B1 / 4k): DoubleSparse 1024 tokens
+    # group-shared (30 sparse layers) through the one-kernel select + gather against the two kernels - what the model
+    # gains from the read's launches, wall and GPU-busy time per step (about 2 x 170 s: one 32-layer compile each)
+    cd "$HERE/.." || exit 1
+    source "$HERE/gpu_site.sh"
+    for cfg in '{}' '{"fuse_gather": true}'; do
+      tag=$([ "$cfg" = '{}' ] && echo two_kernels || echo one_kernel)
+      KVCOMPRESS_DS_CONFIG=$cfg timeout "${S35_ROWS_S:-240}" python "$SRC/benchmarks/gpu_graph_rows.py" --kind graph \
+        --stack ds-shared-random-1024 --points "${S35_POINTS:-1x4096}" --out "$OUT/$tag" 2>&1 \
+        | grep -E '^\{|Error' | cut -c1-420 | tee -a "$OUT/log.txt"
+    done
+    ;;
   tp2|tp2-throughput)  # issue 18's bar on a TWO-GPU machine (kind nvidia-h100-x2 / nvidia-h200-x2): the Llama-3-8B
     # shape split over 2 ranks (tensor parallelism; rank 0 writes the 16 GB of random weights to /tmp first, which a
     # later call on the same warm machine reuses).  tp2: B8 / 32k, transformers StaticCache + compile against KIVI-2
@@ -400,6 +413,6 @@ case "${PART:-stages}" in
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, buffer-weight, ds-unroll, ds-fused, paged-pdl, splits1, tp2, tp2-throughput, ds-search, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, buffer-weight, ds-unroll, ds-fused, ds-fused-model, paged-pdl, splits1, tp2, tp2-throughput, ds-search, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
      exit 2 ;;
 esac
