@@ -153,8 +153,9 @@ def _prompt_inputs(tokenizer: Any, args: argparse.Namespace, config: Any) -> Any
 
 
 def _launched_ranks() -> int:
-    """Processes of a ``torchrun`` launch (``WORLD_SIZE``; 1 when not launched by torchrun)."""
-    return max(1, _torchrun_env("WORLD_SIZE", 1))
+    from .distributed import launched_ranks
+
+    return launched_ranks()
 
 
 def _placement(args: argparse.Namespace) -> dict[str, Any]:
@@ -485,19 +486,11 @@ def _show_warning(message, category, filename, lineno, file=None, line=None, _de
         _default(message, category, filename, lineno, file, line)
 
 
-def _torchrun_env(name: str, default: int) -> int:
-    """An integer torchrun sets in the environment (``RANK``, ``WORLD_SIZE``), ``default`` when absent or invalid."""
-    import os
-
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
-
-
 def _rank() -> int:
     """This process' rank in a torchrun launch (0 when not launched by torchrun)."""
-    return _torchrun_env("RANK", 0)
+    from .distributed import torchrun_env
+
+    return torchrun_env("RANK", 0)
 
 
 _PLACEMENT_HELP = ("place the model's layers over the available devices (transformers' device_map='auto'); each "

@@ -79,6 +79,21 @@ class HeadShard:
         return funcol.all_reduce(tensor, "sum", self.group if self.group is not None else _world())
 
 
+def torchrun_env(name: str, default: int) -> int:
+    """An integer torchrun sets in the environment (``RANK``, ``WORLD_SIZE``), ``default`` when absent or invalid."""
+    import os
+
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def launched_ranks() -> int:
+    """Processes of a ``torchrun`` launch (``WORLD_SIZE``; 1 when not launched by torchrun)."""
+    return max(1, torchrun_env("WORLD_SIZE", 1))
+
+
 def _world() -> Any:
     import torch.distributed as dist
 

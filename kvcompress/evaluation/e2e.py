@@ -216,14 +216,6 @@ def random_model(shape: str, device: Any = "cuda", dtype: torch.dtype = torch.bf
 READY = "kvcompress-random-weights.ready"
 
 
-def launched_ranks() -> int:
-    """Processes of a ``torchrun`` launch (``WORLD_SIZE``; 1 when not launched by torchrun)."""
-    try:
-        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
-
-
 def _is_rank0() -> bool:
     import torch.distributed as dist
 
@@ -1050,6 +1042,8 @@ def main_from_args(args: Any, device: str) -> int:
     dtype = getattr(torch, args.dtype)
     progress = not args.quiet
     t0 = time.perf_counter()
+    from ..distributed import launched_ranks
+
     ranks = launched_ranks()
     if ranks > 1:  # torchrun: the model split over the ranks (tensor parallelism), each rank measuring its share
         model = tp_random_model(args.model_shape, dtype, args.seed, getattr(args, "weights_dir", None))
