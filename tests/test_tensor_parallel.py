@@ -127,6 +127,10 @@ COMPILED_STACKS = STACK_NAMES
 BENCH_ARGS = ["bench", "--model-shape", "tiny", "--random-weights", "--device", "cpu", "--dtype", "float32",
               "--compile", "--no-eager", "--stack", "kivi2", "--points", "2x300", "--steps", "2", "--warmup", "2",
               "--profile-steps", "0", "--quiet"]
+#: the same in throughput mode: the largest batch whose cache fits a KV budget (per rank under torchrun), tokens/s
+THROUGHPUT_ARGS = ["bench", "--model-shape", "tiny", "--random-weights", "--device", "cpu", "--dtype", "float32",
+                   "--throughput", "--kv-gib", "0.001", "--ctx", "300", "--fill-rows", "2", "--steps", "2", "--warmup",
+                   "2", "--stack", "kivi2", "--quiet"]
 
 
 def _free_port() -> int:
@@ -170,6 +174,8 @@ def tp_run(tmp_path_factory):
     spec["cli"] = CLI_ARGS + ["--model", str(folder / "cli-model"), "--stack", str(stack_file)]
     spec["cli_compiled"] = spec["cli"] + ["--compile"]
     spec["bench"] = BENCH_ARGS + ["--weights-dir", str(folder / "random-tiny"), "--json", str(folder / "bench.json")]
+    spec["bench_throughput"] = THROUGHPUT_ARGS + ["--weights-dir", str(folder / "random-tiny"), "--json",
+                                                  str(folder / "throughput.json")]
     cases = folder / "cases.json"
     cases.write_text(json.dumps(spec))
     out = folder / "out"
@@ -200,7 +206,8 @@ def tp_run(tmp_path_factory):
         results.append(json.loads((out / f"results_rank{rank}.json").read_text()))
     return {"logits": logits, "results": results, "files": files, "folders": spec["models"], "cli": spec["cli"],
             "cli_compiled": spec["cli_compiled"],
-            "bench_json": folder / "bench.json", "weights": folder / "random-tiny"}
+            "bench_json": folder / "bench.json", "throughput_json": folder / "throughput.json",
+            "weights": folder / "random-tiny"}
 
 
 def _native_abort(output: str) -> bool:
@@ -391,6 +398,34 @@ def test_bench_at_a_model_shape_under_torchrun_measures_each_ranks_share(tp_run,
         assert row["dense_bytes"] * 2 == ones[kind]["dense_bytes"]
     assert rows["static"]["cache_bytes"] * 2 == ones["static"]["cache_bytes"]
     assert ones["compiled"]["cache_bytes"] / 2 < rows["compiled"]["cache_bytes"] < ones["compiled"]["cache_bytes"]
+
+
+def test_bench_throughput_under_torchrun_fits_the_budget_per_rank(tp_run, monkeypatch, tmp_path):
+    """``bench --model-shape tiny --random-weights --throughput --kv-gib G`` under torchrun (the weights written by
+    the latency bench of the same launch are loaded again, not rebuilt): the budget is per rank, so each rank holds
+    half of a sequence's StaticCache bytes and fits about twice one process' batch in the same G; both rows decode
+    that batch within the budget."""
+    from kvcompress import cli
+
+    ranks = [r["bench_throughput"] for r in tp_run["results"]]
+    assert [r["code"] for r in ranks] == [0, 0] and ranks[1]["stdout"] == ""
+    tp = json.loads(tp_run["throughput_json"].read_text())
+    for name in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    single_json = tmp_path / "single.json"
+    assert cli.main(THROUGHPUT_ARGS + ["--json", str(single_json)]) == 0
+    single = json.loads(single_json.read_text())
+    budget = 0.001 * 2 ** 30
+    rows = {r["kind"]: r for r in tp["rows"]}
+    ones = {r["kind"]: r for r in single["rows"]}
+    assert set(rows) == set(ones) == {"static", "compiled"}
+    for kind, row in rows.items():
+        assert row["error"] is None, (kind, row["error"])
+        assert row["batch"] >= 1 and row["decode_tok_s"] > 0
+        assert row["cache_bytes"] <= budget, (kind, row["cache_bytes"], budget)
+        assert row["batch"] >= ones[kind]["batch"]
+    assert rows["static"]["bytes_per_seq"] * 2 == ones["static"]["bytes_per_seq"]
+    assert rows["static"]["batch"] in (2 * ones["static"]["batch"], 2 * ones["static"]["batch"] + 1)
 
 
 # ----------------------------------------------------------------------------- placement over devices

@@ -166,7 +166,9 @@ def main() -> int:
             with contextlib.redirect_stdout(out):
                 code = cli.main(spec[name])
             results[name] = {"code": code, "stdout": out.getvalue()}
-    if spec.get("bench"):  # `kvcompress bench --model-shape` under this launch: random weights split over the ranks
+    for name in ("bench", "bench_throughput"):  # `kvcompress bench --model-shape` under this launch: random weights
+        if not spec.get(name):  # split over the ranks (latency rows; tokens/s at a KV budget per rank)
+            continue
         import contextlib
         import io
 
@@ -174,8 +176,8 @@ def main() -> int:
 
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            code = cli.main(spec["bench"])
-        results["bench"] = {"code": code, "stdout": out.getvalue()}
+            code = cli.main(spec[name])
+        results[name] = {"code": code, "stdout": out.getvalue()}
     save_file(tensors, os.path.join(out_dir, f"logits_rank{rank}.safetensors"))
     with open(os.path.join(out_dir, f"results_rank{rank}.json"), "w") as fh:
         json.dump(results, fh, indent=1)
