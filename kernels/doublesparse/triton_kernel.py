@@ -909,6 +909,22 @@ def _normalised(acc, m_i, l_i):
 
 
 @triton.jit
+def _query_rows(q_base, sq_m, rows, D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+                MP: tl.constexpr):
+    """The ``rows`` query rows ``sq_m`` apart from ``q_base`` as an ``[MP, DP]`` tile (zero padded), with what a
+    :func:`_dot_gather` needs beside it: ``(q, offs_m, m_ok, offs_d, d_ok, offs_v, v_ok)``."""
+    offs_m = tl.arange(0, MP)
+    offs_d = tl.arange(0, DP)
+    offs_v = tl.arange(0, DVP)
+    m_ok = offs_m < rows
+    d_ok = offs_d < D
+    v_ok = offs_v < DV
+    q = tl.load(q_base + offs_m[:, None].to(tl.int64) * sq_m + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :],
+                other=0.0)
+    return q, offs_m, m_ok, offs_d, d_ok, offs_v, v_ok
+
+
+@triton.jit
 def _gather_shared_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_h, sv_t, VA, sva_b,
                           IDX, si_b, si_h, PO, PL, HKV, M, NK, per_split, qk_scale, cap,
                           MP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
@@ -923,14 +939,7 @@ def _gather_shared_kernel(Q, sq_b, sq_h, sq_m, K, sk_b, sk_h, sk_t, V, sv_b, sv_
     pid_s = tl.program_id(1)
     h = (pid_bh % HKV).to(tl.int64)
     b = (pid_bh // HKV).to(tl.int64)
-    offs_m = tl.arange(0, MP)
-    offs_d = tl.arange(0, DP)
-    offs_v = tl.arange(0, DVP)
-    m_ok = offs_m < M
-    d_ok = offs_d < D
-    v_ok = offs_v < DV
-    q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None].to(tl.int64) * sq_m + offs_d[None, :],
-                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    q, offs_m, m_ok, offs_d, d_ok, offs_v, v_ok = _query_rows(Q + b * sq_b + h * sq_h, sq_m, M, D, DP, DV, DVP, MP)
     start = pid_s * per_split
     end = tl.minimum(start + per_split, NK)
     acc, m_i, l_i = _dot_gather(q, K + b * sk_b + h * sk_h, sk_t, V + b * sv_b + h * sv_h, sv_t,
@@ -1004,14 +1013,8 @@ def _select_gather_kernel(Q, sq_b, sq_h, sq_g, CH, sch_h, L, sl_b, sl_h, sl_c, S
     row = pid.to(tl.int64) * KK
     tl.store(IDX + row + slot, offs, mask=chosen)
     tl.debug_barrier()  # every thread's indices stored before any thread reads them
-    offs_m = tl.arange(0, MP)
-    offs_d = tl.arange(0, DP)
-    offs_v = tl.arange(0, DVP)
-    m_ok = offs_m < GROUP
-    d_ok = offs_d < D
-    v_ok = offs_v < DV
-    q = tl.load(Q + b * sq_b + hq * sq_h + offs_m[:, None].to(tl.int64) * sq_g + offs_d[None, :],
-                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    q, offs_m, m_ok, offs_d, d_ok, offs_v, v_ok = _query_rows(Q + b * sq_b + hq * sq_h, sq_g, GROUP, D, DP, DV, DVP,
+                                                              MP)
     acc, m_i, l_i = _dot_gather(q, K + b * sk_b + h * sk_h, sk_t, V + b * sv_b + h * sv_h, sv_t, IDX + row, VA, b,
                                 sva_b, 0, KK, qk_scale, cap, offs_d, d_ok, offs_v, v_ok, MP, DVP, HAS_VALID, BK, IEEE,
                                 SOFTCAP)
