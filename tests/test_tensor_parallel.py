@@ -206,7 +206,7 @@ def tp_run(tmp_path_factory):
         results.append(json.loads((out / f"results_rank{rank}.json").read_text()))
     return {"logits": logits, "results": results, "files": files, "folders": spec["models"], "cli": spec["cli"],
             "cli_compiled": spec["cli_compiled"],
-            "bench_json": folder / "bench.json", "throughput_json": folder / "throughput.json",
+            "bench_json": {"bench": folder / "bench.json", "bench_throughput": folder / "throughput.json"},
             "weights": folder / "random-tiny"}
 
 
@@ -370,23 +370,29 @@ def test_compiled_decode_of_the_split_model_equals_eager_and_one_process(tp_run,
     assert (compiled - tp_run["logits"][f"ref/llama/{stack}"]).abs().max().item() <= TOL
 
 
+def _bench_under_torchrun_and_alone(tp_run, name: str, args: list, monkeypatch, tmp_path) -> tuple[dict, dict]:
+    """The JSON rank 0 wrote for the launch's bench ``name`` (both ranks exited 0, rank 1 printed nothing), and the
+    JSON of the same bench ``args`` in this process."""
+    from kvcompress import cli
+
+    ranks = [r[name] for r in tp_run["results"]]
+    assert [r["code"] for r in ranks] == [0, 0] and ranks[1]["stdout"] == ""
+    tp = json.loads(tp_run["bench_json"][name].read_text())
+    for env in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(env, raising=False)
+    single_json = tmp_path / "single.json"
+    assert cli.main(args + ["--json", str(single_json)]) == 0
+    return tp, json.loads(single_json.read_text())
+
+
 def test_bench_at_a_model_shape_under_torchrun_measures_each_ranks_share(tp_run, monkeypatch, tmp_path):
     """``torchrun --nproc-per-node 2 -m kvcompress.cli bench --model-shape tiny --random-weights --compile ...``:
     rank 0 builds the random weights and writes them, both ranks load their shard (tensor parallelism) and time the
     compiled rows, rank 0 writes the JSON.  Each row holds one rank's share: transformers' StaticCache and the dense
     size exactly half of the same bench in one process, KIVI-2's cache between half and all of it (the per-row
     bookkeeping is on both ranks)."""
-    from kvcompress import cli
-
-    ranks = [r["bench"] for r in tp_run["results"]]
-    assert [r["code"] for r in ranks] == [0, 0] and ranks[1]["stdout"] == ""
     assert (tp_run["weights"] / "kvcompress-random-weights.ready").exists()
-    tp = json.loads(tp_run["bench_json"].read_text())
-    for name in ("WORLD_SIZE", "RANK"):
-        monkeypatch.delenv(name, raising=False)
-    single_json = tmp_path / "single.json"
-    assert cli.main(BENCH_ARGS + ["--json", str(single_json)]) == 0
-    single = json.loads(single_json.read_text())
+    tp, single = _bench_under_torchrun_and_alone(tp_run, "bench", BENCH_ARGS, monkeypatch, tmp_path)
     assert tp["model"]["tensor_parallel"] == 2 and single["model"]["tensor_parallel"] == 1
     assert tp["model"]["kv_heads"] == single["model"]["kv_heads"] == 2
     rows = {r["kind"]: r for r in tp["rows"]}
@@ -405,16 +411,7 @@ def test_bench_throughput_under_torchrun_fits_the_budget_per_rank(tp_run, monkey
     the latency bench of the same launch are loaded again, not rebuilt): the budget is per rank, so each rank holds
     half of a sequence's StaticCache bytes and fits about twice one process' batch in the same G; both rows decode
     that batch within the budget."""
-    from kvcompress import cli
-
-    ranks = [r["bench_throughput"] for r in tp_run["results"]]
-    assert [r["code"] for r in ranks] == [0, 0] and ranks[1]["stdout"] == ""
-    tp = json.loads(tp_run["throughput_json"].read_text())
-    for name in ("WORLD_SIZE", "RANK"):
-        monkeypatch.delenv(name, raising=False)
-    single_json = tmp_path / "single.json"
-    assert cli.main(THROUGHPUT_ARGS + ["--json", str(single_json)]) == 0
-    single = json.loads(single_json.read_text())
+    tp, single = _bench_under_torchrun_and_alone(tp_run, "bench_throughput", THROUGHPUT_ARGS, monkeypatch, tmp_path)
     budget = 0.001 * 2 ** 30
     rows = {r["kind"]: r for r in tp["rows"]}
     ones = {r["kind"]: r for r in single["rows"]}
