@@ -397,6 +397,20 @@ case "${PART:-stages}" in
       "${S35_SHAPES:-llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:16:128k,llama3-8b:64:4k}" \
       '{}' '{"splits": 1}'
     ;;
+  rules43-ds)  # session 43's fuse rule (fuse_gather null: the one-kernel DoubleSparse read for k <= 256, or k <= 512
+    # over more programs than a quarter of the SMs) against the two kernels ({"fuse_gather": false}); the GPU tests
+    # of the one-kernel read in CUDA graphs first
+    export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-200} PS_XDIST=${PS_XDIST:-4}
+    ROUNDS=1 && sweep "tests/test_graph_step.py::test_cuda_graph_replays_the_one_kernel_double_sparse_read" \
+      KVCOMPRESS_DS_CONFIG ds8,ds16,ds8-shared,ds16-shared \
+      "${S35_SHAPES:-smollm2-135m:1:4k,smollm2-135m:16:4k,llama3-8b:1:4k,llama3-8b:4:4k}" '{}' '{"fuse_gather": false}'
+    ;;
+  rules43-none)  # session 43's one-split rule (one_split_tokens 4096: full-width Llama reads filling the SMs) against
+    # the rules before it ({"one_split_tokens": 0}); its GPU test first
+    export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-200} PS_XDIST=${PS_XDIST:-2}
+    ROUNDS=1 && sweep "tests/test_leank_kernel.py::test_one_split_read_on_gpu" KVCOMPRESS_LEANK_CONFIG none \
+      "${S35_SHAPES:-llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:4k,llama3-8b:4:4k}" '{}' '{"one_split_tokens": 0}'
+    ;;
   ds-tests)  # the DoubleSparse GPU tests alone (session 39: the fused select's candidate buffers are no longer zeroed -
     # its chunk and merge-level kernels write every slot; about 400 s cold, 8 xdist workers)
     export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-400} PS_XDIST=${PS_XDIST:-8}
@@ -413,6 +427,6 @@ case "${PART:-stages}" in
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, buffer-weight, ds-unroll, ds-fused, ds-fused-model, paged-pdl, splits1, tp2, tp2-throughput, ds-search, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, buffer-weight, ds-unroll, ds-fused, ds-fused-model, paged-pdl, splits1, rules43-ds, rules43-none, tp2, tp2-throughput, ds-search, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
      exit 2 ;;
 esac

@@ -27,8 +27,9 @@ Ops (``--ops``, default :data:`ALL_OPS`):
 * ``leank50`` / ``leank70``: the grouped LeanK lanes kernel over a pruned middle of ``ctx - 1024`` tokens (kept
   channels per head :data:`LEANK_COUNTS`) plus the 1024 full-precision sink + window tokens, one launch;
 * ``ds8`` / ``ds16`` (``-shared``): one DoubleSparse decode read (fused label scoring + exact top-k of ctx/8 or
-  ctx/16 tokens per query head, or per kv head when shared, + gather attention); the extra ops ``ds8-fused`` ...
-  ``ds16-shared-fused``: the same read in one kernel (``select_gather_partial``, a prototype);
+  ctx/16 tokens per query head, or per kv head when shared, + gather attention; the select and the gather in one
+  kernel where a model's read takes it: ``fuse_rule``); the extra ops ``ds8-fused`` ... ``ds16-shared-fused``: always
+  the one kernel (``select_gather_partial``);
 * ``none``, ``kivi2-static``, ``leank70-kivi2``, ``lowrank``: the decode read of a **static cache** (``Cache(..., max_cache_len=ctx +
   128)``) of that stack holding ``ctx`` tokens - exactly ``StaticLayer._read``, what a decode step runs after
   writing its token: the sinks + recent-window buffer and the middle store's segments, each read by the op the
@@ -840,8 +841,8 @@ def _bench_leank(c: _Case, ratio: int) -> None:
 def _bench_doublesparse(c: _Case, frac: int, shared: bool, fused: bool = False) -> None:
     """``ds8`` / ``ds16`` (``-shared``: group-shared selection): fused label scores + top-k (16 fp16 label channels;
     ctx/8 or ctx/16 tokens per query head, or per kv head) + gather attention, or the two in one kernel where a
-    model's read takes it (``fuse_gather`` in ``KVCOMPRESS_DS_CONFIG``, off by default); ``-fused``: always the one
-    kernel (``select_gather_partial``) where it runs."""
+    model's read takes it (``fuse_gather`` in ``KVCOMPRESS_DS_CONFIG``, else its rule ``fuse_rule``); ``-fused``:
+    always the one kernel (``select_gather_partial``) where it runs."""
     from .doublesparse.bench import ds_decode, ds_inputs, ds_read_bytes
 
     name = f"ds{frac}" + ("-shared" if shared else "") + ("-fused" if fused else "")

@@ -1146,7 +1146,7 @@ _FACTS = {
     "select_topk": {"label_bits", "label_channels", "query_dtype", "label_dtype"},
     "gather_partial": {"head_dim", "v_dim", "dtype", "query_dtype"},
     "select_gather": {"label_bits", "label_channels", "label_dtype", "head_dim", "v_dim", "dtype", "query_dtype",
-                      "tokens", "k"},
+                      "tokens", "k", "rows"},
     "kivi_quantize": {"bits", "group", "v_group", "head_dim", "v_dim", "k_per_token", "dtype"},
     "merge_partials": {"v_dim"},
 }
@@ -1194,7 +1194,7 @@ def _kivi_lanes_cuda_problem(device: torch.device, f: dict) -> Optional[str]:
     return None
 
 
-def _triton_problem(op: str, f: dict) -> Optional[str]:
+def _triton_problem(op: str, f: dict, device: Optional[torch.device] = None) -> Optional[str]:
     op = SCORED.get(op, op)
     if op in ("kivi_buffer_partial", "kivi_lanes_buffer_partial"):  # the KIVI region / lanes through their Triton
         # kernel, the buffer through the grouped lanes kernel
@@ -1254,8 +1254,10 @@ def _triton_problem(op: str, f: dict) -> Optional[str]:
         most = ds_triton.one_chunk_tokens()
         if problem is None and not 0 < k <= tokens <= most:
             problem = f"{tokens} tokens, k {k} (one select chunk: k <= tokens <= {most})"
-        if problem is None and not ds_triton.fuse_gather_on():
-            problem = "fuse_gather is off (KVCOMPRESS_DS_CONFIG; the default until timed in the model)"
+        if problem is None and not ds_triton.fuse_gather_for(k, f.get("rows", 1), device):
+            setting = ds_triton.fuse_gather_setting()
+            problem = ("fuse_gather is off (KVCOMPRESS_DS_CONFIG)" if setting is False else
+                       f"k {k} over {f.get('rows', 1)} selection rows: two kernels are faster (fuse_rule)")
         return problem
     if op == "kivi_quantize":
         from .kivi.quantize_triton import problem  # Triton is installed (choose checked)
@@ -1288,7 +1290,9 @@ def choose(op: str, device, **static_facts) -> str:
     * ``select_topk``: ``label_bits``, ``label_channels``, ``query_dtype``, ``label_dtype``;
     * ``gather_partial``: ``head_dim``, ``v_dim``, ``dtype`` (of K/V), ``query_dtype``;
     * ``select_gather``: those of ``select_topk`` and ``gather_partial`` (``query_dtype`` once), ``tokens`` (the
-      label slots), ``k``; ``"triton"`` only with ``fuse_gather`` on in ``KVCOMPRESS_DS_CONFIG`` (off by default);
+      label slots), ``k``, ``rows`` (selection rows: batch x query heads, or x kv heads group-shared); ``"triton"``
+      where ``fuse_gather`` in ``KVCOMPRESS_DS_CONFIG`` is on, or unset and the measured rule
+      (:func:`kvcompress.kernels.doublesparse.triton_kernel.fuse_rule`) takes ``k`` over ``rows``;
     * ``kivi_quantize``: ``bits``, ``group``, ``v_group``, ``head_dim`` (Dk), ``v_dim``, ``k_per_token``, ``dtype``
       (of K/V);
     * ``merge_partials``: ``v_dim``.
@@ -1326,7 +1330,7 @@ def choose(op: str, device, **static_facts) -> str:
     elif not triton_available():
         impl, why["triton"] = "reference", "Triton is not installed"
     else:
-        why["triton"] = _triton_problem(op, static_facts)
+        why["triton"] = _triton_problem(op, static_facts, device)
         impl = "triton" if why["triton"] is None else "reference"
         if impl == "triton" and op in ("lanes_partial", "lanes_partial_scored"):
             _leank_base()

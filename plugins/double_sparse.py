@@ -190,15 +190,17 @@ class StaticLabelCache:
     Labels are written at the same ring slots as the middle store writes the block's tokens (both
     advance a device cursor by the block size when the block is due, over the same capacity: a
     :class:`kvcompress.static.StaticRing` each), so a selection's indices are middle-store columns.
-    Same channel-major layout as :class:`LabelCache`.
+    Same channel-major layout as :class:`LabelCache`.  ``selection_heads``: selections per batch row (the query heads,
+    or the kv heads when group-shared), for the one-kernel read's rule (its programs).
     """
 
-    def __init__(self, channels: torch.Tensor, bits: int, capacity: int, budget: int):
+    def __init__(self, channels: torch.Tensor, bits: int, capacity: int, budget: int, selection_heads: int):
         from kvcompress.static import StaticRing
 
         self.channels = channels
         self.bits = bits
         self.budget = budget
+        self.selection_heads = selection_heads
         self.ring = StaticRing(capacity)
         self.capacity = self.ring.capacity
         self.data: torch.Tensor | None = None  # [B, H, W, capacity]
@@ -231,7 +233,7 @@ class StaticLabelCache:
             self.one_kernel = self.kernel == "triton" and ops.choose(
                 "select_gather", k.device, label_bits=self.bits, label_channels=r, label_dtype=lab.dtype,
                 head_dim=k.shape[-1], v_dim=block.v.shape[-1], dtype=k.dtype, query_dtype=k.dtype,
-                tokens=self.capacity, k=min(self.budget, self.capacity)) == "triton"
+                tokens=self.capacity, k=min(self.budget, self.capacity), rows=b * self.selection_heads) == "triton"
         slots = self.ring.slots(n)
         self.data.index_copy_(3, slots, lab.transpose(-1, -2))
         if aux is not None:
@@ -322,8 +324,11 @@ class DoubleSparseCompressor(Compressor):
         if cache is None:
             channels = self.table[layer.info.index].to(device)
             if layer.static:
+                g = layer.info.num_q_heads // max(layer.info.num_kv_heads, 1)
+                shared = self.config.group_shared and g > 1  # selection rows per batch row: kv or query heads
                 cache = StaticLabelCache(channels, self.config.label_bits, layer.store_capacity,
-                                         self.config.budget(layer.info.index))
+                                         self.config.budget(layer.info.index),
+                                         layer.info.num_kv_heads if shared else layer.info.num_q_heads)
             else:
                 cache = LabelCache(channels, self.config.label_bits)
             layer.state["double_sparse"] = cache

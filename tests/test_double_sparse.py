@@ -317,7 +317,7 @@ def test_calibration_ranks_by_mean_abs_qk(model):
 
 # ----------------------------------------------------------------------------- the one-kernel select + gather read
 # The plugin returns its selection as a LabelTopK (kvcompress.state): the core runs the top-k, in one kernel with the
-# gather where `fuse_gather` is on (kernels/doublesparse/triton_kernel.py, opt-in until timed in the model).
+# gather where `fuse_gather` is on, or unset and fuse_rule takes the read (kernels/doublesparse/triton_kernel.py).
 
 FUSED_CASES = {  # name: (stack config, model layers)
     "per-head": dict(channels="random", r=8, k=12, sinks=3, window=5, dense_layers=1, seed=3),
@@ -377,7 +377,8 @@ def test_static_one_kernel_read_is_the_two_op_read_eager_and_compiled(monkeypatc
     ``select_gather`` faked to say ``"triton"``) reads every sparse decode step through the registered
     ``kvcompress::select_gather`` op (here its CPU implementation, the reference: the test is the wiring - which read
     runs, what it returns, the graph it compiles into), with no select op left in the compiled graph; its logits equal
-    the two-op read's, eager and compiled.  Built without ``fuse_gather`` the same cache never calls the op."""
+    the two-op read's, eager and compiled.  Built without it the same cache never calls the op.  ``choose`` is asked
+    with the selection rows of the launch (batch x kv heads, group-shared), which its rule needs."""
     from kvcompress.kernels import ops
 
     model = tiny_model("llama", layers=3)
@@ -388,10 +389,17 @@ def test_static_one_kernel_read_is_the_two_op_read_eager_and_compiled(monkeypatc
     stack = _stack(channels="random", r=8, k=12, sinks=2, window=4, dense_layers=1, group_shared=True)
     real_choose, real_op = ops.choose, ops._OPS["select_gather"]
 
+    asked = []
+
     def run(one_kernel: bool, graphs: list | None = None):
         fake = ("select_topk", "select_gather") if one_kernel else ("select_topk",)
-        monkeypatch.setattr(ops, "choose", lambda op, device, **f: "triton" if op in fake
-                            else real_choose(op, device, **f))
+
+        def choose(op, device, **f):
+            if op == "select_gather":
+                asked.append(f)
+            return "triton" if op in fake else real_choose(op, device, **f)
+
+        monkeypatch.setattr(ops, "choose", choose)
         calls = []
         if graphs is None:  # eager: count the op's calls
             monkeypatch.setitem(ops._OPS, "select_gather", lambda *a: calls.append(a[-1]) or real_op(*a))
@@ -413,6 +421,7 @@ def test_static_one_kernel_read_is_the_two_op_read_eager_and_compiled(monkeypatc
 
     two_ops, calls = run(False)
     assert not calls
+    assert asked and {(f["rows"], f["k"]) for f in asked} == {(2 * 2, 12)}  # 2 rows x 2 kv heads (tests/models.py)
     one_op, calls = run(True)
     assert len(calls) == 2 * 30 and set(calls) == {"triton"}  # 2 sparse layers x 30 steps
     assert (one_op - two_ops).abs().max().item() <= 1e-6

@@ -231,28 +231,64 @@ def test_choose_on_cuda_order_and_switches(monkeypatch):
         assert ops.choose(name, cuda) == "reference"
 
 
-def test_choose_select_gather_only_with_fuse_gather_within_one_select_chunk(monkeypatch):
-    """The one-kernel select + gather is chosen on CUDA (faked) only with ``fuse_gather`` on - off by default - and
-    for a label cache one select program takes (``k <= tokens <= one chunk``) at shapes both halves take; a value of
-    ``fuse_gather`` other than a bool is refused."""
+def test_choose_select_gather_by_the_rule_or_the_setting_within_one_select_chunk(monkeypatch):
+    """The one-kernel select + gather is chosen on CUDA (faked, 132 SMs) by ``fuse_rule`` when ``fuse_gather`` is unset
+    (the default), always with it true, never with it false - and only for a label cache one select program takes
+    (``k <= tokens <= one chunk``) at shapes both halves take; a ``fuse_gather`` other than a bool or null is
+    refused."""
     from kvcompress.kernels import ops
     from kvcompress.kernels.doublesparse import triton_kernel
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(ops, "triton_available", lambda: True)
+    monkeypatch.setattr(triton_kernel, "num_sms", lambda index=0: 132)
     monkeypatch.delenv("KVCOMPRESS_KERNELS", raising=False)
     cuda = torch.device("cuda")
-    facts = dict(label_bits=16, label_channels=16, head_dim=128, v_dim=128, tokens=4096, k=256)
+    facts = dict(label_bits=16, label_channels=16, head_dim=128, v_dim=128, tokens=4096, k=256, rows=8)
+    assert triton_kernel.SELECT_CONFIG["fuse_gather"] is None
+    by_rule = {(k, rows): ops.choose("select_gather", cuda, **dict(facts, k=k, rows=rows))
+               for k in (256, 512, 1024) for rows in (8, 33, 34, 128)}
+    assert by_rule == {(k, rows): "triton" if k <= 256 or (k <= 512 and rows >= 34) else "reference"
+                       for k, rows in by_rule}
+    monkeypatch.setitem(triton_kernel.SELECT_CONFIG, "fuse_gather", False)
     assert ops.choose("select_gather", cuda, **facts) == "reference"
     monkeypatch.setitem(triton_kernel.SELECT_CONFIG, "fuse_gather", True)
-    assert ops.choose("select_gather", cuda, **facts) == "triton"
+    assert ops.choose("select_gather", cuda, **dict(facts, k=1024, rows=1)) == "triton"
     most = triton_kernel.one_chunk_tokens()
     assert ops.choose("select_gather", cuda, **dict(facts, tokens=most)) == "triton"
     for bad in (dict(tokens=most + 1), dict(k=0), dict(k=4097), dict(head_dim=512), dict(label_bits=8)):
         assert ops.choose("select_gather", cuda, **dict(facts, **bad)) == "reference", bad
     monkeypatch.setitem(triton_kernel.SELECT_CONFIG, "fuse_gather", "yes")
-    with pytest.raises(ValueError, match="fuse_gather must be true or false"):
+    with pytest.raises(ValueError, match="fuse_gather must be true, false or null, got 'yes'"):
         ops.choose("select_gather", cuda, **facts)
+
+
+def test_fuse_rule_on_the_measured_reads():
+    """``fuse_rule`` against session 43's H100 sweep (132 SMs, 4k tokens): the one kernel where it was faster in both
+    rounds, two kernels where it was slower; ``fuses_gather`` counts a launch's selection rows per query head, or per
+    kv head when group-shared."""
+    from kvcompress.kernels.doublesparse import Labels, triton_kernel
+
+    faster = [(256, 9), (256, 3), (256, 36), (256, 12), (256, 144), (256, 48), (256, 32), (256, 8), (256, 128),
+              (512, 144), (512, 48), (512, 128)]  # (k, programs); ds16 everywhere, ds8 from SmolLM2 B16 / Llama B4
+    slower = [(512, 9), (512, 3), (512, 12), (512, 32), (512, 8)]  # ds8 at SmolLM2 B1 / B4 shared, Llama B1
+    assert all(triton_kernel.fuse_rule(k, p, 132) for k, p in faster)
+    assert not any(triton_kernel.fuse_rule(k, p, 132) for k, p in slower)
+    assert not triton_kernel.fuse_rule(1024, 10_000, 132)  # not timed: two kernels
+    # (Llama B4 ds8-shared - 32 programs, 5-7 % faster - is the one measured win the rule leaves out)
+    q, k = torch.zeros(4, 32, 128), torch.zeros(4, 8, 4096, 128)  # Llama heads, B4
+    labels = Labels(torch.zeros(4, 8, 4096, 16), 16)
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(triton_kernel, "supports_select_gather", lambda *a: True)
+        mp.setattr(triton_kernel, "num_sms", lambda index=0: 132)
+        seen = []
+        mp.setattr(triton_kernel, "fuse_gather_for", lambda kk, rows, dev: seen.append(rows) or True)
+        triton_kernel.fuses_gather(q, labels, None, k, k, 512, 1)
+        triton_kernel.fuses_gather(q, labels, None, k, k, 512, 4)
+    finally:
+        mp.undo()
+    assert seen == [4 * 32, 4 * 8]
 
 
 def test_impl_is_validated_and_ops_read_no_environment(monkeypatch):

@@ -523,6 +523,28 @@ def test_auto_takes_the_resident_count_from_batch_16():
     assert not tk.uses_resident(dict(cfg, split_rows="lanes"), 4, True, 32)
 
 
+def test_one_split_rule_takes_full_width_reads_that_fill_the_sms():
+    """``one_split_tokens`` (4096): one split for launches whose every lane reads all channels, at head dim >= 128,
+    with at least ``fill`` (0.9) x SMs rows of programs and a longest lane of at least 4096 slots - the empty stack's
+    read at Llama B16 / B64, 4k and longer (session 43, H100: one split faster at each); never for pruned or
+    projected lanes, head dim 64, shorter lanes, fewer rows, the interpreter (0 SMs) or with the setting 0 / null."""
+    from kvcompress.kernels.leank import triton_kernel as tk
+
+    cfg = tk._config()
+    assert cfg["one_split_tokens"] == 4096
+    sms = 132
+    assert tk.one_split(cfg, True, 128, 16 * 8, 4096 + 128, sms)  # Llama B16 / 4k: 128 rows >= 118.8
+    assert tk.one_split(cfg, True, 128, 64 * 8, 131072 + 128, sms)
+    assert not tk.one_split(cfg, True, 128, 4 * 8, 32768, sms)  # Llama B4: 32 rows
+    assert not tk.one_split(cfg, True, 128, 118, 32768, sms) and tk.one_split(cfg, True, 128, 119, 32768, sms)
+    assert not tk.one_split(cfg, True, 128, 128, 4095, sms)
+    assert not tk.one_split(cfg, False, 128, 128, 32768, sms)  # low rank / LeanK lanes
+    assert not tk.one_split(cfg, True, 64, 64 * 3, 32768, sms)  # SmolLM2 heads: not timed
+    assert not tk.one_split(cfg, True, 128, 128, 32768, 0)
+    for off in (0, None):
+        assert not tk.one_split(dict(cfg, one_split_tokens=off), True, 128, 128, 32768, sms)
+
+
 def test_configured_split_count_is_the_launchs_and_checked():
     """``splits`` in the configuration (benchmark sweeps) launches exactly as the ``splits`` argument does - the same
     grid, the same merge - and anything but a positive integer or null is refused with the key and the value."""
@@ -742,6 +764,39 @@ def test_resident_split_rule_on_gpu(name, rule):
     res = _compare(out, lse, *reference.grouped_partial_attention(q, lanes, scale))
     res["dtypes"] = [str(out.dtype), str(lse.dtype)]
     _check(res, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_one_split_read_on_gpu():
+    """The empty stack's read at a shape the one-split rule takes (Llama heads, batch x kv heads filling the SMs,
+    4096 + 37 slots with dead ones): the launch has one split and no merge, and equals the reference."""
+    from triton_offline import record_launches
+
+    from kvcompress.kernels.leank import reference
+    from kvcompress.kernels.leank import triton_kernel as tk
+    from kvcompress.kernels.leank.reference import Lane
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    hkv, t = 8, 4096 + 37
+    b = -(-sms // hkv)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn(b, hkv, 4, 128, device="cuda", generator=gen).half()
+    k, v = (torch.randn(b, hkv, t, 128, device="cuda", generator=gen).half() for _ in range(2))
+    valid = torch.rand(b, t, device="cuda", generator=gen) > 0.1
+    lanes = [Lane(None, None, k, v, valid)]
+    names = [(tk, n) for n in ("_lanes_kernel", "_combine_kernel", "_combine_splits_kernel")]
+    mp = pytest.MonkeyPatch()
+    try:
+        launches = record_launches(mp, names, lambda: tk.grouped_partial_attention(q, lanes, 0.088))
+    finally:
+        mp.undo()
+    assert [x.fn for x in launches] == [tk._lanes_kernel], "no merge launch"
+    assert [a.shape[0] for a in launches[0].args if isinstance(a, torch.Tensor) and a.dim() == 5] == [1]
+    res = _compare(*tk.grouped_partial_attention(q, lanes, 0.088),
+                   *reference.grouped_partial_attention(q, lanes, 0.088))
+    assert not res["any_nan"] and res["same_inf"] and res["out_tol_ok"], res
+    assert res["lse_err"] <= LSE_ATOL, res
 
 
 @pytest.mark.gpu

@@ -69,8 +69,9 @@ def select_gather_attention(selection, k, v, valid, scale, *, softcap=None):
     A static cache decided at build (``selection.one_kernel``: :func:`kvcompress.kernels.ops.choose` of
     ``"select_gather"``) and runs the registered op ``kvcompress::select_gather`` with the Triton kernel; a dynamic
     one (``one_kernel`` ``None``) takes the kernel per call where the Triton kernels run and
-    :func:`.triton_kernel.fuses_gather` says so.  Either way only with ``fuse_gather`` on in
-    ``KVCOMPRESS_DS_CONFIG`` (off by default: not timed inside the model yet).  ``valid``: the middle segment's
+    :func:`.triton_kernel.fuses_gather` says so.  Either way ``fuse_gather`` in ``KVCOMPRESS_DS_CONFIG`` forces it on
+    or off, and unset the measured rule decides (:func:`.triton_kernel.fuse_rule`: short selections, or
+    selections of up to 512 tokens over enough programs).  ``valid``: the middle segment's
     validity; the labels' must say the same (both ``None`` or both given)."""
     if selection.one_kernel is False or (valid is None) != (selection.valid is None):
         return None

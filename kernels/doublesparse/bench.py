@@ -44,7 +44,7 @@ def ds_decode(q, labels: Labels, channels, k, v, kk: int, scale: float, ops=None
     """One sparse decode read with the Triton kernels (``ops``: the module, default ``triton_kernel``);
     ``shared``: one selection per kv head from the group's summed query (the plugin's ``group_shared``); ``fused``:
     the select and the gather in one kernel (``ops.select_gather_partial``), ``None``: where a model's read takes it
-    (``ops.fuses_gather``: ``fuse_gather`` in ``KVCOMPRESS_DS_CONFIG``, off by default)."""
+    (``ops.fuses_gather``: ``fuse_gather`` in ``KVCOMPRESS_DS_CONFIG``, else its rule ``fuse_rule``)."""
     if ops is None:
         from . import triton_kernel as ops
     b, hq, d = q.shape

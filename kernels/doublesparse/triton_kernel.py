@@ -460,8 +460,8 @@ FUSED_MAX_TOKENS = 16384  # per program: the label scores stay in registers (~3 
 # session 40: fewer rounds in the CPU model, benchmarks/select_rounds_model.py; session 41, H100: +-2-5 %, no read
 # across 1.0x SDPA).  The merge kernels keep the bit search.
 # fuse_gather: a model's decode read (kvcompress.state.LabelTopK over a full-precision middle) runs the select and
-# its gather in one kernel (select_gather_partial) where it takes the shapes: false (the default) until the one kernel
-# is timed against the two (benchutil ds*-fused against ds*; the ds ops follow this setting).  Static caches read it
+# its gather in one kernel (select_gather_partial) where it takes the shapes: true / false force it, None (the
+# default since session 43) follows fuse_rule (the benchutil ds ops follow this setting too).  Static caches decide
 # once, when they are built (ops.choose("select_gather", ...)).
 # unroll: label channels (or code bytes) whose loads are issued before their multiply-adds (the largest power of two
 # up to it that divides them); None = select_launch's rule: FEW_PROGRAMS_UNROLL where the launch has few programs (the
@@ -514,7 +514,7 @@ def pdl_for(setting, rows: int, device: torch.device) -> bool:
 
 SELECT_CONFIG = dict(elems_per_thread=None, chunk_tokens=FUSED_MAX_TOKENS, unroll=None, multilevel=None, method="auto",
                      radix={}, merge_tokens=None, compact_block=None, cuda={}, pdl="auto", search="bits",
-                     fuse_gather=False)
+                     fuse_gather=None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1152,27 +1152,61 @@ def supports_select_gather(query: torch.Tensor, labels: Labels, channels: torch.
     return supports_gather(query.view(b, k.shape[1], g, d), k, v, query.new_empty(1, 1, 1, 1, dtype=torch.int64))
 
 
+#: ``fuse_gather: None``: the one-kernel select + gather for selections of at most this many tokens, at any number
+#: of programs, and up to :data:`FUSE_WIDE_K` tokens where the launch has more programs than a quarter of the SMs
+#: (:func:`fuse_rule`).  H100, session 43, two rounds that agree (``PART=ds-fused``, ``ds*-fused``
+#: against the two kernels at 4k: B1 / B4 / B16 SmolLM2 heads, B1 / B4 Llama heads, per query head and shared):
+#: k = 256 (ds16) was faster at all 10 reads, 2-19 % (SmolLM2 B1 ds16-shared 14.7 -> 13.9-14.1 us, Llama B4 ds16
+#: 24.5-24.8 -> 20.1-20.4 us); k = 512 (ds8) was faster from 48 programs (SmolLM2 B16: 144 / 48 programs, 9-11 %;
+#: Llama B4: 128 programs 15-17 %, 32 programs shared - 4 query rows each - 5-7 %) and slower at 3-32 programs
+#: (Llama B1 per head: 32 programs, +3-5 %; Llama B1 shared: 8, +9-12 %; SmolLM2 B1 / B4 shared: 3 / 12, +5-8 %),
+#: even at 36 (SmolLM2 B4 per head, +0.3-0.8 %).  One program gathers its whole selection: a long selection over few
+#: programs leaves the SMs idle, where the two kernels split the gather.  Larger k (8k+ contexts) was not timed: two
+#: kernels.
+FUSE_ALWAYS_K = 256
+FUSE_WIDE_K = 512
+
+
+def fuse_rule(kk: int, programs: int, sms: int) -> bool:
+    """``fuse_gather: None``: whether a decode read selecting ``kk`` tokens for each of ``programs`` selection rows
+    (batch x query heads, or x kv heads group-shared) on ``sms`` SMs takes the one-kernel select + gather:
+    ``kk <= FUSE_ALWAYS_K``, or ``kk <= FUSE_WIDE_K`` and ``4 * programs > sms`` (see :data:`FUSE_ALWAYS_K`)."""
+    return kk <= FUSE_ALWAYS_K or (kk <= FUSE_WIDE_K and 4 * programs > sms)
+
+
+def fuse_gather_setting() -> bool | None:
+    """``fuse_gather`` of :data:`SELECT_CONFIG` / ``KVCOMPRESS_DS_CONFIG``: ``True`` / ``False`` force the one-kernel
+    read on / off, ``None`` (the default) leaves it to :func:`fuse_rule`; anything else is refused."""
+    setting = _select_base()["fuse_gather"]
+    if setting is not None and not isinstance(setting, bool):
+        raise ValueError(f"KVCOMPRESS_DS_CONFIG: fuse_gather must be true, false or null, got {setting!r}")
+    return setting
+
+
+def fuse_gather_for(kk: int, programs: int, device: torch.device) -> bool:
+    """Whether a read of ``programs`` selection rows of ``kk`` tokens on ``device`` takes the one kernel:
+    :func:`fuse_gather_setting`, or where it is ``None`` :func:`fuse_rule` on the device's SMs (4 on the CPU, as
+    :func:`select_launch` counts there)."""
+    setting = fuse_gather_setting()
+    if setting is not None:
+        return setting
+    device = torch.device(device)
+    return fuse_rule(kk, programs, num_sms(device.index or 0) if device.type == "cuda" else 4)
+
+
 def fuses_gather(query: torch.Tensor, labels: Labels, channels: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kk: int, group: int = 1) -> bool:
     """Whether a model's DoubleSparse decode read (:func:`kvcompress.kernels.doublesparse.select_gather_attention`)
-    takes the one-kernel select + gather: ``fuse_gather`` on in ``KVCOMPRESS_DS_CONFIG`` (``true``; default
-    ``false`` - the kernel is correct but its speed inside the model is not measured yet) and
-    :func:`supports_select_gather`."""
-    return fuse_gather_on() and supports_select_gather(query, labels, channels, k, v, kk, group,
-                                                       _select_base()["chunk_tokens"])
+    takes the one-kernel select + gather: :func:`fuse_gather_for` its selection rows (batch x query heads, or x kv
+    heads with ``group`` > 1) and :func:`supports_select_gather`."""
+    rows = query.shape[0] * (query.shape[1] if group == 1 else k.shape[1])
+    return fuse_gather_for(kk, rows, query.device) and supports_select_gather(
+        query, labels, channels, k, v, kk, group, _select_base()["chunk_tokens"])
 
 
 def one_chunk_tokens() -> int:
     """The most label tokens one select program takes (one chunk: the fused select + gather's limit)."""
     return min(FUSED_MAX_TOKENS, _select_base()["chunk_tokens"])
-
-
-def fuse_gather_on() -> bool:
-    """``fuse_gather`` of :data:`SELECT_CONFIG` / ``KVCOMPRESS_DS_CONFIG`` (a bool; anything else is refused)."""
-    setting = _select_base()["fuse_gather"]
-    if not isinstance(setting, bool):
-        raise ValueError(f"KVCOMPRESS_DS_CONFIG: fuse_gather must be true or false, got {setting!r}")
-    return setting
 
 
 def select_gather_partial(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None,
@@ -1181,7 +1215,7 @@ def select_gather_partial(query: torch.Tensor, labels: Labels, channels: torch.T
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """See :func:`.reference.select_gather_partial`.  One program per selection row computes the row's label keys,
     its exact top-``kk`` (the fused select's code, the same indices as :func:`select_topk`) and the attention of its
-    query rows over them (session 41; a model's read takes it where :func:`fuses_gather` says so - opt-in;
+    query rows over them (session 41; a model's read takes it where :func:`fuses_gather` says so;
     ``benchutil`` ops ``ds*-fused``).  Where :func:`supports_select_gather` says no: :func:`select_topk`, then
     :func:`gather_partial_attention`.  ``index`` comes back as int32."""
     cfg = dict(_select_base(), **(config or {}))

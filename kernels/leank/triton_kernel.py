@@ -64,7 +64,10 @@ waits for it on the device, so its launch latency and prologue overlap the split
 ``proj_stages_tokens`` (default 8192 since session 40): launches with a low-rank lane whose longest lane holds at
 most that many token slots take the empty stack's 3-stage rule (:func:`_launch_shape`).
 ``resident_full_width_rows`` (default 32 since session 40): launches whose lanes read every channel take the
-resident split count from that many batch x kv-head rows (:func:`uses_resident`).
+resident split count from that many batch x kv-head rows (:func:`uses_resident`).  ``one_split_tokens`` (default
+4096 since session 43; 0 / ``None``: never): such launches at head dim 128 or more whose rows of programs fill one
+program per SM (``fill`` of the SMs) and whose longest lane holds at least that many slots take one split - no
+merge launch (:func:`one_split`).
 """
 from __future__ import annotations
 
@@ -397,6 +400,19 @@ def uses_resident(cfg: dict, batch: int, full_width: bool = False, rows: int = 0
     return mode == "auto" and bool(first) and batch >= int(first)
 
 
+def one_split(cfg: dict, full_width: bool, d: int, programs: int, tokens: int, sms: int) -> bool:
+    """Whether a launch takes one token split (``one_split_tokens``): every lane full width (the empty stack's read),
+    head dim ``d`` >= 128, ``programs`` (batch x kv heads x row blocks) at least ``fill`` x ``sms``, and the longest
+    lane ``tokens`` >= ``one_split_tokens`` slots.  One program per (row, head) then streams its whole row, and the
+    read needs no merge launch.  H100, session 43, two rounds that agree (``PART=splits1``, Llama heads, one split
+    against the rules' 2-3): the empty stack B16 / 4k 100.0-100.2 -> 95.1-95.6 us (0.95x -> 1.00x SDPA), B16 / 32k
+    and 128k 0.5-1.0 % faster, B64 / 4k 0.7-1.6 % faster.  Low rank (not full width) lost 15-20 % at B16 / 32k and
+    128k with one split, and head dim 64 was not timed: both keep the rules."""
+    least = cfg.get("one_split_tokens") or 0
+    return (bool(least) and full_width and d >= 128 and sms > 0 and programs >= float(cfg.get("fill", 0.9)) * sms
+            and tokens >= int(least))
+
+
 def _launch_shape(cfg: dict, b: int, hkv: int, d: int, full_width: bool, work: bool = False,
                   projected: bool = False, tokens: int = 0) -> tuple[int, int]:
     """``(waves, num_stages)`` of a launch: the configuration's values where set (not ``None``), else the H200 rule.
@@ -558,7 +574,7 @@ def _config() -> dict:
     cfg = dict(BN=64, num_warps=4, num_stages=None, waves=None, min_split_tokens=256, canonical=False, combine="splits",
                split_rows="auto", splits=None, resident_batch=16, whole_waves=True, fill=0.9, fill_splits=4, pdl=False,
                valid_ahead=True, warp_groups=1, single_wave_split_tokens=1480, proj_stages_tokens=8192,
-               resident_full_width_rows=32)
+               resident_full_width_rows=32, one_split_tokens=4096)
     cfg.update(env_config("KVCOMPRESS_LEANK_CONFIG", cfg))
     return cfg
 
@@ -778,18 +794,21 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
         sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 0
         shapes = [(r["h"], r["t"]) for r in rows]
         per_sm = 0
-        if (resident or cfg.get("whole_waves")) and sms > 0:
-            # the compiled kernel of the first chunk says how many programs an SM holds (compiled at its first use;
-            # float32 partials, as a split launch stores them)
-            chunk = rows[:MAX_LANES]
-            per_sm = resident_programs(_lanes_kernel, lambda: launch(chunk, lse, lse)[0], constexprs(chunk),
-                                       cfg["num_warps"], stages, dev, _RESIDENT)
-        if resident and per_sm:
-            splits = resident_split_count(cfg, b, shapes, m_blocks, per_sm * sms, int(cfg.get("waves") or 1))
+        if one_split(cfg, full_width, dv, b * hkv * m_blocks, max((r["t"] for r in rows), default=0), sms):
+            splits = 1
         else:
-            splits = split_count(cfg, b, shapes, m_blocks, waves, sms, work)
-            if per_sm:
-                splits = whole_wave_splits(cfg, b, shapes, m_blocks, per_sm * sms, splits)
+            if (resident or cfg.get("whole_waves")) and sms > 0:
+                # the compiled kernel of the first chunk says how many programs an SM holds (compiled at its first
+                # use; float32 partials, as a split launch stores them)
+                chunk = rows[:MAX_LANES]
+                per_sm = resident_programs(_lanes_kernel, lambda: launch(chunk, lse, lse)[0], constexprs(chunk),
+                                           cfg["num_warps"], stages, dev, _RESIDENT)
+            if resident and per_sm:
+                splits = resident_split_count(cfg, b, shapes, m_blocks, per_sm * sms, int(cfg.get("waves") or 1))
+            else:
+                splits = split_count(cfg, b, shapes, m_blocks, waves, sms, work)
+                if per_sm:
+                    splits = whole_wave_splits(cfg, b, shapes, m_blocks, per_sm * sms, splits)
     # one split of one lane of every head in order (a short buffer's read): the kernel's partial is already the
     # result, in the output's layout - the merge would copy it (bit for bit: one finite weight of exactly 1)
     direct = splits == 1 and len(rows) == 1 and not rows[0]["has_heads"] and n_rows == hkv
