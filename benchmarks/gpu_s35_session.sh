@@ -107,6 +107,10 @@
 # steps with it, about 340 s), then PART=splits1 (about 60 s: one split at Llama B16 / B64 for the empty
 # stack and low rank), then on an H200 grid-full for the README count.  On a two-GPU machine: PART=tp2, then
 # PART=tp2-throughput, one call each (issue 18's bar).
+# Session 43 (H100) ran ds-unroll, ds-fused, paged-pdl and splits1 (docs/results.md "Session 43"): the unroll rule
+# holds, the one-kernel DoubleSparse read became a rule (fuse_gather null -> fuse_rule), the empty stack's Llama reads
+# filling the SMs take one split (one_split_tokens), PDL for the paged merge stays opt-in.  Left: PARTS="rules43-ds
+# rules43-none" (each rule against itself off, with its GPU test), then grid-full on an H200 for the README count.
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
