@@ -319,16 +319,20 @@ class DoubleSparseCompressor(Compressor):
         self.load(layer.model_config, layer)  # fail at cache build, not at the first decode step
         return Layout(sinks=self.config.sinks or None, recent=self.config.window, flush=1)
 
+    def _shared(self, q_heads: int, kv_heads: int) -> bool:
+        """Whether a layer selects once per kv head (``group_shared`` on a GQA layer) rather than per query head."""
+        return self.config.group_shared and q_heads > kv_heads
+
     def _cache(self, layer, device) -> LabelCache | StaticLabelCache:
         cache = layer.state.get("double_sparse")
         if cache is None:
             channels = self.table[layer.info.index].to(device)
             if layer.static:
-                g = layer.info.num_q_heads // max(layer.info.num_kv_heads, 1)
-                shared = self.config.group_shared and g > 1  # selection rows per batch row: kv or query heads
+                info = layer.info  # selection rows per batch row: kv heads (group-shared) or query heads
                 cache = StaticLabelCache(channels, self.config.label_bits, layer.store_capacity,
-                                         self.config.budget(layer.info.index),
-                                         layer.info.num_kv_heads if shared else layer.info.num_q_heads)
+                                         self.config.budget(info.index),
+                                         info.num_kv_heads if self._shared(info.num_q_heads, info.num_kv_heads)
+                                         else info.num_q_heads)
             else:
                 cache = LabelCache(channels, self.config.label_bits)
             layer.state["double_sparse"] = cache
@@ -374,7 +378,7 @@ class DoubleSparseCompressor(Compressor):
         group = q.shape[1] // cache.channels.shape[0]
         # group-shared: label scores are linear in q, so a kv head's summed scores are those of its summed query,
         # which the select kernels add up as they load it (no separate sum kernel)
-        shared = self.config.group_shared and group > 1
+        shared = self._shared(q.shape[1], cache.channels.shape[0])
         # the core computes the top-k: with the gather in one kernel where it can (LabelTopK)
         return LabelTopK(q, cache.labels(), cache.channels, cache.valid(), budget, group=group if shared else None,
                          impl=kernel, one_kernel=one_kernel)

@@ -746,10 +746,11 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     bn = cfg["BN"]
     # the rule's head dimension is the values' (a low-rank lane over an extended query has d = head_dim + r)
     full_width = all(r["c"] == d for r in rows)
+    t_max = max((r["t"] for r in rows), default=0)  # the longest lane's token slots
     resident = uses_resident(cfg, b, full_width, b * hkv)
     work = resident or counts_work(cfg, dv)
     waves, stages = _launch_shape(cfg, b, hkv, dv, full_width, work, projected=any(r["proj"] for r in rows),
-                                  tokens=max((r["t"] for r in rows), default=0))
+                                  tokens=t_max)
     ieee = lanes[0].k.dtype == torch.float32
     pdl = use_pdl(cfg.get("pdl"), dev)  # the merge starts during the lanes kernel's last wave (Hopper)
     wg = warp_groups(cfg, bn, block_m)
@@ -794,7 +795,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
         sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 0
         shapes = [(r["h"], r["t"]) for r in rows]
         per_sm = 0
-        if one_split(cfg, full_width, dv, b * hkv * m_blocks, max((r["t"] for r in rows), default=0), sms):
+        if one_split(cfg, full_width, dv, b * hkv * m_blocks, t_max, sms):
             splits = 1
         else:
             if (resident or cfg.get("whole_waves")) and sms > 0:
