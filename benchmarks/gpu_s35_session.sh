@@ -418,13 +418,6 @@ case "${PART:-stages}" in
       "${S35_SHAPES:-smollm2-135m:1:8k,smollm2-135m:4:8k,smollm2-135m:16:8k,llama3-8b:1:8k,llama3-8b:4:8k,llama3-8b:16:8k,smollm2-135m:1:16k,smollm2-135m:4:16k,smollm2-135m:16:16k,llama3-8b:1:16k,llama3-8b:4:16k,llama3-8b:16:16k}" \
       '{"fuse_gather": false}' '{"fuse_gather": true}'
     ;;
-  ds-ept)  # select widths at the few-program reads still below SDPA (SmolLM2 B1/4k: the select is ~9 of a 14-16 us
-    # read, session 40): 32 scores per thread (the rule: 4 warps over 4096 tokens) against 128 (one warp - the
-    # threshold search's 32 rounds reduce by shuffles alone, no barrier) and 16 (8 warps)
-    ROUNDS=2 && sweep none KVCOMPRESS_DS_CONFIG ds8,ds16,ds8-shared,ds16-shared \
-      "${S35_SHAPES:-smollm2-135m:1:4k,smollm2-135m:4:4k,llama3-8b:1:4k,smollm2-135m:1:32k}" \
-      '{}' '{"elems_per_thread": 128}' '{"elems_per_thread": 16}'
-    ;;
   rules43-none)  # session 43's one-split rule (one_split_tokens 4096: full-width Llama reads filling the SMs) against
     # the rules before it ({"one_split_tokens": 0}); its GPU test first
     export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-200} PS_XDIST=${PS_XDIST:-2}
@@ -447,6 +440,6 @@ case "${PART:-stages}" in
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, buffer-weight, ds-unroll, ds-fused, ds-fused-model, paged-pdl, splits1, rules43-ds, rules43-none, ds-fused-long, ds-ept, tp2, tp2-throughput, ds-search, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, buffer-weight, ds-unroll, ds-fused, ds-fused-model, paged-pdl, splits1, rules43-ds, rules43-none, ds-fused-long, tp2, tp2-throughput, ds-search, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
      exit 2 ;;
 esac
