@@ -1254,10 +1254,12 @@ def _triton_problem(op: str, f: dict, device: Optional[torch.device] = None) -> 
         most = ds_triton.one_chunk_tokens()
         if problem is None and not 0 < k <= tokens <= most:
             problem = f"{tokens} tokens, k {k} (one select chunk: k <= tokens <= {most})"
-        if problem is None and not ds_triton.fuse_gather_for(k, f.get("rows", 1), device):
+        rows, dim = f.get("rows", 1), f.get("head_dim", 128)
+        if problem is None and not ds_triton.fuse_gather_for(k, rows, device, tokens, dim):
             setting = ds_triton.fuse_gather_setting()
             problem = ("fuse_gather is off (KVCOMPRESS_DS_CONFIG)" if setting is False else
-                       f"k {k} over {f.get('rows', 1)} selection rows: two kernels are faster (fuse_rule)")
+                       f"k {k} of {tokens} tokens over {rows} selection rows, head dim {dim}: two kernels are "
+                       f"faster (fuse_rule)")
         return problem
     if op == "kivi_quantize":
         from .kivi.quantize_triton import problem  # Triton is installed (choose checked)
@@ -1292,7 +1294,8 @@ def choose(op: str, device, **static_facts) -> str:
     * ``select_gather``: those of ``select_topk`` and ``gather_partial`` (``query_dtype`` once), ``tokens`` (the
       label slots), ``k``, ``rows`` (selection rows: batch x query heads, or x kv heads group-shared); ``"triton"``
       where ``fuse_gather`` in ``KVCOMPRESS_DS_CONFIG`` is on, or unset and the measured rule
-      (:func:`kvcompress.kernels.doublesparse.triton_kernel.fuse_rule`) takes ``k`` over ``rows``;
+      (:func:`kvcompress.kernels.doublesparse.triton_kernel.fuse_rule`) takes ``k`` of ``tokens`` over ``rows`` at
+      ``head_dim``;
     * ``kivi_quantize``: ``bits``, ``group``, ``v_group``, ``head_dim`` (Dk), ``v_dim``, ``k_per_token``, ``dtype``
       (of K/V);
     * ``merge_partials``: ``v_dim``.

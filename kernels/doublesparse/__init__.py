@@ -70,9 +70,10 @@ def select_gather_attention(selection, k, v, valid, scale, *, softcap=None):
     ``"select_gather"``) and runs the registered op ``kvcompress::select_gather`` with the Triton kernel; a dynamic
     one (``one_kernel`` ``None``) takes the kernel per call where the Triton kernels run and
     :func:`.triton_kernel.fuses_gather` says so.  Either way ``fuse_gather`` in ``KVCOMPRESS_DS_CONFIG`` forces it on
-    or off, and unset the measured rule decides (:func:`.triton_kernel.fuse_rule`: short selections, or
-    selections of up to 512 tokens over enough programs).  ``valid``: the middle segment's
-    validity; the labels' must say the same (both ``None`` or both given)."""
+    or off, and unset the measured rule decides (:func:`.triton_kernel.fuse_rule`: up to two programs per SM; over 4096
+    label slots or fewer, selections of up to 256 tokens, or 512 over enough programs; over more, head dim 128+ and a
+    wave of programs).  ``valid``: the middle segment's validity; the labels' must say the same (both ``None`` or
+    both given)."""
     if selection.one_kernel is False or (valid is None) != (selection.valid is None):
         return None
     group = selection.group or 1

@@ -1152,26 +1152,44 @@ def supports_select_gather(query: torch.Tensor, labels: Labels, channels: torch.
     return supports_gather(query.view(b, k.shape[1], g, d), k, v, query.new_empty(1, 1, 1, 1, dtype=torch.int64))
 
 
-#: ``fuse_gather: None``: the one-kernel select + gather for selections of at most this many tokens, at any number
-#: of programs, and up to :data:`FUSE_WIDE_K` tokens where the launch has more programs than a quarter of the SMs
-#: (:func:`fuse_rule`).  H100, session 43, two rounds that agree (``PART=ds-fused``, ``ds*-fused``
-#: against the two kernels at 4k: B1 / B4 / B16 SmolLM2 heads, B1 / B4 Llama heads, per query head and shared):
-#: k = 256 (ds16) was faster at all 10 reads, 2-19 % (SmolLM2 B1 ds16-shared 14.7 -> 13.9-14.1 us, Llama B4 ds16
-#: 24.5-24.8 -> 20.1-20.4 us); k = 512 (ds8) was faster from 48 programs (SmolLM2 B16: 144 / 48 programs, 9-11 %;
-#: Llama B4: 128 programs 15-17 %, 32 programs shared - 4 query rows each - 5-7 %) and slower at 3-32 programs
-#: (Llama B1 per head: 32 programs, +3-5 %; Llama B1 shared: 8, +9-12 %; SmolLM2 B1 / B4 shared: 3 / 12, +5-8 %),
-#: even at 36 (SmolLM2 B4 per head, +0.3-0.8 %).  One program gathers its whole selection: a long selection over few
-#: programs leaves the SMs idle, where the two kernels split the gather.  Larger k (8k+ contexts) was not timed: two
-#: kernels.
+#: ``fuse_gather: None``: where the one-kernel select + gather (:func:`select_gather_partial`) is taken
+#: (:func:`fuse_rule`), fitted to every one-kernel / two-kernel pair measured on H100s (132 SMs; session 43 at 4k,
+#: session 45 at 4k - 16k, B1 - B64, both head shapes, per query head and group-shared; ``python
+#: benchmarks/fuse_rule_fit.py`` prints each pair beside the rule's choice).  One program selects and then gathers its
+#: whole selection, so:
+#: - over more than :data:`FUSE_MOST_PER_SM` programs per SM it is slower: the select holds its label keys in
+#:   registers, the gather that follows runs at that residency, and the two kernels gather at full residency (Llama
+#:   heads at 4k, 512 and 2048 programs: +59 to +138 %; SmolLM2 heads, 576 programs: -4 / +1 %; up to 192: faster);
+#: - over a label cache of at most :data:`FUSE_SHORT_TOKENS` slots it is faster for selections of up to
+#:   :data:`FUSE_ALWAYS_K` tokens at any number of programs (3 - 192: 2.6 - 23 %), and of up to :data:`FUSE_WIDE_K`
+#:   where the launch has more programs than a quarter of the SMs (36 - 192: -19 to +1 %; 3 - 32 programs: +3 to
+#:   +10 %, but Llama B4 group-shared, 32 programs: -5 %);
+#: - over longer caches (8k, 16k: more label keys in registers) only with head dim :data:`FUSE_LONG_HEAD_DIM`+ and at
+#:   least :data:`FUSE_LONG_WAVE` x SMs programs (Llama, 128 programs: 5 - 14 % faster at k 512 - 2048); SmolLM2 heads
+#:   (d 64) at 3 - 144 programs were 1 - 60 % slower (but 48 programs group-shared, k 512 of 8k: -5 %), Llama heads at
+#:   8 / 32 programs 2 - 57 % slower (but B4 group-shared, k 512 of 8k: -6 %).
 FUSE_ALWAYS_K = 256
 FUSE_WIDE_K = 512
+FUSE_SHORT_TOKENS = 4096
+FUSE_MOST_PER_SM = 2
+FUSE_LONG_HEAD_DIM = 128
+FUSE_LONG_WAVE = 0.9
 
 
-def fuse_rule(kk: int, programs: int, sms: int) -> bool:
-    """``fuse_gather: None``: whether a decode read selecting ``kk`` tokens for each of ``programs`` selection rows
-    (batch x query heads, or x kv heads group-shared) on ``sms`` SMs takes the one-kernel select + gather:
-    ``kk <= FUSE_ALWAYS_K``, or ``kk <= FUSE_WIDE_K`` and ``4 * programs > sms`` (see :data:`FUSE_ALWAYS_K`)."""
-    return kk <= FUSE_ALWAYS_K or (kk <= FUSE_WIDE_K and 4 * programs > sms)
+def fuse_rule(kk: int, programs: int, sms: int, tokens: int, head_dim: int) -> bool:
+    """``fuse_gather: None``: whether a decode read selecting ``kk`` of ``tokens`` label slots for each of ``programs``
+    selection rows (batch x query heads, or x kv heads group-shared) with keys of ``head_dim`` channels, on ``sms``
+    SMs, takes the one-kernel select + gather (the measurements: :data:`FUSE_ALWAYS_K`):
+
+    - never over more than ``FUSE_MOST_PER_SM * sms`` programs;
+    - with ``tokens <= FUSE_SHORT_TOKENS``: ``kk <= FUSE_ALWAYS_K``, or ``kk <= FUSE_WIDE_K`` and
+      ``4 * programs > sms``;
+    - with more tokens: ``head_dim >= FUSE_LONG_HEAD_DIM`` and ``programs >= FUSE_LONG_WAVE * sms``."""
+    if programs > FUSE_MOST_PER_SM * sms:
+        return False
+    if tokens <= FUSE_SHORT_TOKENS:
+        return kk <= FUSE_ALWAYS_K or (kk <= FUSE_WIDE_K and 4 * programs > sms)
+    return head_dim >= FUSE_LONG_HEAD_DIM and programs >= FUSE_LONG_WAVE * sms
 
 
 def fuse_gather_setting() -> bool | None:
@@ -1183,15 +1201,15 @@ def fuse_gather_setting() -> bool | None:
     return setting
 
 
-def fuse_gather_for(kk: int, programs: int, device: torch.device) -> bool:
-    """Whether a read of ``programs`` selection rows of ``kk`` tokens on ``device`` takes the one kernel:
-    :func:`fuse_gather_setting`, or where it is ``None`` :func:`fuse_rule` on the device's SMs (4 on the CPU, as
-    :func:`select_launch` counts there)."""
+def fuse_gather_for(kk: int, programs: int, device: torch.device, tokens: int, head_dim: int) -> bool:
+    """Whether a read of ``programs`` selection rows of ``kk`` of ``tokens`` label slots, keys of ``head_dim``
+    channels, on ``device`` takes the one kernel: :func:`fuse_gather_setting`, or where it is ``None``
+    :func:`fuse_rule` on the device's SMs (4 on the CPU, as :func:`select_launch` counts there)."""
     setting = fuse_gather_setting()
     if setting is not None:
         return setting
     device = torch.device(device)
-    return fuse_rule(kk, programs, num_sms(device.index or 0) if device.type == "cuda" else 4)
+    return fuse_rule(kk, programs, num_sms(device.index or 0) if device.type == "cuda" else 4, tokens, head_dim)
 
 
 def fuses_gather(query: torch.Tensor, labels: Labels, channels: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -1200,7 +1218,7 @@ def fuses_gather(query: torch.Tensor, labels: Labels, channels: torch.Tensor, k:
     takes the one-kernel select + gather: :func:`fuse_gather_for` its selection rows (batch x query heads, or x kv
     heads with ``group`` > 1) and :func:`supports_select_gather`."""
     rows = query.shape[0] * (query.shape[1] if group == 1 else k.shape[1])
-    return fuse_gather_for(kk, rows, query.device) and supports_select_gather(
+    return fuse_gather_for(kk, rows, query.device, labels.num_tokens, k.shape[-1]) and supports_select_gather(
         query, labels, channels, k, v, kk, group, _select_base()["chunk_tokens"])
 
 
