@@ -112,6 +112,10 @@
 # filling the SMs take one split (one_split_tokens), PDL for the paged merge stays opt-in.  Left: PARTS="rules43-ds
 # rules43-none ds-fused-long" (about 120 + 60 + 150 s: each rule against itself off, with its GPU test; the one
 # kernel at 8k / 16k, where the rule has no data), then grid-full on an H200 for the README count.
+# Session 45 (H100) ran rules43-ds, rules43-none, ds-fused-long and grid-full twice (docs/results.md "Session 45"):
+# the one-split rule holds; session 43's fuse rule made Llama B16 / B64 4k reads 59-138 % slower and was refitted to
+# every measured pair (benchmarks/fuse_rule_fit.py).  Left: PART=rules45-ds (about 100 s: the refitted rule as the
+# default), then grid-full on an H200 for the README count.
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -418,6 +422,15 @@ case "${PART:-stages}" in
       "${S35_SHAPES:-smollm2-135m:1:8k,smollm2-135m:4:8k,smollm2-135m:16:8k,llama3-8b:1:8k,llama3-8b:4:8k,llama3-8b:16:8k,smollm2-135m:1:16k,smollm2-135m:4:16k,smollm2-135m:16:16k,llama3-8b:1:16k,llama3-8b:4:16k,llama3-8b:16:16k}" \
       '{"fuse_gather": false}' '{"fuse_gather": true}'
     ;;
+  rules45-ds)  # session 45's refitted fuse rule (no one-kernel read over 2 programs per SM; 8k / 16k label caches
+    # only at head dim 128 with a wave of programs) as the default against the two kernels, at the reads it changed
+    # or newly takes; the GPU test of the one-kernel read in CUDA graphs first
+    export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-200} PS_XDIST=${PS_XDIST:-4}
+    ROUNDS=1 && sweep "tests/test_graph_step.py::test_cuda_graph_replays_the_one_kernel_double_sparse_read" \
+      KVCOMPRESS_DS_CONFIG ds8,ds16,ds8-shared,ds16-shared \
+      "${S35_SHAPES:-llama3-8b:16:4k,llama3-8b:64:4k,smollm2-135m:64:4k,llama3-8b:4:8k,llama3-8b:16:8k,llama3-8b:4:16k,llama3-8b:16:16k,smollm2-135m:16:8k}" \
+      '{}' '{"fuse_gather": false}'
+    ;;
   rules43-none)  # session 43's one-split rule (one_split_tokens 4096: full-width Llama reads filling the SMs) against
     # the rules before it ({"one_split_tokens": 0}); its GPU test first
     export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-200} PS_XDIST=${PS_XDIST:-2}
@@ -440,6 +453,6 @@ case "${PART:-stages}" in
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, buffer-weight, ds-unroll, ds-fused, ds-fused-model, paged-pdl, splits1, rules43-ds, rules43-none, ds-fused-long, tp2, tp2-throughput, ds-search, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, buffer-weight, ds-unroll, ds-fused, ds-fused-model, paged-pdl, splits1, rules43-ds, rules43-none, ds-fused-long, rules45-ds, tp2, tp2-throughput, ds-search, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
      exit 2 ;;
 esac
