@@ -115,7 +115,7 @@
 # Session 45 (H100) ran rules43-ds, rules43-none, ds-fused-long and grid-full twice (docs/results.md "Session 45"):
 # the one-split rule holds; session 43's fuse rule made Llama B16 / B64 4k reads 59-138 % slower and was refitted to
 # every measured pair (benchmarks/fuse_rule_fit.py).  Left: PART=rules45-ds (about 100 s: the refitted rule as the
-# default), then grid-full on an H200 for the README count.
+# default), grid-full on an H200 for the README count, PART=ds-cluster-mid (about 90 s: the cluster select at 8k / 16k).
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -431,6 +431,13 @@ case "${PART:-stages}" in
       "${S35_SHAPES:-llama3-8b:16:4k,llama3-8b:64:4k,smollm2-135m:64:4k,llama3-8b:4:8k,llama3-8b:16:8k,llama3-8b:4:16k,llama3-8b:16:16k,smollm2-135m:16:8k}" \
       '{}' '{"fuse_gather": false}'
     ;;
+  ds-cluster-mid)  # the CUDA cluster select (C CTAs per query head, sm_90) at 8k / 16k, where "auto" never takes it
+    # (cluster_auto: only beyond one fused chunk, 16384 tokens) and the one fused program per head over 8-16k label
+    # keys made SmolLM2 B1 / B4 reads 0.71-0.89x SDPA (session 45, ds-fused-long); 32k as the reference, two rounds
+    ROUNDS=2 && sweep none KVCOMPRESS_DS_CONFIG ds8,ds16,ds8-shared,ds16-shared \
+      "${S35_SHAPES:-smollm2-135m:1:8k,smollm2-135m:4:8k,llama3-8b:1:8k,smollm2-135m:1:16k,smollm2-135m:4:16k,llama3-8b:1:16k,smollm2-135m:1:32k}" \
+      '{}' '{"method": "cuda", "cuda": {"cluster": 8}}' '{"method": "cuda", "cuda": {"cluster": 4}}'
+    ;;
   rules43-none)  # session 43's one-split rule (one_split_tokens 4096: full-width Llama reads filling the SMs) against
     # the rules before it ({"one_split_tokens": 0}); its GPU test first
     export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-200} PS_XDIST=${PS_XDIST:-2}
@@ -453,6 +460,6 @@ case "${PART:-stages}" in
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, buffer-weight, ds-unroll, ds-fused, ds-fused-model, paged-pdl, splits1, rules43-ds, rules43-none, ds-fused-long, rules45-ds, tp2, tp2-throughput, ds-search, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, buffer-weight, ds-unroll, ds-fused, ds-fused-model, paged-pdl, splits1, rules43-ds, rules43-none, ds-fused-long, rules45-ds, ds-cluster-mid, tp2, tp2-throughput, ds-search, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
      exit 2 ;;
 esac
