@@ -86,6 +86,9 @@ def test_cluster_plan():
     assert rc.cluster_plan(131072, (9, 0), 227 * 1024, dict(rc.RADIX_CUDA_CONFIG, cluster=2)) is None  # 64k keys per CTA
     assert rc.cluster_plan(98304, (9, 0), 227 * 1024, dict(rc.RADIX_CUDA_CONFIG, cluster=2)) == (2, 49152)
     assert rc.cluster_auto(8, 4096, 132) == 0
+    # within one fused chunk (session 45, H100): 4 CTAs per head for 8193 - 16384 tokens up to 16 heads; never at 8k
+    assert [rc.cluster_auto(r, 16384, 132) for r in (3, 8, 9, 12, 16, 17, 32, 36)] == [4] * 5 + [0] * 3
+    assert [rc.cluster_auto(8, t, 132) for t in (8192, 8193, 9000, 16384, 16385)] == [0, 4, 4, 4, 8]
 
 
 def test_select_model_catches_a_wrong_tie_rule(monkeypatch):
@@ -257,9 +260,9 @@ def test_cuda_select_long_odd_contexts(name):
     assert rc.smem_select(labels.num_tokens, 227 * 1024, rc.RADIX_CUDA_CONFIG) == (labels.num_tokens <= rc.SMEM_KEYS)
     # "auto" takes the CUDA select at a long context with many query heads, or the cluster select with few (sm_90),
     # and returns the same indices
-    if labels.num_tokens > triton_kernel.FUSED_MAX_TOKENS and (
-            q.shape[0] * q.shape[1] * 4 >= rc._sms(0) or (torch.cuda.get_device_capability()[0] >= 9 and rc.cluster_auto(
-                q.shape[0] * q.shape[1], labels.num_tokens, rc._sms(0)))):
+    if (labels.num_tokens > triton_kernel.FUSED_MAX_TOKENS and q.shape[0] * q.shape[1] * 4 >= rc._sms(0)) or (
+            torch.cuda.get_device_capability()[0] >= 9 and rc.cluster_auto(q.shape[0] * q.shape[1],
+                                                                           labels.num_tokens, rc._sms(0))):
         assert triton_kernel.select_method(q, labels, channels, k, dict(triton_kernel.SELECT_CONFIG), valid) == "cuda"
         assert torch.equal(triton_kernel.select_topk(q, labels, channels, valid, k), got)
     assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, smem=False))

@@ -240,11 +240,21 @@ def keys_stride(tokens: int) -> int:
     return -(-tokens // TPT) * TPT
 
 
+#: :func:`cluster_auto` within one fused select chunk: a label cache of more tokens than this (the fused select then
+#: holds 16384 keys per program) takes 4 CTAs per query head where 8 x rows fit one wave of SMs.  Session 45 (H100,
+#: ``PART=ds-cluster-mid``, two rounds, docs/results.md): at 16k, 3 - 12 rows (SmolLM2 B1 per head and shared,
+#: SmolLM2 B4 and Llama B1 group-shared) took 18 - 26 % less time with C = 4 than with the fused select (SmolLM2 B1
+#: ds8 34.1 -> 26.8 us, 0.71x -> 0.91x SDPA) and 12 - 22 % with C = 8; at 32 and 36 rows (Llama B1, SmolLM2 B4 per
+#: head) C = 4 was 6 - 19 % slower; at 8k every read was 14 - 182 % slower with either size.
+CLUSTER_MID_TOKENS = 8192
+
+
 def cluster_auto(rows: int, tokens: int, sms: int, chunk_tokens: int = 16384) -> int:
     """The cluster size ``cluster: None`` takes: 8 CTAs per query head where ``rows`` (batch x query heads) x 8 fit one
     wave of SMs; up to about 1.1 waves of 4 CTAs per head (37 rows on 132 SMs), 4 beyond 4 x ``chunk_tokens`` tokens
     and 2 below (where a CTA's half of the keys fits :data:`SMEM_KEYS`; :func:`cluster_plan` falls back otherwise);
-    else 0 (the two kernels).  Never where the fused select needs no merge (``tokens <= chunk_tokens``).
+    else 0 (the two kernels).  Where the fused select needs no merge (``tokens <= chunk_tokens``): 4 where the label
+    cache holds more than :data:`CLUSTER_MID_TOKENS` tokens and 8 x ``rows`` fit one wave, else 0 (the fused select).
 
     From the H200 sweeps (docs/results.md), µs: session 29 - 3-12 rows at 32k, SmolLM2 B1 ds8 34.8 against the fused
     50.0, Llama ds16-shared B1 41.9 against 48.5, Llama ds16-shared B1/128k 71.6 against 127.5, every 4k cell slower
@@ -254,7 +264,7 @@ def cluster_auto(rows: int, tokens: int, sms: int, chunk_tokens: int = 16384) ->
     C = 4 (142.1 against 170.7; C = 8 146.6); 8 rows at 32k keep C = 8 (Llama ds16-shared B1 34.4, C = 4 35.2, C = 2
     43.2)."""
     if tokens <= chunk_tokens:
-        return 0
+        return 4 if tokens > CLUSTER_MID_TOKENS and rows * 8 <= sms else 0
     if rows * 8 <= sms:
         return 8
     if rows * 4 <= sms * 9 // 8:
