@@ -112,10 +112,11 @@
 # filling the SMs take one split (one_split_tokens), PDL for the paged merge stays opt-in.  Left: PARTS="rules43-ds
 # rules43-none ds-fused-long" (about 120 + 60 + 150 s: each rule against itself off, with its GPU test; the one
 # kernel at 8k / 16k, where the rule has no data), then grid-full on an H200 for the README count.
-# Session 45 (H100) ran rules43-ds, rules43-none, ds-fused-long and grid-full twice (docs/results.md "Session 45"):
-# the one-split rule holds; session 43's fuse rule made Llama B16 / B64 4k reads 59-138 % slower and was refitted to
-# every measured pair (benchmarks/fuse_rule_fit.py).  Left: PART=rules45-ds (about 100 s: the refitted rule as the
-# default), grid-full on an H200 for the README count, PART=ds-cluster-mid (about 90 s: the cluster select at 8k / 16k).
+# Session 45 (H100) ran rules43-ds, rules43-none, ds-fused-long, grid-full three times, rules45-ds and
+# ds-cluster-mid (docs/results.md "Session 45"): the one-split rule holds; session 43's fuse rule made Llama B16 / B64
+# 4k reads 59-138 % slower and was refitted to every measured pair (benchmarks/fuse_rule_fit.py; as the default never
+# slower, H100 grid 37 -> 34 of 311); 8193-16384 label tokens over up to 16 rows take the cluster select (C = 4).
+# Left: grid-full on an H200 for the README count; ds-cluster-mid again as the default (its {} column).
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
