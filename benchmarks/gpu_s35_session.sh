@@ -432,14 +432,6 @@ case "${PART:-stages}" in
       "${S35_SHAPES:-llama3-8b:16:4k,llama3-8b:64:4k,smollm2-135m:64:4k,llama3-8b:4:8k,llama3-8b:16:8k,llama3-8b:4:16k,llama3-8b:16:16k,smollm2-135m:16:8k}" \
       '{}' '{"fuse_gather": false}'
     ;;
-  none-tma)  # the empty stack's read with its K / V tiles by TMA copies (kernels/leank/tma_kernel.py, opt-in "tma")
-    # against the lanes kernel's per-thread asynchronous copies; the lanes kernel's GPU tests first (the tma-* cases run
-    # the TMA launch against the reference); two rounds
-    export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-200} PS_XDIST=${PS_XDIST:-4}
-    ROUNDS=2 && sweep "tests/test_leank_kernel.py::test_triton_on_gpu" KVCOMPRESS_LEANK_CONFIG none \
-      "${S35_SHAPES:-llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:16:128k,llama3-8b:64:4k,llama3-8b:64:32k,smollm2-135m:1:32k,smollm2-135m:16:32k,smollm2-135m:64:32k,smollm2-135m:64:128k}" \
-      '{}' '{"tma": true}'
-    ;;
   ds-cluster-mid)  # the CUDA cluster select (C CTAs per query head, sm_90) at 8k / 16k, where "auto" never takes it
     # (cluster_auto: only beyond one fused chunk, 16384 tokens) and the one fused program per head over 8-16k label
     # keys made SmolLM2 B1 / B4 reads 0.71-0.89x SDPA (session 45, ds-fused-long); 32k as the reference, two rounds
@@ -469,6 +461,6 @@ case "${PART:-stages}" in
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, buffer-weight, ds-unroll, ds-fused, ds-fused-model, paged-pdl, splits1, rules43-ds, rules43-none, ds-fused-long, rules45-ds, ds-cluster-mid, none-tma, tp2, tp2-throughput, ds-search, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, buffer-weight, ds-unroll, ds-fused, ds-fused-model, paged-pdl, splits1, rules43-ds, rules43-none, ds-fused-long, rules45-ds, ds-cluster-mid, tp2, tp2-throughput, ds-search, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
      exit 2 ;;
 esac

@@ -83,7 +83,6 @@ from kvcompress.kernels.attention.triton_shared import (cap_base2, env_config, f
                                                          pdl_wait, power_of_two_setting, resident_programs, soft_cap,
                                                          use_pdl)
 
-from . import tma_kernel
 from .reference import Lane
 
 LOG2E = 1.4426950408889634
@@ -575,7 +574,7 @@ def _config() -> dict:
     cfg = dict(BN=64, num_warps=4, num_stages=None, waves=None, min_split_tokens=256, canonical=False, combine="splits",
                split_rows="auto", splits=None, resident_batch=16, whole_waves=True, fill=0.9, fill_splits=4, pdl=False,
                valid_ahead=True, warp_groups=1, single_wave_split_tokens=1480, proj_stages_tokens=8192,
-               resident_full_width_rows=32, one_split_tokens=4096, tma=False)
+               resident_full_width_rows=32, one_split_tokens=4096)
     cfg.update(env_config("KVCOMPRESS_LEANK_CONFIG", cfg))
     return cfg
 
@@ -816,12 +815,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     direct = splits == 1 and len(rows) == 1 and not rows[0]["has_heads"] and n_rows == hkv
     po = torch.empty(splits, b, n_rows, m, dv, device=dev, dtype=out.dtype if direct else torch.float32)
     pl = torch.empty(splits, b, n_rows, m, device=dev, dtype=torch.float32)
-    tma = bool(cfg.get("tma")) and tma_kernel.supports(rows, d, dv, bn, block_m, wg, logits, dev)
-    if tma:  # (opt-in) the full-width lane's tiles through TMA copies: the same partials
-        tma_kernel.launch(q, rows[0], po, pl, length, float(scale) * LOG2E, cap_base2(softcap), splits=splits,
-                          block_m=block_m, m_blocks=m_blocks, bn=bn, softcap=bool(softcap), pdl=pdl,
-                          valid_ahead=bool(cfg.get("valid_ahead")), num_warps=cfg["num_warps"], num_stages=stages)
-    for first in range(0, 0 if tma else len(rows), MAX_LANES):
+    for first in range(0, len(rows), MAX_LANES):
         chunk = rows[first:first + MAX_LANES]
         n_chunk = sum(r["h"] for r in chunk)
         if n_chunk == 0:
