@@ -128,8 +128,6 @@ class Memory:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.pool = None
-        if self.device.type == "cuda" and self.device.index is None:  # the pool and its context name the device
-            self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type == "cuda" and setting() == "vmm":
             alloc = _allocator()
             if alloc is not None:

@@ -585,22 +585,12 @@ class StaticPagedStore(MiddleStore):
         self.age: torch.Tensor | None = None  # [B, pages + 1] int64
         self.clock: torch.Tensor | None = None  # 0-dim int64: pages written so far
         self.quantizers: list[str | None] | None = None  # per part: the codec's encoder, chosen at the first block
-        self.buffer_memory = None  # where the pages live (kvcompress.kernels.vmm.memory), chosen when they are made
 
     # -- allocation -------------------------------------------------------------------------
     def _allocate(self, block: KVBlock, encoded: list[tuple[HeadGroup, dict[str, torch.Tensor]]]) -> None:
-        from kvcompress.kernels import vmm
-
-        b, dev = block.valid.shape[0], block.valid.device
-        if self.buffer_memory is None:
-            self.buffer_memory = vmm.memory(dev)
-        with self.buffer_memory():
-            self._allocate_buffers(b, dev, encoded)
-
-    def _allocate_buffers(self, b: int, dev: torch.device,
-                          encoded: list[tuple[HeadGroup, dict[str, torch.Tensor]]]) -> None:
         from .static import mark_static
 
+        b, dev = block.valid.shape[0], block.valid.device
         slots = (self.pages + 1) * self.page_size
         self.lanes = []
         for part, data in encoded:

@@ -153,23 +153,3 @@ def test_paged_pool_grows_in_mapped_memory(memory_setting):
                         generator=torch.Generator(device=dev).manual_seed(6))
         out[value] = view.attention_partial(q, 128 ** -0.5)
     assert all(torch.equal(a, b) for a, b in zip(out["torch"], out["vmm"]))
-
-
-@pytest.mark.gpu
-@on_gpu
-def test_static_kivi_pool_in_mapped_memory(memory_setting):
-    """A static pool of KIVI pages (what paged_eviction + kivi builds) allocates its pages in its own mapped memory;
-    reads equal the default's."""
-    from kvcompress.kernels.paged import bench as paged_bench
-
-    dev = torch.device("cuda")
-    out = {}
-    for value in ("torch", "vmm"):
-        memory_setting(value)
-        gen = torch.Generator(device=dev).manual_seed(7)
-        store, packed = paged_bench.static_kivi_pool(2, 8, 4096, 128, dev, gen)
-        assert store.buffer_memory.mapped == (value == "vmm")
-        q = torch.randn(2, 8, 4, 128, device=dev, dtype=torch.float16,
-                        generator=torch.Generator(device=dev).manual_seed(8))
-        out[value] = packed.attention_partial(q, 128 ** -0.5)
-    assert all(torch.equal(a, b) for a, b in zip(out["torch"], out["vmm"]))
