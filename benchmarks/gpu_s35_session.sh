@@ -432,13 +432,6 @@ case "${PART:-stages}" in
       "${S35_SHAPES:-llama3-8b:16:4k,llama3-8b:64:4k,smollm2-135m:64:4k,llama3-8b:4:8k,llama3-8b:16:8k,llama3-8b:4:16k,llama3-8b:16:16k,smollm2-135m:16:8k}" \
       '{}' '{"fuse_gather": false}'
     ;;
-  cache-memory)  # KVCOMPRESS_CACHE_MEMORY=vmm (kernels/vmm.py: a static layer's / a paged pool's buffers in a pool of
-    # cuMemCreate memory of their own) against PyTorch's allocator, each run a fresh process in the grid's op order
-    # (SDPA's copies first: where session 39 / 46 found reads 13-19 % slower); its GPU tests first; two rounds
-    export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-200}
-    ROUNDS=2 && sweep tests/test_vmm.py KVCOMPRESS_CACHE_MEMORY none,leank70-kivi2,lowrank,paged-dense,paged-kivi2 \
-      "${S35_SHAPES:-llama3-8b:16:128k,llama3-8b:64:32k,llama3-8b:16:4k,smollm2-135m:64:128k}" torch vmm
-    ;;
   ds-cluster-mid)  # the CUDA cluster select (C CTAs per query head, sm_90) at 8k / 16k, where "auto" never takes it
     # (cluster_auto: only beyond one fused chunk, 16384 tokens) and the one fused program per head over 8-16k label
     # keys made SmolLM2 B1 / B4 reads 0.71-0.89x SDPA (session 45, ds-fused-long); 32k as the reference, two rounds
@@ -468,6 +461,6 @@ case "${PART:-stages}" in
       '{}' '{"buffer_ctas": 16}'
     ;;
   *) echo "PART: stages, shapes, shapes-smol, valid-ahead, warp-groups, occupancy, buffer-tests, buffer-ab, buffer-rule, buffer-ctas, paged-shapes," \
-       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, buffer-weight, ds-unroll, ds-fused, ds-fused-model, paged-pdl, splits1, rules43-ds, rules43-none, ds-fused-long, rules45-ds, ds-cluster-mid, cache-memory, tp2, tp2-throughput, ds-search, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
+       "grid, splits, grid37, grid37b, grid-full, split-cap, paged-late, ds-steps, tests37, paged-tests, paged-layout, profile4k, ops-grid, lanes4k, proj-stages, none-resident, rules40, buffer-apart, buffer-weight, ds-unroll, ds-fused, ds-fused-model, paged-pdl, splits1, rules43-ds, rules43-none, ds-fused-long, rules45-ds, ds-cluster-mid, tp2, tp2-throughput, ds-search, compiled-expandable, grid-full-expandable, ds-tests or buffer-auto" >&2
      exit 2 ;;
 esac

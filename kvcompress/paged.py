@@ -259,7 +259,6 @@ class PagedStore(MiddleStore):
         self.valid: torch.Tensor | None = None  # [capacity, P] bool
         self.positions: torch.Tensor | None = None  # [capacity, P] int32
         self.score: torch.Tensor | None = None  # [capacity] float32
-        self.buffer_memory = None  # where the pages live (kvcompress.kernels.vmm.memory), chosen at the first growth
         self.tokens: list[int] = []  # valid slots per physical page (host)
         self.free: list[int] = []  # free physical pages, reused last-freed-first
         self.fresh = 0  # physical pages ever handed out (the rest of the capacity is untouched)
@@ -302,19 +301,14 @@ class PagedStore(MiddleStore):
         if bound is not None:
             if needed > bound:
                 self.stats["overflow"] += 1
-        if self.buffer_memory is None:
-            from kvcompress.kernels import vmm
-
-            self.buffer_memory = vmm.memory(self.valid.device)
-        with self.buffer_memory():
-            for bufs, name in list(self._tensors()):
-                old = getattr(self, name) if bufs is None else bufs[name]
-                new = old.new_zeros(cap, *old.shape[1:])
-                new[: old.shape[0]] = old
-                if bufs is None:
-                    setattr(self, name, new)
-                else:
-                    bufs[name] = new
+        for bufs, name in list(self._tensors()):
+            old = getattr(self, name) if bufs is None else bufs[name]
+            new = old.new_zeros(cap, *old.shape[1:])
+            new[: old.shape[0]] = old
+            if bufs is None:
+                setattr(self, name, new)
+            else:
+                bufs[name] = new
         self.tokens += [0] * (cap - len(self.tokens))
         self.stats["grown"] += 1
 

@@ -47,7 +47,6 @@ transformers (the adapter owns the transformers layer class and the attention fu
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any, Callable
 
@@ -202,7 +201,6 @@ class StaticLayer:
         self.middle: MiddleStore | None = (pipeline.make_store(self) if self.flushes and not self.sized_by_prompt
                                            else None)
         self.is_initialized = False
-        self.buffer_memory = None  # where the buffers live: chosen by allocate (kvcompress.kernels.vmm.memory)
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._host: tuple[int, int] | None = (0, 0)  # (seen, flushed) while known on the host
         #: the coming decode step as the host planned it (:meth:`plan_decode`): ``(flush, take_sinks)``, or ``None``
@@ -234,15 +232,10 @@ class StaticLayer:
                 "store can be rebuilt")
         self.store_capacity = slots
         self.state.clear()
-        with self._memory():
-            self.middle = self.pipeline.make_store(self)
-            if self.is_initialized:
-                self._flush_decode(warmup=True)
-                mark_held_static(self)
-
-    def _memory(self):
-        """The context of the layer's buffer allocations (nothing before :meth:`allocate` chose the memory)."""
-        return self.buffer_memory() if self.buffer_memory is not None else contextlib.nullcontext()
+        self.middle = self.pipeline.make_store(self)
+        if self.is_initialized:
+            self._flush_decode(warmup=True)
+            mark_held_static(self)
 
     def _shrink_middle(self, prompt: int) -> None:
         """A later chunk of the first prompt (prefill-only eviction, no per-head slots): the store was sized for a
@@ -252,27 +245,14 @@ class StaticLayer:
         shrink = getattr(self.middle, "shrink", None)
         if shrink is None or slots * 4 > self.store_capacity * 3:
             return
-        with self._memory():
-            shrunk = shrink(slots)
-        if shrunk:
+        if shrink(slots):
             self.store_capacity = slots
             mark_held_static(self)
 
     def allocate(self, batch: int, kv_heads: int, head_dim: int, v_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         """Allocate every buffer at capacity and run the pipeline once on an empty block (eagerly),
-        so stores allocate and compressors build their per-layer plans before any compiled step.  Every buffer of
-        the layer (its middle store's too, later resizes included) lives in the layer's cache memory
-        (:func:`kvcompress.kernels.vmm.memory`: PyTorch's allocator, or with ``KVCOMPRESS_CACHE_MEMORY=vmm`` a pool
-        of driver-mapped memory of its own)."""
-        from kvcompress.kernels import vmm
-
-        self.buffer_memory = vmm.memory(device)
-        with self.buffer_memory():
-            self._allocate(batch, kv_heads, head_dim, v_dim, dtype, device)
-
-    def _allocate(self, batch: int, kv_heads: int, head_dim: int, v_dim: int, dtype: torch.dtype,
-                  device: torch.device) -> None:
+        so stores allocate and compressors build their per-layer plans before any compiled step."""
         s, c = self.sink_slots, self.ring_slots
         self.k = torch.zeros(batch, kv_heads, s + c, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(batch, kv_heads, s + c, v_dim, dtype=dtype, device=device)
