@@ -1,0 +1,72 @@
+"""Is a slow large read the buffer's placement?  (issue 19; docs/results.md "Session 46")
+
+Sessions 39 and 46 saw the same read of the same cache run at one of two speeds, 13-19 % apart, from process to
+process and from allocation to allocation (paged dense Llama B16 / 4k 100.5 or 115.5 us; B64 / 32k 2737 or 3248 us),
+under PyTorch's caching allocator and under a pool of ``cuMemCreate`` memory alike, while SDPA - always the first
+op of a shape, on buffers allocated first - did not move.  This probe allocates ``--copies`` K / V caches of one
+shape one after another in one process (each its own allocation, all alive together) and times, on each copy, both
+SDPA (the grid's baseline: cuDNN / flash) and kvcompress' lanes read of the whole cache (the empty stack's kernel),
+CUDA graphs, one copy per timing (each read larger than L2).  If a copy is slow for both, the slowdown belongs to
+where the buffer lies, not to a kernel; if only for one, to that kernel.  CUDA only::
+
+    python benchmarks/gpu_placement_probe.py --out OUT [--shapes llama3-8b:16:4k,llama3-8b:64:32k] [--copies 6]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", default="llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:32k")
+    ap.add_argument("--copies", type=int, default=6)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    from kvcompress.kernels import benchutil as bu
+    from kvcompress.kernels.leank import triton_kernel as lanes
+    from kvcompress.kernels.leank.reference import Lane
+
+    os.makedirs(args.out, exist_ok=True)
+    dev = torch.device("cuda")
+    shapes = {s.model: s for s in bu.SHAPES}
+    sdpa = bu._sdpa_fn(None)
+    rows = []
+    for spec in args.shapes.split(","):
+        model, b, ctx = spec.split(":")
+        b, ctx = int(b), int(ctx.rstrip("k")) * 1024
+        s = shapes[model]
+        m = s.q_heads // s.kv_heads
+        gen = torch.Generator(device=dev).manual_seed(1)
+        copies = []
+        for i in range(args.copies):
+            try:
+                copies.append(bu.dense_inputs(b, s.kv_heads, ctx, s.head_dim, m, dev, gen))
+            except torch.OutOfMemoryError:
+                break
+        for i, (q, k, v) in enumerate(copies):
+            t_sdpa = bu.time_op(sdpa, [(q, k, v)], device=dev)
+            t_lanes = bu.time_op(lambda q, k, v: lanes.grouped_partial_attention(q, [Lane(None, None, k, v, None)],
+                                                                                  s.head_dim ** -0.5),
+                                 [(q, k, v)], device=dev)
+            row = {"shape": spec, "copy": i, "k_ptr": k.data_ptr(), "sdpa_us": t_sdpa.us, "lanes_us": t_lanes.us,
+                   "method": t_sdpa.method}
+            rows.append(row)
+            print(f"{spec} copy {i}: sdpa {t_sdpa.us:8.1f} us  lanes {t_lanes.us:8.1f} us  "
+                  f"({t_lanes.us / t_sdpa.us:.3f}x the SDPA time)  k at {k.data_ptr():#x}", flush=True)
+            with open(os.path.join(args.out, "placement_probe.json"), "w") as fh:
+                json.dump(rows, fh, indent=1)
+        del copies
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
