@@ -117,6 +117,11 @@
 # 4k reads 59-138 % slower and was refitted to every measured pair (benchmarks/fuse_rule_fit.py; as the default never
 # slower, H100 grid 37 -> 34 of 311); 8193-16384 label tokens over up to 16 rows take the cluster select (C = 4).
 # Left: grid-full on an H200 for the README count; ds-cluster-mid again as the default (its {} column).
+# Session 46 (H100) ran grid-full (31 of 311) and ds-cluster-mid (the rule holds as the default), then two parts
+# since removed with what they timed (docs/results.md "Session 46"): none-tma (TMA copies for the empty stack's read,
+# equal, at e45ce49) and cache-memory (a driver-mapped pool for cache buffers, which did not avoid the slow state of
+# a read, at 89b2417); benchmarks/gpu_vmm_probe.py and gpu_placement_probe.py are the probes of that state.
+# Left: grid-full on an H200 for the README count.
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
