@@ -10,7 +10,8 @@ file (one JSON path per line - or a benchutil table, ``.md``, where the JSON was
 to the file's directory, ``#`` comments; ``path:key`` takes the rows under ``key`` of a file holding several runs,
 e.g. a sweep's ``config_2``): ``docs/data/grid_latest.txt`` lists issue 19's current grid.  ``--count`` adds, per
 model and op, the cells below 1.0x and the source of every cell, and the total over the grid's ops
-(:data:`GRID_OPS`); ``--only-grid`` drops rows of other ops (``sdpa``, variants).
+(:data:`GRID_OPS`); ``--only-grid`` drops rows of other ops (``sdpa``, variants); ``--summary`` prints only one line
+per op (speed-up range per model, cells below 1.0x: the README's table).
 """
 
 from __future__ import annotations
@@ -138,6 +139,30 @@ def count_table(rows: list[dict], ops=GRID_OPS) -> str:
     return "\n".join(out)
 
 
+#: the README's names of the grid's head shapes
+MODEL_NAMES = {"llama3-8b": "Llama-3-8B heads", "smollm2-135m": "SmolLM2 heads"}
+
+
+def summary_table(rows: list[dict], ops=GRID_OPS) -> str:
+    """One line per op: the lowest and highest speed-up over SDPA at each model's shapes (each cell's latest
+    measurement), and the cells below 1.0x of all cells timed.  The README quotes this table (``--summary``)."""
+    cells = {k: r for k, r in latest_cells(rows).items() if k[1] in ops and r.get("speedup_vs_sdpa") is not None}
+    models = sorted({k[0] for k in cells})
+    out = ["| op | " + " | ".join(MODEL_NAMES.get(m, m) for m in models) + " | below 1x |",
+           "|---|" + "---|" * len(models) + "---|"]
+    for op in ops:
+        mine = {k: r["speedup_vs_sdpa"] for k, r in cells.items() if k[1] == op}
+        if not mine:
+            continue
+        parts = []
+        for m in models:
+            v = [x for k, x in mine.items() if k[0] == m]
+            parts.append(f"{min(v):.2f}-{max(v):.2f}x" if v else "-")
+        n_slow = sum(1 for x in mine.values() if x < 1.0)
+        out.append(f"| {op} | " + " | ".join(parts) + f" | {n_slow} of {len(mine)} |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="*", help="benchutil JSON files, oldest first (path or path:key)")
@@ -145,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metric", choices=("speedup", "us", "pct"), default="speedup")
     ap.add_argument("--count", action="store_true", help="also count the grid ops' cells below 1.0x, with sources")
     ap.add_argument("--only-grid", action="store_true", help="only issue 19's ops (and no sdpa rows)")
+    ap.add_argument("--summary", action="store_true",
+                    help="only the per-op table of speed-up ranges and cells below 1.0x (the README's)")
     args = ap.parse_args(argv)
     files = [(f, f) for f in args.files] + (read_sources(args.sources) if args.sources else [])
     if not files:
@@ -154,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         rows += load_rows(path, name)
     if args.only_grid:
         rows = [r for r in rows if r.get("op") in GRID_OPS]
+    if args.summary:
+        print(summary_table(rows))
+        return 0
     for model in sorted({r["model"] for r in rows if "model" in r}):
         print(f"\n{model} ({args.metric})\n")
         print(matrix(rows, model, args.metric))

@@ -97,3 +97,29 @@ def test_the_committed_sources_give_the_documented_count():
     quoted = re.search(r"\((\d+) of 312 cells below 1x", readme)
     assert quoted is not None, "README quotes the grid's count"
     assert n == int(quoted.group(1))
+
+
+def test_the_readme_table_is_the_committed_grids_summary():
+    """The README's per-op table of issue 19's grid is ``--summary`` of docs/data/grid_latest.txt, line for line, and its
+    cells below 1x add up to the count the README quotes."""
+    out = _run("--sources", ROOT / "docs/data/grid_latest.txt", "--summary", "--only-grid").strip().splitlines()
+    readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    start = readme.index(out[0])
+    assert readme[start:start + len(out)] == out
+    below = sum(int(re.search(r"\| (\d+) of \d+ \|$", line).group(1)) for line in out[2:])
+    quoted = re.search(r"\((\d+) of 312 cells below 1x", "\n".join(readme))
+    assert quoted is not None and below == int(quoted.group(1))
+
+
+def test_summary_gives_each_ops_range_per_model_from_the_latest_cells(tmp_path):
+    old = tmp_path / "old.json"
+    new = tmp_path / "new.json"
+    old.write_text(json.dumps({"rows": [_row("none", 1, 4096, 0.8), _row("none", 4, 4096, 1.3),
+                                        _row("none", 1, 4096, 1.7, model="smollm2-135m"),
+                                        _row("kivi2", 1, 4096, 2.5), _row("sdpa", 1, 4096, 1.0)]}))
+    new.write_text(json.dumps({"rows": [_row("none", 4, 4096, 0.9)]}))  # replaces the 1.3
+    out = _run(old, new, "--summary", "--only-grid").strip().splitlines()
+    assert out[0] == "| op | Llama-3-8B heads | SmolLM2 heads | below 1x |"
+    assert "| kivi2 | 2.50-2.50x | - | 0 of 1 |" in out
+    assert "| none | 0.80-0.90x | 1.70-1.70x | 2 of 3 |" in out
+    assert not any(line.startswith("| sdpa") for line in out)
