@@ -9,7 +9,7 @@ SDPA (the grid's baseline: cuDNN / flash) and kvcompress' lanes read of the whol
 CUDA graphs, one copy per timing (each read larger than L2).  If a copy is slow for both, the slowdown belongs to
 where the buffer lies, not to a kernel; if only for one, to that kernel.  CUDA only::
 
-    python benchmarks/gpu_placement_probe.py --out OUT [--shapes llama3-8b:16:4k,llama3-8b:64:32k] [--copies 6]
+    python benchmarks/gpu_placement_probe.py --out OUT [--shapes llama3-8b:16:4k,llama3-8b:64:32k] [--copies 6] [--churn]
 """
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default="llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:64:32k")
     ap.add_argument("--copies", type=int, default=6)
+    ap.add_argument("--churn", action="store_true",
+                    help="before each copy, hold a tensor of a different size (1-6 GiB) and free it after the copy is "
+                         "allocated, as other ops' buffers come and go in a grid run")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -48,7 +51,9 @@ def main(argv=None) -> int:
         copies = []
         for i in range(args.copies):
             try:
+                held = torch.empty((1 + (i * 5) % 6) << 30, dtype=torch.uint8, device=dev) if args.churn else None
                 copies.append(bu.dense_inputs(b, s.kv_heads, ctx, s.head_dim, m, dev, gen))
+                del held
             except torch.OutOfMemoryError:
                 break
         for i, (q, k, v) in enumerate(copies):
@@ -57,7 +62,7 @@ def main(argv=None) -> int:
                                                                                   s.head_dim ** -0.5),
                                  [(q, k, v)], device=dev)
             row = {"shape": spec, "copy": i, "k_ptr": k.data_ptr(), "sdpa_us": t_sdpa.us, "lanes_us": t_lanes.us,
-                   "method": t_sdpa.method}
+                   "method": t_sdpa.method, "churn": args.churn}
             rows.append(row)
             print(f"{spec} copy {i}: sdpa {t_sdpa.us:8.1f} us  lanes {t_lanes.us:8.1f} us  "
                   f"({t_lanes.us / t_sdpa.us:.3f}x the SDPA time)  k at {k.data_ptr():#x}", flush=True)
