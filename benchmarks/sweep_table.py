@@ -6,10 +6,11 @@ other) and ``rows.md`` (whose ``## round R config {...}`` lines name them).  Thi
 context), the latency under each configuration, its change against the first, and the speed-up over SDPA measured
 in the same configuration's run; then per configuration: how many reads it made faster or slower by more than
 ``--noise`` percent, the geometric mean of its latency ratios, and how many reads are below 1.0x SDPA - also for the
-fastest configuration of each read.
+fastest configuration of each read; last, the reads whose rounds of one configuration differ by more than
+``--state`` percent (:func:`unsteady`).
 
     python benchmarks/sweep_table.py OUT/configs.json [--rows OUT/rows.md] [--noise 2] [--ops a,b]
-        [--variant-suffix=-fused]
+        [--variant-suffix=-fused] [--state 10]
 
 ``--variant-suffix S``: ops named ``X`` + ``S`` (e.g. ``ds16-fused``) are variants of op ``X`` timed in the same runs;
 each run then gives two columns, ``X`` and its variant, so the variant is compared with the op read for read.
@@ -108,6 +109,26 @@ def table(runs: list[dict], names: list[str], noise: float = 2.0, ops: set[str] 
     return "\n".join(lines)
 
 
+def unsteady(runs: list[dict], names: list[str], state: float = 10.0, ops: set[str] | None = None) -> str:
+    """Reads whose rounds of one configuration (``X`` and ``X (round N)``) differ by more than ``state`` percent.
+
+    On H100s the same read of the same cache ran at one of two speeds, 13-19 % apart, from process to process and
+    round to round (docs/results.md, "Session 46"); each run of a sweep is its own process, so such a jump in one
+    round is that state, not the configuration's effect.  Empty where every configuration's rounds agree."""
+    base = [re.sub(r" \(round \d+\)$", "", n) for n in names]
+    found = []
+    for key in sorted({k for run in runs for k in run if k[0] != "sdpa" and (ops is None or k[0] in ops)}):
+        for name in dict.fromkeys(base):
+            lat = [run[key]["latency_us"] for run, b in zip(runs, base) if b == name and key in run]
+            if len(lat) > 1 and max(lat) > min(lat) * (1 + state / 100):
+                found.append(f"- {key[0]} {key[1]} B{key[2]} {_ctx(key[3])}, {name}: "
+                             + " / ".join(f"{x:.1f}" for x in lat) + " µs")
+    if not found:
+        return ""
+    return (f"\nRounds of one configuration more than {state:g}% apart (a process's slow state, not the setting: "
+            "docs/results.md \"Session 46\"):\n" + "\n".join(found))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("configs", type=Path, help="configs.json of a sweep")
@@ -115,6 +136,8 @@ def main(argv=None) -> int:
     ap.add_argument("--noise", type=float, default=2.0, help="percent a change must exceed to count (default 2)")
     ap.add_argument("--ops", help="only these ops (comma-separated)")
     ap.add_argument("--variant-suffix", help="ops X + this suffix are variants of op X: a column each per run")
+    ap.add_argument("--state", type=float, default=10.0,
+                    help="list reads whose rounds of one configuration differ by more than this percent (default 10)")
     args = ap.parse_args(argv)
     runs = read_runs(args.configs)
     if not runs:
@@ -123,7 +146,11 @@ def main(argv=None) -> int:
     names = labels(rows_md, len(runs))
     if args.variant_suffix:
         runs, names = split_variants(runs, names, args.variant_suffix)
-    print(table(runs, names, args.noise, set(args.ops.split(",")) if args.ops else None))
+    ops = set(args.ops.split(",")) if args.ops else None
+    print(table(runs, names, args.noise, ops))
+    note = unsteady(runs, names, args.state, ops)
+    if note:
+        print(note)
     return 0
 
 

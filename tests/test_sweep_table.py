@@ -42,3 +42,27 @@ def test_sweep_table_compares_every_read_under_every_configuration(tmp_path, cap
     assert "| {} | - | - | 1 of 2 |" in out
     assert "| {} (round 2) | 0 / 0 | 1.010 | 0 of 2 |" in out
     assert "| the fastest of each read | - | - | 0 of 2 |" in out
+    # {} and {} (round 2) agree within 10 % at B1 (40.0 / 40.4): no read is listed as unsteady
+    assert not any(line.startswith("Rounds of one configuration") for line in out)
+
+
+def test_rounds_of_one_configuration_that_disagree_are_listed(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import sweep_table
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    runs = {"config_1": {"rows": [_row("none", 16, 100.0), _row("lowrank", 16, 100.0)]},
+            "config_2": {"rows": [_row("none", 16, 101.0), _row("lowrank", 16, 113.0)]},
+            "config_3": {"rows": [_row("none", 16, 116.0), _row("lowrank", 16, 100.0)]},
+            "config_4": {"rows": [_row("none", 16, 100.0), _row("lowrank", 16, 112.0)]}}
+    (tmp_path / "configs.json").write_text(json.dumps(runs))
+    (tmp_path / "rows.md").write_text("## round 1 config torch\n## round 1 config vmm\n"
+                                      "## round 2 config torch\n## round 2 config vmm\n")
+    assert sweep_table.main([str(tmp_path / "configs.json")]) == 0
+    out = capsys.readouterr().out
+    # torch: none 100 / 116 (+16 %) listed, lowrank 100 / 100 not; vmm: lowrank 113 / 112 agree, none 101 / 100 agree
+    assert "- none llama3-8b B16 32k, torch: 100.0 / 116.0 µs" in out
+    assert "lowrank llama3-8b B16 32k, torch" not in out and ", vmm:" not in out
+    assert sweep_table.main([str(tmp_path / "configs.json"), "--state", "20"]) == 0
+    assert "Rounds of one configuration" not in capsys.readouterr().out
