@@ -12,8 +12,9 @@ grid's op order (SDPA's copies first):
 3. ``default-again``: the default allocator once more, after the pool is gone (is it just the order?).
 
 If round 2 is fast where rounds 1 and 3 are slow, the slowdown is the mapping of the segments cudaMalloc hands out
-late in a process, and a cache can avoid it by allocating its buffers from such a pool.  CUDA only; needs nvcc and
-libcuda (the device image has both)::
+late in a process, and a cache can avoid it by allocating its buffers from such a pool.  (Session 46: round 2 was
+fast at all 12 reads here, but a cache memory built on it was still slow at some reads in a two-process A/B and was
+reverted; docs/results.md "Session 46".)  CUDA only; needs nvcc and libcuda (the device image has both)::
 
     python benchmarks/gpu_vmm_probe.py --out OUT [--shapes llama3-8b:16:128k,...] [--ops sdpa,none,paged-dense]
 """

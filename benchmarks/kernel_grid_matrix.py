@@ -113,15 +113,19 @@ def matrix(rows: list[dict], model: str, metric: str = "speedup") -> str:
     return "\n".join(out)
 
 
+def compared_cells(rows: list[dict], ops=GRID_OPS) -> dict[tuple, dict]:
+    """The latest cells of ``ops`` that have a speed-up over SDPA."""
+    return {k: r for k, r in latest_cells(rows).items() if k[1] in ops and r.get("speedup_vs_sdpa") is not None}
+
+
 def below(rows: list[dict], ops=GRID_OPS) -> dict[tuple, dict]:
     """The latest cells of ``ops`` slower than SDPA (speed-up below 1.0)."""
-    return {k: r for k, r in latest_cells(rows).items()
-            if k[1] in ops and r.get("speedup_vs_sdpa") is not None and r["speedup_vs_sdpa"] < 1.0}
+    return {k: r for k, r in compared_cells(rows, ops).items() if r["speedup_vs_sdpa"] < 1.0}
 
 
 def count_table(rows: list[dict], ops=GRID_OPS) -> str:
     """Per model and op: cells timed, cells below 1.0x, and the sources of the cells; then the totals."""
-    cells = {k: r for k, r in latest_cells(rows).items() if k[1] in ops and r.get("speedup_vs_sdpa") is not None}
+    cells = compared_cells(rows, ops)
     slow = below(rows, ops)
     out = ["| model | op | cells | below 1.0x | sources (cells) |", "|---|---|---|---|---|"]
     for model in sorted({k[0] for k in cells}):
@@ -146,7 +150,7 @@ MODEL_NAMES = {"llama3-8b": "Llama-3-8B heads", "smollm2-135m": "SmolLM2 heads"}
 def summary_table(rows: list[dict], ops=GRID_OPS) -> str:
     """One line per op: the lowest and highest speed-up over SDPA at each model's shapes (each cell's latest
     measurement), and the cells below 1.0x of all cells timed.  The README quotes this table (``--summary``)."""
-    cells = {k: r for k, r in latest_cells(rows).items() if k[1] in ops and r.get("speedup_vs_sdpa") is not None}
+    cells = compared_cells(rows, ops)
     models = sorted({k[0] for k in cells})
     out = ["| op | " + " | ".join(MODEL_NAMES.get(m, m) for m in models) + " | below 1x |",
            "|---|" + "---|" * len(models) + "---|"]
