@@ -371,3 +371,13 @@ def test_every_cuda_source_ships_with_the_package():
     for cu in (root / "kernels").rglob("*.cu"):
         package = "kvcompress.kernels." + ".".join(cu.parent.relative_to(root / "kernels").parts)
         assert "*.cu" in data.get(package, []), f"{cu.name}: add '*.cu' to package-data of {package}"
+
+
+def test_instrumented_build_is_separate_and_checked():
+    """``build(defines)`` takes only the listed preprocessor names (the phase-clock build of
+    benchmarks/gpu_cluster_phases.py), and its nvcc line defines them; the default line defines none."""
+    with pytest.raises(ValueError, match="allowed \\['DS_PHASES'\\]"):
+        rc.build(("DS_PHASE",))
+    assert not rc._LIB
+    assert "-DDS_PHASES" in rc.nvcc_command("x.so", ("DS_PHASES",))
+    assert not any(a.startswith("-D") for a in rc.nvcc_command("x.so"))

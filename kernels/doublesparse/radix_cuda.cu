@@ -430,6 +430,34 @@ __global__ void __launch_bounds__(SELECT_THREADS, 1) ds_select_kernel(SelectPara
   emit_chosen<!SMEM>(keys, p.T, 0, prefix, shift, need, 0, 0, out, &tile_tot);
 }
 
+// Phase clocks of the cluster select, only in a build with -DDS_PHASES (benchmarks/gpu_cluster_phases.py; the
+// default build has none of this): thread 0 of each CTA writes, per CTA (row * gridDim.x + blockIdx.x), slot 0 the
+// global timer at entry, slot 1 its SM, slot 2 the digit passes after the first, then slots 3.. clock64() at: entry,
+// query loaded, keys scored, first digit found, last digit found, counts of the CTAs before it read, indices written,
+// and slot 10 the global timer at the end.
+#ifdef DS_PHASES
+constexpr int PH_SLOTS = 12;
+constexpr long long PH_CTAS = 8192;
+__device__ long long ds_phase_buf[PH_CTAS * PH_SLOTS];
+__device__ __forceinline__ void phase_put(int slot, long long v) {
+  const long long i = (long long)blockIdx.y * gridDim.x + blockIdx.x;
+  if (threadIdx.x == 0 && i < PH_CTAS) ds_phase_buf[i * PH_SLOTS + slot] = v;
+}
+__device__ __forceinline__ long long phase_timer() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ long long phase_smid() {
+  unsigned s;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+  return (long long)s;
+}
+#define DS_PHASE(slot) phase_put((slot), clock64())
+#else
+#define DS_PHASE(slot) do {} while (0)
+#endif
+
 // ---------------------------------------------------------------------------------------------- cluster select
 // One thread-block cluster of C CTAs per query head (sm_90): CTA r scores tokens [r * n, (r + 1) * n) into its own
 // shared memory (no keys scratch, no global histogram), and the CTAs run the select together - each digit's
@@ -476,6 +504,11 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
   __shared__ int2 tile_tot;
   __shared__ int2 mine;   // this CTA's (above, ties) counts, read by the CTAs after it
   __shared__ int2 before; // the counts of the CTAs before it
+#ifdef DS_PHASES
+  phase_put(0, phase_timer());
+  phase_put(1, phase_smid());
+#endif
+  DS_PHASE(3);
   const int rank = (int)cluster.block_rank();
   const long long row = blockIdx.y;  // b * HQ + hq
   const long long b = row / p.HQ, hq = row % p.HQ, h = hq / p.G;
@@ -491,6 +524,7 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
     qsum = s;
   }
   __syncthreads();
+  DS_PHASE(4);
   const long long t0 = (long long)rank * p.chunk;
   const long long t1 = max(t0, min(t0 + p.chunk, p.T));
   const long long n = t1 - t0;
@@ -516,9 +550,12 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
     }
   }
   __syncthreads();
+  DS_PHASE(5);
   long long* out = sp.out + row * sp.K;
   int need = (int)sp.K;
   cluster_find(hist, comb, BINS0, need, st);
+  DS_PHASE(6);
+  [[maybe_unused]] int passes = 0;
   uint32_t prefix = (uint32_t)st[0];
   need -= st[1];
   int shift = 32 - BITS0;
@@ -540,7 +577,12 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
     shift = low;
     in_bin = comb[st[0]];
     __syncthreads();
+    ++passes;
   }
+  DS_PHASE(7);
+#ifdef DS_PHASES
+  phase_put(2, passes);
+#endif
   // this CTA's counts above / at the prefix, then those of the CTAs before it
   int a = 0, e = 0;
   for (long long t = threadIdx.x; t < n; t += blockDim.x) {
@@ -559,7 +601,12 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
     before = sum;
   }
   cluster.sync();  // no CTA leaves (or reuses `mine`) while another reads it
+  DS_PHASE(8);
   emit_chosen<false>(sk, n, t0, prefix, shift, need, before.x, before.y, out, &tile_tot);
+  DS_PHASE(9);
+#ifdef DS_PHASES
+  phase_put(10, phase_timer());
+#endif
 #endif
 }
 
@@ -715,6 +762,17 @@ DS_EXPORT int ds_radix_select_launch(const long long* a, int device, void* strea
 }
 
 DS_EXPORT long long ds_radix_smem_keys() { return ds_radix::SMEM_KEYS; }
+
+// The phase clocks of the last cluster selects (a build with -DDS_PHASES; -1 otherwise): n int64 into dst (host).
+DS_EXPORT int ds_radix_phases(long long* dst, long long n) {
+#ifdef DS_PHASES
+  if (n < 0 || n > ds_radix::PH_CTAS * ds_radix::PH_SLOTS) return (int)cudaErrorInvalidValue;
+  return (int)cudaMemcpyFromSymbol(dst, ds_radix::ds_phase_buf, (size_t)n * sizeof(long long));
+#else
+  (void)dst; (void)n;
+  return -1;
+#endif
+}
 
 // The cluster select (sm_90): a as for ds_radix_select_launch (keys, hist, gn, KS, smem and keys threads unused;
 // label rows in flight 1 or 4; chunk = tokens per CTA, a multiple of 8, at most SMEM_KEYS), c = CTAs per head (1, 2, 4 or 8:

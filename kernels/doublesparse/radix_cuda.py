@@ -189,19 +189,31 @@ def cache_dir() -> Path:
     return cache_root() / "ds_cuda"
 
 
-def nvcc_command(out: str) -> list[str]:
-    return [_nvcc() or "nvcc", *NVCC_FLAGS, "-o", out, str(SOURCE)]
+def nvcc_command(out: str, defines: tuple[str, ...] = ()) -> list[str]:
+    return [_nvcc() or "nvcc", *NVCC_FLAGS, *(f"-D{d}" for d in defines), "-o", out, str(SOURCE)]
 
 
-def build() -> ctypes.CDLL:
-    """Compile (or load from the cache) the library and bind its launcher."""
+#: Preprocessor names a :func:`build` may define: ``DS_PHASES`` - the cluster select records per-CTA phase clocks
+#: (``ds_radix_phases``; benchmarks/gpu_cluster_phases.py), never in the library the kernels use.
+BUILD_DEFINES = ("DS_PHASES",)
+
+
+def build(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Compile (or load from the cache) the library and bind its launcher; ``defines`` (of :data:`BUILD_DEFINES`)
+    give a separate, instrumented library."""
+    unknown = [d for d in defines if d not in BUILD_DEFINES]
+    if unknown:
+        raise ValueError(f"build defines {unknown}: allowed {list(BUILD_DEFINES)}")
+    key = "lib" + "".join(f" {d}" for d in sorted(defines))
     with _LOCK:
-        if "lib" in _LIB:
-            return _LIB["lib"]
+        if key in _LIB:
+            return _LIB[key]
         src = SOURCE.read_bytes()
-        tag = hashlib.sha256(src + repr(NVCC_FLAGS).encode()).hexdigest()[:16]
+        defines = tuple(sorted(defines))
+        tag = hashlib.sha256(src + repr(NVCC_FLAGS).encode() + repr(defines).encode() * bool(defines)).hexdigest()[:16]
         path = cache_dir() / f"libds_radix_{tag}.so"
-        compile_cached(path, nvcc_command, "building the DoubleSparse CUDA select failed; set KVCOMPRESS_DS_CONFIG="
+        compile_cached(path, functools.partial(nvcc_command, defines=defines),
+                       "building the DoubleSparse CUDA select failed; set KVCOMPRESS_DS_CONFIG="
                        "'{\"method\": \"fused\"}' to use the Triton select.")
         lib = ctypes.CDLL(str(path))
         lib.ds_radix_select_launch.restype = ctypes.c_int
@@ -212,10 +224,12 @@ def build() -> ctypes.CDLL:
         lib.ds_radix_cluster_launch.restype = ctypes.c_int
         lib.ds_radix_cluster_launch.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_int, ctypes.c_int,
                                                 ctypes.c_int, ctypes.c_void_p]
+        lib.ds_radix_phases.restype = ctypes.c_int
+        lib.ds_radix_phases.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_longlong]
         if (lib.ds_radix_bins0(), lib.ds_radix_gmax(), lib.ds_radix_rmax(), lib.ds_radix_smem_keys()) != (
                 1 << BITS0, GMAX, RMAX, SMEM_KEYS):
             raise RuntimeError(f"{path} was built from another version of radix_cuda.cu")
-        _LIB["lib"] = lib
+        _LIB[key] = lib
         return lib
 
 
