@@ -433,7 +433,7 @@ __global__ void __launch_bounds__(SELECT_THREADS, 1) ds_select_kernel(SelectPara
 // Phase clocks of the cluster select, only in a build with -DDS_PHASES (benchmarks/gpu_cluster_phases.py; the
 // default build has none of this): thread 0 of each CTA writes, per CTA (row * gridDim.x + blockIdx.x), slot 0 the
 // global timer at entry, slot 1 its SM, slot 2 the digit passes after the first, then slots 3.. clock64() at: entry,
-// query loaded, keys scored, first digit found, last digit found, counts of the CTAs before it read, indices written,
+// query loaded, keys scored, first digit found, last digit found, ties of the CTAs before it read, indices written,
 // and slot 10 the global timer at the end.
 #ifdef DS_PHASES
 constexpr int PH_SLOTS = 12;
@@ -462,26 +462,56 @@ __device__ __forceinline__ long long phase_smid() {
 // One thread-block cluster of C CTAs per query head (sm_90): CTA r scores tokens [r * n, (r + 1) * n) into its own
 // shared memory (no keys scratch, no global histogram), and the CTAs run the select together - each digit's
 // histogram is the sum of the C CTAs' shared-memory histograms (read through distributed shared memory), and each
-// CTA writes its tokens' indices after the counts of the CTAs before it.  One launch; at batch 1 every head's work
+// CTA writes its tokens' indices after the counts of the CTAs before it (summed from the same histograms as they are
+// read: no round of their own).  One launch; at batch 1 every head's work
 // spreads over C SMs.  p.chunk = n (a multiple of TPT).
 
-// The histogram of the cluster: comb[i] = sum over ranks of hist[i] (every CTA computes the same), then the digit of
-// the need-th largest key in it.  Leaves st = (digit, keys in higher digits) and comb; ends with a cluster barrier
-// (every CTA has read the others' hist before any of them changes it).
-__device__ __forceinline__ void cluster_find(int* hist, int* comb, int nb, int need, int* st) {
+// The histogram of the cluster: comb[i] = sum over ranks of hist[i], and combb[i] = the sum over the ranks before
+// this CTA's (every CTA computes the same comb); then the digit of the need-th largest key in comb.  Leaves
+// st = (digit, keys in higher digits, keys in higher digits in the CTAs before this one), comb and combb; ends with a
+// cluster barrier (every CTA has read the others' hist before any of them changes it).  The C remote loads of a bin
+// are all issued before any is added (CMAX of them, those past C predicated off): one distributed-shared-memory
+// round trip per bin, not C.
+constexpr int CMAX = 8;
+
+__device__ __forceinline__ void cluster_find(int* hist, int* comb, int* combb, int nb, int need, int* st) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();  // every CTA's histogram is complete
-  const int c = (int)cluster.num_blocks();
+  const int c = (int)cluster.num_blocks(), rank = (int)cluster.block_rank();
   for (int i = threadIdx.x; i < nb; i += blockDim.x) {
-    int sum = 0;
-    for (int q = 0; q < c; ++q) sum += cluster.map_shared_rank(hist, q)[i];
+    int v[CMAX];
+#pragma unroll
+    for (int q = 0; q < CMAX; ++q) v[q] = q < c ? cluster.map_shared_rank(hist, q)[i] : 0;
+    int sum = 0, sumb = 0;
+#pragma unroll
+    for (int q = 0; q < CMAX; ++q) {
+      sum += v[q];
+      sumb += q < rank ? v[q] : 0;
+    }
     comb[i] = sum;
+    combb[i] = sumb;
   }
   __syncthreads();
-  find_digit(comb, nb, need, st);
-  cluster.sync();
+  // find_digit over comb, scanning (comb, combb) pairs: st[2] = combb's keys in the digits above st[0]
+  const int per = nb / blockDim.x > 0 ? nb / blockDim.x : 1;
+  const int j0 = threadIdx.x * per;  // this thread's digits in descending order: nb-1-j0 .. nb-1-(j0+per-1)
+  int2 local = make_int2(0, 0);
+  if (j0 < nb)
+    for (int j = j0; j < j0 + per; ++j) { local.x += comb[nb - 1 - j]; local.y += combb[nb - 1 - j]; }
+  __shared__ int2 tot;
+  const int2 ex = block_exclusive_scan2(local, &tot);
+  if (j0 < nb) {
+    int2 before = ex;
+    for (int j = j0; j < j0 + per; ++j) {
+      const int cnt = comb[nb - 1 - j];
+      if (before.x < need && before.x + cnt >= need) { st[0] = nb - 1 - j; st[1] = before.x; st[2] = before.y; }
+      before.x += cnt;
+      before.y += combb[nb - 1 - j];
+    }
+  }
+  cluster.sync();  // also orders st for the block (a cluster barrier is a block barrier too)
 #endif
 }
 
@@ -498,12 +528,11 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
   uint32_t* sk = reinterpret_cast<uint32_t*>(dyn);
   __shared__ int hist[BINS];
   __shared__ int comb[BINS];
+  __shared__ int combb[BINS];  // comb over the CTAs before this one
   __shared__ float qv[1][RMAX];
   __shared__ float qsum;
-  __shared__ int st[2];
+  __shared__ int st[3];
   __shared__ int2 tile_tot;
-  __shared__ int2 mine;   // this CTA's (above, ties) counts, read by the CTAs after it
-  __shared__ int2 before; // the counts of the CTAs before it
 #ifdef DS_PHASES
   phase_put(0, phase_timer());
   phase_put(1, phase_smid());
@@ -513,6 +542,19 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
   const long long row = blockIdx.y;  // b * HQ + hq
   const long long b = row / p.HQ, hq = row % p.HQ, h = hq / p.G;
   const int r = (int)(p.W * p.per);
+  const long long t0 = (long long)rank * p.chunk;
+  const long long t1 = max(t0, min(t0 + p.chunk, p.T));
+  const long long n = t1 - t0;
+  const long long lbase = b * p.sl_b + h * p.sl_h;
+  {  // the label rows of this thread's first tokens, fetched into L2 while the query values load (they wait on the
+     // channel indices: two dependent loads)
+    const long long tb = t0 + (long long)threadIdx.x * TPT;
+    constexpr int esz = LT == F32 ? 4 : (LT == U8 ? 1 : 2);
+    if (tb < t1)
+      for (int w = 0; w < p.W; ++w)
+        asm volatile("prefetch.global.L2 [%0];" :: "l"(reinterpret_cast<const char*>(p.lab) +
+                                                        (lbase + w * p.sl_c + tb) * esz));
+  }
   for (int i = threadIdx.x; i < BINS0; i += blockDim.x) hist[i] = 0;
   for (int c = threadIdx.x; c < r; c += blockDim.x)
     qv[0][c] = query_value(p, b, hq, p.ch[h * p.sch_h + c]);
@@ -525,10 +567,6 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
   }
   __syncthreads();
   DS_PHASE(4);
-  const long long t0 = (long long)rank * p.chunk;
-  const long long t1 = max(t0, min(t0 + p.chunk, p.T));
-  const long long n = t1 - t0;
-  const long long lbase = b * p.sl_b + h * p.sl_h;
   for (long long tb = t0 + (long long)threadIdx.x * TPT; tb < t1; tb += (long long)blockDim.x * TPT) {
     float acc[1][TPT];
     score_tokens<LT, VEC, WU, 1>(p, qv, lbase, tb, t1, acc);
@@ -553,7 +591,8 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
   DS_PHASE(5);
   long long* out = sp.out + row * sp.K;
   int need = (int)sp.K;
-  cluster_find(hist, comb, BINS0, need, st);
+  cluster_find(hist, comb, combb, BINS0, need, st);
+  int above_before = st[2];  // keys above the prefix in the CTAs before this one
   DS_PHASE(6);
   [[maybe_unused]] int passes = 0;
   uint32_t prefix = (uint32_t)st[0];
@@ -571,7 +610,8 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
       if ((k >> shift) == prefix) atomicAdd(&hist[(k >> low) & ((1u << nb) - 1u)], 1);
     }
     __syncthreads();
-    cluster_find(hist, comb, 1 << nb, need, st);
+    cluster_find(hist, comb, combb, 1 << nb, need, st);
+    above_before += st[2];
     prefix = (prefix << nb) | (uint32_t)st[0];
     need -= st[1];
     shift = low;
@@ -583,26 +623,11 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
 #ifdef DS_PHASES
   phase_put(2, passes);
 #endif
-  // this CTA's counts above / at the prefix, then those of the CTAs before it
-  int a = 0, e = 0;
-  for (long long t = threadIdx.x; t < n; t += blockDim.x) {
-    const uint32_t hi = sk[t] >> shift;
-    a += hi > prefix;
-    e += hi == prefix;
-  }
-  block_exclusive_scan2(make_int2(a, e), &mine);
-  cluster.sync();
-  if (threadIdx.x == 0) {
-    int2 sum = make_int2(0, 0);
-    for (int q = 0; q < rank; ++q) {
-      const int2 c = *cluster.map_shared_rank(&mine, q);
-      sum.x += c.x; sum.y += c.y;
-    }
-    before = sum;
-  }
-  cluster.sync();  // no CTA leaves (or reuses `mine`) while another reads it
+  // the counts of the CTAs before this one came with the digits (cluster_find's combb): keys above the prefix, the
+  // sum over the digits of those in higher digit values; ties, the last digit's own bin
+  const int tie_before = combb[st[0]];
   DS_PHASE(8);
-  emit_chosen<false>(sk, n, t0, prefix, shift, need, before.x, before.y, out, &tile_tot);
+  emit_chosen<false>(sk, n, t0, prefix, shift, need, above_before, tie_before, out, &tile_tot);
   DS_PHASE(9);
 #ifdef DS_PHASES
   phase_put(10, phase_timer());

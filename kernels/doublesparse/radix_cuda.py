@@ -87,7 +87,7 @@ SELECT_STATIC_SMEM = 10 * 1024  # the select kernel's static shared memory, roun
 RADIX_CUDA_CONFIG = dict(min_chunk=1024, max_chunk=8192, ctas_per_sm=2, max_keys=1 << 28, smem=None,
                          keys_threads=256, rows_in_flight=4, select_threads=None, cluster=None, cluster_threads=1024,
                          cluster_rows_in_flight=4)
-CLUSTER_STATIC_SMEM = 18 * 1024  # the cluster kernel's static shared memory, rounded up
+CLUSTER_STATIC_SMEM = 27 * 1024  # the cluster kernel's static shared memory, rounded up
 _LOCK = threading.Lock()
 _LIB: dict[str, ctypes.CDLL] = {}
 
@@ -458,32 +458,34 @@ def select_keys_cluster(keys: torch.Tensor, k: int, c: int, trace: list | None =
     t = keys.numel()
     n = keys_stride(-(-t // c))
     parts = [keys[r * n:min((r + 1) * n, t)] for r in range(c)]
-    hist0 = sum(torch.bincount(part >> (32 - BITS0), minlength=1 << BITS0) for part in parts)
-    digit, before = find_digit(hist0, k)
-    prefix, need, shift, in_bin = digit, k - before, 32 - BITS0, int(hist0[digit])
+    hists = [torch.bincount(part >> (32 - BITS0), minlength=1 << BITS0) for part in parts]  # per CTA
+    digit, before = find_digit(sum(hists), k)
+    prefix, need, shift, in_bin = digit, k - before, 32 - BITS0, int(sum(hists)[digit])
+    # CTA r's counts of the CTAs before it, from the digits' histograms (the kernel's combb): keys in higher digit
+    # values at every digit, ties in the last digit's bin
+    above_before = [sum(int(h[digit + 1:].sum()) for h in hists[:r]) for r in range(c)]
     if trace is not None:
         trace.append((32 - shift, need, in_bin))
     while in_bin != need and shift > 0:
         nb = min(BITS, shift)
         low = shift - nb
-        hist = sum(torch.bincount((part[(part >> shift) == prefix] >> low) & ((1 << nb) - 1), minlength=1 << nb)
-                   for part in parts)
-        digit, before = find_digit(hist, need)
-        prefix, need, shift, in_bin = (prefix << nb) | digit, need - before, low, int(hist[digit])
+        hists = [torch.bincount((part[(part >> shift) == prefix] >> low) & ((1 << nb) - 1), minlength=1 << nb)
+                 for part in parts]
+        digit, before = find_digit(sum(hists), need)
+        prefix, need, shift, in_bin = (prefix << nb) | digit, need - before, low, int(sum(hists)[digit])
+        above_before = [a + sum(int(h[digit + 1:].sum()) for h in hists[:r]) for r, a in enumerate(above_before)]
         if trace is not None:
             trace.append((32 - shift, need, in_bin))
+    tie_before = [sum(int(h[digit]) for h in hists[:r]) for r in range(c)]
     out = torch.full((k,), -1, dtype=torch.int64)
-    base_above = base_tie = 0
     for r, part in enumerate(parts):
         hi = part >> shift
         above, tie = hi > prefix, hi == prefix
-        ab = base_above + torch.cumsum(above.long(), 0) - above.long()  # keys above before each token
-        tb = base_tie + torch.cumsum(tie.long(), 0) - tie.long()  # ties before each token
+        ab = above_before[r] + torch.cumsum(above.long(), 0) - above.long()  # keys above before each token
+        tb = tie_before[r] + torch.cumsum(tie.long(), 0) - tie.long()  # ties before each token
         chosen = above | (tie & (tb < need))
         slot = ab + torch.minimum(tb, torch.tensor(need))
         out[slot[chosen]] = chosen.nonzero().flatten() + r * n
-        base_above += int(above.sum())
-        base_tie += int(tie.sum())
     return out.tolist()
 
 
