@@ -7,7 +7,8 @@ DoubleSparse inputs (16 fp16 label channels, k = ctx / frac).  Per shape it prin
 
 * the median per-CTA time of each phase (µs, clock64 deltas at the CTA's measured clock rate): query load, label
   scoring + first-digit histogram, first digit (a cluster histogram), the later digit passes, the cross-CTA counts,
-  the index writes;
+  the index writes; and within the first digit: its cluster barrier (waiting for the slowest CTA included), the
+  remote histogram reads, the digit's scan;
 * the digit passes after the first, the spread of the CTAs' entry times (launch skew) and the kernel's mean time per
   call from CUDA events (no graph, so launch gaps included);
 * that the instrumented library picks the same indices as the library the kernels use.
@@ -30,7 +31,8 @@ import torch
 
 HEADS = {"llama3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
 PHASES = ("query", "score", "digit1", "passes", "counts", "emit")
-SLOTS = 12
+SLOTS = 16
+SUB = ("d1_barrier", "d1_reads", "d1_find")  # within the first digit: slots 5 -> 11 -> 12 -> 13
 DEFAULT_SHAPES = ("smollm2-135m:1:32k:8,smollm2-135m:1:32k:16,smollm2-135m:1:32k:8:shared,smollm2-135m:1:128k:8,"
                   "smollm2-135m:4:32k:8,llama3-8b:1:32k:16,llama3-8b:1:32k:16:shared")
 
@@ -97,6 +99,9 @@ def main(argv=None) -> int:
                 clock_ghz.append(ghz)
                 for i, p in enumerate(PHASES):
                     per_phase[p].append((r[4 + i] - r[3 + i]) / ghz / 1e3)
+                if r[11]:  # a build with the first digit's stamps
+                    for p, (a, z) in zip(SUB, ((5, 11), (11, 12), (12, 13))):
+                        per_phase.setdefault(p, []).append((r[z] - r[a]) / ghz / 1e3)
                 passes.append(r[2])
         ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         times = {}
@@ -119,7 +124,10 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"## {spec}: C {c}, {n} tokens per CTA, {ctas} CTAs, k {kk}, same indices {same}, "
               f"call {times['plain']:.1f} us plain / {times['instrumented']:.1f} instrumented (events, no graph)")
-        print("   " + "  ".join(f"{p} {med[p]:.2f}" for p in PHASES) + f"  = {sum(med.values()):.2f} us in the CTA")
+        print("   " + "  ".join(f"{p} {med[p]:.2f}" for p in PHASES)
+              + f"  = {sum(med[p] for p in PHASES):.2f} us in the CTA")
+        if SUB[0] in med:
+            print("   first digit: " + "  ".join(f"{p[3:]} {med[p]:.2f}" for p in SUB))
         print(f"   passes after the first {row['passes']}, entry skew {row['entry_skew_us_median']:.2f} us, "
               f"clock {row['clock_ghz_median']:.2f} GHz")
         with open(os.path.join(args.out, "phases.json"), "w") as fh:

@@ -434,9 +434,10 @@ __global__ void __launch_bounds__(SELECT_THREADS, 1) ds_select_kernel(SelectPara
 // default build has none of this): thread 0 of each CTA writes, per CTA (row * gridDim.x + blockIdx.x), slot 0 the
 // global timer at entry, slot 1 its SM, slot 2 the digit passes after the first, then slots 3.. clock64() at: entry,
 // query loaded, keys scored, first digit found, last digit found, ties of the CTAs before it read, indices written,
-// and slot 10 the global timer at the end.
+// and slot 10 the global timer at the end; slots 11 - 13 clock64() within the first digit's cluster_find: after
+// its barrier, after the remote reads, after the digit.
 #ifdef DS_PHASES
-constexpr int PH_SLOTS = 12;
+constexpr int PH_SLOTS = 16;
 constexpr long long PH_CTAS = 8192;
 __device__ long long ds_phase_buf[PH_CTAS * PH_SLOTS];
 __device__ __forceinline__ void phase_put(int slot, long long v) {
@@ -468,17 +469,21 @@ __device__ __forceinline__ long long phase_smid() {
 
 // The histogram of the cluster: comb[i] = sum over ranks of hist[i], and combb[i] = the sum over the ranks before
 // this CTA's (every CTA computes the same comb); then the digit of the need-th largest key in comb.  Leaves
-// st = (digit, keys in higher digits, keys in higher digits in the CTAs before this one), comb and combb; ends with a
-// cluster barrier (every CTA has read the others' hist before any of them changes it).  The C remote loads of a bin
-// are all issued before any is added (CMAX of them, those past C predicated off): one distributed-shared-memory
-// round trip per bin, not C.
+// st = (digit, keys in higher digits, keys in higher digits in the CTAs before this one), comb and combb.  One
+// cluster barrier, on entry (every CTA's hist is complete): the caller alternates two hist buffers, so a CTA that
+// fills the next digit's histogram never writes one another CTA may still read (that CTA has passed the barrier
+// of the digit in between only after its reads), and arrives at a last barrier after its last digit before it
+// leaves (ds_cluster_kernel).  The C remote loads of a bin are all issued before any is added (CMAX of them, those
+// past C predicated off).  STAMP: phase clocks 11 - 13 (a -DDS_PHASES build).
 constexpr int CMAX = 8;
 
+template <bool STAMP = false>
 __device__ __forceinline__ void cluster_find(int* hist, int* comb, int* combb, int nb, int need, int* st) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();  // every CTA's histogram is complete
+  if (STAMP) DS_PHASE(11);
   const int c = (int)cluster.num_blocks(), rank = (int)cluster.block_rank();
   for (int i = threadIdx.x; i < nb; i += blockDim.x) {
     int v[CMAX];
@@ -494,6 +499,7 @@ __device__ __forceinline__ void cluster_find(int* hist, int* comb, int* combb, i
     combb[i] = sumb;
   }
   __syncthreads();
+  if (STAMP) DS_PHASE(12);
   // find_digit over comb, scanning (comb, combb) pairs: st[2] = combb's keys in the digits above st[0]
   const int per = nb / blockDim.x > 0 ? nb / blockDim.x : 1;
   const int j0 = threadIdx.x * per;  // this thread's digits in descending order: nb-1-j0 .. nb-1-(j0+per-1)
@@ -511,7 +517,8 @@ __device__ __forceinline__ void cluster_find(int* hist, int* comb, int* combb, i
       before.y += combb[nb - 1 - j];
     }
   }
-  cluster.sync();  // also orders st for the block (a cluster barrier is a block barrier too)
+  __syncthreads();  // st for the block
+  if (STAMP) DS_PHASE(13);
 #endif
 }
 
@@ -526,9 +533,10 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
   constexpr bool QUANT = LT == U8;
   extern __shared__ uint4 dyn[];
   uint32_t* sk = reinterpret_cast<uint32_t*>(dyn);
-  __shared__ int hist[BINS];
+  __shared__ int hists[2][BINS];  // digit d's histogram in hists[d % 2] (cluster_find)
   __shared__ int comb[BINS];
   __shared__ int combb[BINS];  // comb over the CTAs before this one
+  int* hist = hists[0];
   __shared__ float qv[1][RMAX];
   __shared__ float qsum;
   __shared__ int st[3];
@@ -546,15 +554,6 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
   const long long t1 = max(t0, min(t0 + p.chunk, p.T));
   const long long n = t1 - t0;
   const long long lbase = b * p.sl_b + h * p.sl_h;
-  {  // the label rows of this thread's first tokens, fetched into L2 while the query values load (they wait on the
-     // channel indices: two dependent loads)
-    const long long tb = t0 + (long long)threadIdx.x * TPT;
-    constexpr int esz = LT == F32 ? 4 : (LT == U8 ? 1 : 2);
-    if (tb < t1)
-      for (int w = 0; w < p.W; ++w)
-        asm volatile("prefetch.global.L2 [%0];" :: "l"(reinterpret_cast<const char*>(p.lab) +
-                                                        (lbase + w * p.sl_c + tb) * esz));
-  }
   for (int i = threadIdx.x; i < BINS0; i += blockDim.x) hist[i] = 0;
   for (int c = threadIdx.x; c < r; c += blockDim.x)
     qv[0][c] = query_value(p, b, hq, p.ch[h * p.sch_h + c]);
@@ -591,7 +590,7 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
   DS_PHASE(5);
   long long* out = sp.out + row * sp.K;
   int need = (int)sp.K;
-  cluster_find(hist, comb, combb, BINS0, need, st);
+  cluster_find<true>(hist, comb, combb, BINS0, need, st);
   int above_before = st[2];  // keys above the prefix in the CTAs before this one
   DS_PHASE(6);
   [[maybe_unused]] int passes = 0;
@@ -603,6 +602,7 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
   while (in_bin != need && shift > 0) {
     const int nb = shift >= BITS ? BITS : shift;
     const int low = shift - nb;
+    hist = hist == hists[0] ? hists[1] : hists[0];
     for (int i = threadIdx.x; i < BINS; i += blockDim.x) hist[i] = 0;
     __syncthreads();
     for (long long t = threadIdx.x; t < n; t += blockDim.x) {
@@ -626,12 +626,16 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
   // the counts of the CTAs before this one came with the digits (cluster_find's combb): keys above the prefix, the
   // sum over the digits of those in higher digit values; ties, the last digit's own bin
   const int tie_before = combb[st[0]];
+  // the last barrier: arrive now (this CTA reads no other CTA's shared memory from here), wait before leaving (no
+  // CTA's shared memory goes while another may read it)
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
   DS_PHASE(8);
   emit_chosen<false>(sk, n, t0, prefix, shift, need, above_before, tie_before, out, &tile_tot);
   DS_PHASE(9);
 #ifdef DS_PHASES
   phase_put(10, phase_timer());
 #endif
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 #endif
 }
 

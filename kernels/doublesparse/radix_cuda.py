@@ -87,7 +87,7 @@ SELECT_STATIC_SMEM = 10 * 1024  # the select kernel's static shared memory, roun
 RADIX_CUDA_CONFIG = dict(min_chunk=1024, max_chunk=8192, ctas_per_sm=2, max_keys=1 << 28, smem=None,
                          keys_threads=256, rows_in_flight=4, select_threads=None, cluster=None, cluster_threads=1024,
                          cluster_rows_in_flight=4)
-CLUSTER_STATIC_SMEM = 27 * 1024  # the cluster kernel's static shared memory, rounded up
+CLUSTER_STATIC_SMEM = 35 * 1024  # the cluster kernel's static shared memory, rounded up
 _LOCK = threading.Lock()
 _LIB: dict[str, ctypes.CDLL] = {}
 
