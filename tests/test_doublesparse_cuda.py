@@ -71,6 +71,28 @@ def test_cluster_model_equals_the_one_cta_model(c):
                 assert rc.select_keys_cluster(keys, k, c) == _expected(keys, k), (kind, t, k)
 
 
+@pytest.mark.parametrize("c", [1, 3, 8])
+def test_cluster_exact_pick_against_a_stable_sort(c):
+    """The cluster select's exact pick (at most PICK_CAP keys left at the prefix: one round by (key, token) instead of
+    the next digit) gives a stable sort's indices: after the first digit (few keys share it), after the second, and
+    with equal keys straddling CTA boundaries; the model without the pick takes more digits for the same indices."""
+    gen = torch.Generator().manual_seed(10 + c)
+    picks = set()
+    for kind in ("spread", "shared-top", "shared-21", "ties"):
+        for t in (40, 300, 2049, 5000):
+            keys = _keys(kind, t, gen)
+            for k in sorted({1, max(1, t // 5), t // 2, t - 1}):
+                trace: list = []
+                got = rc.select_keys_cluster(keys, k, c, trace)
+                assert got == _expected(keys, k), (kind, t, k)
+                if trace[-1][-1] == "pick":
+                    picks.add(len(trace) - 1)  # the pick came after this many digits
+                    plain: list = []
+                    assert rc.select_keys_cluster(keys, k, c, plain, pick_cap=0) == got
+                    assert len(plain) >= len(trace) - 1
+    assert {1, 2} <= picks, f"the pick followed digits {picks}"
+
+
 def test_cluster_plan():
     cfg = dict(rc.RADIX_CUDA_CONFIG, cluster=8)
     assert rc.cluster_plan(32768, (9, 0), 227 * 1024, cfg) == (8, 4096)

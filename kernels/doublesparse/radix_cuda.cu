@@ -522,6 +522,89 @@ __device__ __forceinline__ void cluster_find(int* hist, int* comb, int* combb, i
 #endif
 }
 
+// The exact pick that replaces a digit's histogram round once at most PICK_CAP keys of the cluster share the prefix
+// (in_bin of them, need still to take): each CTA lists its keys at the prefix (key, token) in `list` - a histogram
+// buffer no other CTA can still read (the one before the current digit's) - then, after one cluster barrier, every
+// CTA copies all the lists in rank order (token order) into `scratch` (its own comb) and finds the need-th of them
+// by (key descending, token ascending): kstar.  Leaves the state of a digit that fixed all 32 bits: prefix = kstar,
+// shift = 0, need = the ties at kstar still to take, above_before / tie_before = the keys above / at kstar in the
+// CTAs before this one.  Every thread of the CTA calls it; ends with a block barrier.
+constexpr int PICK_CAP = 128;
+
+__device__ __forceinline__ void pick_exact(const uint32_t* sk, long long n, long long t0, int rank, int* list,
+                                           int* scratch, int in_bin, uint32_t& prefix, int& shift, int& need,
+                                           int& above_before, int& tie_before) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  __shared__ int lcount, gbase[CMAX + 1], kst[1], cnt[3];
+  int* lkey = list + 1;             // list[0]: this CTA's count
+  int* ltok = list + 1 + PICK_CAP;
+  int* gkey = scratch;
+  int* gtok = scratch + PICK_CAP;
+  if (threadIdx.x == 0) lcount = 0;
+  if (threadIdx.x < 3) cnt[threadIdx.x] = 0;
+  __syncthreads();
+  for (long long t = threadIdx.x; t < n; t += blockDim.x) {
+    const uint32_t k = sk[t];
+    if ((k >> shift) == prefix) {  // at most in_bin <= PICK_CAP of them in the cluster
+      const int j = atomicAdd(&lcount, 1);
+      lkey[j] = (int)k;
+      ltok[j] = (int)(t0 + t);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) list[0] = lcount;
+  cluster.sync();  // every CTA's list is complete
+  const int c = (int)cluster.num_blocks();
+  if (threadIdx.x == 0) {
+    int b = 0;
+    for (int q = 0; q < c; ++q) { gbase[q] = b; b += *cluster.map_shared_rank(list, q); }
+    gbase[c] = b;  // == in_bin
+  }
+  __syncthreads();
+  if (threadIdx.x < in_bin) {
+    const int j = threadIdx.x;
+    int q = 0;
+    while (j >= gbase[q + 1]) ++q;
+    const int* rl = cluster.map_shared_rank(list, q);
+    gkey[j] = rl[1 + j - gbase[q]];
+    gtok[j] = rl[1 + PICK_CAP + j - gbase[q]];
+  }
+  __syncthreads();
+  if (threadIdx.x < in_bin) {  // the candidate of rank need - 1 is kstar
+    const int j = threadIdx.x;
+    const uint32_t kj = (uint32_t)gkey[j];
+    const int tj = gtok[j];
+    int r = 0;
+    for (int i = 0; i < in_bin; ++i) {
+      const uint32_t ki = (uint32_t)gkey[i];
+      r += ki > kj || (ki == kj && gtok[i] < tj);
+    }
+    if (r == need - 1) kst[0] = (int)kj;
+  }
+  __syncthreads();
+  const uint32_t kstar = (uint32_t)kst[0];
+  if (threadIdx.x < in_bin) {
+    const uint32_t kj = (uint32_t)gkey[threadIdx.x];
+    const bool before = (int)threadIdx.x < gbase[rank];
+    if (kj > kstar) {
+      atomicAdd(&cnt[0], 1);
+      if (before) atomicAdd(&cnt[1], 1);
+    } else if (kj == kstar && before) {
+      atomicAdd(&cnt[2], 1);
+    }
+  }
+  __syncthreads();
+  prefix = kstar;
+  shift = 0;
+  need -= cnt[0];
+  above_before += cnt[1];
+  tie_before = cnt[2];
+  __syncthreads();
+#endif
+}
+
 // WU: label rows a thread loads before using them (1 or 4), as in ds_keys_kernel (raw rows: 4 fit the 64 registers
 // of a 1024-thread CTA, except 4 fp32 rows: that build takes at most 512 threads, launch_cluster_lt).
 template <int LT, bool VEC, int WU>
@@ -599,7 +682,16 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
   int shift = 32 - BITS0;
   int in_bin = comb[st[0]];
   __syncthreads();
+  int tie_before = -1;  // set by the exact pick; else the last digit's combb below
   while (in_bin != need && shift > 0) {
+    if (in_bin <= PICK_CAP) {  // few keys left at the prefix: pick among them exactly - one round, no histogram
+      pick_exact(sk, n, t0, rank, hist == hists[0] ? hists[1] : hists[0], comb, in_bin, prefix, shift, need,
+                 above_before, tie_before);
+#ifdef DS_PHASES
+      passes += 100;  // (the phase record: an exact pick)
+#endif
+      break;
+    }
     const int nb = shift >= BITS ? BITS : shift;
     const int low = shift - nb;
     hist = hist == hists[0] ? hists[1] : hists[0];
@@ -625,7 +717,7 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
 #endif
   // the counts of the CTAs before this one came with the digits (cluster_find's combb): keys above the prefix, the
   // sum over the digits of those in higher digit values; ties, the last digit's own bin
-  const int tie_before = combb[st[0]];
+  if (tie_before < 0) tie_before = combb[st[0]];
   // the last barrier: arrive now (this CTA reads no other CTA's shared memory from here), wait before leaving (no
   // CTA's shared memory goes while another may read it)
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
@@ -791,6 +883,7 @@ DS_EXPORT int ds_radix_select_launch(const long long* a, int device, void* strea
 }
 
 DS_EXPORT long long ds_radix_smem_keys() { return ds_radix::SMEM_KEYS; }
+DS_EXPORT int ds_radix_pick_cap() { return ds_radix::PICK_CAP; }
 
 // The phase clocks of the last cluster selects (a build with -DDS_PHASES; -1 otherwise): n int64 into dst (host).
 DS_EXPORT int ds_radix_phases(long long* dst, long long n) {

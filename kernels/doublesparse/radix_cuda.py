@@ -226,8 +226,8 @@ def build(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
                                                 ctypes.c_int, ctypes.c_void_p]
         lib.ds_radix_phases.restype = ctypes.c_int
         lib.ds_radix_phases.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_longlong]
-        if (lib.ds_radix_bins0(), lib.ds_radix_gmax(), lib.ds_radix_rmax(), lib.ds_radix_smem_keys()) != (
-                1 << BITS0, GMAX, RMAX, SMEM_KEYS):
+        if (lib.ds_radix_bins0(), lib.ds_radix_gmax(), lib.ds_radix_rmax(), lib.ds_radix_smem_keys(),
+                lib.ds_radix_pick_cap()) != (1 << BITS0, GMAX, RMAX, SMEM_KEYS, PICK_CAP):
             raise RuntimeError(f"{path} was built from another version of radix_cuda.cu")
         _LIB[key] = lib
         return lib
@@ -448,13 +448,21 @@ def select_keys(keys: torch.Tensor, k: int, trace: list | None = None) -> list[i
     """``ds_select_kernel`` on one head's keys (int64 ``[T]`` holding uint32 values): its token indices in output slot
     order, from the same digit steps, early stop and slots (:func:`select_keys_cluster` with one CTA).  ``trace``:
     gets ``(bits fixed, keys still needed, keys at the prefix)`` after each digit."""
-    return select_keys_cluster(keys, k, 1, trace)
+    return select_keys_cluster(keys, k, 1, trace, pick_cap=0)
 
 
-def select_keys_cluster(keys: torch.Tensor, k: int, c: int, trace: list | None = None) -> list[int]:
+#: The cluster select's exact pick (``radix_cuda.cu``, ``pick_exact``): once at most this many keys of the cluster
+#: are left at the prefix, one round picks among them by (key, token) instead of a digit's histogram round.
+PICK_CAP = 128
+
+
+def select_keys_cluster(keys: torch.Tensor, k: int, c: int, trace: list | None = None,
+                        pick_cap: int = PICK_CAP) -> list[int]:
     """``ds_cluster_kernel`` on one head's keys split over ``c`` CTAs of ``n = keys_stride(ceil(T / c))`` tokens:
     each digit's histogram summed over the CTAs' histograms, each CTA's indices placed after the (above, tie) counts
-    of the CTAs before it (``c = 1``: ``ds_select_kernel``).  ``trace`` as for :func:`select_keys`."""
+    of the CTAs before it; once at most ``pick_cap`` keys are left at the prefix, the exact pick instead of more
+    digits (``pick_cap = 0`` and ``c = 1``: ``ds_select_kernel``).  ``trace`` as for :func:`select_keys`, the exact
+    pick's entry ``(32, ties still needed, ties at kstar, "pick")``."""
     t = keys.numel()
     n = keys_stride(-(-t // c))
     parts = [keys[r * n:min((r + 1) * n, t)] for r in range(c)]
@@ -466,7 +474,18 @@ def select_keys_cluster(keys: torch.Tensor, k: int, c: int, trace: list | None =
     above_before = [sum(int(h[digit + 1:].sum()) for h in hists[:r]) for r in range(c)]
     if trace is not None:
         trace.append((32 - shift, need, in_bin))
+    tie_before = None
     while in_bin != need and shift > 0:
+        if in_bin <= pick_cap:  # pick_exact: every CTA's keys at the prefix, in rank (token) order
+            cand = [(int(key), r * n + i, r) for r, part in enumerate(parts)
+                    for i, key in enumerate(part.tolist()) if key >> shift == prefix]
+            kstar = sorted(cand, key=lambda x: (-x[0], x[1]))[need - 1][0]
+            above_before = [a + sum(x[0] > kstar for x in cand if x[2] < r) for r, a in enumerate(above_before)]
+            tie_before = [sum(x[0] == kstar for x in cand if x[2] < r) for r in range(c)]
+            prefix, need, shift = kstar, need - sum(x[0] > kstar for x in cand), 0
+            if trace is not None:
+                trace.append((32, need, sum(x[0] == kstar for x in cand), "pick"))
+            break
         nb = min(BITS, shift)
         low = shift - nb
         hists = [torch.bincount((part[(part >> shift) == prefix] >> low) & ((1 << nb) - 1), minlength=1 << nb)
@@ -476,7 +495,8 @@ def select_keys_cluster(keys: torch.Tensor, k: int, c: int, trace: list | None =
         above_before = [a + sum(int(h[digit + 1:].sum()) for h in hists[:r]) for r, a in enumerate(above_before)]
         if trace is not None:
             trace.append((32 - shift, need, in_bin))
-    tie_before = [sum(int(h[digit]) for h in hists[:r]) for r in range(c)]
+    if tie_before is None:
+        tie_before = [sum(int(h[digit]) for h in hists[:r]) for r in range(c)]
     out = torch.full((k,), -1, dtype=torch.int64)
     for r, part in enumerate(parts):
         hi = part >> shift
