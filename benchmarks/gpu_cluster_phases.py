@@ -43,6 +43,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--cluster", type=int, default=None, help="CTAs per head (default: the select's own rule)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--config", default="{}", help="JSON entries of RADIX_CUDA_CONFIG for the run (e.g. emit_vectors)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -55,6 +56,7 @@ def main(argv=None) -> int:
     lib = rc.build(("DS_PHASES",))
     plain = rc.build()
     cfg = dict(rc.RADIX_CUDA_CONFIG)
+    cfg.update(json.loads(args.config))
     if args.cluster is not None:
         cfg["cluster"] = args.cluster
     rows = []
@@ -77,7 +79,8 @@ def main(argv=None) -> int:
 
         def run(library):
             return rc._cluster_select(library, query, lab, ch, None, kk, cl, int(cfg["cluster_threads"]),
-                                      int(cfg["cluster_rows_in_flight"]), group, q.stride(1))
+                                      int(cfg["cluster_rows_in_flight"]), group, q.stride(1),
+                                      int(cfg["emit_vectors"]))
 
         same = bool(torch.equal(run(lib).sort(-1).values, run(plain).sort(-1).values))
         ctas = query.shape[0] * query.shape[1] * c

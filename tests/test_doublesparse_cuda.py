@@ -179,6 +179,8 @@ def test_config_is_validated():
         rc.problem(q, labels, channels, valid, 5, {"select_threads": 100})
     with pytest.raises(ValueError, match="cluster_rows_in_flight 2"):
         rc.problem(q, labels, channels, valid, 5, {"cluster_rows_in_flight": 2})
+    with pytest.raises(ValueError, match="emit_vectors 3 \\(1, 2 or 4\\)"):
+        rc.problem(q, labels, channels, valid, 5, {"emit_vectors": 3})
 
 
 def test_import_compiles_nothing():
@@ -294,12 +296,17 @@ def test_cuda_select_long_odd_contexts(name):
     assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, smem=False, select_threads=512))
     assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, keys_threads=128, rows_in_flight=4,
                                         select_threads=1024))
+    # the emit pass with 8 / 16 keys per thread per tile (fewer block scans), from shared memory and from L2
+    for vecs in (2, 4):
+        assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, emit_vectors=vecs)), vecs
+        assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, emit_vectors=vecs, smem=False)), vecs
     # the cluster select (C CTAs per head): the same indices wherever a CTA's share fits its shared memory
     for c in (1, 2, 8):
         if rc.cluster_plan(labels.num_tokens, torch.cuda.get_device_capability(), rc._smem_optin(0),
                            dict(rc.RADIX_CUDA_CONFIG, cluster=c)) is not None:
             assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c)), f"cluster {c}"
             assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c, cluster_threads=256))
+            assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c, emit_vectors=4))
             for threads, rows in ((512, 4), (1024, 1)):  # label rows in flight (default 4 at 1024 threads)
                 assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c, cluster_threads=threads,
                                                     cluster_rows_in_flight=rows))

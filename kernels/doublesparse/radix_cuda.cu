@@ -280,6 +280,7 @@ __global__ void __launch_bounds__(KEYS_THREADS, 1) ds_keys_kernel(KeysParams p) 
 struct SelectParams {
   const uint32_t* keys; const int* hist; long long* out;
   long long T, K, KS;
+  int emit_vecs;  // 16-byte key reads per thread per emit tile (emit_chosen)
 };
 
 // Block-wide exclusive scan of (a, b) pairs; writes the totals to *total (shared).  All threads of the block call it.
@@ -335,37 +336,46 @@ __device__ __forceinline__ void find_digit(const int* h, int nb, int need, int* 
 
 // The emit pass over keys[0..n) (tokens t0 + i): chosen = key above the prefix (its top 32 - shift bits), or at it
 // among the first `need` such tokens; slot = rank in token order, after base_above / base_tie keys above / at the
-// prefix that come before these tokens.  EMIT = 4 keys per thread per tile: one 16-byte read (keys 16-byte aligned,
-// n padded to a multiple of 4 in memory).  LDG: read through the read-only cache (global keys).  Every thread of the
-// block calls it.
+// prefix that come before these tokens.  Per tile each thread takes `vecs` (1 - EMIT_VECS) consecutive 16-byte reads
+// of EMIT keys (keys 16-byte aligned, n padded to a multiple of 4 in memory): one block scan per tile, so more keys
+// per thread take fewer scans (and fewer block barriers) over a long row.  LDG: read through the read-only cache
+// (global keys).  Every thread of the block calls it.
+constexpr int EMIT_VECS = 4;
+
 template <bool LDG>
 __device__ __forceinline__ void emit_chosen(const uint32_t* keys, long long n, long long t0, uint32_t prefix, int shift,
-                                            int need, int base_above, int base_tie, long long* out, int2* tile_tot) {
-  for (long long l0 = 0; l0 < n; l0 += (long long)EMIT * blockDim.x) {
-    const long long lb = l0 + (long long)threadIdx.x * EMIT;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (lb < n) v = LDG ? __ldg(reinterpret_cast<const uint4*>(keys) + lb / 4) : reinterpret_cast<const uint4*>(keys)[lb / 4];
-    const uint32_t kv[EMIT] = {v.x, v.y, v.z, v.w};
-    uint32_t hi[EMIT];
-    int a = 0, e = 0;
+                                            int need, int base_above, int base_tie, long long* out, int2* tile_tot,
+                                            int vecs) {
+  const long long per = (long long)EMIT * vecs;  // keys per thread per tile
+  for (long long l0 = 0; l0 < n; l0 += per * blockDim.x) {
+    const long long lb = l0 + (long long)threadIdx.x * per;
+    uint32_t above = 0, at = 0;  // bit w * EMIT + u: that key is above / at the prefix (two registers, not 16 keys)
 #pragma unroll
-    for (int u = 0; u < EMIT; ++u) {
-      const bool valid = lb + u < n;
-      hi[u] = kv[u] >> shift;  // shift < 32: the first digit fixes BITS0 bits
-      a += valid && hi[u] > prefix;
-      e += valid && hi[u] == prefix;
+    for (int w = 0; w < EMIT_VECS; ++w) {
+      const long long lw = lb + (long long)w * EMIT;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (w < vecs && lw < n)
+        v = LDG ? __ldg(reinterpret_cast<const uint4*>(keys) + lw / 4) : reinterpret_cast<const uint4*>(keys)[lw / 4];
+      const uint32_t kv[EMIT] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int u = 0; u < EMIT; ++u) {
+        const bool valid = w < vecs && lw + u < n;
+        const uint32_t h = kv[u] >> shift;  // shift < 32: the first digit fixes BITS0 bits
+        above |= (uint32_t)(valid && h > prefix) << (w * EMIT + u);
+        at |= (uint32_t)(valid && h == prefix) << (w * EMIT + u);
+      }
     }
-    const int2 ex = block_exclusive_scan2(make_int2(a, e), tile_tot);
+    const int2 ex = block_exclusive_scan2(make_int2(__popc(above), __popc(at)), tile_tot);
     const int2 tot = *tile_tot;
     int ab = base_above + ex.x, tie = base_tie + ex.y;
-#pragma unroll
-    for (int u = 0; u < EMIT; ++u) {
-      if (lb + u >= n) continue;
-      const long long t = t0 + lb + u;
-      if (hi[u] > prefix) {
+    const int keys_here = (int)min(per, max(0LL, n - lb));
+#pragma unroll 4
+    for (int j = 0; j < keys_here; ++j) {
+      const long long t = t0 + lb + j;
+      if ((above >> j) & 1u) {
         out[ab + min(tie, need)] = t;
         ++ab;
-      } else if (hi[u] == prefix) {
+      } else if ((at >> j) & 1u) {
         if (tie < need) out[ab + tie] = t;
         ++tie;
       }
@@ -427,7 +437,7 @@ __global__ void __launch_bounds__(SELECT_THREADS, 1) ds_select_kernel(SelectPara
     in_bin = hist[st[0]];
     __syncthreads();
   }
-  emit_chosen<!SMEM>(keys, p.T, 0, prefix, shift, need, 0, 0, out, &tile_tot);
+  emit_chosen<!SMEM>(keys, p.T, 0, prefix, shift, need, 0, 0, out, &tile_tot, p.emit_vecs);
 }
 
 // Phase clocks of the cluster select, only in a build with -DDS_PHASES (benchmarks/gpu_cluster_phases.py; the
@@ -722,7 +732,7 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
   // CTA's shared memory goes while another may read it)
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
   DS_PHASE(8);
-  emit_chosen<false>(sk, n, t0, prefix, shift, need, above_before, tie_before, out, &tile_tot);
+  emit_chosen<false>(sk, n, t0, prefix, shift, need, above_before, tie_before, out, &tile_tot, sp.emit_vecs);
   DS_PHASE(9);
 #ifdef DS_PHASES
   phase_put(10, phase_timer());
@@ -819,7 +829,8 @@ DS_EXPORT const char* ds_radix_error_string(int e) { return cudaGetErrorString((
 //            T, HQ, HKV, G, W, per, bits, chunk, gblocks, B, q dtype, label dtype, has_valid, K, out, heads per CTA,
 //            vector label loads (0/1), keys row stride KS (a multiple of 8), shared-memory select (0/1), keys CTA
 //            threads (128 / 256), label rows in flight (1 / 4), select CTA threads (256 / 512 / 1024), query rows
-//            summed per select row (1: none; HQ and G count select rows), their stride (dtype codes: DType)
+//            summed per select row (1: none; HQ and G count select rows), their stride, 16-byte key reads per thread
+//            per emit tile (1 - EMIT_VECS) (dtype codes: DType)
 DS_EXPORT int ds_radix_select_launch(const long long* a, int device, void* stream) {
   using namespace ds_radix;
   cudaError_t e = cudaSetDevice(device);
@@ -844,7 +855,7 @@ DS_EXPORT int ds_radix_select_launch(const long long* a, int device, void* strea
   const bool smem = a[35] != 0;
   const int kthreads = (int)a[36], wu = (int)a[37], sthreads = (int)a[38];
   p.qg = a[39]; p.sq_g = a[40];
-  if (p.qg < 1 || (kthreads != 128 && kthreads != 256) || (wu != 1 && wu != 4)
+  if (p.qg < 1 || (kthreads != 128 && kthreads != 256) || (wu != 1 && wu != 4) || a[41] < 1 || a[41] > EMIT_VECS
       || (sthreads != 256 && sthreads != 512 && sthreads != 1024) || p.chunk % (TPT * kthreads))
     return (int)cudaErrorInvalidValue;
   if (p.T < 1 || p.chunk < 1 || p.chunk % TPT || p.W * p.per > RMAX || a[30] < 1 || a[30] > p.T
@@ -867,7 +878,7 @@ DS_EXPORT int ds_radix_select_launch(const long long* a, int device, void* strea
   if (rc) return rc;
   SelectParams sp;
   sp.keys = p.keys; sp.hist = p.hist; sp.out = reinterpret_cast<long long*>(a[31]);
-  sp.T = p.T; sp.K = a[30]; sp.KS = p.KS;
+  sp.T = p.T; sp.K = a[30]; sp.KS = p.KS; sp.emit_vecs = (int)a[41];
   if (smem) {
     const int bytes = (int)(p.KS * 4);
     if (bytes > smem_set[device]) {
@@ -922,9 +933,10 @@ DS_EXPORT int ds_radix_cluster_launch(const long long* a, int c, int threads, in
   const bool vec = a[33] != 0;
   SelectParams sp;
   sp.keys = nullptr; sp.hist = nullptr; sp.out = reinterpret_cast<long long*>(a[31]);
-  sp.T = p.T; sp.K = a[30]; sp.KS = 0;
+  sp.T = p.T; sp.K = a[30]; sp.KS = 0; sp.emit_vecs = (int)a[41];
   if (p.T < 1 || p.chunk < TPT || p.chunk % TPT || p.chunk > SMEM_KEYS || p.chunk * c < p.T || p.W * p.per > RMAX
       || sp.K < 1 || sp.K > p.T || p.T > 0x7fffffffLL || p.qt < F16 || p.qt > F32 || (c != 1 && c != 2 && c != 4 && c != 8)
+      || sp.emit_vecs < 1 || sp.emit_vecs > EMIT_VECS
       || (threads != 256 && threads != 512 && threads != 1024) || device < 0 || device >= 64 || p.qg < 1)
     return (int)cudaErrorInvalidValue;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);

@@ -84,9 +84,12 @@ SELECT_STATIC_SMEM = 10 * 1024  # the select kernel's static shared memory, roun
 # both kernels - the cluster select at 1024 threads (Llama ds16 B1/128k 150.9 -> 127.2 us, SmolLM2 ds16 B1/32k 33.7 ->
 # 29.1) and the keys CTAs (Llama ds8 B16/32k 451.3 -> 412.4 us; SmolLM2 ds8 B16/32k 126.0 -> 129.0, the one cell
 # slower)
+# emit_vectors (1 / 2 / 4): 16-byte reads of 4 keys each that a thread takes per tile of the pass writing the chosen
+# indices (both selects; one block scan per tile).  Session 47 (docs/results.md): with 16384 keys per cluster CTA that
+# pass took 4.9 µs in four scans; 4 (one scan) is prepared, not yet timed - 1 stays the default.
 RADIX_CUDA_CONFIG = dict(min_chunk=1024, max_chunk=8192, ctas_per_sm=2, max_keys=1 << 28, smem=None,
                          keys_threads=256, rows_in_flight=4, select_threads=None, cluster=None, cluster_threads=1024,
-                         cluster_rows_in_flight=4)
+                         cluster_rows_in_flight=4, emit_vectors=1)
 CLUSTER_STATIC_SMEM = 35 * 1024  # the cluster kernel's static shared memory, rounded up
 _LOCK = threading.Lock()
 _LIB: dict[str, ctypes.CDLL] = {}
@@ -107,12 +110,13 @@ def problem(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: 
     if cfg["keys_threads"] not in (128, 256) or cfg["rows_in_flight"] not in (1, 4) \
             or cfg["select_threads"] not in (None, 256, 512, 1024) or cfg["smem"] not in (None, True, False) \
             or cfg["cluster"] not in (None, 0, 1, 2, 4, 8) or cfg["cluster_threads"] not in (256, 512, 1024) \
-            or cfg["cluster_rows_in_flight"] not in (1, 4):
+            or cfg["cluster_rows_in_flight"] not in (1, 4) or cfg["emit_vectors"] not in (1, 2, 4):
         raise ValueError(f"DoubleSparse CUDA select config: keys_threads {cfg['keys_threads']} (128 or 256), "
                          f"rows_in_flight {cfg['rows_in_flight']} (1 or 4), select_threads {cfg['select_threads']} "
                          f"(None, 256, 512 or 1024), smem {cfg['smem']} (None, true or false), cluster "
                          f"{cfg['cluster']} (None, 0, 1, 2, 4 or 8), cluster_threads {cfg['cluster_threads']} (256, 512 or "
-                         f"1024), cluster_rows_in_flight {cfg['cluster_rows_in_flight']} (1 or 4)")
+                         f"1024), cluster_rows_in_flight {cfg['cluster_rows_in_flight']} (1 or 4), emit_vectors "
+                         f"{cfg['emit_vectors']} (1, 2 or 4)")
     if not query.is_cuda or not torch.cuda.is_available():
         return "not a CUDA tensor"
     if _capability(query.device.index or 0)[0] < 8:
@@ -370,7 +374,7 @@ def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor
     cl = _cluster_for(query, labels.num_tokens, cfg)
     if cl is not None:
         return _cluster_select(lib, query, labels, channels, valid, k, cl, int(cfg["cluster_threads"]),
-                               int(cfg["cluster_rows_in_flight"]), group, full.stride(1))
+                               int(cfg["cluster_rows_in_flight"]), group, full.stride(1), int(cfg["emit_vectors"]))
     hkv, r = channels.shape
     g = hq // hkv
     t = labels.num_tokens
@@ -392,7 +396,8 @@ def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor
             t, hq, hkv, g, w, 8 // labels.bits if quant else 1, labels.bits if quant else 16, chunk, gblocks, b,
             DTYPES[query.dtype], U8 if quant else DTYPES[lab.dtype], int(va is not None), k, out.data_ptr(), gn,
             int(vector_loads(labels)), ks, int(smem_select(t, _smem_optin(dev.index or 0), cfg, want_smem)),
-            int(cfg["keys_threads"]), int(cfg["rows_in_flight"]), select_threads, group, full.stride(1)]
+            int(cfg["keys_threads"]), int(cfg["rows_in_flight"]), select_threads, group, full.stride(1),
+            int(cfg["emit_vectors"])]
     arr = (ctypes.c_longlong * len(args))(*args)
     stream = torch.cuda.current_stream(dev).cuda_stream
     rc = lib.ds_radix_select_launch(arr, dev.index or 0, ctypes.c_void_p(stream))
@@ -402,7 +407,8 @@ def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor
 
 
 def _cluster_select(lib, query, labels: Labels, channels, valid, k: int, cl: tuple[int, int],
-                    threads: int, rows_in_flight: int = 1, group: int = 1, group_stride: int = 0) -> torch.Tensor:
+                    threads: int, rows_in_flight: int = 1, group: int = 1, group_stride: int = 0,
+                    emit_vectors: int = 1) -> torch.Tensor:
     """The cluster select (``ds_radix_cluster_launch``): C CTAs per query head (or per ``group`` query heads
     ``group_stride`` apart, summed), ``n`` tokens each."""
     c, n = cl
@@ -417,7 +423,7 @@ def _cluster_select(lib, query, labels: Labels, channels, valid, k: int, cl: tup
     args = [*_input_args(query, labels, channels, va), 0, 0, labels.num_tokens, hq, hkv, hq // hkv, lab.shape[-1],
             8 // labels.bits if quant else 1, labels.bits if quant else 16, n, 1, b, DTYPES[query.dtype], U8 if quant else DTYPES[lab.dtype],
             int(va is not None), k, out.data_ptr(), 1, int(vector_loads(labels)), 0, 0, 0, rows_in_flight, 0, group,
-            group_stride]
+            group_stride, emit_vectors]
     arr = (ctypes.c_longlong * len(args))(*args)
     stream = torch.cuda.current_stream(dev).cuda_stream
     rc = lib.ds_radix_cluster_launch(arr, c, threads, dev.index or 0, ctypes.c_void_p(stream))
