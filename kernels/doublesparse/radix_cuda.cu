@@ -334,6 +334,46 @@ __device__ __forceinline__ void find_digit(const int* h, int nb, int need, int* 
   __syncthreads();
 }
 
+// emit_chosen with one 16-byte read (EMIT keys) per thread per tile: the pass as it was before emit_vectors (the
+// default, vecs = 1), kept as its own code.
+template <bool LDG>
+__device__ __forceinline__ void emit_chosen4(const uint32_t* keys, long long n, long long t0, uint32_t prefix, int shift,
+                                            int need, int base_above, int base_tie, long long* out, int2* tile_tot) {
+  for (long long l0 = 0; l0 < n; l0 += (long long)EMIT * blockDim.x) {
+    const long long lb = l0 + (long long)threadIdx.x * EMIT;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (lb < n) v = LDG ? __ldg(reinterpret_cast<const uint4*>(keys) + lb / 4) : reinterpret_cast<const uint4*>(keys)[lb / 4];
+    const uint32_t kv[EMIT] = {v.x, v.y, v.z, v.w};
+    uint32_t hi[EMIT];
+    int a = 0, e = 0;
+#pragma unroll
+    for (int u = 0; u < EMIT; ++u) {
+      const bool valid = lb + u < n;
+      hi[u] = kv[u] >> shift;  // shift < 32: the first digit fixes BITS0 bits
+      a += valid && hi[u] > prefix;
+      e += valid && hi[u] == prefix;
+    }
+    const int2 ex = block_exclusive_scan2(make_int2(a, e), tile_tot);
+    const int2 tot = *tile_tot;
+    int ab = base_above + ex.x, tie = base_tie + ex.y;
+#pragma unroll
+    for (int u = 0; u < EMIT; ++u) {
+      if (lb + u >= n) continue;
+      const long long t = t0 + lb + u;
+      if (hi[u] > prefix) {
+        out[ab + min(tie, need)] = t;
+        ++ab;
+      } else if (hi[u] == prefix) {
+        if (tie < need) out[ab + tie] = t;
+        ++tie;
+      }
+    }
+    base_above += tot.x;
+    base_tie += tot.y;
+    __syncthreads();  // tile_tot is rewritten by the next tile's scan
+  }
+}
+
 // The emit pass over keys[0..n) (tokens t0 + i): chosen = key above the prefix (its top 32 - shift bits), or at it
 // among the first `need` such tokens; slot = rank in token order, after base_above / base_tie keys above / at the
 // prefix that come before these tokens.  Per tile each thread takes `vecs` (1 - EMIT_VECS) consecutive 16-byte reads
@@ -346,6 +386,10 @@ template <bool LDG>
 __device__ __forceinline__ void emit_chosen(const uint32_t* keys, long long n, long long t0, uint32_t prefix, int shift,
                                             int need, int base_above, int base_tie, long long* out, int2* tile_tot,
                                             int vecs) {
+  if (vecs == 1) {
+    emit_chosen4<LDG>(keys, n, t0, prefix, shift, need, base_above, base_tie, out, tile_tot);
+    return;
+  }
   const long long per = (long long)EMIT * vecs;  // keys per thread per tile
   for (long long l0 = 0; l0 < n; l0 += per * blockDim.x) {
     const long long lb = l0 + (long long)threadIdx.x * per;
