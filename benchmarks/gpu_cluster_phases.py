@@ -53,10 +53,10 @@ def main(argv=None) -> int:
     from kvcompress.kernels.doublesparse.triton_kernel import group_rows
 
     os.makedirs(args.out, exist_ok=True)
-    lib = rc.build(("DS_PHASES",))
-    plain = rc.build()
     cfg = dict(rc.RADIX_CUDA_CONFIG)
     cfg.update(json.loads(args.config))
+    lib = rc.build(("DS_PHASES",) + rc.cluster_defines(cfg))
+    plain = rc.build(rc.cluster_defines(cfg))
     if args.cluster is not None:
         cfg["cluster"] = args.cluster
     rows = []

@@ -181,17 +181,21 @@ def test_config_is_validated():
         rc.problem(q, labels, channels, valid, 5, {"cluster_rows_in_flight": 2})
     with pytest.raises(ValueError, match="emit_vectors 3 \\(1, 2 or 4\\)"):
         rc.problem(q, labels, channels, valid, 5, {"emit_vectors": 3})
+    with pytest.raises(ValueError, match="cluster_find 'tree' \\('flat' or 'groups'\\)"):
+        rc.problem(q, labels, channels, valid, 5, {"cluster_find": "tree"})
+    assert rc.cluster_defines({}) == () and rc.cluster_defines({"cluster_find": "groups"}) == ("DS_GROUP_FIND",)
 
 
 def test_import_compiles_nothing():
     assert not rc._LIB
 
 
-def test_cuda_source_compiles_for_sm90a_without_spills(tmp_path):
+@pytest.mark.parametrize("defines", [(), ("DS_GROUP_FIND",)])
+def test_cuda_source_compiles_for_sm90a_without_spills(tmp_path, defines):
     if not rc._nvcc():
         pytest.skip("nvcc not on the PATH")
     cmd = [rc._nvcc(), "-O3", "-std=c++17", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
-           "-o", str(tmp_path / "ds.cubin"), str(rc.SOURCE)]
+           *(f"-D{d}" for d in defines), "-o", str(tmp_path / "ds.cubin"), str(rc.SOURCE)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     kernels = re.findall(r"Compiling entry function '(\w+)'", res.stderr)
@@ -244,6 +248,7 @@ def test_cuda_select_on_score_cases(name):
     _check_topk(got, q, labels, channels, valid, k)
     if torch.cuda.get_device_capability()[0] >= 9:  # the cluster select computes the same keys
         assert torch.equal(_gpu_select(q, labels, channels, valid, k, cluster=4), got)
+        assert torch.equal(_gpu_select(q, labels, channels, valid, k, cluster=4, cluster_find="groups"), got)
 
 
 def long_case(name: str):
@@ -307,6 +312,7 @@ def test_cuda_select_long_odd_contexts(name):
             assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c)), f"cluster {c}"
             assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c, cluster_threads=256))
             assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c, emit_vectors=4))
+            assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c, cluster_find="groups"))
             for threads, rows in ((512, 4), (1024, 1)):  # label rows in flight (default 4 at 1024 threads)
                 assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c, cluster_threads=threads,
                                                     cluster_rows_in_flight=rows))
@@ -334,6 +340,8 @@ def test_cuda_select_exact_ties(name):
     if torch.cuda.get_device_capability()[0] >= 9:
         for c in (1, 2, 4, 8):
             assert torch.equal(_gpu_select(q.cuda(), labels, channels.cuda(), valid.cuda(), k, cluster=c), got), c
+            assert torch.equal(_gpu_select(q.cuda(), labels, channels.cuda(), valid.cuda(), k, cluster=c,
+                                           cluster_find="groups"), got), c
 
 
 @pytest.mark.gpu
@@ -404,8 +412,9 @@ def test_every_cuda_source_ships_with_the_package():
 
 def test_instrumented_build_is_separate_and_checked():
     """``build(defines)`` takes only the listed preprocessor names (the phase-clock build of
-    benchmarks/gpu_cluster_phases.py), and its nvcc line defines them; the default line defines none."""
-    with pytest.raises(ValueError, match="allowed \\['DS_PHASES'\\]"):
+    benchmarks/gpu_cluster_phases.py, the grouped cluster find), and its nvcc line defines them; the default line
+    defines none."""
+    with pytest.raises(ValueError, match="allowed \\['DS_PHASES', 'DS_GROUP_FIND'\\]"):
         rc.build(("DS_PHASE",))
     assert "-DDS_PHASES" in rc.nvcc_command("x.so", ("DS_PHASES",))
     assert not any(a.startswith("-D") for a in rc.nvcc_command("x.so"))

@@ -531,14 +531,97 @@ __device__ __forceinline__ long long phase_smid() {
 // past C predicated off).  STAMP: phase clocks 11 - 13 (a -DDS_PHASES build).
 constexpr int CMAX = 8;
 
+//
+// DS_GROUP_FIND (a build of its own: KVCOMPRESS_DS_CONFIG cuda.cluster_find "groups"; nb 1024 or 2048): the digit in
+// two small steps instead of every CTA summing every bin of every CTA and scanning them with the whole block.  Each
+// CTA first writes the sums of its hist's 32-bin groups (gsum, as double-buffered as hist); after the barrier one warp
+// finds the group of the need-th key from the C CTAs' group sums, then its digit from the C CTAs' 32 bins of that
+// group: two remote round trips of one warp and warp scans.  comb / combb then hold only the digit's entries (all the
+// callers read of them).
+#ifdef DS_GROUP_FIND
+static_assert(BINS0 == 1024 && BINS == 2048, "the grouped find takes 32 or 64 groups of 32 bins (one or two a lane)");
+#endif
 template <bool STAMP = false>
-__device__ __forceinline__ void cluster_find(int* hist, int* comb, int* combb, int nb, int need, int* st) {
+__device__ __forceinline__ void cluster_find(int* hist, int* gsum, int* comb, int* combb, int nb, int need, int* st) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
+#ifdef DS_GROUP_FIND
+  {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    for (int g = warp; g < (nb >> 5); g += nwarps) {
+      int v = hist[(g << 5) + lane];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0) gsum[g] = v;
+    }
+  }
+#else
+  (void)gsum;
+#endif
   cluster.sync();  // every CTA's histogram is complete
   if (STAMP) DS_PHASE(11);
   const int c = (int)cluster.num_blocks(), rank = (int)cluster.block_rank();
+#ifdef DS_GROUP_FIND
+  if (threadIdx.x < 32) {
+    const unsigned full = 0xffffffffu;
+    const int lane = threadIdx.x, groups = nb >> 5, per = groups >> 5;  // per: 1 or 2 groups a lane
+    int tg[2] = {0, 0}, tb[2] = {0, 0};  // the cluster's / the earlier CTAs' keys in the lane's groups
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      if (u < per) {
+        const int g = groups - 1 - (lane * per + u);  // descending
+        int v[CMAX];
+#pragma unroll
+        for (int q = 0; q < CMAX; ++q) v[q] = q < c ? cluster.map_shared_rank(gsum, q)[g] : 0;
+#pragma unroll
+        for (int q = 0; q < CMAX; ++q) { tg[u] += v[q]; tb[u] += q < rank ? v[q] : 0; }
+      }
+    }
+    int2 inc = make_int2(tg[0] + tg[1], tb[0] + tb[1]);
+    const int2 own = inc;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int xa = __shfl_up_sync(full, inc.x, o), xb = __shfl_up_sync(full, inc.y, o);
+      if (lane >= o) { inc.x += xa; inc.y += xb; }
+    }
+    int2 before = make_int2(inc.x - own.x, inc.y - own.y), at = make_int2(0, 0);
+    int found = -1;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      if (u < per) {
+        if (before.x < need && before.x + tg[u] >= need) { found = groups - 1 - (lane * per + u); at = before; }
+        before.x += tg[u];
+        before.y += tb[u];
+      }
+    }
+    const int src = __ffs(__ballot_sync(full, found >= 0)) - 1;  // exactly one lane: the need-th key exists
+    const int g = __shfl_sync(full, found, src);
+    const int ax = __shfl_sync(full, at.x, src), ay = __shfl_sync(full, at.y, src);
+    const int bin = (g << 5) + 31 - lane;  // the group's bins, descending
+    int v[CMAX];
+#pragma unroll
+    for (int q = 0; q < CMAX; ++q) v[q] = q < c ? cluster.map_shared_rank(hist, q)[bin] : 0;
+    int cnt = 0, cntb = 0;
+#pragma unroll
+    for (int q = 0; q < CMAX; ++q) { cnt += v[q]; cntb += q < rank ? v[q] : 0; }
+    int2 inc2 = make_int2(cnt, cntb);
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int xa = __shfl_up_sync(full, inc2.x, o), xb = __shfl_up_sync(full, inc2.y, o);
+      if (lane >= o) { inc2.x += xa; inc2.y += xb; }
+    }
+    const int bx = ax + inc2.x - cnt, by = ay + inc2.y - cntb;
+    if (bx < need && bx + cnt >= need) {
+      st[0] = bin; st[1] = bx; st[2] = by;
+      comb[bin] = cnt;
+      combb[bin] = cntb;
+    }
+  }
+  __syncthreads();  // st, comb[st[0]], combb[st[0]] for the block
+  if (STAMP) DS_PHASE(12);
+  if (STAMP) DS_PHASE(13);
+#else
   for (int i = threadIdx.x; i < nb; i += blockDim.x) {
     int v[CMAX];
 #pragma unroll
@@ -573,6 +656,7 @@ __device__ __forceinline__ void cluster_find(int* hist, int* comb, int* combb, i
   }
   __syncthreads();  // st for the block
   if (STAMP) DS_PHASE(13);
+#endif
 #endif
 }
 
@@ -671,6 +755,7 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
   extern __shared__ uint4 dyn[];
   uint32_t* sk = reinterpret_cast<uint32_t*>(dyn);
   __shared__ int hists[2][BINS];  // digit d's histogram in hists[d % 2] (cluster_find)
+  __shared__ int gsums[2][BINS / 32];  // their 32-bin group sums (a DS_GROUP_FIND build)
   __shared__ int comb[BINS];
   __shared__ int combb[BINS];  // comb over the CTAs before this one
   int* hist = hists[0];
@@ -727,7 +812,7 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
   DS_PHASE(5);
   long long* out = sp.out + row * sp.K;
   int need = (int)sp.K;
-  cluster_find<true>(hist, comb, combb, BINS0, need, st);
+  cluster_find<true>(hist, gsums[0], comb, combb, BINS0, need, st);
   int above_before = st[2];  // keys above the prefix in the CTAs before this one
   DS_PHASE(6);
   [[maybe_unused]] int passes = 0;
@@ -756,7 +841,7 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
       if ((k >> shift) == prefix) atomicAdd(&hist[(k >> low) & ((1u << nb) - 1u)], 1);
     }
     __syncthreads();
-    cluster_find(hist, comb, combb, 1 << nb, need, st);
+    cluster_find(hist, gsums[hist == hists[0] ? 0 : 1], comb, combb, 1 << nb, need, st);
     above_before += st[2];
     prefix = (prefix << nb) | (uint32_t)st[0];
     need -= st[1];

@@ -84,12 +84,16 @@ SELECT_STATIC_SMEM = 10 * 1024  # the select kernel's static shared memory, roun
 # both kernels - the cluster select at 1024 threads (Llama ds16 B1/128k 150.9 -> 127.2 us, SmolLM2 ds16 B1/32k 33.7 ->
 # 29.1) and the keys CTAs (Llama ds8 B16/32k 451.3 -> 412.4 us; SmolLM2 ds8 B16/32k 126.0 -> 129.0, the one cell
 # slower)
+# cluster_find ("flat" / "groups"): how the cluster select finds a digit - every CTA sums every bin of every CTA and
+# scans them with the whole block, or ("groups", a library built with DS_GROUP_FIND) one warp reads the C CTAs' 32-bin
+# group sums, then the 32 bins of the group holding the key (session 47: the first digit's remote reads took 1.3 µs and
+# its block scan 1.2 µs of a 3.4 µs round; prepared, not yet timed - "flat" stays the default).
 # emit_vectors (1 / 2 / 4): 16-byte reads of 4 keys each that a thread takes per tile of the pass writing the chosen
 # indices (both selects; one block scan per tile).  Session 47 (docs/results.md): with 16384 keys per cluster CTA that
 # pass took 4.9 µs in four scans; 4 (one scan) is prepared, not yet timed - 1 stays the default.
 RADIX_CUDA_CONFIG = dict(min_chunk=1024, max_chunk=8192, ctas_per_sm=2, max_keys=1 << 28, smem=None,
                          keys_threads=256, rows_in_flight=4, select_threads=None, cluster=None, cluster_threads=1024,
-                         cluster_rows_in_flight=4, emit_vectors=1)
+                         cluster_rows_in_flight=4, emit_vectors=1, cluster_find="flat")
 CLUSTER_STATIC_SMEM = 35 * 1024  # the cluster kernel's static shared memory, rounded up
 _LOCK = threading.Lock()
 _LIB: dict[str, ctypes.CDLL] = {}
@@ -110,13 +114,15 @@ def problem(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: 
     if cfg["keys_threads"] not in (128, 256) or cfg["rows_in_flight"] not in (1, 4) \
             or cfg["select_threads"] not in (None, 256, 512, 1024) or cfg["smem"] not in (None, True, False) \
             or cfg["cluster"] not in (None, 0, 1, 2, 4, 8) or cfg["cluster_threads"] not in (256, 512, 1024) \
-            or cfg["cluster_rows_in_flight"] not in (1, 4) or cfg["emit_vectors"] not in (1, 2, 4):
+            or cfg["cluster_rows_in_flight"] not in (1, 4) or cfg["emit_vectors"] not in (1, 2, 4) \
+            or cfg["cluster_find"] not in ("flat", "groups"):
         raise ValueError(f"DoubleSparse CUDA select config: keys_threads {cfg['keys_threads']} (128 or 256), "
                          f"rows_in_flight {cfg['rows_in_flight']} (1 or 4), select_threads {cfg['select_threads']} "
                          f"(None, 256, 512 or 1024), smem {cfg['smem']} (None, true or false), cluster "
                          f"{cfg['cluster']} (None, 0, 1, 2, 4 or 8), cluster_threads {cfg['cluster_threads']} (256, 512 or "
                          f"1024), cluster_rows_in_flight {cfg['cluster_rows_in_flight']} (1 or 4), emit_vectors "
-                         f"{cfg['emit_vectors']} (1, 2 or 4)")
+                         f"{cfg['emit_vectors']} (1, 2 or 4), cluster_find {cfg['cluster_find']!r} ('flat' or "
+                         f"'groups')")
     if not query.is_cuda or not torch.cuda.is_available():
         return "not a CUDA tensor"
     if _capability(query.device.index or 0)[0] < 8:
@@ -198,8 +204,9 @@ def nvcc_command(out: str, defines: tuple[str, ...] = ()) -> list[str]:
 
 
 #: Preprocessor names a :func:`build` may define: ``DS_PHASES`` - the cluster select records per-CTA phase clocks
-#: (``ds_radix_phases``; benchmarks/gpu_cluster_phases.py), never in the library the kernels use.
-BUILD_DEFINES = ("DS_PHASES",)
+#: (``ds_radix_phases``; benchmarks/gpu_cluster_phases.py), never in the library the kernels use; ``DS_GROUP_FIND`` -
+#: the cluster select finds each digit from 32-bin group sums (``cluster_find: "groups"``, :func:`cluster_defines`).
+BUILD_DEFINES = ("DS_PHASES", "DS_GROUP_FIND")
 
 
 def build(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
@@ -300,6 +307,11 @@ def _cluster_for(query: torch.Tensor, tokens: int, cfg: dict, chunk_tokens: int 
                         dict(cfg, cluster=c))
 
 
+def cluster_defines(cfg: dict) -> tuple[str, ...]:
+    """The :func:`build` defines of the cluster select under ``cfg`` (``cluster_find: "groups"``: DS_GROUP_FIND)."""
+    return ("DS_GROUP_FIND",) if dict(RADIX_CUDA_CONFIG, **cfg)["cluster_find"] == "groups" else ()
+
+
 def cluster_plan(tokens: int, capability: tuple[int, int], optin: int, cfg: dict) -> tuple[int, int] | None:
     """``(C, tokens per CTA)`` of the cluster select, or None (``cfg["cluster"]`` 0 / None, a GPU before sm_90, or a
     CTA's share of the keys beyond :data:`SMEM_KEYS` or the device's shared memory)."""
@@ -373,6 +385,8 @@ def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor
     dev = query.device
     cl = _cluster_for(query, labels.num_tokens, cfg)
     if cl is not None:
+        if cluster_defines(cfg):
+            lib = build(cluster_defines(cfg))
         return _cluster_select(lib, query, labels, channels, valid, k, cl, int(cfg["cluster_threads"]),
                                int(cfg["cluster_rows_in_flight"]), group, full.stride(1), int(cfg["emit_vectors"]))
     hkv, r = channels.shape
