@@ -93,6 +93,36 @@ def test_cluster_exact_pick_against_a_stable_sort(c):
     assert {1, 2} <= picks, f"the pick followed digits {picks}"
 
 
+@pytest.mark.parametrize("nb", [1024, 2048])
+def test_grouped_cluster_find_equals_the_flat_find(nb):
+    """The grouped find's steps (group sums, the group of the need-th key, then its bins; one warp) give the flat
+    find's digit, keys above it, and the earlier CTAs' keys above / at it, for every CTA of clusters of 1 - 8, on
+    spread and crowded histograms, need from the first to the last key."""
+    gen = torch.Generator().manual_seed(nb)
+    checked = 0
+    for c in (1, 2, 3, 8):
+        for crowd in (False, True):
+            if crowd:  # all keys in a few bins near one group boundary
+                hists = [torch.zeros(nb, dtype=torch.int64) for _ in range(c)]
+                for h in hists:
+                    h[[31, 32, 33, 95]] = torch.randint(0, 40, (4,), generator=gen)
+            else:
+                hists = [torch.randint(0, 3, (nb,), generator=gen) * (torch.rand(nb, generator=gen) < 0.2)
+                         for _ in range(c)]
+            comb = sum(hists)
+            total = int(comb.sum())
+            if total == 0:
+                continue
+            for need in sorted({1, 2, total // 3, total // 2, total - 1, total} - {0}):
+                digit, above = rc.find_digit(comb, need)
+                for rank in range(c):
+                    earlier = sum(hists[:rank]) if rank else torch.zeros(nb, dtype=torch.int64)
+                    want = (digit, above, int(earlier[digit + 1:].sum()), int(comb[digit]), int(earlier[digit]))
+                    assert rc.cluster_find_grouped(hists, need, rank) == want, (c, crowd, need, rank)
+                    checked += 1
+    assert checked > 100
+
+
 def test_cluster_plan():
     cfg = dict(rc.RADIX_CUDA_CONFIG, cluster=8)
     assert rc.cluster_plan(32768, (9, 0), 227 * 1024, cfg) == (8, 4096)

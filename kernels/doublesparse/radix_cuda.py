@@ -464,6 +464,39 @@ def find_digit(hist: torch.Tensor, need: int) -> tuple[int, int]:
     return hist.numel() - 1 - j, int(before[j])
 
 
+def cluster_find_grouped(hists: list[torch.Tensor], need: int, rank: int) -> tuple[int, int, int, int, int]:
+    """``cluster_find`` of a ``DS_GROUP_FIND`` build, step by step as its one warp takes them (32 lanes, one or two
+    32-bin groups a lane in descending order, then the found group's 32 bins, one a lane, descending), on the C CTAs'
+    histograms ``hists`` from CTA ``rank``'s side: ``(digit, keys in higher digits, of them in the CTAs before rank,
+    keys at the digit, of them in the CTAs before rank)`` - what the flat find gives as ``st`` and ``comb`` /
+    ``combb`` at the digit."""
+    nb = hists[0].numel()
+    groups = nb // 32
+    per = groups // 32
+    gsums = [h.view(groups, 32).sum(1).tolist() for h in hists]  # each CTA's group sums (before the barrier)
+    lane_tot = []
+    for lane in range(32):  # a lane's groups: the cluster's and the earlier CTAs' keys in them
+        gs = [groups - 1 - (lane * per + u) for u in range(per)]
+        lane_tot.append([(g, sum(s[g] for s in gsums), sum(s[g] for s in gsums[:rank])) for g in gs])
+    before = [0, 0]
+    found = None
+    for lane in range(32):  # the warp's exclusive scan, then each lane's groups in order
+        for g, tg, tb in lane_tot[lane]:
+            if found is None and before[0] < need <= before[0] + tg:
+                found = (g, before[0], before[1])
+            before = [before[0] + tg, before[1] + tb]
+    g, ax, ay = found
+    bx, by = ax, ay
+    for lane in range(32):
+        b = g * 32 + 31 - lane
+        cnt = sum(int(h[b]) for h in hists)
+        cntb = sum(int(h[b]) for h in hists[:rank])
+        if bx < need <= bx + cnt:
+            return b, bx, by, cnt, cntb
+        bx, by = bx + cnt, by + cntb
+    raise AssertionError("no digit holds the need-th key")
+
+
 def select_keys(keys: torch.Tensor, k: int, trace: list | None = None) -> list[int]:
     """``ds_select_kernel`` on one head's keys (int64 ``[T]`` holding uint32 values): its token indices in output slot
     order, from the same digit steps, early stop and slots (:func:`select_keys_cluster` with one CTA).  ``trace``:
