@@ -283,26 +283,27 @@ struct SelectParams {
   int emit_vecs;  // 16-byte key reads per thread per emit tile (emit_chosen)
 };
 
+// Warp-wide inclusive scan of (a, b) pairs, in lane order.  All 32 lanes of the warp call it.
+__device__ __forceinline__ int2 warp_inclusive_scan2(int2 v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int xa = __shfl_up_sync(0xffffffffu, v.x, o), xb = __shfl_up_sync(0xffffffffu, v.y, o);
+    if (lane >= o) { v.x += xa; v.y += xb; }
+  }
+  return v;
+}
+
 // Block-wide exclusive scan of (a, b) pairs; writes the totals to *total (shared).  All threads of the block call it.
 __device__ __forceinline__ int2 block_exclusive_scan2(int2 v, int2* total) {
   __shared__ int2 warp_tot[SELECT_THREADS / 32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  int2 inc = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int xa = __shfl_up_sync(0xffffffffu, inc.x, o), xb = __shfl_up_sync(0xffffffffu, inc.y, o);
-    if (lane >= o) { inc.x += xa; inc.y += xb; }
-  }
+  const int2 inc = warp_inclusive_scan2(v);
   if (lane == 31) warp_tot[warp] = inc;
   __syncthreads();
   if (warp == 0) {
     int2 w = lane < nwarps ? warp_tot[lane] : make_int2(0, 0);
-    int2 wi = w;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int xa = __shfl_up_sync(0xffffffffu, wi.x, o), xb = __shfl_up_sync(0xffffffffu, wi.y, o);
-      if (lane >= o) { wi.x += xa; wi.y += xb; }
-    }
+    const int2 wi = warp_inclusive_scan2(w);
     if (lane < nwarps) warp_tot[lane] = make_int2(wi.x - w.x, wi.y - w.y);  // exclusive per warp
     if (lane == 31) *total = wi;
   }
@@ -521,6 +522,8 @@ __device__ __forceinline__ long long phase_smid() {
 // read: no round of their own).  One launch; at batch 1 every head's work
 // spreads over C SMs.  p.chunk = n (a multiple of TPT).
 
+constexpr int CMAX = 8;  // the most CTAs of a cluster (ds_radix_cluster_launch)
+
 // The histogram of the cluster: comb[i] = sum over ranks of hist[i], and combb[i] = the sum over the ranks before
 // this CTA's (every CTA computes the same comb); then the digit of the need-th largest key in comb.  Leaves
 // st = (digit, keys in higher digits, keys in higher digits in the CTAs before this one), comb and combb.  One
@@ -529,8 +532,6 @@ __device__ __forceinline__ long long phase_smid() {
 // of the digit in between only after its reads), and arrives at a last barrier after its last digit before it
 // leaves (ds_cluster_kernel).  The C remote loads of a bin are all issued before any is added (CMAX of them, those
 // past C predicated off).  STAMP: phase clocks 11 - 13 (a -DDS_PHASES build).
-constexpr int CMAX = 8;
-
 //
 // DS_GROUP_FIND (a build of its own: KVCOMPRESS_DS_CONFIG cuda.cluster_find "groups"; nb 1024 or 2048): the digit in
 // two small steps instead of every CTA summing every bin of every CTA and scanning them with the whole block.  Each
@@ -578,13 +579,8 @@ __device__ __forceinline__ void cluster_find(int* hist, int* gsum, int* comb, in
         for (int q = 0; q < CMAX; ++q) { tg[u] += v[q]; tb[u] += q < rank ? v[q] : 0; }
       }
     }
-    int2 inc = make_int2(tg[0] + tg[1], tb[0] + tb[1]);
-    const int2 own = inc;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int xa = __shfl_up_sync(full, inc.x, o), xb = __shfl_up_sync(full, inc.y, o);
-      if (lane >= o) { inc.x += xa; inc.y += xb; }
-    }
+    const int2 own = make_int2(tg[0] + tg[1], tb[0] + tb[1]);
+    const int2 inc = warp_inclusive_scan2(own);
     int2 before = make_int2(inc.x - own.x, inc.y - own.y), at = make_int2(0, 0);
     int found = -1;
 #pragma unroll
@@ -605,12 +601,7 @@ __device__ __forceinline__ void cluster_find(int* hist, int* gsum, int* comb, in
     int cnt = 0, cntb = 0;
 #pragma unroll
     for (int q = 0; q < CMAX; ++q) { cnt += v[q]; cntb += q < rank ? v[q] : 0; }
-    int2 inc2 = make_int2(cnt, cntb);
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int xa = __shfl_up_sync(full, inc2.x, o), xb = __shfl_up_sync(full, inc2.y, o);
-      if (lane >= o) { inc2.x += xa; inc2.y += xb; }
-    }
+    const int2 inc2 = warp_inclusive_scan2(make_int2(cnt, cntb));
     const int bx = ax + inc2.x - cnt, by = ay + inc2.y - cntb;
     if (bx < need && bx + cnt >= need) {
       st[0] = bin; st[1] = bx; st[2] = by;
@@ -758,7 +749,7 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
   __shared__ int gsums[2][BINS / 32];  // their 32-bin group sums (a DS_GROUP_FIND build)
   __shared__ int comb[BINS];
   __shared__ int combb[BINS];  // comb over the CTAs before this one
-  int* hist = hists[0];
+  int buf = 0;  // the current digit's hists / gsums
   __shared__ float qv[1][RMAX];
   __shared__ float qsum;
   __shared__ int st[3];
@@ -776,7 +767,7 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
   const long long t1 = max(t0, min(t0 + p.chunk, p.T));
   const long long n = t1 - t0;
   const long long lbase = b * p.sl_b + h * p.sl_h;
-  for (int i = threadIdx.x; i < BINS0; i += blockDim.x) hist[i] = 0;
+  for (int i = threadIdx.x; i < BINS0; i += blockDim.x) hists[0][i] = 0;
   for (int c = threadIdx.x; c < r; c += blockDim.x)
     qv[0][c] = query_value(p, b, hq, p.ch[h * p.sch_h + c]);
   __syncthreads();
@@ -804,7 +795,7 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
         if (p.has_valid && p.va[b * p.sva_b + t] == 0) v = -INFINITY;
         const uint32_t key = orderable(v);
         sk[t - t0] = key;
-        atomicAdd(&hist[key >> (32 - BITS0)], 1);
+        atomicAdd(&hists[0][key >> (32 - BITS0)], 1);
       }
     }
   }
@@ -812,7 +803,7 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
   DS_PHASE(5);
   long long* out = sp.out + row * sp.K;
   int need = (int)sp.K;
-  cluster_find<true>(hist, gsums[0], comb, combb, BINS0, need, st);
+  cluster_find<true>(hists[0], gsums[0], comb, combb, BINS0, need, st);
   int above_before = st[2];  // keys above the prefix in the CTAs before this one
   DS_PHASE(6);
   [[maybe_unused]] int passes = 0;
@@ -824,8 +815,7 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
   int tie_before = -1;  // set by the exact pick; else the last digit's combb below
   while (in_bin != need && shift > 0) {
     if (in_bin <= PICK_CAP) {  // few keys left at the prefix: pick among them exactly - one round, no histogram
-      pick_exact(sk, n, t0, rank, hist == hists[0] ? hists[1] : hists[0], comb, in_bin, prefix, shift, need,
-                 above_before, tie_before);
+      pick_exact(sk, n, t0, rank, hists[buf ^ 1], comb, in_bin, prefix, shift, need, above_before, tie_before);
 #ifdef DS_PHASES
       passes += 100;  // (the phase record: an exact pick)
 #endif
@@ -833,7 +823,8 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
     }
     const int nb = shift >= BITS ? BITS : shift;
     const int low = shift - nb;
-    hist = hist == hists[0] ? hists[1] : hists[0];
+    buf ^= 1;
+    int* hist = hists[buf];
     for (int i = threadIdx.x; i < BINS; i += blockDim.x) hist[i] = 0;
     __syncthreads();
     for (long long t = threadIdx.x; t < n; t += blockDim.x) {
@@ -841,7 +832,7 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
       if ((k >> shift) == prefix) atomicAdd(&hist[(k >> low) & ((1u << nb) - 1u)], 1);
     }
     __syncthreads();
-    cluster_find(hist, gsums[hist == hists[0] ? 0 : 1], comb, combb, 1 << nb, need, st);
+    cluster_find(hist, gsums[buf], comb, combb, 1 << nb, need, st);
     above_before += st[2];
     prefix = (prefix << nb) | (uint32_t)st[0];
     need -= st[1];

@@ -215,13 +215,14 @@ def build(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     unknown = [d for d in defines if d not in BUILD_DEFINES]
     if unknown:
         raise ValueError(f"build defines {unknown}: allowed {list(BUILD_DEFINES)}")
-    key = "lib" + "".join(f" {d}" for d in sorted(defines))
+    defines = tuple(sorted(defines))
+    key = " ".join(("lib", *defines))
     with _LOCK:
         if key in _LIB:
             return _LIB[key]
         src = SOURCE.read_bytes()
-        defines = tuple(sorted(defines))
-        tag = hashlib.sha256(src + repr(NVCC_FLAGS).encode() + repr(defines).encode() * bool(defines)).hexdigest()[:16]
+        extra = repr(defines).encode() if defines else b""  # (the default library keeps its cache name)
+        tag = hashlib.sha256(src + repr(NVCC_FLAGS).encode() + extra).hexdigest()[:16]
         path = cache_dir() / f"libds_radix_{tag}.so"
         compile_cached(path, functools.partial(nvcc_command, defines=defines),
                        "building the DoubleSparse CUDA select failed; set KVCOMPRESS_DS_CONFIG="
@@ -380,15 +381,14 @@ def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor
     why = None if checked else problem(query, labels, channels, valid, k, cfg)
     if why is not None:
         raise ValueError(f"select_topk_cuda: {why}")
-    lib = build()
     b, hq, _ = query.shape
     dev = query.device
     cl = _cluster_for(query, labels.num_tokens, cfg)
     if cl is not None:
-        if cluster_defines(cfg):
-            lib = build(cluster_defines(cfg))
-        return _cluster_select(lib, query, labels, channels, valid, k, cl, int(cfg["cluster_threads"]),
-                               int(cfg["cluster_rows_in_flight"]), group, full.stride(1), int(cfg["emit_vectors"]))
+        return _cluster_select(build(cluster_defines(cfg)), query, labels, channels, valid, k, cl,
+                               int(cfg["cluster_threads"]), int(cfg["cluster_rows_in_flight"]), group, full.stride(1),
+                               int(cfg["emit_vectors"]))
+    lib = build()
     hkv, r = channels.shape
     g = hq // hkv
     t = labels.num_tokens
@@ -520,8 +520,9 @@ def select_keys_cluster(keys: torch.Tensor, k: int, c: int, trace: list | None =
     n = keys_stride(-(-t // c))
     parts = [keys[r * n:min((r + 1) * n, t)] for r in range(c)]
     hists = [torch.bincount(part >> (32 - BITS0), minlength=1 << BITS0) for part in parts]  # per CTA
-    digit, before = find_digit(sum(hists), k)
-    prefix, need, shift, in_bin = digit, k - before, 32 - BITS0, int(sum(hists)[digit])
+    comb = sum(hists)
+    digit, before = find_digit(comb, k)
+    prefix, need, shift, in_bin = digit, k - before, 32 - BITS0, int(comb[digit])
     # CTA r's counts of the CTAs before it, from the digits' histograms (the kernel's combb): keys in higher digit
     # values at every digit, ties in the last digit's bin
     above_before = [sum(int(h[digit + 1:].sum()) for h in hists[:r]) for r in range(c)]
@@ -543,8 +544,9 @@ def select_keys_cluster(keys: torch.Tensor, k: int, c: int, trace: list | None =
         low = shift - nb
         hists = [torch.bincount((part[(part >> shift) == prefix] >> low) & ((1 << nb) - 1), minlength=1 << nb)
                  for part in parts]
-        digit, before = find_digit(sum(hists), need)
-        prefix, need, shift, in_bin = (prefix << nb) | digit, need - before, low, int(sum(hists)[digit])
+        comb = sum(hists)
+        digit, before = find_digit(comb, need)
+        prefix, need, shift, in_bin = (prefix << nb) | digit, need - before, low, int(comb[digit])
         above_before = [a + sum(int(h[digit + 1:].sum()) for h in hists[:r]) for r, a in enumerate(above_before)]
         if trace is not None:
             trace.append((32 - shift, need, in_bin))
