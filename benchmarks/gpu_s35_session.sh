@@ -459,9 +459,10 @@ case "${PART:-stages}" in
       '{}' '{"method": "cuda", "cuda": {"cluster": 4}}' '{"method": "cuda", "cuda": {"cluster": 8}}'
     ;;
   ds-emit)  # session 47's opt-in emit_vectors 4 (one block scan per 16 keys per thread instead of per 4, both CUDA
-    # selects) against the default, after the DoubleSparse CUDA GPU tests (they check emit_vectors 2 / 4); two rounds
+    # selects) against the default, after the DoubleSparse CUDA GPU tests (they check emit_vectors 2 / 4; S35_TESTS=none
+    # when ds-find ran them in the same call); two rounds
     export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-240}
-    ROUNDS=2 && sweep tests/test_doublesparse_cuda.py KVCOMPRESS_DS_CONFIG ds8,ds16,ds8-shared,ds16-shared \
+    ROUNDS=2 && sweep "${S35_TESTS:-tests/test_doublesparse_cuda.py}" KVCOMPRESS_DS_CONFIG ds8,ds16,ds8-shared,ds16-shared \
       "${S35_SHAPES:-llama3-8b:1:32k,smollm2-135m:4:32k,smollm2-135m:1:128k,llama3-8b:16:32k,smollm2-135m:16:32k,smollm2-135m:64:32k}" \
       '{}' '{"cuda": {"emit_vectors": 4}}'
     ;;
