@@ -55,8 +55,8 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     cfg = dict(rc.RADIX_CUDA_CONFIG)
     cfg.update(json.loads(args.config))
-    lib = rc.build(("DS_PHASES",) + rc.cluster_defines(cfg))
-    plain = rc.build(rc.cluster_defines(cfg))
+    lib = rc.build(("DS_PHASES",))
+    plain = rc.build()
     if args.cluster is not None:
         cfg["cluster"] = args.cluster
     rows = []
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
         def run(library):
             return rc._cluster_select(library, query, lab, ch, None, kk, cl, int(cfg["cluster_threads"]),
                                       int(cfg["cluster_rows_in_flight"]), group, q.stride(1),
-                                      int(cfg["emit_vectors"]))
+                                      rc.emit_vectors_for(cfg, n, int(cfg["cluster_threads"])))
 
         same = bool(torch.equal(run(lib).sort(-1).values, run(plain).sort(-1).values))
         ctas = query.shape[0] * query.shape[1] * c

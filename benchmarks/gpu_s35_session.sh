@@ -124,9 +124,11 @@
 # Left: grid-full on an H200 for the README count.
 # Session 47 (H100 / H200) timed the DoubleSparse cluster select phase by phase (benchmarks/gpu_cluster_phases.py)
 # and cut its cross-CTA rounds, each cut A/B'd by benchmarks/gpu_ab_trees.sh; grid-full on an H100: 25 of 311
-# (docs/results.md "Session 47").  Left: PARTS="ds-find ds-emit ds-cluster-size" (about 300 + 330 + 260 s: the
-# opt-in grouped cluster find and emit_vectors 4, each after the GPU tests; the cluster size at 17-37 rows and at 8k),
-# then grid-full on an H200 for the README count.
+# (docs/results.md "Session 47").
+# Session 48 (H100) timed session 47's two opt-ins (parts ds-find and ds-emit, since removed with the code they
+# compared; their last tree is bc7ef36): the grouped cluster find became the only find, emit_vectors got a rule
+# (emit_auto).
+# Left: PART=ds-cluster-size (about 150 s of GPU tests + 260 s), then grid-full on an H200 for the README count.
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -442,29 +444,14 @@ case "${PART:-stages}" in
       "${S35_SHAPES:-llama3-8b:16:4k,llama3-8b:64:4k,smollm2-135m:64:4k,llama3-8b:4:8k,llama3-8b:16:8k,llama3-8b:4:16k,llama3-8b:16:16k,smollm2-135m:16:8k}" \
       '{}' '{"fuse_gather": false}'
     ;;
-  ds-find)  # session 47's opt-in grouped cluster find (cluster_find "groups": one warp reads the C CTAs' 32-bin group
-    # sums, then one group's bins - instead of every CTA summing and block-scanning every bin) against the default,
-    # after the DoubleSparse CUDA GPU tests (they check it); cluster shapes only; two rounds.  Phases:
-    # python benchmarks/gpu_cluster_phases.py --out DIR --config '{"cluster_find": "groups"}'
-    export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-240}
-    ROUNDS=2 && sweep tests/test_doublesparse_cuda.py KVCOMPRESS_DS_CONFIG ds8,ds16,ds8-shared,ds16-shared \
-      "${S35_SHAPES:-smollm2-135m:1:32k,smollm2-135m:1:128k,smollm2-135m:4:32k,llama3-8b:1:32k,llama3-8b:1:128k,smollm2-135m:1:16k}" \
-      '{}' '{"cuda": {"cluster_find": "groups"}}'
-    ;;
   ds-cluster-size)  # session 47 made the cluster select's cross-CTA rounds cheaper (docs/results.md "Session 47"):
     # cluster_auto's C = 2 at 17-37 rows (session 30's timings; 16384 keys per CTA, scoring 8.6 us + emit 4.9 us)
-    # against C = 4 / 8, and the 8k reads where the rule keeps the fused select; two rounds
-    ROUNDS=2 && sweep none KVCOMPRESS_DS_CONFIG ds8,ds16,ds8-shared,ds16-shared \
-      "${S35_SHAPES:-llama3-8b:1:32k,smollm2-135m:4:32k,llama3-8b:1:128k,smollm2-135m:4:128k,smollm2-135m:1:8k,llama3-8b:1:8k}" \
-      '{}' '{"method": "cuda", "cuda": {"cluster": 4}}' '{"method": "cuda", "cuda": {"cluster": 8}}'
-    ;;
-  ds-emit)  # session 47's opt-in emit_vectors 4 (one block scan per 16 keys per thread instead of per 4, both CUDA
-    # selects) against the default, after the DoubleSparse CUDA GPU tests (they check emit_vectors 2 / 4; S35_TESTS=none
-    # when ds-find ran them in the same call); two rounds
+    # against C = 4 / 8, and the 8k reads where the rule keeps the fused select; two rounds, after the DoubleSparse
+    # CUDA GPU tests (S35_TESTS=none: without them)
     export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-240}
     ROUNDS=2 && sweep "${S35_TESTS:-tests/test_doublesparse_cuda.py}" KVCOMPRESS_DS_CONFIG ds8,ds16,ds8-shared,ds16-shared \
-      "${S35_SHAPES:-llama3-8b:1:32k,smollm2-135m:4:32k,smollm2-135m:1:128k,llama3-8b:16:32k,smollm2-135m:16:32k,smollm2-135m:64:32k}" \
-      '{}' '{"cuda": {"emit_vectors": 4}}'
+      "${S35_SHAPES:-llama3-8b:1:32k,smollm2-135m:4:32k,llama3-8b:1:128k,smollm2-135m:4:128k,smollm2-135m:1:8k,llama3-8b:1:8k}" \
+      '{}' '{"method": "cuda", "cuda": {"cluster": 4}}' '{"method": "cuda", "cuda": {"cluster": 8}}'
     ;;
   ds-cluster-mid)  # the CUDA cluster select (C CTAs per query head, sm_90) at 8k / 16k, where "auto" never takes it
     # (cluster_auto: only beyond one fused chunk, 16384 tokens) and the one fused program per head over 8-16k label

@@ -94,10 +94,10 @@ def test_cluster_exact_pick_against_a_stable_sort(c):
 
 
 @pytest.mark.parametrize("nb", [1024, 2048])
-def test_grouped_cluster_find_equals_the_flat_find(nb):
-    """The grouped find's steps (group sums, the group of the need-th key, then its bins; one warp) give the flat
-    find's digit, keys above it, and the earlier CTAs' keys above / at it, for every CTA of clusters of 1 - 8, on
-    spread and crowded histograms, need from the first to the last key."""
+def test_cluster_find_steps_equal_find_digit_on_the_summed_histogram(nb):
+    """The cluster find's steps (group sums, the group of the need-th key, then its bins; one warp) give find_digit's
+    digit and keys above it on the summed histogram, and the earlier CTAs' keys above / at it, for every CTA of
+    clusters of 1 - 8, on spread and crowded histograms, need from the first to the last key."""
     gen = torch.Generator().manual_seed(nb)
     checked = 0
     for c in (1, 2, 3, 8):
@@ -209,23 +209,35 @@ def test_config_is_validated():
         rc.problem(q, labels, channels, valid, 5, {"select_threads": 100})
     with pytest.raises(ValueError, match="cluster_rows_in_flight 2"):
         rc.problem(q, labels, channels, valid, 5, {"cluster_rows_in_flight": 2})
-    with pytest.raises(ValueError, match="emit_vectors 3 \\(1, 2 or 4\\)"):
+    with pytest.raises(ValueError, match="emit_vectors 3 \\(None, 1, 2 or 4\\)"):
         rc.problem(q, labels, channels, valid, 5, {"emit_vectors": 3})
-    with pytest.raises(ValueError, match="cluster_find 'tree' \\('flat' or 'groups'\\)"):
-        rc.problem(q, labels, channels, valid, 5, {"cluster_find": "tree"})
-    assert rc.cluster_defines({}) == () and rc.cluster_defines({"cluster_find": "groups"}) == ("DS_GROUP_FIND",)
+    with pytest.raises(ValueError, match="unknown entries \\['cluster_find'\\]"):  # (session 47's opt-in, now the code)
+        rc.problem(q, labels, channels, valid, 5, {"cluster_find": "groups"})
+
+
+def test_emit_auto_takes_a_row_in_one_tile():
+    """emit_vectors None: the fewest 16-byte reads (4 keys each) per thread per tile that cover the CTA's keys in one
+    tile (one block scan), at most 4; an explicit value wins."""
+    for threads in (256, 512, 1024):
+        for keys in (1, threads * 4, threads * 4 + 1, threads * 8, threads * 8 + 1, threads * 16, threads * 64):
+            v = rc.emit_auto(keys, threads)
+            assert v in (1, 2, 4)
+            assert keys <= threads * 4 * v or v == 4, (keys, threads, v)
+            smaller = [u for u in (1, 2, 4) if u < v]
+            assert all(keys > threads * 4 * u for u in smaller), (keys, threads, v)
+    assert rc.emit_vectors_for(dict(rc.RADIX_CUDA_CONFIG, emit_vectors=1), 1 << 20, 1024) == 1
+    assert rc.emit_vectors_for(dict(rc.RADIX_CUDA_CONFIG), 1 << 20, 1024) == 4
 
 
 def test_import_compiles_nothing():
     assert not rc._LIB
 
 
-@pytest.mark.parametrize("defines", [(), ("DS_GROUP_FIND",)])
-def test_cuda_source_compiles_for_sm90a_without_spills(tmp_path, defines):
+def test_cuda_source_compiles_for_sm90a_without_spills(tmp_path):
     if not rc._nvcc():
         pytest.skip("nvcc not on the PATH")
     cmd = [rc._nvcc(), "-O3", "-std=c++17", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
-           *(f"-D{d}" for d in defines), "-o", str(tmp_path / "ds.cubin"), str(rc.SOURCE)]
+           "-o", str(tmp_path / "ds.cubin"), str(rc.SOURCE)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     kernels = re.findall(r"Compiling entry function '(\w+)'", res.stderr)
@@ -278,7 +290,6 @@ def test_cuda_select_on_score_cases(name):
     _check_topk(got, q, labels, channels, valid, k)
     if torch.cuda.get_device_capability()[0] >= 9:  # the cluster select computes the same keys
         assert torch.equal(_gpu_select(q, labels, channels, valid, k, cluster=4), got)
-        assert torch.equal(_gpu_select(q, labels, channels, valid, k, cluster=4, cluster_find="groups"), got)
 
 
 def long_case(name: str):
@@ -331,8 +342,8 @@ def test_cuda_select_long_odd_contexts(name):
     assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, smem=False, select_threads=512))
     assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, keys_threads=128, rows_in_flight=4,
                                         select_threads=1024))
-    # the emit pass with 8 / 16 keys per thread per tile (fewer block scans), from shared memory and from L2
-    for vecs in (2, 4):
+    # the emit pass with 4 / 8 / 16 keys per thread per tile (emit_auto picks one), from shared memory and from L2
+    for vecs in (1, 2, 4):
         assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, emit_vectors=vecs)), vecs
         assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, emit_vectors=vecs, smem=False)), vecs
     # the cluster select (C CTAs per head): the same indices wherever a CTA's share fits its shared memory
@@ -341,8 +352,8 @@ def test_cuda_select_long_odd_contexts(name):
                            dict(rc.RADIX_CUDA_CONFIG, cluster=c)) is not None:
             assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c)), f"cluster {c}"
             assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c, cluster_threads=256))
-            assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c, emit_vectors=4))
-            assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c, cluster_find="groups"))
+            for vecs in (1, 4):
+                assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c, emit_vectors=vecs))
             for threads, rows in ((512, 4), (1024, 1)):  # label rows in flight (default 4 at 1024 threads)
                 assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c, cluster_threads=threads,
                                                     cluster_rows_in_flight=rows))
@@ -370,8 +381,6 @@ def test_cuda_select_exact_ties(name):
     if torch.cuda.get_device_capability()[0] >= 9:
         for c in (1, 2, 4, 8):
             assert torch.equal(_gpu_select(q.cuda(), labels, channels.cuda(), valid.cuda(), k, cluster=c), got), c
-            assert torch.equal(_gpu_select(q.cuda(), labels, channels.cuda(), valid.cuda(), k, cluster=c,
-                                           cluster_find="groups"), got), c
 
 
 @pytest.mark.gpu
@@ -442,9 +451,8 @@ def test_every_cuda_source_ships_with_the_package():
 
 def test_instrumented_build_is_separate_and_checked():
     """``build(defines)`` takes only the listed preprocessor names (the phase-clock build of
-    benchmarks/gpu_cluster_phases.py, the grouped cluster find), and its nvcc line defines them; the default line
-    defines none."""
-    with pytest.raises(ValueError, match="allowed \\['DS_PHASES', 'DS_GROUP_FIND'\\]"):
+    benchmarks/gpu_cluster_phases.py), and its nvcc line defines them; the default line defines none."""
+    with pytest.raises(ValueError, match="allowed \\['DS_PHASES'\\]"):
         rc.build(("DS_PHASE",))
     assert "-DDS_PHASES" in rc.nvcc_command("x.so", ("DS_PHASES",))
     assert not any(a.startswith("-D") for a in rc.nvcc_command("x.so"))

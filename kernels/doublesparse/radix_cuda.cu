@@ -524,30 +524,25 @@ __device__ __forceinline__ long long phase_smid() {
 
 constexpr int CMAX = 8;  // the most CTAs of a cluster (ds_radix_cluster_launch)
 
-// The histogram of the cluster: comb[i] = sum over ranks of hist[i], and combb[i] = the sum over the ranks before
-// this CTA's (every CTA computes the same comb); then the digit of the need-th largest key in comb.  Leaves
-// st = (digit, keys in higher digits, keys in higher digits in the CTAs before this one), comb and combb.  One
+// The digit of the need-th largest key of the cluster's histogram (the sum over ranks of hist; nb 1024 or 2048).
+// Leaves st = (digit, keys in higher digits, keys in higher digits in the CTAs before this one), comb[st[0]] (the
+// cluster's keys at the digit) and combb[st[0]] (those of the CTAs before this one).  One
 // cluster barrier, on entry (every CTA's hist is complete): the caller alternates two hist buffers, so a CTA that
 // fills the next digit's histogram never writes one another CTA may still read (that CTA has passed the barrier
 // of the digit in between only after its reads), and arrives at a last barrier after its last digit before it
 // leaves (ds_cluster_kernel).  The C remote loads of a bin are all issued before any is added (CMAX of them, those
 // past C predicated off).  STAMP: phase clocks 11 - 13 (a -DDS_PHASES build).
 //
-// DS_GROUP_FIND (a build of its own: KVCOMPRESS_DS_CONFIG cuda.cluster_find "groups"; nb 1024 or 2048): the digit in
-// two small steps instead of every CTA summing every bin of every CTA and scanning them with the whole block.  Each
-// CTA first writes the sums of its hist's 32-bin groups (gsum, as double-buffered as hist); after the barrier one warp
-// finds the group of the need-th key from the C CTAs' group sums, then its digit from the C CTAs' 32 bins of that
-// group: two remote round trips of one warp and warp scans.  comb / combb then hold only the digit's entries (all the
-// callers read of them).
-#ifdef DS_GROUP_FIND
+// The digit comes in two small steps (session 48: 7 - 16 % faster than every CTA summing every bin of every CTA and
+// scanning them with the whole block).  Each CTA first writes the sums of its hist's 32-bin groups (gsum, as
+// double-buffered as hist); after the barrier one warp finds the group of the need-th key from the C CTAs' group
+// sums, then its digit from the C CTAs' 32 bins of that group: two remote round trips of one warp and warp scans.
 static_assert(BINS0 == 1024 && BINS == 2048, "the grouped find takes 32 or 64 groups of 32 bins (one or two a lane)");
-#endif
 template <bool STAMP = false>
 __device__ __forceinline__ void cluster_find(int* hist, int* gsum, int* comb, int* combb, int nb, int need, int* st) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
-#ifdef DS_GROUP_FIND
   {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     for (int g = warp; g < (nb >> 5); g += nwarps) {
@@ -557,13 +552,9 @@ __device__ __forceinline__ void cluster_find(int* hist, int* gsum, int* comb, in
       if (lane == 0) gsum[g] = v;
     }
   }
-#else
-  (void)gsum;
-#endif
   cluster.sync();  // every CTA's histogram is complete
   if (STAMP) DS_PHASE(11);
   const int c = (int)cluster.num_blocks(), rank = (int)cluster.block_rank();
-#ifdef DS_GROUP_FIND
   if (threadIdx.x < 32) {
     const unsigned full = 0xffffffffu;
     const int lane = threadIdx.x, groups = nb >> 5, per = groups >> 5;  // per: 1 or 2 groups a lane
@@ -612,42 +603,6 @@ __device__ __forceinline__ void cluster_find(int* hist, int* gsum, int* comb, in
   __syncthreads();  // st, comb[st[0]], combb[st[0]] for the block
   if (STAMP) DS_PHASE(12);
   if (STAMP) DS_PHASE(13);
-#else
-  for (int i = threadIdx.x; i < nb; i += blockDim.x) {
-    int v[CMAX];
-#pragma unroll
-    for (int q = 0; q < CMAX; ++q) v[q] = q < c ? cluster.map_shared_rank(hist, q)[i] : 0;
-    int sum = 0, sumb = 0;
-#pragma unroll
-    for (int q = 0; q < CMAX; ++q) {
-      sum += v[q];
-      sumb += q < rank ? v[q] : 0;
-    }
-    comb[i] = sum;
-    combb[i] = sumb;
-  }
-  __syncthreads();
-  if (STAMP) DS_PHASE(12);
-  // find_digit over comb, scanning (comb, combb) pairs: st[2] = combb's keys in the digits above st[0]
-  const int per = nb / blockDim.x > 0 ? nb / blockDim.x : 1;
-  const int j0 = threadIdx.x * per;  // this thread's digits in descending order: nb-1-j0 .. nb-1-(j0+per-1)
-  int2 local = make_int2(0, 0);
-  if (j0 < nb)
-    for (int j = j0; j < j0 + per; ++j) { local.x += comb[nb - 1 - j]; local.y += combb[nb - 1 - j]; }
-  __shared__ int2 tot;
-  const int2 ex = block_exclusive_scan2(local, &tot);
-  if (j0 < nb) {
-    int2 before = ex;
-    for (int j = j0; j < j0 + per; ++j) {
-      const int cnt = comb[nb - 1 - j];
-      if (before.x < need && before.x + cnt >= need) { st[0] = nb - 1 - j; st[1] = before.x; st[2] = before.y; }
-      before.x += cnt;
-      before.y += combb[nb - 1 - j];
-    }
-  }
-  __syncthreads();  // st for the block
-  if (STAMP) DS_PHASE(13);
-#endif
 #endif
 }
 
@@ -746,7 +701,7 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
   extern __shared__ uint4 dyn[];
   uint32_t* sk = reinterpret_cast<uint32_t*>(dyn);
   __shared__ int hists[2][BINS];  // digit d's histogram in hists[d % 2] (cluster_find)
-  __shared__ int gsums[2][BINS / 32];  // their 32-bin group sums (a DS_GROUP_FIND build)
+  __shared__ int gsums[2][BINS / 32];  // their 32-bin group sums (cluster_find)
   __shared__ int comb[BINS];
   __shared__ int combb[BINS];  // comb over the CTAs before this one
   int buf = 0;  // the current digit's hists / gsums

@@ -84,16 +84,15 @@ SELECT_STATIC_SMEM = 10 * 1024  # the select kernel's static shared memory, roun
 # both kernels - the cluster select at 1024 threads (Llama ds16 B1/128k 150.9 -> 127.2 us, SmolLM2 ds16 B1/32k 33.7 ->
 # 29.1) and the keys CTAs (Llama ds8 B16/32k 451.3 -> 412.4 us; SmolLM2 ds8 B16/32k 126.0 -> 129.0, the one cell
 # slower)
-# cluster_find ("flat" / "groups"): how the cluster select finds a digit - every CTA sums every bin of every CTA and
-# scans them with the whole block, or ("groups", a library built with DS_GROUP_FIND) one warp reads the C CTAs' 32-bin
-# group sums, then the 32 bins of the group holding the key (session 47: the first digit's remote reads took 1.3 µs and
-# its block scan 1.2 µs of a 3.4 µs round; prepared, not yet timed - "flat" stays the default).
-# emit_vectors (1 / 2 / 4): 16-byte reads of 4 keys each that a thread takes per tile of the pass writing the chosen
-# indices (both selects; one block scan per tile).  Session 47 (docs/results.md): with 16384 keys per cluster CTA that
-# pass took 4.9 µs in four scans; 4 (one scan) is prepared, not yet timed - 1 stays the default.
+# emit_vectors (None / 1 / 2 / 4): 16-byte reads of 4 keys each that a thread takes per tile of the pass writing the
+# chosen indices (both selects; one block scan per tile); None: :func:`emit_auto` - the fewest that cover a row's (or
+# a cluster CTA's) keys in one tile.  Session 48 (H100, PART=ds-emit, two rounds, docs/results.md): 4 against 1 took
+# 1 - 7 % less time where a CTA holds 16384 or more keys (per-head cluster selects at C = 2 and at 128k, the two-kernel
+# selects at B16 / B64 over 32k) and 5 - 7 % more where it holds 4096 (shared selects at C = 8 over 32k: one tile
+# either way, with a quarter of the threads doing the work).
 RADIX_CUDA_CONFIG = dict(min_chunk=1024, max_chunk=8192, ctas_per_sm=2, max_keys=1 << 28, smem=None,
                          keys_threads=256, rows_in_flight=4, select_threads=None, cluster=None, cluster_threads=1024,
-                         cluster_rows_in_flight=4, emit_vectors=1, cluster_find="flat")
+                         cluster_rows_in_flight=4, emit_vectors=None)
 CLUSTER_STATIC_SMEM = 35 * 1024  # the cluster kernel's static shared memory, rounded up
 _LOCK = threading.Lock()
 _LIB: dict[str, ctypes.CDLL] = {}
@@ -114,15 +113,13 @@ def problem(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: 
     if cfg["keys_threads"] not in (128, 256) or cfg["rows_in_flight"] not in (1, 4) \
             or cfg["select_threads"] not in (None, 256, 512, 1024) or cfg["smem"] not in (None, True, False) \
             or cfg["cluster"] not in (None, 0, 1, 2, 4, 8) or cfg["cluster_threads"] not in (256, 512, 1024) \
-            or cfg["cluster_rows_in_flight"] not in (1, 4) or cfg["emit_vectors"] not in (1, 2, 4) \
-            or cfg["cluster_find"] not in ("flat", "groups"):
+            or cfg["cluster_rows_in_flight"] not in (1, 4) or cfg["emit_vectors"] not in (None, 1, 2, 4):
         raise ValueError(f"DoubleSparse CUDA select config: keys_threads {cfg['keys_threads']} (128 or 256), "
                          f"rows_in_flight {cfg['rows_in_flight']} (1 or 4), select_threads {cfg['select_threads']} "
                          f"(None, 256, 512 or 1024), smem {cfg['smem']} (None, true or false), cluster "
                          f"{cfg['cluster']} (None, 0, 1, 2, 4 or 8), cluster_threads {cfg['cluster_threads']} (256, 512 or "
                          f"1024), cluster_rows_in_flight {cfg['cluster_rows_in_flight']} (1 or 4), emit_vectors "
-                         f"{cfg['emit_vectors']} (1, 2 or 4), cluster_find {cfg['cluster_find']!r} ('flat' or "
-                         f"'groups')")
+                         f"{cfg['emit_vectors']} (None, 1, 2 or 4)")
     if not query.is_cuda or not torch.cuda.is_available():
         return "not a CUDA tensor"
     if _capability(query.device.index or 0)[0] < 8:
@@ -204,9 +201,8 @@ def nvcc_command(out: str, defines: tuple[str, ...] = ()) -> list[str]:
 
 
 #: Preprocessor names a :func:`build` may define: ``DS_PHASES`` - the cluster select records per-CTA phase clocks
-#: (``ds_radix_phases``; benchmarks/gpu_cluster_phases.py), never in the library the kernels use; ``DS_GROUP_FIND`` -
-#: the cluster select finds each digit from 32-bin group sums (``cluster_find: "groups"``, :func:`cluster_defines`).
-BUILD_DEFINES = ("DS_PHASES", "DS_GROUP_FIND")
+#: (``ds_radix_phases``; benchmarks/gpu_cluster_phases.py), never in the library the kernels use.
+BUILD_DEFINES = ("DS_PHASES",)
 
 
 def build(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
@@ -308,9 +304,19 @@ def _cluster_for(query: torch.Tensor, tokens: int, cfg: dict, chunk_tokens: int 
                         dict(cfg, cluster=c))
 
 
-def cluster_defines(cfg: dict) -> tuple[str, ...]:
-    """The :func:`build` defines of the cluster select under ``cfg`` (``cluster_find: "groups"``: DS_GROUP_FIND)."""
-    return ("DS_GROUP_FIND",) if dict(RADIX_CUDA_CONFIG, **cfg)["cluster_find"] == "groups" else ()
+def emit_auto(keys: int, threads: int) -> int:
+    """``emit_vectors: None``'s value for a CTA of ``threads`` threads emitting from ``keys`` keys: the fewest 16-byte
+    reads per thread (1, 2 or 4) that take them in one tile, else 4 (session 48's timings: RADIX_CUDA_CONFIG's
+    comment; 2, for 4097 - 8192 keys at 1024 threads, was not timed)."""
+    for v in (1, 2):
+        if keys <= threads * 4 * v:
+            return v
+    return 4
+
+
+def emit_vectors_for(cfg: dict, keys: int, threads: int) -> int:
+    """The emit_vectors of a CTA of ``threads`` threads over ``keys`` keys: ``cfg``'s, or :func:`emit_auto`'s."""
+    return int(cfg["emit_vectors"]) if cfg["emit_vectors"] is not None else emit_auto(keys, threads)
 
 
 def cluster_plan(tokens: int, capability: tuple[int, int], optin: int, cfg: dict) -> tuple[int, int] | None:
@@ -385,9 +391,10 @@ def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor
     dev = query.device
     cl = _cluster_for(query, labels.num_tokens, cfg)
     if cl is not None:
-        return _cluster_select(build(cluster_defines(cfg)), query, labels, channels, valid, k, cl,
-                               int(cfg["cluster_threads"]), int(cfg["cluster_rows_in_flight"]), group, full.stride(1),
-                               int(cfg["emit_vectors"]))
+        threads = int(cfg["cluster_threads"])
+        return _cluster_select(build(), query, labels, channels, valid, k, cl, threads,
+                               int(cfg["cluster_rows_in_flight"]), group, full.stride(1),
+                               emit_vectors_for(cfg, cl[1], threads))
     lib = build()
     hkv, r = channels.shape
     g = hq // hkv
@@ -411,7 +418,7 @@ def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor
             DTYPES[query.dtype], U8 if quant else DTYPES[lab.dtype], int(va is not None), k, out.data_ptr(), gn,
             int(vector_loads(labels)), ks, int(smem_select(t, _smem_optin(dev.index or 0), cfg, want_smem)),
             int(cfg["keys_threads"]), int(cfg["rows_in_flight"]), select_threads, group, full.stride(1),
-            int(cfg["emit_vectors"])]
+            emit_vectors_for(cfg, t, select_threads)]
     arr = (ctypes.c_longlong * len(args))(*args)
     stream = torch.cuda.current_stream(dev).cuda_stream
     rc = lib.ds_radix_select_launch(arr, dev.index or 0, ctypes.c_void_p(stream))
@@ -465,11 +472,11 @@ def find_digit(hist: torch.Tensor, need: int) -> tuple[int, int]:
 
 
 def cluster_find_grouped(hists: list[torch.Tensor], need: int, rank: int) -> tuple[int, int, int, int, int]:
-    """``cluster_find`` of a ``DS_GROUP_FIND`` build, step by step as its one warp takes them (32 lanes, one or two
-    32-bin groups a lane in descending order, then the found group's 32 bins, one a lane, descending), on the C CTAs'
+    """The cluster select's ``cluster_find``, step by step as its one warp takes them (32 lanes, one or two 32-bin
+    groups a lane in descending order, then the found group's 32 bins, one a lane, descending), on the C CTAs'
     histograms ``hists`` from CTA ``rank``'s side: ``(digit, keys in higher digits, of them in the CTAs before rank,
-    keys at the digit, of them in the CTAs before rank)`` - what the flat find gives as ``st`` and ``comb`` /
-    ``combb`` at the digit."""
+    keys at the digit, of them in the CTAs before rank)`` - what :func:`find_digit` on the summed histogram gives,
+    with the counts of the CTAs before ``rank`` (tests/test_doublesparse_cuda.py checks the two agree)."""
     nb = hists[0].numel()
     groups = nb // 32
     per = groups // 32
