@@ -453,6 +453,14 @@ case "${PART:-stages}" in
       "${S35_SHAPES:-llama3-8b:1:32k,smollm2-135m:4:32k,llama3-8b:1:128k,smollm2-135m:4:128k,smollm2-135m:1:8k,llama3-8b:1:8k}" \
       '{}' '{"method": "cuda", "cuda": {"cluster": 4}}' '{"method": "cuda", "cuda": {"cluster": 8}}'
     ;;
+  ds-cluster-4k)  # session 48: the cluster select (cheaper rounds since session 47, the grouped find) at 4k, where the
+    # fused Triton select keeps SmolLM2 B1 reads at 0.85-0.93x SDPA (one program per head); C = 1 (one CTA scores and
+    # selects a head's 4096 keys in shared memory), 2, 4 and 8 against the rule; two rounds
+    ROUNDS=2 && sweep none KVCOMPRESS_DS_CONFIG ds8,ds16,ds8-shared,ds16-shared \
+      "${S35_SHAPES:-smollm2-135m:1:4k,smollm2-135m:4:4k,llama3-8b:1:4k}" '{}' '{"method": "cuda", "cuda": {"cluster": 1}}' \
+      '{"method": "cuda", "cuda": {"cluster": 2}}' '{"method": "cuda", "cuda": {"cluster": 4}}' \
+      '{"method": "cuda", "cuda": {"cluster": 8}}'
+    ;;
   ds-cluster-mid)  # the CUDA cluster select (C CTAs per query head, sm_90) at 8k / 16k, where "auto" never takes it
     # (cluster_auto: only beyond one fused chunk, 16384 tokens) and the one fused program per head over 8-16k label
     # keys made SmolLM2 B1 / B4 reads 0.71-0.89x SDPA (session 45, ds-fused-long); 32k as the reference, two rounds
