@@ -8,7 +8,8 @@ DoubleSparse inputs (16 fp16 label channels, k = ctx / frac).  Per shape it prin
 * the median per-CTA time of each phase (µs, clock64 deltas at the CTA's measured clock rate): query load, label
   scoring + first-digit histogram, first digit (a cluster histogram), the later digit passes, the cross-CTA counts,
   the index writes; and within the first digit: its cluster barrier (waiting for the slowest CTA included), the
-  remote histogram reads, the digit's scan;
+  find's warp (remote group sums and bins read, the digit found: "reads"), and "find" - since session 48 an empty
+  slot (it was the block scan of the find before the grouped one);
 * the digit passes after the first, the spread of the CTAs' entry times (launch skew) and the kernel's mean time per
   call from CUDA events (no graph, so launch gaps included);
 * that the instrumented library picks the same indices as the library the kernels use.

@@ -490,7 +490,8 @@ __global__ void __launch_bounds__(SELECT_THREADS, 1) ds_select_kernel(SelectPara
 // global timer at entry, slot 1 its SM, slot 2 the digit passes after the first, then slots 3.. clock64() at: entry,
 // query loaded, keys scored, first digit found, last digit found, ties of the CTAs before it read, indices written,
 // and slot 10 the global timer at the end; slots 11 - 13 clock64() within the first digit's cluster_find: after
-// its barrier, after the remote reads, after the digit.
+// its barrier, then after the warp's remote reads and finds (12), and 13 at the same point (the slot of the block
+// scan that followed the reads before the grouped find).
 #ifdef DS_PHASES
 constexpr int PH_SLOTS = 16;
 constexpr long long PH_CTAS = 8192;
