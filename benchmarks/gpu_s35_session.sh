@@ -128,7 +128,10 @@
 # Session 48 (H100) timed session 47's two opt-ins (parts ds-find and ds-emit, since removed with the code they
 # compared; their last tree is bc7ef36): the grouped cluster find became the only find, emit_vectors got a rule
 # (emit_auto).
-# Left: PART=ds-cluster-size (about 150 s of GPU tests + 260 s), then grid-full on an H200 for the README count.
+# It also ran ds-cluster-size (the rule holds), ds-cluster-4k (no cluster size lifts the 4k reads), two H100 grids
+# (25 and 26 of 311) and, on an H200, the DoubleSparse GPU tests of the relaxed last cluster arrive (b96e517) and the
+# four DoubleSparse ops at 11 shapes (docs/results.md "Session 48").  Left: the relaxed arrive A/B'd as reads
+# (gpu_ab_trees.sh, 85d9be2 against b96e517), then grid-full on an H200.
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
