@@ -41,10 +41,6 @@ template <int DT> __device__ __forceinline__ float load_f(const void* p, long lo
   else return reinterpret_cast<const float*>(p)[i];
 }
 
-__device__ __forceinline__ float load_any(const void* p, long long i, int dt) {
-  return dt == F16 ? load_f<F16>(p, i) : (dt == BF16 ? load_f<BF16>(p, i) : load_f<F32>(p, i));
-}
-
 // fp32 -> uint32 with the same order (-inf lowest; NaN is not expected); as triton_kernel._orderable
 __device__ __forceinline__ uint32_t orderable(float x) {
   const uint32_t b = __float_as_uint(x);
@@ -64,12 +60,33 @@ struct KeysParams {
 };
 
 // Query channel c of select row hq: the sum of its qg query rows (fp32, added in row order; reference.group_query sums
-// in fp32 too).
+// in fp32 too).  The rows' loads are issued QG_LOADS at a time, in one basic block per dtype, before any is converted
+// or added: one round trip for up to 8 rows, not one per row (session 47's phases: the group-shared query load took
+// 1.66 - 1.80 us against 1.25 for one row; a runtime-dtype load each sat in a branch with its conversion,
+// which waited for it).  The adds are the same, in the same order.
+constexpr int QG_LOADS = 8;
+
+template <int DT>
+__device__ __forceinline__ float query_sum(const void* q, long long base, long long qg, long long sq_g) {
+  float v = load_f<DT>(q, base);
+  for (long long j0 = 1; j0 < qg; j0 += QG_LOADS) {
+    float t[QG_LOADS];
+#pragma unroll
+    for (int u = 0; u < QG_LOADS; ++u) t[u] = j0 + u < qg ? load_f<DT>(q, base + (j0 + u) * sq_g) : 0.f;
+#pragma unroll
+    for (int u = 0; u < QG_LOADS; ++u)
+      if (j0 + u < qg) v += t[u];
+  }
+  return v;
+}
+
 __device__ __forceinline__ float query_value(const KeysParams& p, long long b, long long hq, long long c) {
   const long long base = b * p.sq_b + hq * p.sq_h + c;
-  float v = load_any(p.q, base, p.qt);
-  for (long long j = 1; j < p.qg; ++j) v += load_any(p.q, base + j * p.sq_g, p.qt);
-  return v;
+  switch (p.qt) {
+    case F16: return query_sum<F16>(p.q, base, p.qg, p.sq_g);
+    case BF16: return query_sum<BF16>(p.q, base, p.qg, p.sq_g);
+    default: return query_sum<F32>(p.q, base, p.qg, p.sq_g);
+  }
 }
 
 constexpr int TPT = 8;  // consecutive tokens per thread in the keys kernel (one 16-byte load of fp16 labels)
