@@ -542,6 +542,27 @@ __device__ __forceinline__ long long phase_smid() {
 
 constexpr int CMAX = 8;  // the most CTAs of a cluster (ds_radix_cluster_launch)
 
+// The cluster barrier of an exchange: after it, every CTA's shared-memory writes before it (its histogram and group
+// sums, or its pick list) are visible to the other CTAs' distributed-shared-memory reads.  Default: cluster.sync(), a
+// release arrive - on sm_90a a MEMBAR.ALL.GPU before the arrive (about 0.55 us: session 48's phases, from the last
+// arrive made relaxed).  DS_SHARED_FENCE (a build of its own: KVCOMPRESS_DS_CONFIG cuda.cluster_fence "shared"): a
+// release fence restricted to this CTA's own shared memory at cluster scope (PTX ISA 8.6
+// fence.release.sync_restrict::shared::cta.cluster: MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S on sm_90a), then a relaxed
+// arrive - the writes to order are all to shared::cta; the remote reads of the round before are complete by then (each
+// one's value was consumed before the barrier), so a CTA that reuses a buffer after the barrier overwrites nothing
+// still being read.  Prepared in session 48, not yet GPU-tested or timed.
+__device__ __forceinline__ void cluster_exchange() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#ifdef DS_SHARED_FENCE
+  asm volatile("fence.release.sync_restrict::shared::cta.cluster;" ::: "memory");
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+  cooperative_groups::this_cluster().sync();
+#endif
+#endif
+}
+
 // The digit of the need-th largest key of the cluster's histogram (the sum over ranks of hist; nb 1024 or 2048).
 // Leaves st = (digit, keys in higher digits, keys in higher digits in the CTAs before this one), comb[st[0]] (the
 // cluster's keys at the digit) and combb[st[0]] (those of the CTAs before this one).  One
@@ -570,7 +591,7 @@ __device__ __forceinline__ void cluster_find(int* hist, int* gsum, int* comb, in
       if (lane == 0) gsum[g] = v;
     }
   }
-  cluster.sync();  // every CTA's histogram is complete
+  cluster_exchange();  // every CTA's histogram is complete
   if (STAMP) DS_PHASE(11);
   const int c = (int)cluster.num_blocks(), rank = (int)cluster.block_rank();
   if (threadIdx.x < 32) {
@@ -657,7 +678,7 @@ __device__ __forceinline__ void pick_exact(const uint32_t* sk, long long n, long
   }
   __syncthreads();
   if (threadIdx.x == 0) list[0] = lcount;
-  cluster.sync();  // every CTA's list is complete
+  cluster_exchange();  // every CTA's list is complete
   const int c = (int)cluster.num_blocks();
   if (threadIdx.x == 0) {
     int b = 0;
