@@ -7,9 +7,9 @@ DoubleSparse inputs (16 fp16 label channels, k = ctx / frac).  Per shape it prin
 
 * the median per-CTA time of each phase (µs, clock64 deltas at the CTA's measured clock rate): query load, label
   scoring + first-digit histogram, first digit (a cluster histogram), the later digit passes, the cross-CTA counts,
-  the index writes; and within the first digit: its cluster barrier (waiting for the slowest CTA included), the
-  find's warp (remote group sums and bins read, the digit found: "reads"), and "find" - since session 48 an empty
-  slot (it was the block scan of the find before the grouped one);
+  the index writes; and within the first digit: its cluster barrier (waiting for the slowest CTA included) and the
+  find's warp (remote group sums and bins read, the digit found: "reads"; session 47's data also has "find", the
+  block scan of the find before the grouped one);
 * the digit passes after the first, the spread of the CTAs' entry times (launch skew) and the kernel's mean time per
   call from CUDA events (no graph, so launch gaps included);
 * that the instrumented library picks the same indices as the library the kernels use.
@@ -33,7 +33,7 @@ import torch
 HEADS = {"llama3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
 PHASES = ("query", "score", "digit1", "passes", "counts", "emit")
 SLOTS = 16
-SUB = ("d1_barrier", "d1_reads", "d1_find")  # within the first digit: slots 5 -> 11 -> 12 -> 13
+SUB = ("d1_barrier", "d1_reads")  # within the first digit: slots 5 -> 11 -> 12
 DEFAULT_SHAPES = ("smollm2-135m:1:32k:8,smollm2-135m:1:32k:16,smollm2-135m:1:32k:8:shared,smollm2-135m:1:128k:8,"
                   "smollm2-135m:4:32k:8,llama3-8b:1:32k:16,llama3-8b:1:32k:16:shared")
 
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
                 for i, p in enumerate(PHASES):
                     per_phase[p].append((r[4 + i] - r[3 + i]) / ghz / 1e3)
                 if r[11]:  # a build with the first digit's stamps
-                    for p, (a, z) in zip(SUB, ((5, 11), (11, 12), (12, 13))):
+                    for p, (a, z) in zip(SUB, ((5, 11), (11, 12))):
                         per_phase.setdefault(p, []).append((r[z] - r[a]) / ghz / 1e3)
                 passes.append(r[2])
         ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

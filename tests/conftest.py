@@ -1,4 +1,5 @@
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,18 @@ def pytest_sessionstart(session):
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
             reporter.write_line(f"converted the default model for the workers ({time.monotonic() - start:.0f} s, once)")
+
+
+@pytest.fixture(scope="session")
+def triton_cuobjdump():
+    """Triton's bundled ``cuobjdump`` (a disassembler for the CPU tests of compiled kernels), or None where Triton or
+    the tool is missing."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return tool if tool.is_file() and shutil.which(str(tool)) else None
 
 
 @pytest.fixture

@@ -238,7 +238,7 @@ def test_import_compiles_nothing():
 
 
 @pytest.mark.parametrize("defines", [(), ("DS_SHARED_FENCE",)])
-def test_cuda_source_compiles_for_sm90a_without_spills(tmp_path, defines):
+def test_cuda_source_compiles_for_sm90a_without_spills(tmp_path, defines, triton_cuobjdump):
     """Every kernel compiles for sm_90a without spills; the DS_SHARED_FENCE build's cluster kernels have no GPU-scope
     fence left (its point), where a disassembler is at hand (Triton's cuobjdump)."""
     if not rc._nvcc():
@@ -254,9 +254,9 @@ def test_cuda_source_compiles_for_sm90a_without_spills(tmp_path, defines):
     # vector loads or not x 1 or 4 rows
     assert len(kernels) == 82, kernels
     assert len(spills) == len(kernels) and all(s == "0" for s in spills), res.stderr[-3000:]
-    cuobjdump = _cuobjdump()
-    if cuobjdump is not None:
-        sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    if triton_cuobjdump is not None:
+        sass = subprocess.run([str(triton_cuobjdump), "-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
         cluster = [f for f in sass.split("Function : ")[1:] if "ds_cluster_kernel" in f.split("\n", 1)[0]]
         assert len(cluster) == 16
         gpu_fences = [f.count("MEMBAR.ALL.GPU") for f in cluster]
@@ -264,15 +264,6 @@ def test_cuda_source_compiles_for_sm90a_without_spills(tmp_path, defines):
             assert gpu_fences == [0] * 16, gpu_fences
         else:  # the exchange barriers' release arrives (the last arrive is relaxed)
             assert all(n >= 1 for n in gpu_fences), gpu_fences
-
-
-def _cuobjdump() -> str | None:
-    try:
-        import triton
-    except ImportError:
-        return None
-    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    return str(path) if path.exists() else None
 
 
 # ----------------------------------------------------------------------------- on the GPU

@@ -224,14 +224,13 @@ def test_buffer_problem_and_settings():
     assert big.shape[0] * 5 > ck.BUFFER_ROWS
 
 
-def test_launch_arguments_carry_the_buffer_and_the_library_builds_its_ctas():
+def test_launch_arguments_carry_the_buffer_and_the_library_builds_its_ctas(triton_cuobjdump):
     """The lanes launcher's argument array holds the buffer's entries where ``parse_params`` reads them (the plain
     launcher's layout), and - where nvcc is installed - the library built for a query head dim has the buffer CTAs
     (``kivi_v3_qdim``); for sm_90a (the default build: no register cap) its kernels take no more registers than the
     lanes kernel without them and spill nothing (the buffer CTAs cost the lanes read no occupancy)."""
     import ctypes
     import re
-    import shutil
     import subprocess
     from pathlib import Path
 
@@ -255,13 +254,10 @@ def test_launch_arguments_carry_the_buffer_and_the_library_builds_its_ctas():
     assert lib.kivi_v3_lanes_parse_probe((ctypes.c_longlong * len(args))(*args), out) == len(args)
     with pytest.raises(ValueError, match="qdim"):
         ck.build(2, 128, 128, qdim=128)  # not a lanes build
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not (tool.is_file() and shutil.which(str(tool))):
+    if triton_cuobjdump is None:
         return
     path = Path(lib._name)
-    usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True).stdout
+    usage = subprocess.run([str(triton_cuobjdump), "-res-usage", str(path)], capture_output=True, text=True).stdout
     usage = "".join(part for part in usage.split("arch = ")[1:] if part.startswith("sm_90a"))
     found = re.findall(r"Function (\w*kivi_v3_lanes_kernel\w*):\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)",
                        usage)

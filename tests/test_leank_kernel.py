@@ -651,7 +651,7 @@ def test_split_merges_compile_for_sm90_without_a_gpu(kernel, pdl):
         assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
 
 
-def test_lanes_kernel_compiles_for_sm90_without_a_gpu():
+def test_lanes_kernel_compiles_for_sm90_without_a_gpu(triton_cuobjdump):
     """The lanes kernel with a projecting (low-rank) lane beside a dense one, and with a channel lane (as LeanK reads)
     in its place, built with Triton's real pipeline for an sm_90 target, specialised as a launch specialises it
     (16-byte aligned pointers and strides): in both the token loop is software-pipelined (asynchronous copies of both
@@ -660,7 +660,6 @@ def test_lanes_kernel_compiles_for_sm90_without_a_gpu():
     With ``PDL`` the program signals ``griddepcontrol.launch_dependents`` before its first load."""
     triton = pytest.importorskip("triton")
     import re
-    import shutil
     import tempfile
 
     from triton.backends.compiler import GPUTarget
@@ -685,7 +684,6 @@ def test_lanes_kernel_compiles_for_sm90_without_a_gpu():
             attrs.update({(i, j): aligned for j, t in enumerate(ty) if t.startswith("*") or name in strides})
         elif ty.startswith("*") or name in ("sq_b", "sq_h", "sq_m", "DQ"):
             attrs[(i,)] = aligned
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     regs = {}
     for proj, pdl in ((True, False), (False, False), (True, True)):
         consts = {"HAS_VALID": (True, True), "HAS_CHAN": (not proj, False), "HAS_HEADS": (False, False),
@@ -703,11 +701,12 @@ def test_lanes_kernel_compiles_for_sm90_without_a_gpu():
             ptx = compiled.asm["ptx"]
             assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("ld.global")
             continue
-        if tool.is_file() and shutil.which(str(tool)):
+        if triton_cuobjdump is not None:
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                 f.write(compiled.asm["cubin"])
                 f.flush()
-                usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+                usage = subprocess.run([str(triton_cuobjdump), "-res-usage", f.name], capture_output=True,
+                                       text=True).stdout
             found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
             assert found, usage
             regs[proj] = int(found.group(1))

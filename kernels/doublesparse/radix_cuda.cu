@@ -352,8 +352,8 @@ __device__ __forceinline__ void find_digit(const int* h, int nb, int need, int* 
   __syncthreads();
 }
 
-// emit_chosen with one 16-byte read (EMIT keys) per thread per tile: the pass as it was before emit_vectors (the
-// default, vecs = 1), kept as its own code.
+// emit_chosen with one 16-byte read (EMIT keys) per thread per tile (vecs = 1: emit_auto's choice where a tile of
+// EMIT keys per thread covers the CTA's keys): the pass as it was before emit_vectors, kept as its own code.
 template <bool LDG>
 __device__ __forceinline__ void emit_chosen4(const uint32_t* keys, long long n, long long t0, uint32_t prefix, int shift,
                                             int need, int base_above, int base_tie, long long* out, int2* tile_tot) {
@@ -506,9 +506,8 @@ __global__ void __launch_bounds__(SELECT_THREADS, 1) ds_select_kernel(SelectPara
 // default build has none of this): thread 0 of each CTA writes, per CTA (row * gridDim.x + blockIdx.x), slot 0 the
 // global timer at entry, slot 1 its SM, slot 2 the digit passes after the first, then slots 3.. clock64() at: entry,
 // query loaded, keys scored, first digit found, last digit found, ties of the CTAs before it read, indices written,
-// and slot 10 the global timer at the end; slots 11 - 13 clock64() within the first digit's cluster_find: after
-// its barrier, then after the warp's remote reads and finds (12), and 13 at the same point (the slot of the block
-// scan that followed the reads before the grouped find).
+// and slot 10 the global timer at the end; slots 11 and 12 clock64() within the first digit's cluster_find: after
+// its barrier, then after the warp's remote reads and finds.
 #ifdef DS_PHASES
 constexpr int PH_SLOTS = 16;
 constexpr long long PH_CTAS = 8192;
@@ -570,7 +569,7 @@ __device__ __forceinline__ void cluster_exchange() {
 // fills the next digit's histogram never writes one another CTA may still read (that CTA has passed the barrier
 // of the digit in between only after its reads), and arrives at a last barrier after its last digit before it
 // leaves (ds_cluster_kernel).  The C remote loads of a bin are all issued before any is added (CMAX of them, those
-// past C predicated off).  STAMP: phase clocks 11 - 13 (a -DDS_PHASES build).
+// past C predicated off).  STAMP: phase clocks 11 and 12 (a -DDS_PHASES build).
 //
 // The digit comes in two small steps (session 48: 7 - 16 % faster than every CTA summing every bin of every CTA and
 // scanning them with the whole block).  Each CTA first writes the sums of its hist's 32-bin groups (gsum, as
@@ -641,7 +640,6 @@ __device__ __forceinline__ void cluster_find(int* hist, int* gsum, int* comb, in
   }
   __syncthreads();  // st, comb[st[0]], combb[st[0]] for the block
   if (STAMP) DS_PHASE(12);
-  if (STAMP) DS_PHASE(13);
 #endif
 }
 
