@@ -56,8 +56,8 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     cfg = dict(rc.RADIX_CUDA_CONFIG)
     cfg.update(json.loads(args.config))
-    lib = rc.build(("DS_PHASES",) + rc.cluster_defines(cfg))
-    plain = rc.build(rc.cluster_defines(cfg))
+    lib = rc.build(("DS_PHASES",))
+    plain = rc.build()
     if args.cluster is not None:
         cfg["cluster"] = args.cluster
     rows = []

@@ -130,9 +130,11 @@
 # (emit_auto).
 # It also ran ds-cluster-size (the rule holds), ds-cluster-4k (no cluster size lifts the 4k reads), two H100 grids
 # (25 and 26 of 311) and, on an H200, the DoubleSparse GPU tests of the relaxed last cluster arrive (b96e517) and the
-# four DoubleSparse ops at 11 shapes (docs/results.md "Session 48").  Left: PART=ds-fence (the opt-in shared-memory
-# exchange fence: racecheck, GPU tests, two rounds; about 400 s), the relaxed last arrive and the query-row loads A/B'd
-# as reads (gpu_ab_trees.sh, 85d9be2 against HEAD), then grid-full on an H200.
+# four DoubleSparse ops at 11 shapes (docs/results.md "Session 48").
+# Session 49 (H100) ran ds-fence (racecheck, the GPU tests, two rounds of the opt-in shared-memory exchange fence
+# against cluster.sync(): 2 - 8 % faster at all 24 cluster reads); the fence became the only exchange barrier and the
+# part became ds-racecheck (its last tree with the comparison is 44b2ba9).  Left: the relaxed last arrive, the
+# query-row loads and the fence A/B'd as reads (gpu_ab_trees.sh, 85d9be2 against HEAD), then grid-full on an H200.
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -457,24 +459,19 @@ case "${PART:-stages}" in
       "${S35_SHAPES:-llama3-8b:1:32k,smollm2-135m:4:32k,llama3-8b:1:128k,smollm2-135m:4:128k,smollm2-135m:1:8k,llama3-8b:1:8k}" \
       '{}' '{"method": "cuda", "cuda": {"cluster": 4}}' '{"method": "cuda", "cuda": {"cluster": 8}}'
     ;;
-  ds-fence)  # session 48's opt-in cluster_fence "shared" (the cluster select's exchange barriers fence only the CTA's own
-    # shared memory - MEMBAR.ALL.CTA, not MEMBAR.ALL.GPU - before a relaxed arrive) against the default, after the
-    # DoubleSparse CUDA GPU tests (they compare it with the default at every cluster case) and a racecheck of the
-    # cluster kernels under compute-sanitizer (where the machine has it; informational); cluster shapes, two rounds.
-    # Phases: python benchmarks/gpu_cluster_phases.py --out DIR --config '{"cluster_fence": "shared"}'
-    export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-240}
+  ds-racecheck)  # the cluster select's exchanges under compute-sanitizer racecheck (where the machine has it;
+    # informational: the exact-ties GPU tests at clusters of 1 - 8), then the DoubleSparse CUDA GPU tests
     ( cd "$HERE/.." && source "$HERE/gpu_site.sh" > /dev/null 2>&1
       if command -v compute-sanitizer > /dev/null; then
-        timeout 200 compute-sanitizer --tool racecheck \
-          --racecheck-report all --kernel-regex kns=ds_cluster_kernel python -m pytest -q -m gpu -p no:cacheprovider \
-          "$SRC/tests/test_doublesparse_cuda.py" -k exact_ties 2>&1 | tail -25 > "$OUT/racecheck.txt"
+        timeout 200 compute-sanitizer --tool racecheck --racecheck-report all --kernel-name kns=ds_cluster_kernel \
+          python -m pytest -q -m gpu -p no:cacheprovider "$SRC/tests/test_doublesparse_cuda.py" -k exact_ties 2>&1 \
+          | tail -25 > "$OUT/racecheck.txt"
       else
         echo "no compute-sanitizer" > "$OUT/racecheck.txt"
-      fi ) || true
+      fi
+      timeout "${PS_TEST_TIMEOUT:-240}" python -m pytest -q -m gpu -p no:cacheprovider \
+        "$SRC/tests/test_doublesparse_cuda.py" > "$OUT/tests.txt" 2>&1; tail -3 "$OUT/tests.txt" ) || true
     tail -6 "$OUT/racecheck.txt"
-    ROUNDS=2 && sweep "${S35_TESTS:-tests/test_doublesparse_cuda.py}" KVCOMPRESS_DS_CONFIG ds8,ds16,ds8-shared,ds16-shared \
-      "${S35_SHAPES:-smollm2-135m:1:32k,smollm2-135m:1:128k,smollm2-135m:4:32k,llama3-8b:1:32k,llama3-8b:1:128k,smollm2-135m:1:16k}" \
-      '{}' '{"cuda": {"cluster_fence": "shared"}}'
     ;;
   ds-cluster-4k)  # session 48: the cluster select (cheaper rounds since session 47, the grouped find) at 4k, where the
     # fused Triton select keeps SmolLM2 B1 reads at 0.85-0.93x SDPA (one program per head); C = 1 (one CTA scores and

@@ -212,11 +212,9 @@ def test_config_is_validated():
         rc.problem(q, labels, channels, valid, 5, {"cluster_rows_in_flight": 2})
     with pytest.raises(ValueError, match="emit_vectors 3 \\(None, 1, 2 or 4\\)"):
         rc.problem(q, labels, channels, valid, 5, {"emit_vectors": 3})
-    with pytest.raises(ValueError, match="cluster_fence 'cta' \\('gpu' or 'shared'\\)"):
-        rc.problem(q, labels, channels, valid, 5, {"cluster_fence": "cta"})
-    assert rc.cluster_defines({}) == () and rc.cluster_defines({"cluster_fence": "shared"}) == ("DS_SHARED_FENCE",)
-    with pytest.raises(ValueError, match="unknown entries \\['cluster_find'\\]"):  # (session 47's opt-in, now the code)
-        rc.problem(q, labels, channels, valid, 5, {"cluster_find": "groups"})
+    for gone in ("cluster_find", "cluster_fence"):  # (sessions 47 / 48's opt-ins, now the code)
+        with pytest.raises(ValueError, match=f"unknown entries \\['{gone}'\\]"):
+            rc.problem(q, labels, channels, valid, 5, {gone: "groups"})
 
 
 def test_emit_auto_takes_a_row_in_one_tile():
@@ -237,15 +235,15 @@ def test_import_compiles_nothing():
     assert not rc._LIB
 
 
-@pytest.mark.parametrize("defines", [(), ("DS_SHARED_FENCE",)])
-def test_cuda_source_compiles_for_sm90a_without_spills(tmp_path, defines, triton_cuobjdump):
-    """Every kernel compiles for sm_90a without spills; the DS_SHARED_FENCE build's cluster kernels have no GPU-scope
-    fence left (its point), where a disassembler is at hand (Triton's cuobjdump)."""
+def test_cuda_source_compiles_for_sm90a_without_spills(tmp_path, triton_cuobjdump):
+    """Every kernel compiles for sm_90a without spills; the cluster kernels' exchange barriers fence only the CTA's
+    own shared memory - no GPU-scope fence (MEMBAR.ALL.GPU) is left in them, and each has the CTA-scope one - where a
+    disassembler is at hand (Triton's cuobjdump)."""
     if not rc._nvcc():
         pytest.skip("nvcc not on the PATH")
     cubin = tmp_path / "ds.cubin"
     cmd = [rc._nvcc(), "-O3", "-std=c++17", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
-           *(f"-D{d}" for d in defines), "-o", str(cubin), str(rc.SOURCE)]
+           "-o", str(cubin), str(rc.SOURCE)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     kernels = re.findall(r"Compiling entry function '(\w+)'", res.stderr)
@@ -259,11 +257,8 @@ def test_cuda_source_compiles_for_sm90a_without_spills(tmp_path, defines, triton
                               check=True).stdout
         cluster = [f for f in sass.split("Function : ")[1:] if "ds_cluster_kernel" in f.split("\n", 1)[0]]
         assert len(cluster) == 16
-        gpu_fences = [f.count("MEMBAR.ALL.GPU") for f in cluster]
-        if defines:
-            assert gpu_fences == [0] * 16, gpu_fences
-        else:  # the exchange barriers' release arrives (the last arrive is relaxed)
-            assert all(n >= 1 for n in gpu_fences), gpu_fences
+        assert [f.count("MEMBAR.ALL.GPU") for f in cluster] == [0] * 16
+        assert all(f.count("MEMBAR.ALL.CTA") >= 2 for f in cluster)  # (two exchanges at least: a digit, the lists)
 
 
 # ----------------------------------------------------------------------------- on the GPU
@@ -308,7 +303,6 @@ def test_cuda_select_on_score_cases(name):
     _check_topk(got, q, labels, channels, valid, k)
     if torch.cuda.get_device_capability()[0] >= 9:  # the cluster select computes the same keys
         assert torch.equal(_gpu_select(q, labels, channels, valid, k, cluster=4), got)
-        assert torch.equal(_gpu_select(q, labels, channels, valid, k, cluster=4, cluster_fence="shared"), got)
 
 
 def long_case(name: str):
@@ -373,7 +367,6 @@ def test_cuda_select_long_odd_contexts(name):
             assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c, cluster_threads=256))
             for vecs in (1, 4):
                 assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c, emit_vectors=vecs))
-            assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c, cluster_fence="shared"))
             for threads, rows in ((512, 4), (1024, 1)):  # label rows in flight (default 4 at 1024 threads)
                 assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c, cluster_threads=threads,
                                                     cluster_rows_in_flight=rows))
@@ -401,8 +394,6 @@ def test_cuda_select_exact_ties(name):
     if torch.cuda.get_device_capability()[0] >= 9:
         for c in (1, 2, 4, 8):
             assert torch.equal(_gpu_select(q.cuda(), labels, channels.cuda(), valid.cuda(), k, cluster=c), got), c
-            assert torch.equal(_gpu_select(q.cuda(), labels, channels.cuda(), valid.cuda(), k, cluster=c,
-                                           cluster_fence="shared"), got), c
 
 
 @pytest.mark.gpu
@@ -473,7 +464,7 @@ def test_every_cuda_source_ships_with_the_package():
 def test_instrumented_build_is_separate_and_checked():
     """``build(defines)`` takes only the listed preprocessor names (the phase-clock build of
     benchmarks/gpu_cluster_phases.py), and its nvcc line defines them; the default line defines none."""
-    with pytest.raises(ValueError, match="allowed \\['DS_PHASES', 'DS_SHARED_FENCE'\\]"):
+    with pytest.raises(ValueError, match="allowed \\['DS_PHASES'\\]"):
         rc.build(("DS_PHASE",))
     assert "-DDS_PHASES" in rc.nvcc_command("x.so", ("DS_PHASES",))
     assert not any(a.startswith("-D") for a in rc.nvcc_command("x.so"))

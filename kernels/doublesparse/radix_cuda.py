@@ -90,13 +90,9 @@ SELECT_STATIC_SMEM = 10 * 1024  # the select kernel's static shared memory, roun
 # 1 - 7 % less time where a CTA holds 16384 or more keys (per-head cluster selects at C = 2 and at 128k, the two-kernel
 # selects at B16 / B64 over 32k) and 5 - 7 % more where it holds 4096 (shared selects at C = 8 over 32k: one tile
 # either way, with a quarter of the threads doing the work).
-# cluster_fence ("gpu" / "shared"): the cluster select's exchange barriers (radix_cuda.cu, cluster_exchange) - a
-# release arrive (a MEMBAR.ALL.GPU each on sm_90a), or ("shared", a library built with DS_SHARED_FENCE) a release fence
-# restricted to the CTA's own shared memory before a relaxed arrive.  Session 48 measured a release fence at about
-# 0.55 us per round (the last arrive, made relaxed: 0.64 -> 0.08 us); "shared" is prepared, not yet GPU-tested or timed.
 RADIX_CUDA_CONFIG = dict(min_chunk=1024, max_chunk=8192, ctas_per_sm=2, max_keys=1 << 28, smem=None,
                          keys_threads=256, rows_in_flight=4, select_threads=None, cluster=None, cluster_threads=1024,
-                         cluster_rows_in_flight=4, emit_vectors=None, cluster_fence="gpu")
+                         cluster_rows_in_flight=4, emit_vectors=None)
 CLUSTER_STATIC_SMEM = 35 * 1024  # the cluster kernel's static shared memory, rounded up
 _LOCK = threading.Lock()
 _LIB: dict[str, ctypes.CDLL] = {}
@@ -117,15 +113,13 @@ def problem(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: 
     if cfg["keys_threads"] not in (128, 256) or cfg["rows_in_flight"] not in (1, 4) \
             or cfg["select_threads"] not in (None, 256, 512, 1024) or cfg["smem"] not in (None, True, False) \
             or cfg["cluster"] not in (None, 0, 1, 2, 4, 8) or cfg["cluster_threads"] not in (256, 512, 1024) \
-            or cfg["cluster_rows_in_flight"] not in (1, 4) or cfg["emit_vectors"] not in (None, 1, 2, 4) \
-            or cfg["cluster_fence"] not in ("gpu", "shared"):
+            or cfg["cluster_rows_in_flight"] not in (1, 4) or cfg["emit_vectors"] not in (None, 1, 2, 4):
         raise ValueError(f"DoubleSparse CUDA select config: keys_threads {cfg['keys_threads']} (128 or 256), "
                          f"rows_in_flight {cfg['rows_in_flight']} (1 or 4), select_threads {cfg['select_threads']} "
                          f"(None, 256, 512 or 1024), smem {cfg['smem']} (None, true or false), cluster "
                          f"{cfg['cluster']} (None, 0, 1, 2, 4 or 8), cluster_threads {cfg['cluster_threads']} (256, 512 or "
                          f"1024), cluster_rows_in_flight {cfg['cluster_rows_in_flight']} (1 or 4), emit_vectors "
-                         f"{cfg['emit_vectors']} (None, 1, 2 or 4), cluster_fence {cfg['cluster_fence']!r} ('gpu' or "
-                         f"'shared')")
+                         f"{cfg['emit_vectors']} (None, 1, 2 or 4)")
     if not query.is_cuda or not torch.cuda.is_available():
         return "not a CUDA tensor"
     if _capability(query.device.index or 0)[0] < 8:
@@ -207,15 +201,13 @@ def nvcc_command(out: str, defines: tuple[str, ...] = ()) -> list[str]:
 
 
 #: Preprocessor names a :func:`build` may define: ``DS_PHASES`` - the cluster select records per-CTA phase clocks
-#: (``ds_radix_phases``; benchmarks/gpu_cluster_phases.py), never in the library the kernels use; ``DS_SHARED_FENCE`` -
-#: the cluster select's exchange barriers fence only the CTA's own shared memory (``cluster_fence: "shared"``,
-#: :func:`cluster_defines`).
-BUILD_DEFINES = ("DS_PHASES", "DS_SHARED_FENCE")
+#: (``ds_radix_phases``; benchmarks/gpu_cluster_phases.py), never in the library the kernels use.
+BUILD_DEFINES = ("DS_PHASES",)
 
 
 def build(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     """Compile (or load from the cache) the library and bind its launcher; ``defines`` (of :data:`BUILD_DEFINES`)
-    give a separate library (phase clocks, or the shared-memory exchange fence)."""
+    give a separate library (the phase clocks)."""
     unknown = [d for d in defines if d not in BUILD_DEFINES]
     if unknown:
         raise ValueError(f"build defines {unknown}: allowed {list(BUILD_DEFINES)}")
@@ -312,11 +304,6 @@ def _cluster_for(query: torch.Tensor, tokens: int, cfg: dict, chunk_tokens: int 
                         dict(cfg, cluster=c))
 
 
-def cluster_defines(cfg: dict) -> tuple[str, ...]:
-    """The :func:`build` defines of the cluster select under ``cfg`` (``cluster_fence: "shared"``: DS_SHARED_FENCE)."""
-    return ("DS_SHARED_FENCE",) if dict(RADIX_CUDA_CONFIG, **cfg)["cluster_fence"] == "shared" else ()
-
-
 def emit_auto(keys: int, threads: int) -> int:
     """``emit_vectors: None``'s value for a CTA of ``threads`` threads emitting from ``keys`` keys: the fewest 16-byte
     reads per thread (1, 2 or 4) that take them in one tile, else 4 (session 48's timings: RADIX_CUDA_CONFIG's
@@ -405,7 +392,7 @@ def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor
     cl = _cluster_for(query, labels.num_tokens, cfg)
     if cl is not None:
         threads = int(cfg["cluster_threads"])
-        return _cluster_select(build(cluster_defines(cfg)), query, labels, channels, valid, k, cl, threads,
+        return _cluster_select(build(), query, labels, channels, valid, k, cl, threads,
                                int(cfg["cluster_rows_in_flight"]), group, full.stride(1),
                                emit_vectors_for(cfg, cl[1], threads))
     lib = build()
