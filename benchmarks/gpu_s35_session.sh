@@ -473,6 +473,16 @@ case "${PART:-stages}" in
         "$SRC/tests/test_doublesparse_cuda.py" > "$OUT/tests.txt" 2>&1; tail -3 "$OUT/tests.txt" ) || true
     tail -6 "$OUT/racecheck.txt"
     ;;
+  ds-attend)  # session 49: the one-launch cluster select + attention (KVCOMPRESS_DS_CONFIG cuda.attend: C CTAs per
+    # selection row; ds_cluster_attend_kernel) at C = 2, 4 and 8 against the default read (the select, the gather and
+    # the split merge: 2-3 launches), after the DoubleSparse CUDA GPU tests (the attend test compares it with the
+    # cluster select's indices and a masked attention over them); B1 / B4 reads of both head shapes, 4k - 128k, two
+    # rounds
+    export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-240}
+    ROUNDS=2 && sweep "${S35_TESTS:-tests/test_doublesparse_cuda.py}" KVCOMPRESS_DS_CONFIG ds8,ds16,ds8-shared,ds16-shared \
+      "${S35_SHAPES:-smollm2-135m:1:4k,smollm2-135m:1:16k,smollm2-135m:1:32k,smollm2-135m:1:128k,smollm2-135m:4:4k,smollm2-135m:4:32k,llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:1:128k}" \
+      '{}' '{"cuda": {"attend": 2}}' '{"cuda": {"attend": 4}}' '{"cuda": {"attend": 8}}'
+    ;;
   ds-cluster-4k)  # session 48: the cluster select (cheaper rounds since session 47, the grouped find) at 4k, where the
     # fused Triton select keeps SmolLM2 B1 reads at 0.85-0.93x SDPA (one program per head); C = 1 (one CTA scores and
     # selects a head's 4096 keys in shared memory), 2, 4 and 8 against the rule; two rounds
