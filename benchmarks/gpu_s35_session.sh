@@ -133,8 +133,11 @@
 # four DoubleSparse ops at 11 shapes (docs/results.md "Session 48").
 # Session 49 (H100) ran ds-fence (racecheck, the GPU tests, two rounds of the opt-in shared-memory exchange fence
 # against cluster.sync(): 2 - 8 % faster at all 24 cluster reads); the fence became the only exchange barrier and the
-# part became ds-racecheck (its last tree with the comparison is 44b2ba9).  Left: the relaxed last arrive, the
-# query-row loads and the fence A/B'd as reads (gpu_ab_trees.sh, 85d9be2 against HEAD), then grid-full on an H200.
+# part became ds-racecheck (its last tree with the comparison is 44b2ba9); A/B'd as reads against 85d9be2 (the
+# fence, the relaxed last arrive, the query-row loads: 23 of 24 cluster reads faster, geometric mean 0.95) and an
+# H100 grid-full (24 of 311).  Then ds-attend timed a one-launch cluster select + attention (cuda.attend = C): its GPU
+# tests passed but it was slower at every read it took (4k: +7 to +26 % at C = 8), so it was removed with its part
+# (its tree is 73b2c55; docs/results.md "Session 49").  Left: grid-full on an H200.
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -472,16 +475,6 @@ case "${PART:-stages}" in
       timeout "${PS_TEST_TIMEOUT:-240}" python -m pytest -q -m gpu -p no:cacheprovider \
         "$SRC/tests/test_doublesparse_cuda.py" > "$OUT/tests.txt" 2>&1; tail -3 "$OUT/tests.txt" ) || true
     tail -6 "$OUT/racecheck.txt"
-    ;;
-  ds-attend)  # session 49: the one-launch cluster select + attention (KVCOMPRESS_DS_CONFIG cuda.attend: C CTAs per
-    # selection row; ds_cluster_attend_kernel) at C = 2, 4 and 8 against the default read (the select, the gather and
-    # the split merge: 2-3 launches), after the DoubleSparse CUDA GPU tests (the attend test compares it with the
-    # cluster select's indices and a masked attention over them); B1 / B4 reads of both head shapes, 4k - 128k, two
-    # rounds
-    export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-240}
-    ROUNDS=2 && sweep "${S35_TESTS:-tests/test_doublesparse_cuda.py}" KVCOMPRESS_DS_CONFIG ds8,ds16,ds8-shared,ds16-shared \
-      "${S35_SHAPES:-smollm2-135m:1:4k,smollm2-135m:1:16k,smollm2-135m:1:32k,smollm2-135m:1:128k,smollm2-135m:4:4k,smollm2-135m:4:32k,llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:1:128k}" \
-      '{}' '{"cuda": {"attend": 2}}' '{"cuda": {"attend": 4}}' '{"cuda": {"attend": 8}}'
     ;;
   ds-cluster-4k)  # session 48: the cluster select (cheaper rounds since session 47, the grouped find) at 4k, where the
     # fused Triton select keeps SmolLM2 B1 reads at 0.85-0.93x SDPA (one program per head); C = 1 (one CTA scores and
