@@ -541,10 +541,6 @@ __device__ __forceinline__ long long phase_smid() {
 
 constexpr int CMAX = 8;  // the most CTAs of a cluster (ds_radix_cluster_launch)
 
-__device__ __forceinline__ void prefetch_l2(const void* ptr) {
-  asm volatile("prefetch.global.L2 [%0];" :: "l"(ptr));
-}
-
 // The cluster barrier of an exchange: after it, every CTA's shared-memory writes before it (its histogram and group
 // sums, or its pick list) are visible to the other CTAs' distributed-shared-memory reads.  A release fence restricted
 // to this CTA's own shared memory at cluster scope (PTX ISA 8.6 fence.release.sync_restrict::shared::cta.cluster:
@@ -759,19 +755,6 @@ __global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SE
   const long long t1 = max(t0, min(t0 + p.chunk, p.T));
   const long long n = t1 - t0;
   const long long lbase = b * p.sl_b + h * p.sl_h;
-  // the label rows (and scales, zeros, validity) of this thread's tokens are prefetched into L2 before the query
-  // values are loaded (a channel index, then the query at it: two dependent round trips), so the score's loads -
-  // WU rows at a time - wait for L2, not for memory (the reads time a cold L2); no registers are held
-  for (long long tb0 = t0 + (long long)threadIdx.x * TPT; tb0 < t1; tb0 += (long long)blockDim.x * TPT) {
-    constexpr int ES = LT == F32 ? 4 : (LT == U8 ? 1 : 2);  // bytes per label value / code byte
-    const char* lab = reinterpret_cast<const char*>(p.lab);
-    for (int w = 0; w < p.W; ++w) prefetch_l2(lab + (lbase + w * p.sl_c + tb0) * ES);
-    if (QUANT) {
-      prefetch_l2(p.sc + b * p.sz_b + h * p.sz_h + tb0);
-      prefetch_l2(p.ze + b * p.sz_b + h * p.sz_h + tb0);
-    }
-    if (p.has_valid) prefetch_l2(p.va + b * p.sva_b + tb0);
-  }
   for (int i = threadIdx.x; i < BINS0; i += blockDim.x) hists[0][i] = 0;
   for (int c = threadIdx.x; c < r; c += blockDim.x)
     qv[0][c] = query_value(p, b, hq, p.ch[h * p.sch_h + c]);
