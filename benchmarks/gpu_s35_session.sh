@@ -476,6 +476,16 @@ case "${PART:-stages}" in
         "$SRC/tests/test_doublesparse_cuda.py" > "$OUT/tests.txt" 2>&1; tail -3 "$OUT/tests.txt" ) || true
     tail -6 "$OUT/racecheck.txt"
     ;;
+  ds-attend)  # session 49: the cluster select with 256 threads and 16 label rows in flight (the first rows loaded
+    # before the query values; KVCOMPRESS_DS_CONFIG cuda.cluster_threads 256 + cluster_rows_in_flight 16) and the
+    # one-launch cluster select + attention (cuda.attend = C, which takes that select) at C = 8 and 4, against the
+    # default read, after the DoubleSparse CUDA GPU tests; B1 / B4 reads at 4k - 32k, two rounds
+    export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-240}
+    ROUNDS=2 && sweep "${S35_TESTS:-tests/test_doublesparse_cuda.py}" KVCOMPRESS_DS_CONFIG ds8,ds16,ds8-shared,ds16-shared \
+      "${S35_SHAPES:-smollm2-135m:1:4k,smollm2-135m:1:8k,smollm2-135m:1:16k,smollm2-135m:1:32k,smollm2-135m:4:4k,llama3-8b:1:4k,llama3-8b:1:32k}" \
+      '{}' '{"cuda": {"cluster_threads": 256, "cluster_rows_in_flight": 16}}' '{"cuda": {"attend": 8}}' \
+      '{"cuda": {"attend": 4}}'
+    ;;
   ds-cluster-4k)  # session 48: the cluster select (cheaper rounds since session 47, the grouped find) at 4k, where the
     # fused Triton select keeps SmolLM2 B1 reads at 0.85-0.93x SDPA (one program per head); C = 1 (one CTA scores and
     # selects a head's 4096 keys in shared memory), 2, 4 and 8 against the rule; two rounds
