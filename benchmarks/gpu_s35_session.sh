@@ -137,7 +137,10 @@
 # fence, the relaxed last arrive, the query-row loads: 23 of 24 cluster reads faster, geometric mean 0.95) and an
 # H100 grid-full (24 of 311).  Then ds-attend timed a one-launch cluster select + attention (cuda.attend = C): its GPU
 # tests passed but it was slower at every read it took (4k: +7 to +26 % at C = 8), so it was removed with its part
-# (its tree is 73b2c55; docs/results.md "Session 49").  Left: grid-full on an H200.
+# (its tree is 73b2c55; docs/results.md "Session 49").  So were, after an A/B each, an L2 prefetch of the cluster
+# select's label rows (8e89e9b: 17 of 24 reads slower) and a 256-thread cluster select with 16 label rows in flight
+# and the select + attention on top of it (a4919f1: cluster reads 7-10 % slower, the select + attention 15-190 %).
+# Left: grid-full on an H200.
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -475,16 +478,6 @@ case "${PART:-stages}" in
       timeout "${PS_TEST_TIMEOUT:-240}" python -m pytest -q -m gpu -p no:cacheprovider \
         "$SRC/tests/test_doublesparse_cuda.py" > "$OUT/tests.txt" 2>&1; tail -3 "$OUT/tests.txt" ) || true
     tail -6 "$OUT/racecheck.txt"
-    ;;
-  ds-attend)  # session 49: the cluster select with 256 threads and 16 label rows in flight (the first rows loaded
-    # before the query values; KVCOMPRESS_DS_CONFIG cuda.cluster_threads 256 + cluster_rows_in_flight 16) and the
-    # one-launch cluster select + attention (cuda.attend = C, which takes that select) at C = 8 and 4, against the
-    # default read, after the DoubleSparse CUDA GPU tests; B1 / B4 reads at 4k - 32k, two rounds
-    export PS_TEST_TIMEOUT=${PS_TEST_TIMEOUT:-240}
-    ROUNDS=2 && sweep "${S35_TESTS:-tests/test_doublesparse_cuda.py}" KVCOMPRESS_DS_CONFIG ds8,ds16,ds8-shared,ds16-shared \
-      "${S35_SHAPES:-smollm2-135m:1:4k,smollm2-135m:1:8k,smollm2-135m:1:16k,smollm2-135m:1:32k,smollm2-135m:4:4k,llama3-8b:1:4k,llama3-8b:1:32k}" \
-      '{}' '{"cuda": {"cluster_threads": 256, "cluster_rows_in_flight": 16}}' '{"cuda": {"attend": 8}}' \
-      '{"cuda": {"attend": 4}}'
     ;;
   ds-cluster-4k)  # session 48: the cluster select (cheaper rounds since session 47, the grouped find) at 4k, where the
     # fused Triton select keeps SmolLM2 B1 reads at 0.85-0.93x SDPA (one program per head); C = 1 (one CTA scores and

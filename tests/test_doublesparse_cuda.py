@@ -210,17 +210,8 @@ def test_config_is_validated():
         rc.problem(q, labels, channels, valid, 5, {"select_threads": 100})
     with pytest.raises(ValueError, match="cluster_rows_in_flight 2"):
         rc.problem(q, labels, channels, valid, 5, {"cluster_rows_in_flight": 2})
-    with pytest.raises(ValueError, match="cluster_rows_in_flight 16 \\(1, 4, or 16 with 256 threads\\)"):
-        rc.problem(q, labels, channels, valid, 5, {"cluster_rows_in_flight": 16})  # (1024 threads)
-    assert rc.problem(q, labels, channels, valid, 5, {"cluster_rows_in_flight": 16, "cluster_threads": 256}) \
-        == "not a CUDA tensor"
-    f32 = Labels(labels.data.float(), 16)
-    assert rc.rows_in_flight_for({"cluster_rows_in_flight": 16}, f32) == 4
-    assert rc.rows_in_flight_for({"cluster_rows_in_flight": 16}, labels) == 16
     with pytest.raises(ValueError, match="emit_vectors 3 \\(None, 1, 2 or 4\\)"):
         rc.problem(q, labels, channels, valid, 5, {"emit_vectors": 3})
-    with pytest.raises(ValueError, match="attend 3 \\(None, 0, 1, 2, 4 or 8\\)"):
-        rc.problem(q, labels, channels, valid, 5, {"attend": 3})
     for gone in ("cluster_find", "cluster_fence"):  # (sessions 47 / 48's opt-ins, now the code)
         with pytest.raises(ValueError, match=f"unknown entries \\['{gone}'\\]"):
             rc.problem(q, labels, channels, valid, 5, {gone: "groups"})
@@ -238,29 +229,6 @@ def test_emit_auto_takes_a_row_in_one_tile():
             assert all(keys > threads * 4 * u for u in smaller), (keys, threads, v)
     assert rc.emit_vectors_for(dict(rc.RADIX_CUDA_CONFIG, emit_vectors=1), 1 << 20, 1024) == 1
     assert rc.emit_vectors_for(dict(rc.RADIX_CUDA_CONFIG), 1 << 20, 1024) == 4
-
-
-def test_attend_problem_names_what_the_one_launch_read_cannot_take():
-    """The select + attention kernel reads fp16 / bf16 K and V of one head dim (64 / 128 / 256), at most 4 query rows
-    per selection (2 at 256), each lane's D / 32 values in one aligned read; on a CPU tensor there is no plan."""
-    def kv(d=128, dtype=torch.float16, t=40):
-        return torch.zeros(1, 2, t, d, dtype=dtype), torch.zeros(1, 2, t, d, dtype=dtype)
-
-    assert rc.attend_problem(*kv(), 4) is None
-    assert rc.attend_problem(*kv(256, torch.bfloat16), 2) is None
-    assert "at most 2" in rc.attend_problem(*kv(256), 3)
-    assert "at most 4" in rc.attend_problem(*kv(64), 5)
-    assert "dtypes" in rc.attend_problem(*kv(dtype=torch.float32), 1)
-    k, _ = kv()
-    assert "dtypes" in rc.attend_problem(k, k.bfloat16(), 1)
-    assert "head dims" in rc.attend_problem(*kv(96), 1)
-    assert "head dims" in rc.attend_problem(k, torch.zeros(1, 2, 40, 64, dtype=torch.float16), 1)
-    wide = torch.zeros(1, 2, 40, 130, dtype=torch.float16)
-    assert "aligned" in rc.attend_problem(wide[..., 1:129], wide[..., 1:129], 1)  # rows 2 bytes off
-    assert "aligned" in rc.attend_problem(wide[..., :128], wide[..., :128], 1)  # a row stride of 130 values
-    q, labels, channels, valid = score_case("fp16-gqa4-r16-odd-t")
-    assert rc.attend_plan(q, labels, channels, valid, 5, *kv(q.shape[-1], t=labels.num_tokens), 1,
-                          {"attend": 4}) is None  # (CPU tensors)
 
 
 def test_import_compiles_nothing():
@@ -281,17 +249,15 @@ def test_cuda_source_compiles_for_sm90a_without_spills(tmp_path, triton_cuobjdum
     kernels = re.findall(r"Compiling entry function '(\w+)'", res.stderr)
     spills = re.findall(r"(\d+) bytes spill stores", res.stderr)
     # keys: 4 label formats x 4 head counts x vector loads or not x 1 or 4 rows; 2 selects; cluster: 4 formats x
-    # vector loads or not x 1 or 4 rows, and 3 formats (not fp32) x vector loads or not x 16 rows; cluster select +
-    # attention: 3 formats x vector loads or not x fp16 / bf16 K, V
-    assert len(kernels) == 100, kernels
+    # vector loads or not x 1 or 4 rows
+    assert len(kernels) == 82, kernels
     assert len(spills) == len(kernels) and all(s == "0" for s in spills), res.stderr[-3000:]
     if triton_cuobjdump is not None:
         sass = subprocess.run([str(triton_cuobjdump), "-sass", str(cubin)], capture_output=True, text=True,
                               check=True).stdout
-        cluster = [f for f in sass.split("Function : ")[1:]
-                   if re.search(r"ds_cluster_(attend_)?kernel", f.split("\n", 1)[0])]
-        assert len(cluster) == 34
-        assert [f.count("MEMBAR.ALL.GPU") for f in cluster] == [0] * 34
+        cluster = [f for f in sass.split("Function : ")[1:] if "ds_cluster_kernel" in f.split("\n", 1)[0]]
+        assert len(cluster) == 16
+        assert [f.count("MEMBAR.ALL.GPU") for f in cluster] == [0] * 16
         assert all(f.count("MEMBAR.ALL.CTA") >= 2 for f in cluster)  # (two exchanges at least: a digit, the lists)
 
 
@@ -355,76 +321,6 @@ def long_case(name: str):
     return q, channel_major(labels), channels, valid, k
 
 
-# the one-launch select + attention: name -> (batch, kv heads, group, tokens, r, label bits, k, head dim, K / V dtype,
-# left padding of the last batch row (== tokens: a row with no valid token), group-shared, softcap)
-ATTEND_CASES = {
-    "fp16-g3-4001-d64": (1, 3, 3, 4001, 16, 16, 500, 64, torch.float16, 0, False, None),
-    "fp16-g3-4001-d64-shared": (1, 3, 3, 4001, 16, 16, 500, 64, torch.float16, 0, True, None),
-    "bf16-g4-9000-d128-pad-4bit": (2, 2, 4, 9000, 16, 4, 1125, 128, torch.bfloat16, 333, False, None),
-    "fp16-g4-33333-d128-shared-cap": (1, 2, 4, 33333, 16, 16, 4166, 128, torch.float16, 0, True, 30.0),
-    "fp16-g2-5000-d256-shared-2bit": (1, 2, 2, 5000, 8, 2, 625, 256, torch.float16, 17, True, None),
-    # k beyond the valid tokens of the padded row (its invalid picks are skipped), and a row with none valid
-    "fp16-g4-3000-k-past-valid": (2, 1, 4, 3000, 16, 16, 2000, 64, torch.float16, 2000, False, None),
-    "bf16-g2-2049-empty-row-shared": (2, 2, 2, 2049, 16, 16, 100, 128, torch.bfloat16, 2049, True, None),
-}
-
-
-def attend_case(name: str):
-    b, h, g, t, r, bits, k, d, dt, pad, shared, cap = ATTEND_CASES[name]
-    gen = torch.Generator().manual_seed(sum(map(ord, name)))
-    lab = (torch.randn(b, h, t, r, generator=gen) + 1.0).half()
-    q = torch.randn(b, h * g, d, generator=gen).to(dt).cuda()
-    channels = torch.stack([torch.randperm(d, generator=gen)[:r] for _ in range(h)]).cuda()
-    cap_t = t + 37  # a cache longer than its live tokens (a static cache's capacity)
-    kc = torch.randn(b, h, cap_t, d, generator=gen).to(dt).cuda()
-    vc = torch.randn(b, h, cap_t, d, generator=gen).to(dt).cuda()
-    valid = None
-    if pad:
-        valid = torch.ones(b, t, dtype=torch.bool)
-        valid[-1, :pad] = False
-        valid = valid.cuda()
-    labels = channel_major(reference.quantize_labels(lab.cuda(), bits))
-    return q, labels, channels, valid, kc[:, :, :t], vc[:, :, :t], k, g if shared else 1, cap
-
-
-@pytest.mark.gpu
-@on_gpu
-@pytest.mark.parametrize("name", list(ATTEND_CASES))
-def test_cuda_select_attend_against_the_select_and_a_masked_attention(name):
-    """The one-launch select + attention at clusters of 1, 2, 4 and 8 (where a CTA's share fits): the indices of the
-    cluster select alone (same cluster size), and the output and LSE of the reference attention over them (masked
-    invalid picks, soft-cap); a row with no valid token gives zeros and -inf."""
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("the cluster kernels need sm_90")
-    q, labels, channels, valid, k, v, kk, group, cap = attend_case(name)
-    b, hq, d = q.shape
-    hkv = k.shape[1]
-    g = hq // hkv
-    scale = d ** -0.5
-    taken = 0
-    for c in (1, 2, 4, 8):
-        cfg = {"cuda": {"attend": c}}
-        plan = triton_kernel.cuda_attend_plan(q, labels, channels, valid, k, v, kk, group,
-                                              dict(triton_kernel.SELECT_CONFIG, **cfg))
-        if plan is None:
-            continue
-        taken += 1
-        assert plan[0] == c
-        out, lse, index = triton_kernel.select_gather_partial(q, labels, channels, valid, k, v, kk, scale,
-                                                              group=group, softcap=cap, config=cfg)
-        assert index.dtype == torch.int32 and out.shape == (b, hkv, g, d) and lse.shape == (b, hkv, g)
-        sel = _gpu_select(q, labels, channels, valid, kk, group=group, cluster=c)
-        assert torch.equal(index.long(), sel), f"cluster {c}: indices"
-        want_out, want_lse = reference.gather_partial_attention(
-            q.view(b, hkv, g, d), k, v, valid, reference.selection_rows(sel, hkv, g), scale, softcap=cap)
-        fin = torch.isfinite(want_lse)
-        assert torch.equal(torch.isfinite(lse), fin), f"cluster {c}: rows without a valid token"
-        torch.testing.assert_close(lse[fin], want_lse[fin], atol=2e-3, rtol=1e-4)
-        torch.testing.assert_close(out, want_out, atol=2e-3, rtol=2e-3)
-        assert torch.all(out[~fin] == 0)
-    assert taken >= 2, "no cluster size took the case"
-
-
 def _aligned_copy(labels: Labels) -> Labels:
     """The labels channel-major in a fresh buffer whose channel stride is padded to 16 tokens (vector loads)."""
     b, h, t, w = labels.data.shape
@@ -471,7 +367,7 @@ def test_cuda_select_long_odd_contexts(name):
             assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c, cluster_threads=256))
             for vecs in (1, 4):
                 assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c, emit_vectors=vecs))
-            for threads, rows in ((512, 4), (1024, 1), (256, 16)):  # label rows in flight (default 4 at 1024)
+            for threads, rows in ((512, 4), (1024, 1)):  # label rows in flight (default 4 at 1024 threads)
                 assert torch.equal(got, _gpu_select(q, labels, channels, valid, k, cluster=c, cluster_threads=threads,
                                                     cluster_rows_in_flight=rows))
     view = labels.narrow(1, labels.num_tokens - 1)

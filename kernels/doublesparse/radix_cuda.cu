@@ -163,30 +163,9 @@ __device__ __forceinline__ void unpack_row(const RawRow<LT>& r, float* x) {
 // Label scores of tokens [tb, tb + TPT) (those below t1) for GN query heads, from the query values qv[g][c] of their
 // label channels (codes added word w, then field j): acc[g][i].  WU label rows are loaded (RawRow) before any of
 // them is used.
-// Label rows w0 .. w0 + WU (those below p.W) of tokens [tb, tb + TPT) (those below t1), as loaded.
-template <int LT, bool VEC, int WU>
-__device__ __forceinline__ void load_rows(const KeysParams& p, long long lbase, int w0, long long tb, long long t1,
-                                          RawRow<LT> (&raw)[WU]) {
-  if (VEC && tb + TPT <= t1) {  // the common case, one branch for all WU rows: their vector loads in a row
-#pragma unroll
-    for (int u = 0; u < WU; ++u)
-      if (w0 + u < p.W) load_row<LT, VEC>(p.lab, lbase + (w0 + u) * p.sl_c, tb, t1, raw[u]);
-  } else {
-#pragma unroll
-    for (int u = 0; u < WU; ++u) {
-#pragma unroll
-      for (int j = 0; j < RawRow<LT>::N; ++j) raw[u].w[j] = 0u;
-      if (w0 + u < p.W) load_row<LT, false>(p.lab, lbase + (w0 + u) * p.sl_c, tb, t1, raw[u]);
-    }
-  }
-}
-
-// PRE: rows 0 .. WU of these tokens are already in `first` (load_rows with w0 = 0: the cluster select with 16 rows in
-// flight loads them before the query values); the adds are the same, in the same order.
-template <int LT, bool VEC, int WU, int GN, bool PRE = false>
+template <int LT, bool VEC, int WU, int GN>
 __device__ __forceinline__ void score_tokens(const KeysParams& p, const float (*qv)[RMAX], long long lbase,
-                                             long long tb, long long t1, float (&acc)[GN][TPT],
-                                             const RawRow<LT> (*first)[WU] = nullptr) {
+                                             long long tb, long long t1, float (&acc)[GN][TPT]) {
   constexpr bool QUANT = LT == U8;
   const unsigned mask_bits = (1u << p.bits) - 1u;
 #pragma unroll
@@ -195,11 +174,17 @@ __device__ __forceinline__ void score_tokens(const KeysParams& p, const float (*
     for (int i = 0; i < TPT; ++i) acc[g][i] = 0.f;
   for (int w0 = 0; w0 < p.W; w0 += WU) {
     RawRow<LT> raw[WU];
-    if (PRE && w0 == 0) {
+    if (VEC && tb + TPT <= t1) {  // the common case, one branch for all WU rows: their vector loads in a row
 #pragma unroll
-      for (int u = 0; u < WU; ++u) raw[u] = (*first)[u];
+      for (int u = 0; u < WU; ++u)
+        if (w0 + u < p.W) load_row<LT, VEC>(p.lab, lbase + (w0 + u) * p.sl_c, tb, t1, raw[u]);
     } else {
-      load_rows<LT, VEC, WU>(p, lbase, w0, tb, t1, raw);
+#pragma unroll
+      for (int u = 0; u < WU; ++u) {
+#pragma unroll
+        for (int j = 0; j < RawRow<LT>::N; ++j) raw[u].w[j] = 0u;
+        if (w0 + u < p.W) load_row<LT, false>(p.lab, lbase + (w0 + u) * p.sl_c, tb, t1, raw[u]);
+      }
     }
 #pragma unroll
     for (int u = 0; u < WU; ++u) {
@@ -369,9 +354,9 @@ __device__ __forceinline__ void find_digit(const int* h, int nb, int need, int* 
 
 // emit_chosen with one 16-byte read (EMIT keys) per thread per tile (vecs = 1: emit_auto's choice where a tile of
 // EMIT keys per thread covers the CTA's keys): the pass as it was before emit_vectors, kept as its own code.
-template <bool LDG, typename OT>
-__device__ __forceinline__ int emit_chosen4(const uint32_t* keys, long long n, long long t0, uint32_t prefix, int shift,
-                                           int need, int base_above, int base_tie, OT* out, int2* tile_tot) {
+template <bool LDG>
+__device__ __forceinline__ void emit_chosen4(const uint32_t* keys, long long n, long long t0, uint32_t prefix, int shift,
+                                            int need, int base_above, int base_tie, long long* out, int2* tile_tot) {
   for (long long l0 = 0; l0 < n; l0 += (long long)EMIT * blockDim.x) {
     const long long lb = l0 + (long long)threadIdx.x * EMIT;
     uint4 v = make_uint4(0, 0, 0, 0);
@@ -404,7 +389,7 @@ __device__ __forceinline__ int emit_chosen4(const uint32_t* keys, long long n, l
     base_above += tot.x;
     base_tie += tot.y;
     __syncthreads();  // tile_tot is rewritten by the next tile's scan
-  }  return base_above + min(base_tie, need);  // the slot after the last chosen token of keys[0..n)
+  }
 }
 
 // The emit pass over keys[0..n) (tokens t0 + i): chosen = key above the prefix (its top 32 - shift bits), or at it
@@ -415,10 +400,14 @@ __device__ __forceinline__ int emit_chosen4(const uint32_t* keys, long long n, l
 // (global keys).  Every thread of the block calls it.
 constexpr int EMIT_VECS = 4;
 
-template <bool LDG, typename OT>
-__device__ __forceinline__ int emit_chosen(const uint32_t* keys, long long n, long long t0, uint32_t prefix, int shift,
-                                           int need, int base_above, int base_tie, OT* out, int2* tile_tot, int vecs) {
-  if (vecs == 1) return emit_chosen4<LDG>(keys, n, t0, prefix, shift, need, base_above, base_tie, out, tile_tot);
+template <bool LDG>
+__device__ __forceinline__ void emit_chosen(const uint32_t* keys, long long n, long long t0, uint32_t prefix, int shift,
+                                            int need, int base_above, int base_tie, long long* out, int2* tile_tot,
+                                            int vecs) {
+  if (vecs == 1) {
+    emit_chosen4<LDG>(keys, n, t0, prefix, shift, need, base_above, base_tie, out, tile_tot);
+    return;
+  }
   const long long per = (long long)EMIT * vecs;  // keys per thread per tile
   for (long long l0 = 0; l0 < n; l0 += per * blockDim.x) {
     const long long lb = l0 + (long long)threadIdx.x * per;
@@ -456,7 +445,7 @@ __device__ __forceinline__ int emit_chosen(const uint32_t* keys, long long n, lo
     base_above += tot.x;
     base_tie += tot.y;
     __syncthreads();  // tile_tot is rewritten by the next tile's scan
-  }  return base_above + min(base_tie, need);  // the slot after the last chosen token of keys[0..n)
+  }
 }
 
 // SMEM: the head's keys are copied to dynamic shared memory once (KS * 4 bytes) and every pass reads them there;
@@ -510,7 +499,7 @@ __global__ void __launch_bounds__(SELECT_THREADS, 1) ds_select_kernel(SelectPara
     in_bin = hist[st[0]];
     __syncthreads();
   }
-  emit_chosen<!SMEM, long long>(keys, p.T, 0, prefix, shift, need, 0, 0, out, &tile_tot, p.emit_vecs);
+  emit_chosen<!SMEM>(keys, p.T, 0, prefix, shift, need, 0, 0, out, &tile_tot, p.emit_vecs);
 }
 
 // Phase clocks of the cluster select, only in a build with -DDS_PHASES (benchmarks/gpu_cluster_phases.py; the
@@ -733,229 +722,11 @@ __device__ __forceinline__ void pick_exact(const uint32_t* sk, long long n, long
 #endif
 }
 
-// ---------------------------------------------------------------------------------------------- select + attend
-// ds_cluster_attend_kernel: the cluster select, then in the same launch the attention of the select row's query rows
-// (one per query head, or the G query heads of a group-shared row) over the tokens it chose - what
-// triton_kernel.select_gather_partial returns, without the gather and split-merge launches.  Each CTA attends over
-// its own chosen tokens (its share of the token order, so a contiguous run of the index row it wrote), one warp per
-// token at a time with the lanes splitting the head dim (EPL = D / 32 values each); the warps' online-softmax states
-// merge in shared memory, then the CTAs' through distributed shared memory into rank 0, which writes the row's
-// normalised output and LSE (natural log).  K / V fp16 or bf16, D = Dv in {64, 128, 256}, at most ATT_ROWS query
-// rows per select row (radix_cuda.attend_problem checks all of it).
-struct AttendParams {
-  const void* k; const void* v;
-  long long sk_b, sk_h, sk_t, sv_b, sv_h, sv_t;  // elements
-  int* index;     // [rows, K] int32: the chosen tokens, in token order
-  float* po;      // [rows * qg, D]: the normalised output of each query row
-  float* pl;      // [rows * qg]: its LSE (natural log; -inf: no token)
-  int d;          // head dim of K and V
-  float scale2;   // softmax scale x log2(e)
-  float cap;      // logit soft-cap in log2 units (softcap x log2(e)); 0: none
-};
-
-constexpr int ATT_ROWS = 4;       // query rows per select row (and x D <= ATT_QMAX)
-constexpr int ATT_QMAX = 512;     // query rows x head dim held in shared memory (fp32, pre-scaled)
-
-__device__ __forceinline__ float att_soft_cap(float x, float cap) {  // cap * tanh(x / cap), as kivi's soft_cap
-  const float y = x / cap;
-  const float e = exp2f(-2.885390081777927f * fabsf(y));
-  return copysignf(cap * ((1.f - e) / (1.f + e)), y);
-}
-
-// EPL consecutive 16-bit values (EPL / 2 words) at element `off` of base (off a multiple of EPL: aligned).
-template <int EPL>
-__device__ __forceinline__ void att_load(const void* base, long long off, uint32_t* w) {
-  const uint16_t* b16 = reinterpret_cast<const uint16_t*>(base) + off;
-  if constexpr (EPL == 2) {
-    w[0] = *reinterpret_cast<const uint32_t*>(b16);
-  } else if constexpr (EPL == 4) {
-    const uint2 u = *reinterpret_cast<const uint2*>(b16);
-    w[0] = u.x; w[1] = u.y;
-  } else {
-    const uint4 u = *reinterpret_cast<const uint4*>(b16);
-    w[0] = u.x; w[1] = u.y; w[2] = u.z; w[3] = u.w;
-  }
-}
-
-template <int KVT>
-__device__ __forceinline__ float att_half(uint32_t w, int hi) {
-  const unsigned short h = (unsigned short)(hi ? w >> 16 : w & 0xffffu);
-  if constexpr (KVT == BF16) return __uint_as_float((uint32_t)h << 16);
-  else return __half2float(__ushort_as_half(h));
-}
-
-// The warps' pass over index slots [start, end) (idx: this CTA's copy in shared memory, slot start at idx[0]): each
-// warp takes U consecutive slots at a time, loads their K and V rows (one EPL-value read per lane each) before using
-// any, and folds every row of the select row's nr query rows (qatt: [nr, d], pre-scaled) into its online softmax
-// (base 2); then each warp writes (m, l, acc[d]) per query row to scratch[(warp * nr + j) * (d + 2)].
-template <int KVT, int EPL>
-__device__ __forceinline__ void attend_warps(const KeysParams& p, const AttendParams& ap, const int* idx, int start,
-                                             int end, long long b, long long h, int nr, const float* qatt,
-                                             float* scratch) {
-  constexpr int QRM = (16 / EPL) < ATT_ROWS ? (16 / EPL) : ATT_ROWS;  // rows the lanes' accumulators hold
-  constexpr int U = 16 / EPL;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const int d = 32 * EPL;
-  const long long kb = b * ap.sk_b + h * ap.sk_h + lane * EPL, vb = b * ap.sv_b + h * ap.sv_h + lane * EPL;
-  float m[QRM], l[QRM], acc[QRM][EPL];
-#pragma unroll
-  for (int j = 0; j < QRM; ++j) {
-    m[j] = -INFINITY;
-    l[j] = 0.f;
-#pragma unroll
-    for (int e = 0; e < EPL; ++e) acc[j][e] = 0.f;
-  }
-  for (int i0 = start + warp * U; i0 < end; i0 += nwarps * U) {
-    uint32_t kw[U][EPL / 2], vw[U][EPL / 2];
-    bool ok[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {  // every load of the U slots issued before any is used
-      const int i = i0 + u;
-      ok[u] = i < end;
-      const long long t = ok[u] ? (long long)idx[i - start] : 0;
-      att_load<EPL>(ap.k, kb + t * ap.sk_t, kw[u]);
-      att_load<EPL>(ap.v, vb + t * ap.sv_t, vw[u]);
-      if (p.has_valid) ok[u] = ok[u] && p.va[b * p.sva_b + t] != 0;
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (!ok[u]) continue;  // (warp-uniform)
-      float kf[EPL], vf[EPL];
-#pragma unroll
-      for (int e = 0; e < EPL; ++e) {
-        kf[e] = att_half<KVT>(kw[u][e / 2], e & 1);
-        vf[e] = att_half<KVT>(vw[u][e / 2], e & 1);
-      }
-#pragma unroll
-      for (int j = 0; j < QRM; ++j) {
-        if (j < nr) {
-          float sj = 0.f;
-#pragma unroll
-          for (int e = 0; e < EPL; ++e) sj = fmaf(qatt[j * d + lane * EPL + e], kf[e], sj);
-#pragma unroll
-          for (int o = 16; o > 0; o >>= 1) sj += __shfl_xor_sync(0xffffffffu, sj, o);
-          if (ap.cap > 0.f) sj = att_soft_cap(sj, ap.cap);
-          const float mn = fmaxf(m[j], sj);
-          const float alpha = exp2f(m[j] - mn), pj = exp2f(sj - mn);
-          l[j] = fmaf(l[j], alpha, pj);
-#pragma unroll
-          for (int e = 0; e < EPL; ++e) acc[j][e] = fmaf(acc[j][e], alpha, pj * vf[e]);
-          m[j] = mn;
-        }
-      }
-    }
-  }
-  __syncthreads();  // every warp is done with idx (scratch may share its shared memory)
-#pragma unroll
-  for (int j = 0; j < QRM; ++j) {
-    if (j < nr) {
-      float* w = scratch + (long long)(warp * nr + j) * (d + 2);
-      if (lane == 0) { w[0] = m[j]; w[1] = l[j]; }
-#pragma unroll
-      for (int e = 0; e < EPL; ++e) w[2 + lane * EPL + e] = acc[j][e];
-    }
-  }
-}
-
-// The merge of n states (m, l, acc[d]) `stride` floats apart for query row j, value e: (M, L, A) with A and L
-// rescaled to the largest m (states that saw no token, m = -inf, add nothing).
-__device__ __forceinline__ void att_merge(const float* st, int n, long long stride, int e, float& mx, float& lsum,
-                                          float& a) {
-  mx = -INFINITY;
-  for (int w = 0; w < n; ++w) mx = fmaxf(mx, st[w * stride]);
-  lsum = 0.f;
-  a = 0.f;
-  if (mx == -INFINITY) return;
-  for (int w = 0; w < n; ++w) {
-    const float mw = st[w * stride];
-    if (mw == -INFINITY) continue;
-    const float f = exp2f(mw - mx);
-    lsum = fmaf(st[w * stride + 1], f, lsum);
-    a = fmaf(st[w * stride + 2 + e], f, a);
-  }
-}
-
-// After the emit: this CTA's slots [start, end) of the index row `irow`; attention as above, the CTA's merged state
-// in `part` (nr x (d + 2) floats after the warps' scratch, in dynamic shared memory), the cluster's merged into
-// rank 0, which writes po / pl.  Ends with the kernel's last cluster barrier (no CTA leaves while rank 0 reads its
-// part).  Every thread of every CTA calls it.
-template <int KVT>
-__device__ __forceinline__ void attend_cluster(const KeysParams& p, const AttendParams& ap, const int* irow, int start,
-                                               int end, long long b, long long h, long long row, const float* qatt,
-                                               float* dynf) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  const int nr = (int)p.qg, d = ap.d, nwarps = blockDim.x >> 5;
-  int* idx = reinterpret_cast<int*>(dynf);  // the keys are dead: their shared memory takes the CTA's slots
-  for (int i = start + (int)threadIdx.x; i < end; i += blockDim.x) idx[i - start] = irow[i];
-  __syncthreads();
-  float* scratch = dynf;
-  if (d == 64) attend_warps<KVT, 2>(p, ap, idx, start, end, b, h, nr, qatt, scratch);
-  else if (d == 128) attend_warps<KVT, 4>(p, ap, idx, start, end, b, h, nr, qatt, scratch);
-  else attend_warps<KVT, 8>(p, ap, idx, start, end, b, h, nr, qatt, scratch);
-  __syncthreads();
-  const long long stride = d + 2;
-  float* part = scratch + (long long)nwarps * nr * stride;  // [nr, d + 2]: the CTA's (m, l, unnormalised acc)
-  for (int x = threadIdx.x; x < nr * d; x += blockDim.x) {
-    const int j = x / d, e = x % d;
-    float mx, lsum, a;
-    att_merge(scratch + j * stride, nwarps, nr * stride, e, mx, lsum, a);
-    part[j * stride + 2 + e] = a;
-    if (e == 0) { part[j * stride] = mx; part[j * stride + 1] = lsum; }
-  }
-  cluster_exchange();  // every CTA's part is complete
-  if (cluster.block_rank() == 0) {
-    const int c = (int)cluster.num_blocks();
-    for (int x = threadIdx.x; x < nr * d; x += blockDim.x) {
-      const int j = x / d, e = x % d;
-      float mq[CMAX];  // the CTAs' m, then their l and acc (the remote loads of each step issued together)
-#pragma unroll
-      for (int q = 0; q < CMAX; ++q) mq[q] = q < c ? cluster.map_shared_rank(part, q)[j * stride] : -INFINITY;
-      float mx = -INFINITY, lsum = 0.f, a = 0.f;
-#pragma unroll
-      for (int q = 0; q < CMAX; ++q) mx = fmaxf(mx, mq[q]);
-#pragma unroll
-      for (int q = 0; q < CMAX; ++q) {
-        if (mq[q] != -INFINITY) {  // (q >= c: -inf)
-          const float* rp = cluster.map_shared_rank(part, q) + j * stride;
-          const float f = exp2f(mq[q] - mx);
-          lsum = fmaf(rp[1], f, lsum);
-          a = fmaf(rp[2 + e], f, a);
-        }
-      }
-      const long long orow = row * p.qg + j;
-      ap.po[orow * d + e] = lsum > 0.f ? a / lsum : 0.f;
-      if (e == 0) ap.pl[orow] = lsum > 0.f ? (mx + log2f(lsum)) * 0.6931471805599453f : -INFINITY;
-    }
-  }
-  // the last barrier: rank 0's remote reads are consumed before it arrives; no CTA leaves before then
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
-}
-
-// The query rows of select row (b, hq) for the attention, pre-scaled by scale2, into qatt [qg, d] (fp32).
-__device__ __forceinline__ void attend_query(const KeysParams& p, const AttendParams& ap, long long b, long long hq,
-                                             float* qatt) {
-  const int d = ap.d;
-  for (int x = threadIdx.x; x < (int)p.qg * d; x += blockDim.x) {
-    const long long off = b * p.sq_b + hq * p.sq_h + (x / d) * p.sq_g + x % d;
-    float v;
-    switch (p.qt) {
-      case F16: v = load_f<F16>(p.q, off); break;
-      case BF16: v = load_f<BF16>(p.q, off); break;
-      default: v = load_f<F32>(p.q, off); break;
-    }
-    qatt[x] = v * ap.scale2;
-  }
-}
-
 // WU: label rows a thread loads before using them (1 or 4), as in ds_keys_kernel (raw rows: 4 fit the 64 registers
 // of a 1024-thread CTA, except 4 fp32 rows: that build takes at most 512 threads, launch_cluster_lt).
-// KVT < 0: the select alone (ds_cluster_kernel); F16 / BF16: then the attention (ds_cluster_attend_kernel).
-template <int LT, bool VEC, int WU, int KVT>
-__device__ __forceinline__ void cluster_body(const KeysParams& p, const SelectParams& sp, const AttendParams& ap) {
+template <int LT, bool VEC, int WU>
+__global__ void __launch_bounds__(WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SELECT_THREADS, 1)
+    ds_cluster_kernel(KeysParams p, SelectParams sp) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
@@ -984,19 +755,9 @@ __device__ __forceinline__ void cluster_body(const KeysParams& p, const SelectPa
   const long long t1 = max(t0, min(t0 + p.chunk, p.T));
   const long long n = t1 - t0;
   const long long lbase = b * p.sl_b + h * p.sl_h;
-  // WU 16 (256 threads, a CTA of few keys: every label row of a thread's first tokens in flight at once): those rows
-  // are loaded before the query values (a channel index, then the query at it: two dependent round trips), so the
-  // two waits overlap
-  [[maybe_unused]] const long long tb0 = t0 + (long long)threadIdx.x * TPT;
-  [[maybe_unused]] RawRow<LT> first[WU == 16 ? WU : 1];
-  if constexpr (WU == 16) {
-    if (tb0 < t1) load_rows<LT, VEC, WU>(p, lbase, 0, tb0, t1, first);
-  }
   for (int i = threadIdx.x; i < BINS0; i += blockDim.x) hists[0][i] = 0;
   for (int c = threadIdx.x; c < r; c += blockDim.x)
     qv[0][c] = query_value(p, b, hq, p.ch[h * p.sch_h + c]);
-  __shared__ float qatt[KVT >= 0 ? ATT_QMAX : 1];
-  if constexpr (KVT >= 0) attend_query(p, ap, b, hq, qatt);
   __syncthreads();
   if (QUANT && threadIdx.x == 0) {
     float s = 0.f;
@@ -1006,57 +767,23 @@ __device__ __forceinline__ void cluster_body(const KeysParams& p, const SelectPa
   }
   __syncthreads();
   DS_PHASE(4);
-  if constexpr (WU == 16) {
-    // a token block's keys into shared memory and the first digit's histogram
-    auto put_keys = [&](const float (&acc)[1][TPT], long long tb) {
+  for (long long tb = t0 + (long long)threadIdx.x * TPT; tb < t1; tb += (long long)blockDim.x * TPT) {
+    float acc[1][TPT];
+    score_tokens<LT, VEC, WU, 1>(p, qv, lbase, tb, t1, acc);
 #pragma unroll
-      for (int i = 0; i < TPT; ++i) {
-        const long long t = tb + i;
-        if (t < t1) {
-          float v = acc[0][i];
-          if (QUANT) {
-            float sv = __half2float(p.sc[b * p.sz_b + h * p.sz_h + t]);
-            sv = sv == 0.f ? 1.f : sv;
-            v = fmaf(v, sv, qsum * __half2float(p.ze[b * p.sz_b + h * p.sz_h + t]));
-          }
-          if (p.has_valid && p.va[b * p.sva_b + t] == 0) v = -INFINITY;
-          const uint32_t key = orderable(v);
-          sk[t - t0] = key;
-          atomicAdd(&hists[0][key >> (32 - BITS0)], 1);
+    for (int i = 0; i < TPT; ++i) {
+      const long long t = tb + i;
+      if (t < t1) {
+        float v = acc[0][i];
+        if (QUANT) {
+          float sv = __half2float(p.sc[b * p.sz_b + h * p.sz_h + t]);
+          sv = sv == 0.f ? 1.f : sv;
+          v = fmaf(v, sv, qsum * __half2float(p.ze[b * p.sz_b + h * p.sz_h + t]));
         }
-      }
-    };
-    long long tb = tb0;
-    if (tb < t1) {  // the first block from the rows loaded above
-      float acc[1][TPT];
-      score_tokens<LT, VEC, WU, 1, true>(p, qv, lbase, tb, t1, acc, &first);
-      put_keys(acc, tb);
-    }
-    tb += (long long)blockDim.x * TPT;
-    for (; tb < t1; tb += (long long)blockDim.x * TPT) {
-      float acc[1][TPT];
-      score_tokens<LT, VEC, WU, 1>(p, qv, lbase, tb, t1, acc);
-      put_keys(acc, tb);
-    }
-  } else {
-    for (long long tb = t0 + (long long)threadIdx.x * TPT; tb < t1; tb += (long long)blockDim.x * TPT) {
-      float acc[1][TPT];
-      score_tokens<LT, VEC, WU, 1>(p, qv, lbase, tb, t1, acc);
-#pragma unroll
-      for (int i = 0; i < TPT; ++i) {
-        const long long t = tb + i;
-        if (t < t1) {
-          float v = acc[0][i];
-          if (QUANT) {
-            float sv = __half2float(p.sc[b * p.sz_b + h * p.sz_h + t]);
-            sv = sv == 0.f ? 1.f : sv;
-            v = fmaf(v, sv, qsum * __half2float(p.ze[b * p.sz_b + h * p.sz_h + t]));
-          }
-          if (p.has_valid && p.va[b * p.sva_b + t] == 0) v = -INFINITY;
-          const uint32_t key = orderable(v);
-          sk[t - t0] = key;
-          atomicAdd(&hists[0][key >> (32 - BITS0)], 1);
-        }
+        if (p.has_valid && p.va[b * p.sva_b + t] == 0) v = -INFINITY;
+        const uint32_t key = orderable(v);
+        sk[t - t0] = key;
+        atomicAdd(&hists[0][key >> (32 - BITS0)], 1);
       }
     }
   }
@@ -1114,45 +841,15 @@ __device__ __forceinline__ void cluster_body(const KeysParams& p, const SelectPa
   // remote read before it has been consumed (its value is in st / comb / this CTA's own shared memory), so it is
   // complete, and no CTA writes another's shared memory; a release arrive costs a MEMBAR.ALL.GPU (sm_90a SASS;
   // session 47's phases: 0.64 us between the last digit and the emit)
-  if constexpr (KVT < 0) {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-    DS_PHASE(8);
-    emit_chosen<false, long long>(sk, n, t0, prefix, shift, need, above_before, tie_before, out, &tile_tot,
-                                  sp.emit_vecs);
-    DS_PHASE(9);
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+  DS_PHASE(8);
+  emit_chosen<false>(sk, n, t0, prefix, shift, need, above_before, tie_before, out, &tile_tot, sp.emit_vecs);
+  DS_PHASE(9);
 #ifdef DS_PHASES
-    phase_put(10, phase_timer());
+  phase_put(10, phase_timer());
 #endif
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-  } else {  // this CTA's chosen tokens are index slots [start, end) of the row (token order)
-    int* irow = ap.index + row * sp.K;
-    const int start = above_before + min(tie_before, need);
-    const int end = emit_chosen<false, int>(sk, n, t0, prefix, shift, need, above_before, tie_before, irow,
-                                            &tile_tot, sp.emit_vecs);
-    __syncthreads();  // the block's index writes visible to it; the keys' shared memory free
-    attend_cluster<KVT>(p, ap, irow, start, end, b, h, row, qatt, reinterpret_cast<float*>(dyn));
-  }
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 #endif
-}
-
-// Threads a cluster CTA may have: 1024; 512 with 4 fp32 label rows in flight; 256 with 16 (CLUSTER_WIDE_THREADS).
-constexpr int CLUSTER_WIDE_THREADS = 256;
-template <int LT, int WU>
-constexpr int cluster_threads_most() {
-  return WU == 16 ? CLUSTER_WIDE_THREADS : (WU == 4 && LT == F32 ? SELECT_THREADS / 2 : SELECT_THREADS);
-}
-
-template <int LT, bool VEC, int WU>
-__global__ void __launch_bounds__(cluster_threads_most<LT, WU>(), 1)
-    ds_cluster_kernel(KeysParams p, SelectParams sp) {
-  cluster_body<LT, VEC, WU, -1>(p, sp, AttendParams{});
-}
-
-// 256 threads and 16 label rows in flight (the select of a CTA of few keys; the attention's accumulators beside it).
-template <int LT, bool VEC, int WU, int KVT>
-__global__ void __launch_bounds__(CLUSTER_WIDE_THREADS, 1)
-    ds_cluster_attend_kernel(KeysParams p, SelectParams sp, AttendParams ap) {
-  cluster_body<LT, VEC, WU, KVT>(p, sp, ap);
 }
 
 constexpr long long SMEM_KEYS = 48 * 1024;  // keys a select CTA holds in shared memory (192 KB)
@@ -1190,13 +887,13 @@ int launch_keys_lt(const KeysParams& p, int gn, const KeysLaunch& l, cudaStream_
 // launch needs more (internal linkage: not shared across libraries)
 namespace {
 int smem_set[64];
-int cluster_smem_set[64][24];  // per device and label format x vector loads x rows in flight
+int cluster_smem_set[64][16];  // per device and label format x vector loads x rows in flight
 
 template <int LT, bool VEC, int WU>
 int launch_cluster(const KeysParams& p, const SelectParams& sp, int c, int threads, int device, cudaStream_t s,
                    long long rows) {
   const int bytes = (int)(p.chunk * 4);
-  int& set = cluster_smem_set[device][LT * 6 + (VEC ? 3 : 0) + (WU == 4 ? 1 : (WU == 16 ? 2 : 0))];
+  int& set = cluster_smem_set[device][LT * 4 + (VEC ? 2 : 0) + (WU == 4 ? 1 : 0)];
   if (bytes > set) {
     cudaError_t e = cudaFuncSetAttribute(ds_cluster_kernel<LT, VEC, WU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          bytes);
@@ -1218,57 +915,10 @@ int launch_cluster(const KeysParams& p, const SelectParams& sp, int c, int threa
   return (int)cudaLaunchKernelEx(&cfg, ds_cluster_kernel<LT, VEC, WU>, p, sp);
 }
 
-int cluster_attend_smem_set[64][16];  // per device and label format x vector loads x K / V dtype
-
-// ds_cluster_attend_kernel: WU 16, CLUSTER_WIDE_THREADS threads; dynamic shared memory for the keys, or for the
-// warps' and the CTA's attention states where those take more (attend_cluster).
-template <int LT, bool VEC, int KVT>
-int launch_cluster_attend(const KeysParams& p, const SelectParams& sp, const AttendParams& ap, int c, int threads,
-                          int device, cudaStream_t s, long long rows) {
-  constexpr int WU = 16;
-  const long long states = (long long)(threads / 32 + 1) * p.qg * (ap.d + 2) * 4;
-  const int bytes = (int)max(p.chunk * 4, states);
-  int& set = cluster_attend_smem_set[device][LT * 4 + (VEC ? 2 : 0) + (KVT == BF16 ? 1 : 0)];
-  if (bytes > set) {
-    cudaError_t e = cudaFuncSetAttribute(ds_cluster_attend_kernel<LT, VEC, WU, KVT>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (e != cudaSuccess) return (int)e;
-    set = bytes;
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)c, (unsigned)rows, 1);
-  cfg.blockDim = dim3((unsigned)threads, 1, 1);
-  cfg.dynamicSmemBytes = (size_t)bytes;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = (unsigned)c;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return (int)cudaLaunchKernelEx(&cfg, ds_cluster_attend_kernel<LT, VEC, WU, KVT>, p, sp, ap);
-}
-
-template <int LT>
-int launch_cluster_attend_lt(const KeysParams& p, const SelectParams& sp, const AttendParams& ap, bool vec, int kvt,
-                             int c, int threads, int device, cudaStream_t s, long long rows) {
-  if (kvt == BF16)
-    return vec ? launch_cluster_attend<LT, true, BF16>(p, sp, ap, c, threads, device, s, rows)
-               : launch_cluster_attend<LT, false, BF16>(p, sp, ap, c, threads, device, s, rows);
-  return vec ? launch_cluster_attend<LT, true, F16>(p, sp, ap, c, threads, device, s, rows)
-             : launch_cluster_attend<LT, false, F16>(p, sp, ap, c, threads, device, s, rows);
-}
-
 template <int LT>
 int launch_cluster_lt(const KeysParams& p, const SelectParams& sp, bool vec, int wu, int c, int threads, int device,
                       cudaStream_t s, long long rows) {
   if (LT == F32 && threads > SELECT_THREADS / 2) wu = 1;  // 4 fp32 rows in flight need more than 64 registers
-  if constexpr (LT != F32) {
-    if (wu == 16)
-      return vec ? launch_cluster<LT, true, 16>(p, sp, c, threads, device, s, rows)
-                 : launch_cluster<LT, false, 16>(p, sp, c, threads, device, s, rows);
-  }
   if (wu == 4)
     return vec ? launch_cluster<LT, true, 4>(p, sp, c, threads, device, s, rows)
                : launch_cluster<LT, false, 4>(p, sp, c, threads, device, s, rows);
@@ -1278,32 +928,6 @@ int launch_cluster_lt(const KeysParams& p, const SelectParams& sp, bool vec, int
 }
 
 }  // namespace ds_radix
-
-// The cluster launches' arguments (ds_radix_cluster_launch's a); false where they are out of range.
-static bool parse_cluster(const long long* a, int c, int threads, int device, ds_radix::KeysParams& p,
-                          ds_radix::SelectParams& sp, int& lt, bool& vec) {
-  using namespace ds_radix;
-  p.q = reinterpret_cast<const void*>(a[0]); p.sq_b = a[1]; p.sq_h = a[2];
-  p.ch = reinterpret_cast<const long long*>(a[3]); p.sch_h = a[4];
-  p.lab = reinterpret_cast<const void*>(a[5]); p.sl_b = a[6]; p.sl_h = a[7]; p.sl_c = a[8];
-  p.sc = reinterpret_cast<const __half*>(a[9]); p.ze = reinterpret_cast<const __half*>(a[10]);
-  p.sz_b = a[11]; p.sz_h = a[12];
-  p.va = reinterpret_cast<const uint8_t*>(a[13]); p.sva_b = a[14];
-  p.keys = nullptr; p.hist = nullptr;
-  p.T = a[17]; p.HQ = a[18]; p.HKV = a[19]; p.G = a[20]; p.W = a[21]; p.per = a[22]; p.bits = a[23];
-  p.chunk = a[24]; p.gblocks = 1; p.KS = 0;
-  p.qg = a[39]; p.sq_g = a[40];
-  p.qt = (int)a[27];
-  lt = (int)a[28];
-  p.has_valid = a[29] != 0;
-  vec = a[33] != 0;
-  sp.keys = nullptr; sp.hist = nullptr; sp.out = reinterpret_cast<long long*>(a[31]);
-  sp.T = p.T; sp.K = a[30]; sp.KS = 0; sp.emit_vecs = (int)a[41];
-  return !(p.T < 1 || p.chunk < TPT || p.chunk % TPT || p.chunk > SMEM_KEYS || p.chunk * c < p.T
-           || p.W * p.per > RMAX || sp.K < 1 || sp.K > p.T || p.T > 0x7fffffffLL || p.qt < F16 || p.qt > F32
-           || (c != 1 && c != 2 && c != 4 && c != 8) || sp.emit_vecs < 1 || sp.emit_vecs > EMIT_VECS
-           || (threads != 256 && threads != 512 && threads != 1024) || device < 0 || device >= 64 || p.qg < 1);
-}
 
 extern "C" {
 
@@ -1403,58 +1027,37 @@ DS_EXPORT int ds_radix_cluster_launch(const long long* a, int c, int threads, in
   cudaError_t e = cudaSetDevice(device);
   if (e != cudaSuccess) return (int)e;
   KeysParams p;
+  p.q = reinterpret_cast<const void*>(a[0]); p.sq_b = a[1]; p.sq_h = a[2];
+  p.ch = reinterpret_cast<const long long*>(a[3]); p.sch_h = a[4];
+  p.lab = reinterpret_cast<const void*>(a[5]); p.sl_b = a[6]; p.sl_h = a[7]; p.sl_c = a[8];
+  p.sc = reinterpret_cast<const __half*>(a[9]); p.ze = reinterpret_cast<const __half*>(a[10]);
+  p.sz_b = a[11]; p.sz_h = a[12];
+  p.va = reinterpret_cast<const uint8_t*>(a[13]); p.sva_b = a[14];
+  p.keys = nullptr; p.hist = nullptr;
+  p.T = a[17]; p.HQ = a[18]; p.HKV = a[19]; p.G = a[20]; p.W = a[21]; p.per = a[22]; p.bits = a[23];
+  p.chunk = a[24]; p.gblocks = 1; p.KS = 0;
+  p.qg = a[39]; p.sq_g = a[40];
+  const long long B = a[26];
+  p.qt = (int)a[27];
+  const int lt = (int)a[28];
+  p.has_valid = a[29] != 0;
+  const bool vec = a[33] != 0;
   SelectParams sp;
-  int lt;
-  bool vec;
-  if (!parse_cluster(a, c, threads, device, p, sp, lt, vec)) return (int)cudaErrorInvalidValue;
+  sp.keys = nullptr; sp.hist = nullptr; sp.out = reinterpret_cast<long long*>(a[31]);
+  sp.T = p.T; sp.K = a[30]; sp.KS = 0; sp.emit_vecs = (int)a[41];
+  if (p.T < 1 || p.chunk < TPT || p.chunk % TPT || p.chunk > SMEM_KEYS || p.chunk * c < p.T || p.W * p.per > RMAX
+      || sp.K < 1 || sp.K > p.T || p.T > 0x7fffffffLL || p.qt < F16 || p.qt > F32 || (c != 1 && c != 2 && c != 4 && c != 8)
+      || sp.emit_vecs < 1 || sp.emit_vecs > EMIT_VECS
+      || (threads != 256 && threads != 512 && threads != 1024) || device < 0 || device >= 64 || p.qg < 1)
+    return (int)cudaErrorInvalidValue;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  const long long rows = a[26] * p.HQ;
-  const int wu = a[37] == 16 ? 16 : (a[37] == 4 ? 4 : 1);
-  if (wu == 16 && (threads != CLUSTER_WIDE_THREADS || lt == F32)) return (int)cudaErrorInvalidValue;
+  const long long rows = B * p.HQ;
+  const int wu = a[37] == 4 ? 4 : 1;
   switch (lt) {
     case F16: return launch_cluster_lt<F16>(p, sp, vec, wu, c, threads, device, s, rows);
     case BF16: return launch_cluster_lt<BF16>(p, sp, vec, wu, c, threads, device, s, rows);
     case F32: return launch_cluster_lt<F32>(p, sp, vec, wu, c, threads, device, s, rows);
     case U8: return launch_cluster_lt<U8>(p, sp, vec, wu, c, threads, device, s, rows);
-  }
-  return (int)cudaErrorInvalidValue;
-}
-
-// The cluster select + attention (ds_cluster_attend_kernel): a, c, threads as for ds_radix_cluster_launch (its out,
-// a[31], unused: the indices go to att[10] as int32; 16 label rows in flight; threads 256), att (int64): k, sk_b, sk_h, sk_t, v, sv_b, sv_h,
-// sv_t (elements), K / V dtype (F16 / BF16), head dim D (of both: 64, 128 or 256), index [rows, K] int32, out
-// [rows x query rows per select row (a[39]), D] fp32, lse [rows x a[39]] fp32; scale2: softmax scale x log2(e);
-// cap: soft-cap x log2(e) (0: none).  K / V rows must be aligned to D / 32 elements (radix_cuda.attend_problem).
-DS_EXPORT int ds_radix_cluster_attend_launch(const long long* a, int c, int threads, int device, void* stream,
-                                             const long long* att, double scale2, double cap) {
-  using namespace ds_radix;
-  cudaError_t e = cudaSetDevice(device);
-  if (e != cudaSuccess) return (int)e;
-  KeysParams p;
-  SelectParams sp;
-  int lt;
-  bool vec;
-  if (!parse_cluster(a, c, threads, device, p, sp, lt, vec)) return (int)cudaErrorInvalidValue;
-  AttendParams ap;
-  ap.k = reinterpret_cast<const void*>(att[0]); ap.sk_b = att[1]; ap.sk_h = att[2]; ap.sk_t = att[3];
-  ap.v = reinterpret_cast<const void*>(att[4]); ap.sv_b = att[5]; ap.sv_h = att[6]; ap.sv_t = att[7];
-  const int kvt = (int)att[8];
-  ap.d = (int)att[9];
-  ap.index = reinterpret_cast<int*>(att[10]);
-  ap.po = reinterpret_cast<float*>(att[11]);
-  ap.pl = reinterpret_cast<float*>(att[12]);
-  ap.scale2 = (float)scale2;
-  ap.cap = (float)cap;
-  if ((kvt != F16 && kvt != BF16) || (ap.d != 64 && ap.d != 128 && ap.d != 256)
-      || p.qg > (ap.d == 256 ? ATT_QMAX / 256 : ATT_ROWS) || p.qg * ap.d > ATT_QMAX || cap < 0.0
-      || threads != CLUSTER_WIDE_THREADS || lt == F32)
-    return (int)cudaErrorInvalidValue;
-  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  const long long rows = a[26] * p.HQ;
-  switch (lt) {
-    case F16: return launch_cluster_attend_lt<F16>(p, sp, ap, vec, kvt, c, threads, device, s, rows);
-    case BF16: return launch_cluster_attend_lt<BF16>(p, sp, ap, vec, kvt, c, threads, device, s, rows);
-    case U8: return launch_cluster_attend_lt<U8>(p, sp, ap, vec, kvt, c, threads, device, s, rows);
   }
   return (int)cudaErrorInvalidValue;
 }

@@ -79,8 +79,7 @@ SELECT_STATIC_SMEM = 10 * 1024  # the select kernel's static shared memory, roun
 # where ceil(T / C) tokens fit SMEM_KEYS; None:
 # cluster_auto's rule; cluster_threads per CTA (256 / 512 / 1024); cluster_rows_in_flight (1 / 4: label rows a
 # thread loads before using them, as raw words: 4 fit a 1024-thread CTA's registers since session 30; with at most
-# 512 threads it was slower, session 30; 16, opt-in since session 49, only with 256 threads: every row of an fp16
-# label in flight, those of a thread's first tokens loaded before the query values; fp32 labels take 4)
+# 512 threads it was slower, session 30)
 # Session 30 (H200, docs/results.md): with the label rows held as raw words, 4 rows in flight became the default of
 # both kernels - the cluster select at 1024 threads (Llama ds16 B1/128k 150.9 -> 127.2 us, SmolLM2 ds16 B1/32k 33.7 ->
 # 29.1) and the keys CTAs (Llama ds8 B16/32k 451.3 -> 412.4 us; SmolLM2 ds8 B16/32k 126.0 -> 129.0, the one cell
@@ -91,17 +90,9 @@ SELECT_STATIC_SMEM = 10 * 1024  # the select kernel's static shared memory, roun
 # 1 - 7 % less time where a CTA holds 16384 or more keys (per-head cluster selects at C = 2 and at 128k, the two-kernel
 # selects at B16 / B64 over 32k) and 5 - 7 % more where it holds 4096 (shared selects at C = 8 over 32k: one tile
 # either way, with a quarter of the threads doing the work).
-# attend (None / 0 / 1 / 2 / 4 / 8): CTAs per selection row of the one-launch select + attention
-# (ds_cluster_attend_kernel, :func:`select_gather_cuda`: the cluster select, then each CTA attends over the tokens it
-# chose and the cluster merges them - no gather or split-merge launch), which
-# :func:`.triton_kernel.select_gather_partial` takes where :func:`attend_plan` gives one; 0: never; None:
-# :func:`attend_auto`.  Its CTAs have ATTEND_THREADS (256) threads and 16 label rows in flight, whatever
-# cluster_threads / cluster_rows_in_flight say; fp32 labels are not taken.
 RADIX_CUDA_CONFIG = dict(min_chunk=1024, max_chunk=8192, ctas_per_sm=2, max_keys=1 << 28, smem=None,
                          keys_threads=256, rows_in_flight=4, select_threads=None, cluster=None, cluster_threads=1024,
-                         cluster_rows_in_flight=4, emit_vectors=None, attend=None)
-ATTEND_THREADS = 256  # radix_cuda.cu CLUSTER_WIDE_THREADS
-ATTEND_ROWS = 4  # query rows per selection row (2 at head dim 256): radix_cuda.cu ATT_ROWS / ATT_QMAX
+                         cluster_rows_in_flight=4, emit_vectors=None)
 CLUSTER_STATIC_SMEM = 35 * 1024  # the cluster kernel's static shared memory, rounded up
 _LOCK = threading.Lock()
 _LIB: dict[str, ctypes.CDLL] = {}
@@ -122,16 +113,13 @@ def problem(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: 
     if cfg["keys_threads"] not in (128, 256) or cfg["rows_in_flight"] not in (1, 4) \
             or cfg["select_threads"] not in (None, 256, 512, 1024) or cfg["smem"] not in (None, True, False) \
             or cfg["cluster"] not in (None, 0, 1, 2, 4, 8) or cfg["cluster_threads"] not in (256, 512, 1024) \
-            or cfg["cluster_rows_in_flight"] not in (1, 4, 16) or cfg["emit_vectors"] not in (None, 1, 2, 4) \
-            or (cfg["cluster_rows_in_flight"] == 16 and cfg["cluster_threads"] != 256) \
-            or cfg["attend"] not in (None, 0, 1, 2, 4, 8):
+            or cfg["cluster_rows_in_flight"] not in (1, 4) or cfg["emit_vectors"] not in (None, 1, 2, 4):
         raise ValueError(f"DoubleSparse CUDA select config: keys_threads {cfg['keys_threads']} (128 or 256), "
                          f"rows_in_flight {cfg['rows_in_flight']} (1 or 4), select_threads {cfg['select_threads']} "
                          f"(None, 256, 512 or 1024), smem {cfg['smem']} (None, true or false), cluster "
                          f"{cfg['cluster']} (None, 0, 1, 2, 4 or 8), cluster_threads {cfg['cluster_threads']} (256, 512 or "
-                         f"1024), cluster_rows_in_flight {cfg['cluster_rows_in_flight']} (1, 4, or 16 with 256 threads), "
-                         f"emit_vectors "
-                         f"{cfg['emit_vectors']} (None, 1, 2 or 4), attend {cfg['attend']} (None, 0, 1, 2, 4 or 8)")
+                         f"1024), cluster_rows_in_flight {cfg['cluster_rows_in_flight']} (1 or 4), emit_vectors "
+                         f"{cfg['emit_vectors']} (None, 1, 2 or 4)")
     if not query.is_cuda or not torch.cuda.is_available():
         return "not a CUDA tensor"
     if _capability(query.device.index or 0)[0] < 8:
@@ -244,10 +232,6 @@ def build(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
         lib.ds_radix_cluster_launch.restype = ctypes.c_int
         lib.ds_radix_cluster_launch.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_int, ctypes.c_int,
                                                 ctypes.c_int, ctypes.c_void_p]
-        lib.ds_radix_cluster_attend_launch.restype = ctypes.c_int
-        lib.ds_radix_cluster_attend_launch.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_int, ctypes.c_int,
-                                                       ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_longlong),
-                                                       ctypes.c_double, ctypes.c_double]
         lib.ds_radix_phases.restype = ctypes.c_int
         lib.ds_radix_phases.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_longlong]
         if (lib.ds_radix_bins0(), lib.ds_radix_gmax(), lib.ds_radix_rmax(), lib.ds_radix_smem_keys(),
@@ -409,7 +393,7 @@ def select_topk_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor
     if cl is not None:
         threads = int(cfg["cluster_threads"])
         return _cluster_select(build(), query, labels, channels, valid, k, cl, threads,
-                               rows_in_flight_for(cfg, labels), group, full.stride(1),
+                               int(cfg["cluster_rows_in_flight"]), group, full.stride(1),
                                emit_vectors_for(cfg, cl[1], threads))
     lib = build()
     hkv, r = channels.shape
@@ -450,135 +434,23 @@ def _cluster_select(lib, query, labels: Labels, channels, valid, k: int, cl: tup
     ``group_stride`` apart, summed), ``n`` tokens each."""
     c, n = cl
     b, hq, _ = query.shape
+    hkv = channels.shape[0]
     dev = query.device
+    quant = labels.bits != 16
     channels = channels.to(device=dev).contiguous()
+    lab = labels.data
     out = torch.empty(b, hq, k, device=dev, dtype=torch.int64)
     va = valid.view(torch.uint8) if valid is not None else None
-    args = _cluster_args(query, labels, channels, va, k, n, rows_in_flight, group, group_stride, emit_vectors,
-                         out.data_ptr())
+    args = [*_input_args(query, labels, channels, va), 0, 0, labels.num_tokens, hq, hkv, hq // hkv, lab.shape[-1],
+            8 // labels.bits if quant else 1, labels.bits if quant else 16, n, 1, b, DTYPES[query.dtype], U8 if quant else DTYPES[lab.dtype],
+            int(va is not None), k, out.data_ptr(), 1, int(vector_loads(labels)), 0, 0, 0, rows_in_flight, 0, group,
+            group_stride, emit_vectors]
     arr = (ctypes.c_longlong * len(args))(*args)
     stream = torch.cuda.current_stream(dev).cuda_stream
     rc = lib.ds_radix_cluster_launch(arr, c, threads, dev.index or 0, ctypes.c_void_p(stream))
     if rc:
         raise RuntimeError(f"DoubleSparse CUDA cluster select launch failed: {lib.ds_radix_error_string(rc).decode()}")
     return out
-
-
-def rows_in_flight_for(cfg: dict, labels: Labels) -> int:
-    """``cluster_rows_in_flight`` of a cluster select over ``labels``: 16 becomes 4 for fp32 labels (16 raw fp32 rows
-    do not fit a thread's registers)."""
-    rows = int(cfg["cluster_rows_in_flight"])
-    return 4 if rows == 16 and labels.bits == 16 and labels.data.dtype == torch.float32 else rows
-
-
-def attend_auto(rows: int, tokens: int, sms: int) -> int:
-    """``attend: None``'s cluster size for ``rows`` selection rows (batch x query heads, or x kv heads group-shared)
-    over ``tokens`` label slots on ``sms`` SMs: 0 (the select and the gather as before) until the one-launch read is
-    timed against them."""
-    return 0
-
-
-def attend_problem(k: torch.Tensor, v: torch.Tensor, rows_per_select: int) -> str | None:
-    """Why the one-launch select + attention cannot read these ``k`` / ``v`` ``[B, Hkv, T, D]`` for selection rows of
-    ``rows_per_select`` query rows each (``None``: it can): fp16 / bf16 K and V of one dtype, one head dim of 64, 128
-    or 256, at most :data:`ATTEND_ROWS` query rows (2 at 256), and rows a lane's D / 32 values apart aligned to them
-    (one vector read each)."""
-    if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
-        return "k / v are not [B, Hkv, T, D] of one shape"
-    if k.dtype != v.dtype or k.dtype not in (torch.float16, torch.bfloat16):
-        return f"k / v dtypes {k.dtype} / {v.dtype} (fp16 or bf16, the same)"
-    d = k.shape[-1]
-    if v.shape[-1] != d or d not in (64, 128, 256):
-        return f"head dims {d} / {v.shape[-1]} (one of 64, 128, 256)"
-    if rows_per_select > (2 if d == 256 else ATTEND_ROWS):
-        return f"{rows_per_select} query rows per selection (at most {2 if d == 256 else ATTEND_ROWS} at head dim {d})"
-    epl = d // 32
-    for x in (k, v):
-        if x.stride(-1) != 1 or any(st % epl for st in x.stride()[:3]) or x.data_ptr() % (2 * epl):
-            return f"k / v rows not aligned to {epl} values"
-    return None
-
-
-def attend_plan(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None, kk: int,
-                k: torch.Tensor, v: torch.Tensor, group: int, cfg: dict | None = None) -> tuple[int, int, int] | None:
-    """``(C, tokens per CTA, threads)`` of the one-launch select + attention for selection rows ``query`` (``[B, rows,
-    D]``: one per query head, or the first of each ``group``), or None: ``attend`` 0 (or :func:`attend_auto` 0), no
-    sm_90, what :func:`problem` or :func:`attend_problem` refuses, or a CTA's keys or attention states beyond its
-    shared memory.  Nothing is compiled."""
-    cfg = dict(RADIX_CUDA_CONFIG, **(cfg or {}))
-    if not query.is_cuda or not torch.cuda.is_available():
-        return None
-    index = query.device.index or 0
-    c = cfg["attend"]
-    if c is None:
-        c = attend_auto(query.shape[0] * query.shape[1], labels.num_tokens, _sms(index))
-    if not c or _capability(index)[0] < 9 or attend_problem(k, v, group) is not None:
-        return None
-    if problem(query, labels, channels, valid, kk, cfg) is not None:
-        return None
-    cl = cluster_plan(labels.num_tokens, _capability(index), _smem_optin(index), dict(cfg, cluster=c))
-    if cl is None or k.shape[2] < labels.num_tokens:
-        return None
-    if labels.bits == 16 and labels.data.dtype == torch.float32:
-        return None  # (16 fp32 label rows in flight do not fit the registers)
-    threads = ATTEND_THREADS
-    states = (threads // 32 + 1) * group * (k.shape[-1] + 2) * 4
-    if states + CLUSTER_STATIC_SMEM > _smem_optin(index):
-        return None
-    return cl[0], cl[1], threads
-
-
-def _cluster_args(query, labels: Labels, channels, va, k: int, n: int, rows_in_flight: int, group: int,
-                  group_stride: int, emit_vectors: int, out_ptr: int) -> list[int]:
-    """``ds_radix_cluster_launch``'s ``a`` for selection rows ``query`` (``channels`` int64 on the device)."""
-    b, hq, _ = query.shape
-    hkv = channels.shape[0]
-    quant = labels.bits != 16
-    lab = labels.data
-    return [*_input_args(query, labels, channels, va), 0, 0, labels.num_tokens, hq, hkv, hq // hkv, lab.shape[-1],
-            8 // labels.bits if quant else 1, labels.bits if quant else 16, n, 1, b, DTYPES[query.dtype],
-            U8 if quant else DTYPES[lab.dtype], int(va is not None), k, out_ptr, 1, int(vector_loads(labels)), 0, 0, 0,
-            rows_in_flight, 0, group, group_stride, emit_vectors]
-
-
-def select_gather_cuda(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None,
-                       k: torch.Tensor, v: torch.Tensor, kk: int, scale: float, group: int, softcap: float | None,
-                       plan: tuple[int, int, int], config: dict | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`.reference.select_gather_partial` in one launch (``ds_cluster_attend_kernel``) under ``plan``
-    (:func:`attend_plan` of these arguments): ``query [B, Hq, D]`` (all query heads), ``group`` 1 or the query heads
-    per kv head; ``(out [B, Hkv, G, D], lse [B, Hkv, G], index [B, rows, kk] int32)``, the indices those of
-    :func:`select_topk_cuda` (token order)."""
-    from kvcompress.kernels.attention.triton_shared import LOG2E, cap_base2
-
-    from .triton_kernel import group_rows
-
-    cfg = dict(RADIX_CUDA_CONFIG, **(config or {}))
-    c, n, threads = plan
-    sel = group_rows(query, labels, channels, group, checked=True)
-    b, rows, _ = sel.shape
-    hq = query.shape[1]
-    hkv = k.shape[1]
-    d = k.shape[-1]
-    dev = query.device
-    channels = channels.to(device=dev).contiguous()
-    index = torch.empty(b, rows, kk, device=dev, dtype=torch.int32)
-    out = torch.empty(b, hq, d, device=dev, dtype=torch.float32)
-    lse = torch.empty(b, hq, device=dev, dtype=torch.float32)
-    va = valid.view(torch.uint8) if valid is not None else None
-    args = _cluster_args(sel, labels, channels, va, kk, n, 16, group,
-                         query.stride(1), emit_vectors_for(cfg, n, threads), 0)
-    att = [k.data_ptr(), k.stride(0), k.stride(1), k.stride(2), v.data_ptr(), v.stride(0), v.stride(1), v.stride(2),
-           DTYPES[k.dtype], d, index.data_ptr(), out.data_ptr(), lse.data_ptr()]
-    arr = (ctypes.c_longlong * len(args))(*args)
-    att_arr = (ctypes.c_longlong * len(att))(*att)
-    stream = torch.cuda.current_stream(dev).cuda_stream
-    rc = build().ds_radix_cluster_attend_launch(arr, c, threads, dev.index or 0, ctypes.c_void_p(stream), att_arr,
-                                                 float(scale) * LOG2E, cap_base2(softcap))
-    if rc:
-        raise RuntimeError(f"DoubleSparse CUDA select + attention launch failed: "
-                           f"{build().ds_radix_error_string(rc).decode()}")
-    return out.view(b, hkv, hq // hkv, d), lse.view(b, hkv, hq // hkv), index
 
 
 # ----------------------------------------------------------------------------- pure-PyTorch model of the kernels

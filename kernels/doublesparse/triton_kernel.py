@@ -1212,32 +1212,11 @@ def fuse_gather_for(kk: int, programs: int, device: torch.device, tokens: int, h
     return fuse_rule(kk, programs, num_sms(device.index or 0) if device.type == "cuda" else 4, tokens, head_dim)
 
 
-def cuda_attend_plan(query: torch.Tensor, labels: Labels, channels: torch.Tensor, valid: torch.Tensor | None,
-                     k: torch.Tensor, v: torch.Tensor, kk: int, group: int = 1,
-                     cfg: dict | None = None) -> tuple[int, int, int] | None:
-    """The plan of the CUDA one-launch select + attention (:func:`.radix_cuda.attend_plan`) for
-    :func:`select_gather_partial`'s arguments, or None: a select ``method`` other than ``"auto"`` / ``"cuda"``,
-    ``fuse_gather`` false, or what the plan refuses."""
-    cfg = cfg or _select_base()
-    if cfg["method"] not in ("auto", "cuda") or cfg["fuse_gather"] is False or not query.is_cuda:
-        return None
-    if query.dim() != 3 or k.dim() != 4 or k.shape[1] == 0 or query.shape[1] % k.shape[1] \
-            or group not in (1, query.shape[1] // k.shape[1]) or not supports_scores(query, labels, channels, group):
-        return None
-    from .radix_cuda import attend_plan
-
-    return attend_plan(group_rows(query, labels, channels, group, checked=True), labels, channels, valid, kk, k, v,
-                       group, cfg["cuda"])
-
-
 def fuses_gather(query: torch.Tensor, labels: Labels, channels: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kk: int, group: int = 1) -> bool:
     """Whether a model's DoubleSparse decode read (:func:`kvcompress.kernels.doublesparse.select_gather_attention`)
-    takes one launch: the CUDA select + attention (:func:`cuda_attend_plan`), or the one-kernel Triton select +
-    gather - :func:`fuse_gather_for` its selection rows (batch x query heads, or x kv heads with ``group`` > 1) and
-    :func:`supports_select_gather`."""
-    if cuda_attend_plan(query, labels, channels, None, k, v, kk, group) is not None:
-        return True
+    takes the one-kernel select + gather: :func:`fuse_gather_for` its selection rows (batch x query heads, or x kv
+    heads with ``group`` > 1) and :func:`supports_select_gather`."""
     rows = query.shape[0] * (query.shape[1] if group == 1 else k.shape[1])
     return fuse_gather_for(kk, rows, query.device, labels.num_tokens, k.shape[-1]) and supports_select_gather(
         query, labels, channels, k, v, kk, group, _select_base()["chunk_tokens"])
@@ -1252,9 +1231,7 @@ def select_gather_partial(query: torch.Tensor, labels: Labels, channels: torch.T
                           k: torch.Tensor, v: torch.Tensor, kk: int, scale: float, group: int = 1,
                           softcap: float | None = None, config: dict | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """See :func:`.reference.select_gather_partial`.  Where :func:`cuda_attend_plan` gives a plan: the CUDA cluster
-    select + attention (:func:`.radix_cuda.select_gather_cuda`, one launch).  Else one program per selection row
-    computes the row's label keys,
+    """See :func:`.reference.select_gather_partial`.  One program per selection row computes the row's label keys,
     its exact top-``kk`` (the fused select's code, the same indices as :func:`select_topk`) and the attention of its
     query rows over them (session 41; a model's read takes it where :func:`fuses_gather` says so;
     ``benchutil`` ops ``ds*-fused``).  Where :func:`supports_select_gather` says no: :func:`select_topk`, then
@@ -1267,11 +1244,6 @@ def select_gather_partial(query: torch.Tensor, labels: Labels, channels: torch.T
     if group not in (1, g):
         raise ValueError(f"select_gather_partial: group must be 1 (a selection per query head) or {g} (one per kv "
                          f"head), got {group}")
-    plan = cuda_attend_plan(query, labels, channels, valid, k, v, kk, group, cfg)
-    if plan is not None:  # (its index is int32 too)
-        from .radix_cuda import select_gather_cuda
-
-        return select_gather_cuda(query, labels, channels, valid, k, v, kk, scale, group, softcap, plan, cfg["cuda"])
     chunk = cfg["chunk_tokens"]
     if not supports_select_gather(query, labels, channels, k, v, kk, group, chunk):
         index = select_topk(query, labels, channels, valid, kk, config=config, group=group)
