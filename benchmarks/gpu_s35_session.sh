@@ -263,16 +263,13 @@ case "${PART:-stages}" in
       timeout 150 python "$SRC/benchmarks/gpu_prebuild_kivi.py" 2>&1 | tail -2 | tee -a "$OUT/tests.txt"
       timeout 150 python -m pytest -q -m gpu "$SRC/tests/test_kivi_cuda.py" -k "configs_and_splits" \
         -p no:cacheprovider --tb=short -rfE 2>&1 | tail -6 | tee -a "$OUT/tests.txt"
-      [ -n "${NW8_QUICK:-}" ] || KVCOMPRESS_KIVI_CUDA_CONFIG='{"nw": 8, "min_blocks": 2}' timeout 200 python -m pytest \
-        -q -m gpu "$SRC/tests/test_kivi_buffer_read.py" "$SRC/tests/test_kivi_lanes.py" \
-        "$SRC/tests/test_kivi_lanes_buffer.py" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -10 | tee -a "$OUT/tests.txt"
+      KVCOMPRESS_KIVI_CUDA_CONFIG='{"nw": 8, "min_blocks": 2}' timeout 200 python -m pytest -q -m gpu \
+        "$SRC/tests/test_kivi_buffer_read.py" "$SRC/tests/test_kivi_lanes.py" "$SRC/tests/test_kivi_lanes_buffer.py" \
+        -p no:cacheprovider --tb=short -rfE 2>&1 | tail -10 | tee -a "$OUT/tests.txt"
     )
-    # NW8_QUICK=1: no lanes / buffer tests and no min_tiles 2 row (a call with little device time left)
-    extra=('{"nw": 8, "min_blocks": 2, "min_tiles": 2}')
-    [ -z "${NW8_QUICK:-}" ] || extra=()
     ROUNDS=2 && sweep none KVCOMPRESS_KIVI_CUDA_CONFIG "${S35_OPS:-kivi2,kivi4}" \
       "${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:1:128k,llama3-8b:4:32k,llama3-8b:16:32k,smollm2-135m:1:32k,smollm2-135m:16:32k}" \
-      '{}' '{"nw": 8, "min_blocks": 2}' "${extra[@]}"
+      '{}' '{"nw": 8, "min_blocks": 2}' '{"nw": 8, "min_blocks": 2, "min_tiles": 2}'
     ;;
   grid-full)  # every op of the grid (no tests) into grid.json
     S34_GRID_PART=grid2 S34_GRID_OPS=kivi2,kivi4,leank50,leank70,leank70-kivi2,ds8,ds16,ds8-shared,ds16-shared,paged-dense,paged-kivi2,lowrank,none \
