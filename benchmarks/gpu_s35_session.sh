@@ -252,25 +252,6 @@ case "${PART:-stages}" in
       "$T/test_leank_kernel.py" "$T/test_pdl.py" > "$OUT/tests_full.txt" 2>&1
     tail -5 "$OUT/tests_full.txt"; grep -c PASSED "$OUT/tests_full.txt"; grep -E "FAILED|ERROR" "$OUT/tests_full.txt" | head -30
     ;;
-  kivi-nw8)  # session 50: the opt-in 8-warp KIVI build (nw 5-8, min_blocks 2: the same 128-register cap).  At B1 the
-    # default launch leaves about 2 warps per scheduler (H100 Nsight Compute, Llama KIVI-2 B1/32k: 256 CTAs of 4 warps,
-    # 0.44 issued per cycle per scheduler; more splits - min_tiles 2 - were 17 % slower).  First the GPU tests: the
-    # kernel's configuration cases (nw 6 / 8 among them) at the default, then the buffer and lanes files with nw 8 as
-    # the configuration; then two rounds at B1 / B4 / B16 against the default
-    cd "$HERE/.." || exit 1
-    (
-      source "$HERE/gpu_site.sh"  # install under /tmp/site, cd there
-      timeout 150 python "$SRC/benchmarks/gpu_prebuild_kivi.py" 2>&1 | tail -2 | tee -a "$OUT/tests.txt"
-      timeout 150 python -m pytest -q -m gpu "$SRC/tests/test_kivi_cuda.py" -k "configs_and_splits" \
-        -p no:cacheprovider --tb=short -rfE 2>&1 | tail -6 | tee -a "$OUT/tests.txt"
-      KVCOMPRESS_KIVI_CUDA_CONFIG='{"nw": 8, "min_blocks": 2}' timeout 200 python -m pytest -q -m gpu \
-        "$SRC/tests/test_kivi_buffer_read.py" "$SRC/tests/test_kivi_lanes.py" "$SRC/tests/test_kivi_lanes_buffer.py" \
-        -p no:cacheprovider --tb=short -rfE 2>&1 | tail -10 | tee -a "$OUT/tests.txt"
-    )
-    ROUNDS=2 && sweep none KVCOMPRESS_KIVI_CUDA_CONFIG "${S35_OPS:-kivi2,kivi4}" \
-      "${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:1:128k,llama3-8b:4:32k,llama3-8b:16:32k,smollm2-135m:1:32k,smollm2-135m:16:32k}" \
-      '{}' '{"nw": 8, "min_blocks": 2}' '{"nw": 8, "min_blocks": 2, "min_tiles": 2}'
-    ;;
   grid-full)  # every op of the grid (no tests) into grid.json
     S34_GRID_PART=grid2 S34_GRID_OPS=kivi2,kivi4,leank50,leank70,leank70-kivi2,ds8,ds16,ds8-shared,ds16-shared,paged-dense,paged-kivi2,lowrank,none \
       G_TIMEOUT=${G_TIMEOUT:-300} G_SECONDS=${G_SECONDS:-280} PART=grid bash "$HERE/gpu_s34_session.sh" "$OUT"

@@ -232,73 +232,6 @@ def test_kfold_source_compiles_for_sm90a_without_spills(bits, dk, dv, min_blocks
     assert regs and max(regs) <= (255 if min_blocks == 1 else 65536 // (128 * min_blocks))
 
 
-# The 8-warp build (session 50, opt-in: nw 5-8 in KVCOMPRESS_KIVI_CUDA_CONFIG): -DKIVI_MAX_NW=8 with min_blocks 2 keeps
-# the default build's 128-register cap (65536 / (256 x 2)).  Built directly (one cubin per case, seconds each).
-@pytest.mark.parametrize("bits,dk,dv", [(2, 128, 128), (4, 64, 128)])
-def test_eight_warp_build_compiles_for_sm90a_without_spills(bits, dk, dv, tmp_path):
-    if not ck.nvcc_path():
-        pytest.skip("nvcc not on the PATH")
-    out = tmp_path / "k8.cubin"
-    cmd = [ck.nvcc_path(), "-O3", "--use_fast_math", "-std=c++17", "-cubin", "-gencode=arch=compute_90a,code=sm_90a",
-           "-Xptxas", "-v", f"-DKIVI_BITS={bits}", f"-DKIVI_DK={dk}", f"-DKIVI_DV={dv}", "-DKIVI_MIN_BLOCKS=2",
-           "-DKIVI_MAX_NW=8", "-o", str(out), str(ck.SOURCE)]
-    res = _run_spawn_retry(cmd)
-    assert res.returncode == 0, res.stderr[-3000:]
-    report = res.stderr
-    entries = re.findall(r"Compiling entry function '(\w+)' for 'sm_90a'", report)
-    assert len([e for e in entries if "kivi_v3_kernel" in e]) == 6, entries  # 2-4 stages, with and without the buffer
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert len(spills) == len(entries) and all(s == ("0", "0") for s in spills), report
-    regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
-    assert regs and max(regs) <= 65536 // (256 * 2)
-
-
-def test_eight_warp_build_options():
-    """nw > 4 builds the 8-warp library (its own cache key, file name and define); the register-cap rule that leaves
-    the buffer CTAs out counts the build's warps; the planner takes 1-8 warps."""
-    assert ck.build_warps({}) == ck.build_warps({"nw": 4}) == 4 and ck.build_warps({"nw": 5}) == ck.build_warps({"nw": 8}) == 8
-    assert not ck.register_capped(dict(ck.DEFAULT_CONFIG))
-    assert not ck.register_capped({"nw": 8, "min_blocks": 2}) and ck.register_capped({"nw": 8, "min_blocks": 4})
-    assert ck.register_capped({"min_blocks": 5}) and not ck.register_capped({"min_blocks": 4})
-    for nw in range(1, 9):
-        pnw, pst, smem, _ = ck.plan_launch(2, 128, 128, nw, 2, ck.SMEM_OPTIN_MAX)
-        assert (pnw, pst) == (nw, 2) and smem == ck.launch_smem(2, 128, 128, nw, 2) <= ck.SMEM_OPTIN_MAX
-    with pytest.raises(ValueError, match="nw 9"):
-        ck.plan_launch(2, 128, 128, 9, 2, ck.SMEM_OPTIN_MAX)
-    with pytest.raises(ValueError, match="max_nw"):
-        ck.build(2, 128, 128, 2, max_nw=6)
-    seen = {}
-
-    def fake_compile(path, command, failure):  # records what build() would compile, compiles nothing
-        seen["path"], seen["cmd"] = path, command(str(path))
-        raise RuntimeError("not compiled")
-
-    mp = pytest.MonkeyPatch()
-    try:
-        mp.setattr(ck, "compile_cached", fake_compile)
-        mp.setattr(ck, "_LIBS", {})
-        with pytest.raises(RuntimeError, match="not compiled"):
-            ck.build_for(2, 128, 128, {"nw": 8, "min_blocks": 2})
-        assert "-DKIVI_MAX_NW=8" in seen["cmd"] and "-DKIVI_MIN_BLOCKS=2" in seen["cmd"]
-        assert "_w8_" in seen["path"].name
-        with pytest.raises(RuntimeError, match="not compiled"):
-            ck.build_for(2, 128, 128, {"nw": 4, "min_blocks": 4})
-        assert not any(a.startswith("-DKIVI_MAX_NW") for a in seen["cmd"]) and "_w8_" not in seen["path"].name
-    finally:
-        mp.undo()
-
-
-@pytest.mark.parametrize("name,nw,splits", [("b2-d128-gqa4-pad-dead-row", 8, 1), ("b4-d64-gqa3-g64", 6, 2),
-                                            ("b2-dk128-dv64-rows12", 8, 3)])
-def test_emulated_kernel_with_more_warps_matches_reference(name, nw, splits):
-    """The kernel's dataflow with 6 or 8 warps per CTA (tiles interleaved over more warps, a wider warp merge)."""
-    q, packed = make_case(name, emulated=True)
-    scale = q.shape[-1] ** -0.5
-    out, lse = ck.emulate(q, packed, scale, nw=nw, splits=splits)
-    ref_out, ref_lse = kivi_attention_partial(q, packed, scale)
-    check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
-
-
 def test_build_flags_name_both_targets():
     cmd = ck.nvcc_command(2, 128, 128, "x.so")
     assert "-gencode=arch=compute_90a,code=sm_90a" in cmd and "-gencode=arch=compute_80,code=sm_80" in cmd
@@ -679,7 +612,7 @@ def test_launch_plan_fits_the_device_and_opts_in_above_48k(bits, dk, dv):
     with pytest.raises(ValueError, match="shared memory"):
         ck.plan_launch(bits, dk, dv, 4, 3, 1024)
     with pytest.raises(ValueError):
-        ck.plan_launch(bits, dk, dv, 9, 3, ck.SMEM_OPTIN_MAX)  # the builds' __launch_bounds__: 4 or 8 warps
+        ck.plan_launch(bits, dk, dv, 5, 3, ck.SMEM_OPTIN_MAX)  # the kernel's __launch_bounds__ is 4 warps
 
 
 def test_failed_launches_of_the_first_run_need_the_opt_in():
@@ -808,9 +741,7 @@ def test_kernel_matches_reference_on_gpu(name):
                                         ({"nw": 4, "stages": 3}, 7), ({"nw": 4, "stages": 2}, None),
                                         ({"nw": 4, "stages": 4}, 2), ({"min_blocks": 5, "warps_per_sm": 20}, None),
                                         ({"min_blocks": 1}, None), ({"waves": 2.0, "min_tiles": 4}, None),
-                                        ({"interleave": 0}, None), ({"interleave": 0, "nw": 2, "stages": 3}, 5),
-                                        ({"nw": 8, "min_blocks": 2}, None), ({"nw": 8, "min_blocks": 2, "stages": 3}, 3),
-                                        ({"nw": 6, "min_blocks": 2, "interleave": 0}, 5)])
+                                        ({"interleave": 0}, None), ({"interleave": 0, "nw": 2, "stages": 3}, 5)])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or ck.nvcc_path() is None, reason="needs CUDA and nvcc")
 def test_configs_and_splits_on_gpu(cfg, splits):

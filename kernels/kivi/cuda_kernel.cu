@@ -31,16 +31,10 @@ namespace kivi_v3 {
 
 constexpr int TILE = 32;       // tokens per warp iteration (4 n8 score tiles, 2 k16 steps of P.V)
 constexpr int KROW = TILE * 4 + 16;  // bytes of one key word row of a tile in shared memory (padded: no conflicts)
-#ifndef KIVI_MAX_NW
-#define KIVI_MAX_NW 4  // warps per CTA the kernels are built for (__launch_bounds__(32 * KIVI_MAX_NW, ...)): 4 or 8
-#endif
-static_assert(KIVI_MAX_NW == 4 || KIVI_MAX_NW == 8, "KIVI_MAX_NW: 4 or 8");
-constexpr int MAX_NW = KIVI_MAX_NW;
+constexpr int MAX_NW = 4;
 #ifndef KIVI_MIN_BLOCKS
-#define KIVI_MIN_BLOCKS 1  // >1 caps registers (65536 / (32 * KIVI_MAX_NW * N)); a build option, swept by the benchmark
+#define KIVI_MIN_BLOCKS 1  // >1 caps registers (65536 / (128 * N)); a build option, swept by the benchmark
 #endif
-// the register cap leaves the full-precision buffer path >= 128 registers (it would spill below)
-#define KIVI_BUFFER_CAP_OK (KIVI_MAX_NW * KIVI_MIN_BLOCKS <= 16)
 #ifndef KIVI_VFOLD
 #define KIVI_VFOLD 0  // 1: value fields as code * s in one HFMA2 (x * s - E * s), the zero point through 1 MMA per k-step
 #endif
@@ -1156,7 +1150,7 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
   const int b = bh / p.H, h = bh - b * p.H;
   // (the launcher refuses a buffer for other widths, and under the register cap of min_blocks > 4, where the buffer
   // path would spill)
-  if constexpr (BUF && DK % 64 == 0 && DV % 32 == 0 && KIVI_BUFFER_CAP_OK) {
+  if constexpr (BUF && DK % 64 == 0 && DV % 32 == 0 && KIVI_MIN_BLOCKS <= 4) {
     if ((int)blockIdx.x >= p.nsplit) {
       attend_buffer<DK, DV>(p, b, h, bh, blockIdx.x - p.nsplit);
       return;
@@ -1224,7 +1218,7 @@ __device__ __forceinline__ void attend_lane(const LanesParams& lp, const LanePar
 // With BUF (a separate instantiation: the lanes kernel without a buffer keeps its code and registers) the last
 // bsplit CTAs of a row read the full-precision buffer (Params::bk, all KIVI_QDIM channels of every region head), as
 // kivi_v3_kernel<..., true> does, and write their partials as splits nsplit.. for the same combine.
-constexpr bool lanes_buffer_ok = KIVI_QDIM > 0 && KIVI_QDIM % 64 == 0 && KIVI_DV % 32 == 0 && KIVI_BUFFER_CAP_OK;
+constexpr bool lanes_buffer_ok = KIVI_QDIM > 0 && KIVI_QDIM % 64 == 0 && KIVI_DV % 32 == 0 && KIVI_MIN_BLOCKS <= 4;
 
 template <int ST, bool BUF>
 __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_lanes_kernel(
@@ -1496,7 +1490,7 @@ KIVI_EXPORT int kivi_v3_launch(const long long* a, double qk_scale, double softc
   dim3 grid(p.nsplit + p.bsplit, p.BH, row_blocks);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   if (p.bsplit > 0) {
-    if constexpr (KIVI_DK % 64 != 0 || KIVI_DV % 32 != 0 || !KIVI_BUFFER_CAP_OK) return (int)cudaErrorInvalidValue;
+    if constexpr (KIVI_DK % 64 != 0 || KIVI_DV % 32 != 0 || KIVI_MIN_BLOCKS > 4) return (int)cudaErrorInvalidValue;
     if (stages == 2) return launch_variant(kivi_v3_kernel<KIVI_BITS, KIVI_DK, KIVI_DV, 2, true>, p, 2, 2, nw, grid,
                                            smem, device, s);
     if (stages == 3) return launch_variant(kivi_v3_kernel<KIVI_BITS, KIVI_DK, KIVI_DV, 3, true>, p, 2, 3, nw, grid,
@@ -1553,7 +1547,7 @@ KIVI_EXPORT int kivi_v3_lanes_launch(const long long* a, double qk_scale, double
   dim3 grid(p.nsplit + p.bsplit, p.BH, row_blocks);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   if (p.bsplit > 0) {  // buffer CTAs: a build with KIVI_QDIM (the buffer's key dim) only (lanes_buffer_ok)
-#if KIVI_QDIM > 0 && KIVI_QDIM % 64 == 0 && KIVI_DV % 32 == 0 && KIVI_BUFFER_CAP_OK
+#if KIVI_QDIM > 0 && KIVI_QDIM % 64 == 0 && KIVI_DV % 32 == 0 && KIVI_MIN_BLOCKS <= 4
     if (stages == 2) return launch_variant(kivi_v3_lanes_kernel<2, true>, lp, 3, 2, nw, grid, smem, device, s);
     if (stages == 3) return launch_variant(kivi_v3_lanes_kernel<3, true>, lp, 3, 3, nw, grid, smem, device, s);
     return launch_variant(kivi_v3_lanes_kernel<4, true>, lp, 3, 4, nw, grid, smem, device, s);

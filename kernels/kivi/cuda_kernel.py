@@ -156,10 +156,6 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # nw warps per CTA, cp.async stages per warp, waves of warps_per_sm resident warps for the split count, at least
 # min_tiles 32-token tiles per warp ("auto": :func:`auto_min_tiles`), register cap __launch_bounds__(128, min_blocks)
 # (4: <= 128 registers, no spills for every (bits, Dk, Dv) with nvcc 13.0; 1: uncapped, about 150 at Dk = Dv = 128).
-# nw 5-8 (session 50, opt-in, untimed when written) use a separate 8-warp build, __launch_bounds__(256, min_blocks):
-# give min_blocks 2 for the default's 128-register cap - at batch 1 the default launch leaves about 2 warps per
-# scheduler (H100 Nsight Compute, Llama KIVI-2 B1/32k: 256 CTAs of 4 warps, 0.44 instructions issued per cycle per
-# scheduler), and 8 warps per CTA double that without more splits to merge.
 # waves = 1 and min_tiles "auto" come from the first H200 sweep (docs/results.md, "KIVI decode kernel"): fewer,
 # longer splits won everywhere the old default (waves 2, min_tiles 4) had many CTAs - Llama-3-8B KIVI-2 B=16 32k
 # 166.8 us with waves 1 against 169.9, B=64 4k 89.3 against 100.2, SmolLM2 B=16 32k 45.9 against 48.7, B=1 32k
@@ -422,8 +418,7 @@ def nvcc_command(bits: int, dk: int, dv: int, out: str, extra: tuple[str, ...] =
 
 
 def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfold: int = 0,
-          probe: int = 0, softcap: bool = False, lane_dks: tuple[int, ...] = (), qdim: int = 0,
-          max_nw: int = 4) -> ctypes.CDLL:
+          probe: int = 0, softcap: bool = False, lane_dks: tuple[int, ...] = (), qdim: int = 0) -> ctypes.CDLL:
     """Compile (or load from the cache) the library for ``(bits, dk, dv)`` and bind its launchers.
 
     ``min_blocks`` > 1 caps the registers (``__launch_bounds__(128, min_blocks)``) - a tuning knob.  ``kfold`` 1 / 2
@@ -436,12 +431,9 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
     the lanes kernel (``kivi_v3_lanes_launch``, :mod:`.lanes_cuda`) for lanes of these kept-channel counts (distinct
     multiples of 16, at most 8; ``dk`` must be the largest, it sizes the shared memory).  ``qdim``: with ``lane_dks``,
     the query's head dim, a multiple of 64 - the lanes launch can then also read a full-precision buffer of that key
-    width (``-DKIVI_QDIM``: :func:`.lanes_cuda.kivi_lanes_attention_partial` with ``buffer``); 0: it cannot.
-    ``max_nw``: warps per CTA the kernels are built for (``-DKIVI_MAX_NW``, ``__launch_bounds__(32 * max_nw,
-    min_blocks)``): 4 (launches of 1-4 warps), or 8 (1-8; ``min_blocks`` 2 gives the 4-warp build's cap of 4)."""
-    if kfold not in (0, 1, 2) or vfold not in (0, 1) or probe not in (0, 1, 2, 3) or max_nw not in (4, 8):
-        raise ValueError(f"kfold {kfold} (0, 1 or 2), vfold {vfold} (0 or 1), probe {probe} (0..3), "
-                         f"max_nw {max_nw} (4 or 8)")
+    width (``-DKIVI_QDIM``: :func:`.lanes_cuda.kivi_lanes_attention_partial` with ``buffer``); 0: it cannot."""
+    if kfold not in (0, 1, 2) or vfold not in (0, 1) or probe not in (0, 1, 2, 3):
+        raise ValueError(f"kfold {kfold} (0, 1 or 2), vfold {vfold} (0 or 1), probe {probe} (0..3)")
     lane_dks = tuple(sorted(set(int(d) for d in lane_dks)))
     if lane_dks and (len(lane_dks) > 8 or any(d not in LANE_DIMS for d in lane_dks) or dk != lane_dks[-1]
                      or kfold or vfold or probe):
@@ -457,18 +449,15 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
         key = (*key, "lanes", *lane_dks)
     if qdim:
         key = (*key, "qdim", qdim)
-    if max_nw != 4:
-        key = (*key, "nw", max_nw)
     with _LOCK:
         if key in _LIBS:
             return _LIBS[key]
     src = SOURCE.read_bytes()
     tag = hashlib.sha256(src + repr((NVCC_FLAGS, key)).encode()).hexdigest()[:16]
     lanes_tag = ("_l" + "-".join(map(str, lane_dks)) if lane_dks else "") + (f"_q{qdim}" if qdim else "")
-    path = cache_dir() / f"libkivi_v3_b{bits}_k{dk}_v{dv}_r{min_blocks}{f'_kf{kfold}' if kfold else ''}{'_vf' if vfold else ''}{f'_p{probe}' if probe else ''}{'_sc' if softcap else ''}{lanes_tag}{f'_w{max_nw}' if max_nw != 4 else ''}_{tag}.so"
+    path = cache_dir() / f"libkivi_v3_b{bits}_k{dk}_v{dv}_r{min_blocks}{f'_kf{kfold}' if kfold else ''}{'_vf' if vfold else ''}{f'_p{probe}' if probe else ''}{'_sc' if softcap else ''}{lanes_tag}_{tag}.so"
     t0 = time.time()
     defines = (f"-DKIVI_MIN_BLOCKS={min_blocks}", f"-DKIVI_KFOLD={kfold}", f"-DKIVI_VFOLD={vfold}",
-               *((f"-DKIVI_MAX_NW={max_nw}",) if max_nw != 4 else ()),
                f"-DKIVI_PROBE={probe}", f"-DKIVI_SOFTCAP={int(bool(softcap))}",
                *(("-DKIVI_LANES=1",) if lane_dks else ()), *((f"-DKIVI_QDIM={qdim}",) if qdim else ()),
                *(f"-DKIVI_LANE_DK{i}={d}" for i, d in enumerate(lane_dks)))
@@ -512,10 +501,9 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
 
 def build_for(bits: int, dk: int, dv: int, cfg: dict, softcap: bool = False) -> ctypes.CDLL:
     """:func:`build` with the build options of a launch configuration (``min_blocks``, ``kfold``, ``vfold``,
-    ``probe``, the 8-warp build for ``nw`` > 4; the launch-only entries are ignored) and of the model's attention
-    (``softcap``)."""
+    ``probe``; the launch-only entries are ignored) and of the model's attention (``softcap``)."""
     return build(bits, dk, dv, int(cfg.get("min_blocks", 1)), int(cfg.get("kfold", 0)), int(cfg.get("vfold", 0)),
-                 int(cfg.get("probe", 0)), softcap, max_nw=build_warps(cfg))
+                 int(cfg.get("probe", 0)), softcap)
 
 
 # ----------------------------------------------------------------------------- launch
@@ -570,8 +558,8 @@ def plan_launch(bits: int, dk: int, dv: int, nw: int, stages: int, limit: int) -
     """``(nw, stages, smem bytes, needs the opt-in attribute)`` of a launch that fits the device's opt-in
     shared-memory limit ``limit``: the requested config when it fits, else fewer stages (down to 2), then fewer
     warps.  The launcher raises the kernel's limit (``cudaFuncSetAttribute``) exactly when smem > 48 KB."""
-    if not (1 <= nw <= 8 and 2 <= stages <= 4):
-        raise ValueError(f"KIVI CUDA kernel: nw {nw} (1..8; 5..8 use the 8-warp build), stages {stages} (2..4)")
+    if not (1 <= nw <= 4 and 2 <= stages <= 4):
+        raise ValueError(f"KIVI CUDA kernel: nw {nw} (1..4), stages {stages} (2..4)")
     while launch_smem(bits, dk, dv, nw, stages) > limit:
         if stages > 2:
             stages -= 1
@@ -662,8 +650,7 @@ def buffer_tensors_problem(query: torch.Tensor, bits: int, region_slots: int, k:
     if region_slots == 0:
         return "an empty packed region"
     if _buffer_capped(bits):
-        return ("the builds with a register cap below 128 (min_blocks > 4, or > 2 with nw > 4) read no buffer (the "
-                "buffer path would spill under their cap)")
+        return "the min_blocks > 4 builds read no buffer (the buffer path would spill under their register cap)"
     b, h = query.shape[:2]
     if k.dim() != 4 or v.dim() != 4 or tuple(k.shape[:2]) != (b, h) or tuple(v.shape[:3]) != tuple(k.shape[:3]):
         return f"buffer keys {tuple(k.shape)} / values {tuple(v.shape)} for query {tuple(query.shape)}"
@@ -691,19 +678,7 @@ def _buffer_capped(bits: int) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _capped_from_config(bits: int) -> bool:
-    return register_capped(config(bits))
-
-
-def build_warps(cfg: dict) -> int:
-    """Warps per CTA the library of launch configuration ``cfg`` is built for (``-DKIVI_MAX_NW``): 4, or 8 when
-    ``cfg["nw"]`` asks for more than 4."""
-    return 8 if int(cfg.get("nw", DEFAULT_CONFIG["nw"])) > 4 else 4
-
-
-def register_capped(cfg: dict) -> bool:
-    """Whether ``cfg``'s build caps registers below 128 (``__launch_bounds__(32 * warps, min_blocks)`` with
-    ``warps * min_blocks`` > 16), where the full-precision buffer path would spill, so its builds read no buffer."""
-    return build_warps(cfg) * int(cfg.get("min_blocks", 1)) > 16
+    return int(config(bits).get("min_blocks", 1)) > 4
 
 
 def supports_buffer(query: torch.Tensor, packed: PackedKV, k: torch.Tensor, v: torch.Tensor,
@@ -733,7 +708,7 @@ def read_buffer_settings(bits: int) -> tuple[int, int, int, int]:
             raise ValueError(f"KVCOMPRESS_KIVI_CUDA_CONFIG: {n} must be an integer >= 0, got {v!r}")
     buffer_launch(1, 1, 1, c.get("buffer_ctas", "auto"))  # checks buffer_ctas ("auto" or >= 1) here, not per read
     _BUFFER_SETTINGS[bits] = values
-    _CAPPED[bits] = register_capped(c)
+    _CAPPED[bits] = int(c.get("min_blocks", 1)) > 4
     return values
 
 

@@ -137,7 +137,7 @@ def _plan(region: PackedLanes, query: torch.Tensor, covered: int, index: int, so
     b, h, m, _ = query.shape
     nt = region.num_tokens
     lib = ck.build(region.bits, dks[-1], dv, int(c.get("min_blocks", 1)), softcap=bool(softcap), lane_dks=dks,
-                   qdim=_qdim(query.shape[-1]), max_nw=ck.build_warps(c))
+                   qdim=_qdim(query.shape[-1]))
     nw, stages, cta_smem, _ = ck.plan_launch(region.bits, dks[-1], dv, int(c["nw"]), int(c["stages"]),
                                              ck._smem_limit(index))
     if cta_smem != lib.kivi_v3_launch_smem(nw, stages):
