@@ -140,6 +140,9 @@
 # (its tree is 73b2c55; docs/results.md "Session 49").  So were, after an A/B each, an L2 prefetch of the cluster
 # select's label rows (8e89e9b: 17 of 24 reads slower) and a 256-thread cluster select with 16 label rows in flight
 # and the select + attention on top of it (a4919f1: cluster reads 7-10 % slower, the select + attention 15-190 %).
+# Session 50 (H100) ran grid-full (24 of 311 again, same kernels) with profile4k, and kivi-nw8: an opt-in 8-warp KIVI
+# build for the batch-1 reads (its GPU configuration tests passed; Llama KIVI-2 B1/4k and B1/32k 15 % slower, B1/128k
+# 4.5 % faster), removed with its part (its tree is 8190503; docs/results.md "Session 50").
 # Left: grid-full on an H200.
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
