@@ -51,3 +51,39 @@ def test_static_rows_read_the_layer_the_grid_builds():
     assert layer.middle is not None  # the low-rank middle beside the full-precision buffer
     out = read.call()
     assert out.shape == (1, 1, 9, 64) and torch.isfinite(out).all()
+
+
+def _tails_oracle(spans, step=0.25):
+    """Brute force on a time grid: each instant covered by a span belongs to the span that started first (ties: the
+    one listed first after sorting by start, then end), i.e. to the kernel already running."""
+    order = sorted(spans, key=lambda x: (x[1], x[2]))
+    lo, hi = min(s for _, s, _ in spans), max(e for _, _, e in spans)
+    out = {}
+    t = lo + step / 2
+    while t < hi:
+        for name, s, e in order:
+            if s <= t < e:
+                out[name] = out.get(name, 0.0) + step
+                break
+        t += step
+    return out
+
+
+@pytest.mark.parametrize("spans", [
+    [("split", 0.0, 10.0), ("combine", 2.0, 12.0)],  # a PDL combine: launched early, waits, runs 2 past the split
+    [("a", 0.0, 4.0), ("b", 5.0, 7.0), ("c", 6.0, 6.5), ("b", 8.0, 9.0), ("a", 8.5, 12.0)],  # gaps, nesting, repeats
+    [("x", 3.0, 5.0), ("y", 0.0, 1.0), ("z", 0.5, 3.5)],  # unsorted input
+])
+def test_kernel_tails_count_each_instant_once_for_the_kernel_already_running(spans):
+    tails = gpu_read_profile.kernel_tails(spans)
+    want = _tails_oracle(spans)
+    assert set(tails) == {n for n, _, _ in spans}
+    for name in tails:
+        assert tails[name] == pytest.approx(want.get(name, 0.0), abs=1e-9)
+    union = sum(want.values())
+    assert sum(tails.values()) == pytest.approx(union)
+
+
+def test_a_pdl_wait_is_not_a_kernels_tail():
+    tails = gpu_read_profile.kernel_tails([("split", 0.0, 10.0), ("combine", 1.0, 11.5)])
+    assert tails == {"split": 10.0, "combine": 1.5}  # the combine's duration is 10.5, its own cost past the split 1.5
