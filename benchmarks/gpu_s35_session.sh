@@ -143,6 +143,7 @@
 # Session 50 (H100) ran grid-full (24 of 311 again, same kernels) with profile4k, and kivi-nw8: an opt-in 8-warp KIVI
 # build for the batch-1 reads (its GPU configuration tests passed; Llama KIVI-2 B1/4k and B1/32k 15 % slower, B1/128k
 # 4.5 % faster), removed with its part (its tree is 8190503; docs/results.md "Session 50").
+# Prepared in session 50, not yet run: kivi-phases (the batch-1 KIVI reads' phase clocks).
 # Left: grid-full on an H200.
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
@@ -254,6 +255,16 @@ case "${PART:-stages}" in
       -n "${S37_XDIST:-12}" "$T/test_kivi_buffer_read.py" "$T/test_kivi_lanes.py" "$T/test_kivi_lanes_buffer.py" \
       "$T/test_leank_kernel.py" "$T/test_pdl.py" > "$OUT/tests_full.txt" 2>&1
     tail -5 "$OUT/tests_full.txt"; grep -c PASSED "$OUT/tests_full.txt"; grep -E "FAILED|ERROR" "$OUT/tests_full.txt" | head -30
+    ;;
+  kivi-phases)  # session 50: where the batch-1 KIVI reads' warps spend their time (benchmarks/gpu_kivi_phases.py: the
+    # -DKIVI_PHASES=1 build, clock64() per warp at each phase boundary, results checked equal to the plain build's), at
+    # the default launch and with more splits (min_tiles 2: 17 % slower at Llama KIVI-2 B1/32k in session 50)
+    cd "$HERE/.." || exit 1
+    source "$HERE/gpu_site.sh"  # install under /tmp/site, cd there
+    timeout "${KP_TIMEOUT:-200}" python "$SRC/benchmarks/gpu_kivi_phases.py" --out "$OUT/default" \
+      ${KP_SHAPES:+--shapes "$KP_SHAPES"} 2>&1 | grep -v Warning | tail -30 | tee -a "$OUT/phases.txt"
+    timeout "${KP_TIMEOUT:-200}" python "$SRC/benchmarks/gpu_kivi_phases.py" --out "$OUT/mt2" --config '{"min_tiles": 2}' \
+      --shapes "${KP_SHAPES:-llama3-8b:1:32k:2,llama3-8b:1:4k:2}" 2>&1 | grep -v Warning | tail -12 | tee -a "$OUT/phases.txt"
     ;;
   grid-full)  # every op of the grid (no tests) into grid.json
     S34_GRID_PART=grid2 S34_GRID_OPS=kivi2,kivi4,leank50,leank70,leank70-kivi2,ds8,ds16,ds8-shared,ds16-shared,paged-dense,paged-kivi2,lowrank,none \

@@ -42,6 +42,9 @@ constexpr int MAX_NW = 4;
 #define KIVI_PROBE 0  // timing probes (benchmarks/gpu_kivi_profile.py), wrong results: 1 copies only, 2 no P.V,
                       // 3 dequantization as the LOP3 alone
 #endif
+#ifndef KIVI_PHASES
+#define KIVI_PHASES 0  // 1: per-warp phase clocks (benchmarks/gpu_kivi_phases.py); results unchanged, a separate build
+#endif
 #ifndef KIVI_SOFTCAP
 #define KIVI_SOFTCAP 0  // 1: scores are soft-capped (Params::softcap, log2 units) before masking; a separate build,
                         // so the default kernel's code is unchanged
@@ -566,6 +569,35 @@ __device__ __forceinline__ void write_partial(const Params& p, const float* om, 
   }
 }
 
+// Phase clocks, only in a build with -DKIVI_PHASES=1 (benchmarks/gpu_kivi_phases.py; the default build has none of
+// this).  Lane 0 of each warp of a region CTA writes, per warp (((z * gridDim.y + y) * gridDim.x + x) * nw + warp):
+// slot 0 the global timer at entry, 1 its SM, 2 its tile count, then clock64() at 3 entry, 4 query fragments built,
+// 5 the prologue's copies issued, 6 the first tile's copies landed (0 for a warp without tiles), 7 the last tile
+// done, 8 the warps merged, 9 the partial written, and slot 10 the global timer at the end.
+#if KIVI_PHASES
+constexpr int PH_SLOTS = 16;
+constexpr long long PH_WARPS = 32768;
+__device__ long long kivi_phase_buf[PH_WARPS * PH_SLOTS];
+__device__ __forceinline__ void phase_put(int slot, long long v) {
+  const long long i = (((long long)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * (blockDim.x >> 5) +
+                      (threadIdx.x >> 5);
+  if ((threadIdx.x & 31) == 0 && i < PH_WARPS) kivi_phase_buf[i * PH_SLOTS + slot] = v;
+}
+__device__ __forceinline__ long long phase_timer() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ long long phase_smid() {
+  unsigned sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  return (long long)sm;
+}
+#define KIVI_PHASE(slot) phase_put((slot), clock64())
+#else
+#define KIVI_PHASE(slot)
+#endif
+
 template <int BITS, int DK, int DV, int ST, bool GATHER>
 __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const int (&strides)[4], const __half* qh,
                                        const long long* ch, int bh) {
@@ -577,6 +609,12 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int split = blockIdx.x, rb = blockIdx.z;
+#if KIVI_PHASES
+  phase_put(0, phase_timer());
+  phase_put(1, phase_smid());
+  phase_put(6, 0);
+  KIVI_PHASE(3);
+#endif
 
   // ---- Q^T B fragments (column g = query row rb*8 + g), pre-scaled by softmax scale * log2(e).  Lane (g, t)
   // owns the channel pairs L::key_pair(t, l) (with DK a multiple of 64 at 2 bits / 32 at 4 bits: channels
@@ -611,6 +649,7 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
     }
   }
 
+  KIVI_PHASE(4);
   // O^T accumulators: acc[ct][0/1] = (channel row g of m-tile ct, query rows 2t / 2t+1), [2/3] channel row g+8
   float acc[NCT][4];
 #pragma unroll
@@ -652,6 +691,10 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
     tok_next += tstride;
     cp_commit();
   }
+#if KIVI_PHASES
+  phase_put(2, nmine);
+  KIVI_PHASE(5);
+#endif
 
   // value constants of this lane column: value group, half selector when a token has 4 value words
   const int vgrp = L::v_group(g, p.gv);
@@ -678,6 +721,9 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
     cp_commit();
     cp_wait<ST - 1>();
     __syncwarp();
+#if KIVI_PHASES
+    if (it == 0) KIVI_PHASE(6);
+#endif
     const uint8_t* sb = wsm + st_use * C::STAGE;
     st_use = st_use == ST - 1 ? 0 : st_use + 1;
 #if KIVI_PROBE == 1
@@ -957,6 +1003,7 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
     __syncwarp();  // every lane is done with this stage before it is refilled
   }
   cp_wait<0>();
+  KIVI_PHASE(7);
 
 #if KIVI_VFOLD
 #pragma unroll
@@ -997,8 +1044,13 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
     }
   }
   __syncthreads();
+  KIVI_PHASE(8);
   const int rows = min(MT, p.M - rb * MT);
   write_partial<DV>(p, om, mm, lm, nw, rows, split, bh, rb);
+#if KIVI_PHASES
+  KIVI_PHASE(9);
+  phase_put(10, phase_timer());
+#endif
 }
 
 // The 16 bits of an fp16 / bf16 element, and their float value: a value loaded ahead is kept as its bits, so no
@@ -1468,6 +1520,17 @@ KIVI_EXPORT int kivi_v3_bits() { return KIVI_BITS; }
 KIVI_EXPORT int kivi_v3_dk() { return KIVI_DK; }
 KIVI_EXPORT int kivi_v3_dv() { return KIVI_DV; }
 KIVI_EXPORT int kivi_v3_softcap() { return KIVI_SOFTCAP; }
+// The phase clocks of the last launches (a build with -DKIVI_PHASES=1; -1 otherwise): n int64 into dst (host).
+KIVI_EXPORT int kivi_v3_phases(long long* dst, long long n) {
+#if KIVI_PHASES
+  if (n < 0 || n > kivi_v3::PH_WARPS * kivi_v3::PH_SLOTS) return (int)cudaErrorInvalidValue;
+  return (int)cudaMemcpyFromSymbol(dst, kivi_v3::kivi_phase_buf, (size_t)n * sizeof(long long));
+#else
+  (void)dst;
+  (void)n;
+  return -1;
+#endif
+}
 // Dynamic shared-memory bytes kivi_v3_launch requests for (nw, stages); whether it raises the kernel's limit
 // (> 48 KB) through cudaFuncSetAttribute.
 KIVI_EXPORT long long kivi_v3_launch_smem(int nw, int stages) { return (long long)kivi_v3::launch_smem(nw, stages); }

@@ -418,7 +418,8 @@ def nvcc_command(bits: int, dk: int, dv: int, out: str, extra: tuple[str, ...] =
 
 
 def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfold: int = 0,
-          probe: int = 0, softcap: bool = False, lane_dks: tuple[int, ...] = (), qdim: int = 0) -> ctypes.CDLL:
+          probe: int = 0, softcap: bool = False, lane_dks: tuple[int, ...] = (), qdim: int = 0,
+          phases: bool = False) -> ctypes.CDLL:
     """Compile (or load from the cache) the library for ``(bits, dk, dv)`` and bind its launchers.
 
     ``min_blocks`` > 1 caps the registers (``__launch_bounds__(128, min_blocks)``) - a tuning knob.  ``kfold`` 1 / 2
@@ -431,7 +432,9 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
     the lanes kernel (``kivi_v3_lanes_launch``, :mod:`.lanes_cuda`) for lanes of these kept-channel counts (distinct
     multiples of 16, at most 8; ``dk`` must be the largest, it sizes the shared memory).  ``qdim``: with ``lane_dks``,
     the query's head dim, a multiple of 64 - the lanes launch can then also read a full-precision buffer of that key
-    width (``-DKIVI_QDIM``: :func:`.lanes_cuda.kivi_lanes_attention_partial` with ``buffer``); 0: it cannot."""
+    width (``-DKIVI_QDIM``: :func:`.lanes_cuda.kivi_lanes_attention_partial` with ``buffer``); 0: it cannot.
+    ``phases``: the phase-clock build (``-DKIVI_PHASES=1``: each region warp records clock64() at its phase
+    boundaries, read back with ``kivi_v3_phases``; results unchanged), for benchmarks/gpu_kivi_phases.py only."""
     if kfold not in (0, 1, 2) or vfold not in (0, 1) or probe not in (0, 1, 2, 3):
         raise ValueError(f"kfold {kfold} (0, 1 or 2), vfold {vfold} (0 or 1), probe {probe} (0..3)")
     lane_dks = tuple(sorted(set(int(d) for d in lane_dks)))
@@ -449,16 +452,18 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
         key = (*key, "lanes", *lane_dks)
     if qdim:
         key = (*key, "qdim", qdim)
+    if phases:
+        key = (*key, "phases")
     with _LOCK:
         if key in _LIBS:
             return _LIBS[key]
     src = SOURCE.read_bytes()
     tag = hashlib.sha256(src + repr((NVCC_FLAGS, key)).encode()).hexdigest()[:16]
     lanes_tag = ("_l" + "-".join(map(str, lane_dks)) if lane_dks else "") + (f"_q{qdim}" if qdim else "")
-    path = cache_dir() / f"libkivi_v3_b{bits}_k{dk}_v{dv}_r{min_blocks}{f'_kf{kfold}' if kfold else ''}{'_vf' if vfold else ''}{f'_p{probe}' if probe else ''}{'_sc' if softcap else ''}{lanes_tag}_{tag}.so"
+    path = cache_dir() / f"libkivi_v3_b{bits}_k{dk}_v{dv}_r{min_blocks}{f'_kf{kfold}' if kfold else ''}{'_vf' if vfold else ''}{f'_p{probe}' if probe else ''}{'_sc' if softcap else ''}{lanes_tag}{'_ph' if phases else ''}_{tag}.so"
     t0 = time.time()
     defines = (f"-DKIVI_MIN_BLOCKS={min_blocks}", f"-DKIVI_KFOLD={kfold}", f"-DKIVI_VFOLD={vfold}",
-               f"-DKIVI_PROBE={probe}", f"-DKIVI_SOFTCAP={int(bool(softcap))}",
+               f"-DKIVI_PROBE={probe}", f"-DKIVI_SOFTCAP={int(bool(softcap))}", *(("-DKIVI_PHASES=1",) if phases else ()),
                *(("-DKIVI_LANES=1",) if lane_dks else ()), *((f"-DKIVI_QDIM={qdim}",) if qdim else ()),
                *(f"-DKIVI_LANE_DK{i}={d}" for i, d in enumerate(lane_dks)))
     compile_cached(path, lambda out: nvcc_command(bits, dk, dv, out, defines),
@@ -479,6 +484,8 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
     lib.kivi_v3_launch_smem.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.kivi_v3_needs_smem_optin.restype = ctypes.c_int
     lib.kivi_v3_needs_smem_optin.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.kivi_v3_phases.restype = ctypes.c_int
+    lib.kivi_v3_phases.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_longlong]
     if (lib.kivi_v3_bits(), lib.kivi_v3_dk(), lib.kivi_v3_dv()) != key[:3] or lib.kivi_v3_softcap() != bool(softcap):
         raise RuntimeError(f"{path} was built for another configuration")
     if lane_dks:
@@ -501,9 +508,9 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
 
 def build_for(bits: int, dk: int, dv: int, cfg: dict, softcap: bool = False) -> ctypes.CDLL:
     """:func:`build` with the build options of a launch configuration (``min_blocks``, ``kfold``, ``vfold``,
-    ``probe``; the launch-only entries are ignored) and of the model's attention (``softcap``)."""
+    ``probe``, ``phases``; the launch-only entries are ignored) and of the model's attention (``softcap``)."""
     return build(bits, dk, dv, int(cfg.get("min_blocks", 1)), int(cfg.get("kfold", 0)), int(cfg.get("vfold", 0)),
-                 int(cfg.get("probe", 0)), softcap)
+                 int(cfg.get("probe", 0)), softcap, phases=bool(cfg.get("phases", 0)))
 
 
 # ----------------------------------------------------------------------------- launch
