@@ -43,7 +43,7 @@ def warp_phases(rec: list[int]) -> dict[str, float] | None:
     the end) as µs per phase, at the warp's clock rate (cycles 3 -> 9 over nanoseconds 0 -> 10).  ``None`` for a
     record no warp wrote (no end time)."""
     ns, cycles = rec[10] - rec[0], rec[9] - rec[3]
-    if rec[10] == 0 or ns <= 0 or cycles <= 0:
+    if ns <= 0 or cycles <= 0:
         return None
     per_us = cycles / ns * 1e3  # cycles per µs
     first = rec[6] if rec[2] > 0 and rec[6] else rec[5]  # a warp without tiles waits for nothing

@@ -593,10 +593,11 @@ __device__ __forceinline__ long long phase_smid() {
   asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
   return (long long)sm;
 }
-#define KIVI_PHASE(slot) phase_put((slot), clock64())
+#define KIVI_PHASE_SET(slot, v) phase_put((slot), (v))
 #else
-#define KIVI_PHASE(slot)
+#define KIVI_PHASE_SET(slot, v) do {} while (0)
 #endif
+#define KIVI_PHASE(slot) KIVI_PHASE_SET((slot), clock64())
 
 template <int BITS, int DK, int DV, int ST, bool GATHER>
 __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const int (&strides)[4], const __half* qh,
@@ -609,12 +610,10 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int split = blockIdx.x, rb = blockIdx.z;
-#if KIVI_PHASES
-  phase_put(0, phase_timer());
-  phase_put(1, phase_smid());
-  phase_put(6, 0);
+  KIVI_PHASE_SET(0, phase_timer());
+  KIVI_PHASE_SET(1, phase_smid());
+  KIVI_PHASE_SET(6, 0);
   KIVI_PHASE(3);
-#endif
 
   // ---- Q^T B fragments (column g = query row rb*8 + g), pre-scaled by softmax scale * log2(e).  Lane (g, t)
   // owns the channel pairs L::key_pair(t, l) (with DK a multiple of 64 at 2 bits / 32 at 4 bits: channels
@@ -691,10 +690,8 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
     tok_next += tstride;
     cp_commit();
   }
-#if KIVI_PHASES
-  phase_put(2, nmine);
+  KIVI_PHASE_SET(2, nmine);
   KIVI_PHASE(5);
-#endif
 
   // value constants of this lane column: value group, half selector when a token has 4 value words
   const int vgrp = L::v_group(g, p.gv);
@@ -721,9 +718,7 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
     cp_commit();
     cp_wait<ST - 1>();
     __syncwarp();
-#if KIVI_PHASES
     if (it == 0) KIVI_PHASE(6);
-#endif
     const uint8_t* sb = wsm + st_use * C::STAGE;
     st_use = st_use == ST - 1 ? 0 : st_use + 1;
 #if KIVI_PROBE == 1
@@ -1047,10 +1042,8 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
   KIVI_PHASE(8);
   const int rows = min(MT, p.M - rb * MT);
   write_partial<DV>(p, om, mm, lm, nw, rows, split, bh, rb);
-#if KIVI_PHASES
   KIVI_PHASE(9);
-  phase_put(10, phase_timer());
-#endif
+  KIVI_PHASE_SET(10, phase_timer());
 }
 
 // The 16 bits of an fp16 / bf16 element, and their float value: a value loaded ahead is kept as its bits, so no
