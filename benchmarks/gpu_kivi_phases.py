@@ -114,8 +114,22 @@ def main(argv=None) -> int:
                 raise RuntimeError(f"kivi_v3_phases: error {err}")
             recs = [list(buf[i * SLOTS:(i + 1) * SLOTS]) for i in range(warps)]
             summaries.append(summarize(recs))
+            if not summaries[-1]["warps"]:  # nothing decodable: say what came back, then stop this shape
+                written = [r for r in recs if any(r)]
+                whole = (ctypes.c_longlong * (32768 * SLOTS))()  # the library's whole buffer (PH_WARPS records)
+                err = lib.kivi_v3_phases(whole, 32768 * SLOTS)
+                anywhere = sum(1 for i in range(32768) if any(whole[i * SLOTS:(i + 1) * SLOTS]))
+                print(f"## {spec}: the whole phase buffer (error {err}): {anywhere} of 32768 records written")
+                plan_lib = ck._plan(bits, d, d, b * hkv * -(-m // 8), ctx, index, None, dict(inst), None)[0]
+                print(f"## {spec}: no decodable record ({len(written)} of {warps} warps wrote any slot; the script's "
+                      f"library {lib._name}, the launch's {plan_lib._name}); first written: {written[:2]}")
+                break
             for p in PHASES:
                 per[p].append(summaries[-1][p]["median"])
+        if not summaries[-1]["warps"]:
+            results.append({"shape": spec, "config": extra, "splits": splits, "nw": nw, "warps": warps,
+                            "same_output": same, "error": "no decodable record"})
+            continue
         times = {}
         for name, cfg in (("plain", base), ("instrumented", inst)):
             for _ in range(3):
