@@ -63,7 +63,7 @@ def summarize(records: list[list[int]]) -> dict:
         vals = sorted(ph[p] for _, ph in rows)
         out[p] = {"median": statistics.median(vals), "p90": vals[min(len(vals) - 1, int(0.9 * len(vals)))]}
     tiles = [r[2] for r, _ in rows]
-    out["tiles"] = {str(t): tiles.count(t) for t in sorted(set(tiles))}
+    out["tile_counts"] = {str(t): tiles.count(t) for t in sorted(set(tiles))}
     starts, ends = [r[0] for r, _ in rows], [r[10] for r, _ in rows]
     out["entry_skew_us"] = (max(starts) - min(starts)) / 1e3
     out["span_us"] = (max(ends) - min(starts)) / 1e3
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
         last = summaries[-1]
         row = {"shape": spec, "config": extra, "splits": splits, "nw": nw, "warps": warps, "same_output": same,
                "phase_us_median": {p: statistics.median(v) for p, v in per.items()},
-               "phase_us_p90_last": {p: last[p]["p90"] for p in PHASES}, "tiles_last": last["tiles"],
+               "phase_us_p90_last": {p: last[p]["p90"] for p in PHASES}, "tiles_last": last["tile_counts"],
                "entry_skew_us_median": statistics.median(s["entry_skew_us"] for s in summaries),
                "span_us_median": statistics.median(s["span_us"] for s in summaries), "call_us_events": times}
         results.append(row)

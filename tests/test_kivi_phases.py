@@ -86,7 +86,9 @@ def test_summarize_takes_medians_over_the_written_records():
                               2000 * (i + 5)], 2, 100 * i + 5000) for i in range(3)]
     recs.append([0] * gpu_kivi_phases.SLOTS)
     s = gpu_kivi_phases.summarize(recs)
-    assert s["warps"] == 3 and s["tiles"] == {"2": 3}
+    assert s["warps"] == 3 and s["tile_counts"] == {"2": 3}
+    # every phase has its statistics (the tile counts once overwrote the "tiles" phase: KeyError on the GPU)
+    assert all(set(s[p]) == {"median", "p90"} for p in gpu_kivi_phases.PHASES)
     assert s["entry_skew_us"] == pytest.approx(0.2) and s["span_us"] == pytest.approx(5.2)
     # warp i: (i + 5) * 2000 cycles over 5000 ns; its query phase is (i + 1) / (i + 5) * 5 µs
     want = sorted((i + 1) / (i + 5) * 5 for i in range(3))
