@@ -7,7 +7,8 @@ launch configuration the read would use (``--config`` entries on top).  Per shap
 (``phases.json``):
 
 * the median and the 90th percentile over warps of each phase (µs, clock64 deltas at the warp's measured clock
-  rate): ``query`` (Q^T fragments built), ``prologue`` (the first copies issued), ``first_wait`` (until the first
+  rate): ``prologue`` (the first copies issued), ``query`` (Q^T fragments built; before session 51's reorder it came
+  first: its data in docs/data/s51/c3_h100 has the two the other way round), ``first_wait`` (until the first
   tile's copies landed), ``tiles`` (the rest of the warp's tiles), ``merge`` (the CTA's warps merged, waiting for the
   slowest included), ``write`` (the split partial written);
 * the warps' tile counts, the spread of their entry times (launch skew) and the span from the first entry to the last
@@ -33,13 +34,13 @@ import torch
 
 HEADS = {"llama3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
 SLOTS = 16
-PHASES = ("query", "prologue", "first_wait", "tiles", "merge", "write")
+PHASES = ("prologue", "query", "first_wait", "tiles", "merge", "write")
 DEFAULT_SHAPES = "llama3-8b:1:32k:2,llama3-8b:1:4k:2,llama3-8b:1:128k:2,llama3-8b:16:32k:2,smollm2-135m:1:32k:2"
 
 
 def warp_phases(rec: list[int]) -> dict[str, float] | None:
-    """One warp's record (slots: 0 global timer at entry (ns), 1 SM, 2 tiles, clock64() at 3 entry, 4 query built,
-    5 prologue issued, 6 first tile landed (0: no tile), 7 last tile done, 8 merged, 9 written, 10 global timer at
+    """One warp's record (slots: 0 global timer at entry (ns), 1 SM, 2 tiles, clock64() at 3 entry, 4 prologue issued,
+    5 query built, 6 first tile landed (0: no tile), 7 last tile done, 8 merged, 9 written, 10 global timer at
     the end) as µs per phase, at the warp's clock rate (cycles 3 -> 9 over nanoseconds 0 -> 10).  ``None`` for a
     record no warp wrote (no end time)."""
     ns, cycles = rec[10] - rec[0], rec[9] - rec[3]

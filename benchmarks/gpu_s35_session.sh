@@ -266,6 +266,25 @@ case "${PART:-stages}" in
     timeout "${KP_TIMEOUT:-200}" python "$SRC/benchmarks/gpu_kivi_phases.py" --out "$OUT/mt2" --config '{"min_tiles": 2}' \
       --shapes "${KP_SHAPES:-llama3-8b:1:32k:2,llama3-8b:1:4k:2}" 2>&1 | grep -v Warning | tail -12 | tee -a "$OUT/phases.txt"
     ;;
+  kivi-write)  # session 51: the KIVI split kernels' partial written with per-row merge weights and 16-byte stores, and
+    # the query built after the prologue's copies (the batch-1 phase clocks' two largest fixed costs): the KIVI GPU
+    # tests (xdist), an A/B against the tree before (../.gpusrc_old, alternating rounds), then this tree's phase clocks
+    ROOT=$(cd "$HERE/../.." && pwd)
+    (cd "$HERE/.." && source "$HERE/gpu_site.sh" >/dev/null \
+      && python -m pip install -q --no-index --no-deps --target /tmp/xdist "$SRC/../.gpuwheels"/*.whl 2>&1 | tail -2; \
+      timeout 100 python "$SRC/benchmarks/gpu_prebuild_kivi.py" 2>&1 | tail -2 | tee -a "$OUT/tests.txt"; \
+      PYTHONPATH=/tmp/site:/tmp/xdist timeout "${KW_TEST_TIMEOUT:-150}" python -m pytest -q -m gpu -n 8 \
+        "$SRC/tests/test_kivi_cuda.py" "$SRC/tests/test_kivi_buffer_read.py" -p no:cacheprovider -p no:logging 2>&1 \
+        | grep -v DEBUG | tail -15 | tee -a "$OUT/tests.txt")
+    cd "$ROOT" || exit 1
+    AB_OPS=sdpa,kivi2,kivi2-static,leank70-kivi2 AB_ROUNDS=${KW_ROUNDS:-2} \
+      AB_SHAPES=${KW_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,smollm2-135m:1:32k,llama3-8b:16:32k} \
+      bash .gpusrc/benchmarks/gpu_ab_trees.sh "$OUT/ab" .gpusrc .gpusrc_old
+    cd "$HERE/.." && source "$HERE/gpu_site.sh" >/dev/null
+    timeout 90 python "$SRC/benchmarks/gpu_kivi_phases.py" --out "$OUT/phases" \
+      --shapes "${KP_SHAPES:-llama3-8b:1:32k:2,llama3-8b:1:4k:2,llama3-8b:16:32k:2,smollm2-135m:1:32k:2}" 2>&1 \
+      | grep -v Warning | tail -16 | tee -a "$OUT/phases.txt"
+    ;;
   grid-full)  # every op of the grid (no tests) into grid.json
     S34_GRID_PART=grid2 S34_GRID_OPS=kivi2,kivi4,leank50,leank70,leank70-kivi2,ds8,ds16,ds8-shared,ds16-shared,paged-dense,paged-kivi2,lowrank,none \
       G_TIMEOUT=${G_TIMEOUT:-300} G_SECONDS=${G_SECONDS:-280} PART=grid bash "$HERE/gpu_s34_session.sh" "$OUT"

@@ -69,12 +69,12 @@ def _record(t0, clocks, tiles, t1, sm=3):
 
 
 def test_warp_phases_decode_a_record():
-    # 2 cycles per ns: 2000 cycles per µs; entry at cycle 1000, then +2000 (query), +1000, +4000, +10000, +6000, +2000
+    # 2 cycles per ns: 2000 cycles per µs; entry at cycle 1000, then +2000 (prologue), +1000 (query), +4000, +10000, +6000, +2000
     clocks = [1000, 3000, 4000, 8000, 18000, 24000, 26000]
     ph = gpu_kivi_phases.warp_phases(_record(500, clocks, 4, 500 + 12500))
-    assert ph == pytest.approx({"query": 1.0, "prologue": 0.5, "first_wait": 2.0, "tiles": 5.0, "merge": 3.0,
+    assert ph == pytest.approx({"prologue": 1.0, "query": 0.5, "first_wait": 2.0, "tiles": 5.0, "merge": 3.0,
                                 "write": 1.0})
-    # a warp without tiles waits for no copy: its first_wait is 0 and the loop phase runs from the prologue
+    # a warp without tiles waits for no copy: its first_wait is 0 and the loop phase runs from the query build
     clocks = [1000, 3000, 4000, 0, 5000, 24000, 26000]
     ph = gpu_kivi_phases.warp_phases(_record(500, clocks, 0, 500 + 12500))
     assert ph["first_wait"] == 0 and ph["tiles"] == pytest.approx(0.5)
@@ -90,6 +90,6 @@ def test_summarize_takes_medians_over_the_written_records():
     # every phase has its statistics (the tile counts once overwrote the "tiles" phase: KeyError on the GPU)
     assert all(set(s[p]) == {"median", "p90"} for p in gpu_kivi_phases.PHASES)
     assert s["entry_skew_us"] == pytest.approx(0.2) and s["span_us"] == pytest.approx(5.2)
-    # warp i: (i + 5) * 2000 cycles over 5000 ns; its query phase is (i + 1) / (i + 5) * 5 µs
+    # warp i: (i + 5) * 2000 cycles over 5000 ns; its prologue phase is (i + 1) / (i + 5) * 5 µs
     want = sorted((i + 1) / (i + 5) * 5 for i in range(3))
-    assert s["query"]["median"] == pytest.approx(want[1])
+    assert s["prologue"]["median"] == pytest.approx(want[1])

@@ -543,36 +543,53 @@ struct TileCopier {
 // and value-code token strides (elements).
 // The warp merge's last step, shared by attend() and attend_buffer(): each warp's unnormalised output rows om
 // [nw][8][DV], running max mm [nw][8] (log2 units) and sum lm [nw][8] in shared memory become the CTA's normalised
-// partial po and natural-log LSE pl of split `split` (a row no warp saw: zeros and -inf).
+// partial po and natural-log LSE pl of split `split` (a row no warp saw: zeros and -inf).  mm is overwritten (with the
+// warps' merge weights); every thread of the CTA calls it (it has a __syncthreads).
 template <int DV>
-__device__ __forceinline__ void write_partial(const Params& p, const float* om, const float* mm, const float* lm,
-                                              int nw, int rows, int split, int bh, int rb) {
-  constexpr int MT = 8;
-  for (int idx = threadIdx.x; idx < rows * DV; idx += blockDim.x) {
-    const int row = idx / DV, ch = idx - row * DV;
+__device__ __forceinline__ void write_partial(const Params& p, const float* om, float* mm, const float* lm, int nw,
+                                              int rows, int split, int bh, int rb) {
+  constexpr int MT = 8, V4 = DV / 4;
+  // one thread per row: its warps' weights exp2(m_w - top) / den replace mm[w][row] in place, and its LSE is written
+  // (session 51's phase clocks: recomputing them for every output element took 1.9 us per warp at batch 1)
+  if (threadIdx.x < rows) {
+    const int row = threadIdx.x;
     float top = -INFINITY;
     for (int w = 0; w < nw; ++w) top = fmaxf(top, mm[w * MT + row]);
     const long long orow = ((long long)split * p.BH + bh) * p.M + rb * MT + row;
-    if (top == -INFINITY) {
-      p.po[orow * DV + ch] = 0.f;
-      if (ch == 0) p.pl[orow] = -INFINITY;
-      continue;
+    if (top == -INFINITY) {  // no warp saw a valid slot of this row: a zero output and LSE -inf
+      for (int w = 0; w < nw; ++w) mm[w * MT + row] = 0.f;
+      p.pl[orow] = -INFINITY;
+    } else {
+      float den = 0.f;
+      for (int w = 0; w < nw; ++w) {
+        const float f = exp2f(mm[w * MT + row] - top);
+        mm[w * MT + row] = f;
+        den += f * lm[w * MT + row];
+      }
+      const float inv = 1.f / den;
+      for (int w = 0; w < nw; ++w) mm[w * MT + row] *= inv;
+      p.pl[orow] = (top + log2f(den)) * 0.69314718055994531f;
     }
-    float num = 0.f, den = 0.f;
+  }
+  __syncthreads();
+  // four consecutive channels per thread: 16-byte shared-memory reads and global stores
+  for (int idx = threadIdx.x; idx < rows * V4; idx += blockDim.x) {
+    const int row = idx / V4, c4 = idx - row * V4;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int w = 0; w < nw; ++w) {
-      const float f = exp2f(mm[w * MT + row] - top);
-      num += f * om[(w * MT + row) * DV + ch];
-      den += f * lm[w * MT + row];
+      const float f = mm[w * MT + row];
+      const float4 x = *reinterpret_cast<const float4*>(om + (w * MT + row) * DV + 4 * c4);
+      o.x += f * x.x; o.y += f * x.y; o.z += f * x.z; o.w += f * x.w;
     }
-    p.po[orow * DV + ch] = num / den;
-    if (ch == 0) p.pl[orow] = (top + log2f(den)) * 0.69314718055994531f;
+    const long long orow = ((long long)split * p.BH + bh) * p.M + rb * MT + row;
+    *reinterpret_cast<float4*>(p.po + orow * DV + 4 * c4) = o;
   }
 }
 
 // Phase clocks, only in a build with -DKIVI_PHASES=1 (benchmarks/gpu_kivi_phases.py; the default build has none of
 // this).  Lane 0 of each warp of a region CTA writes, per warp (((z * gridDim.y + y) * gridDim.x + x) * nw + warp):
-// slot 0 the global timer at entry, 1 its SM, 2 its tile count, then clock64() at 3 entry, 4 query fragments built,
-// 5 the prologue's copies issued, 6 the first tile's copies landed (0 for a warp without tiles), 7 the last tile
+// slot 0 the global timer at entry, 1 its SM, 2 its tile count, then clock64() at 3 entry, 4 the prologue's copies
+// issued, 5 query fragments built, 6 the first tile's copies landed (0 for a warp without tiles), 7 the last tile
 // done, 8 the warps merged, 9 the partial written, and slot 10 the global timer at the end.
 #if KIVI_PHASES
 constexpr int PH_SLOTS = 16;
@@ -615,40 +632,6 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
   KIVI_PHASE_SET(6, 0);
   KIVI_PHASE(3);
 
-  // ---- Q^T B fragments (column g = query row rb*8 + g), pre-scaled by softmax scale * log2(e).  Lane (g, t)
-  // owns the channel pairs L::key_pair(t, l) (with DK a multiple of 64 at 2 bits / 32 at 4 bits: channels
-  // [t*DK/4, (t+1)*DK/4)): its local pair l = 2s + r is k-pair (2t, 2t+1) (r = 0) or (2t+8, 2t+9) (r = 1) of k16
-  // slice s.  The keys use the same channel permutation, so S is unchanged.
-  uint32_t qb[C::NKS][2];
-  {
-    const int r0 = rb * MT + g;
-    const __half* q0 = qh + (long long)r0 * p.q_sm;
-    const __half* qt = q0 + t * (DK / 4);  // whole words only: the lane's channels are contiguous
-#pragma unroll
-    for (int l = 0; l < DK / 8; ++l) {
-      uint32_t x0 = 0u;
-      if (r0 < p.M) {
-        float2 f;
-        if constexpr (GATHER) {
-          const int c = 2 * L::key_pair(t, l);
-          const int c0 = ch ? (int)ch[c] : c, c1 = ch ? (int)ch[c + 1] : c + 1;
-          f = make_float2(__half2float(q0[c0]), __half2float(q0[c1]));
-        } else if constexpr (C::RW > 0) {
-          f = __half22float2(*reinterpret_cast<const __half2*>(q0 + 2 * L::key_pair(t, l)));
-        } else {
-          f = __half22float2(*reinterpret_cast<const __half2*>(qt + 2 * l));
-        }
-        x0 = pack_f16x2(f.x * p.qk_scale, f.y * p.qk_scale);
-      }
-#if KIVI_KFOLD
-      qb[2 * (l >> 2) + (l & 1)][(l >> 1) & 1] = x0;  // slice 2c + j, r: local pair 4c + 2r + j
-#else
-      qb[l >> 1][l & 1] = x0;
-#endif
-    }
-  }
-
-  KIVI_PHASE(4);
   // O^T accumulators: acc[ct][0/1] = (channel row g of m-tile ct, query rows 2t / 2t+1), [2/3] channel row g+8
   float acc[NCT][4];
 #pragma unroll
@@ -691,6 +674,43 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
     cp_commit();
   }
   KIVI_PHASE_SET(2, nmine);
+  KIVI_PHASE(4);
+
+  // ---- Q^T B fragments (column g = query row rb*8 + g), pre-scaled by softmax scale * log2(e).  Lane (g, t)
+  // owns the channel pairs L::key_pair(t, l) (with DK a multiple of 64 at 2 bits / 32 at 4 bits: channels
+  // [t*DK/4, (t+1)*DK/4)): its local pair l = 2s + r is k-pair (2t, 2t+1) (r = 0) or (2t+8, 2t+9) (r = 1) of k16
+  // slice s.  The keys use the same channel permutation, so S is unchanged.  Built after the prologue's copies are
+  // issued: its global loads wait out the first tile's latency instead of delaying the copies (session 51's phase
+  // clocks: 0.8 us per warp at batch 1, before any copy was in flight).
+  uint32_t qb[C::NKS][2];
+  {
+    const int r0 = rb * MT + g;
+    const __half* q0 = qh + (long long)r0 * p.q_sm;
+    const __half* qt = q0 + t * (DK / 4);  // whole words only: the lane's channels are contiguous
+#pragma unroll
+    for (int l = 0; l < DK / 8; ++l) {
+      uint32_t x0 = 0u;
+      if (r0 < p.M) {
+        float2 f;
+        if constexpr (GATHER) {
+          const int c = 2 * L::key_pair(t, l);
+          const int c0 = ch ? (int)ch[c] : c, c1 = ch ? (int)ch[c + 1] : c + 1;
+          f = make_float2(__half2float(q0[c0]), __half2float(q0[c1]));
+        } else if constexpr (C::RW > 0) {
+          f = __half22float2(*reinterpret_cast<const __half2*>(q0 + 2 * L::key_pair(t, l)));
+        } else {
+          f = __half22float2(*reinterpret_cast<const __half2*>(qt + 2 * l));
+        }
+        x0 = pack_f16x2(f.x * p.qk_scale, f.y * p.qk_scale);
+      }
+#if KIVI_KFOLD
+      qb[2 * (l >> 2) + (l & 1)][(l >> 1) & 1] = x0;  // slice 2c + j, r: local pair 4c + 2r + j
+#else
+      qb[l >> 1][l & 1] = x0;
+#endif
+    }
+  }
+
   KIVI_PHASE(5);
 
   // value constants of this lane column: value group, half selector when a token has 4 value words
