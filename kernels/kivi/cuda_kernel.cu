@@ -544,9 +544,10 @@ struct TileCopier {
 // The warp merge's last step, shared by attend() and attend_buffer(): each warp's unnormalised output rows om
 // [nw][8][DV], running max mm [nw][8] (log2 units) and sum lm [nw][8] in shared memory become the CTA's normalised
 // partial po and natural-log LSE pl of split `split` (a row no warp saw: zeros and -inf).  mm is overwritten (with the
-// warps' merge weights); every thread of the CTA calls it (it has a __syncthreads).
+// warps' merge weights) and lm[0][*] (with each row's "has output" flag); every thread of the CTA calls it (it has a
+// __syncthreads).
 template <int DV>
-__device__ __forceinline__ void write_partial(const Params& p, const float* om, float* mm, const float* lm, int nw,
+__device__ __forceinline__ void write_partial(const Params& p, const float* om, float* mm, float* lm, int nw,
                                               int rows, int split, int bh, int rb) {
   constexpr int MT = 8, V4 = DV / 4;
   // one thread per row: its warps' weights exp2(m_w - top) / den replace mm[w][row] in place, and its LSE is written
@@ -556,8 +557,8 @@ __device__ __forceinline__ void write_partial(const Params& p, const float* om, 
     float top = -INFINITY;
     for (int w = 0; w < nw; ++w) top = fmaxf(top, mm[w * MT + row]);
     const long long orow = ((long long)split * p.BH + bh) * p.M + rb * MT + row;
-    if (top == -INFINITY) {  // no warp saw a valid slot of this row: a zero output and LSE -inf
-      for (int w = 0; w < nw; ++w) mm[w * MT + row] = 0.f;
+    if (top == -INFINITY) {  // no warp saw a valid slot of this row: a zero output (whatever om holds) and LSE -inf
+      lm[row] = 0.f;         // warp 0's sum, read above by this thread only: now the row's "has output" flag
       p.pl[orow] = -INFINITY;
     } else {
       float den = 0.f;
@@ -568,6 +569,7 @@ __device__ __forceinline__ void write_partial(const Params& p, const float* om, 
       }
       const float inv = 1.f / den;
       for (int w = 0; w < nw; ++w) mm[w * MT + row] *= inv;
+      lm[row] = 1.f;
       p.pl[orow] = (top + log2f(den)) * 0.69314718055994531f;
     }
   }
@@ -576,7 +578,7 @@ __device__ __forceinline__ void write_partial(const Params& p, const float* om, 
   for (int idx = threadIdx.x; idx < rows * V4; idx += blockDim.x) {
     const int row = idx / V4, c4 = idx - row * V4;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int w = 0; w < nw; ++w) {
+    for (int w = 0; w < nw && lm[row] != 0.f; ++w) {
       const float f = mm[w * MT + row];
       const float4 x = *reinterpret_cast<const float4*>(om + (w * MT + row) * DV + 4 * c4);
       o.x += f * x.x; o.y += f * x.y; o.z += f * x.z; o.w += f * x.w;
