@@ -143,8 +143,10 @@
 # Session 50 (H100) ran grid-full (24 of 311 again, same kernels) with profile4k, and kivi-nw8: an opt-in 8-warp KIVI
 # build for the batch-1 reads (its GPU configuration tests passed; Llama KIVI-2 B1/4k and B1/32k 15 % slower, B1/128k
 # 4.5 % faster), removed with its part (its tree is 8190503; docs/results.md "Session 50").
-# Prepared in session 50, not yet run: kivi-phases (the batch-1 KIVI reads' phase clocks).
-# Left: grid-full on an H200.
+# Session 51 (H100) ran kivi-phases (a third of a batch-1 warp outside its tile loop, the partial's write the largest
+# part) and profile4k's kernel tails, then kivi-write on the tree that acts on them: its KIVI GPU tests passed (82);
+# the timeout cut its A/B after the new tree's round, so the tree before was not timed in the same call.
+# Left: kivi-write again (KW_ROUNDS=2, then with test_kivi_lanes.py), grid-full on an H200.
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -268,13 +270,15 @@ case "${PART:-stages}" in
     ;;
   kivi-write)  # session 51: the KIVI split kernels' partial written with per-row merge weights and 16-byte stores, and
     # the query built after the prologue's copies (the batch-1 phase clocks' two largest fixed costs): the KIVI GPU
-    # tests (xdist), an A/B against the tree before (../.gpusrc_old, alternating rounds), then this tree's phase clocks
+    # tests (xdist; KW_LANES=1 adds the lanes kernel's), an A/B against the tree before (../.gpusrc_old, alternating
+    # rounds), then this tree's phase clocks
     ROOT=$(cd "$HERE/../.." && pwd)
     (cd "$HERE/.." && source "$HERE/gpu_site.sh" >/dev/null \
       && python -m pip install -q --no-index --no-deps --target /tmp/xdist "$SRC/../.gpuwheels"/*.whl 2>&1 | tail -2; \
       timeout 100 python "$SRC/benchmarks/gpu_prebuild_kivi.py" 2>&1 | tail -2 | tee -a "$OUT/tests.txt"; \
       PYTHONPATH=/tmp/site:/tmp/xdist timeout "${KW_TEST_TIMEOUT:-150}" python -m pytest -q -m gpu -n 8 \
-        "$SRC/tests/test_kivi_cuda.py" "$SRC/tests/test_kivi_buffer_read.py" -p no:cacheprovider -p no:logging 2>&1 \
+        "$SRC/tests/test_kivi_cuda.py" "$SRC/tests/test_kivi_buffer_read.py" ${KW_LANES:+"$SRC/tests/test_kivi_lanes.py"} \
+        -p no:cacheprovider -p no:logging 2>&1 \
         | grep -v DEBUG | tail -15 | tee -a "$OUT/tests.txt")
     cd "$ROOT" || exit 1
     AB_OPS=sdpa,kivi2,kivi2-static,leank70-kivi2 AB_ROUNDS=${KW_ROUNDS:-2} \
