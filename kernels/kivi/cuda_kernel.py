@@ -685,7 +685,13 @@ def _buffer_capped(bits: int) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _capped_from_config(bits: int) -> bool:
-    return int(config(bits).get("min_blocks", 1)) > 4
+    return _register_capped(config(bits))
+
+
+def _register_capped(cfg: dict) -> bool:
+    """Whether launch configuration ``cfg``'s build caps registers below what the buffer path needs (min_blocks > 4:
+    ``__launch_bounds__(128, min_blocks)`` leaves it under 128, where it would spill)."""
+    return int(cfg.get("min_blocks", 1)) > 4
 
 
 def supports_buffer(query: torch.Tensor, packed: PackedKV, k: torch.Tensor, v: torch.Tensor,
@@ -715,7 +721,7 @@ def read_buffer_settings(bits: int) -> tuple[int, int, int, int]:
             raise ValueError(f"KVCOMPRESS_KIVI_CUDA_CONFIG: {n} must be an integer >= 0, got {v!r}")
     buffer_launch(1, 1, 1, c.get("buffer_ctas", "auto"))  # checks buffer_ctas ("auto" or >= 1) here, not per read
     _BUFFER_SETTINGS[bits] = values
-    _CAPPED[bits] = int(c.get("min_blocks", 1)) > 4
+    _CAPPED[bits] = _register_capped(c)
     return values
 
 
