@@ -301,14 +301,11 @@ def test_launch_arguments_carry_the_buffer():
     kv = ck._kv_tensors(packed)
     k, v, valid = segs[0].k, segs[0].v, segs[0].valid.view(torch.uint8)
     arr = list(ck._args(packed, kv, 1, (0, 0, 0), 2, 3, 4, 32, 3, buffer=(k, v, valid, None)))
-    assert len(arr) == ck.PARAMS_INTS == 60
+    assert len(arr) == ck.PARAMS_INTS == 56
     assert arr[41:45] == [k.data_ptr(), v.data_ptr(), valid.data_ptr(), 0]
     assert arr[45:52] == [*k.stride()[:3], *v.stride()[:3], valid.stride(0)]
-    assert arr[52:56] == [160, 5, 32, 0] and ck.buffer_plan(160) == (5, 32) and ck.buffer_plan(1000) == (16, 63)
-    assert arr[56:] == list(ck.NO_MERGE) == [0] * 4  # no split merge in the kernel: the separate combine merges
-    assert list(ck._args(packed, kv, 1, (0, 0, 0), 2, 3, 4, 32, 3))[41:] == [0] * 19
-    merged = list(ck._args(packed, kv, 1, (0, 0, 0), 2, 3, 4, 32, 3, merge=(7, 8, 9, 2)))
-    assert merged[56:] == [7, 8, 9, 2] and merged[:56] == list(ck._args(packed, kv, 1, (0, 0, 0), 2, 3, 4, 32, 3))[:56]
+    assert arr[52:] == [160, 5, 32, 0] and ck.buffer_plan(160) == (5, 32) and ck.buffer_plan(1000) == (16, 63)
+    assert list(ck._args(packed, kv, 1, (0, 0, 0), 2, 3, 4, 32, 3))[41:] == [0] * 15
 
 
 # ----------------------------------------------------------------------------- GPU

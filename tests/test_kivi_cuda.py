@@ -753,52 +753,6 @@ def test_configs_and_splits_on_gpu(cfg, splits):
         check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
 
 
-class _FakeBankLib:
-    """A library's counter-bank entry points (``kivi_v3_counter_banks`` / ``kivi_v3_counters``) without a GPU: bank
-    i of device d at address 1000 * (d + 1) + 100 * i, 16 counters a bank."""
-
-    def __init__(self, handle):
-        self._handle = handle
-        self.calls = 0
-
-    def kivi_v3_counter_banks(self):
-        return 3
-
-    def kivi_v3_counters(self, device, bank, ptr, count):
-        self.calls += 1
-        ptr._obj.value = 1000 * (device + 1) + 100 * bank
-        count._obj.value = 16
-        return 0
-
-
-def test_merge_args_give_each_stream_its_own_counter_bank(monkeypatch):
-    """The split merge's host side (:func:`merge_args`): a stream keeps its bank, two streams never share one, a
-    stream past the last bank, a launch with more rows than a bank has counters and a launch whose kernel writes the
-    output itself get the separate combine (``NO_MERGE``); the bank addresses are looked up once per library and
-    device."""
-    monkeypatch.setattr(ck, "_BANKS", {})
-    monkeypatch.setattr(ck, "_STREAM_BANK", {})
-    lib = _FakeBankLib(77)
-    out = torch.empty(2, 4, 8)
-    lse = torch.empty(2, 4)
-    po = torch.empty(3, 8, 8)
-    kind = ck.OUT_KINDS[torch.float32]
-    first = ck.merge_args(lib, po, out, lse, 16, 0, 5)
-    assert first == (1000, out.data_ptr(), lse.data_ptr(), kind)
-    assert lib.calls == 3  # every bank's address at the first launch, none after
-    assert ck.merge_args(lib, po, out, lse, 4, 0, 6)[0] == 1100  # another stream: the next bank
-    assert ck.merge_args(lib, po, out, lse, 4, 0, 5)[0] == 1000  # the first stream keeps its bank
-    assert ck.merge_args(lib, po, out, lse, 4, 1, 5)[0] == 2000  # another device: its own banks
-    assert ck.merge_args(lib, po, out, lse, 4, 0, 7)[0] == 1200
-    assert ck.merge_args(lib, po, out, lse, 4, 0, 8) == ck.NO_MERGE  # no bank left: the separate combine
-    assert ck.merge_args(lib, po, out, lse, 4, 0, 7)[0] == 1200
-    assert ck.merge_args(lib, po, out, lse, 17, 0, 5) == ck.NO_MERGE  # more rows than counters
-    assert ck.merge_args(lib, out, out, lse, 4, 0, 5) == ck.NO_MERGE  # one partial: the kernel wrote ``out``
-    half = torch.empty(2, 4, 8, dtype=torch.bfloat16)
-    assert ck.merge_args(lib, po, half, lse, 4, 0, 5)[1:] == (half.data_ptr(), lse.data_ptr(), 2)
-    assert lib.calls == 6
-
-
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("cfg", [{"kfold": 1}, {"kfold": 2}, {"vfold": 1}, {"kfold": 1, "vfold": 1},
                                  {"kfold": 2, "vfold": 1}, {"kfold": 1, "vfold": 1, "min_blocks": 1}],
@@ -812,43 +766,6 @@ def test_kfold_kernel_matches_reference_on_gpu(name, cfg):
     out, lse = ck._forward(q, packed, scale, cfg=cfg)
     ref_out, ref_lse = kivi_attention_partial(q, packed, scale)
     check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or ck.nvcc_path() is None, reason="needs CUDA and nvcc")
-def test_split_merge_in_the_kernel_on_gpu():
-    """The split kernel's own merge (``fused_merge``, the default: the last CTA of each row merges the row's partials
-    behind an arrival counter it resets) against the reference and the separate combine (``fused_merge`` False):
-    every case, several split counts, float32 / fp16 / bf16 outputs; a second launch gives the same bits (the
-    counters were reset), and so does a launch on another stream (its own counter bank)."""
-    tol = {None: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=1e-3, rtol=2e-3),
-           torch.bfloat16: dict(atol=8e-3, rtol=8e-3)}
-    side = torch.cuda.Stream()
-    for name in CASES:
-        q, packed = make_case(name, "cuda")
-        scale = q.shape[-1] ** -0.5
-        ref_out, ref_lse = kivi_attention_partial(q, packed, scale)
-        for splits in (None, 2, 7):
-            for dtype in (None, torch.float16, torch.bfloat16):
-                out, lse = ck._forward(q, packed, scale, splits=splits, out_dtype=dtype)
-                apart, apart_lse = ck._forward(q, packed, scale, splits=splits, out_dtype=dtype,
-                                               cfg={"fused_merge": False})
-                if dtype is None:
-                    check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
-                torch.testing.assert_close(out.float(), apart.float(), **tol[dtype])
-                assert torch.equal(torch.isfinite(lse), torch.isfinite(apart_lse))
-                fin = torch.isfinite(lse)
-                torch.testing.assert_close(lse[fin], apart_lse[fin], atol=1e-5, rtol=1e-5)
-                again, again_lse = ck._forward(q, packed, scale, splits=splits, out_dtype=dtype)
-                assert torch.equal(again, out) and torch.equal(again_lse, lse)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            other, other_lse = ck._forward(q, packed, scale, splits=7)
-        side.synchronize()
-        out, lse = ck._forward(q, packed, scale, splits=7)
-        assert torch.equal(other, out) and torch.equal(other_lse, lse)
-    banks = [v for k, v in ck._STREAM_BANK.items() if k[1] == torch.cuda.current_device()]
-    assert len(set(b for b in banks if b >= 0)) >= 2  # the two streams hold two banks
 
 
 @pytest.mark.gpu

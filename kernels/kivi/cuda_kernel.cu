@@ -95,14 +95,6 @@ struct Params {
   const long long* blen;
   long long bk_sb, bk_sh, bk_st, bv_sb, bv_sh, bv_st, bva_sb;
   int bNT, bsplit, btps, bbf16;
-  // The split merge in the same launch (session 52): cnt != nullptr - every CTA counts itself in at cnt[bh * row
-  // blocks + its row block] after writing its partial, and the last of the row's gridDim.x CTAs merges all of them
-  // into out ([BH, M, DV]: float32, fp16 or bf16 by out_kind 0 / 1 / 2) and lse ([BH, M], natural log) and sets the
-  // counter back to 0 for the next launch.  nullptr: the partials are left for kivi_v3_combine.
-  int* cnt;
-  void* out;
-  float* lse;
-  int out_kind;
   float qk_scale;  // softmax scale * log2(e)
   float softcap;   // logit soft-cap (Gemma 2) in log2 units: softcap * log2(e); 0 = none
 };
@@ -554,81 +546,6 @@ struct TileCopier {
 // partial po and natural-log LSE pl of split `split` (a row no warp saw: zeros and -inf).  mm is overwritten (with the
 // warps' merge weights) and lm[0][*] (with each row's "has output" flag); every thread of the CTA calls it (it has a
 // __syncthreads).
-// The merged output stored as OutT: float, or rounded once to the read's fp16 / bf16 (a read whose only part this is
-// needs no cast launch after it).
-__device__ __forceinline__ void store_out(float* p, float x) { *p = x; }
-__device__ __forceinline__ void store_out(__half* p, float x) { *p = __float2half_rn(x); }
-__device__ __forceinline__ void store_out(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
-
-template <typename OutT>
-__device__ __forceinline__ void store_out4(OutT* p, float inv, const float4& a) {
-  store_out(p, a.x * inv); store_out(p + 1, a.y * inv); store_out(p + 2, a.z * inv); store_out(p + 3, a.w * inv);
-}
-
-// The split merge in the split kernel itself (Params::cnt; session 52: the separate combine's own cost was 2.4-2.9 us
-// per read, 18-20 % of a batch-1 4k read).  Called by every CTA once, after its partial is written: the CTA fences its
-// stores and counts itself in; the last of the row's gridDim.x CTAs (split, buffer or empty) resets the counter and
-// merges the partials of its <= 8 rows by log-sum-exp exactly as kivi_v3_combine does (the same expressions), reading
-// them from L2 (ld.global.cg: written by other SMs in this launch).  The shared memory is free again here (the warp
-// merge buffers were last read before this call's barrier).  Its row comes from blockIdx (y: batch x head, z: row
-// block) and Params alone, so nothing stays live across the caller's main loop for it.
-template <int DV>
-__device__ __forceinline__ void merge_if_last(const Params& p) {
-  if (p.cnt == nullptr) return;
-  const int bh = blockIdx.y, rb = blockIdx.z, rows = min(8, p.M - rb * 8);
-  extern __shared__ __align__(16) uint8_t smem[];
-  int* flag = reinterpret_cast<int*>(smem);
-  float* top = reinterpret_cast<float*>(smem) + 4;  // [8]
-  __threadfence();  // this thread's partial stores are visible device-wide before the CTA counts itself in
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int* c = p.cnt + (long long)bh * gridDim.z + rb;
-    const int last = atomicAdd(c, 1) == (int)gridDim.x - 1;
-    if (last) atomicExch(c, 0);  // every CTA of the row has arrived: ready for the next launch
-    flag[0] = last;
-  }
-  __syncthreads();
-  if (!flag[0]) return;
-  __threadfence();  // (acquire) the other CTAs' partials, fenced before their arrivals, are read after this one
-  constexpr int V4 = DV / 4;
-  const int S = gridDim.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-  const long long R = (long long)p.BH * p.M, row0 = (long long)bh * p.M + rb * 8;
-  for (int r = warp; r < rows; r += nw) {  // each row's largest split LSE: a warp per row, its lanes over the splits
-    float t = -INFINITY;
-    for (int s = lane; s < S; s += 32) t = fmaxf(t, __ldcg(p.pl + s * R + row0 + r));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, o));
-    if (lane == 0) top[r] = t;
-  }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < rows * V4; idx += blockDim.x) {  // four channels of one row per thread
-    const int r = idx / V4, c4 = idx - r * V4;
-    const float t = top[r];
-    const long long orow = row0 + r;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    float den = 0.f;
-    if (t != -INFINITY) {
-#pragma unroll 8
-      for (int s = 0; s < S; ++s) {
-        const long long o = s * R + orow;
-        const float w = __expf(__ldcg(p.pl + o) - t);
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(p.po + o * DV) + c4);
-        den += w;
-        acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
-      }
-    }
-    const float inv = t == -INFINITY ? 0.f : 1.f / den;  // no valid key in any split: zeros, LSE -inf
-    if (p.out_kind == 1) {
-      store_out4(reinterpret_cast<__half*>(p.out) + orow * DV + 4 * c4, inv, acc);
-    } else if (p.out_kind == 2) {
-      store_out4(reinterpret_cast<__nv_bfloat16*>(p.out) + orow * DV + 4 * c4, inv, acc);
-    } else {
-      store_out4(reinterpret_cast<float*>(p.out) + orow * DV + 4 * c4, inv, acc);
-    }
-    if (c4 == 0) p.lse[orow] = t == -INFINITY ? -INFINITY : t + __logf(den);
-  }
-}
-
 template <int DV>
 __device__ __forceinline__ void write_partial(const Params& p, const float* om, float* mm, float* lm, int nw,
                                               int rows, int split, int bh, int rb) {
@@ -1148,6 +1065,7 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
   const int rows = min(MT, p.M - rb * MT);
   write_partial<DV>(p, om, mm, lm, nw, rows, split, bh, rb);
   KIVI_PHASE(9);
+  KIVI_PHASE_SET(10, phase_timer());
 }
 
 // The 16 bits of an fp16 / bf16 element, and their float value: a value loaded ahead is kept as its bits, so no
@@ -1299,18 +1217,15 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
   const int b = bh / p.H, h = bh - b * p.H;
   // (the launcher refuses a buffer for other widths, and under the register cap of min_blocks > 4, where the buffer
   // path would spill)
-  bool buffer_cta = false;
-  if constexpr (BUF && DK % 64 == 0 && DV % 32 == 0 && KIVI_MIN_BLOCKS <= 4) buffer_cta = (int)blockIdx.x >= p.nsplit;
-  if (buffer_cta) {
-    if constexpr (BUF && DK % 64 == 0 && DV % 32 == 0 && KIVI_MIN_BLOCKS <= 4)
+  if constexpr (BUF && DK % 64 == 0 && DV % 32 == 0 && KIVI_MIN_BLOCKS <= 4) {
+    if ((int)blockIdx.x >= p.nsplit) {
       attend_buffer<DK, DV>(p, b, h, bh, blockIdx.x - p.nsplit);
-  } else {
-    const Slice sp(p, b, h);
-    const int strides[4] = {(int)p.kc_sg, (int)p.ks_sg, (int)p.kz_sg, (int)p.vc_st};
-    attend<BITS, DK, DV, ST, false>(p, sp, strides, p.q + b * p.q_sb + h * p.q_sh, nullptr, bh);
+      return;
+    }
   }
-  merge_if_last<DV>(p);  // (one copy after both bodies)
-  KIVI_PHASE_SET(10, phase_timer());
+  const Slice sp(p, b, h);
+  const int strides[4] = {(int)p.kc_sg, (int)p.ks_sg, (int)p.kz_sg, (int)p.vc_st};
+  attend<BITS, DK, DV, ST, false>(p, sp, strides, p.q + b * p.q_sb + h * p.q_sh, nullptr, bh);
 }
 
 #if KIVI_LANES
@@ -1381,7 +1296,6 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_lanes_ke
   if constexpr (BUF && lanes_buffer_ok) {
     if ((int)blockIdx.x >= lp.p.nsplit) {
       attend_buffer<(lanes_buffer_ok ? KIVI_QDIM : 64), KIVI_DV>(lp.p, b, h, bh, blockIdx.x - lp.p.nsplit);
-      merge_if_last<KIVI_DV>(lp.p);
       return;
     }
   }
@@ -1404,14 +1318,13 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_lanes_ke
   const int li = found[0], row = found[1];
   if (li < 0) {
     write_empty(lp.p, bh);
-    merge_if_last<KIVI_DV>(lp.p);
     return;
   }
   const LaneParams& ln = lp.lane[li];
 #define KIVI_LANE_CASE(D) \
   case D:                 \
     attend_lane<D, ST>(lp, ln, b, row, h, bh); \
-    break;
+    return;
   switch (ln.dk) {
 #ifdef KIVI_LANE_DK0
     KIVI_LANE_CASE(KIVI_LANE_DK0)
@@ -1441,10 +1354,14 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_lanes_ke
       write_empty(lp.p, bh);  // not reached: the host checks every lane's dk against the build
   }
 #undef KIVI_LANE_CASE
-  merge_if_last<KIVI_DV>(lp.p);  // (one copy after every lane's body)
 }
 #endif  // KIVI_LANES
 
+// The merged output stored as OutT: float, or rounded once to the read's fp16 / bf16 (a read whose only part this is
+// needs no cast launch after it).
+__device__ __forceinline__ void store_out(float* p, float x) { *p = x; }
+__device__ __forceinline__ void store_out(__half* p, float x) { *p = __float2half_rn(x); }
+__device__ __forceinline__ void store_out(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
 
 // Merge nsplit partials [S, R, DV] / [S, R] (R = B*H*M rows) into out [R, DV] (OutT) / lse [R] by log-sum-exp.
 // One CTA of 8 warps per row: the warps stride over the splits (one coalesced DV-float row per split and warp),
@@ -1566,7 +1483,7 @@ int launch_variant(void (*kern)(P), const P& params, int kind, int st, int nw, d
 
 #include <string.h>
 
-#define KIVI_PARAMS_INTS 60  // int64 entries parse_params reads (pointers, strides, sizes): cuda_kernel.py::_args
+#define KIVI_PARAMS_INTS 56  // int64 entries parse_params reads (pointers, strides, sizes): cuda_kernel.py::_args
 static kivi_v3::Params parse_params(const long long* a, double qk_scale, double softcap = 0.0) {
   using namespace kivi_v3;
   Params p;
@@ -1601,24 +1518,11 @@ static kivi_v3::Params parse_params(const long long* a, double qk_scale, double 
   p.bv_sb = a[i++]; p.bv_sh = a[i++]; p.bv_st = a[i++];
   p.bva_sb = a[i++];
   p.bNT = (int)a[i++]; p.bsplit = (int)a[i++]; p.btps = (int)a[i++]; p.bbf16 = (int)a[i++];
-  p.cnt = reinterpret_cast<int*>(a[i++]);
-  p.out = reinterpret_cast<void*>(a[i++]);
-  p.lse = reinterpret_cast<float*>(a[i++]);
-  p.out_kind = (int)a[i++];
   // i == KIVI_PARAMS_INTS here
   p.qk_scale = (float)qk_scale;
   p.softcap = (float)softcap;
   return p;
 }
-
-// The split merge's arrival counters (Params::cnt): zero when the library is loaded on a device, and every launch
-// leaves the counters it used at zero again.  BANKS banks of BANK_COUNTERS (one per (batch, head, row block) of a
-// launch); the host gives each CUDA stream its own bank (launches on one stream run one after another, so they can
-// share counters; launches on two streams may overlap, so they must not).
-namespace kivi_v3 {
-constexpr int BANKS = 8, BANK_COUNTERS = 16384;
-__device__ int kivi_counters[BANKS * BANK_COUNTERS];
-}  // namespace kivi_v3
 
 // Only the extern "C" entry points are exported (built with -fvisibility=hidden).
 #define KIVI_EXPORT __attribute__((visibility("default")))
@@ -1644,21 +1548,6 @@ KIVI_EXPORT int kivi_v3_phases(long long* dst, long long n) {
 }
 // Dynamic shared-memory bytes kivi_v3_launch requests for (nw, stages); whether it raises the kernel's limit
 // (> 48 KB) through cudaFuncSetAttribute.
-// The device address of counter bank `bank` on `device` (*ptr), for Params::cnt; *count: the counters of a bank.
-KIVI_EXPORT int kivi_v3_counters(int device, int bank, long long* ptr, long long* count) {
-  using namespace kivi_v3;
-  *count = BANK_COUNTERS;
-  if (bank < 0 || bank >= BANKS) return (int)cudaErrorInvalidValue;
-  cudaError_t e = cudaSetDevice(device);
-  if (e != cudaSuccess) return (int)e;
-  void* base = nullptr;
-  e = cudaGetSymbolAddress(&base, kivi_counters);
-  if (e != cudaSuccess) return (int)e;
-  *ptr = reinterpret_cast<long long>(reinterpret_cast<int*>(base) + (long long)bank * BANK_COUNTERS);
-  return 0;
-}
-KIVI_EXPORT int kivi_v3_counter_banks() { return kivi_v3::BANKS; }
-
 KIVI_EXPORT long long kivi_v3_launch_smem(int nw, int stages) { return (long long)kivi_v3::launch_smem(nw, stages); }
 KIVI_EXPORT int kivi_v3_needs_smem_optin(int nw, int stages) {
   return kivi_v3::launch_smem(nw, stages) > kivi_v3::DEFAULT_SMEM ? 1 : 0;
@@ -1766,7 +1655,6 @@ KIVI_EXPORT int kivi_v3_lanes_parse_probe(const long long* a, long long* out) {
   return i + n * 27;
 }
 KIVI_EXPORT int kivi_v3_params_ints() { return KIVI_PARAMS_INTS; }
-
 #endif
 
 // Host replay of one tile's copies and of the compute loop's shared-memory reads, for every lane, with the

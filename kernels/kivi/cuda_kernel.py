@@ -119,13 +119,11 @@ LOG2E = 1.4426950408889634
 TILE = 32
 DIMS = (64, 128)
 #: int64 entries of one ``kivi_v3::Params`` in a launcher's argument array (10 pointers, 20 strides, 9 sizes, the
-#: length pointer and the tile assignment, then the full-precision buffer: 4 pointers, 7 strides, 4 sizes, then the
-#: split merge: counters, output, LSE, output kind - :func:`_args`; ``KIVI_PARAMS_INTS`` in the .cu)
-PARAMS_INTS = 60
+#: length pointer and the tile assignment, then the full-precision buffer: 4 pointers, 7 strides, 4 sizes -
+#: :func:`_args`; ``KIVI_PARAMS_INTS`` in the .cu)
+PARAMS_INTS = 56
 #: the buffer entries of a launch without a buffer (``Params::bsplit`` 0)
 NO_BUFFER = (0,) * 15
-#: the split-merge entries of a launch whose partials the separate combine merges (``Params::cnt`` null)
-NO_MERGE = (0,) * 4
 #: buffer slots one CTA of the buffer read takes (:func:`buffer_plan`)
 BUFFER_TOKENS = 32
 #: the most buffer CTAs per (batch, head, row block): a longer buffer gets longer runs (:func:`buffer_plan`); the
@@ -196,7 +194,7 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # B1 / 4k 9.74 -> 9.14 us).
 DEFAULT_CONFIG = dict(nw=4, stages=2, waves=1.0, warps_per_sm=16, min_tiles="auto", min_blocks=4, kfold=0, vfold=0,
                       interleave=1, buffer_tokens=BUFFER_TOKENS, buffer_rows=BUFFER_ROWS, buffer_work=BUFFER_WORK,
-                      buffer_weight=BUFFER_WEIGHT, pdl=True, buffer_ctas="auto", fused_merge=True)
+                      buffer_weight=BUFFER_WEIGHT, pdl=True, buffer_ctas="auto")
 SMEM_DEFAULT = 48 * 1024  # dynamic shared memory a kernel gets without cudaFuncAttributeMaxDynamicSharedMemorySize
 SMEM_OPTIN_MAX = 227 * 1024  # the largest opt-in limit of any supported GPU (sm_90); the device's own limit is used
 
@@ -479,10 +477,6 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
     lib.kivi_v3_combine_launch.argtypes = [ctypes.c_longlong] * 4 + [ctypes.c_int, ctypes.c_longlong, ctypes.c_int,
                                                                        ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                                                        ctypes.c_void_p]
-    lib.kivi_v3_counters.restype = ctypes.c_int
-    lib.kivi_v3_counters.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_longlong),
-                                     ctypes.POINTER(ctypes.c_longlong)]
-    lib.kivi_v3_counter_banks.restype = ctypes.c_int
     lib.kivi_v3_error_string.restype = ctypes.c_char_p
     lib.kivi_v3_error_string.argtypes = [ctypes.c_int]
     lib.kivi_v3_stage_bytes.restype = ctypes.c_int
@@ -789,12 +783,11 @@ def _buffer_args(buffer: tuple | None, tokens: int = BUFFER_TOKENS, most: int = 
 
 def _args(packed: PackedKV, kv: list[torch.Tensor], q_ptr: int, q_strides, po_ptr: int, pl_ptr: int, m: int,
           tps: int, splits: int, len_ptr: int = 0, interleave: int = 1, buffer: tuple | None = None,
-          buffer_tokens: int = BUFFER_TOKENS, buffer_ctas: int = BUFFER_CTAS,
-          merge: tuple = NO_MERGE):
+          buffer_tokens: int = BUFFER_TOKENS, buffer_ctas: int = BUFFER_CTAS):
     """The launcher's int64 argument array, in the order of ``kivi_v3::Params`` (``len_ptr``: the live length's
     int64 device pointer, 0 for none; ``interleave``: the tile-to-warp assignment, see :data:`DEFAULT_CONFIG`;
     ``buffer``: ``(k, v, valid as uint8, length or None)`` of a full-precision buffer read in the same launch,
-    ``buffer_tokens`` slots per buffer CTA, at most ``buffer_ctas`` CTAs; ``merge``: :func:`merge_args`)."""
+    ``buffer_tokens`` slots per buffer CTA, at most ``buffer_ctas`` CTAs)."""
     kc, ks, kz, vc, vs, vz, valid = kv
     b, h = kc.shape[:2]
     nt = kc.shape[2] * packed.group
@@ -805,7 +798,7 @@ def _args(packed: PackedKV, kv: list[torch.Tensor], q_ptr: int, q_strides, po_pt
             *q_strides, *kc.stride()[:3], *ks.stride()[:3], *kz.stride()[:3], *vc.stride()[:3],
             *vs.stride()[:2], *vz.stride()[:2], valid.stride(0),
             m, h, nt, packed.group.bit_length() - 1, tps, splits, ngv, dv // ngv, b * h, len_ptr, int(interleave),
-            *_buffer_args(buffer, buffer_tokens, buffer_ctas), *merge]
+            *_buffer_args(buffer, buffer_tokens, buffer_ctas)]
     return (ctypes.c_longlong * len(args))(*args)
 
 
@@ -847,8 +840,8 @@ _PLANS: dict[tuple, tuple] = {}
 
 def _plan(bits: int, dk: int, dv: int, rows: int, nt: int, index: int, softcap: float | None, c: dict,
           splits: int | None) -> tuple:
-    """``(library, warps, stages, splits, tiles per split, interleave, buffer tokens, PDL, buffer CTAs, fused
-    merge)`` of a launch over ``nt`` tokens and ``rows`` (batch x heads x row blocks) with configuration ``c``."""
+    """``(library, warps, stages, splits, tiles per split, interleave, buffer tokens, PDL, buffer CTAs)`` of a
+    launch over ``nt`` tokens and ``rows`` (batch x heads x row blocks) with configuration ``c``."""
     lib = build_for(bits, dk, dv, c, softcap=bool(softcap))
     ntiles = nt // TILE
     nw, stages, cta_smem, _ = plan_launch(bits, dk, dv, int(c["nw"]), int(c["stages"]), _smem_limit(index))
@@ -859,7 +852,7 @@ def _plan(bits: int, dk: int, dv: int, rows: int, nt: int, index: int, softcap: 
     tiles_per_split = -(-ntiles // max(1, min(s, ntiles)))
     btok, bctas = buffer_launch(rows, nt, int(c.get("buffer_tokens", BUFFER_TOKENS)), c.get("buffer_ctas", "auto"))
     return (lib, nw, stages, -(-ntiles // tiles_per_split), tiles_per_split, int(c.get("interleave", 1)), btok,
-            pdl_ok(c, index), bctas, bool(c.get("fused_merge", True)))
+            pdl_ok(c, index), bctas)
 
 
 def pdl_ok(c: dict, index: int) -> bool:
@@ -921,7 +914,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
         if cfg:
             c.update(cfg)
         plan = _plan(bits, dk, dv, b * h * row_blocks, nt, index, softcap, c, splits)
-    lib, nw, stages, s, tiles_per_split, interleave, btok, pdl, bctas, fused = plan
+    lib, nw, stages, s, tiles_per_split, interleave, btok, pdl, bctas = plan
 
     q = _aligned(query.to(torch.float16), 1, 4)
     kv = _kv_tensors(packed)
@@ -931,16 +924,14 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
         buffer = (bk, bv, bvalid.view(torch.uint8), live_length(blen, dev))
     total = s + (buffer_plan(buffer[0].shape[2], btok, bctas)[0] if buffer is not None else 0)
     po, pl = partial_buffers(out, lse, total)
-    stream = torch.cuda.current_stream(dev).cuda_stream
-    merge = merge_args(lib, po, out, lse, b * h * row_blocks, index, stream) if fused else NO_MERGE
     arr = _args(packed, kv, q.data_ptr(), q.stride()[:3], po.data_ptr(), pl.data_ptr(), m, tiles_per_split * TILE, s,
-                0 if length is None else length.data_ptr(), interleave, buffer, btok, bctas, merge)
+                0 if length is None else length.data_ptr(), interleave, buffer, btok, bctas)
+    stream = torch.cuda.current_stream(dev).cuda_stream
     rc = lib.kivi_v3_launch(arr, float(scale) * LOG2E, float(softcap or 0.0) * LOG2E, nw, stages, row_blocks,
                             index, ctypes.c_void_p(stream))
     if rc:
         raise RuntimeError(f"KIVI CUDA kernel launch failed: {lib.kivi_v3_error_string(rc).decode()}")
-    if not merge[0]:
-        combine_into(lib, po, pl, out, lse, total, index, ctypes.c_void_p(stream), pdl)
+    combine_into(lib, po, pl, out, lse, total, index, ctypes.c_void_p(stream), pdl)
     return out, lse
 
 
@@ -969,48 +960,6 @@ def combine_into(lib, po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor, lse
                                     out.shape[-1], OUT_KINDS[out.dtype], int(pdl), index, stream)
     if rc:
         raise RuntimeError(f"KIVI CUDA combine launch failed: {lib.kivi_v3_error_string(rc).decode()}")
-
-
-#: per (library handle, device): the device addresses of the library's counter banks and the counters of a bank
-_BANKS: dict[tuple[int, int], tuple[list[int], int]] = {}
-#: per (library handle, device, CUDA stream): the stream's counter bank (an index of _BANKS' list; -1: none left)
-_STREAM_BANK: dict[tuple[int, int, int], int] = {}
-
-
-def merge_args(lib, po: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, slots: int, index: int,
-               stream: int) -> tuple:
-    """``Params``' split-merge entries: the split kernel merges its own partials (the last CTA of each (batch, head,
-    row block) row, behind an arrival counter it resets; ``kivi_v3::merge_if_last``) into ``out`` / ``lse``, with the
-    counter bank of CUDA stream ``stream`` - or :data:`NO_MERGE`, and the separate combine (:func:`combine_into`)
-    merges them: where the kernel writes ``out`` itself (``po is out``), where the launch has more rows (``slots``)
-    than a bank has counters, or where every bank is taken by other streams.  A stream keeps its bank (launches on
-    one stream never overlap; on two they may).  The bank addresses are looked up once per library and device, at
-    its first launch there (before any graph capture of it, where the warm-up call runs eagerly)."""
-    if po is out:
-        return NO_MERGE
-    key = (lib._handle, index)
-    banks = _BANKS.get(key)
-    if banks is None:
-        with _LOCK:
-            addrs, count = [], ctypes.c_longlong()
-            for bank in range(lib.kivi_v3_counter_banks()):
-                ptr = ctypes.c_longlong()
-                rc = lib.kivi_v3_counters(index, bank, ctypes.byref(ptr), ctypes.byref(count))
-                if rc:
-                    raise RuntimeError(f"KIVI CUDA kernel: the split-merge counters of device {index}: "
-                                       f"{lib.kivi_v3_error_string(rc).decode()}")
-                addrs.append(ptr.value)
-            banks = _BANKS[key] = (addrs, count.value)
-    addrs, count = banks
-    skey = key + (stream,)
-    bank = _STREAM_BANK.get(skey)
-    if bank is None:
-        with _LOCK:
-            taken = sum(1 for k, v in _STREAM_BANK.items() if k[:2] == key and v >= 0)
-            bank = _STREAM_BANK[skey] = taken if taken < len(addrs) else -1
-    if bank < 0 or slots > count:
-        return NO_MERGE
-    return (addrs[bank], out.data_ptr(), lse.data_ptr(), OUT_KINDS[out.dtype])
 
 
 def kivi_attention_partial(query: torch.Tensor, packed: PackedKV, scale: float, *,

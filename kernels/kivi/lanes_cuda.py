@@ -148,21 +148,19 @@ def _plan(region: PackedLanes, query: torch.Tensor, covered: int, index: int, so
     tps = -(-ntiles // max(1, min(s, ntiles)))
     btok, bctas = ck.buffer_launch(b * h * -(-m // 8), nt, int(c.get("buffer_tokens") or ck.BUFFER_TOKENS),
                                    c.get("buffer_ctas", "auto"))
-    return (lib, nw, stages, -(-ntiles // tps), tps, int(c.get("interleave", 1)), ck.pdl_ok(c, index), btok, bctas,
-            bool(c.get("fused_merge", True)))
+    return lib, nw, stages, -(-ntiles // tps), tps, int(c.get("interleave", 1)), ck.pdl_ok(c, index), btok, bctas
 
 
 def launch_args(q: torch.Tensor, region: PackedLanes, valid8: torch.Tensor, po: int, pl: int, splits: int,
                 tiles_per_split: int, length: torch.Tensor | None = None,
                 interleave: int = 1, buffer: tuple | None = None,
                 buffer_tokens: int = ck.BUFFER_TOKENS,
-                buffer_ctas: int = ck.BUFFER_CTAS,
-                merge: tuple = ck.NO_MERGE) -> tuple[list[int], list[torch.Tensor]]:
+                buffer_ctas: int = ck.BUFFER_CTAS) -> tuple[list[int], list[torch.Tensor]]:
     """The launcher's int64 argument array (``kivi_v3_lanes_launch``: the region's ``Params`` - query, valid flags,
     outputs, sizes, the live length (``length``: 0-dim int64 device tensor, or none), the tile-to-warp assignment
     (:data:`.cuda_kernel.DEFAULT_CONFIG`'s ``interleave``), the full-precision buffer (``buffer``: ``(k, v, valid
     uint8, length or None)``, ``buffer_tokens`` slots per buffer CTA, at most ``buffer_ctas`` CTAs; none: no buffer
-    CTAs), the split merge (``merge``: :func:`.cuda_kernel.merge_args`); the payload pointers
+    CTAs); the payload pointers
     and strides there unused -, the lane count, then :data:`LANE_INTS` per lane) and the tensors it points into
     (aligned copies where needed; keep them alive until the launch is issued)."""
     b, h, m, _ = q.shape
@@ -172,7 +170,7 @@ def launch_args(q: torch.Tensor, region: PackedLanes, valid8: torch.Tensor, po: 
             *q.stride()[:3], *([0] * 16), valid8.stride(0),
             m, h, region.num_tokens, region.group.bit_length() - 1, tiles_per_split * ck.TILE, splits, ngv, dv // ngv,
             b * h, 0 if length is None else length.data_ptr(), int(interleave),
-            *ck._buffer_args(buffer, buffer_tokens, buffer_ctas), *merge]
+            *ck._buffer_args(buffer, buffer_tokens, buffer_ctas)]
     if len(args) != ck.PARAMS_INTS:
         raise RuntimeError(f"KIVI CUDA lanes kernel: {len(args)} region entries, the launcher reads {ck.PARAMS_INTS}")
     args.append(len(region.lanes))
@@ -234,7 +232,7 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
         if len(_PLANS) >= 4096:
             _PLANS.clear()
         plan = _PLANS[key] = _plan(region, query, covered, index, softcap, c)
-    lib, nw, stages, s, tps, interleave, pdl, btok, bctas, fused = plan
+    lib, nw, stages, s, tps, interleave, pdl, btok, bctas = plan
 
     valid8 = valid.view(torch.uint8) if valid.dtype == torch.bool else valid.to(torch.uint8)
     valid8 = ck._aligned(valid8, 1, 16)
@@ -244,19 +242,16 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
         buffer = (bk, bv, bvalid.view(torch.uint8), ck.live_length(blen, dev))
     total = s + (ck.buffer_plan(buffer[0].shape[2], btok, bctas)[0] if buffer is not None else 0)
     po, pl = ck.partial_buffers(out, lse, total)
-    handle = torch.cuda.current_stream(dev).cuda_stream
-    merge = ck.merge_args(lib, po, out, lse, b * h * -(-m // 8), index, handle) if fused else ck.NO_MERGE
     args, keep = launch_args(q, region, valid8, po.data_ptr(), pl.data_ptr(), s, tps, length, interleave, buffer,
-                             btok, bctas, merge)
+                             btok, bctas)
     arr = (ctypes.c_longlong * len(args))(*args)
-    stream = ctypes.c_void_p(handle)
+    stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)
     with _LOCK:
         rc = lib.kivi_v3_lanes_launch(arr, float(scale) * ck.LOG2E, float(softcap or 0.0) * ck.LOG2E, nw, stages,
                                       -(-m // 8), index, stream)
     if rc:
         raise RuntimeError(f"KIVI CUDA lanes kernel launch failed: {lib.kivi_v3_error_string(rc).decode()}")
-    if not merge[0]:
-        ck.combine_into(lib, po, pl, out, lse, total, index, stream, pdl)
+    ck.combine_into(lib, po, pl, out, lse, total, index, stream, pdl)
     del keep
     return out, lse
 
