@@ -1365,70 +1365,64 @@ __device__ __forceinline__ void store_out(__nv_bfloat16* p, float x) { *p = __fl
 
 // Merge nsplit partials [S, R, DV] / [S, R] (R = B*H*M rows) into out [R, DV] (OutT) / lse [R] by log-sum-exp.
 // One CTA of 8 warps per row: the warps stride over the splits (one coalesced DV-float row per split and warp),
-// so a long split list is read with 8-way parallelism instead of one serial loop per output element.  One pass
-// (session 52): each warp keeps its own running maximum, rescaling its sum when a split's LSE exceeds it, so a split's
-// LSE and partial are loaded together; the warps' (maximum, sum, channels) are merged in shared memory.  (Before, the
-// splits' largest LSE was read first and the weighted sum after it: two dependent rounds of L2 reads.)
+// so a long split list is read with 8-way parallelism instead of one serial loop per output element.
 template <int DV, typename OutT>
 __global__ void __launch_bounds__(256) kivi_v3_combine(const float* __restrict__ po, const float* __restrict__ pl,
                                                        OutT* __restrict__ out, float* __restrict__ lse, int nsplit,
                                                        long long R) {
   constexpr int NWC = 8, PERL = DV / 32;
   static_assert(PERL == 2 || PERL == 4, "DV 64 or 128");
-  __shared__ float wmax[NWC], wden[NWC];
+  __shared__ float red[NWC];
   __shared__ float part[NWC][DV];
   const long long row = blockIdx.x;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   pdl_wait();  // launched with PDL: the split kernel may still run; nothing is read or written before it is done
-  float acc[PERL];
+  float top = -INFINITY;
+  for (int s = tid; s < nsplit; s += NWC * 32) top = fmaxf(top, pl[s * R + row]);
 #pragma unroll
-  for (int i = 0; i < PERL; ++i) acc[i] = 0.f;
-  float top = -INFINITY, den = 0.f;
-#pragma unroll 4
-  for (int s = warp; s < nsplit; s += NWC) {
-    const float l = pl[s * R + row];
-    const float* src = po + (s * R + row) * DV + lane * PERL;
-    float v[PERL];
-    if constexpr (PERL == 4) {
-      const float4 x = *reinterpret_cast<const float4*>(src);
-      v[0] = x.x; v[1] = x.y; v[2] = x.z; v[3] = x.w;
-    } else {
-      const float2 x = *reinterpret_cast<const float2*>(src);
-      v[0] = x.x; v[1] = x.y;
-    }
-    const float mx = fmaxf(top, l);
-    if (mx != -INFINITY) {  // (a split without a valid key: LSE -inf, weight 0, nothing to add)
-      const float sc = __expf(top - mx), w = __expf(l - mx);
-      den = den * sc + w;
-#pragma unroll
-      for (int i = 0; i < PERL; ++i) acc[i] = acc[i] * sc + w * v[i];
-      top = mx;
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < PERL; ++i) part[warp][lane * PERL + i] = acc[i];
-  if (lane == 0) {
-    wmax[warp] = top;
-    wden[warp] = den;
-  }
+  for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+  if (lane == 0) red[warp] = top;
   __syncthreads();
-  float m = wmax[0];
+  top = red[0];
 #pragma unroll
-  for (int w = 1; w < NWC; ++w) m = fmaxf(m, wmax[w]);
-  if (m == -INFINITY) {  // no valid key in any split
+  for (int w = 1; w < NWC; ++w) top = fmaxf(top, red[w]);
+  if (top == -INFINITY) {  // no valid key in any split
     if (tid < DV) store_out(out + row * DV + tid, 0.f);
     if (tid == 0) lse[row] = -INFINITY;
     return;
   }
-  float d = 0.f, num = 0.f;
+  __syncthreads();  // everyone has read red[] before it is reused
+  float acc[PERL];
 #pragma unroll
-  for (int w = 0; w < NWC; ++w) {
-    const float f = __expf(wmax[w] - m);  // a warp that saw no valid split: exp(-inf) = 0 (its sums are 0 too)
-    d += f * wden[w];
-    if (tid < DV) num += f * part[w][tid];
+  for (int i = 0; i < PERL; ++i) acc[i] = 0.f;
+  float den = 0.f;
+#pragma unroll 4
+  for (int s = warp; s < nsplit; s += NWC) {
+    const float w = __expf(pl[s * R + row] - top);
+    den += w;
+    const float* src = po + (s * R + row) * DV + lane * PERL;
+    if constexpr (PERL == 4) {
+      const float4 v = *reinterpret_cast<const float4*>(src);
+      acc[0] += w * v.x; acc[1] += w * v.y; acc[2] += w * v.z; acc[3] += w * v.w;
+    } else {
+      const float2 v = *reinterpret_cast<const float2*>(src);
+      acc[0] += w * v.x; acc[1] += w * v.y;
+    }
   }
-  if (tid < DV) store_out(out + row * DV + tid, num / d);
-  if (tid == 0) lse[row] = m + __logf(d);
+#pragma unroll
+  for (int i = 0; i < PERL; ++i) part[warp][lane * PERL + i] = acc[i];
+  if (lane == 0) red[warp] = den;
+  __syncthreads();
+  float d = 0.f;
+#pragma unroll
+  for (int w = 0; w < NWC; ++w) d += red[w];
+  if (tid < DV) {
+    float num = 0.f;
+#pragma unroll
+    for (int w = 0; w < NWC; ++w) num += part[w][tid];
+    store_out(out + row * DV + tid, num / d);
+  }
+  if (tid == 0) lse[row] = top + __logf(d);
 }
 
 template <int BITS, int DK, int DV>
