@@ -289,6 +289,16 @@ case "${PART:-stages}" in
       --shapes "${KP_SHAPES:-llama3-8b:1:32k:2,llama3-8b:1:4k:2,llama3-8b:16:32k:2,smollm2-135m:1:32k:2}" 2>&1 \
       | grep -v Warning | tail -16 | tee -a "$OUT/phases.txt"
     ;;
+  merge-floor)  # session 52: what merging a batch-1 read's split partials costs on stub split kernels - none, the PDL
+    # combine (today), a thread-block cluster merging through distributed shared memory, clusters + combine
+    # (benchmarks/gpu_merge_floor.cu; a table in merge_floor.md)
+    export PATH=/usr/local/cuda/bin:$PATH
+    mkdir -p "$OUT"
+    cd "$HERE/.." || exit 1
+    nvcc -O3 -std=c++17 -w -gencode=arch=compute_90a,code=sm_90a -o /tmp/merge_floor benchmarks/gpu_merge_floor.cu \
+      2>&1 | tail -5 | tee -a "$OUT/log.txt"
+    timeout 120 /tmp/merge_floor 2>&1 | tee "$OUT/merge_floor.md"
+    ;;
   grid-full)  # every op of the grid (no tests) into grid.json
     S34_GRID_PART=grid2 S34_GRID_OPS=kivi2,kivi4,leank50,leank70,leank70-kivi2,ds8,ds16,ds8-shared,ds16-shared,paged-dense,paged-kivi2,lowrank,none \
       G_TIMEOUT=${G_TIMEOUT:-300} G_SECONDS=${G_SECONDS:-280} PART=grid bash "$HERE/gpu_s34_session.sh" "$OUT"

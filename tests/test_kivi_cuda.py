@@ -20,6 +20,7 @@ import sys
 import types
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -230,6 +231,19 @@ def test_kfold_source_compiles_for_sm90a_without_spills(bits, dk, dv, min_blocks
     assert spills and all(s == ("0", "0") for s in spills), report
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
     assert regs and max(regs) <= (255 if min_blocks == 1 else 65536 // (128 * min_blocks))
+
+
+def test_merge_floor_probe_compiles(tmp_path):
+    """benchmarks/gpu_merge_floor.cu (session 52's probe of the split merge's cost: it includes this kernel's source
+    for kivi_v3_combine) still builds for sm_90a."""
+    nvcc = ck.nvcc_path()
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    src = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_merge_floor.cu"
+    done = subprocess.run([nvcc, "-O3", "-std=c++17", "-w", "-gencode=arch=compute_90a,code=sm_90a", "-c", "-o",
+                           str(tmp_path / "probe.o"), str(src)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "probe.o").stat().st_size > 0
 
 
 def test_build_flags_name_both_targets():
