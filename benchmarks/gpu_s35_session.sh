@@ -146,7 +146,10 @@
 # Session 51 (H100) ran kivi-phases (a third of a batch-1 warp outside its tile loop, the partial's write the largest
 # part) and profile4k's kernel tails, then kivi-write on the tree that acts on them: its KIVI GPU tests passed (82);
 # the timeout cut its A/B after the new tree's round, so the tree before was not timed in the same call.
-# Left: kivi-write again (KW_ROUNDS=2, then with test_kivi_lanes.py), grid-full on an H200.
+# Session 52 (H100) ran kivi-write with KW_LANES=1 three times: session 51's change against eb3f020 (105 GPU tests
+# passed; Llama reads 0.6-4.5 % faster), then the split merge inside the split kernel (3c95218: batch-1 reads 8-54 %
+# slower) and a one-pass combine (f1e4406: no faster), each against 1f62b12 and reverted (docs/results.md "Session 52").
+# Left: merge-floor (prepared, not run: can a thread-block cluster merge beat the PDL combine?), grid-full on an H200.
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
