@@ -293,14 +293,19 @@ case "${PART:-stages}" in
       | grep -v Warning | tail -16 | tee -a "$OUT/phases.txt"
     ;;
   merge-floor)  # session 52: what merging a batch-1 read's split partials costs on stub split kernels - none, the PDL
-    # combine (today), a thread-block cluster merging through distributed shared memory, clusters + combine
-    # (benchmarks/gpu_merge_floor.cu; a table in merge_floor.md)
+    # combine (today), the last CTA of a row, a thread-block cluster merging through distributed shared memory,
+    # clusters of 16 + combine (benchmarks/gpu_merge_floor.cu), Llama and SmolLM2 batch-1 shapes: tables in
+    # merge_floor.md
     export PATH=/usr/local/cuda/bin:$PATH
     mkdir -p "$OUT"
     cd "$HERE/.." || exit 1
-    nvcc -O3 -std=c++17 -w -gencode=arch=compute_90a,code=sm_90a -o /tmp/merge_floor benchmarks/gpu_merge_floor.cu \
-      2>&1 | tail -5 | tee -a "$OUT/log.txt"
-    timeout 120 /tmp/merge_floor 2>&1 | tee "$OUT/merge_floor.md"
+    for dv in 128 64; do
+      nvcc -O3 -std=c++17 -w -gencode=arch=compute_90a,code=sm_90a -DPROBE_DV=$dv -o /tmp/merge_floor_$dv \
+        benchmarks/gpu_merge_floor.cu 2>&1 | tail -5 | tee -a "$OUT/log.txt"
+    done
+    timeout 60 /tmp/merge_floor_128 8 4 8 16 32 64 2>&1 | tee "$OUT/merge_floor.md"
+    echo | tee -a "$OUT/merge_floor.md"
+    timeout 60 /tmp/merge_floor_64 3 3 16 32 64 2>&1 | tee -a "$OUT/merge_floor.md"
     ;;
   grid-full)  # every op of the grid (no tests) into grid.json
     S34_GRID_PART=grid2 S34_GRID_OPS=kivi2,kivi4,leank50,leank70,leank70-kivi2,ds8,ds16,ds8-shared,ds16-shared,paged-dense,paged-kivi2,lowrank,none \
