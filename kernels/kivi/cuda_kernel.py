@@ -516,7 +516,8 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
 
 def build_for(bits: int, dk: int, dv: int, cfg: dict, softcap: bool = False) -> ctypes.CDLL:
     """:func:`build` with the build options of a launch configuration (``min_blocks``, ``kfold``, ``vfold``,
-    ``probe``, ``phases``, ``warp_partials``; the launch-only entries are ignored) and of the model's attention (``softcap``)."""
+    ``probe``, ``phases``, ``warp_partials``; the launch-only entries are ignored) and of the model's attention
+    (``softcap``)."""
     return build(bits, dk, dv, int(cfg.get("min_blocks", 1)), int(cfg.get("kfold", 0)), int(cfg.get("vfold", 0)),
                  int(cfg.get("probe", 0)), softcap, phases=bool(cfg.get("phases", 0)),
                  warp_partials=bool(cfg.get("warp_partials", False)))
