@@ -829,8 +829,9 @@ def test_warp_partials_on_gpu():
         for cfg, splits in [({}, None), ({"nw": 1}, 3), ({"nw": 2, "interleave": 0}, 2), ({"stages": 3}, 7)]:
             out, lse = ck._forward(q, packed, scale, cfg={"warp_partials": True, **cfg}, splits=splits)
             check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
+        full, full_lse = ck._forward(q, packed, scale, cfg={"warp_partials": True})
         half, half_lse = ck._forward(q, packed, scale, cfg={"warp_partials": True}, out_dtype=torch.float16)
-        assert half.dtype == torch.float16 and torch.equal(half_lse, lse)
+        assert half.dtype == torch.float16 and torch.equal(half, full.half()) and torch.equal(half_lse, full_lse)
         p = dataclasses.replace(packed, length=torch.tensor(37, device="cuda"))
         ref_out, ref_lse = kivi_attention_partial(q, p, scale)
         out, lse = ck._forward(q, p, scale, cfg={"warp_partials": True})
