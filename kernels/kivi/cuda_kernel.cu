@@ -624,37 +624,30 @@ __device__ __forceinline__ long long phase_smid() {
 #endif
 #define KIVI_PHASE(slot) KIVI_PHASE_SET((slot), clock64())
 
-// One warp's partial (a KIVI_WARP_PARTIALS build): its O^T fragments staged in the warp's own pipeline stages (free: its
-// copies have landed and it has read them), then rows x DV floats normalised by the warp's row sums and stored with
-// 16-byte accesses, and the rows' LSEs - as write_partial does for a CTA, with one warp and no CTA barrier.  A row the
-// warp saw no valid slot of: zeros and LSE -inf.
-template <typename C, int DV, int ST>
-__device__ __forceinline__ void write_warp_partial(const Params& p, const float (&acc)[DV / 16][4],
-                                                   const float (&m_run)[2], const float (&l_run)[2], uint8_t* wsm,
-                                                   int part, int bh, int rb) {
-  constexpr int MT = 8, NCT = DV / 16, V4 = DV / 4;
-  static_assert(ST * C::STAGE >= (MT * DV + 2 * MT) * 4 && C::STAGE % 16 == 0, "a warp's stages hold its partial");
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  float* wo = reinterpret_cast<float*>(wsm);  // [MT][DV]
-  float* winv = wo + MT * DV;                 // [MT] 1 / row sum (0: no valid slot)
-  float* wlse = winv + MT;                    // [MT]
-  __syncwarp();  // every lane is done reading the stages
+// One warp's rows staged in shared memory from row `base` on: o [rows][DV] its unnormalised output (channels in the
+// kernel's order), m [rows] its row maxima (log2 units), l [rows] its row sums (reduced over the lanes holding a row);
+// lane (g, t) holds rows 2t and 2t + 1 of the warp's 8.  The CTA merge stages every
+// warp's rows this way; a KIVI_WARP_PARTIALS build stages one warp's and writes them as its partial.
+template <typename C, int DV>
+__device__ __forceinline__ void stage_warp_rows(const float (&acc)[DV / 16][4], const float (&m_run)[2],
+                                                const float (&l_run)[2], int g, int t, float* o, float* m,
+                                                float* l, int base) {
+  constexpr int NCT = DV / 16;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float l = l_run[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 4);
-    l += __shfl_xor_sync(0xffffffffu, l, 8);
-    l += __shfl_xor_sync(0xffffffffu, l, 16);
+    float lr = l_run[r];
+    lr += __shfl_xor_sync(0xffffffffu, lr, 4);
+    lr += __shfl_xor_sync(0xffffffffu, lr, 8);
+    lr += __shfl_xor_sync(0xffffffffu, lr, 16);
     const int row = 2 * t + r;
     if (g == 0) {
-      const bool seen = m_run[r] != -INFINITY;
-      winv[row] = seen ? 1.f / l : 0.f;
-      wlse[row] = seen ? (m_run[r] + log2f(l)) * 0.69314718055994531f : -INFINITY;
+      m[base + row] = m_run[r];
+      l[base + row] = lr;
     }
 #pragma unroll
     for (int ct = 0; ct < NCT; ++ct) {
 #pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {  // channel row g (n-index 2ct) / g+8 (2ct+1), as the CTA merge stages them
+      for (int hr = 0; hr < 2; ++hr) {  // channel row g (n-index 2ct) / g+8 (2ct+1)
         const int nt = 2 * ct + hr, u = nt / C::HP, i = nt % C::HP;
         int ch;
         if constexpr (C::VW >= 8) {
@@ -662,20 +655,39 @@ __device__ __forceinline__ void write_warp_partial(const Params& p, const float 
         } else {
           ch = (g >> 1) * C::PER + 2 * i + (g & 1);
         }
-        wo[row * DV + ch] = acc[ct][2 * hr + r];
+        o[(base + row) * DV + ch] = acc[ct][2 * hr + r];
       }
     }
   }
+}
+
+// One warp's partial (a KIVI_WARP_PARTIALS build): its rows staged in the warp's own pipeline stages (free: its
+// copies have landed and it has read them), then rows x DV floats normalised by the warp's row sums and stored with
+// 16-byte accesses, and the rows' LSEs - as write_partial does for a CTA, with one warp and no CTA barrier.  A row the
+// warp saw no valid slot of: zeros and LSE -inf.
+template <typename C, int DV, int ST>
+__device__ __forceinline__ void write_warp_partial(const Params& p, const float (&acc)[DV / 16][4],
+                                                   const float (&m_run)[2], const float (&l_run)[2], uint8_t* wsm,
+                                                   int part, int bh, int rb) {
+  constexpr int MT = 8, V4 = DV / 4;
+  static_assert(ST * C::STAGE >= (MT * DV + 2 * MT) * 4 && C::STAGE % 16 == 0, "a warp's stages hold its partial");
+  const int lane = threadIdx.x & 31;
+  float* wo = reinterpret_cast<float*>(wsm);  // [MT][DV]
+  float* wm = wo + MT * DV;                   // [MT]
+  float* wl = wm + MT;                        // [MT]
+  __syncwarp();  // every lane is done reading the stages
+  stage_warp_rows<C, DV>(acc, m_run, l_run, lane >> 2, lane & 3, wo, wm, wl, 0);
   __syncwarp();
   const int rows = min(MT, p.M - rb * MT);
   const long long orow = ((long long)part * p.BH + bh) * p.M + rb * MT;
   for (int idx = lane; idx < rows * V4; idx += 32) {
     const int row = idx / V4, c4 = idx - row * V4;
-    const float f = winv[row];
+    const float f = wm[row] != -INFINITY ? 1.f / wl[row] : 0.f;
     const float4 x = *reinterpret_cast<const float4*>(wo + row * DV + 4 * c4);
     *reinterpret_cast<float4*>(p.po + (orow + row) * DV + 4 * c4) = make_float4(f * x.x, f * x.y, f * x.z, f * x.w);
   }
-  if (lane < rows) p.pl[orow + lane] = wlse[lane];
+  if (lane < rows)
+    p.pl[orow + lane] = wm[lane] != -INFINITY ? (wm[lane] + log2f(wl[lane])) * 0.69314718055994531f : -INFINITY;
 }
 
 template <int BITS, int DK, int DV, int ST, bool GATHER>
@@ -1101,32 +1113,7 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
   float* om = reinterpret_cast<float*>(smem);  // [nw][MT][DV]
   float* mm = om + nw * MT * DV;               // [nw][MT]
   float* lm = mm + nw * MT;                    // [nw][MT]
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = l_run[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 4);
-    l += __shfl_xor_sync(0xffffffffu, l, 8);
-    l += __shfl_xor_sync(0xffffffffu, l, 16);
-    const int row = 2 * t + r;
-    if (g == 0) {
-      mm[warp * MT + row] = m_run[r];
-      lm[warp * MT + row] = l;
-    }
-#pragma unroll
-    for (int ct = 0; ct < NCT; ++ct) {
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {  // channel row g (n-index 2ct) / g+8 (2ct+1)
-        const int nt = 2 * ct + hr, u = nt / C::HP, i = nt % C::HP;
-        int ch;
-        if constexpr (C::VW >= 8) {
-          ch = (g * C::NVW + (u >> 1)) * C::PER + 2 * i + (u & 1);
-        } else {
-          ch = (g >> 1) * C::PER + 2 * i + (g & 1);
-        }
-        om[(warp * MT + row) * DV + ch] = acc[ct][2 * hr + r];
-      }
-    }
-  }
+  stage_warp_rows<C, DV>(acc, m_run, l_run, g, t, om, mm, lm, warp * MT);
   __syncthreads();
   KIVI_PHASE(8);
   const int rows = min(MT, p.M - rb * MT);

@@ -932,8 +932,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
     if buffer is not None:
         bk, bv, bvalid, blen = buffer
         buffer = (bk, bv, bvalid.view(torch.uint8), live_length(blen, dev))
-    total = s * (nw if lib.warp_partials else 1) + (buffer_plan(buffer[0].shape[2], btok, bctas)[0]
-                                                    if buffer is not None else 0)
+    total = partial_count(lib, s, nw, buffer, btok, bctas)
     po, pl = partial_buffers(out, lse, total)
     arr = _args(packed, kv, q.data_ptr(), q.stride()[:3], po.data_ptr(), pl.data_ptr(), m, tiles_per_split * TILE, s,
                 0 if length is None else length.data_ptr(), interleave, buffer, btok, bctas)
@@ -948,6 +947,13 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
 
 #: the split combine's output element type (``kivi_v3_combine_launch``'s ``out_kind``) by dtype
 OUT_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def partial_count(lib, splits: int, nw: int, buffer: tuple | None, buffer_tokens: int, buffer_ctas: int) -> int:
+    """The partials a launch writes for the combine: one per region CTA (``nw`` per CTA from a ``warp_partials``
+    library), then one per buffer CTA (:func:`buffer_plan` of ``buffer``'s slots; none without a buffer)."""
+    extra = buffer_plan(buffer[0].shape[2], buffer_tokens, buffer_ctas)[0] if buffer is not None else 0
+    return splits * (nw if lib.warp_partials else 1) + extra
 
 
 def partial_buffers(out: torch.Tensor, lse: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -240,8 +240,7 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
     if buffer is not None:
         bk, bv, bvalid, blen = buffer
         buffer = (bk, bv, bvalid.view(torch.uint8), ck.live_length(blen, dev))
-    total = s * (nw if lib.warp_partials else 1) + (ck.buffer_plan(buffer[0].shape[2], btok, bctas)[0]
-                                                    if buffer is not None else 0)
+    total = ck.partial_count(lib, s, nw, buffer, btok, bctas)
     po, pl = ck.partial_buffers(out, lse, total)
     args, keep = launch_args(q, region, valid8, po.data_ptr(), pl.data_ptr(), s, tps, length, interleave, buffer,
                              btok, bctas)
