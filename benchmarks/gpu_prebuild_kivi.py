@@ -20,11 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from kvcompress.kernels.kivi import cuda_kernel as ck  # noqa: E402
 
-# the build options the GPU tests launch with (test_kivi_cuda.py: the defaults, every fold variant, min_blocks 1 / 5,
-# the per-warp partials build)
+# the build options the GPU tests launch with (test_kivi_cuda.py: the defaults, every fold variant, min_blocks 1 / 5)
 TEST_CONFIGS = [{}, {"min_blocks": 1}, {"min_blocks": 5}, {"kfold": 1}, {"kfold": 2}, {"vfold": 1},
-                {"kfold": 1, "vfold": 1}, {"kfold": 2, "vfold": 1}, {"kfold": 1, "vfold": 1, "min_blocks": 1},
-                {"warp_partials": True}]
+                {"kfold": 1, "vfold": 1}, {"kfold": 2, "vfold": 1}, {"kfold": 1, "vfold": 1, "min_blocks": 1}]
 
 
 def main() -> None:

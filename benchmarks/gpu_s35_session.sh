@@ -149,8 +149,10 @@
 # Session 52 (H100) ran kivi-write with KW_LANES=1 three times: session 51's change against eb3f020 (105 GPU tests
 # passed; Llama reads 0.6-4.5 % faster), then the split merge inside the split kernel (3c95218: batch-1 reads 8-54 %
 # slower) and a one-pass combine (f1e4406: no faster), each against 1f62b12 and reverted (docs/results.md "Session 52").
-# Prepared, not run: merge-floor (can a thread-block cluster merge beat the PDL combine?) and warp-partials (the
-# opt-in per-warp partials build: its GPU tests and an A/B against the default); then grid-full on an H200.
+# Session 53 (H100) ran merge-floor (the PDL combine is the cheapest merge of stub partials at 8-64 splits; a cluster
+# merge costs 0.8-1.5 us more, clusters + the combine 1.4-3.4 us, the last CTA 3.1-21 us) and the per-warp partials build of session 52 (110 GPU
+# tests passed; batch-1 reads 6-47 % slower, removed), then grid-full (31 of 311 on that H100) and a KIVI-4 A/B of
+# session 51's change (docs/results.md "Session 53"). Still wanted: grid-full on an H200.
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -307,18 +309,6 @@ case "${PART:-stages}" in
     timeout 60 /tmp/merge_floor_128 8 4 8 16 32 64 2>&1 | tee "$OUT/merge_floor.md"
     echo | tee -a "$OUT/merge_floor.md"
     timeout 60 /tmp/merge_floor_64 3 3 16 32 64 2>&1 | tee -a "$OUT/merge_floor.md"
-    ;;
-  warp-partials)  # session 52 (prepared): the per-warp partials build (KIVI configuration warp_partials, opt-in: every
-    # region warp writes its own partial, no warp merge in the CTA; the batch-1 phase clocks put the merge and the
-    # write at 2.1 of 5.2 us per warp) - the KIVI GPU tests (xdist), then the reads with and without it, two
-    # alternating rounds (benchmarks/gpu_paged_sweep.sh over KVCOMPRESS_KIVI_CUDA_CONFIG)
-    (cd "$HERE/.." && source "$HERE/gpu_site.sh" >/dev/null \
-      && timeout 100 python "$SRC/benchmarks/gpu_prebuild_kivi.py" 2>&1 | tail -2 | tee -a "$OUT/prebuild.txt")
-    export PS_XDIST=8 PS_TEST_TIMEOUT=${WP_TEST_TIMEOUT:-200}
-    ROUNDS=2 && sweep "tests/test_kivi_cuda.py tests/test_kivi_buffer_read.py tests/test_kivi_lanes.py tests/test_kivi_lanes_buffer.py" \
-      KVCOMPRESS_KIVI_CUDA_CONFIG "${S35_OPS:-kivi2,kivi4,kivi2-static,leank70-kivi2}" \
-      "${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:16:32k,smollm2-135m:1:32k,smollm2-135m:16:32k}" \
-      '{}' '{"warp_partials": true}'
     ;;
   grid-full)  # every op of the grid (no tests) into grid.json
     S34_GRID_PART=grid2 S34_GRID_OPS=kivi2,kivi4,leank50,leank70,leank70-kivi2,ds8,ds16,ds8-shared,ds16-shared,paged-dense,paged-kivi2,lowrank,none \

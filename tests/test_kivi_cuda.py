@@ -767,39 +767,6 @@ def test_configs_and_splits_on_gpu(cfg, splits):
         check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
 
 
-@pytest.mark.parametrize("name,nw,splits,interleave", [("b2-d128-gqa4-pad-dead-row", 2, 2, 1),
-                                                       ("b4-d64-gqa3-g64", 4, 1, 0),
-                                                       ("b2-dk128-dv64-rows12", 2, 3, 1), ("b2-all-invalid", 2, 2, 1)])
-def test_emulated_warp_partials_match_reference(name, nw, splits, interleave):
-    """The per-warp partials build's dataflow (every warp's normalised partial to the split combine, no warp merge):
-    the same result as the reference, warps without tiles or valid slots included."""
-    q, packed = make_case(name, emulated=True)
-    scale = q.shape[-1] ** -0.5
-    out, lse = ck.emulate(q, packed, scale, nw=nw, splits=splits, interleave=interleave, warp_partials=True)
-    ref_out, ref_lse = kivi_attention_partial(q, packed, scale)
-    check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
-
-
-@pytest.mark.parametrize("bits,dk,dv", [(2, 128, 128), (4, 128, 64), (2, 64, 64)])
-def test_warp_partials_build_compiles_without_spills_and_leaves_the_default_unchanged(bits, dk, dv, tmp_path):
-    """-DKIVI_WARP_PARTIALS=1 (the opt-in per-warp partials build): no spills under the default register cap; and the
-    default build's cubin does not depend on the option's code (byte-identical with the option written out as 0)."""
-    nvcc = ck.nvcc_path()
-    if nvcc is None:
-        pytest.skip("nvcc not found")
-    base = [nvcc, *ck.NVCC_FLAGS[:3], "-std=c++17", "-w", "-cubin", "-gencode=arch=compute_90a,code=sm_90a",
-            f"-DKIVI_BITS={bits}", f"-DKIVI_DK={dk}", f"-DKIVI_DV={dv}", "-DKIVI_MIN_BLOCKS=4"]
-    done = subprocess.run([*base, "-DKIVI_WARP_PARTIALS=1", "-Xptxas", "-v", "-o", str(tmp_path / "wp.cubin"),
-                           str(ck.SOURCE)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", done.stderr)
-    assert spills and all(x == ("0", "0") for x in spills), done.stderr
-    for name, extra in (("plain", []), ("zero", ["-DKIVI_WARP_PARTIALS=0"])):
-        subprocess.run([*base, *extra, "-o", str(tmp_path / f"{name}.cubin"), str(ck.SOURCE)], check=True,
-                       capture_output=True)
-    assert (tmp_path / "plain.cubin").read_bytes() == (tmp_path / "zero.cubin").read_bytes()
-
-
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("cfg", [{"kfold": 1}, {"kfold": 2}, {"vfold": 1}, {"kfold": 1, "vfold": 1},
                                  {"kfold": 2, "vfold": 1}, {"kfold": 1, "vfold": 1, "min_blocks": 1}],
@@ -813,29 +780,6 @@ def test_kfold_kernel_matches_reference_on_gpu(name, cfg):
     out, lse = ck._forward(q, packed, scale, cfg=cfg)
     ref_out, ref_lse = kivi_attention_partial(q, packed, scale)
     check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or ck.nvcc_path() is None, reason="needs CUDA and nvcc")
-def test_warp_partials_on_gpu():
-    """The per-warp partials build (``warp_partials``, opt-in) against the reference: every case, 1 / 2 / 4 warps,
-    several split counts, both tile assignments, a live length, a fp16 output."""
-    lib = ck.build_for(2, 128, 128, dict(ck.DEFAULT_CONFIG, warp_partials=True))
-    assert lib.warp_partials and not ck.build_for(2, 128, 128, ck.DEFAULT_CONFIG).warp_partials
-    for name in CASES:
-        q, packed = make_case(name, "cuda")
-        scale = q.shape[-1] ** -0.5
-        ref_out, ref_lse = kivi_attention_partial(q, packed, scale)
-        for cfg, splits in [({}, None), ({"nw": 1}, 3), ({"nw": 2, "interleave": 0}, 2), ({"stages": 3}, 7)]:
-            out, lse = ck._forward(q, packed, scale, cfg={"warp_partials": True, **cfg}, splits=splits)
-            check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
-        full, full_lse = ck._forward(q, packed, scale, cfg={"warp_partials": True})
-        half, half_lse = ck._forward(q, packed, scale, cfg={"warp_partials": True}, out_dtype=torch.float16)
-        assert half.dtype == torch.float16 and torch.equal(half, full.half()) and torch.equal(half_lse, full_lse)
-        p = dataclasses.replace(packed, length=torch.tensor(37, device="cuda"))
-        ref_out, ref_lse = kivi_attention_partial(q, p, scale)
-        out, lse = ck._forward(q, p, scale, cfg={"warp_partials": True})
-        check(out, lse, ref_out, ref_lse, q.shape[2], ref_out.shape[-1])
 
 
 @pytest.mark.gpu

@@ -305,11 +305,3 @@ def test_kernel_reads_buffer_and_lanes_like_the_reference(b, rows, d, counts, to
     low = cuda.attention_partial_with_buffer(q.to(dtype).cuda(), scale, *(None if x is None else x.cuda()
                                                                             for x in buffer), out_dtype=dtype)
     assert low[0].dtype == dtype and torch.equal(low[0], got[0].to(dtype)) and torch.equal(low[1], got[1])
-    # the per-warp partials build (warp_partials, opt-in): the buffer CTAs' partials after the lanes' warps'
-    from kvcompress.kernels.kivi import lanes_cuda
-
-    wp = lanes_cuda.kivi_lanes_attention_partial(q.to(dtype).cuda(), cuda, scale,
-                                                 base=dict(ops._kivi_cuda_base(region.bits), warp_partials=True),
-                                                 buffer=tuple(None if x is None else x.cuda() for x in buffer))
-    ok, err, msg = opcases.check_partial(tuple(x.cpu() for x in wp), ref)
-    assert ok, msg

@@ -56,12 +56,6 @@ constexpr int MAX_NW = 4;
 #ifndef KIVI_LANES
 #define KIVI_LANES 0  // 1: also build kivi_v3_lanes_kernel for lanes of KIVI_LANE_DK0 .. KIVI_LANE_DK7 kept channels
 #endif
-#ifndef KIVI_WARP_PARTIALS
-#define KIVI_WARP_PARTIALS 0  // 1: every warp of a region CTA writes its own partial (split * nw + warp; the buffer
-                              // CTAs' follow at nsplit * nw) and the CTA's warps are not merged - no CTA barrier, no
-                              // shared-memory merge at the end (session 52: the batch-1 phase clocks put the warp
-                              // merge and the partial's write at 2.1 of 5.2 us per warp); a separate build, opt-in
-#endif
 #ifndef KIVI_KFOLD
 #define KIVI_KFOLD 0  // 1: key scale folded into the query, offsets / zero points through 2 correction MMAs per slice;
                       // 2: the same, codes centred on the middle code (error like the default, 16 HFMA2 per tile more)
@@ -626,8 +620,7 @@ __device__ __forceinline__ long long phase_smid() {
 
 // One warp's rows staged in shared memory from row `base` on: o [rows][DV] its unnormalised output (channels in the
 // kernel's order), m [rows] its row maxima (log2 units), l [rows] its row sums (reduced over the lanes holding a row);
-// lane (g, t) holds rows 2t and 2t + 1 of the warp's 8.  The CTA merge stages every
-// warp's rows this way; a KIVI_WARP_PARTIALS build stages one warp's and writes them as its partial.
+// lane (g, t) holds rows 2t and 2t + 1 of the warp's 8.  The CTA merge stages every warp's rows this way.
 template <typename C, int DV>
 __device__ __forceinline__ void stage_warp_rows(const float (&acc)[DV / 16][4], const float (&m_run)[2],
                                                 const float (&l_run)[2], int g, int t, float* o, float* m,
@@ -659,35 +652,6 @@ __device__ __forceinline__ void stage_warp_rows(const float (&acc)[DV / 16][4], 
       }
     }
   }
-}
-
-// One warp's partial (a KIVI_WARP_PARTIALS build): its rows staged in the warp's own pipeline stages (free: its
-// copies have landed and it has read them), then rows x DV floats normalised by the warp's row sums and stored with
-// 16-byte accesses, and the rows' LSEs - as write_partial does for a CTA, with one warp and no CTA barrier.  A row the
-// warp saw no valid slot of: zeros and LSE -inf.
-template <typename C, int DV, int ST>
-__device__ __forceinline__ void write_warp_partial(const Params& p, const float (&acc)[DV / 16][4],
-                                                   const float (&m_run)[2], const float (&l_run)[2], uint8_t* wsm,
-                                                   int part, int bh, int rb) {
-  constexpr int MT = 8, V4 = DV / 4;
-  static_assert(ST * C::STAGE >= (MT * DV + 2 * MT) * 4 && C::STAGE % 16 == 0, "a warp's stages hold its partial");
-  const int lane = threadIdx.x & 31;
-  float* wo = reinterpret_cast<float*>(wsm);  // [MT][DV]
-  float* wm = wo + MT * DV;                   // [MT]
-  float* wl = wm + MT;                        // [MT]
-  __syncwarp();  // every lane is done reading the stages
-  stage_warp_rows<C, DV>(acc, m_run, l_run, lane >> 2, lane & 3, wo, wm, wl, 0);
-  __syncwarp();
-  const int rows = min(MT, p.M - rb * MT);
-  const long long orow = ((long long)part * p.BH + bh) * p.M + rb * MT;
-  for (int idx = lane; idx < rows * V4; idx += 32) {
-    const int row = idx / V4, c4 = idx - row * V4;
-    const float f = wm[row] != -INFINITY ? 1.f / wl[row] : 0.f;
-    const float4 x = *reinterpret_cast<const float4*>(wo + row * DV + 4 * c4);
-    *reinterpret_cast<float4*>(p.po + (orow + row) * DV + 4 * c4) = make_float4(f * x.x, f * x.y, f * x.z, f * x.w);
-  }
-  if (lane < rows)
-    p.pl[orow + lane] = wm[lane] != -INFINITY ? (wm[lane] + log2f(wl[lane])) * 0.69314718055994531f : -INFINITY;
 }
 
 template <int BITS, int DK, int DV, int ST, bool GATHER>
@@ -1101,13 +1065,6 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
     acc[n][1] += zacc[1]; acc[n][3] += zacc[1];
   }
 #endif
-  if constexpr (KIVI_WARP_PARTIALS) {  // this warp's own partial, staged in its own pipeline region
-    write_warp_partial<C, DV, ST>(p, acc, m_run, l_run, wsm, split * nw + warp, bh, rb);
-    KIVI_PHASE(8);
-    KIVI_PHASE(9);
-    KIVI_PHASE_SET(10, phase_timer());
-    return;
-  }
   // ---- merge the warps (shared memory), normalise, write the split partial
   __syncthreads();
   float* om = reinterpret_cast<float*>(smem);  // [nw][MT][DV]
@@ -1143,9 +1100,7 @@ __device__ __forceinline__ void attend_buffer(const Params& p, int b, int h, int
   static_assert(DK % 64 == 0 && DV % 32 == 0, "buffer read: key dims a multiple of 64, value dims of 32");
   extern __shared__ __align__(16) uint8_t smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  const int rb = blockIdx.z;
-  // its partial: after the region's (nsplit of them, or nsplit * nw in a KIVI_WARP_PARTIALS build)
-  const int split = KIVI_WARP_PARTIALS ? p.nsplit * nw + (int)blockIdx.x - p.nsplit : (int)blockIdx.x;
+  const int split = blockIdx.x, rb = blockIdx.z;
   const int rows = min(MT, p.M - rb * MT);
   int n = p.bNT;
   if (p.blen != nullptr) {
@@ -1316,13 +1271,10 @@ struct LanesParams {
 };
 
 __device__ __forceinline__ void write_empty(const Params& p, int bh) {
-  const int rows = min(8, p.M - (int)blockIdx.z * 8), nw = blockDim.x >> 5;
-  const int parts = KIVI_WARP_PARTIALS ? nw : 1;  // the CTA's partials: one per warp in a KIVI_WARP_PARTIALS build
-  for (int w = 0; w < parts; ++w) {
-    const long long orow = ((long long)(blockIdx.x * parts + w) * p.BH + bh) * p.M + blockIdx.z * 8;
-    for (int i = threadIdx.x; i < rows * KIVI_DV; i += blockDim.x) p.po[orow * KIVI_DV + i] = 0.f;
-    for (int i = threadIdx.x; i < rows; i += blockDim.x) p.pl[orow + i] = -INFINITY;
-  }
+  const int rows = min(8, p.M - (int)blockIdx.z * 8);
+  const long long orow = ((long long)blockIdx.x * p.BH + bh) * p.M + blockIdx.z * 8;
+  for (int i = threadIdx.x; i < rows * KIVI_DV; i += blockDim.x) p.po[orow * KIVI_DV + i] = 0.f;
+  for (int i = threadIdx.x; i < rows; i += blockDim.x) p.pl[orow + i] = -INFINITY;
 }
 
 template <int DK, int ST>
@@ -1594,7 +1546,6 @@ KIVI_EXPORT int kivi_v3_bits() { return KIVI_BITS; }
 KIVI_EXPORT int kivi_v3_dk() { return KIVI_DK; }
 KIVI_EXPORT int kivi_v3_dv() { return KIVI_DV; }
 KIVI_EXPORT int kivi_v3_softcap() { return KIVI_SOFTCAP; }
-KIVI_EXPORT int kivi_v3_warp_partials() { return KIVI_WARP_PARTIALS; }
 // The phase clocks of the last launches (a build with -DKIVI_PHASES=1; -1 otherwise): n int64 into dst (host).
 KIVI_EXPORT int kivi_v3_phases(long long* dst, long long n) {
 #if KIVI_PHASES

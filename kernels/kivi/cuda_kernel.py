@@ -194,7 +194,7 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # B1 / 4k 9.74 -> 9.14 us).
 DEFAULT_CONFIG = dict(nw=4, stages=2, waves=1.0, warps_per_sm=16, min_tiles="auto", min_blocks=4, kfold=0, vfold=0,
                       interleave=1, buffer_tokens=BUFFER_TOKENS, buffer_rows=BUFFER_ROWS, buffer_work=BUFFER_WORK,
-                      buffer_weight=BUFFER_WEIGHT, pdl=True, buffer_ctas="auto", warp_partials=False)
+                      buffer_weight=BUFFER_WEIGHT, pdl=True, buffer_ctas="auto")
 SMEM_DEFAULT = 48 * 1024  # dynamic shared memory a kernel gets without cudaFuncAttributeMaxDynamicSharedMemorySize
 SMEM_OPTIN_MAX = 227 * 1024  # the largest opt-in limit of any supported GPU (sm_90); the device's own limit is used
 
@@ -419,7 +419,7 @@ def nvcc_command(bits: int, dk: int, dv: int, out: str, extra: tuple[str, ...] =
 
 def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfold: int = 0,
           probe: int = 0, softcap: bool = False, lane_dks: tuple[int, ...] = (), qdim: int = 0,
-          phases: bool = False, warp_partials: bool = False) -> ctypes.CDLL:
+          phases: bool = False) -> ctypes.CDLL:
     """Compile (or load from the cache) the library for ``(bits, dk, dv)`` and bind its launchers.
 
     ``min_blocks`` > 1 caps the registers (``__launch_bounds__(128, min_blocks)``) - a tuning knob.  ``kfold`` 1 / 2
@@ -434,10 +434,7 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
     the query's head dim, a multiple of 64 - the lanes launch can then also read a full-precision buffer of that key
     width (``-DKIVI_QDIM``: :func:`.lanes_cuda.kivi_lanes_attention_partial` with ``buffer``); 0: it cannot.
     ``phases``: the phase-clock build (``-DKIVI_PHASES=1``: each region warp records clock64() at its phase
-    boundaries, read back with ``kivi_v3_phases``; results unchanged), for benchmarks/gpu_kivi_phases.py only.
-    ``warp_partials``: the build whose region warps each write their own split partial (``-DKIVI_WARP_PARTIALS=1``:
-    ``nw`` partials per region CTA, no warp merge in the CTA; the combine merges ``nw`` times as many; opt-in, the
-    configuration's ``warp_partials``); ``lib.warp_partials`` says which a library is."""
+    boundaries, read back with ``kivi_v3_phases``; results unchanged), for benchmarks/gpu_kivi_phases.py only."""
     if kfold not in (0, 1, 2) or vfold not in (0, 1) or probe not in (0, 1, 2, 3):
         raise ValueError(f"kfold {kfold} (0, 1 or 2), vfold {vfold} (0 or 1), probe {probe} (0..3)")
     lane_dks = tuple(sorted(set(int(d) for d in lane_dks)))
@@ -457,20 +454,17 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
         key = (*key, "qdim", qdim)
     if phases:
         key = (*key, "phases")
-    if warp_partials:
-        key = (*key, "warp_partials")
     with _LOCK:
         if key in _LIBS:
             return _LIBS[key]
     src = SOURCE.read_bytes()
     tag = hashlib.sha256(src + repr((NVCC_FLAGS, key)).encode()).hexdigest()[:16]
     lanes_tag = ("_l" + "-".join(map(str, lane_dks)) if lane_dks else "") + (f"_q{qdim}" if qdim else "")
-    path = cache_dir() / f"libkivi_v3_b{bits}_k{dk}_v{dv}_r{min_blocks}{f'_kf{kfold}' if kfold else ''}{'_vf' if vfold else ''}{f'_p{probe}' if probe else ''}{'_sc' if softcap else ''}{lanes_tag}{'_ph' if phases else ''}{'_wp' if warp_partials else ''}_{tag}.so"
+    path = cache_dir() / f"libkivi_v3_b{bits}_k{dk}_v{dv}_r{min_blocks}{f'_kf{kfold}' if kfold else ''}{'_vf' if vfold else ''}{f'_p{probe}' if probe else ''}{'_sc' if softcap else ''}{lanes_tag}{'_ph' if phases else ''}_{tag}.so"
     t0 = time.time()
     defines = (f"-DKIVI_MIN_BLOCKS={min_blocks}", f"-DKIVI_KFOLD={kfold}", f"-DKIVI_VFOLD={vfold}",
                f"-DKIVI_PROBE={probe}", f"-DKIVI_SOFTCAP={int(bool(softcap))}", *(("-DKIVI_PHASES=1",) if phases else ()),
                *(("-DKIVI_LANES=1",) if lane_dks else ()), *((f"-DKIVI_QDIM={qdim}",) if qdim else ()),
-               *(("-DKIVI_WARP_PARTIALS=1",) if warp_partials else ()),
                *(f"-DKIVI_LANE_DK{i}={d}" for i, d in enumerate(lane_dks)))
     compile_cached(path, lambda out: nvcc_command(bits, dk, dv, out, defines),
                    "building the KIVI CUDA kernel (v3, the default KIVI decode path on CUDA) failed; set "
@@ -492,10 +486,8 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
     lib.kivi_v3_needs_smem_optin.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.kivi_v3_phases.restype = ctypes.c_int
     lib.kivi_v3_phases.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_longlong]
-    if ((lib.kivi_v3_bits(), lib.kivi_v3_dk(), lib.kivi_v3_dv()) != key[:3] or lib.kivi_v3_softcap() != bool(softcap)
-            or lib.kivi_v3_warp_partials() != bool(warp_partials)):
+    if (lib.kivi_v3_bits(), lib.kivi_v3_dk(), lib.kivi_v3_dv()) != key[:3] or lib.kivi_v3_softcap() != bool(softcap):
         raise RuntimeError(f"{path} was built for another configuration")
-    lib.warp_partials = bool(warp_partials)  # (read per launch: how many partials a region CTA writes)
     if lane_dks:
         lib.kivi_v3_lanes_launch.restype = ctypes.c_int
         lib.kivi_v3_lanes_launch.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_double, ctypes.c_double,
@@ -516,11 +508,9 @@ def build(bits: int, dk: int, dv: int, min_blocks: int = 1, kfold: int = 0, vfol
 
 def build_for(bits: int, dk: int, dv: int, cfg: dict, softcap: bool = False) -> ctypes.CDLL:
     """:func:`build` with the build options of a launch configuration (``min_blocks``, ``kfold``, ``vfold``,
-    ``probe``, ``phases``, ``warp_partials``; the launch-only entries are ignored) and of the model's attention
-    (``softcap``)."""
+    ``probe``, ``phases``; the launch-only entries are ignored) and of the model's attention (``softcap``)."""
     return build(bits, dk, dv, int(cfg.get("min_blocks", 1)), int(cfg.get("kfold", 0)), int(cfg.get("vfold", 0)),
-                 int(cfg.get("probe", 0)), softcap, phases=bool(cfg.get("phases", 0)),
-                 warp_partials=bool(cfg.get("warp_partials", False)))
+                 int(cfg.get("probe", 0)), softcap, phases=bool(cfg.get("phases", 0)))
 
 
 # ----------------------------------------------------------------------------- launch
@@ -932,7 +922,7 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
     if buffer is not None:
         bk, bv, bvalid, blen = buffer
         buffer = (bk, bv, bvalid.view(torch.uint8), live_length(blen, dev))
-    total = partial_count(lib, s, nw, buffer, btok, bctas)
+    total = partial_count(s, buffer, btok, bctas)
     po, pl = partial_buffers(out, lse, total)
     arr = _args(packed, kv, q.data_ptr(), q.stride()[:3], po.data_ptr(), pl.data_ptr(), m, tiles_per_split * TILE, s,
                 0 if length is None else length.data_ptr(), interleave, buffer, btok, bctas)
@@ -949,11 +939,11 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
 OUT_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
-def partial_count(lib, splits: int, nw: int, buffer: tuple | None, buffer_tokens: int, buffer_ctas: int) -> int:
-    """The partials a launch writes for the combine: one per region CTA (``nw`` per CTA from a ``warp_partials``
-    library), then one per buffer CTA (:func:`buffer_plan` of ``buffer``'s slots; none without a buffer)."""
+def partial_count(splits: int, buffer: tuple | None, buffer_tokens: int, buffer_ctas: int) -> int:
+    """The partials a launch writes for the combine: one per region CTA, then one per buffer CTA
+    (:func:`buffer_plan` of ``buffer``'s slots; none without a buffer)."""
     extra = buffer_plan(buffer[0].shape[2], buffer_tokens, buffer_ctas)[0] if buffer is not None else 0
-    return splits * (nw if lib.warp_partials else 1) + extra
+    return splits + extra
 
 
 def partial_buffers(out: torch.Tensor, lse: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1059,7 +1049,7 @@ def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
             splits: int = 2, kfold: int = 0, vfold: int = 0,
             softcap: float | None = None, interleave: int = 1,
             buffer: tuple | None = None, buffer_tokens: int = BUFFER_TOKENS,
-            buffer_ctas: int = BUFFER_CTAS, warp_partials: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            buffer_ctas: int = BUFFER_CTAS) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's dataflow in PyTorch (CPU): the same lane/fragment mapping, token and channel permutations,
     bit-field extraction, ``movmatrix`` transposes, fp16 rounding points, online softmax per warp, warp merge and
     split combine.
@@ -1076,9 +1066,7 @@ def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
     tile-to-warp assignment (:data:`DEFAULT_CONFIG`); the live length (``packed.length``) bounds the tiles read and
     masks the slots after it as the kernel's zero-filling copy of the valid flags does.  ``buffer``: ``(k, v, valid,
     length)`` of a full-precision buffer read by more CTAs of the launch (:func:`_emulate_buffer`, ``buffer_tokens``
-    slots per CTA, at most ``buffer_ctas`` CTAs), merged by the same split combine.  ``warp_partials``: the
-    ``-DKIVI_WARP_PARTIALS=1`` build's dataflow - every warp's own normalised partial goes to the split combine, no
-    warp merge in the CTA.
+    slots per CTA, at most ``buffer_ctas`` CTAs), merged by the same split combine.
     """
     why = _problem(query, packed, LANE_DIMS) if buffer is None else buffer_problem(query, packed, *buffer[:3])
     if why is not None:
@@ -1109,14 +1097,6 @@ def emulate(query: torch.Tensor, packed: PackedKV, scale: float, *, nw: int = 2,
                         mine = [tiles[n * w // nw: n * (w + 1) // nw] for w in range(nw)]
                     warps = [_emulate_warp(query, packed, bi, hi, rb, mine[w], float(scale) * LOG2E, lanes, kfold,
                                            vfold, float(softcap or 0.0) * LOG2E) for w in range(nw)]
-                    if warp_partials:  # each warp's partial: its sums normalised, its LSE (write_warp_partial)
-                        for mw, lw, ow in warps:
-                            seen = mw != float("-inf")
-                            o = ow / torch.where(seen, lw, 1.0)[:, None]
-                            pw = torch.where(seen, (mw + torch.log2(torch.where(seen, lw, 1.0))) * 0.6931471805599453,
-                                             float("-inf"))
-                            parts.append((torch.where(seen[:, None], o, 0.0), pw))
-                        continue
                     # warp merge (shared memory)
                     mm = torch.stack([x[0] for x in warps])  # [nw, 8]
                     lm = torch.stack([x[1] for x in warps])

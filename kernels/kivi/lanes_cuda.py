@@ -137,7 +137,7 @@ def _plan(region: PackedLanes, query: torch.Tensor, covered: int, index: int, so
     b, h, m, _ = query.shape
     nt = region.num_tokens
     lib = ck.build(region.bits, dks[-1], dv, int(c.get("min_blocks", 1)), softcap=bool(softcap), lane_dks=dks,
-                   qdim=_qdim(query.shape[-1]), warp_partials=bool(c.get("warp_partials", False)))
+                   qdim=_qdim(query.shape[-1]))
     nw, stages, cta_smem, _ = ck.plan_launch(region.bits, dks[-1], dv, int(c["nw"]), int(c["stages"]),
                                              ck._smem_limit(index))
     if cta_smem != lib.kivi_v3_launch_smem(nw, stages):
@@ -240,7 +240,7 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
     if buffer is not None:
         bk, bv, bvalid, blen = buffer
         buffer = (bk, bv, bvalid.view(torch.uint8), ck.live_length(blen, dev))
-    total = ck.partial_count(lib, s, nw, buffer, btok, bctas)
+    total = ck.partial_count(s, buffer, btok, bctas)
     po, pl = ck.partial_buffers(out, lse, total)
     args, keep = launch_args(q, region, valid8, po.data_ptr(), pl.data_ptr(), s, tps, length, interleave, buffer,
                              btok, bctas)
