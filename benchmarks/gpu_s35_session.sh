@@ -152,7 +152,9 @@
 # Session 53 (H100) ran merge-floor (the PDL combine is the cheapest merge of stub partials at 8-64 splits; a cluster
 # merge costs 0.8-1.5 us more, clusters + the combine 1.4-3.4 us, the last CTA 3.1-21 us) and the per-warp partials build of session 52 (110 GPU
 # tests passed; batch-1 reads 6-47 % slower, removed), then grid-full (31 of 311 on that H100) and a KIVI-4 A/B of
-# session 51's change (docs/results.md "Session 53"). Still wanted: grid-full on an H200.
+# session 51's change (docs/results.md "Session 53"). Still wanted: grid-full on an H200. Prepared, not run:
+# read-ceiling (benchmarks/gpu_read_ceiling.cu - the GPU's read bandwidth ceiling beside SDPA and the full-precision
+# reads; about 60 s).
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -309,6 +311,21 @@ case "${PART:-stages}" in
     timeout 60 /tmp/merge_floor_128 8 4 8 16 32 64 2>&1 | tee "$OUT/merge_floor.md"
     echo | tee -a "$OUT/merge_floor.md"
     timeout 60 /tmp/merge_floor_64 3 3 16 32 64 2>&1 | tee -a "$OUT/merge_floor.md"
+    ;;
+  read-ceiling)  # session 53 (prepared): the highest read bandwidth of this GPU for a full-precision read's bytes
+    # (benchmarks/gpu_read_ceiling.cu: plain loads, cp.async stages, TMA bulk copies; CUDA graphs, buffers rotated
+    # past L2), then SDPA, the empty stack and paged dense at the same shapes in the same call - how far the reads
+    # at 0.94-1.00x of SDPA are from what the GPU can read, and how far SDPA is (tables: ceiling.md, reads.md)
+    export PATH=/usr/local/cuda/bin:$PATH
+    mkdir -p "$OUT"
+    RC_SHAPES=${RC_SHAPES:-llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:16:128k,llama3-8b:64:32k,smollm2-135m:16:32k,smollm2-135m:64:32k,smollm2-135m:64:128k}
+    cd "$HERE/.." || exit 1
+    nvcc -O3 -std=c++17 -w -gencode=arch=compute_90a,code=sm_90a -o /tmp/read_ceiling benchmarks/gpu_read_ceiling.cu \
+      2>&1 | tail -5 | tee -a "$OUT/log.txt"
+    timeout 120 /tmp/read_ceiling ${RC_SHAPES//,/ } 2>&1 | tee "$OUT/ceiling.md"
+    source "$HERE/gpu_site.sh" >/dev/null
+    timeout 200 python -m kvcompress.kernels.benchutil --device cuda --ops sdpa,none,paged-dense \
+      --only-shapes "$RC_SHAPES" --out "$OUT/reads.json" 2>/dev/null | grep '^|' | tee "$OUT/reads.md"
     ;;
   grid-full)  # every op of the grid (no tests) into grid.json
     S34_GRID_PART=grid2 S34_GRID_OPS=kivi2,kivi4,leank50,leank70,leank70-kivi2,ds8,ds16,ds8-shared,ds16-shared,paged-dense,paged-kivi2,lowrank,none \
