@@ -99,7 +99,6 @@ above: vfold 718 (127 registers), kfold 2 + vfold 687 (127), kfold 1 + vfold 671
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
 import hashlib
 import json
@@ -892,7 +891,6 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
     per = 32 // bits
     nt = packed.k_codes.shape[2] * g
     dv = packed.v_codes.shape[-1] * per
-    ngv = packed.v_scale.shape[-1]
     dev = query.device
     out = torch.empty(b, h, m, dv, device=dev, dtype=out_dtype or torch.float32)
     lse = torch.empty(b, h, m, device=dev, dtype=torch.float32)

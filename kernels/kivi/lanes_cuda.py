@@ -24,9 +24,7 @@ loop, about 3x slower per byte than this kernel's) or one launch per lane.
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
-import weakref
 
 import torch
 
