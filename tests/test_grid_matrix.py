@@ -48,11 +48,18 @@ def test_later_files_replace_cells_and_the_count_follows(tmp_path):
     assert re.search(r"\| lowrank \| \*\*0\.90\*\* \|", out)
     assert "sdpa" not in out.split("| model |")[0]
     assert "**1 of 3 cells below 1.0x.**" in out
+    assert "0 of the 1 at 0.98x or above" in out  # lowrank's 0.90 is not near 1.0x
     assert re.search(r"\| llama3-8b \| none \| 1 \| 0 \| new\.json \(1\) \|", out)
     assert "sweep.json:config_2 (1)" in out
     # the same files in the opposite order: the older rows win
     out = _run(new, old, "--count")
     assert "**2 of 3 cells below 1.0x.**" in out
+    assert "0 of the 2 at 0.98x or above" in out
+    near = tmp_path / "near.json"  # 0.985 is near, 0.975 and 1.0 are not (1.0 is not below)
+    near.write_text(json.dumps({"rows": [_row("none", 1, 4096, 0.985), _row("kivi2", 1, 4096, 0.975),
+                                         _row("lowrank", 1, 4096, 1.0)]}))
+    out = _run(near, "--count")
+    assert "**2 of 3 cells below 1.0x.**" in out and "1 of the 2 at 0.98x or above" in out
     assert _run(old, new, "--metric", "us").count("7.0") == 1
 
 
