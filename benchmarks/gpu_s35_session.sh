@@ -154,7 +154,8 @@
 # tests passed; batch-1 reads 6-47 % slower, removed), then grid-full (31 of 311 on that H100) and a KIVI-4 A/B of
 # session 51's change (docs/results.md "Session 53"). Still wanted: grid-full on an H200. Prepared, not run:
 # read-ceiling (benchmarks/gpu_read_ceiling.cu - the GPU's read bandwidth ceiling beside SDPA and the full-precision
-# reads; about 60 s).
+# reads; about 60 s) and lane-balance (the KIVI lanes kernel's split count per lane, opt-in lane_balance: its GPU
+# tests and a two-round A/B at the LeanK-70 + KIVI-2 reads).
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -311,6 +312,18 @@ case "${PART:-stages}" in
     timeout 60 /tmp/merge_floor_128 8 4 8 16 32 64 2>&1 | tee "$OUT/merge_floor.md"
     echo | tee -a "$OUT/merge_floor.md"
     timeout 60 /tmp/merge_floor_64 3 3 16 32 64 2>&1 | tee -a "$OUT/merge_floor.md"
+    ;;
+  lane-balance)  # session 53 (prepared): the KIVI lanes kernel with a split count per lane (configuration
+    # lane_balance: wider lanes more splits, narrower fewer, within one wave) against one count for every lane. Why:
+    # the session-50 profile put the lanes kernel of LeanK-70 + KIVI-2 at Llama B16/32k at 150.4 us, as long per
+    # covered head as plain KIVI-2's (171.0 us over 8 heads), though its lanes keep 32-96 of 128 key channels - the
+    # 96-channel lane's CTAs set the span while the 32-channel ones idle. The lanes GPU tests (which also read with
+    # lane_balance), then two alternating rounds; SmolLM2's two lanes are of one width (a control)
+    export PS_XDIST=8 PS_TEST_TIMEOUT=${LB_TEST_TIMEOUT:-240}
+    ROUNDS=2 && sweep "tests/test_kivi_lanes.py tests/test_kivi_lanes_buffer.py" KVCOMPRESS_KIVI_CUDA_CONFIG \
+      "${S35_OPS:-leank70-kivi2}" \
+      "${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:4:4k,llama3-8b:4:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:16:128k,llama3-8b:64:32k,smollm2-135m:1:32k,smollm2-135m:16:32k}" \
+      '{}' '{"lane_balance": true}'
     ;;
   read-ceiling)  # session 53 (prepared): the highest read bandwidth of this GPU for a full-precision read's bytes
     # (benchmarks/gpu_read_ceiling.cu: plain loads, cp.async stages, TMA bulk copies; CUDA graphs, buffers rotated

@@ -433,6 +433,62 @@ def test_cuda_lanes_emulated_matches_oracle(name):
     assert close(got, kivi_lanes_attention_partial(q, region, scale)) == ""
 
 
+@pytest.mark.parametrize("name,lane_splits,interleave", [("llama-kivi2-32-96-64", (1, 2, 2), 1),
+                                                         ("d64-kivi4-16-48-64", (2, 1, 2), 0)])
+def test_cuda_lanes_emulated_with_a_split_count_per_lane_matches_oracle(name, lane_splits, interleave):
+    """Each lane with its own split count (configuration lane_balance: ``LaneParams::nsplit`` / ``tps``; the CTAs of
+    a lane's heads past its count write empty partials): the same result as the float64 oracle, for both tile
+    assignments."""
+    from kvcompress.kernels.kivi import lanes_cuda
+
+    q, region = make_region(**EMULATED[name])
+    scale = q.shape[-1] ** -0.5
+    got = lanes_cuda.emulate(q, region, scale, nw=2, splits=2, interleave=interleave, lane_splits=lane_splits)
+    assert close(got, oracle(q, region, scale)) == ""
+
+
+def test_balanced_splits_give_wider_lanes_more_within_the_budget():
+    """lanes_cuda.balanced_splits (lane_balance): the benchmark's Llama LeanK-70 lanes (32 x 5 heads, 64, 96) at B16
+    (16 CTAs per head split) within one H100 wave of 528 CTAs: the lane splits stay within the wave, wider lanes get
+    at least the splits of narrower ones, and the largest per-CTA cost (channels x tiles) is lower than with the
+    uniform split count the same wave allows (4 per head of 7 heads at 16 rows: 448 CTAs)."""
+    from kvcompress.kernels.kivi import lanes_cuda
+
+    lanes = [(96, 1), (64, 1), (32, 5)]
+    ntiles, rows, budget, dv = 1024, 16, 528, 128
+    s = lanes_cuda.balanced_splits(ntiles, lanes, rows, budget, most=ntiles, dv=dv)
+    assert sum(n * heads * rows for n, (_, heads) in zip(s, lanes)) <= budget
+    assert s[0] >= s[1] >= s[2] >= 1
+    load = max((dk + dv) * -(-ntiles // n) for n, (dk, _) in zip(s, lanes))
+    uniform = max((dk + dv) * -(-ntiles // 4) for dk, _ in lanes)
+    assert load < 0.85 * uniform, (s, load, uniform)
+    # the per-warp minimum caps every lane; a budget below one split each still gives each lane one
+    assert lanes_cuda.balanced_splits(ntiles, lanes, rows, budget, most=2, dv=dv) == [2, 2, 2]
+    assert lanes_cuda.balanced_splits(ntiles, lanes, rows, 10, most=ntiles, dv=dv) == [1, 1, 1]
+    # equal lanes: the uniform split count
+    assert lanes_cuda.balanced_splits(64, [(32, 2), (32, 2)], 4, 32, most=64, dv=64) == [2, 2]
+
+
+def test_launch_args_end_each_lane_with_its_splits():
+    """The launcher reads LANE_INTS per lane, the last two the lane's splits and tokens per split: those given, or the
+    launch's own for every lane."""
+    from kvcompress.kernels.kivi import cuda_kernel as ck, lanes_cuda
+
+    q, region = make_region(**EMULATED["llama-kivi2-32-96-64"])
+    valid8 = region.valid.view(torch.uint8)
+    base = ck.PARAMS_INTS + 1
+    args, _ = lanes_cuda.launch_args(q.half(), region, valid8, 0, 0, 3, 1)
+    lanes = len(region.lanes)
+    assert len(args) == base + lanes * lanes_cuda.LANE_INTS
+    ends = [tuple(args[base + (i + 1) * lanes_cuda.LANE_INTS - 2: base + (i + 1) * lanes_cuda.LANE_INTS])
+            for i in range(lanes)]
+    assert ends == [(3, ck.TILE)] * lanes
+    mine = tuple((i + 1, (i + 2) * ck.TILE) for i in range(lanes))
+    args, _ = lanes_cuda.launch_args(q.half(), region, valid8, 0, 0, 3, 1, lane_splits=mine)
+    assert [tuple(args[base + (i + 1) * lanes_cuda.LANE_INTS - 2: base + (i + 1) * lanes_cuda.LANE_INTS])
+            for i in range(lanes)] == list(mine)
+
+
 def test_reads_during_a_capture_need_no_host_read_of_the_heads(monkeypatch):
     """A region whose head tensors are new objects read during a CUDA-graph capture (torch.compile's CUDA graphs copy
     their inputs): the reference takes the joint-softmax path without reading the heads on the host (a capture
@@ -457,8 +513,8 @@ def test_reads_during_a_capture_need_no_host_read_of_the_heads(monkeypatch):
 def test_cuda_lanes_launch_arguments_parse_as_the_launcher_reads_them():
     """The argument array lanes_cuda builds, parsed by the library's own parse code on the host
     (kivi_v3_lanes_parse_probe; needs nvcc to build, no GPU): sizes, lane count, each lane's kept count, channel
-    stride, head count, last stride and first pointer, the live length's pointer and the tile assignment land where
-    the launcher reads them."""
+    stride, head count, last stride, first pointer, splits and tokens per split, the live length's pointer and the
+    tile assignment land where the launcher reads them."""
     from kvcompress.kernels.kivi import cuda_kernel as ck
     from kvcompress.kernels.kivi import lanes_cuda
 
@@ -478,7 +534,7 @@ def test_cuda_lanes_launch_arguments_parse_as_the_launcher_reads_them():
     want = [q.shape[2], 5, 64, 2 * 5, 3, length.data_ptr(), 0, len(region.lanes)]
     for lane, kept in zip(region.lanes, keep[3::6]):
         want += [lane.k_scale.shape[-1], lane.channels.stride(0), lane.heads.numel(), lane.v_zero.stride(1),
-                 kept.data_ptr()]
+                 kept.data_ptr(), 3, ck.TILE]  # every lane: the launch's 3 splits of 1 tile
     assert list(out[:len(want)]) == want
 
 
@@ -786,6 +842,10 @@ def test_cuda_lanes_kernel_on_gpu_matches_reference(name):
         assert close(got, ref) == ""
     via_op = ops.kivi_lanes_attention(q, region, scale, impl="cuda")
     assert close(via_op, ref) == ""
+    # a split count per lane (lane_balance): wider lanes more, narrower fewer, the CTAs past a lane's count empty
+    balanced = lanes_cuda.kivi_lanes_attention_partial(q, region, scale,
+                                                       base=dict(ops._kivi_cuda_base(region.bits), lane_balance=True))
+    assert close(balanced, ref) == ""
     exact = oracle(q.cpu(), lanes_reference.PackedLanes(
         region.bits, region.group, tuple(lanes_reference.KiviLane(*(None if x is None else x.cpu() for x in lane))
                                          for lane in region.lanes), region.valid.cpu(), region.num_heads,

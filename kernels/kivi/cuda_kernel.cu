@@ -655,8 +655,10 @@ __device__ __forceinline__ void stage_warp_rows(const float (&acc)[DV / 16][4], 
 }
 
 template <int BITS, int DK, int DV, int ST, bool GATHER>
+// nsplit / tps: the splits sharing the slice's tiles and the tokens of each (the launch's p.nsplit / p.tps; a lane of
+// the lanes kernel passes its own, see LaneParams::nsplit).
 __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const int (&strides)[4], const __half* qh,
-                                       const long long* ch, int bh) {
+                                       const long long* ch, int bh, int nsplit, int tps) {
   using C = Cfg<BITS, DK, DV>;
   using L = Layout<BITS, DK, DV>;
   constexpr int MT = 8;
@@ -689,13 +691,13 @@ __device__ __forceinline__ void attend(const Params& p, const Slice& sp, const i
     // tile j goes to warp j mod W of the grid's W = nsplit * nw warps (warp w of split s is warp s * nw + w):
     // every warp gets its share of the LIVE tiles whatever the live length, so a store read early in a long
     // generation keeps the whole grid busy (contiguous runs sized for the capacity would leave most splits empty)
-    const int nwarps = p.nsplit * nw, r = split * nw + warp;
+    const int nwarps = nsplit * nw, r = split * nw + warp;
     nmine = live_tiles > r ? (live_tiles - 1 - r) / nwarps + 1 : 0;
     tok_next = r * TILE;
     tstride = nwarps * TILE;
   } else {  // a contiguous run of the split's tiles per warp, the split's run sized for the capacity
-    const int t_begin = split * p.tps;
-    const int ntiles = max(0, min(t_begin + p.tps, live_tiles * TILE) - t_begin) / TILE;
+    const int t_begin = split * tps;
+    const int ntiles = max(0, min(t_begin + tps, live_tiles * TILE) - t_begin) / TILE;
     const int wbeg = (ntiles * warp) / nw;
     nmine = (ntiles * (warp + 1)) / nw - wbeg;
     tok_next = t_begin + wbeg * TILE;
@@ -1236,7 +1238,7 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_kernel(c
   }
   const Slice sp(p, b, h);
   const int strides[4] = {(int)p.kc_sg, (int)p.ks_sg, (int)p.kz_sg, (int)p.vc_st};
-  attend<BITS, DK, DV, ST, false>(p, sp, strides, p.q + b * p.q_sb + h * p.q_sh, nullptr, bh);
+  attend<BITS, DK, DV, ST, false>(p, sp, strides, p.q + b * p.q_sb + h * p.q_sh, nullptr, bh, p.nsplit, p.tps);
 }
 
 #if KIVI_LANES
@@ -1262,6 +1264,11 @@ struct LaneParams {
   long long kc_sb, kc_sh, kc_sg, ks_sb, ks_sh, ks_sg, kz_sb, kz_sh, kz_sg, vc_sb, vc_sh, vc_st, vs_sb, vs_sh, vz_sb,
       vz_sh;
   int dk;
+  // the region's splits this lane's heads use (1 .. Params::nsplit; the CTAs of its heads after them write empty
+  // partials) and the tokens of each: a lane of fewer kept channels costs less per tile, so the host can give it
+  // fewer, longer splits and the wider lanes more (lanes_cuda._plan, configuration lane_balance) - without it every
+  // lane has the launch's nsplit / tps and the CTAs of a narrow lane finish early while the widest set the span
+  int nsplit, tps;
 };
 
 struct LanesParams {
@@ -1290,7 +1297,7 @@ __device__ __forceinline__ void attend_lane(const LanesParams& lp, const LanePar
   sp.vz = ln.vz + b * ln.vz_sb + row * ln.vz_sh;
   const int strides[4] = {(int)ln.kc_sg, (int)ln.ks_sg, (int)ln.kz_sg, (int)ln.vc_st};
   attend<KIVI_BITS, DK, KIVI_DV, ST, true>(p, sp, strides, p.q + b * p.q_sb + h * p.q_sh,
-                                           ln.ch ? ln.ch + row * ln.ch_sh : nullptr, bh);
+                                           ln.ch ? ln.ch + row * ln.ch_sh : nullptr, bh, ln.nsplit, ln.tps);
 }
 
 // With BUF (a separate instantiation: the lanes kernel without a buffer keeps its code and registers) the last
@@ -1332,6 +1339,10 @@ __global__ void __launch_bounds__(MAX_NW * 32, KIVI_MIN_BLOCKS) kivi_v3_lanes_ke
     return;
   }
   const LaneParams& ln = lp.lane[li];
+  if ((int)blockIdx.x >= ln.nsplit) {  // a split this lane does not use
+    write_empty(lp.p, bh);
+    return;
+  }
 #define KIVI_LANE_CASE(D) \
   case D:                 \
     attend_lane<D, ST>(lp, ln, b, row, h, bh); \
@@ -1595,8 +1606,8 @@ KIVI_EXPORT int kivi_v3_launch(const long long* a, double qk_scale, double softc
 
 #if KIVI_LANES
 // a: the region's Params (as kivi_v3_launch) followed by nlanes, then per lane: kc, ks, kz, vc, vs, vz, ch pointers,
-// ch_sh, heads pointer, nheads, the 16 strides of LaneParams in order, dk.  The library's KIVI_DK is the largest lane
-// dk (it sizes the shared memory).
+// ch_sh, heads pointer, nheads, the 16 strides of LaneParams in order, dk, the lane's splits and tokens per split
+// (LaneParams::nsplit / tps).  The library's KIVI_DK is the largest lane dk (it sizes the shared memory).
 KIVI_EXPORT int kivi_v3_lanes_launch(const long long* a, double qk_scale, double softcap, int nw, int stages,
                                      int row_blocks, int device, void* stream) {
   using namespace kivi_v3;
@@ -1627,12 +1638,19 @@ KIVI_EXPORT int kivi_v3_lanes_launch(const long long* a, double qk_scale, double
     ln.vs_sb = a[i++]; ln.vs_sh = a[i++];
     ln.vz_sb = a[i++]; ln.vz_sh = a[i++];
     ln.dk = (int)a[i++];
+    ln.nsplit = (int)a[i++];
+    ln.tps = (int)a[i++];
   }
   size_t smem = 0;
   const int rc = check_launch(nw, stages, device, &smem);
   if (rc) return rc;
   const Params& p = lp.p;
   if (p.bsplit < 0 || (p.bsplit > 0 && (p.btps < 1 || p.bNT < 1))) return (int)cudaErrorInvalidValue;
+  for (int l = 0; l < lp.nlanes; ++l) {  // a lane's splits: some of the launch's, together covering its capacity
+    const LaneParams& ln = lp.lane[l];
+    if (ln.nsplit < 1 || ln.nsplit > p.nsplit || ln.tps < 1 || ln.tps % TILE || (long long)ln.nsplit * ln.tps < p.NT)
+      return (int)cudaErrorInvalidValue;
+  }
   dim3 grid(p.nsplit + p.bsplit, p.BH, row_blocks);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   if (p.bsplit > 0) {  // buffer CTAs: a build with KIVI_QDIM (the buffer's key dim) only (lanes_buffer_ok)
@@ -1659,11 +1677,13 @@ KIVI_EXPORT int kivi_v3_lanes_parse_probe(const long long* a, long long* out) {
   const int n = (int)a[i++];
   out[o++] = p.M; out[o++] = p.H; out[o++] = p.NT; out[o++] = p.BH; out[o++] = p.nsplit;
   out[o++] = reinterpret_cast<long long>(p.len); out[o++] = p.interleave; out[o++] = n;
+  constexpr int LANE_INTS = 29;  // entries per lane (lanes_cuda.LANE_INTS), as kivi_v3_lanes_launch reads them
   for (int l = 0; l < n && l < MAX_LANES; ++l) {
-    const long long* e = a + i + l * 27;
+    const long long* e = a + i + l * LANE_INTS;
     out[o++] = e[26]; out[o++] = e[7]; out[o++] = e[9]; out[o++] = e[25]; out[o++] = e[0];
+    out[o++] = e[27]; out[o++] = e[28];  // the lane's splits and tokens per split
   }
-  return i + n * 27;
+  return i + n * LANE_INTS;
 }
 KIVI_EXPORT int kivi_v3_params_ints() { return KIVI_PARAMS_INTS; }
 #endif

@@ -36,7 +36,7 @@ from .reference import PackedKV
 #: the most lanes one launch takes (``kivi_v3::MAX_LANES``)
 MAX_LANES = 8
 #: ints of one lane's entry in the launcher's argument array (``kivi_v3_lanes_launch``)
-LANE_INTS = 27
+LANE_INTS = 29
 
 _LOCK = threading.Lock()  # the launcher fills one static parameter block
 _PLANS: dict[tuple, tuple] = {}
@@ -127,9 +127,35 @@ def _qdim(d: int) -> int:
     return d if d % 64 == 0 and 64 <= d <= 256 else 0
 
 
+def balanced_splits(ntiles: int, lanes: list[tuple[int, int]], rows: int, budget: int, most: int,
+                    dv: int, v_weight: float = 1.0) -> list[int]:
+    """Splits per lane (configuration ``lane_balance``): ``lanes`` lists ``(kept channels, heads)``; ``rows`` the
+    CTAs one head's split takes (batch x row blocks).  A tile of a lane costs ``dk + v_weight * dv`` (its key and value
+    channels), so a lane's CTA of ``s`` splits costs that times ``ceil(ntiles / s)`` tiles.  Starting from one split
+    per lane, the lane whose CTAs cost most gets one more split while the CTAs of all lanes stay within ``budget``
+    (about one wave: :func:`.cuda_kernel.num_splits`' resident CTAs) and no lane exceeds ``most`` splits (each warp's
+    minimum of tiles) - so the CTAs of a narrow lane are not done long before the widest lane's, which set the
+    launch's span when every lane had the same splits."""
+    s = [1] * len(lanes)
+    used = sum(heads * rows for _, heads in lanes)
+    cost = [dk + v_weight * dv for dk, _ in lanes]
+    while True:
+        load = [cost[i] * -(-ntiles // s[i]) for i in range(len(lanes))]
+        order = sorted(range(len(lanes)), key=lambda i: -load[i])
+        i = order[0]
+        extra = lanes[i][1] * rows
+        if s[i] >= min(most, ntiles) or used + extra > budget:
+            return s
+        s[i] += 1
+        used += extra
+
+
 def _plan(region: PackedLanes, query: torch.Tensor, covered: int, index: int, softcap, c: dict) -> tuple:
-    """``(library, warps, stages, splits, tiles per split, interleave, PDL, buffer tokens, buffer CTAs)`` for this
-    region's shapes (the buffer's settings: :func:`.cuda_kernel.buffer_launch`), decided once per shape."""
+    """``(library, warps, stages, splits, tiles per split, interleave, PDL, buffer tokens, buffer CTAs, per-lane
+    (splits, tokens per split))`` for this region's shapes (the buffer's settings:
+    :func:`.cuda_kernel.buffer_launch`), decided once per shape.  Every lane has the launch's splits unless the
+    configuration's ``lane_balance`` is set (:func:`balanced_splits`; ``lane_v_weight`` weighs a value channel
+    against a key channel)."""
     dks = tuple(sorted({lane.k_scale.shape[-1] for lane in region.lanes}))
     dv = region.v_dim
     b, h, m, _ = query.shape
@@ -144,23 +170,45 @@ def _plan(region: PackedLanes, query: torch.Tensor, covered: int, index: int, so
     s = ck.num_splits(ntiles, max(1, b * covered * -(-m // 8)), ck._sms(index), dict(c, nw=nw, stages=stages),
                       cta_smem)
     tps = -(-ntiles // max(1, min(s, ntiles)))
+    s = -(-ntiles // tps)
+    lane_splits = [(s, tps * ck.TILE)] * len(region.lanes)
+    if c.get("lane_balance") and ntiles > 0:
+        cfg = dict(c, nw=nw, stages=stages)
+        rows = b * -(-m // 8)
+        per_sm = max(1, int(cfg["warps_per_sm"]) // nw)
+        per_sm = max(1, min(per_sm, ck.SMEM_PER_SM // cta_smem)) if cta_smem else per_sm
+        mt = cfg["min_tiles"]
+        mt = ck.auto_min_tiles(ntiles, rows * covered, ck._sms(index), nw) if mt == "auto" else int(mt)
+        lanes = [(ln.k_scale.shape[-1], region.num_heads if ln.heads is None else ln.heads.numel())
+                 for ln in region.lanes]
+        counts = balanced_splits(ntiles, lanes, rows, max(1, round(cfg["waves"] * ck._sms(index) * per_sm)),
+                                 max(1, ntiles // (nw * mt)), dv, float(c.get("lane_v_weight", 1.0)))
+        lane_splits = []
+        for n in counts:
+            t = -(-ntiles // n)
+            lane_splits.append((-(-ntiles // t), t * ck.TILE))
+        s = max(n for n, _ in lane_splits)
+        tps = max(t for _, t in lane_splits) // ck.TILE  # (the region's own entry: unused by the lanes)
     btok, bctas = ck.buffer_launch(b * h * -(-m // 8), nt, int(c.get("buffer_tokens") or ck.BUFFER_TOKENS),
                                    c.get("buffer_ctas", "auto"))
-    return lib, nw, stages, -(-ntiles // tps), tps, int(c.get("interleave", 1)), ck.pdl_ok(c, index), btok, bctas
+    return (lib, nw, stages, s, tps, int(c.get("interleave", 1)), ck.pdl_ok(c, index), btok, bctas,
+            tuple(lane_splits))
 
 
 def launch_args(q: torch.Tensor, region: PackedLanes, valid8: torch.Tensor, po: int, pl: int, splits: int,
                 tiles_per_split: int, length: torch.Tensor | None = None,
                 interleave: int = 1, buffer: tuple | None = None,
                 buffer_tokens: int = ck.BUFFER_TOKENS,
-                buffer_ctas: int = ck.BUFFER_CTAS) -> tuple[list[int], list[torch.Tensor]]:
+                buffer_ctas: int = ck.BUFFER_CTAS,
+                lane_splits: tuple | None = None) -> tuple[list[int], list[torch.Tensor]]:
     """The launcher's int64 argument array (``kivi_v3_lanes_launch``: the region's ``Params`` - query, valid flags,
     outputs, sizes, the live length (``length``: 0-dim int64 device tensor, or none), the tile-to-warp assignment
     (:data:`.cuda_kernel.DEFAULT_CONFIG`'s ``interleave``), the full-precision buffer (``buffer``: ``(k, v, valid
     uint8, length or None)``, ``buffer_tokens`` slots per buffer CTA, at most ``buffer_ctas`` CTAs; none: no buffer
     CTAs); the payload pointers
-    and strides there unused -, the lane count, then :data:`LANE_INTS` per lane) and the tensors it points into
-    (aligned copies where needed; keep them alive until the launch is issued)."""
+    and strides there unused -, the lane count, then :data:`LANE_INTS` per lane, ending in the lane's splits and
+    tokens per split: ``lane_splits[i]``, or ``splits`` / ``tiles_per_split`` for every lane) and the tensors it
+    points into (aligned copies where needed; keep them alive until the launch is issued)."""
     b, h, m, _ = q.shape
     dv = region.v_dim
     ngv = region.lanes[0].v_scale.shape[-1]
@@ -173,7 +221,9 @@ def launch_args(q: torch.Tensor, region: PackedLanes, valid8: torch.Tensor, po: 
         raise RuntimeError(f"KIVI CUDA lanes kernel: {len(args)} region entries, the launcher reads {ck.PARAMS_INTS}")
     args.append(len(region.lanes))
     keep = [valid8, q] + ([length] if length is not None else []) + [x for x in (buffer or ()) if x is not None]
-    for lane in region.lanes:
+    if lane_splits is None:
+        lane_splits = [(splits, tiles_per_split * ck.TILE)] * len(region.lanes)
+    for lane, (lane_n, lane_tps) in zip(region.lanes, lane_splits, strict=True):
         kc, ks, kz, vc, vs, vz, _ = ck._kv_tensors(_lane_packed(region, lane))
         keep += [kc, ks, kz, vc, vs, vz]
         ch = lane.channels
@@ -182,7 +232,7 @@ def launch_args(q: torch.Tensor, region: PackedLanes, valid8: torch.Tensor, po: 
                  0 if ch is None else ch.data_ptr(), 0 if ch is None else ch.stride(0),
                  0 if heads is None else heads.data_ptr(), region.num_heads if heads is None else heads.numel(),
                  *kc.stride()[:3], *ks.stride()[:3], *kz.stride()[:3], *vc.stride()[:3], *vs.stride()[:2],
-                 *vz.stride()[:2], ks.shape[-1]]
+                 *vz.stride()[:2], ks.shape[-1], lane_n, lane_tps]
         if len(entry) != LANE_INTS:
             raise RuntimeError(f"KIVI CUDA lanes kernel: {len(entry)} entries per lane, the launcher reads {LANE_INTS}")
         args += entry
@@ -230,7 +280,7 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
         if len(_PLANS) >= 4096:
             _PLANS.clear()
         plan = _PLANS[key] = _plan(region, query, covered, index, softcap, c)
-    lib, nw, stages, s, tps, interleave, pdl, btok, bctas = plan
+    lib, nw, stages, s, tps, interleave, pdl, btok, bctas, lane_splits = plan
 
     valid8 = valid.view(torch.uint8) if valid.dtype == torch.bool else valid.to(torch.uint8)
     valid8 = ck._aligned(valid8, 1, 16)
@@ -241,7 +291,7 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
     total = ck.partial_count(s, buffer, btok, bctas)
     po, pl = ck.partial_buffers(out, lse, total)
     args, keep = launch_args(q, region, valid8, po.data_ptr(), pl.data_ptr(), s, tps, length, interleave, buffer,
-                             btok, bctas)
+                             btok, bctas, lane_splits)
     arr = (ctypes.c_longlong * len(args))(*args)
     stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)
     with _LOCK:
@@ -256,13 +306,14 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
 
 def emulate(query: torch.Tensor, region: PackedLanes, scale: float, *, buffer: tuple | None = None,
             buffer_tokens: int = ck.BUFFER_TOKENS, buffer_ctas: int = ck.BUFFER_CTAS,
-            **kw) -> tuple[torch.Tensor, torch.Tensor]:
+            lane_splits: tuple[int, ...] | None = None, **kw) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's dataflow on the CPU: each lane's head rows through :func:`.cuda_kernel.emulate` (the same key
     mapping, quarter words included) on the query gathered to the lane's channels, placed on the lane's heads by the
     lanes' head lists as the kernel looks them up; heads no lane holds get ``-inf`` and zeros.  ``buffer``: ``(k, v,
     valid, length)`` read by the launch's buffer CTAs (the plain kernel's, :func:`.cuda_kernel._emulate_buffer`, on
     the whole query of every head), their partials merged with the lanes' by log-sum-exp as the split combine does.
-    Slow; for tests."""
+    ``lane_splits``: each lane's own split count (``LaneParams::nsplit``, :func:`balanced_splits`) in place of
+    ``splits``.  Slow; for tests."""
     why = problem(query, region) if buffer is None else buffer_problem(query, region, *buffer[:3])
     if why is not None:
         raise ValueError(why)
@@ -271,10 +322,11 @@ def emulate(query: torch.Tensor, region: PackedLanes, scale: float, *, buffer: t
     b, h, m, _ = query.shape
     out = torch.zeros(b, h, m, region.v_dim)
     lse = torch.full((b, h, m), float("-inf"))
-    for lane in region.lanes:  # the kernel's lookup: head -> (lane, row among the lane's heads)
+    for i, lane in enumerate(region.lanes):  # the kernel's lookup: head -> (lane, row among the lane's heads)
+        mine = kw if lane_splits is None else dict(kw, splits=lane_splits[i])
         o, l = ck.emulate(gather_query(query, lane.heads, lane.channels).float().half(),
                           PackedKV(region.bits, region.group, lane.k_codes, lane.k_scale, lane.k_zero, lane.v_codes,
-                                   lane.v_scale, lane.v_zero, region.valid, length=region.length), scale, **kw)
+                                   lane.v_scale, lane.v_zero, region.valid, length=region.length), scale, **mine)
         heads = range(h) if lane.heads is None else lane.heads.tolist()
         for row, head in enumerate(heads):
             out[:, head], lse[:, head] = o[:, row], l[:, row]
@@ -295,5 +347,5 @@ def emulate(query: torch.Tensor, region: PackedLanes, scale: float, *, buffer: t
     return out, lse
 
 
-__all__ = ["MAX_LANES", "buffer_problem", "covered_heads", "emulate", "kivi_lanes_attention_partial", "launch_args",
-           "problem", "supports", "supports_buffer"]
+__all__ = ["MAX_LANES", "balanced_splits", "buffer_problem", "covered_heads", "emulate", "kivi_lanes_attention_partial",
+           "launch_args", "problem", "supports", "supports_buffer"]
