@@ -29,6 +29,7 @@
 #endif
 #define KIVI_DV PROBE_DV
 #include "../kernels/kivi/cuda_kernel.cu"
+#include "gpu_probe.cuh"
 
 namespace cg = cooperative_groups;
 
@@ -155,15 +156,6 @@ __global__ void __launch_bounds__(NT) split_cluster(float* out, float* lse, floa
 
 }  // namespace probe
 
-#define CK(x)                                                                                   \
-  do {                                                                                          \
-    cudaError_t e_ = (x);                                                                       \
-    if (e_ != cudaSuccess) {                                                                    \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));        \
-      exit(1);                                                                                  \
-    }                                                                                           \
-  } while (0)
-
 struct Shape {
   int rows, M, splits;
   long long ns;
@@ -226,31 +218,9 @@ static void read_once(Variant v, const Bufs& b, const Shape& sh, cudaStream_t st
 }
 
 static float time_variant(Variant v, const Bufs& b, const Shape& sh, cudaStream_t st) {
-  constexpr int PER_GRAPH = 20, REPLAYS = 50;
   read_once(v, b, sh, st);  // warm-up (a launch error surfaces here)
   CK(cudaStreamSynchronize(st));
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-  for (int i = 0; i < PER_GRAPH; ++i) read_once(v, b, sh, st);
-  CK(cudaStreamEndCapture(st, &g));
-  CK(cudaGraphInstantiate(&ge, g, 0));
-  CK(cudaGraphLaunch(ge, st));
-  CK(cudaStreamSynchronize(st));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  CK(cudaEventRecord(e0, st));
-  for (int i = 0; i < REPLAYS; ++i) CK(cudaGraphLaunch(ge, st));
-  CK(cudaEventRecord(e1, st));
-  CK(cudaEventSynchronize(e1));
-  float ms = 0.f;
-  CK(cudaEventElapsedTime(&ms, e0, e1));
-  CK(cudaGraphExecDestroy(ge));
-  CK(cudaGraphDestroy(g));
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
-  return ms * 1000.f / (PER_GRAPH * REPLAYS);
+  return graph_us(st, 20, 50, [&](int) { read_once(v, b, sh, st); });
 }
 
 int main(int argc, char** argv) {

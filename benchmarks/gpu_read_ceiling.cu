@@ -28,14 +28,7 @@
 #include <string>
 #include <vector>
 
-#define CK(x)                                                                                     \
-  do {                                                                                            \
-    cudaError_t e_ = (x);                                                                         \
-    if (e_ != cudaSuccess) {                                                                      \
-      fprintf(stderr, "%s:%d: %s (%s)\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));       \
-      exit(1);                                                                                    \
-    }                                                                                             \
-  } while (0)
+#include "gpu_probe.cuh"
 
 namespace rc {
 
@@ -299,32 +292,12 @@ int main(int argc, char** argv) {
       const bool ok = x.x == ref.x && x.y == ref.y && x.z == ref.z && x.w == ref.w;
       bad += !ok;
       // timing: a graph of 10 reads, each of the next copy
-      const int reads = 10, reps = 20;
-      cudaGraph_t g;
-      cudaGraphExec_t ge;
-      CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-      for (int r = 0; r < reads; ++r) v.k<<<grid, NT, v.smem, s>>>(buf[r % copies], n, out);
-      CK(cudaStreamEndCapture(s, &g));
-      CK(cudaGraphInstantiate(&ge, g, 0));
-      CK(cudaGraphLaunch(ge, s));  // warm-up
-      cudaEvent_t e0, e1;
-      CK(cudaEventCreate(&e0));
-      CK(cudaEventCreate(&e1));
-      CK(cudaEventRecord(e0, s));
-      for (int r = 0; r < reps; ++r) CK(cudaGraphLaunch(ge, s));
-      CK(cudaEventRecord(e1, s));
-      CK(cudaEventSynchronize(e1));
-      float ms = 0;
-      CK(cudaEventElapsedTime(&ms, e0, e1));
-      const double us = 1000.0 * ms / (reads * reps), tbps = bytes / us / 1e6;
+      const double us = graph_us(s, 10, 20, [&](int r) { v.k<<<grid, NT, v.smem, s>>>(buf[r % copies], n, out); });
+      const double tbps = bytes / us / 1e6;
       printf("| %s | %.1f | %s%s | %d (%d per SM) | %.1f | %.2f |\n", argv[a], bytes / 1e6, v.name.c_str(),
              ok ? "" : " (CHECKSUM MISMATCH)", grid, per_sm, us, tbps);
       fflush(stdout);
       if (ok && tbps > best_tbps) best_tbps = tbps, best_name = v.name;
-      CK(cudaGraphExecDestroy(ge));
-      CK(cudaGraphDestroy(g));
-      CK(cudaEventDestroy(e0));
-      CK(cudaEventDestroy(e1));
     }
     char line[160];
     snprintf(line, sizeof line, "%.2f TB/s (%s)", best_tbps, best_name.c_str());
