@@ -600,20 +600,34 @@ def auto_min_tiles(ntiles: int, rows: int, sms: int, nw: int) -> int:
     return 2
 
 
-def num_splits(ntiles: int, rows: int, sms: int, cfg: dict, cta_smem: int = 0) -> int:
-    """Splits (per (batch, kv head, row block)) for about ``waves`` full waves of resident CTAs, each warp taking
-    >= ``min_tiles`` tiles.  Resident CTAs per SM: ``warps_per_sm / nw``, fewer when shared memory is short.  The
-    count is rounded to the nearest whole number of waves' worth rather than up, so the last wave is not a
-    nearly empty tail."""
-    nw = int(cfg["nw"])
-    per_sm = max(1, int(cfg["warps_per_sm"]) // nw)
+def wave_ctas(sms: int, cfg: dict, cta_smem: int = 0) -> float:
+    """CTAs of ``waves`` full waves: resident CTAs per SM ``warps_per_sm / nw``, fewer when shared memory is short."""
+    per_sm = max(1, int(cfg["warps_per_sm"]) // int(cfg["nw"]))
     if cta_smem:
         per_sm = max(1, min(per_sm, SMEM_PER_SM // cta_smem))
-    want = max(1, round(cfg["waves"] * sms * per_sm / rows))
+    return cfg["waves"] * sms * per_sm
+
+
+def most_splits(ntiles: int, rows: int, sms: int, cfg: dict) -> int:
+    """The most splits of ``ntiles`` tiles that leave each warp ``min_tiles`` (:func:`auto_min_tiles` for "auto")."""
+    nw = int(cfg["nw"])
     mt = cfg["min_tiles"]
     mt = auto_min_tiles(ntiles, rows, sms, nw) if mt == "auto" else int(mt)
-    most = max(1, ntiles // (nw * mt))
-    return max(1, min(want, most))
+    return max(1, ntiles // (nw * mt))
+
+
+def split_runs(ntiles: int, splits: int) -> tuple[int, int]:
+    """``(splits, tiles per split)`` of ``ntiles`` tiles cut into at most ``splits`` equal runs, none empty."""
+    tiles = -(-ntiles // max(1, min(splits, ntiles)))
+    return -(-ntiles // tiles), tiles
+
+
+def num_splits(ntiles: int, rows: int, sms: int, cfg: dict, cta_smem: int = 0) -> int:
+    """Splits (per (batch, kv head, row block)) for about ``waves`` full waves of resident CTAs
+    (:func:`wave_ctas`), each warp taking >= ``min_tiles`` tiles (:func:`most_splits`).  The count is rounded to the
+    nearest whole number of waves' worth rather than up, so the last wave is not a nearly empty tail."""
+    want = max(1, round(wave_ctas(sms, cfg, cta_smem) / rows))
+    return max(1, min(want, most_splits(ntiles, rows, sms, cfg)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -850,11 +864,9 @@ def _plan(bits: int, dk: int, dv: int, rows: int, nt: int, index: int, softcap: 
     if cta_smem != lib.kivi_v3_launch_smem(nw, stages):
         raise RuntimeError("KIVI CUDA kernel: the library's shared-memory size disagrees with launch_smem()")
     c = dict(c, nw=nw, stages=stages)
-    s = splits or num_splits(ntiles, rows, _sms(index), c, cta_smem)
-    tiles_per_split = -(-ntiles // max(1, min(s, ntiles)))
+    s, tiles_per_split = split_runs(ntiles, splits or num_splits(ntiles, rows, _sms(index), c, cta_smem))
     btok, bctas = buffer_launch(rows, nt, int(c.get("buffer_tokens", BUFFER_TOKENS)), c.get("buffer_ctas", "auto"))
-    return (lib, nw, stages, -(-ntiles // tiles_per_split), tiles_per_split, int(c.get("interleave", 1)), btok,
-            pdl_ok(c, index), bctas)
+    return (lib, nw, stages, s, tiles_per_split, int(c.get("interleave", 1)), btok, pdl_ok(c, index), bctas)
 
 
 def pdl_ok(c: dict, index: int) -> bool:

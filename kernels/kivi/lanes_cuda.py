@@ -140,9 +140,7 @@ def balanced_splits(ntiles: int, lanes: list[tuple[int, int]], rows: int, budget
     used = sum(heads * rows for _, heads in lanes)
     cost = [dk + v_weight * dv for dk, _ in lanes]
     while True:
-        load = [cost[i] * -(-ntiles // s[i]) for i in range(len(lanes))]
-        order = sorted(range(len(lanes)), key=lambda i: -load[i])
-        i = order[0]
+        i = max(range(len(lanes)), key=lambda j: cost[j] * -(-ntiles // s[j]))
         extra = lanes[i][1] * rows
         if s[i] >= min(most, ntiles) or used + extra > budget:
             return s
@@ -167,26 +165,16 @@ def _plan(region: PackedLanes, query: torch.Tensor, covered: int, index: int, so
     if cta_smem != lib.kivi_v3_launch_smem(nw, stages):
         raise RuntimeError("KIVI CUDA lanes kernel: the library's shared-memory size disagrees with launch_smem()")
     ntiles = nt // ck.TILE
-    s = ck.num_splits(ntiles, max(1, b * covered * -(-m // 8)), ck._sms(index), dict(c, nw=nw, stages=stages),
-                      cta_smem)
-    tps = -(-ntiles // max(1, min(s, ntiles)))
-    s = -(-ntiles // tps)
+    cfg, rows, sms = dict(c, nw=nw, stages=stages), b * -(-m // 8), ck._sms(index)  # rows: CTAs of one head's split
+    s, tps = ck.split_runs(ntiles, ck.num_splits(ntiles, max(1, rows * covered), sms, cfg, cta_smem))
     lane_splits = [(s, tps * ck.TILE)] * len(region.lanes)
     if c.get("lane_balance") and ntiles > 0:
-        cfg = dict(c, nw=nw, stages=stages)
-        rows = b * -(-m // 8)
-        per_sm = max(1, int(cfg["warps_per_sm"]) // nw)
-        per_sm = max(1, min(per_sm, ck.SMEM_PER_SM // cta_smem)) if cta_smem else per_sm
-        mt = cfg["min_tiles"]
-        mt = ck.auto_min_tiles(ntiles, rows * covered, ck._sms(index), nw) if mt == "auto" else int(mt)
         lanes = [(ln.k_scale.shape[-1], region.num_heads if ln.heads is None else ln.heads.numel())
                  for ln in region.lanes]
-        counts = balanced_splits(ntiles, lanes, rows, max(1, round(cfg["waves"] * ck._sms(index) * per_sm)),
-                                 max(1, ntiles // (nw * mt)), dv, float(c.get("lane_v_weight", 1.0)))
-        lane_splits = []
-        for n in counts:
-            t = -(-ntiles // n)
-            lane_splits.append((-(-ntiles // t), t * ck.TILE))
+        counts = balanced_splits(ntiles, lanes, rows, max(1, round(ck.wave_ctas(sms, cfg, cta_smem))),
+                                 ck.most_splits(ntiles, rows * covered, sms, cfg), dv,
+                                 float(c.get("lane_v_weight", 1.0)))
+        lane_splits = [(n, t * ck.TILE) for n, t in (ck.split_runs(ntiles, k) for k in counts)]
         s = max(n for n, _ in lane_splits)
         tps = max(t for _, t in lane_splits) // ck.TILE  # (the region's own entry: unused by the lanes)
     btok, bctas = ck.buffer_launch(b * h * -(-m // 8), nt, int(c.get("buffer_tokens") or ck.BUFFER_TOKENS),
