@@ -156,6 +156,9 @@
 # read-ceiling (benchmarks/gpu_read_ceiling.cu - the GPU's read bandwidth ceiling beside SDPA and the full-precision
 # reads; about 60 s) and lane-balance (the KIVI lanes kernel's split count per lane, opt-in lane_balance: its GPU
 # tests and a two-round A/B at the LeanK-70 + KIVI-2 reads).
+# Session 54 (H200) ran both (the read ceiling 4.36-4.72 TB/s, SDPA 96-98 % of it at Llama B16+; lane_balance 10-18 %
+# faster at B4-B64, 6 % slower at B1/32k) and grid-full (29 of 312). lane-balance-default: lane_balance on by default
+# (batch 1 now takes the uniform plan) against it off.
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -324,6 +327,16 @@ case "${PART:-stages}" in
       "${S35_OPS:-leank70-kivi2}" \
       "${S35_SHAPES:-llama3-8b:1:4k,llama3-8b:1:32k,llama3-8b:4:4k,llama3-8b:4:32k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:16:128k,llama3-8b:64:32k,smollm2-135m:1:32k,smollm2-135m:16:32k}" \
       '{}' '{"lane_balance": true}'
+    ;;
+  lane-balance-default)  # session 54: lane_balance is the default (its greedy plan no longer stops the narrow lanes
+    # short where the widest one reaches the per-warp cap: batch 1 takes the uniform plan). The lanes GPU tests at the
+    # default, then two alternating rounds against lane_balance off at shapes where the plans differ (B1/128k, B4,
+    # B16 and B64) and two where they agree (Llama B1/32k, SmolLM2 B16/32k: controls)
+    export PS_XDIST=8 PS_TEST_TIMEOUT=${LB_TEST_TIMEOUT:-240}
+    ROUNDS=2 && sweep "tests/test_kivi_lanes.py tests/test_kivi_lanes_buffer.py" KVCOMPRESS_KIVI_CUDA_CONFIG \
+      "${S35_OPS:-leank70-kivi2}" \
+      "${S35_SHAPES:-llama3-8b:1:32k,llama3-8b:1:128k,llama3-8b:4:32k,llama3-8b:4:128k,llama3-8b:16:32k,llama3-8b:16:128k,llama3-8b:64:4k,llama3-8b:64:32k,smollm2-135m:16:32k}" \
+      '{}' '{"lane_balance": false}'
     ;;
   read-ceiling)  # session 53 (prepared): the highest read bandwidth of this GPU for a full-precision read's bytes
     # (benchmarks/gpu_read_ceiling.cu: plain loads, cp.async stages, TMA bulk copies; CUDA graphs, buffers rotated

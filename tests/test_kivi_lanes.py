@@ -467,6 +467,14 @@ def test_balanced_splits_give_wider_lanes_more_within_the_budget():
     assert lanes_cuda.balanced_splits(ntiles, lanes, rows, 10, most=ntiles, dv=dv) == [1, 1, 1]
     # equal lanes: the uniform split count
     assert lanes_cuda.balanced_splits(64, [(32, 2), (32, 2)], 4, 32, most=64, dv=64) == [2, 2]
+    # the cap binds before the budget (batch 1, a short context): every lane reaches it, as the uniform plan does,
+    # rather than the narrow lanes stopping where the widest one is capped
+    assert lanes_cuda.balanced_splits(ntiles, lanes, 1, budget, most=31, dv=dv) == [31, 31, 31]
+    # a capped wide lane leaves the budget to the others, costliest first
+    s = lanes_cuda.balanced_splits(ntiles, lanes, rows, budget, most=5, dv=dv)
+    assert s[0] == s[1] == 5 and 1 < s[2] <= 5
+    assert sum(n * heads * rows for n, (_, heads) in zip(s, lanes)) <= budget < sum(
+        (n + (i == 2)) * heads * rows for i, (n, (_, heads)) in enumerate(zip(s, lanes)))
 
 
 def test_launch_args_end_each_lane_with_its_splits():

@@ -190,12 +190,14 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # combine is launched with programmatic dependent launch on sm_90+ (:func:`pdl_ok`), so its launch and prologue overlap
 # the split kernel's last wave.  Two H200 rounds (sessions 33 and 34, KIVI-2 / KIVI-4 / static KIVI-2 / LeanK-70 +
 # KIVI-2 at B1 / B4, 4k / 32k, both head shapes: 32 of 32 reads faster in session 34, by 0.1-2.5 us, e.g. KIVI-2 Llama
-# B1 / 4k 9.74 -> 9.14 us).  lane_balance (the lanes kernel only; session 53, opt-in, not yet timed on a GPU): a split
-# count per lane by its key + value channels (lane_v_weight: a value channel's weight against a key channel's) within
-# one wave, instead of the same count for every lane (lanes_cuda.balanced_splits).
+# B1 / 4k 9.74 -> 9.14 us).  lane_balance (the lanes kernel only; session 53; default since session 54): a split count
+# per lane by its key + value channels (lane_v_weight: a value channel's weight against a key channel's) within one
+# wave, instead of the same count for every lane (lanes_cuda.balanced_splits).  Session 54, H200, LeanK-70 + KIVI-2
+# Llama heads, two rounds: B4/32k 70.4 -> 59.4 us, B16/32k 174.9 -> 156.6, B16/128k 555.0 -> 490.8, B64/32k 605 -> 561;
+# where the per-warp cap binds before the wave (batch 1, 4k) the plan is the uniform one.
 DEFAULT_CONFIG = dict(nw=4, stages=2, waves=1.0, warps_per_sm=16, min_tiles="auto", min_blocks=4, kfold=0, vfold=0,
                       interleave=1, buffer_tokens=BUFFER_TOKENS, buffer_rows=BUFFER_ROWS, buffer_work=BUFFER_WORK,
-                      buffer_weight=BUFFER_WEIGHT, pdl=True, buffer_ctas="auto", lane_balance=False,
+                      buffer_weight=BUFFER_WEIGHT, pdl=True, buffer_ctas="auto", lane_balance=True,
                       lane_v_weight=1.0)
 SMEM_DEFAULT = 48 * 1024  # dynamic shared memory a kernel gets without cudaFuncAttributeMaxDynamicSharedMemorySize
 SMEM_OPTIN_MAX = 227 * 1024  # the largest opt-in limit of any supported GPU (sm_90); the device's own limit is used

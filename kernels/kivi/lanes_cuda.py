@@ -133,16 +133,22 @@ def balanced_splits(ntiles: int, lanes: list[tuple[int, int]], rows: int, budget
     CTAs one head's split takes (batch x row blocks).  A tile of a lane costs ``dk + v_weight * dv`` (its key and value
     channels), so a lane's CTA of ``s`` splits costs that times ``ceil(ntiles / s)`` tiles.  Starting from one split
     per lane, the lane whose CTAs cost most gets one more split while the CTAs of all lanes stay within ``budget``
-    (about one wave: :func:`.cuda_kernel.num_splits`' resident CTAs) and no lane exceeds ``most`` splits (each warp's
-    minimum of tiles) - so the CTAs of a narrow lane are not done long before the widest lane's, which set the
-    launch's span when every lane had the same splits."""
+    (about one wave: :func:`.cuda_kernel.num_splits`' resident CTAs); a lane at ``most`` splits (each warp's minimum of
+    tiles) gets no more, and the next costliest lane goes on.  So the CTAs of a narrow lane are not done long before
+    the widest lane's, which set the launch's span when every lane had the same splits; and where the cap binds before
+    the budget (batch 1: fewer CTAs than a wave), every lane reaches the cap - the uniform plan - rather than the
+    narrow lanes stopping short (session 54, H200: stopping there cost Llama B1/32k 27.7 -> 29.5 us)."""
     s = [1] * len(lanes)
     used = sum(heads * rows for _, heads in lanes)
     cost = [dk + v_weight * dv for dk, _ in lanes]
+    cap = min(most, ntiles)
     while True:
-        i = max(range(len(lanes)), key=lambda j: cost[j] * -(-ntiles // s[j]))
+        room = [j for j in range(len(lanes)) if s[j] < cap]
+        if not room:
+            return s
+        i = max(room, key=lambda j: cost[j] * -(-ntiles // s[j]))
         extra = lanes[i][1] * rows
-        if s[i] >= min(most, ntiles) or used + extra > budget:
+        if used + extra > budget:
             return s
         s[i] += 1
         used += extra
@@ -151,8 +157,8 @@ def balanced_splits(ntiles: int, lanes: list[tuple[int, int]], rows: int, budget
 def _plan(region: PackedLanes, query: torch.Tensor, covered: int, index: int, softcap, c: dict) -> tuple:
     """``(library, warps, stages, splits, tiles per split, interleave, PDL, buffer tokens, buffer CTAs, per-lane
     (splits, tokens per split))`` for this region's shapes (the buffer's settings:
-    :func:`.cuda_kernel.buffer_launch`), decided once per shape.  Every lane has the launch's splits unless the
-    configuration's ``lane_balance`` is set (:func:`balanced_splits`; ``lane_v_weight`` weighs a value channel
+    :func:`.cuda_kernel.buffer_launch`), decided once per shape.  Every lane has the launch's splits where the
+    configuration's ``lane_balance`` is off, else its own (:func:`balanced_splits`; ``lane_v_weight`` weighs a value channel
     against a key channel)."""
     dks = tuple(sorted({lane.k_scale.shape[-1] for lane in region.lanes}))
     dv = region.v_dim
