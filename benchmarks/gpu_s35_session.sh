@@ -338,6 +338,13 @@ case "${PART:-stages}" in
       "${S35_SHAPES:-llama3-8b:1:32k,llama3-8b:1:128k,llama3-8b:4:32k,llama3-8b:4:128k,llama3-8b:16:32k,llama3-8b:16:128k,llama3-8b:64:4k,llama3-8b:64:32k,smollm2-135m:16:32k}" \
       '{}' '{"lane_balance": false}'
     ;;
+  none-plan)  # session 54: the empty stack's read at Llama B16 went 496 -> 535 us (B16/32k) and 1930 -> 2101 us (B16/128k)
+    # between the session-38 and session-54 H200 grids; sessions 40 (resident_full_width_rows) and 43 (one_split_tokens)
+    # changed its plan on an H100 in between. The default against each rule off, two rounds
+    ROUNDS=2 && sweep none KVCOMPRESS_LEANK_CONFIG "${S35_OPS:-none}" \
+      "${S35_SHAPES:-llama3-8b:4:32k,llama3-8b:4:128k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:16:128k,llama3-8b:64:4k,llama3-8b:64:32k}" \
+      '{}' '{"one_split_tokens": 0}' '{"one_split_tokens": 0, "resident_full_width_rows": 0}'
+    ;;
   read-ceiling)  # session 53 (prepared): the highest read bandwidth of this GPU for a full-precision read's bytes
     # (benchmarks/gpu_read_ceiling.cu: plain loads, cp.async stages, TMA bulk copies; CUDA graphs, buffers rotated
     # past L2), then SDPA, the empty stack and paged dense at the same shapes in the same call - how far the reads
