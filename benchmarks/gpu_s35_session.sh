@@ -364,6 +364,10 @@ case "${PART:-stages}" in
     S34_GRID_PART=grid2 S34_GRID_OPS=kivi2,kivi4,leank50,leank70,leank70-kivi2,ds8,ds16,ds8-shared,ds16-shared,paged-dense,paged-kivi2,lowrank,none \
       G_TIMEOUT=${G_TIMEOUT:-300} G_SECONDS=${G_SECONDS:-280} PART=grid bash "$HERE/gpu_s34_session.sh" "$OUT"
     ;;
+  grid-lanes)  # session 54: LeanK-70 + KIVI-2 at every grid shape (lane_balance now the default) into grid.json
+    S34_GRID_PART=grid2 S34_GRID_OPS=${S35_OPS:-leank70-kivi2} \
+      G_TIMEOUT=${G_TIMEOUT:-120} G_SECONDS=${G_SECONDS:-100} PART=grid bash "$HERE/gpu_s34_session.sh" "$OUT"
+    ;;
   proj-stages)  # low rank with the empty stack's 3-stage rule at every length (session 40 ran it with the opt-in
     # proj_stages of session 39; now proj_stages_tokens, default 8192) against 4 stages, every Llama shape of the grid
     # up to B16 (where the rule applies) and B64 / 4k (where it does not), two rounds
