@@ -342,8 +342,8 @@ case "${PART:-stages}" in
     # between the session-38 and session-54 H200 grids; sessions 40 (resident_full_width_rows) and 43 (one_split_tokens)
     # changed its plan on an H100 in between. The default against each rule off, two rounds
     ROUNDS=2 && sweep none KVCOMPRESS_LEANK_CONFIG "${S35_OPS:-none}" \
-      "${S35_SHAPES:-llama3-8b:4:32k,llama3-8b:4:128k,llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:16:128k,llama3-8b:64:4k,llama3-8b:64:32k}" \
-      '{}' '{"one_split_tokens": 0}' '{"one_split_tokens": 0, "resident_full_width_rows": 0}'
+      "${S35_SHAPES:-llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:16:128k,llama3-8b:64:32k}" \
+      '{}' '{"one_split_tokens": 0}' ${NP_MORE:+'{"one_split_tokens": 0, "resident_full_width_rows": 0}'}
     ;;
   read-ceiling)  # session 53 (prepared): the highest read bandwidth of this GPU for a full-precision read's bytes
     # (benchmarks/gpu_read_ceiling.cu: plain loads, cp.async stages, TMA bulk copies; CUDA graphs, buffers rotated
