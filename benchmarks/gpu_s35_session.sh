@@ -345,6 +345,15 @@ case "${PART:-stages}" in
       "${S35_SHAPES:-llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:16:128k,llama3-8b:64:32k}" \
       '{}' '{"one_split_tokens": 0}' ${NP_MORE:+'{"one_split_tokens": 0, "resident_full_width_rows": 0}'}
     ;;
+  leank-balance)  # session 54 (prepared): the Triton LeanK lanes kernel with a split count per long lane (opt-in
+    # lane_balance: resident launches whose long programs fit one wave) against one count for every lane. Why: the KIVI
+    # lanes kernel's same plan was 10-20 % faster from B4; LeanK-70 Llama B16/32k is 1.39x SDPA on an H200 (goal 1.6x).
+    # The LeanK kernel's GPU tests (every case against the reference, with lane_splits cases), then two rounds
+    export PS_XDIST=8 PS_TEST_TIMEOUT=${LB_TEST_TIMEOUT:-200}
+    ROUNDS=2 && sweep tests/test_leank_kernel.py KVCOMPRESS_LEANK_CONFIG "${S35_OPS:-leank70,leank50}" \
+      "${S35_SHAPES:-llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:16:128k,llama3-8b:64:32k,smollm2-135m:16:32k,smollm2-135m:64:32k}" \
+      '{}' '{"lane_balance": true}'
+    ;;
   read-ceiling)  # session 53 (prepared): the highest read bandwidth of this GPU for a full-precision read's bytes
     # (benchmarks/gpu_read_ceiling.cu: plain loads, cp.async stages, TMA bulk copies; CUDA graphs, buffers rotated
     # past L2), then SDPA, the empty stack and paged dense at the same shapes in the same call - how far the reads

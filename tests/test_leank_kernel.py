@@ -98,6 +98,13 @@ CASES = {
     # lane, across splits of several blocks
     "length-bound-softcap": (2, 3, 4, 64, 64, [(None, None, 77, True), ([1, 2], 32, 60, True)],
                              {"splits": 3, "BN": 16, "length": 50, "softcap": 5.0}),
+    # a split count per lane (lane_splits / lane_balance): a wide lane in 4 splits beside a narrow one in 2 and a
+    # dense one in 1 (the programs past a lane's count write empty partials; the merge takes 4 per row), with a head
+    # in two lanes; with per-head flags, stored scores and the live-length bound
+    "lane-splits-4-2-1": (2, 3, 3, 32, 32, [([2, 0], 32, 150, True), ([1, 0], 16, 130, True), (None, None, 40, True)],
+                          {"lane_splits": [4, 2, 1], "BN": 16}),
+    "lane-splits-logits-length": (1, 3, 4, 64, 64, [([0], 48, 120, "head"), ([1, 2], 16, 120, True)],
+                                  {"lane_splits": [3, 1], "BN": 16, "logits": True, "length": 97}),
 }
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3
 
@@ -206,7 +213,7 @@ def run_case(name: str, device: str = "cpu") -> dict:
     scale = q.shape[-1] ** -0.5
     assert triton_kernel.supports(q, lanes)
     extra = CASES[name][-1]
-    config = {key: extra[key] for key in ("canonical", "combine", "BN", "valid_ahead", "warp_groups")
+    config = {key: extra[key] for key in ("canonical", "combine", "BN", "valid_ahead", "warp_groups", "lane_splits")
               if key in extra} or None
     kw = dict(softcap=extra.get("softcap"),
               length=torch.tensor(extra["length"], device=device) if "length" in extra else None)
@@ -584,6 +591,46 @@ def test_configured_split_count_is_the_launchs_and_checked():
             tk.grouped_partial_attention(q, lanes, 0.2, config={"splits": bad})
 
 
+def test_balanced_lane_splits_give_wide_long_lanes_more_within_one_wave():
+    """lane_balance (opt-in): at Llama LeanK-70 B16/32k (lanes of 96, 64 and 5 x 32 channels over 31k slots, the
+    1024-slot full-precision lane beside them) on 264 program slots, the long lanes get their own counts - wider lanes
+    at least as many, the long programs within the slots, the costliest program cheaper than with the resident rule's
+    one count (2) - and the short lane keeps the launch's count (None).  More long programs than slots at one split
+    each (B64): no per-lane plan.  Where the per-program minimum of tokens caps every lane first: the cap for all."""
+    from kvcompress.kernels.leank import triton_kernel as tk
+
+    cfg = tk._config()
+    lanes = [(96, 1, 31744), (64, 1, 31744), (32, 5, 31744), (128, 8, 1024)]
+    got = tk.balanced_lane_splits(cfg, 16, lanes, 128, 1, 264)
+    assert got[3] is None and all(isinstance(n, int) for n in got[:3])
+    assert got[0] >= got[1] >= got[2] >= 1
+    assert 16 * sum(n * h for n, (_, h, _) in zip(got[:3], lanes)) <= 264
+    resident = tk.resident_split_count(cfg, 16, [(h, t) for _, h, t in lanes], 1, 264)
+    assert resident == 2
+    worst = max((c + 128) * -(-t // n) for n, (c, _, t) in zip(got[:3], lanes))
+    assert worst < max((c + 128) * -(-t // resident) for c, _, t in lanes[:3])
+    assert tk.balanced_lane_splits(cfg, 64, lanes, 128, 1, 264) is None  # 448 long programs > 264 slots
+    short = [(96, 1, 600), (32, 5, 600)]  # at most ceil(600 / 256) = 3 splits each
+    assert tk.balanced_lane_splits(cfg, 1, short, 128, 1, 264) == [3, 3]
+
+
+def test_lane_splits_setting_is_checked():
+    """``lane_splits`` (tests, sweeps): one integer >= 1 per lane, refused otherwise with the key, what it must be
+    and the value; refused beside canonical slots (which reorder the lanes)."""
+    from kvcompress.kernels.leank import triton_kernel as tk
+    from kvcompress.kernels.leank.reference import Lane
+
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 2, 3, 32, generator=gen).half()
+    lanes = [Lane(None, None, torch.randn(1, 2, 70, 32, generator=gen).half(),
+                  torch.randn(1, 2, 70, 32, generator=gen).half(), None)]
+    for bad in ([0], [1, 2], [2.0], "2", [True], 3):
+        with pytest.raises(ValueError, match=r"lane_splits must be a list of 1 integers >= 1 \(one per lane\)"):
+            tk.grouped_partial_attention(q, lanes, 0.2, config={"lane_splits": bad})
+    with pytest.raises(ValueError, match="lane_splits needs canonical false"):
+        tk.grouped_partial_attention(q, lanes, 0.2, config={"lane_splits": [2], "canonical": True})
+
+
 def test_whole_wave_splits_moves_the_rules_count_to_the_nearest_whole_wave():
     """``whole_waves`` (the default): above one wave of long programs, the count of :func:`split_count` moves to the
     nearest whole number of waves, at the most splits those waves hold; within one wave it stays.  Checked against
@@ -671,7 +718,7 @@ def test_lanes_kernel_compiles_for_sm90_without_a_gpu(triton_cuobjdump):
     strides = ("SKB", "SKH", "SKT", "SVB", "SVH", "SVT", "SVAB", "SVAH", "SCH", "SUH", "SUD")
     sig = {"Q": "*fp16", "sq_b": "i32", "sq_h": "i32", "sq_m": "i32", "KS": ("*fp16",) * nl, "VS": ("*fp16",) * nl,
            "VAS": ("*u8",) * nl, "CHS": ("*i64",) * nl, "HDS": ("*i64",) * nl, "US": ("*fp16",) * nl}
-    sig.update({name: ("i32",) * nl for name in strides + ("TS", "NHS", "CS", "ROW0")})
+    sig.update({name: ("i32",) * nl for name in strides + ("TS", "NHS", "CS", "ROW0", "NSP")})
     sig.update({"PO": "*fp32", "PL": "*fp32", "LENGTH": "*i64", "qk_scale": "fp32", "M": "i32", "R": "i32",
                 "RLO": "i32", "RN": "i32", "NBATCH": "i32", "cap": "fp32", "LGS": ("*fp32",) * nl, "DQ": "i32"})
     names = list(sig) + ["HAS_VALID", "HAS_CHAN", "HAS_HEADS", "PROJ", "DKP", "NL", "DV", "DVP", "BLOCK_M", "BN",

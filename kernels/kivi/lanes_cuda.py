@@ -30,6 +30,7 @@ import torch
 
 from . import cuda_kernel as ck
 from .lanes_reference import PackedLanes, disjoint_or_none
+from ..attention.split_plan import lane_splits
 from ..leank.reference import merge_with_lse
 from .reference import PackedKV
 
@@ -131,27 +132,15 @@ def balanced_splits(ntiles: int, lanes: list[tuple[int, int]], rows: int, budget
                     dv: int, v_weight: float = 1.0) -> list[int]:
     """Splits per lane (configuration ``lane_balance``): ``lanes`` lists ``(kept channels, heads)``; ``rows`` the
     CTAs one head's split takes (batch x row blocks).  A tile of a lane costs ``dk + v_weight * dv`` (its key and value
-    channels), so a lane's CTA of ``s`` splits costs that times ``ceil(ntiles / s)`` tiles.  Starting from one split
+    channels), so a lane's CTA of ``s`` splits costs that times ``ceil(ntiles / s)`` tiles
+    (:func:`..attention.split_plan.lane_splits`).  Starting from one split
     per lane, the lane whose CTAs cost most gets one more split while the CTAs of all lanes stay within ``budget``
     (about one wave: :func:`.cuda_kernel.num_splits`' resident CTAs); a lane at ``most`` splits (each warp's minimum of
     tiles) gets no more, and the next costliest lane goes on.  So the CTAs of a narrow lane are not done long before
     the widest lane's, which set the launch's span when every lane had the same splits; and where the cap binds before
     the budget (batch 1: fewer CTAs than a wave), every lane reaches the cap - the uniform plan - rather than the
     narrow lanes stopping short (session 54, H200: stopping there cost Llama B1/32k 27.7 -> 29.5 us)."""
-    s = [1] * len(lanes)
-    used = sum(heads * rows for _, heads in lanes)
-    cost = [dk + v_weight * dv for dk, _ in lanes]
-    cap = min(most, ntiles)
-    while True:
-        room = [j for j in range(len(lanes)) if s[j] < cap]
-        if not room:
-            return s
-        i = max(room, key=lambda j: cost[j] * -(-ntiles // s[j]))
-        extra = lanes[i][1] * rows
-        if used + extra > budget:
-            return s
-        s[i] += 1
-        used += extra
+    return lane_splits([(dk + v_weight * dv, heads, ntiles) for dk, heads in lanes], rows, budget, most)
 
 
 def _plan(region: PackedLanes, query: torch.Tensor, covered: int, index: int, softcap, c: dict) -> tuple:

@@ -79,6 +79,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcompress.kernels.attention.split_plan import lane_splits
 from kvcompress.kernels.attention.triton_shared import (cap_base2, env_config, fold_splits, pdl_launch, pdl_trigger,
                                                          pdl_wait, power_of_two_setting, resident_programs, soft_cap,
                                                          use_pdl)
@@ -193,11 +194,11 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
 
 # Runtime sizes are not specialised (``== 1`` / ``% 16`` variants would compile a copy per layer
 # and per cache length); strides stay specialised (they are stable and enable vector loads).
-@triton.jit(do_not_specialize=["TS", "NHS", "CS", "ROW0", "M", "R", "RLO", "RN", "NBATCH"])
+@triton.jit(do_not_specialize=["TS", "NSP", "NHS", "CS", "ROW0", "M", "R", "RLO", "RN", "NBATCH"])
 def _lanes_kernel(
     Q, sq_b, sq_h, sq_m,
     KS, VS, VAS, CHS, HDS, US,
-    SKB, SKH, SKT, SVB, SVH, SVT, SVAB, SVAH, SCH, SUH, SUD, TS, NHS, CS, ROW0,
+    SKB, SKH, SKT, SVB, SVH, SVT, SVAB, SVAH, SCH, SUH, SUD, TS, NHS, CS, ROW0, NSP,
     PO, PL, LENGTH, qk_scale, M, R, RLO, RN, NBATCH, cap, LGS, DQ,
     HAS_VALID: tl.constexpr, HAS_CHAN: tl.constexpr, HAS_HEADS: tl.constexpr, PROJ: tl.constexpr, DKP: tl.constexpr,
     NL: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
@@ -212,12 +213,12 @@ def _lanes_kernel(
     the caller put there).  ``PROJ[i]``: lane ``i`` projects the query by its heads' bases ``US[i]`` (``[h_i, DQ,
     C_i]``, strides ``SUH[i]`` / ``SUD[i]``).  ``PDL``: the split merge after it is launched with programmatic
     dependent launch; every program lets it start as soon as the last one has started.  ``VA_AHEAD``: the valid flags
-    are loaded a block ahead (:func:`_attend`)."""
+    are loaded a block ahead (:func:`_attend`).  ``NSP[i]``: lane ``i``'s own split count (at most the grid's; its
+    programs past it write an empty partial at once: ``lane_splits``, ``lane_balance``)."""
     pdl_trigger(PDL)
     pid_s = tl.program_id(0)
     pid_br = tl.program_id(1)
     pid_m = tl.program_id(2)
-    n_split = tl.num_programs(0)
     b = pid_br // RN
     r = RLO + pid_br % RN
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -232,7 +233,7 @@ def _lanes_kernel(
                 head = j.to(tl.int64)
             b64 = b.to(tl.int64)
             j64 = j.to(tl.int64)
-            tps = tl.cdiv(tl.cdiv(TS[i], n_split), BN) * BN
+            tps = tl.cdiv(tl.cdiv(TS[i], NSP[i]), BN) * BN
             start = pid_s * tps
             end = tl.minimum(start + tps, TS[i])
             if HAS_LENGTH:
@@ -551,6 +552,44 @@ def wave_fill_splits(rows: int, slots: int, most: int, target: float = 0.9) -> i
     return best
 
 
+def balanced_lane_splits(cfg: dict, b: int, lanes: Sequence[tuple[int, int, int]], dv: int, m_blocks: int,
+                         slots: int) -> list[int | None] | None:
+    """``lane_balance`` (opt-in, session 54, not yet timed on a GPU): a split count per long lane for a resident launch
+    (:func:`resident_split_count`) whose long programs fit ``slots`` (one wave) at one split each.  ``lanes`` lists
+    ``(channels, heads, token slots)``; a long lane (at least half the longest) costs ``channels + dv`` per token, and
+    :func:`kvcompress.kernels.attention.split_plan.lane_splits` gives the costliest lanes more splits within
+    ``slots`` programs (at most the resident rule's ``most`` each).  Short lanes (the full-precision sinks + window)
+    get ``None``: the launch's count.  ``None`` where the long programs exceed one wave (the rule's
+    :func:`wave_fill_splits` then).  Why: LeanK-70's Llama lanes keep 96, 64 and 5 x 32 channels; one count for every
+    lane leaves the 32-channel programs (160 channels with the values) done while the 96-channel ones (224) read on -
+    the KIVI lanes kernel's same plan was 10-20 % faster from B4 (session 54)."""
+    bn = cfg["BN"]
+    t_max = max((t for _, _, t in lanes), default=0)
+    if t_max <= 0 or slots <= 0:
+        return None
+    long = [k for k, (_, h, t) in enumerate(lanes) if h and 2 * t >= t_max]
+    if b * m_blocks * sum(lanes[k][1] for k in long) > slots:
+        return None
+    most = max(1, min(-(-t_max // max(bn, cfg["min_split_tokens"])), -(-t_max // bn)))
+    got = lane_splits([(lanes[k][0] + dv, lanes[k][1], -(-lanes[k][2] // bn)) for k in long], b * m_blocks, slots,
+                      most)
+    out: list[int | None] = [None] * len(lanes)
+    for k, n in zip(long, got):
+        out[k] = n
+    return out
+
+
+def _fixed_lane_splits(value, n: int, canonical: bool) -> list[int]:
+    """The configuration's ``lane_splits``: one integer >= 1 per lane, in the lanes' order."""
+    if canonical:
+        raise ValueError("KVCOMPRESS_LEANK_CONFIG: lane_splits needs canonical false (canonical slots reorder lanes)")
+    if (not isinstance(value, (list, tuple)) or len(value) != n
+            or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in value)):
+        raise ValueError(f"KVCOMPRESS_LEANK_CONFIG: lane_splits must be a list of {n} integers >= 1 (one per lane) "
+                         f"or null, got {value!r}")
+    return list(value)
+
+
 _RESIDENT: dict = {}  # (device, constexprs, warps, stages) -> programs of the lanes kernel one SM holds at a time
 
 
@@ -574,7 +613,7 @@ def _config() -> dict:
     cfg = dict(BN=64, num_warps=4, num_stages=None, waves=None, min_split_tokens=256, canonical=False, combine="splits",
                split_rows="auto", splits=None, resident_batch=16, whole_waves=True, fill=0.9, fill_splits=4, pdl=False,
                valid_ahead=True, warp_groups=1, single_wave_split_tokens=1480, proj_stages_tokens=8192,
-               resident_full_width_rows=32, one_split_tokens=4096)
+               resident_full_width_rows=32, one_split_tokens=4096, lane_balance=False, lane_splits=None)
     cfg.update(env_config("KVCOMPRESS_LEANK_CONFIG", cfg))
     return cfg
 
@@ -740,6 +779,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     rows = _lane_rows(lanes, d, dev, cfg["canonical"] and logits is None)  # canonical slots reorder the lanes
     for r, x in zip(rows, logits if logits is not None else [None] * len(rows)):
         r["lg"] = x if x is not None else lse  # a placeholder pointer when no scores are stored (never written)
+        r["nsp"] = 1  # each lane's split count: set below, once the launch's count is known
     n_rows = sum(r["h"] for r in rows)
     block_m = min(64, max(16, _pow2(m)))
     m_blocks = triton.cdiv(m, block_m)
@@ -782,11 +822,14 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
             tuple(_stride(r, "ch", 0) if r["has_chan"] else 0 for r in chunk),
             tuple(_stride(r, "u", 0) if r["proj"] else 0 for r in chunk),
             tuple(_stride(r, "u", 1) if r["proj"] else 0 for r in chunk),
-            *(tup(chunk, key) for key in ("t", "h", "c", "r0")),
+            *(tup(chunk, key) for key in ("t", "h", "c", "r0", "nsp")),
             po, pl, length if length is not None else pl, float(scale) * LOG2E, m, n_rows, chunk[0]["r0"], n_chunk, b,
             cap_base2(softcap), tup(chunk, "lg"), d)
         return args, constexprs(chunk)
 
+    counts = None  # a split count per lane (lane_balance, lane_splits); None: the launch's for every lane
+    if cfg.get("lane_splits") is not None:  # a fixed count per lane (tests, sweeps)
+        counts = _fixed_lane_splits(cfg["lane_splits"], len(lanes), bool(cfg["canonical"] and logits is None))
     if splits is None and cfg.get("splits") is not None:  # a fixed count (benchmark sweeps of the split rules)
         splits = cfg["splits"]
         if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
@@ -805,11 +848,18 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
                 per_sm = resident_programs(_lanes_kernel, lambda: launch(chunk, lse, lse)[0], constexprs(chunk),
                                            cfg["num_warps"], stages, dev, _RESIDENT)
             if resident and per_sm:
+                slots = per_sm * sms * int(cfg.get("waves") or 1)
                 splits = resident_split_count(cfg, b, shapes, m_blocks, per_sm * sms, int(cfg.get("waves") or 1))
+                if cfg.get("lane_balance") and counts is None:
+                    counts = balanced_lane_splits(cfg, b, [(r["c"], r["h"], r["t"]) for r in rows], dv, m_blocks,
+                                                  slots)
             else:
                 splits = split_count(cfg, b, shapes, m_blocks, waves, sms, work)
                 if per_sm:
                     splits = whole_wave_splits(cfg, b, shapes, m_blocks, per_sm * sms, splits)
+    for k, r in enumerate(rows):
+        r["nsp"] = splits if counts is None or counts[k] is None else counts[k]
+    splits = max(r["nsp"] for r in rows)
     # one split of one lane of every head in order (a short buffer's read): the kernel's partial is already the
     # result, in the output's layout - the merge would copy it (bit for bit: one finite weight of exactly 1)
     direct = splits == 1 and len(rows) == 1 and not rows[0]["has_heads"] and n_rows == hkv
