@@ -157,8 +157,10 @@
 # reads; about 60 s) and lane-balance (the KIVI lanes kernel's split count per lane, opt-in lane_balance: its GPU
 # tests and a two-round A/B at the LeanK-70 + KIVI-2 reads).
 # Session 54 (H200) ran both (the read ceiling 4.36-4.72 TB/s, SDPA 96-98 % of it at Llama B16+; lane_balance 10-18 %
-# faster at B4-B64, 6 % slower at B1/32k) and grid-full (29 of 312). lane-balance-default: lane_balance on by default
-# (batch 1 now takes the uniform plan) against it off.
+# faster at B4-B64, 6 % slower at B1/32k) and grid-full (29 of 312), then lane-balance-default on an H100 (lane_balance
+# on by default, batch 1 taking the uniform plan: 3-20 % faster from B4). Prepared, not run: none-plan (the empty
+# stack's Llama B16 read with and without session 43's single split; wants an H200) and leank-balance (the Triton
+# LeanK lanes kernel's split count per lane, opt-in lane_balance: its GPU tests and a two-round A/B).
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
