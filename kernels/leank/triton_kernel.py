@@ -67,7 +67,9 @@ most that many token slots take the empty stack's 3-stage rule (:func:`_launch_s
 resident split count from that many batch x kv-head rows (:func:`uses_resident`).  ``one_split_tokens`` (default
 4096 since session 43; 0 / ``None``: never): such launches at head dim 128 or more whose rows of programs fill one
 program per SM (``fill`` of the SMs) and whose longest lane holds at least that many slots take one split - no
-merge launch (:func:`one_split`).
+merge launch (:func:`one_split`).  ``lane_balance`` (opt-in since session 54, not yet timed on a GPU): resident
+launches whose long programs fit one wave give each long lane its own split count, wider lanes more
+(:func:`balanced_lane_splits`); ``lane_splits`` (default ``None``): a fixed count per lane, for tests and sweeps.
 """
 from __future__ import annotations
 
@@ -563,20 +565,29 @@ def balanced_lane_splits(cfg: dict, b: int, lanes: Sequence[tuple[int, int, int]
     :func:`wave_fill_splits` then).  Why: LeanK-70's Llama lanes keep 96, 64 and 5 x 32 channels; one count for every
     lane leaves the 32-channel programs (160 channels with the values) done while the 96-channel ones (224) read on -
     the KIVI lanes kernel's same plan was 10-20 % faster from B4 (session 54)."""
-    bn = cfg["BN"]
+    got = _balanced_lane_splits(int(cfg["BN"]), int(cfg["min_split_tokens"]), b, tuple(map(tuple, lanes)), dv,
+                                m_blocks, slots)
+    return None if got is None else list(got)
+
+
+@functools.lru_cache(maxsize=1024)
+def _balanced_lane_splits(bn: int, min_split_tokens: int, b: int, lanes: tuple, dv: int, m_blocks: int,
+                          slots: int) -> tuple | None:
+    """:func:`balanced_lane_splits`, once per launch shape (the greedy loops over splits; an eager decode step asks
+    for the same shapes at every layer)."""
     t_max = max((t for _, _, t in lanes), default=0)
     if t_max <= 0 or slots <= 0:
         return None
     long = [k for k, (_, h, t) in enumerate(lanes) if h and 2 * t >= t_max]
     if b * m_blocks * sum(lanes[k][1] for k in long) > slots:
         return None
-    most = max(1, min(-(-t_max // max(bn, cfg["min_split_tokens"])), -(-t_max // bn)))
+    most = max(1, min(-(-t_max // max(bn, min_split_tokens)), -(-t_max // bn)))
     got = lane_splits([(lanes[k][0] + dv, lanes[k][1], -(-lanes[k][2] // bn)) for k in long], b * m_blocks, slots,
                       most)
     out: list[int | None] = [None] * len(lanes)
     for k, n in zip(long, got):
         out[k] = n
-    return out
+    return tuple(out)
 
 
 def _fixed_lane_splits(value, n: int, canonical: bool) -> list[int]:
