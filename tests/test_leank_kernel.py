@@ -855,6 +855,56 @@ def test_one_split_read_on_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_lane_balance_read_on_gpu():
+    """lane_balance on a resident launch of LeanK-70's Llama lanes (96, 64, 5 x 32 channels over 2000 slots with dead
+    ones, the 1024-slot full-precision lane) at batch 16: the launch passes each lane the count
+    :func:`balanced_lane_splits` plans from the compiled kernel's residency (the widest lane more than the narrowest
+    where the plan differs), and the result equals the reference."""
+    from triton_offline import record_launches
+
+    from kvcompress.kernels.leank import reference
+    from kvcompress.kernels.leank import triton_kernel as tk
+    from kvcompress.kernels.leank.reference import Lane
+
+    b, hkv, t, d = 16, 8, 2000, 128
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    q = torch.randn(b, hkv, 4, d, device="cuda", generator=gen).half()
+    lanes = []
+    for heads, c in (([7], 96), ([6], 64), ([1, 2, 3, 4, 5], 32)):
+        ch = torch.stack([torch.randperm(d, device="cuda", generator=gen)[:c].sort().values for _ in heads])
+        lanes.append(Lane(torch.tensor(heads, device="cuda"), ch,
+                          torch.randn(b, len(heads), t, c, device="cuda", generator=gen).half(),
+                          torch.randn(b, len(heads), t, d, device="cuda", generator=gen).half(),
+                          torch.rand(b, t, device="cuda", generator=gen) > 0.1))
+    lanes.append(Lane(None, None, *(torch.randn(b, hkv, 1024, d, device="cuda", generator=gen).half()
+                                    for _ in range(2)), None))
+    cfg = {"lane_balance": True}
+    tk._RESIDENT.clear()
+    out, lse = tk.grouped_partial_attention(q, lanes, 0.088, config=cfg)  # compiles; the residency is cached
+    assert len(tk._RESIDENT) == 1
+    names = [(tk, n) for n in ("_lanes_kernel", "_combine_kernel", "_combine_splits_kernel")]
+    mp = pytest.MonkeyPatch()
+    try:
+        launches = record_launches(mp, names, lambda: tk.grouped_partial_attention(q, lanes, 0.088, config=cfg))
+    finally:
+        mp.undo()
+    kernel = [x for x in launches if x.fn is tk._lanes_kernel]
+    assert len(kernel) == 1
+    names_in_order = list(tk._lanes_kernel.arg_names)
+    nsp = kernel[0].args[names_in_order.index("NSP")]
+    per_sm = next(iter(tk._RESIDENT.values()))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    want = tk.balanced_lane_splits(tk._config(), b, [(96, 1, t), (64, 1, t), (32, 5, t), (d, hkv, 1024)], d, 1,
+                                   per_sm * sms)
+    assert want is not None and len(nsp) == 4
+    assert list(nsp[:3]) == want[:3] and nsp[0] >= nsp[2]
+    res = _compare(out, lse, *reference.grouped_partial_attention(q, lanes, 0.088))
+    assert not res["any_nan"] and res["same_inf"] and res["out_tol_ok"], res
+    assert res["lse_err"] <= LSE_ATOL, res
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_read_path_on_gpu():
     assert read_path_case("cuda")["err"] < 3e-3
 
