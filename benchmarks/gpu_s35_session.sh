@@ -342,10 +342,12 @@ case "${PART:-stages}" in
     ;;
   none-plan)  # session 54: the empty stack's read at Llama B16 went 496 -> 535 us (B16/32k) and 1930 -> 2101 us (B16/128k)
     # between the session-38 and session-54 H200 grids; sessions 40 (resident_full_width_rows) and 43 (one_split_tokens)
-    # changed its plan on an H100 in between. The default against each rule off, two rounds
+    # changed its plan on an H100 in between. The default against the single split off, and gated by bandwidth per SM
+    # (one_split_max_sm_gbps 30: off on an H200, on on an H100), two rounds
     ROUNDS=2 && sweep none KVCOMPRESS_LEANK_CONFIG "${S35_OPS:-none}" \
       "${S35_SHAPES:-llama3-8b:16:4k,llama3-8b:16:32k,llama3-8b:16:128k,llama3-8b:64:32k}" \
-      '{}' '{"one_split_tokens": 0}' ${NP_MORE:+'{"one_split_tokens": 0, "resident_full_width_rows": 0}'}
+      '{}' '{"one_split_tokens": 0}' '{"one_split_max_sm_gbps": 30}' \
+      ${NP_MORE:+'{"one_split_tokens": 0, "resident_full_width_rows": 0}'}
     ;;
   leank-balance)  # session 54 (prepared): the Triton LeanK lanes kernel with a split count per long lane (opt-in
     # lane_balance: resident launches whose long programs fit one wave) against one count for every lane. Why: the KIVI

@@ -558,6 +558,13 @@ def test_one_split_rule_takes_full_width_reads_that_fill_the_sms():
     assert not tk.one_split(cfg, True, 128, 128, 32768, 0)
     for off in (0, None):
         assert not tk.one_split(dict(cfg, one_split_tokens=off), True, 128, 128, 32768, sms)
+    # one_split_max_sm_gbps (opt-in): not on a GPU with more bandwidth per SM than the limit; an unknown bandwidth
+    # (0) or no limit keeps the rule
+    gated = dict(cfg, one_split_max_sm_gbps=30)
+    assert tk.one_split(gated, True, 128, 128, 32768, sms, 25.4)  # H100 SXM
+    assert not tk.one_split(gated, True, 128, 128, 32768, sms, 37.2)  # H200
+    assert tk.one_split(gated, True, 128, 128, 32768, sms, 0.0)
+    assert tk.one_split(cfg, True, 128, 128, 32768, sms, 37.2)
 
 
 def test_configured_split_count_is_the_launchs_and_checked():
@@ -851,6 +858,22 @@ def test_one_split_read_on_gpu():
                    *reference.grouped_partial_attention(q, lanes, 0.088))
     assert not res["any_nan"] and res["same_inf"] and res["out_tol_ok"], res
     assert res["lse_err"] <= LSE_ATOL, res
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sm_bandwidth_is_the_devices():
+    """sm_bandwidth_gbps: 0 where torch does not report the memory clock and bus width, else peak bandwidth over the
+    SMs, within what data-centre GPUs have (H100 SXM about 25 GB/s per SM, H200 about 37)."""
+    from kvcompress.kernels.leank import triton_kernel as tk
+
+    p = torch.cuda.get_device_properties(0)
+    got = tk.sm_bandwidth_gbps(0)
+    if not getattr(p, "memory_clock_rate", 0) or not getattr(p, "memory_bus_width", 0):
+        assert got == 0.0
+    else:
+        assert 5.0 < got < 100.0, got
+        assert got * p.multi_processor_count == pytest.approx(2 * p.memory_clock_rate * p.memory_bus_width / 8 / 1e6)
 
 
 @pytest.mark.gpu

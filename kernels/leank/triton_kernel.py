@@ -403,17 +403,39 @@ def uses_resident(cfg: dict, batch: int, full_width: bool = False, rows: int = 0
     return mode == "auto" and bool(first) and batch >= int(first)
 
 
-def one_split(cfg: dict, full_width: bool, d: int, programs: int, tokens: int, sms: int) -> bool:
+def one_split(cfg: dict, full_width: bool, d: int, programs: int, tokens: int, sms: int,
+              sm_gbps: float = 0.0) -> bool:
     """Whether a launch takes one token split (``one_split_tokens``): every lane full width (the empty stack's read),
     head dim ``d`` >= 128, ``programs`` (batch x kv heads x row blocks) at least ``fill`` x ``sms``, and the longest
     lane ``tokens`` >= ``one_split_tokens`` slots.  One program per (row, head) then streams its whole row, and the
     read needs no merge launch.  H100, session 43, two rounds that agree (``PART=splits1``, Llama heads, one split
     against the rules' 2-3): the empty stack B16 / 4k 100.0-100.2 -> 95.1-95.6 us (0.95x -> 1.00x SDPA), B16 / 32k
     and 128k 0.5-1.0 % faster, B64 / 4k 0.7-1.6 % faster.  Low rank (not full width) lost 15-20 % at B16 / 32k and
-    128k with one split, and head dim 64 was not timed: both keep the rules."""
+    128k with one split, and head dim 64 was not timed: both keep the rules.
+
+    ``one_split_max_sm_gbps`` (opt-in, session 54, not yet timed; default ``None``: no limit): only on a GPU whose
+    peak memory bandwidth per SM (``sm_gbps``, :func:`sm_bandwidth_gbps`; 0: unknown, no limit) is at most this
+    many GB/s.  Why: the H200's grid of session 54 read the empty stack at Llama B16 7-9 % slower than session 38's,
+    whose plan had 3 splits (session 27's profile: 4.57 TB/s); one program per SM may not keep enough bytes in flight
+    on the H200 (about 37 GB/s per SM) where it does on the H100 (about 25) - ``PART=none-plan`` times it."""
     least = cfg.get("one_split_tokens") or 0
+    most_gbps = cfg.get("one_split_max_sm_gbps")
+    if most_gbps and sm_gbps > float(most_gbps):
+        return False
     return (bool(least) and full_width and d >= 128 and sms > 0 and programs >= float(cfg.get("fill", 0.9)) * sms
             and tokens >= int(least))
+
+
+@functools.lru_cache(maxsize=None)
+def sm_bandwidth_gbps(device_index: int) -> float:
+    """Peak DRAM bandwidth per SM in GB/s of CUDA device ``device_index``, from the memory clock and bus width torch
+    reports (double data rate; H100 SXM about 25, H200 about 37); 0.0 where this torch does not report them."""
+    p = torch.cuda.get_device_properties(device_index)
+    clock_khz = getattr(p, "memory_clock_rate", 0) or 0
+    bus_bits = getattr(p, "memory_bus_width", 0) or 0
+    if not clock_khz or not bus_bits:
+        return 0.0
+    return 2 * clock_khz * 1e3 * bus_bits / 8 / p.multi_processor_count / 1e9
 
 
 def _launch_shape(cfg: dict, b: int, hkv: int, d: int, full_width: bool, work: bool = False,
@@ -624,7 +646,8 @@ def _config() -> dict:
     cfg = dict(BN=64, num_warps=4, num_stages=None, waves=None, min_split_tokens=256, canonical=False, combine="splits",
                split_rows="auto", splits=None, resident_batch=16, whole_waves=True, fill=0.9, fill_splits=4, pdl=False,
                valid_ahead=True, warp_groups=1, single_wave_split_tokens=1480, proj_stages_tokens=8192,
-               resident_full_width_rows=32, one_split_tokens=4096, lane_balance=False, lane_splits=None)
+               resident_full_width_rows=32, one_split_tokens=4096, lane_balance=False, lane_splits=None,
+               one_split_max_sm_gbps=None)
     cfg.update(env_config("KVCOMPRESS_LEANK_CONFIG", cfg))
     return cfg
 
@@ -849,7 +872,9 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
         sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 0
         shapes = [(r["h"], r["t"]) for r in rows]
         per_sm = 0
-        if one_split(cfg, full_width, dv, b * hkv * m_blocks, t_max, sms):
+        gbps = sm_bandwidth_gbps(dev.index if dev.index is not None else torch.cuda.current_device()) \
+            if sms > 0 and cfg.get("one_split_max_sm_gbps") else 0.0
+        if one_split(cfg, full_width, dv, b * hkv * m_blocks, t_max, sms, gbps):
             splits = 1
         else:
             if (resident or cfg.get("whole_waves")) and sms > 0:
