@@ -850,10 +850,12 @@ def test_cuda_lanes_kernel_on_gpu_matches_reference(name):
         assert close(got, ref) == ""
     via_op = ops.kivi_lanes_attention(q, region, scale, impl="cuda")
     assert close(via_op, ref) == ""
-    # a split count per lane (lane_balance): wider lanes more, narrower fewer, the CTAs past a lane's count empty
-    balanced = lanes_cuda.kivi_lanes_attention_partial(q, region, scale,
-                                                       base=dict(ops._kivi_cuda_base(region.bits), lane_balance=True))
-    assert close(balanced, ref) == ""
+    # a split count per lane (lane_balance, the default since session 54: wider lanes more, narrower fewer, the CTAs
+    # past a lane's count empty) and one count for every lane (lane_balance off)
+    for balance in (True, False):
+        other = lanes_cuda.kivi_lanes_attention_partial(
+            q, region, scale, base=dict(ops._kivi_cuda_base(region.bits), lane_balance=balance))
+        assert close(other, ref) == "", balance
     exact = oracle(q.cpu(), lanes_reference.PackedLanes(
         region.bits, region.group, tuple(lanes_reference.KiviLane(*(None if x is None else x.cpu() for x in lane))
                                          for lane in region.lanes), region.valid.cpu(), region.num_heads,
