@@ -2,8 +2,8 @@
 count per lane (``lane_balance``), for the benchmark's LeanK-70 lanes (``kernels/benchutil.leank_counts``).
 
 * KIVI lanes kernel (LeanK-70 + KIVI-2, CUDA; ``lane_balance`` the default since session 54): the plan
-  ``lanes_cuda._plan`` makes, from ``cuda_kernel.num_splits`` and ``lanes_cuda.balanced_splits`` with the default
-  configuration (4 warps, 2 stages: 4 CTAs per SM).
+  ``lanes_cuda._plan`` makes (``lanes_cuda.split_plan_of``) with the default configuration (4 warps, 2 stages: 4 CTAs
+  per SM), with ``lane_balance`` off and on.
 * Triton LeanK lanes kernel (LeanK-70 / LeanK-50, ``lane_balance`` opt-in): the resident rule's count
   (``resident_split_count``) and ``balanced_lane_splits`` for ``--per-sm`` programs per SM (Triton 3.6 on sm_90 holds
   2 at Llama heads, 4 at SmolLM2 heads: ``benchmarks/read_occupancy.py``); resident launches only (B16 and B64).
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import benchutil as bu  # noqa: E402
 from kernels.kivi import cuda_kernel as ck  # noqa: E402
-from kernels.kivi.lanes_cuda import balanced_splits  # noqa: E402
+from kernels.kivi.lanes_cuda import split_plan_of  # noqa: E402
 from kernels.leank import triton_kernel as tk  # noqa: E402
 
 CTX = {"4k": 4096, "32k": 32768, "128k": 131072}
@@ -38,16 +38,18 @@ def kivi_rows(sms: int):
         nw, stages, smem, _ = ck.plan_launch(2, lanes[0][0], shape.head_dim, cfg["nw"], cfg["stages"], ck.SMEM_OPTIN_MAX)
         cfg.update(nw=nw, stages=stages)
         wave = round(ck.wave_ctas(sms, cfg, smem))
-        covered = sum(n for _, n in lanes)
         for b in (1, 4, 16, 64):
             for name, ctx in CTX.items():
                 nt = (ctx - bu.LEANK_FP_TOKENS) // ck.TILE
                 rows = b * -(-m // 8)
-                s, _ = ck.split_runs(nt, ck.num_splits(nt, rows * covered, sms, cfg, smem))
-                most = ck.most_splits(nt, rows * covered, sms, cfg)
-                bal = [ck.split_runs(nt, k)[0] for k in balanced_splits(nt, lanes, rows, wave, most, shape.head_dim)]
-                yield (shape.model, b, name, lanes, wave, f"{s} ({s * rows * covered} CTAs)",
-                       f"{'/'.join(map(str, bal))} ({sum(k * n * rows for k, (_, n) in zip(bal, lanes))} CTAs)")
+                one, per = (split_plan_of(nt, lanes, rows, sms, dict(cfg, lane_balance=on), smem, shape.head_dim)[2]
+                            for on in (False, True))
+
+                def ctas(plan):
+                    return sum(k * n * rows for (k, _), (_, n) in zip(plan, lanes))
+
+                yield (shape.model, b, name, lanes, wave, f"{one[0][0]} ({ctas(one)} CTAs)",
+                       f"{'/'.join(str(k) for k, _ in per)} ({ctas(per)} CTAs)")
 
 
 def leank_rows(sms: int, per_sm: dict):

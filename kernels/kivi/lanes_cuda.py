@@ -30,7 +30,7 @@ import torch
 
 from . import cuda_kernel as ck
 from .lanes_reference import PackedLanes, disjoint_or_none
-from ..attention.split_plan import lane_splits
+from ..attention import split_plan
 from ..leank.reference import merge_with_lse
 from .reference import PackedKV
 
@@ -45,7 +45,13 @@ _PLANS: dict[tuple, tuple] = {}
 
 def covered_heads(region: PackedLanes) -> int:
     """How many of the region's heads some lane holds (from the lanes' shapes; the lanes are disjoint)."""
-    return sum(region.num_heads if lane.heads is None else lane.heads.numel() for lane in region.lanes)
+    return sum(n for _, n in lane_shapes(region))
+
+
+def lane_shapes(region: PackedLanes) -> tuple[tuple[int, int], ...]:
+    """``(kept key channels, heads)`` of each lane, in the lanes' order (what a launch's split plan depends on)."""
+    return tuple((lane.k_scale.shape[-1], region.num_heads if lane.heads is None else lane.heads.numel())
+                 for lane in region.lanes)
 
 
 def _lane_packed(region: PackedLanes, lane) -> PackedKV:
@@ -131,24 +137,38 @@ def _qdim(d: int) -> int:
 def balanced_splits(ntiles: int, lanes: list[tuple[int, int]], rows: int, budget: int, most: int,
                     dv: int, v_weight: float = 1.0) -> list[int]:
     """Splits per lane (configuration ``lane_balance``): ``lanes`` lists ``(kept channels, heads)``; ``rows`` the
-    CTAs one head's split takes (batch x row blocks).  A tile of a lane costs ``dk + v_weight * dv`` (its key and value
-    channels), so a lane's CTA of ``s`` splits costs that times ``ceil(ntiles / s)`` tiles
-    (:func:`..attention.split_plan.lane_splits`).  Starting from one split
-    per lane, the lane whose CTAs cost most gets one more split while the CTAs of all lanes stay within ``budget``
-    (about one wave: :func:`.cuda_kernel.num_splits`' resident CTAs); a lane at ``most`` splits (each warp's minimum of
-    tiles) gets no more, and the next costliest lane goes on.  So the CTAs of a narrow lane are not done long before
-    the widest lane's, which set the launch's span when every lane had the same splits; and where the cap binds before
-    the budget (batch 1: fewer CTAs than a wave), every lane reaches the cap - the uniform plan - rather than the
-    narrow lanes stopping short (session 54, H200: stopping there cost Llama B1/32k 27.7 -> 29.5 us)."""
-    return lane_splits([(dk + v_weight * dv, heads, ntiles) for dk, heads in lanes], rows, budget, most)
+    CTAs one head's split takes (batch x row blocks); ``budget`` about one wave (:func:`.cuda_kernel.wave_ctas`);
+    ``most`` each warp's minimum of tiles (:func:`.cuda_kernel.most_splits`).  A tile of a lane costs ``dk + v_weight
+    * dv`` (its key and value channels); :func:`kvcompress.kernels.attention.split_plan.lane_splits` gives the
+    costliest lanes more splits.  Where the cap binds before the budget (batch 1) every lane reaches it - the uniform
+    plan (session 54, H200: stopping the narrow lanes short there cost Llama B1/32k 27.7 -> 29.5 us)."""
+    return split_plan.lane_splits([(dk + v_weight * dv, heads, ntiles) for dk, heads in lanes], rows, budget, most)
 
 
-def _plan(region: PackedLanes, query: torch.Tensor, covered: int, index: int, softcap, c: dict) -> tuple:
+def split_plan_of(ntiles: int, lanes: list[tuple[int, int]], rows: int, sms: int, cfg: dict, cta_smem: int,
+                  dv: int) -> tuple[int, int, tuple[tuple[int, int], ...]]:
+    """``(splits, tiles per split, per-lane (splits, tokens per split))`` of a lanes launch over ``ntiles`` tiles
+    (no device: :func:`_plan` with the device's SMs, ``benchmarks/lane_plans.py`` with any): ``lanes`` lists ``(kept
+    channels, heads)``, ``rows`` the CTAs of one head's split, ``cfg`` the configuration with the launch's warps and
+    stages.  Every lane has the launch's splits where ``lane_balance`` is off, else its own (:func:`balanced_splits`;
+    ``lane_v_weight`` weighs a value channel against a key channel); the launch's own entry is then the largest."""
+    covered = sum(n for _, n in lanes)
+    s, tps = ck.split_runs(ntiles, ck.num_splits(ntiles, max(1, rows * covered), sms, cfg, cta_smem))
+    per_lane = ((s, tps * ck.TILE),) * len(lanes)
+    if cfg.get("lane_balance") and ntiles > 0:
+        counts = balanced_splits(ntiles, lanes, rows, max(1, round(ck.wave_ctas(sms, cfg, cta_smem))),
+                                 ck.most_splits(ntiles, rows * covered, sms, cfg), dv,
+                                 float(cfg.get("lane_v_weight", 1.0)))
+        per_lane = tuple((n, t * ck.TILE) for n, t in (ck.split_runs(ntiles, k) for k in counts))
+        s = max(n for n, _ in per_lane)
+        tps = max(t for _, t in per_lane) // ck.TILE  # (the region's own entry: unused by the lanes)
+    return s, tps, per_lane
+
+
+def _plan(region: PackedLanes, query: torch.Tensor, index: int, softcap, c: dict) -> tuple:
     """``(library, warps, stages, splits, tiles per split, interleave, PDL, buffer tokens, buffer CTAs, per-lane
     (splits, tokens per split))`` for this region's shapes (the buffer's settings:
-    :func:`.cuda_kernel.buffer_launch`), decided once per shape.  Every lane has the launch's splits where the
-    configuration's ``lane_balance`` is off, else its own (:func:`balanced_splits`; ``lane_v_weight`` weighs a value channel
-    against a key channel)."""
+    :func:`.cuda_kernel.buffer_launch`; the splits: :func:`split_plan_of`), decided once per shape."""
     dks = tuple(sorted({lane.k_scale.shape[-1] for lane in region.lanes}))
     dv = region.v_dim
     b, h, m, _ = query.shape
@@ -159,23 +179,11 @@ def _plan(region: PackedLanes, query: torch.Tensor, covered: int, index: int, so
                                              ck._smem_limit(index))
     if cta_smem != lib.kivi_v3_launch_smem(nw, stages):
         raise RuntimeError("KIVI CUDA lanes kernel: the library's shared-memory size disagrees with launch_smem()")
-    ntiles = nt // ck.TILE
-    cfg, rows, sms = dict(c, nw=nw, stages=stages), b * -(-m // 8), ck._sms(index)  # rows: CTAs of one head's split
-    s, tps = ck.split_runs(ntiles, ck.num_splits(ntiles, max(1, rows * covered), sms, cfg, cta_smem))
-    lane_splits = [(s, tps * ck.TILE)] * len(region.lanes)
-    if c.get("lane_balance") and ntiles > 0:
-        lanes = [(ln.k_scale.shape[-1], region.num_heads if ln.heads is None else ln.heads.numel())
-                 for ln in region.lanes]
-        counts = balanced_splits(ntiles, lanes, rows, max(1, round(ck.wave_ctas(sms, cfg, cta_smem))),
-                                 ck.most_splits(ntiles, rows * covered, sms, cfg), dv,
-                                 float(c.get("lane_v_weight", 1.0)))
-        lane_splits = [(n, t * ck.TILE) for n, t in (ck.split_runs(ntiles, k) for k in counts)]
-        s = max(n for n, _ in lane_splits)
-        tps = max(t for _, t in lane_splits) // ck.TILE  # (the region's own entry: unused by the lanes)
+    s, tps, per_lane = split_plan_of(nt // ck.TILE, list(lane_shapes(region)), b * -(-m // 8), ck._sms(index),
+                                     dict(c, nw=nw, stages=stages), cta_smem, dv)
     btok, bctas = ck.buffer_launch(b * h * -(-m // 8), nt, int(c.get("buffer_tokens") or ck.BUFFER_TOKENS),
                                    c.get("buffer_ctas", "auto"))
-    return (lib, nw, stages, s, tps, int(c.get("interleave", 1)), ck.pdl_ok(c, index), btok, bctas,
-            tuple(lane_splits))
+    return lib, nw, stages, s, tps, int(c.get("interleave", 1)), ck.pdl_ok(c, index), btok, bctas, per_lane
 
 
 def launch_args(q: torch.Tensor, region: PackedLanes, valid8: torch.Tensor, po: int, pl: int, splits: int,
@@ -251,9 +259,9 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
         return out.zero_(), lse.fill_(float("-inf"))
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     c = dict(base if base is not None else ck.config(region.bits))
-    covered = covered_heads(region)
-    key = (region.bits, region.group, dv, b, h, m, query.shape[-1], nt,
-           tuple(ln.k_scale.shape[-1] for ln in region.lanes), covered, index, bool(softcap),
+    # the lanes' widths AND head counts: the per-lane plan (lane_balance) differs between layers whose lanes have the
+    # same widths but other head counts
+    key = (region.bits, region.group, dv, b, h, m, query.shape[-1], nt, lane_shapes(region), index, bool(softcap),
            tuple(sorted(c.items())), query.dtype)
     plan = _PLANS.get(key)
     if plan is None:  # a new shape: checked once (a decode step reads the same shapes in every layer)
@@ -262,7 +270,7 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
             raise ValueError(f"KIVI CUDA lanes kernel: {why}")
         if len(_PLANS) >= 4096:
             _PLANS.clear()
-        plan = _PLANS[key] = _plan(region, query, covered, index, softcap, c)
+        plan = _PLANS[key] = _plan(region, query, index, softcap, c)
     lib, nw, stages, s, tps, interleave, pdl, btok, bctas, lane_splits = plan
 
     valid8 = valid.view(torch.uint8) if valid.dtype == torch.bool else valid.to(torch.uint8)
@@ -331,4 +339,4 @@ def emulate(query: torch.Tensor, region: PackedLanes, scale: float, *, buffer: t
 
 
 __all__ = ["MAX_LANES", "balanced_splits", "buffer_problem", "covered_heads", "emulate", "kivi_lanes_attention_partial",
-           "launch_args", "problem", "supports", "supports_buffer"]
+           "lane_shapes", "launch_args", "problem", "split_plan_of", "supports", "supports_buffer"]

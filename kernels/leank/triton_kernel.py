@@ -513,6 +513,12 @@ def split_count(cfg: dict, b: int, lanes: Sequence[tuple[int, int]], m_blocks: i
     return max(1, min(splits, -(-max(t_max, 1) // bn)))
 
 
+def most_splits(t_max: int, bn: int, min_split_tokens: int) -> int:
+    """The most token splits of a launch whose longest lane holds ``t_max`` slots: each split at least
+    ``min_split_tokens`` and ``bn`` (one block) of them; at least 1."""
+    return max(1, min(-(-t_max // max(bn, min_split_tokens)), -(-t_max // bn)))
+
+
 def resident_split_count(cfg: dict, b: int, lanes: Sequence[tuple[int, int]], m_blocks: int, slots: int,
                          waves: int = 1) -> int:
     """``split_rows: "resident"``: token splits giving ``waves`` whole waves of the long lanes' programs, where a wave is
@@ -531,7 +537,7 @@ def resident_split_count(cfg: dict, b: int, lanes: Sequence[tuple[int, int]], m_
         return 1
     long_rows = sum(h for h, t in lanes if 2 * t >= t_max)
     rows = max(1, b * long_rows * m_blocks)
-    most = max(1, min(-(-t_max // max(bn, cfg["min_split_tokens"])), -(-t_max // bn)))
+    most = most_splits(t_max, bn, cfg["min_split_tokens"])
     if rows > slots:
         return wave_fill_splits(rows, slots, min(most, int(cfg.get("fill_splits", 4))), float(cfg.get("fill", 0.9)))
     return max(1, min(waves * slots // rows, most))
@@ -556,7 +562,7 @@ def whole_wave_splits(cfg: dict, b: int, lanes: Sequence[tuple[int, int]], m_blo
     waves = rows * splits / slots
     if waves <= 1.0:
         return splits
-    most = max(1, min(-(-t_max // max(bn, cfg["min_split_tokens"])), -(-t_max // bn)))
+    most = most_splits(t_max, bn, cfg["min_split_tokens"])
     return max(1, min(int(waves + 0.5) * slots // rows, most))
 
 
@@ -603,7 +609,7 @@ def _balanced_lane_splits(bn: int, min_split_tokens: int, b: int, lanes: tuple, 
     long = [k for k, (_, h, t) in enumerate(lanes) if h and 2 * t >= t_max]
     if b * m_blocks * sum(lanes[k][1] for k in long) > slots:
         return None
-    most = max(1, min(-(-t_max // max(bn, min_split_tokens)), -(-t_max // bn)))
+    most = most_splits(t_max, bn, min_split_tokens)
     got = lane_splits([(lanes[k][0] + dv, lanes[k][1], -(-lanes[k][2] // bn)) for k in long], b * m_blocks, slots,
                       most)
     out: list[int | None] = [None] * len(lanes)
@@ -869,11 +875,11 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
         if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
             raise ValueError(f"KVCOMPRESS_LEANK_CONFIG: splits must be an integer >= 1 or null, got {splits!r}")
     if splits is None:
-        sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 0
+        index = (dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else -1
+        sms = _num_sms(index) if index >= 0 else 0
         shapes = [(r["h"], r["t"]) for r in rows]
         per_sm = 0
-        gbps = sm_bandwidth_gbps(dev.index if dev.index is not None else torch.cuda.current_device()) \
-            if sms > 0 and cfg.get("one_split_max_sm_gbps") else 0.0
+        gbps = sm_bandwidth_gbps(index) if sms > 0 and cfg.get("one_split_max_sm_gbps") else 0.0
         if one_split(cfg, full_width, dv, b * hkv * m_blocks, t_max, sms, gbps):
             splits = 1
         else:
