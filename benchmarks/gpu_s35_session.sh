@@ -377,6 +377,14 @@ case "${PART:-stages}" in
     S34_GRID_PART=grid2 S34_GRID_OPS=kivi2,kivi4,leank50,leank70,leank70-kivi2,ds8,ds16,ds8-shared,ds16-shared,paged-dense,paged-kivi2,lowrank,none \
       G_TIMEOUT=${G_TIMEOUT:-300} G_SECONDS=${G_SECONDS:-280} PART=grid bash "$HERE/gpu_s34_session.sh" "$OUT"
     ;;
+  overlap)  # session 55: LeanK-70 + KIVI-2's buffer read and KIVI lanes read on two streams (a fork / join in the graph)
+    # against one after the other (benchmarks/gpu_overlap_probe.py; the upper bound of overlapping them)
+    cd "$HERE/.." || exit 1
+    source benchmarks/gpu_site.sh >/dev/null
+    timeout "${OV_TIMEOUT:-300}" python "$SRC/benchmarks/gpu_overlap_probe.py" ${OV_SHAPES:+--shapes "$OV_SHAPES"} \
+      --out "$OUT/overlap.json" 2>"$OUT/overlap.err" | tee "$OUT/overlap.md"
+    tail -5 "$OUT/overlap.err"
+    ;;
   grid-lanes)  # session 54: LeanK-70 + KIVI-2 at every grid shape (lane_balance now the default) into grid.json
     S34_GRID_PART=grid2 S34_GRID_OPS=${S35_OPS:-leank70-kivi2} \
       G_TIMEOUT=${G_TIMEOUT:-120} G_SECONDS=${G_SECONDS:-100} PART=grid bash "$HERE/gpu_s34_session.sh" "$OUT"
