@@ -385,6 +385,15 @@ case "${PART:-stages}" in
       --out "$OUT/overlap.json" 2>"$OUT/overlap.err" | tee "$OUT/overlap.md"
     tail -5 "$OUT/overlap.err"
     ;;
+  buffer-lanes)  # session 55 (prepared): LeanK-70 + KIVI-2 reads too large for the buffer CTAs take the buffer through
+    # the Triton lanes kernel in a launch beside the KIVI lanes kernel's (PDL), into the same split combine (opt-in
+    # buffer_lanes: 3 launches instead of 5, the buffer read overlapping the lanes'). The GPU tests, then two rounds
+    export PS_XDIST=8 PS_TEST_TIMEOUT=${LB_TEST_TIMEOUT:-240}
+    ROUNDS=2 && sweep "tests/test_kivi_lanes_buffer.py tests/test_leank_kernel.py" KVCOMPRESS_KIVI_CUDA_CONFIG \
+      "${S35_OPS:-leank70-kivi2}" \
+      "${S35_SHAPES:-llama3-8b:4:4k,llama3-8b:16:4k,llama3-8b:64:4k,llama3-8b:4:32k,llama3-8b:16:32k,llama3-8b:64:32k,llama3-8b:16:128k,smollm2-135m:16:4k,smollm2-135m:16:32k,smollm2-135m:64:32k}" \
+      '{}' '{"buffer_lanes": true}'
+    ;;
   grid-lanes)  # session 54: LeanK-70 + KIVI-2 at every grid shape (lane_balance now the default) into grid.json
     S34_GRID_PART=grid2 S34_GRID_OPS=${S35_OPS:-leank70-kivi2} \
       G_TIMEOUT=${G_TIMEOUT:-120} G_SECONDS=${G_SECONDS:-100} PART=grid bash "$HERE/gpu_s34_session.sh" "$OUT"

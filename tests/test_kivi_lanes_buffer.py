@@ -224,6 +224,48 @@ def test_buffer_problem_and_settings():
     assert big.shape[0] * 5 > ck.BUFFER_ROWS
 
 
+def test_buffer_lanes_setting_reads_large_buffers_beside_the_lanes(monkeypatch):
+    """``buffer_lanes`` (``buffer_read``): a read too large for the buffer CTAs (``fuses_buffer`` false) takes its
+    buffer through the same op where the setting is on - read by the Triton lanes kernel beside the lanes launch -
+    and is read apart (``None``) where it is off, where Triton is missing or where the query's dtype is not the
+    buffer's; a read the buffer CTAs take stays theirs either way.  The setting is checked when it is read."""
+    from kvcompress.kernels import leank
+
+    for name in ("_BUFFER_SETTINGS", "_CAPPED", "_BUFFER_LANES"):  # what read_buffer_settings writes: restored after
+        monkeypatch.setattr(ck, name, dict(getattr(ck, name)))
+    gen = torch.Generator().manual_seed(7)
+    q, segs = _segments("cuda", False, gen)
+    region, (k, v, valid) = segs[1].packed, (segs[0].k, segs[0].v, segs[0].valid)
+    big = (8, 5, 4)  # 40 rows x (96 + 6 x 45) slots: 14640 > 16 rows, <= 256k work: still the buffer CTAs
+    assert ck.buffer_read(2, *big, 96, 45) == "ctas"
+    large = (64, 5, 4, 96 * 64, 1024)  # 320 rows x (6144 + 6144) slots: apart by the size rule
+    calls = []
+    monkeypatch.setattr(lanes_cuda, "buffer_problem", lambda *a, **kw: None)  # CPU tensors: the shapes alone
+    monkeypatch.setattr(ops, "kivi_lanes_buffer_attention", lambda *a, **kw: calls.append(a) or "op")
+    qb = torch.zeros(64, 5, 4, 128, dtype=torch.float16)
+    kb = torch.zeros(64, 5, 1024, 128, dtype=torch.float16)
+    vb, vab = kb.clone(), torch.ones(64, 1024, dtype=torch.bool)
+    fat = PackedLanes(region.bits, region.group, region.lanes, region.valid, region.num_heads, region.head_dim,
+                      impl="cuda")
+    monkeypatch.setattr(PackedLanes, "num_tokens", property(lambda self: large[3]))
+    for on in (False, True):
+        monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", f'{{"buffer_lanes": {str(on).lower()}}}')
+        ck.read_buffer_settings(2)
+        assert ck.buffer_read(2, *large) == ("lanes" if on else None)
+        assert ck.buffer_read(2, *big, 96, 45) == "ctas"
+        got = fat.attention_partial_with_buffer(qb, 0.1, kb, vb, vab)
+        assert (got == "op") is on and len(calls) == int(on)
+    assert fat.attention_partial_with_buffer(qb.bfloat16(), 0.1, kb, vb, vab) is None  # the query's dtype differs
+    monkeypatch.setattr(leank, "triton_available", lambda: False)
+    assert fat.attention_partial_with_buffer(qb, 0.1, kb, vb, vab) is None
+    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", '{"buffer_lanes": 1}')
+    with pytest.raises(ValueError, match="buffer_lanes must be true or false, got 1"):
+        ck.read_buffer_settings(2)
+    monkeypatch.delenv("KVCOMPRESS_KIVI_CUDA_CONFIG")
+    ck.read_buffer_settings(2)
+    assert ck.buffer_read(2, *large) is None and not ck.DEFAULT_CONFIG["buffer_lanes"]  # the default: off
+
+
 def test_launch_arguments_carry_the_buffer_and_the_library_builds_its_ctas(triton_cuobjdump):
     """The lanes launcher's argument array holds the buffer's entries where ``parse_params`` reads them (the plain
     launcher's layout), and - where nvcc is installed - the library built for a query head dim has the buffer CTAs
@@ -305,3 +347,54 @@ def test_kernel_reads_buffer_and_lanes_like_the_reference(b, rows, d, counts, to
     low = cuda.attention_partial_with_buffer(q.to(dtype).cuda(), scale, *(None if x is None else x.cuda()
                                                                             for x in buffer), out_dtype=dtype)
     assert low[0].dtype == dtype and torch.equal(low[0], got[0].to(dtype)) and torch.equal(low[1], got[1])
+
+
+@pytest.mark.gpu
+@_gpu()
+@pytest.mark.parametrize("b,rows,d,counts,tokens,live,slots,blive,dtype,pdl", [
+    (4, 4, 128, (32, 64, 96, 0, 32, 64, 96, 32), 4096, 4001, 1024, None, torch.float16, True),  # Llama B4/4k
+    (4, 4, 128, (32, 64, 96, 0, 32, 64, 96, 32), 4096, 3000, 1024, 777, torch.bfloat16, False),  # no PDL, lengths
+    (16, 3, 64, (16, 48, 0), 3584, 3584, 1024, 1000, torch.float16, True),                     # SmolLM2 heads
+])
+def test_buffer_read_beside_the_lanes_like_the_reference(monkeypatch, b, rows, d, counts, tokens, live, slots, blive,
+                                                         dtype, pdl):
+    """``buffer_lanes``: a read too large for the buffer CTAs takes its buffer through the Triton lanes kernel beside
+    the lanes launch (with PDL: concurrently), into the same split combine - against the reference, eagerly and
+    replayed from a CUDA graph (the programmatic edge captured), with the read's own output dtype."""
+    for name in ("_BUFFER_SETTINGS", "_CAPPED", "_BUFFER_LANES"):
+        monkeypatch.setattr(ck, name, dict(getattr(ck, name)))
+    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", f'{{"buffer_lanes": true, "pdl": {str(pdl).lower()}}}')
+    ck.read_buffer_settings(2)
+    q, region = make_region(batch=b, heads=len(counts), counts=counts, head_dim=d, rows=rows, tokens=tokens,
+                            live=live, seed=slots + b)
+    assert ck.buffer_read(2, b, len(counts), rows, region.num_tokens, slots) == "lanes"
+    gen = torch.Generator().manual_seed(slots + tokens)
+    buffer = _buffer(gen, b, len(counts), slots, d, dtype, blive)
+    scale = d ** -0.5
+    ref = ops.kivi_lanes_buffer_attention(q.to(dtype).float(), region, scale, *buffer, impl="reference")
+    cuda = PackedLanes(region.bits, region.group,
+                       tuple(lane._replace(**{f: None if getattr(lane, f) is None else getattr(lane, f).cuda()
+                                              for f in lane._fields}) for lane in region.lanes),
+                       region.valid.cuda(), region.num_heads, region.head_dim, impl="cuda",
+                       length=None if region.length is None else region.length.cuda())
+    qc = q.to(dtype).cuda()
+    bc = tuple(None if x is None else x.cuda() for x in buffer)
+    got = cuda.attention_partial_with_buffer(qc, scale, *bc)
+    assert got is not None
+    ok, err, msg = opcases.check_partial(tuple(x.cpu() for x in got), ref)
+    assert ok, msg
+    low = cuda.attention_partial_with_buffer(qc, scale, *bc, out_dtype=dtype)
+    assert low[0].dtype == dtype and torch.equal(low[0], got[0].to(dtype)) and torch.equal(low[1], got[1])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        cuda.attention_partial_with_buffer(qc, scale, *bc)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        held = cuda.attention_partial_with_buffer(qc, scale, *bc)
+    for _ in range(3):
+        held[0].zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(held[0], got[0]) and torch.equal(held[1], got[1])

@@ -56,6 +56,11 @@ CASES = {
     "combine-splits-35": (1, 2, 4, 32, 32, [([1, 0], 16, 90, True)], {"combine": "splits", "splits": 35, "BN": 16}),
     "combine-splits-all-invalid": (1, 2, 4, 32, 32, [([0, 1], 16, 20, True)],
                                    {"combine": "splits", "splits": 3, "all_invalid": True}),
+    # into: a full-precision buffer (one lane over every head) written as split partials into another launch's
+    # partial array after its first 2 (buffer_lanes: the KIVI lanes kernel's), merged there - with a live length, and
+    # with the split count the planner picks
+    "into-partials-after-two": (2, 3, 4, 32, 32, [(None, None, 45, True)], {"into": 2, "splits": 3, "length": 40}),
+    "into-partials-planned-splits": (1, 2, 12, 64, 64, [(None, None, 70, True)], {"into": 2}),
     # valid_ahead: each block's valid flags loaded a block ahead (carried by the loop) - several 16-token blocks per
     # split with row-level and per-head flags and a lane shorter than a block; a projecting lane beside per-head
     # flags; a lane with no valid token
@@ -217,11 +222,16 @@ def run_case(name: str, device: str = "cpu") -> dict:
               if key in extra} or None
     kw = dict(softcap=extra.get("softcap"),
               length=torch.tensor(extra["length"], device=device) if "length" in extra else None)
-    out, lse = triton_kernel.grouped_partial_attention(q, lanes, scale, config=config, splits=extra.get("splits"),
-                                                       **kw)
+    if "into" in extra:
+        out, lse, untouched = _into_case(q, lanes, scale, extra, config, kw)
+    else:
+        out, lse = triton_kernel.grouped_partial_attention(q, lanes, scale, config=config,
+                                                           splits=extra.get("splits"), **kw)
     ref_out, ref_lse = reference.grouped_partial_attention(q, lanes, scale, **kw)
     res = _compare(out, lse, ref_out, ref_lse)
     res["dtypes"] = [str(out.dtype), str(lse.dtype)]
+    if "into" in extra:
+        res["others_untouched"] = untouched
     if extra.get("logits"):  # the scores the launch stores, against the reference's
         _, _, ref_logits = reference.grouped_partial_scored(q, lanes, scale)
         logits = [torch.full_like(x, float("-inf")) for x in ref_logits]
@@ -240,6 +250,36 @@ def run_case(name: str, device: str = "cpu") -> dict:
         res["low_lse_same"] = bool(torch.equal(low_lse, lse))
         res["ref_low_is_rounded"] = bool(ref_low.dtype == dtype and torch.equal(ref_low, ref_out.to(dtype)))
     return res
+
+
+def _into_case(q, lanes, scale, extra, config, kw):
+    """``grouped_partial_attention(into=...)``: the partials written after ``extra["into"]`` NaN-filled partials of
+    another launch, merged here by log-sum-exp as the KIVI split combine merges them; ``(out, lse, whether the other
+    launch's partials are untouched)``."""
+    from kvcompress.kernels.leank import triton_kernel
+
+    b, h, m, _ = q.shape
+    dv = lanes[0][3].shape[-1]
+    first = extra["into"]
+    arrays = {}
+
+    def into(n):
+        arrays["po"] = torch.full((first + n, b * h * m, dv), float("nan"), device=q.device)
+        arrays["pl"] = torch.full((first + n, b * h * m), float("nan"), device=q.device)
+        return arrays["po"][first:].view(n, b, h, m, dv), arrays["pl"][first:].view(n, b, h, m)
+
+    got = triton_kernel.grouped_partial_attention(q, lanes, scale, config=config, splits=extra.get("splits"),
+                                                  into=into, **kw)
+    po, pl = arrays["po"], arrays["pl"]
+    assert got[0].data_ptr() == po[first:].data_ptr() and got[1].data_ptr() == pl[first:].data_ptr()
+    parts, lses = po[first:], pl[first:]
+    top = lses.max(0).values
+    w = torch.where(torch.isinf(lses), torch.zeros_like(lses), torch.exp(lses - top.nan_to_num(neginf=0.0)))
+    den = w.sum(0)
+    out = torch.where(den[:, None] > 0, (w[..., None] * parts).sum(0) / den.clamp_min(1e-30)[:, None], 0.0)
+    lse = torch.where(den > 0, top + torch.log(den.clamp_min(1e-30)), float("-inf"))
+    untouched = bool(torch.isnan(po[:first]).all() and torch.isnan(pl[:first]).all())
+    return out.view(b, h, m, dv), lse.view(b, h, m), untouched
 
 
 def read_path_case(device: str = "cpu", per_head: bool = False, head_lanes: bool = False) -> dict:
@@ -318,6 +358,8 @@ def _check(res: dict, name: str) -> None:
     if CASES[name][-1].get("logits"):
         assert res["logits_inf_same"], "-inf scores exactly where the reference has them"
         assert res["logits_err"] < 2e-2, f"max |logit - ref| = {res['logits_err']:.2e}"
+    if "into" in CASES[name][-1]:
+        assert res["others_untouched"], "into: the partials before the launch's own are not written"
     out_dtype = CASES[name][-1].get("out_dtype")
     if out_dtype:
         assert res["low_dtype"] == f"torch.{out_dtype}"
@@ -711,7 +753,8 @@ def test_lanes_kernel_compiles_for_sm90_without_a_gpu(triton_cuobjdump):
     (16-byte aligned pointers and strides): in both the token loop is software-pipelined (asynchronous copies of both
     lanes' K and V tiles), nothing spills, and the in-kernel projection leaves as many programs resident per SM as the
     gather (Triton 3.6, the GPU image's: 168 registers each; 3.9: 168 against 132, 3 programs per SM either way).
-    With ``PDL`` the program signals ``griddepcontrol.launch_dependents`` before its first load."""
+    With ``PDL`` the program signals ``griddepcontrol.launch_dependents`` before its first load; with ``PDL_END`` it
+    waits in ``griddepcontrol.wait`` after its last store."""
     triton = pytest.importorskip("triton")
     import re
     import tempfile
@@ -729,7 +772,7 @@ def test_lanes_kernel_compiles_for_sm90_without_a_gpu(triton_cuobjdump):
     sig.update({"PO": "*fp32", "PL": "*fp32", "LENGTH": "*i64", "qk_scale": "fp32", "M": "i32", "R": "i32",
                 "RLO": "i32", "RN": "i32", "NBATCH": "i32", "cap": "fp32", "LGS": ("*fp32",) * nl, "DQ": "i32"})
     names = list(sig) + ["HAS_VALID", "HAS_CHAN", "HAS_HEADS", "PROJ", "DKP", "NL", "DV", "DVP", "BLOCK_M", "BN",
-                         "IEEE", "HAS_LENGTH", "SOFTCAP", "LOGITS", "DQP", "PDL", "VA_AHEAD", "WG"]
+                         "IEEE", "HAS_LENGTH", "SOFTCAP", "LOGITS", "DQP", "PDL", "VA_AHEAD", "WG", "PDL_END"]
     aligned = [["tt.divisibility", 16]]
     attrs = {}
     for name, ty in sig.items():
@@ -739,11 +782,11 @@ def test_lanes_kernel_compiles_for_sm90_without_a_gpu(triton_cuobjdump):
         elif ty.startswith("*") or name in ("sq_b", "sq_h", "sq_m", "DQ"):
             attrs[(i,)] = aligned
     regs = {}
-    for proj, pdl in ((True, False), (False, False), (True, True)):
+    for proj, pdl, end in ((True, False, False), (False, False, False), (True, True, False), (False, False, True)):
         consts = {"HAS_VALID": (True, True), "HAS_CHAN": (not proj, False), "HAS_HEADS": (False, False),
                   "PROJ": (proj, False), "DKP": (64, 128), "NL": nl, "DV": 128, "DVP": 128, "BLOCK_M": 16, "BN": 64,
                   "IEEE": False, "HAS_LENGTH": True, "SOFTCAP": False, "LOGITS": False, "DQP": 128, "PDL": pdl,
-                  "VA_AHEAD": False, "WG": 1}
+                  "VA_AHEAD": False, "WG": 1, "PDL_END": end}
         src = ASTSource(fn=triton_kernel._lanes_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
                         attrs=attrs, constexprs={(names.index(k),): v for k, v in consts.items()})
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
@@ -751,6 +794,12 @@ def test_lanes_kernel_compiles_for_sm90_without_a_gpu(triton_cuobjdump):
         assert compiled.asm["ttgir"].count("async_copy_global_to_local") == 8  # K, V of 2 lanes, 2 copies each
         # PDL: every program lets the merge launch as it starts (before its first load); nothing else changes
         assert compiled.asm["ptx"].count("griddepcontrol.launch_dependents") == int(pdl)
+        # PDL_END (a launch beside the one before it, buffer_lanes): one wait, after the program's last store
+        assert compiled.asm["ptx"].count("griddepcontrol.wait") == int(end)
+        if end:
+            ptx = compiled.asm["ptx"]
+            assert ptx.rindex("griddepcontrol.wait") > ptx.rindex("st.global")
+            continue
         if pdl:
             ptx = compiled.asm["ptx"]
             assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("ld.global")

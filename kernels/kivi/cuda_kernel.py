@@ -194,10 +194,14 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # per lane by its key + value channels (lane_v_weight: a value channel's weight against a key channel's) within one
 # wave, instead of the same count for every lane (lanes_cuda.balanced_splits).  Session 54, H200, LeanK-70 + KIVI-2
 # Llama heads, two rounds: B4/32k 70.4 -> 59.4 us, B16/32k 174.9 -> 156.6, B16/128k 555.0 -> 490.8, B64/32k 605 -> 561;
-# where the per-warp cap binds before the wave (batch 1, 4k) the plan is the uniform one.
+# where the per-warp cap binds before the wave (batch 1, 4k) the plan is the uniform one.  buffer_lanes (the lanes kernel
+# only; session 55, opt-in): a read that does not take its buffer in the same launch (:func:`fuses_buffer`) has it read
+# by the Triton lanes kernel in a launch of its own beside the KIVI kernel's (programmatic dependent launch on sm_90+),
+# writing its split partials into the same combine - three launches instead of the two reads' five (each kernel, its
+# combine, the merge), the buffer's read overlapping the lanes' (:func:`buffer_read`).
 DEFAULT_CONFIG = dict(nw=4, stages=2, waves=1.0, warps_per_sm=16, min_tiles="auto", min_blocks=4, kfold=0, vfold=0,
                       interleave=1, buffer_tokens=BUFFER_TOKENS, buffer_rows=BUFFER_ROWS, buffer_work=BUFFER_WORK,
-                      buffer_weight=BUFFER_WEIGHT, pdl=True, buffer_ctas="auto", lane_balance=True,
+                      buffer_weight=BUFFER_WEIGHT, pdl=True, buffer_ctas="auto", lane_balance=True, buffer_lanes=False,
                       lane_v_weight=1.0)
 SMEM_DEFAULT = 48 * 1024  # dynamic shared memory a kernel gets without cudaFuncAttributeMaxDynamicSharedMemorySize
 SMEM_OPTIN_MAX = 227 * 1024  # the largest opt-in limit of any supported GPU (sm_90); the device's own limit is used
@@ -725,6 +729,8 @@ def supports_buffer(query: torch.Tensor, packed: PackedKV, k: torch.Tensor, v: t
 _BUFFER_SETTINGS: dict[int, tuple[int, int, int, int]] = {}
 #: bits -> whether that configuration's register cap leaves the buffer CTAs out (:func:`_buffer_capped`), read with them
 _CAPPED: dict[int, bool] = {}
+#: bits -> the configuration's ``buffer_lanes`` (:func:`buffer_read`), read with them
+_BUFFER_LANES: dict[int, bool] = {}
 _BUFFER_DEFAULTS = tuple(DEFAULT_CONFIG[n] for n in BUFFER_SETTINGS)
 
 
@@ -738,8 +744,12 @@ def read_buffer_settings(bits: int) -> tuple[int, int, int, int]:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"KVCOMPRESS_KIVI_CUDA_CONFIG: {n} must be an integer >= 0, got {v!r}")
     buffer_launch(1, 1, 1, c.get("buffer_ctas", "auto"))  # checks buffer_ctas ("auto" or >= 1) here, not per read
+    lanes = c.get("buffer_lanes", False)
+    if not isinstance(lanes, bool):
+        raise ValueError(f"KVCOMPRESS_KIVI_CUDA_CONFIG: buffer_lanes must be true or false, got {lanes!r}")
     _BUFFER_SETTINGS[bits] = values
     _CAPPED[bits] = _register_capped(c)
+    _BUFFER_LANES[bits] = lanes
     return values
 
 
@@ -752,6 +762,17 @@ def fuses_buffer(bits: int, b: int, h: int, m: int, slots: int, buffer_slots: in
     tokens, max_rows, max_work, weight = _BUFFER_SETTINGS.get(bits, _BUFFER_DEFAULTS)
     rows = b * h * -(-m // 8)
     return tokens > 0 and (rows <= max_rows or rows * (slots + weight * buffer_slots) <= max_work)
+
+
+def buffer_read(bits: int, b: int, h: int, m: int, slots: int, buffer_slots: int) -> str | None:
+    """How the KIVI lanes kernel takes a decode read's full-precision buffer of ``buffer_slots`` slots beside a region
+    of ``slots``: ``"ctas"`` - more CTAs of the same launch (:func:`fuses_buffer`); ``"lanes"`` - the Triton lanes
+    kernel in a launch of its own beside it, into the same split combine (setting ``buffer_lanes``, as
+    :func:`read_buffer_settings` last read it); ``None`` - not at all (the caller reads the two apart and merges).
+    Shapes only (decided at trace time)."""
+    if fuses_buffer(bits, b, h, m, slots, buffer_slots):
+        return "ctas"
+    return "lanes" if _BUFFER_LANES.get(bits, DEFAULT_CONFIG["buffer_lanes"]) else None
 
 
 def buffer_plan(slots: int, tokens: int = BUFFER_TOKENS, most: int = BUFFER_CTAS) -> tuple[int, int]:

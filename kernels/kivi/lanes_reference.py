@@ -156,9 +156,10 @@ class PackedLanes:
                                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(out, lse)`` over every lane and a full-precision buffer ``k`` / ``v`` ``[B, H, T, D / Dv]`` (every head,
         all query channels; validity ``valid [B, T]``, ``length`` bounding its slots) in ONE launch - the CUDA lanes
-        kernel's buffer CTAs (registered op ``kvcompress::kivi_lanes_buffer_partial``) - or ``None`` when the region's
+        kernel's buffer CTAs (registered op ``kvcompress::kivi_lanes_buffer_partial``), or, with the launch setting
+        ``buffer_lanes``, the Triton lanes kernel beside it into the same split combine - or ``None`` when the region's
         implementation cannot (not ``"cuda"``, or shapes / dtypes it does not take) or should not (a read large
-        enough that the two regions apart are faster, by the plain kernel's rule: :func:`.cuda_kernel.fuses_buffer`);
+        enough that the two regions apart are faster, by the plain kernel's rule: :func:`.cuda_kernel.buffer_read`);
         the caller then reads the two apart.  Decided from shapes only.  ``out_dtype``: ``out``'s dtype (``None``:
         float32), stored by the split combine."""
         if self.impl != "cuda":
@@ -167,7 +168,8 @@ class PackedLanes:
 
         if lanes_cuda.buffer_problem(query, self, k, v, valid, region_checked=True) is not None:  # shapes only
             return None
-        if not cuda_kernel.fuses_buffer(self.bits, *query.shape[:3], self.num_tokens, k.shape[2]):
+        how = cuda_kernel.buffer_read(self.bits, *query.shape[:3], self.num_tokens, k.shape[2])
+        if how is None or (how == "lanes" and not lanes_cuda.buffer_lanes_ok(query, k, v, valid)):
             return None
         from kvcompress.kernels import ops
 

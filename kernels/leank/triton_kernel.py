@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import triton
@@ -205,7 +205,7 @@ def _lanes_kernel(
     HAS_VALID: tl.constexpr, HAS_CHAN: tl.constexpr, HAS_HEADS: tl.constexpr, PROJ: tl.constexpr, DKP: tl.constexpr,
     NL: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
     IEEE: tl.constexpr, HAS_LENGTH: tl.constexpr, SOFTCAP: tl.constexpr, LOGITS: tl.constexpr, DQP: tl.constexpr,
-    PDL: tl.constexpr = False, VA_AHEAD: tl.constexpr = False, WG: tl.constexpr = 1,
+    PDL: tl.constexpr = False, VA_AHEAD: tl.constexpr = False, WG: tl.constexpr = 1, PDL_END: tl.constexpr = False,
 ):
     """One (split, batch * lane row, row block): the partial of one head of one lane over one token range.
 
@@ -216,7 +216,9 @@ def _lanes_kernel(
     C_i]``, strides ``SUH[i]`` / ``SUD[i]``).  ``PDL``: the split merge after it is launched with programmatic
     dependent launch; every program lets it start as soon as the last one has started.  ``VA_AHEAD``: the valid flags
     are loaded a block ahead (:func:`_attend`).  ``NSP[i]``: lane ``i``'s own split count (at most the grid's; its
-    programs past it write an empty partial at once: ``lane_splits``, ``lane_balance``)."""
+    programs past it write an empty partial at once: ``lane_splits``, ``lane_balance``).  ``PDL_END``: the launch
+    runs beside the kernel before it (programmatic dependent launch, ``concurrent``: it reads nothing that kernel
+    writes) and every program waits for that kernel at its end, so this launch completes only after it."""
     pdl_trigger(PDL)
     pid_s = tl.program_id(0)
     pid_br = tl.program_id(1)
@@ -254,6 +256,7 @@ def _lanes_kernel(
             tl.store(PO + (row * M + offs_m[:, None]) * DV + offs_d[None, :], out.to(PO.dtype.element_ty),
                      mask=m_ok[:, None] & (offs_d < DV)[None, :])
             tl.store(PL + row * M + offs_m, lse, mask=m_ok)
+    pdl_wait(PDL_END)
 
 
 @triton.jit(do_not_specialize=["NHS", "ROW0", "S", "R", "M", "H", "NBATCH"])
@@ -777,7 +780,8 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
                               splits: int | None = None, config: dict | None = None,
                               length: torch.Tensor | None = None, base: dict | None = None,
                               softcap: float | None = None, logits: Sequence[torch.Tensor] | None = None,
-                              out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                              out_dtype: torch.dtype | None = None, into: Callable | None = None,
+                              concurrent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused grouped partial attention; see :func:`.reference.grouped_partial_attention`.
 
     ``out_dtype``: the output's dtype (``None``: float32): the split merge stores it rounded (a read whose only part
@@ -794,15 +798,30 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     slots are treated as invalid and not read; the launch does not depend on its value: CUDA-graph safe).
     ``base``: the configuration to start from instead of :func:`_config` (which reads ``KVCOMPRESS_LEANK_CONFIG``);
     ``config`` entries override either.
+
+    ``into``: ``into(splits) -> (po, pl)``, called once the split count is known: contiguous float32 ``[splits, B,
+    H, M, Dv]`` / ``[splits, B, H, M]`` tensors (another launch's split partials, e.g. a slice of the KIVI lanes
+    kernel's: :func:`kvcompress.kernels.kivi.lanes_cuda.kivi_lanes_attention_partial`) that receive this launch's
+    per-split partials - normalised outputs and natural-log LSEs, the layout the KIVI split combine merges - instead
+    of a merge; returns ``(po, pl)``.  One lane over every head in order only (a full-precision buffer: no heads,
+    channels or basis).  ``concurrent`` (with ``into``, on a GPU that has programmatic dependent launch): the launch
+    runs beside the kernel launched just before it on this stream, which must write nothing this launch reads; each
+    program waits for that kernel at its end (``PDL_END``), so a plain launch after this one sees both finished.
     """
     lanes = [Lane(*lane) for lane in lanes]
     if not supports(query, lanes):
         raise ValueError("unsupported lanes for the Triton LeanK kernel (see supports())")
+    if into is not None and (logits is not None or len(lanes) != 1 or lanes[0].heads is not None
+                             or lanes[0].channels is not None or lanes[0].basis is not None
+                             or lanes[0].k.shape[1] != query.shape[1]):
+        raise ValueError("into: one lane over every head (no heads, channels, basis or logits)")
     if length is not None and (length.dim() != 0 or length.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"length must be a 0-dim int32/int64 tensor, got {tuple(length.shape)} {length.dtype}")
     cfg = dict(base if base is not None else _config())
     if config:
         cfg.update(config)
+    if into is not None:  # one row per head in order: the partials' layout is [splits, B, H, M, Dv]
+        cfg["canonical"] = False
     b, hkv, m, d = query.shape
     dv = lanes[0].v.shape[-1]
     dev = query.device
@@ -832,7 +851,8 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     waves, stages = _launch_shape(cfg, b, hkv, dv, full_width, work, projected=any(r["proj"] for r in rows),
                                   tokens=t_max)
     ieee = lanes[0].k.dtype == torch.float32
-    pdl = use_pdl(cfg.get("pdl"), dev)  # the merge starts during the lanes kernel's last wave (Hopper)
+    pdl = use_pdl(cfg.get("pdl"), dev) and into is None  # the merge starts during the lanes kernel's last wave
+    beside = into is not None and use_pdl(concurrent, dev)  # runs beside the launch before it (Hopper)
     wg = warp_groups(cfg, bn, block_m)
 
     def tup(chunk, key):
@@ -846,7 +866,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
             DKP=tuple(max(16, _pow2(r["c"])) for r in chunk), NL=len(chunk), DV=dv, DVP=max(16, _pow2(dv)),
             BLOCK_M=block_m, BN=bn, IEEE=ieee, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
             LOGITS=logits is not None, DQP=max(16, _pow2(d)), PDL=pdl, VA_AHEAD=bool(cfg.get("valid_ahead")),
-            WG=wg)
+            WG=wg, PDL_END=beside)
 
     def launch(chunk, po, pl):
         """``(arguments, constexprs)`` of the kernel over ``chunk``."""
@@ -902,6 +922,18 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     for k, r in enumerate(rows):
         r["nsp"] = splits if counts is None or counts[k] is None else counts[k]
     splits = max(r["nsp"] for r in rows)
+    if into is not None:
+        po, pl = into(splits)
+        if (tuple(po.shape) != (splits, b, hkv, m, dv) or tuple(pl.shape) != (splits, b, hkv, m)
+                or po.dtype != torch.float32 or pl.dtype != torch.float32 or not po.is_contiguous()
+                or not pl.is_contiguous()):
+            raise ValueError(f"into({splits}) must return contiguous float32 [{splits}, {b}, {hkv}, {m}, {dv}] / "
+                             f"[{splits}, {b}, {hkv}, {m}] tensors, got {tuple(po.shape)} {po.dtype} / "
+                             f"{tuple(pl.shape)} {pl.dtype}")
+        args, consts = launch(rows, po, pl)
+        _lanes_kernel[(splits, b * hkv, m_blocks)](*args, **consts, num_warps=cfg["num_warps"], num_stages=stages,
+                                                    **pdl_launch(beside))
+        return po, pl
     # one split of one lane of every head in order (a short buffer's read): the kernel's partial is already the
     # result, in the output's layout - the merge would copy it (bit for bit: one finite weight of exactly 1)
     direct = splits == 1 and len(rows) == 1 and not rows[0]["has_heads"] and n_rows == hkv
