@@ -131,11 +131,12 @@ def supports_buffer(query: torch.Tensor, region: PackedLanes, k: torch.Tensor, v
 
 def buffer_lanes_ok(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> bool:
     """Whether the Triton lanes kernel can read this buffer beside the lanes launch (``buffer_lanes``,
-    :func:`.cuda_kernel.buffer_read`): Triton is available, the query has the buffer's dtype (the lanes kernel reads
-    both so) and the kernel takes the buffer as one lane over every head.  Shapes and dtypes only."""
+    :func:`.cuda_kernel.buffer_read`): Triton is available and the kernel takes the buffer as one lane over every
+    head (the query may be the KIVI kernel's fp16 copy of a bf16 model's: the kernel scales it in float32 and rounds
+    it to the keys' dtype).  Shapes and dtypes only."""
     from ..leank import triton_available
 
-    if query.dtype != k.dtype or not triton_available():
+    if not triton_available():
         return False
     from ..leank import triton_kernel
 
