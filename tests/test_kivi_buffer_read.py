@@ -125,7 +125,8 @@ def test_buffer_settings_choose_the_one_launch_read(monkeypatch):
                                              r"integer >= 1, "
                                              r"got " + re.escape(repr(bad))):
             ck.buffer_plan(160, 32, bad)
-    monkeypatch.setattr(ck, "_BUFFER_SETTINGS", {})  # (read_buffer_settings below writes it)
+    for name in ("_BUFFER_SETTINGS", "_CAPPED", "_BUFFER_LANES"):  # (read_buffer_settings below writes them)
+        monkeypatch.setattr(ck, name, {})
 
     def settings(cfg):  # the configuration, read as ops.choose reads it when a cache picks the CUDA kernel
         monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", cfg)
@@ -145,6 +146,11 @@ def test_buffer_settings_choose_the_one_launch_read(monkeypatch):
     assert not ck.fuses_buffer(2, 16, 8, 4, 4096) and not ck.fuses_buffer(2, 4, 4, 17, 32768)  # 128 rows; 48
     settings('{"buffer_tokens": 0}')
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is None and len(calls) == 1
+    # buffer_lanes: a read the buffer CTAs do not take goes through the same op (the buffer read beside the region)
+    settings('{"buffer_tokens": 0, "buffer_lanes": true}')
+    assert ck.buffer_read(2, 2, 2, 1, 96, k.shape[2]) == "lanes"
+    assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is not None and len(calls) == 2
+    calls.pop()
     # this read: 2 x 2 x 1 = 4 rows over 96 slots (buffer_weight 0: the buffer not counted)
     settings('{"buffer_rows": 3, "buffer_work": 383, "buffer_weight": 0}')
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is None and len(calls) == 1
@@ -313,6 +319,51 @@ def test_launch_arguments_carry_the_buffer():
 
 def _gpu():
     return pytest.mark.skipif(not (torch.cuda.is_available() and ck.nvcc_path()), reason="needs a CUDA GPU and nvcc")
+
+
+@pytest.mark.gpu
+@_gpu()
+@pytest.mark.parametrize("pdl", [True, False])
+def test_buffer_read_beside_the_region_like_the_reference(monkeypatch, pdl):
+    """``buffer_lanes``: a static KIVI read too large for the buffer CTAs (Llama heads B16 / 4k: 128 rows) takes its
+    buffer through the Triton lanes kernel beside the KIVI launch (with PDL: concurrently), into the same split
+    combine - against the reference, eagerly and replayed from a CUDA graph."""
+    for name in ("_BUFFER_SETTINGS", "_CAPPED", "_BUFFER_LANES"):
+        monkeypatch.setattr(ck, name, dict(getattr(ck, name)))
+    monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", f'{{"buffer_lanes": true, "pdl": {str(pdl).lower()}}}')
+    ck.read_buffer_settings(2)
+    b, h, m, d, t, slots = 16, 8, 4, 128, 4096, 160
+    assert ck.buffer_read(2, b, h, m, t, slots) == "lanes"
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    kc, ks, kz = quantize_keys(torch.randn(b, h, t, d, generator=gen, device="cuda"), 2, 32)
+    vc, vs, vz = quantize_values(torch.randn(b, h, t, d, generator=gen, device="cuda"), 2, 32)
+    valid = torch.rand(b, t, generator=gen, device="cuda") < 0.9
+    valid[-1] = False
+    bk = (torch.randn(b, h, slots, d, generator=gen, device="cuda") * 1.5).half()
+    bv = torch.randn(b, h, slots, d, generator=gen, device="cuda").half()
+    bvalid = torch.rand(b, slots, generator=gen, device="cuda") < 0.85
+    length, blen = torch.tensor(4001, device="cuda"), torch.tensor(150, device="cuda")
+    q = torch.randn(b, h, m, d, generator=gen, device="cuda").half()
+    packed = PackedKV(2, 32, kc, ks, kz, vc, vs, vz, valid, impl="cuda", length=length)
+    got = packed.attention_partial_with_buffer(q, d ** -0.5, bk, bv, bvalid, blen)
+    assert got is not None
+    ref = ops.kivi_buffer_partial(q.cpu(), kc.cpu(), ks.cpu(), kz.cpu(), vc.cpu(), vs.cpu(), vz.cpu(), valid.cpu(),
+                                  length.cpu(), 2, 32, d ** -0.5, bk.cpu(), bv.cpu(), bvalid.cpu(), blen.cpu())
+    ok, err, msg = opcases.check_partial(tuple(x.cpu() for x in got), ref)
+    assert ok, msg
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        packed.attention_partial_with_buffer(q, d ** -0.5, bk, bv, bvalid, blen)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        held = packed.attention_partial_with_buffer(q, d ** -0.5, bk, bv, bvalid, blen)
+    for _ in range(3):
+        held[0].zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(held[0], got[0]) and torch.equal(held[1], got[1])
 
 
 @pytest.mark.gpu

@@ -775,6 +775,20 @@ def buffer_read(bits: int, b: int, h: int, m: int, slots: int, buffer_slots: int
     return "lanes" if _BUFFER_LANES.get(bits, DEFAULT_CONFIG["buffer_lanes"]) else None
 
 
+def buffer_lanes_ok(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> bool:
+    """Whether the Triton lanes kernel can read this buffer beside the KIVI launch (``buffer_lanes``,
+    :func:`buffer_read`): Triton is available and the kernel takes the buffer as one lane over every head (the query
+    may be the KIVI kernel's fp16 copy of a bf16 model's: the kernel scales it in float32 and rounds it to the keys'
+    dtype).  Shapes and dtypes only."""
+    from ..leank import triton_available
+
+    if not triton_available():
+        return False
+    from ..leank import triton_kernel
+
+    return triton_kernel.supports(query, [(None, None, k, v, valid, None)])
+
+
 def buffer_plan(slots: int, tokens: int = BUFFER_TOKENS, most: int = BUFFER_CTAS) -> tuple[int, int]:
     """``(CTAs per (batch, head, row block), slots per CTA)`` of a buffer of ``slots`` slots: ``tokens`` (the launch
     setting ``buffer_tokens``) slots per CTA, at most ``most`` CTAs (``buffer_ctas``; a longer buffer gets longer
@@ -955,20 +969,65 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
     q = _aligned(query.to(torch.float16), 1, 4)
     kv = _kv_tensors(packed)
     length = live_length(getattr(packed, "length", None), dev)
+    stream = torch.cuda.current_stream(dev).cuda_stream
     if buffer is not None:
         bk, bv, bvalid, blen = buffer
         buffer = (bk, bv, bvalid.view(torch.uint8), live_length(blen, dev))
+        if nt > 0 and buffer_read(bits, b, h, m, nt, bk.shape[2]) == "lanes":
+
+            def launch(po: torch.Tensor, pl: torch.Tensor) -> list:
+                arr = _args(packed, kv, q.data_ptr(), q.stride()[:3], po.data_ptr(), pl.data_ptr(), m,
+                            tiles_per_split * TILE, s, 0 if length is None else length.data_ptr(), interleave, None,
+                            btok, bctas)
+                rc = lib.kivi_v3_launch(arr, float(scale) * LOG2E, float(softcap or 0.0) * LOG2E, nw, stages,
+                                        row_blocks, index, ctypes.c_void_p(stream))
+                if rc:
+                    raise RuntimeError(f"KIVI CUDA kernel launch failed: {lib.kivi_v3_error_string(rc).decode()}")
+                return [q, kv]
+
+            read_beside(query, buffer, scale, softcap, s, launch, lib, out, lse, index, ctypes.c_void_p(stream), pdl)
+            return out, lse
     total = partial_count(s, buffer, btok, bctas)
     po, pl = partial_buffers(out, lse, total)
     arr = _args(packed, kv, q.data_ptr(), q.stride()[:3], po.data_ptr(), pl.data_ptr(), m, tiles_per_split * TILE, s,
                 0 if length is None else length.data_ptr(), interleave, buffer, btok, bctas)
-    stream = torch.cuda.current_stream(dev).cuda_stream
     rc = lib.kivi_v3_launch(arr, float(scale) * LOG2E, float(softcap or 0.0) * LOG2E, nw, stages, row_blocks,
                             index, ctypes.c_void_p(stream))
     if rc:
         raise RuntimeError(f"KIVI CUDA kernel launch failed: {lib.kivi_v3_error_string(rc).decode()}")
     combine_into(lib, po, pl, out, lse, total, index, ctypes.c_void_p(stream), pdl)
     return out, lse
+
+
+def read_beside(query: torch.Tensor, buffer: tuple, scale: float, softcap, splits: int, launch, lib,
+                out: torch.Tensor, lse: torch.Tensor, index: int, stream, pdl: bool) -> None:
+    """A packed region and the full-precision ``buffer`` (``(k, v, uint8 valid, length)``) in three launches
+    (``buffer_lanes``, :func:`buffer_read`): ``launch(po, pl)`` launches the region's kernel into the first
+    ``splits`` partials of ``po`` / ``pl`` (returning what it must keep alive); the Triton lanes kernel reads the buffer
+    as one lane over every head into the partials after them
+    (:func:`kvcompress.kernels.leank.triton_kernel.grouped_partial_attention` with ``into``) - launched with
+    programmatic dependent launch where ``pdl``, so it runs beside the region's kernel (it reads nothing that kernel
+    writes, and its programs wait for it at their end) - and one split combine, launched plainly after both, merges
+    every partial into ``out`` / ``lse``.  ``query``: the read's query ``[B, H, M, D]``."""
+    from ..leank import triton_kernel
+
+    b, h, m, _ = query.shape
+    dv = out.shape[-1]
+    bk, bv, bvalid, blen = buffer
+    held = {}
+
+    def into(nb: int):  # the buffer's split count is known: the partials of both, the region's kernel launched first
+        total = splits + nb
+        po = torch.empty(total, b * h * m, dv, device=out.device, dtype=torch.float32)
+        pl = torch.empty(total, b * h * m, device=out.device, dtype=torch.float32)
+        # what the region's kernel reads stays referenced until the combine is issued: the buffer's launch runs beside
+        # it, so memory freed now could be handed to that launch before the region's kernel is done with it
+        held.update(po=po, pl=pl, total=total, keep=launch(po, pl))
+        return po[splits:].view(nb, b, h, m, dv), pl[splits:].view(nb, b, h, m)
+
+    triton_kernel.grouped_partial_attention(query, [(None, None, bk, bv, bvalid, None)], scale, length=blen,
+                                            softcap=softcap, into=into, concurrent=pdl)
+    combine_into(lib, held["po"], held["pl"], out, lse, held["total"], index, stream, False)
 
 
 #: the split combine's output element type (``kivi_v3_combine_launch``'s ``out_kind``) by dtype

@@ -129,20 +129,6 @@ def supports_buffer(query: torch.Tensor, region: PackedLanes, k: torch.Tensor, v
     return ck._device_ok(query.device) and buffer_problem(query, region, k, v, valid) is None
 
 
-def buffer_lanes_ok(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> bool:
-    """Whether the Triton lanes kernel can read this buffer beside the lanes launch (``buffer_lanes``,
-    :func:`.cuda_kernel.buffer_read`): Triton is available and the kernel takes the buffer as one lane over every
-    head (the query may be the KIVI kernel's fp16 copy of a bf16 model's: the kernel scales it in float32 and rounds
-    it to the keys' dtype).  Shapes and dtypes only."""
-    from ..leank import triton_available
-
-    if not triton_available():
-        return False
-    from ..leank import triton_kernel
-
-    return triton_kernel.supports(query, [(None, None, k, v, valid, None)])
-
-
 def _qdim(d: int) -> int:
     """The buffer key dim a lanes library is built for (the query's head dim where the buffer CTAs take it)."""
     return d if d % 64 == 0 and 64 <= d <= 256 else 0
@@ -315,41 +301,23 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
 def _read_beside(query: torch.Tensor, q: torch.Tensor, region: PackedLanes, valid8: torch.Tensor,
                  length: torch.Tensor | None, buffer: tuple, scale: float, softcap, plan: tuple, out: torch.Tensor,
                  lse: torch.Tensor, index: int, dev: torch.device) -> None:
-    """The lanes and the full-precision ``buffer`` (``(k, v, uint8 valid, length)``) in three launches
-    (``buffer_lanes``): the lanes kernel writes its ``s`` split partials; the Triton lanes kernel reads the buffer as
-    one lane over every head into the partials after them - launched with programmatic dependent launch where the
-    plan has PDL, so it runs beside the lanes kernel (it reads nothing that kernel writes; its programs wait for it at
-    their end) - and one split combine merges both into ``out`` / ``lse``.  ``query``: the read's query (the buffer's
-    dtype), ``q``: the lanes kernel's fp16 copy."""
-    from ..leank import triton_kernel
-
+    """The lanes and the full-precision ``buffer`` in three launches (``buffer_lanes``,
+    :func:`.cuda_kernel.read_beside`): this kernel's ``s`` split partials, the buffer's after them, one combine."""
     lib, nw, stages, s, tps, interleave, pdl, btok, bctas, lane_splits = plan
-    b, h, m, _ = query.shape
-    dv = region.v_dim
-    bk, bv, bvalid, blen = buffer
     stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)
-    held = {}
 
-    def into(nb: int):  # the buffer's split count is known: the partials of both, the lanes kernel launched first
-        total = s + nb
-        po = torch.empty(total, b * h * m, dv, device=dev, dtype=torch.float32)
-        pl = torch.empty(total, b * h * m, device=dev, dtype=torch.float32)
+    def launch(po: torch.Tensor, pl: torch.Tensor) -> list:
         args, keep = launch_args(q, region, valid8, po.data_ptr(), pl.data_ptr(), s, tps, length, interleave, None,
                                  btok, bctas, lane_splits)
         arr = (ctypes.c_longlong * len(args))(*args)
         with _LOCK:
             rc = lib.kivi_v3_lanes_launch(arr, float(scale) * ck.LOG2E, float(softcap or 0.0) * ck.LOG2E, nw, stages,
-                                          -(-m // 8), index, stream)
+                                          -(-query.shape[2] // 8), index, stream)
         if rc:
             raise RuntimeError(f"KIVI CUDA lanes kernel launch failed: {lib.kivi_v3_error_string(rc).decode()}")
-        # the tensors the running kernel reads stay referenced until the combine is issued: the buffer's launch runs
-        # beside it, so memory freed now could be handed to that launch before the lanes kernel is done with it
-        held.update(po=po, pl=pl, total=total, keep=keep)
-        return po[s:].view(nb, b, h, m, dv), pl[s:].view(nb, b, h, m)
+        return keep
 
-    triton_kernel.grouped_partial_attention(query, [(None, None, bk, bv, bvalid, None)], scale, length=blen,
-                                            softcap=softcap, into=into, concurrent=pdl)
-    ck.combine_into(lib, held["po"], held["pl"], out, lse, held["total"], index, stream, False)
+    ck.read_beside(query, buffer, scale, softcap, s, launch, lib, out, lse, index, stream, pdl)
 
 
 def emulate(query: torch.Tensor, region: PackedLanes, scale: float, *, buffer: tuple | None = None,

@@ -169,7 +169,7 @@ class PackedLanes:
         if lanes_cuda.buffer_problem(query, self, k, v, valid, region_checked=True) is not None:  # shapes only
             return None
         how = cuda_kernel.buffer_read(self.bits, *query.shape[:3], self.num_tokens, k.shape[2])
-        if how is None or (how == "lanes" and not lanes_cuda.buffer_lanes_ok(query, k, v, valid)):
+        if how is None or (how == "lanes" and not cuda_kernel.buffer_lanes_ok(query, k, v, valid)):
             return None
         from kvcompress.kernels import ops
 

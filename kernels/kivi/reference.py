@@ -273,9 +273,10 @@ class PackedKV:
                                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(out, lse)`` over this region and a full-precision buffer ``k`` / ``v`` ``[B, H, T, Dk / Dv]`` (validity
         ``valid [B, T]``, ``length`` bounding its slots) in ONE launch - the hand-written CUDA kernel's buffer CTAs
-        (registered op ``kvcompress::kivi_buffer_partial``) - or ``None`` when the region's implementation cannot
+        (registered op ``kvcompress::kivi_buffer_partial``), or, with the launch setting ``buffer_lanes``, the Triton
+        lanes kernel beside it into the same split combine - or ``None`` when the region's implementation cannot
         (not ``"cuda"``, or shapes / dtypes it does not take) or should not (a read large enough that the two
-        regions apart are faster: :func:`.cuda_kernel.fuses_buffer`): the caller then reads the two regions apart.
+        regions apart are faster: :func:`.cuda_kernel.buffer_read`): the caller then reads the two regions apart.
         ``out_dtype``: ``out``'s dtype (``None``: float32; the split combine stores it: a read whose only part this
         is needs no cast after it)."""
         if self.impl != "cuda" or self.k_per_token:
@@ -285,8 +286,9 @@ class PackedKV:
         if cuda_kernel.buffer_problem(query, self, k, v, valid) is not None:  # shapes only: decided at trace time
             return None
         slots = self.k_codes.shape[2] * self.group
-        if not cuda_kernel.fuses_buffer(self.bits, *query.shape[:3], slots, k.shape[2]):  # large: apart is faster
-            return None
+        how = cuda_kernel.buffer_read(self.bits, *query.shape[:3], slots, k.shape[2])
+        if how is None or (how == "lanes" and not cuda_kernel.buffer_lanes_ok(query, k, v, valid)):
+            return None  # large: apart is faster (unless the buffer is read beside the region: buffer_lanes)
         return _ops().kivi_buffer_attention(query, self, scale, k, v, valid, length, impl=self.impl, softcap=softcap,
                                             out_dtype=out_dtype)
 
