@@ -390,7 +390,8 @@ case "${PART:-stages}" in
     # buffer_lanes: 3 launches instead of 5, the buffer read overlapping the lanes'; static KIVI-2 too). The GPU tests,
     # then two rounds
     export PS_XDIST=8 PS_TEST_TIMEOUT=${LB_TEST_TIMEOUT:-240}
-    ROUNDS=2 && sweep "tests/test_kivi_lanes_buffer.py tests/test_kivi_buffer_read.py tests/test_leank_kernel.py" KVCOMPRESS_KIVI_CUDA_CONFIG \
+    ROUNDS=2 && sweep "${BL_TESTS:-tests/test_kivi_lanes_buffer.py tests/test_kivi_buffer_read.py tests/test_leank_kernel.py}" \
+      KVCOMPRESS_KIVI_CUDA_CONFIG \
       "${S35_OPS:-leank70-kivi2,kivi2-static}" \
       "${S35_SHAPES:-llama3-8b:4:4k,llama3-8b:16:4k,llama3-8b:64:4k,llama3-8b:4:32k,llama3-8b:16:32k,llama3-8b:64:32k,llama3-8b:16:128k,smollm2-135m:16:4k,smollm2-135m:16:32k,smollm2-135m:64:32k}" \
       '{}' '{"buffer_lanes": true}'
