@@ -396,6 +396,23 @@ case "${PART:-stages}" in
       "${S35_SHAPES:-llama3-8b:4:4k,llama3-8b:16:4k,llama3-8b:64:4k,llama3-8b:4:32k,llama3-8b:16:32k,llama3-8b:64:32k,llama3-8b:16:128k,smollm2-135m:16:4k,smollm2-135m:16:32k,smollm2-135m:64:32k}" \
       '{}' '{"buffer_lanes": true}'
     ;;
+  buffer-lanes-quick)  # session 55: the buffer_lanes GPU tests alone (-k beside: both kernels, PDL on and off, graph
+    # replays), then alternating rounds of benchutil at a few shapes ('{}' against '{"buffer_lanes": true}'), for a
+    # call with little device time left
+    cd "$HERE/.." || exit 1
+    source benchmarks/gpu_site.sh >/dev/null
+    timeout "${BQ_TEST_TIMEOUT:-150}" python -m pytest -q -m gpu -p no:cacheprovider --tb=short -rfE -k beside \
+      "$SRC/tests/test_kivi_lanes_buffer.py" "$SRC/tests/test_kivi_buffer_read.py" 2>&1 | tail -15 | tee "$OUT/tests.txt"
+    for r in $(seq "${ROUNDS:-2}"); do
+      for cfg in '{}' '{"buffer_lanes": true}'; do
+        echo "round $r $cfg" | tee -a "$OUT/rows.md"
+        KVCOMPRESS_KIVI_CUDA_CONFIG=$cfg timeout "${BQ_TIMEOUT:-60}" python -m kvcompress.kernels.benchutil --device cuda \
+          --ops "${S35_OPS:-sdpa,leank70-kivi2}" \
+          --only-shapes "${S35_SHAPES:-llama3-8b:4:4k,llama3-8b:16:4k,llama3-8b:16:32k}" 2>/dev/null | grep '^|' \
+          | tee -a "$OUT/rows.md"
+      done
+    done
+    ;;
   grid-lanes)  # session 54: LeanK-70 + KIVI-2 at every grid shape (lane_balance now the default) into grid.json
     S34_GRID_PART=grid2 S34_GRID_OPS=${S35_OPS:-leank70-kivi2} \
       G_TIMEOUT=${G_TIMEOUT:-120} G_SECONDS=${G_SECONDS:-100} PART=grid bash "$HERE/gpu_s34_session.sh" "$OUT"
