@@ -233,8 +233,58 @@ def _interpreter_cases() -> dict:
         got = lanes_triton.kivi_lanes_attention_partial(q, region, 0.2, splits=2)
         return {"vs_reference": close(got, lanes_reference.kivi_lanes_attention_partial(q, region, 0.2))}
 
+    def read_beside():
+        """``cuda_kernel.read_beside`` (``buffer_lanes``) on CPU tensors: the Triton lanes kernel (interpreted) reads
+        the buffer into the partials after the KIVI launch's (replaced by the lanes reference's partial and two empty
+        splits), and the combine (a log-sum-exp merge here) gets every partial - against the reference of the lanes
+        and the buffer together, with a head no lane holds and live lengths in both.  The KIVI launch comes first,
+        then the combine, launched plainly, over all ``3 + buffer splits`` partials."""
+        from kvcompress.kernels.kivi import cuda_kernel as ck
+
+        q, region = make_region(batch=2, heads=4, rows=4, head_dim=64, counts=(16, 0, 32, 64), tokens=64, live=50,
+                                seed=9)
+        gen = torch.Generator().manual_seed(10)
+        bk, bv = (torch.randn(2, 4, 40, 64, generator=gen) * 1.2).half(), torch.randn(2, 4, 40, 64, generator=gen).half()
+        bvalid = torch.rand(2, 40, generator=gen) < 0.8
+        bvalid[0, :4] = False
+        blen = torch.tensor(33)
+        scale = q.shape[-1] ** -0.5
+        lanes_out, lanes_lse = lanes_reference.kivi_lanes_attention_partial(q, region, scale)
+        order = []
+
+        def launch(po, pl):  # the KIVI launch's 3 split partials: the region's whole partial, then two empty splits
+            order.append(("kivi", po.shape[0]))
+            po[0] = lanes_out.reshape(-1, 64)
+            pl[0] = lanes_lse.reshape(-1)
+            po[1:3] = 0.0
+            pl[1:3] = float("-inf")
+            return []
+
+        def combine(lib, po, pl, out, lse, total, index, stream, pdl=False):
+            order.append(("combine", total, pdl))
+            top = pl[:total].max(0).values
+            w = torch.exp(pl[:total] - torch.where(torch.isinf(top), 0.0, top)).nan_to_num(0.0)
+            den = w.sum(0)
+            out.copy_(torch.where(den[:, None] > 0, (w[..., None] * po[:total]).sum(0) / den.clamp_min(1e-30)[:, None],
+                                  0.0).view(out.shape))
+            lse.copy_(torch.where(den > 0, top + torch.log(den.clamp_min(1e-30)), float("-inf")).view(lse.shape))
+
+        real = ck.combine_into
+        ck.combine_into = combine
+        try:
+            out, lse = torch.empty(2, 4, 4, 64), torch.empty(2, 4, 4)
+            ck.read_beside(q, (bk, bv, bvalid.view(torch.uint8), blen), scale, None, 3, launch, None, out, lse, 0,
+                           None, True)
+        finally:
+            ck.combine_into = real
+        ref = lanes_reference.kivi_lanes_buffer_attention_partial(q.float(), region, scale, bk, bv, bvalid, blen)
+        ok = (len(order) == 2 and order[0][0] == "kivi" and order[0][1] > 3 and order[1] == ("combine", order[0][1],
+                                                                                              False))
+        return {"vs_reference": close((out, lse), ref), "order": "" if ok else f"launches {order}"}
+
     cases = {name: run(*kw) for name, kw in CASES.items()}
-    cases.update({"softcap": softcap, "op-glue": op_glue, "many-lanes": many_lanes, "overlap": overlap})
+    cases.update({"softcap": softcap, "op-glue": op_glue, "many-lanes": many_lanes, "overlap": overlap,
+                  "read-beside": read_beside})
     return cases
 
 
@@ -244,7 +294,7 @@ def interpreted(tmp_path_factory):
     return run_interpreted(__file__, tmp_path_factory.mktemp("kivi_lanes"), OMP_NUM_THREADS="1")
 
 
-@pytest.mark.parametrize("name", list(CASES) + ["softcap", "op-glue", "many-lanes", "overlap"])
+@pytest.mark.parametrize("name", list(CASES) + ["softcap", "op-glue", "many-lanes", "overlap", "read-beside"])
 def test_triton_kernel_under_interpreter(interpreted, name):
     res = interpreted[name]
     assert "error" not in res, res.get("error")
