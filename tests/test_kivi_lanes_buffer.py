@@ -162,17 +162,22 @@ def test_attend_segments_reads_buffer_and_lanes_in_one_op(monkeypatch, impl, cov
     torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=1e-2)
 
 
-def test_compiled_read_is_one_graph_with_one_lanes_buffer_op(monkeypatch):
+@pytest.mark.parametrize("cfg,together", [(None, True), ('{"buffer_rows": 0, "buffer_work": 0}', False),
+                                           ('{"buffer_rows": 0, "buffer_work": 0, "buffer_lanes": true}', True)])
+def test_compiled_read_is_one_graph_with_one_lanes_buffer_op(monkeypatch, cfg, together):
     """The decode read of [buffer, lanes region of a CUDA implementation] traced by ``torch.compile(fullgraph=True)``:
     one graph holding one ``kvcompress::kivi_lanes_buffer_partial`` call (the decision reads shapes and the settings a
     cache read when it chose the kernel only: no host read, no graph break, no dynamo warning), equal to the eager
-    read."""
+    read.  Where the buffer CTAs do not take the read (``buffer_rows`` / ``buffer_work`` 0) it is the lanes op and
+    the buffer apart, unless ``buffer_lanes`` reads the buffer beside the lanes through the same one op."""
     import warnings
 
     from torch._dynamo.backends.registry import lookup_backend
 
-    monkeypatch.setattr(ck, "_BUFFER_SETTINGS", {})
-    monkeypatch.setattr(ck, "_CAPPED", {})
+    for name in ("_BUFFER_SETTINGS", "_CAPPED", "_BUFFER_LANES"):
+        monkeypatch.setattr(ck, name, {})
+    if cfg is not None:
+        monkeypatch.setenv("KVCOMPRESS_KIVI_CUDA_CONFIG", cfg)
     ck.read_buffer_settings(2)  # what ops.choose does when a cache picks the CUDA kernel
 
     from kvcompress.kernels.attention.partials import attend_segments
@@ -201,8 +206,8 @@ def test_compiled_read_is_one_graph_with_one_lanes_buffer_op(monkeypatch):
         got = torch.compile(read, fullgraph=True, backend=backend)(q)
     assert len(graphs) == 1
     calls = [n for n in graphs[0].graph.nodes if n.op == "call_function"]
-    assert sum(n.target is ops._OPS["kivi_lanes_buffer_partial"] for n in calls) == 1
-    assert not any(n.target is ops._OPS["kivi_lanes_partial"] for n in calls)
+    assert sum(n.target is ops._OPS["kivi_lanes_buffer_partial"] for n in calls) == int(together)
+    assert sum(n.target is ops._OPS["kivi_lanes_partial"] for n in calls) == int(not together)
     torch.testing.assert_close(got, read(q), atol=0, rtol=0)
 
 
