@@ -140,8 +140,8 @@ def main(argv=None) -> int:
         # SDPA on the uncompressed cache at this shape (the grid's baseline: its fastest backend)
         sd = None
         dense = 2 * b * shape.kv_heads * ctx * shape.head_dim * 2
-        dn = max(1, min(bu.copies_for(dense), int(torch.cuda.mem_get_info(dev)[0] * 0.8 // dense))) if dev.type == "cuda" else 1
-        if dev.type == "cuda" and dense * dn < torch.cuda.mem_get_info(dev)[0]:
+        dn = min(bu.copies_for(dense), int(torch.cuda.mem_get_info(dev)[0] * 0.8 // dense)) if dev.type == "cuda" else 0
+        if dn >= 1:
             kv = [bu.dense_inputs(b, shape.kv_heads, ctx, shape.head_dim, shape.q_heads // shape.kv_heads, dev, gen)
                   for _ in range(dn)]
             for be in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
@@ -156,8 +156,10 @@ def main(argv=None) -> int:
         layer = bu.build_static_layer(args.op, shape, b, ctx, dev, gen)
         nbytes = bu.static_read_bytes(layer, q0)
         alloc = sum(layer.memory().values())
-        free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 8 << 30
-        n = 1 if dev.type != "cuda" else max(1, min(bu.copies_for(nbytes), bu.MAX_COPIES, 1 + int(free * 0.8 // max(1, alloc))))
+        n = 1
+        if dev.type == "cuda":
+            free = torch.cuda.mem_get_info(dev)[0]
+            n = max(1, min(bu.copies_for(nbytes), bu.MAX_COPIES, 1 + int(free * 0.8 // max(1, alloc))))
         data = [(q0, layer)] + [(torch.randn_like(q0), bu._copy(layer)) for _ in range(n - 1)]
         ref = fns["read"](q0, layer, scale).float()
         errs = {}

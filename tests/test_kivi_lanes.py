@@ -244,7 +244,8 @@ def _interpreter_cases() -> dict:
         q, region = make_region(batch=2, heads=4, rows=4, head_dim=64, counts=(16, 0, 32, 64), tokens=64, live=50,
                                 seed=9)
         gen = torch.Generator().manual_seed(10)
-        bk, bv = (torch.randn(2, 4, 40, 64, generator=gen) * 1.2).half(), torch.randn(2, 4, 40, 64, generator=gen).half()
+        bk = (torch.randn(2, 4, 40, 64, generator=gen) * 1.2).half()
+        bv = torch.randn(2, 4, 40, 64, generator=gen).half()
         bvalid = torch.rand(2, 40, generator=gen) < 0.8
         bvalid[0, :4] = False
         blen = torch.tensor(33)

@@ -322,6 +322,15 @@ def _gpu():
     return pytest.mark.skipif(not (torch.cuda.is_available() and ck.nvcc_path()), reason="needs a CUDA GPU and nvcc")
 
 
+def _on_cuda(region: PackedLanes) -> PackedLanes:
+    """``region``'s tensors on the GPU, read by the CUDA implementation."""
+    return PackedLanes(region.bits, region.group,
+                       tuple(lane._replace(**{f: None if getattr(lane, f) is None else getattr(lane, f).cuda()
+                                              for f in lane._fields}) for lane in region.lanes),
+                       region.valid.cuda(), region.num_heads, region.head_dim, impl="cuda",
+                       length=None if region.length is None else region.length.cuda())
+
+
 @pytest.mark.gpu
 @_gpu()
 @pytest.mark.parametrize("b,rows,d,counts,tokens,live,slots,blive,dtype", [
@@ -337,11 +346,7 @@ def test_kernel_reads_buffer_and_lanes_like_the_reference(b, rows, d, counts, to
     buffer = _buffer(gen, b, len(counts), slots, d, dtype, blive)
     scale = d ** -0.5
     ref = ops.kivi_lanes_buffer_attention(q.to(dtype).float(), region, scale, *buffer, impl="reference")
-    cuda = PackedLanes(region.bits, region.group,
-                       tuple(lane._replace(**{f: None if getattr(lane, f) is None else getattr(lane, f).cuda()
-                                              for f in lane._fields}) for lane in region.lanes),
-                       region.valid.cuda(), region.num_heads, region.head_dim, impl="cuda",
-                       length=None if region.length is None else region.length.cuda())
+    cuda = _on_cuda(region)
     got = cuda.attention_partial_with_buffer(q.to(dtype).cuda(), scale, *(None if x is None else x.cuda()
                                                                             for x in buffer))
     assert got is not None
@@ -376,11 +381,7 @@ def test_buffer_read_beside_the_lanes_like_the_reference(monkeypatch, b, rows, d
     buffer = _buffer(gen, b, len(counts), slots, d, dtype, blive)
     scale = d ** -0.5
     ref = ops.kivi_lanes_buffer_attention(q.to(dtype).float(), region, scale, *buffer, impl="reference")
-    cuda = PackedLanes(region.bits, region.group,
-                       tuple(lane._replace(**{f: None if getattr(lane, f) is None else getattr(lane, f).cuda()
-                                              for f in lane._fields}) for lane in region.lanes),
-                       region.valid.cuda(), region.num_heads, region.head_dim, impl="cuda",
-                       length=None if region.length is None else region.length.cuda())
+    cuda = _on_cuda(region)
     qc = q.to(dtype).cuda()
     bc = tuple(None if x is None else x.cuda() for x in buffer)
     got = cuda.attention_partial_with_buffer(qc, scale, *bc)

@@ -194,11 +194,11 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # per lane by its key + value channels (lane_v_weight: a value channel's weight against a key channel's) within one
 # wave, instead of the same count for every lane (lanes_cuda.balanced_splits).  Session 54, H200, LeanK-70 + KIVI-2
 # Llama heads, two rounds: B4/32k 70.4 -> 59.4 us, B16/32k 174.9 -> 156.6, B16/128k 555.0 -> 490.8, B64/32k 605 -> 561;
-# where the per-warp cap binds before the wave (batch 1, 4k) the plan is the uniform one.  buffer_lanes (the lanes kernel
-# only; session 55, opt-in): a read that does not take its buffer in the same launch (:func:`fuses_buffer`) has it read
-# by the Triton lanes kernel in a launch of its own beside the KIVI kernel's (programmatic dependent launch on sm_90+),
+# where the per-warp cap binds before the wave (batch 1, 4k) the plan is the uniform one.  buffer_lanes (session 55,
+# opt-in, not yet timed): a read that does not take its buffer in the same launch (:func:`fuses_buffer`) has it read by
+# the Triton lanes kernel in a launch of its own beside the KIVI kernel's (programmatic dependent launch on sm_90+),
 # writing its split partials into the same combine - three launches instead of the two reads' five (each kernel, its
-# combine, the merge), the buffer's read overlapping the lanes' (:func:`buffer_read`).
+# combine, the merge), the buffer's read overlapping the region's (:func:`buffer_read`, :func:`read_beside`).
 DEFAULT_CONFIG = dict(nw=4, stages=2, waves=1.0, warps_per_sm=16, min_tiles="auto", min_blocks=4, kfold=0, vfold=0,
                       interleave=1, buffer_tokens=BUFFER_TOKENS, buffer_rows=BUFFER_ROWS, buffer_work=BUFFER_WORK,
                       buffer_weight=BUFFER_WEIGHT, pdl=True, buffer_ctas="auto", lane_balance=True, buffer_lanes=False,
@@ -969,33 +969,28 @@ def _forward(query: torch.Tensor, packed: PackedKV, scale: float, *, cfg: dict |
     q = _aligned(query.to(torch.float16), 1, 4)
     kv = _kv_tensors(packed)
     length = live_length(getattr(packed, "length", None), dev)
-    stream = torch.cuda.current_stream(dev).cuda_stream
+    stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)
+
+    def launch(po: torch.Tensor, pl: torch.Tensor, buf: tuple | None = None) -> list:
+        """The split kernel into ``po`` / ``pl`` (with the buffer's CTAs where ``buf``); what it reads."""
+        arr = _args(packed, kv, q.data_ptr(), q.stride()[:3], po.data_ptr(), pl.data_ptr(), m, tiles_per_split * TILE,
+                    s, 0 if length is None else length.data_ptr(), interleave, buf, btok, bctas)
+        rc = lib.kivi_v3_launch(arr, float(scale) * LOG2E, float(softcap or 0.0) * LOG2E, nw, stages, row_blocks,
+                                index, stream)
+        if rc:
+            raise RuntimeError(f"KIVI CUDA kernel launch failed: {lib.kivi_v3_error_string(rc).decode()}")
+        return [q, kv]
+
     if buffer is not None:
         bk, bv, bvalid, blen = buffer
         buffer = (bk, bv, bvalid.view(torch.uint8), live_length(blen, dev))
         if nt > 0 and buffer_read(bits, b, h, m, nt, bk.shape[2]) == "lanes":
-
-            def launch(po: torch.Tensor, pl: torch.Tensor) -> list:
-                arr = _args(packed, kv, q.data_ptr(), q.stride()[:3], po.data_ptr(), pl.data_ptr(), m,
-                            tiles_per_split * TILE, s, 0 if length is None else length.data_ptr(), interleave, None,
-                            btok, bctas)
-                rc = lib.kivi_v3_launch(arr, float(scale) * LOG2E, float(softcap or 0.0) * LOG2E, nw, stages,
-                                        row_blocks, index, ctypes.c_void_p(stream))
-                if rc:
-                    raise RuntimeError(f"KIVI CUDA kernel launch failed: {lib.kivi_v3_error_string(rc).decode()}")
-                return [q, kv]
-
-            read_beside(query, buffer, scale, softcap, s, launch, lib, out, lse, index, ctypes.c_void_p(stream), pdl)
+            read_beside(query, buffer, scale, softcap, s, launch, lib, out, lse, index, stream, pdl)
             return out, lse
     total = partial_count(s, buffer, btok, bctas)
     po, pl = partial_buffers(out, lse, total)
-    arr = _args(packed, kv, q.data_ptr(), q.stride()[:3], po.data_ptr(), pl.data_ptr(), m, tiles_per_split * TILE, s,
-                0 if length is None else length.data_ptr(), interleave, buffer, btok, bctas)
-    rc = lib.kivi_v3_launch(arr, float(scale) * LOG2E, float(softcap or 0.0) * LOG2E, nw, stages, row_blocks,
-                            index, ctypes.c_void_p(stream))
-    if rc:
-        raise RuntimeError(f"KIVI CUDA kernel launch failed: {lib.kivi_v3_error_string(rc).decode()}")
-    combine_into(lib, po, pl, out, lse, total, index, ctypes.c_void_p(stream), pdl)
+    launch(po, pl, buffer)
+    combine_into(lib, po, pl, out, lse, total, index, stream, pdl)
     return out, lse
 
 

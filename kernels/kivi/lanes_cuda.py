@@ -279,45 +279,30 @@ def kivi_lanes_attention_partial(query: torch.Tensor, region: PackedLanes, scale
     if buffer is not None:
         bk, bv, bvalid, blen = buffer
         buffer = (bk, bv, bvalid.view(torch.uint8), ck.live_length(blen, dev))
-    if buffer is not None and ck.buffer_read(region.bits, b, h, m, nt, buffer[0].shape[2]) == "lanes":
-        _read_beside(query, q, region, valid8, length, buffer, scale, softcap, plan, out, lse, index, dev)
-        return out, lse
-    total = ck.partial_count(s, buffer, btok, bctas)
-    po, pl = ck.partial_buffers(out, lse, total)
-    args, keep = launch_args(q, region, valid8, po.data_ptr(), pl.data_ptr(), s, tps, length, interleave, buffer,
-                             btok, bctas, lane_splits)
-    arr = (ctypes.c_longlong * len(args))(*args)
-    stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)
-    with _LOCK:
-        rc = lib.kivi_v3_lanes_launch(arr, float(scale) * ck.LOG2E, float(softcap or 0.0) * ck.LOG2E, nw, stages,
-                                      -(-m // 8), index, stream)
-    if rc:
-        raise RuntimeError(f"KIVI CUDA lanes kernel launch failed: {lib.kivi_v3_error_string(rc).decode()}")
-    ck.combine_into(lib, po, pl, out, lse, total, index, stream, pdl)
-    del keep
-    return out, lse
-
-
-def _read_beside(query: torch.Tensor, q: torch.Tensor, region: PackedLanes, valid8: torch.Tensor,
-                 length: torch.Tensor | None, buffer: tuple, scale: float, softcap, plan: tuple, out: torch.Tensor,
-                 lse: torch.Tensor, index: int, dev: torch.device) -> None:
-    """The lanes and the full-precision ``buffer`` in three launches (``buffer_lanes``,
-    :func:`.cuda_kernel.read_beside`): this kernel's ``s`` split partials, the buffer's after them, one combine."""
-    lib, nw, stages, s, tps, interleave, pdl, btok, bctas, lane_splits = plan
     stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)
 
-    def launch(po: torch.Tensor, pl: torch.Tensor) -> list:
-        args, keep = launch_args(q, region, valid8, po.data_ptr(), pl.data_ptr(), s, tps, length, interleave, None,
+    def launch(po: torch.Tensor, pl: torch.Tensor, buf: tuple | None = None) -> list:
+        """The lanes kernel into ``po`` / ``pl`` (with the buffer's CTAs where ``buf``); what it reads."""
+        args, keep = launch_args(q, region, valid8, po.data_ptr(), pl.data_ptr(), s, tps, length, interleave, buf,
                                  btok, bctas, lane_splits)
         arr = (ctypes.c_longlong * len(args))(*args)
         with _LOCK:
             rc = lib.kivi_v3_lanes_launch(arr, float(scale) * ck.LOG2E, float(softcap or 0.0) * ck.LOG2E, nw, stages,
-                                          -(-query.shape[2] // 8), index, stream)
+                                          -(-m // 8), index, stream)
         if rc:
             raise RuntimeError(f"KIVI CUDA lanes kernel launch failed: {lib.kivi_v3_error_string(rc).decode()}")
         return keep
 
-    ck.read_beside(query, buffer, scale, softcap, s, launch, lib, out, lse, index, stream, pdl)
+    if buffer is not None and ck.buffer_read(region.bits, b, h, m, nt, buffer[0].shape[2]) == "lanes":
+        # three launches (buffer_lanes): the lanes' split partials, the buffer's after them, one combine
+        ck.read_beside(query, buffer, scale, softcap, s, launch, lib, out, lse, index, stream, pdl)
+        return out, lse
+    total = ck.partial_count(s, buffer, btok, bctas)
+    po, pl = ck.partial_buffers(out, lse, total)
+    keep = launch(po, pl, buffer)
+    ck.combine_into(lib, po, pl, out, lse, total, index, stream, pdl)
+    del keep
+    return out, lse
 
 
 def emulate(query: torch.Tensor, region: PackedLanes, scale: float, *, buffer: tuple | None = None,

@@ -922,7 +922,10 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     for k, r in enumerate(rows):
         r["nsp"] = splits if counts is None or counts[k] is None else counts[k]
     splits = max(r["nsp"] for r in rows)
-    if into is not None:
+    # one split of one lane of every head in order (a short buffer's read): the kernel's partial is already the
+    # result, in the output's layout - the merge would copy it (bit for bit: one finite weight of exactly 1)
+    direct = into is None and splits == 1 and len(rows) == 1 and not rows[0]["has_heads"] and n_rows == hkv
+    if into is not None:  # (one lane over every head: n_rows == hkv)
         po, pl = into(splits)
         if (tuple(po.shape) != (splits, b, hkv, m, dv) or tuple(pl.shape) != (splits, b, hkv, m)
                 or po.dtype != torch.float32 or pl.dtype != torch.float32 or not po.is_contiguous()
@@ -930,23 +933,20 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
             raise ValueError(f"into({splits}) must return contiguous float32 [{splits}, {b}, {hkv}, {m}, {dv}] / "
                              f"[{splits}, {b}, {hkv}, {m}] tensors, got {tuple(po.shape)} {po.dtype} / "
                              f"{tuple(pl.shape)} {pl.dtype}")
-        args, consts = launch(rows, po, pl)
-        _lanes_kernel[(splits, b * hkv, m_blocks)](*args, **consts, num_warps=cfg["num_warps"], num_stages=stages,
-                                                    **pdl_launch(beside))
-        return po, pl
-    # one split of one lane of every head in order (a short buffer's read): the kernel's partial is already the
-    # result, in the output's layout - the merge would copy it (bit for bit: one finite weight of exactly 1)
-    direct = splits == 1 and len(rows) == 1 and not rows[0]["has_heads"] and n_rows == hkv
-    po = torch.empty(splits, b, n_rows, m, dv, device=dev, dtype=out.dtype if direct else torch.float32)
-    pl = torch.empty(splits, b, n_rows, m, device=dev, dtype=torch.float32)
+    else:
+        po = torch.empty(splits, b, n_rows, m, dv, device=dev, dtype=out.dtype if direct else torch.float32)
+        pl = torch.empty(splits, b, n_rows, m, device=dev, dtype=torch.float32)
     for first in range(0, len(rows), MAX_LANES):
         chunk = rows[first:first + MAX_LANES]
         n_chunk = sum(r["h"] for r in chunk)
         if n_chunk == 0:
             continue
         args, consts = launch(chunk, po, pl)
-        _lanes_kernel[(splits, b * n_chunk, m_blocks)](*args, **consts, num_warps=cfg["num_warps"], num_stages=stages)
+        _lanes_kernel[(splits, b * n_chunk, m_blocks)](*args, **consts, num_warps=cfg["num_warps"], num_stages=stages,
+                                                       **pdl_launch(beside))
 
+    if into is not None:
+        return po, pl
     if direct:
         return po[0], pl[0]
 
