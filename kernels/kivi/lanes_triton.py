@@ -11,7 +11,7 @@ kernel's in-register dequantisation, :mod:`.triton_kernel`):
   count, its packed key words and their power-of-two padding are compile-time constants, so a 32-channel lane
   unpacks 32 channels, not the 128 of a full head).  The lanes share their token slots (one ring, one ``valid``),
   so every lane is split at the same token boundaries.
-* Inner loop: the KIVI v2 kernel's (:func:`.triton_kernel._kivi_split_kernel`) - the query rows of the head,
+* Inner loop: :func:`.triton_kernel._attend_tokens`, the plain KIVI v2 kernel's own - the query rows of the head,
   gathered in-kernel to the lane's kept channels (no gather launch) and pre-scaled by ``scale * log2(e)``, are
   loaded once; per tile of ``BN`` tokens the packed key and value words are unpacked into fp16 tiles (two codes per
   instruction, scales and zeros by one packed FMA), ``S = K q^T`` and ``O^T = V^T P^T`` run on tensor cores
@@ -36,179 +36,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcompress.kernels.attention.triton_shared import cap_base2, soft_cap
+from kvcompress.kernels.attention.triton_shared import cap_base2
 from kvcompress.kernels.attention.triton_shared import pow2 as _pow2
 from kvcompress.kernels.leank.triton_kernel import launch_combine
 
 from .lanes_reference import KiviLane, PackedLanes
-from .triton_kernel import (MAX_DIM, _asm_ok, _codes, _config, _fma, _inner_contiguous, _pair, _pairs,
-                            _small_loads, _target_programs, _to_f16)
+from .triton_kernel import MAX_DIM, _asm_ok, _attend_tokens, _config, _inner_contiguous, _pairs, _target_programs
 
 LOG2E = 1.4426950408889634
 MAX_LANES = 8
-
-
-@triton.jit
-def _lane_attend(Q, q_off, sq_m, CH, ch_off, kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, va_base,
-                 skc_g, sks_g, skz_g, svc_t, svs_t, svz_t, t_start, t_end, qk_scale, cap, M, pid_m, LG, lg_off, slg_m,
-                 HAS_CHAN: tl.constexpr, DK: tl.constexpr, KW: tl.constexpr, KW_PAD: tl.constexpr,
-                 DV: tl.constexpr, VW_PAD: tl.constexpr, G: tl.constexpr, GV: tl.constexpr, BITS: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BN: tl.constexpr, TRANS: tl.constexpr, LAZY: tl.constexpr,
-                 ASM: tl.constexpr, PREFETCH: tl.constexpr, SOFTCAP: tl.constexpr, LOGITS: tl.constexpr):
-    """Flash decoding of one head of one lane over tokens ``[t_start, t_end)``: ``(out [BLOCK_M, DV_PAD]``
-    normalised, ``lse [BLOCK_M, 1]`` natural log, ``-inf`` where no token was valid).  ``LOGITS``: every score is
-    also stored (natural-log units, ``-inf`` where masked) at ``LG + lg_off + row * slg_m + token``."""
-    PER: tl.constexpr = 32 // BITS
-    HP: tl.constexpr = PER // 2  # fields (code pairs) per word
-    DK_PAD: tl.constexpr = KW_PAD * PER
-    DV_PAD: tl.constexpr = VW_PAD * PER
-    NB: tl.constexpr = BN // G if BN > G else 1  # key groups per tile
-    GT: tl.constexpr = BN // NB  # tokens of one group in a tile
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
-    offs_c = tl.arange(0, DK_PAD)
-    c_ok = offs_c < DK
-    if HAS_CHAN:  # the lane's kept channels: the query is gathered here, not by a launch of its own
-        ch = tl.load(CH + ch_off + offs_c, mask=c_ok, other=0)
-    else:
-        ch = offs_c
-    q = tl.load(Q + q_off + offs_m[:, None] * sq_m + ch[None, :], mask=m_ok[:, None] & c_ok[None, :],
-                other=0.0).to(tl.float32)
-    q = (q * qk_scale).to(tl.float16)  # softmax scale * log2(e) folded in: exp2 below
-
-    j = tl.arange(0, BN)
-    offs_kw = tl.arange(0, KW_PAD)
-    kw_ok = offs_kw < KW
-    offs_nb = tl.arange(0, NB)
-    offs_gt = tl.arange(0, GT)
-    kw_off = offs_kw[:, None, None] * G + offs_nb[None, :, None] * skc_g + offs_gt[None, None, :]
-    f2 = tl.arange(0, 2)
-    if BITS == 2:
-        fld3 = f2[:, None, None] * 4 + f2[None, :, None] * 2 + f2[None, None, :]
-        fld = fld3[None, None, None, :, :, :]
-        kp_off = offs_kw[:, None, None, None, None, None] * HP + fld
-        nb_x = offs_nb[None, :, None, None, None, None]
-        kp_ok = kw_ok[:, None, None, None, None, None] & (fld < HP) & (kp_off < DK // 2)  # padded last word
-    else:
-        fld3 = f2[:, None] * 2 + f2[None, :]
-        fld = fld3[None, None, None, :, :]
-        kp_off = offs_kw[:, None, None, None, None] * HP + fld
-        nb_x = offs_nb[None, :, None, None, None]
-        kp_ok = kw_ok[:, None, None, None, None] & (fld < HP) & (kp_off < DK // 2)
-    offs_vw = tl.arange(0, VW_PAD)
-    vw_ok = offs_vw * PER < DV
-    if GV >= PER:  # one value group per word
-        vgrp = ((offs_vw * PER) // GV)[None, :]
-    elif BITS == 2:  # per field
-        vgrp = ((offs_vw[:, None, None, None] * PER + 2 * fld3[None, :, :, :]) // GV)[None, :, :, :, :]
-    else:
-        vgrp = ((offs_vw[:, None, None] * PER + 2 * fld3[None, :, :]) // GV)[None, :, :, :]
-
-    if TRANS:
-        m_i = tl.full([1, BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([1, BLOCK_M], tl.float32)
-        acc = tl.zeros([DV_PAD, BLOCK_M], tl.float32)
-        qt = tl.trans(q)
-        RED: tl.constexpr = 0
-    else:
-        m_i = tl.full([BLOCK_M, 1], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M, 1], tl.float32)
-        acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
-        RED: tl.constexpr = 1
-
-    if PREFETCH:
-        ok, vs, vz = _small_loads(va_base, vs_base, vz_base, t_start, t_end, j, svs_t, svz_t, vgrp, vw_ok, BITS,
-                                  PER, GV)
-    for t0 in range(t_start, t_end, BN):
-        t = t0 + j
-        t_ok = t < t_end
-        g0 = t0 // G
-        if PREFETCH:
-            ok_n, vs_n, vz_n = _small_loads(va_base, vs_base, vz_base, t0 + BN, t_end, j, svs_t, svz_t, vgrp, vw_ok,
-                                            BITS, PER, GV)
-        else:
-            ok, vs, vz = _small_loads(va_base, vs_base, vz_base, t0, t_end, j, svs_t, svz_t, vgrp, vw_ok, BITS,
-                                      PER, GV)
-        # ---- keys: [BN, DK_PAD] dequantized in registers
-        tk_ok = ((t0 + offs_nb * GT)[None, :, None] + offs_gt[None, None, :]) < t_end
-        kw = tl.load(kc_base + g0 * skc_g + (t0 % G) + kw_off, mask=kw_ok[:, None, None] & tk_ok, other=0)
-        ks = tl.load(ks_base + (g0 + nb_x) * sks_g + kp_off, mask=kp_ok, other=0)
-        kz = tl.load(kz_base + (g0 + nb_x) * skz_g + kp_off, mask=kp_ok, other=0)
-        kt = _to_f16(_fma(_codes(kw, BITS, ASM), ks, kz, ASM))  # [KW_PAD, NB, GT, 2, .., 2]
-        if BITS == 2:
-            kt = tl.permute(kt, (1, 2, 0, 3, 4, 5, 6))
-        else:
-            kt = tl.permute(kt, (1, 2, 0, 3, 4, 5))
-        k = tl.reshape(kt, (BN, DK_PAD))
-        if TRANS:
-            s = tl.dot(k, qt)  # [BN, BLOCK_M]
-        else:
-            s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BN]
-        if SOFTCAP:
-            s = soft_cap(s, cap)
-        if TRANS:
-            s = tl.where(ok[:, None], s, float("-inf"))
-        else:
-            s = tl.where(ok[None, :], s, float("-inf"))
-        if LOGITS:
-            if TRANS:
-                tl.store(LG + lg_off + offs_m[None, :] * slg_m + t[:, None], s * 0.6931471805599453,
-                         mask=t_ok[:, None] & m_ok[None, :])
-            else:
-                tl.store(LG + lg_off + offs_m[:, None] * slg_m + t[None, :], s * 0.6931471805599453,
-                         mask=m_ok[:, None] & t_ok[None, :])
-
-        # ---- online softmax (base 2)
-        m_blk = tl.max(s, axis=RED, keep_dims=True)
-        if LAZY:
-            if tl.max(m_blk - m_i) > 0:  # some row maximum grew: rescale (block-uniform branch)
-                m_new = tl.maximum(m_i, m_blk)
-                alpha = tl.exp2(m_i - m_new)
-                acc = acc * alpha
-                l_i = l_i * alpha
-                m_i = m_new
-            m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-            p = tl.exp2(s - m_safe)
-            l_i = l_i + tl.sum(p, axis=RED, keep_dims=True)
-        else:
-            m_new = tl.maximum(m_i, m_blk)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe)
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=RED, keep_dims=True)
-            acc = acc * alpha
-            m_i = m_new
-
-        # ---- values: [BN, DV_PAD] dequantized in registers
-        v_ok = t_ok[:, None] & vw_ok[None, :]
-        vw = tl.load(vc_base + t[:, None] * svc_t + offs_vw[None, :], mask=v_ok, other=0)
-        vsp = _pair(vs, vs)
-        vzp = _pair(vz, vz)
-        if GV >= PER:
-            if BITS == 2:
-                vsp = vsp[:, :, None, None, None]
-                vzp = vzp[:, :, None, None, None]
-            else:
-                vsp = vsp[:, :, None, None]
-                vzp = vzp[:, :, None, None]
-        vt = _to_f16(_fma(_codes(vw, BITS, ASM), vsp, vzp, ASM))  # [BN, VW_PAD, 2, .., 2]
-        v = tl.reshape(vt, (BN, DV_PAD))
-        if TRANS:
-            acc = tl.dot(tl.trans(v), p.to(tl.float16), acc)  # [DV_PAD, BLOCK_M]
-        else:
-            acc = tl.dot(p.to(tl.float16), v, acc)  # [BLOCK_M, DV_PAD]
-        if PREFETCH:
-            ok, vs, vz = ok_n, vs_n, vz_n
-
-    if TRANS:
-        acc = tl.trans(acc)
-        m_i = tl.reshape(m_i, [BLOCK_M, 1])
-        l_i = tl.reshape(l_i, [BLOCK_M, 1])
-    l_ok = l_i > 0.0
-    out = acc / tl.where(l_ok, l_i, 1.0)
-    lse = tl.where(l_ok, (m_i + tl.log2(tl.where(l_ok, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    return out, lse
 
 
 # Runtime sizes are not specialised (token counts, heads per lane, rows: one compile per layer layout, whatever
@@ -251,7 +87,7 @@ def _kivi_lanes_kernel(
                 head = tl.load(HDS[i] + j).to(tl.int64)
             else:
                 head = j
-            out, lse = _lane_attend(
+            out, lse = _attend_tokens(
                 Q, b * sq_b + head * sq_h, sq_m, CHS[i], j * SCH[i],
                 KCS[i] + b * SKC_B[i] + j * SKC_H[i], KSS[i] + b * SKS_B[i] + j * SKS_H[i],
                 KZS[i] + b * SKZ_B[i] + j * SKZ_H[i], VCS[i] + b * SVC_B[i] + j * SVC_H[i],

@@ -176,35 +176,20 @@ def _small_loads(va_base, vs_base, vz_base, t0, t_end, j, svs_t, svz_t, vgrp, vw
 
 
 @triton.jit
-def _kivi_split_kernel(
-    Q, KC, KS, KZ, VC, VS, VZ, VALID, LENGTH, OUT, LSE,
-    qk_scale, cap, M, H, NT, tokens_per_split,
-    sq_b, sq_h, sq_m,
-    skc_b, skc_h, skc_g,
-    sks_b, sks_h, sks_g,
-    skz_b, skz_h, skz_g,
-    svc_b, svc_h, svc_t,
-    svs_b, svs_h, svs_t,
-    svz_b, svz_h, svz_t,
-    sva_b,
-    so_s, so_b, so_h, so_m,
-    sl_s, sl_b, sl_h,
-    LG, slg_b, slg_h,
-    DK: tl.constexpr, KW: tl.constexpr, KW_PAD: tl.constexpr, DV: tl.constexpr, VW_PAD: tl.constexpr,
-    G: tl.constexpr, GV: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
-    TRANS: tl.constexpr, LAZY: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, HAS_LENGTH: tl.constexpr,
-    SOFTCAP: tl.constexpr, LOGITS: tl.constexpr,
-):
-    """One (split, batch*kv-head, row block): flash-decoding over ``tokens_per_split`` tokens.
+def _attend_tokens(Q, q_off, sq_m, CH, ch_off, kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, va_base,
+                   skc_g, sks_g, skz_g, svc_t, svs_t, svz_t, t_start, t_end, qk_scale, cap, M, pid_m, LG, lg_off, slg_m,
+                   HAS_CHAN: tl.constexpr, DK: tl.constexpr, KW: tl.constexpr, KW_PAD: tl.constexpr,
+                   DV: tl.constexpr, VW_PAD: tl.constexpr, G: tl.constexpr, GV: tl.constexpr, BITS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BN: tl.constexpr, TRANS: tl.constexpr, LAZY: tl.constexpr,
+                   ASM: tl.constexpr, PREFETCH: tl.constexpr, SOFTCAP: tl.constexpr, LOGITS: tl.constexpr):
+    """Flash decoding of one KV head over tokens ``[t_start, t_end)`` of a packed region: ``(out [BLOCK_M, DV_PAD]``
+    normalised, ``lse [BLOCK_M, 1]`` natural log, ``-inf`` where no token was valid) - the inner loop of both Triton
+    KIVI kernels (:func:`_kivi_split_kernel`, one head of a plain region; the lanes kernel, one head of one lane).
 
-    ``LOGITS``: every score is also stored (natural-log units, ``-inf`` where masked) at
-    ``LG + b * slg_b + h * slg_h + row * NT + token`` (a contiguous ``[B, H, M, NT]`` float32 tensor).
-
-    ``KS`` / ``KZ`` are the key scales / zeros viewed as int32 pairs of adjacent channels (strides in pairs).
-    ``HAS_LENGTH``: ``LENGTH`` points to the number of leading token slots that may be live (a 0-dim device
-    tensor); slots at or after it are neither loaded nor attended (a split entirely beyond it exits at once).
-    ``SOFTCAP``: the scores (base 2) are soft-capped at ``cap`` (``softcap * log2(e)``) before masking.
-    """
+    ``*_base``: the head's code / scale / zero tensors (``ks_base`` / ``kz_base`` as int32 pairs of adjacent
+    channels) and the row's valid flags.  ``HAS_CHAN``: the query is gathered to the ``DK`` channels listed at
+    ``CH + ch_off`` (a LeanK lane's kept channels; else the first ``DK``).  ``LOGITS``: every score is also stored
+    (natural-log units, ``-inf`` where masked) at ``LG + lg_off + row * slg_m + token``."""
     PER: tl.constexpr = 32 // BITS
     HP: tl.constexpr = PER // 2  # fields (code pairs) per word
     DK_PAD: tl.constexpr = KW_PAD * PER
@@ -212,34 +197,24 @@ def _kivi_split_kernel(
     NB: tl.constexpr = BN // G if BN > G else 1  # key groups per tile
     GT: tl.constexpr = BN // NB  # tokens of one group in a tile
 
-    pid_s = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_c = tl.arange(0, DK_PAD)
     c_ok = offs_c < DK
-    q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_c[None, :],
-                mask=m_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+    if HAS_CHAN:  # the lane's kept channels: the query is gathered here, not by a launch of its own
+        ch = tl.load(CH + ch_off + offs_c, mask=c_ok, other=0)
+    else:
+        ch = offs_c
+    q = tl.load(Q + q_off + offs_m[:, None] * sq_m + ch[None, :], mask=m_ok[:, None] & c_ok[None, :],
+                other=0.0).to(tl.float32)
     q = (q * qk_scale).to(tl.float16)  # softmax scale * log2(e) folded in: exp2 below
 
-    kc_base = KC + b * skc_b + h * skc_h
-    ks_base = KS + b * sks_b + h * sks_h
-    kz_base = KZ + b * skz_b + h * skz_h
-    vc_base = VC + b * svc_b + h * svc_h
-    vs_base = VS + b * svs_b + h * svs_h
-    vz_base = VZ + b * svz_b + h * svz_h
-    va_base = VALID + b * sva_b
-
     j = tl.arange(0, BN)
-    # key words of a tile [KW_PAD, NB, GT]: word-major inside a group, tokens contiguous
     offs_kw = tl.arange(0, KW_PAD)
     kw_ok = offs_kw < KW
     offs_nb = tl.arange(0, NB)
     offs_gt = tl.arange(0, GT)
+    # key words of a tile [KW_PAD, NB, GT]: word-major inside a group, tokens contiguous
     kw_off = offs_kw[:, None, None] * G + offs_nb[None, :, None] * skc_g + offs_gt[None, None, :]
     # scale / zero pairs of a tile, shaped like the unpacked fields: [KW_PAD, NB, 1, 2, 2(, 2)]
     f2 = tl.arange(0, 2)
@@ -256,8 +231,6 @@ def _kivi_split_kernel(
         nb_x = offs_nb[None, :, None, None, None]
         kp_ok = kw_ok[:, None, None, None, None] & (fld < HP) & (kp_off < DK // 2)
     offs_vw = tl.arange(0, VW_PAD)
-    offs_d = tl.arange(0, DV_PAD)
-    d_ok = offs_d < DV
     vw_ok = offs_vw * PER < DV
     if GV >= PER:  # one value group per word
         vgrp = ((offs_vw * PER) // GV)[None, :]
@@ -278,10 +251,6 @@ def _kivi_split_kernel(
         acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
         RED: tl.constexpr = 1
 
-    t_start = pid_s * tokens_per_split
-    t_end = tl.minimum(t_start + tokens_per_split, NT)
-    if HAS_LENGTH:
-        t_end = tl.minimum(t_end, tl.load(LENGTH).to(tl.int32))
     if PREFETCH:
         ok, vs, vz = _small_loads(va_base, vs_base, vz_base, t_start, t_end, j, svs_t, svz_t, vgrp, vw_ok, BITS,
                                   PER, GV)
@@ -317,12 +286,11 @@ def _kivi_split_kernel(
         else:
             s = tl.where(ok[None, :], s, float("-inf"))
         if LOGITS:
-            lg_base = LG + b * slg_b + h * slg_h
             if TRANS:
-                tl.store(lg_base + offs_m[None, :] * NT + t[:, None], s * 0.6931471805599453,
+                tl.store(LG + lg_off + offs_m[None, :] * slg_m + t[:, None], s * 0.6931471805599453,
                          mask=t_ok[:, None] & m_ok[None, :])
             else:
-                tl.store(lg_base + offs_m[:, None] * NT + t[None, :], s * 0.6931471805599453,
+                tl.store(LG + lg_off + offs_m[:, None] * slg_m + t[None, :], s * 0.6931471805599453,
                          mask=m_ok[:, None] & t_ok[None, :])
 
         # ---- online softmax (base 2)
@@ -371,14 +339,65 @@ def _kivi_split_kernel(
         acc = tl.trans(acc)
         m_i = tl.reshape(m_i, [BLOCK_M, 1])
         l_i = tl.reshape(l_i, [BLOCK_M, 1])
-
-    # ---- normalised partial + natural-log LSE (-inf and zeros when nothing was valid)
+    # normalised partial + natural-log LSE (-inf and zeros when nothing was valid)
     l_ok = l_i > 0.0
     out = acc / tl.where(l_ok, l_i, 1.0)
     lse = tl.where(l_ok, (m_i + tl.log2(tl.where(l_ok, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    return out, lse
+
+
+@triton.jit
+def _kivi_split_kernel(
+    Q, KC, KS, KZ, VC, VS, VZ, VALID, LENGTH, OUT, LSE,
+    qk_scale, cap, M, H, NT, tokens_per_split,
+    sq_b, sq_h, sq_m,
+    skc_b, skc_h, skc_g,
+    sks_b, sks_h, sks_g,
+    skz_b, skz_h, skz_g,
+    svc_b, svc_h, svc_t,
+    svs_b, svs_h, svs_t,
+    svz_b, svz_h, svz_t,
+    sva_b,
+    so_s, so_b, so_h, so_m,
+    sl_s, sl_b, sl_h,
+    LG, slg_b, slg_h,
+    DK: tl.constexpr, KW: tl.constexpr, KW_PAD: tl.constexpr, DV: tl.constexpr, VW_PAD: tl.constexpr,
+    G: tl.constexpr, GV: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
+    TRANS: tl.constexpr, LAZY: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, HAS_LENGTH: tl.constexpr,
+    SOFTCAP: tl.constexpr, LOGITS: tl.constexpr,
+):
+    """One (split, batch*kv-head, row block): flash-decoding over ``tokens_per_split`` tokens.
+
+    ``LOGITS``: every score is also stored (natural-log units, ``-inf`` where masked) at
+    ``LG + b * slg_b + h * slg_h + row * NT + token`` (a contiguous ``[B, H, M, NT]`` float32 tensor).
+
+    ``KS`` / ``KZ`` are the key scales / zeros viewed as int32 pairs of adjacent channels (strides in pairs).
+    ``HAS_LENGTH``: ``LENGTH`` points to the number of leading token slots that may be live (a 0-dim device
+    tensor); slots at or after it are neither loaded nor attended (a split entirely beyond it exits at once).
+    ``SOFTCAP``: the scores (base 2) are soft-capped at ``cap`` (``softcap * log2(e)``) before masking.
+    """
+    DV_PAD: tl.constexpr = VW_PAD * (32 // BITS)
+    pid_s = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    t_start = pid_s * tokens_per_split
+    t_end = tl.minimum(t_start + tokens_per_split, NT)
+    if HAS_LENGTH:
+        t_end = tl.minimum(t_end, tl.load(LENGTH).to(tl.int32))
+    out, lse = _attend_tokens(
+        Q, b * sq_b + h * sq_h, sq_m, Q, 0,
+        KC + b * skc_b + h * skc_h, KS + b * sks_b + h * sks_h, KZ + b * skz_b + h * skz_h,
+        VC + b * svc_b + h * svc_h, VS + b * svs_b + h * svs_h, VZ + b * svz_b + h * svz_h, VALID + b * sva_b,
+        skc_g, sks_g, skz_g, svc_t, svs_t, svz_t, t_start, t_end, qk_scale, cap, M, pid_m,
+        LG, b * slg_b + h * slg_h, NT,
+        False, DK, KW, KW_PAD, DV, VW_PAD, G, GV, BITS, BLOCK_M, BN, TRANS, LAZY, ASM, PREFETCH, SOFTCAP, LOGITS)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, DV_PAD)
     o_ptr = OUT + pid_s * so_s + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :]
-    tl.store(o_ptr, out, mask=m_ok[:, None] & d_ok[None, :])
-    tl.store(LSE + pid_s * sl_s + b * sl_b + h * sl_h + offs_m[:, None], lse, mask=m_ok[:, None])
+    tl.store(o_ptr, out, mask=(offs_m < M)[:, None] & (offs_d < DV)[None, :])
+    tl.store(LSE + pid_s * sl_s + b * sl_b + h * sl_h + offs_m[:, None], lse, mask=(offs_m < M)[:, None])
 
 
 def _target_programs(device: torch.device, waves: float, num_warps: int) -> int:
