@@ -16,11 +16,8 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,15 +36,9 @@ def _packed(bits: int):
 
 
 def _sass(compiled) -> list[str]:
-    import triton
+    from read_occupancy import cuobjdump
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as fh:
-            fh.write(compiled.asm["cubin"])
-        text = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
-    return [re.sub(r"/\*[0-9a-f]+\*/", "", ln).strip() for ln in text.splitlines()
+    return [re.sub(r"/\*[0-9a-f]+\*/", "", ln).strip() for ln in cuobjdump(compiled, "-sass").splitlines()
             if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
 
 

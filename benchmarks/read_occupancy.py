@@ -50,9 +50,8 @@ def _record(targets, call):
         patch.undo()
 
 
-def cubin_resources(compiled) -> dict:
-    """Registers, stack and local bytes per thread (``cuobjdump -res-usage`` of the cubin, Triton's bundled tool) and
-    shared memory per program (the compiled kernel's metadata) of a kernel compiled by ``triton.compile``."""
+def cuobjdump(compiled, flag: str) -> str:
+    """``cuobjdump FLAG`` (Triton's bundled tool) of the cubin of a kernel compiled by ``triton.compile``."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -60,7 +59,13 @@ def cubin_resources(compiled) -> dict:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as fh:
             fh.write(compiled.asm["cubin"])
-        text = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([tool, flag, path], capture_output=True, text=True, check=True).stdout
+
+
+def cubin_resources(compiled) -> dict:
+    """Registers, stack and local bytes per thread (``cuobjdump -res-usage`` of the cubin) and shared memory per
+    program (the compiled kernel's metadata) of a kernel compiled by ``triton.compile``."""
+    text = cuobjdump(compiled, "-res-usage")
     got = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", text))
     return {"registers": int(got["REG"]), "stack_bytes": int(got.get("STACK", 0)),
             "local_bytes": int(got.get("LOCAL", 0)), "shared_bytes": int(compiled.metadata.shared)}
