@@ -17,6 +17,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #ifndef KIVI_BITS
 #define KIVI_BITS 2
 #endif
@@ -241,6 +243,23 @@ struct KFold {
   }
 };
 
+// f(c) for the field index I in FIRST, FIRST + STEP, ... equal to i, c a std::integral_constant<int, I> (a field's
+// constants are template arguments: decltype(c)::value); the last index takes every other value, as a switch's
+// default.  Every caller passes an index of an unrolled loop, so the chain folds away at compile time.
+template <int FIRST, int LAST, int STEP = 1, typename F>
+__device__ __forceinline__ auto with_field(int i, F&& f) {
+  if constexpr (FIRST + STEP > LAST) {
+    return f(std::integral_constant<int, FIRST>{});
+  } else {
+    if (i == FIRST) return f(std::integral_constant<int, FIRST>{});
+    return with_field<FIRST + STEP, LAST, STEP>(i, f);
+  }
+}
+
+// the last field index of a 32-bit word of BITS-bit codes, in pairs (16 / BITS - 1)
+template <int BITS>
+constexpr int LAST_FIELD = 16 / BITS - 1;
+
 template <int S>
 __device__ __forceinline__ uint32_t shifted(uint32_t w) {
   if constexpr (S >= 0) {
@@ -265,51 +284,21 @@ __device__ __forceinline__ uint32_t kfield(uint32_t w) {
 
 template <int BITS>
 __device__ __forceinline__ void kfield2(int i, uint32_t w0, uint32_t w1, uint32_t& r0, uint32_t& r1) {
-#define KIVI_KF2(I)              \
-  case I:                        \
-    r0 = kfield<BITS, I>(w0);    \
-    r1 = kfield<BITS, I>(w1);    \
-    break;
-  if constexpr (BITS == 2) {
-    switch (i) { KIVI_KF2(0) KIVI_KF2(1) KIVI_KF2(2) KIVI_KF2(3) KIVI_KF2(4) KIVI_KF2(5) KIVI_KF2(6) default: KIVI_KF2(7) }
-  } else {
-    switch (i) { KIVI_KF2(0) KIVI_KF2(1) KIVI_KF2(2) default: KIVI_KF2(3) }
-  }
-#undef KIVI_KF2
+  with_field<0, LAST_FIELD<BITS>>(i, [&](auto c) {
+    constexpr int I = decltype(c)::value;
+    r0 = kfield<BITS, I>(w0);
+    r1 = kfield<BITS, I>(w1);
+  });
 }
 
 template <int BITS>
 __device__ __forceinline__ uint32_t kneg_e1(int i) {
-  using K = KFold<BITS>;
-  if constexpr (BITS == 2) {
-    switch (i) {
-      case 0: return K::neg_e2(0); case 1: return K::neg_e2(1); case 2: return K::neg_e2(2);
-      case 3: return K::neg_e2(3); case 4: return K::neg_e2(4); case 5: return K::neg_e2(5);
-      case 6: return K::neg_e2(6); default: return K::neg_e2(7);
-    }
-  } else {
-    switch (i) {
-      case 0: return K::neg_e2(0); case 1: return K::neg_e2(1); case 2: return K::neg_e2(2);
-      default: return K::neg_e2(3);
-    }
-  }
+  return with_field<0, LAST_FIELD<BITS>>(i, [](auto c) { return KFold<BITS>::neg_e2(decltype(c)::value); });
 }
 
 template <int BITS>
 __device__ __forceinline__ uint32_t kneg_e2m(int i) {
-  using K = KFold<BITS>;
-  if constexpr (BITS == 2) {
-    switch (i) {
-      case 0: return K::neg_e2_mid(0); case 1: return K::neg_e2_mid(1); case 2: return K::neg_e2_mid(2);
-      case 3: return K::neg_e2_mid(3); case 4: return K::neg_e2_mid(4); case 5: return K::neg_e2_mid(5);
-      case 6: return K::neg_e2_mid(6); default: return K::neg_e2_mid(7);
-    }
-  } else {
-    switch (i) {
-      case 0: return K::neg_e2_mid(0); case 1: return K::neg_e2_mid(1); case 2: return K::neg_e2_mid(2);
-      default: return K::neg_e2_mid(3);
-    }
-  }
+  return with_field<0, LAST_FIELD<BITS>>(i, [](auto c) { return KFold<BITS>::neg_e2_mid(decltype(c)::value); });
 }
 
 template <int BITS>
@@ -336,17 +325,11 @@ __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
 template <int BITS>
 __device__ __forceinline__ void vfield2v(int i, uint32_t w, uint32_t s, const uint32_t (&ne)[3], uint32_t& r0,
                                          uint32_t& r1) {
-#define KIVI_VF2(I)                                                      \
-  case I:                                                                \
-    r0 = hfma2(kfield<BITS, I>(w), s, ne[(KFold<BITS>::pos(I) - 4) / 2]);       \
-    r1 = hfma2(kfield<BITS, I + 1>(w), s, ne[(KFold<BITS>::pos(I + 1) - 4) / 2]); \
-    break;
-  if constexpr (BITS == 2) {
-    switch (i) { KIVI_VF2(0) KIVI_VF2(2) KIVI_VF2(4) default: KIVI_VF2(6) }
-  } else {
-    switch (i) { KIVI_VF2(0) default: KIVI_VF2(2) }
-  }
-#undef KIVI_VF2
+  with_field<0, LAST_FIELD<BITS> - 1, 2>(i, [&](auto c) {
+    constexpr int I = decltype(c)::value;
+    r0 = hfma2(kfield<BITS, I>(w), s, ne[(KFold<BITS>::pos(I) - 4) / 2]);
+    r1 = hfma2(kfield<BITS, I + 1>(w), s, ne[(KFold<BITS>::pos(I + 1) - 4) / 2]);
+  });
 }
 
 template <int BITS>
@@ -358,34 +341,22 @@ __device__ __forceinline__ uint32_t hi_fields(uint32_t w) {
 template <int BITS>
 __device__ __forceinline__ void field2(int i, uint32_t w0, uint32_t h0, uint32_t w1, uint32_t h1, uint32_t s,
                                        uint32_t z, uint32_t& r0, uint32_t& r1) {
-#define KIVI_F2(I)                               \
-  case I:                                        \
-    r0 = field<BITS, I>(w0, h0, s, z);           \
-    r1 = field<BITS, I>(w1, h1, s, z);           \
-    break;
-  if constexpr (BITS == 2) {
-    switch (i) { KIVI_F2(0) KIVI_F2(1) KIVI_F2(2) KIVI_F2(3) KIVI_F2(4) KIVI_F2(5) KIVI_F2(6) default: KIVI_F2(7) }
-  } else {
-    switch (i) { KIVI_F2(0) KIVI_F2(1) KIVI_F2(2) default: KIVI_F2(3) }
-  }
-#undef KIVI_F2
+  with_field<0, LAST_FIELD<BITS>>(i, [&](auto c) {
+    constexpr int I = decltype(c)::value;
+    r0 = field<BITS, I>(w0, h0, s, z);
+    r1 = field<BITS, I>(w1, h1, s, z);
+  });
 }
 
 // values: fields I and I+1 of one merged (token a, token b) word (A rows g / g+8: n-indices I, I+1)
 template <int BITS>
 __device__ __forceinline__ void field2v(int i, uint32_t w, uint32_t hw, uint32_t s, uint32_t z, uint32_t& r0,
                                         uint32_t& r1) {
-#define KIVI_F2V(I)                              \
-  case I:                                        \
-    r0 = field<BITS, I>(w, hw, s, z);            \
-    r1 = field<BITS, I + 1>(w, hw, s, z);        \
-    break;
-  if constexpr (BITS == 2) {
-    switch (i) { KIVI_F2V(0) KIVI_F2V(2) KIVI_F2V(4) default: KIVI_F2V(6) }
-  } else {
-    switch (i) { KIVI_F2V(0) default: KIVI_F2V(2) }
-  }
-#undef KIVI_F2V
+  with_field<0, LAST_FIELD<BITS> - 1, 2>(i, [&](auto c) {
+    constexpr int I = decltype(c)::value;
+    r0 = field<BITS, I>(w, hw, s, z);
+    r1 = field<BITS, I + 1>(w, hw, s, z);
+  });
 }
 
 // 8x8 b16 transpose across the warp: lane (g, t) gets elements (2t, g), (2t+1, g) of the matrix whose
