@@ -394,7 +394,7 @@ case "${PART:-stages}" in
       KVCOMPRESS_KIVI_CUDA_CONFIG \
       "${S35_OPS:-leank70-kivi2,kivi2-static}" \
       "${S35_SHAPES:-llama3-8b:4:4k,llama3-8b:16:4k,llama3-8b:64:4k,llama3-8b:4:32k,llama3-8b:16:32k,llama3-8b:64:32k,llama3-8b:16:128k,smollm2-135m:16:4k,smollm2-135m:16:32k,smollm2-135m:64:32k}" \
-      '{}' '{"buffer_lanes": true}'
+      '{"buffer_lanes": false}' '{}'
     ;;
   buffer-lanes-quick)  # session 55: the buffer_lanes GPU tests alone (-k beside: both kernels, PDL on and off, graph
     # replays), then alternating rounds of benchutil at a few shapes ('{}' against '{"buffer_lanes": true}'), for a
@@ -404,7 +404,7 @@ case "${PART:-stages}" in
     timeout "${BQ_TEST_TIMEOUT:-150}" python -m pytest -q -m gpu -p no:cacheprovider --tb=short -rfE -k beside \
       "$SRC/tests/test_kivi_lanes_buffer.py" "$SRC/tests/test_kivi_buffer_read.py" 2>&1 | tail -15 | tee "$OUT/tests.txt"
     for r in $(seq "${ROUNDS:-2}"); do
-      for cfg in '{}' '{"buffer_lanes": true}'; do
+      for cfg in '{"buffer_lanes": false}' '{}'; do
         echo "round $r $cfg" | tee -a "$OUT/rows.md"
         KVCOMPRESS_KIVI_CUDA_CONFIG=$cfg timeout "${BQ_TIMEOUT:-60}" python -m kvcompress.kernels.benchutil --device cuda \
           --ops "${S35_OPS:-sdpa,leank70-kivi2}" \

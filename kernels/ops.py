@@ -359,7 +359,7 @@ def _kivi_partial_scored_cuda(query, k_codes, k_scale, k_zero, v_codes, v_scale,
     _check_impl("kivi_partial_scored", impl)
     _check_length("kivi_partial_scored", length)
     packed = kivi_ref.PackedKV(bits, group, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, k_per_token)
-    if scored_impl(impl) == "triton":
+    if impl == "triton":
         from .kivi import triton_kernel
 
         dk, dv = query.shape[-1], v_codes.shape[-1] * (32 // bits)
@@ -591,7 +591,7 @@ def _kivi_lanes_partial_scored_cuda(query, heads, channels, k_codes, k_scale, k_
     _check_length("kivi_lanes_partial_scored", length)
     region = _kivi_region(heads, channels, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, length, bits,
                           group, query.shape[1], query.shape[-1])
-    if scored_impl(impl) == "triton":
+    if impl == "triton":
         from .kivi import lanes_triton
 
         dv = v_codes[0].shape[-1] * (32 // bits)

@@ -110,8 +110,9 @@ def test_cuda_glue_hands_both_regions_to_one_launch(monkeypatch):
 
 def test_buffer_settings_choose_the_one_launch_read(monkeypatch):
     """The launch setting ``buffer_tokens``: slots per buffer CTA (at most 16 CTAs); 0 turns the one-launch read
-    off (``attention_partial_with_buffer`` answers None, so the caller reads the two regions apart), as does a read
-    with more batch x head x row-block rows than ``buffer_rows`` and more rows x region slots than ``buffer_work``."""
+    off, as does a read with more batch x head x row-block rows than ``buffer_rows`` and more rows x region slots than
+    ``buffer_work``: the buffer is then read beside the region (``buffer_lanes``, the default) or, without it,
+    ``attention_partial_with_buffer`` answers None and the caller reads the two regions apart."""
     assert ck.buffer_plan(160, 64) == (3, 64) and ck.buffer_plan(160, 256) == (1, 256)
     assert ck.buffer_plan(160) == (5, 32) and ck.buffer_plan(1000, 32) == (16, 63)
     # buffer_ctas: LeanK + KIVI's 1024-slot buffer in 32 CTAs of 32 (16 of 64 by default); never fewer slots than
@@ -144,15 +145,16 @@ def test_buffer_settings_choose_the_one_launch_read(monkeypatch):
     assert ck.fuses_buffer(2, 1, 8, 4, 4 * k128) and ck.fuses_buffer(2, 2, 8, 4, 4 * k128)  # 8 / 16 rows: always
     assert ck.fuses_buffer(2, 4, 8, 4, 8192) and not ck.fuses_buffer(2, 4, 8, 4, 32768)  # 32 rows x 8k / x 32k
     assert not ck.fuses_buffer(2, 16, 8, 4, 4096) and not ck.fuses_buffer(2, 4, 4, 17, 32768)  # 128 rows; 48
-    settings('{"buffer_tokens": 0}')
+    settings('{"buffer_tokens": 0, "buffer_lanes": false}')
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is None and len(calls) == 1
-    # buffer_lanes: a read the buffer CTAs do not take goes through the same op (the buffer read beside the region)
-    settings('{"buffer_tokens": 0, "buffer_lanes": true}')
+    # buffer_lanes (the default): a read the buffer CTAs do not take goes through the same op (the buffer read
+    # beside the region)
+    settings('{"buffer_tokens": 0}')
     assert ck.buffer_read(2, 2, 2, 1, 96, k.shape[2]) == "lanes"
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is not None and len(calls) == 2
     calls.pop()
     # this read: 2 x 2 x 1 = 4 rows over 96 slots (buffer_weight 0: the buffer not counted)
-    settings('{"buffer_rows": 3, "buffer_work": 383, "buffer_weight": 0}')
+    settings('{"buffer_rows": 3, "buffer_work": 383, "buffer_weight": 0, "buffer_lanes": false}')
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is None and len(calls) == 1
     settings('{"buffer_rows": 3, "buffer_work": 384, "buffer_weight": 0}')
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is not None and len(calls) == 2
@@ -160,7 +162,7 @@ def test_buffer_settings_choose_the_one_launch_read(monkeypatch):
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is not None and len(calls) == 3
     # buffer_weight: each of the buffer's k.shape[2] slots counts as that many region slots in buffer_work
     t = k.shape[2]
-    settings(f'{{"buffer_rows": 3, "buffer_work": {4 * (96 + 2 * t) - 1}, "buffer_weight": 2}}')
+    settings(f'{{"buffer_rows": 3, "buffer_work": {4 * (96 + 2 * t) - 1}, "buffer_weight": 2, "buffer_lanes": false}}')
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is None and len(calls) == 3
     settings(f'{{"buffer_rows": 3, "buffer_work": {4 * (96 + 2 * t)}, "buffer_weight": 2}}')
     assert packed.attention_partial_with_buffer(q, 0.125, k, v, valid) is not None and len(calls) == 4

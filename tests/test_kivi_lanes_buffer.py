@@ -162,14 +162,15 @@ def test_attend_segments_reads_buffer_and_lanes_in_one_op(monkeypatch, impl, cov
     torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=1e-2)
 
 
-@pytest.mark.parametrize("cfg,together", [(None, True), ('{"buffer_rows": 0, "buffer_work": 0}', False),
-                                           ('{"buffer_rows": 0, "buffer_work": 0, "buffer_lanes": true}', True)])
+@pytest.mark.parametrize("cfg,together", [(None, True), ('{"buffer_rows": 0, "buffer_work": 0}', True),
+                                           ('{"buffer_rows": 0, "buffer_work": 0, "buffer_lanes": false}', False)])
 def test_compiled_read_is_one_graph_with_one_lanes_buffer_op(monkeypatch, cfg, together):
     """The decode read of [buffer, lanes region of a CUDA implementation] traced by ``torch.compile(fullgraph=True)``:
     one graph holding one ``kvcompress::kivi_lanes_buffer_partial`` call (the decision reads shapes and the settings a
     cache read when it chose the kernel only: no host read, no graph break, no dynamo warning), equal to the eager
-    read.  Where the buffer CTAs do not take the read (``buffer_rows`` / ``buffer_work`` 0) it is the lanes op and
-    the buffer apart, unless ``buffer_lanes`` reads the buffer beside the lanes through the same one op."""
+    read.  Where the buffer CTAs do not take the read (``buffer_rows`` / ``buffer_work`` 0) ``buffer_lanes`` (the
+    default) reads the buffer beside the lanes through the same one op; without it, the lanes op and the buffer
+    apart."""
     import warnings
 
     from torch._dynamo.backends.registry import lookup_backend
@@ -267,7 +268,7 @@ def test_buffer_lanes_setting_reads_large_buffers_beside_the_lanes(monkeypatch):
         ck.read_buffer_settings(2)
     monkeypatch.delenv("KVCOMPRESS_KIVI_CUDA_CONFIG")
     ck.read_buffer_settings(2)
-    assert ck.buffer_read(2, *large) is None and not ck.DEFAULT_CONFIG["buffer_lanes"]  # the default: off
+    assert ck.buffer_read(2, *large) == "lanes" and ck.DEFAULT_CONFIG["buffer_lanes"]  # the default: on
 
 
 def test_launch_arguments_carry_the_buffer_and_the_library_builds_its_ctas(triton_cuobjdump):
@@ -386,7 +387,11 @@ def test_buffer_read_beside_the_lanes_like_the_reference(monkeypatch, b, rows, d
     bc = tuple(None if x is None else x.cuda() for x in buffer)
     got = cuda.attention_partial_with_buffer(qc, scale, *bc)
     assert got is not None
-    ok, err, msg = opcases.check_partial(tuple(x.cpu() for x in got), ref)
+    # bf16: the Triton lanes kernel rounds the scaled query (q * scale * log2 e) to the keys' dtype before its dot, as
+    # the buffer read apart always did; with bf16's 8-bit mantissa that alone moves this case's LSE by 2.21e-3
+    # (session 56, H100; a float64 model of that rounding over the buffer gives 2.2076e-3, fp16: 2.7e-4)
+    lse_atol = 4e-3 if dtype == torch.bfloat16 else opcases.LSE_ATOL
+    ok, err, msg = opcases.check_partial(tuple(x.cpu() for x in got), ref, lse_atol=lse_atol)
     assert ok, msg
     low = cuda.attention_partial_with_buffer(qc, scale, *bc, out_dtype=dtype)
     assert low[0].dtype == dtype and torch.equal(low[0], got[0].to(dtype)) and torch.equal(low[1], got[1])

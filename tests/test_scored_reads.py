@@ -590,43 +590,6 @@ def test_scored_kernels_on_gpu(kind):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("op", ["kivi_partial_scored", "kivi_lanes_partial_scored"])
-def test_scored_ops_called_with_the_cuda_impl(op):
-    """The registered scored KIVI ops called directly with ``impl="cuda"`` (the read op's choice; the CUDA kernel
-    returns no scores) return all three outputs, scored by the Triton kernel, equal to the reference.  Until session
-    56 the lanes op returned only ``(out, lse)`` for that impl."""
-    from kvcompress.kernels import ops
-    from kvcompress.kernels.kivi import lanes_reference
-    from kvcompress.kernels.kivi import reference as kivi_ref
-    from kvcompress.kernels.kivi.reference import PackedKV
-
-    if op == "kivi_partial_scored":
-        q, packed, scale = kivi_inputs(bits=2, group=32, live=4001, capacity=4096, kv_heads=8, rows=4, head_dim=128)
-        packed = PackedKV(2, 32, *(x.cuda() for x in (packed.k_codes, packed.k_scale, packed.k_zero, packed.v_codes,
-                                                       packed.v_scale, packed.v_zero, packed.valid)),
-                          length=packed.length.cuda())
-        q = q.cuda()
-        got = torch.ops.kvcompress.kivi_partial_scored(
-            q, packed.k_codes, packed.k_scale, packed.k_zero, packed.v_codes, packed.v_scale, packed.v_zero,
-            packed.valid, packed.length, 2, 32, float(scale), False, 0.0, "cuda")
-        ro, rl, rs = kivi_ref.kivi_attention_scored(q, packed, scale)
-        want_logits = [rs]
-        got_logits = [got[2]]
-    else:
-        q, region, scale = _gpu_kivi_region()
-        got = torch.ops.kvcompress.kivi_lanes_partial_scored(*ops._kivi_lanes_args(q, region, scale, None, None),
-                                                             "cuda")
-        ro, rl, want_logits = lanes_reference.kivi_lanes_attention_scored(q, region, scale)
-        got_logits = ops.split_lane_logits(got[2], ops._kivi_lane_shapes(q, [ln.heads for ln in region.lanes],
-                                                                          region.valid))
-    assert len(got) == 3
-    assert same_partial((got[0].cpu(), got[1].cpu()), (ro.cpu(), rl.cpu()), atol=2e-2) == ""
-    for g, w in zip(got_logits, want_logits, strict=True):
-        assert same_scores(g.cpu(), w.cpu(), atol=2e-2, rtol=2e-2) == ""
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("quantized", [False, True], ids=["dense", "kivi"])
 def test_decode_mass_on_gpu_equals_cpu(quantized):
     """A static cache on the GPU (kernels chosen by the cache: the Triton lanes kernel, KIVI scored by Triton) gives

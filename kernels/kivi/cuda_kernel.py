@@ -195,13 +195,16 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-lineinfo", "-std=c++17", "-shared", "-
 # wave, instead of the same count for every lane (lanes_cuda.balanced_splits).  Session 54, H200, LeanK-70 + KIVI-2
 # Llama heads, two rounds: B4/32k 70.4 -> 59.4 us, B16/32k 174.9 -> 156.6, B16/128k 555.0 -> 490.8, B64/32k 605 -> 561;
 # where the per-warp cap binds before the wave (batch 1, 4k) the plan is the uniform one.  buffer_lanes (session 55,
-# opt-in, not yet timed): a read that does not take its buffer in the same launch (:func:`fuses_buffer`) has it read by
-# the Triton lanes kernel in a launch of its own beside the KIVI kernel's (programmatic dependent launch on sm_90+),
-# writing its split partials into the same combine - three launches instead of the two reads' five (each kernel, its
-# combine, the merge), the buffer's read overlapping the region's (:func:`buffer_read`, :func:`read_beside`).
+# the default since session 56): a read that does not take its buffer in the same launch (:func:`fuses_buffer`) has it
+# read by the Triton lanes kernel in a launch of its own beside the KIVI kernel's (programmatic dependent launch on
+# sm_90+), writing its split partials into the same combine - three launches instead of the two reads' five (each
+# kernel, its combine, the merge), the buffer's read overlapping the region's (:func:`buffer_read`,
+# :func:`read_beside`).  Session 56, H100, two rounds, 10 shapes: LeanK-70 + KIVI-2 Llama B4/4k 32.7 -> 25.0 us, B16/4k
+# 64.4 -> 50.2, B16/32k 167 -> 146, B16/128k 503 -> 472, SmolLM2 B16/4k 25.3 -> 19.7; static KIVI-2 Llama B4/32k
+# 61.6 -> 54.7, B16/4k 44.2 -> 39.9; no row slower.
 DEFAULT_CONFIG = dict(nw=4, stages=2, waves=1.0, warps_per_sm=16, min_tiles="auto", min_blocks=4, kfold=0, vfold=0,
                       interleave=1, buffer_tokens=BUFFER_TOKENS, buffer_rows=BUFFER_ROWS, buffer_work=BUFFER_WORK,
-                      buffer_weight=BUFFER_WEIGHT, pdl=True, buffer_ctas="auto", lane_balance=True, buffer_lanes=False,
+                      buffer_weight=BUFFER_WEIGHT, pdl=True, buffer_ctas="auto", lane_balance=True, buffer_lanes=True,
                       lane_v_weight=1.0)
 SMEM_DEFAULT = 48 * 1024  # dynamic shared memory a kernel gets without cudaFuncAttributeMaxDynamicSharedMemorySize
 SMEM_OPTIN_MAX = 227 * 1024  # the largest opt-in limit of any supported GPU (sm_90); the device's own limit is used
@@ -744,7 +747,7 @@ def read_buffer_settings(bits: int) -> tuple[int, int, int, int]:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"KVCOMPRESS_KIVI_CUDA_CONFIG: {n} must be an integer >= 0, got {v!r}")
     buffer_launch(1, 1, 1, c.get("buffer_ctas", "auto"))  # checks buffer_ctas ("auto" or >= 1) here, not per read
-    lanes = c.get("buffer_lanes", False)
+    lanes = c.get("buffer_lanes", DEFAULT_CONFIG["buffer_lanes"])
     if not isinstance(lanes, bool):
         raise ValueError(f"KVCOMPRESS_KIVI_CUDA_CONFIG: buffer_lanes must be true or false, got {lanes!r}")
     _BUFFER_SETTINGS[bits] = values

@@ -273,10 +273,11 @@ class PackedKV:
                                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(out, lse)`` over this region and a full-precision buffer ``k`` / ``v`` ``[B, H, T, Dk / Dv]`` (validity
         ``valid [B, T]``, ``length`` bounding its slots) in ONE launch - the hand-written CUDA kernel's buffer CTAs
-        (registered op ``kvcompress::kivi_buffer_partial``), or, with the launch setting ``buffer_lanes``, the Triton
-        lanes kernel beside it into the same split combine - or ``None`` when the region's implementation cannot
-        (not ``"cuda"``, or shapes / dtypes it does not take) or should not (a read large enough that the two
-        regions apart are faster: :func:`.cuda_kernel.buffer_read`): the caller then reads the two regions apart.
+        (registered op ``kvcompress::kivi_buffer_partial``), or, with the launch setting ``buffer_lanes`` (the
+        default), the Triton lanes kernel beside it into the same split combine - or ``None`` when the region's
+        implementation cannot (not ``"cuda"``, or shapes / dtypes it does not take) or should not (a read large
+        enough that the two regions apart are faster: :func:`.cuda_kernel.buffer_read`): the caller then reads the
+        two regions apart.
         ``out_dtype``: ``out``'s dtype (``None``: float32; the split combine stores it: a read whose only part this
         is needs no cast after it)."""
         if self.impl != "cuda" or self.k_per_token:
