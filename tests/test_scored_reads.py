@@ -534,18 +534,6 @@ def _cuda(x):
     return None if x is None else x.cuda()
 
 
-def _gpu_kivi_region(impl=None):
-    """A KIVI lanes region on the GPU (8 lanes of 0-96 channels, 4096 slots, 4001 live) and its query and scale."""
-    from kvcompress.kernels.kivi import lanes_reference
-    from test_kivi_lanes import make_region
-
-    q, region = make_region(batch=2, counts=(0, 32, 32, 32, 32, 32, 64, 96), tokens=4096, live=4001, seed=11)
-    region = lanes_reference.PackedLanes(
-        region.bits, region.group, tuple(lanes_reference.KiviLane(*(_cuda(x) for x in lane)) for lane in region.lanes),
-        region.valid.cuda(), region.num_heads, region.head_dim, length=region.length.cuda(), impl=impl)
-    return q.cuda(), region, q.shape[-1] ** -0.5
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", ["lanes-fp16", "lanes-fp32", "kivi2", "kivi4", "kivi-lanes"])
@@ -558,6 +546,7 @@ def test_scored_kernels_on_gpu(kind):
     from kvcompress.kernels.kivi import reference as kivi_ref
     from kvcompress.kernels.kivi.reference import PackedKV
     from kvcompress.kernels.leank import reference as leank_ref
+    from test_kivi_lanes import make_region
 
     if kind.startswith("lanes"):
         dtype = torch.float32 if kind == "lanes-fp32" else torch.float16
@@ -579,7 +568,13 @@ def test_scored_kernels_on_gpu(kind):
         ro, rl, rs = kivi_ref.kivi_attention_scored(q, packed, scale)
         logits, rlog, tol = [s], [rs], 2e-2
     else:
-        q, region, scale = _gpu_kivi_region(impl="triton")
+        q, region = make_region(batch=2, counts=(0, 32, 32, 32, 32, 32, 64, 96), tokens=4096, live=4001, seed=11)
+        q = q.cuda()
+        region = lanes_reference.PackedLanes(
+            region.bits, region.group, tuple(lanes_reference.KiviLane(*(_cuda(x) for x in lane))
+                                             for lane in region.lanes),
+            region.valid.cuda(), region.num_heads, region.head_dim, length=region.length.cuda(), impl="triton")
+        scale = q.shape[-1] ** -0.5
         out, lse, logits = ops.kivi_lanes_attention_scored(q, region, scale, impl="triton")
         ro, rl, rlog = lanes_reference.kivi_lanes_attention_scored(q, region, scale)
         tol = 2e-2

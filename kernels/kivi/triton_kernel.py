@@ -394,10 +394,11 @@ def _kivi_split_kernel(
         LG, b * slg_b + h * slg_h, NT,
         False, DK, KW, KW_PAD, DV, VW_PAD, G, GV, BITS, BLOCK_M, BN, TRANS, LAZY, ASM, PREFETCH, SOFTCAP, LOGITS)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
     offs_d = tl.arange(0, DV_PAD)
     o_ptr = OUT + pid_s * so_s + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :]
-    tl.store(o_ptr, out, mask=(offs_m < M)[:, None] & (offs_d < DV)[None, :])
-    tl.store(LSE + pid_s * sl_s + b * sl_b + h * sl_h + offs_m[:, None], lse, mask=(offs_m < M)[:, None])
+    tl.store(o_ptr, out, mask=m_ok[:, None] & (offs_d < DV)[None, :])
+    tl.store(LSE + pid_s * sl_s + b * sl_b + h * sl_h + offs_m[:, None], lse, mask=m_ok[:, None])
 
 
 def _target_programs(device: torch.device, waves: float, num_warps: int) -> int:
