@@ -42,9 +42,14 @@ SCORE_CASES = {
     # 4-bit labels, one level, fewer present candidates in the last group (a short last chunk)
     "4bit-multilevel-one-level": (2, 1, 3, 1001, 32, 8, 4, {"k": 30, "chunk": 128, "multilevel": True, "levels": 1}),
 }
-# the score cases that also run the (opt-in) compact_block placement in CI: one chunk with odd tokens, 4-bit labels, chunks
-# + merge with padding, the multi-level merge
-BLOCKED_CASES = ("fp16-gqa4-r16-odd-t", "4bit-gqa4-r16", "fp16-chunks-merge", "4bit-multilevel-one-level")
+# the score cases that also run the opt-in select variants in CI, and which: "blocked" (the compact_block placement),
+# "interp" (the interpolation search), "blocked_interp" (both). The placement and the search each run on one chunk
+# with odd tokens or 4-bit labels and on chunks (+ merge with padding, or the multi-level merge), the two together on
+# one chunk: each variant of a chunked case is 8-16 s in the interpreter on the CI machine, so CI runs 5 of the 12
+# pairs (session 57; all 12 with KVCOMPRESS_TEST_FULL=1)
+BLOCKED_CASES = {"fp16-gqa4-r16-odd-t": ("blocked", "blocked_interp"), "4bit-gqa4-r16": ("interp",),
+                 "fp16-chunks-merge": ("interp",), "4bit-multilevel-one-level": ("blocked",)}
+SELECT_VARIANTS = ("blocked", "interp", "blocked_interp")
 # the score cases that also run the (opt-in) radix select: fp16 / 4-bit / 2-bit labels, bf16 query, one query head per
 # kv head, padding, k beyond the valid tokens (each radix build compiles five kernels: a few cases keep the GPU run short)
 RADIX_SCORE_CASES = ("fp16-gqa4-r16-odd-t", "2bit-gqa2-r8-padding", "4bit-gqa1-r32-bf16-query",
@@ -231,17 +236,15 @@ def run_score_case(name: str, device: str = "cpu") -> dict:
     fused = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k, config=cfg)
     unrolled1 = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k,
                                           config=dict(cfg, unroll=1, elems_per_thread=16))
-    # the placement in blocks of 32 lanes (keys computed again per block; opt-in, slower on an H200): the same indices
-    # in the same order - on every case with KVCOMPRESS_TEST_FULL=1, in CI on the cases of BLOCKED_CASES
-    blocked = interp = blocked_interp = fused
-    if os.environ.get("KVCOMPRESS_TEST_FULL") or name in BLOCKED_CASES:
-        blocked = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k,
-                                            config=dict(cfg, compact_block=32))
-        # the interpolation search (opt-in, session 40), in one pass and placed in blocks
-        interp = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k,
-                                           config=dict(cfg, search="interpolation"))
-        blocked_interp = triton_kernel.select_topk(q, channel_major(labels), channels, valid, k,
-                                                   config=dict(cfg, search="interpolation", compact_block=32))
+    # the placement in blocks of 32 lanes (keys computed again per block; opt-in, slower on an H200) and the
+    # interpolation search (opt-in, session 40), in one pass and placed in blocks: the same indices in the same order -
+    # every variant on every case with KVCOMPRESS_TEST_FULL=1, in CI those of BLOCKED_CASES
+    variants = SELECT_VARIANTS if os.environ.get("KVCOMPRESS_TEST_FULL") else BLOCKED_CASES.get(name, ())
+    variant_cfg = {"blocked": {"compact_block": 32}, "interp": {"search": "interpolation"},
+                   "blocked_interp": {"search": "interpolation", "compact_block": 32}}
+    variant_same = {v: bool(torch.equal(triton_kernel.select_topk(q, channel_major(labels), channels, valid, k,
+                                                                  config=dict(cfg, **variant_cfg[v])), fused))
+                    for v in variants}
     # the chunk / level candidate buffers are not zeroed: filled with the largest key (-1 as uint32 beats every score)
     # and an out-of-range token, the select must still write every slot a merge reads - the same indices in the same
     # order (session 39: the memsets of torch.zeros dropped)
@@ -277,8 +280,7 @@ def run_score_case(name: str, device: str = "cpu") -> dict:
             "classic_plan": triton_kernel.fused_plan(labels.num_tokens, k, extra.get("chunk", 1 << 30)) is not None,
             "topk_unfused": reference.is_topk(unfused, ref, k, tol), "topk_fused": reference.is_topk(fused, ref, k, tol),
             "topk_fused_other_launch": reference.is_topk(unrolled1, ref, k, tol),
-            "blocked_same": bool(torch.equal(blocked, fused)), "poisoned_same": bool(torch.equal(poisoned, fused)),
-            "interp_same": bool(torch.equal(interp, fused) and torch.equal(blocked_interp, fused)),
+            "variant_same": variant_same, "poisoned_same": bool(torch.equal(poisoned, fused)),
             "topk_radix": radix is None or reference.is_topk(radix, ref, k, tol),
             "topk_radix_tm": radix_tm is None or reference.is_topk(radix_tm, ref, k, tol),
             "radix_chunks": radix_triton.radix_plan(q.shape[0] * q.shape[1], labels.num_tokens, 4,
@@ -539,8 +541,10 @@ def _check_score(res: dict, name: str) -> None:
     assert res["topk_unfused"], "scores + torch.topk select a top-k"
     assert res["topk_fused"], "the fused kernel selects a top-k"
     assert res["topk_fused_other_launch"], "the fused kernel with other launch settings selects a top-k"
-    assert res["blocked_same"], "the placement in blocks (compact_block) changed the indices or their order"
-    assert res["interp_same"], "the interpolation search changed the indices or their order"
+    expected = SELECT_VARIANTS if os.environ.get("KVCOMPRESS_TEST_FULL") else BLOCKED_CASES.get(name, ())
+    assert sorted(res["variant_same"]) == sorted(expected), "the worker ran other select variants than the case names"
+    for variant, same in res["variant_same"].items():
+        assert same, f"the opt-in select variant {variant!r} changed the indices or their order"
     assert res["poisoned_same"], "a candidate slot a merge reads was left unwritten (poisoned buffers changed the set)"
     assert res["topk_radix"], "the radix select (8-bit digits, small chunks) selects a top-k"
     assert res["topk_radix_tm"], "the radix select on token-major labels selects a top-k"
