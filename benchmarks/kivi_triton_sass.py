@@ -39,7 +39,7 @@ def _sass(compiled) -> list[str]:
     from read_occupancy import cuobjdump
 
     return [re.sub(r"/\*[0-9a-f]+\*/", "", ln).strip() for ln in cuobjdump(compiled, "-sass").splitlines()
-            if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+            if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
 
 
 def builds() -> dict:

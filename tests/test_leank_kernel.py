@@ -983,12 +983,13 @@ def test_read_path_on_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("softcap", [None, 30.0])
-def test_bf16_long_lanes_lse_on_gpu(softcap):
+@pytest.mark.parametrize("mode", ["plain", "softcap", "logits"])
+def test_bf16_long_lanes_lse_on_gpu(mode):
     """bf16 query and keys over 4k-token lanes (full width and kept channels): the LSE within 5e-4 of the float64
     oracle. Session 56 measured 2.2e-3 (the buffer read beside the KIVI lanes) while the kernel rounded the scaled
-    query to bf16 before its dot; with bf16 keys it now scales the scores after the dot. The Triton interpreter cannot
-    run bf16 dots (it returns garbage on the CPU), hence a GPU test."""
+    query to bf16 before its dot; with bf16 keys it now scales the fp32 scores - in the exponent (plain), or before
+    the soft-cap / the stored scores, which are checked too. The Triton interpreter cannot run bf16 dots (it returns
+    garbage on the CPU), hence a GPU test."""
     from kvcompress.kernels.leank import reference, triton_kernel
     from kvcompress.kernels.leank.reference import Lane
 
@@ -1001,15 +1002,24 @@ def test_bf16_long_lanes_lse_on_gpu(softcap):
              Lane(None, channels, (torch.randn(b, hkv, t - 901, 64, generator=gen) * 2).bfloat16(),
                   torch.randn(b, hkv, t - 901, d, generator=gen).bfloat16(), None)]
     scale = d ** -0.5
+    softcap = 30.0 if mode == "softcap" else None
     cuda_lanes = [Lane(*(None if x is None else x.cuda() for x in lane)) for lane in lanes]
-    out, lse = triton_kernel.grouped_partial_attention(q.cuda(), cuda_lanes, scale, softcap=softcap)
+    logits = ([torch.full((b, hkv, m, lane.k.shape[2]), float("-inf"), device="cuda") for lane in lanes]
+              if mode == "logits" else None)
+    out, lse = triton_kernel.grouped_partial_attention(q.cuda(), cuda_lanes, scale, softcap=softcap, logits=logits)
+    fp32 = [Lane(lane.heads, lane.channels, lane.k.float(), lane.v.float(), lane.valid) for lane in lanes]
     if softcap is None:
         ref_out, ref_lse = oracle(q, lanes, scale)
     else:  # the reference (float32) for the capped scores
-        ref_out, ref_lse = reference.grouped_partial_attention(q.float(), [
-            Lane(l.heads, l.channels, l.k.float(), l.v.float(), l.valid) for l in lanes], scale, softcap=softcap)
+        ref_out, ref_lse = reference.grouped_partial_attention(q.float(), fp32, scale, softcap=softcap)
     assert (lse.double().cpu() - ref_lse.double()).abs().max().item() <= 5e-4
     assert torch.allclose(out.double().cpu(), ref_out.double(), atol=ATOL, rtol=RTOL)
+    if logits is not None:
+        _, _, ref_logits = reference.grouped_partial_scored(q.float(), fp32, scale)
+        for got, want in zip(logits, ref_logits):
+            assert torch.equal(torch.isinf(got.cpu()), torch.isinf(want))
+            fin = torch.isfinite(want)
+            assert (got.cpu()[fin] - want[fin]).abs().max().item() <= 1e-3
 
 
 @pytest.mark.gpu

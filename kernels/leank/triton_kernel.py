@@ -137,9 +137,12 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
             ch = offs_c
         q = tl.load(Q + q_off + offs_m[:, None] * sq_m + ch[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0)
         if K.dtype.element_ty == tl.bfloat16:
-            # bf16 keys: the query enters the dot as given and the scores are scaled after it. Rounding the scaled
-            # query to bf16's 8-bit mantissa moved a 4k-token read's LSE by 2.2e-3 (session 56); fp16's 11 bits keep
-            # that rounding within 3e-4, and one multiply a score less
+            # bf16 keys: the query enters the dot as given and the scale is applied to the fp32 scores. Rounding the
+            # scaled query to bf16's 8-bit mantissa moved a 4k-token read's LSE by 2.2e-3 (session 56); fp16's 11
+            # bits keep that rounding within 3e-4. Without a soft cap or stored scores the scale rides in the
+            # exponent, as FlashAttention's softmax does: exp2(s * scale - m * scale) is one FFMA a score, as exp2(s
+            # - m) was one FADD (a separate multiply cost the bf16 LeanK reads up to 2.8 %, H100, session 57), and
+            # the running maximum stays in unscaled units until the end
             q = q.to(K.dtype.element_ty)
         else:
             q = (q.to(tl.float32) * qk_scale).to(K.dtype.element_ty)
@@ -159,7 +162,7 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        if not PROJ and K.dtype.element_ty == tl.bfloat16:
+        if not PROJ and (SOFTCAP or LOGITS) and K.dtype.element_ty == tl.bfloat16:
             s = s * qk_scale
         if SOFTCAP:
             s = soft_cap(s, cap)
@@ -181,8 +184,13 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
             tl.store(LG + lg_off + offs_m[:, None] * slg_m + t[None, :], s * 0.6931471805599453, mask=lg_ok)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
+        if not PROJ and not SOFTCAP and not LOGITS and K.dtype.element_ty == tl.bfloat16:  # unscaled s and m
+            m_scaled = m_safe * qk_scale
+            p = tl.exp2(s * qk_scale - m_scaled[:, None])
+            alpha = tl.exp2(m_i * qk_scale - m_scaled)
+        else:
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(V + v_off + t[:, None] * sv_t + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
         if IEEE:
@@ -190,6 +198,8 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
         else:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
+    if not PROJ and not SOFTCAP and not LOGITS and K.dtype.element_ty == tl.bfloat16:
+        m_i = m_i * qk_scale  # (the scale is positive: -inf stays -inf)
     if WG > 1:  # the groups' partials of each row merged by log-sum-exp
         mg = tl.reshape(m_i, (WG, BLOCK_M))
         top = tl.max(mg, axis=0)
