@@ -161,6 +161,8 @@
 # on by default, batch 1 taking the uniform plan: 3-20 % faster from B4). Prepared, not run: none-plan (the empty
 # stack's Llama B16 read with and without session 43's single split; wants an H200) and leank-balance (the Triton
 # LeanK lanes kernel's split count per lane, opt-in lane_balance: its GPU tests and a two-round A/B).
+# Session 57 ran leank-balance (mixed: stays opt-in), none-plan and grid-lanes on an H100 (none-plan still wants an
+# H200) and prepared grid-bf16 (issue 19's ops on bf16 data, benchutil --dtype bfloat16).
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -412,6 +414,17 @@ case "${PART:-stages}" in
           | tee -a "$OUT/rows.md"
       done
     done
+    ;;
+  grid-bf16)  # session 57 (prepared): issue 19's ops on bf16 data (benchutil --dtype bfloat16: the queries and
+    # full-precision K / V of a bf16 model's cache; KIVI scales fp16, as the stores hold them) against SDPA on the
+    # same bf16 cache, rows named op@bf16 - the grid is fp16, the models bf16
+    cd "$HERE/.." || exit 1
+    source benchmarks/gpu_site.sh >/dev/null
+    timeout "${GB_TIMEOUT:-300}" python -m kvcompress.kernels.benchutil --device cuda --dtype bfloat16 --ops grid \
+      --only-shapes "${S35_SHAPES:-llama3-8b:1:32k,llama3-8b:4:4k,llama3-8b:16:4k,llama3-8b:16:32k,smollm2-135m:1:4k,smollm2-135m:16:32k}" \
+      --max-seconds "${GB_SECONDS:-270}" --out "$OUT/grid_bf16.json" 2>"$OUT/grid_bf16.err" | grep '^|' \
+      | tee "$OUT/grid_bf16.md"
+    tail -3 "$OUT/grid_bf16.err"
     ;;
   grid-lanes)  # session 54: LeanK-70 + KIVI-2 at every grid shape (lane_balance now the default) into grid.json
     S34_GRID_PART=grid2 S34_GRID_OPS=${S35_OPS:-leank70-kivi2} \

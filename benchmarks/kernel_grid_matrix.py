@@ -46,7 +46,9 @@ def load_rows(path: str, name: str | None = None) -> list[dict]:
             raise SystemExit(f"{path}: no entry {key!r} (has: {', '.join(data) if isinstance(data, dict) else '-'})")
         data = data[key]
     rows = data["rows"] if isinstance(data, dict) else data
-    return [dict(r, source=name) for r in rows if isinstance(r, dict)]
+    # a bf16 row (benchutil --dtype bfloat16) is its own op, ``kivi2@bf16``: never a cell of the float16 grid
+    return [dict(r, source=name, op=r["op"] + ("@bf16" if r.get("dtype") == "bfloat16" else ""))
+            for r in rows if isinstance(r, dict) and "op" in r]
 
 
 def md_rows(path: str) -> list[dict]:

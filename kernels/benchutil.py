@@ -250,8 +250,10 @@ def _free_bytes(device: torch.device) -> int:
 
 
 def kivi_inputs(batch: int, kv_heads: int, tokens: int, head_dim: int, bits: int, group: int, v_group: int,
-                m: int, device: torch.device, gen: torch.Generator | None = None):
-    """Random packed KIVI data (all slots valid) and grouped queries; codes use every bit pattern."""
+                m: int, device: torch.device, gen: torch.Generator | None = None, dtype=torch.float16):
+    """Random packed KIVI data (all slots valid) and grouped queries in ``dtype`` (the model's); codes use every bit
+    pattern; scales and zero points fp16 whatever the model's dtype, as the KIVI stores hold them
+    (``kivi.reference.quantize_groups``)."""
     from .kivi.reference import PackedKV
 
     per = 32 // bits
@@ -272,7 +274,7 @@ def kivi_inputs(batch: int, kv_heads: int, tokens: int, head_dim: int, bits: int
     packed = PackedKV(bits, group, words(kw), scale(ks), zero(ks), words(vw),
                       scale(vw[:3] + (head_dim // v_group,)), zero(vw[:3] + (head_dim // v_group,)),
                       torch.ones(batch, tokens, dtype=torch.bool, device=device))
-    q = torch.randn(batch, kv_heads, m, head_dim, device=device, dtype=torch.float16, generator=gen)
+    q = torch.randn(batch, kv_heads, m, head_dim, device=device, dtype=dtype, generator=gen)
     return q, packed
 
 
@@ -332,10 +334,10 @@ def kivi_bytes(q: torch.Tensor, packed) -> int:
 
 
 def dense_inputs(batch: int, kv_heads: int, tokens: int, head_dim: int, m: int, device: torch.device,
-                 gen: torch.Generator | None = None):
-    k = torch.randn(batch, kv_heads, tokens, head_dim, device=device, dtype=torch.float16, generator=gen)
-    v = torch.randn(batch, kv_heads, tokens, head_dim, device=device, dtype=torch.float16, generator=gen)
-    q = torch.randn(batch, kv_heads, m, head_dim, device=device, dtype=torch.float16, generator=gen)
+                 gen: torch.Generator | None = None, dtype=torch.float16):
+    k = torch.randn(batch, kv_heads, tokens, head_dim, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(batch, kv_heads, tokens, head_dim, device=device, dtype=dtype, generator=gen)
+    q = torch.randn(batch, kv_heads, m, head_dim, device=device, dtype=dtype, generator=gen)
     return q, k, v
 
 
@@ -587,7 +589,7 @@ def ctx_label(ctx: int) -> str:
 
 
 def _describe(row: dict) -> str:
-    where = f"{row['op']} {row['model']} B{row['batch']} {ctx_label(row['ctx'])}"
+    where = f"{row_op(row)} {row['model']} B{row['batch']} {ctx_label(row['ctx'])}"
     if "latency_us" in row:
         vs = row.get("speedup_vs_sdpa")
         return (f"{where}: {row['latency_us']:.1f} us, {row['bandwidth_tbps']:.2f} TB/s "
@@ -608,6 +610,7 @@ class _Case:
     rows: list
     gen: torch.Generator
     base: dict = dataclasses.field(default_factory=dict)  # op -> seconds (the baselines: sdpa, dense-ref)
+    dtype: torch.dtype = torch.float16  # the model's dtype: queries and full-precision K / V
 
     @property
     def cuda(self) -> bool:
@@ -627,7 +630,7 @@ class _Case:
 
     @property
     def dense_bytes(self) -> int:
-        """The uncompressed fp16 cache's K and V, and the query (what SDPA reads)."""
+        """The uncompressed cache's K and V, and the query (what SDPA reads; fp16 and bf16 alike: 2 bytes)."""
         s = self.shape
         return 2 * self.batch * s.kv_heads * self.ctx * s.head_dim * 2 + self.batch * s.q_heads * s.head_dim * 2
 
@@ -642,6 +645,8 @@ class _Case:
     def emit(self, op: str, timing: Timing | None, nbytes: int, **extra) -> dict:
         if timing is not None and "sdpa" in self.base:
             extra.setdefault("speedup_vs_sdpa", self.base["sdpa"] / timing.seconds)
+        if self.dtype != torch.float16:
+            extra.setdefault("dtype", str(self.dtype).removeprefix("torch."))
         row = _result(op, self.shape, self.batch, self.ctx, timing, nbytes, **extra)
         self.rows.append(row)
         _log(_describe(row))
@@ -736,7 +741,7 @@ def _bench_dense(c: _Case) -> None:
                 c.skip(name, dense_bytes)
         return
     s = c.shape
-    data = [dense_inputs(c.batch, s.kv_heads, c.ctx, s.head_dim, c.m, c.device, c.gen) for _ in range(n)]
+    data = [dense_inputs(c.batch, s.kv_heads, c.ctx, s.head_dim, c.m, c.device, c.gen, c.dtype) for _ in range(n)]
     if "sdpa" in c.ops:
         best, errors = None, []
         backends = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION") if c.cuda else (None,)
@@ -773,7 +778,7 @@ def _bench_kivi(c: _Case, bits: int) -> None:
 
     name = f"kivi{bits}"
     s, m = c.shape, c.m
-    q0, p0 = kivi_inputs(1, 1, KEY_GROUP, s.head_dim, bits, KEY_GROUP, VALUE_GROUP, m, c.device, c.gen)
+    q0, p0 = kivi_inputs(1, 1, KEY_GROUP, s.head_dim, bits, KEY_GROUP, VALUE_GROUP, m, c.device, c.gen, c.dtype)
     per_token = kivi_bytes(q0, p0) / KEY_GROUP  # ~bytes per token per (batch, kv head)
     est = int(per_token * KEY_GROUP * (c.ctx // KEY_GROUP) * c.batch * s.kv_heads)
     free = c.free()
@@ -785,8 +790,8 @@ def _bench_kivi(c: _Case, bits: int) -> None:
     n = copies_for(est) if c.cuda else 1
     if est * n > free:
         n = max(1, int(free // max(est, 1)))
-    data = [kivi_inputs(c.batch, s.kv_heads, c.ctx, s.head_dim, bits, KEY_GROUP, VALUE_GROUP, m, c.device, c.gen)
-            for _ in range(n)]
+    data = [kivi_inputs(c.batch, s.kv_heads, c.ctx, s.head_dim, bits, KEY_GROUP, VALUE_GROUP, m, c.device, c.gen,
+                        c.dtype) for _ in range(n)]
     nbytes = kivi_bytes(*data[0])
     ref_t = None
     if name + "-ref" in c.ops and est * 16 * 3 < free and c.batch * c.ctx <= 16 * 32768:
@@ -829,8 +834,8 @@ def _bench_leank(c: _Case, ratio: int) -> None:
     n = c.copies(name, int(c.dense_bytes * 0.8))
     if not n:
         return
-    data = [leank_inputs(c.batch, s.kv_heads, c.ctx - LEANK_FP_TOKENS, s.head_dim, c.m, ratio, c.device, c.gen)
-            for _ in range(n)]
+    data = [leank_inputs(c.batch, s.kv_heads, c.ctx - LEANK_FP_TOKENS, s.head_dim, c.m, ratio, c.device, c.gen,
+                         dtype=c.dtype) for _ in range(n)]
     nbytes = leank_bytes(*data[0])
     from .leank.triton_kernel import grouped_partial_attention as grouped
 
@@ -852,7 +857,8 @@ def _bench_doublesparse(c: _Case, frac: int, shared: bool, fused: bool = False) 
     n = c.copies(name, int(c.dense_bytes * 1.2))
     if not n:
         return
-    data = [ds_inputs(c.batch, s.q_heads, s.kv_heads, c.ctx, s.head_dim, 16, 16, c.device, c.gen) for _ in range(n)]
+    data = [ds_inputs(c.batch, s.q_heads, s.kv_heads, c.ctx, s.head_dim, 16, 16, c.device, c.gen, dtype=c.dtype)
+            for _ in range(n)]
     kk = c.ctx // frac
     t = time_op(lambda q, lab, ch, k, v: ds_decode(q, lab, ch, k, v, kk, c.scale, shared=shared,
                                                    fused=True if fused else None), data, reps=c.reps)
@@ -895,10 +901,10 @@ def _bench_static(c: _Case, op: str) -> None:
     s = c.shape
 
     def query() -> torch.Tensor:
-        return torch.randn(c.batch, s.q_heads, 1, s.head_dim, device=c.device, dtype=torch.float16, generator=c.gen)
+        return torch.randn(c.batch, s.q_heads, 1, s.head_dim, device=c.device, dtype=c.dtype, generator=c.gen)
 
     def build():
-        return query(), build_static_layer(op, s, c.batch, c.ctx, c.device, c.gen)
+        return query(), build_static_layer(op, s, c.batch, c.ctx, c.device, c.gen, dtype=c.dtype)
 
     def info(q, layer):
         return static_read_bytes(layer, q), sum(layer.memory().values()), static_impl(layer)
@@ -917,8 +923,7 @@ def _bench_paged(c: _Case, op: str) -> None:
     s = c.shape
 
     def query() -> torch.Tensor:
-        return torch.randn(c.batch, s.kv_heads, c.m, s.head_dim, device=c.device, dtype=torch.float16,
-                           generator=c.gen)
+        return torch.randn(c.batch, s.kv_heads, c.m, s.head_dim, device=c.device, dtype=c.dtype, generator=c.gen)
 
     transient = _fill_transient(c, paged_bench.FILL_CHUNK_BYTES)
     kivi = c.batch * _kivi_region_bytes(c.ctx + 64, s.kv_heads, s.head_dim) + transient
@@ -926,7 +931,8 @@ def _bench_paged(c: _Case, op: str) -> None:
         est = int(c.dense_bytes * 2.3) + transient  # the pool grows by a quarter: old + new buffers at the last growth
 
         def build():
-            return query(), paged_bench.paged_pool(c.batch, s.kv_heads, c.ctx, s.head_dim, c.device, c.gen)[1]
+            return query(), paged_bench.paged_pool(c.batch, s.kv_heads, c.ctx, s.head_dim, c.device, c.gen,
+                                                   dtype=c.dtype)[1]
 
         def info(q, view):
             impl = "triton" if _paged_uses_triton(q, view) else "reference"
@@ -940,7 +946,7 @@ def _bench_paged(c: _Case, op: str) -> None:
         def build():
             codec = paged_bench.kivi_codec(s.head_dim)
             return query(), paged_bench.paged_pool(c.batch, s.kv_heads, c.ctx, s.head_dim, c.device, c.gen, page=32,
-                                                   codec=codec)[1]
+                                                   codec=codec, dtype=c.dtype)[1]
 
         def info(q, view):
             from .kivi import implementation
@@ -954,7 +960,8 @@ def _bench_paged(c: _Case, op: str) -> None:
         est = kivi
 
         def build():
-            return query(), paged_bench.static_kivi_pool(c.batch, s.kv_heads, c.ctx, s.head_dim, c.device, c.gen)[1]
+            return query(), paged_bench.static_kivi_pool(c.batch, s.kv_heads, c.ctx, s.head_dim, c.device, c.gen,
+                                                         dtype=c.dtype)[1]
 
         def info(q, packed):
             alloc = _nbytes(packed.k_codes, packed.k_scale, packed.k_zero, packed.v_codes, packed.v_scale,
@@ -1012,9 +1019,9 @@ GRID_OPS = ("sdpa", "kivi2", "kivi4", "leank50", "leank70", "leank70-kivi2", "ds
 
 
 def _bench_case(shape: Shape, batch: int, ctx: int, device: torch.device, rows: list[dict],
-                ops: Sequence[str]) -> None:
+                ops: Sequence[str], dtype: torch.dtype = torch.float16) -> None:
     gen = torch.Generator(device=device).manual_seed(batch * 7919 + ctx)
-    c = _Case(shape, batch, ctx, device, tuple(ops), rows, gen)
+    c = _Case(shape, batch, ctx, device, tuple(ops), rows, gen, dtype=dtype)
     for names, fn in _op_groups():
         _run_ops(c, names, fn)
     if "dense-ref" in c.base and "sdpa" in c.base:
@@ -1022,6 +1029,12 @@ def _bench_case(shape: Shape, batch: int, ctx: int, device: torch.device, rows: 
             if row["op"] == "dense-ref" and row["model"] == shape.model and row["batch"] == batch and \
                     row["ctx"] == ctx and "latency_us" in row:
                 row["speedup_vs_sdpa"] = c.base["sdpa"] / (row["latency_us"] * 1e-6)
+
+
+def row_op(row: dict) -> str:
+    """A row's op as tables name it: ``kivi2``, or ``kivi2@bf16`` for a row of bf16 data (``--dtype bfloat16``), so
+    that no table or matrix mixes its cells with the float16 grid's."""
+    return row["op"] + ("@bf16" if row.get("dtype") == "bfloat16" else "")
 
 
 def markdown_table(rows: Sequence[dict]) -> str:
@@ -1034,12 +1047,13 @@ def markdown_table(rows: Sequence[dict]) -> str:
         return format(x, fmt) + "x" if isinstance(x, (int, float)) else "n/a"
 
     for r in rows:
+        name = row_op(r)
         if "latency_us" not in r:
             why = r.get("skipped") or ("error: " + str(r.get("error", "n/a"))[:80])
-            lines.append(f"| {r['op']} | {r['model']} | {r['batch']} | {ctx_label(r['ctx'])} | {why} "
+            lines.append(f"| {name} | {r['model']} | {r['batch']} | {ctx_label(r['ctx'])} | {why} "
                          f"| {r['bytes'] / 1e6:.0f} | | | | |")
             continue
-        op = f"{r['op']} ({r['impl']})" if r.get("impl") and not r["op"].endswith("-triton") else r["op"]
+        op = f"{name} ({r['impl']})" if r.get("impl") and not r["op"].endswith("-triton") else name
         pct = r.get("pct_of_peak", r.get("pct_of_4p3"))
         lines.append(
             f"| {op} | {r['model']} | {r['batch']} | {ctx_label(r['ctx'])} | {r['latency_us']:.1f} | "
@@ -1119,7 +1133,7 @@ def run_kernel_benchmarks(device: str | None = None, out: str | None = None, *, 
                           ops: Sequence[str] = ALL_OPS, models: Sequence[str | Shape] | None = None,
                           batches: Sequence[int] | None = None, contexts: Sequence[int] | None = None,
                           only: Sequence[tuple] | None = None, resume: bool = False,
-                          max_seconds: float | None = None) -> list[dict]:
+                          max_seconds: float | None = None, dtype: torch.dtype = torch.float16) -> list[dict]:
     """Benchmark the ops of ``kvcompress.kernels`` over the grid; print a markdown table, write JSON to ``out``.
 
     Args:
@@ -1130,11 +1144,15 @@ def run_kernel_benchmarks(device: str | None = None, out: str | None = None, *, 
         ops: which ops to time (:data:`ALL_OPS`, :data:`EXTRA_OPS`).
         resume: first read ``out`` (when it exists) and keep its rows of the shapes it has done, skipping them.
         max_seconds: start no shape after this many seconds (the rest is listed as ``remaining``).
+        dtype: the model dtype of the data (float16 or bfloat16): queries and full-precision K / V (KIVI scales
+            and zero points are fp16 in either, as the stores hold them); rows of bf16 data carry ``dtype``.
 
     Returns:
         One dict per (op, shape): latency, bytes read, bandwidth, % of peak, speed-ups (see the module docstring).
     """
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype: expected torch.float16 or torch.bfloat16, got {dtype}")
     unknown = set(ops) - set(ALL_OPS) - set(EXTRA_OPS)
     if unknown:
         raise ValueError(f"unknown ops {sorted(unknown)}; known: {', '.join(ALL_OPS + EXTRA_OPS)}")
@@ -1144,12 +1162,15 @@ def run_kernel_benchmarks(device: str | None = None, out: str | None = None, *, 
     if resume and out and os.path.exists(out):
         with open(out) as fh:
             old = json.load(fh)
+        old_dtype = old.get("conditions", {}).get("dtype", "float16")
+        if old_dtype != str(dtype).removeprefix("torch."):
+            raise ValueError(f"resume: {out} holds {old_dtype} rows, this run is {dtype}: give another --out")
         done = [list(k) for k in old.get("done", [])]
         rows = [r for r in old.get("rows", []) if [r["model"], r["batch"], r["ctx"]] in done]
         _log(f"resuming {out}: {len(done)} shapes done, {len(rows)} rows kept")
     start = time.monotonic()
-    doc: dict[str, Any] = {"conditions": _conditions(dev), "ops": list(ops), "done": done, "remaining": [],
-                           "rows": rows}
+    doc: dict[str, Any] = {"conditions": {**_conditions(dev), "dtype": str(dtype).removeprefix("torch.")},
+                           "ops": list(ops), "done": done, "remaining": [], "rows": rows}
     todo = [case for case in cases if _key(*case) not in done]
     if dev.type == "cuda" and "expandable_segments:true" not in doc["conditions"]["PYTORCH_CUDA_ALLOC_CONF"].lower():
         _log("PyTorch's default caching allocator: large-pool reads after other ops' allocations can be up to ~19% "
@@ -1161,7 +1182,7 @@ def run_kernel_benchmarks(device: str | None = None, out: str | None = None, *, 
             _log(f"time limit ({max_seconds:.0f} s): {len(todo) - i} shapes left")
             break
         _log(f"shape {i + 1}/{len(todo)}: {shape.model} B{batch} {ctx_label(ctx)}")
-        _bench_case(shape, batch, ctx, dev, rows, ops)
+        _bench_case(shape, batch, ctx, dev, rows, ops, dtype)
         done.append(_key(shape, batch, ctx))
         doc["remaining"] = [_key(*case) for case in todo[i + 1:]]
         if out:
@@ -1205,6 +1226,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true", help="skip the shapes --out has done (keep its rows)")
     ap.add_argument("--max-seconds", type=float, default=None, help="start no shape after this many seconds")
     ap.add_argument("--dry-run", action="store_true", help="print the shapes and exit")
+    ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"),
+                    help="the model dtype of the queries and full-precision K / V (default float16; KIVI scales "
+                    "stay fp16, as the stores hold them; bf16 rows carry a dtype field and show as op@bf16)")
     args = ap.parse_args(argv)
     if args.list_ops:
         print("default:", ",".join(ALL_OPS))
@@ -1220,7 +1244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{shape.model}:{batch}:{ctx_label(ctx)}")
         return 0
     ops = {"grid": GRID_OPS, "all": ALL_OPS + EXTRA_OPS}.get(args.ops) or tuple(o for o in args.ops.split(",") if o)
-    run_kernel_benchmarks(args.device, args.out, ops=ops, resume=args.resume, max_seconds=args.max_seconds, **kw)
+    run_kernel_benchmarks(args.device, args.out, ops=ops, resume=args.resume, max_seconds=args.max_seconds,
+                          dtype=getattr(torch, args.dtype), **kw)
     return 0
 
 

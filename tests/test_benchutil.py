@@ -255,6 +255,57 @@ def test_every_cpu_grid_op_runs_and_leank_bytes_count_every_lane():
     assert benchutil.leank_bytes(q, lanes) == want
 
 
+def test_bf16_run_reads_bf16_data_and_keeps_its_rows_apart(tmp_path, monkeypatch):
+    """``--dtype bfloat16``: every CPU grid op times reads of bf16 queries and full-precision K / V (KIVI scales and
+    zero points stay fp16, as the stores hold them), the rows say so, the JSON's conditions too, a resume with another
+    dtype is refused, and the grid matrix names them ``op@bf16`` (never a cell of the float16 grid)."""
+    import sys
+    from pathlib import Path
+
+    seen = {}
+    real = benchutil.time_op
+
+    def floats(x, name=""):
+        if isinstance(x, torch.Tensor):
+            return [(name, x.dtype)] if x.is_floating_point() and x.element_size() == 2 else []
+        if isinstance(x, dict):
+            return [t for k, y in x.items() for t in floats(y, str(k))]
+        if hasattr(x, "_fields"):  # PackedKV, Lane: by field name
+            return [t for k in x._fields for t in floats(getattr(x, k), k)]
+        if isinstance(x, (tuple, list)):
+            return [t for y in x for t in floats(y, name)]
+        if hasattr(x, "__dict__"):  # static layers, pools: their tensors
+            return [t for k, y in vars(x).items() for t in floats(y, k)]
+        return []
+
+    def spy(fn, inputs, **kw):
+        for name, dtype in floats(inputs[0]):
+            seen.setdefault("scales" if name.endswith(("_scale", "_zero")) else "data", set()).add(dtype)
+        return real(fn, inputs, **kw)
+
+    monkeypatch.setattr(benchutil, "time_op", spy)
+    tiny = benchutil.Shape("tiny", 4, 2, 64)
+    out = tmp_path / "bf16.json"
+    rows = benchutil.run_kernel_benchmarks("cpu", str(out), ops=("sdpa", "kivi2-ref", "paged-kivi2", "none"),
+                                           models=[tiny], contexts=[256], dtype=torch.bfloat16)
+    assert rows and not [r for r in rows if "error" in r]
+    assert seen["data"] == {torch.bfloat16} and seen["scales"] == {torch.float16}
+    assert {r["dtype"] for r in rows} == {"bfloat16"}
+    doc = json.loads(out.read_text())
+    assert doc["conditions"]["dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="holds bfloat16 rows"):
+        benchutil.run_kernel_benchmarks("cpu", str(out), ops=("sdpa",), models=[tiny], contexts=[256], resume=True)
+    with pytest.raises(ValueError, match="float16 or torch.bfloat16"):
+        benchutil.run_kernel_benchmarks("cpu", None, ops=("sdpa",), models=[tiny], contexts=[256],
+                                        dtype=torch.float32)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import kernel_grid_matrix
+
+    assert {r["op"] for r in kernel_grid_matrix.load_rows(str(out))} == {"sdpa@bf16", "kivi2-ref@bf16",
+                                                                          "paged-kivi2@bf16", "none@bf16"}
+    assert "| sdpa@bf16 |" in benchutil.markdown_table(rows)
+
+
 def test_run_keeps_going_after_an_error_and_writes_json_per_shape(tmp_path, monkeypatch, capsys):
     def broken(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (test)")

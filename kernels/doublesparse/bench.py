@@ -15,11 +15,12 @@ from .reference import Labels, quantize_labels, selection_rows
 
 
 def ds_inputs(batch: int, q_heads: int, kv_heads: int, ctx: int, head_dim: int, r: int, bits: int,
-              device, gen=None, channel_major: bool = True) -> tuple:
-    """``(q [B, Hq, D], labels, channels [Hkv, r], k, v)``; labels channel-major unless ``channel_major=False``."""
-    k = torch.randn(batch, kv_heads, ctx, head_dim, device=device, dtype=torch.float16, generator=gen)
-    v = torch.randn(batch, kv_heads, ctx, head_dim, device=device, dtype=torch.float16, generator=gen)
-    q = torch.randn(batch, q_heads, head_dim, device=device, dtype=torch.float16, generator=gen)
+              device, gen=None, channel_major: bool = True, dtype=torch.float16) -> tuple:
+    """``(q [B, Hq, D], labels, channels [Hkv, r], k, v)``; labels channel-major unless ``channel_major=False``;
+    the query, K and V in ``dtype``."""
+    k = torch.randn(batch, kv_heads, ctx, head_dim, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(batch, kv_heads, ctx, head_dim, device=device, dtype=dtype, generator=gen)
+    q = torch.randn(batch, q_heads, head_dim, device=device, dtype=dtype, generator=gen)
     ch = torch.stack([torch.randperm(head_dim, device=device, generator=gen)[:r] for _ in range(kv_heads)])
     lab = quantize_labels(k.gather(-1, ch.view(1, kv_heads, 1, r).expand(batch, kv_heads, ctx, r)).contiguous(), bits)
     if channel_major:
