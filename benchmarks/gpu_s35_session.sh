@@ -426,6 +426,15 @@ case "${PART:-stages}" in
       | tee "$OUT/grid_bf16.md"
     tail -3 "$OUT/grid_bf16.err"
     ;;
+  lowrank-bf16)  # session 57 (prepared): the low-rank lanes' LSE and output errors against a float64 oracle in fp16
+    # and bf16, kernel and reference (benchmarks/gpu_lowrank_bf16_probe.py): the projected query is still rounded
+    # scaled before the dot, where the reference rounds it unscaled
+    cd "$HERE/.." || exit 1
+    source benchmarks/gpu_site.sh >/dev/null
+    timeout "${LR_TIMEOUT:-120}" python "$SRC/benchmarks/gpu_lowrank_bf16_probe.py" 2>"$OUT/lowrank_bf16.err" \
+      | tee "$OUT/lowrank_bf16.md"
+    tail -3 "$OUT/lowrank_bf16.err"
+    ;;
   grid-lanes)  # session 54: LeanK-70 + KIVI-2 at every grid shape (lane_balance now the default) into grid.json
     S34_GRID_PART=grid2 S34_GRID_OPS=${S35_OPS:-leank70-kivi2} \
       G_TIMEOUT=${G_TIMEOUT:-120} G_SECONDS=${G_SECONDS:-100} PART=grid bash "$HERE/gpu_s34_session.sh" "$OUT"
