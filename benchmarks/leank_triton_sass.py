@@ -3,7 +3,8 @@ each (``--json OUT``), to check what a source change does to the machine code.
 
 Launches recorded from real CPU calls of ``grouped_partial_attention`` (``tests/triton_offline.py``: the constexprs and
 launch options the wrapper picks) at Llama heads (8 kv heads, 4 rows, d 128) and SmolLM2 heads (3, 3, d 64): LeanK-70
-lanes (kept channels plus the full-precision region) and the empty stack's one full-width lane, fp16 and bf16, with
+lanes (kept channels plus the full-precision region), the empty stack's one full-width lane and a low-rank lane (rank
+d / 2, the query projected in the kernel), fp16 and bf16, with
 and without a soft-cap and stored scores.  Use the GPU image's Triton (3.6 on the lent machines):
 
     pip install --no-deps --target /tmp/t36 triton==3.6.0
@@ -40,10 +41,16 @@ def builds() -> dict:
     rows, mp = {}, MonkeyPatch()
     try:
         for model, hkv, m, d in (("llama", 8, 4, 128), ("smollm2", 3, 3, 64)):
-            for op in ("leank70", "none"):
+            for op in ("leank70", "none", "lowrank"):
                 for dtype in (torch.float16, torch.bfloat16):
                     gen = torch.Generator().manual_seed(0)
-                    if op == "none":
+                    if op == "lowrank":  # keys as coordinates in a per-head basis of rank d / 2 (query projected)
+                        q = torch.randn(2, hkv, m, d, generator=gen).to(dtype)
+                        basis = torch.linalg.qr(torch.randn(hkv, d, d, generator=gen))[0][..., :d // 2]
+                        lanes = [Lane(None, None, torch.randn(2, hkv, 300, d // 2, generator=gen).to(dtype),
+                                      torch.randn(2, hkv, 300, d, generator=gen).to(dtype), None,
+                                      basis.contiguous().to(dtype))]
+                    elif op == "none":
                         q = torch.randn(2, hkv, m, d, generator=gen).to(dtype)
                         lanes = [Lane(None, None, torch.randn(2, hkv, 300, d, generator=gen).to(dtype),
                                       torch.randn(2, hkv, 300, d, generator=gen).to(dtype), None)]
