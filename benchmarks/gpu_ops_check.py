@@ -39,9 +39,10 @@ REF_BATCH_CHUNK = 8
 
 
 def head_cases(batch: int, capacity: int, live: int, device: str, only: set[str], kv: int = 8, rows: int = 4,
-               d: int = 128) -> list:
+               d: int = 128, dtype: torch.dtype = torch.float16) -> list:
     """Builders (op, thunk) of the cases of one head shape (default Llama-3-8B: 8 kv heads x 4 query rows, d = 128;
-    SmolLM2: 3 x 3, d = 64)."""
+    SmolLM2: 3 x 3, d = 64).  ``dtype``: the model's (queries and full-precision K / V; KIVI scales stay fp16, as
+    the stores hold them)."""
     todo = []
 
     def add(op, make):
@@ -50,25 +51,27 @@ def head_cases(batch: int, capacity: int, live: int, device: str, only: set[str]
 
     for bits in (2, 4):
         add("kivi_partial", lambda bits=bits: opcases.kivi_case(batch, kv, rows, d, capacity, live, bits=bits,
-                                                                device=device, seed=bits))
-    add("paged_partial", lambda: opcases.paged_case(batch, kv, rows, d, capacity, live, page=16, device=device))
+                                                                query_dtype=dtype, device=device, seed=bits))
+    add("paged_partial", lambda: opcases.paged_case(batch, kv, rows, d, capacity, live, page=16, dtype=dtype,
+                                                    device=device))
     counts = tuple((0, 1, 1, 2, 2, 3, 3, 4)[i % 8] * d // 4 for i in range(kv))  # a LeanK-like mix of kept channels
     add("lanes_partial", lambda: opcases.lanes_case(batch, kv, rows, d, capacity, live, counts=counts,
-                                                    dense_tokens=1024, device=device))
+                                                    dense_tokens=1024, dtype=dtype, device=device))
     # the empty stack's / low rank's read: every head in one lane, the output in the read's dtype (out_dtype)
     add("lanes_partial", lambda: opcases.lanes_case(batch, kv, rows, d, capacity, live, counts=(0,) * kv,
-                                                    dense_tokens=capacity, device=device, seed=31,
-                                                    out_dtype=torch.float16))
+                                                    dense_tokens=capacity, dtype=dtype, device=device, seed=31,
+                                                    out_dtype=dtype))
     for bits in (2, 4):  # the stacked LeanK + KIVI middle, one region of lanes
         add("kivi_lanes_partial", lambda bits=bits: opcases.kivi_lanes_case(
-            batch, kv, rows, d, capacity, live, bits=bits, counts=counts, device=device, seed=20 + bits))
+            batch, kv, rows, d, capacity, live, bits=bits, counts=counts, query_dtype=dtype, device=device,
+            seed=20 + bits))
     k = max(16, live // 16)
     for bits in (16, 4):
         add("select_topk", lambda bits=bits: opcases.select_case(batch, kv, rows, capacity, d, r=16, bits=bits, k=k,
-                                                                 device=device))
+                                                                 query_dtype=dtype, device=device))
     for shared in (False, True):
         add("gather_partial", lambda shared=shared: opcases.gather_case(batch, kv, rows, capacity, d, k,
-                                                                        shared=shared, device=device))
+                                                                        shared=shared, dtype=dtype, device=device))
     return todo
 
 
@@ -80,14 +83,15 @@ GRID_BATCHES = (1, 4, 16, 64)
 GRID_CONTEXTS = (4096, 32768, 131072)
 
 
-def grid_plan(only: set[str], device: str) -> list[tuple[str, str, object]]:
+def grid_plan(only: set[str], device: str, dtype: torch.dtype = torch.float16) -> list[tuple[str, str, object]]:
     out = []
+    tag = "" if dtype == torch.float16 else "-" + str(dtype).removeprefix("torch.")
     for model, (kv, rows, d) in GRID_HEADS.items():
         for batch in GRID_BATCHES:
             for ctx in GRID_CONTEXTS:
                 live = ctx - 37
-                for op, make in head_cases(batch, ctx + 128, live, device, only, kv, rows, d):
-                    out.append((f"grid-{model}-b{batch}-{ctx // 1024}k-live{live}", op, make))
+                for op, make in head_cases(batch, ctx + 128, live, device, only, kv, rows, d, dtype):
+                    out.append((f"grid-{model}-b{batch}-{ctx // 1024}k-live{live}{tag}", op, make))
     return out
 
 
@@ -95,7 +99,7 @@ def plan(args) -> list[tuple[str, str, object]]:
     """``(shape label, op, thunk building the case)`` for every case to run."""
     only = set(args.ops.split(",")) if args.ops else set(ops.OPS)
     if args.grid:
-        return grid_plan(only, args.device)
+        return grid_plan(only, args.device, getattr(torch, args.dtype))
     out = [("small", c.op, (lambda c=c: c)) for c in opcases.small_cases(args.device) if c.op in only]
     shapes = [(1, 1024), (8, 16384)] if args.quick else [(b, c) for b in (1, 8) for c in (1024, 16384)]
     for batch, capacity in shapes:
@@ -139,6 +143,9 @@ def main(argv=None) -> int:
     p.add_argument("--grid", action="store_true", help="issue 19's grid instead: both head shapes, B 1-64, 4k-128k "
                    "contexts, ctx - 37 live tokens with padding and a dead row (with --eager: ~10 min on an H200 "
                    "for all ops; split it with --shapes)")
+    p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"),
+                   help="with --grid: the model dtype of the cases (queries, full-precision K / V; KIVI scales stay "
+                   "fp16); bf16 shape labels end in -bfloat16")
     p.add_argument("--eager", action="store_true", help="check each impl uncompiled against the reference (no "
                    "compile, no timings)")
     p.add_argument("--device", default="cuda", help="cuda; cpu only as a smoke test of this script (the ops' CPU "
