@@ -162,7 +162,8 @@
 # stack's Llama B16 read with and without session 43's single split; wants an H200) and leank-balance (the Triton
 # LeanK lanes kernel's split count per lane, opt-in lane_balance: its GPU tests and a two-round A/B).
 # Session 57 ran leank-balance (mixed: stays opt-in), none-plan and grid-lanes on an H100 (none-plan still wants an
-# H200) and prepared grid-bf16 (issue 19's ops on bf16 data, benchutil --dtype bfloat16).
+# H200) and prepared grid-bf16 (issue 19's ops on bf16 data, benchutil --dtype bfloat16), lowrank-bf16 (the low-rank
+# lanes' bf16 errors against a float64 oracle) and paged-bf16 (the paged kernel's opt-in bf16_scale_in_exponent).
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
@@ -434,6 +435,23 @@ case "${PART:-stages}" in
     timeout "${LR_TIMEOUT:-120}" python "$SRC/benchmarks/gpu_lowrank_bf16_probe.py" 2>"$OUT/lowrank_bf16.err" \
       | tee "$OUT/lowrank_bf16.md"
     tail -3 "$OUT/lowrank_bf16.err"
+    ;;
+  paged-bf16)  # session 57 (prepared): the paged Triton kernel's opt-in bf16_scale_in_exponent (bf16 pages: the query
+    # as given, the scale in the exponent, as the lanes kernel since session 57) - its GPU test, then alternating
+    # rounds of the bf16 dense-pages read off / on (benchutil --dtype bfloat16)
+    cd "$HERE/.." || exit 1
+    source benchmarks/gpu_site.sh >/dev/null
+    timeout "${PB_TEST_TIMEOUT:-150}" python -m pytest -q -m gpu -p no:cacheprovider --tb=short -rfE \
+      "$SRC/tests/test_paged_kernel.py" 2>&1 | tail -15 | tee "$OUT/tests.txt"
+    for r in $(seq "${ROUNDS:-2}"); do
+      for cfg in '{}' '{"bf16_scale_in_exponent": true}'; do
+        echo "round $r $cfg" | tee -a "$OUT/rows.md"
+        KVCOMPRESS_PAGED_CONFIG=$cfg timeout "${PB_TIMEOUT:-90}" python -m kvcompress.kernels.benchutil --device cuda \
+          --dtype bfloat16 --ops sdpa,paged-dense \
+          --only-shapes "${S35_SHAPES:-llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:16:4k,llama3-8b:16:32k,smollm2-135m:16:32k}" \
+          2>/dev/null | grep '^|' | tee -a "$OUT/rows.md"
+      done
+    done
     ;;
   grid-lanes)  # session 54: LeanK-70 + KIVI-2 at every grid shape (lane_balance now the default) into grid.json
     S34_GRID_PART=grid2 S34_GRID_OPS=${S35_OPS:-leank70-kivi2} \

@@ -72,6 +72,22 @@ CASES = {
                                   {"splits": 2, "poison": True, "length": 203,
                                    "base": {"pages_per_step": 2, "num_warps": 4, "num_stages": 2, "waves": 1,
                                             "table_steps": 4, "valid_block": True}}),
+    # bf16_scale_in_exponent "all" (session 57): the query enters the dot as given and the scale rides in the exponent
+    # (unscaled running maximum, scaled at the end) - on fp16 and fp32 pages, which the interpreter can run (its
+    # bf16 dots are unusable): page ids a block at a time with a short and a dead row and poison, the step loop with a
+    # live length, many splits
+    "b3-p16-scale-exponent-table-steps": (3, 2, 4, 64, 64, 16, 60, 17, "float16",
+                                          {"splits": 2, "short_row": 3, "dead_row": 2, "poison": True,
+                                           "base": {"pages_per_step": 2, "num_warps": 4, "num_stages": 2, "waves": 1,
+                                                    "table_steps": 4, "bf16_scale_in_exponent": "all"}}),
+    "b3-p16-scale-exponent-step-loop-length": (3, 2, 4, 64, 64, 16, 60, 17, "float16",
+                                               {"splits": 2, "poison": True, "length": 203,
+                                                "base": {"num_warps": 4, "num_stages": 2, "waves": 1,
+                                                         "table_steps": 0, "bf16_scale_in_exponent": "all"}}),
+    "b1-p16-scale-exponent-fp32-splits": (1, 2, 4, 32, 32, 16, 40, 30, "float32",
+                                          {"splits": 7, "pages_per_step": 1,
+                                           "base": {"num_warps": 4, "num_stages": 2, "waves": 1, "table_steps": 4,
+                                                    "bf16_scale_in_exponent": "all"}}),
 }
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3
 
@@ -216,7 +232,7 @@ def test_launch_config_reads_the_environment_once_through_ops(monkeypatch):
     from kvcompress.kernels.paged import triton_kernel
 
     default = {"pages_per_step": None, "num_warps": 4, "num_stages": None, "waves": 1, "table_steps": 16, "pdl": False,
-               "valid_late": False, "valid_block": False}
+               "valid_late": False, "valid_block": False, "bf16_scale_in_exponent": False}
     assert triton_kernel._config() == default
     monkeypatch.setenv("KVCOMPRESS_PAGED_CONFIG", '{"num_stages": 3, "pages_per_step": 8}')
     assert triton_kernel._config() == {**default, "pages_per_step": 8, "num_stages": 3}
@@ -230,8 +246,10 @@ def test_launch_config_reads_the_environment_once_through_ops(monkeypatch):
 
 
 @pytest.mark.parametrize("env,message", [
-    ('{"table_step": 16}', r"unknown entries \['table_step'\]; known: \['num_stages', 'num_warps', 'pages_per_step', "
-                           r"'pdl', 'table_steps', 'valid_block', 'valid_late', 'waves'\]"),
+    ('{"table_step": 16}', r"unknown entries \['table_step'\]; known: \['bf16_scale_in_exponent', 'num_stages', "
+                           r"'num_warps', 'pages_per_step', 'pdl', 'table_steps', 'valid_block', 'valid_late', "
+                           r"'waves'\]"),
+    ('{"bf16_scale_in_exponent": "yes"}', r"bf16_scale_in_exponent: expected one of false, true, \"all\", got 'yes'"),
     ('{"table_steps": 3}', r"table_steps must be null, 0 or a power of two, got 3"),
     ('{"pages_per_step": 2.0}', r"pages_per_step must be null, 0 or a power of two, got 2.0"),
     ('{"num_warps": 0}', r"num_warps must be a power of two, got 0"),
@@ -276,6 +294,39 @@ def test_import_compiles_nothing():
 @pytest.mark.parametrize("name", list(CASES))
 def test_cases_on_gpu(name):
     _check(run_case(name, "cuda"), name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("table_steps", [16, 0])
+def test_bf16_pages_scale_in_exponent_on_gpu(table_steps):
+    """bf16 pages over 4k tokens (256 pages of 16, a short and a dead row) with ``bf16_scale_in_exponent``: the query
+    enters the dot as given and the scale rides in the exponent - LSE within 5e-4 of the float32 reference of the same
+    bf16 values (the default's pre-scaled bf16 query: within the fp16 cases' 2e-3 LSE tolerance, checked too).
+    Session 57 (opt-in, prepared: the Triton interpreter cannot run bf16 dots)."""
+    from kvcompress.kernels.paged import triton_kernel
+    from kvcompress.kernels.paged.reference import paged_attention_partial
+
+    gen = torch.Generator().manual_seed(57)
+    b, h, m, d, p, width = 3, 2, 4, 128, 16, 256
+    q = (torch.randn(b, h, m, d, generator=gen) * 2).bfloat16()
+    k = (torch.randn(b * width, h, p, d, generator=gen) * 2).bfloat16()
+    v = torch.randn(b * width, h, p, d, generator=gen).bfloat16()
+    valid = torch.rand(b * width, p, generator=gen) > 0.1
+    table = torch.randperm(b * width, generator=gen)[:b * width].view(b, width).int()
+    table[1, 200:] = -1
+    table[2] = -1
+    scale = d ** -0.5
+    ref_out, ref_lse = paged_attention_partial(q.float(), k.float(), v.float(), valid, table, scale)
+    finite = torch.isfinite(ref_lse)
+    base = {**triton_kernel._config(), "table_steps": table_steps}
+    for flag, lse_tol in ((True, 5e-4), (False, LSE_ATOL)):
+        out, lse = triton_kernel._forward(*(x.cuda() for x in (q, k, v, valid, table)), scale,
+                                          base={**base, "bf16_scale_in_exponent": flag})
+        out, lse = out.cpu(), lse.cpu()
+        assert torch.equal(torch.isfinite(lse), finite) and bool((out[~finite] == 0).all())
+        assert (lse[finite] - ref_lse[finite]).abs().max().item() <= lse_tol, flag
+        assert torch.allclose(out, ref_out, atol=ATOL, rtol=RTOL), flag
 
 
 @pytest.mark.gpu

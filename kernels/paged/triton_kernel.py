@@ -40,7 +40,8 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _page_step(q, page, wi, slot, n_live, k_head, v_head, VALID, m_i, l_i, acc, offs_dk, offs_dv, dk_ok, dv_ok,
                cap, sk_p, sk_t, sv_p, sv_t, sva_p, P: tl.constexpr, IEEE: tl.constexpr, HAS_LENGTH: tl.constexpr,
-               SOFTCAP: tl.constexpr, LATE: tl.constexpr = False, flags=None, VBLOCK: tl.constexpr = False):
+               SOFTCAP: tl.constexpr, LATE: tl.constexpr = False, flags=None, VBLOCK: tl.constexpr = False,
+               qk_scale=1.0, SCALE_EXP: tl.constexpr = False):
     """One step of the split loop: the ``[BN]`` token slots of block-table positions ``wi`` (page ids ``page``,
     ``-1`` for none) folded into the online softmax ``(m_i, l_i, acc)``.  ``LATE`` (``valid_late``, opt-in): the K
     copy is masked by the page alone, not by the slots' valid flags - the dead slots' scores (NaN included) are
@@ -49,7 +50,8 @@ def _page_step(q, page, wi, slot, n_live, k_head, v_head, VALID, m_i, l_i, acc, 
     stays masked by the flags (a dead slot may hold inf; zeroing the V tile in registers instead sent it through
     shared memory twice: 150 registers and 88 KB against 108 and 72 KB, offline).  ``VBLOCK`` (``valid_block``,
     opt-in): the step's flags ``flags`` come from registers (loaded with the page ids of a block of steps), so no
-    load in the step precedes its copies."""
+    load in the step precedes its copies.  ``SCALE_EXP`` (bf16 pages, ``bf16_scale_in_exponent``): ``q`` is the
+    query as given, the scores and ``m_i`` unscaled, and ``qk_scale`` rides in the exponent (one FFMA a score)."""
     p_ok = page >= 0
     if HAS_LENGTH:
         p_ok = p_ok & (wi * P + slot < n_live)
@@ -71,8 +73,13 @@ def _page_step(q, page, wi, slot, n_live, k_head, v_head, VALID, m_i, l_i, acc, 
 
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
+    if SCALE_EXP:
+        m_scaled = m_safe * qk_scale
+        p = tl.exp2(s * qk_scale - m_scaled[:, None])
+        alpha = tl.exp2(m_i * qk_scale - m_scaled)
+    else:
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
 
@@ -98,7 +105,7 @@ def _paged_split_kernel(
     DK: tl.constexpr, DK_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
     P: tl.constexpr, NBP: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr, HAS_LENGTH: tl.constexpr,
     SOFTCAP: tl.constexpr, TSTEPS: tl.constexpr, PDL: tl.constexpr = False, LATE: tl.constexpr = False,
-    VBLOCK: tl.constexpr = False,
+    VBLOCK: tl.constexpr = False, SCALE_EXP: tl.constexpr = False,
 ):
     BN: tl.constexpr = NBP * P
     pdl_trigger(PDL)  # the split merge (launched with PDL) may start once every program has started
@@ -117,7 +124,10 @@ def _paged_split_kernel(
 
     q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_dk[None, :],
                 mask=m_ok[:, None] & dk_ok[None, :], other=0.0).to(tl.float32)
-    q = (q * qk_scale).to(K.dtype.element_ty)
+    if SCALE_EXP:  # bf16 pages (opt-in): the query as given, the scale applied to the fp32 scores in the exponent
+        q = q.to(K.dtype.element_ty)
+    else:
+        q = (q * qk_scale).to(K.dtype.element_ty)
 
     tok = tl.arange(0, BN)
     page_local = tok // P
@@ -161,15 +171,17 @@ def _paged_split_kernel(
                 m_i, l_i, acc = _page_step(q, tl.gather(blk, idx & (TB - 1), 0), b0 + idx, slot, n_live, k_head,
                                            v_head, VALID, m_i, l_i, acc, offs_dk, offs_dv, dk_ok, dv_ok, cap, sk_p,
                                            sk_t, sv_p, sv_t, sva_p, P, IEEE, HAS_LENGTH, SOFTCAP, LATE, step_flags,
-                                           VBLOCK)
+                                           VBLOCK, qk_scale, SCALE_EXP)
     else:
         for w0 in range(w_start, w_end, NBP):
             wi = w0 + page_local
             page = tl.load(table_row + wi, mask=wi < w_end, other=-1)
             m_i, l_i, acc = _page_step(q, page, wi, slot, n_live, k_head, v_head, VALID, m_i, l_i, acc, offs_dk,
                                        offs_dv, dk_ok, dv_ok, cap, sk_p, sk_t, sv_p, sv_t, sva_p, P, IEEE,
-                                       HAS_LENGTH, SOFTCAP, LATE)
+                                       HAS_LENGTH, SOFTCAP, LATE, None, False, qk_scale, SCALE_EXP)
 
+    if SCALE_EXP:
+        m_i = m_i * qk_scale  # (the scale is positive: -inf stays -inf)
     l_ok = l_i > 0.0
     out = acc / tl.where(l_ok, l_i, 1.0)[:, None]
     lse = tl.where(l_ok, (m_i + tl.log2(tl.where(l_ok, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -215,19 +227,32 @@ def _config() -> dict:
     copies masked by the page, not the slots' flags (:func:`_page_step`).  ``valid_block`` (opt-in, session 37; with
     ``table_steps`` > 1): the valid flags of a block of steps loaded with its page ids, so the steps' copies wait on
     no load at all.  Neither was faster (H100, session 38, 9 reads x 2 rounds: geometric mean latency 0.98-0.99x
-    and 0.99-1.02x the default's, within its round-to-round spread)."""
+    and 0.99-1.02x the default's, within its round-to-round spread).  ``bf16_scale_in_exponent`` (opt-in, session 57,
+    not yet run on a GPU): bf16 pages without a soft-cap take the query as given and apply the scale to the fp32
+    scores in the exponent, as the lanes kernel does since session 57 (its pre-scaled bf16 query cost 2.2e-3 LSE at
+    4k tokens; ``PARTS=paged-bf16`` in benchmarks/gpu_s35_session.sh tests and times it); ``"all"``: every dtype
+    (the same arithmetic on fp16 pages: what the interpreter can test on a CPU, whose bf16 dots are not usable)."""
     cfg = dict(pages_per_step=None, num_warps=4, num_stages=None, waves=1, table_steps=16, pdl=False,
-               valid_late=False, valid_block=False)
+               valid_late=False, valid_block=False, bf16_scale_in_exponent=False)
     cfg.update(env_config("KVCOMPRESS_PAGED_CONFIG", cfg))
     # the kernel's blocks (a step's tokens, a block of page ids, its warps) are powers of two
     for key, off_ok in (("pages_per_step", True), ("table_steps", True), ("num_warps", False)):
         if not (off_ok and cfg[key] is None):
             power_of_two_setting("KVCOMPRESS_PAGED_CONFIG", key, cfg[key],
                                  "null, 0 or a power of two" if off_ok else "a power of two", zero=off_ok)
+    if cfg["bf16_scale_in_exponent"] not in (False, True, "all"):
+        raise ValueError("KVCOMPRESS_PAGED_CONFIG: bf16_scale_in_exponent: expected one of false, true, \"all\", "
+                         f"got {cfg['bf16_scale_in_exponent']!r}")
     if cfg["valid_block"] and not (cfg["table_steps"] or 0) > 1:
         raise ValueError("KVCOMPRESS_PAGED_CONFIG: valid_block loads the flags with a block of page ids: it needs "
                          f"table_steps > 1, got table_steps {cfg['table_steps']!r}")
     return cfg
+
+
+def _scale_in_exponent(mode, dtype: torch.dtype) -> bool:
+    """Whether a launch over pages of ``dtype`` applies the scale in the exponent (``bf16_scale_in_exponent``:
+    ``True``: bf16 pages; ``"all"``: every dtype)."""
+    return mode == "all" or (mode is True and dtype == torch.bfloat16)
 
 
 def _validate(query, k_pages, v_pages, page_valid, block_table) -> None:
@@ -291,7 +316,8 @@ def _forward(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
                   IEEE=k.dtype == torch.float32, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
                   TSTEPS=int(cfg.get("table_steps") or 0), PDL=use_pdl(cfg.get("pdl"), dev),
                   LATE=bool(cfg.get("valid_late")),
-                  VBLOCK=bool(cfg.get("valid_block")) and int(cfg.get("table_steps") or 0) > 1)
+                  VBLOCK=bool(cfg.get("valid_block")) and int(cfg.get("table_steps") or 0) > 1,
+                  SCALE_EXP=_scale_in_exponent(cfg.get("bf16_scale_in_exponent"), k.dtype) and not softcap)
     warps = int(cfg["num_warps"])
     stage_choice = (int(cfg["num_stages"]),) if cfg.get("num_stages") else (3, 2)
     stages = stage_choice[0]
