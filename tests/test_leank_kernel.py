@@ -110,6 +110,22 @@ CASES = {
                           {"lane_splits": [4, 2, 1], "BN": 16}),
     "lane-splits-logits-length": (1, 3, 4, 64, 64, [([0], 48, 120, "head"), ([1, 2], 16, 120, True)],
                                   {"lane_splits": [3, 1], "BN": 16, "logits": True, "length": 97}),
+    # scale_in_exponent "all" (session 57): the arithmetic bf16 keys take - the query unscaled into the dot, the scale
+    # in the exponent with an unscaled running maximum, or applied to the scores before a soft-cap / stored scores -
+    # on fp16 keys, which the interpreter can run (its bf16 dots are unusable): three kinds of lanes across splits,
+    # per-head flags; 4 warp groups; a soft-cap with a live length; stored scores beside a projecting lane (which
+    # keeps its pre-scaled projection)
+    "scale-exponent-all-lanes-splits": (2, 3, 3, 32, 32, [(None, None, 150, True), ([2, 0], 16, 170, "head"),
+                                                          ([1], 32, 5, True)],
+                                        {"scale_in_exponent": "all", "splits": 3, "BN": 16}),
+    "scale-exponent-all-warp-groups": (2, 3, 3, 32, 32, [(None, None, 150, True), ([2, 0], 16, 170, "head"),
+                                                         ([1], 32, 5, True)],
+                                       {"scale_in_exponent": "all", "warp_groups": 4, "splits": 2}),
+    "scale-exponent-all-softcap-length": (2, 3, 4, 64, 64, [(None, None, 77, True), ([1, 2], 32, 60, True)],
+                                          {"scale_in_exponent": "all", "splits": 3, "BN": 16, "length": 50,
+                                           "softcap": 5.0}),
+    "scale-exponent-all-lowrank-logits": (2, 2, 4, 32, 32, [(None, ("proj", 16), 77, True), (None, None, 40, "head")],
+                                          {"scale_in_exponent": "all", "logits": True}),
 }
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3
 
@@ -218,8 +234,8 @@ def run_case(name: str, device: str = "cpu") -> dict:
     scale = q.shape[-1] ** -0.5
     assert triton_kernel.supports(q, lanes)
     extra = CASES[name][-1]
-    config = {key: extra[key] for key in ("canonical", "combine", "BN", "valid_ahead", "warp_groups", "lane_splits")
-              if key in extra} or None
+    config = {key: extra[key] for key in ("canonical", "combine", "BN", "valid_ahead", "warp_groups", "lane_splits",
+                                          "scale_in_exponent") if key in extra} or None
     kw = dict(softcap=extra.get("softcap"),
               length=torch.tensor(extra["length"], device=device) if "length" in extra else None)
     if "into" in extra:
@@ -772,7 +788,8 @@ def test_lanes_kernel_compiles_for_sm90_without_a_gpu(triton_cuobjdump):
     sig.update({"PO": "*fp32", "PL": "*fp32", "LENGTH": "*i64", "qk_scale": "fp32", "M": "i32", "R": "i32",
                 "RLO": "i32", "RN": "i32", "NBATCH": "i32", "cap": "fp32", "LGS": ("*fp32",) * nl, "DQ": "i32"})
     names = list(sig) + ["HAS_VALID", "HAS_CHAN", "HAS_HEADS", "PROJ", "DKP", "NL", "DV", "DVP", "BLOCK_M", "BN",
-                         "IEEE", "HAS_LENGTH", "SOFTCAP", "LOGITS", "DQP", "PDL", "VA_AHEAD", "WG", "PDL_END"]
+                         "IEEE", "HAS_LENGTH", "SOFTCAP", "LOGITS", "DQP", "PDL", "VA_AHEAD", "WG", "PDL_END",
+                         "SCALE_EXP"]
     aligned = [["tt.divisibility", 16]]
     attrs = {}
     for name, ty in sig.items():
@@ -786,7 +803,7 @@ def test_lanes_kernel_compiles_for_sm90_without_a_gpu(triton_cuobjdump):
         consts = {"HAS_VALID": (True, True), "HAS_CHAN": (not proj, False), "HAS_HEADS": (False, False),
                   "PROJ": (proj, False), "DKP": (64, 128), "NL": nl, "DV": 128, "DVP": 128, "BLOCK_M": 16, "BN": 64,
                   "IEEE": False, "HAS_LENGTH": True, "SOFTCAP": False, "LOGITS": False, "DQP": 128, "PDL": pdl,
-                  "VA_AHEAD": False, "WG": 1, "PDL_END": end}
+                  "VA_AHEAD": False, "WG": 1, "PDL_END": end, "SCALE_EXP": 1}
         src = ASTSource(fn=triton_kernel._lanes_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
                         attrs=attrs, constexprs={(names.index(k),): v for k, v in consts.items()})
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
@@ -1053,3 +1070,8 @@ def test_launch_config_refuses_an_unknown_entry(monkeypatch):
         tk._config()
     monkeypatch.setenv("KVCOMPRESS_LEANK_CONFIG", '{"waves": 2}')
     assert tk._config()["waves"] == 2
+    monkeypatch.setenv("KVCOMPRESS_LEANK_CONFIG", '{"scale_in_exponent": "bf16"}')
+    with pytest.raises(ValueError, match=r'scale_in_exponent: expected one of false, true, "all", got \'bf16\''):
+        tk._config()
+    monkeypatch.setenv("KVCOMPRESS_LEANK_CONFIG", '{"scale_in_exponent": "all"}')
+    assert tk._config()["scale_in_exponent"] == "all"
