@@ -1,7 +1,8 @@
 """Triton pieces shared by the split-KV decode kernels (KIVI, paged, LeanK).
 
 ``combine_splits`` merges ``S`` split partials ``(out, lse)`` by log-sum-exp; ``soft_cap`` applies a logit
-soft-cap (Gemma 2) to scores in the kernels' base-2 units; ``pow2`` and ``num_sms`` size launches;
+soft-cap (Gemma 2) to scores in the kernels' base-2 units; ``scale_in_exponent`` decides which reads take the
+query unscaled and apply the softmax scale in the exponent; ``pow2`` and ``num_sms`` size launches;
 :func:`occupancy` and :func:`resident_programs` count the programs an SM holds.  Imported only by the kernels'
 ``triton_kernel`` modules, never at package import.
 """
@@ -26,6 +27,26 @@ def soft_cap(s, cap):
     e = tl.exp2(-2.885390081777927 * tl.abs(x))  # exp(-2|x|)
     t = (1.0 - e) / (1.0 + e)
     return cap * tl.where(x < 0, -t, t)
+
+
+#: the values of a kernel's ``scale_in_exponent`` setting (:func:`scale_in_exponent`)
+SCALE_IN_EXPONENT = (False, True, "all")
+
+
+def check_scale_in_exponent(env: str, key: str, value) -> None:
+    """A launch configuration's ``key`` entry (read from ``env``) is one of :data:`SCALE_IN_EXPONENT`."""
+    if value not in SCALE_IN_EXPONENT:
+        raise ValueError(f'{env}: {key}: expected one of false, true, "all", got {value!r}')
+
+
+def scale_in_exponent(setting, dtype: torch.dtype) -> bool:
+    """Whether a launch over keys of ``dtype`` takes the query unscaled and applies the softmax scale to the fp32
+    scores - in the exponent, ``exp2(s * scale - m * scale)``, one FFMA a score as FlashAttention's softmax, with the
+    running maximum unscaled until the end - for the setting ``True`` (bf16 keys: rounding the scaled query to bf16's
+    8-bit mantissa moved a 4k-token read's LSE by 2.2e-3, session 56), ``"all"`` (every dtype: the same arithmetic
+    on fp16 / fp32 keys, which the Triton interpreter can run on a CPU) or ``False`` (none: the scaled query rounded
+    to the keys' dtype)."""
+    return setting == "all" or (setting is True and dtype == torch.bfloat16)
 
 
 def cap_base2(softcap: float | None) -> float:

@@ -72,7 +72,8 @@ launches whose long programs fit one wave give each long lane its own split coun
 (:func:`balanced_lane_splits`); ``lane_splits`` (default ``None``): a fixed count per lane, for tests and sweeps;
 session 57's H100 runs found it mixed (up to 2.7 % faster at Llama B16/128k, 5 % slower at SmolLM2 LeanK-50
 B16/32k): still opt-in.  ``scale_in_exponent`` (default ``True`` since session 57): lanes of bf16 keys take the
-query unscaled and apply the scale to the fp32 scores (:func:`_attend`; :data:`_SCALE_EXP`); ``"all"``: every lane
+query unscaled and apply the scale to the fp32 scores (:func:`_attend`,
+:func:`~kvcompress.kernels.attention.triton_shared.scale_in_exponent`); ``"all"``: every lane
 (the interpreter's tests of that arithmetic), ``False``: none (the scaled query rounded to the keys' dtype).
 """
 from __future__ import annotations
@@ -86,9 +87,9 @@ import triton
 import triton.language as tl
 
 from kvcompress.kernels.attention.split_plan import lane_splits
-from kvcompress.kernels.attention.triton_shared import (cap_base2, env_config, fold_splits, pdl_launch, pdl_trigger,
-                                                         pdl_wait, power_of_two_setting, resident_programs, soft_cap,
-                                                         use_pdl)
+from kvcompress.kernels.attention.triton_shared import (cap_base2, check_scale_in_exponent, env_config, fold_splits,
+                                                         pdl_launch, pdl_trigger, pdl_wait, power_of_two_setting,
+                                                         resident_programs, scale_in_exponent, soft_cap, use_pdl)
 
 from .reference import Lane
 
@@ -102,7 +103,7 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
             cap, LG, lg_off, slg_m, U, u_off, su_d, DQ, HAS_CHAN: tl.constexpr, HAS_VALID: tl.constexpr,
             DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
             IEEE: tl.constexpr, SOFTCAP: tl.constexpr, LOGITS: tl.constexpr, PROJ: tl.constexpr, DQP: tl.constexpr,
-            VA_AHEAD: tl.constexpr = False, WG: tl.constexpr = 1, SCALE_EXP: tl.constexpr = 1):
+            VA_AHEAD: tl.constexpr = False, WG: tl.constexpr = 1, SCALE_EXP: tl.constexpr = False):
     """Flash-decoding over tokens ``[start, end)`` of one head of one lane: ``(acc, m, l)`` (base 2).  ``LOGITS``:
     also store every score it computed (natural-log units, ``-inf`` where masked) at ``LG + lg_off + row * slg_m +
     token``.  ``PROJ``: the keys are coordinates in a basis, and the query rows (``DQ`` columns) are projected
@@ -140,14 +141,11 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
         else:
             ch = offs_c
         q = tl.load(Q + q_off + offs_m[:, None] * sq_m + ch[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0)
-        if SCALE_EXP == 2 or (SCALE_EXP == 1 and K.dtype.element_ty == tl.bfloat16):
-            # bf16 keys (SCALE_EXP 1, the default; 2: every dtype, 0: never - ``scale_in_exponent``): the query
-            # enters the dot as given and the scale is applied to the fp32 scores. Rounding the scaled query to
-            # bf16's 8-bit mantissa moved a 4k-token read's LSE by 2.2e-3 (session 56); fp16's 11 bits keep that
-            # rounding within 3e-4. Without a soft cap or stored scores the scale rides in the exponent, as
-            # FlashAttention's softmax does: exp2(s * scale - m * scale) is one FFMA a score, as exp2(s - m) was
-            # one FADD (a separate multiply cost the bf16 LeanK reads up to 2.8 %, H100, session 57), and the
-            # running maximum stays in unscaled units until the end
+        if SCALE_EXP:
+            # (bf16 keys by default, triton_shared.scale_in_exponent): the query enters the dot as given and the
+            # scale is applied to the fp32 scores - in the exponent (the running maximum unscaled until the end)
+            # where no soft cap or stored scores need them scaled. A separate multiply cost the bf16 LeanK reads up
+            # to 2.8 % (H100, session 57); fp16's 11 mantissa bits keep the scaled query's rounding within 3e-4
             q = q.to(K.dtype.element_ty)
         else:
             q = (q.to(tl.float32) * qk_scale).to(K.dtype.element_ty)
@@ -167,8 +165,7 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        if not PROJ and (SOFTCAP or LOGITS) and (SCALE_EXP == 2 or (SCALE_EXP == 1
-                                                                   and K.dtype.element_ty == tl.bfloat16)):
+        if SCALE_EXP and not PROJ and (SOFTCAP or LOGITS):
             s = s * qk_scale
         if SOFTCAP:
             s = soft_cap(s, cap)
@@ -190,8 +187,7 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
             tl.store(LG + lg_off + offs_m[:, None] * slg_m + t[None, :], s * 0.6931471805599453, mask=lg_ok)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        if not PROJ and not SOFTCAP and not LOGITS and (SCALE_EXP == 2 or (SCALE_EXP == 1  # unscaled s and m
-                                                                            and K.dtype.element_ty == tl.bfloat16)):
+        if SCALE_EXP and not PROJ and not SOFTCAP and not LOGITS:
             m_scaled = m_safe * qk_scale
             p = tl.exp2(s * qk_scale - m_scaled[:, None])
             alpha = tl.exp2(m_i * qk_scale - m_scaled)
@@ -205,8 +201,7 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
         else:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
-    if not PROJ and not SOFTCAP and not LOGITS and (SCALE_EXP == 2 or (SCALE_EXP == 1
-                                                                        and K.dtype.element_ty == tl.bfloat16)):
+    if SCALE_EXP and not PROJ and not SOFTCAP and not LOGITS:
         m_i = m_i * qk_scale  # (the scale is positive: -inf stays -inf)
     if WG > 1:  # the groups' partials of each row merged by log-sum-exp
         mg = tl.reshape(m_i, (WG, BLOCK_M))
@@ -232,7 +227,7 @@ def _lanes_kernel(
     NL: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
     IEEE: tl.constexpr, HAS_LENGTH: tl.constexpr, SOFTCAP: tl.constexpr, LOGITS: tl.constexpr, DQP: tl.constexpr,
     PDL: tl.constexpr = False, VA_AHEAD: tl.constexpr = False, WG: tl.constexpr = 1, PDL_END: tl.constexpr = False,
-    SCALE_EXP: tl.constexpr = 1,
+    SCALE_EXP: tl.constexpr = False,
 ):
     """One (split, batch * lane row, row block): the partial of one head of one lane over one token range.
 
@@ -675,26 +670,18 @@ def warp_groups(cfg: dict, bn: int, block_m: int) -> int:
     return wg if block_m == 16 and bn % wg == 0 and bn // wg >= 16 else 1
 
 
-#: ``scale_in_exponent`` -> the kernel's ``SCALE_EXP``: which lanes take the query unscaled and apply the scale to the
-#: fp32 scores (:func:`_attend`): none, lanes of bf16 keys (the default since session 57), every lane ("all": the
-#: same arithmetic on fp16 / fp32 keys, what the interpreter can test on a CPU, whose bf16 dots are not usable)
-_SCALE_EXP = {False: 0, True: 1, "all": 2}
-
-
 def _config() -> dict:
     """Launch defaults (H200, Triton 3.6); ``KVCOMPRESS_LEANK_CONFIG`` (JSON) overrides entries.  ``combine:
     "splits"`` since session 16: at batch 1 the one-split-per-step merge took 15-27 µs of a 40-60 µs read
     (``benchmarks/gpu_read_profile.py``); ``waves`` / ``num_stages`` ``None`` follow :func:`_launch_shape`;
-    ``scale_in_exponent`` (:data:`_SCALE_EXP`)."""
+    ``scale_in_exponent`` (:func:`~kvcompress.kernels.attention.triton_shared.scale_in_exponent`)."""
     cfg = dict(BN=64, num_warps=4, num_stages=None, waves=None, min_split_tokens=256, canonical=False, combine="splits",
                split_rows="auto", splits=None, resident_batch=16, whole_waves=True, fill=0.9, fill_splits=4, pdl=False,
                valid_ahead=True, warp_groups=1, single_wave_split_tokens=1480, proj_stages_tokens=8192,
                resident_full_width_rows=32, one_split_tokens=4096, lane_balance=False, lane_splits=None,
                one_split_max_sm_gbps=None, scale_in_exponent=True)
     cfg.update(env_config("KVCOMPRESS_LEANK_CONFIG", cfg))
-    if cfg["scale_in_exponent"] not in (False, True, "all"):
-        raise ValueError("KVCOMPRESS_LEANK_CONFIG: scale_in_exponent: expected one of false, true, \"all\", got "
-                         f"{cfg['scale_in_exponent']!r}")
+    check_scale_in_exponent("KVCOMPRESS_LEANK_CONFIG", "scale_in_exponent", cfg["scale_in_exponent"])
     return cfg
 
 
@@ -888,6 +875,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
     waves, stages = _launch_shape(cfg, b, hkv, dv, full_width, work, projected=any(r["proj"] for r in rows),
                                   tokens=t_max)
     ieee = lanes[0].k.dtype == torch.float32
+    scale_exp = scale_in_exponent(cfg.get("scale_in_exponent", True), lanes[0].k.dtype)  # (one dtype: supports())
     pdl = use_pdl(cfg.get("pdl"), dev) and into is None  # the merge starts during the lanes kernel's last wave
     beside = into is not None and use_pdl(concurrent, dev)  # runs beside the launch before it (Hopper)
     wg = warp_groups(cfg, bn, block_m)
@@ -903,7 +891,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
             DKP=tuple(max(16, _pow2(r["c"])) for r in chunk), NL=len(chunk), DV=dv, DVP=max(16, _pow2(dv)),
             BLOCK_M=block_m, BN=bn, IEEE=ieee, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
             LOGITS=logits is not None, DQP=max(16, _pow2(d)), PDL=pdl, VA_AHEAD=bool(cfg.get("valid_ahead")),
-            WG=wg, PDL_END=beside, SCALE_EXP=_SCALE_EXP[cfg.get("scale_in_exponent", True)])
+            WG=wg, PDL_END=beside, SCALE_EXP=scale_exp)
 
     def launch(chunk, po, pl):
         """``(arguments, constexprs)`` of the kernel over ``chunk``."""

@@ -29,8 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcompress.kernels.attention.triton_shared import (cap_base2, combine_splits, env_config, pdl_trigger,
-                                                         power_of_two_setting, resident_programs, soft_cap, use_pdl)
+from kvcompress.kernels.attention.triton_shared import (cap_base2, check_scale_in_exponent, combine_splits,
+                                                         env_config, pdl_trigger, power_of_two_setting,
+                                                         resident_programs, scale_in_exponent, soft_cap, use_pdl)
 from kvcompress.kernels.attention.triton_shared import num_sms as _num_sms
 from kvcompress.kernels.attention.triton_shared import pow2 as _pow2
 
@@ -240,19 +241,11 @@ def _config() -> dict:
         if not (off_ok and cfg[key] is None):
             power_of_two_setting("KVCOMPRESS_PAGED_CONFIG", key, cfg[key],
                                  "null, 0 or a power of two" if off_ok else "a power of two", zero=off_ok)
-    if cfg["bf16_scale_in_exponent"] not in (False, True, "all"):
-        raise ValueError("KVCOMPRESS_PAGED_CONFIG: bf16_scale_in_exponent: expected one of false, true, \"all\", "
-                         f"got {cfg['bf16_scale_in_exponent']!r}")
+    check_scale_in_exponent("KVCOMPRESS_PAGED_CONFIG", "bf16_scale_in_exponent", cfg["bf16_scale_in_exponent"])
     if cfg["valid_block"] and not (cfg["table_steps"] or 0) > 1:
         raise ValueError("KVCOMPRESS_PAGED_CONFIG: valid_block loads the flags with a block of page ids: it needs "
                          f"table_steps > 1, got table_steps {cfg['table_steps']!r}")
     return cfg
-
-
-def _scale_in_exponent(mode, dtype: torch.dtype) -> bool:
-    """Whether a launch over pages of ``dtype`` applies the scale in the exponent (``bf16_scale_in_exponent``:
-    ``True``: bf16 pages; ``"all"``: every dtype)."""
-    return mode == "all" or (mode is True and dtype == torch.bfloat16)
 
 
 def _validate(query, k_pages, v_pages, page_valid, block_table) -> None:
@@ -317,7 +310,7 @@ def _forward(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
                   TSTEPS=int(cfg.get("table_steps") or 0), PDL=use_pdl(cfg.get("pdl"), dev),
                   LATE=bool(cfg.get("valid_late")),
                   VBLOCK=bool(cfg.get("valid_block")) and int(cfg.get("table_steps") or 0) > 1,
-                  SCALE_EXP=_scale_in_exponent(cfg.get("bf16_scale_in_exponent"), k.dtype) and not softcap)
+                  SCALE_EXP=scale_in_exponent(cfg.get("bf16_scale_in_exponent"), k.dtype) and not softcap)
     warps = int(cfg["num_warps"])
     stage_choice = (int(cfg["num_stages"]),) if cfg.get("num_stages") else (3, 2)
     stages = stage_choice[0]
