@@ -42,14 +42,30 @@ def _sass(compiled) -> list[str]:
             if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
 
 
+def build_stats(launch) -> dict:
+    """A recorded launch (``tests/triton_offline.py``) compiled for sm_90: its SASS instruction count, registers per
+    thread, opcode histogram (predicates dropped) and a SHA-1 of the SASS text (equal builds, instruction for
+    instruction).  Shared by the Triton SASS scripts (``leank_triton_sass.py``, ``paged_triton_sass.py``)."""
+    import hashlib
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from read_occupancy import usage
+    from triton_offline import compile_launch
+
+    built = compile_launch(launch)
+    ins = _sass(built)
+    ops = collections.Counter(re.sub(r"^@!?U?P[0-9T]+\s*", "", s).split()[0] for s in ins)
+    return {"instructions": len(ins), "registers": usage(built)["registers"], "opcodes": dict(sorted(ops.items())),
+            "sha1": hashlib.sha1("\n".join(ins).encode()).hexdigest()}
+
+
 def builds() -> dict:
     import torch
     from _pytest.monkeypatch import MonkeyPatch
 
     sys.path.insert(0, str(ROOT / "tests"))
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from read_occupancy import usage
-    from triton_offline import compile_launch, record_launches
+    from triton_offline import record_launches
 
     from kvcompress.kernels.kivi import triton_kernel as tk
 
@@ -66,15 +82,11 @@ def builds() -> dict:
                             ln = torch.tensor(200) if length else None
                             seen = record_launches(mp, [(tk, "_kivi_split_kernel")], lambda: tk._forward(
                                 q, packed, 0.1, splits=1, config=cfg, logits=lg, length=ln, softcap=softcap))
-                            built = compile_launch(seen[0])
-                            ins = _sass(built)
-                            ops = collections.Counter(re.sub(r"^@!?U?P[0-9T]+\s*", "", s).split()[0] for s in ins)
                             key = (f"bits {bits} {json.dumps(cfg)} logits={logits} length={length} "
                                    f"softcap={softcap}")
-                            rows[key] = {"instructions": len(ins), "registers": usage(built)["registers"],
-                                         "opcodes": dict(sorted(ops.items()))}
-                            print(f"{key}: {len(ins)} instructions, {rows[key]['registers']} registers",
-                                  flush=True)
+                            rows[key] = build_stats(seen[0])
+                            print(f"{key}: {rows[key]['instructions']} instructions, {rows[key]['registers']} "
+                                  "registers", flush=True)
     finally:
         mp.undo()
     return rows

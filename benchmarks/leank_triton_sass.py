@@ -15,9 +15,7 @@ and without a soft-cap and stored scores.  Use the GPU image's Triton (3.6 on th
 from __future__ import annotations
 
 import argparse
-import collections
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -30,9 +28,8 @@ def builds() -> dict:
 
     sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from kivi_triton_sass import _sass
-    from read_occupancy import usage
-    from triton_offline import compile_launch, record_launches
+    from kivi_triton_sass import build_stats
+    from triton_offline import record_launches
 
     from kvcompress.kernels import benchutil as bu
     from kvcompress.kernels.leank import triton_kernel as tk
@@ -65,13 +62,10 @@ def builds() -> dict:
                                                         (tk, "_combine_splits_kernel")],
                                                    lambda: tk.grouped_partial_attention(
                                                        q, lanes, d ** -0.5, softcap=softcap, logits=lg))
-                            built = compile_launch(next(x for x in seen if x.fn.__name__ == "_lanes_kernel"))
-                            ins = _sass(built)
-                            ops = collections.Counter(re.sub(r"^@!?U?P[0-9T]+\s*", "", s).split()[0] for s in ins)
                             key = f"{model} {op} {str(dtype)[6:]} softcap={softcap} logits={logits}"
-                            rows[key] = {"instructions": len(ins), "registers": usage(built)["registers"],
-                                         "opcodes": dict(sorted(ops.items()))}
-                            print(f"{key}: {len(ins)} instructions, {rows[key]['registers']} registers, FMUL "
+                            rows[key] = row = build_stats(next(x for x in seen if x.fn.__name__ == "_lanes_kernel"))
+                            ops = row["opcodes"]
+                            print(f"{key}: {row['instructions']} instructions, {row['registers']} registers, FMUL "
                                   f"{ops.get('FMUL', 0)}, FFMA {ops.get('FFMA', 0)}, FADD {ops.get('FADD', 0)}",
                                   flush=True)
     finally:

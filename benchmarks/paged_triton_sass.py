@@ -1,5 +1,5 @@
-"""The paged Triton split kernel's sm_90 builds without a GPU: instructions, registers, FMUL / FFMA / FADD counts and
-a SHA-1 of the SASS of each (fp16 / bf16 pages, head dims 128 and 64; with ``--new`` also ``bf16_scale_in_exponent``
+"""The paged Triton split kernel's sm_90 builds without a GPU: instructions, registers, the opcode histogram and a
+SHA-1 of the SASS of each (fp16 / bf16 pages, head dims 128 and 64; with ``--new`` also ``bf16_scale_in_exponent``
 on), to check what a source change does to the machine code.  Launches recorded from real CPU calls of ``_forward``
 (``tests/triton_offline.py``), one split, 3 stages.  Use the GPU image's Triton (3.6 on the lent machines):
 
@@ -10,10 +10,7 @@ on), to check what a source change does to the machine code.  Launches recorded 
 from __future__ import annotations
 
 import argparse
-import collections
-import hashlib
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -26,9 +23,8 @@ def builds(new: bool) -> dict:
 
     sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from kivi_triton_sass import _sass
-    from read_occupancy import usage
-    from triton_offline import compile_launch, record_launches
+    from kivi_triton_sass import build_stats
+    from triton_offline import record_launches
 
     from kvcompress.kernels.paged import triton_kernel as tk
 
@@ -47,14 +43,10 @@ def builds(new: bool) -> dict:
                         base["bf16_scale_in_exponent"] = True
                     seen = record_launches(mp, [(tk, "_paged_split_kernel")], lambda: tk._forward(
                         q, k, v, valid, table, 0.1, splits=1, base=base))
-                    built = compile_launch(seen[0])
-                    ins = _sass(built)
-                    ops = collections.Counter(re.sub(r"^@!?U?P[0-9T]+\s*", "", s).split()[0] for s in ins)
                     key = f"d{d} {str(dtype)[6:]} flag={flag}"
-                    rows[key] = {"instructions": len(ins), "registers": usage(built)["registers"],
-                                 "FMUL": ops.get("FMUL", 0), "FFMA": ops.get("FFMA", 0), "FADD": ops.get("FADD", 0),
-                                 "sha1": hashlib.sha1("\n".join(ins).encode()).hexdigest()}
-                    print(key, rows[key], flush=True)
+                    rows[key] = row = build_stats(seen[0])
+                    print(key, {k: row[k] for k in ("instructions", "registers", "sha1")},
+                          {op: row["opcodes"].get(op, 0) for op in ("FMUL", "FFMA", "FADD")}, flush=True)
     finally:
         mp.undo()
     return rows
