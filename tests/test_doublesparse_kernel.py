@@ -49,7 +49,9 @@ SCORE_CASES = {
 # pairs (session 57; all 12 with KVCOMPRESS_TEST_FULL=1)
 BLOCKED_CASES = {"fp16-gqa4-r16-odd-t": ("blocked", "blocked_interp"), "4bit-gqa4-r16": ("interp",),
                  "fp16-chunks-merge": ("interp",), "4bit-multilevel-one-level": ("blocked",)}
-SELECT_VARIANTS = ("blocked", "interp", "blocked_interp")
+# the opt-in select variants, by name: their config over the case's
+SELECT_VARIANTS = {"blocked": {"compact_block": 32}, "interp": {"search": "interpolation"},
+                   "blocked_interp": {"search": "interpolation", "compact_block": 32}}
 # the score cases that also run the (opt-in) radix select: fp16 / 4-bit / 2-bit labels, bf16 query, one query head per
 # kv head, padding, k beyond the valid tokens (each radix build compiles five kernels: a few cases keep the GPU run short)
 RADIX_SCORE_CASES = ("fp16-gqa4-r16-odd-t", "2bit-gqa2-r8-padding", "4bit-gqa1-r32-bf16-query",
@@ -240,10 +242,8 @@ def run_score_case(name: str, device: str = "cpu") -> dict:
     # interpolation search (opt-in, session 40), in one pass and placed in blocks: the same indices in the same order -
     # every variant on every case with KVCOMPRESS_TEST_FULL=1, in CI those of BLOCKED_CASES
     variants = SELECT_VARIANTS if os.environ.get("KVCOMPRESS_TEST_FULL") else BLOCKED_CASES.get(name, ())
-    variant_cfg = {"blocked": {"compact_block": 32}, "interp": {"search": "interpolation"},
-                   "blocked_interp": {"search": "interpolation", "compact_block": 32}}
     variant_same = {v: bool(torch.equal(triton_kernel.select_topk(q, channel_major(labels), channels, valid, k,
-                                                                  config=dict(cfg, **variant_cfg[v])), fused))
+                                                                  config=dict(cfg, **SELECT_VARIANTS[v])), fused))
                     for v in variants}
     # the chunk / level candidate buffers are not zeroed: filled with the largest key (-1 as uint32 beats every score)
     # and an out-of-range token, the select must still write every slot a merge reads - the same indices in the same
