@@ -6,7 +6,8 @@ the keys' dtype before the dot, while the PyTorch reference rounds the unscaled 
 dtype. Both roundings cost accuracy in bf16: on the CPU (300 tokens, d 64, rank 32) the reference alone is 6.5e-3 off
 a float64 oracle in LSE (fp16: 1.2e-3). This prints, per dtype and context, the LSE and output errors of the kernel
 and of the reference against a float64 oracle of the same stored keys: what rounding the projection unscaled (the
-reference's way), or keeping it in two bf16 halves (two tensor-core dots of a memory-bound read), would move.
+reference's way), or keeping it in two bf16 halves (two tensor-core dots of a memory-bound read), would move: the
+kernel's rows under each ``proj_query`` setting (session 58: "scaled", the default; "unscaled"; "split").
 
     python benchmarks/gpu_lowrank_bf16_probe.py > lowrank_bf16.md
 """
@@ -17,7 +18,7 @@ import torch
 
 from kvcompress.kernels.leank import reference
 from kvcompress.kernels.leank.reference import Lane
-from kvcompress.kernels.leank.triton_kernel import grouped_partial_attention
+from kvcompress.kernels.leank.triton_kernel import PROJ_QUERY, grouped_partial_attention
 
 
 def oracle(q, lane, scale):
@@ -30,9 +31,9 @@ def oracle(q, lane, scale):
 
 
 def main() -> None:
-    print("| dtype | B x heads x rows | tokens | rank | kernel LSE err | reference LSE err | kernel out err | "
-          "reference out err |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| dtype | B x heads x rows | tokens | rank | proj_query | kernel LSE err | reference LSE err | "
+          "kernel out err | reference out err |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for dtype in (torch.float16, torch.bfloat16):
         for b, h, m, d, r, t in ((2, 8, 4, 128, 64, 4096), (2, 8, 4, 128, 64, 32768), (2, 3, 3, 64, 32, 32768)):
             g = torch.Generator(device="cuda").manual_seed(t + r)
@@ -42,15 +43,16 @@ def main() -> None:
             v = torch.randn(b, h, t, d, device="cuda", generator=g).to(dtype)
             lane = Lane(None, None, k, v, None, basis.to(dtype))
             scale = d ** -0.5
-            out, lse = grouped_partial_attention(q, [lane], scale)
             r_out, r_lse = reference.grouped_partial_attention(q, [lane], scale)
             o_out, o_lse = oracle(q, lane, scale)
 
             def err(a, b_):
                 return float((a.double() - b_).abs().max())
 
-            print(f"| {str(dtype)[6:]} | {b} x {h} x {m} | {t} | {r} | {err(lse, o_lse):.2e} | {err(r_lse, o_lse):.2e} "
-                  f"| {err(out, o_out):.2e} | {err(r_out, o_out):.2e} |", flush=True)
+            for pq in PROJ_QUERY:
+                out, lse = grouped_partial_attention(q, [lane], scale, config={"proj_query": pq})
+                print(f"| {str(dtype)[6:]} | {b} x {h} x {m} | {t} | {r} | {pq} | {err(lse, o_lse):.2e} | "
+                      f"{err(r_lse, o_lse):.2e} | {err(out, o_out):.2e} | {err(r_out, o_out):.2e} |", flush=True)
 
 
 if __name__ == "__main__":

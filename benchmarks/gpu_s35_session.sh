@@ -435,6 +435,16 @@ case "${PART:-stages}" in
     timeout "${LR_TIMEOUT:-120}" python "$SRC/benchmarks/gpu_lowrank_bf16_probe.py" 2>"$OUT/lowrank_bf16.err" \
       | tee "$OUT/lowrank_bf16.md"
     tail -3 "$OUT/lowrank_bf16.err"
+    # (session 58) then the bf16 low-rank read under each proj_query setting, alternating rounds
+    for r in $(seq "${ROUNDS:-2}"); do
+      for pq in scaled unscaled split; do
+        echo "round $r proj_query $pq" | tee -a "$OUT/rows.md"
+        KVCOMPRESS_LEANK_CONFIG="{\"proj_query\": \"$pq\"}" timeout "${LR_ROW_TIMEOUT:-90}" python -m kvcompress.kernels.benchutil \
+          --device cuda --dtype bfloat16 --ops sdpa,lowrank \
+          --only-shapes "${S35_SHAPES:-llama3-8b:1:32k,llama3-8b:4:4k,llama3-8b:16:32k,smollm2-135m:16:32k}" \
+          2>/dev/null | grep '^|' | tee -a "$OUT/rows.md"
+      done
+    done
     ;;
   paged-bf16)  # session 57 (prepared): the paged Triton kernel's opt-in bf16_scale_in_exponent (bf16 pages: the query
     # as given, the scale in the exponent, as the lanes kernel since session 57) - its GPU test, then alternating

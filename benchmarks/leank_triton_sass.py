@@ -5,7 +5,8 @@ Launches recorded from real CPU calls of ``grouped_partial_attention`` (``tests/
 launch options the wrapper picks) at Llama heads (8 kv heads, 4 rows, d 128) and SmolLM2 heads (3, 3, d 64): LeanK-70
 lanes (kept channels plus the full-precision region), the empty stack's one full-width lane and a low-rank lane (rank
 d / 2, the query projected in the kernel), fp16 and bf16, with
-and without a soft-cap and stored scores.  Use the GPU image's Triton (3.6 on the lent machines):
+and without a soft-cap and stored scores; the low-rank lane under each ``proj_query`` setting (keys named
+``proj_query=...`` where not the default).  Use the GPU image's Triton (3.6 on the lent machines):
 
     pip install --no-deps --target /tmp/t36 triton==3.6.0
     PYTHONPATH=/tmp/t36 python benchmarks/leank_triton_sass.py --json before.json     # then again after the change
@@ -54,20 +55,24 @@ def builds() -> dict:
                     else:
                         q, lanes = bu.leank_inputs(2, hkv, 300, d, m, 70, torch.device("cpu"), gen, fp_tokens=64,
                                                    dtype=dtype)
-                    for softcap in (None, 30.0):
-                        for logits in (False, True):
-                            lg = ([torch.full((2, lane.k.shape[1] if lane.heads is None else len(lane.heads), m,
-                                               lane.k.shape[2]), float("-inf")) for lane in lanes] if logits else None)
-                            seen = record_launches(mp, [(tk, "_lanes_kernel"), (tk, "_combine_kernel"),
-                                                        (tk, "_combine_splits_kernel")],
-                                                   lambda: tk.grouped_partial_attention(
-                                                       q, lanes, d ** -0.5, softcap=softcap, logits=lg))
-                            key = f"{model} {op} {str(dtype)[6:]} softcap={softcap} logits={logits}"
-                            rows[key] = row = build_stats(next(x for x in seen if x.fn.__name__ == "_lanes_kernel"))
-                            ops = row["opcodes"]
-                            print(f"{key}: {row['instructions']} instructions, {row['registers']} registers, FMUL "
-                                  f"{ops.get('FMUL', 0)}, FFMA {ops.get('FFMA', 0)}, FADD {ops.get('FADD', 0)}",
-                                  flush=True)
+                    for pq in (tk.PROJ_QUERY if op == "lowrank" else ("scaled",)):  # (proj_query: low rank)
+                        for softcap in (None, 30.0):
+                            for logits in (False, True):
+                                lg = ([torch.full((2, lane.k.shape[1] if lane.heads is None else len(lane.heads), m,
+                                                   lane.k.shape[2]), float("-inf")) for lane in lanes]
+                                      if logits else None)
+                                seen = record_launches(mp, [(tk, "_lanes_kernel"), (tk, "_combine_kernel"),
+                                                            (tk, "_combine_splits_kernel")],
+                                                       lambda: tk.grouped_partial_attention(
+                                                           q, lanes, d ** -0.5, softcap=softcap, logits=lg,
+                                                           config=None if pq == "scaled" else {"proj_query": pq}))
+                                key = f"{model} {op} {str(dtype)[6:]} softcap={softcap} logits={logits}" + (
+                                    "" if pq == "scaled" else f" proj_query={pq}")
+                                rows[key] = row = build_stats(next(x for x in seen if x.fn.__name__ == "_lanes_kernel"))
+                                ops = row["opcodes"]
+                                print(f"{key}: {row['instructions']} instructions, {row['registers']} registers, FMUL "
+                                      f"{ops.get('FMUL', 0)}, FFMA {ops.get('FFMA', 0)}, FADD {ops.get('FADD', 0)}",
+                                      flush=True)
     finally:
         mp.undo()
     return rows

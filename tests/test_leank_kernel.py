@@ -126,6 +126,25 @@ CASES = {
                                            "softcap": 5.0}),
     "scale-exponent-all-lowrank-logits": (2, 2, 4, 32, 32, [(None, ("proj", 16), 77, True), (None, None, 40, "head")],
                                           {"scale_in_exponent": "all", "logits": True}),
+    # proj_query (session 58): a low-rank lane's projected query rounded unscaled, the scale in the exponent (or on
+    # the scores before a soft-cap / stored scores), or as two halves (two dots a block) - beside full-width and
+    # channel lanes across splits of several blocks, with a soft-cap and live length, stored scores, 4 warp groups
+    "proj-query-unscaled-splits": (2, 3, 3, 32, 32, [(None, None, 20, False), ([0, 2], ("proj", 16), 145, True),
+                                                     ([1], 16, 30, True)],
+                                   {"proj_query": "unscaled", "splits": 3, "BN": 16}),
+    "proj-query-unscaled-softcap-length": (2, 2, 4, 64, 64, [(None, ("proj", 32), 90, "head"), (None, None, 12, True)],
+                                           {"proj_query": "unscaled", "softcap": 5.0, "length": 70, "BN": 16}),
+    "proj-query-unscaled-logits": (2, 2, 4, 32, 32, [(None, ("proj", 16), 77, True), (None, None, 40, "head")],
+                                   {"proj_query": "unscaled", "logits": True}),
+    "proj-query-split-splits": (2, 3, 3, 32, 32, [(None, None, 20, False), ([0, 2], ("proj", 16), 145, True),
+                                                  ([1], 16, 30, True)],
+                                {"proj_query": "split", "splits": 3, "BN": 16}),
+    "proj-query-split-softcap-logits": (2, 2, 4, 64, 64, [(None, ("proj", 32), 90, "head"), (None, None, 12, True)],
+                                        {"proj_query": "split", "softcap": 5.0, "logits": True}),
+    # (one projecting lane alone: the halves put its LSE within 1e-5 of the float64 oracle of the stored coordinates,
+    # where one rounding of the fp16 projection is 1.6e-4 off)
+    "proj-query-split-warp-groups": (1, 2, 4, 32, 32, [(None, ("proj", 16), 130, True)],
+                                     {"proj_query": "split", "warp_groups": 4, "splits": 2, "oracle_lse_atol": 1e-5}),
 }
 ATOL, RTOL, LSE_ATOL = 3e-3, 1e-2, 2e-3
 
@@ -235,7 +254,7 @@ def run_case(name: str, device: str = "cpu") -> dict:
     assert triton_kernel.supports(q, lanes)
     extra = CASES[name][-1]
     config = {key: extra[key] for key in ("canonical", "combine", "BN", "valid_ahead", "warp_groups", "lane_splits",
-                                          "scale_in_exponent") if key in extra} or None
+                                          "scale_in_exponent", "proj_query") if key in extra} or None
     kw = dict(softcap=extra.get("softcap"),
               length=torch.tensor(extra["length"], device=device) if "length" in extra else None)
     if "into" in extra:
@@ -246,6 +265,9 @@ def run_case(name: str, device: str = "cpu") -> dict:
     ref_out, ref_lse = reference.grouped_partial_attention(q, lanes, scale, **kw)
     res = _compare(out, lse, ref_out, ref_lse)
     res["dtypes"] = [str(out.dtype), str(lse.dtype)]
+    if "oracle_lse_atol" in extra:  # closer to the exact scores than the reference's rounding allows
+        res["oracle"] = _compare(out, lse, *oracle(q.cpu(), [lane._replace(**{f: getattr(lane, f) if getattr(
+            lane, f) is None else getattr(lane, f).cpu() for f in lane._fields}) for lane in lanes], scale))
     if "into" in extra:
         res["others_untouched"] = untouched
     if extra.get("logits"):  # the scores the launch stores, against the reference's
@@ -374,6 +396,8 @@ def _check(res: dict, name: str) -> None:
     if CASES[name][-1].get("logits"):
         assert res["logits_inf_same"], "-inf scores exactly where the reference has them"
         assert res["logits_err"] < 2e-2, f"max |logit - ref| = {res['logits_err']:.2e}"
+    if "oracle_lse_atol" in CASES[name][-1]:
+        assert res["oracle"]["lse_err"] <= CASES[name][-1]["oracle_lse_atol"], res["oracle"]
     if "into" in CASES[name][-1]:
         assert res["others_untouched"], "into: the partials before the launch's own are not written"
     out_dtype = CASES[name][-1].get("out_dtype")
@@ -1075,3 +1099,8 @@ def test_launch_config_refuses_an_unknown_entry(monkeypatch):
         tk._config()
     monkeypatch.setenv("KVCOMPRESS_LEANK_CONFIG", '{"scale_in_exponent": "all"}')
     assert tk._config()["scale_in_exponent"] == "all"
+    monkeypatch.setenv("KVCOMPRESS_LEANK_CONFIG", '{"proj_query": "halves"}')
+    with pytest.raises(ValueError, match=r'proj_query: expected one of "scaled", "unscaled", "split", got \'halves\''):
+        tk._config()
+    monkeypatch.setenv("KVCOMPRESS_LEANK_CONFIG", '{"proj_query": "split"}')
+    assert tk._config()["proj_query"] == "split"

@@ -75,6 +75,12 @@ B16/32k): still opt-in.  ``scale_in_exponent`` (default ``True`` since session 5
 query unscaled and apply the scale to the fp32 scores (:func:`_attend`,
 :func:`~kvcompress.kernels.attention.triton_shared.scale_in_exponent`); ``"all"``: every lane
 (the interpreter's tests of that arithmetic), ``False``: none (the scaled query rounded to the keys' dtype).
+``proj_query`` (:data:`PROJ_QUERY`, default ``"scaled"``; session 58, opt-in until timed and measured on a GPU): how a
+low-rank lane's projected query ``q U`` (fp32 from its tensor-core dot) enters the dot with the stored coordinates -
+``"scaled"`` rounded to the keys' dtype after the softmax scale; ``"unscaled"`` rounded before it, as the reference
+rounds it, the scale then in the exponent; ``"split"`` the scaled projection as two halves in the keys' dtype (the
+part the first rounding lost rounded again), two dots a block: bf16's 8-bit mantissa put the reference 6.5e-3 off a
+float64 oracle in LSE (CPU, session 57), and ``benchmarks/gpu_lowrank_bf16_probe.py`` measures each setting.
 """
 from __future__ import annotations
 
@@ -96,6 +102,15 @@ from .reference import Lane
 LOG2E = 1.4426950408889634
 MAX_LANES = 8
 MAX_DIM = 256
+#: the values of the ``proj_query`` setting: how a low-rank lane's projected query ``q U`` enters its dot with the
+#: stored coordinates (:func:`_attend`'s ``PQ``)
+PROJ_QUERY = ("scaled", "unscaled", "split")
+
+
+def check_proj_query(env: str, value) -> None:
+    """The ``proj_query`` entry of a launch configuration (read from ``env``) is one of :data:`PROJ_QUERY`."""
+    if value not in PROJ_QUERY:
+        raise ValueError(f'{env}: proj_query: expected one of "scaled", "unscaled", "split", got {value!r}')
 
 
 @triton.jit
@@ -103,14 +118,21 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
             cap, LG, lg_off, slg_m, U, u_off, su_d, DQ, HAS_CHAN: tl.constexpr, HAS_VALID: tl.constexpr,
             DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
             IEEE: tl.constexpr, SOFTCAP: tl.constexpr, LOGITS: tl.constexpr, PROJ: tl.constexpr, DQP: tl.constexpr,
-            VA_AHEAD: tl.constexpr = False, WG: tl.constexpr = 1, SCALE_EXP: tl.constexpr = False):
+            VA_AHEAD: tl.constexpr = False, WG: tl.constexpr = 1, SCALE_EXP: tl.constexpr = False,
+            PQ: tl.constexpr = 0):
     """Flash-decoding over tokens ``[start, end)`` of one head of one lane: ``(acc, m, l)`` (base 2).  ``LOGITS``:
     also store every score it computed (natural-log units, ``-inf`` where masked) at ``LG + lg_off + row * slg_m +
     token``.  ``PROJ``: the keys are coordinates in a basis, and the query rows (``DQ`` columns) are projected
     by the head's ``[DQ, C]`` basis at ``U + u_off`` (row stride ``su_d``) instead of gathered.  ``VA_AHEAD``: each
     block's valid flags are loaded one block ahead (a value carried by the loop): the pipeline copies K and V ahead
     but not the flags - a byte a token, too narrow for an asynchronous copy - so each block waited for its own flags
-    before its scores could be masked."""
+    before its scores could be masked.  ``PQ`` (a projecting lane's query, :data:`PROJ_QUERY`): 0 the scaled projection
+    rounded to the keys' dtype, 1 the unscaled projection rounded (the reference's rounding) with the scale in the
+    exponent, 2 the scaled projection as two halves in the keys' dtype (``hi + lo``, two dots a block)."""
+    # the query enters the dot unscaled and the scale is applied to the fp32 scores (in the exponent where no soft
+    # cap or stored scores need them scaled): bf16 keys' full-width and channel lanes (SCALE_EXP), projecting lanes
+    # with PQ 1
+    UNSCALED: tl.constexpr = (SCALE_EXP and not PROJ) or (PROJ and PQ == 1)
     # WG > 1: the query rows repeated WG times, group g scoring only the g-th part of each block's tokens, with its
     # own softmax state - each warp then owns whole rows (no exchange between warps per block); merged at the end
     if WG > 1:
@@ -134,7 +156,14 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
             qp = tl.dot(qf.to(tl.float32), u.to(tl.float32), input_precision="ieee")
         else:
             qp = tl.dot(qf.to(u.dtype), u)
-        q = (qp * qk_scale).to(K.dtype.element_ty)
+        if PQ == 1:
+            q = qp.to(K.dtype.element_ty)
+        elif PQ == 2:  # bf16's 8-bit mantissa twice: the part the first rounding lost, rounded again
+            qs = qp * qk_scale
+            q = qs.to(K.dtype.element_ty)
+            q_lo = (qs - q.to(tl.float32)).to(K.dtype.element_ty)
+        else:
+            q = (qp * qk_scale).to(K.dtype.element_ty)
     else:
         if HAS_CHAN:
             ch = tl.load(CH + ch_off + offs_c, mask=c_ok, other=0)
@@ -165,7 +194,9 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        if SCALE_EXP and not PROJ and (SOFTCAP or LOGITS):
+            if PROJ and PQ == 2:
+                s = tl.dot(q_lo, tl.trans(k), s)
+        if UNSCALED and (SOFTCAP or LOGITS):
             s = s * qk_scale
         if SOFTCAP:
             s = soft_cap(s, cap)
@@ -187,7 +218,7 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
             tl.store(LG + lg_off + offs_m[:, None] * slg_m + t[None, :], s * 0.6931471805599453, mask=lg_ok)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        if SCALE_EXP and not PROJ and not SOFTCAP and not LOGITS:
+        if UNSCALED and not SOFTCAP and not LOGITS:
             m_scaled = m_safe * qk_scale
             p = tl.exp2(s * qk_scale - m_scaled[:, None])
             alpha = tl.exp2(m_i * qk_scale - m_scaled)
@@ -201,7 +232,7 @@ def _attend(Q, q_off, sq_m, CH, ch_off, K, k_off, sk_t, V, v_off, sv_t, VA, va_o
         else:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
-    if SCALE_EXP and not PROJ and not SOFTCAP and not LOGITS:
+    if UNSCALED and not SOFTCAP and not LOGITS:
         m_i = m_i * qk_scale  # (the scale is positive: -inf stays -inf)
     if WG > 1:  # the groups' partials of each row merged by log-sum-exp
         mg = tl.reshape(m_i, (WG, BLOCK_M))
@@ -227,7 +258,7 @@ def _lanes_kernel(
     NL: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
     IEEE: tl.constexpr, HAS_LENGTH: tl.constexpr, SOFTCAP: tl.constexpr, LOGITS: tl.constexpr, DQP: tl.constexpr,
     PDL: tl.constexpr = False, VA_AHEAD: tl.constexpr = False, WG: tl.constexpr = 1, PDL_END: tl.constexpr = False,
-    SCALE_EXP: tl.constexpr = False,
+    SCALE_EXP: tl.constexpr = False, PQ: tl.constexpr = 0,
 ):
     """One (split, batch * lane row, row block): the partial of one head of one lane over one token range.
 
@@ -270,7 +301,7 @@ def _lanes_kernel(
                 qk_scale, M,
                 pid_m, cap, LGS[i], (b64 * NHS[i] + j64) * M * TS[i], TS[i], US[i], j64 * SUH[i], SUD[i], DQ,
                 HAS_CHAN[i], HAS_VALID[i], DKP[i], DV, DVP, BLOCK_M, BN, IEEE, SOFTCAP, LOGITS, PROJ[i], DQP, VA_AHEAD,
-                WG, SCALE_EXP)
+                WG, SCALE_EXP, PQ)
             l_ok = l_i > 0.0
             out = acc / tl.where(l_ok, l_i, 1.0)[:, None]
             lse = tl.where(l_ok, (m_i + tl.log2(tl.where(l_ok, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -679,9 +710,10 @@ def _config() -> dict:
                split_rows="auto", splits=None, resident_batch=16, whole_waves=True, fill=0.9, fill_splits=4, pdl=False,
                valid_ahead=True, warp_groups=1, single_wave_split_tokens=1480, proj_stages_tokens=8192,
                resident_full_width_rows=32, one_split_tokens=4096, lane_balance=False, lane_splits=None,
-               one_split_max_sm_gbps=None, scale_in_exponent=True)
+               one_split_max_sm_gbps=None, scale_in_exponent=True, proj_query="scaled")
     cfg.update(env_config("KVCOMPRESS_LEANK_CONFIG", cfg))
     check_scale_in_exponent("KVCOMPRESS_LEANK_CONFIG", "scale_in_exponent", cfg["scale_in_exponent"])
+    check_proj_query("KVCOMPRESS_LEANK_CONFIG", cfg["proj_query"])
     return cfg
 
 
@@ -891,7 +923,7 @@ def grouped_partial_attention(query: torch.Tensor, lanes: Sequence[Lane | tuple]
             DKP=tuple(max(16, _pow2(r["c"])) for r in chunk), NL=len(chunk), DV=dv, DVP=max(16, _pow2(dv)),
             BLOCK_M=block_m, BN=bn, IEEE=ieee, HAS_LENGTH=length is not None, SOFTCAP=bool(softcap),
             LOGITS=logits is not None, DQP=max(16, _pow2(d)), PDL=pdl, VA_AHEAD=bool(cfg.get("valid_ahead")),
-            WG=wg, PDL_END=beside, SCALE_EXP=scale_exp)
+            WG=wg, PDL_END=beside, SCALE_EXP=scale_exp, PQ=PROJ_QUERY.index(cfg.get("proj_query", "scaled")))
 
     def launch(chunk, po, pl):
         """``(arguments, constexprs)`` of the kernel over ``chunk``."""
