@@ -435,7 +435,10 @@ case "${PART:-stages}" in
     timeout "${LR_TIMEOUT:-120}" python "$SRC/benchmarks/gpu_lowrank_bf16_probe.py" 2>"$OUT/lowrank_bf16.err" \
       | tee "$OUT/lowrank_bf16.md"
     tail -3 "$OUT/lowrank_bf16.err"
-    # (session 58) then the bf16 low-rank read under each proj_query setting, alternating rounds
+    # (session 58) the split setting's GPU test, then the bf16 low-rank read under each proj_query setting,
+    # alternating rounds
+    timeout "${LR_TEST_TIMEOUT:-120}" python -m pytest -q -m gpu -p no:cacheprovider --tb=short -rfE \
+      "$SRC/tests/test_leank_kernel.py" -k "lowrank_split or bf16_long_lanes" 2>&1 | tail -8 | tee "$OUT/tests.txt"
     for r in $(seq "${ROUNDS:-2}"); do
       for pq in scaled unscaled split; do
         echo "round $r proj_query $pq" | tee -a "$OUT/rows.md"

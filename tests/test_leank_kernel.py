@@ -1065,6 +1065,47 @@ def test_bf16_long_lanes_lse_on_gpu(mode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["plain", "softcap", "logits"])
+def test_bf16_lowrank_split_query_lse_on_gpu(mode):
+    """``proj_query: "split"`` (session 58): a bf16 low-rank lane (rank 64 of d 128, 4k tokens) beside a full-width
+    lane, its projected query as two bf16 halves - the LSE within 5e-4 of the float64 oracle of the stored
+    coordinates, where one bf16 rounding of the projection is about 1e-2 off (a CPU emulation of these shapes:
+    1.4e-2 for one rounding, 1.5e-5 for the halves). Plain, soft-capped and storing its scores."""
+    from kvcompress.kernels.leank import reference, triton_kernel
+    from kvcompress.kernels.leank.reference import Lane
+
+    gen = torch.Generator().manual_seed(58)
+    b, hkv, m, d, r, t = 2, 2, 4, 128, 64, 4096
+    q = (torch.randn(b, hkv, m, d, generator=gen) * 2).bfloat16()
+    basis = torch.linalg.qr(torch.randn(hkv, d, d, generator=gen))[0][..., :r].contiguous().bfloat16()
+    lanes = [Lane(None, None, (torch.randn(b, hkv, t, r, generator=gen) * 2).bfloat16(),
+                  torch.randn(b, hkv, t, d, generator=gen).bfloat16(), torch.rand(b, t, generator=gen) > 0.1, basis),
+             Lane(None, None, (torch.randn(b, hkv, 300, d, generator=gen) * 2).bfloat16(),
+                  torch.randn(b, hkv, 300, d, generator=gen).bfloat16(), None)]
+    scale = d ** -0.5
+    softcap = 30.0 if mode == "softcap" else None
+    cuda_lanes = [Lane(*(None if x is None else x.cuda() for x in lane)) for lane in lanes]
+    logits = ([torch.full((b, hkv, m, lane.k.shape[2]), float("-inf"), device="cuda") for lane in lanes]
+              if mode == "logits" else None)
+    out, lse = triton_kernel.grouped_partial_attention(q.cuda(), cuda_lanes, scale, softcap=softcap, logits=logits,
+                                                       config={"proj_query": "split"})
+    fp32 = [Lane(*(x.float() if x is not None and x.is_floating_point() else x for x in lane)) for lane in lanes]
+    if softcap is None:
+        ref_out, ref_lse = oracle(q, lanes, scale)
+    else:  # the reference (float32: the projection unrounded) for the capped scores
+        ref_out, ref_lse = reference.grouped_partial_attention(q.float(), fp32, scale, softcap=softcap)
+    assert (lse.double().cpu() - ref_lse.double()).abs().max().item() <= 5e-4
+    assert torch.allclose(out.double().cpu(), ref_out.double(), atol=ATOL, rtol=RTOL)
+    if logits is not None:
+        _, _, ref_logits = reference.grouped_partial_scored(q.float(), fp32, scale)
+        for got, want in zip(logits, ref_logits):
+            assert torch.equal(torch.isinf(got.cpu()), torch.isinf(want))
+            fin = torch.isfinite(want)
+            assert (got.cpu()[fin] - want[fin]).abs().max().item() <= 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["mixed-counts-uncovered-head", "dense-plus-lanes-gqa3"])
 def test_tilelang_on_gpu(name):
     pytest.importorskip("tilelang")
