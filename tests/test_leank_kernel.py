@@ -813,7 +813,7 @@ def test_lanes_kernel_compiles_for_sm90_without_a_gpu(triton_cuobjdump):
                 "RLO": "i32", "RN": "i32", "NBATCH": "i32", "cap": "fp32", "LGS": ("*fp32",) * nl, "DQ": "i32"})
     names = list(sig) + ["HAS_VALID", "HAS_CHAN", "HAS_HEADS", "PROJ", "DKP", "NL", "DV", "DVP", "BLOCK_M", "BN",
                          "IEEE", "HAS_LENGTH", "SOFTCAP", "LOGITS", "DQP", "PDL", "VA_AHEAD", "WG", "PDL_END",
-                         "SCALE_EXP"]
+                         "SCALE_EXP", "PQ"]
     aligned = [["tt.divisibility", 16]]
     attrs = {}
     for name, ty in sig.items():
@@ -827,7 +827,7 @@ def test_lanes_kernel_compiles_for_sm90_without_a_gpu(triton_cuobjdump):
         consts = {"HAS_VALID": (True, True), "HAS_CHAN": (not proj, False), "HAS_HEADS": (False, False),
                   "PROJ": (proj, False), "DKP": (64, 128), "NL": nl, "DV": 128, "DVP": 128, "BLOCK_M": 16, "BN": 64,
                   "IEEE": False, "HAS_LENGTH": True, "SOFTCAP": False, "LOGITS": False, "DQP": 128, "PDL": pdl,
-                  "VA_AHEAD": False, "WG": 1, "PDL_END": end, "SCALE_EXP": False}
+                  "VA_AHEAD": False, "WG": 1, "PDL_END": end, "SCALE_EXP": False, "PQ": 0}
         src = ASTSource(fn=triton_kernel._lanes_kernel, signature={**sig, **{k: "constexpr" for k in consts}},
                         attrs=attrs, constexprs={(names.index(k),): v for k, v in consts.items()})
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
