@@ -443,7 +443,7 @@ case "${PART:-stages}" in
       for pq in scaled unscaled split; do
         echo "round $r proj_query $pq" | tee -a "$OUT/rows.md"
         KVCOMPRESS_LEANK_CONFIG="{\"proj_query\": \"$pq\"}" timeout "${LR_ROW_TIMEOUT:-90}" python -m kvcompress.kernels.benchutil \
-          --device cuda --dtype bfloat16 --ops sdpa,lowrank \
+          --device cuda --dtype bfloat16 --ops "${LR_OPS:-sdpa,lowrank}" \
           --only-shapes "${S35_SHAPES:-llama3-8b:1:32k,llama3-8b:4:4k,llama3-8b:16:32k,smollm2-135m:16:32k}" \
           2>/dev/null | grep '^|' | tee -a "$OUT/rows.md"
       done
@@ -455,12 +455,12 @@ case "${PART:-stages}" in
     cd "$HERE/.." || exit 1
     source benchmarks/gpu_site.sh >/dev/null
     timeout "${PB_TEST_TIMEOUT:-150}" python -m pytest -q -m gpu -p no:cacheprovider --tb=short -rfE \
-      "$SRC/tests/test_paged_kernel.py" 2>&1 | tail -15 | tee "$OUT/tests.txt"
+      ${PB_XDIST:+-n "$PB_XDIST"} "$SRC/tests/test_paged_kernel.py" 2>&1 | tail -15 | tee "$OUT/tests.txt"
     for r in $(seq "${ROUNDS:-2}"); do
       for cfg in '{}' '{"bf16_scale_in_exponent": true}'; do
         echo "round $r $cfg" | tee -a "$OUT/rows.md"
         KVCOMPRESS_PAGED_CONFIG=$cfg timeout "${PB_TIMEOUT:-90}" python -m kvcompress.kernels.benchutil --device cuda \
-          --dtype bfloat16 --ops sdpa,paged-dense \
+          --dtype bfloat16 --ops "${PB_OPS:-sdpa,paged-dense}" \
           --only-shapes "${S35_SHAPES:-llama3-8b:1:32k,llama3-8b:4:32k,llama3-8b:16:4k,llama3-8b:16:32k,smollm2-135m:16:32k}" \
           2>/dev/null | grep '^|' | tee -a "$OUT/rows.md"
       done

@@ -1,10 +1,10 @@
-# Session 58's device call (OUT set; run from the tree): on an H200 first the parts only an H200 answers (H200_PARTS,
-# default the empty stack's plan A/B and LeanK-70 + KIVI-2 at every grid shape), then on any GPU ANY_PARTS (default
-# the paged kernel's bf16 scale-in-exponent test and A/B, the low-rank lanes' bf16 error probe, then every read op
-# against the reference on bf16 data at the B1 / B4 grid shapes), all within S58_BUDGET seconds
+# Session 58's device call (OUT set; run from the tree): ANY_PARTS (default the paged kernel's bf16 scale-in-exponent
+# test and A/B, the low-rank lanes' bf16 error probe, GPU test and proj_query A/B, then every read op against the
+# reference on bf16 data at the B1 / B4 grid shapes), then on an H200 the parts only an H200 answers (H200_PARTS,
+# default the empty stack's plan A/B and LeanK-70 + KIVI-2 at every grid shape), all within S58_BUDGET seconds
 G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$G" > "$OUT/gpu.txt"
 case "$G" in
-  *H200*) P="${H200_PARTS:-none-plan grid-lanes} ${ANY_PARTS:-paged-bf16 lowrank-bf16 ops-grid}" ;;
+  *H200*) P="${ANY_PARTS:-paged-bf16 lowrank-bf16 ops-grid} ${H200_PARTS:-none-plan grid-lanes}" ;;
   *) P="${ANY_PARTS:-paged-bf16 lowrank-bf16 ops-grid}" ;;
 esac
 echo "$G: $P"
