@@ -10,9 +10,15 @@ reference's way), or keeping it in two bf16 halves (two tensor-core dots of a me
 kernel's rows under each ``proj_query`` setting (session 58: "scaled", the default; "unscaled"; "split").
 
     python benchmarks/gpu_lowrank_bf16_probe.py > lowrank_bf16.md
+    python benchmarks/gpu_lowrank_bf16_probe.py --emulate     # CPU: each setting's rounding, scores in float64
+
+``--emulate`` (no GPU) applies each setting's rounding of the fp32 projection on the CPU at the same shapes and data
+and scores in float64: the error the rounding alone causes, before any accumulation order.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -30,30 +36,54 @@ def oracle(q, lane, scale):
     return out, lse
 
 
+def cases(device: str):
+    """``(dtype, (b, h, m, d, r, t), q, lane)`` of the probe's shapes, the same data on any device."""
+    for dtype in (torch.float16, torch.bfloat16):
+        for b, h, m, d, r, t in ((2, 8, 4, 128, 64, 4096), (2, 8, 4, 128, 64, 32768), (2, 3, 3, 64, 32, 32768)):
+            g = torch.Generator(device=device).manual_seed(t + r)
+            basis = torch.linalg.qr(torch.randn(h, d, d, device=device, generator=g))[0][..., :r].contiguous()
+            q = (torch.randn(b, h, m, d, device=device, generator=g) * 2).to(dtype)
+            k = (torch.randn(b, h, t, r, device=device, generator=g) * 2).to(dtype)
+            v = torch.randn(b, h, t, d, device=device, generator=g).to(dtype)
+            yield dtype, (b, h, m, d, r, t), q, Lane(None, None, k, v, None, basis.to(dtype))
+
+
+def emulate() -> None:
+    """Each ``proj_query`` setting's rounding of the fp32 projection, scores and LSE in float64 (CPU)."""
+    print("| dtype | B x heads x rows | tokens | rank | scaled LSE err | unscaled LSE err | split LSE err |")
+    print("|---|---|---|---|---|---|---|")
+    for dtype, (b, h, m, d, r, t), q, lane in cases("cpu"):
+        scale = d ** -0.5
+        _, o_lse = oracle(q, lane, scale)
+        qp = torch.einsum("bhmd,hdr->bhmr", q.float(), lane.basis.float())
+        hi = (qp * scale).to(dtype)
+        rounded = {"scaled": hi.double(), "unscaled": qp.to(dtype).double() * scale,
+                   "split": hi.double() + (qp * scale - hi.float()).to(dtype).double()}
+        errs = [float((torch.logsumexp(torch.einsum("bhmr,bhtr->bhmt", x, lane.k.double()), -1) - o_lse).abs().max())
+                for x in (rounded[pq] for pq in PROJ_QUERY)]
+        print(f"| {str(dtype)[6:]} | {b} x {h} x {m} | {t} | {r} | " + " | ".join(f"{e:.2e}" for e in errs) + " |",
+              flush=True)
+
+
 def main() -> None:
+    if "--emulate" in sys.argv[1:]:
+        emulate()
+        return
     print("| dtype | B x heads x rows | tokens | rank | proj_query | kernel LSE err | reference LSE err | "
           "kernel out err | reference out err |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for dtype in (torch.float16, torch.bfloat16):
-        for b, h, m, d, r, t in ((2, 8, 4, 128, 64, 4096), (2, 8, 4, 128, 64, 32768), (2, 3, 3, 64, 32, 32768)):
-            g = torch.Generator(device="cuda").manual_seed(t + r)
-            basis = torch.linalg.qr(torch.randn(h, d, d, device="cuda", generator=g))[0][..., :r].contiguous()
-            q = (torch.randn(b, h, m, d, device="cuda", generator=g) * 2).to(dtype)
-            k = (torch.randn(b, h, t, r, device="cuda", generator=g) * 2).to(dtype)
-            v = torch.randn(b, h, t, d, device="cuda", generator=g).to(dtype)
-            lane = Lane(None, None, k, v, None, basis.to(dtype))
-            scale = d ** -0.5
-            r_out, r_lse = reference.grouped_partial_attention(q, [lane], scale)
-            o_out, o_lse = oracle(q, lane, scale)
+    for dtype, (b, h, m, d, r, t), q, lane in cases("cuda"):
+        scale = d ** -0.5
+        r_out, r_lse = reference.grouped_partial_attention(q, [lane], scale)
+        o_out, o_lse = oracle(q, lane, scale)
 
-            def err(a, b_):
-                return float((a.double() - b_).abs().max())
+        def err(a, b_):
+            return float((a.double() - b_).abs().max())
 
-            for pq in PROJ_QUERY:
-                out, lse = grouped_partial_attention(q, [lane], scale, config={"proj_query": pq})
-                print(f"| {str(dtype)[6:]} | {b} x {h} x {m} | {t} | {r} | {pq} | {err(lse, o_lse):.2e} | "
-                      f"{err(r_lse, o_lse):.2e} | {err(out, o_out):.2e} | {err(r_out, o_out):.2e} |", flush=True)
-
+        for pq in PROJ_QUERY:
+            out, lse = grouped_partial_attention(q, [lane], scale, config={"proj_query": pq})
+            print(f"| {str(dtype)[6:]} | {b} x {h} x {m} | {t} | {r} | {pq} | {err(lse, o_lse):.2e} | "
+                  f"{err(r_lse, o_lse):.2e} | {err(out, o_out):.2e} | {err(r_out, o_out):.2e} |", flush=True)
 
 if __name__ == "__main__":
     main()
