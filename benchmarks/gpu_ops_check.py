@@ -61,6 +61,11 @@ def head_cases(batch: int, capacity: int, live: int, device: str, only: set[str]
     add("lanes_partial", lambda: opcases.lanes_case(batch, kv, rows, d, capacity, live, counts=(0,) * kv,
                                                     dense_tokens=capacity, dtype=dtype, device=device, seed=31,
                                                     out_dtype=dtype))
+    # the low-rank read (session 58): a rank d / 2 lane of two heads (the query projected in the kernel) beside a
+    # 1024-token full-width lane of every head
+    add("lanes_partial", lambda: opcases.lanes_case(batch, kv, rows, d, capacity, live, counts=(0,) * kv,
+                                                    dense_tokens=1024, rank=d // 2, dtype=dtype, device=device,
+                                                    seed=41))
     for bits in (2, 4):  # the stacked LeanK + KIVI middle, one region of lanes
         add("kivi_lanes_partial", lambda bits=bits: opcases.kivi_lanes_case(
             batch, kv, rows, d, capacity, live, bits=bits, counts=counts, query_dtype=dtype, device=device,

@@ -127,8 +127,9 @@ CASES = {
     "scale-exponent-all-lowrank-logits": (2, 2, 4, 32, 32, [(None, ("proj", 16), 77, True), (None, None, 40, "head")],
                                           {"scale_in_exponent": "all", "logits": True}),
     # proj_query (session 58): a low-rank lane's projected query rounded unscaled, the scale in the exponent (or on
-    # the scores before a soft-cap / stored scores), or as two halves (two dots a block) - beside full-width and
-    # channel lanes across splits of several blocks, with a soft-cap and live length, stored scores, 4 warp groups
+    # the scores before a soft-cap / stored scores), rounded once scaled (the default until session 58), or as two
+    # halves (two dots a block, the default since) - beside full-width and channel lanes across splits of several
+    # blocks, with a soft-cap and live length, stored scores, 4 warp groups
     "proj-query-unscaled-splits": (2, 3, 3, 32, 32, [(None, None, 20, False), ([0, 2], ("proj", 16), 145, True),
                                                      ([1], 16, 30, True)],
                                    {"proj_query": "unscaled", "splits": 3, "BN": 16}),
@@ -136,9 +137,9 @@ CASES = {
                                            {"proj_query": "unscaled", "softcap": 5.0, "length": 70, "BN": 16}),
     "proj-query-unscaled-logits": (2, 2, 4, 32, 32, [(None, ("proj", 16), 77, True), (None, None, 40, "head")],
                                    {"proj_query": "unscaled", "logits": True}),
-    "proj-query-split-splits": (2, 3, 3, 32, 32, [(None, None, 20, False), ([0, 2], ("proj", 16), 145, True),
-                                                  ([1], 16, 30, True)],
-                                {"proj_query": "split", "splits": 3, "BN": 16}),
+    "proj-query-scaled-splits": (2, 3, 3, 32, 32, [(None, None, 20, False), ([0, 2], ("proj", 16), 145, True),
+                                                   ([1], 16, 30, True)],
+                                 {"proj_query": "scaled", "splits": 3, "BN": 16}),
     "proj-query-split-softcap-logits": (2, 2, 4, 64, 64, [(None, ("proj", 32), 90, "head"), (None, None, 12, True)],
                                         {"proj_query": "split", "softcap": 5.0, "logits": True}),
     # (one projecting lane alone: the halves put its LSE within 1e-5 of the float64 oracle of the stored coordinates,
@@ -1067,8 +1068,8 @@ def test_bf16_long_lanes_lse_on_gpu(mode):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["plain", "softcap", "logits"])
 def test_bf16_lowrank_split_query_lse_on_gpu(mode):
-    """``proj_query: "split"`` (session 58): a bf16 low-rank lane (rank 64 of d 128, 4k tokens) beside a full-width
-    lane, its projected query as two bf16 halves - the LSE within 5e-4 of the float64 oracle of the stored
+    """The default ``proj_query: "split"`` (session 58): a bf16 low-rank lane (rank 64 of d 128, 4k tokens) beside a
+    full-width lane, its projected query as two bf16 halves - the LSE within 5e-4 of the float64 oracle of the stored
     coordinates, where one bf16 rounding of the projection is about 1e-2 off (a CPU emulation of these shapes:
     1.4e-2 for one rounding, 1.5e-5 for the halves). Plain, soft-capped and storing its scores."""
     from kvcompress.kernels.leank import reference, triton_kernel
@@ -1087,8 +1088,7 @@ def test_bf16_lowrank_split_query_lse_on_gpu(mode):
     cuda_lanes = [Lane(*(None if x is None else x.cuda() for x in lane)) for lane in lanes]
     logits = ([torch.full((b, hkv, m, lane.k.shape[2]), float("-inf"), device="cuda") for lane in lanes]
               if mode == "logits" else None)
-    out, lse = triton_kernel.grouped_partial_attention(q.cuda(), cuda_lanes, scale, softcap=softcap, logits=logits,
-                                                       config={"proj_query": "split"})
+    out, lse = triton_kernel.grouped_partial_attention(q.cuda(), cuda_lanes, scale, softcap=softcap, logits=logits)
     fp32 = [Lane(*(x.float() if x is not None and x.is_floating_point() else x for x in lane)) for lane in lanes]
     if softcap is None:
         ref_out, ref_lse = oracle(q, lanes, scale)

@@ -18,7 +18,7 @@ A lane is ``(heads, channels, k, v, valid, basis)`` (:class:`Lane`):
   store under adaptive per-head budgets, where each head of a row keeps its own tokens);
 * ``basis`` - ``[h, D, c]`` (``None`` = no projection): the lane's keys are coordinates in a per-head basis (low-rank
   keys, :class:`kvcompress.LinearQueryMap`'s ``weight``), and each head's query rows are projected, ``q @ basis[h]``
-  (the product in float32, rounded to the query's dtype), instead of gathered; ``channels`` is then ``None``.
+  (the product in float32, kept in float32 since session 58), instead of gathered; ``channels`` is then ``None``.
 
 Every stored token precedes the query (decode), so only ``valid`` masks keys.
 A head that appears in several lanes gets the joint softmax over all of them.
@@ -44,11 +44,11 @@ class Lane(NamedTuple):
 def gather_query(query: torch.Tensor, heads: torch.Tensor | None, channels: torch.Tensor | None,
                  basis: torch.Tensor | None = None) -> torch.Tensor:
     """``query [B, Hkv, M, D]`` -> the lane's rows ``[B, h, M, c]`` (its heads, its kept channels, or its projected
-    coordinates when the lane has a ``basis``)."""
+    coordinates when the lane has a ``basis``: float32, not rounded to the query's dtype - one bf16 rounding of the
+    projection moved a read's LSE by up to 1.1e-2, session 58; the Triton kernel keeps it as two halves)."""
     q = query if heads is None else query.index_select(1, heads)
     if basis is not None:
-        out = torch.einsum("bhmd,hdr->bhmr", q.float(), basis.float())
-        return out if out.dtype == q.dtype else out.to(q.dtype)
+        return torch.einsum("bhmd,hdr->bhmr", q.float(), basis.float())
     if channels is None:
         return q
     h, c = channels.shape

@@ -228,13 +228,15 @@ def _config() -> dict:
     copies masked by the page, not the slots' flags (:func:`_page_step`).  ``valid_block`` (opt-in, session 37; with
     ``table_steps`` > 1): the valid flags of a block of steps loaded with its page ids, so the steps' copies wait on
     no load at all.  Neither was faster (H100, session 38, 9 reads x 2 rounds: geometric mean latency 0.98-0.99x
-    and 0.99-1.02x the default's, within its round-to-round spread).  ``bf16_scale_in_exponent`` (opt-in, session 57,
-    not yet run on a GPU): bf16 pages without a soft-cap take the query as given and apply the scale to the fp32
-    scores in the exponent, as the lanes kernel does since session 57 (its pre-scaled bf16 query cost 2.2e-3 LSE at
-    4k tokens; ``PARTS=paged-bf16`` in benchmarks/gpu_s35_session.sh tests and times it); ``"all"``: every dtype
-    (the same arithmetic on fp16 pages: what the interpreter can test on a CPU, whose bf16 dots are not usable)."""
+    and 0.99-1.02x the default's, within its round-to-round spread).  ``bf16_scale_in_exponent`` (default ``True``
+    since session 58): bf16 pages without a soft-cap take the query as given and apply the scale to the fp32 scores
+    in the exponent, as the lanes kernel does since session 57. H100, session 58 (``PARTS=paged-bf16`` in
+    benchmarks/gpu_s35_session.sh): the pre-scaled bf16 query (``False``) put a 4k-token read 1.5e-2 off the float32
+    reference in LSE, this setting within 5e-4, and the bf16 dense-pages reads took the same time (Llama B1 / B16 at
+    32k, SmolLM2 B16 / 32k, two alternating rounds: within 0.7 %); ``"all"``: every dtype (the same arithmetic on
+    fp16 pages: what the interpreter can test on a CPU, whose bf16 dots are not usable)."""
     cfg = dict(pages_per_step=None, num_warps=4, num_stages=None, waves=1, table_steps=16, pdl=False,
-               valid_late=False, valid_block=False, bf16_scale_in_exponent=False)
+               valid_late=False, valid_block=False, bf16_scale_in_exponent=True)
     cfg.update(env_config("KVCOMPRESS_PAGED_CONFIG", cfg))
     # the kernel's blocks (a step's tokens, a block of page ids, its warps) are powers of two
     for key, off_ok in (("pages_per_step", True), ("table_steps", True), ("num_warps", False)):
@@ -310,7 +312,7 @@ def _forward(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
                   TSTEPS=int(cfg.get("table_steps") or 0), PDL=use_pdl(cfg.get("pdl"), dev),
                   LATE=bool(cfg.get("valid_late")),
                   VBLOCK=bool(cfg.get("valid_block")) and int(cfg.get("table_steps") or 0) > 1,
-                  SCALE_EXP=scale_in_exponent(cfg.get("bf16_scale_in_exponent"), k.dtype) and not softcap)
+                  SCALE_EXP=scale_in_exponent(cfg.get("bf16_scale_in_exponent", True), k.dtype) and not softcap)
     warps = int(cfg["num_warps"])
     stage_choice = (int(cfg["num_stages"]),) if cfg.get("num_stages") else (3, 2)
     stages = stage_choice[0]
