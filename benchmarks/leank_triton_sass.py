@@ -6,7 +6,8 @@ launch options the wrapper picks) at Llama heads (8 kv heads, 4 rows, d 128) and
 lanes (kept channels plus the full-precision region), the empty stack's one full-width lane and a low-rank lane (rank
 d / 2, the query projected in the kernel), fp16 and bf16, with
 and without a soft-cap and stored scores; the low-rank lane under each ``proj_query`` setting (keys named
-``proj_query=...`` except ``"scaled"``, the only arithmetic before session 58: the keys of older files).  Use the GPU image's Triton (3.6 on the lent machines):
+``proj_query=...`` except ``"scaled"``, the only arithmetic before session 58: the keys of older files).  Use the GPU
+image's Triton (3.6 on the lent machines):
 
     pip install --no-deps --target /tmp/t36 triton==3.6.0
     PYTHONPATH=/tmp/t36 python benchmarks/leank_triton_sass.py --json before.json     # then again after the change
