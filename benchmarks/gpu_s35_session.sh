@@ -164,6 +164,9 @@
 # Session 57 ran leank-balance (mixed: stays opt-in), none-plan and grid-lanes on an H100 (none-plan still wants an
 # H200) and prepared grid-bf16 (issue 19's ops on bf16 data, benchutil --dtype bfloat16), lowrank-bf16 (the low-rank
 # lanes' bf16 errors against a float64 oracle) and paged-bf16 (the paged kernel's opt-in bf16_scale_in_exponent).
+# Session 58 (H100) ran paged-bf16 and lowrank-bf16 (both settings became defaults: proj_query split,
+# bf16_scale_in_exponent true) and ops-grid with OG_DTYPE=bfloat16 (out of time, files lost); none-plan, grid-lanes
+# and grid-bf16 still want an H200 call.
 #   PARTS="buffer-tests buffer-ab stages ..." [S35_BUDGET=540] bash benchmarks/gpu_s35_session.sh $OUT
 #       runs the parts in that order in one device call, each into $OUT/<part> under `timeout` of what is left of
 #       S35_BUDGET seconds (default 540, under the 600 s a call may take); a part is not started with less than
