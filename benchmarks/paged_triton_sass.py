@@ -38,9 +38,8 @@ def builds(new: bool) -> dict:
                                torch.randn(n, h, p, d).to(dtype))
                     valid = torch.ones(n, p, dtype=torch.bool)
                     table = (torch.arange(b * w).view(b, w) % n).int()
-                    base = {**tk._config(), "num_stages": 3}
-                    if flag:
-                        base["bf16_scale_in_exponent"] = True
+                    # (the setting named: its default is True since session 58, so flag=False builds the old arithmetic)
+                    base = {**tk._config(), "num_stages": 3, "bf16_scale_in_exponent": flag}
                     seen = record_launches(mp, [(tk, "_paged_split_kernel")], lambda: tk._forward(
                         q, k, v, valid, table, 0.1, splits=1, base=base))
                     key = f"d{d} {str(dtype)[6:]} flag={flag}"

@@ -267,8 +267,8 @@ def run_case(name: str, device: str = "cpu") -> dict:
     res = _compare(out, lse, ref_out, ref_lse)
     res["dtypes"] = [str(out.dtype), str(lse.dtype)]
     if "oracle_lse_atol" in extra:  # closer to the exact scores than the reference's rounding allows
-        res["oracle"] = _compare(out, lse, *oracle(q.cpu(), [lane._replace(**{f: getattr(lane, f) if getattr(
-            lane, f) is None else getattr(lane, f).cpu() for f in lane._fields}) for lane in lanes], scale))
+        cpu_lanes = [type(lane)(*(None if x is None else x.cpu() for x in lane)) for lane in lanes]
+        res["oracle"] = _compare(out, lse, *oracle(q.cpu(), cpu_lanes, scale))
     if "into" in extra:
         res["others_untouched"] = untouched
     if extra.get("logits"):  # the scores the launch stores, against the reference's

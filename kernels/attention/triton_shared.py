@@ -33,10 +33,13 @@ def soft_cap(s, cap):
 SCALE_IN_EXPONENT = (False, True, "all")
 
 
-def check_scale_in_exponent(env: str, key: str, value) -> None:
-    """A launch configuration's ``key`` entry (read from ``env``) is one of :data:`SCALE_IN_EXPONENT`."""
-    if value not in SCALE_IN_EXPONENT:
-        raise ValueError(f'{env}: {key}: expected one of false, true, "all", got {value!r}')
+def check_choice(env: str, key: str, value, allowed: tuple) -> None:
+    """A launch configuration's ``key`` entry (read from ``env``) is one of ``allowed`` (e.g.
+    :data:`SCALE_IN_EXPONENT`), refused with ``ValueError`` naming the allowed values as JSON writes them."""
+    if value not in allowed:
+        import json
+
+        raise ValueError(f"{env}: {key}: expected one of {', '.join(json.dumps(a) for a in allowed)}, got {value!r}")
 
 
 def scale_in_exponent(setting, dtype: torch.dtype) -> bool:

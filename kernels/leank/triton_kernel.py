@@ -95,9 +95,10 @@ import triton
 import triton.language as tl
 
 from kvcompress.kernels.attention.split_plan import lane_splits
-from kvcompress.kernels.attention.triton_shared import (cap_base2, check_scale_in_exponent, env_config, fold_splits,
-                                                         pdl_launch, pdl_trigger, pdl_wait, power_of_two_setting,
-                                                         resident_programs, scale_in_exponent, soft_cap, use_pdl)
+from kvcompress.kernels.attention.triton_shared import (SCALE_IN_EXPONENT, cap_base2, check_choice, env_config,
+                                                         fold_splits, pdl_launch, pdl_trigger, pdl_wait,
+                                                         power_of_two_setting, resident_programs, scale_in_exponent,
+                                                         soft_cap, use_pdl)
 
 from .reference import Lane
 
@@ -108,11 +109,6 @@ MAX_DIM = 256
 #: stored coordinates (:func:`_attend`'s ``PQ``)
 PROJ_QUERY = ("scaled", "unscaled", "split")
 
-
-def check_proj_query(env: str, value) -> None:
-    """The ``proj_query`` entry of a launch configuration (read from ``env``) is one of :data:`PROJ_QUERY`."""
-    if value not in PROJ_QUERY:
-        raise ValueError(f'{env}: proj_query: expected one of "scaled", "unscaled", "split", got {value!r}')
 
 
 @triton.jit
@@ -714,8 +710,8 @@ def _config() -> dict:
                resident_full_width_rows=32, one_split_tokens=4096, lane_balance=False, lane_splits=None,
                one_split_max_sm_gbps=None, scale_in_exponent=True, proj_query="split")
     cfg.update(env_config("KVCOMPRESS_LEANK_CONFIG", cfg))
-    check_scale_in_exponent("KVCOMPRESS_LEANK_CONFIG", "scale_in_exponent", cfg["scale_in_exponent"])
-    check_proj_query("KVCOMPRESS_LEANK_CONFIG", cfg["proj_query"])
+    check_choice("KVCOMPRESS_LEANK_CONFIG", "scale_in_exponent", cfg["scale_in_exponent"], SCALE_IN_EXPONENT)
+    check_choice("KVCOMPRESS_LEANK_CONFIG", "proj_query", cfg["proj_query"], PROJ_QUERY)
     return cfg
 
 

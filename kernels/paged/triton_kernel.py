@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcompress.kernels.attention.triton_shared import (cap_base2, check_scale_in_exponent, combine_splits,
+from kvcompress.kernels.attention.triton_shared import (SCALE_IN_EXPONENT, cap_base2, check_choice, combine_splits,
                                                          env_config, pdl_trigger, power_of_two_setting,
                                                          resident_programs, scale_in_exponent, soft_cap, use_pdl)
 from kvcompress.kernels.attention.triton_shared import num_sms as _num_sms
@@ -125,7 +125,7 @@ def _paged_split_kernel(
 
     q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_dk[None, :],
                 mask=m_ok[:, None] & dk_ok[None, :], other=0.0).to(tl.float32)
-    if SCALE_EXP:  # bf16 pages (opt-in): the query as given, the scale applied to the fp32 scores in the exponent
+    if SCALE_EXP:  # bf16 pages (by default): the query as given, the scale applied to the fp32 scores in the exponent
         q = q.to(K.dtype.element_ty)
     else:
         q = (q * qk_scale).to(K.dtype.element_ty)
@@ -243,7 +243,8 @@ def _config() -> dict:
         if not (off_ok and cfg[key] is None):
             power_of_two_setting("KVCOMPRESS_PAGED_CONFIG", key, cfg[key],
                                  "null, 0 or a power of two" if off_ok else "a power of two", zero=off_ok)
-    check_scale_in_exponent("KVCOMPRESS_PAGED_CONFIG", "bf16_scale_in_exponent", cfg["bf16_scale_in_exponent"])
+    check_choice("KVCOMPRESS_PAGED_CONFIG", "bf16_scale_in_exponent", cfg["bf16_scale_in_exponent"],
+                 SCALE_IN_EXPONENT)
     if cfg["valid_block"] and not (cfg["table_steps"] or 0) > 1:
         raise ValueError("KVCOMPRESS_PAGED_CONFIG: valid_block loads the flags with a block of page ids: it needs "
                          f"table_steps > 1, got table_steps {cfg['table_steps']!r}")
