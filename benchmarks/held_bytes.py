@@ -28,7 +28,11 @@ def main(argv=None) -> int:
     ap.add_argument("--at", default="1,16,64,256", help="decode steps after which the table shows the bytes held")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--json", help="also write the rows as JSON")
+    ap.add_argument("--prompt", type=int, default=2048,
+                    help="prompt tokens, 1 to 2048 (default 2048; the window's first 2048 tokens)")
     args = ap.parse_args(argv)
+    if not 1 <= args.prompt <= 2048:
+        ap.error(f"--prompt: expected 1 to 2048 tokens (the perplexity window holds 2048 + 257), got {args.prompt}")
 
     import torch
 
@@ -37,7 +41,8 @@ def main(argv=None) -> int:
 
     window = json.loads((ROOT / "docs/data/ppl_windows.json").read_text())["windows"][0]
     ids = torch.tensor([window])  # 2048 + 256 + 1 token ids
-    prompt, steps = 2048, min(args.steps, ids.shape[1] - 2048)
+    prompt = args.prompt
+    steps = min(args.steps, ids.shape[1] - prompt)
     stacks = [kvcompress.load_stack(s) for s in args.stacks]  # every file validated before the model loads
     model, _ = load_model(None, dtype=getattr(torch, args.dtype))
     rows = []

@@ -10,6 +10,7 @@ the dynamic cache (itself tested against oracles in the per-compressor tests).
 from __future__ import annotations
 
 import gc
+import os
 import warnings
 import weakref
 
@@ -74,7 +75,11 @@ STACKS = {
 # Stacks whose compiled step is checked.  "kivi2" alone is left out: five other stacks run its store (2-bit, group 16,
 # residual 16) with the same flush schedule, without an evictor ("double_sparse-shared+kivi2": selection only) and
 # with one ("window+kivi2": the same steps as "kivi2" until its window starts evicting); it stays in the eager checks.
-COMPILED = [name for name in STACKS if name != "kivi2"]
+# In CI (without KVCOMPRESS_TEST_FULL=1) "window", "leank" and "lowrank" alone are left out too (session 59, 10-14 s
+# of tracing each on the CI machine): their state and flushes run compiled in "window+kivi2", "leank+kivi2",
+# "snapkv+leank" and "lowrank+kivi2", and alone in the eager checks below.
+COMPILED = [name for name in STACKS if name != "kivi2"
+            and (os.environ.get("KVCOMPRESS_TEST_FULL") or name not in ("window", "leank", "lowrank"))]
 
 
 def _stack(name, basis):

@@ -210,16 +210,17 @@ def test_cuda_source_compiles_for_sm80(ptxas):
 # class of what it changes, as the emulator tests below - the key folds at all four (bits, Dk), the value fold at all
 # four (bits, Dv), both together at each bit width, at the widest other head dim (128: the most registers) - and
 # three uncapped builds (22).  KVCOMPRESS_TEST_FULL=1 compiles every (bits, Dk, Dv) x fold as well (43 + 3 builds);
-# without it (CI) each fold mode at both bit widths and both head dims it changes (9 builds).
+# without it (CI) each fold mode at both head dims it changes, the key folds and the value fold at both bit widths,
+# both folds together at 4 bits (6 builds; session 59 dropped the 2-bit both-folds, the 4-bit key fold 2 and the
+# uncapped key fold 1 builds from CI, about 13 s of the 2-core machine's nvcc time).
 _R = ck.DEFAULT_CONFIG["min_blocks"]
 if FULL:
     _FOLD_BUILDS = [(b, k, v, _R, kf, vf) for b in (2, 4) for k in (64, 128) for v in (64, 128)
                     for kf, vf in ((1, 0), (2, 0), (0, 1), (1, 1), (2, 1))]
     _FOLD_BUILDS += [(2, 128, 128, 1, 1, 0), (2, 128, 128, 1, 2, 0), (2, 128, 128, 1, 1, 1)]
 else:
-    _FOLD_BUILDS = [(2, 128, 128, _R, 1, 0), (4, 64, 128, _R, 1, 0), (2, 64, 128, _R, 2, 0), (4, 128, 128, _R, 2, 0),
-                    (2, 128, 64, _R, 0, 1), (4, 128, 128, _R, 0, 1), (2, 128, 128, _R, 1, 1),
-                    (4, 128, 64, _R, 2, 1), (2, 128, 128, 1, 1, 0)]
+    _FOLD_BUILDS = [(2, 128, 128, _R, 1, 0), (4, 64, 128, _R, 1, 0), (2, 64, 128, _R, 2, 0),
+                    (2, 128, 64, _R, 0, 1), (4, 128, 128, _R, 0, 1), (4, 128, 64, _R, 2, 1)]
 
 
 @pytest.mark.parametrize("bits,dk,dv,min_blocks,kfold,vfold", _FOLD_BUILDS)
@@ -485,6 +486,28 @@ def test_kfold_is_an_opt_in_config_switch(monkeypatch):
         ck.build(2, 128, 128, 4, 0, 2)
     with pytest.raises(ValueError):
         ck.build(2, 128, 128, 4, 3)
+
+
+def test_one_word_dequantization_is_the_tensor_paths_bit_for_bit():
+    """The emulator's one-word dequantization (``_deq_word``: Python ints and numpy, session 59) gives the fp16 bits of
+    the tensor path it short-cuts (``_deq_field`` on a batch of words): every field position of both bit widths,
+    words with the sign bit set, scales and zero points of both signs over fp16's range (products that round, and
+    overflow to inf), fp16 and bf16 pairs."""
+    gen = torch.Generator().manual_seed(59)
+    words = torch.randint(-(1 << 31), 1 << 31, (40,), generator=gen, dtype=torch.int64).to(torch.int32)
+    checked = 0
+    for bits in (2, 4):
+        for bit in range(0, 11 - bits):
+            for shift in (0, bits, 8, 16):
+                for dtype, span in ((torch.float16, 1.0), (torch.float16, 3e3), (torch.bfloat16, 50.0)):
+                    sz = (torch.randn(2, len(words), 2, generator=gen) * span).to(dtype)
+                    for i, w in enumerate(words):
+                        one = ck._deq_field(w, shift, bit, bits, sz[0, i], sz[1, i])
+                        batch = ck._deq_field(w.reshape(1), shift, bit, bits, sz[0, i], sz[1, i])[0]
+                        assert one.dtype == batch.dtype == torch.float16 and one.shape == (2,)
+                        assert torch.equal(one.view(torch.int16), batch.view(torch.int16)), (bits, bit, shift, int(w))
+                        checked += 1
+    assert checked == (9 + 7) * 4 * 3 * 40  # field positions x shifts x pairs x words
 
 
 def test_emulator_catches_a_wrong_mapping(monkeypatch):

@@ -72,10 +72,12 @@ def main() -> int:
     rank = None
     index = 0
     for model_name, folder in spec["models"].items():
+        start = time.perf_counter()
         tp = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.float32).eval()
         if rank is None:
             rank = dist.get_rank()
         ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        results[f"load/{model_name}"] = {"seconds": time.perf_counter() - start}
         for stack_name, stack in spec["stacks"][model_name].items():
             key = f"{model_name}/{stack_name}"
             entry = results[key] = {}
@@ -162,10 +164,10 @@ def main() -> int:
         from kvcompress import cli
 
         for name in ("cli", "cli_compiled"):
-            out = io.StringIO()
+            out, start = io.StringIO(), time.perf_counter()
             with contextlib.redirect_stdout(out):
                 code = cli.main(spec[name])
-            results[name] = {"code": code, "stdout": out.getvalue()}
+            results[name] = {"code": code, "stdout": out.getvalue(), "seconds": time.perf_counter() - start}
     for name in ("bench", "bench_throughput"):  # `kvcompress bench --model-shape` under this launch: random weights
         if not spec.get(name):  # split over the ranks (latency rows; tokens/s at a KV budget per rank)
             continue
@@ -174,10 +176,10 @@ def main() -> int:
 
         from kvcompress import cli
 
-        out = io.StringIO()
+        out, start = io.StringIO(), time.perf_counter()
         with contextlib.redirect_stdout(out):
             code = cli.main(spec[name])
-        results[name] = {"code": code, "stdout": out.getvalue()}
+        results[name] = {"code": code, "stdout": out.getvalue(), "seconds": time.perf_counter() - start}
     save_file(tensors, os.path.join(out_dir, f"logits_rank{rank}.safetensors"))
     with open(os.path.join(out_dir, f"results_rank{rank}.json"), "w") as fh:
         json.dump(results, fh, indent=1)

@@ -1077,6 +1077,8 @@ def kivi_attention_partial(query: torch.Tensor, packed: PackedKV, scale: float, 
 def _deq_field(words: torch.Tensor, shift: int, bit: int, bits: int, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """LOP3 (mask | exponent) + HSUB2 + HFMA2 on int32 words holding fp16 pairs, evaluated bit-exactly up to the
     fused multiply-add (done in fp32, then rounded once, like ``fma.rn.f16x2``).  Returns fp16 ``[..., 2]``."""
+    if words.dim() == 0 and s.shape == z.shape == (2,):
+        return _deq_word(int(words), shift, bit, bits, s, z)
     mask = (((1 << bits) - 1) << bit) * 0x10001
     expb = ((25 - bit) << 10) * 0x10001
     x = ((words.to(torch.int64) & 0xFFFFFFFF) >> shift) & mask | expb
@@ -1085,6 +1087,23 @@ def _deq_field(words: torch.Tensor, shift: int, bit: int, bits: int, s: torch.Te
     e = torch.tensor(float(1 << (10 - bit)), dtype=torch.float16)
     codes = halves - e  # exact
     return (codes.float() * s.float() + z.float()).to(torch.float16)
+
+
+def _deq_word(word: int, shift: int, bit: int, bits: int, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """:func:`_deq_field` of one word (what an emulated lane holds): the same steps on a Python int and numpy fp16 /
+    fp32 pairs - the field and exponent bits, the halves as fp16, minus ``2**(10 - bit)`` (exact), times the scale
+    plus the zero point in fp32 (two roundings, as torch's ``*`` then ``+``), rounded once to fp16.  Bit for bit the
+    tensor path's result (tests/test_kivi_cuda.py compares them), without the 0-d tensor ops that made it the
+    emulator's hot spot (3.3 of 5.2 s of one emulated kernel, session 59)."""
+    import numpy as np
+
+    mask = (((1 << bits) - 1) << bit) * 0x10001
+    x = ((word & 0xFFFFFFFF) >> shift) & mask | ((25 - bit) << 10) * 0x10001
+    halves = np.array([x & 0xFFFF, x >> 16], dtype=np.uint16).view(np.float16)
+    codes = (halves - np.float16(1 << (10 - bit))).astype(np.float32)
+    pair = lambda t: (t.numpy() if t.dtype == torch.float16 else t.float().numpy()).astype(np.float32)  # noqa: E731
+    out = codes * pair(s) + pair(z)
+    return torch.from_numpy(out.astype(np.float16))
 
 
 def _pairs(x: torch.Tensor) -> torch.Tensor:
@@ -1381,7 +1400,7 @@ def _emulate_warp(query, packed, bi, hi, rb, tiles, qk, lanes, kfold=0, vfold=0,
                             zpair = torch.stack([vz[tok0 + ta, grp_v], vz[tok0 + tb, grp_v]])
                             if vfold:  # HFMA2(E + code, s, -E * s) = fp16(code * s); z through the zero MMA
                                 zpair = torch.zeros_like(zpair)
-                            pair = _deq_field(torch.tensor(merged, dtype=torch.int64), shift, bit, bits, spair, zpair)
+                            pair = _deq_word(merged, shift, bit, bits, spair, zpair)
                             Av[g + 8 * hr, 2 * t + 8 * r: 2 * t + 8 * r + 2] = pair.float()
                 C = Av @ Bp  # [16 channels, 8 query rows]
                 for g in range(8):
