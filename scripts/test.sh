@@ -6,8 +6,9 @@
 # models, calibration files, the torchrun launch of tests/test_tensor_parallel.py, the interpreter runs of the kernel
 # files) are then built once, by one worker.  KVCOMPRESS_TEST_WORKERS=N sets the workers; 0 runs in one process.
 # KVCOMPRESS_TEST_FULL=1 adds the exhaustive variants of opt-in kernel builds (every KIVI fold build and emulated
-# fold class, every timing probe, every radix tie case and compact_block run under the interpreter) that CI samples
-# to stay within its time.
+# fold class, every timing probe, every radix tie case and compact_block run under the interpreter) and every stack's
+# compiled decode in tests/test_compiled_decode.py and tests/test_tensor_parallel.py, which CI samples to stay within
+# its time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
