@@ -223,6 +223,8 @@ class CompressedLayer:
                 out, masses = attend_segments(query, segs + [new], q_pos, scaling, softcap=softcap,
                                               sink_logits=sink_logits, scored=True)
                 out = out.transpose(1, 2)
+            elif q > 1 and (decoded := decoded_for_prompt(query, segs)) is not None:
+                out = dense_read(query, decoded + [new], q_pos, scaling, dense_attention)
             elif all(s.is_dense for s in segs):
                 out = dense_read(query, segs + [new], q_pos, scaling, dense_attention)
             else:
@@ -357,6 +359,34 @@ def apply_selection(middle: list[Segment], selection) -> list[Segment]:
         out.append(dataclasses.replace(s, select=selection[..., start:start + s.num_tokens]))
         start += s.num_tokens
     return out
+
+def decoded_for_prompt(query: torch.Tensor, segs: list[Segment]) -> list[Segment] | None:
+    """The segments of a multi-token read (a prefill chunk) as dense ones for :func:`dense_read`, or ``None``.
+
+    A packed region over every kv head (KIVI codes, KIVI lanes - pruned key channels decoded as zeros, which add
+    nothing to a score -, pages) is decoded once to the query's dtype: the chunk then reads every stored token with the
+    backend's own attention (SDPA / flash) instead of the reference partial attention, which builds float32 scores of
+    every query row against every stored token (85 of 91 s of a KIVI-2 prompt on the CPU, and 22-27 s against 8 s for
+    8 x 16k tokens on an H100; session 59, ``benchmarks/prefill_time.py``).  A head subset, a query or value map
+    (LeanK's full-precision lanes, low-rank keys) or a read-time selection has no such form: ``None``, and the read
+    goes through :func:`kvcompress.kernels.attention.attend_segments` as before."""
+    b, h = query.shape[0], None
+    out = []
+    for seg in segs:
+        if seg.is_dense:
+            out.append(seg)
+            continue
+        if seg.packed is None or seg.heads is not None or seg.qmap is not None or seg.select is not None \
+                or seg.vmap is not None or (seg.valid is not None and seg.valid.dim() != 2):
+            return None
+        k, v = seg.packed.dequantize()
+        h = h or next((s.k.shape[1] for s in segs if s.is_dense), k.shape[1])
+        if k.dim() != 4 or k.shape[0] != b or k.shape[1] != h or k.shape[2] != seg.num_tokens \
+                or k.shape[-1] != query.shape[-1]:
+            return None  # rows or heads laid out otherwise (e.g. pages of several rows): the partial read
+        out.append(Segment(k.to(query.dtype), v.to(query.dtype), seg.valid, seg.positions))
+    return out
+
 
 def dense_read(query, segs, q_pos, scaling, dense_attention):
     """Attention over dense segments by one ``dense_attention`` call over their concatenation (per-query masks

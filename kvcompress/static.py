@@ -53,7 +53,7 @@ from typing import Any, Callable
 import torch
 
 from .errors import UnsupportedOperationError
-from .layer import add_store_bytes, apply_selection, dense_read
+from .layer import add_store_bytes, apply_selection, decoded_for_prompt, dense_read
 from .state import ROWS, HeadGroup, KVBlock, LayerInfo, Layout, MiddleStore, Segment, new_token_validity
 
 
@@ -579,7 +579,11 @@ class StaticLayer:
         q_pos = new.positions if new is not None else None
         if new is not None:
             segs.append(new)
-            if all(seg.is_dense for seg in segs):  # a prefill chunk over dense regions: the backend's attention
+            # a prefill chunk over dense regions, or regions decoded to dense once: the backend's attention
+            decoded = decoded_for_prompt(query, segs) if query.shape[2] > 1 else None
+            if decoded is not None:
+                return dense_read(query, decoded, q_pos, scaling, dense_attention), middle
+            if all(seg.is_dense for seg in segs):
                 return dense_read(query, segs, q_pos, scaling, dense_attention), middle
         from kvcompress.kernels.attention import attend_segments
 

@@ -1,0 +1,97 @@
+"""A prefill chunk after the first reads the stored compressed regions (KIVI codes, KIVI lanes) decoded once to dense
+keys / values, through the backend's attention (``kvcompress.layer.decoded_for_prompt``, session 59): the same
+logits as the reference partial attention it replaced (the read with the decoding turned off), on dynamic and static
+caches, with left padding - and regions with no dense form (LeanK's full-precision lanes, low-rank keys) still read
+through the partial attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcompress
+from kvcompress import layer, static
+from models import tiny_model
+
+KIVI2 = {"kivi": {"bits": 2, "group": 16, "residual": 16}}
+KIVI4 = {"kivi": {"bits": 4, "group": 16, "residual": 32, "sinks": 4}}
+LEANK = {"leank": {"mask": "rope", "ratio": 0.5, "align": 4, "sinks": 4, "local": 24, "flush": 16}}
+STACKS = {"kivi2": [KIVI2], "kivi4+sinks": [KIVI4], "leank+kivi2": [LEANK, KIVI2], "leank": [LEANK],
+          "window+kivi2": [{"window": {"sinks": 0, "recent": 64}}, KIVI2]}
+#: whether the stack's later chunks read every stored region decoded (True) or some through the partial read
+DECODED = {"kivi2": True, "kivi4+sinks": True, "leank+kivi2": True, "leank": False, "window+kivi2": True}
+CHUNKS = (70, 50, 45, 33)  # four prompt chunks: the later three read what the earlier ones stored
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+def _prefill(model, stack, static_cache, monkeypatch):
+    """Prefill in chunks; at every multi-token read that took the decoded route, the largest difference between its
+    output and the partial read's (``attend_segments``, the reference it replaced) over the same stored regions.
+    The two are compared read by read: end to end, a 1e-7 difference in one chunk's output can move a later token's
+    key across a quantization step, which then differs by a whole step (a 4-bit KIVI static cache: 8e-5 in the
+    logits)."""
+    from kvcompress.kernels.attention import attend_segments
+
+    diffs, pending = [], []
+    real_decode, real_dense = layer.decoded_for_prompt, layer.dense_read
+
+    def decode_spy(query, segs):
+        out = real_decode(query, segs)
+        if out is not None and any(not s.is_dense for s in segs):
+            pending.append(list(segs))
+        return out
+
+    def dense_spy(query, segs, q_pos, scaling, dense_attention):
+        out = real_dense(query, segs, q_pos, scaling, dense_attention)
+        if pending:
+            stored = pending.pop()
+            read = stored + ([segs[-1]] if len(segs) == len(stored) + 1 else [])  # the chunk's own tokens
+            ref = attend_segments(query, read, q_pos, scaling, fused=False).transpose(1, 2)
+            diffs.append((out - ref).abs().max().item())
+        return out
+
+    for module in (layer, static):
+        monkeypatch.setattr(module, "decoded_for_prompt", decode_spy)
+        monkeypatch.setattr(module, "dense_read", dense_spy)
+    total = sum(CHUNKS)
+    ids = torch.randint(1, 256, (2, total), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0  # left padding
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    kw = {"max_cache_len": total + 4} if static_cache else {}
+    a = 0
+    with kvcompress.compress(model, {"compressors": stack}, **kw) as cache, torch.no_grad():
+        for n in CHUNKS:
+            model(ids[:, a:a + n], attention_mask=mask[:, :a + n], position_ids=pos[:, a:a + n], cache=cache)
+            a += n
+    assert not pending
+    return diffs
+
+
+@pytest.mark.parametrize("static_cache", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("name", list(STACKS))
+def test_decoded_prompt_read_equals_the_partial_read(model, name, static_cache, monkeypatch):
+    diffs = _prefill(model, STACKS[name], static_cache, monkeypatch)
+    if DECODED[name]:
+        assert len(diffs) >= 2 * (len(CHUNKS) - 2), diffs  # both layers, at least the last two chunks
+        assert max(diffs) <= 1e-5, diffs
+    else:
+        assert not diffs
+
+
+def test_regions_without_a_dense_form_are_left_to_the_partial_read():
+    from kvcompress.state import Segment
+
+    q = torch.randn(1, 4, 3, 16)
+    k, v = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    pos = torch.arange(5)
+    dense = Segment(k, v, None, pos)
+    assert layer.decoded_for_prompt(q, [dense]) == [dense]
+    subset = Segment(k[:, :1], v[:, :1], None, pos, heads=torch.tensor([1]))
+    assert layer.decoded_for_prompt(q, [dense, subset]) is None
+    mapped = Segment(k, v, None, pos, qmap=lambda x: x)
+    assert layer.decoded_for_prompt(q, [mapped]) is None
