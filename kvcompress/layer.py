@@ -223,10 +223,8 @@ class CompressedLayer:
                 out, masses = attend_segments(query, segs + [new], q_pos, scaling, softcap=softcap,
                                               sink_logits=sink_logits, scored=True)
                 out = out.transpose(1, 2)
-            elif q > 1 and (decoded := decoded_for_prompt(query, segs)) is not None:
-                out = dense_read(query, decoded + [new], q_pos, scaling, dense_attention)
-            elif all(s.is_dense for s in segs):
-                out = dense_read(query, segs + [new], q_pos, scaling, dense_attention)
+            elif (dense := decoded_for_prompt(query, segs)) is not None:  # dense, or a prompt chunk's decoded
+                out = dense_read(query, dense + [new], q_pos, scaling, dense_attention)
             else:
                 from kvcompress.kernels.attention import attend_segments
 
@@ -369,18 +367,20 @@ def decoded_for_prompt(query: torch.Tensor, segs: list[Segment]) -> list[Segment
     every query row against every stored token (85 of 91 s of a KIVI-2 prompt on the CPU, and 22-27 s against 8 s for
     8 x 16k tokens on an H100; session 59, ``benchmarks/prefill_time.py``).  A head subset, a query or value map
     (LeanK's full-precision lanes, low-rank keys) or a read-time selection has no such form: ``None``, and the read
-    goes through :func:`kvcompress.kernels.attention.attend_segments` as before."""
-    b, h = query.shape[0], None
+    goes through :func:`kvcompress.kernels.attention.attend_segments` as before.  Dense segments come back as they
+    are, for any query length; a single query (decode) with a packed region gets ``None``: its kernels read the
+    region in place."""
+    b, h = query.shape[0], next((s.k.shape[1] for s in segs if s.is_dense), None)
     out = []
     for seg in segs:
         if seg.is_dense:
             out.append(seg)
             continue
-        if seg.packed is None or seg.heads is not None or seg.qmap is not None or seg.select is not None \
-                or seg.vmap is not None or (seg.valid is not None and seg.valid.dim() != 2):
+        if query.shape[2] == 1 or seg.packed is None or seg.heads is not None or seg.qmap is not None \
+                or seg.select is not None or seg.vmap is not None or (seg.valid is not None and seg.valid.dim() != 2):
             return None
         k, v = seg.packed.dequantize()
-        h = h or next((s.k.shape[1] for s in segs if s.is_dense), k.shape[1])
+        h = k.shape[1] if h is None else h
         if k.dim() != 4 or k.shape[0] != b or k.shape[1] != h or k.shape[2] != seg.num_tokens \
                 or k.shape[-1] != query.shape[-1]:
             return None  # rows or heads laid out otherwise (e.g. pages of several rows): the partial read

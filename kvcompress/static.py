@@ -580,11 +580,8 @@ class StaticLayer:
         if new is not None:
             segs.append(new)
             # a prefill chunk over dense regions, or regions decoded to dense once: the backend's attention
-            decoded = decoded_for_prompt(query, segs) if query.shape[2] > 1 else None
-            if decoded is not None:
-                return dense_read(query, decoded, q_pos, scaling, dense_attention), middle
-            if all(seg.is_dense for seg in segs):
-                return dense_read(query, segs, q_pos, scaling, dense_attention), middle
+            if (dense := decoded_for_prompt(query, segs)) is not None:
+                return dense_read(query, dense, q_pos, scaling, dense_attention), middle
         from kvcompress.kernels.attention import attend_segments
 
         out = attend_segments(query, segs, q_pos, scaling, fused=False, impls=self.kernels, softcap=variant[0],
