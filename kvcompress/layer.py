@@ -365,19 +365,26 @@ def decoded_for_prompt(query: torch.Tensor, segs: list[Segment]) -> list[Segment
     nothing to a score -, pages) is decoded once to the query's dtype: the chunk then reads every stored token with the
     backend's own attention (SDPA / flash) instead of the reference partial attention, which builds float32 scores of
     every query row against every stored token (85 of 91 s of a KIVI-2 prompt on the CPU, and 22-27 s against 8 s for
-    8 x 16k tokens on an H100; session 59, ``benchmarks/prefill_time.py``).  A head subset, a query or value map
-    (LeanK's full-precision lanes, low-rank keys) or a read-time selection has no such form: ``None``, and the read
-    goes through :func:`kvcompress.kernels.attention.attend_segments` as before.  Dense segments come back as they
-    are, for any query length; a single query (decode) with a packed region gets ``None``: its kernels read the
-    region in place."""
+    8 x 16k tokens on an H100; session 59, ``benchmarks/prefill_time.py``).  Full-precision channel lanes (LeanK:
+    head groups that keep a subset of key channels, ``Segment.channels``) whose groups together cover every kv head
+    once over the same tokens are scattered into one zero-filled key tensor (:func:`_lanes_as_dense`).  A query or
+    value map with no channel form (low-rank keys), a head subset left over, per-head validity or a read-time
+    selection has no dense form: ``None``, and the read goes through
+    :func:`kvcompress.kernels.attention.attend_segments` as before.  Dense segments come back as they are, for any
+    query length; a single query (decode) with a packed region gets ``None``: its kernels read the region in place."""
     b, h = query.shape[0], next((s.k.shape[1] for s in segs if s.is_dense), None)
-    out = []
+    out, lanes = [], []
     for seg in segs:
         if seg.is_dense:
             out.append(seg)
             continue
-        if query.shape[2] == 1 or seg.packed is None or seg.heads is not None or seg.qmap is not None \
-                or seg.select is not None or seg.vmap is not None or (seg.valid is not None and seg.valid.dim() != 2):
+        if query.shape[2] == 1 or seg.select is not None or seg.vmap is not None \
+                or (seg.valid is not None and seg.valid.dim() != 2):
+            return None
+        if seg.packed is None and seg.channels is not None:  # full-precision channel lanes: merged below
+            lanes.append(seg)
+            continue
+        if seg.packed is None or seg.heads is not None or seg.qmap is not None:
             return None
         k, v = seg.packed.dequantize()
         h = k.shape[1] if h is None else h
@@ -385,7 +392,48 @@ def decoded_for_prompt(query: torch.Tensor, segs: list[Segment]) -> list[Segment
                 or k.shape[-1] != query.shape[-1]:
             return None  # rows or heads laid out otherwise (e.g. pages of several rows): the partial read
         out.append(Segment(k.to(query.dtype), v.to(query.dtype), seg.valid, seg.positions))
+    if lanes:
+        if h is None or (merged := _lanes_as_dense(lanes, h, query)) is None:
+            return None
+        out.append(merged)
     return out
+
+
+def _lanes_as_dense(lanes: list[Segment], h: int, query: torch.Tensor) -> Segment | None:
+    """Channel lanes (``Segment.channels`` with heads) as one dense segment over all ``h`` kv heads: each group's
+    kept key channels scattered into a zero-filled ``[batch, h, tokens, head_dim]`` key tensor in the query's dtype
+    (a pruned channel adds nothing to a score; the softmax scale is the model's either way), values placed by head.
+    ``None`` unless the groups cover every head exactly once, over the same tokens (one validity and one set of
+    positions): checked with one host read, which a prompt chunk can afford."""
+    b, d = query.shape[0], query.shape[-1]
+    first = lanes[0]
+    n = first.num_tokens
+    if any(s.num_tokens != n or (s.valid is None) != (first.valid is None) or s.k.shape[0] != b
+           or s.v.shape[-1] != d for s in lanes):
+        return None
+    arange = torch.arange(h, device=query.device)
+    heads = [arange if s.heads is None else s.heads for s in lanes]
+    if sum(x.numel() for x in heads) != h:
+        return None
+    checks = [torch.cat(heads).sort().values.eq(arange).all()]
+    for s in lanes[1:]:
+        if s.positions is not first.positions:
+            checks.append(s.positions.eq(first.positions).all() if s.positions.shape == first.positions.shape
+                          else torch.zeros((), dtype=torch.bool, device=query.device))
+        if s.valid is not None and s.valid is not first.valid:
+            checks.append(s.valid.eq(first.valid).all() if s.valid.shape == first.valid.shape
+                          else torch.zeros((), dtype=torch.bool, device=query.device))
+    if not bool(torch.stack(checks).all()):
+        return None
+    keys = query.new_zeros(b, h, n, d)
+    values = query.new_empty(b, h, n, d)
+    for s, hs in zip(lanes, heads):
+        kept = s.channels.shape[-1]
+        part = query.new_zeros(b, hs.numel(), n, d)
+        part.scatter_(-1, s.channels.view(1, -1, 1, kept).expand(b, -1, n, kept), s.k.to(query.dtype))
+        keys.index_copy_(1, hs, part)
+        values.index_copy_(1, hs, s.v.to(query.dtype))
+    return Segment(keys, values, first.valid, first.positions)
 
 
 def dense_read(query, segs, q_pos, scaling, dense_attention):

@@ -1,11 +1,12 @@
-"""A prefill chunk after the first reads the stored compressed regions (KIVI codes, KIVI lanes) decoded once to dense
-keys / values, through the backend's attention (``kvcompress.layer.decoded_for_prompt``, session 59): the same
-logits as the reference partial attention it replaced (the read with the decoding turned off), on dynamic and static
-caches, with left padding - and regions with no dense form (LeanK's full-precision lanes, low-rank keys) still read
-through the partial attention."""
+"""A prefill chunk after the first reads the stored compressed regions (KIVI codes, KIVI lanes, LeanK's
+full-precision channel lanes) decoded once to dense keys / values, through the backend's attention
+(``kvcompress.layer.decoded_for_prompt``, sessions 59-60): the same outputs as the reference partial attention it
+replaced, read by read, on dynamic and static caches, with left padding - and regions with no dense form (low-rank
+keys, lanes that leave a head out or disagree on their tokens) still read through the partial attention."""
 
 from __future__ import annotations
 
+import dataclasses
 import pytest
 import torch
 
@@ -19,7 +20,7 @@ LEANK = {"leank": {"mask": "rope", "ratio": 0.5, "align": 4, "sinks": 4, "local"
 STACKS = {"kivi2": [KIVI2], "kivi4+sinks": [KIVI4], "leank+kivi2": [LEANK, KIVI2], "leank": [LEANK],
           "window+kivi2": [{"window": {"sinks": 0, "recent": 64}}, KIVI2]}
 #: whether the stack's later chunks read every stored region decoded (True) or some through the partial read
-DECODED = {"kivi2": True, "kivi4+sinks": True, "leank+kivi2": True, "leank": False, "window+kivi2": True}
+DECODED = {"kivi2": True, "kivi4+sinks": True, "leank+kivi2": True, "leank": True, "window+kivi2": True}
 CHUNKS = (70, 50, 45, 33)  # four prompt chunks: the later three read what the earlier ones stored
 
 
@@ -42,14 +43,14 @@ def _prefill(model, stack, static_cache, monkeypatch):
     def decode_spy(query, segs):
         out = real_decode(query, segs)
         if out is not None and any(not s.is_dense for s in segs):
-            pending.append(list(segs))
+            pending.append((list(segs), len(out)))
         return out
 
     def dense_spy(query, segs, q_pos, scaling, dense_attention):
         out = real_dense(query, segs, q_pos, scaling, dense_attention)
         if pending:
-            stored = pending.pop()
-            read = stored + ([segs[-1]] if len(segs) == len(stored) + 1 else [])  # the chunk's own tokens
+            stored, n_out = pending.pop()
+            read = stored + ([segs[-1]] if len(segs) == n_out + 1 else [])  # the chunk's own tokens (dynamic)
             ref = attend_segments(query, read, q_pos, scaling, fused=False).transpose(1, 2)
             diffs.append((out - ref).abs().max().item())
         return out
@@ -95,3 +96,58 @@ def test_regions_without_a_dense_form_are_left_to_the_partial_read():
     assert layer.decoded_for_prompt(q, [dense, subset]) is None
     mapped = Segment(k, v, None, pos, qmap=lambda x: x)
     assert layer.decoded_for_prompt(q, [mapped]) is None
+
+
+def _lanes(q, heads_channels, n=7, positions=None, valid=None, seed=0):
+    """Channel-lane segments (as a LeanK store gives them): per group its heads and kept channels."""
+    from kvcompress.state import Segment
+
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.arange(n) if positions is None else positions
+    segs = []
+    for heads, channels in heads_channels:
+        hs, ch = torch.tensor(heads), torch.tensor(channels)
+        k = torch.randn(q.shape[0], len(heads), n, ch.shape[-1], generator=g)
+        v = torch.randn(q.shape[0], len(heads), n, q.shape[-1], generator=g)
+        index = ch.view(1, len(heads), 1, 1, -1)
+        segs.append(Segment(k, v, valid, pos, heads=hs, channels=ch,
+                            qmap=lambda x, index=index: x.gather(-1, index.expand(*x.shape[:-1], index.shape[-1]))))
+    return segs
+
+
+def test_channel_lanes_that_cover_every_head_read_as_one_dense_segment():
+    from kvcompress.kernels.attention import attend_segments
+    from kvcompress.state import Segment
+
+    q = torch.randn(2, 4, 3, 8)  # 2 kv heads, group 2, 3 query rows
+    valid = torch.tensor([[True] * 7, [False, False, True, True, True, True, True]])
+    lanes = _lanes(q, [([1], [[0, 2, 5, 7]]), ([0], [[1, 2, 3, 4, 6, 7]])], valid=valid)
+    new = Segment(torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8), None, torch.arange(7, 10))
+    dense = layer.decoded_for_prompt(q, [new] + lanes)
+    assert dense is not None and len(dense) == 2 and all(s.is_dense for s in dense)
+    q_pos = torch.arange(7, 10)
+
+    def sdpa(query, keys, values, mask, scaling):  # the adapter's dense attention: output [batch, q, heads, d]
+        out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
+                                                               enable_gqa=True)
+        return out.transpose(1, 2)
+
+    got = layer.dense_read(q, dense, q_pos, 0.3, sdpa)
+    ref = attend_segments(q, [new] + lanes, q_pos, 0.3, fused=False).transpose(1, 2)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_channel_lanes_without_a_dense_form_are_left_to_the_partial_read():
+    from kvcompress.state import Segment
+
+    q = torch.randn(1, 6, 3, 8)  # 3 kv heads
+    new = Segment(torch.randn(1, 3, 3, 8), torch.randn(1, 3, 3, 8), None, torch.arange(7, 10))
+    two = [([0], [[0, 1]]), ([2], [[3, 4]])]
+    assert layer.decoded_for_prompt(q, [new] + _lanes(q, two)) is None  # head 1 left out
+    twice = two + [([0], [[5, 6]])]
+    assert layer.decoded_for_prompt(q, [new] + _lanes(q, twice)) is None  # head 0 twice
+    every = two + [([1], [[5, 6]])]
+    assert layer.decoded_for_prompt(q, [new] + _lanes(q, every)) is not None
+    shifted = _lanes(q, every)
+    shifted[1] = dataclasses.replace(shifted[1], positions=torch.arange(1, 8))  # one lane holds other tokens
+    assert layer.decoded_for_prompt(q, [new] + shifted) is None
