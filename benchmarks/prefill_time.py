@@ -31,8 +31,8 @@ def _stack(name: str):
     import kvcompress
     from kvcompress.evaluation.e2e import BUILTIN_STACKS
 
-    if name in BUILTIN_STACKS:
-        return kvcompress.parse_stack(BUILTIN_STACKS[name], source=f"--stack {name}")
+    if name in BUILTIN_STACKS:  # parsed once the model is built (a random low-rank basis is made for its shapes)
+        return name
     if Path(name).is_file():
         return kvcompress.load_stack(name)
     raise SystemExit(f"--stack: expected a name of kvcompress bench's stacks ({', '.join(BUILTIN_STACKS)}) or a "
@@ -74,6 +74,10 @@ def main(argv=None) -> int:
                          num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          head_dim=128, vocab_size=1024, max_position_embeddings=max(args.prompt, 4096))
     model = LlamaForCausalLM(config).to(device=args.device, dtype=dtype).eval()
+    from kvcompress.evaluation.e2e import resolve_stacks
+
+    stacks = {name: resolve_stacks([name], model)[0] if isinstance(stack, str) else stack
+              for name, stack in stacks.items()}
     ids = torch.randint(1, 1024, (args.batch, args.prompt), device=args.device)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     rows = []

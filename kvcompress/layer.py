@@ -361,79 +361,104 @@ def apply_selection(middle: list[Segment], selection) -> list[Segment]:
 def decoded_for_prompt(query: torch.Tensor, segs: list[Segment]) -> list[Segment] | None:
     """The segments of a multi-token read (a prefill chunk) as dense ones for :func:`dense_read`, or ``None``.
 
-    A packed region over every kv head (KIVI codes, KIVI lanes - pruned key channels decoded as zeros, which add
-    nothing to a score -, pages) is decoded once to the query's dtype: the chunk then reads every stored token with the
-    backend's own attention (SDPA / flash) instead of the reference partial attention, which builds float32 scores of
-    every query row against every stored token (85 of 91 s of a KIVI-2 prompt on the CPU, and 22-27 s against 8 s for
-    8 x 16k tokens on an H100; session 59, ``benchmarks/prefill_time.py``).  Full-precision channel lanes (LeanK:
-    head groups that keep a subset of key channels, ``Segment.channels``) whose groups together cover every kv head
-    once over the same tokens are scattered into one zero-filled key tensor (:func:`_lanes_as_dense`).  A query or
-    value map with no channel form (low-rank keys), a head subset left over, per-head validity or a read-time
-    selection has no dense form: ``None``, and the read goes through
-    :func:`kvcompress.kernels.attention.attend_segments` as before.  Dense segments come back as they are, for any
-    query length; a single query (decode) with a packed region gets ``None``: its kernels read the region in place."""
-    b, h = query.shape[0], next((s.k.shape[1] for s in segs if s.is_dense), None)
-    out, lanes = [], []
+    Every stored region is turned once into dense keys / values over the full head dimension, in the query's dtype:
+    the chunk then reads every stored token with the backend's own attention (SDPA / flash) instead of the reference
+    partial attention, which builds float32 scores of every query row against every stored token (85 of 91 s of a
+    KIVI-2 prompt on the CPU, and 22-27 s against 8 s for 8 x 16k tokens on an H100; session 59,
+    ``benchmarks/prefill_time.py``).  A packed region (KIVI codes, KIVI lanes, pages) is decoded; keys on a subset of
+    channels (``Segment.channels``: LeanK) are scattered into zeros, which add nothing to a score; keys in a basis
+    (a :class:`~kvcompress.state.LinearQueryMap` query map: low-rank keys) are mapped back, ``k U^T``, so that
+    ``q (k U^T)^T = (q U) k^T``; values through the segment's value map (linear: the same on values as on outputs).
+    Head groups are joined into one segment when together they cover every kv head once over the same tokens (one
+    host read checks it, which a prompt chunk can afford).  Anything else - another query map, a read-time selection,
+    heads left out, groups over different tokens - has no dense form: ``None``, and the read goes through
+    :func:`kvcompress.kernels.attention.attend_segments`.  Dense segments come back as they are, for any query
+    length; a single query (decode) with a stored region that is not dense gets ``None``: its kernels read it in
+    place."""
+    b, d = query.shape[0], query.shape[-1]
+    h = next((s.k.shape[1] for s in segs if s.is_dense), None)
+    out, groups = [], []
     for seg in segs:
         if seg.is_dense:
             out.append(seg)
             continue
-        if query.shape[2] == 1 or seg.select is not None or seg.vmap is not None \
-                or (seg.valid is not None and seg.valid.dim() != 2):
+        if query.shape[2] == 1 or seg.select is not None:
             return None
-        if seg.packed is None and seg.channels is not None:  # full-precision channel lanes: merged below
-            lanes.append(seg)
-            continue
-        if seg.packed is None or seg.heads is not None or seg.qmap is not None:
+        full = _full_dim(seg, b, d, query.dtype)
+        if full is None:
             return None
-        k, v = seg.packed.dequantize()
-        h = k.shape[1] if h is None else h
-        if k.dim() != 4 or k.shape[0] != b or k.shape[1] != h or k.shape[2] != seg.num_tokens \
-                or k.shape[-1] != query.shape[-1]:
-            return None  # rows or heads laid out otherwise (e.g. pages of several rows): the partial read
-        out.append(Segment(k.to(query.dtype), v.to(query.dtype), seg.valid, seg.positions))
-    if lanes:
-        if h is None or (merged := _lanes_as_dense(lanes, h, query)) is None:
+        if seg.heads is None and seg.valid is not None and seg.valid.dim() == 2:
+            h = full.k.shape[1] if h is None else h
+            if full.k.shape[1] != h:
+                return None
+            out.append(full)
+        else:  # a head subset, or per-head validity: joined with the other groups below
+            groups.append((seg.heads, full))
+    if groups:
+        if h is None or (joined := _joined(groups, h, query)) is None:
             return None
-        out.append(merged)
+        out.append(joined)
     return out
 
 
-def _lanes_as_dense(lanes: list[Segment], h: int, query: torch.Tensor) -> Segment | None:
-    """Channel lanes (``Segment.channels`` with heads) as one dense segment over all ``h`` kv heads: each group's
-    kept key channels scattered into a zero-filled ``[batch, h, tokens, head_dim]`` key tensor in the query's dtype
-    (a pruned channel adds nothing to a score; the softmax scale is the model's either way), values placed by head.
-    ``None`` unless the groups cover every head exactly once, over the same tokens (one validity and one set of
-    positions): checked with one host read, which a prompt chunk can afford."""
-    b, d = query.shape[0], query.shape[-1]
-    first = lanes[0]
-    n = first.num_tokens
-    if any(s.num_tokens != n or (s.valid is None) != (first.valid is None) or s.k.shape[0] != b
-           or s.v.shape[-1] != d for s in lanes):
+def _full_dim(seg: Segment, b: int, d: int, dtype: torch.dtype) -> Segment | None:
+    """``seg``'s keys / values as ``[batch, heads, tokens, head_dim]`` in ``dtype`` (its validity and positions
+    kept), or ``None`` when its layout has no such form."""
+    from .state import LinearQueryMap
+
+    k, v = seg.keys_values()
+    if k.dim() != 4 or k.shape[0] != b or k.shape[2] != seg.num_tokens or v.shape[:3] != k.shape[:3]:
+        return None  # rows or heads laid out otherwise (e.g. pages of several rows)
+    if isinstance(seg.qmap, LinearQueryMap):
+        k = torch.einsum("bhtr,hdr->bhtd", k.float(), seg.qmap.basis)
+    elif seg.channels is not None and k.shape[-1] == seg.channels.shape[-1] and k.shape[-1] != d:
+        kept = seg.channels.shape[-1]
+        full = k.new_zeros(b, k.shape[1], k.shape[2], d)
+        full.scatter_(-1, seg.channels.view(1, -1, 1, kept).expand(b, -1, k.shape[2], kept), k)
+        k = full
+    elif seg.qmap is not None and seg.channels is None:
+        return None  # a query map with no key-side form
+    if seg.vmap is not None:
+        v = seg.vmap(v)
+    if k.shape[-1] != d or v.shape[-1] != d:
         return None
-    arange = torch.arange(h, device=query.device)
-    heads = [arange if s.heads is None else s.heads for s in lanes]
-    if sum(x.numel() for x in heads) != h:
+    return Segment(k.to(dtype), v.to(dtype), seg.valid, seg.positions)
+
+
+def _joined(groups: list[tuple[torch.Tensor | None, Segment]], h: int, query: torch.Tensor) -> Segment | None:
+    """Head groups (``(heads or None for all, full-dimension segment)``) as one segment over all ``h`` kv heads, or
+    ``None`` unless they cover every head exactly once over the same tokens: one validity (per-head validity that
+    is the same for every head collapses to it) and one set of positions, checked with one host read."""
+    first = groups[0][1]
+    n, dev = first.num_tokens, query.device
+    heads = [torch.arange(s.k.shape[1], device=dev) if hs is None else hs for hs, s in groups]
+    if sum(x.numel() for x in heads) != h or any(x.numel() != s.k.shape[1] for x, (_, s) in zip(heads, groups)) \
+            or any(s.num_tokens != n for _, s in groups) \
+            or any((s.valid is None) != (first.valid is None) for _, s in groups):
         return None
-    checks = [torch.cat(heads).sort().values.eq(arange).all()]
-    for s in lanes[1:]:
+    no = torch.zeros((), dtype=torch.bool, device=dev)
+    checks = [torch.cat(heads).sort().values.eq(torch.arange(h, device=dev)).all()]
+    rows = []  # each group's validity as [batch, tokens]
+    for _, s in groups:
+        if s.valid is not None and s.valid.dim() == 3:
+            checks.append(s.valid.eq(s.valid[:, :1]).all())
+            rows.append(s.valid[:, 0])
+        else:
+            rows.append(s.valid)
+    for (_, s), valid in zip(groups[1:], rows[1:]):
         if s.positions is not first.positions:
-            checks.append(s.positions.eq(first.positions).all() if s.positions.shape == first.positions.shape
-                          else torch.zeros((), dtype=torch.bool, device=query.device))
-        if s.valid is not None and s.valid is not first.valid:
-            checks.append(s.valid.eq(first.valid).all() if s.valid.shape == first.valid.shape
-                          else torch.zeros((), dtype=torch.bool, device=query.device))
+            same = s.positions.shape == first.positions.shape
+            checks.append(s.positions.eq(first.positions).all() if same else no)
+        if valid is not None and valid is not rows[0]:
+            checks.append(valid.eq(rows[0]).all() if valid.shape == rows[0].shape else no)
     if not bool(torch.stack(checks).all()):
         return None
-    keys = query.new_zeros(b, h, n, d)
-    values = query.new_empty(b, h, n, d)
-    for s, hs in zip(lanes, heads):
-        kept = s.channels.shape[-1]
-        part = query.new_zeros(b, hs.numel(), n, d)
-        part.scatter_(-1, s.channels.view(1, -1, 1, kept).expand(b, -1, n, kept), s.k.to(query.dtype))
-        keys.index_copy_(1, hs, part)
-        values.index_copy_(1, hs, s.v.to(query.dtype))
-    return Segment(keys, values, first.valid, first.positions)
+    b, d = query.shape[0], query.shape[-1]
+    keys, values = query.new_empty(b, h, n, d), query.new_empty(b, h, n, d)
+    for hs, (_, s) in zip(heads, groups):
+        keys.index_copy_(1, hs, s.k)
+        values.index_copy_(1, hs, s.v)
+    return Segment(keys, values, rows[0], first.positions)
 
 
 def dense_read(query, segs, q_pos, scaling, dense_attention):
