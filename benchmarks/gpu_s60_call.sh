@@ -12,7 +12,7 @@ case "$G" in
               bash benchmarks/gpu_s35_session.sh "$OUT/parts" > "$OUT/parts.log" 2>&1; tail -12 "$OUT/parts.log"
           fi ;;
 esac
-PF="--device cuda --layers ${PF_LAYERS:-4} --batch 8 --prompt 16384 --chunk 2048"
+PF="--device cuda --layers ${PF_LAYERS:-8} --batch 8 --prompt 16384 --chunk 2048"
 if [ -n "$PREV" ] && [ -d "$PREV" ]; then
   mkdir -p /tmp/site_prev
   python -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site_prev "$PREV" 2>&1 | tail -2
