@@ -26,7 +26,7 @@ TREE=$PWD
     leank-rope70 leank-rope70-kivi2 lowrank32-random lowrank32-random-kivi2 paged-1024 ds-shared-random-1024} \
     --json "$OUT/prefill.json" > "$OUT/prefill.md" 2> "$OUT/prefill.err"; tail -14 "$OUT/prefill.md"; tail -3 "$OUT/prefill.err"
   l=$(left)
-  [ "$l" -gt 150 ] && timeout "$l" python "$SRC/benchmarks/e2e_decode.py" --compile --no-eager \
+  [ -z "$NO_STEP" ] && [ "$l" -gt 150 ] && timeout "$l" python "$SRC/benchmarks/e2e_decode.py" --compile --no-eager \
     --stack ${STEP_STACKS:-none leank-rope70} --points "${STEP_POINTS:-8x16384}" \
     --steps 32 --warmup 3 --time-budget $(( l - 50 )) --json "$OUT/step.json" --markdown --quiet \
     > "$OUT/step.md" 2> "$OUT/step.err"

@@ -74,7 +74,10 @@ def main(argv=None) -> int:
                          num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          head_dim=128, vocab_size=1024, max_position_embeddings=max(args.prompt, 4096))
     model = LlamaForCausalLM(config).to(device=args.device, dtype=dtype).eval()
+    from kvcompress.adapters import hf
     from kvcompress.evaluation.e2e import resolve_stacks
+
+    kw = hf.cache_kwarg(model)  # ``cache`` from transformers 5.24, ``past_key_values`` before (ignored otherwise)
 
     stacks = {name: resolve_stacks([name], model)[0] if isinstance(stack, str) else stack
               for name, stack in stacks.items()}
@@ -86,7 +89,8 @@ def main(argv=None) -> int:
         with kvcompress.compress(model, stack, max_cache_len=args.prompt) as cache, torch.no_grad():
             for a in range(0, warm, args.chunk):
                 b = min(warm, a + args.chunk)
-                model(ids[:, a:b], cache=cache, position_ids=torch.arange(a, b, device=args.device).expand(args.batch, -1))
+                model(ids[:, a:b], **{kw: cache},
+                      position_ids=torch.arange(a, b, device=args.device).expand(args.batch, -1))
     sync()
     rows = []
     for name, stack in stacks.items():
@@ -98,9 +102,11 @@ def main(argv=None) -> int:
                 profiler.enable()
             for a in range(0, args.prompt, args.chunk):
                 b = min(args.prompt, a + args.chunk)
-                model(ids[:, a:b], cache=cache,
+                model(ids[:, a:b], **{kw: cache},
                       position_ids=torch.arange(a, b, device=args.device).expand(args.batch, -1))
             sync()
+            if cache.get_seq_length() != args.prompt:  # the model did not use the cache: nothing was measured
+                raise SystemExit(f"{name}: the cache saw {cache.get_seq_length()} of {args.prompt} tokens")
             if profiler:
                 profiler.disable()
             seconds = time.perf_counter() - start
