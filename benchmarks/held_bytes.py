@@ -45,15 +45,18 @@ def main(argv=None) -> int:
     steps = min(args.steps, ids.shape[1] - prompt)
     stacks = [kvcompress.load_stack(s) for s in args.stacks]  # every file validated before the model loads
     model, _ = load_model(None, dtype=getattr(torch, args.dtype))
+    from kvcompress.adapters import hf
+
+    kw = hf.cache_kwarg(model)  # ``cache`` from transformers 5.24, ``past_key_values`` before
     rows = []
     for path, stack in zip(args.stacks, stacks):
         t0 = time.time()
         with kvcompress.compress(model, stack) as cache, torch.no_grad():
-            model(ids[:, :prompt], cache=cache)
+            model(ids[:, :prompt], **{kw: cache})
             first = end = cache.memory_report()
             held, dense = [first.cache_bytes], [first.dense_native_bytes]  # after the prompt, then each step
             for t in range(prompt, prompt + steps):
-                model(ids[:, t:t + 1], position_ids=torch.full((1, 1), t), cache=cache)
+                model(ids[:, t:t + 1], position_ids=torch.full((1, 1), t), **{kw: cache})
                 end = cache.memory_report()
                 held.append(end.cache_bytes)
                 dense.append(end.dense_native_bytes)

@@ -27,9 +27,12 @@ def memory(stacks: list[str]) -> None:
 
     model, tok = _model()
     ids = torch.tensor([data.split_tokens(tok, "heldout")[:2048]])
+    from kvcompress.adapters import hf
+
+    kw = hf.cache_kwarg(model)  # ``cache`` from transformers 5.24, ``past_key_values`` before
     for stack in stacks:
         with kvcompress.compress(model, stack) as cache, torch.no_grad():
-            model(ids, cache=cache)
+            model(ids, **{kw: cache})
             layers = cache.compressed_layers
             k = sum(buf.k[:, :, :buf.size].nbytes for layer in layers for _, buf in layer.middle.lanes)
             v = sum(buf.v[:, :, :buf.size].nbytes for layer in layers for _, buf in layer.middle.lanes)

@@ -25,15 +25,23 @@ def tokens(default_model):
     return tok(text, return_tensors="pt").input_ids[:, : CONTEXT + STEPS]
 
 
+def _kw(model):
+    from kvcompress.adapters import hf
+
+    return hf.cache_kwarg(model)  # ``cache`` from transformers 5.24, ``past_key_values`` before
+
+
 def _steps(model, ids, cache):
+    kw = _kw(model)
     with torch.no_grad():
         for t in range(CONTEXT, CONTEXT + STEPS):
-            model(ids[:, t:t + 1], cache=cache)
+            model(ids[:, t:t + 1], **{kw: cache})
 
 
 def _prefill(model, ids, cache):
+    kw = _kw(model)
     with torch.no_grad():
-        model(ids[:, :CONTEXT], cache=cache)
+        model(ids[:, :CONTEXT], **{kw: cache})
 
 
 GROUP = f"{STEPS} decode steps after a {CONTEXT}-token prefill (SmolLM2-135M, CPU fp32); prefill not timed"
