@@ -387,7 +387,7 @@ def decoded_for_prompt(query: torch.Tensor, segs: list[Segment]) -> list[Segment
         full = _full_dim(seg, b, d, query.dtype)
         if full is None:
             return None
-        if seg.heads is None and seg.valid is not None and seg.valid.dim() == 2:
+        if seg.heads is None and (seg.valid is None or seg.valid.dim() == 2):  # every head, one validity
             h = full.k.shape[1] if h is None else h
             if full.k.shape[1] != h:
                 return None
