@@ -78,19 +78,20 @@ def main(argv=None) -> int:
     from kvcompress.evaluation.e2e import resolve_stacks
 
     kw = hf.cache_kwarg(model)  # ``cache`` from transformers 5.24, ``past_key_values`` before (ignored otherwise)
-
     stacks = {name: resolve_stacks([name], model)[0] if isinstance(stack, str) else stack
               for name, stack in stacks.items()}
     ids = torch.randint(1, 1024, (args.batch, args.prompt), device=args.device)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+
+    def prefill(cache, tokens: int) -> None:  # the first ``tokens`` prompt tokens in ``--chunk``-token calls
+        for a in range(0, tokens, args.chunk):
+            b = min(tokens, a + args.chunk)
+            model(ids[:, a:b], **{kw: cache}, position_ids=torch.arange(a, b, device=args.device).expand(args.batch, -1))
+
     # untimed warm-up of every stack on two chunks: CUDA / cuBLAS start-up and kernel builds fall in no stack's time
-    warm = min(args.prompt, 2 * args.chunk)
     for stack in stacks.values():
         with kvcompress.compress(model, stack, max_cache_len=args.prompt) as cache, torch.no_grad():
-            for a in range(0, warm, args.chunk):
-                b = min(warm, a + args.chunk)
-                model(ids[:, a:b], **{kw: cache},
-                      position_ids=torch.arange(a, b, device=args.device).expand(args.batch, -1))
+            prefill(cache, min(args.prompt, 2 * args.chunk))
     sync()
     rows = []
     for name, stack in stacks.items():
@@ -100,10 +101,7 @@ def main(argv=None) -> int:
             start = time.perf_counter()
             if profiler:
                 profiler.enable()
-            for a in range(0, args.prompt, args.chunk):
-                b = min(args.prompt, a + args.chunk)
-                model(ids[:, a:b], **{kw: cache},
-                      position_ids=torch.arange(a, b, device=args.device).expand(args.batch, -1))
+            prefill(cache, args.prompt)
             sync()
             if cache.get_seq_length() != args.prompt:  # the model did not use the cache: nothing was measured
                 raise SystemExit(f"{name}: the cache saw {cache.get_seq_length()} of {args.prompt} tokens")

@@ -94,3 +94,20 @@ def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2):
                 m.sinks.normal_(0.0, 2.0)
     model.generation_config.eos_token_id = None
     return model
+
+
+def lowrank_basis_file(model, path, rank: int = 8, value_rank: int | None = None, tokens: int = 64) -> str:
+    """A low-rank basis file for ``model`` at ``path``: the uncentred PCA of its keys (and, with ``value_rank``, of
+    its values) over 4 random ``tokens``-token rows (seed 7, 2 sinks skipped), ``rank`` directions per head kept."""
+    from kvcompress.calibration.lowrank import kv_spectra, save_basis
+    from kvcompress.calibration.masks import config_hash
+
+    ids = torch.randint(1, 256, (4, tokens), generator=torch.Generator().manual_seed(7))
+    (eigenvalues, vectors), (v_eigenvalues, v_vectors) = kv_spectra(model, ids, skip=2)
+    shape = (model.config.num_hidden_layers, model.config.num_key_value_heads)
+    values = None if value_rank is None else (v_vectors, torch.full(shape, value_rank, dtype=torch.int32),
+                                              v_eigenvalues)
+    save_basis(path, vectors, torch.full(shape, rank, dtype=torch.int32), eigenvalues,
+               {"model": "tiny-llama", "model_config_hash": config_hash(model.config), "target": "test", "align": 1,
+                "settings": {}}, values=values)
+    return str(path)

@@ -20,7 +20,7 @@ import torch
 import kvcompress
 from kvcompress.errors import ConfigError, UnsupportedOperationError
 from graph_inputs import recording_backend, unmarked_inputs
-from models import tiny_model
+from models import lowrank_basis_file, tiny_model
 from reference import masked_logits, window_visibility
 
 PROMPT, STEPS = 40, 100
@@ -35,16 +35,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def lowrank_basis(tmp_path_factory, model):
-    from kvcompress.calibration.lowrank import kv_spectra, save_basis
-    from kvcompress.calibration.masks import config_hash
-
-    tokens = torch.randint(1, 256, (4, 96), generator=torch.Generator().manual_seed(7))
-    (eigenvalues, vectors), _ = kv_spectra(model, tokens, skip=2)
-    path = tmp_path_factory.mktemp("lowrank") / "basis.safetensors"
-    save_basis(path, vectors, torch.full((2, 2), 8, dtype=torch.int32), eigenvalues,
-               {"model": "tiny-llama", "model_config_hash": config_hash(model.config), "target": "test", "align": 1,
-                "settings": {}})
-    return str(path)
+    return lowrank_basis_file(model, tmp_path_factory.mktemp("lowrank") / "basis.safetensors", tokens=96)
 
 
 KIVI2 = {"kivi": {"bits": 2, "group": 16, "residual": 16}}

@@ -31,7 +31,7 @@ from kvcompress.manager import get_registry
 from kvcompress.registry import Registry
 from kvcompress.stack import parse_stack
 from graph_inputs import recording_backend, unmarked_inputs
-from models import tiny_model
+from models import lowrank_basis_file, tiny_model
 
 FIXTURE = Path(__file__).parent / "fixtures" / "kvcompress-stride" / "kvcompress_stride.py"
 
@@ -71,16 +71,7 @@ def make_registry() -> Registry:
 
 def make_basis(model, folder: Path) -> str:
     """A low-rank key basis file (rank 8) for ``model``, written in ``folder``."""
-    from kvcompress.calibration.lowrank import kv_spectra, save_basis
-    from kvcompress.calibration.masks import config_hash
-
-    tokens = torch.randint(1, 256, (4, 64), generator=torch.Generator().manual_seed(7))
-    (eigenvalues, vectors), _ = kv_spectra(model, tokens, skip=2)
-    path = folder / "basis.safetensors"
-    save_basis(path, vectors, torch.full((model.config.num_hidden_layers, 2), 8, dtype=torch.int32), eigenvalues,
-               {"model": "tiny-llama", "model_config_hash": config_hash(model.config), "target": "test", "align": 1,
-                "settings": {}})
-    return str(path)
+    return lowrank_basis_file(model, folder / "basis.safetensors")
 
 
 @pytest.fixture(scope="module")

@@ -1,25 +1,26 @@
 """A prefill chunk after the first reads the stored compressed regions (KIVI codes, KIVI lanes, LeanK's
-full-precision channel lanes) decoded once to dense keys / values, through the backend's attention
+full-precision channel lanes, low-rank keys) decoded once to dense keys / values, through the backend's attention
 (``kvcompress.layer.decoded_for_prompt``, sessions 59-60): the same outputs as the reference partial attention it
-replaced, read by read, on dynamic and static caches, with left padding - and regions with no dense form (low-rank
-keys, lanes that leave a head out or disagree on their tokens) still read through the partial attention."""
+replaced, read by read, on dynamic and static caches, with left padding - and regions with no dense form (a query
+map of no known form, lanes that leave a head out or disagree on their tokens) still read through the partial
+attention."""
 
 from __future__ import annotations
 
 import dataclasses
+
 import pytest
 import torch
 
 import kvcompress
 from kvcompress import layer, static
-from models import tiny_model
+from models import lowrank_basis_file, tiny_model
 
 KIVI2 = {"kivi": {"bits": 2, "group": 16, "residual": 16}}
 KIVI4 = {"kivi": {"bits": 4, "group": 16, "residual": 32, "sinks": 4}}
 LEANK = {"leank": {"mask": "rope", "ratio": 0.5, "align": 4, "sinks": 4, "local": 24, "flush": 16}}
 STACKS = {"kivi2": [KIVI2], "kivi4+sinks": [KIVI4], "leank+kivi2": [LEANK, KIVI2], "leank": [LEANK],
           "window+kivi2": [{"window": {"sinks": 0, "recent": 64}}, KIVI2]}
-#: whether the stack's later chunks read every stored region decoded (True) or some through the partial read
 LOWRANK = "lowrank"  # replaced by the entry with the test's basis file
 STACKS.update({"lowrank": [LOWRANK], "lowrank+kivi2": [LOWRANK, KIVI2]})
 CHUNKS = (70, 50, 45, 33)  # four prompt chunks: the later three read what the earlier ones stored
@@ -33,16 +34,9 @@ def model():
 @pytest.fixture(scope="module")
 def lowrank(tmp_path_factory, model):
     """A low-rank entry with a calibrated basis for the tiny model: keys in rank 8 of 16, values in a rank-16 basis."""
-    from kvcompress.calibration.lowrank import kv_spectra, save_basis
-    from kvcompress.calibration.masks import config_hash
-
-    tokens = torch.randint(1, 256, (4, 96), generator=torch.Generator().manual_seed(7))
-    (eigenvalues, vectors), (v_eigenvalues, v_vectors) = kv_spectra(model, tokens, skip=2)
-    path = tmp_path_factory.mktemp("lowrank") / "basis.safetensors"
-    save_basis(path, vectors, torch.full((2, 2), 8, dtype=torch.int32), eigenvalues,
-               {"model": "tiny-llama", "model_config_hash": config_hash(model.config), "target": "test", "align": 1,
-                "settings": {}}, values=(v_vectors, torch.full((2, 2), 16, dtype=torch.int32), v_eigenvalues))
-    return {"lowrank": {"basis": str(path), "value_rank": 16, "sinks": 4, "recent": 24, "flush": 16}}
+    path = lowrank_basis_file(model, tmp_path_factory.mktemp("lowrank") / "basis.safetensors", value_rank=16,
+                              tokens=96)
+    return {"lowrank": {"basis": path, "value_rank": 16, "sinks": 4, "recent": 24, "flush": 16}}
 
 
 def _prefill(model, stack, static_cache, monkeypatch):
