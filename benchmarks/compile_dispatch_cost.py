@@ -25,6 +25,7 @@ import time
 import torch
 
 import kvcompress
+from kvcompress.adapters.hf import cache_kwarg
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from models import tiny_model  # noqa: E402
@@ -33,6 +34,7 @@ STACKS = {
     "none": [],
     "window": [{"window": {"sinks": 4, "recent": 28}}],
     "kivi2": [{"kivi": {"bits": 2, "group": 16, "residual": 16}}],
+    "leank": [{"leank": {"mask": "rope", "ratio": 0.7, "align": 4, "sinks": 4, "local": 24, "flush": 16}}],
     "leank+kivi2": [{"leank": {"mask": "rope", "ratio": 0.5, "align": 4, "sinks": 4, "local": 24, "flush": 16}},
                     {"kivi": {"bits": 2, "group": 16, "residual": 16}}],
 }
@@ -56,9 +58,12 @@ def measure(model, cache_factory, ids, calls: int, rounds: int) -> tuple[int, fl
     record: list = []
     torch._dynamo.reset()
     with cache_factory() as cache, torch.no_grad():
-        model(ids[:, :40], past_key_values=cache)
+        kw = cache_kwarg(model)  # (transformers 5.17 takes past_key_values=, later versions cache=)
+        model(ids[:, :40], **{kw: cache})
+        if cache.get_seq_length() != 40:
+            raise SystemExit(f"the model did not use the cache passed as {kw}=")
         step = torch.compile(model.forward, backend=replay_first(record), fullgraph=True)
-        kw = dict(input_ids=ids[:, 40:41], position_ids=torch.tensor([[40]]), past_key_values=cache)
+        kw = dict(input_ids=ids[:, 40:41], position_ids=torch.tensor([[40]]), **{kw: cache})
         for _ in range(5):
             step(**kw)
         best = float("inf")

@@ -391,8 +391,11 @@ class StaticLayer:
             host = self.host_counts()  # (seen, flushed); one device read only after unplanned compiled steps
             self._check_room(host[0])
         token_valid = valid_new
-        # steps the host planned, and eager steps, skip what the host knows changes nothing
-        if planned[1] if planned is not None else (compiling or not self._sinks_full):
+        # every step skips the sink scan once the host knows each row's sinks are full: the planned ones by their
+        # plan, the others by the flag an eager prefill set (it only turns true there and false at a reset, so an
+        # unplanned compiled step guards on it: the steps after a prompt that filled the sinks, nearly all, compile
+        # without the scan; a shorter prompt's steps keep it and let the device decide)
+        if planned[1] if planned is not None else not self._sinks_full:
             valid_new = self._take_sinks(k, v, valid_new, pos)
         slot = self.sink_slots + pos.remainder(self.ring_slots)
         self.k.index_copy_(2, slot, k)

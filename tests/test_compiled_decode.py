@@ -138,6 +138,24 @@ def test_compiled_decode_equals_eager_within_two_graphs(model, lowrank_basis, na
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("name", ["window", "kivi4+sinks"])
+def test_compiled_steps_fill_sinks_a_short_prompt_left_open(model, name):
+    """A prompt shorter than the sink slots (row 0 left-padded: one real token; row 1: two) leaves the sinks open, so
+    the unplanned compiled steps must keep moving each row's first tokens into them, as the eager steps do (a
+    prompt that fills them compiles without the scan).  Without it the window evicts those tokens later (window) or
+    the flushes quantize them (KIVI-4 with sinks), and the logits part."""
+    stack = _stack(name, None)
+    ids, mask = _ids(length=2 + 70, pad=1)
+    eager, cache = _run(model, stack, ids, mask, prompt=2)
+    torch._dynamo.reset()
+    compiled, ccache = _run(model, stack, ids, mask, compiled=True, prompt=2)
+    assert (compiled - eager).abs().max().item() <= 1e-5
+    for core, ccore in zip(cache.compressed_layers, ccache.compressed_layers):
+        assert torch.equal(core.sink_count, ccore.sink_count) and int(ccore.sink_count.min()) == ccore.sink_slots
+        assert torch.equal(core.sink_pos, ccore.sink_pos)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("name", list(STACKS))
 def test_static_eager_equals_dynamic_cache(model, lowrank_basis, name):
     """Every stack decides and computes the same in a static cache as in a dynamic one (the reference), with a
