@@ -143,12 +143,17 @@ def test_compiled_steps_fill_sinks_a_short_prompt_left_open(model, name):
     """A prompt shorter than the sink slots (row 0 left-padded: one real token; row 1: two) leaves the sinks open, so
     the unplanned compiled steps must keep moving each row's first tokens into them, as the eager steps do (a
     prompt that fills them compiles without the scan).  Without it the window evicts those tokens later (window) or
-    the flushes quantize them (KIVI-4 with sinks), and the logits part."""
+    the flushes quantize them (KIVI-4 with sinks), and the logits part.  A compiled step of a long prompt runs first
+    (the variant without the scan): the short prompt's steps must not reuse it."""
     stack = _stack(name, None)
     ids, mask = _ids(length=2 + 70, pad=1)
     eager, cache = _run(model, stack, ids, mask, prompt=2)
     torch._dynamo.reset()
+    long_ids, long_mask = _ids(length=PROMPT + 3, seed=1)
+    _, lcache = _run(model, stack, long_ids, long_mask, compiled=True)
+    assert all(c._sinks_full for c in lcache.compressed_layers)
     compiled, ccache = _run(model, stack, ids, mask, compiled=True, prompt=2)
+    assert not any(c._sinks_full for c in ccache.compressed_layers)
     assert (compiled - eager).abs().max().item() <= 1e-5
     for core, ccore in zip(cache.compressed_layers, ccache.compressed_layers):
         assert torch.equal(core.sink_count, ccore.sink_count) and int(ccore.sink_count.min()) == ccore.sink_slots
