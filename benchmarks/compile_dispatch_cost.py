@@ -58,12 +58,12 @@ def measure(model, cache_factory, ids, calls: int, rounds: int) -> tuple[int, fl
     record: list = []
     torch._dynamo.reset()
     with cache_factory() as cache, torch.no_grad():
-        kw = cache_kwarg(model)  # (transformers 5.17 takes past_key_values=, later versions cache=)
-        model(ids[:, :40], **{kw: cache})
+        key = cache_kwarg(model)  # (transformers 5.17 takes past_key_values=, later versions cache=)
+        model(ids[:, :40], **{key: cache})
         if cache.get_seq_length() != 40:
-            raise SystemExit(f"the model did not use the cache passed as {kw}=")
+            raise SystemExit(f"the model did not use the cache passed as {key}=")
         step = torch.compile(model.forward, backend=replay_first(record), fullgraph=True)
-        kw = dict(input_ids=ids[:, 40:41], position_ids=torch.tensor([[40]]), **{kw: cache})
+        kw = dict(input_ids=ids[:, 40:41], position_ids=torch.tensor([[40]]), **{key: cache})
         for _ in range(5):
             step(**kw)
         best = float("inf")
