@@ -17,8 +17,10 @@ def compress(model: Any, stack: Any = None, max_cache_len: int | None = None,
 
     Yields a fresh :class:`kvcompress.Cache`; pass it to ``model.generate(..., cache=cache)``
     or to direct forward calls (``model(ids, cache=cache)``).  The model reads the
-    compressed storage through kvcompress' registered attention; on exit the model's
-    previous attention implementation is restored.  Nothing else is changed.
+    compressed storage through kvcompress' registered attention, and ``generate``'s own compiled
+    decode step (a static cache on CUDA) is planned by the cache step by step, as
+    :class:`kvcompress.GraphStep` plans its steps.  On exit the model's previous attention
+    implementation and ``get_compiled_call`` are restored.  Nothing else is changed.
 
     Args:
         model: a transformers causal LM.

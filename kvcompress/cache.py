@@ -242,6 +242,11 @@ class Cache(hf.CacheBase):
         return (tuple(i for i, (flush, _) in enumerate(plans) if flush),
                 tuple(i for i, (_, sinks) in enumerate(plans) if sinks))
 
+    @property
+    def step_planned(self) -> bool:
+        """Whether a step planned by :meth:`plan_step` waits for its :meth:`finish_step`."""
+        return self.is_static and any(core.step_planned for core in self.compressed_layers)
+
     def finish_step(self, completed: bool = True) -> None:
         """End the step planned by :meth:`plan_step`; ``completed=False`` (the call raised) makes the host counts
         unknown (read once from the device at the next plan)."""

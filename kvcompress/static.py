@@ -321,6 +321,11 @@ class StaticLayer:
                 f"the static cache holds at most max_cache_len={self.capacity} tokens and is full; build it with a "
                 "larger max_cache_len (a compiled step that GraphStep does not plan cannot check this: it must fit)")
 
+    @property
+    def step_planned(self) -> bool:
+        """Whether :meth:`plan_decode` planned a step that :meth:`finish_decode` has not ended."""
+        return self._planned is not None
+
     def finish_decode(self, completed: bool) -> None:
         """End a planned step: ``completed`` False (the call raised) forgets the host counts (the next plan
         reads them from the device once)."""

@@ -211,11 +211,13 @@ def test_generate_with_static_cache_equals_dynamic(model):
 
 
 @pytest.mark.parametrize("name", ["kivi2", "leank+kivi2"])
-def test_generate_auto_compile_traces_one_fixed_shape_graph(model, name):
+def test_generate_auto_compile_plans_every_step(model, name):
     """transformers' generate compiles the decode step itself for a compileable cache (its auto-compile; on CUDA with
     mode="reduce-overhead", where a graph input whose shape changes per step would re-record the CUDA graphs every
-    step).  Through a ``compile_config`` that allows the CPU: one graph for 40 new tokens, no symbolic (per-step)
-    sizes among its inputs, and the eager generate's tokens."""
+    step).  Inside ``kvcompress.compress`` every one of its single-token steps is planned by the cache, so it compiles
+    one graph per plan key seen (the steps that flush a block and those that do not), with no symbolic (per-step)
+    sizes among its inputs, and gives the eager generate's tokens.  Through a ``compile_config`` that allows the
+    CPU."""
     from kvcompress.adapters import hf
 
     ids, _ = _ids(batch=1, length=30)
@@ -228,10 +230,22 @@ def test_generate_auto_compile_traces_one_fixed_shape_graph(model, name):
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
     torch._dynamo.reset()
+    keys: list = []
+    finished: list = []
     with kvcompress.compress(model, _stack(name, None), max_cache_len=80) as cache:
+        plan, finish = cache.plan_step, cache.finish_step
+        cache.plan_step = lambda: keys.append(plan()) or keys[-1]
+        cache.finish_step = lambda completed=True: finished.append(completed) or finish(completed)
         compiled = model.generate(ids, max_new_tokens=40, do_sample=False, cache=cache,
                                   compile_config=hf.compile_config({"backend": backend, "fullgraph": True}))
-    assert len(graphs) == 1 and graphs[0] == []
+        assert not cache.step_planned
+        # the host counts the plans advanced equal the device's
+        assert all(core.host_counts() == (int(core.seen), int(core.flushed)) for core in cache.compressed_layers)
+    assert "get_compiled_call" not in vars(model)  # the model's own method again
+    assert len(keys) == 39 and finished == [True] * 39  # every step after the eager prefill's token
+    flushing = [k for k in keys if k[0]]
+    assert flushing and len(flushing) < len(keys), keys  # both kinds of step ran, each in its own variant
+    assert len(graphs) == len(set(keys)) and all(g == [] for g in graphs), (len(graphs), set(keys))
     assert torch.equal(compiled, eager)
 
 

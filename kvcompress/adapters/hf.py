@@ -8,7 +8,8 @@ Nothing else in kvcompress imports transformers.  This module provides:
 * the registered attention implementation ``"kvcompress"`` and its mask
   function (registered under a unique name, which is additive: no existing
   implementation is replaced);
-* :func:`attach`, the reversible switch of one model to that implementation;
+* :func:`attach`, the reversible switch of one model to that implementation and to planned compiled decode
+  steps in ``generate`` (:class:`PlannedCall`);
 * model capability checks (latent/MLA caches are refused with a clear error);
 * the cache keyword of ``generate``/``forward`` across transformers 5.17 - 5.x;
 * loading of models and tokenizers (:func:`load_pretrained`).
@@ -444,17 +445,26 @@ _ATTACHED: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary() 
 _ATTACH_LOCK = threading.Lock()
 
 
+_UNSET = object()
+
+
 @contextlib.contextmanager
 def attach(model: Any) -> Iterator[None]:
-    """Switch ``model`` to kvcompress attention; restore the previous implementation when the last scope over
-    it exits.  Scopes may overlap, in one thread or several: the first switches, the last restores."""
+    """Switch ``model`` to kvcompress attention, and its ``get_compiled_call`` (what ``generate`` decodes with on a
+    compileable cache) to one whose single-token steps are planned by the cache (:class:`PlannedCall`); restore
+    both when the last scope over it exits.  Scopes may overlap, in one thread or several: the first switches, the
+    last restores.  Only this model object is touched (two attributes), nothing global."""
     register_attention()
     with _ATTACH_LOCK:
         entry = _ATTACHED.get(model)
         if entry is None:
             previous = model.config._attn_implementation
             model.set_attn_implementation(ATTN_NAME)
-            entry = _ATTACHED[model] = [0, previous]
+            shadowed = vars(model).get("get_compiled_call", _UNSET)  # an instance attribute someone set, if any
+            original = getattr(model, "get_compiled_call", None)
+            if callable(original):
+                model.get_compiled_call = _planned_compiled_call(original)
+            entry = _ATTACHED[model] = [0, previous, shadowed, callable(original)]
         entry[0] += 1
     try:
         yield
@@ -465,6 +475,48 @@ def attach(model: Any) -> Iterator[None]:
             if entry[0] == 0:
                 del _ATTACHED[model]
                 model.set_attn_implementation(entry[1])
+                if entry[3]:
+                    if entry[2] is _UNSET:
+                        del model.get_compiled_call
+                    else:
+                        model.get_compiled_call = entry[2]
+
+
+def _planned_compiled_call(original: Any) -> Any:
+    def get_compiled_call(compile_config: Any = None) -> "PlannedCall":
+        return PlannedCall(original(compile_config))
+    get_compiled_call.__doc__ = (f"transformers' ``get_compiled_call`` with each single-token decode step planned "
+                                 f"by a kvcompress cache (:class:`{__name__}.PlannedCall`)")
+    return get_compiled_call
+
+
+class PlannedCall:
+    """transformers' compiled forward (``model.get_compiled_call(config)``, which ``generate`` decodes with on a
+    compileable cache) with every single-token step planned by the kvcompress cache it is given, as
+    :class:`kvcompress.GraphStep` plans its steps: ``cache.plan_step()`` before the call, ``cache.finish_step()``
+    after.  The compiled forward branches on the plan (one compiled variant per plan key), so the steps that flush
+    nothing run no flush kernels, and the cache's host counts stay exact without reading the device.  Calls of
+    several tokens (chunked prefill, candidate tokens), other caches, and steps the caller already planned go
+    straight to the compiled forward."""
+
+    def __init__(self, call: Any):
+        self.call = call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        tokens = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        if (args or not isinstance(tokens, torch.Tensor) or tokens.dim() < 2 or tokens.shape[1] != 1
+                or not callable(getattr(cache, "plan_step", None)) or not getattr(cache, "is_static", False)
+                or cache.step_planned):
+            return self.call(*args, **kwargs)
+        cache.plan_step()
+        completed = False
+        try:
+            out = self.call(**kwargs)
+            completed = True
+        finally:
+            cache.finish_step(completed)
+        return out
 
 
 # ----------------------------------------------------------------------------- generate / forward

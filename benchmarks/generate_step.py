@@ -1,0 +1,117 @@
+"""The decode step of ``model.generate`` itself on a static kvcompress cache (transformers compiles it on CUDA):
+    python benchmarks/generate_step.py --rows none leank-rope70 leank-rope70@unplanned --batch 8 --ctx 16384
+
+Llama-3-8B-shaped random bf16 model.  Each row (a kvcompress.evaluation.e2e.BUILTIN_STACKS name; ``@unplanned``:
+generate's compiled step without kvcompress' planning, the model's own ``get_compiled_call`` restored inside the
+``compress`` scope, as before session 62) runs ``model.generate`` inside ``kvcompress.compress(max_cache_len=...)``
+with transformers' default compile configuration (``mode="reduce-overhead"``): one warm-up generate of ``--long``
+tokens (compiles every variant), then ``--repeats`` pairs of generates of ``--short`` and ``--long`` new tokens on
+fresh caches and the same prompt.  The time per decode step is the difference of a pair's times over the difference
+of their token counts (the prompt and the first steps cancel); the median pair is reported.  Greedy, with
+``min_new_tokens`` = ``max_new_tokens`` (random weights may emit the end token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+
+import torch
+
+import kvcompress
+from kvcompress.adapters import hf
+from kvcompress.evaluation import e2e
+
+
+def one_generate(model, stack, ids, new: int, planned: bool, capacity: int) -> float:
+    """Seconds of one ``generate`` of ``new`` tokens on a fresh static cache of ``capacity`` tokens (synchronised).
+    Off CUDA (a smoke run) the step compiles with ``aot_eager`` through a ``compile_config`` that allows the CPU."""
+    kw = {hf.cache_kwarg(model): None}
+    cuda = ids.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if not cuda:
+        kw["compile_config"] = hf.compile_config({"backend": "aot_eager", "fullgraph": True})
+    with kvcompress.compress(model, stack, max_cache_len=capacity, max_batch_size=ids.shape[0]) \
+            as cache, torch.no_grad():
+        if not planned:  # the method transformers defines (kvcompress' scope restores it on exit)
+            model.get_compiled_call = type(model).get_compiled_call.__get__(model)
+        kw[hf.cache_kwarg(model)] = cache
+        sync()
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False, **kw)
+        sync()
+        dt = time.perf_counter() - t0
+    if out.shape[1] != ids.shape[1] + new:
+        raise RuntimeError(f"generate returned {out.shape[1] - ids.shape[1]} new tokens, asked {new}")
+    return dt
+
+
+def measure(model, row: str, batch: int, ctx: int, short: int, long: int, repeats: int) -> dict:
+    name, _, mode = row.partition("@")
+    if mode not in ("", "unplanned"):
+        raise ValueError(f"row {row!r}: the only suffix is @unplanned")
+    stack = e2e.resolve_stacks([name], model)[0]
+    device = next(model.parameters()).device
+    ids = torch.randint(model.config.vocab_size, (batch, ctx), generator=torch.Generator().manual_seed(0)).to(device)
+    planned = mode == ""
+    cap = ctx + long + 8  # one capacity for every generate of the row (another buffer shape would recompile)
+    torch._dynamo.reset()  # each row compiles its own variants (transformers keeps one compiled call per model)
+    vars(model).pop("_compiled_call", None)
+    t0 = time.perf_counter()
+    one_generate(model, stack, ids, long, planned, cap)
+    res: dict = {"row": row, "batch": batch, "ctx": ctx, "short": short, "long": long,
+                 "warmup_s": round(time.perf_counter() - t0, 1)}
+    pairs = []
+    for _ in range(repeats):
+        a = one_generate(model, stack, ids, short, planned, cap)
+        b = one_generate(model, stack, ids, long, planned, cap)
+        pairs.append(((b - a) / (long - short) * 1e3, a, b))
+    pairs.sort()
+    res["step_ms"] = round(pairs[len(pairs) // 2][0], 3)
+    res["step_ms_all"] = [round(p[0], 3) for p in pairs]
+    res["generate_s"] = [[round(p[1], 3), round(p[2], 3)] for p in pairs]
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", nargs="+", default=["none", "leank-rope70", "leank-rope70@unplanned"])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--ctx", type=int, default=16384)
+    ap.add_argument("--short", type=int, default=32)
+    ap.add_argument("--long", type=int, default=160)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--shape", default="llama3-8b")
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run (use --shape tiny)")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    model = e2e.random_model(args.shape, args.device, torch.bfloat16 if args.device == "cuda" else torch.float32)
+    model.generation_config.eos_token_id = None
+    results = []
+    for row in args.rows:
+        try:
+            r = measure(model, row, args.batch, args.ctx, args.short, args.long, args.repeats)
+        except Exception as exc:  # one row's failure never ends the run
+            r = {"row": row, "error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-4000:]}
+        results.append(r)
+        print(json.dumps({k: v for k, v in r.items() if k != "traceback"}), flush=True)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        with open(os.path.join(args.out, f"generate_step_b{args.batch}.json"), "w") as f:  # after every row
+            json.dump({"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                       "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+                       "rows": results}, f, indent=1)
+    print(f"{'row':28} {'ms/step':>8}  all pairs")
+    for r in results:
+        print(f"{r['row']:28} " + (f"ERROR {r['error'][:200]}" if "error" in r
+                                    else f"{r['step_ms']:8.2f}  {r['step_ms_all']}"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
