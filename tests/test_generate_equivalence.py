@@ -56,8 +56,10 @@ def test_context_restores_the_model_exactly():
     stack = {"compressors": [{"window": {"sinks": 1, "recent": 4}}]}
     with kvcompress.compress(model, stack) as cache:
         assert model.config._attn_implementation == "kvcompress"
+        assert "get_compiled_call" in vars(model)  # generate's compiled step planned by the cache (PlannedCall)
         model.generate(ids, max_new_tokens=8, do_sample=False, cache=cache)
     assert model.config._attn_implementation == before_impl
+    assert "get_compiled_call" not in vars(model)  # the class' method again
     assert all(torch.equal(before_state[k], v) for k, v in model.state_dict().items())
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref)
@@ -70,6 +72,39 @@ def test_context_restores_on_exception():
         with kvcompress.compress(model, None):
             raise RuntimeError("boom")
     assert model.config._attn_implementation == before
+    assert "get_compiled_call" not in vars(model)
+
+
+def test_planned_call_ends_its_plan_when_the_step_raises():
+    """generate's compiled step inside compress() (PlannedCall): a step that raises ends its plan (the next step can
+    be planned) and the next planned step gives the eager step's logits; multi-token calls are not planned."""
+    from kvcompress.adapters import hf
+
+    model = tiny_model("llama")
+    ids = torch.randint(1, 256, (2, 44), generator=torch.Generator().manual_seed(6))
+    stack = {"compressors": [{"kivi": {"bits": 2, "group": 16, "residual": 16}}]}
+    logits = []
+    for broken in (False, True):
+        with kvcompress.compress(model, stack, max_cache_len=48) as cache, torch.no_grad():
+            model(ids[:, :20], cache=cache)
+            seen = []
+
+            def boom(**kw):
+                seen.append(cache.step_planned)
+                raise RuntimeError("boom")
+
+            if broken:
+                with pytest.raises(RuntimeError, match="boom"):
+                    hf.PlannedCall(boom)(input_ids=ids[:, 20:21], cache=cache)
+                assert seen == [True] and not cache.step_planned
+            step = hf.PlannedCall(lambda **kw: (seen.append(cache.step_planned), model(**kw))[1])
+            out = [step(input_ids=ids[:, t:t + 1], cache=cache).logits for t in range(20, 44)]
+            assert seen[-24:] == [True] * 24 and not cache.step_planned
+            assert int(cache.compressed_layers[0].flushed) > 0  # the planned steps flushed blocks
+            step(input_ids=ids[:, 40:42], cache=cache)  # two tokens: passed through unplanned
+            assert seen[-1] is False
+            logits.append(torch.cat(out))
+    assert torch.equal(logits[0], logits[1])
 
 
 def test_continuing_a_filled_cache_feeds_only_new_tokens():
