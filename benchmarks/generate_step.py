@@ -1,19 +1,27 @@
 """The decode step of ``model.generate`` itself on a static kvcompress cache (transformers compiles it on CUDA):
-    python benchmarks/generate_step.py --rows none leank-rope70 leank-rope70@unplanned --batch 8 --ctx 16384
+    python benchmarks/generate_step.py --rows static none leank-rope70 leank-rope70@reduce-overhead \
+        leank-rope70@unplanned --batch 8 --ctx 16384
 
-Llama-3-8B-shaped random bf16 model.  Each row (a kvcompress.evaluation.e2e.BUILTIN_STACKS name; ``@unplanned``:
-generate's compiled step without kvcompress' planning, the model's own ``get_compiled_call`` restored inside the
-``compress`` scope, as before session 62) runs ``model.generate`` inside ``kvcompress.compress(max_cache_len=...)``
-with transformers' default compile configuration (``mode="reduce-overhead"``): one warm-up generate of ``--long``
-tokens (compiles every variant), then ``--repeats`` pairs of generates of ``--short`` and ``--long`` new tokens on
-fresh caches and the same prompt.  The time per decode step is the difference of a pair's times over the difference
-of their token counts (the prompt and the first steps cancel); the median pair is reported.  Greedy, with
-``min_new_tokens`` = ``max_new_tokens`` (random weights may emit the end token).
+Llama-3-8B-shaped random bf16 model.  A row is a kvcompress.evaluation.e2e.BUILTIN_STACKS name, run by
+``model.generate`` inside ``kvcompress.compress`` on a static cache (``max_cache_len``), or ``static``: transformers'
+own StaticCache, no kvcompress.  Suffixes:
+  (none)             generate without a compile_config: since session 62 its single-token steps replay kvcompress'
+                     GraphStep graphs, one per plan key (``hf.GenerateGraphs``);
+  @reduce-overhead   generate with transformers' default CompileConfig given explicitly: its own
+                     ``mode="reduce-overhead"`` compiled step, each step planned by the cache (``hf.PlannedCall``);
+  @unplanned         the model's own ``get_compiled_call`` restored inside the scope: transformers' compiled step with
+                     no plan, as before session 62.
+Each row runs one warm-up generate of ``--long`` tokens (compiles every variant), then ``--repeats`` pairs of
+generates of ``--short`` and ``--long`` new tokens on fresh caches (one capacity, one attach scope per row) and the
+same prompt.  The time per decode step is the difference of a pair's times over the difference of their token counts
+(the prompt and the first steps cancel); the median pair is reported.  Greedy, with ``min_new_tokens`` =
+``max_new_tokens`` (random weights may emit the end token).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -26,25 +34,29 @@ from kvcompress.adapters import hf
 from kvcompress.evaluation import e2e
 
 
-def one_generate(model, stack, ids, new: int, planned: bool, capacity: int) -> float:
+def one_generate(model, stack, ids, new: int, mode: str, capacity: int) -> float:
     """Seconds of one ``generate`` of ``new`` tokens on a fresh static cache of ``capacity`` tokens (synchronised).
     Off CUDA (a smoke run) the step compiles with ``aot_eager`` through a ``compile_config`` that allows the CPU."""
-    kw = {hf.cache_kwarg(model): None}
+    from transformers import CompileConfig
+
     cuda = ids.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    kw: dict = {}
     if not cuda:
         kw["compile_config"] = hf.compile_config({"backend": "aot_eager", "fullgraph": True})
-    with kvcompress.compress(model, stack, max_cache_len=capacity, max_batch_size=ids.shape[0]) \
-            as cache, torch.no_grad():
-        if not planned:  # the method transformers defines (kvcompress' scope restores it on exit)
-            model.get_compiled_call = type(model).get_compiled_call.__get__(model)
-        kw[hf.cache_kwarg(model)] = cache
-        sync()
-        t0 = time.perf_counter()
+    elif mode == "reduce-overhead":
+        kw["compile_config"] = CompileConfig()
+    if stack is None:
+        kw["cache_implementation"] = "static"
+    else:
+        kw[hf.cache_kwarg(model)] = kvcompress.Cache(stack, model, max_cache_len=capacity, max_batch_size=ids.shape[0])
+    sync()
+    t0 = time.perf_counter()
+    with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                              do_sample=False, **kw)
-        sync()
-        dt = time.perf_counter() - t0
+    sync()
+    dt = time.perf_counter() - t0
     if out.shape[1] != ids.shape[1] + new:
         raise RuntimeError(f"generate returned {out.shape[1] - ids.shape[1]} new tokens, asked {new}")
     return dt
@@ -52,24 +64,28 @@ def one_generate(model, stack, ids, new: int, planned: bool, capacity: int) -> f
 
 def measure(model, row: str, batch: int, ctx: int, short: int, long: int, repeats: int) -> dict:
     name, _, mode = row.partition("@")
-    if mode not in ("", "unplanned"):
-        raise ValueError(f"row {row!r}: the only suffix is @unplanned")
-    stack = e2e.resolve_stacks([name], model)[0]
+    if mode not in ("", "reduce-overhead", "unplanned"):
+        raise ValueError(f"row {row!r}: the suffixes are @reduce-overhead and @unplanned")
+    stack = None if name == "static" else e2e.resolve_stacks([name], model)[0]
     device = next(model.parameters()).device
     ids = torch.randint(model.config.vocab_size, (batch, ctx), generator=torch.Generator().manual_seed(0)).to(device)
-    planned = mode == ""
     cap = ctx + long + 8  # one capacity for every generate of the row (another buffer shape would recompile)
     torch._dynamo.reset()  # each row compiles its own variants (transformers keeps one compiled call per model)
     vars(model).pop("_compiled_call", None)
-    t0 = time.perf_counter()
-    one_generate(model, stack, ids, long, planned, cap)
-    res: dict = {"row": row, "batch": batch, "ctx": ctx, "short": short, "long": long,
-                 "warmup_s": round(time.perf_counter() - t0, 1)}
-    pairs = []
-    for _ in range(repeats):
-        a = one_generate(model, stack, ids, short, planned, cap)
-        b = one_generate(model, stack, ids, long, planned, cap)
-        pairs.append(((b - a) / (long - short) * 1e3, a, b))
+    with contextlib.ExitStack() as scope:
+        if stack is not None:
+            scope.enter_context(hf.attach(model))  # what kvcompress.compress does besides building the cache
+            if mode == "unplanned":  # the method transformers defines (the scope restores it on exit)
+                model.get_compiled_call = type(model).get_compiled_call.__get__(model)
+        t0 = time.perf_counter()
+        one_generate(model, stack, ids, long, mode, cap)
+        res: dict = {"row": row, "batch": batch, "ctx": ctx, "short": short, "long": long,
+                     "warmup_s": round(time.perf_counter() - t0, 1)}
+        pairs = []
+        for _ in range(repeats):
+            a = one_generate(model, stack, ids, short, mode, cap)
+            b = one_generate(model, stack, ids, long, mode, cap)
+            pairs.append(((b - a) / (long - short) * 1e3, a, b))
     pairs.sort()
     res["step_ms"] = round(pairs[len(pairs) // 2][0], 3)
     res["step_ms_all"] = [round(p[0], 3) for p in pairs]
@@ -79,7 +95,8 @@ def measure(model, row: str, batch: int, ctx: int, short: int, long: int, repeat
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", nargs="+", default=["none", "leank-rope70", "leank-rope70@unplanned"])
+    ap.add_argument("--rows", nargs="+", default=["static", "none", "leank-rope70", "leank-rope70@reduce-overhead",
+                                                  "leank-rope70@unplanned"])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=16384)
     ap.add_argument("--short", type=int, default=32)

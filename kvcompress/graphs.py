@@ -86,13 +86,17 @@ class GraphStep:
                 return value.device
         return None
 
-    def _bind(self, kwargs: dict[str, Any]) -> None:
-        """Copy this call's tensors into the static buffers; check that everything else is unchanged."""
+    def accepts(self, **kwargs: Any) -> bool:
+        """Whether a call with ``kwargs`` can run on this step's captured arguments (always before the first call):
+        the same names, tensors of the same shapes, dtypes and devices, every other argument unchanged."""
+        return self._static is None or self._mismatch(kwargs) is None
+
+    def _mismatch(self, kwargs: dict[str, Any]) -> str | None:
+        """Why ``kwargs`` cannot be bound to the static buffers (``None``: they can)."""
         static = self._static
         if static.keys() != kwargs.keys():
-            raise UnsupportedOperationError(
-                f"a CUDA-graph decode step was captured with arguments {sorted(static)}, called with "
-                f"{sorted(kwargs)}; call it with the same arguments every step")
+            return (f"a CUDA-graph decode step was captured with arguments {sorted(static)}, called with "
+                    f"{sorted(kwargs)}; call it with the same arguments every step")
         for name, value in kwargs.items():
             held = static[name]
             if isinstance(held, torch.Tensor):
@@ -100,15 +104,22 @@ class GraphStep:
                         or value.device != held.device:
                     got = (f"{tuple(value.shape)} {value.dtype} on {value.device}" if isinstance(value, torch.Tensor)
                            else type(value).__name__)
-                    raise UnsupportedOperationError(
-                        f"a CUDA-graph decode step captured {name!r} as {tuple(held.shape)} {held.dtype} on "
-                        f"{held.device}, got {got}; build a new step for other shapes (batch size, tokens per step)")
-                if value.data_ptr() != held.data_ptr():
-                    held.copy_(value)
+                    return (f"a CUDA-graph decode step captured {name!r} as {tuple(held.shape)} {held.dtype} on "
+                            f"{held.device}, got {got}; build a new step for other shapes (batch size, tokens per step)")
             elif value is not held and not _equal(value, held):
-                raise UnsupportedOperationError(
-                    f"a CUDA-graph decode step replays the call it captured: argument {name!r} changed "
-                    f"({type(held).__name__} -> {type(value).__name__}); a new cache or setting needs a new step")
+                return (f"a CUDA-graph decode step replays the call it captured: argument {name!r} changed "
+                        f"({type(held).__name__} -> {type(value).__name__}); a new cache or setting needs a new step")
+        return None
+
+    def _bind(self, kwargs: dict[str, Any]) -> None:
+        """Copy this call's tensors into the static buffers; check that everything else is unchanged."""
+        problem = self._mismatch(kwargs)
+        if problem is not None:
+            raise UnsupportedOperationError(problem)
+        for name, value in kwargs.items():
+            held = self._static[name]
+            if isinstance(held, torch.Tensor) and value.data_ptr() != held.data_ptr():
+                held.copy_(value)
 
     @staticmethod
     def _planners(kwargs: dict[str, Any]) -> list[Any]:

@@ -210,6 +210,13 @@ def test_changed_arguments_are_refused_with_what_changed():
         step._bind({"input_ids": new, "past_key_values": object(), "logits_to_keep": 1})
     with pytest.raises(UnsupportedOperationError, match="called with"):
         step._bind({"input_ids": new, "past_key_values": cache})
+    # accepts() answers what _bind would do, without copying
+    assert step.accepts(input_ids=torch.ones(2, 1, dtype=torch.long), past_key_values=cache, logits_to_keep=1)
+    assert torch.equal(held, new)
+    assert not step.accepts(input_ids=torch.zeros(3, 1, dtype=torch.long), past_key_values=cache, logits_to_keep=1)
+    assert not step.accepts(input_ids=new, past_key_values=object(), logits_to_keep=1)
+    assert not step.accepts(input_ids=new, past_key_values=cache)
+    assert GraphStep(lambda **kw: None).accepts(anything=1)  # nothing captured yet
 
 
 CUDA_STACKS = {
@@ -347,3 +354,60 @@ def test_step_generate_equals_generate_and_samples_through_the_warpers():
         config.top_k, config.temperature, config.eos_token_id = saved
     first = int((ref[0, 10:] == ref[0, 14]).nonzero()[0]) + 10
     assert torch.equal(ended[0, :first + 1], ref[0, :first + 1]) and (ended[0, first + 1:] == 0).all()
+
+
+def test_generate_graphs_route_planned_steps_through_one_graph_step_per_cache():
+    """What ``generate``'s default compiled step runs inside ``compress`` on CUDA (``hf.PlannedCall`` with
+    ``hf.GenerateGraphs``): every single-token step of a static cache goes through that cache's GraphStep, which plans
+    it (here on the CPU as direct calls, compiled with aot_eager); the logits equal the eager static cache's over
+    steps that flush KIVI blocks."""
+    from kvcompress.adapters import hf
+
+    model = tiny_model("llama")
+    stack = kvcompress.parse_stack({"compressors": [{"kivi": {"bits": 2, "group": 16, "residual": 16}}]})
+    graphs = hf.GenerateGraphs(model, {"backend": "aot_eager", "fullgraph": True})
+    torch._dynamo.reset()
+    eager, _ = _decode(model, stack, 40)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 256, (2, 64), generator=g)  # _decode's tokens
+    pos = torch.arange(64).expand(2, -1)
+    step = hf.PlannedCall(lambda **kw: pytest.fail("the graph route was not taken"), graphs)
+    out = []
+    with kvcompress.compress(model, stack, max_cache_len=68) as cache, torch.no_grad():
+        model(ids[:, :24], position_ids=pos[:, :24], past_key_values=cache)
+        for i in range(24, 64):
+            o = step(input_ids=ids[:, i:i + 1].clone(), position_ids=pos[:, i:i + 1].clone(), past_key_values=cache,
+                     logits_to_keep=1)
+            out.append(o.logits[:, -1].float())
+        first = graphs.graph_step(cache)
+        assert first.calls == 40 and first.direct_calls == 40  # the CPU: no graph, every call direct
+        assert not cache.step_planned and all(int(core.flushed) >= 32 for core in cache.compressed_layers)
+    torch.testing.assert_close(torch.stack(out), eager, rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["none", "kivi2"])
+def test_cuda_generate_replays_kvcompress_graphs(name):
+    """``model.generate`` on CUDA inside ``compress`` with a static cache and no ``compile_config``: its decode steps
+    replay kvcompress' GraphStep graphs (one per plan key) and give the tokens of generate without compilation
+    (fp32)."""
+    model = tiny_model("llama").cuda()
+    stack = kvcompress.parse_stack({"compressors": CUDA_STACKS[name]})
+    ids = torch.randint(1, 256, (2, 20), generator=torch.Generator().manual_seed(7)).cuda()
+    kw = hf_cache_kwarg(model)
+    torch._dynamo.reset()
+    with kvcompress.compress(model, stack, max_cache_len=80) as cache:
+        ref = model.generate(ids, max_new_tokens=48, do_sample=False, disable_compile=True, **{kw: cache})
+    with kvcompress.compress(model, stack, max_cache_len=80) as cache:
+        out = model.generate(ids, max_new_tokens=48, do_sample=False, **{kw: cache})
+        step = model.get_compiled_call(None).graphs.graph_step(cache)
+    assert step is not None and step.replays > 0
+    assert len(step.variants) == (2 if name == "kivi2" else 1)
+    assert torch.equal(out, ref)
+
+
+def hf_cache_kwarg(model):
+    from kvcompress.adapters import hf
+
+    return hf.cache_kwarg(model)

@@ -463,7 +463,7 @@ def attach(model: Any) -> Iterator[None]:
             shadowed = vars(model).get("get_compiled_call", _UNSET)  # an instance attribute someone set, if any
             original = getattr(model, "get_compiled_call", None)
             if callable(original):
-                model.get_compiled_call = _planned_compiled_call(original)
+                model.get_compiled_call = _planned_compiled_call(model, original)
             entry = _ATTACHED[model] = [0, previous, shadowed, callable(original)]
         entry[0] += 1
     try:
@@ -482,9 +482,16 @@ def attach(model: Any) -> Iterator[None]:
                         model.get_compiled_call = entry[2]
 
 
-def _planned_compiled_call(original: Any) -> Any:
+def _planned_compiled_call(model: Any, original: Any) -> Any:
+    graphs = GenerateGraphs(model)  # one per attach scope: its GraphSteps live as long as the scope
+
     def get_compiled_call(compile_config: Any = None) -> "PlannedCall":
-        return PlannedCall(original(compile_config))
+        call = original(compile_config)
+        # transformers' default (no compile_config given: Inductor with mode="reduce-overhead") on CUDA: the
+        # single-token steps replay kvcompress' own CUDA graphs instead; a compile_config given is used as given
+        default = compile_config is None and getattr(getattr(model, "device", None), "type", None) == "cuda"
+        return PlannedCall(call, graphs if default else None)
+
     get_compiled_call.__doc__ = (f"transformers' ``get_compiled_call`` with each single-token decode step planned "
                                  f"by a kvcompress cache (:class:`{__name__}.PlannedCall`)")
     return get_compiled_call
@@ -495,12 +502,16 @@ class PlannedCall:
     compileable cache) with every single-token step planned by the kvcompress cache it is given, as
     :class:`kvcompress.GraphStep` plans its steps: ``cache.plan_step()`` before the call, ``cache.finish_step()``
     after.  The compiled forward branches on the plan (one compiled variant per plan key), so the steps that flush
-    nothing run no flush kernels, and the cache's host counts stay exact without reading the device.  Calls of
-    several tokens (chunked prefill, candidate tokens), other caches, and steps the caller already planned go
-    straight to the compiled forward."""
+    nothing run no flush kernels, and the cache's host counts stay exact without reading the device.
 
-    def __init__(self, call: Any):
+    With ``graphs`` (:class:`GenerateGraphs`: ``generate`` without a ``compile_config``, on CUDA) those steps run as
+    :class:`kvcompress.GraphStep` replays instead of through ``call``: Inductor without CUDA-graph trees, one
+    captured graph per plan key, no per-step guard evaluation.  Calls of several tokens (chunked prefill, candidate
+    tokens), other caches, and steps the caller already planned go straight to ``call``."""
+
+    def __init__(self, call: Any, graphs: "GenerateGraphs | None" = None):
         self.call = call
+        self.graphs = graphs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -509,6 +520,8 @@ class PlannedCall:
                 or not callable(getattr(cache, "plan_step", None)) or not getattr(cache, "is_static", False)
                 or cache.step_planned):
             return self.call(*args, **kwargs)
+        if self.graphs is not None:
+            return self.graphs.step(cache, kwargs)  # GraphStep plans and finishes the step itself
         cache.plan_step()
         completed = False
         try:
@@ -517,6 +530,36 @@ class PlannedCall:
         finally:
             cache.finish_step(completed)
         return out
+
+
+class GenerateGraphs:
+    """``generate``'s default compiled decode step on CUDA inside :func:`attach`: a :class:`kvcompress.GraphStep`
+    per cache over ``torch.compile(model.__call__, fullgraph=True)`` (Inductor, no CUDA-graph trees).  A step whose
+    arguments no longer fit the captured ones (another batch size or set of keywords) gets a new GraphStep, which
+    warms up and captures again; the old one and its graphs are released."""
+
+    def __init__(self, model: Any, compile_options: dict | None = None):
+        self._model = weakref.ref(model)
+        self.compile_options = dict(compile_options or {"fullgraph": True})
+        self._fn: Any = None
+        self._steps: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # cache -> GraphStep
+
+    def graph_step(self, cache: Any) -> Any:
+        """The :class:`kvcompress.GraphStep` that runs ``cache``'s steps (``None`` before its first step)."""
+        return self._steps.get(cache)
+
+    def step(self, cache: Any, kwargs: dict) -> Any:
+        from ..graphs import GraphStep
+
+        if self._fn is None:
+            model = self._model()
+            if model is None:
+                raise UnsupportedOperationError("the model of this compiled generate step was deleted")
+            self._fn = torch.compile(model.__call__, **self.compile_options)
+        step = self._steps.get(cache)
+        if step is None or not step.accepts(**kwargs):
+            step = self._steps[cache] = GraphStep(self._fn)
+        return step(**kwargs)
 
 
 # ----------------------------------------------------------------------------- generate / forward
