@@ -43,11 +43,12 @@ attribute ``graph_safe = True``; a stack with a compressor that does not is buil
 cache and runs eagerly (the cache warns once, naming the compressor and its hooks).  A graph-safe
 compressor follows these rules in a static layer:
 
-* **Fixed shapes, no host reads.**  In an unplanned compiled decode step (``generate``'s own compiled
-  forward) the pipeline offers a block of exactly ``Layout.flush`` tokens every step; ``block.due`` (a
-  0-dim bool tensor) says whether it really leaves the window (its ``valid`` is already all False when it
-  does not).  A step planned on the host (``kvcompress.GraphStep`` calls ``Cache.plan_step``) offers a
-  block only in the steps where one leaves, with ``block.due`` a True tensor; hooks see the same
+* **Fixed shapes, no host reads.**  In an unplanned compiled decode step (a compiled forward a loop
+  calls without ``Cache.plan_step``) the pipeline offers a block of exactly ``Layout.flush`` tokens every
+  step; ``block.due`` (a 0-dim bool tensor) says whether it really leaves the window (its ``valid`` is
+  already all False when it does not).  A step planned on the host (``kvcompress.GraphStep`` and
+  ``generate`` inside ``kvcompress.compress`` call ``Cache.plan_step``) offers a block only in the steps
+  where one leaves, with ``block.due`` a True tensor; hooks see the same
   fixed-shape block either way and must handle both.  Hooks must not read
   tensor values on the host (``.item()``, ``bool(t)``, ``.tolist()``, ``nonzero``), allocate
   buffers, or branch in Python on tensor values; side effects on stored state apply only where
