@@ -6,7 +6,7 @@ Llama-3-8B-shaped random bf16 model.  A row is a kvcompress.evaluation.e2e.BUILT
 ``model.generate`` inside ``kvcompress.compress`` on a static cache (``max_cache_len``), or ``static``: transformers'
 own StaticCache, no kvcompress.  Suffixes:
   (none)             generate without a compile_config: since session 62 its single-token steps replay kvcompress'
-                     GraphStep graphs, one per plan key (``hf.GenerateGraphs``);
+                     GraphStep graphs, one per plan key (``hf.PlannedCall`` over ``hf.CompiledForward``);
   @reduce-overhead   generate with transformers' default CompileConfig given explicitly: its own
                      ``mode="reduce-overhead"`` compiled step, each step planned by the cache (``hf.PlannedCall``);
   @unplanned         the model's own ``get_compiled_call`` restored inside the scope: transformers' compiled step with

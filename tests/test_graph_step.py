@@ -357,32 +357,40 @@ def test_step_generate_equals_generate_and_samples_through_the_warpers():
 
 
 def test_generate_graphs_route_planned_steps_through_one_graph_step_per_cache():
-    """What ``generate``'s default compiled step runs inside ``compress`` on CUDA (``hf.PlannedCall`` with
-    ``hf.GenerateGraphs``): every single-token step of a static cache goes through that cache's GraphStep, which plans
-    it (here on the CPU as direct calls, compiled with aot_eager); the logits equal the eager static cache's over
-    steps that flush KIVI blocks."""
+    """What ``generate``'s default compiled step runs inside ``compress`` on one CUDA device (``hf.PlannedCall`` with
+    an ``hf.CompiledForward``): every single-token step of a static cache goes through one GraphStep, which plans it
+    (here on the CPU as direct calls, compiled with aot_eager); the logits equal the eager static cache's over steps
+    that flush KIVI blocks; a step on another cache gets a new GraphStep; multi-token calls go to transformers'
+    call."""
     from kvcompress.adapters import hf
 
     model = tiny_model("llama")
     stack = kvcompress.parse_stack({"compressors": [{"kivi": {"bits": 2, "group": 16, "residual": 16}}]})
-    graphs = hf.GenerateGraphs(model, {"backend": "aot_eager", "fullgraph": True})
+    forward = hf.CompiledForward(model, {"backend": "aot_eager", "fullgraph": True})
     torch._dynamo.reset()
     eager, _ = _decode(model, stack, 40)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(1, 256, (2, 64), generator=g)  # _decode's tokens
     pos = torch.arange(64).expand(2, -1)
-    step = hf.PlannedCall(lambda **kw: pytest.fail("the graph route was not taken"), graphs)
+    chunks = []
+    step = hf.PlannedCall(lambda **kw: chunks.append(kw["input_ids"].shape[1]) or model(**kw), forward)
     out = []
     with kvcompress.compress(model, stack, max_cache_len=68) as cache, torch.no_grad():
-        model(ids[:, :24], position_ids=pos[:, :24], past_key_values=cache)
+        step(input_ids=ids[:, :24], position_ids=pos[:, :24], past_key_values=cache)  # the prompt: transformers' call
         for i in range(24, 64):
             o = step(input_ids=ids[:, i:i + 1].clone(), position_ids=pos[:, i:i + 1].clone(), past_key_values=cache,
                      logits_to_keep=1)
             out.append(o.logits[:, -1].float())
-        first = graphs.graph_step(cache)
+        first = step.graph_step
+        assert chunks == [24] and forward.calls == 40
         assert first.calls == 40 and first.direct_calls == 40  # the CPU: no graph, every call direct
         assert not cache.step_planned and all(int(core.flushed) >= 32 for core in cache.compressed_layers)
     torch.testing.assert_close(torch.stack(out), eager, rtol=0, atol=1e-5)
+    with kvcompress.compress(model, stack, max_cache_len=68) as other, torch.no_grad():
+        model(ids[:, :24], position_ids=pos[:, :24], past_key_values=other)
+        step(input_ids=ids[:, 24:25], position_ids=pos[:, 24:25], past_key_values=other, logits_to_keep=1)
+    if first._static is not None:  # on CUDA the first GraphStep bound its arguments: another cache needs a new one
+        assert step.graph_step is not first
 
 
 @pytest.mark.gpu
@@ -390,21 +398,24 @@ def test_generate_graphs_route_planned_steps_through_one_graph_step_per_cache():
 @pytest.mark.parametrize("name", ["none", "kivi2"])
 def test_cuda_generate_replays_kvcompress_graphs(name):
     """``model.generate`` on CUDA inside ``compress`` with a static cache and no ``compile_config``: its decode steps
-    replay kvcompress' GraphStep graphs (one per plan key) and give the tokens of generate without compilation
-    (fp32)."""
+    replay kvcompress' GraphStep graphs (the compiled forward runs only in the warm-up and capture calls, one graph
+    per plan key) and give the tokens of generate without compilation (fp32); a second generate continuing on the
+    same cache gives the tokens of one long generate."""
     model = tiny_model("llama").cuda()
     stack = kvcompress.parse_stack({"compressors": CUDA_STACKS[name]})
     ids = torch.randint(1, 256, (2, 20), generator=torch.Generator().manual_seed(7)).cuda()
     kw = hf_cache_kwarg(model)
     torch._dynamo.reset()
-    with kvcompress.compress(model, stack, max_cache_len=80) as cache:
-        ref = model.generate(ids, max_new_tokens=48, do_sample=False, disable_compile=True, **{kw: cache})
-    with kvcompress.compress(model, stack, max_cache_len=80) as cache:
+    with kvcompress.compress(model, stack, max_cache_len=100) as cache:
+        ref = model.generate(ids, max_new_tokens=72, do_sample=False, disable_compile=True, **{kw: cache})
+    with kvcompress.compress(model, stack, max_cache_len=100) as cache:
         out = model.generate(ids, max_new_tokens=48, do_sample=False, **{kw: cache})
-        step = model.get_compiled_call(None).graphs.graph_step(cache)
-    assert step is not None and step.replays > 0
-    assert len(step.variants) == (2 if name == "kivi2" else 1)
-    assert torch.equal(out, ref)
+        forward = model.get_compiled_call(None).graph_fn
+        # 47 decode steps: 3 warm-up calls and a capture, plus a warm-up call and a capture for KIVI's flush variant
+        assert forward is not None and forward.calls == (6 if name == "kivi2" else 4), forward.calls
+        more = model.generate(out, max_new_tokens=24, do_sample=False, **{kw: cache})
+    assert torch.equal(out, ref[:, :out.shape[1]])
+    assert torch.equal(more, ref)
 
 
 def hf_cache_kwarg(model):

@@ -483,35 +483,72 @@ def attach(model: Any) -> Iterator[None]:
 
 
 def _planned_compiled_call(model: Any, original: Any) -> Any:
-    graphs = GenerateGraphs(model)  # one per attach scope: its GraphSteps live as long as the scope
+    forward = CompiledForward(model)  # one per attach scope: compiled once, shared by every generate in the scope
 
     def get_compiled_call(compile_config: Any = None) -> "PlannedCall":
         call = original(compile_config)
-        # transformers' default (no compile_config given: Inductor with mode="reduce-overhead") on CUDA: the
-        # single-token steps replay kvcompress' own CUDA graphs instead; a compile_config given is used as given
-        default = compile_config is None and getattr(getattr(model, "device", None), "type", None) == "cuda"
-        return PlannedCall(call, graphs if default else None)
+        # transformers' default (no compile_config given: Inductor with mode="reduce-overhead") on one CUDA device:
+        # the single-token steps replay kvcompress' own CUDA graphs; a compile_config given is used as given
+        return PlannedCall(call, forward if compile_config is None and _one_cuda_device(model) else None)
 
     get_compiled_call.__doc__ = (f"transformers' ``get_compiled_call`` with each single-token decode step planned "
                                  f"by a kvcompress cache (:class:`{__name__}.PlannedCall`)")
     return get_compiled_call
 
 
+def _one_cuda_device(model: Any) -> bool:
+    """Whether ``model`` runs on one CUDA device in one process (no device map over several devices, no tensor
+    parallelism): where a step captured as one CUDA graph is what serving engines do."""
+    if getattr(getattr(model, "device", None), "type", None) != "cuda":
+        return False
+    device_map = getattr(model, "hf_device_map", None)
+    if isinstance(device_map, dict) and len(set(map(str, device_map.values()))) > 1:
+        return False
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return not (distributed and torch.distributed.get_world_size() > 1)
+
+
+class CompiledForward:
+    """``torch.compile(model.__call__, fullgraph=True)`` (Inductor, no CUDA-graph trees), built at the first call:
+    the function :class:`kvcompress.GraphStep` captures for ``generate`` inside :func:`attach`.  :attr:`calls`
+    counts the calls that ran it (a replayed graph does not)."""
+
+    def __init__(self, model: Any, compile_options: dict | None = None):
+        self._model = weakref.ref(model)
+        self.compile_options = dict(compile_options or {"fullgraph": True})
+        self._fn: Any = None
+        self.calls = 0
+
+    def __call__(self, **kwargs: Any) -> Any:
+        if self._fn is None:
+            model = self._model()
+            if model is None:
+                raise UnsupportedOperationError("the model of this compiled generate step was deleted")
+            self._fn = torch.compile(model.__call__, **self.compile_options)
+        self.calls += 1
+        return self._fn(**kwargs)
+
+
 class PlannedCall:
     """transformers' compiled forward (``model.get_compiled_call(config)``, which ``generate`` decodes with on a
-    compileable cache) with every single-token step planned by the kvcompress cache it is given, as
-    :class:`kvcompress.GraphStep` plans its steps: ``cache.plan_step()`` before the call, ``cache.finish_step()``
-    after.  The compiled forward branches on the plan (one compiled variant per plan key), so the steps that flush
-    nothing run no flush kernels, and the cache's host counts stay exact without reading the device.
+    compileable cache; one per ``generate`` call) with every single-token step planned by the kvcompress cache it
+    is given, as :class:`kvcompress.GraphStep` plans its steps: ``cache.plan_step()`` before the call,
+    ``cache.finish_step()`` after.  The compiled forward branches on the plan (one compiled variant per plan key),
+    so the steps that flush nothing run no flush kernels, and the cache's host counts stay exact without reading
+    the device.
 
-    With ``graphs`` (:class:`GenerateGraphs`: ``generate`` without a ``compile_config``, on CUDA) those steps run as
-    :class:`kvcompress.GraphStep` replays instead of through ``call``: Inductor without CUDA-graph trees, one
-    captured graph per plan key, no per-step guard evaluation.  Calls of several tokens (chunked prefill, candidate
-    tokens), other caches, and steps the caller already planned go straight to ``call``."""
+    With ``graph_fn`` (a :class:`CompiledForward`: ``generate`` without a ``compile_config``, on one CUDA device)
+    those steps run as replays of a :class:`kvcompress.GraphStep` over it instead of through ``call``: one captured
+    graph per plan key, no per-step guard evaluation or graph-tree walk.  The GraphStep lives as long as this call
+    object (one ``generate``: the cache's buffers were sized by its prefill, before the first step) and is replaced
+    when a step's arguments no longer fit the captured ones (another cache, batch size or keyword set).  Calls of
+    several tokens (chunked prefill, candidate tokens), other caches, and steps the caller already planned go
+    straight to ``call``."""
 
-    def __init__(self, call: Any, graphs: "GenerateGraphs | None" = None):
+    def __init__(self, call: Any, graph_fn: "CompiledForward | None" = None):
         self.call = call
-        self.graphs = graphs
+        self.graph_fn = graph_fn
+        self.graph_step: Any = None  # the GraphStep of the current cache (graph_fn given)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -520,8 +557,12 @@ class PlannedCall:
                 or not callable(getattr(cache, "plan_step", None)) or not getattr(cache, "is_static", False)
                 or cache.step_planned):
             return self.call(*args, **kwargs)
-        if self.graphs is not None:
-            return self.graphs.step(cache, kwargs)  # GraphStep plans and finishes the step itself
+        if self.graph_fn is not None:
+            from ..graphs import GraphStep
+
+            if self.graph_step is None or not self.graph_step.accepts(**kwargs):
+                self.graph_step = GraphStep(self.graph_fn)
+            return self.graph_step(**kwargs)  # the GraphStep plans and finishes the step itself
         cache.plan_step()
         completed = False
         try:
@@ -530,36 +571,6 @@ class PlannedCall:
         finally:
             cache.finish_step(completed)
         return out
-
-
-class GenerateGraphs:
-    """``generate``'s default compiled decode step on CUDA inside :func:`attach`: a :class:`kvcompress.GraphStep`
-    per cache over ``torch.compile(model.__call__, fullgraph=True)`` (Inductor, no CUDA-graph trees).  A step whose
-    arguments no longer fit the captured ones (another batch size or set of keywords) gets a new GraphStep, which
-    warms up and captures again; the old one and its graphs are released."""
-
-    def __init__(self, model: Any, compile_options: dict | None = None):
-        self._model = weakref.ref(model)
-        self.compile_options = dict(compile_options or {"fullgraph": True})
-        self._fn: Any = None
-        self._steps: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # cache -> GraphStep
-
-    def graph_step(self, cache: Any) -> Any:
-        """The :class:`kvcompress.GraphStep` that runs ``cache``'s steps (``None`` before its first step)."""
-        return self._steps.get(cache)
-
-    def step(self, cache: Any, kwargs: dict) -> Any:
-        from ..graphs import GraphStep
-
-        if self._fn is None:
-            model = self._model()
-            if model is None:
-                raise UnsupportedOperationError("the model of this compiled generate step was deleted")
-            self._fn = torch.compile(model.__call__, **self.compile_options)
-        step = self._steps.get(cache)
-        if step is None or not step.accepts(**kwargs):
-            step = self._steps[cache] = GraphStep(self._fn)
-        return step(**kwargs)
 
 
 # ----------------------------------------------------------------------------- generate / forward
