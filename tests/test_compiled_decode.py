@@ -217,12 +217,14 @@ def test_generate_auto_compile_plans_every_step(model, name):
     step).  Inside ``kvcompress.compress`` every one of its single-token steps is planned by the cache, so it compiles
     one graph per plan key seen (the steps that flush a block and those that do not), with no symbolic (per-step)
     sizes among its inputs, and gives the eager generate's tokens.  Through a ``compile_config`` that allows the
-    CPU."""
+    CPU.  With ``prefill_chunk_size`` (leank+kivi2), transformers sends the prompt chunks through its compiled call
+    too: they run eagerly (a static kvcompress cache compiles single-token steps only), as in the eager generate."""
     from kvcompress.adapters import hf
 
     ids, _ = _ids(batch=1, length=30)
+    chunks = {"prefill_chunk_size": 12} if name == "leank+kivi2" else {}
     with kvcompress.compress(model, _stack(name, None), max_cache_len=80) as cache:
-        eager = model.generate(ids, max_new_tokens=40, do_sample=False, cache=cache)
+        eager = model.generate(ids, max_new_tokens=40, do_sample=False, cache=cache, **chunks)
     graphs: list = []
 
     def backend(gm, example_inputs):
@@ -236,7 +238,7 @@ def test_generate_auto_compile_plans_every_step(model, name):
         plan, finish = cache.plan_step, cache.finish_step
         cache.plan_step = lambda: keys.append(plan()) or keys[-1]
         cache.finish_step = lambda completed=True: finished.append(completed) or finish(completed)
-        compiled = model.generate(ids, max_new_tokens=40, do_sample=False, cache=cache,
+        compiled = model.generate(ids, max_new_tokens=40, do_sample=False, cache=cache, **chunks,
                                   compile_config=hf.compile_config({"backend": backend, "fullgraph": True}))
         assert not cache.step_planned
         # the host counts the plans advanced equal the device's

@@ -489,7 +489,8 @@ def _planned_compiled_call(model: Any, original: Any) -> Any:
         call = original(compile_config)
         # transformers' default (no compile_config given: Inductor with mode="reduce-overhead") on one CUDA device:
         # the single-token steps replay kvcompress' own CUDA graphs; a compile_config given is used as given
-        return PlannedCall(call, forward if compile_config is None and _one_cuda_device(model) else None)
+        return PlannedCall(call, forward if compile_config is None and _one_cuda_device(model) else None,
+                           eager=model.__call__)
 
     get_compiled_call.__doc__ = (f"transformers' ``get_compiled_call`` with each single-token decode step planned "
                                  f"by a kvcompress cache (:class:`{__name__}.PlannedCall`)")
@@ -541,22 +542,28 @@ class PlannedCall:
     those steps run as replays of a :class:`kvcompress.GraphStep` over it instead of through ``call``: one captured
     graph per plan key, no per-step guard evaluation or graph-tree walk.  The GraphStep lives as long as this call
     object (one ``generate``: the cache's buffers were sized by its prefill, before the first step) and is replaced
-    when a step's arguments no longer fit the captured ones (another cache, batch size or keyword set).  Calls of
-    several tokens (chunked prefill, candidate tokens), other caches, and steps the caller already planned go
-    straight to ``call``."""
+    when a step's arguments no longer fit the captured ones (another cache, batch size or keyword set).
 
-    def __init__(self, call: Any, graph_fn: "CompiledForward | None" = None):
+    Calls of several tokens on a static kvcompress cache (``generate(prefill_chunk_size=N)``, which sends its prompt
+    chunks through the compiled call) run ``eager`` (the model's uncompiled ``__call__``): such a cache compiles
+    single-token steps only, and its prompt chunks run eagerly.  Other caches, calls without one token count, and
+    steps the caller already planned go straight to ``call``."""
+
+    def __init__(self, call: Any, graph_fn: "CompiledForward | None" = None, eager: Any = None):
         self.call = call
         self.graph_fn = graph_fn
+        self.eager = eager
         self.graph_step: Any = None  # the GraphStep of the current cache (graph_fn given)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         tokens = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-        if (args or not isinstance(tokens, torch.Tensor) or tokens.dim() < 2 or tokens.shape[1] != 1
+        if (args or not isinstance(tokens, torch.Tensor) or tokens.dim() < 2
                 or not callable(getattr(cache, "plan_step", None)) or not getattr(cache, "is_static", False)
                 or cache.step_planned):
             return self.call(*args, **kwargs)
+        if tokens.shape[1] != 1:
+            return (self.eager or self.call)(**kwargs)
         if self.graph_fn is not None:
             from ..graphs import GraphStep
 
