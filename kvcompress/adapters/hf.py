@@ -557,7 +557,9 @@ class PlannedCall:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        tokens = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        tokens = kwargs.get("input_ids")
+        if tokens is None:  # (generate passes input_ids=None with prompt embeddings)
+            tokens = kwargs.get("inputs_embeds")
         if (args or not isinstance(tokens, torch.Tensor) or tokens.dim() < 2
                 or not callable(getattr(cache, "plan_step", None)) or not getattr(cache, "is_static", False)
                 or cache.step_planned):
