@@ -140,3 +140,21 @@ def test_keys_changed_between_update_and_attention_are_refused():
         # nothing pending any more: a later call falls back to plain SDPA
         out, _ = hf.kvcompress_attention(attn, torch.randn(1, 4, 3, 16), k, torch.randn(1, 2, 3, 16), None)
         assert out.shape == (1, 3, 4, 16)
+
+
+def test_generate_graphs_only_for_one_cuda_device():
+    """generate's default compiled step replays kvcompress' CUDA graphs only for a model on one CUDA device in one
+    process; a device map over several devices (or the CPU) keeps transformers' compiled call, planned."""
+    from types import SimpleNamespace
+
+    from kvcompress.adapters import hf
+
+    cuda = torch.device("cuda", 0)
+    assert hf._one_cuda_device(SimpleNamespace(device=cuda))
+    assert hf._one_cuda_device(SimpleNamespace(device=cuda, hf_device_map={"model.layers.0": 0, "lm_head": 0}))
+    assert not hf._one_cuda_device(SimpleNamespace(device=cuda, hf_device_map={"model.layers.0": 0, "lm_head": 1}))
+    assert not hf._one_cuda_device(SimpleNamespace(device=torch.device("cpu")))
+    model = tiny_model("llama", layers=1)
+    with kvcompress.compress(model, None):
+        call = model.get_compiled_call(None)
+        assert isinstance(call, hf.PlannedCall) and call.graph_fn is None  # the CPU: transformers' call, planned
