@@ -401,10 +401,12 @@ def test_cuda_generate_replays_kvcompress_graphs(name):
     replay kvcompress' GraphStep graphs (the compiled forward runs only in the warm-up and capture calls, one graph
     per plan key) and give the tokens of generate without compilation (fp32); a second generate continuing on the
     same cache gives the tokens of one long generate."""
+    from kvcompress.adapters import hf
+
     model = tiny_model("llama").cuda()
     stack = kvcompress.parse_stack({"compressors": CUDA_STACKS[name]})
     ids = torch.randint(1, 256, (2, 20), generator=torch.Generator().manual_seed(7)).cuda()
-    kw = hf_cache_kwarg(model)
+    kw = hf.cache_kwarg(model)
     torch._dynamo.reset()
     with kvcompress.compress(model, stack, max_cache_len=100) as cache:
         ref = model.generate(ids, max_new_tokens=72, do_sample=False, disable_compile=True, **{kw: cache})
@@ -416,9 +418,3 @@ def test_cuda_generate_replays_kvcompress_graphs(name):
         more = model.generate(out, max_new_tokens=24, do_sample=False, **{kw: cache})
     assert torch.equal(out, ref[:, :out.shape[1]])
     assert torch.equal(more, ref)
-
-
-def hf_cache_kwarg(model):
-    from kvcompress.adapters import hf
-
-    return hf.cache_kwarg(model)

@@ -33,6 +33,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..errors import UnsupportedModelError, UnsupportedOperationError
+from ..graphs import GraphStep
 
 CacheBase = cache_utils.Cache
 CacheLayerMixin = cache_utils.CacheLayerMixin
@@ -553,7 +554,9 @@ class PlannedCall:
         self.call = call
         self.graph_fn = graph_fn
         self.eager = eager
-        self.graph_step: Any = None  # the GraphStep of the current cache (graph_fn given)
+        #: what the single-token steps run through, planned and finished by it: a GraphStep over ``graph_fn``
+        #: (built at the first step, replaced when the arguments change), or ``call`` itself (``enabled=False``)
+        self.graph_step: GraphStep | None = None if graph_fn is not None else GraphStep(call, enabled=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -566,21 +569,10 @@ class PlannedCall:
             return self.call(*args, **kwargs)
         if tokens.shape[1] != 1:
             return (self.eager or self.call)(**kwargs)
-        if self.graph_fn is not None:
-            from ..graphs import GraphStep
-
-            if self.graph_step is None or not self.graph_step.accepts(**kwargs):
-                # two direct calls before the capture, as the CLI's and the benchmarks' GraphSteps
-                self.graph_step = GraphStep(self.graph_fn, warmup=2)
-            return self.graph_step(**kwargs)  # the GraphStep plans and finishes the step itself
-        cache.plan_step()
-        completed = False
-        try:
-            out = self.call(**kwargs)
-            completed = True
-        finally:
-            cache.finish_step(completed)
-        return out
+        if self.graph_fn is not None and (self.graph_step is None or not self.graph_step.accepts(**kwargs)):
+            # two direct calls before the capture, as the CLI's and the benchmarks' GraphSteps
+            self.graph_step = GraphStep(self.graph_fn, warmup=2)
+        return self.graph_step(**kwargs)  # the GraphStep plans the step and finishes it (completed or raised)
 
 
 # ----------------------------------------------------------------------------- generate / forward
