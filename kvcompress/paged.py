@@ -656,15 +656,13 @@ class StaticPagedStore(MiddleStore):
         else:
             scores = torch.zeros(rows.shape[0], device=dev)
         positions = block.positions[tokens]
-        if block.due is None:  # host: one page after another (their number is known here)
-            for i in range(rows.shape[0]):
-                sel = torch.tensor([i], device=dev)
-                self._write_page(rows[i:i + 1], encoded, sel, slot_valid[sel], positions[sel], scores[sel], host=True)
+        if block.due is None:  # host: every page at once, into each row's first free pages in order
+            self._write_pages(rows, encoded, slot_valid, positions, scores)
         else:
             n = block.num_tokens // p
             for j in range(n):
                 sel = torch.arange(b, device=dev) * n + j
-                self._write_page(None, encoded, sel, slot_valid[sel], positions[sel], scores[sel], host=False)
+                self._write_page(encoded, sel, slot_valid[sel], positions[sel], scores[sel])
 
     def _encode(self, block: KVBlock, rows: torch.Tensor, tokens: torch.Tensor):
         """Each part's pages encoded: ``(part, {name: [pages, heads, n, ...]})``."""
@@ -681,22 +679,42 @@ class StaticPagedStore(MiddleStore):
             out.append((part, self.codec.encode(k.contiguous(), v.contiguous(), valid, fill=True, **kw)))
         return out
 
-    def _write_page(self, row, encoded, sel, slot_valid, positions, scores, host: bool) -> None:
-        """Write page ``sel[i]`` of ``encoded`` into row ``i``'s first free page (``host``: the one row ``row``)."""
+    def _write_pages(self, rows, encoded, slot_valid, positions, scores) -> None:
+        """Host blocks: write page ``i`` of ``encoded`` (row ``rows[i]``; a row's pages in order) into that row's
+        first free pages, in one indexed write per buffer. Pages written together get consecutive ages, as one write
+        after another would."""
+        n, dev = rows.shape[0], rows.device
+        free = ~self.live[:, :self.pages]
+        counts = torch.bincount(rows, minlength=free.shape[0])
+        if bool((counts > free.sum(1)).any()):
+            raise RuntimeError("a static paged store ran out of pages: its owner keeps more than it declared")
+        first = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(n, device=dev) - first[rows]  # the page's place among its row's new pages
+        order = torch.argsort((~free).to(torch.int8), dim=1, stable=True)  # each row's free pages first, in order
+        target = order[rows, rank]
+        for (_, bufs), (_, data) in zip(self.lanes, encoded):
+            for name, src in data.items():
+                buf = bufs[name]
+                per = self.page_size if self.codec.token_axis(name) else self.page_size // self.codec.unit
+                view = buf.view(buf.shape[0], buf.shape[1], self.pages + 1, per, *buf.shape[3:])
+                view[rows, :, target] = src.to(buf.dtype)  # [N, heads, per, ...] (advanced indices first)
+        p = self.page_size
+        self.valid.view(-1, self.pages + 1, p)[rows, target] = slot_valid
+        self.pos.view(-1, self.pages + 1, p)[rows, target] = positions.to(self.pos.dtype)
+        self.live[rows, target] = True
+        self.score[rows, target] = scores.float()
+        self.age[rows, target] = self.clock + torch.arange(n, device=dev)
+        self.clock.add_(n)
+
+    def _write_page(self, encoded, sel, slot_valid, positions, scores) -> None:
+        """Write page ``sel[i]`` of ``encoded`` into row ``i``'s first free page (decode blocks: every row at
+        once, branch-free; a row whose page holds no token writes to the spare page)."""
         p, unit = self.page_size, self.codec.unit
-        if host:
-            rows = row
-            free = ~self.live[row, :self.pages]
-            if not bool(free.any()):
-                raise RuntimeError("a static paged store ran out of pages: its owner keeps more than it declared")
-            target = free.long().argmax(1)
-            keep = torch.ones_like(target, dtype=torch.bool)
-        else:
-            rows = torch.arange(self.live.shape[0], device=self.live.device)
-            keep = slot_valid.any(1)  # rows whose page holds a token (False when the block is not due)
-            free = ~self.live[:, :self.pages]
-            spare = torch.full_like(rows, self.pages)
-            target = torch.where(keep & free.any(1), free.long().argmax(1), spare)
+        rows = torch.arange(self.live.shape[0], device=self.live.device)
+        keep = slot_valid.any(1)  # rows whose page holds a token (False when the block is not due)
+        free = ~self.live[:, :self.pages]
+        spare = torch.full_like(rows, self.pages)
+        target = torch.where(keep & free.any(1), free.long().argmax(1), spare)
         for (_, bufs), (_, data) in zip(self.lanes, encoded):
             for name, src in data.items():
                 buf = bufs[name]

@@ -44,6 +44,7 @@ Parameters: ``budget`` (C, 1024), ``block`` (P, 16), ``score`` ("v_over_k"), ``s
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 
 import torch
@@ -217,21 +218,14 @@ class PagedEvictionCompressor(Compressor):
         score = torch.cat([store.score[:, :m], inc_score], 1)
         tokens = torch.cat([store.page_tokens(), inc_tok], 1)
         age = torch.cat([store.age[:, :m], store.clock + 1 + torch.arange(n, device=dev).expand(b, n)], 1)
-        due = torch.ones((), dtype=torch.bool, device=dev) if block.due is None else block.due
-        columns = torch.arange(m + n, device=dev)
-        total = held
-        for j in range(n):
-            newest = m + j
-            live = live | ((columns == newest) & (inc_tok[:, j:j + 1] > 0))
-            total = total + inc_tok[:, j]
-            eligible = live & (columns != newest)
-            over = (total > cfg.budget) & eligible.any(1) & due
-            s = torch.where(eligible, score, torch.full_like(score, float("inf")))
-            tie = eligible & (s == s.amin(1, keepdim=True))
-            victim = torch.where(tie, age, torch.full_like(age, torch.iinfo(torch.long).max)).argmin(1)
-            kill = (columns == victim.view(b, 1)) & over.view(b, 1)
-            live = live & ~kill
-            total = total - (tokens * kill).sum(1)
+        if block.due is None:  # a prompt chunk (eager): the same boundaries replayed on host lists - a GPU pays
+            # a launch for each of the loop's ~15 small ops per page below (8 x 2048-token chunks of 16-token pages:
+            # 2 s of 8 on an H100, benchmarks/prefill_time.py)
+            kept = _replay_boundaries(live.tolist(), score.tolist(), tokens.tolist(), age.tolist(), held.tolist(),
+                                      inc_tok.tolist(), cfg.budget)
+            live = torch.tensor(kept, dtype=torch.bool, device=dev)
+        else:
+            live = _boundaries_device(live, score, tokens, age, held, inc_tok, m, block.due, cfg.budget)
         store.free_pages(store.live[:, :m] & ~live[:, :m])
         dropped = (inc_tok > 0) & ~live[:, m:]  # incoming pages freed by a later boundary of this block
         return ~dropped.repeat_interleave(p, dim=1)
@@ -327,3 +321,50 @@ def kvcompress_register_compressors(register):
         name="paged_eviction", axis="evict", config=PagedEvictionConfig, factory=PagedEvictionCompressor,
         summary="PagedEviction: evict whole pages of a paged pool by ||V||/||K|| (arXiv:2509.04377)",
     ))
+
+
+def _boundaries_device(live, score, tokens, age, held, inc_tok, m: int, due, budget: int) -> torch.Tensor:
+    """The boundaries of ``_boundaries_static`` as branch-free tensor ops (decode blocks, compiled steps):
+    which of the ``m`` stored and ``n`` incoming pages each row keeps ``[b, m + n]``."""
+    b, n = inc_tok.shape
+    columns = torch.arange(m + n, device=live.device)
+    total = held
+    for j in range(n):
+        newest = m + j
+        live = live | ((columns == newest) & (inc_tok[:, j:j + 1] > 0))
+        total = total + inc_tok[:, j]
+        eligible = live & (columns != newest)
+        over = (total > budget) & eligible.any(1) & due
+        s = torch.where(eligible, score, torch.full_like(score, float("inf")))
+        tie = eligible & (s == s.amin(1, keepdim=True))
+        victim = torch.where(tie, age, torch.full_like(age, torch.iinfo(torch.long).max)).argmin(1)
+        kill = (columns == victim.view(b, 1)) & over.view(b, 1)
+        live = live & ~kill
+        total = total - (tokens * kill).sum(1)
+    return live
+
+
+def _replay_boundaries(live: list, score: list, tokens: list, age: list, held: list, incoming: list,
+                       budget: int) -> list:
+    """Host form of :func:`_boundaries_device` for one block, row by row: the block's ``n`` pages (``incoming``: tokens
+    of each) arrive one boundary at a time; while a row holds more than ``budget`` tokens, its live page of lowest
+    ``(score, age)`` other than the newest is freed. ``live`` / ``score`` / ``tokens`` / ``age``: ``[b][m + n]`` over
+    the ``m`` stored pages then the incoming ones. Returns which pages each row keeps, ``[b][m + n]``."""
+    out = []
+    for r, new in enumerate(incoming):
+        m = len(live[r]) - len(new)
+        kept = list(live[r])
+        heap = [(score[r][c], age[r][c], c) for c in range(m) if kept[c]]  # the pages a boundary may free
+        heapq.heapify(heap)
+        total = held[r]
+        for j, tok in enumerate(new):
+            if j and kept[m + j - 1]:  # the previous newest page is no longer protected
+                heapq.heappush(heap, (score[r][m + j - 1], age[r][m + j - 1], m + j - 1))
+            kept[m + j] = tok > 0
+            total += tok
+            if total > budget and heap:
+                _, _, victim = heapq.heappop(heap)
+                kept[victim] = False
+                total -= tokens[r][victim]
+        out.append(kept)
+    return out

@@ -317,17 +317,43 @@ def test_beam_search_and_repeat_copy_pages_per_row():
     assert len(store.free) + len(pages) == store.fresh
 
 
-def test_multi_block_chunk_is_a_sequence_of_boundaries():
-    """A 50-token chunk after prefill: 3 boundaries, at most one page evicted each, pages of the chunk included."""
+@pytest.mark.parametrize("static,prompt", [(False, "decode"), (True, "decode"), (True, "chunked")])
+def test_multi_block_chunk_is_a_sequence_of_boundaries(static, prompt):
+    """A 50-token chunk after prefill: 3 boundaries, at most one page evicted each, pages of the chunk included.
+    On a static cache too, and there with a prompt sent in chunks over the budget (the host replay of the
+    boundaries and the pool's one-write page placement, not the decode path's tensor ops)."""
     model = tiny_model("llama", layers=1)
     ids = _ids(200, 13)
-    chunks = [(0, 100), (100, 101), (101, 151)] + [(t, t + 1) for t in range(151, 200)]
-    with kvcompress.compress(model, _stack(budget=64, block=16)) as cache:
+    if prompt == "decode":
+        chunks, seen = [(0, 100), (100, 101), (101, 151)] + [(t, t + 1) for t in range(151, 200)], (3, 3)
+    else:
+        chunks, seen = [(0, 40), (40, 90), (90, 150), (150, 170)] + [(t, t + 1) for t in range(170, 200)], (4, 4)
+    with kvcompress.compress(model, _stack(budget=64, block=16), **({"max_cache_len": 208} if static else {})) as cache:
         got = streamed_logits(model, ids, cache, chunks)
     record = {}
     ref = oracle_logits(model, ids, chunks, budget=64, block=16, sinks=16, record=record)
     assert (got - ref).abs().max().item() < 1e-4
-    assert (3, 3) in record[0][3]
+    assert seen in record[0][3]
+
+
+def test_host_replay_of_boundaries_equals_the_tensor_loop():
+    """A prompt chunk's page boundaries (host heap per row) decide exactly as the decode path's branch-free tensor
+    loop, on random pools: partial and empty incoming pages, tied scores (the older page goes), rows under budget."""
+    from kvcompress.plugins.paged_eviction import _boundaries_device, _replay_boundaries
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        b, m, n, budget = 3, int(torch.randint(2, 9, (1,), generator=g)), int(torch.randint(1, 7, (1,), generator=g)), 48
+        live = torch.cat([torch.rand(b, m, generator=g) < 0.7, torch.zeros(b, n, dtype=torch.bool)], 1)
+        score = torch.randint(0, 4, (b, m + n), generator=g).float() / 4  # few values: many ties
+        tokens = torch.cat([torch.randint(1, 9, (b, m), generator=g), torch.randint(0, 9, (b, n), generator=g)], 1)
+        age = torch.randperm(m + n, generator=g).expand(b, -1).clone()
+        held = (live[:, :m] * tokens[:, :m]).sum(1) + torch.randint(0, 20, (b,), generator=g)
+        inc = tokens[:, m:]
+        want = _boundaries_device(live, score, tokens, age, held, inc, m, torch.ones((), dtype=torch.bool), budget)
+        got = _replay_boundaries(live.tolist(), score.tolist(), tokens.tolist(), age.tolist(), held.tolist(),
+                                 inc.tolist(), budget)
+        assert torch.equal(torch.tensor(got), want), trial
 
 
 @pytest.mark.parametrize("score", ["key_norm", "inverse_key_norm", "random"])
