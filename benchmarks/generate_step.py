@@ -14,7 +14,8 @@ own StaticCache, no kvcompress.  Suffixes:
 Each row runs one warm-up generate of ``--long`` tokens (compiles every variant), then ``--repeats`` pairs of
 generates of ``--short`` and ``--long`` new tokens on fresh caches (one capacity, one attach scope per row) and the
 same prompt.  The time per decode step is the difference of a pair's times over the difference of their token counts
-(the prompt and the first steps cancel); the median pair is reported.  Greedy, with ``min_new_tokens`` =
+(the prompt and the first steps cancel); the median pair is reported.  ``--busy``: the GPU work per step the same way,
+from a profiled pair (summed kernel durations, kernel count, top kernels), to set beside the wall time.  Greedy, with ``min_new_tokens`` =
 ``max_new_tokens`` (random weights may emit the end token).
 """
 
@@ -62,7 +63,7 @@ def one_generate(model, stack, ids, new: int, mode: str, capacity: int) -> float
     return dt
 
 
-def measure(model, row: str, batch: int, ctx: int, short: int, long: int, repeats: int) -> dict:
+def measure(model, row: str, batch: int, ctx: int, short: int, long: int, repeats: int, busy: bool = False) -> dict:
     name, _, mode = row.partition("@")
     if mode not in ("", "reduce-overhead", "unplanned"):
         raise ValueError(f"row {row!r}: the suffixes are @reduce-overhead and @unplanned")
@@ -86,6 +87,22 @@ def measure(model, row: str, batch: int, ctx: int, short: int, long: int, repeat
             a = one_generate(model, stack, ids, short, mode, cap)
             b = one_generate(model, stack, ids, long, mode, cap)
             pairs.append(((b - a) / (long - short) * 1e3, a, b))
+        if busy and device.type == "cuda":  # GPU work per step: one more short / long pair under the profiler
+            from torch.profiler import ProfilerActivity, profile
+
+            tables = []
+            for n in (short, long):
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    one_generate(model, stack, ids, n, mode, cap)
+                tables.append({r["kernel"]: (r["per_step"], r["us_per_step"]) for r in e2e.kernel_table(prof, 1, 10**6)})
+            steps = long - short
+            per = {k: ((tables[1].get(k, (0, 0))[0] - tables[0].get(k, (0, 0))[0]) / steps,
+                       (tables[1].get(k, (0, 0))[1] - tables[0].get(k, (0, 0))[1]) / steps)
+                   for k in set(tables[0]) | set(tables[1])}
+            res["busy_ms"] = round(sum(us for _, us in per.values()) / 1e3, 3)
+            res["kernels_per_step"] = round(sum(c for c, _ in per.values()), 1)
+            res["top_kernels"] = [{"kernel": k, "per_step": round(c, 2), "us_per_step": round(us, 1)}
+                                  for k, (c, us) in sorted(per.items(), key=lambda kv: -kv[1][1])[:15]]
     pairs.sort()
     res["step_ms"] = round(pairs[len(pairs) // 2][0], 3)
     res["step_ms_all"] = [round(p[0], 3) for p in pairs]
@@ -105,6 +122,8 @@ def main() -> int:
     ap.add_argument("--shape", default="llama3-8b")
     ap.add_argument("--out", default="out")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (use --shape tiny)")
+    ap.add_argument("--busy", action="store_true", help="also the GPU work per step (summed kernel time, kernels, "
+                                                        "the top kernels) from one more profiled short / long pair")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     model = e2e.random_model(args.shape, args.device, torch.bfloat16 if args.device == "cuda" else torch.float32)
@@ -112,21 +131,22 @@ def main() -> int:
     results = []
     for row in args.rows:
         try:
-            r = measure(model, row, args.batch, args.ctx, args.short, args.long, args.repeats)
+            r = measure(model, row, args.batch, args.ctx, args.short, args.long, args.repeats, args.busy)
         except Exception as exc:  # one row's failure never ends the run
             r = {"row": row, "error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-4000:]}
         results.append(r)
-        print(json.dumps({k: v for k, v in r.items() if k != "traceback"}), flush=True)
+        print(json.dumps({k: v for k, v in r.items() if k not in ("traceback", "top_kernels")}), flush=True)
         if args.device == "cuda":
             torch.cuda.empty_cache()
         with open(os.path.join(args.out, f"generate_step_b{args.batch}.json"), "w") as f:  # after every row
             json.dump({"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                        "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                        "rows": results}, f, indent=1)
-    print(f"{'row':28} {'ms/step':>8}  all pairs")
+    print(f"{'row':28} {'ms/step':>8} {'GPU busy':>9} {'kernels':>8}  all pairs")
     for r in results:
+        busy = f"{r['busy_ms']:9.2f} {r['kernels_per_step']:8.1f}" if "busy_ms" in r else f"{'-':>9} {'-':>8}"
         print(f"{r['row']:28} " + (f"ERROR {r['error'][:200]}" if "error" in r
-                                    else f"{r['step_ms']:8.2f}  {r['step_ms_all']}"))
+                                    else f"{r['step_ms']:8.2f} {busy}  {r['step_ms_all']}"))
     return 0
 
 
