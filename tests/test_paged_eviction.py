@@ -179,14 +179,19 @@ def test_decode_logits_match_replayed_policy(arch, budget, block, sinks, prefill
     assert not torch.equal(record[0][0], record[1][0])
 
 
-def test_kivi_pages_match_fake_quant_oracle():
+@pytest.mark.parametrize("static", [False, True])
+def test_kivi_pages_match_fake_quant_oracle(static):
+    """KIVI-coded pages against the fake-quantizing oracle; on a static cache with the prompt in two chunks (the
+    second over the budget: its pages' codes and scales placed by the pool's one-write host path)."""
     model = tiny_model("llama")
     length, group, residual, block, budget = 260, 16, 16, 32, 128
     ids = _ids(length, 7)
     chunks = decode_chunks(120, length)
+    if static:
+        chunks = [(0, 50), (50, 120)] + chunks[1:]
     stack = _stack(after=[{"kivi": {"bits": 2, "group": group, "residual": residual}}], budget=budget, block=block,
                    sinks=8)
-    with kvcompress.compress(model, stack) as cache:
+    with kvcompress.compress(model, stack, **({"max_cache_len": length + 8} if static else {})) as cache:
         got = streamed_logits(model, ids, cache, chunks)
     ref = oracle_logits(model, ids, chunks, budget=budget, block=block, sinks=8, recent=residual, bits=2, group=group)
     assert (got - ref).abs().max().item() < 1e-4
