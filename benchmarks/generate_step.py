@@ -35,7 +35,7 @@ from kvcompress.adapters import hf
 from kvcompress.evaluation import e2e
 
 
-def one_generate(model, stack, ids, new: int, mode: str, capacity: int) -> float:
+def one_generate(model, stack, ids, new: int, mode: str, capacity: int, chunk: int = 0) -> float:
     """Seconds of one ``generate`` of ``new`` tokens on a fresh static cache of ``capacity`` tokens (synchronised).
     Off CUDA (a smoke run) the step compiles with ``aot_eager`` through a ``compile_config`` that allows the CPU."""
     from transformers import CompileConfig
@@ -47,6 +47,8 @@ def one_generate(model, stack, ids, new: int, mode: str, capacity: int) -> float
         kw["compile_config"] = hf.compile_config({"backend": "aot_eager", "fullgraph": True})
     elif mode == "reduce-overhead":
         kw["compile_config"] = CompileConfig()
+    if chunk:
+        kw["prefill_chunk_size"] = chunk  # generate sends the prompt in chunks (eagerly on a kvcompress cache)
     if stack is None:
         kw["cache_implementation"] = "static"
     else:
@@ -63,7 +65,8 @@ def one_generate(model, stack, ids, new: int, mode: str, capacity: int) -> float
     return dt
 
 
-def measure(model, row: str, batch: int, ctx: int, short: int, long: int, repeats: int, busy: bool = False) -> dict:
+def measure(model, row: str, batch: int, ctx: int, short: int, long: int, repeats: int, busy: bool = False,
+            chunk: int = 0) -> dict:
     name, _, mode = row.partition("@")
     if mode not in ("", "reduce-overhead", "unplanned"):
         raise ValueError(f"row {row!r}: the suffixes are @reduce-overhead and @unplanned")
@@ -79,13 +82,13 @@ def measure(model, row: str, batch: int, ctx: int, short: int, long: int, repeat
             if mode == "unplanned":  # the method transformers defines (the scope restores it on exit)
                 model.get_compiled_call = type(model).get_compiled_call.__get__(model)
         t0 = time.perf_counter()
-        one_generate(model, stack, ids, long, mode, cap)
-        res: dict = {"row": row, "batch": batch, "ctx": ctx, "short": short, "long": long,
+        one_generate(model, stack, ids, long, mode, cap, chunk)
+        res: dict = {"row": row, "batch": batch, "ctx": ctx, "short": short, "long": long, "prefill_chunk": chunk,
                      "warmup_s": round(time.perf_counter() - t0, 1)}
         pairs = []
         for _ in range(repeats):
-            a = one_generate(model, stack, ids, short, mode, cap)
-            b = one_generate(model, stack, ids, long, mode, cap)
+            a = one_generate(model, stack, ids, short, mode, cap, chunk)
+            b = one_generate(model, stack, ids, long, mode, cap, chunk)
             pairs.append(((b - a) / (long - short) * 1e3, a, b))
         if busy and device.type == "cuda":  # GPU work per step: one more short / long pair under the profiler
             from torch.profiler import ProfilerActivity, profile
@@ -93,7 +96,7 @@ def measure(model, row: str, batch: int, ctx: int, short: int, long: int, repeat
             tables = []
             for n in (short, long):
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    one_generate(model, stack, ids, n, mode, cap)
+                    one_generate(model, stack, ids, n, mode, cap, chunk)
                 tables.append({r["kernel"]: (r["per_step"], r["us_per_step"]) for r in e2e.kernel_table(prof, 1, 10**6)})
             steps = long - short
             per = {k: ((tables[1].get(k, (0, 0))[0] - tables[0].get(k, (0, 0))[0]) / steps,
@@ -122,6 +125,8 @@ def main() -> int:
     ap.add_argument("--shape", default="llama3-8b")
     ap.add_argument("--out", default="out")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (use --shape tiny)")
+    ap.add_argument("--prefill-chunk", type=int, default=0, help="generate's prefill_chunk_size (0: the prompt in one "
+                                                                    "call; 8 x 16k needs chunks on an 80 GB card)")
     ap.add_argument("--busy", action="store_true", help="also the GPU work per step (summed kernel time, kernels, "
                                                         "the top kernels) from one more profiled short / long pair")
     args = ap.parse_args()
@@ -131,7 +136,8 @@ def main() -> int:
     results = []
     for row in args.rows:
         try:
-            r = measure(model, row, args.batch, args.ctx, args.short, args.long, args.repeats, args.busy)
+            r = measure(model, row, args.batch, args.ctx, args.short, args.long, args.repeats, args.busy,
+                        args.prefill_chunk)
         except Exception as exc:  # one row's failure never ends the run
             r = {"row": row, "error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-4000:]}
         results.append(r)
