@@ -14,7 +14,9 @@ own StaticCache, no kvcompress.  Suffixes:
 Each row runs one warm-up generate of ``--long`` tokens (compiles every variant), then ``--repeats`` pairs of
 generates of ``--short`` and ``--long`` new tokens on fresh caches (one capacity, one attach scope per row) and the
 same prompt.  The time per decode step is the difference of a pair's times over the difference of their token counts
-(the prompt and the first steps cancel); the median pair is reported.  ``--busy``: the GPU work per step the same way,
+(the prompt and the first steps cancel); the median pair is reported.  The long generates also note the time of each
+step (a stopping criterion that never stops): ``step_median_ms``, the typical step, and ``steps_over_median_ms``,
+what the slower steps (graph captures, flush variants' first runs) add per generate beyond it, with the slowest.  ``--busy``: the GPU work per step the same way,
 from a profiled pair (summed kernel durations, kernel count, top kernels), to set beside the wall time.  Greedy, with ``min_new_tokens`` =
 ``max_new_tokens`` (random weights may emit the end token).
 """
@@ -35,10 +37,24 @@ from kvcompress.adapters import hf
 from kvcompress.evaluation import e2e
 
 
-def one_generate(model, stack, ids, new: int, mode: str, capacity: int, chunk: int = 0) -> float:
+class _Stamps:
+    """A stopping criterion that never stops and notes the host time each time ``generate`` asks it (once per new
+    token, after that token's step).  ``generate`` reads its unfinished-rows flag on the host every step (a device
+    sync), so the gaps between stamps are the wall time of each decode step, graph captures and flush steps included."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def one_generate(model, stack, ids, new: int, mode: str, capacity: int, chunk: int = 0, stamps=None) -> float:
     """Seconds of one ``generate`` of ``new`` tokens on a fresh static cache of ``capacity`` tokens (synchronised).
-    Off CUDA (a smoke run) the step compiles with ``aot_eager`` through a ``compile_config`` that allows the CPU."""
-    from transformers import CompileConfig
+    Off CUDA (a smoke run) the step compiles with ``aot_eager`` through a ``compile_config`` that allows the CPU.
+    ``stamps`` (a :class:`_Stamps`): notes the time of every step."""
+    from transformers import CompileConfig, StoppingCriteriaList
 
     cuda = ids.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -47,6 +63,8 @@ def one_generate(model, stack, ids, new: int, mode: str, capacity: int, chunk: i
         kw["compile_config"] = hf.compile_config({"backend": "aot_eager", "fullgraph": True})
     elif mode == "reduce-overhead":
         kw["compile_config"] = CompileConfig()
+    if stamps is not None:
+        kw["stopping_criteria"] = StoppingCriteriaList([stamps])
     if chunk:
         kw["prefill_chunk_size"] = chunk  # generate sends the prompt in chunks (eagerly on a kvcompress cache)
     if stack is None:
@@ -85,11 +103,13 @@ def measure(model, row: str, batch: int, ctx: int, short: int, long: int, repeat
         one_generate(model, stack, ids, long, mode, cap, chunk)
         res: dict = {"row": row, "batch": batch, "ctx": ctx, "short": short, "long": long, "prefill_chunk": chunk,
                      "warmup_s": round(time.perf_counter() - t0, 1)}
-        pairs = []
+        pairs, steps = [], []
         for _ in range(repeats):
             a = one_generate(model, stack, ids, short, mode, cap, chunk)
-            b = one_generate(model, stack, ids, long, mode, cap, chunk)
+            stamps = _Stamps()
+            b = one_generate(model, stack, ids, long, mode, cap, chunk, stamps)
             pairs.append(((b - a) / (long - short) * 1e3, a, b))
+            steps.append([(y - x) * 1e3 for x, y in zip(stamps.times, stamps.times[1:])])
         if busy and device.type == "cuda":  # GPU work per step: one more short / long pair under the profiler
             from torch.profiler import ProfilerActivity, profile
 
@@ -106,6 +126,13 @@ def measure(model, row: str, batch: int, ctx: int, short: int, long: int, repeat
             res["kernels_per_step"] = round(sum(c for c, _ in per.values()), 1)
             res["top_kernels"] = [{"kernel": k, "per_step": round(c, 2), "us_per_step": round(us, 1)}
                                   for k, (c, us) in sorted(per.items(), key=lambda kv: -kv[1][1])[:15]]
+    # each step of the long generates, from the stamps: the typical step, and what the slow ones (graph captures,
+    # first flushes) add to a generate beyond it
+    every = sorted(ms for run in steps for ms in run)
+    res["step_median_ms"] = round(every[len(every) // 2], 3)
+    res["steps_over_median_ms"] = [round(sum(run) - res["step_median_ms"] * len(run), 1) for run in steps]
+    res["slowest_steps"] = [sorted(((round(ms, 2), i + 1) for i, ms in enumerate(run)), reverse=True)[:6]
+                            for run in steps]
     pairs.sort()
     res["step_ms"] = round(pairs[len(pairs) // 2][0], 3)
     res["step_ms_all"] = [round(p[0], 3) for p in pairs]
@@ -148,11 +175,12 @@ def main() -> int:
             json.dump({"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                        "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                        "rows": results}, f, indent=1)
-    print(f"{'row':28} {'ms/step':>8} {'GPU busy':>9} {'kernels':>8}  all pairs")
+    print(f"{'row':28} {'ms/step':>8} {'median':>7} {'GPU busy':>9} {'kernels':>8}  all pairs")
     for r in results:
         busy = f"{r['busy_ms']:9.2f} {r['kernels_per_step']:8.1f}" if "busy_ms" in r else f"{'-':>9} {'-':>8}"
         print(f"{r['row']:28} " + (f"ERROR {r['error'][:200]}" if "error" in r
-                                    else f"{r['step_ms']:8.2f} {busy}  {r['step_ms_all']}"))
+                                    else f"{r['step_ms']:8.2f} {r['step_median_ms']:7.2f} {busy}  {r['step_ms_all']}, "
+                                         f"over the median per generate {r['steps_over_median_ms']} ms"))
     return 0
 
 
