@@ -11,6 +11,7 @@ page writes before and after their host-side rewrite.
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -32,7 +33,8 @@ class _Count(TorchDispatchMode):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--stack", nargs="+", default=["none", "paged-1024"], choices=sorted(BUILTIN_STACKS))
+    ap.add_argument("--stack", nargs="+", default=["none", "paged-1024"],
+                    help="names of kvcompress bench's stacks, or stack YAML files (examples/stacks/)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=16384)
@@ -50,7 +52,12 @@ def main(argv=None) -> int:
           f"static cache\n\n| stack | aten ops | beyond none |\n|---|---|---|")
     base = None
     for name in args.stack:
-        stack = kvcompress.parse_stack(BUILTIN_STACKS[name], source=f"--stack {name}")
+        if name in BUILTIN_STACKS:
+            stack = kvcompress.parse_stack(BUILTIN_STACKS[name], source=f"--stack {name}")
+        elif os.path.isfile(name):
+            stack = kvcompress.load_stack(name)
+        else:
+            raise SystemExit(f"--stack: expected one of {', '.join(BUILTIN_STACKS)} or a stack file, got {name!r}")
         count = _Count()
         with kvcompress.compress(model, stack, max_cache_len=args.prompt) as cache, torch.no_grad(), count:
             for a in range(0, args.prompt, args.chunk):

@@ -387,7 +387,8 @@ def decoded_for_prompt(query: torch.Tensor, segs: list[Segment]) -> list[Segment
         full = _full_dim(seg, b, d, query.dtype)
         if full is None:
             return None
-        if seg.heads is None and (seg.valid is None or seg.valid.dim() == 2):  # every head, one validity
+        if seg.heads is None and (seg.valid is None or seg.valid.dim() == 2 or not seg.valid.eq(seg.valid[:, :1]).all()):
+            # every head, one validity; or each head its own (adaptive per-head budgets): dense_read masks per head
             h = full.k.shape[1] if h is None else h
             if full.k.shape[1] != h:
                 return None
@@ -463,13 +464,31 @@ def _joined(groups: list[tuple[torch.Tensor | None, Segment]], h: int, query: to
 
 def dense_read(query, segs, q_pos, scaling, dense_attention):
     """Attention over dense segments by one ``dense_attention`` call over their concatenation (per-query masks
-    from logical positions; none for a single query over fully valid segments)."""
+    from logical positions; none for a single query over fully valid segments).  A segment whose validity differs
+    by kv head (``[batch, kv_heads, tokens]``: adaptive per-head budgets) gets one call per kv head with its query
+    heads (``dense_attention(..., heads=slice)``), each behind that head's mask: one mask over every query head
+    would be ``group`` times larger."""
     from kvcompress.kernels.attention.reference import segment_mask
 
     keys = torch.cat([s.k for s in segs], dim=2)
     values = torch.cat([s.v for s in segs], dim=2)
     mask = None
     b = query.shape[0]
+    if any(s.valid is not None and s.valid.dim() == 3 for s in segs):
+        h = keys.shape[1]
+        g, q = query.shape[1] // h, query.shape[2]
+        outs = []
+        for i in range(h):
+            parts = []
+            for s in segs:
+                one = s if s.valid is None or s.valid.dim() == 2 else dataclasses.replace(s, valid=s.valid[:, i:i + 1])
+                part = segment_mask(one, q_pos) if q_pos is not None or one.valid is not None else None
+                parts.append(torch.ones(b, 1, q, s.num_tokens, dtype=torch.bool, device=query.device) if part is None
+                             else part.expand(b, 1, q, s.num_tokens))
+            heads = slice(i * g, (i + 1) * g)
+            outs.append(dense_attention(query[:, heads], keys[:, i:i + 1], values[:, i:i + 1],
+                                        torch.cat(parts, dim=-1), scaling, heads=heads))
+        return torch.cat(outs, dim=2)  # [batch, q, query heads, head_dim], as one call returns it
     if query.shape[2] > 1:
         parts = [segment_mask(s, q_pos).expand(b, 1, q_pos.numel(), s.num_tokens) for s in segs]
         mask = torch.cat(parts, dim=-1)

@@ -20,7 +20,10 @@ KIVI2 = {"kivi": {"bits": 2, "group": 16, "residual": 16}}
 KIVI4 = {"kivi": {"bits": 4, "group": 16, "residual": 32, "sinks": 4}}
 LEANK = {"leank": {"mask": "rope", "ratio": 0.5, "align": 4, "sinks": 4, "local": 24, "flush": 16}}
 STACKS = {"kivi2": [KIVI2], "kivi4+sinks": [KIVI4], "leank+kivi2": [LEANK, KIVI2], "leank": [LEANK],
-          "window+kivi2": [{"window": {"sinks": 0, "recent": 64}}, KIVI2]}
+          "window+kivi2": [{"window": {"sinks": 0, "recent": 64}}, KIVI2],
+          # AdaKV: each kv head keeps its own tokens (per-head validity), read per kv head
+          "adakv": [{"snapkv": {"ratio": 0.5, "window": 8, "sinks": 2, "recent": 8, "schedule": "adaptive",
+                                "alpha": 0.2}}]}
 LOWRANK = "lowrank"  # replaced by the entry with the test's basis file
 STACKS.update({"lowrank": [LOWRANK], "lowrank+kivi2": [LOWRANK, KIVI2]})
 CHUNKS = (70, 50, 45, 33)  # four prompt chunks: the later three read what the earlier ones stored
@@ -83,8 +86,11 @@ def _prefill(model, stack, static_cache, monkeypatch):
     return diffs
 
 
-@pytest.mark.parametrize("static_cache", [False, True], ids=["dynamic", "static"])
-@pytest.mark.parametrize("name", list(STACKS))
+# AdaKV on a dynamic cache keeps each kv head in a lane of its own length: lanes over different tokens have no dense
+# form yet (they keep the partial read; test_channel_lanes_without_a_dense_form_are_left_to_the_partial_read)
+@pytest.mark.parametrize("name,static_cache", [(n, c) for n in STACKS for c in (False, True)
+                                               if not (n == "adakv" and not c)],
+                         ids=lambda v: {False: "dynamic", True: "static"}.get(v, v) if isinstance(v, bool) else v)
 def test_decoded_prompt_read_equals_the_partial_read(model, lowrank, name, static_cache, monkeypatch):
     stack = [lowrank if entry is LOWRANK else entry for entry in STACKS[name]]
     diffs = _prefill(model, stack, static_cache, monkeypatch)
@@ -159,3 +165,37 @@ def test_channel_lanes_without_a_dense_form_are_left_to_the_partial_read():
     shifted = _lanes(q, every)
     shifted[1] = dataclasses.replace(shifted[1], positions=torch.arange(1, 8))  # one lane holds other tokens
     assert layer.decoded_for_prompt(q, [new] + shifted) is None
+
+
+def test_per_head_validity_reads_each_kv_head_with_its_query_heads_and_their_sink_logits():
+    """A stored region whose kv heads keep different tokens (AdaKV on a static cache) is read one kv head at a time,
+    each call given its query heads (``heads=``) so a model's learned sink logits follow them: equal to the partial
+    read with the sink logits, and each head masked by its own validity."""
+    from kvcompress.kernels.attention import attend_segments
+    from kvcompress.state import Segment
+
+    g = torch.Generator().manual_seed(0)
+    b, h, group, q, t, d = 2, 3, 2, 5, 12, 8
+    query = torch.randn(b, h * group, q, d, generator=g)
+    valid = torch.rand(b, h, t, generator=g) > 0.4
+    valid[..., 0] = True
+    stored = Segment(torch.randn(b, h, t, d, generator=g), torch.randn(b, h, t, d, generator=g), valid,
+                     torch.arange(t))
+    new = Segment(torch.randn(b, h, q, d, generator=g), torch.randn(b, h, q, d, generator=g), None,
+                  torch.arange(t, t + q))
+    sinks = torch.randn(h * group, generator=g)
+
+    def dense(qry, key, value, mask, scaling, heads=None):  # eager attention with learned sinks, [b, q, heads, d]
+        s = sinks if heads is None else sinks[heads]
+        rep = qry.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+        scores = (qry @ key.transpose(-1, -2) * scaling).masked_fill(~mask, float("-inf"))
+        scores = torch.cat([scores, s.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)], -1)
+        return (scores.softmax(-1)[..., :-1] @ value).transpose(1, 2)
+
+    got = layer.dense_read(query, [stored, new], new.positions, d ** -0.5, dense)
+    want = attend_segments(query, [stored, new], new.positions, d ** -0.5, fused=False, sink_logits=sinks)
+    assert (got - want.transpose(1, 2)).abs().max().item() <= 1e-5
+    same_mask = dataclasses.replace(stored, valid=valid[:, :1].expand(-1, h, -1))
+    other = attend_segments(query, [same_mask, new], new.positions, d ** -0.5, fused=False, sink_logits=sinks)
+    assert (got - other.transpose(1, 2)).abs().max().item() > 1e-3  # the heads' own masks matter here

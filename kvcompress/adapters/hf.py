@@ -337,7 +337,7 @@ def head_counts(config: Any) -> tuple[int, int, int]:
 
 
 def _dense_attention(module: Any, **extra: Any):
-    def run(query, key, value, mask, scaling):
+    def run(query, key, value, mask, scaling, heads=None):  # heads: which query heads ``query`` holds (unused here)
         out, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **extra)
         return out
 
@@ -391,10 +391,11 @@ def _variant_attention(module: Any, softcap: float | None, sink_logits: torch.Te
             f"{type(module).__name__} uses logit soft-capping or learned attention sinks and its modeling module has "
             "no eager_attention_forward; kvcompress cannot run its dense attention")
 
-    def run(query, key, value, mask, scaling, dropout=0.0):
+    def run(query, key, value, mask, scaling, dropout=0.0, heads=None):  # heads: the query heads ``query`` holds
         additive = _additive_mask(mask, query, key.shape[2])
+        sinks = sink_logits if sink_logits is None or heads is None else sink_logits[heads]
         out, _ = eager(module, query, key, value, additive, scaling=scaling, dropout=dropout, softcap=softcap,
-                       s_aux=sink_logits, **extra)
+                       s_aux=sinks, **extra)
         return out
 
     return run
