@@ -10,7 +10,7 @@ timed before and after:
         [--chunk 2048] [--batch 2] [--device cpu] [--profile kivi2] [--json FILE]
 
 Stacks are the names of ``kvcompress bench --stack`` (``kvcompress.evaluation.e2e.BUILTIN_STACKS``) or YAML files.
-Each row is one static cache (``max_cache_len`` = the prompt) prefilled in ``--chunk``-token calls; the time is the
+Each row is one static cache (``max_cache_len`` = the prompt; ``--dynamic``: a dynamic one) prefilled in ``--chunk``-token calls; the time is the
 wall time of those calls (the device synchronised).  ``--profile NAME``: cProfile of that stack's prefill, the 25
 entries with the most cumulative time, on stderr.
 """
@@ -50,6 +50,7 @@ def main(argv=None) -> int:
                     help="default: float32 on the CPU, bfloat16 on CUDA")
     ap.add_argument("--layers", type=int, default=2, help="layers of the random Llama (on CUDA Llama-3-8B's: 32/8 "
                                                           "heads x 128, MLP 14336; on the CPU 8/2 heads x 128, MLP 1024)")
+    ap.add_argument("--dynamic", action="store_true", help="dynamic caches (default: static, max_cache_len = prompt)")
     ap.add_argument("--profile", metavar="NAME", help="cProfile this stack's prefill (stderr)")
     ap.add_argument("--json", help="also write the rows as JSON")
     args = ap.parse_args(argv)
@@ -80,6 +81,7 @@ def main(argv=None) -> int:
     kw = hf.cache_kwarg(model)  # ``cache`` from transformers 5.24, ``past_key_values`` before (ignored otherwise)
     stacks = {name: resolve_stacks([name], model)[0] if isinstance(stack, str) else stack
               for name, stack in stacks.items()}
+    size = {} if args.dynamic else {"max_cache_len": args.prompt}
     ids = torch.randint(1, 1024, (args.batch, args.prompt), device=args.device)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
@@ -90,13 +92,13 @@ def main(argv=None) -> int:
 
     # untimed warm-up of every stack on two chunks: CUDA / cuBLAS start-up and kernel builds fall in no stack's time
     for stack in stacks.values():
-        with kvcompress.compress(model, stack, max_cache_len=args.prompt) as cache, torch.no_grad():
+        with kvcompress.compress(model, stack, **size) as cache, torch.no_grad():
             prefill(cache, min(args.prompt, 2 * args.chunk))
     sync()
     rows = []
     for name, stack in stacks.items():
         profiler = cProfile.Profile() if name == args.profile else None
-        with kvcompress.compress(model, stack, max_cache_len=args.prompt) as cache, torch.no_grad():
+        with kvcompress.compress(model, stack, **size) as cache, torch.no_grad():
             sync()
             start = time.perf_counter()
             if profiler:

@@ -428,17 +428,19 @@ def _full_dim(seg: Segment, b: int, d: int, dtype: torch.dtype) -> Segment | Non
 
 def _joined(groups: list[tuple[torch.Tensor | None, Segment]], h: int, query: torch.Tensor) -> Segment | None:
     """Head groups (``(heads or None for all, full-dimension segment)``) as one segment over all ``h`` kv heads, or
-    ``None`` unless they cover every head exactly once over the same tokens: one validity (per-head validity that
-    is the same for every head collapses to it) and one set of positions, checked with one host read."""
+    ``None`` unless they cover every head exactly once.  Over the same tokens (one validity - per-head validity that
+    is the same for every head collapses to it - and one set of positions, checked with one host read) they join
+    as they are; otherwise padded to one length with a per-head validity (:func:`_padded`)."""
     first = groups[0][1]
     n, dev = first.num_tokens, query.device
     heads = [torch.arange(s.k.shape[1], device=dev) if hs is None else hs for hs, s in groups]
-    if sum(x.numel() for x in heads) != h or any(x.numel() != s.k.shape[1] for x, (_, s) in zip(heads, groups)) \
-            or any(s.num_tokens != n for _, s in groups) \
-            or any((s.valid is None) != (first.valid is None) for _, s in groups):
+    if sum(x.numel() for x in heads) != h or any(x.numel() != s.k.shape[1] for x, (_, s) in zip(heads, groups)):
         return None
+    cover = torch.cat(heads).sort().values.eq(torch.arange(h, device=dev)).all()
+    if any(s.num_tokens != n for _, s in groups) or any((s.valid is None) != (first.valid is None) for _, s in groups):
+        return _padded(groups, heads, h, query) if bool(cover) else None
     no = torch.zeros((), dtype=torch.bool, device=dev)
-    checks = [torch.cat(heads).sort().values.eq(torch.arange(h, device=dev)).all()]
+    checks = [cover]
     rows = []  # each group's validity as [batch, tokens]
     for _, s in groups:
         if s.valid is not None and s.valid.dim() == 3:
@@ -452,14 +454,39 @@ def _joined(groups: list[tuple[torch.Tensor | None, Segment]], h: int, query: to
             checks.append(s.positions.eq(first.positions).all() if same else no)
         if valid is not None and valid is not rows[0]:
             checks.append(valid.eq(rows[0]).all() if valid.shape == rows[0].shape else no)
-    if not bool(torch.stack(checks).all()):
+    ok = torch.stack([cover, torch.stack(checks).all()]).tolist()
+    if not ok[0]:
         return None
+    if not ok[1]:  # every head once, over different tokens or validities
+        return _padded(groups, heads, h, query)
     b, d = query.shape[0], query.shape[-1]
     keys, values = query.new_empty(b, h, n, d), query.new_empty(b, h, n, d)
     for hs, (_, s) in zip(heads, groups):
         keys.index_copy_(1, hs, s.k)
         values.index_copy_(1, hs, s.v)
     return Segment(keys, values, rows[0], first.positions)
+
+
+def _padded(groups: list[tuple[torch.Tensor | None, Segment]], heads: list[torch.Tensor], h: int,
+            query: torch.Tensor) -> Segment:
+    """Head groups that cover every kv head once but hold different tokens (AdaKV's lanes on a dynamic cache: each
+    kv head its own survivors) as one segment over the longest group, each head's own tokens first and padding
+    slots invalid: a per-head validity ``[batch, h, tokens]`` (:func:`dense_read` masks each head by its own).
+    Positions are dropped: these are middle lanes, whose tokens all precede every query of the chunk (the stored
+    middle only holds flushed tokens), so no position masks any of them."""
+    b, d, dev = query.shape[0], query.shape[-1], query.device
+    n = max(s.num_tokens for _, s in groups)
+    keys, values = query.new_zeros(b, h, n, d), query.new_zeros(b, h, n, d)
+    valid = torch.zeros(b, h, n, dtype=torch.bool, device=dev)
+    for hs, (_, s) in zip(heads, groups):
+        t, k = s.num_tokens, hs.numel()
+        keys[:, hs, :t] = s.k
+        values[:, hs, :t] = s.v
+        if s.valid is None:
+            valid[:, hs, :t] = True
+        else:
+            valid[:, hs, :t] = s.valid if s.valid.dim() == 3 else s.valid.unsqueeze(1).expand(b, k, t)
+    return Segment(keys, values, valid, torch.zeros(n, dtype=torch.long, device=dev))
 
 
 def dense_read(query, segs, q_pos, scaling, dense_attention):

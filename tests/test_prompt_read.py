@@ -86,11 +86,8 @@ def _prefill(model, stack, static_cache, monkeypatch):
     return diffs
 
 
-# AdaKV on a dynamic cache keeps each kv head in a lane of its own length: lanes over different tokens have no dense
-# form yet (they keep the partial read; test_channel_lanes_without_a_dense_form_are_left_to_the_partial_read)
-@pytest.mark.parametrize("name,static_cache", [(n, c) for n in STACKS for c in (False, True)
-                                               if not (n == "adakv" and not c)],
-                         ids=lambda v: {False: "dynamic", True: "static"}.get(v, v) if isinstance(v, bool) else v)
+@pytest.mark.parametrize("static_cache", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("name", list(STACKS))
 def test_decoded_prompt_read_equals_the_partial_read(model, lowrank, name, static_cache, monkeypatch):
     stack = [lowrank if entry is LOWRANK else entry for entry in STACKS[name]]
     diffs = _prefill(model, stack, static_cache, monkeypatch)
@@ -162,9 +159,33 @@ def test_channel_lanes_without_a_dense_form_are_left_to_the_partial_read():
     assert layer.decoded_for_prompt(q, [new] + _lanes(q, twice)) is None  # head 0 twice
     every = two + [([1], [[5, 6]])]
     assert layer.decoded_for_prompt(q, [new] + _lanes(q, every)) is not None
-    shifted = _lanes(q, every)
-    shifted[1] = dataclasses.replace(shifted[1], positions=torch.arange(1, 8))  # one lane holds other tokens
-    assert layer.decoded_for_prompt(q, [new] + shifted) is None
+
+
+def test_lanes_over_different_tokens_read_padded_with_per_head_validity():
+    """Lanes that cover every head once but hold different tokens (AdaKV on a dynamic cache: each kv head its own
+    survivors, lanes of their own lengths) read as one padded segment, each head behind its own validity: equal to
+    the partial read over the lanes."""
+    from kvcompress.kernels.attention import attend_segments
+    from kvcompress.state import Segment
+
+    q = torch.randn(2, 6, 3, 8)  # 3 kv heads, group 2
+    valid = torch.tensor([[True] * 7, [False, True, True, True, True, True, True]])
+    lanes = _lanes(q, [([0], [[0, 1, 4]]), ([2], [[3, 4, 5, 6]]), ([1], [[5, 6]])], valid=valid)
+    lanes[1] = dataclasses.replace(lanes[1], k=lanes[1].k[:, :, :5], v=lanes[1].v[:, :, :5],
+                                   valid=lanes[1].valid[:, :5], positions=lanes[1].positions[:5])  # a shorter lane
+    new = Segment(torch.randn(2, 3, 3, 8), torch.randn(2, 3, 3, 8), None, torch.arange(7, 10))
+    dense = layer.decoded_for_prompt(q, [new] + lanes)
+    assert dense is not None and len(dense) == 2 and dense[1].valid.dim() == 3
+
+    def sdpa(query, keys, values, mask, scaling, heads=None):  # the adapter's dense attention: [batch, q, heads, d]
+        out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
+                                                               enable_gqa=True)
+        return out.transpose(1, 2)
+
+    q_pos = torch.arange(7, 10)
+    got = layer.dense_read(q, dense, q_pos, 0.3, sdpa)
+    ref = attend_segments(q, [new] + lanes, q_pos, 0.3, fused=False).transpose(1, 2)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_per_head_validity_reads_each_kv_head_with_its_query_heads_and_their_sink_logits():
