@@ -16,9 +16,10 @@ generates of ``--short`` and ``--long`` new tokens on fresh caches (one capacity
 same prompt.  The time per decode step is the difference of a pair's times over the difference of their token counts
 (the prompt and the first steps cancel); the median pair is reported.  The long generates also note the time of each
 step (a stopping criterion that never stops): ``step_median_ms``, the typical step, and ``steps_over_median_ms``,
-what the slower steps (graph captures, flush variants' first runs) add per generate beyond it, with the slowest.  ``--busy``: the GPU work per step the same way,
-from a profiled pair (summed kernel durations, kernel count, top kernels), to set beside the wall time.  Greedy, with ``min_new_tokens`` =
-``max_new_tokens`` (random weights may emit the end token).
+what the slower steps (graph captures, flush variants' first runs) add per generate beyond it, with the slowest.
+``--busy``: the GPU work per step the same way, from a profiled pair (summed kernel durations, kernel count, top
+kernels), to set beside the wall time.  Greedy, with ``min_new_tokens`` = ``max_new_tokens`` (random weights may emit
+the end token).
 """
 
 from __future__ import annotations
@@ -117,10 +118,11 @@ def measure(model, row: str, batch: int, ctx: int, short: int, long: int, repeat
             for n in (short, long):
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     one_generate(model, stack, ids, n, mode, cap, chunk)
-                tables.append({r["kernel"]: (r["per_step"], r["us_per_step"]) for r in e2e.kernel_table(prof, 1, 10**6)})
-            steps = long - short
-            per = {k: ((tables[1].get(k, (0, 0))[0] - tables[0].get(k, (0, 0))[0]) / steps,
-                       (tables[1].get(k, (0, 0))[1] - tables[0].get(k, (0, 0))[1]) / steps)
+                tables.append({r["kernel"]: (r["per_step"], r["us_per_step"])
+                               for r in e2e.kernel_table(prof, 1, 10**6)})
+            extra = long - short  # (not ``steps``: the stamps' per-step times below)
+            per = {k: ((tables[1].get(k, (0, 0))[0] - tables[0].get(k, (0, 0))[0]) / extra,
+                       (tables[1].get(k, (0, 0))[1] - tables[0].get(k, (0, 0))[1]) / extra)
                    for k in set(tables[0]) | set(tables[1])}
             res["busy_ms"] = round(sum(us for _, us in per.values()) / 1e3, 3)
             res["kernels_per_step"] = round(sum(c for c, _ in per.values()), 1)

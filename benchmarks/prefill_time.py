@@ -10,9 +10,9 @@ timed before and after:
         [--chunk 2048] [--batch 2] [--device cpu] [--profile kivi2] [--json FILE]
 
 Stacks are the names of ``kvcompress bench --stack`` (``kvcompress.evaluation.e2e.BUILTIN_STACKS``) or YAML files.
-Each row is one static cache (``max_cache_len`` = the prompt; ``--dynamic``: a dynamic one) prefilled in ``--chunk``-token calls; the time is the
-wall time of those calls (the device synchronised).  ``--profile NAME``: cProfile of that stack's prefill, the 25
-entries with the most cumulative time, on stderr.
+Each row is one static cache (``max_cache_len`` = the prompt; ``--dynamic``: a dynamic one) prefilled in
+``--chunk``-token calls; the time is the wall time of those calls (the device synchronised).  ``--profile NAME``:
+cProfile of that stack's prefill, the 25 entries with the most cumulative time, on stderr.
 """
 
 from __future__ import annotations

@@ -387,13 +387,12 @@ def decoded_for_prompt(query: torch.Tensor, segs: list[Segment]) -> list[Segment
         full = _full_dim(seg, b, d, query.dtype)
         if full is None:
             return None
-        if seg.heads is None and (seg.valid is None or seg.valid.dim() == 2 or not seg.valid.eq(seg.valid[:, :1]).all()):
-            # every head, one validity; or each head its own (adaptive per-head budgets): dense_read masks per head
+        if seg.heads is None and (seg.valid is None or seg.valid.dim() == 2):  # every head, one validity
             h = full.k.shape[1] if h is None else h
             if full.k.shape[1] != h:
                 return None
             out.append(full)
-        else:  # a head subset, or per-head validity: joined with the other groups below
+        else:  # a head subset, or per-head validity: joined with the other groups below (padded if they differ)
             groups.append((seg.heads, full))
     if groups:
         if h is None or (joined := _joined(groups, h, query)) is None:
@@ -504,17 +503,19 @@ def dense_read(query, segs, q_pos, scaling, dense_attention):
     if any(s.valid is not None and s.valid.dim() == 3 for s in segs):
         h = keys.shape[1]
         g, q = query.shape[1] // h, query.shape[2]
+
+        def visible(s: Segment) -> torch.Tensor:
+            return segment_mask(s, q_pos).expand(b, 1, q, s.num_tokens)
+
+        per_head = [s.valid is not None and s.valid.dim() == 3 for s in segs]
+        shared = [None if ph else visible(s) for s, ph in zip(segs, per_head)]  # the same for every head: once
         outs = []
         for i in range(h):
-            parts = []
-            for s in segs:
-                one = s if s.valid is None or s.valid.dim() == 2 else dataclasses.replace(s, valid=s.valid[:, i:i + 1])
-                part = segment_mask(one, q_pos) if q_pos is not None or one.valid is not None else None
-                parts.append(torch.ones(b, 1, q, s.num_tokens, dtype=torch.bool, device=query.device) if part is None
-                             else part.expand(b, 1, q, s.num_tokens))
+            mask = torch.cat([visible(dataclasses.replace(s, valid=s.valid[:, i:i + 1])) if ph else m
+                              for s, ph, m in zip(segs, per_head, shared)], dim=-1)
             heads = slice(i * g, (i + 1) * g)
-            outs.append(dense_attention(query[:, heads], keys[:, i:i + 1], values[:, i:i + 1],
-                                        torch.cat(parts, dim=-1), scaling, heads=heads))
+            outs.append(dense_attention(query[:, heads], keys[:, i:i + 1], values[:, i:i + 1], mask, scaling,
+                                        heads=heads))
         return torch.cat(outs, dim=2)  # [batch, q, query heads, head_dim], as one call returns it
     if query.shape[2] > 1:
         parts = [segment_mask(s, q_pos).expand(b, 1, q_pos.numel(), s.num_tokens) for s in segs]

@@ -274,23 +274,27 @@ class PagedEvictionCompressor(Compressor):
             return None
         new_scores = page_scores(incoming.gather(block.meta[META]), incoming.slot_valid).tolist()
         stored = store.page_score_table().tolist() if store.rows else [[] for _ in held]
-        victims, dropped = [], []
+        # each row's stored pages (block-table order, oldest first) then its incoming ones, replayed as the static
+        # store's prompt chunks are: ragged rows, ages = the order
+        live, score, tokens, incoming_tokens, firsts = [], [], [], [], []
         start = 0
         for b, n_new in enumerate(incoming.pages_per_row):
             row_pages = store.rows[b] if store.rows else []
-            live = [(s, store.tokens[p], ("stored", j)) for j, (s, p) in enumerate(zip(stored[b], row_pages))]
-            total = held[b]
-            for j in range(n_new):
-                tok = incoming.tokens_per_page[start + j]
-                live.append((new_scores[start + j], tok, ("new", start + j)))
-                total += tok
-                if total > cfg.budget and len(live) > 1:
-                    i = min(range(len(live) - 1), key=lambda x: (live[x][0], x))  # never the newest
-                    _, gone, (kind, ref) = live.pop(i)
-                    total -= gone
-                    state.evicted += 1
-                    (victims if kind == "stored" else dropped).append((b, ref))
+            new_tok = incoming.tokens_per_page[start:start + n_new]
+            live.append([True] * len(row_pages) + [False] * n_new)
+            score.append(stored[b][:len(row_pages)] + new_scores[start:start + n_new])
+            tokens.append([store.tokens[p] for p in row_pages] + new_tok)
+            incoming_tokens.append(new_tok)
+            firsts.append(start)
             start += n_new
+        kept = _replay_boundaries(live, score, tokens, [list(range(len(r))) for r in live], held, incoming_tokens,
+                                  cfg.budget)
+        victims, dropped = [], []
+        for b, row in enumerate(kept):
+            m = len(row) - len(incoming_tokens[b])
+            victims += [(b, j) for j in range(m) if not row[j]]
+            dropped += [(b, firsts[b] + j) for j in range(len(row) - m) if not row[m + j]]
+        state.evicted += len(victims) + len(dropped)
         state.boundaries += len(incoming.tokens_per_page)
         if victims:
             store.evict(victims)

@@ -348,7 +348,8 @@ def test_host_replay_of_boundaries_equals_the_tensor_loop():
 
     g = torch.Generator().manual_seed(0)
     for trial in range(60):
-        b, m, n, budget = 3, int(torch.randint(2, 9, (1,), generator=g)), int(torch.randint(1, 7, (1,), generator=g)), 48
+        b, budget = 3, 48
+        m, n = int(torch.randint(2, 9, (1,), generator=g)), int(torch.randint(1, 7, (1,), generator=g))
         live = torch.cat([torch.rand(b, m, generator=g) < 0.7, torch.zeros(b, n, dtype=torch.bool)], 1)
         score = torch.randint(0, 4, (b, m + n), generator=g).float() / 4  # few values: many ties
         tokens = torch.cat([torch.randint(1, 9, (b, m), generator=g), torch.randint(0, 9, (b, n), generator=g)], 1)
